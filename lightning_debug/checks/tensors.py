@@ -1,0 +1,100 @@
+"""One-tensor analysis for interactive debugging."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """What :func:`inspect_tensor` found. Min/max/mean/std are over the finite values only."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    bytes: int
+    numel: int
+    has_nan: bool
+    has_inf: bool
+    nonfinite_count: int
+    min: float | None
+    max: float | None
+    mean: float | None
+    std: float | None
+    requires_grad: bool
+    grad_fn: str | None
+
+    @property
+    def is_finite(self) -> bool:
+        return not (self.has_nan or self.has_inf)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        finite = "finite" if self.is_finite else f"{self.nonfinite_count} non-finite (nan={self.has_nan}, inf={self.has_inf})"
+        stats = "" if self.mean is None else f" min={self.min:.4g} max={self.max:.4g} mean={self.mean:.4g} std={self.std:.4g}"
+        return f"Tensor{list(self.shape)} {self.dtype} on {self.device}, {self.bytes} bytes, {finite}{stats}"
+
+
+def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
+    """Shape, dtype, device, size and numeric health of one tensor, with one host sync.
+
+    Meant for a debugger prompt or a one-off check, not for the training hot path.
+
+    Example::
+
+        >>> import torch
+        >>> stats = inspect_tensor(torch.tensor([1.0, float("nan"), 3.0]))
+        >>> stats.has_nan, stats.nonfinite_count, stats.mean
+        (True, 1, 2.0)
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"inspect_tensor expects a torch.Tensor, got {type(tensor).__name__}")
+    data = tensor.detach()
+    if data.is_sparse:
+        data = data.coalesce().values()
+    numel = data.numel()
+    base = dict(
+        shape=tuple(tensor.shape),
+        dtype=str(tensor.dtype).replace("torch.", ""),
+        device=str(tensor.device),
+        bytes=tensor.element_size() * tensor.numel() if not tensor.is_sparse else data.element_size() * numel,
+        numel=tensor.numel(),
+        requires_grad=tensor.requires_grad,
+        grad_fn=type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else None,
+    )
+    if numel == 0 or data.dtype == torch.bool:
+        return TensorStats(has_nan=False, has_inf=False, nonfinite_count=0, min=None, max=None, mean=None,
+                           std=None, **base)
+    if data.is_complex():
+        data = data.abs()
+    if not data.is_floating_point():
+        values = data.double()
+        summary = torch.stack([values.min(), values.max(), values.mean(), values.std(unbiased=False),
+                               values.new_zeros(()), values.new_zeros(())]).tolist()
+    else:
+        values = data.double()
+        nan = torch.isnan(values)
+        inf = torch.isinf(values)
+        finite = values[~(nan | inf)]
+        if finite.numel():
+            moments = [finite.min(), finite.max(), finite.mean(), finite.std(unbiased=False)]
+        else:
+            moments = [values.new_full((), float("nan"))] * 4
+        summary = torch.stack(moments + [nan.sum().double(), inf.sum().double()]).tolist()
+    low, high, mean, std, nan_count, inf_count = summary
+    has_values = nan_count + inf_count < numel
+    return TensorStats(
+        has_nan=nan_count > 0,
+        has_inf=inf_count > 0,
+        nonfinite_count=int(nan_count + inf_count),
+        min=low if has_values else None,
+        max=high if has_values else None,
+        mean=mean if has_values else None,
+        std=std if has_values else None,
+        **base,
+    )

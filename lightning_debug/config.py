@@ -1,0 +1,196 @@
+"""The one configuration object shared by every callback and the Accelerate debugger.
+
+Validation happens here, at construction, so that a typo in a YAML file fails before the first
+step rather than at step 10,000::
+
+    >>> from lightning_debug import DebugConfig
+    >>> DebugConfig(anomaly_detection_mode="skip", gradient_checking_frequency=10).anomaly_detection_mode
+    'skip'
+    >>> DebugConfig(anomaly_check_frequency=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: DebugConfig.anomaly_check_frequency must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+class DebugMode(enum.Enum):
+    """Which callbacks :func:`lightning_debug.debug_callbacks` returns."""
+
+    NONE = "none"
+    ANOMALY_DETECTION = "anomaly_detection"
+    GRADIENT_CHECKING = "gradient_checking"
+    MEMORY_PROFILING = "memory_profiling"
+    PERFORMANCE_PROFILING = "performance_profiling"
+    FULL_DEBUG = "full_debug"
+
+
+class DebugLevel(enum.Enum):
+    """How deep each check goes; a higher level includes everything of the lower ones."""
+
+    BASIC = "basic"
+    INTERMEDIATE = "intermediate"
+    ADVANCED = "advanced"
+    EXPERT = "expert"
+
+    @property
+    def rank(self) -> int:
+        return list(DebugLevel).index(self)
+
+    def __ge__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
+        return self.rank >= other.rank
+
+    def __gt__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
+        return self.rank > other.rank
+
+    def __le__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
+        return self.rank <= other.rank
+
+    def __lt__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
+        return self.rank < other.rank
+
+
+ANOMALY_MODES = ("warn", "raise", "skip", "stop")
+
+
+def _coerce_enum(enum_type: type[enum.Enum], field_name: str, value: Any) -> enum.Enum:
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        wanted = value.strip().lower()
+        for member in enum_type:
+            if wanted in (member.name.lower(), str(member.value).lower()):
+                return member
+    allowed = ", ".join(member.name for member in enum_type)
+    raise ValueError(f"DebugConfig.{field_name} must be one of {allowed}, got {value!r}")
+
+
+def _check_frequency(field_name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DebugConfig.{field_name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_threshold(field_name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"DebugConfig.{field_name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_bool(field_name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"DebugConfig.{field_name} must be True or False, got {value!r}")
+    return value
+
+
+@dataclass
+class DebugConfig:
+    """Settings for all lightning-debug checks.
+
+    Frequencies count optimizer steps (``trainer.global_step``), not micro-batches, so gradient
+    accumulation does not change how often a check runs. Strings are accepted for ``mode`` and
+    ``level`` (``"full_debug"``, ``"ADVANCED"``) so the class reads naturally from YAML.
+
+    Args:
+        mode: Which callbacks :func:`~lightning_debug.debug_callbacks` returns.
+        level: Depth of each check: BASIC, INTERMEDIATE, ADVANCED or EXPERT.
+        anomaly_detection_mode: What a non-finite loss, gradient or parameter does: ``"warn"``
+            (event and a rate-limited warning), ``"raise"`` (:class:`~lightning_debug.AnomalyError`),
+            ``"skip"`` (drop this optimizer step) or ``"stop"`` (stop training cleanly).
+        anomaly_check_frequency: Check for non-finite values every N optimizer steps.
+        gradient_checking_frequency: Check gradient health every N optimizer steps.
+        memory_profiling_frequency: Measure memory every N optimizer steps.
+        performance_profiling_frequency: Time the step phases every N optimizer steps.
+        gradient_explosion_threshold: A gradient norm above this is exploding.
+        gradient_vanishing_threshold: A gradient norm below this is vanishing.
+        save_debug_info: Write events.jsonl and the report files to ``debug_output_dir``.
+        debug_output_dir: Where files go; a relative path resolves under the trainer's ``log_dir``.
+        log_gradients: Log per-parameter gradient norms and histograms.
+        log_activations: Log per-module activation statistics on check steps.
+        log_weights: Log per-parameter weight norms, update ratios and histograms.
+        log_memory: Log memory scalars to the trainer's logger.
+        log_performance: Log timing scalars to the trainer's logger.
+
+    Example::
+
+        >>> cfg = DebugConfig(mode="anomaly_detection", level="advanced")
+        >>> cfg.mode, cfg.level
+        (<DebugMode.ANOMALY_DETECTION: 'anomaly_detection'>, <DebugLevel.ADVANCED: 'advanced'>)
+    """
+
+    mode: DebugMode = DebugMode.FULL_DEBUG
+    level: DebugLevel = DebugLevel.BASIC
+    anomaly_detection_mode: str = "warn"
+    anomaly_check_frequency: int = 1
+    gradient_checking_frequency: int = 100
+    memory_profiling_frequency: int = 50
+    performance_profiling_frequency: int = 10
+    gradient_explosion_threshold: float = 10.0
+    gradient_vanishing_threshold: float = 1e-6
+    save_debug_info: bool = True
+    debug_output_dir: str = "debug_outputs"
+    log_gradients: bool = False
+    log_activations: bool = False
+    log_weights: bool = False
+    log_memory: bool = True
+    log_performance: bool = True
+
+    def __post_init__(self) -> None:
+        self.mode = _coerce_enum(DebugMode, "mode", self.mode)  # type: ignore[assignment]
+        self.level = _coerce_enum(DebugLevel, "level", self.level)  # type: ignore[assignment]
+        mode = self.anomaly_detection_mode
+        if not isinstance(mode, str) or mode.strip().lower() not in ANOMALY_MODES:
+            raise ValueError(
+                f"DebugConfig.anomaly_detection_mode must be one of {', '.join(ANOMALY_MODES)}, got {mode!r}"
+            )
+        self.anomaly_detection_mode = mode.strip().lower()
+        for name in (
+            "anomaly_check_frequency",
+            "gradient_checking_frequency",
+            "memory_profiling_frequency",
+            "performance_profiling_frequency",
+        ):
+            setattr(self, name, _check_frequency(name, getattr(self, name)))
+        for name in ("gradient_explosion_threshold", "gradient_vanishing_threshold"):
+            setattr(self, name, _check_threshold(name, getattr(self, name)))
+        if self.gradient_vanishing_threshold >= self.gradient_explosion_threshold:
+            raise ValueError(
+                "DebugConfig.gradient_vanishing_threshold must be below gradient_explosion_threshold, got "
+                f"{self.gradient_vanishing_threshold!r} >= {self.gradient_explosion_threshold!r}"
+            )
+        for name in ("save_debug_info", "log_gradients", "log_activations", "log_weights", "log_memory",
+                     "log_performance"):
+            _check_bool(name, getattr(self, name))
+        if not isinstance(self.debug_output_dir, str) or not self.debug_output_dir.strip():
+            raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {self.debug_output_dir!r}")
+
+    def replace(self, **overrides: Any) -> "DebugConfig":
+        """A copy with the given fields changed; ``None`` values keep this config's value."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"DebugConfig has no field {unknown[0]!r}; fields are {', '.join(sorted(known))}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (enums by name), as written into report.json."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.name if isinstance(value, enum.Enum) else value
+        return out
+
+
+def resolve_config(config: DebugConfig | None, **overrides: Any) -> DebugConfig:
+    """``config`` (or the defaults) with the non-``None`` keyword overrides applied and validated."""
+    if config is not None and not isinstance(config, DebugConfig):
+        raise ValueError(f"config must be a DebugConfig or None, got {type(config).__name__}")
+    return (config or DebugConfig()).replace(**overrides)
+

@@ -1,0 +1,89 @@
+"""What the checks report: findings, episodes of a persisting condition, and per-kind tallies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+
+
+@dataclass
+class Finding:
+    """One thing a check found at one step; becomes a line of events.jsonl."""
+
+    kind: str
+    severity: str
+    message: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Tally:
+    """Per kind: episodes, affected check steps, first and last step, first message.
+
+    Kept in each callback's ``state_dict`` so counts continue across a resume.
+    """
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, dict[str, Any]] = {}
+
+    def record(self, step: int, finding: Finding, new_episode: bool) -> None:
+        entry = self.kinds.setdefault(finding.kind, {
+            "episodes": 0, "steps": 0, "first_step": step, "last_step": step,
+            "severity": finding.severity, "first_message": finding.message,
+        })
+        entry["episodes"] += int(new_episode)
+        entry["steps"] += 1
+        entry["last_step"] = step
+        if SEVERITY_ORDER.get(finding.severity, 9) < SEVERITY_ORDER.get(entry["severity"], 9):
+            entry["severity"] = finding.severity
+
+    def state_dict(self) -> dict[str, Any]:
+        return {kind: dict(entry) for kind, entry in self.kinds.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kinds = {kind: dict(entry) for kind, entry in state.items()}
+
+
+class Episodes:
+    """Turns a condition observed on successive check steps into start and end events.
+
+    ``observe`` returns ``"start"`` the first check step a condition holds, ``"continue"`` while it
+    keeps holding, and :meth:`close_missing` ends the episodes not seen on the current check step,
+    so that a NaN on every step writes one line, not a million.
+
+    Example::
+
+        >>> episodes = Episodes()
+        >>> episodes.observe(("nonfinite_loss", ""), step=5), episodes.observe(("nonfinite_loss", ""), step=6)
+        ('start', 'continue')
+        >>> episodes.close_missing(seen=set(), step=7)
+        [(('nonfinite_loss', ''), {'first_step': 5, 'last_step': 6, 'steps': 2})]
+    """
+
+    def __init__(self) -> None:
+        self.open: dict[tuple[str, str], dict[str, int]] = {}
+
+    def observe(self, key: tuple[str, str], step: int) -> str:
+        episode = self.open.get(key)
+        if episode is None:
+            self.open[key] = {"first_step": step, "last_step": step, "steps": 1}
+            return "start"
+        episode["last_step"] = step
+        episode["steps"] += 1
+        return "continue"
+
+    def close_missing(self, seen: set[tuple[str, str]], step: int,
+                      kinds: set[str] | None = None) -> list[tuple[tuple[str, str], dict[str, int]]]:
+        closed = []
+        for key in list(self.open):
+            if key in seen or (kinds is not None and key[0] not in kinds):
+                continue
+            closed.append((key, self.open.pop(key)))
+        return closed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"open": [[list(key), dict(value)] for key, value in self.open.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.open = {tuple(key): dict(value) for key, value in state.get("open", [])}  # type: ignore[misc]

@@ -1,0 +1,45 @@
+"""Moving device values to the host without stalling the GPU.
+
+On CUDA a blocking read waits for every kernel queued so far. A deferred read instead copies into
+pinned host memory behind a CUDA event and is consumed once the event has completed, typically a
+step later, at the cost of no synchronization at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Readback:
+    """A 1-d device tensor on its way to the host.
+
+    ``blocking=True`` reads it now (one sync on CUDA, nothing on CPU); otherwise the copy is
+    asynchronous and :meth:`ready` tells when :meth:`values` can be called without waiting.
+
+    Example::
+
+        >>> Readback(torch.tensor([1.0, 2.0]), blocking=False).values()
+        [1.0, 2.0]
+    """
+
+    def __init__(self, tensor: torch.Tensor, blocking: bool) -> None:
+        tensor = tensor.detach().reshape(-1)
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda" and not blocking:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.to("cpu")
+        self._values: list[float] | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def values(self) -> list[float]:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = [float(v) for v in self._host.tolist()]
+        return self._values

@@ -1,0 +1,116 @@
+"""Tiny models with plantable bugs and readers for the files a run leaves behind.
+
+Shared by every test module; everything runs on CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(samples: int = 256, features: int = 8, seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(samples, features, generator=generator)
+    targets = inputs @ torch.randn(features, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
+    return TensorDataset(inputs, targets)
+
+
+class TinyRegressor(pl.LightningModule):
+    """An MLP whose bugs are planted by arguments.
+
+    Args:
+        log_zero_from_step: From this optimizer step on, the loss adds ``log(0)`` (a NaN/Inf loss).
+        nan_layer_from_step: From this step on, ``hidden``'s output gets a NaN (a NaN in one layer).
+        lr: Learning rate of plain SGD; a huge value blows the weights up.
+        unused_layer: Add a layer that never takes part in the forward (missing gradients).
+    """
+
+    def __init__(self, features: int = 8, hidden: int = 16, lr: float = 0.05, log_zero_from_step: int | None = None,
+                 nan_layer_from_step: int | None = None, unused_layer: bool = False,
+                 optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.hidden = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 1)
+        self.unused = nn.Linear(hidden, hidden) if unused_layer else None
+        self.lr = lr
+        self.log_zero_from_step = log_zero_from_step
+        self.nan_layer_from_step = nan_layer_from_step
+        self.optimizer_name = optimizer
+
+    def _planted(self, start: int | None) -> bool:
+        return start is not None and self.trainer.global_step >= start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = self.hidden(h)
+        if self._planted(self.nan_layer_from_step):
+            h = h + torch.log(-torch.ones_like(h[:, :1]))
+        return self.head(torch.relu(h))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self._planted(self.log_zero_from_step):
+            loss = loss + torch.log(torch.zeros((), device=loss.device))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(), batch_size=16, shuffle=True)
+
+
+def make_trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 20, **kwargs: Any) -> pl.Trainer:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    options: dict[str, Any] = dict(
+        default_root_dir=str(root), max_steps=max_steps, accelerator="cpu", devices=1,
+        logger=TensorBoardLogger(str(root), name="tb"), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=1,
+    )
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
+
+
+def debug_dir(trainer: pl.Trainer) -> Path:
+    return Path(trainer.log_dir) / "debug_outputs"
+
+
+def read_events(directory: Path) -> list[dict[str, Any]]:
+    path = directory / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_report(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "report.json").read_text())
+
+
+def read_scalars(log_dir: Path | str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag in the TensorBoard event files under ``log_dir``: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "histograms": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def read_histogram_tags(log_dir: Path | str) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    return list(accumulator.Tags()["histograms"])
