@@ -158,6 +158,8 @@ class DebugCallback(Callback):
         """Undo global changes (anomaly mode, hooks, profilers); subclasses override."""
 
     def state_dict(self) -> dict[str, Any]:
+        if self.monitor.attached:
+            self.monitor.session.poll(final=True)  # a checkpoint is a sync point anyway; include pending checks
         return self.monitor.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
