@@ -1,0 +1,197 @@
+"""Step-time overhead of lightning-debug against a plain Lightning Trainer, and against the anchors
+users have today (``Trainer(detect_anomaly=True)``, the ``grad_norm`` logging recipe,
+``DeviceStatsMonitor``).
+
+Configurations run interleaved (A B C ... A B C ...) so drift hits all of them alike; each run
+times the steady-state steps after a warm-up, and the table shows the median per-step time and its
+ratio to plain. On CPU a small MLP; with CUDA also a ~134M-parameter GPT-like model in bf16.
+
+    python benchmarks/overhead.py                 # CPU model, 5 rounds
+    python benchmarks/overhead.py --rounds 7 --steps 300 --only plain,anomaly_warn
+
+Results are printed as a Markdown table (paste into docs/performance.md with the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_debug import (AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, MemoryProfilerCallback,
+                             PerformanceProfilerCallback)
+
+
+class StepClock(pl.Callback):
+    """Wall time of the steps after ``warmup`` (the GPU is synchronized only at the two ends)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start = 0.0
+        self.seconds_per_step = float("nan")
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup and not self.start:
+            self._sync()
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sync()
+        self.seconds_per_step = (time.perf_counter() - self.start) / (trainer.global_step - self.warmup)
+
+
+class GradNormRecipe(pl.Callback):
+    """Lightning's documented recipe: ``self.log_dict(grad_norm(self, norm_type=2))`` every step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, width: int = 512, depth: int = 6) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
+        for _ in range(depth - 2):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class TokenData(Dataset):
+    def __init__(self, vocab: int, length: int, size: int) -> None:
+        self.vocab, self.length, self.size = vocab, length, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (self.length + 1,), generator=torch.Generator().manual_seed(index))
+
+
+class GPT(pl.LightningModule):
+    """~134M parameters: 12 layers, width 768, 12 heads, vocabulary 32000, untied head."""
+
+    def __init__(self, vocab: int = 32000, width: int = 768, depth: int = 12, heads: int = 12, length: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(1, length, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True,
+                                           activation="gelu")
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(length), persistent=False)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        hidden = self.blocks(self.embed(inputs) + self.position[:, : inputs.shape[1]], mask=self.mask, is_causal=True)
+        logits = self.head(self.norm(hidden))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-4, fused=torch.cuda.is_available())
+
+
+def every_step(**overrides: Any) -> DebugConfig:
+    return DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
+                       performance_profiling_frequency=1, save_debug_info=False, **overrides)
+
+
+def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
+    from lightning.pytorch.callbacks import DeviceStatsMonitor
+
+    return {
+        "plain": lambda: {},
+        "anomaly_warn": lambda: {"callbacks": [AnomalyDetectionCallback(every_step())]},
+        "anomaly_raise": lambda: {"callbacks": [AnomalyDetectionCallback(every_step(anomaly_detection_mode="raise"))]},
+        "gradients_per_param": lambda: {"callbacks": [GradientHealthCallback(every_step(log_gradients=True))]},
+        "memory": lambda: {"callbacks": [MemoryProfilerCallback(every_step())]},
+        "performance": lambda: {"callbacks": [PerformanceProfilerCallback(every_step())]},
+        "all_four": lambda: {"callbacks": [cls(every_step()) for cls in (AnomalyDetectionCallback, GradientHealthCallback,
+                                                                        MemoryProfilerCallback, PerformanceProfilerCallback)]},
+        "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
+        "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
+        "anchor_device_stats": lambda: {"callbacks": [DeviceStatsMonitor()]},
+    }
+
+
+def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        model: pl.LightningModule = GPT()
+        loader = DataLoader(TokenData(32000, 512, 8 * (steps + 1)), batch_size=8, num_workers=2, pin_memory=True)
+        extra: dict[str, Any] = {"accelerator": "gpu", "precision": "bf16-mixed"}
+    else:
+        model = MLP()
+        data = TensorDataset(torch.randn(64 * (steps + 1), 64), torch.randn(64 * (steps + 1), 1))
+        loader = DataLoader(data, batch_size=64)
+        extra = {"accelerator": "cpu"}
+    options = configurations()[name]()
+    clock = StepClock(warmup)
+    from lightning.pytorch.loggers import CSVLogger
+
+    trainer = pl.Trainer(max_steps=steps, devices=1, logger=CSVLogger(os.environ.get("BENCH_DIR", "/tmp/ld-bench")),
+                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[clock, *options.pop("callbacks", [])], **options,
+                         **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, loader)
+    return clock.seconds_per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if torch.cuda.is_available() else "mlp")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--only", default="", help="comma-separated configuration names")
+    args = parser.parse_args()
+    names = [n for n in configurations() if not args.only or n in args.only.split(",")]
+    if "plain" not in names:
+        names.insert(0, "plain")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names:
+            times[name].append(run_once(args.model, name, args.steps, args.warmup))
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    device = torch.cuda.get_device_name() if args.model == "gpt" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    print(f"\nModel: {args.model}; device: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
+          f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up)\n")
+    plain = statistics.median(times["plain"])
+    print("| configuration | median ms/step | ratio to plain | spread (min-max ms) |")
+    print("|---|---|---|---|")
+    for name in names:
+        median = statistics.median(times[name])
+        print(f"| {name} | {median * 1e3:.2f} | {median / plain:.3f}x | "
+              f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""DebugConfig: every field validated at construction, from Python and from a LightningCLI YAML file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_debug import (AnomalyDetectionCallback, DebugConfig, DebugLevel, DebugMode, GradientHealthCallback,
+                             MemoryProfilerCallback, PerformanceProfilerCallback, debug_callbacks)
+
+FREQUENCIES = ["anomaly_check_frequency", "gradient_checking_frequency", "memory_profiling_frequency",
+               "performance_profiling_frequency"]
+BOOLEANS = ["save_debug_info", "log_gradients", "log_activations", "log_weights", "log_memory", "log_performance"]
+
+INVALID: list[tuple[str, Any, str]] = (
+    [("mode", "everything", "NONE, ANOMALY_DETECTION"), ("mode", 3, "FULL_DEBUG"),
+     ("level", "deep", "BASIC, INTERMEDIATE, ADVANCED, EXPERT"),
+     ("anomaly_detection_mode", "ignore", "warn, raise, skip, stop"), ("anomaly_detection_mode", None, "warn"),
+     ("gradient_explosion_threshold", -1.0, ">= 0"), ("gradient_explosion_threshold", float("nan"), "finite"),
+     ("gradient_vanishing_threshold", "small", ">= 0"), ("gradient_vanishing_threshold", 100.0, "below"),
+     ("debug_output_dir", "", "non-empty"), ("debug_output_dir", 7, "non-empty")]
+    + [(name, value, ">= 1") for name in FREQUENCIES for value in (0, -5, 2.5, "10", True)]
+    + [(name, value, "True or False") for name in BOOLEANS for value in ("yes", 1, None)]
+)
+
+
+def test_defaults_match_the_contract() -> None:
+    config = DebugConfig()
+    assert (config.mode, config.level, config.anomaly_detection_mode) == (DebugMode.FULL_DEBUG, DebugLevel.BASIC, "warn")
+    assert (config.anomaly_check_frequency, config.gradient_checking_frequency, config.memory_profiling_frequency,
+            config.performance_profiling_frequency) == (1, 100, 50, 10)
+    assert (config.gradient_explosion_threshold, config.gradient_vanishing_threshold) == (10.0, 1e-6)
+    assert config.save_debug_info and config.debug_output_dir == "debug_outputs"
+    assert not (config.log_gradients or config.log_activations or config.log_weights)
+    assert config.log_memory and config.log_performance
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), INVALID)
+def test_invalid_values_name_the_field_and_what_is_allowed(field: str, value: Any, allowed: str) -> None:
+    with pytest.raises(ValueError, match=rf"DebugConfig\.{field} .*") as raised:
+        DebugConfig(**{field: value})
+    assert allowed in str(raised.value)
+
+
+def test_strings_are_accepted_for_enums_and_modes() -> None:
+    config = DebugConfig(mode="memory_profiling", level="Advanced", anomaly_detection_mode=" SKIP ")
+    assert config.mode is DebugMode.MEMORY_PROFILING and config.level is DebugLevel.ADVANCED
+    assert config.anomaly_detection_mode == "skip"
+    assert DebugLevel.EXPERT > DebugLevel.ADVANCED >= DebugLevel.ADVANCED > DebugLevel.BASIC
+
+
+def test_unknown_override_is_rejected() -> None:
+    with pytest.raises(ValueError, match="DebugConfig has no field 'anomaly_frequency'"):
+        DebugConfig().replace(anomaly_frequency=3)
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("none", []), ("anomaly_detection", [AnomalyDetectionCallback]), ("gradient_checking", [GradientHealthCallback]),
+    ("memory_profiling", [MemoryProfilerCallback]), ("performance_profiling", [PerformanceProfilerCallback]),
+    ("full_debug", [AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
+                    PerformanceProfilerCallback]),
+])
+def test_debug_callbacks_follow_the_mode(mode: str, expected: list[type]) -> None:
+    config = DebugConfig(mode=mode, anomaly_check_frequency=4)
+    callbacks = debug_callbacks(config)
+    assert [type(c) for c in callbacks] == expected
+    assert all(c.config == config for c in callbacks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from([f.name for f in dataclasses.fields(DebugConfig)]),
+       value=st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                       st.text(max_size=12)))
+def test_any_value_is_either_accepted_or_a_value_error_naming_the_field(field: str, value: Any) -> None:
+    try:
+        config = DebugConfig(**{field: value})
+    except ValueError as error:
+        assert f"DebugConfig.{field}" in str(error)
+    else:
+        assert dataclasses.replace(config) == config  # an accepted value survives re-validation
+
+
+def _run_cli(tmp_path: Path, yaml_text: str) -> Any:
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.toolkit import TinyRegressor
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml_text)
+    return LightningCLI(TinyRegressor, run=False, args=["--config", str(config_file)],
+                        save_config_callback=None)
+
+
+def test_lightning_cli_yaml_with_flat_overrides_and_nested_config(tmp_path: Path) -> None:
+    cli = _run_cli(tmp_path, """
+trainer:
+  logger: false
+  callbacks:
+    - class_path: lightning_debug.GradientHealthCallback
+      init_args:
+        gradient_checking_frequency: 10
+    - class_path: lightning_debug.AnomalyDetectionCallback
+      init_args:
+        anomaly_detection_mode: skip
+        config:
+          anomaly_check_frequency: 3
+          level: ADVANCED
+""")
+    gradient, anomaly = [c for c in cli.trainer.callbacks if type(c).__module__.startswith("lightning_debug")]
+    assert gradient.config.gradient_checking_frequency == 10
+    assert anomaly.config.anomaly_detection_mode == "skip" and anomaly.config.anomaly_check_frequency == 3
+    assert anomaly.config.level is DebugLevel.ADVANCED
+
+
+def test_lightning_cli_rejects_an_invalid_yaml_value(tmp_path: Path) -> None:
+    with pytest.raises((ValueError, SystemExit)):
+        _run_cli(tmp_path, """
+trainer:
+  callbacks:
+    - class_path: lightning_debug.AnomalyDetectionCallback
+      init_args:
+        anomaly_detection_mode: ignore
+""")

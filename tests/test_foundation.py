@@ -1,0 +1,66 @@
+"""The shared pieces on their own: tensor inspection, events file, report, command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_debug import TensorStats, __version__, inspect_tensor
+from lightning_debug.checks.numerics import fused_norms
+from lightning_debug.core.events import EventLog, read_events
+from lightning_debug.core.readback import Readback
+
+
+def test_inspect_tensor_reports_nonfinite_values_and_finite_statistics() -> None:
+    stats = inspect_tensor(torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]], requires_grad=True) * 1)
+    assert isinstance(stats, TensorStats)
+    assert stats.shape == (2, 2) and stats.dtype == "float32" and stats.device == "cpu" and stats.bytes == 16
+    assert stats.has_nan and stats.has_inf and stats.nonfinite_count == 2 and not stats.is_finite
+    assert (stats.min, stats.max, stats.mean, stats.std) == (1.0, 3.0, 2.0, 1.0)
+    assert stats.grad_fn == "MulBackward0"
+    assert "2 non-finite" in str(stats)
+
+
+@pytest.mark.parametrize("tensor", [torch.empty(0), torch.arange(6).reshape(2, 3), torch.ones(3, dtype=torch.bool),
+                                    torch.tensor([3 + 4j]), torch.eye(3).to_sparse(),
+                                    torch.full((2,), float("nan"))])
+def test_inspect_tensor_handles_odd_tensors(tensor: torch.Tensor) -> None:
+    stats = inspect_tensor(tensor)
+    assert stats.numel == tensor.numel()
+    if tensor.is_complex():
+        assert stats.max == 5.0
+    if not tensor.is_sparse and torch.is_floating_point(tensor) and tensor.numel() and torch.isnan(tensor).all():
+        assert stats.mean is None and stats.nonfinite_count == 2
+
+
+def test_fused_norms_match_per_tensor_norms_for_mixed_tensors() -> None:
+    tensors = [torch.randn(5, 3), torch.randn(7, dtype=torch.float64), torch.randn(4).to(torch.bfloat16),
+               torch.eye(2).to_sparse(), torch.tensor([3 + 4j]), torch.empty(0)]
+    expected = [torch.linalg.vector_norm(t.to_dense().abs().double()).item() for t in tensors]
+    assert fused_norms(tensors).tolist() == pytest.approx(expected, rel=1e-2)
+    assert Readback(fused_norms(tensors), blocking=False).values() == pytest.approx(expected, rel=1e-2)
+
+
+def test_events_are_flushed_per_line_and_a_truncated_last_line_is_tolerated(tmp_path: Path) -> None:
+    log = EventLog(tmp_path)
+    log.write({"step": 1, "kind": "nonfinite_loss", "severity": "error", "details": {"norm": float("inf")}})
+    log.write({"step": 2, "kind": "slow_step", "severity": "warning", "details": {}})
+    path = tmp_path / "events.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0])["details"]["norm"] == "inf" and "time" in json.loads(lines[0])
+    with open(path, "a") as handle:
+        handle.write('{"step": 3, "kind": "oo')
+    events, truncated = read_events(path)
+    assert [e["step"] for e in events] == [1, 2] and truncated
+
+
+def test_command_line_version_and_help() -> None:
+    version = subprocess.run([sys.executable, "-m", "lightning_debug", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.strip() == f"lightning-debug {__version__}"
+    help_text = subprocess.run([sys.executable, "-m", "lightning_debug", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "demo" in help_text.stdout
