@@ -14,7 +14,7 @@ import torch
 def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """The 2-norm of each tensor as one float32 vector, computed with ``torch._foreach_norm``.
 
-    Dense floating tensors on one device go through a single fused kernel; sparse, complex and
+    Dense floating tensors of one device and dtype go through one fused kernel; sparse, complex and
     integer tensors (rare) are handled one by one. A non-finite element makes its norm non-finite,
     so the norms double as a finiteness test.
 
@@ -28,18 +28,21 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
     if not tensors:
         return torch.zeros(0, dtype=torch.float32, device=device)
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
         if tensor.is_sparse:
-            results[index] = torch.linalg.vector_norm(tensor.coalesce().values().float())
+            results[index] = torch.linalg.vector_norm(tensor.coalesce().values().detach().abs().float())
         elif tensor.is_complex() or not tensor.is_floating_point():
             results[index] = torch.linalg.vector_norm(tensor.detach().abs().float())
         else:
-            by_device.setdefault(tensor.device, []).append(index)
-    for group_device, indices in by_device.items():
-        norms = torch._foreach_norm([tensors[i].detach() for i in indices], 2, dtype=torch.float32)
+            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    for (_, dtype), indices in groups.items():
+        group = [tensors[i].detach() for i in indices]
+        # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
+        norms = (torch._foreach_norm(group, 2) if dtype == torch.float64
+                 else torch._foreach_norm(group, 2, dtype=torch.float32))
         for index, norm in zip(indices, norms):
-            results[index] = norm
+            results[index] = norm.float()
     return torch.stack([norm.to(device, non_blocking=True) for norm in results])  # type: ignore[union-attr]
 
 
