@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 
 from lightning_debug.callbacks.base import DebugCallback, guarded
 from lightning_debug.config import DebugConfig, DebugLevel
-from lightning_debug.monitors.anomaly import AnomalyMonitor
+from lightning_debug.monitors.anomaly import AnomalyMonitor, Replay
+
+
+@contextlib.contextmanager
+def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
+    """A replayed ``training_step`` must not log a second time."""
+    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
 
 
 class AnomalyDetectionCallback(DebugCallback):
@@ -30,6 +45,14 @@ class AnomalyDetectionCallback(DebugCallback):
     GradScaler, non-finite gradients with a finite loss are the scaler doing its job and are recorded
     as ``amp_overflow_skipped``. ``level=EXPERT`` also runs backward under
     ``torch.autograd.set_detect_anomaly`` (several times slower).
+
+    From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, same
+    RNG state, parameters as they were, BatchNorm statistics and RNG restored afterwards) to name
+    the cause: the batch itself, the first module and operation that produced a NaN/Inf from finite
+    inputs with its source line, or the backward operation for a backward-only NaN. This costs
+    nothing on healthy steps beyond keeping a reference to the batch, but reads the flags with one
+    sync per check step even in ``warn`` mode, since the replay needs the pre-update parameters.
+    Manual optimization is not replayed (its ``training_step`` steps the optimizer).
 
     Example::
 
@@ -67,6 +90,12 @@ class AnomalyDetectionCallback(DebugCallback):
         self.anomalies.start(uses_grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None)
 
     @guarded
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.anomalies.capture_inputs(trainer.global_step, (batch, batch_idx))
+
+    @guarded
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
         self.anomalies.observe_loss(trainer.global_step, loss)
 
@@ -76,9 +105,21 @@ class AnomalyDetectionCallback(DebugCallback):
         step = trainer.global_step
         if self.anomalies.due(step):
             decision = self.anomalies.check(self.step_numerics(trainer, pl_module, step), self.position(trainer),
-                                            optimizer)
+                                            optimizer, pl_module, self._replay(trainer, pl_module))
             if decision == "stop":
                 trainer.should_stop = True
+
+    def _replay(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Replay | None:
+        if not (self.anomalies.localizes and pl_module.automatic_optimization):
+            return None
+
+        def training_loss(captured: Any) -> torch.Tensor | None:
+            batch, batch_idx = captured
+            with trainer.precision_plugin.forward_context(), _logging_muted(pl_module):
+                output = pl_module.training_step(batch, batch_idx)
+            return output.get("loss") if isinstance(output, Mapping) else output
+
+        return training_loss
 
     def finalize(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.anomalies.finalize(pl_module.named_parameters(), max(trainer.global_step - 1, 0), self.position(trainer))

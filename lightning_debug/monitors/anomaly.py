@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from lightning_debug.checks.localize import Cause, capture_rng, localize
 from lightning_debug.checks.numerics import fused_norms, nonfinite_positions
 from lightning_debug.config import DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
@@ -15,7 +18,8 @@ from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.step_numerics import HostNumerics, StepNumerics
 from lightning_debug.errors import AnomalyError
 
-ANOMALY_KINDS = {"nonfinite_loss", "nonfinite_grad", "nonfinite_param", "amp_overflow_skipped"}
+ANOMALY_KINDS = {"nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "amp_overflow_skipped"}
+Replay = Callable[[Any], "torch.Tensor | None"]
 NAMES_IN_DETAILS = 20
 
 ACTIONS = {
@@ -33,6 +37,24 @@ def _names(items: list[tuple[str, float]]) -> str:
 
 def _on_ranks(ranks: list[int], world_size: int) -> str:
     return f" on rank {', '.join(map(str, ranks))}" if world_size > 1 else ""
+
+
+def _advice(cause: Cause) -> str:
+    """The seed checklist's fixes for what the replay found."""
+    operation = (cause.operation or "").lower()
+    if cause.where == "inputs":
+        return "Clean or filter the data (torch.nan_to_num, drop bad samples) and check the normalization. "
+    if cause.where == "backward":
+        return ("A backward-only NaN: sqrt/pow/norm/atan2 at exactly 0 has an infinite derivative; add an epsilon "
+                "inside (torch.sqrt(x + 1e-12)) or clamp the argument. ")
+    if any(name in operation for name in ("log", "div", "reciprocal", "rsqrt")):
+        return "Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)). "
+    if any(name in operation for name in ("sqrt", "pow")):
+        return "The argument is negative or zero: clamp it (x.clamp_min(0) + 1e-12) or use torch.abs. "
+    if any(name in operation for name in ("exp", "softmax", "matmul", "linear", "mm", "bmm", "conv")):
+        return ("An overflow: values grew too large (max |x| above); lower the learning rate, clip gradients, "
+                "normalize inputs or use a numerically stable form (log_softmax, logsumexp). ")
+    return ""
 
 
 def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
@@ -57,6 +79,10 @@ class AnomalyMonitor(Monitor):
         self.uses_grad_scaler = False
         self._previous_detect_anomaly: bool | None = None
         self._positions: dict[int, Where] = {}
+        self.localizes = config.level >= DebugLevel.ADVANCED
+        self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
+        self._last_grad_norm = float("nan")
+        self._learning_rates: list[float] = []
 
     @property
     def mode(self) -> str:
@@ -78,26 +104,38 @@ class AnomalyMonitor(Monitor):
             torch.autograd.set_detect_anomaly(self._previous_detect_anomaly)
             self._previous_detect_anomaly = None
 
+    def capture_inputs(self, step: int, batch: Any) -> None:
+        """Keep a reference to this micro-batch and the RNG state, for a replay (ADVANCED+, check steps)."""
+        if not (self.localizes and self.due(step)):
+            return
+        if self._step_inputs[0] != step:
+            self._step_inputs = (step, [])
+        self._step_inputs[1].append((batch, capture_rng()))
+
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
         if self.due(step):
             self.session.observe_loss(step, loss)
 
-    def check(self, numerics: StepNumerics, where: Where, optimizer: torch.optim.Optimizer) -> str:
+    def check(self, numerics: StepNumerics, where: Where, optimizer: torch.optim.Optimizer,
+              model: torch.nn.Module | None = None, replay: Replay | None = None) -> str:
         """Check this step's numerics; returns ``"continue"``, ``"skip"`` or ``"stop"``.
 
-        In ``warn`` mode the values are read later without a sync and this returns ``"continue"``.
-        Otherwise it reads them now (one sync), raises :class:`AnomalyError` in ``raise`` mode and
-        drops the optimizer step's gradients in ``skip`` and ``stop`` modes.
+        In ``warn`` mode (below ADVANCED) the values are read later without a sync and this returns
+        ``"continue"``. Otherwise it reads them now (one sync), names the cause by replaying the step
+        when ``level >= ADVANCED`` and ``replay`` is given, raises :class:`AnomalyError` in ``raise``
+        mode and drops the optimizer step's gradients in ``skip`` and ``stop`` modes.
         """
-        if self.mode == "warn":
+        self._learning_rates = [float(group.get("lr", float("nan"))) for group in optimizer.param_groups]
+        if self.mode == "warn" and not (self.localizes and replay is not None):
             self._positions[numerics.step] = where
             if len(self._positions) > 64:
                 self._positions.pop(min(self._positions))
             numerics.subscribe(self._on_numerics)
             return "continue"
         host = numerics.read(blocking=True)
-        kinds = [kind for kind in self._inspect(host, where) if kind != "amp_overflow_skipped"]
-        if not kinds:
+        cause = self._replay(host, model, replay) if model is not None and replay is not None else None
+        kinds = [kind for kind in self._inspect(host, where, cause) if kind != "amp_overflow_skipped"]
+        if not kinds or self.mode == "warn":
             return "continue"
         if self.mode == "raise":
             names = [n for n, _ in (host.nonfinite_params() or host.nonfinite_grads())][:NAMES_IN_DETAILS]
@@ -105,11 +143,40 @@ class AnomalyMonitor(Monitor):
             raise AnomalyError(
                 f"lightning-debug: non-finite {', '.join(k.removeprefix('nonfinite_') for k in kinds)} at step "
                 f"{host.step}" + (f" (parameters: {', '.join(names)})" if names else "")
-                + _on_ranks(ranks, len(host.ranks)),
-                step=host.step, kinds=kinds, details={"parameters": names, "ranks": ranks})
+                + _on_ranks(ranks, len(host.ranks)) + (f": {cause.summary}" if cause is not None else ""),
+                step=host.step, kinds=kinds,
+                details={"parameters": names, "ranks": ranks, "cause": cause.to_dict() if cause else None})
         drop_gradients(optimizer)
         self.skipped_steps += 1
         return "stop" if self.mode == "stop" or "nonfinite_param" in kinds else "skip"
+
+    def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
+        """Localize the first step of an episode of non-finite loss or gradients (every rank at once)."""
+        anomalous = bool(host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads)
+        if not anomalous or host.ranks_with_nonfinite_params or (self.uses_grad_scaler and not host.ranks_with_nonfinite_loss):
+            return None
+        if any(kind in ("nonfinite_loss", "nonfinite_grad") for kind, _ in self.episodes.open):
+            return None
+        step, inputs = self._step_inputs
+        causes: list[Cause] = []
+        if step == host.step:
+            for batch, rng in inputs:
+                cause = localize(model, batch, lambda batch=batch: replay(batch), rng, check_backward=True)
+                causes.append(cause)
+                if cause.where != "not_reproduced":
+                    break
+        own = causes[-1] if causes else Cause("not_reproduced", "no batch was captured for this step")
+        own.replay_ms = sum(c.replay_ms for c in causes)
+        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own.to_dict())
+            reproduced = [(rank, c) for rank, c in enumerate(gathered) if c and c.get("where") != "not_reproduced"]
+            if reproduced:
+                rank, first = reproduced[0]
+                own = Cause(**{k: v for k, v in first.items()})
+                own.summary = f"on rank {rank}: {own.summary}"
+            own.outputs = dict(own.outputs, per_rank={rank: c.get("summary") for rank, c in enumerate(gathered)})
+        return own
 
     def finalize(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], step: int, where: Where) -> None:
         """The last update has not been checked yet: check the parameters once more (one sync)."""
@@ -124,7 +191,7 @@ class AnomalyMonitor(Monitor):
     def _on_numerics(self, host: HostNumerics) -> None:
         self._inspect(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}))
 
-    def _inspect(self, host: HostNumerics, where: Where) -> list[str]:
+    def _inspect(self, host: HostNumerics, where: Where, cause: Cause | None = None) -> list[str]:
         """Record what ``host`` shows; return the kinds found (empty on a healthy step)."""
         step, world = host.step, len(host.ranks)
         bad_loss_ranks = host.ranks_with_nonfinite_loss
@@ -143,15 +210,24 @@ class AnomalyMonitor(Monitor):
                 self._record_params(bad_params, step, where, world, host.ranks_with_nonfinite_params)
             else:
                 self.last_finite_param_step = step
+            found = f" Cause: {cause.summary}." if cause is not None else ""
+            cause_details = {"cause": cause.to_dict()} if cause is not None else {}
+            if cause is not None and cause.where == "forward" and cause.operation:
+                kinds.append("nonfinite_activation")
+                self.record(Finding("nonfinite_activation", "error",
+                                    f"At step {step}, {cause.summary}. {_advice(cause)}".strip(), cause.to_dict()),
+                            step, where, key=cause.module or "", warn=False)
             if bad_loss_ranks:
                 kinds.append("nonfinite_loss")
-                cause = " because parameters are already non-finite" if bad_params else ""
+                because = " because parameters are already non-finite" if bad_params else ""
                 self.record(Finding(
                     "nonfinite_loss", "error",
-                    f"The loss is NaN/Inf at step {step}{_on_ranks(bad_loss_ranks, world)}{cause}. Common causes: "
-                    "log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
-                    "a learning rate too high, NaN in the input batch. " + ACTIONS[self.mode],
-                    {"ranks": bad_loss_ranks, "world_size": world, "action": self.mode}), step, where)
+                    f"The loss is NaN/Inf at step {step}{_on_ranks(bad_loss_ranks, world)}{because}.{found} "
+                    + (_advice(cause) if cause is not None and cause.where != "not_reproduced" else
+                       "Common causes: log or division of a value that reaches 0 (add an epsilon or clamp), sqrt "
+                       "of a negative, a learning rate too high, NaN in the input batch. ") + ACTIONS[self.mode],
+                    dict({"ranks": bad_loss_ranks, "world_size": world, "action": self.mode}, **cause_details)),
+                    step, where)
             if bad_grads:
                 kinds.append("nonfinite_grad")
                 origin = ("the loss is already non-finite" if bad_loss_ranks else
@@ -160,17 +236,20 @@ class AnomalyMonitor(Monitor):
                 self.record(Finding(
                     "nonfinite_grad", "error",
                     f"{len(bad_grads)} of {len(host.grad_names)} gradients are NaN/Inf at step {step}: "
-                    f"{_names(bad_grads)}; {origin}. Clip gradients or lower the learning rate if they "
+                    f"{_names(bad_grads)}; {origin}.{found} Clip gradients or lower the learning rate if they "
                     "overflow. " + ACTIONS[self.mode],
-                    {"parameters": [n for n, _ in bad_grads[:NAMES_IN_DETAILS]], "count": len(bad_grads),
-                     "ranks": host.ranks_with_nonfinite_grads, "action": self.mode}), step, where)
+                    dict({"parameters": [n for n, _ in bad_grads[:NAMES_IN_DETAILS]], "count": len(bad_grads),
+                          "ranks": host.ranks_with_nonfinite_grads, "action": self.mode}, **cause_details)),
+                    step, where)
         if any(kind != "amp_overflow_skipped" for kind in kinds):
             self.anomaly_count += 1
+        elif math.isfinite(host.global_grad_norm):
+            self._last_grad_norm = host.global_grad_norm
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if bad_loss_ranks else 1.0
         self.log_metrics(step, metrics)
-        self.close_episodes(step, where, ANOMALY_KINDS)
+        self.close_episodes(step, where, ANOMALY_KINDS - {"nonfinite_activation"})
         return kinds
 
     def _record_params(self, bad_params: list[tuple[str, float]], step: int, where: Where, world_size: int,
@@ -182,11 +261,19 @@ class AnomalyMonitor(Monitor):
                   if self.mode == "skip" else ACTIONS[self.mode])
         self.record(Finding(
             "nonfinite_param", "critical",
-            f"Parameter {_names(bad_params)} became non-finite {since}{_on_ranks(ranks, world_size)}. With finite "
+            f"Parameter {_names(bad_params)} became non-finite {since}{_on_ranks(ranks, world_size)}"
+            f"{self._optimizer_context()}. With finite "
             "gradients this is the optimizer overflowing the weights: lower the learning rate, clip gradients, "
             "check weight decay and fp16 loss scaling. " + action,
             {"parameters": [n for n, _ in bad_params[:NAMES_IN_DETAILS]], "count": len(bad_params),
              "last_finite_step": last, "action": self.mode}), step, where)
+
+    def _optimizer_context(self) -> str:
+        learning_rates = sorted(set(self._learning_rates))
+        parts = [f"lr {', '.join(f'{lr:.3g}' for lr in learning_rates)}"] if learning_rates else []
+        if math.isfinite(self._last_grad_norm):
+            parts.append(f"last finite gradient norm {self._last_grad_norm:.3g}")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,

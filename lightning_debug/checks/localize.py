@@ -1,0 +1,289 @@
+"""Find where a NaN/Inf came from by replaying one step under temporary instrumentation.
+
+Nothing here runs on a healthy step. When a check has found a non-finite loss or gradient, the
+adapter hands over a ``replay`` callable that recomputes that step's loss from the same batch with
+the parameters as they were; :func:`localize` replays it:
+
+1. the batch itself: are the inputs already non-finite?
+2. the forward, under a ``TorchFunctionMode`` and module hooks: the first operation that produced a
+   non-finite value from finite inputs, the module it ran in, and the user's source line;
+3. if the forward is clean, the backward under ``torch.autograd.detect_anomaly(check_nan=True)``
+   through ``torch.autograd.grad`` (``.grad`` untouched): the backward function that produced NaN and
+   the forward source line that created it.
+
+:func:`preserved_state` restores the RNG streams and module buffers (BatchNorm running statistics)
+around the replays, so training continues exactly as it would have without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SKIPPED_PATH_PARTS = (os.sep + "lightning" + os.sep, os.sep + "lightning_fabric" + os.sep,
+                       os.sep + "pytorch_lightning" + os.sep, os.sep + "accelerate" + os.sep)
+
+
+def _is_user_frame(filename: str) -> bool:
+    return not (filename.startswith(_LIBRARY_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<")
+                or any(part in filename for part in _SKIPPED_PATH_PARTS))
+
+
+def _user_source(frames: list[traceback.FrameSummary]) -> dict[str, Any] | None:
+    for frame in reversed(frames):
+        if _is_user_frame(frame.filename):
+            return {"file": frame.filename, "line": frame.lineno, "function": frame.name, "code": (frame.line or "").strip()}
+    return None
+
+
+def operation_name(func: Any) -> str:
+    """``torch.sqrt``, ``Tensor.add``, ``torch.nn.functional.linear`` rather than internal class paths."""
+    name = getattr(func, "__name__", None) or str(func)
+    qualname = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", "") or ""
+    if module.startswith("torch.nn.functional"):
+        return f"torch.nn.functional.{name}"
+    if "Tensor" in qualname.split(".")[0]:
+        return f"Tensor.{name}"
+    if qualname.startswith("_VariableFunctions") or module in ("torch", "torch.functional"):
+        return f"torch.{name}"
+    return f"{module}.{qualname}" if module and qualname else name
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure of tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def _numeric(tensor: torch.Tensor) -> bool:
+    return (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() > 0 and not tensor.is_sparse
+
+
+def _nonfinite(tensors: list[torch.Tensor]) -> bool:
+    checked = [t.detach() for t in tensors if _numeric(t)]
+    return bool(checked) and not all(bool(torch.isfinite(t).all()) for t in checked)
+
+
+def value_summary(tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """Shape, non-finite count and largest finite magnitude of a few tensors (rare path)."""
+    checked = [t.detach() for t in tensors if _numeric(t)]
+    if not checked:
+        return {}
+    finite_max = 0.0
+    nonfinite = 0
+    for t in checked:
+        data = t.abs().double() if t.is_complex() else t.double()
+        mask = torch.isfinite(data)
+        nonfinite += int((~mask).sum())
+        if mask.any():
+            finite_max = max(finite_max, float(data[mask].abs().max()))
+    return {"shapes": [list(t.shape) for t in checked][:4], "nonfinite_count": nonfinite, "max_abs": finite_max}
+
+
+@dataclass
+class Cause:
+    """What a replay found; ``where`` is ``inputs``, ``forward``, ``backward``, ``not_reproduced`` or ``error``."""
+
+    where: str
+    summary: str
+    module: str | None = None
+    module_type: str | None = None
+    operation: str | None = None
+    source: dict[str, Any] | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    replay_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in (None, {}, "")}
+
+
+class _FirstNonFinite(TorchFunctionMode):
+    """Records the first operation whose result is non-finite while its inputs are finite."""
+
+    def __init__(self, module_stack: list[tuple[str, nn.Module, Any]]) -> None:
+        super().__init__()
+        self.module_stack = module_stack
+        self.found: dict[str, Any] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if self.found is None:
+            outputs = tensors_in(result)
+            if outputs and _nonfinite(outputs):
+                inputs = tensors_in(args) + tensors_in(kwargs or {})
+                if not _nonfinite(inputs):
+                    name, module, module_inputs = self.module_stack[-1] if self.module_stack else ("", None, ())
+                    self.found = {
+                        "operation": operation_name(func),
+                        "source": _user_source(traceback.extract_stack()[:-1]),
+                        "module": name, "module_type": type(module).__name__ if module is not None else None,
+                        "inputs": value_summary(inputs), "outputs": value_summary(outputs),
+                        "module_inputs": value_summary(tensors_in(module_inputs)),
+                    }
+        return result
+
+
+@contextlib.contextmanager
+def _module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]:
+    stack: list[tuple[str, nn.Module, Any]] = []
+    handles = []
+    for name, module in model.named_modules():
+        def enter(module: nn.Module, args: Any, name: str = name) -> None:
+            stack.append((name, module, args))
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield stack
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Restore torch's RNG streams (CPU and CUDA) and every buffer of ``model`` on exit."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _set_rng(rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state_all(rng[1])
+
+
+def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The RNG state to replay a step with (call where the step starts; host-side, no device sync)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+_BACKWARD_ERROR = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.Parameter]) -> Cause | None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=True):
+                loss = run()
+                if loss is None or not loss.requires_grad:
+                    return None
+                torch.autograd.grad(loss, parameters, allow_unused=True)
+        except RuntimeError as error:
+            match = _BACKWARD_ERROR.search(str(error))
+            if match is None:
+                raise
+            backward = match.group(1)
+            source = None
+            for warning in caught:
+                text = str(warning.message)
+                if f"Error detected in {backward}" in text:
+                    frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in _FRAME.findall(text)]
+                    source = _user_source(frames)
+            where = f" at {os.path.basename(source['file'])}:{source['line']} (`{source['code']}`)" if source else ""
+            forward = backward.removesuffix("Backward0").removesuffix("Backward1").lower()
+            return Cause("backward", f"the backward of `{forward}` ({backward}) produced NaN; its forward call is{where}",
+                         operation=backward, source=source)
+    return None
+
+
+def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
+             rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool) -> Cause:
+    """Replay one step (see the module docstring) and say where the first non-finite value came from.
+
+    Args:
+        model: The module whose submodules are instrumented.
+        batch: The step's batch, checked for non-finite inputs first.
+        replay: Recomputes the step's loss (forward only; no backward, no optimizer step).
+        rng: The RNG state at the start of the step (from :func:`capture_rng`), for dropout.
+        check_backward: Also localize a backward-only NaN when the forward is clean.
+    """
+    started = time.perf_counter()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    cause = _localize(model, batch, replay, rng, check_backward, parameters)
+    cause.replay_ms = (time.perf_counter() - started) * 1e3
+    return cause
+
+
+def _localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
+              rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool,
+              parameters: list[nn.Parameter]) -> Cause:
+    batch_tensors = tensors_in(batch)
+    if _nonfinite(batch_tensors):
+        return Cause("inputs", "the batch itself contains NaN/Inf (inputs): check the data pipeline "
+                     "(missing values, division by a zero std in normalization, corrupt samples)",
+                     inputs=value_summary(batch_tensors))
+    bad_parameters = [name for name, p in model.named_parameters() if _nonfinite([p])]
+    if bad_parameters:
+        return Cause("parameters", f"parameters are already non-finite before the forward: {', '.join(bad_parameters[:5])}",
+                     module=bad_parameters[0])
+    with preserved_state(model):
+        if rng is not None:
+            _set_rng(rng)
+        with torch.no_grad(), _module_stack(model) as stack, _FirstNonFinite(stack) as mode:
+            loss = replay()
+        if mode.found is not None:
+            found = mode.found
+            where = found["source"]
+            line = f" at {os.path.basename(where['file'])}:{where['line']} (`{where['code']}`)" if where else ""
+            function = f"`{where['function']}`" if where else "the training step"
+            module = (f"module `{found['module']}` ({found['module_type']})" if found["module"]
+                      else f"{function}, outside the model's modules (the loss computation)" if not found["module_type"]
+                      else f"the forward of the top-level {found['module_type']}, outside its submodules")
+            max_in = found["inputs"].get("max_abs")
+            inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None else ""
+            return Cause("forward", f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
+                         module=found["module"] or None, module_type=found["module_type"], operation=found["operation"],
+                         source=where, inputs=found["inputs"], outputs=found["outputs"])
+        if loss is not None and _nonfinite([loss]):
+            return Cause("forward", "the loss is non-finite but no single operation produced it from finite inputs")
+        if check_backward:
+            if rng is not None:
+                _set_rng(rng)
+            backward = _backward_cause(replay, parameters)
+            if backward is not None:
+                return backward
+    return Cause("not_reproduced", "replaying the step gave finite values: the NaN depends on state the replay "
+                 "cannot reproduce (non-deterministic kernels, data changed in place, Python/NumPy random numbers)")
+
+
+def describe_value(value: float) -> str:
+    return f"{value:.3g}" if math.isfinite(value) else str(value)
