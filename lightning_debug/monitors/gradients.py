@@ -1,0 +1,651 @@
+"""Gradient health: exploding, vanishing, missing gradients and parameters the optimizer never moves.
+
+The monitor reads the shared :class:`~lightning_debug.core.step_numerics.StepNumerics` of a check
+step (computed once for every callback), so gradient norms are never computed twice. Everything it
+measures itself (weight updates, histograms) is fused device work read back without a sync.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_debug.checks.gradients import (
+    clone_tensors,
+    histogram_from_row,
+    histogram_summaries,
+    round_significant,
+    suggest_clip_value,
+    update_norms,
+)
+from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.monitor import Monitor, Where
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.stats import RunningStats, Window
+from lightning_debug.core.step_numerics import HostNumerics, StepNumerics
+
+GRADIENT_KINDS = {"exploding_grad", "vanishing_grad", "missing_grad", "frozen_param"}
+NAMES_IN_DETAILS = 20
+WORST_SHOWN = 5
+HISTOGRAM_BINS = 30
+HEALTHY_NORMS_KEPT = 256
+FLAGGED_KEPT = 200
+MAX_PENDING_CHECKS = 4
+
+NamedParameters = Callable[[], Iterable[tuple[str, nn.Parameter]]]
+HistogramWriter = Callable[[str, dict[str, Any], int], None]
+
+DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
+            "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
+            "removing the parameter or freezing it with requires_grad_(False) is cheaper.")
+
+
+def _quoted(names: Sequence[str], shown: int = WORST_SHOWN) -> str:
+    text = ", ".join(f"`{name}`" for name in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _number_equals_zero(value: Any) -> bool:
+    """A plain-number learning rate of 0; tensor learning rates are not read (that would sync)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _module_of(parameter_name: str) -> str:
+    return parameter_name.rpartition(".")[0]
+
+
+class FlagCounter:
+    """How often each parameter was flagged, bounded: past ``limit`` names the rarest are dropped.
+
+    Example::
+
+        >>> counter = FlagCounter(limit=4)
+        >>> counter.add(["a", "b"]); counter.add(["a"]); counter.top(1)
+        [['a', 2]]
+    """
+
+    def __init__(self, limit: int = FLAGGED_KEPT) -> None:
+        self.limit = limit
+        self.counts: dict[str, int] = {}
+
+    def add(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        if len(self.counts) > self.limit:
+            kept = sorted(self.counts.items(), key=lambda item: -item[1])[:self.limit // 2]
+            self.counts = dict(kept)
+
+    def top(self, count: int) -> list[list[Any]]:
+        ordered = sorted(self.counts.items(), key=lambda item: (-item[1], item[0]))
+        return [[name, hits] for name, hits in ordered[:count]]
+
+
+class ForwardOrder:
+    """The order in which modules first run in a forward pass, recorded once with pre-hooks.
+
+    Registration order (``named_parameters``) often differs from execution order, so "the earliest
+    layers" are found by watching one forward pass and then removing the hooks: a one-time cost
+    on the first training batch, nothing afterwards. A parameter owned directly by a container
+    module takes the position where that module is entered; parameters of modules never entered
+    (used functionally by a parent) come last, in registration order.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> order = ForwardOrder(); order.watch(model); _ = model(torch.ones(1, 2)); order.stop()
+        >>> order.module_names
+        ['', '0', '1']
+    """
+
+    def __init__(self) -> None:
+        self.module_names: list[str] = []
+        self._seen: set[str] = set()
+        self._handles: list[Any] = []
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._handles)
+
+    def watch(self, root: nn.Module) -> None:
+        self.stop()
+        self.module_names, self._seen = [], set()
+        for name, module in root.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._hook_for(name)))
+
+    def _hook_for(self, name: str) -> Callable[..., None]:
+        def seen(module: nn.Module, args: Any) -> None:
+            if name not in self._seen:
+                self._seen.add(name)
+                self.module_names.append(name)
+        return seen
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def positions(self, parameter_names: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Sort keys (module position, registration index) for each parameter name."""
+        rank = {name: index for index, name in enumerate(self.module_names)}
+        unseen = len(rank)
+        return {name: (rank.get(_module_of(name), unseen), index) for index, name in enumerate(parameter_names)}
+
+
+@dataclass
+class PendingCheck:
+    """One check step between its measurement and the moment all its values are on the host."""
+
+    step: int
+    where: Where
+    host: HostNumerics | None = None
+    snapshot: list[torch.Tensor] = field(default_factory=list)
+    snapshot_parameters: list[nn.Parameter] = field(default_factory=list)
+    update_expected: bool = False
+    update: Readback | None = None
+    had_grad: list[bool] = field(default_factory=list)
+    lr_zero_now: list[bool] = field(default_factory=list)
+    histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return (self.host is not None and not (self.update_expected and self.update is None)
+                and (self.update is None or self.update.ready())
+                and all(readback.ready() for _, _, readback in self.histograms))
+
+
+class GradientMonitor(Monitor):
+    """See :class:`lightning_debug.GradientHealthCallback` for the behaviour users rely on.
+
+    Driven by three calls per check step: :meth:`check` before the optimizer step (gradients are
+    final, not yet clipped), :meth:`after_optimizer_step` once the step is taken (weight updates),
+    and :meth:`poll` to turn host values into findings and scalars when they have arrived.
+
+    Example::
+
+        >>> from lightning_debug import DebugConfig
+        >>> monitor = GradientMonitor(DebugConfig(gradient_checking_frequency=10))
+        >>> [step for step in range(25) if monitor.due(step)]
+        [0, 10, 20]
+    """
+
+    report_name = "gradients"
+    histogram_every_checks = 10
+
+    def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
+        super().__init__(config, source)
+        self.schedule = CheckSchedule(config.gradient_checking_frequency)
+        self.counts = {"exploding": 0, "vanishing": 0, "missing": 0, "frozen": 0}
+        self.checks = 0
+        self.global_norms = RunningStats()
+        self.update_ratios = RunningStats()
+        self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
+        self.parameter_norms: dict[str, RunningStats] = {}
+        self.parameter_update_ratios: dict[str, RunningStats] = {}
+        self.flagged = {kind: FlagCounter() for kind in sorted(GRADIENT_KINDS)}
+        self.clip_suggestion: dict[str, Any] | None = None
+        self.trainability: dict[str, Any] = {}
+        self.static_frozen: dict[str, list[str]] = {}
+        self._param_groups: Sequence[dict[str, Any]] = []
+        self.order = ForwardOrder()
+        self.order_source = "registration order (named_parameters)"
+        self._positions: dict[str, tuple[int, int]] = {}
+        self._static_recorded_step = -1
+        self._pending: dict[int, PendingCheck] = {}
+        self._awaiting_update: PendingCheck | None = None
+        self._histogram_writer: HistogramWriter | None = None
+        self._failed = False
+
+    # --- configuration --------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.schedule.is_due(step)
+
+    @property
+    def measures_updates(self) -> bool:
+        return self.config.log_weights or self.config.level >= DebugLevel.ADVANCED
+
+    @property
+    def wants_histograms(self) -> bool:
+        return self.config.log_gradients or self.config.log_weights
+
+    def histograms_due(self, step: int) -> bool:
+        if self._histogram_writer is None or not self.wants_histograms:
+            return False
+        every = 1 if self.config.level >= DebugLevel.EXPERT else self.histogram_every_checks
+        return (step // self.config.gradient_checking_frequency) % every == 0
+
+    # --- fit start ------------------------------------------------------------------------------
+    def start(self, named_parameters: Iterable[tuple[str, nn.Parameter]],
+              param_groups: Sequence[dict[str, Any]], step: int, where: Where,
+              histogram_writer: HistogramWriter | None = None, histogram_logger: str | None = None) -> None:
+        """What is known before any tensor work: trainability and what the optimizer holds.
+
+        Args:
+            named_parameters: The model's parameters.
+            param_groups: The param groups of every optimizer of the run.
+            step, where: Position of the run (0 unless resumed).
+            histogram_writer: Writes one histogram (``add_histogram_raw`` keywords); None when the
+                logger cannot.
+            histogram_logger: The logger(s) that cannot write histograms, named in the warning.
+        """
+        named = list(named_parameters)
+        self._positions = {name: (0, index) for index, (name, _) in enumerate(named)}
+        self._histogram_writer = histogram_writer if self.session.is_global_zero else None
+        if self.wants_histograms and histogram_writer is None and self.session.is_global_zero:
+            self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
+                      f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still logged.")
+        trainable = [(name, p) for name, p in named if p.requires_grad]
+        untrainable = [(name, p) for name, p in named if not p.requires_grad]
+        self.trainability = {
+            "trainable_parameters": len(trainable),
+            "trainable_elements": sum(p.numel() for _, p in trainable),
+            "requires_grad_false_parameters": len(untrainable),
+            "requires_grad_false_elements": sum(p.numel() for _, p in untrainable),
+            "requires_grad_false_names": [name for name, _ in untrainable[:NAMES_IN_DETAILS]],
+        }
+        if untrainable:
+            self.session.emit(Finding(
+                "requires_grad_false", "info",
+                f"{len(untrainable)} of {len(named)} parameters ({self.trainability['requires_grad_false_elements']:,} "
+                f"elements) have requires_grad=False and are not trained by design: "
+                f"{_quoted(self.trainability['requires_grad_false_names'])}.",
+                {"count": len(untrainable), "elements": self.trainability["requires_grad_false_elements"],
+                 "parameters": self.trainability["requires_grad_false_names"]}),
+                step=step, callback=self.source, **where)
+        self._param_groups = param_groups
+        self.static_frozen = self._frozen_by_optimizer(trainable, param_groups)
+        self._record_static_frozen(step, where)
+        self._static_recorded_step = step
+
+    def _frozen_by_optimizer(self, trainable: list[tuple[str, nn.Parameter]],
+                             param_groups: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+        if not param_groups or not trainable:
+            return {}
+        names = {id(p): name for name, p in trainable}
+        in_optimizer: set[int] = set()
+        zero_lr: set[int] = set()
+        for group in param_groups:
+            ids = {id(p) for p in group.get("params", [])}
+            in_optimizer |= ids
+            if _number_equals_zero(group.get("initial_lr", group.get("lr"))):
+                zero_lr |= ids
+        if not in_optimizer & set(names):
+            self.trainability["optimizer_check"] = ("skipped: the optimizer holds none of the module's parameters "
+                                                    "(wrapped or flattened copies, e.g. FSDP/DeepSpeed)")
+            return {}
+        self.trainability["optimizer_check"] = "done"
+        found = {"not_in_optimizer": [n for i, n in names.items() if i not in in_optimizer],
+                 "lr_zero": [n for i, n in names.items() if i in zero_lr]}
+        return {cause: found_names for cause, found_names in found.items() if found_names}
+
+    def _record_static_frozen(self, step: int, where: Where) -> None:
+        advice = {
+            "not_in_optimizer": ("are in no optimizer param group, so the optimizer never changes them. Pass them to "
+                                 "the optimizer in configure_optimizers (e.g. self.parameters()), or call "
+                                 "requires_grad_(False) if they are meant to stay fixed."),
+            "lr_zero": ("are in a param group whose base learning rate is 0, so no scheduler can make them move. "
+                        "Set a learning rate, or call requires_grad_(False) if they are meant to stay fixed."),
+        }
+        for cause, names in self.static_frozen.items():
+            self.flagged["frozen_param"].add(names)
+            self.record(Finding(
+                "frozen_param", "warning",
+                f"{len(names)} trainable parameter(s) {_quoted(names)} {advice[cause]}",
+                {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "cause": cause}),
+                step, where, key=cause)
+
+    # --- forward order --------------------------------------------------------------------------
+    def watch_forward(self, root: nn.Module) -> None:
+        """Record the module execution order during the next forward pass (see :class:`ForwardOrder`)."""
+        self.order.watch(root)
+
+    def stop_watching_forward(self, parameter_names: Iterable[str]) -> None:
+        if not self.order.watching:
+            return
+        self.order.stop()
+        if self.order.module_names:
+            self._positions = self.order.positions(list(parameter_names))
+            self.order_source = "forward execution order (module pre-hooks on the first training batch)"
+
+    def input_to_output(self, names: Iterable[str]) -> list[str]:
+        """``names`` sorted from the input side of the model to the output side."""
+        fallback = (len(self._positions) + 1, 0)
+        return sorted(names, key=lambda name: self._positions.get(name, fallback))
+
+    # --- check step -----------------------------------------------------------------------------
+    def check(self, numerics: StepNumerics, where: Where, named_parameters: NamedParameters) -> None:
+        """Register a check step before the optimizer step: no host sync, no norm computed twice.
+
+        The verdicts come when the shared numerics are read back (a step later, or at fit end).
+        Weight snapshots (update ratios) and histograms are taken here, only on check steps and
+        only on the global-zero process, the one that reports them.
+        """
+        step = numerics.step
+        pending = PendingCheck(step, where)
+        if self._awaiting_update is not None:
+            self._awaiting_update.update_expected = False
+            self._awaiting_update.snapshot, self._awaiting_update.snapshot_parameters = [], []
+        self._awaiting_update = None
+        measure_updates = self.measures_updates and self.session.is_global_zero
+        needs_tensors = measure_updates or self.histograms_due(step)
+        named = [(name, p) for name, p in named_parameters() if p.requires_grad] if needs_tensors else []
+        if measure_updates:
+            resting = {id(p) for group in self._param_groups if _number_equals_zero(group.get("lr"))
+                       for p in group.get("params", [])}
+            pending.lr_zero_now = [id(p) in resting for _, p in named]
+            pending.snapshot_parameters = [p for _, p in named]
+            pending.snapshot = clone_tensors(pending.snapshot_parameters)
+            pending.update_expected = True
+            self._awaiting_update = pending
+        if self.histograms_due(step):
+            with_grad = [(name, p.grad) for name, p in named if p.grad is not None]
+            if self.config.log_gradients and with_grad:
+                pending.histograms.append(("debug/grad_hist/", [name for name, _ in with_grad], Readback(
+                    histogram_summaries([g for _, g in with_grad], HISTOGRAM_BINS).reshape(-1), blocking=False)))
+            if self.config.log_weights and named:
+                pending.histograms.append(("debug/weight_hist/", [name for name, _ in named], Readback(
+                    histogram_summaries([p for _, p in named], HISTOGRAM_BINS).reshape(-1), blocking=False)))
+        self._pending[step] = pending
+        numerics.subscribe(self._on_numerics)
+
+    def after_optimizer_step(self, global_step: int) -> None:
+        """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
+        pending = self._awaiting_update
+        if pending is None or global_step <= pending.step:
+            return
+        self._awaiting_update = None
+        parameters = pending.snapshot_parameters
+        pending.had_grad = [p.grad is not None for p in parameters]
+        pending.update = Readback(update_norms(pending.snapshot, parameters), blocking=False)
+        pending.snapshot, pending.snapshot_parameters = [], []
+
+    def _on_numerics(self, host: HostNumerics) -> None:
+        pending = self._pending.get(host.step)
+        if pending is not None:
+            pending.host = host
+            self.poll()
+
+    def poll(self, final: bool = False) -> None:
+        """Turn every check step whose values have all arrived into findings and scalars, in order."""
+        if not self._pending:
+            return
+        try:
+            while self._pending:
+                step = min(self._pending)
+                pending = self._pending[step]
+                if pending.host is None:
+                    if final:
+                        del self._pending[step]
+                        continue
+                    break
+                if not (final or pending.ready() or len(self._pending) > MAX_PENDING_CHECKS):
+                    break
+                del self._pending[step]
+                if pending is self._awaiting_update:
+                    self._awaiting_update = None
+                self._complete(pending)
+        except Exception as failure:
+            if not self._failed:
+                self._failed = True
+                warnings.warn(f"lightning-debug: {self.source} could not evaluate a check step "
+                              f"({type(failure).__name__}: {failure}); training continues.", RuntimeWarning)
+
+    # --- verdicts -------------------------------------------------------------------------------
+    def _complete(self, pending: PendingCheck) -> None:
+        host = pending.host
+        assert host is not None
+        step, where = pending.step, pending.where
+        config = self.config
+        self.checks += 1
+        global_norm = host.global_grad_norm
+        self.global_norms.add(global_norm)
+        grads = list(zip(host.grad_names, host.grad_norms))
+        metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
+
+        high, low = config.gradient_explosion_threshold, config.gradient_vanishing_threshold
+        above = [(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
+        if above or (math.isfinite(global_norm) and global_norm > high):
+            self._record_exploding(step, where, global_norm, grads, above)
+        elif math.isfinite(global_norm):
+            self.healthy_norms.add(global_norm)
+
+        below = [name for name, norm in grads if math.isfinite(norm) and norm < low]
+        if below:
+            self._record_vanishing(step, where, grads, below)
+
+        if host.missing:
+            self._record_missing(step, where, host.missing, len(host.param_names))
+
+        if step != self._static_recorded_step:
+            self._record_static_frozen(step, where)
+        not_updated = False
+        if pending.update is not None:
+            update_metrics, not_updated = self._updates(pending, host)
+            metrics.update(update_metrics)
+        if self.static_frozen or not_updated:
+            self.counts["frozen"] += 1
+
+        metrics.update({
+            "debug/grad/exploding_count": float(self.counts["exploding"]),
+            "debug/grad/vanishing_count": float(self.counts["vanishing"]),
+            "debug/grad/missing_count": float(self.counts["missing"]),
+        })
+        if config.log_gradients:
+            metrics.update({f"debug/grad/norm/{name}": norm for name, norm in grads})
+        if config.log_weights:
+            metrics.update({f"debug/weight/norm/{name}": norm
+                            for name, norm in zip(host.param_names, host.param_norms)})
+        if config.level >= DebugLevel.INTERMEDIATE:
+            for name, norm in grads:
+                self.parameter_norms.setdefault(name, RunningStats()).add(norm)
+        self._write_histograms(pending)
+        self.log_metrics(step, metrics)
+        self.close_episodes(step, where, GRADIENT_KINDS)
+
+    def _record_exploding(self, step: int, where: Where, global_norm: float, grads: list[tuple[str, float]],
+                          above: list[tuple[str, float]]) -> None:
+        self.counts["exploding"] += 1
+        self.flagged["exploding_grad"].add(name for name, _ in above)
+        worst = sorted((item for item in grads if math.isfinite(item[1])), key=lambda item: -item[1])[:WORST_SHOWN]
+        clip, basis = suggest_clip_value(list(self.healthy_norms.values), self.config.gradient_explosion_threshold)
+        self.clip_suggestion = {"value": clip, "basis": basis, "step": step}
+        shown = ", ".join(f"`{name}` {norm:.3g}" for name, norm in worst)
+        self.record(Finding(
+            "exploding_grad", "warning",
+            f"Gradients are exploding at step {step}: global norm {global_norm:.4g} > "
+            f"gradient_explosion_threshold {self.config.gradient_explosion_threshold:g}; largest: {shown}. "
+            f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or "
+            "torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
+            "initialization.",
+            {"global_norm": global_norm, "threshold": self.config.gradient_explosion_threshold,
+             "parameters": [name for name, _ in above[:NAMES_IN_DETAILS]],
+             "worst": [[name, norm] for name, norm in worst], "count": len(above),
+             "suggested_clip_val": clip, "clip_basis": basis}),
+            step, where)
+
+    def _record_vanishing(self, step: int, where: Where, grads: list[tuple[str, float]], below: list[str]) -> None:
+        self.counts["vanishing"] += 1
+        self.flagged["vanishing_grad"].add(below)
+        ordered = self.input_to_output(below)
+        everything = self.input_to_output(name for name, _ in grads)
+        position = {name: index for index, name in enumerate(everything)}
+        last_vanishing = max(position[name] for name in below)
+        healthy_after = everything[last_vanishing + 1] if last_vanishing + 1 < len(everything) else None
+        norms = dict(grads)
+        layers = list(dict.fromkeys(_module_of(name) or name for name in ordered))
+        where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
+                         "toward the input" if healthy_after else "")
+        zeros = [name for name in ordered if norms[name] == 0]
+        if zeros:
+            where_it_dies += (f". {len(zeros)} of them are exactly zero: dead ReLUs (pre-activations all negative, "
+                              "often after a too-large step), a masked path, or a constant output")
+        self.record(Finding(
+            "vanishing_grad", "warning",
+            f"{len(below)} of {len(grads)} gradients are below gradient_vanishing_threshold "
+            f"{self.config.gradient_vanishing_threshold:g} at step {step}, input side first: {_quoted(ordered)}"
+            f"{where_it_dies}. Use ReLU/GELU instead of sigmoid/tanh, a better initialization (Kaiming/Xavier), "
+            "normalization layers or residual connections, and look for a detach() or no_grad() on the path.",
+            {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(below), "layers": layers[:NAMES_IN_DETAILS],
+             "norms": {name: norms[name] for name in ordered[:NAMES_IN_DETAILS]},
+             "threshold": self.config.gradient_vanishing_threshold, "healthy_from": healthy_after,
+             "exactly_zero": zeros[:NAMES_IN_DETAILS],
+             "order": self.order_source}),
+            step, where)
+
+    def _record_missing(self, step: int, where: Where, missing: list[str], trainable: int) -> None:
+        self.counts["missing"] += 1
+        self.flagged["missing_grad"].add(missing)
+        ordered = self.input_to_output(missing)
+        self.record(Finding(
+            "missing_grad", "warning",
+            f"{len(missing)} of {trainable} trainable parameters received no gradient at step {step}: "
+            f"{_quoted(ordered)}. A layer that is never used in the forward, or a branch cut off by detach(), "
+            f"no_grad(), .data or .item(). Use it, remove it, or call requires_grad_(False). {DDP_NOTE}",
+            {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(missing),
+             "layers": list(dict.fromkeys(_module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
+             "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
+            step, where)
+
+    def _updates(self, pending: PendingCheck, host: HostNumerics) -> tuple[dict[str, float], bool]:
+        assert pending.update is not None
+        deltas = pending.update.values()
+        names, weights = host.param_names, host.param_norms
+        grad_norms = dict(zip(host.grad_names, host.grad_norms))
+        already = {name for names_ in self.static_frozen.values() for name in names_}
+        metrics: dict[str, float] = {}
+        not_updated: list[str] = []
+        delta_squares = weight_squares = 0.0
+        for index, name in enumerate(names[:len(deltas)]):
+            delta, weight = deltas[index], weights[index]
+            ratio = delta / weight if weight > 0 else (math.inf if delta > 0 else 0.0)
+            delta_squares += delta * delta
+            weight_squares += weight * weight
+            if self.config.log_weights:
+                metrics[f"debug/weight/update_ratio/{name}"] = ratio
+            if self.config.level >= DebugLevel.ADVANCED:
+                self.parameter_update_ratios.setdefault(name, RunningStats()).add(ratio)
+            gradient = grad_norms.get(name)
+            resting = bool(pending.lr_zero_now) and pending.lr_zero_now[index]
+            if (delta == 0 and pending.had_grad[index] and not resting and gradient is not None
+                    and math.isfinite(gradient) and gradient > 0 and name not in already):
+                not_updated.append(name)
+        if weight_squares > 0 and math.isfinite(delta_squares):
+            overall = math.sqrt(delta_squares / weight_squares)
+            self.update_ratios.add(overall)
+            metrics["debug/weight/update_ratio"] = overall
+        if not_updated:
+            self.flagged["frozen_param"].add(not_updated)
+            ordered = self.input_to_output(not_updated)
+            self.record(Finding(
+                "frozen_param", "warning",
+                f"{len(not_updated)} trainable parameter(s) had a non-zero gradient but the optimizer step at step "
+                f"{pending.step} left them exactly unchanged: {_quoted(ordered)}. Look for a learning rate of 0 or "
+                "too small for the weights' precision (bf16/fp16 weights), a param group of an optimizer that is "
+                "never stepped, or code that restores the weights.",
+                {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(not_updated), "cause": "no_update"}),
+                pending.step, pending.where, key="no_update")
+        return metrics, bool(not_updated)
+
+    def _write_histograms(self, pending: PendingCheck) -> None:
+        writer = self._histogram_writer
+        if writer is None or not pending.histograms:
+            return
+        width = 5 + HISTOGRAM_BINS
+        for prefix, names, readback in pending.histograms:
+            values = readback.values()
+            for index, name in enumerate(names):
+                writer(prefix + name, histogram_from_row(values[index * width:(index + 1) * width], HISTOGRAM_BINS),
+                       pending.step)
+
+    # --- the end --------------------------------------------------------------------------------
+    def finalize(self, step: int, where: Where) -> None:
+        """Evaluate every check step still waiting and close the open episodes."""
+        self.order.stop()
+        self.poll(final=True)
+        self._awaiting_update = None
+        self._pending = {}
+        self.close_episodes(step, where, GRADIENT_KINDS)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(
+            super().state_dict(), counts=dict(self.counts), checks=self.checks,
+            global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
+            healthy_norms=list(self.healthy_norms.values),
+            parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
+            parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
+            flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
+            clip_suggestion=self.clip_suggestion,
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.counts.update({k: int(v) for k, v in state_dict.get("counts", {}).items()})
+        self.checks = int(state_dict.get("checks", 0))
+        if "global_norms" in state_dict:
+            self.global_norms.load_state_dict(state_dict["global_norms"])
+        if "update_ratios" in state_dict:
+            self.update_ratios.load_state_dict(state_dict["update_ratios"])
+        self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
+        for value in state_dict.get("healthy_norms", []):
+            self.healthy_norms.add(float(value))
+        for target, key in ((self.parameter_norms, "parameter_norms"),
+                            (self.parameter_update_ratios, "parameter_update_ratios")):
+            target.clear()
+            for name, stats_state in state_dict.get(key, {}).items():
+                target[name] = RunningStats()
+                target[name].load_state_dict(stats_state)
+        for kind, counts in state_dict.get("flagged", {}).items():
+            self.flagged.setdefault(kind, FlagCounter()).counts = {name: int(c) for name, c in counts.items()}
+        self.clip_suggestion = state_dict.get("clip_suggestion")
+
+    def report_section(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {"gradient_norm": self.global_norms.summary()}
+        if self.update_ratios.count:
+            stats["update_ratio"] = self.update_ratios.summary()
+        section: dict[str, Any] = dict(
+            super().report_section(), stats=stats, check_frequency=self.config.gradient_checking_frequency,
+            checks=self.checks,
+            counts={f"{kind}_checks": count for kind, count in self.counts.items()},
+            most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
+            trainability=self.trainability, clip_suggestion=self.clip_suggestion, order=self.order_source,
+        )
+        if self.config.level >= DebugLevel.INTERMEDIATE:
+            section["parameter_norms"] = {name: s.summary() for name, s in self.parameter_norms.items()}
+        if self.parameter_update_ratios:
+            section["parameter_update_ratios"] = {name: s.summary() for name, s in self.parameter_update_ratios.items()}
+        section["markdown"] = {"Gradient health": self._markdown()}
+        return section
+
+    def _markdown(self) -> str:
+        norms = self.global_norms.summary()
+        lines = [f"{self.checks} check step(s), every {self.config.gradient_checking_frequency} optimizer step(s)."]
+        if norms.get("count"):
+            lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
+                         f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
+        counts = self.counts
+        lines.append(f"Check steps with exploding gradients: {counts['exploding']}, vanishing: {counts['vanishing']}, "
+                     f"missing: {counts['missing']}, not updated: {counts['frozen']}.")
+        if self.clip_suggestion:
+            lines.append(f"Suggested clipping: `Trainer(gradient_clip_val={self.clip_suggestion['value']:g})` "
+                         f"({self.clip_suggestion['basis']}).")
+        frozen = self.trainability.get("requires_grad_false_parameters", 0)
+        if frozen:
+            lines.append(f"{frozen} parameter(s) have requires_grad=False (not trained by design).")
+        flagged = {kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts}
+        if flagged:
+            lines += ["", "| kind | parameter | check steps flagged |", "|---|---|---|"]
+            for kind, rows in flagged.items():
+                lines += [f"| {kind} | `{name}` | {hits} |" for name, hits in rows]
+        if self.config.level >= DebugLevel.INTERMEDIATE and self.parameter_norms:
+            largest = sorted(self.parameter_norms.items(), key=lambda item: -item[1].maximum)[:20]
+            lines += ["", "| parameter | mean grad norm | min | max |", "|---|---|---|---|"]
+            lines += [f"| `{name}` | {round_significant(s.total / s.count, 3) if s.count else '-'} | "
+                      f"{round_significant(s.minimum, 3) if s.count else '-'} | "
+                      f"{round_significant(s.maximum, 3) if s.count else '-'} |" for name, s in largest]
+        return "\n".join(lines)
