@@ -1,0 +1,355 @@
+"""Step-phase timing on the device's own clock, bounded statistics, and torch.profiler tables.
+
+Timing a GPU from the host lies: kernels are queued, so ``perf_counter`` around a forward pass
+measures how long Python took to *launch* it. CUDA events recorded on the stream at each phase
+boundary measure the GPU timeline instead, and they can be read once they have completed
+(``Event.query()``), typically a step later, without ever synchronizing. On a CPU the wall clock
+is the truth and is read at once. Nothing here knows about Lightning or Accelerate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+
+PHASES = ("data", "forward", "backward", "optimizer")
+Mark = Union[float, "torch.cuda.Event"]
+
+
+class Stopwatch:
+    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise.
+
+    Example::
+
+        >>> watch = Stopwatch(torch.device("cpu"))
+        >>> start = watch.mark(); end = watch.mark()
+        >>> watch.completed(end), watch.elapsed_ms(start, end) >= 0.0
+        (True, True)
+    """
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+        self.uses_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+
+    def mark(self) -> Mark:
+        if self.uses_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    @staticmethod
+    def completed(mark: Mark) -> bool:
+        return isinstance(mark, float) or mark.query()
+
+    @staticmethod
+    def wait(mark: Mark) -> None:
+        """Block until ``mark`` has completed; only for the end of a run, never on a training step."""
+        if not isinstance(mark, float):
+            mark.synchronize()
+
+    @staticmethod
+    def elapsed_ms(start: Mark, end: Mark) -> float:
+        if isinstance(start, float) and isinstance(end, float):
+            return (end - start) * 1000.0
+        return float(start.elapsed_time(end))  # type: ignore[union-attr]
+
+
+@dataclass
+class StepTimes:
+    """The measured phases of one optimizer step, in milliseconds."""
+
+    step: int
+    phases: dict[str, float]
+    samples: int | None = None
+    tokens: int | None = None
+    micro_batches: int = 1
+
+    @property
+    def step_ms(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def samples_per_sec(self) -> float | None:
+        return None if not self.samples or self.step_ms <= 0 else self.samples * 1000.0 / self.step_ms
+
+    @property
+    def tokens_per_sec(self) -> float | None:
+        return None if not self.tokens or self.step_ms <= 0 else self.tokens * 1000.0 / self.step_ms
+
+
+class PhaseTimer:
+    """Contiguous phase intervals of one optimizer step, summed over its micro-batches.
+
+    Each :meth:`enter` closes the phase in progress and opens the next one; :meth:`stop` (a batch
+    ends) opens the data wait that lasts until the next batch starts. The intervals tile the time
+    from the previous step's end to this step's end, so ``step = data + forward + backward +
+    optimizer`` exactly.
+
+    Example::
+
+        >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
+        >>> for phase in ("forward", "backward", "optimizer"):
+        ...     _ = timer.enter(phase)
+        >>> _ = timer.stop()
+        >>> times = timer.read()
+        >>> times.step, sorted(times.phases), times.step_ms >= times.phases["forward"]
+        (4, ['backward', 'data', 'forward', 'optimizer'], True)
+    """
+
+    def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None) -> None:
+        self.stopwatch = stopwatch
+        self.step = step
+        self.intervals: list[tuple[str, Mark, Mark]] = []
+        self.current: str | None = "data" if start is not None else None
+        self.since: Mark | None = start
+        self.last_stop: Mark | None = None
+        self._closed = 0
+        self.samples: int | None = 0
+        self.tokens: int | None = None
+        self.micro_batches = 0
+        self.saw_optimizer = False
+        self.excluded = False
+        self.where: dict[str, int] = {}
+
+    def enter(self, phase: str) -> Mark:
+        mark = self.stopwatch.mark()
+        if self.current is not None and self.since is not None:
+            self.intervals.append((self.current, self.since, mark))
+        self.current, self.since = phase, mark
+        if phase == "optimizer":
+            self.saw_optimizer = True
+        elif phase == "forward":
+            self.micro_batches += 1
+        return mark
+
+    def stop(self) -> Mark:
+        self.last_stop = self.enter("data")
+        self._closed = len(self.intervals)
+        return self.last_stop
+
+    def add_samples(self, samples: int | None, tokens: int | None) -> None:
+        self.samples = None if samples is None or self.samples is None else self.samples + samples
+        if tokens is not None:
+            self.tokens = (self.tokens or 0) + tokens
+
+    @property
+    def closed_intervals(self) -> list[tuple[str, Mark, Mark]]:
+        """The intervals up to the last batch end (the trailing data wait belongs to the next step)."""
+        return self.intervals[: self._closed]
+
+    def ready(self) -> bool:
+        closed = self.closed_intervals
+        return all(self.stopwatch.completed(end) for _, _, end in closed)
+
+    def wait(self) -> None:
+        for _, _, end in self.closed_intervals:
+            self.stopwatch.wait(end)
+
+    def read(self) -> StepTimes:
+        phases = dict.fromkeys(PHASES, 0.0)
+        for phase, start, end in self.closed_intervals:
+            phases[phase] = phases.get(phase, 0.0) + self.stopwatch.elapsed_ms(start, end)
+        return StepTimes(self.step, phases, self.samples or None, self.tokens, max(self.micro_batches, 1))
+
+
+def infer_batch_size(batch: Any, _depth: int = 0) -> int | None:
+    """Dimension 0 of the first tensor in a tensor, tuple, list or mapping (None when there is none).
+
+    Example::
+
+        >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
+        8
+        >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
+        (3, None)
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.ndim else 1
+    if _depth >= 4:
+        return None
+    if isinstance(batch, Mapping):
+        values: Iterable[Any] = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        values = batch
+    else:
+        return None
+    for value in values:
+        size = infer_batch_size(value, _depth + 1)
+        if size is not None:
+            return size
+    return None
+
+
+class Reservoir:
+    """A uniform sample of a stream in bounded memory (Vitter's algorithm R), for run-wide quantiles.
+
+    Example::
+
+        >>> reservoir = Reservoir(size=100)
+        >>> for value in range(10_000):
+        ...     reservoir.add(float(value))
+        >>> len(reservoir.values), 3000 < reservoir.quantile(0.5) < 7000
+        (100, True)
+    """
+
+    def __init__(self, size: int = 1024, seed: int = 0) -> None:
+        self.size = size
+        self.values: list[float] = []
+        self.seen = 0
+        self._random = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(value)
+        else:
+            slot = self._random.randrange(self.seen)
+            if slot < self.size:
+                self.values[slot] = value
+
+    def quantile(self, q: float) -> float:
+        return quantile(self.values, q)
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (NaN for no values).
+
+    Example::
+
+        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
+        (2.5, 4.6)
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class PhaseStats:
+    """Count, mean, max exactly and median/p90 from a reservoir, for one measured quantity."""
+
+    count: int = 0
+    total: float = 0.0
+    minimum: float = math.inf
+    maximum: float = -math.inf
+    reservoir: Reservoir = field(default_factory=Reservoir)
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.count += 1
+        self.total += value
+        self.minimum = min(self.minimum, value)
+        self.maximum = max(self.maximum, value)
+        self.reservoir.add(value)
+
+    def summary(self) -> dict[str, Any]:
+        if not self.count:
+            return {"count": 0}
+        return {"count": self.count, "mean": self.total / self.count, "median": self.reservoir.quantile(0.5),
+                "p90": self.reservoir.quantile(0.9), "min": self.minimum, "max": self.maximum}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "total": self.total, "minimum": self.minimum, "maximum": self.maximum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count, self.total = int(state.get("count", 0)), float(state.get("total", 0.0))
+        self.minimum = float(state.get("minimum", math.inf))
+        self.maximum = float(state.get("maximum", -math.inf))
+
+
+@dataclass
+class OperatorRow:
+    """One operator of a torch.profiler run, times in milliseconds."""
+
+    name: str
+    calls: int
+    self_cpu_ms: float
+    cpu_total_ms: float
+    self_device_ms: float
+
+
+def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_cpu_ms") -> list[OperatorRow]:
+    """The ``limit`` operators with the most self time, from ``profiler.key_averages()``.
+
+    Accepts any objects with ``key``, ``count``, ``self_cpu_time_total`` and ``cpu_time_total``
+    (microseconds, as torch reports them) and ``self_device_time_total`` (or the older
+    ``self_cuda_time_total``). ``by`` is ``"self_cpu_ms"`` or ``"self_device_ms"``. The profiler's
+    own ``ProfilerStep#N`` spans are left out.
+
+    Example::
+
+        >>> from types import SimpleNamespace as Op
+        >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0),
+        ...        Op(key="aten::add", count=2, self_cpu_time_total=100.0, cpu_time_total=150.0)]
+        >>> [(row.name, row.self_cpu_ms) for row in top_operators(ops, limit=1)]
+        [('aten::mm', 0.9)]
+    """
+    rows = []
+    for event in key_averages:
+        if str(event.key).startswith("ProfilerStep"):  # the profiler's own per-step span, not an operator
+            continue
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0.0)
+        rows.append(OperatorRow(str(event.key), int(event.count), float(event.self_cpu_time_total) / 1000.0,
+                                float(event.cpu_time_total) / 1000.0, float(device_us or 0.0) / 1000.0))
+    rows = [row for row in rows if getattr(row, by) > 0]
+    rows.sort(key=lambda row: getattr(row, by), reverse=True)
+    return rows[:limit]
+
+
+def operators_markdown(rows: Sequence[OperatorRow], by: str = "self_cpu_ms") -> str:
+    """A Markdown table of :func:`top_operators` rows, with each operator's share of the listed time.
+
+    Example::
+
+        >>> print(operators_markdown([OperatorRow("aten::mm", 4, 0.9, 0.9, 0.0)]))
+        | operator | calls | self CPU ms | CPU total ms | self CUDA ms | share |
+        |---|---|---|---|---|---|
+        | `aten::mm` | 4 | 0.900 | 0.900 | 0.000 | 100.0% |
+    """
+    total = sum(getattr(row, by) for row in rows) or 1.0
+    lines = ["| operator | calls | self CPU ms | CPU total ms | self CUDA ms | share |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        name = row.name.replace("|", "\\|")
+        lines.append(f"| `{name}` | {row.calls} | {row.self_cpu_ms:.3f} | {row.cpu_total_ms:.3f} | "
+                     f"{row.self_device_ms:.3f} | {100.0 * getattr(row, by) / total:.1f}% |")
+    return "\n".join(lines)
+
+
+def phase_table_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """Mean, median, p90 and max of each phase, and its share of the mean step time.
+
+    Example::
+
+        >>> print(phase_table_markdown({"step": {"count": 2, "mean": 10.0, "median": 10.0, "p90": 11.0,
+        ...                                      "max": 11.0},
+        ...                             "data": {"count": 2, "mean": 4.0, "median": 4.0, "p90": 5.0, "max": 5.0}}))
+        | phase | mean ms | median ms | p90 ms | max ms | share of step |
+        |---|---|---|---|---|---|
+        | step | 10.00 | 10.00 | 11.00 | 11.00 | 100.0% |
+        | data | 4.00 | 4.00 | 5.00 | 5.00 | 40.0% |
+    """
+    step_mean = summaries.get("step", {}).get("mean") or math.nan
+    lines = ["| phase | mean ms | median ms | p90 ms | max ms | share of step |", "|---|---|---|---|---|---|"]
+    for phase, summary in summaries.items():
+        if not summary.get("count"):
+            continue
+        share = summary["mean"] / step_mean if step_mean and math.isfinite(step_mean) else math.nan
+        share_text = f"{100.0 * share:.1f}%" if math.isfinite(share) else "-"
+        lines.append(f"| {phase} | {summary['mean']:.2f} | {summary['median']:.2f} | {summary['p90']:.2f} | "
+                     f"{summary['max']:.2f} | {share_text} |")
+    return "\n".join(lines)
