@@ -90,6 +90,32 @@ def _check_bool(field_name: str, value: Any) -> bool:
     return value
 
 
+def _check_performance_fields(config: "DebugConfig") -> None:
+    factor = config.slow_step_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 1:
+        raise ValueError(f"DebugConfig.slow_step_factor must be a finite number > 1, got {factor!r}")
+    config.slow_step_factor = float(factor)
+    share = config.dataloader_bottleneck_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"DebugConfig.dataloader_bottleneck_share must be a number in (0, 1], got {share!r}")
+    config.dataloader_bottleneck_share = float(share)
+    window = config.profile_steps
+    if window is not None:
+        if (not isinstance(window, (list, tuple)) or len(window) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in window)
+                or window[0] < 0 or window[1] < 0):
+            raise ValueError("DebugConfig.profile_steps must be None or (start, length) with integers start >= 0 "
+                             f"and length >= 0, got {window!r}")
+        config.profile_steps = (int(window[0]), int(window[1]))
+
+
+def _check_memory_fields(config: "DebugConfig") -> None:
+    fraction = config.memory_high_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"DebugConfig.memory_high_fraction must be a number in (0, 1], got {fraction!r}")
+    config.memory_high_fraction = float(fraction)
+
+
 @dataclass
 class DebugConfig:
     """Settings for all lightning-debug checks.
@@ -117,6 +143,19 @@ class DebugConfig:
         log_weights: Log per-parameter weight norms, update ratios and histograms.
         log_memory: Log memory scalars to the trainer's logger.
         log_performance: Log timing scalars to the trainer's logger.
+        memory_high_fraction: ``memory_high`` when CUDA memory reserved exceeds this fraction of the
+            device, or used system memory this fraction of the machine.
+        slow_step_factor: A step slower than this many times the recent median step is a ``slow_step``.
+        dataloader_bottleneck_share: Data wait above this share of the step time (over recent check
+            steps) is a ``dataloader_bottleneck``.
+        profile_steps: ``(start, length)``: run torch.profiler over optimizer steps ``start`` to
+            ``start + length - 1``; ``None`` means off below ADVANCED and a default window from
+            ADVANCED on; a length of 0 turns it off.
+        save_plots: At the end of fit, draw ``debug_analysis.png`` (step time, memory, gradient
+            norm, findings over steps) next to the report; needs matplotlib
+            (``pip install "lightning-debug[plots]"``), skipped with a note without it.
+        print_summary: At the end of fit, print a short summary of the findings and where the
+            files are, once, on the global-zero process (with rich when it is installed).
 
     Example::
 
@@ -141,6 +180,12 @@ class DebugConfig:
     log_weights: bool = False
     log_memory: bool = True
     log_performance: bool = True
+    memory_high_fraction: float = 0.9
+    slow_step_factor: float = 3.0
+    dataloader_bottleneck_share: float = 0.3
+    profile_steps: tuple[int, int] | None = None
+    save_plots: bool = True
+    print_summary: bool = True
 
     def __post_init__(self) -> None:
         self.mode = _coerce_enum(DebugMode, "mode", self.mode)  # type: ignore[assignment]
@@ -168,6 +213,10 @@ class DebugConfig:
         for name in ("save_debug_info", "log_gradients", "log_activations", "log_weights", "log_memory",
                      "log_performance"):
             _check_bool(name, getattr(self, name))
+        _check_performance_fields(self)
+        _check_bool("save_plots", self.save_plots)
+        _check_bool("print_summary", self.print_summary)
+        _check_memory_fields(self)
         if not isinstance(self.debug_output_dir, str) or not self.debug_output_dir.strip():
             raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {self.debug_output_dir!r}")
 
