@@ -4,7 +4,7 @@ users have today (``Trainer(detect_anomaly=True)``, the ``grad_norm`` logging re
 
 Configurations run interleaved (A B C ... A B C ...) so drift hits all of them alike; each run
 times the steady-state steps after a warm-up, and the table shows the median per-step time and its
-ratio to plain. On CPU a small MLP; with CUDA also a ~134M-parameter GPT-like model in bf16.
+ratio to its plain loop. On CPU a small MLP; with CUDA also a ~134M-parameter GPT-like model in bf16.
 
     python benchmarks/overhead.py                 # CPU model, 5 rounds
     python benchmarks/overhead.py --rounds 7 --steps 300 --only plain,anomaly_warn
@@ -137,7 +137,55 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
     }
 
 
+ACCELERATE_CONFIGURATIONS: dict[str, Callable[[], DebugConfig] | None] = {
+    "accelerate_plain": None,
+    "accelerate_anomaly_warn": lambda: every_step(mode="anomaly_detection"),
+    "accelerate_all_four": lambda: every_step(),
+}
+
+
+def run_accelerate_once(name: str, steps: int, warmup: int) -> float:
+    """The same MLP, data and optimizer in a plain Accelerate loop, with or without the debugger."""
+    import contextlib
+    import io
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lightning_debug.accelerate import AccelerateDebugger
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    model = MLP().net
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = TensorDataset(torch.randn(64 * (steps + 1), 64), torch.randn(64 * (steps + 1), 1))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=64))
+    make_config = ACCELERATE_CONFIGURATIONS[name]
+    debugger = AccelerateDebugger(accelerator, model, optimizer, make_config()) if make_config else None
+    backward = debugger.backward if debugger is not None else accelerator.backward
+    start = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, (x, y) in enumerate(loader):
+            if step == steps:
+                break
+            if step == warmup:
+                start = time.perf_counter()
+            backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        elapsed = (time.perf_counter() - start) / (steps - warmup)
+        if debugger is not None:
+            with contextlib.redirect_stdout(io.StringIO()):
+                debugger.finish()
+    return elapsed
+
+
 def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
+    if name in ACCELERATE_CONFIGURATIONS:
+        return run_accelerate_once(name, steps, warmup)
     torch.manual_seed(0)
     if model_name == "gpt":
         model: pl.LightningModule = GPT()
@@ -170,9 +218,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     args = parser.parse_args()
-    names = [n for n in configurations() if not args.only or n in args.only.split(",")]
+    every_name = [*configurations(), *(ACCELERATE_CONFIGURATIONS if args.model == "mlp" else {})]
+    names = [n for n in every_name if not args.only or n in args.only.split(",")]
     if "plain" not in names:
         names.insert(0, "plain")
+    if any(n.startswith("accelerate") for n in names) and "accelerate_plain" not in names:
+        names.insert(1, "accelerate_plain")
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -184,12 +235,12 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.model == "gpt" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nModel: {args.model}; device: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
           f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up)\n")
-    plain = statistics.median(times["plain"])
-    print("| configuration | median ms/step | ratio to plain | spread (min-max ms) |")
+    print("| configuration | median ms/step | ratio to its plain loop | spread (min-max ms) |")
     print("|---|---|---|---|")
     for name in names:
         median = statistics.median(times[name])
-        print(f"| {name} | {median * 1e3:.2f} | {median / plain:.3f}x | "
+        baseline = statistics.median(times["accelerate_plain" if name.startswith("accelerate") else "plain"])
+        print(f"| {name} | {median * 1e3:.2f} | {median / baseline:.3f}x | "
               f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f} |")
 
 

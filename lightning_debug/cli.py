@@ -1,16 +1,24 @@
-"""The ``lightning-debug`` command."""
+"""The ``lightning-debug`` command: ``demo`` (a planted NaN, on CPU) and ``report DIR`` (rebuild a run's report).
+
+Exit codes: 0 done, 2 bad input (a missing directory, no run files, a malformed events.jsonl),
+with one line on stderr saying which.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 from lightning_debug._version import __version__
+
+PROG = "lightning-debug"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-debug",
+        prog=PROG,
         description="Debug PyTorch training while it runs: NaN/Inf with the culprit, gradient health, "
                     "memory and step-time profiling for Lightning and Accelerate.",
     )
@@ -22,7 +30,65 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--nan-step", type=int, default=40, help="step from which the loss takes log(0) (default: 40)")
     demo.add_argument("--mode", default="warn", choices=["warn", "raise", "skip", "stop"],
                       help="anomaly_detection_mode (default: warn)")
+    report = verbs.add_parser(
+        "report", help="rebuild report.json, report.md and debug_analysis.png from a run's files",
+        description="Rebuild report.json, report.md and debug_analysis.png offline from events.jsonl and the "
+                    "TensorBoard event files. DIR is a run's debug_outputs directory, its log directory, or any "
+                    "directory above: every run found under it is rebuilt.")
+    report.add_argument("directory", metavar="DIR", type=Path, help="a run's debug_outputs or log directory")
+    report.add_argument("--no-plots", action="store_true", help="do not draw debug_analysis.png")
+    report.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return parser
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"{PROG}: error: {message}\n")
+    return 2
+
+
+def _progress(message: str) -> None:
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
+    """The ``report`` verb; returns the exit code."""
+    from lightning_debug.core.timeline import RunDirectoryError
+    from lightning_debug.offline import find_run_directories, rebuild
+    from lightning_debug.summary import summary_lines
+
+    try:
+        runs = find_run_directories(directory)
+    except RunDirectoryError as error:
+        return _fail(str(error))
+    if len(runs) > 1 and not quiet:
+        _progress(f"{len(runs)} runs under {directory}")
+    failures = 0
+    for number, run in enumerate(runs, start=1):
+        started = time.monotonic()
+        try:
+            result = rebuild(run, plots=plots, progress=None if quiet else _progress)
+        except RunDirectoryError as error:
+            failures += 1
+            _fail(str(error))
+            continue
+        except OSError as error:
+            failures += 1
+            _fail(f"cannot write the report in {run}: {error.strerror or error}")
+            continue
+        if quiet:
+            continue
+        prefix = f"[{number}/{len(runs)}] " if len(runs) > 1 else ""
+        print(f"{prefix}rebuilt {run} in {time.monotonic() - started:.1f} s from {result.events} event(s) and "
+              f"{len(result.tensorboard)} TensorBoard file(s)")
+        if result.truncated_last_line:
+            print("  note: the last line of events.jsonl was cut off (the run probably stopped while writing it); "
+                  "it was skipped")
+        for note in result.notes:
+            print(f"  note: {note}")
+        files = {"wrote": ", ".join(str(path) for path in result.written)}
+        print("\n".join(summary_lines(result.report, files)))
+    return 2 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.output, steps=args.steps, nan_step=args.nan_step, mode=args.mode)
         return 0
+    if args.verb == "report":
+        return run_report(args.directory, plots=not args.no_plots, quiet=args.quiet)
     parser.print_help()
     return 0
 

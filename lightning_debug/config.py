@@ -207,7 +207,7 @@ class DebugConfig:
             setattr(self, name, _check_threshold(name, getattr(self, name)))
         if self.gradient_vanishing_threshold >= self.gradient_explosion_threshold:
             raise ValueError(
-                "DebugConfig.gradient_vanishing_threshold must be below gradient_explosion_threshold, got "
+                "DebugConfig.gradient_vanishing_threshold must be below DebugConfig.gradient_explosion_threshold, got "
                 f"{self.gradient_vanishing_threshold!r} >= {self.gradient_explosion_threshold!r}"
             )
         for name in ("save_debug_info", "log_gradients", "log_activations", "log_weights", "log_memory",

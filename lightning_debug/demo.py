@@ -1,12 +1,14 @@
 """The planted-bug demo behind ``lightning-debug demo``: a small CPU run whose loss takes ``log(0)``.
 
 It trains an MLP with all four callbacks on, plants a ``log`` of zero in the loss from step 40, and
-prints what lightning-debug found, where the files went and how to open them.
+prints progress lines with each finding as it happens, then what lightning-debug found, where the
+files went and how to open them.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,12 +45,48 @@ def _module_class() -> type:
     return PlantedNaNModel
 
 
+def _progress_class() -> type:
+    import lightning.pytorch as pl
+
+    from lightning_debug.callbacks.base import SESSION_ATTRIBUTE
+
+    class ProgressLines(pl.Callback):
+        """A line every eighth of the run, and every finding the moment it is written to events.jsonl."""
+
+        def __init__(self, steps: int) -> None:
+            self.steps = steps
+            self.every = max(1, steps // 8)
+            self.started = time.monotonic()
+
+        def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+            self.started = time.monotonic()
+            session = getattr(trainer, SESSION_ATTRIBUTE, None)
+            if session is not None:
+                session.event_listeners.append(self.finding)
+
+        def finding(self, record: dict[str, Any]) -> None:
+            if record.get("episode") != "end":
+                message = str(record.get("message", "")).split(". ")[0]
+                print(f"    ! step {record['step']}: {record['kind']} ({record['severity']}): {message}", flush=True)
+
+        def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                               batch: Any, batch_idx: int) -> None:
+            step = trainer.global_step
+            if step % self.every == 0 or step == self.steps:
+                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+                value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
+                print(f"  step {step:>4}/{self.steps}  loss {value:9.4g}  {time.monotonic() - self.started:5.1f} s",
+                      flush=True)
+
+    return ProgressLines
+
+
 def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int = 40, mode: str = "warn") -> Path:
     """Train, report, and return the debug output directory."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_debug import DebugConfig, debug_callbacks
+    from lightning_debug import AnomalyError, DebugConfig, debug_callbacks
 
     torch.manual_seed(0)
     inputs = torch.randn(2048, 16)
@@ -57,29 +95,34 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
     config = DebugConfig(anomaly_detection_mode=mode, gradient_checking_frequency=5, memory_profiling_frequency=5,
                          performance_profiling_frequency=5, log_gradients=True)
     logger = TensorBoardLogger(str(output), name="demo")
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, callbacks=debug_callbacks(config),
-                         enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=5)
-    print(f"Training {steps} steps on CPU; the loss takes log(0) from step {nan_step} on ...")
+    callbacks = [*debug_callbacks(config), _progress_class()(steps)]
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
+                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                         log_every_n_steps=5)
+    print(f"Training {steps} steps on CPU; the loss takes log(0) from step {nan_step} on ...", flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(_module_class()(nan_step), loader)
+        try:
+            trainer.fit(_module_class()(nan_step), loader)
+        except AnomalyError as error:
+            print(f"\nTraining stopped with AnomalyError, as anomaly_detection_mode='raise' asks: {error}")
     debug_dir = Path(trainer.log_dir) / config.debug_output_dir
     print_summary(debug_dir, Path(trainer.log_dir))
     return debug_dir
 
 
 def print_summary(debug_dir: Path, log_dir: Path) -> None:
+    """What to open next (the findings themselves were printed by the run's end-of-fit summary)."""
     report_path = debug_dir / "report.json"
     if not report_path.exists():
         print(f"No report in {debug_dir}.")
         return
     report = json.loads(report_path.read_text())
-    print("\nWhat lightning-debug found:")
-    if not report["findings"]:
-        print("  nothing wrong")
-    for kind, entry in report["findings"].items():
-        print(f"  - {kind} [{entry['severity']}] first at step {entry['first_step']}: {entry['first_message']}")
-    print(f"\nEvents, one JSON line each:  {debug_dir / 'events.jsonl'}")
-    print(f"Report for people:           {debug_dir / 'report.md'}")
-    print(f"Report for programs:         {report_path}")
-    print(f"TensorBoard charts (debug/): tensorboard --logdir {log_dir}")
+    first = next(iter(report["findings"]), None)
+    print("\nNext:")
+    if first is not None:
+        print(f"  - read {debug_dir / 'report.md'}: `{first}` comes first, with where it happened and what to do")
+    print(f"  - look at {debug_dir / 'debug_analysis.png'} (step time, memory, gradient norm, findings over steps)")
+    print(f"  - tensorboard --logdir {log_dir}  then open the CUSTOM SCALARS tab (debug charts by area) and the "
+          "TEXT tab (findings at their step)")
+    print(f"  - programs: {report_path} and {debug_dir / 'events.jsonl'}")

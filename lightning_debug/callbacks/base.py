@@ -73,6 +73,10 @@ def session_for(trainer: "pl.Trainer", config: DebugConfig) -> DebugSession:
         session = DebugSession(resolve_output_dir(trainer, config), trainer.is_global_zero,
                                lightning_sink(trainer), config.to_dict())
         setattr(trainer, SESSION_ATTRIBUTE, session)
+        if trainer.is_global_zero:
+            from lightning_debug.tensorboard import attach_to_loggers
+
+            attach_to_loggers(trainer.loggers, session)
     return session
 
 
@@ -109,7 +113,12 @@ class DebugCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(**{name: getattr(self.config, name) for name in self.own_fields})
+        # Lightning reads this on every hook call (profiler labels), so it is built once.
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self._state_key = self._generate_state_key(
+                **{name: getattr(self.config, name) for name in self.own_fields})
+        return key
 
     @guarded
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -133,7 +142,7 @@ class DebugCallback(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit" or not self.monitor.attached:
             return
-        self.monitor.session.finish("finished", trainer.global_step)
+        self.monitor.session.finish("finished", trainer.global_step, final=self._last_to_finish())
         self.restore(trainer)
         self.monitor.detach()
 
@@ -147,9 +156,15 @@ class DebugCallback(Callback):
             session.poll(final=True)
             self.finalize(trainer, pl_module)
         finally:
-            session.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}")
+            session.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}",
+                           final=self._last_to_finish())
             self.restore(trainer)
             self.monitor.detach()
+
+    def _last_to_finish(self) -> bool:
+        """True for the last callback of the run still attached: its finish ends the run (plots, summary)."""
+        return not any(getattr(other, "attached", False) for other in self.monitor.session.contributors
+                       if other is not self.monitor)
 
     def finalize(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Last measurements at the end of fit or on an exception; subclasses override."""
@@ -172,3 +187,51 @@ class DebugCallback(Callback):
         """This optimizer step's shared gradient/parameter pass (computed once for all callbacks)."""
         return self.monitor.session.step_numerics(step, pl_module.named_parameters, all_gather_for(trainer),
                                                   grads_are_sharded(trainer))
+
+
+def config_field_docs() -> dict[str, str]:
+    """Each DebugConfig field's one-paragraph description, from the ``Args:`` section of its docstring."""
+    import dataclasses
+    import inspect
+
+    docs: dict[str, list[str]] = {}
+    fields = {f.name for f in dataclasses.fields(DebugConfig)}
+    current: str | None = None
+    in_args = False
+    for line in inspect.cleandoc(DebugConfig.__doc__ or "").splitlines():
+        if line.strip() == "Args:":
+            in_args = True
+            continue
+        if not in_args:
+            continue
+        if line and not line.startswith(" "):
+            break
+        name, _, text = line.strip().partition(":")
+        if line.startswith("    ") and not line.startswith("     ") and name in fields:
+            current = name
+            docs[current] = [text.strip()]
+        elif current is not None and line.strip():
+            docs[current].append(line.strip())
+    return {name: " ".join(parts) for name, parts in docs.items()}
+
+
+def _document_keyword_overrides() -> None:
+    """Help text for every callback's keyword overrides (LightningCLI ``--trainer.callbacks.help CLASS``).
+
+    jsonargparse reads parameter descriptions from base-class docstrings too, so one ``Args:``
+    section here, generated from DebugConfig's, documents the overrides of all four callbacks.
+    """
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DebugConfig)}
+    lines = ["", "", "    Args:",
+             "        config: The shared settings (a DebugConfig); null means the defaults. The keyword arguments",
+             "            override its fields for this callback; null keeps the value from ``config``."]
+    for name, text in config_field_docs().items():
+        default = defaults[name]
+        shown = default.name if hasattr(default, "name") else repr(default)
+        lines.append(f"        {name}: {text} Null: the value in ``config`` (DebugConfig default: {shown}).")
+    DebugCallback.__doc__ = (DebugCallback.__doc__ or "").rstrip() + "\n".join(lines) + "\n"
+
+
+_document_keyword_overrides()

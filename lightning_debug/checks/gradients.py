@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks.numerics import fused_norms
+
 HISTOGRAM_CHUNK = 1 << 24
 SUMMARY_FIELDS = ("min", "max", "num", "sum", "sum_squares")
 
@@ -40,14 +42,11 @@ def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) 
     """
     if not before:
         return torch.zeros(0, dtype=torch.float32)
-    differences = torch._foreach_sub([t.detach() for t in after], list(before))
-    norms = torch._foreach_norm(differences, 2, dtype=torch.float32)
-    device = norms[0].device
-    return torch.stack([norm.to(device, non_blocking=True) for norm in norms])
+    return fused_norms(torch._foreach_sub([t.detach() for t in after], list(before)))
 
 
 def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
-    values = tensor.detach().reshape(-1)
+    values = (tensor.detach().coalesce().values() if tensor.is_sparse else tensor.detach()).reshape(-1)
     if values.is_complex():
         values = values.abs()
     values = values.float()

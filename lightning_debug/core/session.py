@@ -19,6 +19,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.metrics import MetricsSink, MetricsWriter
 from lightning_debug.core.report import build_report, write_report
 from lightning_debug.core.step_numerics import AllGather, StepNumerics
+from lightning_debug.core.timeline import Timeline
 
 MAX_PENDING_READBACKS = 4
 
@@ -44,13 +45,27 @@ class DebugSession:
         self.is_global_zero = is_global_zero
         self.output_dir = output_dir if is_global_zero else None
         self.events = EventLog(self.output_dir)
-        self.metrics = MetricsWriter(sink if is_global_zero else None)
+        self.timeline = Timeline()
+        self.event_listeners: list[Callable[[dict[str, Any]], None]] = [self.timeline.observe_event]
+        self.links: dict[str, str] = {}
+        self._concluded = False
+        self.metrics = MetricsWriter(self._with_timeline(sink) if is_global_zero else None)
         self.config = config
         self.contributors: list[ReportContributor] = []
         self._loss_finite: dict[int, torch.Tensor] = {}
         self._numerics: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
         self._report_failed = False
+
+    def _with_timeline(self, sink: MetricsSink | None) -> MetricsSink:
+        """Scalars feed the timeline (the end-of-fit plots) and then the user's sink, if any."""
+
+        def write(metrics: dict[str, float], step: int) -> None:
+            self.timeline.observe_metrics(metrics, step)
+            if sink is not None:
+                sink(metrics, step)
+
+        return write
 
     def join(self, contributor: ReportContributor) -> None:
         if contributor not in self.contributors:
@@ -66,6 +81,14 @@ class DebugSession:
         if episode is not None:
             record["episode"] = episode
         self.events.write(record)
+        if self.is_global_zero:
+            for listener in list(self.event_listeners):
+                try:
+                    listener(record)
+                except Exception as failure:  # a broken listener (a closed logger) must not stop training
+                    self.event_listeners.remove(listener)
+                    warnings.warn(f"lightning-debug: an event listener failed ({type(failure).__name__}: {failure}) "
+                                  "and was removed; events.jsonl still has every event.", RuntimeWarning)
 
     # --- shared per-step measurement --------------------------------------------------------------
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -75,11 +98,11 @@ class DebugSession:
         self._loss_finite = {step: finite if previous is None else previous & finite}
 
     def step_numerics(self, step: int, named_parameters: Callable[[], Any], all_gather: AllGather | None,
-                      grads_sharded: bool = False) -> StepNumerics:
+                      grads_sharded: bool = False, grad_scale: torch.Tensor | None = None) -> StepNumerics:
         """This step's :class:`StepNumerics`, computed by the first caller, shared with the rest."""
         if self._numerics is None or self._numerics.step != step:
             self._numerics = StepNumerics(step, list(named_parameters()), self._loss_finite.pop(step, None),
-                                          all_gather, grads_sharded)
+                                          all_gather, grads_sharded, grad_scale)
             self._pending.append(self._numerics)
         return self._numerics
 
@@ -100,8 +123,12 @@ class DebugSession:
         self.metrics.flush_before(min(step + 1, oldest_undelivered))
 
     # --- the end --------------------------------------------------------------------------------
-    def finish(self, status: str, step: int, error: str | None = None) -> dict[str, Any]:
-        """Deliver everything, write all scalars and (re)write report.json / report.md."""
+    def finish(self, status: str, step: int, error: str | None = None, final: bool = True) -> dict[str, Any]:
+        """Deliver everything, write all scalars and (re)write report.json / report.md.
+
+        ``final`` marks the last call of the run (the last callback to finish): then, once per run
+        on the global-zero process, the plots are drawn and the console summary is printed.
+        """
         self.poll(final=True)
         self.metrics.flush_before(None)
         sections = {}
@@ -118,4 +145,15 @@ class DebugSession:
                 self._report_failed = True
                 warnings.warn(f"lightning-debug could not write the report to {self.output_dir} ({failure}); "
                               "training continues.", RuntimeWarning)
+        if final:
+            self.conclude(report)
         return report
+
+    def conclude(self, report: dict[str, Any]) -> None:
+        """Once per run, on the global-zero process: debug_analysis.png and the console summary."""
+        if self._concluded or not self.is_global_zero:
+            return
+        self._concluded = True
+        from lightning_debug.summary import conclude_run
+
+        conclude_run(self, report)

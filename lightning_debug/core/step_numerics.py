@@ -66,18 +66,20 @@ class StepNumerics:
 
     Args:
         step: The optimizer step measured.
-        named_parameters: The model's ``(name, parameter)`` pairs; only trainable ones count.
+        named_parameters: The model's ``(name, parameter)`` pairs; only trainable, non-empty ones count.
         loss_finite: 0-d bool tensor, all losses of this step finite, or None when nobody looked.
         all_gather: Gathers a 1-d tensor from every rank into ``[world, n]``; None on one process.
         grads_sharded: Gradients are shards (FSDP), so squared norms add up across ranks.
+        grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
+            as in an Accelerate loop right after backward): norms are divided by it on the device.
     """
 
     def __init__(self, step: int, named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
                  loss_finite: torch.Tensor | None, all_gather: AllGather | None = None,
-                 grads_sharded: bool = False) -> None:
+                 grads_sharded: bool = False, grad_scale: torch.Tensor | None = None) -> None:
         self.step = step
         self.grads_sharded = grads_sharded
-        trainable = [(name, p) for name, p in named_parameters if p.requires_grad]
+        trainable = [(name, p) for name, p in named_parameters if p.requires_grad and p.numel() > 0]
         with_grad = [(name, p) for name, p in trainable if p.grad is not None]
         self.missing = [name for name, p in trainable if p.grad is None]
         self.grad_names = [name for name, _ in with_grad]
@@ -87,6 +89,8 @@ class StepNumerics:
         device = (self.parameters[0].device if self.parameters
                   else loss_finite.device if loss_finite is not None else torch.device("cpu"))
         self.grad_norms = fused_norms(self.grads, device)  # type: ignore[arg-type]
+        if grad_scale is not None:
+            self.grad_norms = self.grad_norms / grad_scale.detach().to(device=device, dtype=torch.float32)
         self.param_norms = fused_norms(self.parameters, device)
         loss_flag = (loss_finite.to(device=device, dtype=torch.float32) if loss_finite is not None
                      else torch.full((), -1.0, device=device))

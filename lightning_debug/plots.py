@@ -1,0 +1,154 @@
+"""``debug_analysis.png``: step time, memory, gradient norm and findings over the steps of one run.
+
+Drawn at the end of fit (``DebugConfig.save_plots``) and by ``lightning-debug report DIR``, from
+a :class:`~lightning_debug.core.timeline.Timeline`. matplotlib is an optional extra
+(``pip install "lightning-debug[plots]"``); it is imported only when a figure is drawn, and
+through the object-oriented Agg API, so a user's own pyplot backend and figures are untouched.
+
+Example::
+
+    >>> import tempfile, pathlib
+    >>> from lightning_debug.core.timeline import Timeline
+    >>> from lightning_debug.plots import draw_debug_analysis
+    >>> timeline = Timeline()
+    >>> for step in range(20):
+    ...     timeline.observe_metrics({"debug/perf/step_ms": 10.0 + step % 3, "debug/grad/global_norm": 1.0}, step)
+    >>> path = draw_debug_analysis(timeline, pathlib.Path(tempfile.mkdtemp()) / "debug_analysis.png")
+    >>> path.read_bytes()[:4] == b"\\x89PNG"
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_debug.core.findings import SEVERITY_ORDER
+from lightning_debug.core.timeline import Timeline
+
+PLOT_FILENAME = "debug_analysis.png"
+INSTALL_HINT = 'pip install "lightning-debug[plots]"'
+SEVERITY_COLORS = {"critical": "#7b0000", "error": "#d62728", "warning": "#ff7f0e", "info": "#8c8c8c"}
+MAX_MARKED_STEPS = 8
+
+
+class PlotsUnavailable(ImportError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+def _matplotlib() -> tuple[Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotsUnavailable(f"debug_analysis.png needs matplotlib, which is not installed: {INSTALL_HINT}") from None
+    return Figure, FigureCanvasAgg
+
+
+def _nothing(axis: Any, text: str) -> None:
+    axis.set_yticks([])
+    axis.text(0.5, 0.5, text, transform=axis.transAxes, ha="center", va="center", color="#777777", fontsize=9)
+
+
+def _lines(axis: Any, timeline: Timeline, curves: list[tuple[str, str]]) -> bool:
+    drawn = False
+    for tag, label in curves:
+        steps, values = timeline.values(tag)
+        if steps:
+            axis.plot(steps, values, label=label, linewidth=1.2, marker="." if len(steps) < 60 else None)
+            drawn = True
+    if drawn:
+        axis.legend(loc="upper left", fontsize=8, frameon=False)
+        axis.grid(alpha=0.3)
+    return drawn
+
+
+def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
+    by_kind: dict[str, str] = {}
+    for episode in timeline.episodes:
+        current = by_kind.get(episode.kind)
+        if current is None or SEVERITY_ORDER.get(episode.severity, 9) < SEVERITY_ORDER.get(current, 9):
+            by_kind[episode.kind] = episode.severity
+    if not by_kind:
+        return False
+    kinds = sorted(by_kind, key=lambda kind: (SEVERITY_ORDER.get(by_kind[kind], 9), kind), reverse=True)
+    rows = {kind: row for row, kind in enumerate(kinds)}
+    for episode in timeline.episodes:
+        row = rows[episode.kind]
+        color = SEVERITY_COLORS.get(episode.severity, "#1f77b4")
+        end = episode.last_step if episode.last_step is not None else max(last_step, episode.first_step)
+        axis.broken_barh([(episode.first_step - 0.4, end - episode.first_step + 0.8)], (row - 0.3, 0.6),
+                         facecolors=color, alpha=0.45)
+        axis.plot([episode.first_step], [row], marker="v", color=color, markersize=7)
+    axis.set_yticks(range(len(kinds)), [f"{kind} ({by_kind[kind]})" for kind in kinds], fontsize=8)
+    axis.set_ylim(-0.7, len(kinds) - 0.3)
+    axis.grid(axis="x", alpha=0.3)
+    return True
+
+
+def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightning-debug",
+                        explosion_threshold: float | None = None,
+                        vanishing_threshold: float | None = None) -> Path:
+    """Draw the four panels into ``path`` (PNG); raises :class:`PlotsUnavailable` without matplotlib."""
+    figure_type, canvas_type = _matplotlib()
+    figure = figure_type(figsize=(11, 10), dpi=100, layout="constrained")
+    canvas_type(figure)
+    step_axis, memory_axis, grad_axis, findings_axis = figure.subplots(4, 1, sharex=True,
+                                                                        height_ratios=[1, 1, 1, 1.1])
+    figure.suptitle(title, fontsize=12)
+    last_step = max(timeline.last_step, 0)
+
+    step_axis.set_title("Step time", loc="left", fontsize=10)
+    step_axis.set_ylabel("ms")
+    if not _lines(step_axis, timeline, [("debug/perf/step_ms", "step"), ("debug/perf/data_ms", "data wait")]):
+        _nothing(step_axis, "no step times: add PerformanceProfilerCallback (log_performance: true)")
+
+    memory_axis.set_title("Memory", loc="left", fontsize=10)
+    memory_axis.set_ylabel("MB")
+    if not _lines(memory_axis, timeline, [("debug/memory/cpu_rss_mb", "process RSS"),
+                                          ("debug/memory/cpu_heap_mb", "C heap in use"),
+                                          ("debug/memory/cuda_allocated_mb", "CUDA allocated"),
+                                          ("debug/memory/cuda_reserved_mb", "CUDA reserved")]):
+        _nothing(memory_axis, "no memory readings: add MemoryProfilerCallback (log_memory: true)")
+
+    grad_axis.set_title("Global gradient norm", loc="left", fontsize=10)
+    if _lines(grad_axis, timeline, [("debug/grad/global_norm", "global norm")]):
+        _, norms = timeline.values("debug/grad/global_norm")
+        positive = [value for value in norms if value > 0]
+        if positive and max(positive) / min(positive) > 100:
+            grad_axis.set_yscale("log")
+        for threshold, label in ((explosion_threshold, "explosion threshold"),
+                                 (vanishing_threshold, "vanishing threshold")):
+            if threshold and positive and threshold / 100 <= max(positive) and threshold * 100 >= min(positive):
+                grad_axis.axhline(threshold, color="#999999", linestyle=":", linewidth=1)
+                grad_axis.annotate(label, (0, threshold), xycoords=("axes fraction", "data"), fontsize=7,
+                                   color="#666666", va="bottom")
+    else:
+        _nothing(grad_axis, "no gradient norms: add GradientHealthCallback")
+
+    findings_axis.set_title("Findings (bar: episode; marker: where it started)", loc="left", fontsize=10)
+    findings_axis.set_xlabel("optimizer step")
+    if not _findings_panel(findings_axis, timeline, last_step):
+        findings_axis.set_yticks([])
+        _nothing(findings_axis, "no findings")
+
+    serious = sorted({e.first_step for e in timeline.episodes if SEVERITY_ORDER.get(e.severity, 9) <= 1})
+    for step in serious[:MAX_MARKED_STEPS]:
+        for axis in (step_axis, memory_axis, grad_axis):
+            axis.axvline(step, color=SEVERITY_COLORS["error"], linestyle="--", linewidth=0.8, alpha=0.6)
+    findings_axis.set_xlim(-0.5, max(last_step, 1) + 0.5)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format="png")
+    return path
+
+
+def write_debug_analysis(directory: Path, timeline: Timeline, report: dict[str, Any]) -> Path:
+    """``directory/debug_analysis.png`` for ``report``'s run, titled with its status and findings."""
+    config = report.get("config") or {}
+    findings = report.get("findings") or {}
+    title = (f"lightning-debug: {report.get('status', '?')} at step {report.get('last_step', '?')}, "
+             + (f"{len(findings)} kind(s) of finding: " + ", ".join(list(findings)[:4]) if findings
+                else "no findings"))
+    return draw_debug_analysis(timeline, directory / PLOT_FILENAME, title=title,
+                               explosion_threshold=config.get("gradient_explosion_threshold"),
+                               vanishing_threshold=config.get("gradient_vanishing_threshold"))

@@ -1,0 +1,130 @@
+"""Faults a long real run meets: each ends in at most one clear warning and a run that goes on,
+or in the user's own exception, untouched; never in a crash inside the plugin."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_debug import DebugConfig, debug_callbacks
+from tests.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, regression_data
+
+
+def all_four(**overrides: Any) -> list[pl.Callback]:
+    config = DebugConfig(gradient_checking_frequency=2, memory_profiling_frequency=2, performance_profiling_frequency=2,
+                         log_gradients=True, log_weights=True, **overrides)
+    return debug_callbacks(config)
+
+
+def plugin_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "lightning-debug" in str(w.message)]
+
+
+def fit_all_four(tmp_path: Path, model: pl.LightningModule, steps: int = 12, **kwargs: Any) -> tuple[pl.Trainer, list[str]]:
+    trainer = make_trainer(tmp_path, kwargs.pop("callbacks", all_four()), max_steps=steps, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return trainer, plugin_warnings(caught)
+
+
+def failures(messages: list[str]) -> list[str]:
+    """Warnings that say a check itself broke (as opposed to findings)."""
+    return [m for m in messages if "failed (" in m]
+
+
+def test_logger_without_histograms_is_one_warning(tmp_path: Path) -> None:
+    trainer, messages = fit_all_four(tmp_path, TinyRegressor(), logger=CSVLogger(str(tmp_path)))
+    assert trainer.global_step == 12 and failures(messages) == []
+    assert len([m for m in messages if "histogram" in m.lower()]) == 1
+
+
+class GrowingModel(TinyRegressor):
+    """Adds a parameter at step 4 and removes one at step 8 (the optimizer keeps the originals)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 4 and not hasattr(self, "extra"):
+            self.extra = nn.Linear(16, 1)
+        if self.trainer.global_step == 8 and hasattr(self, "extra"):
+            del self.extra
+        loss = super().training_step(batch, batch_idx)
+        return loss + (self.extra(torch.ones(1, 16)).sum() * 0 if hasattr(self, "extra") else 0)
+
+
+def test_parameters_added_and_removed_mid_run(tmp_path: Path) -> None:
+    trainer, messages = fit_all_four(tmp_path, GrowingModel())
+    assert trainer.global_step == 12 and failures(messages) == []
+
+
+class OddParameters(TinyRegressor):
+    """Zero-size, complex, integer (frozen) and sparse-gradient parameters; a dict batch of mixed types."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+        self.complex_weight = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        self.counter = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+        self.unused_grad_none = nn.Parameter(torch.ones(2))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch["x"], batch["y"]
+        assert batch["name"] == "rows" and batch["index"] >= 0
+        loss = nn.functional.mse_loss(self(x), y)
+        extra = self.empty.sum() + self.complex_weight.abs().sum() * 1e-3
+        extra = extra + self.embedding(torch.tensor([1, 2])).sum() * 1e-3
+        return loss + extra
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        dense = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("embedding")]
+        return torch.optim.SGD([{"params": dense}, {"params": self.embedding.parameters()}], lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        data = regression_data()
+        rows = [{"x": data.tensors[0][i], "y": data.tensors[1][i], "name": "rows", "index": i} for i in range(len(data))]
+        return DataLoader(rows, batch_size=16, collate_fn=lambda items: {
+            "x": torch.stack([r["x"] for r in items]), "y": torch.stack([r["y"] for r in items]),
+            "name": "rows", "index": items[0]["index"]})
+
+
+def test_odd_parameters_and_non_tensor_batches(tmp_path: Path) -> None:
+    trainer, messages = fit_all_four(tmp_path, OddParameters(), callbacks=all_four(level="advanced"))
+    assert trainer.global_step == 12 and failures(messages) == []
+    missing = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "missing_grad"]
+    assert missing and "unused_grad_none" in json.dumps(missing[0]["details"])
+
+
+def test_keyboard_interrupt_mid_step_leaves_readable_files(tmp_path: Path) -> None:
+    class Interrupted(TinyRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 6:
+                raise KeyboardInterrupt
+            return super().training_step(batch, batch_idx)
+
+    trainer = make_trainer(tmp_path, all_four(), max_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SystemExit):  # Lightning turns Ctrl-C into a graceful exit(1)
+            trainer.fit(Interrupted(log_zero_from_step=3))
+    events = read_events(debug_dir(trainer))
+    assert any(e["kind"] == "nonfinite_loss" for e in events)
+    assert read_report(debug_dir(trainer))["status"] == "interrupted"
+
+
+def test_nan_every_step_writes_one_line_per_episode(tmp_path: Path) -> None:
+    trainer, _ = fit_all_four(tmp_path, TinyRegressor(log_zero_from_step=0), steps=60,
+                              callbacks=all_four(anomaly_detection_mode="warn"))
+    lines = (debug_dir(trainer) / "events.jsonl").read_text().splitlines()
+    loss_lines = [json.loads(line) for line in lines if '"nonfinite_loss"' in line]
+    assert [e["episode"] for e in loss_lines] == ["start", "end"]
+    assert loss_lines[1]["details"]["steps"] == 60
+    assert read_report(debug_dir(trainer))["findings"]["nonfinite_loss"]["steps"] == 60
