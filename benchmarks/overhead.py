@@ -32,26 +32,42 @@ from lightning_debug import (AnomalyDetectionCallback, DebugConfig, GradientHeal
                              PerformanceProfilerCallback)
 
 
+def per_step_median(stamps: list[float]) -> float:
+    return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+
+
 class StepClock(pl.Callback):
-    """Wall time of the steps after ``warmup`` (the GPU is synchronized only at the two ends)."""
+    """Time per step after ``warmup``.
+
+    On CPU (one intra-op thread, so all work runs on the main thread): the median per-step *CPU time
+    of the main thread* (``time.thread_time``), which a busy shared machine does not inflate the way
+    it inflates wall time; the wall-time median is kept too. On CUDA: the mean wall time over the
+    window, synchronizing only at its two ends.
+    """
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
-        self.start = 0.0
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
         self.seconds_per_step = float("nan")
-
-    def _sync(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self.wall_seconds_per_step = float("nan")
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.warmup and not self.start:
-            self._sync()
-            self.start = time.perf_counter()
+        if trainer.global_step >= self.warmup:
+            if not self.wall and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.wall.append(time.perf_counter())
+            self.cpu.append(time.thread_time())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync()
-        self.seconds_per_step = (time.perf_counter() - self.start) / (trainer.global_step - self.warmup)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.wall.append(time.perf_counter())
+            self.seconds_per_step = (self.wall[-1] - self.wall[0]) / (len(self.wall) - 1)
+            self.wall_seconds_per_step = self.seconds_per_step
+        else:
+            self.seconds_per_step = per_step_median(self.cpu)
+            self.wall_seconds_per_step = per_step_median(self.wall)
 
 
 class GradNormRecipe(pl.Callback):
@@ -116,7 +132,8 @@ class GPT(pl.LightningModule):
 
 def every_step(**overrides: Any) -> DebugConfig:
     return DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
-                       performance_profiling_frequency=1, save_debug_info=False, **overrides)
+                       performance_profiling_frequency=1, save_debug_info=False, print_summary=False,
+                       save_plots=False, **overrides)
 
 
 def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
@@ -126,11 +143,16 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
         "plain": lambda: {},
         "anomaly_warn": lambda: {"callbacks": [AnomalyDetectionCallback(every_step())]},
         "anomaly_raise": lambda: {"callbacks": [AnomalyDetectionCallback(every_step(anomaly_detection_mode="raise"))]},
+        "anomaly_advanced": lambda: {"callbacks": [AnomalyDetectionCallback(every_step(level="advanced"))]},
         "gradients_per_param": lambda: {"callbacks": [GradientHealthCallback(every_step(log_gradients=True))]},
         "memory": lambda: {"callbacks": [MemoryProfilerCallback(every_step())]},
         "performance": lambda: {"callbacks": [PerformanceProfilerCallback(every_step())]},
         "all_four": lambda: {"callbacks": [cls(every_step()) for cls in (AnomalyDetectionCallback, GradientHealthCallback,
                                                                         MemoryProfilerCallback, PerformanceProfilerCallback)]},
+        "all_four_defaults": lambda: {"callbacks": [cls(DebugConfig(save_debug_info=False, print_summary=False,
+                                                                    save_plots=False))
+                                                    for cls in (AnomalyDetectionCallback, GradientHealthCallback,
+                                                                MemoryProfilerCallback, PerformanceProfilerCallback)]},
         "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
         "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
         "anchor_device_stats": lambda: {"callbacks": [DeviceStatsMonitor()]},
@@ -165,22 +187,51 @@ def run_accelerate_once(name: str, steps: int, warmup: int) -> float:
     make_config = ACCELERATE_CONFIGURATIONS[name]
     debugger = AccelerateDebugger(accelerator, model, optimizer, make_config()) if make_config else None
     backward = debugger.backward if debugger is not None else accelerator.backward
-    start = 0.0
+    stamps: list[float] = []
+    wall: list[float] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step, (x, y) in enumerate(loader):
+            if step >= warmup:
+                stamps.append(time.thread_time() if not torch.cuda.is_available() else time.perf_counter())
+                wall.append(time.perf_counter())
             if step == steps:
                 break
-            if step == warmup:
-                start = time.perf_counter()
             backward(nn.functional.mse_loss(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
-        elapsed = (time.perf_counter() - start) / (steps - warmup)
+        elapsed = per_step_median(stamps)
         if debugger is not None:
             with contextlib.redirect_stdout(io.StringIO()):
                 debugger.finish()
     return elapsed
+
+
+class HookTimer:
+    """Main-thread CPU time spent inside lightning-debug's hooks, measured within the run itself."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wrap(self, callbacks: list[pl.Callback]) -> None:
+        for callback in callbacks:
+            if not type(callback).__module__.startswith("lightning_debug"):
+                continue
+            for name in dir(type(callback)):
+                if name.startswith("on_") or name in ("setup", "teardown", "state_dict"):
+                    setattr(callback, name, self._timed(getattr(callback, name)))
+
+    def _timed(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - started
+        return timed
+
+
+HOOK_TIMES: dict[str, list[tuple[float, float]]] = {}
 
 
 def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
@@ -198,6 +249,8 @@ def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
         extra = {"accelerator": "cpu"}
     options = configurations()[name]()
     clock = StepClock(warmup)
+    hooks = HookTimer()
+    hooks.wrap(options.get("callbacks", []))
     from lightning.pytorch.loggers import CSVLogger
 
     trainer = pl.Trainer(max_steps=steps, devices=1, logger=CSVLogger(os.environ.get("BENCH_DIR", "/tmp/ld-bench")),
@@ -207,6 +260,9 @@ def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader)
+    if hooks.seconds:
+        total_cpu = clock.cpu[-1] - clock.cpu[0] if len(clock.cpu) > 1 else float("nan")
+        HOOK_TIMES.setdefault(name, []).append((hooks.seconds / steps, total_cpu / max(len(clock.cpu) - 1, 1)))
     return clock.seconds_per_step
 
 
@@ -217,7 +273,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated configuration names")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: stabler)")
     args = parser.parse_args()
+    if args.model == "mlp":
+        torch.set_num_threads(args.threads)
     every_name = [*configurations(), *(ACCELERATE_CONFIGURATIONS if args.model == "mlp" else {})]
     names = [n for n in every_name if not args.only or n in args.only.split(",")]
     if "plain" not in names:
@@ -234,14 +293,24 @@ def main() -> None:
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     device = torch.cuda.get_device_name() if args.model == "gpt" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nModel: {args.model}; device: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
-          f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up)\n")
-    print("| configuration | median ms/step | ratio to its plain loop | spread (min-max ms) |")
+          f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up); "
+          f"{'median step of each run, ' if args.model == 'mlp' else ''}median over runs\n")
+    unit = " (main-thread CPU time)" if args.model == "mlp" else ""
+    print(f"| configuration | median ms/step{unit} | ratio to its plain loop | spread (min-max ms) |")
     print("|---|---|---|---|")
     for name in names:
         median = statistics.median(times[name])
         baseline = statistics.median(times["accelerate_plain" if name.startswith("accelerate") else "plain"])
         print(f"| {name} | {median * 1e3:.2f} | {median / baseline:.3f}x | "
               f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f} |")
+    if HOOK_TIMES and args.model == "mlp":
+        print("\nWithin-run cost of lightning-debug's hooks (main-thread CPU time; immune to drift between runs):\n")
+        print("| configuration | hooks ms/step | rest of the step ms | overhead |")
+        print("|---|---|---|---|")
+        for name, samples in HOOK_TIMES.items():
+            hook_ms = statistics.median(h for h, _ in samples) * 1e3
+            step_ms = statistics.median(t for _, t in samples) * 1e3
+            print(f"| {name} | {hook_ms:.3f} | {step_ms - hook_ms:.2f} | {step_ms / (step_ms - hook_ms):.3f}x |")
 
 
 if __name__ == "__main__":

@@ -7,29 +7,52 @@ Example::
     from lightning_debug import DebugConfig, debug_callbacks
 
     trainer = pl.Trainer(callbacks=debug_callbacks(DebugConfig(anomaly_detection_mode="skip")))
+
+The names below are imported on first use, so ``lightning-debug --version`` does not load torch.
 """
 
-from lightning_debug._version import __version__
-from lightning_debug.callbacks.anomaly import AnomalyDetectionCallback
-from lightning_debug.callbacks.gradients import GradientHealthCallback
-from lightning_debug.callbacks.memory import MemoryProfilerCallback
-from lightning_debug.callbacks.performance import PerformanceProfilerCallback
-from lightning_debug.checks.tensors import TensorStats, inspect_tensor
-from lightning_debug.config import DebugConfig, DebugLevel, DebugMode
-from lightning_debug.errors import AnomalyError
-from lightning_debug.presets import debug_callbacks
+from __future__ import annotations
 
-__all__ = [
-    "AnomalyDetectionCallback",
-    "AnomalyError",
-    "DebugConfig",
-    "DebugLevel",
-    "DebugMode",
-    "GradientHealthCallback",
-    "MemoryProfilerCallback",
-    "PerformanceProfilerCallback",
-    "TensorStats",
-    "__version__",
-    "debug_callbacks",
-    "inspect_tensor",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_debug._version import __version__
+
+_EXPORTS = {
+    "AnomalyDetectionCallback": "lightning_debug.callbacks.anomaly",
+    "GradientHealthCallback": "lightning_debug.callbacks.gradients",
+    "MemoryProfilerCallback": "lightning_debug.callbacks.memory",
+    "PerformanceProfilerCallback": "lightning_debug.callbacks.performance",
+    "TensorStats": "lightning_debug.checks.tensors",
+    "inspect_tensor": "lightning_debug.checks.tensors",
+    "DebugConfig": "lightning_debug.config",
+    "DebugLevel": "lightning_debug.config",
+    "DebugMode": "lightning_debug.config",
+    "AnomalyError": "lightning_debug.errors",
+    "debug_callbacks": "lightning_debug.presets",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from lightning_debug.callbacks.anomaly import AnomalyDetectionCallback
+    from lightning_debug.callbacks.gradients import GradientHealthCallback
+    from lightning_debug.callbacks.memory import MemoryProfilerCallback
+    from lightning_debug.callbacks.performance import PerformanceProfilerCallback
+    from lightning_debug.checks.tensors import TensorStats, inspect_tensor
+    from lightning_debug.config import DebugConfig, DebugLevel, DebugMode
+    from lightning_debug.errors import AnomalyError
+    from lightning_debug.presets import debug_callbacks
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_debug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -32,22 +32,21 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_debug.checks.localize import tensors_in
 from lightning_debug.checks.memory import is_out_of_memory
 from lightning_debug.config import DebugConfig, resolve_config
+from lightning_debug.core.guard import CheckFailures, guarded
 from lightning_debug.core.session import DebugSession
 from lightning_debug.core.step_numerics import AllGather, StepNumerics
-from lightning_debug.errors import AnomalyError
 from lightning_debug.monitors.anomaly import AnomalyMonitor
 from lightning_debug.monitors.gradients import GradientMonitor, HistogramWriter
 from lightning_debug.monitors.memory import MemoryMonitor
@@ -60,32 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["AccelerateDebugger"]
 
 SOURCE = "AccelerateDebugger"
-MethodT = TypeVar("MethodT", bound=Callable[..., Any])
 SizeFn = Callable[[Any], int]
-
-
-def guarded(method: MethodT) -> MethodT:
-    """A failure inside a check becomes one warning per method and training goes on.
-
-    :class:`~lightning_debug.AnomalyError` (``anomaly_detection_mode="raise"``) passes through.
-    """
-
-    @functools.wraps(method)
-    def wrapper(self: "AccelerateDebugger", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except AnomalyError:
-            raise
-        except Exception as failure:
-            if method.__name__ not in self._failed_methods:
-                self._failed_methods.add(method.__name__)
-                warnings.warn(
-                    f"lightning-debug: AccelerateDebugger.{method.__name__} failed "
-                    f"({type(failure).__name__}: {failure}); this check is skipped, training continues.",
-                    RuntimeWarning, stacklevel=2)
-            return None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def resolve_output_dir(accelerator: "Accelerator", config: DebugConfig) -> Path | None:
@@ -253,7 +227,6 @@ class AccelerateDebugger:
         self.epoch = 0
         self.batch = 0
         self.should_stop = False
-        self._failed_methods: set[str] = set()
         self._finished = False
         self._flushed_before = 0
         self._batch_open = False
@@ -379,19 +352,11 @@ class AccelerateDebugger:
         """One monitor call, isolated: a failing check warns once and the other areas and training go
         on (the Lightning callbacks get the same isolation from being separate callbacks).
         :class:`~lightning_debug.AnomalyError` passes through."""
-        try:
-            return call(*args, **kwargs)
-        except AnomalyError:
-            raise
-        except Exception as failure:
-            owner = getattr(call, "__self__", None)
-            name = (f"{type(owner).__name__}.{getattr(call, '__name__', '?')}" if owner is not None
-                    else getattr(call, "__qualname__", repr(call)))
-            if name not in self._failed_methods:
-                self._failed_methods.add(name)
-                warnings.warn(f"lightning-debug: {name} failed ({type(failure).__name__}: {failure}); this check "
-                              "is skipped, training continues.", RuntimeWarning, stacklevel=3)
-            return None
+        owner = getattr(call, "__self__", None)
+        name = (f"{type(owner).__name__}.{getattr(call, '__name__', '?')}" if owner is not None
+                else getattr(call, "__qualname__", repr(call)))
+        failures = self.__dict__.setdefault("_check_failures", CheckFailures())
+        return failures.call(name, call, *args, **kwargs)
 
     @guarded
     def _start(self, train_dataloader: Any) -> None:

@@ -1,26 +1,30 @@
-"""Two CPU processes (gloo): every rank takes the same decision at the same step."""
+"""Two CPU processes (gloo): every rank takes the same decision at the same step, files come from rank zero."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.toolkit import read_events
+from tests.toolkit import read_events, read_report
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 TIMEOUT_S = 150
 
 
-def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 4) -> list[dict]:
+def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 4, strategy: str = "ddp",
+                  all_four: bool = False) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    completed = subprocess.run([sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step)],
-                               capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    command = [sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step), strategy]
+    completed = subprocess.run(command + (["--all-four"] if all_four else []), capture_output=True, text=True,
+                               timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert len(results) == 2, f"both ranks must finish; stderr:\n{completed.stderr[-3000:]}"
     return results
@@ -49,3 +53,93 @@ def test_skip_on_rank_zero_skips_on_both_ranks(tmp_path: Path) -> None:
     results = run_two_ranks(tmp_path, "skip", nan_rank=0, nan_step=6)
     assert [r["global_step"] for r in results] == [12, 12]
     assert all(r["params_finite"] and r["exception"] is None for r in results)
+
+
+# --- all four callbacks, every check on every step ---------------------------------------------------
+def files_named(root: Path, pattern: str) -> list[Path]:
+    return sorted(root.rglob(pattern))
+
+
+def assert_same_on_both_ranks(results: list[dict[str, Any]]) -> None:
+    """The decisions, the steps at which each rank entered the plugin's collectives, and the weights."""
+    zero, one = results
+    assert zero["decisions"] == one["decisions"]
+    assert zero["gather_steps"] == one["gather_steps"] and zero["gather_steps"], "collectives on every rank alike"
+    assert (zero["exception"], zero.get("exception_step")) == (one["exception"], one.get("exception_step"))
+    assert zero["global_step"] == one["global_step"]
+    assert zero["param_checksum"] == pytest.approx(one["param_checksum"], rel=1e-9), "replicas stay identical"
+
+
+def assert_written_once_by_rank_zero(tmp_path: Path, results: list[dict[str, Any]]) -> Path:
+    """One events.jsonl and one report.json in the whole run tree, in rank zero's debug directory."""
+    zero, one = results
+    assert zero["is_global_zero"] and not one["is_global_zero"]
+    assert one["output_dir"] is None and one["events_path"] is None, "rank 1 writes no files"
+    debug_dir = Path(zero["output_dir"])
+    assert files_named(tmp_path, "events.jsonl") == [debug_dir / "events.jsonl"]
+    assert files_named(tmp_path, "report.json") == [debug_dir / "report.json"]
+    assert len(files_named(tmp_path, "events.out.tfevents*")) == 1, "scalars from rank zero only"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert len(files_named(tmp_path, "debug_analysis.png")) == 1
+    return debug_dir
+
+
+def assert_anomaly_labelled_with_rank(debug_dir: Path, step: int, rank: int) -> None:
+    starts = [e for e in read_events(debug_dir) if e["kind"] == "nonfinite_loss" and e.get("episode") == "start"]
+    assert len(starts) == 1
+    assert starts[0]["step"] == step and starts[0]["details"]["ranks"] == [rank]
+    assert starts[0]["details"]["world_size"] == 2 and f"on rank {rank}" in starts[0]["message"]
+    finding = read_report(debug_dir)["findings"]["nonfinite_loss"]
+    assert finding["first_step"] == step and f"on rank {rank}" in finding["first_message"]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_all_four_stop_on_rank_one(tmp_path: Path) -> None:
+    results = run_two_ranks(tmp_path, "stop", nan_rank=1, nan_step=4, all_four=True)
+    assert_same_on_both_ranks(results)
+    assert results[0]["decisions"] == [[step, "step"] for step in range(4)] + [[4, "skip+stop"]]
+    assert all(r["global_step"] == 5 and r["should_stop"] and r["params_finite"] and r["exception"] is None
+               for r in results)
+    debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
+    assert_anomaly_labelled_with_rank(debug_dir, step=4, rank=1)
+    report = read_report(debug_dir)
+    assert report["status"] == "finished" and report["last_step"] == 5
+    assert {"anomaly", "gradients", "memory", "performance"} <= set(report["sections"])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_all_four_raise_on_rank_zero(tmp_path: Path) -> None:
+    results = run_two_ranks(tmp_path, "raise", nan_rank=0, nan_step=4, all_four=True)
+    assert_same_on_both_ranks(results)
+    assert [(r["exception"], r["exception_step"]) for r in results] == [("AnomalyError", 4)] * 2
+    assert results[0]["decisions"] == [[step, "step"] for step in range(4)]
+    debug_dir = Path(results[0]["output_dir"])
+    assert results[1]["output_dir"] is None
+    assert files_named(tmp_path, "events.jsonl") == [debug_dir / "events.jsonl"]
+    assert files_named(tmp_path, "report.json") == [debug_dir / "report.json"]
+    assert_anomaly_labelled_with_rank(debug_dir, step=4, rank=0)
+    report = read_report(debug_dir)
+    assert report["status"] == "failed" and "AnomalyError" in report["error"]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_all_four_skip_on_rank_one(tmp_path: Path) -> None:
+    results = run_two_ranks(tmp_path, "skip", nan_rank=1, nan_step=6, all_four=True)
+    assert_same_on_both_ranks(results)
+    assert results[0]["decisions"] == [[s, "step"] for s in range(6)] + [[s, "skip"] for s in range(6, 12)]
+    assert all(r["global_step"] == 12 and r["skipped_steps"] == 6 and r["params_finite"] for r in results)
+    debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
+    assert_anomaly_labelled_with_rank(debug_dir, step=6, rank=1)
+    ends = [e for e in read_events(debug_dir) if e["kind"] == "nonfinite_loss" and e.get("episode") == "end"]
+    assert [(e["details"]["first_step"], e["details"]["steps"]) for e in ends] == [(6, 6)]
+    assert read_report(debug_dir)["sections"]["anomaly"]["skipped_steps"] == 6
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_all_four_pickle_and_run_under_ddp_spawn(tmp_path: Path) -> None:
+    results = run_two_ranks(tmp_path, "skip", nan_rank=1, nan_step=6, strategy="ddp_spawn", all_four=True)
+    assert_same_on_both_ranks(results)
+    assert all(r["global_step"] == 12 and r["skipped_steps"] == 6 for r in results)
+    debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
+    assert read_report(debug_dir)["status"] == "finished"
+    assert_anomaly_labelled_with_rank(debug_dir, step=6, rank=1)

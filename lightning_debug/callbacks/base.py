@@ -2,47 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_debug.config import DebugConfig, resolve_config
+from lightning_debug.core.guard import guarded
 from lightning_debug.core.monitor import Monitor
 from lightning_debug.core.session import DebugSession
 from lightning_debug.core.step_numerics import AllGather, StepNumerics
-from lightning_debug.errors import AnomalyError
 
 SESSION_ATTRIBUTE = "_lightning_debug_session"
-HookT = TypeVar("HookT", bound=Callable[..., Any])
-
-
-def guarded(hook: HookT) -> HookT:
-    """Monitoring never breaks training: a failure inside a hook becomes one warning per hook.
-
-    :class:`AnomalyError` (the user asked for ``raise``) and ``KeyboardInterrupt`` pass through.
-    """
-
-    @functools.wraps(hook)
-    def wrapper(self: "DebugCallback", *args: Any, **kwargs: Any) -> Any:
-        try:
-            return hook(self, *args, **kwargs)
-        except AnomalyError:
-            raise
-        except Exception as failure:
-            if hook.__name__ not in self._failed_hooks:
-                self._failed_hooks.add(hook.__name__)
-                warnings.warn(
-                    f"lightning-debug: {type(self).__name__}.{hook.__name__} failed "
-                    f"({type(failure).__name__}: {failure}); this check is skipped, training continues.",
-                    RuntimeWarning, stacklevel=2)
-            return None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> Path | None:
@@ -105,7 +78,6 @@ class DebugCallback(Callback):
     def __init__(self, config: DebugConfig | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
         self.monitor: Monitor = self.make_monitor()
-        self._failed_hooks: set[str] = set()
         self._batch_idx = 0
 
     def make_monitor(self) -> Monitor:

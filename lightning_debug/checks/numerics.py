@@ -43,46 +43,11 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
                  else torch._foreach_norm(group, 2, dtype=torch.float32))
         for index, norm in zip(indices, norms):
             results[index] = norm.float()
+    if len(groups) == 1 and next(iter(groups))[0] == device and len(groups[next(iter(groups))]) == len(tensors):
+        return torch.stack(results)  # type: ignore[arg-type]
     return torch.stack([norm.to(device, non_blocking=True) for norm in results])  # type: ignore[union-attr]
-
-
-def global_norm(norms: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of the concatenation of tensors, from their individual norms."""
-    return torch.linalg.vector_norm(norms) if norms.numel() else norms.new_zeros(())
-
-
-def all_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d bool tensor: every element of ``tensor`` is finite (no sync)."""
-    return torch.isfinite(tensor.detach()).all()
 
 
 def nonfinite_positions(values: Sequence[float]) -> list[int]:
     """Indices of the host values that are NaN or infinite."""
     return [i for i, value in enumerate(values) if not math.isfinite(value)]
-
-
-def elements_nonfinite(tensors: Sequence[torch.Tensor]) -> list[bool]:
-    """Per tensor: does it hold a NaN/Inf element? One sync; for the rare confirmation path only.
-
-    A norm can overflow to ``inf`` for large finite values, so a non-finite norm is confirmed here
-    before a parameter is called non-finite.
-    """
-    if not tensors:
-        return []
-    flags = [~torch.isfinite(t.detach()).all() if t.numel() and (t.is_floating_point() or t.is_complex())
-             else torch.zeros((), dtype=torch.bool, device=t.device) for t in tensors]
-    device = flags[0].device
-    return [bool(v) for v in torch.stack([f.to(device) for f in flags]).tolist()]
-
-
-def max_abs(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Largest finite magnitude of each tensor (rare path: one sync)."""
-    if not tensors:
-        return []
-    out = []
-    for t in tensors:
-        data = t.detach().float()
-        finite = data[torch.isfinite(data)]
-        out.append(finite.abs().max() if finite.numel() else data.new_zeros(()))
-    device = out[0].device
-    return torch.stack([v.to(device) for v in out]).tolist()

@@ -10,10 +10,9 @@ is the truth and is read at once. Nothing here knows about Lightning or Accelera
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -184,90 +183,6 @@ def infer_batch_size(batch: Any, _depth: int = 0) -> int | None:
         if size is not None:
             return size
     return None
-
-
-class Reservoir:
-    """A uniform sample of a stream in bounded memory (Vitter's algorithm R), for run-wide quantiles.
-
-    Example::
-
-        >>> reservoir = Reservoir(size=100)
-        >>> for value in range(10_000):
-        ...     reservoir.add(float(value))
-        >>> len(reservoir.values), 3000 < reservoir.quantile(0.5) < 7000
-        (100, True)
-    """
-
-    def __init__(self, size: int = 1024, seed: int = 0) -> None:
-        self.size = size
-        self.values: list[float] = []
-        self.seen = 0
-        self._random = random.Random(seed)
-
-    def add(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        self.seen += 1
-        if len(self.values) < self.size:
-            self.values.append(value)
-        else:
-            slot = self._random.randrange(self.seen)
-            if slot < self.size:
-                self.values[slot] = value
-
-    def quantile(self, q: float) -> float:
-        return quantile(self.values, q)
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (NaN for no values).
-
-    Example::
-
-        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
-        (2.5, 4.6)
-    """
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass
-class PhaseStats:
-    """Count, mean, max exactly and median/p90 from a reservoir, for one measured quantity."""
-
-    count: int = 0
-    total: float = 0.0
-    minimum: float = math.inf
-    maximum: float = -math.inf
-    reservoir: Reservoir = field(default_factory=Reservoir)
-
-    def add(self, value: float) -> None:
-        if not math.isfinite(value):
-            return
-        self.count += 1
-        self.total += value
-        self.minimum = min(self.minimum, value)
-        self.maximum = max(self.maximum, value)
-        self.reservoir.add(value)
-
-    def summary(self) -> dict[str, Any]:
-        if not self.count:
-            return {"count": 0}
-        return {"count": self.count, "mean": self.total / self.count, "median": self.reservoir.quantile(0.5),
-                "p90": self.reservoir.quantile(0.9), "min": self.minimum, "max": self.maximum}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "total": self.total, "minimum": self.minimum, "maximum": self.maximum}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count, self.total = int(state.get("count", 0)), float(state.get("total", 0.0))
-        self.minimum = float(state.get("minimum", math.inf))
-        self.maximum = float(state.get("maximum", -math.inf))
 
 
 @dataclass

@@ -54,6 +54,7 @@ class DebugSession:
         self.contributors: list[ReportContributor] = []
         self._loss_finite: dict[int, torch.Tensor] = {}
         self._numerics: StepNumerics | None = None
+        self.want_param_norms = False  # set by checks that need every weight's norm (weight logging)
         self._pending: list[StepNumerics] = []
         self._report_failed = False
 
@@ -102,7 +103,7 @@ class DebugSession:
         """This step's :class:`StepNumerics`, computed by the first caller, shared with the rest."""
         if self._numerics is None or self._numerics.step != step:
             self._numerics = StepNumerics(step, list(named_parameters()), self._loss_finite.pop(step, None),
-                                          all_gather, grads_sharded, grad_scale)
+                                          all_gather, grads_sharded, grad_scale, self.want_param_norms)
             self._pending.append(self._numerics)
         return self._numerics
 

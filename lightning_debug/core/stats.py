@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -51,6 +53,83 @@ class RunningStats:
         self.maximum, self.last = float(state["maximum"]), float(state["last"])
 
 
+class Reservoir:
+    """A uniform sample of a stream in bounded memory (Vitter's algorithm R), for run-wide quantiles.
+
+    Example::
+
+        >>> reservoir = Reservoir(size=100)
+        >>> for value in range(10_000):
+        ...     reservoir.add(float(value))
+        >>> len(reservoir.values), 3000 < reservoir.quantile(0.5) < 7000
+        (100, True)
+    """
+
+    def __init__(self, size: int = 1024, seed: int = 0) -> None:
+        self.size = size
+        self.values: list[float] = []
+        self.seen = 0
+        self._random = random.Random(seed)
+
+    def add(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(value)
+        else:
+            slot = self._random.randrange(self.seen)
+            if slot < self.size:
+                self.values[slot] = value
+
+    def quantile(self, q: float) -> float:
+        return quantile(self.values, q)
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (NaN for no values).
+
+    Example::
+
+        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
+        (2.5, 4.6)
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class DistributionStats(RunningStats):
+    """:class:`RunningStats` plus median and p90 from a bounded :class:`Reservoir` sample.
+
+    Example::
+
+        >>> stats = DistributionStats()
+        >>> for value in (1.0, 2.0, 3.0, 4.0):
+        ...     stats.add(value)
+        >>> stats.summary()["median"], stats.summary()["max"]
+        (2.5, 4.0)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reservoir = Reservoir()
+
+    def add(self, value: float) -> None:
+        super().add(value)
+        self.reservoir.add(value)
+
+    def summary(self) -> dict[str, Any]:
+        summary = super().summary()
+        if self.count:
+            summary.update(median=self.reservoir.quantile(0.5), p90=self.reservoir.quantile(0.9))
+        return summary
+
+
 class Window:
     """The last ``size`` values, for medians and trends over recent steps."""
 
@@ -65,14 +144,7 @@ class Window:
         return len(self.values)
 
     def median(self) -> float:
-        if not self.values:
-            return math.nan
-        ordered = sorted(self.values)
-        middle = len(ordered) // 2
-        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+        return quantile(self.values, 0.5)
 
     def quantile(self, q: float) -> float:
-        if not self.values:
-            return math.nan
-        ordered = sorted(self.values)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return quantile(self.values, q)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from lightning_debug.checks.numerics import fused_norms
 from lightning_debug.core.readback import Readback
@@ -32,6 +33,7 @@ class HostNumerics:
     param_norms: list[float]
     missing: list[str]
     grads_sharded: bool
+    scan_parameters: Callable[[], list[tuple[str, float]]] | None = None
 
     @property
     def loss_checked(self) -> bool:
@@ -58,6 +60,9 @@ class HostNumerics:
         return [(n, v) for n, v in zip(self.grad_names, self.grad_norms) if not math.isfinite(v)]
 
     def nonfinite_params(self) -> list[tuple[str, float]]:
+        """Non-finite parameters: from the step's norms when they were computed, else scanned now."""
+        if not self.param_norms and self.scan_parameters is not None:
+            return self.scan_parameters()
         return [(n, v) for n, v in zip(self.param_names, self.param_norms) if not math.isfinite(v)]
 
 
@@ -70,13 +75,18 @@ class StepNumerics:
         loss_finite: 0-d bool tensor, all losses of this step finite, or None when nobody looked.
         all_gather: Gathers a 1-d tensor from every rank into ``[world, n]``; None on one process.
         grads_sharded: Gradients are shards (FSDP), so squared norms add up across ranks.
+        with_param_norms: Also compute every parameter's norm (for weight norms and update ratios).
+            Without it, parameters are scanned only when asked (:meth:`scan_parameters`), which the
+            anomaly check does when the loss or gradients are non-finite: a non-finite weight shows
+            up there on the next forward, so healthy steps skip a full pass over the weights.
         grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
             as in an Accelerate loop right after backward): norms are divided by it on the device.
     """
 
     def __init__(self, step: int, named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
                  loss_finite: torch.Tensor | None, all_gather: AllGather | None = None,
-                 grads_sharded: bool = False, grad_scale: torch.Tensor | None = None) -> None:
+                 grads_sharded: bool = False, grad_scale: torch.Tensor | None = None,
+                 with_param_norms: bool = False) -> None:
         self.step = step
         self.grads_sharded = grads_sharded
         trainable = [(name, p) for name, p in named_parameters if p.requires_grad and p.numel() > 0]
@@ -84,14 +94,14 @@ class StepNumerics:
         self.missing = [name for name, p in trainable if p.grad is None]
         self.grad_names = [name for name, _ in with_grad]
         self.param_names = [name for name, _ in trainable]
-        self.grads = [p.grad for _, p in with_grad]
         self.parameters = [p for _, p in trainable]
         device = (self.parameters[0].device if self.parameters
                   else loss_finite.device if loss_finite is not None else torch.device("cpu"))
-        self.grad_norms = fused_norms(self.grads, device)  # type: ignore[arg-type]
+        self.grad_norms = fused_norms([p.grad for _, p in with_grad], device)  # type: ignore[misc]
         if grad_scale is not None:
             self.grad_norms = self.grad_norms / grad_scale.detach().to(device=device, dtype=torch.float32)
-        self.param_norms = fused_norms(self.parameters, device)
+        self.param_norms = (fused_norms(self.parameters, device) if with_param_norms
+                            else torch.zeros(0, dtype=torch.float32, device=device))
         loss_flag = (loss_finite.to(device=device, dtype=torch.float32) if loss_finite is not None
                      else torch.full((), -1.0, device=device))
         row = torch.stack([
@@ -107,17 +117,25 @@ class StepNumerics:
         self._host: HostNumerics | None = None
         self._subscribers: list[Callable[[HostNumerics], None]] = []
 
-    def global_norm_tensor(self) -> torch.Tensor:
-        """Device-side global gradient norm of this rank's gradients (no sync)."""
-        return self.grad_norms.square().sum().sqrt()
+    def scan_parameters(self) -> list[tuple[str, float]]:
+        """Names and norms of the non-finite parameters, now (one sync; the anomaly path only).
+
+        Under several processes the count is max-reduced, so every rank agrees that something is
+        wrong even when parameters are sharded.
+        """
+        norms = fused_norms(self.parameters)
+        bad = ~torch.isfinite(norms)
+        count = bad.sum()
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if not int(count):
+            return []
+        values = norms.tolist()
+        return [(name, value) for name, value in zip(self.param_names, values) if not math.isfinite(value)]
 
     def subscribe(self, consumer: Callable[[HostNumerics], None]) -> None:
         """Call ``consumer`` with the host values once they are read back."""
         self._subscribers.append(consumer)
-
-    @property
-    def has_subscribers(self) -> bool:
-        return bool(self._subscribers)
 
     def stage(self, blocking: bool) -> None:
         if self._readback is None:
@@ -139,9 +157,8 @@ class StepNumerics:
             self._host = HostNumerics(
                 step=self.step, ranks=ranks, grad_names=self.grad_names, grad_norms=values[offset:grads_end],
                 param_names=self.param_names, param_norms=values[grads_end:], missing=self.missing,
-                grads_sharded=self.grads_sharded,
+                grads_sharded=self.grads_sharded, scan_parameters=self.scan_parameters,
             )
-            self.grads, self.parameters = [], []
         return self._host
 
     def deliver(self) -> None:

@@ -36,7 +36,7 @@ def _names(items: list[tuple[str, float]]) -> str:
 
 
 def _on_ranks(ranks: list[int], world_size: int) -> str:
-    return f" on rank {', '.join(map(str, ranks))}" if world_size > 1 else ""
+    return f" on rank {', '.join(map(str, ranks))}" if world_size > 1 and ranks else ""
 
 
 def _advice(cause: Cause) -> str:
@@ -153,7 +153,7 @@ class AnomalyMonitor(Monitor):
     def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
         """Localize the first step of an episode of non-finite loss or gradients (every rank at once)."""
         anomalous = bool(host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads)
-        if not anomalous or host.ranks_with_nonfinite_params or (self.uses_grad_scaler and not host.ranks_with_nonfinite_loss):
+        if not anomalous or (self.uses_grad_scaler and not host.ranks_with_nonfinite_loss):
             return None
         if any(kind in ("nonfinite_loss", "nonfinite_grad") for kind, _ in self.episodes.open):
             return None
@@ -196,7 +196,7 @@ class AnomalyMonitor(Monitor):
         step, world = host.step, len(host.ranks)
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
-        bad_params = host.nonfinite_params()
+        bad_params = host.nonfinite_params() if bad_loss_ranks or bad_grads or host.param_norms else []
         kinds: list[str] = []
         if self.uses_grad_scaler and bad_grads and not bad_loss_ranks and not bad_params:
             kinds.append("amp_overflow_skipped")

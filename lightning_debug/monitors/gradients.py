@@ -26,6 +26,7 @@ from lightning_debug.checks.gradients import (
 )
 from lightning_debug.config import DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.session import DebugSession
 from lightning_debug.core.monitor import Monitor, Where
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.schedule import CheckSchedule
@@ -209,6 +210,11 @@ class GradientMonitor(Monitor):
     @property
     def measures_updates(self) -> bool:
         return self.config.log_weights or self.config.level >= DebugLevel.ADVANCED
+
+    def attach(self, session: DebugSession) -> None:
+        super().attach(session)
+        if self.measures_updates:
+            session.want_param_norms = True  # weight norms and update ratios need every weight's norm
 
     @property
     def wants_histograms(self) -> bool:

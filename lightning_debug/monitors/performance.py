@@ -22,7 +22,6 @@ import torch
 from lightning_debug.checks.timing import (
     PHASES,
     Mark,
-    PhaseStats,
     PhaseTimer,
     StepTimes,
     Stopwatch,
@@ -36,7 +35,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.monitor import Monitor, Where
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.schedule import CheckSchedule
-from lightning_debug.core.stats import Window
+from lightning_debug.core.stats import DistributionStats, Window
 
 PERF_KINDS = {"slow_step", "dataloader_bottleneck"}
 STRAGGLER_KIND = "straggler_rank"
@@ -188,7 +187,7 @@ class PerformanceMonitor(Monitor):
         self.rank = rank
         self.all_gather = all_gather
         self.loader: dict[str, Any] | None = None
-        self.stats: dict[str, PhaseStats] = {name: PhaseStats() for name in ("step", *PHASES, "samples_per_sec",
+        self.stats: dict[str, DistributionStats] = {name: DistributionStats() for name in ("step", *PHASES, "samples_per_sec",
                                                                               "tokens_per_sec")}
         self.profile_window = self._resolve_profile_window(config)
         self.sync_window = SYNC_DEBUG_WINDOW if config.level >= DebugLevel.EXPERT else None
