@@ -21,7 +21,27 @@ from dataclasses import dataclass
 from typing import Any
 
 
-class DebugMode(enum.Enum):
+class _AnyCaseNames(enum.EnumMeta):
+    """``DebugMode["full_debug"]`` is ``DebugMode.FULL_DEBUG``.
+
+    LightningCLI (jsonargparse) reads an enum from YAML by looking its member up by name, so this
+    makes a nested ``config: {mode: full_debug, level: advanced}`` accept the same spellings as
+    ``DebugConfig(mode="full_debug")``; an unknown name is still a ``KeyError``.
+    """
+
+    def __getitem__(cls, name: Any) -> Any:
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            if isinstance(name, str):
+                wanted = name.strip().lower()
+                for member in cls:  # type: ignore[var-annotated]
+                    if wanted in (member.name.lower(), str(member.value).lower()):
+                        return member
+            raise
+
+
+class DebugMode(enum.Enum, metaclass=_AnyCaseNames):
     """Which callbacks :func:`lightning_debug.debug_callbacks` returns."""
 
     NONE = "none"
@@ -32,7 +52,7 @@ class DebugMode(enum.Enum):
     FULL_DEBUG = "full_debug"
 
 
-class DebugLevel(enum.Enum):
+class DebugLevel(enum.Enum, metaclass=_AnyCaseNames):
     """How deep each check goes; a higher level includes everything of the lower ones."""
 
     BASIC = "basic"
