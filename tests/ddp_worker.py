@@ -1,13 +1,13 @@
 """Two-process CPU DDP run used by test_distributed.py: a NaN loss on one rank only.
 
-Usage: python tests/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four]
+Usage: python tests/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four [--level LEVEL]]
 
-``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step;
-otherwise only AnomalyDetectionCallback. Each rank writes OUT_DIR/result_<rank>.json with how its
-training ended, the decision it took at each optimizer step, the steps at which it entered the
-plugin's collectives, a checksum of its weights and where its debug session writes (None on the
-ranks that must not write). Under ``ddp_spawn`` the ranks write it from inside the spawned
-processes (the launching process only starts them).
+``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step (at
+``LEVEL``, default basic); otherwise only AnomalyDetectionCallback. Each rank writes
+OUT_DIR/result_<rank>.json with how its training ended, the decision it took at each optimizer
+step, the steps at which it entered the plugin's collectives, a checksum of its weights and where
+its debug session writes (None on the ranks that must not write). Under ``ddp_spawn`` the ranks
+write it from inside the spawned processes (the launching process only starts them).
 """
 
 from __future__ import annotations
@@ -97,11 +97,12 @@ def main() -> None:
     parser.add_argument("nan_step", type=int)
     parser.add_argument("strategy", nargs="?", default="ddp")
     parser.add_argument("--all-four", action="store_true")
+    parser.add_argument("--level", default="basic")
     args = parser.parse_args()
     if args.all_four:
         config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
                              memory_profiling_frequency=1, performance_profiling_frequency=1, log_gradients=True,
-                             log_weights=True)
+                             log_weights=True, level=args.level)
         callbacks = debug_callbacks(config)
     else:
         callbacks = [AnomalyDetectionCallback(anomaly_detection_mode=args.mode)]
@@ -114,6 +115,7 @@ def main() -> None:
     except Exception as error:  # recorded for the test to compare across ranks
         outcome["exception"] = type(error).__name__
         outcome["exception_step"] = getattr(error, "step", None)
+        outcome["exception_message"] = str(error)
     if spawned:
         return  # the spawned ranks wrote their results; this process only launched them
     # trainer.log_dir broadcasts (a collective), so it is read only after a clean end

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from lightning_debug import (AnomalyDetectionCallback, DebugConfig, DebugLevel, DebugMode, GradientHealthCallback,
@@ -126,3 +128,114 @@ trainer:
       init_args:
         anomaly_detection_mode: ignore
 """)
+
+
+# --- property tests: many fields at once from Python, one field at a time from a LightningCLI YAML file ---
+FIELD_NAMES = [f.name for f in dataclasses.fields(DebugConfig)]
+CALLBACK_CLASSES = [AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
+                    PerformanceProfilerCallback]
+WORDS = ["warn", "RAISE", " skip ", "ignore", "full_debug", "Anomaly_Detection", "NONE", "everything", "advanced",
+         "EXPERT", "deep", "", "  ", "runs/debug", "10", "0", "-3", "2.5", "1e3", "nan", "yes", "no", "True", "off",
+         "null"]
+YAML_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 500), st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(WORDS), st.text(max_size=6),
+    st.lists(st.one_of(st.integers(-2, 30), st.floats(0, 3), st.booleans()), max_size=3),
+)
+
+
+def _names_field(message: str, field: str) -> bool:
+    return re.search(rf"(?<!\w){field}(?!\w)", message) is not None
+
+
+@settings(max_examples=100, deadline=None)
+@given(values=st.dictionaries(st.sampled_from(FIELD_NAMES), YAML_VALUES, min_size=1, max_size=5))
+def test_several_fields_at_once_are_accepted_or_rejected_naming_one_of_them(values: dict[str, Any]) -> None:
+    try:
+        config = DebugConfig(**values)
+    except ValueError as error:
+        assert any(_names_field(str(error), f"DebugConfig.{field}") for field in values), str(error)
+    else:
+        assert DebugConfig(**config.to_dict()) == config  # an accepted config survives a trip through plain values
+
+
+def _yaml_through_lightning_cli(directory: Path, callback: type, init_args: dict[str, Any]) -> DebugConfig | str:
+    """The callback's config as LightningCLI builds it from a YAML file, or the error text a user would see."""
+    import argparse
+    import io
+    import warnings
+
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+
+    from tests.toolkit import TinyRegressor
+
+    entry = {"class_path": f"lightning_debug.{callback.__name__}", "init_args": init_args}
+    document = {"trainer": {"logger": False, "enable_checkpointing": False, "callbacks": [entry]}}
+    config_file = directory / "config.yaml"
+    config_file.write_text(yaml.safe_dump(document))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # LightningCLI warns that pytest's own argv is also there
+            cli = LightningCLI(TinyRegressor, run=False, args=["--config", str(config_file)],
+                               save_config_callback=None, parser_kwargs={"exit_on_error": False})
+    except (ValueError, TypeError, argparse.ArgumentError) as error:
+        return str(error)
+    except SystemExit:
+        return printed.getvalue()
+    return next(c for c in cli.trainer.callbacks if isinstance(c, callback)).config
+
+
+def _readings(text: Any) -> list[Any]:
+    """What a YAML string can stand for once jsonargparse converts it: the YAML scalar it spells
+    (``"10"``, ``"off"``, ``"null"``) or the number (``"1e3"``)."""
+    import yaml
+
+    if not isinstance(text, str):
+        return []
+    readings: list[Any] = []
+    with contextlib.suppress(yaml.YAMLError):
+        readings.append(yaml.safe_load(text))
+    with contextlib.suppress(ValueError):
+        readings.append(float(text))
+    return readings
+
+
+@settings(max_examples=50, deadline=None)
+@given(field=st.sampled_from(FIELD_NAMES), value=YAML_VALUES, flat=st.booleans(),
+       callback=st.sampled_from(CALLBACK_CLASSES))
+@example(field="mode", value="full_debug", flat=False, callback=AnomalyDetectionCallback)
+@example(field="level", value="advanced", flat=False, callback=GradientHealthCallback)
+@example(field="level", value="deep", flat=True, callback=MemoryProfilerCallback)
+@example(field="anomaly_check_frequency", value=2.5, flat=True, callback=AnomalyDetectionCallback)
+@example(field="log_memory", value=1, flat=False, callback=MemoryProfilerCallback)
+@example(field="profile_steps", value=[3, -1], flat=True, callback=PerformanceProfilerCallback)
+@example(field="gradient_vanishing_threshold", value=50.0, flat=False, callback=GradientHealthCallback)
+def test_any_yaml_value_through_lightning_cli_is_accepted_as_in_python_or_an_error_naming_the_field(
+        field: str, value: Any, flat: bool, callback: type) -> None:
+    import inspect
+    import tempfile
+
+    flat = flat and field in inspect.signature(callback).parameters
+
+    def in_python(candidate: Any) -> DebugConfig | None:
+        try:
+            return DebugConfig().replace(**{field: candidate}) if flat else DebugConfig(**{field: candidate})
+        except ValueError:
+            return None
+
+    expected = in_python(value)
+    with tempfile.TemporaryDirectory() as directory:
+        outcome = _yaml_through_lightning_cli(Path(directory), callback,
+                                              {field: value} if flat else {"config": {field: value}})
+    if isinstance(outcome, str):
+        assert _names_field(outcome, field), outcome[-2000:]
+        assert expected is None, f"Python accepts {field}={value!r}, the YAML file should too: {outcome[-2000:]}"
+    elif expected is not None:
+        assert getattr(outcome, field) == getattr(expected, field)
+    else:  # Python refuses the value itself: the CLI may only have read a string as what it spells
+        parsed = getattr(outcome, field)
+        accepted = [in_python(reading) for reading in _readings(value)]
+        assert any(c is not None and getattr(c, field) == parsed for c in accepted), \
+            f"{field}={value!r} became {parsed!r}"

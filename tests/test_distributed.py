@@ -19,12 +19,12 @@ TIMEOUT_S = 150
 
 
 def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 4, strategy: str = "ddp",
-                  all_four: bool = False) -> list[dict[str, Any]]:
+                  all_four: bool = False, level: str = "basic") -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step), strategy]
-    completed = subprocess.run(command + (["--all-four"] if all_four else []), capture_output=True, text=True,
-                               timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    command += ["--all-four", "--level", level] if all_four else []
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert len(results) == 2, f"both ranks must finish; stderr:\n{completed.stderr[-3000:]}"
     return results
@@ -108,16 +108,22 @@ def test_all_four_stop_on_rank_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_all_four_raise_on_rank_zero(tmp_path: Path) -> None:
-    results = run_two_ranks(tmp_path, "raise", nan_rank=0, nan_step=4, all_four=True)
+def test_all_four_raise_on_rank_zero_with_the_cause_replayed_on_every_rank(tmp_path: Path) -> None:
+    # level ADVANCED replays the first anomalous step to name the cause, and gathers the causes
+    # (all_gather_object): a collective that every rank must enter, or the run hangs
+    results = run_two_ranks(tmp_path, "raise", nan_rank=0, nan_step=4, all_four=True, level="advanced")
     assert_same_on_both_ranks(results)
     assert [(r["exception"], r["exception_step"]) for r in results] == [("AnomalyError", 4)] * 2
+    assert all("at step 4 on rank 0. Cause: on rank 0: `torch.log`" in r["exception_message"] for r in results), \
+        "both ranks raise naming rank 0 and the cause its replay found"
     assert results[0]["decisions"] == [[step, "step"] for step in range(4)]
     debug_dir = Path(results[0]["output_dir"])
     assert results[1]["output_dir"] is None
     assert files_named(tmp_path, "events.jsonl") == [debug_dir / "events.jsonl"]
     assert files_named(tmp_path, "report.json") == [debug_dir / "report.json"]
     assert_anomaly_labelled_with_rank(debug_dir, step=4, rank=0)
+    cause = next(e for e in read_events(debug_dir) if e["kind"] == "nonfinite_loss")["details"]["cause"]
+    assert sorted(cause["outputs"]["per_rank"]) == ["0", "1"], "each rank's replay result, labelled by rank"
     report = read_report(debug_dir)
     assert report["status"] == "failed" and "AnomalyError" in report["error"]
 

@@ -22,7 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_debug import DebugConfig, debug_callbacks
-from tests.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, read_scalars, regression_data
+from tests.toolkit import (TinyRegressor, debug_dir, make_trainer, read_events, read_report, read_scalars,
+                           regression_data)
 
 STEPS = 24
 CHECKPOINT_STEP = 12

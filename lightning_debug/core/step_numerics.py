@@ -34,6 +34,7 @@ class HostNumerics:
     missing: list[str]
     grads_sharded: bool
     scan_parameters: Callable[[], list[tuple[str, float]]] | None = None
+    read_before_update: bool = True
 
     @property
     def loss_checked(self) -> bool:
@@ -114,19 +115,20 @@ class StepNumerics:
         self.world_size = rows.shape[0]
         self.packed = torch.cat([rows.reshape(-1), self.grad_norms, self.param_norms])
         self._readback: Readback | None = None
+        self._read_blocking = False
         self._host: HostNumerics | None = None
         self._subscribers: list[Callable[[HostNumerics], None]] = []
 
     def scan_parameters(self) -> list[tuple[str, float]]:
         """Names and norms of the non-finite parameters, now (one sync; the anomaly path only).
 
-        Under several processes the count is max-reduced, so every rank agrees that something is
-        wrong even when parameters are sharded.
+        When the values were read synchronously (every rank at the same point of the same step), the
+        count is max-reduced across processes, so all ranks agree even with sharded parameters. A
+        deferred read completes at different times on different GPUs, so it issues no collective.
         """
         norms = fused_norms(self.parameters)
-        bad = ~torch.isfinite(norms)
-        count = bad.sum()
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        count = (~torch.isfinite(norms)).sum()
+        if self._read_blocking and self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if not int(count):
             return []
@@ -140,6 +142,7 @@ class StepNumerics:
     def stage(self, blocking: bool) -> None:
         if self._readback is None:
             self._readback = Readback(self.packed, blocking=blocking)
+            self._read_blocking = blocking
 
     def ready(self) -> bool:
         return self._readback is not None and self._readback.ready()
@@ -158,6 +161,7 @@ class StepNumerics:
                 step=self.step, ranks=ranks, grad_names=self.grad_names, grad_norms=values[offset:grads_end],
                 param_names=self.param_names, param_norms=values[grads_end:], missing=self.missing,
                 grads_sharded=self.grads_sharded, scan_parameters=self.scan_parameters,
+                read_before_update=self._read_blocking,
             )
         return self._host
 

@@ -143,7 +143,7 @@ class AnomalyMonitor(Monitor):
             raise AnomalyError(
                 f"lightning-debug: non-finite {', '.join(k.removeprefix('nonfinite_') for k in kinds)} at step "
                 f"{host.step}" + (f" (parameters: {', '.join(names)})" if names else "")
-                + _on_ranks(ranks, len(host.ranks)) + (f": {cause.summary}" if cause is not None else ""),
+                + _on_ranks(ranks, len(host.ranks)) + (f". Cause: {cause.summary}" if cause is not None else ""),
                 step=host.step, kinds=kinds,
                 details={"parameters": names, "ranks": ranks, "cause": cause.to_dict() if cause else None})
         drop_gradients(optimizer)
@@ -207,7 +207,10 @@ class AnomalyMonitor(Monitor):
         else:
             if bad_params:
                 kinds.append("nonfinite_param")
-                self._record_params(bad_params, step, where, world, host.ranks_with_nonfinite_params)
+                if host.param_norms or host.read_before_update:
+                    self._record_params(bad_params, step, where, world, host.ranks_with_nonfinite_params)
+                else:  # scanned a step late: these are the weights after this step's update
+                    self._record_params(bad_params, step + 1, where, world, [], last_finite=step)
             else:
                 self.last_finite_param_step = step
             found = f" Cause: {cause.summary}." if cause is not None else ""
@@ -253,8 +256,8 @@ class AnomalyMonitor(Monitor):
         return kinds
 
     def _record_params(self, bad_params: list[tuple[str, float]], step: int, where: Where, world_size: int,
-                       ranks: list[int]) -> None:
-        last = self.last_finite_param_step
+                       ranks: list[int], last_finite: int | None = None) -> None:
+        last = self.last_finite_param_step if last_finite is None else last_finite
         since = (f"in the optimizer step at step {step - 1}" if last == step - 1
                  else f"between steps {last} and {step}" if last >= 0 else f"before step {step}")
         action = ("Skipping steps cannot repair the weights, so training stops (anomaly_detection_mode='skip')."
