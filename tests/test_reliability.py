@@ -128,3 +128,26 @@ def test_nan_every_step_writes_one_line_per_episode(tmp_path: Path) -> None:
     assert [e["episode"] for e in loss_lines] == ["start", "end"]
     assert loss_lines[1]["details"]["steps"] == 60
     assert read_report(debug_dir(trainer))["findings"]["nonfinite_loss"]["steps"] == 60
+
+
+def test_a_condition_that_keeps_coming_back_cannot_flood_the_events_file(tmp_path: Path) -> None:
+    """Found by the 100,000-step run: a value flapping around a threshold opened and closed an episode
+    on every check. Short gaps now continue the episode; past 25 episodes of a kind, more are counted
+    in report.json but not written."""
+
+    class Flapping(TinyRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            step = self.trainer.global_step
+            flapping = step < 40 and step % 2 == 0  # one long episode with one-step gaps
+            recurring = step >= 40 and step % 5 == 0  # step 40 continues the first episode, then 31 more
+            return loss + torch.log(torch.zeros(())) if flapping or recurring else loss
+
+    trainer, _ = fit_all_four(tmp_path, Flapping(), steps=200)
+    events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "nonfinite_loss"]
+    starts = [e for e in events if e["episode"] == "start"]
+    assert starts[0]["step"] == 0 and starts[1]["step"] == 45, "the flapping first 40 steps are one episode"
+    assert len(starts) == 25 and "later ones are counted in report.json" in starts[-1]["message"]
+    assert len([e for e in events if e["episode"] == "end"]) == 25
+    finding = read_report(debug_dir(trainer))["findings"]["nonfinite_loss"]
+    assert finding["episodes"] == 32 and finding["steps"] == 20 + 32

@@ -48,9 +48,10 @@ class Tally:
 class Episodes:
     """Turns a condition observed on successive check steps into start and end events.
 
-    ``observe`` returns ``"start"`` the first check step a condition holds, ``"continue"`` while it
-    keeps holding, and :meth:`close_missing` ends the episodes not seen on the current check step,
-    so that a NaN on every step writes one line, not a million.
+    ``observe`` returns ``"start"`` the first check step a condition holds and ``"continue"`` while it
+    keeps holding. :meth:`close_missing` ends an episode once it has been absent from ``grace``
+    consecutive check steps, so a NaN on every step writes one line, not a million, and a value
+    hovering around a threshold does not open and close an episode on every check.
 
     Example::
 
@@ -61,25 +62,32 @@ class Episodes:
         [(('nonfinite_loss', ''), {'first_step': 5, 'last_step': 6, 'steps': 2})]
     """
 
-    def __init__(self) -> None:
-        self.open: dict[tuple[str, str], dict[str, int]] = {}
+    def __init__(self, grace: int = 1) -> None:
+        self.grace = grace
+        self.open: dict[tuple[str, str], dict[str, Any]] = {}
 
     def observe(self, key: tuple[str, str], step: int) -> str:
         episode = self.open.get(key)
         if episode is None:
-            self.open[key] = {"first_step": step, "last_step": step, "steps": 1}
+            self.open[key] = {"first_step": step, "last_step": step, "steps": 1, "missed": 0}
             return "start"
         episode["last_step"] = step
         episode["steps"] += 1
+        episode["missed"] = 0
         return "continue"
 
-    def close_missing(self, seen: set[tuple[str, str]], step: int,
-                      kinds: set[str] | None = None) -> list[tuple[tuple[str, str], dict[str, int]]]:
+    def close_missing(self, seen: set[tuple[str, str]], step: int, kinds: set[str] | None = None,
+                      final: bool = False) -> list[tuple[tuple[str, str], dict[str, Any]]]:
+        """End the episodes of ``kinds`` absent for ``grace`` check steps (all of them when ``final``)."""
         closed = []
         for key in list(self.open):
             if key in seen or (kinds is not None and key[0] not in kinds):
                 continue
-            closed.append((key, self.open.pop(key)))
+            episode = self.open[key]
+            episode["missed"] = episode.get("missed", 0) + 1
+            if final or episode["missed"] >= self.grace:
+                del self.open[key]
+                closed.append((key, {name: episode[name] for name in ("first_step", "last_step", "steps")}))
         return closed
 
     def state_dict(self) -> dict[str, Any]:

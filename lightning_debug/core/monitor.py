@@ -25,12 +25,15 @@ class Monitor:
 
     report_name: ClassVar[str] = "debug"
     max_warnings: ClassVar[int] = 10
+    episode_grace: ClassVar[int] = 3
+    max_episode_events: ClassVar[int] = 25
 
     def __init__(self, config: DebugConfig, source: str) -> None:
         self.config = config
         self.source = source
         self.tally = Tally()
-        self.episodes = Episodes()
+        self.episodes = Episodes(grace=self.episode_grace)
+        self._silenced_episodes: set[tuple[str, str]] = set()
         self._seen_this_check: set[tuple[str, str]] = set()
         self._warnings_left = self.max_warnings
         self._session: DebugSession | None = None
@@ -58,6 +61,9 @@ class Monitor:
     def record(self, finding: Finding, step: int, where: Where, key: str = "", warn: bool = True) -> bool:
         """Count a finding; write an event (and a warning) when it starts a new episode.
 
+        An episode ends after ``episode_grace`` check steps without the finding. Past
+        ``max_episode_events`` episodes of one kind, further episodes are counted in the report but
+        not written to events.jsonl, so a condition that keeps coming back cannot flood the file.
         Returns True for a new episode.
         """
         episode_key = (finding.kind, key)
@@ -65,14 +71,25 @@ class Monitor:
         new = self.episodes.observe(episode_key, step) == "start"
         self.tally.record(step, finding, new)
         if new:
+            episodes = self.tally.kinds[finding.kind]["episodes"]
+            if episodes > self.max_episode_events:
+                self._silenced_episodes.add(episode_key)
+                return new
+            if episodes == self.max_episode_events:
+                finding = Finding(finding.kind, finding.severity, finding.message + (
+                    f" (episode {episodes} of {finding.kind}: later ones are counted in report.json, not written "
+                    "here)"), finding.details)
             self.session.emit(finding, step=step, callback=self.source, episode="start", **where)
             if warn and finding.severity in ("warning", "error", "critical"):
                 self.warn(f"[step {step}] {finding.message}")
         return new
 
-    def close_episodes(self, step: int, where: Where, kinds: set[str]) -> None:
-        """End the episodes of ``kinds`` not observed on this check step."""
-        for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds):
+    def close_episodes(self, step: int, where: Where, kinds: set[str], final: bool = False) -> None:
+        """End the episodes of ``kinds`` not observed for a while (all of them when ``final``)."""
+        for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
+            if (kind, key) in self._silenced_episodes:
+                self._silenced_episodes.discard((kind, key))
+                continue
             subject = f" ({key})" if key else ""
             message = (f"{kind}{subject} ended: seen on {episode['steps']} check step(s), "
                        f"steps {episode['first_step']}-{episode['last_step']}")

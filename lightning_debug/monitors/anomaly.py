@@ -186,7 +186,7 @@ class AnomalyMonitor(Monitor):
             bad = [(named[i][0], norms[i]) for i in nonfinite_positions(norms)]
             if bad:
                 self._record_params(bad, step, where, world_size=1, ranks=[0])
-        self.close_episodes(step, where, ANOMALY_KINDS)
+        self.close_episodes(step, where, ANOMALY_KINDS, final=True)
 
     def _on_numerics(self, host: HostNumerics) -> None:
         self._inspect(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}))

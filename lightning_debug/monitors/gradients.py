@@ -576,7 +576,7 @@ class GradientMonitor(Monitor):
         self.poll(final=True)
         self._awaiting_update = None
         self._pending = {}
-        self.close_episodes(step, where, GRADIENT_KINDS)
+        self.close_episodes(step, where, GRADIENT_KINDS, final=True)
 
     def state_dict(self) -> dict[str, Any]:
         return dict(

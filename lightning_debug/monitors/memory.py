@@ -385,7 +385,7 @@ class MemoryMonitor(Monitor):
     def finalize(self, step: int, where: Where) -> None:
         """Close open episodes and stop the allocation history this monitor started."""
         self._suspicion = None
-        self.close_episodes(step, where, MEMORY_KINDS)
+        self.close_episodes(step, where, MEMORY_KINDS, final=True)
         self.restore()
 
     def restore(self) -> None:

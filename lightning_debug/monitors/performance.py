@@ -323,7 +323,7 @@ class PerformanceMonitor(Monitor):
         self._poll(final=True)
         self._stop_profiler()
         self._end_sync_window(step, where)
-        self.close_episodes(step, where, PERF_KINDS | {STRAGGLER_KIND})
+        self.close_episodes(step, where, PERF_KINDS | {STRAGGLER_KIND}, final=True)
 
     def restore(self) -> None:
         """Undo global changes (profiler running, sync debug mode) whatever happened."""
