@@ -32,7 +32,20 @@ _EXPORTS = {
     "debug_callbacks": "lightning_debug.presets",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "AnomalyDetectionCallback",
+    "AnomalyError",
+    "DebugConfig",
+    "DebugLevel",
+    "DebugMode",
+    "GradientHealthCallback",
+    "MemoryProfilerCallback",
+    "PerformanceProfilerCallback",
+    "TensorStats",
+    "__version__",
+    "debug_callbacks",
+    "inspect_tensor",
+]
 
 if TYPE_CHECKING:
     from lightning_debug.callbacks.anomaly import AnomalyDetectionCallback

@@ -48,6 +48,12 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
     return torch.stack([norm.to(device, non_blocking=True) for norm in results])  # type: ignore[union-attr]
 
 
-def nonfinite_positions(values: Sequence[float]) -> list[int]:
-    """Indices of the host values that are NaN or infinite."""
-    return [i for i, value in enumerate(values) if not math.isfinite(value)]
+def nonfinite_named(names: Sequence[str], norms: torch.Tensor) -> list[tuple[str, float]]:
+    """The ``(name, norm)`` pairs whose norm is NaN or infinite; one read-back (rare paths only).
+
+    Example::
+
+        >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
+        [('b', inf)]
+    """
+    return [(name, value) for name, value in zip(names, norms.tolist()) if not math.isfinite(value)]

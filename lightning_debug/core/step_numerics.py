@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_debug.checks.numerics import fused_norms
+from lightning_debug.checks.numerics import fused_norms, nonfinite_named
 from lightning_debug.core.readback import Readback
 
 RANK_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum")
@@ -132,8 +132,7 @@ class StepNumerics:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if not int(count):
             return []
-        values = norms.tolist()
-        return [(name, value) for name, value in zip(self.param_names, values) if not math.isfinite(value)]
+        return nonfinite_named(self.param_names, norms)
 
     def subscribe(self, consumer: Callable[[HostNumerics], None]) -> None:
         """Call ``consumer`` with the host values once they are read back."""

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_debug.checks.localize import Cause, capture_rng, localize
-from lightning_debug.checks.numerics import fused_norms, nonfinite_positions
+from lightning_debug.checks.numerics import fused_norms, nonfinite_named
 from lightning_debug.config import DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.monitor import Monitor, Where
@@ -182,8 +182,7 @@ class AnomalyMonitor(Monitor):
         """The last update has not been checked yet: check the parameters once more (one sync)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if named:
-            norms = fused_norms([p for _, p in named]).tolist()
-            bad = [(named[i][0], norms[i]) for i in nonfinite_positions(norms)]
+            bad = nonfinite_named([n for n, _ in named], fused_norms([p for _, p in named]))
             if bad:
                 self._record_params(bad, step, where, world_size=1, ranks=[0])
         self.close_episodes(step, where, ANOMALY_KINDS, final=True)
