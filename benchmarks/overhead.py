@@ -4,12 +4,21 @@ users have today (``Trainer(detect_anomaly=True)``, the ``grad_norm`` logging re
 
 Configurations run interleaved (A B C ... A B C ...) so drift hits all of them alike; each run
 times the steady-state steps after a warm-up, and the table shows the median per-step time and its
-ratio to its plain loop. On CPU a small MLP; with CUDA also a ~134M-parameter GPT-like model in bf16.
+ratio to its plain loop. Models (``--model``):
 
-    python benchmarks/overhead.py                 # CPU model, 5 rounds
+- ``mlp``: a 1.1M-parameter MLP (8 parameter tensors), the CPU default;
+- ``tiny``: a launch-bound MLP (8 layers of width 32, batch 8): the step is all per-operation overhead;
+- ``gpt2``: a ``transformers`` GPT-2 built from its config (12 layers, width 128: 148 parameter tensors);
+- ``sweep``: the many-tensor sweep: an ``nn.ParameterList`` of N tensors of 16 elements whose sums enter an
+  MSE loss with a ``Linear(8, 1)``, SGD, batch 8, for each N of ``--tensors``; it ends with the slope fit,
+  the cost added per parameter tensor: (overhead at 1,000 tensors - overhead at 100) / 900;
+- ``gpt``: with CUDA, a ~134M-parameter GPT-like model in bf16.
+
+    python benchmarks/overhead.py                 # CPU MLP, 5 rounds
     python benchmarks/overhead.py --rounds 7 --steps 300 --only plain,anomaly_warn
+    python benchmarks/overhead.py --model sweep --tensors 10,100,1000,2000,5000 --steps 220 --warmup 20
 
-Results are printed as a Markdown table (paste into docs/performance.md with the machine).
+Results are printed as Markdown tables (paste into docs/performance.md with the machine).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ class StepClock(pl.Callback):
         self.cpu: list[float] = []
         self.seconds_per_step = float("nan")
         self.wall_seconds_per_step = float("nan")
+        self.ended = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
@@ -60,6 +70,7 @@ class StepClock(pl.Callback):
             self.cpu.append(time.thread_time())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.ended = True
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             self.wall.append(time.perf_counter())
@@ -90,6 +101,59 @@ class MLP(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class LaunchBound(pl.LightningModule):
+    """Eight small layers at batch 8: every step is the per-operation overhead of ~50 tiny kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(8):
+            layers += [nn.Linear(32, 32), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class ManyTensors(pl.LightningModule):
+    """N parameter tensors of 16 elements whose sums enter an MSE loss with a ``Linear(8, 1)``: a
+    deliberately cheap forward, so the cost that grows with the number of tensors shows."""
+
+    def __init__(self, tensors: int) -> None:
+        super().__init__()
+        self.tensors = nn.ParameterList(nn.Parameter(torch.randn(16) * 0.01) for _ in range(tensors))
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        offset = torch.stack([tensor.sum() for tensor in self.tensors]).mean()
+        return nn.functional.mse_loss(self.head(x).squeeze(-1) + offset, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class TransformersGPT2(pl.LightningModule):
+    """``transformers.GPT2LMHeadModel`` from a config (random weights, nothing downloaded)."""
+
+    def __init__(self, vocab: int = 2048, length: int = 64) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=length, n_embd=128, n_layer=12,
+                                                n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -139,6 +203,7 @@ def every_step(**overrides: Any) -> DebugConfig:
 def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
     from lightning.pytorch.callbacks import DeviceStatsMonitor
 
+    quiet = DebugConfig(save_debug_info=False, print_summary=False, save_plots=False)
     return {
         "plain": lambda: {},
         "anomaly_warn": lambda: {"callbacks": [AnomalyDetectionCallback(every_step())]},
@@ -153,6 +218,17 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
                                                                     save_plots=False))
                                                     for cls in (AnomalyDetectionCallback, GradientHealthCallback,
                                                                 MemoryProfilerCallback, PerformanceProfilerCallback)]},
+        "gradients_defaults": lambda: {"callbacks": [GradientHealthCallback(quiet)]},
+        "activations_defaults": lambda: {"callbacks": [GradientHealthCallback(quiet, log_activations=True)]},
+        "gradients_every_step": lambda: {"callbacks": [GradientHealthCallback(every_step())]},
+        "activations_every_step": lambda: {"callbacks": [GradientHealthCallback(every_step(log_activations=True))]},
+        "per_parameter": lambda: {"callbacks": [GradientHealthCallback(every_step(log_gradients=True,
+                                                                                  log_weights=True))]},
+        "all_four_non_check_steps": lambda: {"callbacks": [cls(DebugConfig(
+            anomaly_check_frequency=10**9, gradient_checking_frequency=10**9, memory_profiling_frequency=10**9,
+            performance_profiling_frequency=10**9, save_debug_info=False, print_summary=False, save_plots=False))
+            for cls in (AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
+                        PerformanceProfilerCallback)]},
         "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
         "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
         "anchor_device_stats": lambda: {"callbacks": [DeviceStatsMonitor()]},
@@ -208,9 +284,11 @@ def run_accelerate_once(name: str, steps: int, warmup: int) -> float:
 
 
 class HookTimer:
-    """Main-thread CPU time spent inside lightning-debug's hooks, measured within the run itself."""
+    """Main-thread CPU time spent inside lightning-debug's hooks during the clock's timed steps,
+    measured within the run itself."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
         self.seconds = 0.0
 
     def wrap(self, callbacks: list[pl.Callback]) -> None:
@@ -223,6 +301,8 @@ class HookTimer:
 
     def _timed(self, hook: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.clock.cpu or self.clock.ended:
+                return hook(*args, **kwargs)
             started = time.thread_time()
             try:
                 return hook(*args, **kwargs)
@@ -234,22 +314,32 @@ class HookTimer:
 HOOK_TIMES: dict[str, list[tuple[float, float]]] = {}
 
 
-def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
+def make_model(model_name: str, steps: int, tensors: int) -> tuple[pl.LightningModule, DataLoader, dict[str, Any]]:
+    """The model, its loader and the trainer's accelerator options."""
+    cpu: dict[str, Any] = {"accelerator": "cpu"}
+    if model_name == "gpt":
+        loader = DataLoader(TokenData(32000, 512, 8 * (steps + 1)), batch_size=8, num_workers=2, pin_memory=True)
+        return GPT(), loader, {"accelerator": "gpu", "precision": "bf16-mixed"}
+    if model_name == "gpt2":
+        return TransformersGPT2(), DataLoader(TokenData(2048, 63, 4 * (steps + 1)), batch_size=4), cpu
+    if model_name == "sweep":
+        data = TensorDataset(torch.randn(8 * (steps + 1), 8), torch.randn(8 * (steps + 1)))
+        return ManyTensors(tensors), DataLoader(data, batch_size=8), cpu
+    if model_name == "tiny":
+        data = TensorDataset(torch.randn(8 * (steps + 1), 32), torch.randn(8 * (steps + 1), 1))
+        return LaunchBound(), DataLoader(data, batch_size=8), cpu
+    data = TensorDataset(torch.randn(64 * (steps + 1), 64), torch.randn(64 * (steps + 1), 1))
+    return MLP(), DataLoader(data, batch_size=64), cpu
+
+
+def run_once(model_name: str, name: str, steps: int, warmup: int, tensors: int = 0) -> float:
     if name in ACCELERATE_CONFIGURATIONS:
         return run_accelerate_once(name, steps, warmup)
     torch.manual_seed(0)
-    if model_name == "gpt":
-        model: pl.LightningModule = GPT()
-        loader = DataLoader(TokenData(32000, 512, 8 * (steps + 1)), batch_size=8, num_workers=2, pin_memory=True)
-        extra: dict[str, Any] = {"accelerator": "gpu", "precision": "bf16-mixed"}
-    else:
-        model = MLP()
-        data = TensorDataset(torch.randn(64 * (steps + 1), 64), torch.randn(64 * (steps + 1), 1))
-        loader = DataLoader(data, batch_size=64)
-        extra = {"accelerator": "cpu"}
+    model, loader, extra = make_model(model_name, steps, tensors)
     options = configurations()[name]()
     clock = StepClock(warmup)
-    hooks = HookTimer()
+    hooks = HookTimer(clock)
     hooks.wrap(options.get("callbacks", []))
     from lightning.pytorch.loggers import CSVLogger
 
@@ -260,42 +350,96 @@ def run_once(model_name: str, name: str, steps: int, warmup: int) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, loader)
+    total_cpu = clock.cpu[-1] - clock.cpu[0] if len(clock.cpu) > 1 else float("nan")
     if hooks.seconds:
-        total_cpu = clock.cpu[-1] - clock.cpu[0] if len(clock.cpu) > 1 else float("nan")
-        HOOK_TIMES.setdefault(name, []).append((hooks.seconds / steps, total_cpu / max(len(clock.cpu) - 1, 1)))
+        HOOK_TIMES.setdefault(name, []).append((hooks.seconds / len(clock.cpu), total_cpu / max(len(clock.cpu) - 1, 1)))
+    MEAN_TIMES.setdefault((name, tensors), []).append(total_cpu / max(len(clock.cpu) - 1, 1))
     return clock.seconds_per_step
+
+
+MEAN_TIMES: dict[tuple[str, int], list[float]] = {}
+SWEEP_CONFIGURATIONS = ("plain", "all_four_defaults", "all_four", "per_parameter")
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """The many-tensor sweep: each size's configurations interleaved, then the slope fit.
+
+    Reported per step: the mean main-thread CPU time over the timed window (it holds whole check
+    periods at the default frequencies when ``--steps - --warmup`` is a multiple of 100, so rare
+    checks count at their real rate), and the time spent inside lightning-debug's hooks.
+    """
+    sizes = [int(n) for n in args.tensors.split(",")]
+    names = [n for n in SWEEP_CONFIGURATIONS if not args.only or n in args.only.split(",") or n == "plain"]
+    HOOK_TIMES.clear()
+    hooks: dict[tuple[str, int], list[float]] = {}
+    for size in sizes:
+        for round_index in range(args.rounds):
+            for name in names:
+                run_once("sweep", name, args.steps, args.warmup, size)
+                if name in HOOK_TIMES:
+                    hooks.setdefault((name, size), []).append(HOOK_TIMES.pop(name)[-1][0])
+            print(f"{size} tensors: round {round_index + 1}/{args.rounds} done", flush=True)
+    print(f"\nMany-tensor sweep; device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"torch {torch.__version__}; lightning {pl.__version__}; {args.rounds} interleaved rounds of {args.steps} "
+          f"steps ({args.warmup} warm-up); mean main-thread CPU ms/step over the window, median over rounds\n")
+    print("| tensors | " + " | ".join(names) + " | " + " | ".join(f"{n} hooks ms" for n in names[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
+    overhead: dict[tuple[str, int], float] = {}
+    for size in sizes:
+        plain = statistics.median(MEAN_TIMES[("plain", size)])
+        cells = [f"{plain * 1e3:.2f}"]
+        for name in names[1:]:
+            value = statistics.median(MEAN_TIMES[(name, size)])
+            overhead[(name, size)] = value - plain
+            cells.append(f"{value * 1e3:.2f} ({value / plain:.2f}x)")
+        cells += [f"{statistics.median(hooks[(name, size)]) * 1e3:.2f}" for name in names[1:]]
+        print(f"| {size:,} | " + " | ".join(cells) + " |")
+    if 100 in sizes and 1000 in sizes:
+        print("\nSlope, the cost added per parameter tensor: (overhead at 1,000 tensors - at 100) / 900\n")
+        print("| configuration | from step times, us/tensor | from time in the hooks, us/tensor |")
+        print("|---|---|---|")
+        for name in names[1:]:
+            wall = (overhead[(name, 1000)] - overhead[(name, 100)]) / 900 * 1e6
+            inside = (statistics.median(hooks[(name, 1000)]) - statistics.median(hooks[(name, 100)])) / 900 * 1e6
+            print(f"| {name} | {wall:.2f} | {inside:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "gpt"], default="gpt" if torch.cuda.is_available() else "mlp")
+    parser.add_argument("--model", choices=["mlp", "tiny", "gpt2", "sweep", "gpt"],
+                        default="gpt" if torch.cuda.is_available() else "mlp")
+    parser.add_argument("--tensors", default="10,100,1000,2000,5000", help="sweep: numbers of parameter tensors")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: stabler)")
     args = parser.parse_args()
-    if args.model == "mlp":
+    if args.model != "gpt":
         torch.set_num_threads(args.threads)
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.model == "sweep":
+        sweep(args)
+        return
     every_name = [*configurations(), *(ACCELERATE_CONFIGURATIONS if args.model == "mlp" else {})]
     names = [n for n in every_name if not args.only or n in args.only.split(",")]
     if "plain" not in names:
         names.insert(0, "plain")
     if any(n.startswith("accelerate") for n in names) and "accelerate_plain" not in names:
         names.insert(1, "accelerate_plain")
-    import logging
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         for name in names:
             times[name].append(run_once(args.model, name, args.steps, args.warmup))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
-    device = torch.cuda.get_device_name() if args.model == "gpt" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    device = torch.cuda.get_device_name() if args.model == "gpt" else \
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nModel: {args.model}; device: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
           f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up); "
-          f"{'median step of each run, ' if args.model == 'mlp' else ''}median over runs\n")
-    unit = " (main-thread CPU time)" if args.model == "mlp" else ""
+          f"{'median step of each run, ' if args.model != 'gpt' else ''}median over runs\n")
+    unit = " (main-thread CPU time)" if args.model != "gpt" else ""
     print(f"| configuration | median ms/step{unit} | ratio to its plain loop | spread (min-max ms) |")
     print("|---|---|---|---|")
     for name in names:
@@ -303,7 +447,7 @@ def main() -> None:
         baseline = statistics.median(times["accelerate_plain" if name.startswith("accelerate") else "plain"])
         print(f"| {name} | {median * 1e3:.2f} | {median / baseline:.3f}x | "
               f"{min(times[name]) * 1e3:.2f}-{max(times[name]) * 1e3:.2f} |")
-    if HOOK_TIMES and args.model == "mlp":
+    if HOOK_TIMES and args.model != "gpt":
         print("\nWithin-run cost of lightning-debug's hooks (main-thread CPU time; immune to drift between runs):\n")
         print("| configuration | hooks ms/step | rest of the step ms | overhead |")
         print("|---|---|---|---|")

@@ -14,7 +14,7 @@ Run it on one process, or on several::
     torchrun --nproc_per_node 2 examples/accelerate_loop.py --plant nan --anomaly-mode stop
     accelerate launch examples/accelerate_loop.py --accumulation 4
 
-Then look at ``runs/debug_outputs/report.md`` and ``tensorboard --logdir runs``.
+Then look at ``runs/debug_outputs/<run id>/report.md`` (the path is printed) and ``tensorboard --logdir runs``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
     if accelerator.is_main_process and report is not None:
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         print(f"{debugger.step} optimizer steps, should_stop={debugger.should_stop}, weights finite: {finite}; "
-              f"findings: {', '.join(report['findings']) or 'none'}; files in {debugger.output_dir}")
+              f"findings: {', '.join(report['findings']) or 'none'}; files in {debugger.run.session.output_dir}")
 
 
 if __name__ == "__main__":

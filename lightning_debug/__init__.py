@@ -24,7 +24,9 @@ _EXPORTS = {
     "MemoryProfilerCallback": "lightning_debug.callbacks.memory",
     "PerformanceProfilerCallback": "lightning_debug.callbacks.performance",
     "TensorStats": "lightning_debug.checks.tensors",
+    "check_labels": "lightning_debug.checks.tensors",
     "inspect_tensor": "lightning_debug.checks.tensors",
+    "AnomalyMode": "lightning_debug.config",
     "DebugConfig": "lightning_debug.config",
     "DebugLevel": "lightning_debug.config",
     "DebugMode": "lightning_debug.config",
@@ -35,6 +37,7 @@ _EXPORTS = {
 __all__ = [
     "AnomalyDetectionCallback",
     "AnomalyError",
+    "AnomalyMode",
     "DebugConfig",
     "DebugLevel",
     "DebugMode",
@@ -43,6 +46,7 @@ __all__ = [
     "PerformanceProfilerCallback",
     "TensorStats",
     "__version__",
+    "check_labels",
     "debug_callbacks",
     "inspect_tensor",
 ]
@@ -52,8 +56,8 @@ if TYPE_CHECKING:
     from lightning_debug.callbacks.gradients import GradientHealthCallback
     from lightning_debug.callbacks.memory import MemoryProfilerCallback
     from lightning_debug.callbacks.performance import PerformanceProfilerCallback
-    from lightning_debug.checks.tensors import TensorStats, inspect_tensor
-    from lightning_debug.config import DebugConfig, DebugLevel, DebugMode
+    from lightning_debug.checks.tensors import TensorStats, check_labels, inspect_tensor
+    from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel, DebugMode
     from lightning_debug.errors import AnomalyError
     from lightning_debug.presets import debug_callbacks
 

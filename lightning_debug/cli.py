@@ -1,7 +1,8 @@
 """The ``lightning-debug`` command: ``demo`` (a planted NaN, on CPU) and ``report DIR`` (rebuild a run's report).
 
-Exit codes: 0 done, 2 bad input (a missing directory, no run files, a malformed events.jsonl),
-with one line on stderr saying which.
+Exit codes: 0 done (malformed lines of events.jsonl are skipped, counted and named in a note), 2
+unusable input (a missing directory, no run files, nothing valid in them, a report that cannot be
+written), with one line on stderr per run that failed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 from lightning_debug._version import __version__
+from lightning_debug.config import AnomalyMode
 
 PROG = "lightning-debug"
 
@@ -28,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="demo_output", help="where logs and reports go (default: demo_output)")
     demo.add_argument("--steps", type=int, default=80, help="optimizer steps to train (default: 80)")
     demo.add_argument("--nan-step", type=int, default=40, help="step from which the loss takes log(0) (default: 40)")
-    demo.add_argument("--mode", default="warn", choices=["warn", "raise", "skip", "stop"],
+    demo.add_argument("--mode", default="warn", choices=[mode.value for mode in AnomalyMode],
                       help="anomaly_detection_mode (default: warn)")
     report = verbs.add_parser(
         "report", help="rebuild report.json, report.md and debug_analysis.png from a run's files",
@@ -42,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str) -> int:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
+    one_line = " ".join(str(message).split())
+    sys.stderr.write(f"{PROG}: error: {one_line[:2000]}\n")
     return 2
 
 
@@ -53,9 +56,8 @@ def _progress(message: str) -> None:
 
 def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
     """The ``report`` verb; returns the exit code."""
-    from lightning_debug.core.timeline import RunDirectoryError
-    from lightning_debug.offline import find_run_directories, rebuild
-    from lightning_debug.summary import summary_lines
+    from lightning_debug.report.offline import RunDirectoryError, find_run_directories, rebuild
+    from lightning_debug.report.summary import summary_lines
 
     try:
         runs = find_run_directories(directory)
@@ -75,6 +77,10 @@ def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
         except OSError as error:
             failures += 1
             _fail(f"cannot write the report in {run}: {error.strerror or error}")
+            continue
+        except Exception as error:  # unusable input this version did not foresee: still one line, exit 2
+            failures += 1
+            _fail(f"cannot rebuild the report of {run} ({type(error).__name__}: {error})")
             continue
         if quiet:
             continue

@@ -1,13 +1,15 @@
 """The planted-bug demo behind ``lightning-debug demo``: a small CPU run whose loss takes ``log(0)``.
 
-It trains an MLP with all four callbacks on, plants a ``log`` of zero in the loss from step 40, and
-prints progress lines with each finding as it happens, then what lightning-debug found, where the
-files went and how to open them.
+It trains an MLP with all four callbacks on at level ADVANCED, plants a ``log`` of zero in the loss
+from step 40, and prints progress lines with each finding as it happens (the replay of the first bad
+step names ``torch.log`` at its source line), then what lightning-debug found, where the files went
+and how to open them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import warnings
 from pathlib import Path
@@ -48,7 +50,8 @@ def _module_class() -> type:
 def _progress_class() -> type:
     import lightning.pytorch as pl
 
-    from lightning_debug.callbacks.base import SESSION_ATTRIBUTE
+    from lightning_debug.callbacks.base import RUN_ATTRIBUTE
+    from lightning_debug.report.summary import finding_line
 
     class ProgressLines(pl.Callback):
         """A line every eighth of the run, and every finding the moment it is written to events.jsonl."""
@@ -60,22 +63,22 @@ def _progress_class() -> type:
 
         def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
             self.started = time.monotonic()
-            session = getattr(trainer, SESSION_ATTRIBUTE, None)
-            if session is not None:
-                session.event_listeners.append(self.finding)
+            run = getattr(trainer, RUN_ATTRIBUTE, None)
+            if run is not None:
+                run.session.event_listeners.append(self.finding)
 
         def finding(self, record: dict[str, Any]) -> None:
-            if record.get("episode") != "end":
-                message = str(record.get("message", "")).split(". ")[0]
-                print(f"    ! step {record['step']}: {record['kind']} ({record['severity']}): {message}", flush=True)
+            if record.get("episode") != "end" and record.get("console", True):
+                print("    ! " + finding_line(record).removeprefix("lightning-debug: "), flush=True)
 
         def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                                batch: Any, batch_idx: int) -> None:
-            step = trainer.global_step
-            if step % self.every == 0 or step == self.steps:
+            done = trainer.global_step
+            if done % self.every == 0 or done == self.steps:
                 loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                 value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-                print(f"  step {step:>4}/{self.steps}  loss {value:9.4g}  {time.monotonic() - self.started:5.1f} s",
+                # steps are numbered from 0, as in the findings: the step just done is global_step - 1
+                print(f"  step {done - 1:>4}  loss {value:9.4g}  {time.monotonic() - self.started:5.1f} s",
                       flush=True)
 
     return ProgressLines
@@ -92,20 +95,29 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
     inputs = torch.randn(2048, 16)
     targets = inputs[:, :1] * 2.0 + 0.1 * torch.randn(2048, 1)
     loader = DataLoader(TensorDataset(inputs, targets), batch_size=32, shuffle=True)
-    config = DebugConfig(anomaly_detection_mode=mode, gradient_checking_frequency=5, memory_profiling_frequency=5,
-                         performance_profiling_frequency=5, log_gradients=True)
+    # ADVANCED replays the first NaN step to name its cause; its default torch.profiler window is left
+    # out here (profile_steps length 0) because the profiler prints to the console.
+    config = DebugConfig(anomaly_detection_mode=mode, level="advanced", gradient_checking_frequency=5,
+                         memory_profiling_frequency=5, performance_profiling_frequency=5, log_gradients=True,
+                         profile_steps=(0, 0))
     logger = TensorBoardLogger(str(output), name="demo")
     callbacks = [*debug_callbacks(config), _progress_class()(steps)]
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                         log_every_n_steps=5)
-    print(f"Training {steps} steps on CPU; the loss takes log(0) from step {nan_step} on ...", flush=True)
+    print(f"Training {steps} steps (0-{steps - 1}) on CPU at level ADVANCED; the loss takes log(0) from step "
+          f"{nan_step} on ...", flush=True)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the demo's own lines only: no GPU/TPU lines, no tips
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
+            trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
+                                 enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+                                 log_every_n_steps=5)
             trainer.fit(_module_class()(nan_step), loader)
         except AnomalyError as error:
             print(f"\nTraining stopped with AnomalyError, as anomaly_detection_mode='raise' asks: {error}")
+        finally:
+            lightning_log.setLevel(level)
     debug_dir = Path(trainer.log_dir) / config.debug_output_dir
     print_summary(debug_dir, Path(trainer.log_dir))
     return debug_dir
@@ -123,6 +135,6 @@ def print_summary(debug_dir: Path, log_dir: Path) -> None:
     if first is not None:
         print(f"  - read {debug_dir / 'report.md'}: `{first}` comes first, with where it happened and what to do")
     print(f"  - look at {debug_dir / 'debug_analysis.png'} (step time, memory, gradient norm, findings over steps)")
-    print(f"  - tensorboard --logdir {log_dir}  then open the CUSTOM SCALARS tab (debug charts by area) and the "
-          "TEXT tab (findings at their step)")
+    print(f"  - tensorboard --logdir {log_dir}  then open CUSTOM SCALARS (your loss next to the debug charts, by "
+          "area), TEXT (this report, and each finding at its step) and IMAGES (the plot)")
     print(f"  - programs: {report_path} and {debug_dir / 'events.jsonl'}")

@@ -1,34 +1,38 @@
-"""From a :class:`DebugConfig` to the callbacks its ``mode`` enables."""
+"""From a :class:`DebugConfig` to the Lightning callbacks its ``mode`` enables."""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import Callback
-
 from lightning_debug.callbacks.anomaly import AnomalyDetectionCallback
+from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.callbacks.gradients import GradientHealthCallback
 from lightning_debug.callbacks.memory import MemoryProfilerCallback
 from lightning_debug.callbacks.performance import PerformanceProfilerCallback
-from lightning_debug.config import DebugConfig, DebugMode
+from typing import Any
 
-CALLBACKS_BY_MODE: dict[DebugMode, tuple[type[Callback], ...]] = {
-    DebugMode.NONE: (),
-    DebugMode.ANOMALY_DETECTION: (AnomalyDetectionCallback,),
-    DebugMode.GRADIENT_CHECKING: (GradientHealthCallback,),
-    DebugMode.MEMORY_PROFILING: (MemoryProfilerCallback,),
-    DebugMode.PERFORMANCE_PROFILING: (PerformanceProfilerCallback,),
-    DebugMode.FULL_DEBUG: (AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
-                           PerformanceProfilerCallback),
+from lightning_debug.config import Area, DebugConfig, DebugMode, as_config
+
+CALLBACK_BY_AREA: dict[Area, type[DebugCallback]] = {
+    Area.ANOMALY: AnomalyDetectionCallback,
+    Area.GRADIENTS: GradientHealthCallback,
+    Area.MEMORY: MemoryProfilerCallback,
+    Area.PERFORMANCE: PerformanceProfilerCallback,
 }
 
 
-def debug_callbacks(config: DebugConfig | None = None) -> list[Callback]:
+def debug_callbacks(config: DebugConfig | dict[str, Any] | DebugMode | str | None = None) -> list[DebugCallback]:
     """The callbacks that ``config.mode`` enables, all sharing ``config``.
+
+    ``config`` is a :class:`DebugConfig`, a mapping of its fields (``{"anomaly_detection_mode": "skip"}``),
+    a mode (``"full_debug"``, ``DebugMode.ANOMALY_DETECTION``) or None for the defaults; anything else is a
+    ``ValueError``.
 
     Example::
 
         >>> from lightning_debug import DebugConfig, debug_callbacks
         >>> [type(c).__name__ for c in debug_callbacks(DebugConfig(mode="anomaly_detection"))]
         ['AnomalyDetectionCallback']
+        >>> [type(c).__name__ for c in debug_callbacks("gradient_checking")]
+        ['GradientHealthCallback']
     """
-    config = config or DebugConfig()
-    return [callback_type(config) for callback_type in CALLBACKS_BY_MODE[config.mode]]  # type: ignore[call-arg]
+    config = as_config(config)
+    return [CALLBACK_BY_AREA[area](config) for area in config.areas]

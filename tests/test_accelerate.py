@@ -25,8 +25,10 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from lightning_debug import AnomalyError, DebugConfig  # noqa: E402
+from lightning_debug.config import Area  # noqa: E402
 from lightning_debug.accelerate import AccelerateDebugger  # noqa: E402
-from tests.toolkit import read_events, read_histogram_tags, read_report, read_scalars, regression_data  # noqa: E402
+from tests.toolkit import (read_events, read_histogram_tags, read_report, read_scalars,  # noqa: E402
+                           regression_data, run_dir)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "accelerate_worker.py"
@@ -70,7 +72,7 @@ class Run:
 
     @property
     def debug_dir(self) -> Path:
-        return Path(self.accelerator.project_dir) / "debug_outputs"
+        return run_dir(Path(self.accelerator.project_dir) / "debug_outputs")
 
     @property
     def tracker_dir(self) -> Path:
@@ -205,8 +207,8 @@ def test_without_skip_the_same_nan_reaches_the_weights(tmp_path: Path) -> None:
 def test_raise_mode_raises_at_the_step_and_the_report_says_failed(tmp_path: Path) -> None:
     with pytest.raises(AnomalyError, match="non-finite loss at step 4") as raised:
         run_loop(tmp_path, steps=10, log_zero_at=(4, 0), anomaly_detection_mode="raise")
-    assert raised.value.step == 4 and read_report(tmp_path / "debug_outputs")["last_step"] == 4
-    report = read_report(tmp_path / "debug_outputs")
+    assert raised.value.step == 4 and read_report(run_dir(tmp_path / "debug_outputs"))["last_step"] == 4
+    report = read_report(run_dir(tmp_path / "debug_outputs"))
     assert report["status"] == "failed" and "AnomalyError" in report["error"]
 
 
@@ -269,7 +271,8 @@ def test_fp16_grad_scaler_skip_mode_hands_the_step_to_the_scaler(tmp_path: Path)
     with pytest.warns(UserWarning, match=r"\[step 2\] The loss is NaN/Inf"):
         run = run_loop(tmp_path, steps=5, scaler=scaler, log_zero_at=(2, 0), anomaly_detection_mode="skip")
     assert run.debugger.step == 5 and run.parameters_finite()
-    assert run.debugger.anomalies is not None and run.debugger.anomalies.skipped_steps == 1
+    anomalies = run.debugger.run.monitor(Area.ANOMALY)
+    assert anomalies is not None and anomalies.skipped_steps == 1
     assert run.accelerator._optimizers[0].step_was_skipped is False, "steps after the skipped one update again"
 
 
@@ -311,7 +314,7 @@ def two_process_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_processes")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    launcher = subprocess.Popen(torchrun_command(out, ["raise", "stop", "skip"]), cwd=REPO, env=env, text=True,
+    launcher = subprocess.Popen(torchrun_command(out, ["raise", "stop", "skip", "fsdp2"]), cwd=REPO, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = launcher.communicate(timeout=120)
@@ -337,12 +340,28 @@ def test_two_processes_take_the_same_decision_at_the_same_step(two_process_resul
     assert rank0["steps_taken"] == rank1["steps_taken"] == {"raise": 3, "stop": 4, "skip": 8}[mode]
     assert rank0["param_checksum"] == rank1["param_checksum"], "both processes applied the same updates"
     assert rank0["params_finite"] and rank1["params_finite"]
-    debug_dir = two_process_results / mode / "debug"
+    debug_dir = run_dir(two_process_results / mode / "debug")
     events = read_events(debug_dir)
     loss_events = starts(events, "nonfinite_loss")
     assert len(loss_events) == 1, "events are written once, by the main process"
     assert loss_events[0]["step"] == 3 and loss_events[0]["details"]["ranks"] == [1]
     assert read_report(debug_dir)["findings"]["nonfinite_loss"]["first_step"] == 3
+
+
+def test_two_processes_with_a_model_sharded_by_fully_shard_before_prepare(two_process_results: Path) -> None:
+    """FSDP2 applied by the user, the optimizer and loader prepared: DTensor gradients, the NaN of rank 1's
+    step 3 is skipped on both processes, and the other steps' norms equal torch's."""
+    rank0, rank1 = results(two_process_results, "fsdp2")
+    expected = [[step, "skip" if step == 3 else "step"] for step in range(8)]
+    assert rank0["decisions"] == rank1["decisions"] == expected
+    assert rank0["param_checksum"] == rank1["param_checksum"] and rank0["params_finite"]
+    assert rank0["failed_checks"] == rank1["failed_checks"] == {}
+    assert rank0["sharded"] and rank1["sharded"], "the gradients were DTensor shards"
+    assert len(rank0["norms"]) == 7
+    for measured, reference in rank0["norms"] + rank1["norms"]:
+        assert measured == pytest.approx(reference, rel=1e-6)
+    events = read_events(run_dir(two_process_results / "fsdp2" / "debug"))
+    assert [e["step"] for e in starts(events, "nonfinite_grad")] == [3]
 
 
 # --- gradients -------------------------------------------------------------------------------------
@@ -364,7 +383,7 @@ def test_unused_layer_is_reported_as_missing_gradients_with_scalars(tmp_path: Pa
 def test_weight_updates_and_histograms_use_the_optimizer_step_hook(tmp_path: Path) -> None:
     run = run_loop(tmp_path, steps=5, gradient_checking_frequency=2, log_gradients=True, log_weights=True)
     scalars = read_scalars(run.tracker_dir)
-    ratios = dict(scalars["debug/weight/update_ratio"])
+    ratios = dict(scalars["debug/weight/update_ratio_global"])
     assert sorted(ratios) == [0, 2, 4] and all(0 < r < 1 for r in ratios.values())
     assert dict(scalars["debug/weight/update_ratio/head.weight"])[2] > 0
     histograms = read_histogram_tags(run.tracker_dir)
@@ -414,7 +433,7 @@ def test_evaluation_between_steps_is_not_data_wait(tmp_path: Path) -> None:
 def test_out_of_memory_leaves_a_post_mortem_and_propagates(tmp_path: Path) -> None:
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 20.00 GiB"):
         run_loop(tmp_path, steps=6, oom_at=3)
-    directory = tmp_path / "debug_outputs"
+    directory = run_dir(tmp_path / "debug_outputs")
     oom = starts(read_events(directory), "oom")
     assert [e["step"] for e in oom] == [3] and oom[0]["details"]["phase"] == "forward"
     assert any("[8, 8]" in line for line in oom[0]["details"]["batch"]), oom[0]["details"]["batch"]
@@ -425,7 +444,7 @@ def test_out_of_memory_leaves_a_post_mortem_and_propagates(tmp_path: Path) -> No
 def test_mode_selects_the_areas_like_debug_callbacks(tmp_path: Path) -> None:
     run = run_loop(tmp_path, steps=3, mode="anomaly_detection", gradient_checking_frequency=1,
                    performance_profiling_frequency=1)
-    assert run.debugger.gradients is None and run.debugger.memory is None and run.debugger.performance is None
+    assert [m.area for m in run.debugger.run.monitors] == [Area.ANOMALY, Area.LOOP, Area.ERRORS]
     tags = set(read_scalars(run.tracker_dir))
     assert "debug/loss_finite" in tags and not any(tag.startswith(("debug/grad/", "debug/perf/")) for tag in tags)
 
@@ -467,8 +486,9 @@ def test_counts_resume_through_accelerate_checkpoints(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"\[step 1\]"):
         session(3, nan_at=1, load=False)
     resumed = session(2, nan_at=None, load=True)
-    assert resumed.step == 5 and resumed.anomalies is not None and resumed.anomalies.anomaly_count == 1
-    report = read_report(tmp_path / "debug_outputs")
+    anomalies = resumed.run.monitor(Area.ANOMALY)
+    assert resumed.step == 5 and anomalies is not None and anomalies.anomaly_count == 1
+    report = read_report(run_dir(tmp_path / "debug_outputs"))
     assert report["last_step"] == 5 and report["findings"]["nonfinite_loss"]["first_step"] == 1
 
 
@@ -480,10 +500,10 @@ def test_a_failing_check_warns_once_and_the_other_areas_go_on(tmp_path: Path,
         raise RuntimeError("no memory counters here")
 
     monkeypatch.setattr(MemoryMonitor, "measure", measure)
-    with pytest.warns(RuntimeWarning, match="MemoryMonitor.measure failed .*no memory counters here") as caught:
+    with pytest.warns(RuntimeWarning, match="MemoryMonitor.* failed .*no memory counters here") as caught:
         run = run_loop(tmp_path, steps=6, memory_profiling_frequency=1, performance_profiling_frequency=1,
                        gradient_checking_frequency=1)
-    assert sum("MemoryMonitor.measure" in str(w.message) for w in caught) == 1
+    assert sum("MemoryMonitor" in str(w.message) for w in caught) == 1
     assert run.debugger.step == 6
     scalars = read_scalars(run.tracker_dir)
     assert "debug/memory/cpu_rss_mb" not in scalars

@@ -239,3 +239,89 @@ def test_any_yaml_value_through_lightning_cli_is_accepted_as_in_python_or_an_err
         accepted = [in_python(reading) for reading in _readings(value)]
         assert any(c is not None and getattr(c, field) == parsed for c in accepted), \
             f"{field}={value!r} became {parsed!r}"
+
+
+# --- issue 17: what a user passes from Python ----------------------------------------------------------------
+
+
+def test_path_like_and_numpy_values_are_accepted(tmp_path: Path) -> None:
+    import numpy as np
+
+    config = DebugConfig(debug_output_dir=tmp_path / "debug", anomaly_check_frequency=np.int64(3),
+                         gradient_explosion_threshold=np.float32(20.0), slow_step_factor=np.float64(4.0),
+                         memory_high_fraction=np.float32(0.5), log_weights=np.bool_(True),
+                         profile_steps=(np.int64(2), np.int32(3)))
+    assert config.debug_output_dir == str(tmp_path / "debug") and type(config.debug_output_dir) is str
+    assert (config.anomaly_check_frequency, type(config.anomaly_check_frequency)) == (3, int)
+    assert (config.gradient_explosion_threshold, type(config.gradient_explosion_threshold)) == (20.0, float)
+    assert config.log_weights is True and config.profile_steps == (2, 3)
+    assert config.memory_high_fraction == pytest.approx(0.5)
+    assert DebugConfig(**config.to_dict()) == config
+    with pytest.raises(ValueError, match="DebugConfig.anomaly_check_frequency"):
+        DebugConfig(anomaly_check_frequency=np.float64(3.0))
+    with pytest.raises(ValueError, match="DebugConfig.log_weights"):
+        DebugConfig(log_weights=np.int64(1))
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("runs/\0debug", "must not contain a NUL byte"),
+    (Path("/etc/hostname"), "is an existing file"),
+])
+def test_output_paths_that_cannot_work_are_rejected_at_construction(value: Any, message: str) -> None:
+    if not Path("/etc/hostname").is_file() and "existing" in message:
+        pytest.skip("needs an existing file at an absolute path")
+    with pytest.raises(ValueError, match=f"DebugConfig.debug_output_dir .*{message}"):
+        DebugConfig(debug_output_dir=value)
+
+
+def test_debug_callbacks_takes_a_config_a_mapping_or_a_mode_name() -> None:
+    from lightning_debug.config import DebugMode
+
+    assert [type(c) for c in debug_callbacks({"mode": "gradient_checking", "gradient_checking_frequency": 7})] == [
+        GradientHealthCallback]
+    assert debug_callbacks({"mode": "gradient_checking", "gradient_checking_frequency": 7})[0].config \
+        .gradient_checking_frequency == 7
+    assert [type(c) for c in debug_callbacks("anomaly_detection")] == [AnomalyDetectionCallback]
+    assert [type(c) for c in debug_callbacks(DebugMode.MEMORY_PROFILING)] == [MemoryProfilerCallback]
+    assert len(debug_callbacks("full_debug")) == 4 and len(debug_callbacks()) == 4
+    for bad in (3, ["anomaly_detection"], object(), b"full_debug"):
+        with pytest.raises(ValueError, match="expected a DebugConfig, a mapping of its fields or a mode name"):
+            debug_callbacks(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="DebugConfig.mode must be one of"):
+        debug_callbacks("everything")
+    with pytest.raises(ValueError, match="DebugConfig has no field 'gradient_frequency'; did you mean "
+                                         "'gradient_checking_frequency'"):
+        debug_callbacks({"gradient_frequency": 7})
+
+
+def test_profile_steps_is_bounded_and_says_why() -> None:
+    assert DebugConfig(profile_steps=(0, 50)).profile_steps == (0, 50)
+    with pytest.raises(ValueError, match=r"profile_steps length must be at most 50, got \(0, 1000000000000\): "
+                                         r"torch.profiler keeps every event"):
+        DebugConfig(profile_steps=(0, 10**12))
+
+
+@pytest.mark.parametrize(("build", "closest"), [
+    (lambda: DebugConfig(anomaly_check_frequncy=3), "anomaly_check_frequency"),
+    (lambda: DebugConfig().replace(anomaly_check_frequncy=3), "anomaly_check_frequency"),
+    (lambda: AnomalyDetectionCallback(anomaly_check_frequncy=3), "anomaly_check_frequency"),
+    (lambda: GradientHealthCallback(DebugConfig(), log_gradient=True), "log_gradients"),
+    (lambda: PerformanceProfilerCallback(profile_step=(1, 2)), "profile_steps"),
+    (lambda: debug_callbacks({"anomaly_check_frequncy": 3}), "anomaly_check_frequency"),
+])
+def test_an_unknown_field_is_a_value_error_naming_the_closest_one_everywhere(build: Any, closest: str) -> None:
+    with pytest.raises(ValueError, match=rf"has no (field|argument) '\w+'; did you mean '{closest}'\?"):
+        build()
+
+
+def test_an_unknown_keyword_of_the_accelerate_debugger_is_a_value_error() -> None:
+    import torch
+    from accelerate import Accelerator
+
+    from lightning_debug.accelerate import AccelerateDebugger
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="DebugConfig has no field 'log_gradient'; did you mean 'log_gradients'"):
+        AccelerateDebugger(accelerator, model, optimizer, log_gradient=True)

@@ -19,11 +19,12 @@ TIMEOUT_S = 150
 
 
 def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 4, strategy: str = "ddp",
-                  all_four: bool = False, level: str = "basic") -> list[dict[str, Any]]:
+                  all_four: bool = False, level: str = "basic", *faults: str) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    command = [sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step), strategy]
-    command += ["--all-four", "--level", level] if all_four else []
+    command = [sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step), strategy,
+               "--level", level, *faults]
+    command += ["--all-four"] if all_four else []
     completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert len(results) == 2, f"both ranks must finish; stderr:\n{completed.stderr[-3000:]}"
@@ -149,3 +150,66 @@ def test_all_four_pickle_and_run_under_ddp_spawn(tmp_path: Path) -> None:
     debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
     assert read_report(debug_dir)["status"] == "finished"
     assert_anomaly_labelled_with_rank(debug_dir, step=6, rank=1)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_ddp_unused_parameters_error_names_the_parameters(tmp_path: Path) -> None:
+    """DDP's own message gives only indices ("Parameter indices which did not receive grad for rank 0: 6 7")."""
+    results = run_two_ranks(tmp_path, "warn", -1, 4, "ddp", False, "basic", "--unused-layer")
+    assert [(r["exception"], r["global_step"]) for r in results] == [("RuntimeError", 1)] * 2
+    assert all("not used in producing the loss" in r["exception_message"] for r in results), "Lightning's own error"
+    debug_dir = Path(results[0]["output_dir"])
+    events = [e for e in read_events(debug_dir) if e["kind"] == "exception"]
+    assert len(events) == 1 and events[0]["step"] == 1, "written once, by rank zero"
+    details = events[0]["details"]
+    assert details["category"] == "ddp_unused_parameters"
+    assert details["parameters"] == ["unused.weight", "unused.bias"] and details["indices"] == [6, 7]
+    assert "`unused.weight`, `unused.bias`" in events[0]["message"]
+    assert "find_unused_parameters" in (debug_dir / "report.md").read_text()
+    assert files_named(tmp_path, "exception_step1_rank1.md"), "rank 1 explains its own error in its own file"
+
+
+# --- issue 17: no rank decides alone -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("mode", ["skip", "stop", "raise"])
+def test_writes_failing_on_rank_zero_only_change_no_decision(tmp_path: Path, mode: str) -> None:
+    """Every write of rank 0 fails (events, scalars, TensorBoard text, and our warnings raise as errors there);
+    both ranks still take the same decision at the same step, keep identical weights, and nobody hangs.
+    In ``skip`` mode rank 1's own measurement also raises at step 2: a flag in the gathered row, on which
+    every rank continues that step without a decision."""
+    faults = ["--fail-writes-rank0"] + (["--fail-check-rank1-step", "2"] if mode == "skip" else [])
+    results = run_two_ranks(tmp_path, mode, 1, 4, "ddp", True, "basic", *faults)
+    assert_same_on_both_ranks(results)
+    if mode == "raise":
+        assert [(r["exception"], r["exception_step"]) for r in results] == [("AnomalyError", 4)] * 2
+    else:
+        expected = {"skip": [[s, "step"] for s in range(4)] + [[s, "skip"] for s in range(4, 12)],
+                    "stop": [[s, "step"] for s in range(4)] + [[4, "skip+stop"]]}[mode]
+        assert results[0]["decisions"] == expected
+        assert all(r["params_finite"] and r["exception"] is None for r in results)
+    zero, one = results
+    assert {"writing an event", "logging debug scalars"} <= set(zero["failed_checks"]), zero["failed_checks"]
+    flagged = {"AnomalyMonitor.before_optimizer_step", "GradientMonitor.before_optimizer_step"} if mode == "skip" \
+        else set()
+    assert flagged <= set(zero["failed_checks"]) and set(one["failed_checks"]) == flagged, one["failed_checks"]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_advanced_replay_with_a_collective_in_training_step_keeps_the_ranks_together(tmp_path: Path) -> None:
+    """A contrastive-style ``self.all_gather`` inside ``training_step`` and a NaN on rank 1 only, at ADVANCED
+    in warn mode: every rank replays its own step the same number of times, so the gathers match."""
+    results = run_two_ranks(tmp_path, "warn", 1, 4, "ddp", False, "advanced", "--gather-in-step")
+    zero, one = results
+    assert zero["exception"] is None and one["exception"] is None
+    assert zero["global_step"] == one["global_step"] == 12
+    assert zero["gather_steps"] == one["gather_steps"]
+    assert zero["gather_steps"].count(4) > 1, "the replay at step 4 ran training_step (and its gather) again"
+    events = read_events(Path(zero["output_dir"]))
+    loss = next(e for e in events if e["kind"] == "nonfinite_loss" and e.get("episode") == "start")
+    assert loss["step"] == 4 and loss["details"]["ranks"] == [1]
+    cause = loss["details"]["cause"]
+    assert cause["operation"] == "torch.log" and cause["summary"].startswith("on rank 1: `torch.log`"), cause
+    assert sorted(cause["outputs"]["per_rank"]) == ["0", "1"]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_activation"] == [4]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,11 @@ import pytest
 import torch
 
 from lightning_debug import TensorStats, __version__, inspect_tensor
-from lightning_debug.checks.numerics import fused_norms
-from lightning_debug.core.events import EventLog, read_events
+from lightning_debug.checks.numerics import NormPlan, fused_norms
+from lightning_debug.core.events import EventLog
+from lightning_debug.core.guard import Failures
 from lightning_debug.core.readback import Readback
+from lightning_debug.report.offline import read_events_file
 
 
 def test_inspect_tensor_reports_nonfinite_values_and_finite_statistics() -> None:
@@ -46,8 +49,23 @@ def test_fused_norms_match_per_tensor_norms_for_mixed_tensors() -> None:
     assert Readback(fused_norms(tensors), blocking=False).values() == pytest.approx(expected, rel=1e-2)
 
 
+def test_norm_plan_measures_every_kind_of_slot_in_slot_order_and_survives_a_sparse_gradient() -> None:
+    generator = torch.Generator().manual_seed(0)
+    examples = [torch.randn(5, 3, generator=generator), torch.randn(7, dtype=torch.float64, generator=generator),
+                torch.randn(4, generator=generator).to(torch.bfloat16), torch.randn((), generator=generator),
+                torch.randn(3, 5, generator=generator).t(), torch.randn(6000, generator=generator),
+                torch.tensor([3 + 4j]), torch.empty(0), torch.randn(2, 3, generator=generator)]
+    plan = NormPlan(examples)
+    expected = [torch.linalg.vector_norm(t.abs().double()).item() ** 2 for t in examples]
+    assert plan.squares(examples).tolist() == pytest.approx(expected, rel=1e-5)
+    examples[1][2] = float("nan")
+    assert [math.isfinite(v) for v in plan.squares(examples).tolist()] == [i != 1 for i in range(len(examples))]
+    with_sparse = [torch.eye(5, 3).to_sparse(), *examples[1:]]
+    assert plan.squares(with_sparse).tolist()[0] == pytest.approx(3.0) and not plan.fused
+
+
 def test_events_are_flushed_per_line_and_a_truncated_last_line_is_tolerated(tmp_path: Path) -> None:
-    log = EventLog(tmp_path)
+    log = EventLog(tmp_path, Failures())
     log.write({"step": 1, "kind": "nonfinite_loss", "severity": "error", "details": {"norm": float("inf")}})
     log.write({"step": 2, "kind": "slow_step", "severity": "warning", "details": {}})
     path = tmp_path / "events.jsonl"
@@ -55,8 +73,8 @@ def test_events_are_flushed_per_line_and_a_truncated_last_line_is_tolerated(tmp_
     assert len(lines) == 2 and json.loads(lines[0])["details"]["norm"] == "inf" and "time" in json.loads(lines[0])
     with open(path, "a") as handle:
         handle.write('{"step": 3, "kind": "oo')
-    events, truncated = read_events(path)
-    assert [e["step"] for e in events] == [1, 2] and truncated
+    events = read_events_file(path)
+    assert [e["step"] for e in events.records] == [1, 2] and events.truncated_last_line
 
 
 def test_command_line_version_and_help() -> None:

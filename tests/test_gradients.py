@@ -14,15 +14,16 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_debug.core.session as session_module
+import lightning_debug.core.step_numerics as numerics_module
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
 from lightning_debug.checks.gradients import (
+    _summary_row,
     histogram_from_row,
     histogram_summaries,
     round_significant,
     suggest_clip_value,
-    update_norms,
 )
+from lightning_debug.checks.numerics import NormPlan
 from lightning_debug.core.step_numerics import StepNumerics
 from tests.toolkit import (
     TinyRegressor,
@@ -324,7 +325,7 @@ def test_healthy_run_is_silent(tmp_path: Path) -> None:
     section = report["sections"]["gradients"]
     assert section["checks"] == 20 and set(section["parameter_norms"]) >= {"inp.weight", "head.bias"}
     assert report["stats"]["update_ratio"]["count"] == 20
-    assert dict(read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio"])[0] == 0.0, "lr 0 at step 0"
+    assert dict(read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio_global"])[0] == 0.0, "lr 0 at step 0"
 
 
 def test_anomaly_and_gradient_callbacks_share_one_pass_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -336,7 +337,7 @@ def test_anomaly_and_gradient_callbacks_share_one_pass_per_step(tmp_path: Path, 
             constructed.append(step)
             super().__init__(step, *args, **kwargs)
 
-    monkeypatch.setattr(session_module, "StepNumerics", CountingStepNumerics)
+    monkeypatch.setattr(numerics_module, "StepNumerics", CountingStepNumerics)
     config = DebugConfig(gradient_checking_frequency=2, anomaly_check_frequency=1)
     trainer, _ = fit(tmp_path, TinyRegressor(), [GradientHealthCallback(config), AnomalyDetectionCallback(config)], 10)
     assert constructed == list(range(10))
@@ -399,10 +400,26 @@ def test_histogram_summaries_match_a_host_computation() -> None:
     assert len(histogram["bucket_limits"]) == len(histogram["bucket_counts"])
 
 
+def test_histograms_of_many_small_tensors_are_computed_together_and_match_one_by_one() -> None:
+    generator = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(int(n), generator=generator) * (i + 1)
+               for i, n in enumerate(torch.randint(0, 40, (60,), generator=generator))]
+    tensors[5][0] = float("nan")
+    tensors[9] = torch.full((4,), float("inf"))
+    tensors.append(torch.randn(70_000, generator=generator))  # large: measured on its own
+    tensors.append(torch.randn(3, 3, dtype=torch.bfloat16, generator=generator).t())
+    rows = histogram_summaries(tensors, bins=12)
+    for tensor, row in zip(tensors, rows):
+        assert row.tolist() == pytest.approx(_summary_row(tensor, 12).tolist(), rel=1e-5, abs=1e-4)
+
+
 def test_update_norms_and_clip_suggestion() -> None:
-    before = [torch.zeros(2), torch.ones(3)]
-    after = [torch.tensor([3.0, 4.0]), torch.ones(3)]
-    assert update_norms(before, after).tolist() == [5.0, 0.0]
+    before = [torch.zeros(2), torch.ones(3), torch.zeros(5000, dtype=torch.float64)]
+    after = [torch.tensor([3.0, 4.0]), torch.ones(3), torch.full((5000,), 2.0, dtype=torch.float64)]
+    plan = NormPlan(before)
+    snapshot = plan.snapshot(before)
+    before[0].add_(1.0)  # the snapshot is a copy
+    assert plan.distance_squares(snapshot, after).sqrt().tolist() == pytest.approx([5.0, 0.0, 2.0 * 5000 ** 0.5])
     value, basis = suggest_clip_value([float(v) for v in range(1, 11)], threshold=100.0)
     assert value == 10.0 and "90th percentile of the last 10" in basis
     assert suggest_clip_value([1.0, math.nan], threshold=7.0)[0] == 7.0

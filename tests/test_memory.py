@@ -28,12 +28,12 @@ from lightning_debug.checks.memory import (
     is_steady_growth,
     take_census,
 )
-from lightning_debug.core.session import DebugSession
 from lightning_debug.monitors.memory import MemoryMonitor
 from tests.toolkit import (
     TinyRegressor,
     debug_dir,
     make_trainer,
+    plain_run,
     read_events,
     read_report,
     read_scalars,
@@ -108,7 +108,7 @@ def test_log_memory_false_logs_nothing(tmp_path: Path) -> None:
 def test_planted_leak_is_found_and_explained(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=10)], max_steps=250,
                            limit_val_batches=0)
-    with pytest.warns(UserWarning, match="MseLossBackward0"):
+    with pytest.warns(UserWarning, match=r"Memory grows steadily.*\(memory_growth"):
         trainer.fit(KeepsLosses(keep_losses=True))
     growth = [e for e in memory_events(trainer, "memory_growth") if e.get("episode") == "start"]
     assert len(growth) == 1, memory_events(trainer)
@@ -215,25 +215,25 @@ def test_advanced_level_records_memory_per_phase(tmp_path: Path) -> None:
 
 
 def test_monitor_finds_a_leak_in_a_plain_training_loop(tmp_path: Path) -> None:
-    session = DebugSession(tmp_path, True, None, {})
     monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=5), "plain_loop")
-    monitor.attach(session)
+    run = plain_run([monitor], tmp_path)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []
     x, y = torch.randn(16, 8), torch.randn(16, 1)
     for step in range(300):
-        monitor.phase("forward", step)
+        run.batch_start(step, x)
         loss = nn.functional.l1_loss(model(x), y)
         kept.append(loss)
-        monitor.phase("backward", step)
+        run.before_backward(step, loss)
         loss.backward()
-        if monitor.due(step):
-            monitor.measure(step, {"epoch": 0, "batch": step}, None)
+        run.before_optimizer_step(step, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-    monitor.post_mortem(ValueError("not memory"), 299, {"epoch": 0, "batch": 299}, None)
-    monitor.finalize(299, {"epoch": 0, "batch": 299})
+        run.after_optimizer_step(step + 1)
+        run.batch_end()
+    run.exception(299, ValueError("not memory"))
+    run.finish("finished", 300)
     events = read_events(tmp_path)
     growth = [e for e in events if e["kind"] == "memory_growth" and e.get("episode") == "start"]
     assert len(growth) == 1, events
@@ -244,7 +244,7 @@ def test_monitor_finds_a_leak_in_a_plain_training_loop(tmp_path: Path) -> None:
 
 def test_state_dict_keeps_counts_and_statistics() -> None:
     monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=1))
-    monitor.attach(DebugSession(None, True, None, {}))
+    plain_run([monitor])
     for step in range(3):
         monitor.measure(step, {"epoch": 0, "batch": step}, None)
     restored = MemoryMonitor(DebugConfig(memory_profiling_frequency=1))

@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_debug import DebugConfig, PerformanceProfilerCallback
 from lightning_debug.checks.timing import Stopwatch
-from lightning_debug.core.session import DebugSession
 from lightning_debug.monitors.performance import PerformanceMonitor
-from tests.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, read_scalars
+from lightning_debug.run import Run
+from tests.toolkit import TinyRegressor, debug_dir, make_trainer, plain_run, read_events, read_report, read_scalars
 
 PHASE_TAGS = ("step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms")
 
@@ -164,8 +164,8 @@ def test_invalid_performance_settings_raise_naming_the_field() -> None:
         PerformanceProfilerCallback(profile_steps=(3,))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dataloader_bottleneck_share"):
         DebugConfig(dataloader_bottleneck_share=1.5)
-    assert PerformanceProfilerCallback(level="advanced").performance.profile_window == (10, 5)
-    assert PerformanceProfilerCallback(level="advanced", profile_steps=(0, 0)).performance.profile_window is None
+    assert PerformanceProfilerCallback(level="advanced").monitor.profile_window == (10, 5)
+    assert PerformanceProfilerCallback(level="advanced", profile_steps=(0, 0)).monitor.profile_window is None
 
 
 class CountingStopwatch(Stopwatch):
@@ -179,35 +179,33 @@ class CountingStopwatch(Stopwatch):
         return super().mark()
 
 
-def run_plain_loop(monitor: PerformanceMonitor, steps: int, stopwatch: CountingStopwatch | None = None,
-                   batch_size: int = 8) -> None:
+def run_plain_loop(run: Run, steps: int, stopwatch: CountingStopwatch | None = None, batch_size: int = 8) -> None:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(steps):
         if stopwatch is not None:
             stopwatch.step = step
         batch = {"x": torch.randn(batch_size, 4), "ids": torch.zeros(batch_size, 5, dtype=torch.long)}
-        monitor.batch_start(step, batch)
+        run.batch_start(step, batch)
         loss = model(batch["x"]).pow(2).mean()
-        monitor.backward_start()
+        run.before_backward(step, loss)
         loss.backward()
-        monitor.optimizer_start()
+        run.before_optimizer_step(step, optimizer)
         optimizer.step()
         optimizer.zero_grad()
-        monitor.batch_end(step, {"epoch": 0, "batch": step}, batch)
+        run.after_optimizer_step(step + 1)
+        run.batch_end()
 
 
 def test_plain_loop_does_nothing_on_non_check_steps_and_logs_tokens(tmp_path: Path) -> None:
     logged: list[tuple[int, dict[str, float]]] = []
-    session = DebugSession(tmp_path, True, lambda metrics, step: logged.append((step, metrics)), {})
     monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=10), "loop",
                                  tokens_fn=lambda batch: batch["ids"].numel())
-    monitor.attach(session)
+    run = plain_run([monitor], tmp_path, sink=lambda metrics, step: logged.append((step, metrics)))
     stopwatch = CountingStopwatch()
     monitor.stopwatch = stopwatch
-    run_plain_loop(monitor, 21, stopwatch)
-    monitor.finalize(20, {"epoch": 0, "batch": 20})
-    session.finish("finished", 20)
+    run_plain_loop(run, 21, stopwatch)
+    run.finish("finished", 21)
 
     assert all(stopwatch.marks_by_step.get(step, 0) == 0 for step in range(1, 9)), stopwatch.marks_by_step
     assert sorted(step for step, _ in logged) == [0, 10, 20]
@@ -223,12 +221,10 @@ def test_consistently_slower_rank_is_named_as_straggler(tmp_path: Path) -> None:
         slower[3] += 25.0  # rank 1's forward takes 25 ms longer
         return torch.stack([local, slower])
 
-    session = DebugSession(tmp_path, True, None, {})
-    monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop", world_size=2,
-                                 all_gather=all_gather)
-    monitor.attach(session)
-    run_plain_loop(monitor, 8)
-    monitor.finalize(7, {"epoch": 0, "batch": 7})
+    monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop")
+    run = plain_run([monitor], tmp_path, world_size=2, all_gather=all_gather)
+    run_plain_loop(run, 8)
+    run.finish("finished", 8)
 
     stragglers = [e for e in read_events(tmp_path) if e["kind"] == "straggler_rank" and e.get("episode") == "start"]
     assert len(stragglers) == 1

@@ -4,6 +4,7 @@ or in the user's own exception, untouched; never in a crash inside the plugin.""
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ def fit_all_four(tmp_path: Path, model: pl.LightningModule, steps: int = 12, **k
 
 def failures(messages: list[str]) -> list[str]:
     """Warnings that say a check itself broke (as opposed to findings)."""
-    return [m for m in messages if "failed (" in m]
+    return [m for m in messages if re.search(r" failed (at step -?\d+ )?\(", m)]
 
 
 def test_logger_without_histograms_is_one_warning(tmp_path: Path) -> None:
@@ -151,3 +152,52 @@ def test_a_condition_that_keeps_coming_back_cannot_flood_the_events_file(tmp_pat
     assert len([e for e in events if e["episode"] == "end"]) == 25
     finding = read_report(debug_dir(trainer))["findings"]["nonfinite_loss"]
     assert finding["episodes"] == 32 and finding["steps"] == 20 + 32
+
+
+class UnreducibleParameter(nn.Parameter):
+    """A parameter type (as a quantization or sharding library might define) whose values cannot be
+    concatenated or reduced outside its own layer: the plugin's weight measurements must fail on it."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("cat", "stack", "_foreach_norm", "vector_norm", "_foreach_mul"):
+            raise NotImplementedError(f"{cls.__name__} does not support {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class WithUnreducibleWeights(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = UnreducibleParameter(self.head.weight.detach().clone())
+
+
+def test_a_check_that_fails_on_purpose_is_reported_as_failed_not_clean(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    callbacks = debug_callbacks(DebugConfig(gradient_checking_frequency=3, log_weights=True, print_summary=True))
+    trainer, messages = fit_all_four(tmp_path, WithUnreducibleWeights(), callbacks=callbacks)
+    assert trainer.global_step == 12, "training goes on"
+    report = read_report(debug_dir(trainer))
+    failed = report["failed_checks"]
+    expected = {"AnomalyMonitor.before_optimizer_step", "GradientMonitor.before_optimizer_step",
+                "AnomalyMonitor.finalize"}
+    assert set(failed) == expected
+    assert failed["GradientMonitor.before_optimizer_step"]["count"] == 4, "steps 0, 3, 6 and 9"
+    assert failed["AnomalyMonitor.before_optimizer_step"]["first_step"] == 0
+    assert "UnreducibleParameter does not support" in next(iter(failed["AnomalyMonitor.finalize"]["reasons"]))
+    assert sorted(m.split(" failed")[0] for m in failures(messages)) == sorted(f"lightning-debug: {name}"
+                                                                                for name in expected), \
+        "one warning per check, not one per step"
+
+    markdown = (debug_dir(trainer) / "report.md").read_text()
+    assert "## Checks that failed" in markdown and "No problems found." not in markdown
+    assert all(f"| {name} |" in markdown for name in expected)
+    console = " ".join(capsys.readouterr().out.split())  # the headline may wrap
+    assert "nothing wrong found" not in console and "3 check(s) failed and did not run (since step 0)" in console
+    assert all(f"failed {name} since step" in console for name in expected)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(trainer.logger.log_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    text = accumulator.Tensors("debug/failed_checks/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert all(name in text for name in expected)

@@ -23,12 +23,14 @@ from unittest import mock
 
 import pytest
 
+from lightning_debug import DebugConfig
 from lightning_debug.callbacks.base import config_field_docs
 from lightning_debug.cli import main as cli
-from lightning_debug.core.session import DebugSession
-from lightning_debug.core.timeline import Series, Timeline, read_events_file, read_timeline, tensorboard_files
-from lightning_debug.tensorboard import LAYOUT_CATEGORIES
-from tests.toolkit import read_report, read_scalars
+from lightning_debug.core.timeline import Series, Timeline
+from lightning_debug.report.offline import read_events_file, read_timeline, tensorboard_files
+from lightning_debug.report.tensorboard import LAYOUT_CATEGORIES
+from lightning_debug.run import Run
+from tests.toolkit import LoopContext, read_report, read_scalars
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -169,7 +171,8 @@ def test_tensorboard_groups_every_debug_chart_and_has_findings_as_text(full_run:
     assert len(tags) > 10
     for tag in tags:  # every debug scalar of the run is on a chart of the right group
         groups = [title for title, patterns in regexes.items() if any(re.match(p, tag) for p in patterns)]
-        area = {"grad": "gradients", "weight": "gradients", "memory": "memory", "perf": "performance"}.get(
+        area = {"grad": "gradients", "weight": "gradients", "activation": "activations", "memory": "memory",
+                "perf": "performance"}.get(
             tag.split("/")[1], "anomalies")
         assert groups == [f"lightning-debug: {area}"], (tag, groups)
     texts = accumulator.Tensors("debug/events/nonfinite_loss/text_summary")
@@ -180,17 +183,20 @@ def test_tensorboard_groups_every_debug_chart_and_has_findings_as_text(full_run:
 # --- LightningCLI: --print_config and help text ----------------------------------------------------------------
 
 
-def test_print_config_shows_every_callback_and_config_field(capsys: pytest.CaptureFixture[str]) -> None:
+def test_print_config_is_short_and_shows_every_callback(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        example_cli(["fit", "--config", str(CONFIGS / "full.yaml"), "--print_config"])
+        example_cli(["fit", "--config", str(CONFIGS / "full.yaml"), "--print_config=skip_unset"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     for name in ("AnomalyDetectionCallback", "GradientHealthCallback", "MemoryProfilerCallback",
                  "PerformanceProfilerCallback"):
-        assert f"class_path: lightning_debug.{name}" in printed
-    for field in config_field_docs():
-        assert re.search(rf"^\s+{field}: ", printed, re.MULTILINE), field
-    assert "gradient_checking_frequency: 5" in printed and "anomaly_detection_mode: warn" in printed
+        assert printed.count(f"class_path: lightning_debug.{name}") == 1
+    assert "gradient_checking_frequency: 5" in printed and "anomaly_detection_mode: WARN" in printed
+    assert "null" not in printed and "config:" not in printed, "no repeated config block, no null overrides"
+    callbacks = printed[printed.index("  callbacks:"):]
+    callbacks = callbacks[:callbacks.index("\n  fast_dev_run")]
+    assert len(callbacks.splitlines()) <= 16, callbacks
+    assert len(printed.splitlines()) < 70
 
 
 @pytest.mark.parametrize("callback", ["AnomalyDetectionCallback", "GradientHealthCallback", "MemoryProfilerCallback",
@@ -298,17 +304,31 @@ def test_report_tolerates_and_says_a_truncated_last_line(full_run: dict[str, Any
 @pytest.mark.parametrize("damage, message", [
     (lambda lines: lines[:1] + ["{not json\n"] + lines[1:], r"events.jsonl:2: not valid JSON"),
     (lambda lines: lines[:1] + ["[1, 2]\n"] + lines[1:], r"events.jsonl:2: not a lightning-debug event"),
-    (lambda lines: lines[:1] + ['{"kind": "nonfinite_loss"}\n'] + lines[1:], r"events.jsonl:2: not a lightning"),
+    (lambda lines: lines[:1] + ['{"kind": "nonfinite_loss"}\n'] + lines[1:], r"events.jsonl:2: 'step' is not an int"),
+    (lambda lines: lines[:1] + ['{"kind": "x", "step": 3, "details": "oops"}\n'] + lines[1:],
+     r"events.jsonl:2: 'details' is not an object"),
 ])
-def test_report_rejects_a_malformed_events_file_in_one_line(full_run: dict[str, Any], tmp_path: Path, damage: Any,
-                                                            message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_skips_and_counts_malformed_lines(full_run: dict[str, Any], tmp_path: Path, damage: Any,
+                                                 message: str, capsys: pytest.CaptureFixture[str]) -> None:
     log_dir = copy_run(full_run, tmp_path)
     events = log_dir / "debug_outputs" / "events.jsonl"
     events.write_text("".join(damage(events.read_text().splitlines(keepends=True))))
-    assert cli(["report", str(log_dir)]) == 2
+    assert cli(["report", str(log_dir), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"note: skipped 1 malformed line\(s\) of events.jsonl, e.g. " + message, out), out
+    report = read_report(log_dir / "debug_outputs")
+    assert report["rebuilt"]["bad_lines"] == 1 and report["findings"]["nonfinite_loss"]["first_step"] == 30
+
+
+def test_report_on_nothing_usable_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    debug_dir = tmp_path / "debug_outputs"
+    debug_dir.mkdir()
+    (debug_dir / "events.jsonl").write_text('{not json\n[1, 2]\n{"kind": "x", "step": -1}\n')
+    assert cli(["report", str(debug_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("lightning-debug: error:") and re.search(message, err[0]), err
-    assert not (log_dir / "debug_outputs" / "report.json").exists()
+    assert len(err) == 1 and err[0].startswith("lightning-debug: error: nothing usable in"), err
+    assert "3 malformed line(s), e.g. events.jsonl:1: not valid JSON" in err[0]
+    assert not (debug_dir / "report.json").exists()
 
 
 def test_report_errors_for_missing_and_empty_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -352,14 +372,31 @@ def test_offline_progress_is_reported_while_reading(full_run: dict[str, Any]) ->
     assert timeline.values("debug/perf/step_ms")[0]
 
 
-def test_demo_verb_shows_progress_and_the_planted_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli(["demo", "--output", str(tmp_path), "--steps", "16", "--nan-step", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "step    8/16" in out and "step   16/16" in out
-    assert "! step 8: nonfinite_loss (error)" in out
-    assert out.count("lightning-debug: run finished at step 16") == 1
+def test_demo_output_is_what_the_quickstart_quotes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo at its defaults (80 steps, level ADVANCED, NaN from step 40) prints the lines
+    docs/quickstart.md quotes, the times (and the data-wait share, a timing) aside."""
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    quoted = quickstart[quickstart.index("```\nTraining 80 steps") + 4:]
+    quoted = quoted[:quoted.index("```")].replace("demo_output", str(tmp_path)).splitlines()
+    assert cli(["demo", "--output", str(tmp_path)]) == 0
+    printed = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+
+    def without_time(line: str) -> str:
+        return re.sub(r"\s+[\d.]+ s$", "", " ".join(line.split()))
+
+    def shown(quoted_line: str) -> bool:
+        wanted = without_time(quoted_line)
+        if wanted.startswith("lightning-debug: run finished"):  # timing findings may add to the count
+            wanted = wanted[:wanted.index(",")]
+        elif wanted.endswith("…"):  # a cut table cell: where it is cut depends on the other rows
+            wanted = wanted[:-15]
+        return any(without_time(line).startswith(wanted) for line in printed)
+
+    for line in quoted:
+        assert shown(line), f"quoted but not printed: {line!r}\n" + "\n".join(printed)
     report = json.loads(next(tmp_path.glob("demo/version_0/debug_outputs/report.json")).read_text())
-    assert report["findings"]["nonfinite_loss"]["first_step"] == 8
+    assert report["findings"]["nonfinite_loss"]["first_step"] == 40
+    assert report["findings"]["nonfinite_activation"]["first_message"].startswith("At step 40, `torch.log` at demo.py:")
 
 
 # --- pieces ----------------------------------------------------------------------------------------------------
@@ -375,7 +412,7 @@ def test_series_stays_bounded_and_keeps_a_spike() -> None:
 
 
 def test_plain_text_summary_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_debug.summary import print_summary
+    from lightning_debug.report.summary import print_summary
 
     monkeypatch.setitem(sys.modules, "rich.console", None)
     report = {"status": "failed", "last_step": 7, "findings": {"oom": {
@@ -385,6 +422,7 @@ def test_plain_text_summary_without_rich(monkeypatch: pytest.MonkeyPatch) -> Non
     print_summary(report, {"report": "x/report.md"}, stream)
     assert stream.getvalue().splitlines() == [
         "lightning-debug: run failed at step 7, 1 kind(s) of finding",
+        "  severity  finding                where        what",
         "  critical  oom                    step 7       CUDA out of memory at step 7.",
         "  report:   x/report.md",
     ]
@@ -393,17 +431,16 @@ def test_plain_text_summary_without_rich(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_only_global_zero_prints_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for rank_zero in (False, True):
         directory = tmp_path / str(rank_zero)
-        session = DebugSession(directory, rank_zero, None, {})
-        session.metrics.add(0, "debug/perf/step_ms", 5.0)
-        session.finish("finished", 1)
-        session.finish("finished", 1)  # later calls of the same run print nothing more
+        run = Run(DebugConfig(), LoopContext(directory, is_global_zero=rank_zero))
+        run.session.metrics.add(0, "debug/perf/step_ms", 5.0)
+        run.finish("finished", 1)
+        run.finish("finished", 1)  # later calls of the same run print nothing more
         assert (directory / "debug_analysis.png").exists() is rank_zero
     assert capsys.readouterr().out.count("lightning-debug: run finished") == 1
 
 
 def test_plot_settings_turn_the_end_of_run_output_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    session = DebugSession(tmp_path, True, None, {"save_plots": False, "print_summary": False})
-    session.finish("finished", 1)
+    Run(DebugConfig(save_plots=False, print_summary=False), LoopContext(tmp_path)).finish("finished", 1)
     assert (tmp_path / "report.json").exists() and not (tmp_path / "debug_analysis.png").exists()
     assert capsys.readouterr().out == ""
 

@@ -6,6 +6,7 @@ Shared by every test module; everything runs on CPU in seconds.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,10 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_debug import DebugConfig
+from lightning_debug.core.monitor import Monitor, RunContext
+from lightning_debug.run import Run
 
 
 def regression_data(samples: int = 256, features: int = 8, seed: int = 0) -> TensorDataset:
@@ -87,6 +92,18 @@ def debug_dir(trainer: pl.Trainer) -> Path:
     return Path(trainer.log_dir) / "debug_outputs"
 
 
+def run_dir(directory: Path) -> Path:
+    """The latest run's files under a ``debug_output_dir``: the directory itself when it holds them
+    (a logger's version directory), else its most recently written ``<run id>`` subdirectory."""
+    markers = ("events.jsonl", "report.json")
+    if any((directory / marker).exists() for marker in markers):
+        return directory
+    runs = [path for path in directory.glob("*") if any((path / marker).exists() for marker in markers)]
+    if not runs:
+        return directory
+    return max(runs, key=lambda path: max((path / m).stat().st_mtime_ns for m in markers if (path / m).exists()))
+
+
 def read_events(directory: Path) -> list[dict[str, Any]]:
     path = directory / "events.jsonl"
     if not path.exists():
@@ -114,3 +131,32 @@ def read_histogram_tags(log_dir: Path | str) -> list[str]:
     accumulator = EventAccumulator(str(log_dir), size_guidance={"histograms": 0})
     accumulator.Reload()
     return list(accumulator.Tags()["histograms"])
+
+
+class LoopContext(RunContext):
+    """The context of a hand-written training loop: a model, files in a directory, a sink, ranks."""
+
+    def __init__(self, output_dir: Path | None = None, module: nn.Module | None = None,
+                 sink: Callable[[dict[str, float], int], None] | None = None,
+                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None, world_size: int = 1,
+                 is_global_zero: bool = True) -> None:
+        self.output_dir, self._module, self._sink, self._all_gather = output_dir, module, sink, all_gather
+        self.world_size, self.is_global_zero = world_size, is_global_zero
+
+    def module(self) -> nn.Module | None:
+        return self._module
+
+    def metrics_sink(self) -> Callable[[dict[str, float], int], None] | None:
+        return self._sink
+
+    def all_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self._all_gather
+
+
+def plain_run(monitors: list[Monitor], output_dir: Path | None = None, config: DebugConfig | None = None,
+              **context: Any) -> Run:
+    """A started :class:`Run` of ``monitors`` for a hand-written loop (no summary, no plots by default)."""
+    config = config or DebugConfig(print_summary=False, save_plots=False)
+    run = Run(config, LoopContext(output_dir, **context), monitors)
+    run.start(0)
+    return run

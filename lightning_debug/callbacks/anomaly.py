@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any
 
-import lightning.pytorch as pl
-import torch
-
-from lightning_debug.callbacks.base import DebugCallback, guarded
-from lightning_debug.config import DebugConfig, DebugLevel
-from lightning_debug.monitors.anomaly import AnomalyMonitor, Replay
-
-
-@contextlib.contextmanager
-def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
-    """A replayed ``training_step`` must not log a second time."""
-    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log, pl_module.log_dict
+from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config import AnomalyMode, AnomalyModeName, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.monitors.anomaly import AnomalyMonitor
 
 
 class AnomalyDetectionCallback(DebugCallback):
@@ -68,9 +51,9 @@ class AnomalyDetectionCallback(DebugCallback):
         self,
         config: DebugConfig | None = None,
         *,
-        anomaly_detection_mode: str | None = None,
+        anomaly_detection_mode: AnomalyMode | AnomalyModeName | None = None,
         anomaly_check_frequency: int | None = None,
-        level: DebugLevel | str | None = None,
+        level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
         debug_output_dir: str | None = None,
     ) -> None:
@@ -80,49 +63,3 @@ class AnomalyDetectionCallback(DebugCallback):
 
     def make_monitor(self) -> AnomalyMonitor:
         return AnomalyMonitor(self.config, type(self).__name__)
-
-    @property
-    def anomalies(self) -> AnomalyMonitor:
-        return self.monitor  # type: ignore[return-value]
-
-    @guarded
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.anomalies.start(uses_grad_scaler=getattr(trainer.precision_plugin, "scaler", None) is not None)
-
-    @guarded
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.anomalies.capture_inputs(trainer.global_step, (batch, batch_idx))
-
-    @guarded
-    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        self.anomalies.observe_loss(trainer.global_step, loss)
-
-    @guarded
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                                 optimizer: torch.optim.Optimizer) -> None:
-        step = trainer.global_step
-        if self.anomalies.due(step):
-            decision = self.anomalies.check(self.step_numerics(trainer, pl_module, step), self.position(trainer),
-                                            optimizer, pl_module, self._replay(trainer, pl_module))
-            if decision == "stop":
-                trainer.should_stop = True
-
-    def _replay(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Replay | None:
-        if not (self.anomalies.localizes and pl_module.automatic_optimization):
-            return None
-
-        def training_loss(captured: Any) -> torch.Tensor | None:
-            batch, batch_idx = captured
-            with trainer.precision_plugin.forward_context(), _logging_muted(pl_module):
-                output = pl_module.training_step(batch, batch_idx)
-            return output.get("loss") if isinstance(output, Mapping) else output
-
-        return training_loss
-
-    def finalize(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.anomalies.finalize(pl_module.named_parameters(), max(trainer.global_step - 1, 0), self.position(trainer))
-
-    def restore(self, trainer: "pl.Trainer") -> None:
-        self.anomalies.restore()

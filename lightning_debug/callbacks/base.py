@@ -1,87 +1,71 @@
-"""What every lightning-debug callback shares: config, session, resume, report, failure policy."""
+"""What the four callbacks share: one run per trainer, driven from Lightning's hooks.
+
+Each callback owns its area's monitor (created afresh for every fit, so a reused callback starts
+clean; its counts carry over only through a checkpoint's ``load_state_dict``). At ``setup`` the
+callbacks of a trainer join one :class:`~lightning_debug.run.Run`, stored on the trainer. The first
+of them leads: its hooks turn into the run's events, once per hook whatever the number of
+callbacks; the others only keep their monitor's state for checkpoints.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
+import dataclasses
+import inspect
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_debug.config import DebugConfig, resolve_config
-from lightning_debug.core.guard import guarded
-from lightning_debug.core.monitor import Monitor
-from lightning_debug.core.session import DebugSession
-from lightning_debug.core.step_numerics import AllGather, StepNumerics
+from lightning_debug.config import DebugConfig, rejects_unknown_keywords, resolve_config
+from lightning_debug.core.guard import Failures, guarded
+from lightning_debug.core.monitor import Decision, Monitor
+from lightning_debug.monitors import companion_monitors, run_monitors
+from lightning_debug.run import Run
+from lightning_debug.callbacks.context import LightningContext
 
-SESSION_ATTRIBUTE = "_lightning_debug_session"
-
-
-def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> Path | None:
-    """``debug_output_dir``, under the trainer's ``log_dir`` when relative. Call on every rank."""
-    if not config.save_debug_info:
-        return None
-    path = Path(config.debug_output_dir).expanduser()
-    if not path.is_absolute():
-        path = Path(trainer.log_dir or trainer.default_root_dir) / path
-    return path
-
-
-def lightning_sink(trainer: "pl.Trainer") -> Callable[[dict[str, float], int], None] | None:
-    if not trainer.loggers:
-        return None
-
-    def sink(metrics: dict[str, float], step: int) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-    return sink
-
-
-def session_for(trainer: "pl.Trainer", config: DebugConfig) -> DebugSession:
-    """The run's shared session, created by the first callback to ask."""
-    session = getattr(trainer, SESSION_ATTRIBUTE, None)
-    if session is None:
-        session = DebugSession(resolve_output_dir(trainer, config), trainer.is_global_zero,
-                               lightning_sink(trainer), config.to_dict())
-        setattr(trainer, SESSION_ATTRIBUTE, session)
-        if trainer.is_global_zero:
-            from lightning_debug.tensorboard import attach_to_loggers
-
-            attach_to_loggers(trainer.loggers, session)
-    return session
-
-
-def all_gather_for(trainer: "pl.Trainer") -> AllGather | None:
-    if trainer.world_size <= 1:
-        return None
-    return lambda tensor: trainer.strategy.all_gather(tensor)
-
-
-def grads_are_sharded(trainer: "pl.Trainer") -> bool:
-    return type(trainer.strategy).__name__ in ("FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy")
+RUN_ATTRIBUTE = "_lightning_debug_run"
 
 
 class DebugCallback(Callback):
-    """Base of the four callbacks: a thin adapter from Lightning hooks to one area's monitor.
+    """Base of the four callbacks: a thin adapter from Lightning hooks to the trainer's run.
 
     It owns what must behave the same everywhere: the validated :class:`DebugConfig` (a config
-    object and/or keyword overrides), attaching the monitor to the run's shared
-    :class:`DebugSession`, ``state_dict`` for resume (the monitor's counts and episodes), the
-    report at fit end or on an exception, and the rule that a failing check warns once and never
-    stops training.
+    object and/or keyword overrides), joining the trainer's run, ``state_dict`` for resume (the
+    monitor's counts and episodes), and the rule that a failing check warns once and never stops
+    training.
     """
 
     own_fields: ClassVar[tuple[str, ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = rejects_unknown_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
+
     def __init__(self, config: DebugConfig | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
         self.monitor: Monitor = self.make_monitor()
-        self._batch_idx = 0
+        self.companions: list[Monitor] = []
+        self._run_monitors: list[Monitor] = []
+        self._run: Run | None = None
+        self._leads = False
+        self._failures = Failures()
 
     def make_monitor(self) -> Monitor:
         raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _run=None, _leads=False, _run_monitors=[])
+
+    @property
+    def failures(self) -> Failures:
+        return self._run.failures if self._run is not None else self._failures
+
+    @property
+    def run(self) -> Run | None:
+        """The run this callback takes part in (between ``setup`` and the end of fit)."""
+        return self._run
 
     @property
     def state_key(self) -> str:
@@ -92,80 +76,112 @@ class DebugCallback(Callback):
                 **{name: getattr(self.config, name) for name in self.own_fields})
         return key
 
+    # --- joining and leaving the run ------------------------------------------------------------
     @guarded
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage == "fit":
-            self.monitor.attach(session_for(trainer, self.config))
+        if stage != "fit":
+            return
+        self.monitor = self.make_monitor()
+        source = type(self).__name__
+        self.companions = companion_monitors(self.monitor.area, self.config, source)
+        run = getattr(trainer, RUN_ATTRIBUTE, None)
+        self._leads = run is None or run.finished
+        self._run_monitors = run_monitors(self.config, source) if self._leads else []
+        if self._leads:
+            run = Run(self.config, LightningContext(trainer, pl_module, self.config), self._run_monitors)
+            setattr(trainer, RUN_ATTRIBUTE, run)
+        for monitor in (self.monitor, *self.companions):
+            run.add(monitor)
+        self._run = run
 
-    @guarded
+    def _leave(self) -> None:
+        self._run, self._leads, self._run_monitors = None, False, []
+
+    # --- hooks -> run events (the leading callback only) ----------------------------------------
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._leads:
+            self._run.start(trainer.global_step)  # type: ignore[union-attr]
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._leads:
+            self._run.epoch_start(trainer.global_step)  # type: ignore[union-attr]
+
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
-        self._batch_idx = batch_idx
-        if self.monitor.attached:
-            self.monitor.session.end_step(trainer.global_step - 1)
+        if self._leads:
+            run = self._run
+            run.context.batch_idx = batch_idx  # type: ignore[union-attr]
+            run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]
 
-    @guarded
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
+        if self._leads:
+            self._run.before_backward(trainer.global_step, loss)  # type: ignore[union-attr]
+
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._leads:
+            if self._run.before_optimizer_step(trainer.global_step, optimizer) is Decision.STOP:  # type: ignore[union-attr]
+                trainer.should_stop = True
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._leads:
+            self._run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
+            self._run.batch_end(batch)  # type: ignore[union-attr]
+
+    def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._leads:
+            self._run.evaluation(trainer.global_step, True, batch)  # type: ignore[union-attr]
+
+    def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                                batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._leads:
+            self._run.evaluation(trainer.global_step, False)  # type: ignore[union-attr]
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._leads:
+            self._run.evaluation(trainer.global_step, False)  # type: ignore[union-attr]
+
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.monitor.attached:
-            self.monitor.session.poll(final=True)
-            self.finalize(trainer, pl_module)
+        if self._leads:
+            self._run.finalize(max(trainer.global_step - 1, 0))  # type: ignore[union-attr]
 
-    @guarded
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit" or not self.monitor.attached:
-            return
-        self.monitor.session.finish("finished", trainer.global_step, final=self._last_to_finish())
-        self.restore(trainer)
-        self.monitor.detach()
+        if stage == "fit" and self._run is not None:
+            if self._leads:
+                self._run.finish("finished", trainer.global_step)
+            self._leave()
 
-    @guarded
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        if not self.monitor.attached:
+        if self._run is None:
             return
-        status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
-        session = self.monitor.session
-        try:
-            session.poll(final=True)
-            self.finalize(trainer, pl_module)
-        finally:
-            session.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}",
-                           final=self._last_to_finish())
-            self.restore(trainer)
-            self.monitor.detach()
+        if self._leads:
+            status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+            self._run.exception(trainer.global_step, exception)
+            self._run.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}")
+        self._leave()
 
-    def _last_to_finish(self) -> bool:
-        """True for the last callback of the run still attached: its finish ends the run (plots, summary)."""
-        return not any(getattr(other, "attached", False) for other in self.monitor.session.contributors
-                       if other is not self.monitor)
-
-    def finalize(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """Last measurements at the end of fit or on an exception; subclasses override."""
-
-    def restore(self, trainer: "pl.Trainer") -> None:
-        """Undo global changes (anomaly mode, hooks, profilers); subclasses override."""
-
+    # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        if self.monitor.attached:
-            self.monitor.session.poll(final=True)  # a checkpoint is a sync point anyway; include pending checks
-        return self.monitor.state_dict()
+        """The monitor's counts and episodes; those of its companions (and, on the leading callback, of the
+        run-wide monitors) under ``companions``, by area."""
+        if self._run is not None:
+            self._run.deliver_pending()  # a checkpoint is a sync point anyway; include pending checks
+        state = self.monitor.state_dict()
+        others = {monitor.area.value: monitor.state_dict() for monitor in (*self.companions, *self._run_monitors)}
+        return dict(state, companions=others) if others else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict)
-
-    def position(self, trainer: "pl.Trainer") -> dict[str, int]:
-        return {"epoch": trainer.current_epoch, "batch": self._batch_idx}
-
-    def step_numerics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int) -> StepNumerics:
-        """This optimizer step's shared gradient/parameter pass (computed once for all callbacks)."""
-        return self.monitor.session.step_numerics(step, pl_module.named_parameters, all_gather_for(trainer),
-                                                  grads_are_sharded(trainer))
+        others = state_dict.get("companions", {})
+        for monitor in (*self.companions, *self._run_monitors):
+            if monitor.area.value in others:
+                monitor.load_state_dict(others[monitor.area.value])
 
 
 def config_field_docs() -> dict[str, str]:
     """Each DebugConfig field's one-paragraph description, from the ``Args:`` section of its docstring."""
-    import dataclasses
-    import inspect
-
     docs: dict[str, list[str]] = {}
     fields = {f.name for f in dataclasses.fields(DebugConfig)}
     current: str | None = None
@@ -193,8 +209,6 @@ def _document_keyword_overrides() -> None:
     jsonargparse reads parameter descriptions from base-class docstrings too, so one ``Args:``
     section here, generated from DebugConfig's, documents the overrides of all four callbacks.
     """
-    import dataclasses
-
     defaults = {f.name: f.default for f in dataclasses.fields(DebugConfig)}
     lines = ["", "", "    Args:",
              "        config: The shared settings (a DebugConfig); null means the defaults. The keyword arguments",

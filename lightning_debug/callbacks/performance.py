@@ -5,11 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import lightning.pytorch as pl
-import torch
-
-from lightning_debug.callbacks.base import DebugCallback, all_gather_for, guarded
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config import DebugConfig, DebugLevel, DebugLevelName
 from lightning_debug.monitors.performance import PerformanceMonitor
 
 
@@ -58,7 +55,7 @@ class PerformanceProfilerCallback(DebugCallback):
         *,
         performance_profiling_frequency: int | None = None,
         log_performance: bool | None = None,
-        level: DebugLevel | str | None = None,
+        level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
         debug_output_dir: str | None = None,
         slow_step_factor: float | None = None,
@@ -73,54 +70,7 @@ class PerformanceProfilerCallback(DebugCallback):
                          log_performance=log_performance, level=level, save_debug_info=save_debug_info,
                          debug_output_dir=debug_output_dir, slow_step_factor=slow_step_factor,
                          dataloader_bottleneck_share=dataloader_bottleneck_share, profile_steps=profile_steps)
-        self._step = 0
 
     def make_monitor(self) -> PerformanceMonitor:
         return PerformanceMonitor(self.config, type(self).__name__, batch_size_fn=self.batch_size_fn,
                                   tokens_fn=self.tokens_fn)
-
-    @property
-    def performance(self) -> PerformanceMonitor:
-        return self.monitor  # type: ignore[return-value]
-
-    @guarded
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.performance.start(device=pl_module.device, world_size=trainer.world_size, rank=trainer.global_rank,
-                               all_gather=all_gather_for(trainer))
-
-    @guarded
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.performance.describe_loader(trainer.train_dataloader)
-        self.performance.reset_data_clock(trainer.global_step)
-
-    @guarded
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if trainer.training or trainer.state.fn == "fit":
-            self.performance.reset_data_clock(trainer.global_step)
-
-    @guarded
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._step = trainer.global_step
-        self.performance.batch_start(self._step, batch)
-
-    @guarded
-    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
-        self.performance.backward_start()
-
-    @guarded
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                                 optimizer: torch.optim.Optimizer) -> None:
-        self.performance.optimizer_start()
-
-    @guarded
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.performance.batch_end(self._step, self.position(trainer), batch)
-
-    def finalize(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.performance.finalize(max(trainer.global_step - 1, 0), self.position(trainer))
-
-    def restore(self, trainer: "pl.Trainer") -> None:
-        self.performance.restore()

@@ -12,37 +12,10 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.numerics import fused_norms
-
 HISTOGRAM_CHUNK = 1 << 24
+HISTOGRAM_BATCH = 1 << 22
+HISTOGRAM_SMALL = 1 << 16
 SUMMARY_FIELDS = ("min", "max", "num", "sum", "sum_squares")
-
-
-def clone_tensors(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Detached copies of ``tensors`` (the weights before an optimizer step), in fused kernels.
-
-    Example::
-
-        >>> weights = [torch.ones(2), torch.zeros(3)]
-        >>> copies = clone_tensors(weights); _ = weights[0].add_(1.0); copies[0].tolist()
-        [1.0, 1.0]
-    """
-    if not tensors:
-        return []
-    return list(torch._foreach_mul([t.detach() for t in tensors], 1.0))
-
-
-def update_norms(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``||after_i - before_i||`` for each pair, as one float32 device vector (no sync).
-
-    Example::
-
-        >>> update_norms([torch.zeros(2)], [torch.tensor([3.0, 4.0])]).tolist()
-        [5.0]
-    """
-    if not before:
-        return torch.zeros(0, dtype=torch.float32)
-    return fused_norms(torch._foreach_sub([t.detach() for t in after], list(before)))
 
 
 def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
@@ -71,14 +44,38 @@ def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
     return torch.cat([torch.stack([low, high, count, total, squares]), counts])
 
 
+def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
+    """:func:`_summary_row` of many small dense tensors of one device at once: one buffer, per-segment
+    reductions, one ``index_add_`` for every bucket of every tensor."""
+    values = torch._C._nn.flatten_dense_tensors(list(tensors)).float()
+    lengths = torch.tensor([t.numel() for t in tensors], device=values.device)
+    segment = torch.repeat_interleave(torch.arange(len(tensors), device=values.device), lengths)
+    finite = torch.isfinite(values)
+    weights = finite.float()
+    count = torch.segment_reduce(weights, "sum", lengths=lengths)
+    low = torch.segment_reduce(torch.where(finite, values, math.inf), "min", lengths=lengths)
+    high = torch.segment_reduce(torch.where(finite, values, -math.inf), "max", lengths=lengths)
+    low = torch.where(count > 0, low, torch.zeros_like(low))
+    high = torch.where(count > 0, high, torch.zeros_like(high))
+    width = (high - low).clamp_min(torch.finfo(torch.float32).tiny)
+    clean = torch.where(finite, values, 0.0)
+    total = torch.segment_reduce(clean, "sum", lengths=lengths)
+    squares = torch.segment_reduce(clean.square(), "sum", lengths=lengths)
+    bucket = ((clean - low[segment]) / width[segment] * bins).floor_().clamp_(0, bins - 1).long() + segment * bins
+    counts = torch.zeros(len(tensors) * bins, dtype=torch.float32, device=values.device).index_add_(0, bucket, weights)
+    return torch.cat([torch.stack([low, high, count, total, squares], dim=1), counts.view(len(tensors), bins)], dim=1)
+
+
+@torch.no_grad()
 def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
     """Per tensor: min, max, count, sum, sum of squares and ``bins`` equal-width bucket counts.
 
     Only finite values count. Computed on the tensors' device with no host sync (``torch.histc``
-    on CUDA reads min/max back to the host, so the buckets are filled with ``index_add_``); large
-    tensors are processed in chunks to bound the temporary memory. Returns a float32 tensor of
-    shape ``[len(tensors), 5 + bins]``; :func:`histogram_from_row` turns a row into the arguments of
-    ``SummaryWriter.add_histogram_raw``.
+    on CUDA reads min/max back to the host, so the buckets are filled with ``index_add_``). Small
+    dense tensors are measured together, a few million values at a time, so the number of
+    operations does not grow with the number of tensors; large ones one by one, in chunks that
+    bound the temporary memory. Returns a float32 tensor of shape ``[len(tensors), 5 + bins]``;
+    :func:`histogram_from_row` turns a row into the arguments of ``SummaryWriter.add_histogram_raw``.
 
     Example::
 
@@ -88,9 +85,26 @@ def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torc
     """
     if not tensors:
         return torch.zeros(0, len(SUMMARY_FIELDS) + bins, dtype=torch.float32)
-    rows = [_summary_row(tensor, bins) for tensor in tensors]
-    device = rows[0].device
-    return torch.stack([row.to(device, non_blocking=True) for row in rows])
+    device = tensors[0].device
+    rows = torch.empty(len(tensors), len(SUMMARY_FIELDS) + bins, dtype=torch.float32, device=device)
+    batches: dict[torch.device, list[list[int]]] = {}
+    filled: dict[torch.device, int] = {}
+    for index, tensor in enumerate(tensors):
+        size = tensor.numel()
+        if tensor.is_sparse or tensor.is_complex() or size > HISTOGRAM_SMALL:
+            rows[index] = _summary_row(tensor, bins).to(device)
+            continue
+        batch = batches.setdefault(tensor.device, [[]])
+        if filled.get(tensor.device, 0) + size > HISTOGRAM_BATCH:
+            batch.append([])
+            filled[tensor.device] = 0
+        batch[-1].append(index)
+        filled[tensor.device] = filled.get(tensor.device, 0) + size
+    for groups in batches.values():
+        for indices in groups:
+            position = torch.tensor(indices, device=device)
+            rows.index_copy_(0, position, _summary_rows([tensors[i] for i in indices], bins).to(device))
+    return rows
 
 
 def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:

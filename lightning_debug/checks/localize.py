@@ -18,7 +18,6 @@ around the replays, so training continues exactly as it would have without them.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import time
@@ -32,18 +31,26 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
+from lightning_debug.checks.numerics import user_name
+
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIPPED_PATH_PARTS = (os.sep + "lightning" + os.sep, os.sep + "lightning_fabric" + os.sep,
                        os.sep + "pytorch_lightning" + os.sep, os.sep + "accelerate" + os.sep)
 
 
+_DEMO = os.path.join(_OWN_DIR, "demo.py")  # the demo's model is user code, though it ships in the package
+
+
 def _is_user_frame(filename: str) -> bool:
-    return not (filename.startswith(_LIBRARY_DIRS) or filename.startswith(_OWN_DIR) or filename.startswith("<")
+    own = filename.startswith(_OWN_DIR) and filename != _DEMO
+    return not (filename.startswith(_LIBRARY_DIRS) or own or filename.startswith("<")
                 or any(part in filename for part in _SKIPPED_PATH_PARTS))
 
 
-def _user_source(frames: list[traceback.FrameSummary]) -> dict[str, Any] | None:
+def user_source(frames: list[traceback.FrameSummary]) -> dict[str, Any] | None:
+    """The innermost frame of the user's own code (not torch, Lightning, Accelerate or this package)."""
     for frame in reversed(frames):
         if _is_user_frame(frame.filename):
             return {"file": frame.filename, "line": frame.lineno, "function": frame.name, "code": (frame.line or "").strip()}
@@ -73,6 +80,25 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in tensors_in(item)]
     return []
+
+
+def output_scalar(output: Any) -> torch.Tensor | None:
+    """What a replayed forward is judged by: the model's own ``loss`` when it returns one (Hugging
+    Face models given labels do), else the sum of its floating-point outputs.
+
+    Example::
+
+        >>> output_scalar({"loss": torch.tensor(2.0), "logits": torch.ones(3)}).item()
+        2.0
+        >>> output_scalar((torch.ones(2), torch.arange(3))).item()
+        2.0
+    """
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    floating = [t for t in tensors_in(output if not hasattr(output, "to_tuple") else output.to_tuple())
+                if t.is_floating_point()]
+    return torch.stack([t.float().sum() for t in floating]).sum() if floating else None
 
 
 def _numeric(tensor: torch.Tensor) -> bool:
@@ -136,7 +162,7 @@ class _FirstNonFinite(TorchFunctionMode):
                     name, module, module_inputs = self.module_stack[-1] if self.module_stack else ("", None, ())
                     self.found = {
                         "operation": operation_name(func),
-                        "source": _user_source(traceback.extract_stack()[:-1]),
+                        "source": user_source(traceback.extract_stack()[:-1]),
                         "module": name, "module_type": type(module).__name__ if module is not None else None,
                         "inputs": value_summary(inputs), "outputs": value_summary(outputs),
                         "module_inputs": value_summary(tensors_in(module_inputs)),
@@ -145,10 +171,13 @@ class _FirstNonFinite(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]:
+def module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]:
+    """While inside, the stack of ``(name, module, inputs)`` of the modules of ``model`` now running."""
     stack: list[tuple[str, nn.Module, Any]] = []
     handles = []
     for name, module in model.named_modules():
+        name = user_name(name)
+
         def enter(module: nn.Module, args: Any, name: str = name) -> None:
             stack.append((name, module, args))
 
@@ -217,7 +246,7 @@ def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.
                 text = str(warning.message)
                 if f"Error detected in {backward}" in text:
                     frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in _FRAME.findall(text)]
-                    source = _user_source(frames)
+                    source = user_source(frames)
             where = f" at {os.path.basename(source['file'])}:{source['line']} (`{source['code']}`)" if source else ""
             forward = backward.removesuffix("Backward0").removesuffix("Backward1").lower()
             return Cause("backward", f"the backward of `{forward}` ({backward}) produced NaN; its forward call is{where}",
@@ -226,7 +255,8 @@ def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.
 
 
 def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
-             rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool) -> Cause:
+             rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool,
+             same_work: bool = False) -> Cause:
     """Replay one step (see the module docstring) and say where the first non-finite value came from.
 
     Args:
@@ -235,55 +265,83 @@ def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | N
         replay: Recomputes the step's loss (forward only; no backward, no optimizer step).
         rng: The RNG state at the start of the step (from :func:`capture_rng`), for dropout.
         check_backward: Also localize a backward-only NaN when the forward is clean.
+        same_work: Call ``replay`` the same number of times whatever is found (once, and once more
+            with ``check_backward``), so that when every process of a distributed job replays its own
+            step, collectives inside the step (``self.all_gather`` in ``training_step``) still match.
     """
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    cause = _localize(model, batch, replay, rng, check_backward, parameters)
+    with _eager():
+        cause = _localize(model, batch, replay, rng, check_backward, parameters, same_work)
     cause.replay_ms = (time.perf_counter() - started) * 1e3
     return cause
 
 
-def _localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
-              rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool,
-              parameters: list[nn.Parameter]) -> Cause:
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Run ``torch.compile``d modules eagerly during the replay: tracing the instrumentation would break
+    the graph at every check (and recompile), and the eager run is what names the user's source line."""
+    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+    if set_stance is None:  # torch < 2.6: compiled modules are replayed compiled
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
+def _before_the_forward(model: nn.Module, batch: Any) -> Cause | None:
     batch_tensors = tensors_in(batch)
     if _nonfinite(batch_tensors):
-        return Cause("inputs", "the batch itself contains NaN/Inf (inputs): check the data pipeline "
+        bad = [(name, *nonfinite_samples(t)) for name, t in floating_tensors(batch) if _nonfinite([t])]
+        samples = bad[0][1] if bad else []
+        return Cause("inputs", "the batch itself contains NaN/Inf (inputs)"
+                     + (f" in samples {samples}" if samples else "") + ": check the data pipeline "
                      "(missing values, division by a zero std in normalization, corrupt samples)",
-                     inputs=value_summary(batch_tensors))
-    bad_parameters = [name for name, p in model.named_parameters() if _nonfinite([p])]
+                     inputs=dict(value_summary(batch_tensors), samples=samples,
+                                 tensors=[{"tensor": name, "samples": rows, "count": count} for name, rows, count in bad]))
+    bad_parameters = [user_name(name) for name, p in model.named_parameters() if _nonfinite([p])]
     if bad_parameters:
         return Cause("parameters", f"parameters are already non-finite before the forward: {', '.join(bad_parameters[:5])}",
                      module=bad_parameters[0])
+    return None
+
+
+def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) -> Cause | None:
+    with torch.no_grad(), module_stack(model) as stack, _FirstNonFinite(stack) as mode:
+        loss = replay()
+    if mode.found is not None:
+        found = mode.found
+        where = found["source"]
+        line = f" at {os.path.basename(where['file'])}:{where['line']} (`{where['code']}`)" if where else ""
+        function = f"`{where['function']}`" if where else "the training step"
+        module = (f"module `{found['module']}` ({found['module_type']})" if found["module"]
+                  else f"{function}, outside the model's modules (the loss computation)" if not found["module_type"]
+                  else f"the forward of the top-level {found['module_type']}, outside its submodules")
+        max_in = found["inputs"].get("max_abs")
+        inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None else ""
+        return Cause("forward", f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
+                     module=found["module"] or None, module_type=found["module_type"], operation=found["operation"],
+                     source=where, inputs=found["inputs"], outputs=found["outputs"])
+    if loss is not None and _nonfinite([loss]):
+        return Cause("forward", "the loss is non-finite but no single operation produced it from finite inputs")
+    return None
+
+
+def _localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
+              rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool,
+              parameters: list[nn.Parameter], same_work: bool) -> Cause:
+    early = _before_the_forward(model, batch)
+    if early is not None and not same_work:
+        return early
+    backward: Cause | None = None
     with preserved_state(model):
         if rng is not None:
             _set_rng(rng)
-        with torch.no_grad(), _module_stack(model) as stack, _FirstNonFinite(stack) as mode:
-            loss = replay()
-        if mode.found is not None:
-            found = mode.found
-            where = found["source"]
-            line = f" at {os.path.basename(where['file'])}:{where['line']} (`{where['code']}`)" if where else ""
-            function = f"`{where['function']}`" if where else "the training step"
-            module = (f"module `{found['module']}` ({found['module_type']})" if found["module"]
-                      else f"{function}, outside the model's modules (the loss computation)" if not found["module_type"]
-                      else f"the forward of the top-level {found['module_type']}, outside its submodules")
-            max_in = found["inputs"].get("max_abs")
-            inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None else ""
-            return Cause("forward", f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
-                         module=found["module"] or None, module_type=found["module_type"], operation=found["operation"],
-                         source=where, inputs=found["inputs"], outputs=found["outputs"])
-        if loss is not None and _nonfinite([loss]):
-            return Cause("forward", "the loss is non-finite but no single operation produced it from finite inputs")
-        if check_backward:
+        forward = _forward_cause(model, replay)
+        if check_backward and (same_work or forward is None):
             if rng is not None:
                 _set_rng(rng)
             backward = _backward_cause(replay, parameters)
-            if backward is not None:
-                return backward
-    return Cause("not_reproduced", "replaying the step gave finite values: the NaN depends on state the replay "
-                 "cannot reproduce (non-deterministic kernels, data changed in place, Python/NumPy random numbers)")
-
-
-def describe_value(value: float) -> str:
-    return f"{value:.3g}" if math.isfinite(value) else str(value)
+    return early or forward or backward or Cause(
+        "not_reproduced", "replaying the step gave finite values: the NaN depends on state the replay cannot "
+        "reproduce (non-deterministic kernels, data changed in place, Python/NumPy random numbers)")

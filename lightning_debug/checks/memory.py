@@ -1,7 +1,7 @@
 """Memory readings and the pure analyses behind :class:`~lightning_debug.MemoryProfilerCallback`.
 
 No framework here. The readings are host-side counters only: the process's resident set (psutil),
-the bytes the C allocator has handed out (glibc ``mallinfo2``) and the CUDA caching allocator's own
+the bytes the C allocator has handed out (``psutil.heap_info``) and the CUDA caching allocator's own
 statistics, so reading them never waits for the GPU. The expensive parts, a census of live tensors
 through :mod:`gc` and the analysis of a CUDA memory snapshot, are separate functions that the
 monitor calls only to confirm a suspected leak or after an out-of-memory error.
@@ -19,12 +19,10 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import gc
 import os
 import statistics
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -41,6 +39,8 @@ LIBRARY_PATH_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<
                         "/lightning_fabric/", "/lightning_debug/")
 GRAPHS_MEASURED_PER_GROUP = 8
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use", "cpu_rss": "process RSS"}
+PHASES = ("forward", "backward", "optimizer", "validation")
 
 
 def format_bytes(size: float) -> str:
@@ -56,37 +56,23 @@ def format_bytes(size: float) -> str:
 # --- readings -----------------------------------------------------------------------------------------
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+def heap_in_use() -> int | None:
+    """Bytes the C allocator has handed out and not taken back, or None where psutil cannot tell.
 
-
-@functools.lru_cache(maxsize=1)
-def _mallinfo2() -> Any:
-    if not sys.platform.startswith("linux"):
+    ``psutil.heap_info()``: on Linux (glibc) the bytes of chunks in use in every arena plus mmapped
+    chunks (``mallinfo2``'s ``uordblks + hblkhd``), on macOS and Windows the platform allocator's
+    equivalent. Unlike the resident set it ignores freed-but-cached pages, so the CPU tensors and
+    autograd nodes a leak keeps alive show up byte for byte. Costs about a microsecond (a few
+    milliseconds on a heavily fragmented heap, when glibc walks its free lists).
+    """
+    read = getattr(psutil, "heap_info", None)
+    if read is None:
         return None
     try:
-        function = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
+        info = read()
+    except (OSError, NotImplementedError, RuntimeError):
         return None
-    function.restype = _MallInfo2
-    function.argtypes = []
-    return function
-
-
-def heap_in_use() -> int | None:
-    """Bytes the C allocator has handed out and not taken back, or None where glibc is not the allocator.
-
-    glibc's ``mallinfo2``: chunks in use in every arena plus mmapped chunks. Unlike the resident
-    set it ignores freed-but-cached pages, so the CPU tensors and autograd nodes a leak keeps alive
-    show up byte for byte. Costs about 0.1 ms.
-    """
-    function = _mallinfo2()
-    if function is None:
-        return None
-    info = function()
-    return int(info.uordblks + info.hblkhd)
+    return int(info.heap_used + info.mmap_used)
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,22 +1,128 @@
-"""Fused numeric health of many tensors: one kernel launch per device, no host sync.
+"""Fused numeric health of many tensors: a constant number of kernel launches, no host sync.
 
 Everything here returns device tensors; the caller decides when (and whether) to read them back.
+
+A model has hundreds to thousands of parameter tensors, so any Python or dispatcher work *per
+tensor* on a check step grows with the model. :class:`NormPlan` is worked out once for a fixed
+list of tensor slots (shapes, dtypes, devices) and then measures any list of tensors with those
+shapes with a handful of operations: on the CPU the small tensors are concatenated into one buffer
+and reduced per segment (``torch._foreach_norm`` runs one kernel per tensor there), on CUDA one
+``torch._foreach_norm`` per dtype.
+
+Sharded tensors (``DTensor``: FSDP2, tensor parallel) are measured on their local shards without
+communication; :func:`owns_block` says which ranks' shards add up to the full tensor's squared norm
+(see its docstring), so one sum over the world gives exact full-tensor norms.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch < 2.4
+    try:
+        from torch.distributed._tensor import DTensor, Replicate, Shard  # type: ignore[no-redef]
+    except ImportError:  # torch built without distributed
+        DTensor = Replicate = Shard = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:
+    _StridedShard = Shard  # type: ignore[assignment,misc]
+
+SMALL_NUMEL_CPU = 4096
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_local_of = attrgetter("_local_tensor")
+
+
+def is_dtensor(tensor: object) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a ``DTensor`` (no communication, no autograd); a plain tensor as is."""
+    return _local_of(tensor) if is_dtensor(tensor) else tensor
+
+
+def local_tensors(tensors: Sequence[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
+    """:func:`local_tensor` of each; ``sharded`` says whether any of them may be a ``DTensor``."""
+    if not sharded:
+        return list(tensors)
+    return [_local_of(t) if is_dtensor(t) else t for t in tensors]
+
+
+def user_name(name: str) -> str:
+    """A parameter or module name as the user wrote the model, without the segments that
+    ``torch.compile`` (``_orig_mod``), FSDP1 and activation checkpointing insert.
+
+    Example::
+
+        >>> user_name("model._orig_mod.inp.weight"), user_name("model._orig_mod")
+        ('model.inp.weight', 'model')
+    """
+    if "_" not in name or not any(segment in name for segment in WRAPPER_SEGMENTS):
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _is_shard(placement: object) -> bool:
+    # _StridedShard (FSDP over tensor parallel on one dim) is not a Shard subclass in torch 2.13.
+    return isinstance(placement, (Shard, _StridedShard))
+
+
+def owns_block(tensor: torch.Tensor, rank: int) -> bool:
+    """Whether this rank's local block counts when squared norms are summed over every process.
+
+    A ``DTensor`` is held in blocks: ranks along a mesh dimension that *shards* it hold disjoint
+    blocks (their squares add up, whatever tensor dimension is split, empty uneven shards adding
+    0); ranks along a dimension that *replicates* it hold the same block, so only coordinate 0
+    counts. When the tensor lives on a sub-mesh (``mesh["data_parallel"]`` of a 2-D mesh) the world
+    holds several copies of that sub-mesh; only the copy that contains global rank 0 counts. A plain
+    tensor is taken as replicated on every rank (DDP): rank 0's counts. Summing ``owned`` squares
+    over the world then gives each full tensor's squared norm exactly, with no division.
+
+    Example::
+
+        >>> owns_block(torch.ones(2), rank=0), owns_block(torch.ones(2), rank=1)
+        (True, False)
+    """
+    if not is_dtensor(tensor):
+        return rank == 0
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return bool((mesh.mesh == 0).any()) and all(
+        c == 0 for c, placement in zip(coordinate, tensor.placements) if not _is_shard(placement))  # type: ignore[attr-defined]
+
+
+def has_partial(tensor: torch.Tensor) -> bool:
+    """A ``DTensor`` with pending sums (``Partial``): its local values are addends, not blocks."""
+    return is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements)  # type: ignore[attr-defined]
+
+
+def without_partial(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its ``Partial`` mesh dimensions reduced to ``Replicate`` (one collective)."""
+    placements = [Replicate() if p.is_partial() else p for p in tensor.placements]  # type: ignore[attr-defined]
+    return tensor.redistribute(tensor.device_mesh, placements)  # type: ignore[attr-defined]
+
+
+def _odd(tensor: torch.Tensor) -> bool:
+    return tensor.is_sparse or tensor.is_complex() or not tensor.is_floating_point()
+
 
 def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The 2-norm of each tensor as one float32 vector, computed with ``torch._foreach_norm``.
+    """The 2-norm of each tensor as one float32 vector, for any list of tensors.
 
-    Dense floating tensors of one device and dtype go through one fused kernel; sparse, complex and
-    integer tensors (rare) are handled one by one. A non-finite element makes its norm non-finite,
-    so the norms double as a finiteness test.
+    Dense floating tensors of one device and dtype go through one ``torch._foreach_norm``; sparse,
+    complex and integer tensors (rare) are handled one by one. A non-finite element makes its norm
+    non-finite, so the norms double as a finiteness test. For the same slots measured again and
+    again, :class:`NormPlan` is cheaper.
 
     Example::
 
@@ -29,26 +135,153 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
         return torch.zeros(0, dtype=torch.float32, device=device)
     results: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        if tensor.is_sparse:
-            results[index] = torch.linalg.vector_norm(tensor.coalesce().values().detach().abs().float())
-        elif tensor.is_complex() or not tensor.is_floating_point():
-            results[index] = torch.linalg.vector_norm(tensor.detach().abs().float())
-        else:
-            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
-    for (_, dtype), indices in groups.items():
-        group = [tensors[i].detach() for i in indices]
-        # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
-        norms = (torch._foreach_norm(group, 2) if dtype == torch.float64
-                 else torch._foreach_norm(group, 2, dtype=torch.float32))
-        for index, norm in zip(indices, norms):
-            results[index] = norm.float()
-    if len(groups) == 1 and next(iter(groups))[0] == device and len(groups[next(iter(groups))]) == len(tensors):
-        return torch.stack(results)  # type: ignore[arg-type]
-    return torch.stack([norm.to(device, non_blocking=True) for norm in results])  # type: ignore[union-attr]
+    with torch.no_grad():
+        for index, tensor in enumerate(tensors):
+            if tensor.is_sparse:
+                results[index] = torch.linalg.vector_norm(tensor.coalesce().values().detach().abs().float())
+            elif tensor.is_complex() or not tensor.is_floating_point():
+                results[index] = torch.linalg.vector_norm(tensor.detach().abs().float())
+            else:
+                groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+        for (_, dtype), indices in groups.items():
+            group = [tensors[i] for i in indices]
+            # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
+            norms = (torch._foreach_norm(group, 2) if dtype == torch.float64
+                     else torch._foreach_norm(group, 2, dtype=torch.float32))
+            for index, norm in zip(indices, norms):
+                results[index] = norm
+        return torch.stack([norm.to(device, torch.float32) for norm in results])  # type: ignore[union-attr]
 
 
-def nonfinite_named(names: Sequence[str], norms: torch.Tensor) -> list[tuple[str, float]]:
+class NormPlan:
+    """Squared 2-norms of a fixed list of tensor slots, worked out once and reused every step.
+
+    Built from one example per slot (a plain, local tensor with the slot's shape, dtype and
+    device). :meth:`squares` then takes any list of tensors with those shapes (the gradients, the
+    weights) and returns their squared norms as one float64 vector in slot order, with a number of
+    operations that does not depend on the number of slots: on the CPU, tensors of at most
+    ``SMALL_NUMEL_CPU`` elements are concatenated into one buffer (one ``torch.cat`` per trailing
+    shape, which needs no per-tensor view) and summed per segment; larger
+    ones, and everything on CUDA (where it is one fused kernel), go through one
+    ``torch._foreach_norm`` per device and dtype. Complex and integer slots, and tensors the fused
+    path cannot take (a sparse gradient), fall back to :func:`fused_norms`. Squares are float64 so
+    that a finite norm above ~1.8e19 does not square to infinity.
+
+    Example::
+
+        >>> plan = NormPlan([torch.zeros(2), torch.zeros(3, 3)])
+        >>> plan.squares([torch.tensor([3.0, 4.0]), torch.ones(3, 3)]).tolist()
+        [25.0, 9.0]
+        >>> before = plan.snapshot([torch.zeros(2), torch.zeros(3, 3)])
+        >>> plan.distance_squares(before, [torch.tensor([0.0, 2.0]), torch.zeros(3, 3)]).tolist()
+        [4.0, 0.0]
+    """
+
+    def __init__(self, examples: Sequence[torch.Tensor]) -> None:
+        self.size = len(examples)
+        self.device = examples[0].device if examples else torch.device("cpu")
+        flat: dict[torch.device, dict[tuple[int, ...] | None, list[int]]] = {}
+        foreach: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        odd: list[int] = []
+        for index, tensor in enumerate(examples):
+            if _odd(tensor):
+                odd.append(index)
+            elif tensor.device.type == "cpu" and tensor.numel() <= SMALL_NUMEL_CPU:
+                trailing = tuple(tensor.shape[1:]) if tensor.dim() else None  # None: 0-d, stacked
+                flat.setdefault(tensor.device, {}).setdefault(trailing, []).append(index)
+            else:
+                foreach.setdefault((tensor.device, tensor.dtype), []).append(index)
+        self._flat = []
+        for device, by_shape in flat.items():
+            groups = [(indices, trailing is None) for trailing, indices in by_shape.items()]
+            lengths = torch.tensor([examples[i].numel() for indices, _ in groups for i in indices], device=device)
+            self._flat.append((groups, lengths))
+        self._foreach = [(indices, dtype) for (_, dtype), indices in foreach.items()]
+        self._odd = odd
+        order = [i for groups, _ in self._flat for indices, _ in groups for i in indices]
+        order += [i for indices, _ in self._foreach for i in indices] + odd
+        self._whole = sum(len(groups) for groups, _ in self._flat) + len(self._foreach) + bool(odd) == 1
+        self._order = None if order == list(range(self.size)) else torch.tensor(
+            sorted(range(self.size), key=order.__getitem__), device=self.device)
+        self.fused = True
+
+    def _pick(self, tensors: Sequence[torch.Tensor], indices: list[int]) -> Sequence[torch.Tensor]:
+        return tensors if self._whole else [tensors[i] for i in indices]
+
+    def _concat(self, tensors: Sequence[torch.Tensor], groups: list[tuple[list[int], bool]]) -> torch.Tensor:
+        """The values of the slots of ``groups``, one after the other, as one 1-d tensor."""
+        parts = [torch.stack(list(self._pick(tensors, indices))) if scalars
+                 else torch.cat(list(self._pick(tensors, indices))).reshape(-1) for indices, scalars in groups]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _in_order(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        if not pieces:
+            return torch.zeros(0, dtype=torch.float64, device=self.device)
+        joined = torch.cat([piece.to(self.device, torch.float64) for piece in pieces])
+        return joined if self._order is None else joined.index_select(0, self._order)
+
+    def _fallback(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        self.fused = False
+        return fused_norms(tensors, self.device).double().square()
+
+    @torch.no_grad()
+    def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Squared norms of ``tensors`` (one per slot, shaped like the examples), float64, slot order."""
+        if not self.fused:
+            return self._fallback(tensors)
+        try:
+            pieces = []
+            for groups, lengths in self._flat:
+                values = self._concat(tensors, groups)
+                values = values if values.dtype == torch.float64 else values.float()
+                pieces.append(torch.segment_reduce(values.square(), "sum", lengths=lengths))
+            for indices, dtype in self._foreach:
+                group = self._pick(tensors, indices)
+                norms = torch._foreach_norm(group, 2) if dtype == torch.float64 else \
+                    torch._foreach_norm(group, 2, dtype=torch.float32)
+                pieces.append(torch.stack(norms).double().square())
+            if self._odd:
+                pieces.append(fused_norms([tensors[i] for i in self._odd], self.device).double().square())
+            return self._in_order(pieces)
+        except (RuntimeError, TypeError, NotImplementedError):  # e.g. a sparse gradient: measure one by one
+            return self._fallback(tensors)
+
+    @torch.no_grad()
+    def snapshot(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` (the weights before an optimizer step) for :meth:`distance_squares`."""
+        if not self.fused:
+            return [t.detach().clone() for t in tensors]
+        copies = [self._concat(tensors, groups) for groups, _ in self._flat]
+        for indices, _ in self._foreach:
+            copies.extend(torch._foreach_mul(self._pick(tensors, indices), 1.0))
+        copies.extend(tensors[i].detach().clone() for i in self._odd)
+        return copies
+
+    @torch.no_grad()
+    def distance_squares(self, snapshot: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``||tensors_i - snapshot_i||²`` per slot (float64, slot order): the size of a weight update."""
+        if not self.fused:
+            return fused_norms(torch._foreach_sub(list(tensors), snapshot), self.device).double().square()
+        pieces = []
+        position = 0
+        for groups, lengths in self._flat:
+            delta = self._concat(tensors, groups) - snapshot[position]
+            delta = delta if delta.dtype == torch.float64 else delta.float()
+            pieces.append(torch.segment_reduce(delta.square(), "sum", lengths=lengths))
+            position += 1
+        for indices, dtype in self._foreach:
+            deltas = torch._foreach_sub(list(self._pick(tensors, indices)), snapshot[position:position + len(indices)])
+            norms = torch._foreach_norm(deltas, 2) if dtype == torch.float64 else \
+                torch._foreach_norm(deltas, 2, dtype=torch.float32)
+            pieces.append(torch.stack(norms).double().square())
+            position += len(indices)
+        if self._odd:
+            deltas = [tensors[i] - before for i, before in zip(self._odd, snapshot[position:])]
+            pieces.append(fused_norms(deltas, self.device).double().square())
+        return self._in_order(pieces)
+
+
+def nonfinite_named(names: Sequence[str], norms: torch.Tensor | Sequence[float]) -> list[tuple[str, float]]:
     """The ``(name, norm)`` pairs whose norm is NaN or infinite; one read-back (rare paths only).
 
     Example::
@@ -56,4 +289,5 @@ def nonfinite_named(names: Sequence[str], norms: torch.Tensor) -> list[tuple[str
         >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
         [('b', inf)]
     """
-    return [(name, value) for name, value in zip(names, norms.tolist()) if not math.isfinite(value)]
+    values: Any = norms.tolist() if isinstance(norms, torch.Tensor) else norms
+    return [(name, value) for name, value in zip(names, values) if not math.isfinite(value)]

@@ -98,3 +98,38 @@ def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
         std=std if has_values else None,
         **base,
     )
+
+
+MAX_LABELS_NAMED = 10
+
+
+def check_labels(target: torch.Tensor, num_classes: int, ignore_index: int | None = -100) -> None:
+    """Raise ``ValueError`` if a class label is outside ``[0, num_classes)``, naming the samples and values.
+
+    The debugging checklist's ``assert 0 <= target.max() < num_classes``, said usefully: on the GPU
+    such a label otherwise ends in ``CUDA error: device-side assert triggered`` with no hint of
+    which sample. Labels equal to ``ignore_index`` (cross_entropy's default ``-100``) are allowed.
+    One host sync per call: call it on the first batches, or every N steps, not on every step.
+
+    Example::
+
+        >>> check_labels(torch.tensor([0, 2, 1]), num_classes=3)
+        >>> check_labels(torch.tensor([0, 3, 1, -1]), num_classes=3)
+        Traceback (most recent call last):
+        ...
+        ValueError: 2 class label(s) outside [0, 3): samples [1, 3] have labels [3, -1]
+    """
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"check_labels expects a torch.Tensor, got {type(target).__name__}")
+    if target.is_floating_point() or target.is_complex():
+        raise ValueError(f"class labels must be integers (torch.long), got {target.dtype}; one-hot targets: "
+                         "target.argmax(dim=1), class probabilities: a [N, C] tensor")
+    labels = target.detach().reshape(-1)
+    bad = (labels < 0) | (labels >= num_classes)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    samples = bad.nonzero().flatten()
+    if samples.numel():
+        shown = samples[:MAX_LABELS_NAMED]
+        raise ValueError(f"{samples.numel()} class label(s) outside [0, {num_classes}): samples {shown.tolist()} "
+                         f"have labels {labels[shown].tolist()}")

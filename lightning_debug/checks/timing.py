@@ -1,4 +1,4 @@
-"""Step-phase timing on the device's own clock, bounded statistics, and torch.profiler tables.
+"""Step-phase timing on the device's own clock, and the top operators of a torch.profiler run.
 
 Timing a GPU from the host lies: kernels are queued, so ``perf_counter`` around a forward pass
 measures how long Python took to *launch* it. CUDA events recorded on the stream at each phase
@@ -9,9 +9,8 @@ is the truth and is read at once. Nothing here knows about Lightning or Accelera
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -224,47 +223,3 @@ def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_
     rows = [row for row in rows if getattr(row, by) > 0]
     rows.sort(key=lambda row: getattr(row, by), reverse=True)
     return rows[:limit]
-
-
-def operators_markdown(rows: Sequence[OperatorRow], by: str = "self_cpu_ms") -> str:
-    """A Markdown table of :func:`top_operators` rows, with each operator's share of the listed time.
-
-    Example::
-
-        >>> print(operators_markdown([OperatorRow("aten::mm", 4, 0.9, 0.9, 0.0)]))
-        | operator | calls | self CPU ms | CPU total ms | self CUDA ms | share |
-        |---|---|---|---|---|---|
-        | `aten::mm` | 4 | 0.900 | 0.900 | 0.000 | 100.0% |
-    """
-    total = sum(getattr(row, by) for row in rows) or 1.0
-    lines = ["| operator | calls | self CPU ms | CPU total ms | self CUDA ms | share |", "|---|---|---|---|---|---|"]
-    for row in rows:
-        name = row.name.replace("|", "\\|")
-        lines.append(f"| `{name}` | {row.calls} | {row.self_cpu_ms:.3f} | {row.cpu_total_ms:.3f} | "
-                     f"{row.self_device_ms:.3f} | {100.0 * getattr(row, by) / total:.1f}% |")
-    return "\n".join(lines)
-
-
-def phase_table_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """Mean, median, p90 and max of each phase, and its share of the mean step time.
-
-    Example::
-
-        >>> print(phase_table_markdown({"step": {"count": 2, "mean": 10.0, "median": 10.0, "p90": 11.0,
-        ...                                      "max": 11.0},
-        ...                             "data": {"count": 2, "mean": 4.0, "median": 4.0, "p90": 5.0, "max": 5.0}}))
-        | phase | mean ms | median ms | p90 ms | max ms | share of step |
-        |---|---|---|---|---|---|
-        | step | 10.00 | 10.00 | 11.00 | 11.00 | 100.0% |
-        | data | 4.00 | 4.00 | 5.00 | 5.00 | 40.0% |
-    """
-    step_mean = summaries.get("step", {}).get("mean") or math.nan
-    lines = ["| phase | mean ms | median ms | p90 ms | max ms | share of step |", "|---|---|---|---|---|---|"]
-    for phase, summary in summaries.items():
-        if not summary.get("count"):
-            continue
-        share = summary["mean"] / step_mean if step_mean and math.isfinite(step_mean) else math.nan
-        share_text = f"{100.0 * share:.1f}%" if math.isfinite(share) else "-"
-        lines.append(f"| {phase} | {summary['mean']:.2f} | {summary['median']:.2f} | {summary['p90']:.2f} | "
-                     f"{summary['max']:.2f} | {share_text} |")
-    return "\n".join(lines)

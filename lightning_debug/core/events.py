@@ -6,18 +6,22 @@ import datetime
 import json
 import math
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.guard import Failures
 
-def _jsonable(value: Any) -> Any:
+EVENTS_FILENAME = "events.jsonl"
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with non-finite floats as strings and anything unknown as its ``str``: always valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
@@ -26,14 +30,13 @@ def _jsonable(value: Any) -> Any:
 class EventLog:
     """Appends events to ``<directory>/events.jsonl``; a ``None`` directory writes nothing.
 
-    A failure to write (unwritable or full disk) turns into one warning, and later writes are
-    dropped: monitoring must never stop training.
+    A failure to write (unwritable or full disk, an invalid path) is recorded in ``failures`` (one
+    warning) and later writes are dropped: monitoring must never stop training.
     """
 
-    FILENAME = "events.jsonl"
-
-    def __init__(self, directory: Path | None) -> None:
-        self.path = directory / self.FILENAME if directory is not None else None
+    def __init__(self, directory: Path | None, failures: Failures) -> None:
+        self.path = directory / EVENTS_FILENAME if directory is not None else None
+        self.failures = failures
         self._failed = False
 
     def write(self, record: dict[str, Any]) -> None:
@@ -43,32 +46,12 @@ class EventLog:
         record.setdefault("time", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            line = json.dumps(_jsonable(record), allow_nan=False) + "\n"
+            line = json.dumps(jsonable(record), allow_nan=False) + "\n"
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(line)
                 handle.flush()
                 if record.get("severity") in ("error", "critical"):
                     os.fsync(handle.fileno())
-        except OSError as error:
+        except Exception as error:
             self._failed = True
-            warnings.warn(f"lightning-debug could not write {self.path} ({error}); events are no longer saved, "
-                          "training continues.", RuntimeWarning, stacklevel=2)
-
-
-def read_events(path: Path) -> tuple[list[dict[str, Any]], bool]:
-    """The events of an events.jsonl file, and whether its last line was truncated (and skipped)."""
-    events: list[dict[str, Any]] = []
-    truncated = False
-    with open(path, encoding="utf-8") as handle:
-        lines = handle.read().splitlines()
-    for number, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines) - 1:
-                truncated = True
-            else:
-                raise ValueError(f"{path}:{number + 1} is not valid JSON")
-    return events, truncated
+            self.failures.record(f"writing {self.path}", error, "events are no longer saved")

@@ -2,41 +2,53 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+from lightning_debug.core.kinds import Kind, Severity, severity_rank
 
 
 @dataclass
 class Finding:
     """One thing a check found at one step; becomes a line of events.jsonl."""
 
-    kind: str
-    severity: str
+    kind: Kind
+    severity: Severity
     message: str
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class EpisodePhase(str, enum.Enum):
+    """Where an observation stands in its episode (the ``episode`` field of an event)."""
+
+    START = "start"
+    CONTINUE = "continue"
+    END = "end"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Tally:
     """Per kind: episodes, affected check steps, first and last step, first message.
 
-    Kept in each callback's ``state_dict`` so counts continue across a resume.
+    Kept in each monitor's ``state_dict`` so counts continue across a resume.
     """
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}
 
     def record(self, step: int, finding: Finding, new_episode: bool) -> None:
-        entry = self.kinds.setdefault(finding.kind, {
+        entry = self.kinds.setdefault(finding.kind.value, {
             "episodes": 0, "steps": 0, "first_step": step, "last_step": step,
-            "severity": finding.severity, "first_message": finding.message,
+            "severity": finding.severity.value, "first_message": finding.message,
         })
         entry["episodes"] += int(new_episode)
         entry["steps"] += 1
         entry["last_step"] = step
-        if SEVERITY_ORDER.get(finding.severity, 9) < SEVERITY_ORDER.get(entry["severity"], 9):
-            entry["severity"] = finding.severity
+        if finding.severity.rank < severity_rank(entry["severity"]):
+            entry["severity"] = finding.severity.value
 
     def state_dict(self) -> dict[str, Any]:
         return {kind: dict(entry) for kind, entry in self.kinds.items()}
@@ -48,16 +60,17 @@ class Tally:
 class Episodes:
     """Turns a condition observed on successive check steps into start and end events.
 
-    ``observe`` returns ``"start"`` the first check step a condition holds and ``"continue"`` while it
-    keeps holding. :meth:`close_missing` ends an episode once it has been absent from ``grace``
-    consecutive check steps, so a NaN on every step writes one line, not a million, and a value
-    hovering around a threshold does not open and close an episode on every check.
+    ``observe`` returns :attr:`EpisodePhase.START` the first check step a condition holds and
+    :attr:`EpisodePhase.CONTINUE` while it keeps holding. :meth:`close_missing` ends an episode once
+    it has been absent from ``grace`` consecutive check steps, so a NaN on every step writes one
+    line, not a million, and a value hovering around a threshold does not open and close an
+    episode on every check.
 
     Example::
 
         >>> episodes = Episodes()
-        >>> episodes.observe(("nonfinite_loss", ""), step=5), episodes.observe(("nonfinite_loss", ""), step=6)
-        ('start', 'continue')
+        >>> [str(episodes.observe(("nonfinite_loss", ""), step=s)) for s in (5, 6)]
+        ['start', 'continue']
         >>> episodes.close_missing(seen=set(), step=7)
         [(('nonfinite_loss', ''), {'first_step': 5, 'last_step': 6, 'steps': 2})]
     """
@@ -66,15 +79,15 @@ class Episodes:
         self.grace = grace
         self.open: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def observe(self, key: tuple[str, str], step: int) -> str:
+    def observe(self, key: tuple[str, str], step: int) -> EpisodePhase:
         episode = self.open.get(key)
         if episode is None:
             self.open[key] = {"first_step": step, "last_step": step, "steps": 1, "missed": 0}
-            return "start"
+            return EpisodePhase.START
         episode["last_step"] = step
         episode["steps"] += 1
         episode["missed"] = 0
-        return "continue"
+        return EpisodePhase.CONTINUE
 
     def close_missing(self, seen: set[tuple[str, str]], step: int, kinds: set[str] | None = None,
                       final: bool = False) -> list[tuple[tuple[str, str], dict[str, Any]]]:

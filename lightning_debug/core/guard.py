@@ -1,4 +1,25 @@
-"""Monitoring never breaks training: a failing check becomes one warning and the run goes on."""
+"""Monitoring never breaks training: the one failure policy of the whole package.
+
+Every check, every write and every hook goes through :class:`Failures`. A failure becomes one
+warning per check (in one wording), is counted by check and by reason for the report, and the run
+goes on. :class:`~lightning_debug.AnomalyError`, which the user asked for with
+``anomaly_detection_mode="raise"``, passes through untouched, as does anything that is not an
+``Exception`` (``KeyboardInterrupt``).
+
+Example::
+
+    >>> import warnings
+    >>> failures = Failures()
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     for step in range(3):
+    ...         failures.step = step
+    ...         failures.call("gradients.check", lambda: 1 / 0)
+    >>> len(caught), failures.summary()["gradients.check"]["count"]
+    (1, 3)
+    >>> str(caught[0].message)
+    'lightning-debug: gradients.check failed at step 0 (ZeroDivisionError: division by zero); this check is skipped, training continues.'
+"""
 
 from __future__ import annotations
 
@@ -10,35 +31,78 @@ from typing import Any, TypeVar
 from lightning_debug.errors import AnomalyError
 
 CallableT = TypeVar("CallableT", bound=Callable[..., Any])
+MAX_REASONS = 5
 
 
-class CheckFailures:
-    """Remembers which checks already failed, so each warns once; ``AnomalyError`` passes through."""
+class Failures:
+    """Which checks failed, how often, since when and why; each warns once.
+
+    ``step`` is the run's current step, kept up to date by whoever drives the run, so that a
+    failure can say since when a check has not run.
+    """
 
     def __init__(self) -> None:
-        self.failed: set[str] = set()
+        self.step = -1
+        self.failed: dict[str, dict[str, Any]] = {}
 
     def call(self, name: str, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``function(*args, **kwargs)``, or None after recording its failure."""
         try:
             return function(*args, **kwargs)
         except AnomalyError:
             raise
         except Exception as failure:
-            if name not in self.failed:
-                self.failed.add(name)
-                warnings.warn(f"lightning-debug: {name} failed ({type(failure).__name__}: {failure}); this check "
-                              "is skipped, training continues.", RuntimeWarning, stacklevel=4)
+            self.record(name, failure)
             return None
+
+    def record(self, name: str, failure: BaseException, consequence: str = "this check is skipped",
+               step: int | None = None) -> None:
+        """Count ``failure`` of check ``name`` at ``step`` (default: the run's current step); the first one of
+        each check becomes a warning."""
+        step = self.step if step is None else step
+        reason = f"{type(failure).__name__}: {failure}"
+        entry = self.failed.get(name)
+        if entry is None:
+            entry = self.failed[name] = {"count": 0, "first_step": step, "last_step": step, "reasons": {}}
+            notify(f"lightning-debug: {name} failed{self._at(step)} ({reason}); {consequence}, training "
+                   "continues.", RuntimeWarning)
+        entry["count"] += 1
+        entry["first_step"] = min(entry["first_step"], step)
+        entry["last_step"] = max(entry["last_step"], step)
+        reasons = entry["reasons"]
+        if reason in reasons or len(reasons) < MAX_REASONS:
+            reasons[reason] = reasons.get(reason, 0) + 1
+
+    @staticmethod
+    def _at(step: int) -> str:
+        return f" at step {step}" if step >= 0 else ""
+
+    def __bool__(self) -> bool:
+        return bool(self.failed)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per failed check: how often, first and last step, and the reasons with their counts."""
+        return {name: {**entry, "reasons": dict(entry["reasons"])} for name, entry in self.failed.items()}
+
+
+def notify(message: str, category: type[Warning] = UserWarning) -> None:
+    """Show ``message`` to the user as one line (a warning without the source line under it); never raises.
+
+    A user's ``-W error`` (or a filter that turns these warnings into exceptions) must not make a
+    write fail on one rank and keep it from what every rank does next, so a warning that raises is
+    dropped: what it said is in events.jsonl and the report.
+    """
+    try:
+        warnings.warn_explicit(message, category, filename="lightning-debug", lineno=0, module="lightning_debug")
+    except Exception:
+        pass
 
 
 def guarded(method: CallableT) -> CallableT:
-    """Run a hook or method through its owner's :class:`CheckFailures` (created on first use)."""
+    """Run a method through its owner's ``failures`` (a :class:`Failures`), named ``Class.method``."""
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        failures = self.__dict__.get("_check_failures")
-        if failures is None:
-            failures = self.__dict__["_check_failures"] = CheckFailures()
-        return failures.call(f"{type(self).__name__}.{method.__name__}", method, self, *args, **kwargs)
+        return self.failures.call(f"{type(self).__name__}.{method.__name__}", method, self, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

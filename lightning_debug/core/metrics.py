@@ -1,54 +1,147 @@
-"""The one place scalars leave the plugin: batched per step, handed to a sink (a logger)."""
+"""The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step.
+
+Names. Every logger must be able to hold every name: MLflow's file store keeps a metric as the
+file ``metrics/<name>``, so no name may also be the prefix ``<name>/`` of another, and it accepts
+only ``[/\\w.\\- :]`` up to 250 characters without ``//`` or a leading or trailing ``/``; Lightning's
+MLflow logger strips everything outside ``[a-zA-Z0-9_/. -]``. :func:`metric_part` turns a free text
+(a parameter or module name) into one safe path component, :func:`safe_metric_name` is the last
+guard on a whole name.
+
+Cadence. Lightning's own monitoring callbacks (``LearningRateMonitor``, ``DeviceStatsMonitor``)
+log only when the trainer logs (every ``log_every_n_steps`` steps). :class:`MetricsWriter` does the
+same for the debug scalars: steps fall into windows of ``log_every_n_steps`` (the window closes at
+the step where Lightning writes its own row), and of each window it writes, per name, the value of
+the last check step that measured it, at that step; ``debug/loss_finite`` keeps the lowest value
+(at the last step that had it) instead, so a single NaN step is never hidden by a finite one after it.
+"""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
-import warnings
+import re
 from collections.abc import Callable
+
+from lightning_debug.core.guard import Failures
 
 MetricsSink = Callable[[dict[str, float], int], None]
 
+MAX_NAME_LENGTH = 250
+LOWEST_IN_WINDOW = frozenset({"debug/loss_finite"})
+"""Health flags whose worst value in a logging window is the one worth logging."""
+EXPOSED_METRICS = ("debug/loss_finite", "debug/anomaly/count", "debug/grad/global_norm")
+"""What ``DebugConfig.expose_callback_metrics`` puts into ``trainer.callback_metrics``."""
+
+_UNSAFE_IN_PART = re.compile(r"[^A-Za-z0-9_.\-]")
+_UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
+
+
+def metric_part(text: object) -> str:
+    """One component of a metric name from free text (a parameter or module name): every character
+    outside ``[A-Za-z0-9_.-]``, ``/`` included, becomes ``_``, so a name cannot grow extra levels.
+
+    Example::
+
+        >>> metric_part("blocks.0.attn/qkv weight"), metric_part(""), metric_part("λ.scale")
+        ('blocks.0.attn_qkv_weight', '_', '_.scale')
+    """
+    return _UNSAFE_IN_PART.sub("_", str(text)) or "_"
+
+
+@functools.lru_cache(maxsize=65536)
+def safe_metric_name(name: str) -> str:
+    """``name`` with unsafe characters replaced, no empty levels, at most 250 characters (a long
+    name keeps its start and gets a short hash of the whole, so two long names stay distinct).
+
+    Example::
+
+        >>> safe_metric_name("debug/activation//mean"), safe_metric_name("debug/grad/norm/a[0]")
+        ('debug/activation/mean', 'debug/grad/norm/a_0_')
+        >>> len(safe_metric_name("debug/" + "x" * 400))
+        250
+    """
+    cleaned = "/".join(part for part in _UNSAFE_IN_NAME.sub("_", name).split("/") if part) or "_"
+    if len(cleaned) > MAX_NAME_LENGTH:
+        digest = hashlib.sha1(name.encode("utf-8", "replace")).hexdigest()[:10]
+        cleaned = cleaned[:MAX_NAME_LENGTH - len(digest) - 1].rstrip("/") + "_" + digest
+    return cleaned
+
 
 class MetricsWriter:
-    """Collects ``debug/...`` scalars per step and writes each step's dict in one sink call.
+    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
 
-    Steps are flushed in order once the caller says no more values for them will come
+    Args:
+        sink: Receives one dict per written step; None writes nothing.
+        failures: A failing sink is recorded there once, and no more scalars are sent to it.
+        log_every_n_steps: The trainer's logging cadence; None writes every check step, 0 nothing
+            (as Lightning with ``log_every_n_steps=0``).
+        observer: Sees every value as it is measured, before any thinning (the run's timeline).
+        exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
+
+    Steps are written in order once the caller says no more values for them will come
     (:meth:`flush_before`), so values read back a step late still land at the step they describe.
 
     Example::
 
         >>> written = []
-        >>> writer = MetricsWriter(lambda metrics, step: written.append((step, metrics)))
-        >>> writer.add(3, "debug/loss_finite", 1.0); writer.add(3, "debug/anomaly/count", 0.0)
-        >>> writer.flush_before(4); written
-        [(3, {'debug/loss_finite': 1.0, 'debug/anomaly/count': 0.0})]
+        >>> writer = MetricsWriter(lambda metrics, step: written.append((step, metrics)), Failures(),
+        ...                        log_every_n_steps=5)
+        >>> for step in range(10):
+        ...     writer.add(step, "debug/loss_finite", 0.0 if step == 2 else 1.0)
+        ...     writer.add(step, "debug/perf/step_ms", 10.0 + step)
+        >>> writer.flush_before(10); written
+        [(2, {'debug/loss_finite': 0.0}), (4, {'debug/perf/step_ms': 14.0}), (9, {'debug/loss_finite': 1.0, 'debug/perf/step_ms': 19.0})]
     """
 
-    def __init__(self, sink: MetricsSink | None) -> None:
-        self._sink = sink
-        self._pending: dict[int, dict[str, float]] = {}
-        self._failed = False
+    def __init__(self, sink: MetricsSink | None, failures: Failures, log_every_n_steps: int | None = None,
+                 observer: MetricsSink | None = None, exposed: Callable[[dict[str, float]], None] | None = None) -> None:
+        self._sink = sink if log_every_n_steps != 0 else None
+        self._failures = failures
+        self._window = max(1, log_every_n_steps or 1)
+        self._observer = observer
+        self._exposed = exposed
+        self._pending: dict[int, dict[str, tuple[int, float]]] = {}
 
     def add(self, step: int, name: str, value: float) -> None:
-        if self._sink is None or self._failed:
-            return
-        value = float(value)
-        if math.isfinite(value):
-            self._pending.setdefault(step, {})[name] = value
+        self.add_many(step, {name: value})
 
     def add_many(self, step: int, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self.add(step, name, value)
+        """Scalars measured at ``step``: non-finite ones are dropped (a NaN is a finding, not a point)."""
+        measured = {safe_metric_name(name): float(value) for name, value in values.items()
+                    if math.isfinite(float(value))}
+        if not measured:
+            return
+        if self._observer is not None:
+            self._failures.call("observing debug scalars", self._observer, measured, step)
+        if self._exposed is not None:
+            exposed = {name: value for name, value in measured.items() if name in EXPOSED_METRICS}
+            if exposed:
+                self._failures.call("exposing debug scalars to callback_metrics", self._exposed, exposed)
+        if self._sink is None:
+            return
+        window = self._pending.setdefault(step // self._window, {})
+        for name, value in measured.items():
+            kept = window.get(name)
+            if kept is None or (value < kept[1] or (value == kept[1] and step >= kept[0])
+                                if name in LOWEST_IN_WINDOW else step >= kept[0]):
+                window[name] = (step, value)
 
     def flush_before(self, step: int | None = None) -> None:
-        """Write every pending step below ``step`` (all of them when ``step`` is None)."""
-        for pending_step in sorted(s for s in self._pending if step is None or s < step):
-            metrics = self._pending.pop(pending_step)
-            if self._sink is None or self._failed:
-                continue
-            try:
-                self._sink(metrics, pending_step)
-            except Exception as error:  # a logger failure must not stop training
-                self._failed = True
-                warnings.warn(f"lightning-debug could not log metrics ({type(error).__name__}: {error}); "
-                              "debug scalars are no longer logged, training continues.", RuntimeWarning)
+        """Write every logging window that ends below ``step`` (all of them when ``step`` is None)."""
+        if not self._pending:
+            return
+        complete = sorted(w for w in self._pending if step is None or (w + 1) * self._window <= step)
+        for window in complete:
+            by_step: dict[int, dict[str, float]] = {}
+            for name, (at, value) in self._pending.pop(window).items():
+                by_step.setdefault(at, {})[name] = value
+            for at in sorted(by_step):
+                if self._sink is None:
+                    return
+                try:
+                    self._sink(by_step[at], at)
+                except Exception as error:
+                    self._sink = None
+                    self._pending.clear()
+                    self._failures.record("logging debug scalars", error, "debug scalars are no longer logged")

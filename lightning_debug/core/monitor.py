@@ -1,29 +1,152 @@
-"""The framework-free base of every area's checks (anomaly, gradients, memory, performance).
+"""The protocol every area's checks implement, and what they share: findings, episodes, warnings.
 
-A monitor holds its area's state and turns measurements into findings, scalars and a report
-section. The Lightning callbacks and the Accelerate debugger are thin adapters that call monitors
-from their hooks, so each check has one implementation.
+A monitor holds one area's state (anomaly, gradients, memory, performance) and turns
+measurements into findings, scalars and a report section. It never sees Lightning or
+Accelerate: the run (:class:`lightning_debug.run.Run`) calls the same small set of events on
+every monitor that declares it needs them (:class:`Event`), with a :class:`RunContext` that the
+framework adapter filled in. So each check has one implementation, driven identically from a
+Lightning callback, an Accelerate loop or a hand-written loop.
 """
 
 from __future__ import annotations
 
-import warnings
+import enum
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
-from lightning_debug.config import DebugConfig
-from lightning_debug.core.findings import Episodes, Finding, Tally
-from lightning_debug.core.session import DebugSession
+import torch
+import torch.distributed as dist
+from torch import nn
 
-Where = dict[str, int]
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
+from lightning_debug.core.guard import notify
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.metrics import MetricsSink
+from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.session import Session, Where
+from lightning_debug.core.step_numerics import AllGather, AllReduce, NumericsQueue, StepNumerics
+
+HistogramWriter = Callable[[str, dict[str, Any], int], None]
+Replay = Callable[[Any], "torch.Tensor | None"]
+NumericsSource = Callable[[], StepNumerics]
+
+
+class Event(enum.Enum):
+    """The moments of a training loop a monitor can ask to be called at."""
+
+    START = "start"
+    EPOCH_START = "epoch_start"
+    BATCH_START = "batch_start"
+    BEFORE_BACKWARD = "before_backward"
+    BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
+    AFTER_OPTIMIZER_STEP = "after_optimizer_step"
+    BATCH_END = "batch_end"
+    EVALUATION = "evaluation"
+    EXCEPTION = "exception"
+
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash runs Python code on every lookup
+
+
+class Decision(enum.IntEnum):
+    """What the run does with the optimizer step being checked; the largest one wins."""
+
+    CONTINUE = 0
+    SKIP = 1
+    STOP = 2
+
+
+class RunContext:
+    """What a training framework tells a run: where files go, who writes, how to reach the model.
+
+    The Lightning and Accelerate adapters each fill one in; the defaults describe a single process
+    that writes no files and logs nowhere, which is what a hand-written loop or a test starts from.
+    """
+
+    output_dir: Path | None = None
+    run_id: str | None = None
+    is_global_zero: bool = True
+    world_size: int = 1
+    rank: int = 0
+    # Plain (non-DTensor) parameters are per-rank shards: FSDP1 flat parameters, DeepSpeed ZeRO.
+    grads_sharded: bool = False
+    uses_grad_scaler: bool = False
+    log_every_n_steps: int | None = None
+    """The framework's logging cadence for scalars (None: every check step; 0: none)."""
+
+    def device(self) -> torch.device | None:
+        return None
+
+    def module(self) -> nn.Module | None:
+        return None
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        module = self.module()
+        return module.named_parameters() if module is not None else iter(())
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of every optimizer of the run."""
+        return []
+
+    def where(self) -> Where:
+        """The position events are labelled with (epoch, batch index)."""
+        return {"epoch": 0, "batch": 0}
+
+    def metrics_sink(self) -> MetricsSink | None:
+        return None
+
+    def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None] | None:
+        """Where ``DebugConfig.expose_callback_metrics`` puts a few debug values (Lightning: ``callback_metrics``)."""
+        return None
+
+    def artifact_stores(self) -> list[tuple[str, Any, str | None]]:
+        """The loggers' runs that take the report files: ``("wandb", run, None)``, ``("mlflow", client, run_id)``."""
+        return []
+
+    def all_gather(self) -> AllGather | None:
+        """Gathers a 1-d tensor from every rank (``[world, n]``); None on one process."""
+        return None
+
+    def all_reduce(self) -> AllReduce | None:
+        """Sums a tensor over every process in place (``torch.distributed``, the WORLD group); None on one
+        process. The shared gradient pass makes exactly one such call per check step, on every rank."""
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return lambda tensor: dist.all_reduce(tensor)
+        return None
+
+    def histogram_writer(self) -> tuple[HistogramWriter | None, str]:
+        """A writer of raw histograms (TensorBoard), or None and the names of the loggers that cannot."""
+        return None, "no logger"
+
+    def tensorboard_writers(self) -> list[tuple[Any, str | None]]:
+        """TensorBoard ``SummaryWriter`` objects to receive the layout and the events, with their log dirs."""
+        return []
+
+    def grad_scale(self) -> torch.Tensor | None:
+        """The loss scale the gradients still carry at the optimizer step (None once unscaled)."""
+        return None
+
+    def train_loader(self) -> Any:
+        return None
+
+    def replay(self) -> Replay | None:
+        """Recomputes the loss of a captured micro-batch (``level=ADVANCED`` localization), or None."""
+        return None
 
 
 class Monitor:
-    """Findings with episodes and tallies, rate-limited warnings, scalars, resume state.
+    """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
 
-    Subclasses add their measurements and extend :meth:`state_dict` / :meth:`report_section`.
+    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event
+    methods; every method has the same signature in every monitor. The run binds a monitor to its
+    session and context before :meth:`start` and unbinds it after :meth:`restore`.
     """
 
-    report_name: ClassVar[str] = "debug"
+    area: ClassVar[Area]
+    kinds: ClassVar[frozenset[Kind]] = frozenset()
+    events: ClassVar[frozenset[Event]] = frozenset()
+    frequency_field: ClassVar[str]
     max_warnings: ClassVar[int] = 10
     episode_grace: ClassVar[int] = 3
     max_episode_events: ClassVar[int] = 25
@@ -31,47 +154,106 @@ class Monitor:
     def __init__(self, config: DebugConfig, source: str) -> None:
         self.config = config
         self.source = source
+        self.schedule = CheckSchedule(getattr(config, self.frequency_field))
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
         self._silenced_episodes: set[tuple[str, str]] = set()
         self._seen_this_check: set[tuple[str, str]] = set()
         self._warnings_left = self.max_warnings
-        self._session: DebugSession | None = None
+        self._session: Session | None = None
+        self._context: RunContext | None = None
+        self._numerics: NumericsQueue | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _session=None)
+        return dict(self.__dict__, _session=None, _context=None, _numerics=None)
+
+    # --- binding --------------------------------------------------------------------------------
+    def bind(self, session: Session, context: RunContext, numerics: NumericsQueue) -> None:
+        self._session, self._context, self._numerics = session, context, numerics
+
+    def unbind(self) -> None:
+        self._session = self._context = self._numerics = None
 
     @property
-    def session(self) -> DebugSession:
+    def bound(self) -> bool:
+        return self._session is not None
+
+    @property
+    def session(self) -> Session:
         if self._session is None:
-            raise RuntimeError(f"{self.source} is not attached to a running training loop")
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
         return self._session
 
     @property
-    def attached(self) -> bool:
-        return self._session is not None
+    def context(self) -> RunContext:
+        if self._context is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return self._context
 
-    def attach(self, session: DebugSession) -> None:
-        self._session = session
-        session.join(self)
+    @property
+    def numerics(self) -> NumericsQueue:
+        if self._numerics is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return self._numerics
 
-    def detach(self) -> None:
-        self._session = None
+    def due(self, step: int) -> bool:
+        return self.schedule.is_due(step)
 
-    def record(self, finding: Finding, step: int, where: Where, key: str = "", warn: bool = True) -> bool:
-        """Count a finding; write an event (and a warning) when it starts a new episode.
+    # --- events (the run calls those listed in ``events``) ---------------------------------------
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) at optimizer step ``step``."""
+
+    def epoch_start(self, step: int) -> None:
+        """A training epoch starts."""
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        """A micro-batch of optimizer step ``step`` starts; ``captured`` is what a replay needs."""
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        """A micro-batch's loss is computed."""
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        """Gradients are final, the optimizer has not stepped; ``numerics()`` is the shared gradient pass."""
+        return Decision.CONTINUE
+
+    def after_optimizer_step(self, steps_done: int) -> None:
+        """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        """A micro-batch of optimizer step ``step`` ends."""
+
+    def evaluation(self, step: int, started: bool) -> None:
+        """Evaluation (validation) between training steps starts or ends."""
+
+    def exception(self, step: int, error: BaseException, batch: Any) -> None:
+        """The training loop raised ``error`` (which propagates unchanged after this)."""
+
+    def poll(self) -> None:
+        """Turn values that have reached the host into findings (called once per optimizer step)."""
+
+    def finalize(self, step: int) -> None:
+        """The end of the run (or an exception): evaluate what is left and close open episodes."""
+        self.close_episodes(step, self.context.where(), set(self.kinds), final=True)
+
+    def restore(self) -> None:
+        """Undo global changes (anomaly mode, hooks, profilers), whatever happened."""
+
+    # --- findings -------------------------------------------------------------------------------
+    def record(self, finding: Finding, step: int, where: Where | None = None, key: str = "",
+               warn: bool = True) -> bool:
+        """Count a finding; write an event (and a one-line warning) when it starts a new episode.
 
         An episode ends after ``episode_grace`` check steps without the finding. Past
         ``max_episode_events`` episodes of one kind, further episodes are counted in the report but
         not written to events.jsonl, so a condition that keeps coming back cannot flood the file.
         Returns True for a new episode.
         """
-        episode_key = (finding.kind, key)
+        episode_key = (finding.kind.value, key)
         self._seen_this_check.add(episode_key)
-        new = self.episodes.observe(episode_key, step) == "start"
+        new = self.episodes.observe(episode_key, step) is EpisodePhase.START
         self.tally.record(step, finding, new)
         if new:
-            episodes = self.tally.kinds[finding.kind]["episodes"]
+            episodes = self.tally.kinds[finding.kind.value]["episodes"]
             if episodes > self.max_episode_events:
                 self._silenced_episodes.add(episode_key)
                 return new
@@ -79,13 +261,26 @@ class Monitor:
                 finding = Finding(finding.kind, finding.severity, finding.message + (
                     f" (episode {episodes} of {finding.kind}: later ones are counted in report.json, not written "
                     "here)"), finding.details)
-            self.session.emit(finding, step=step, callback=self.source, episode="start", **where)
-            if warn and finding.severity in ("warning", "error", "critical"):
-                self.warn(f"[step {step}] {finding.message}")
+            self._write_event(finding, step, where, episode=EpisodePhase.START, console=warn)
         return new
 
-    def close_episodes(self, step: int, where: Where, kinds: set[str], final: bool = False) -> None:
+    def emit(self, finding: Finding, step: int, where: Where | None = None) -> None:
+        """Write a one-off event that is counted but opens no episode (a profiler trace, a fit-start fact)."""
+        self.tally.record(step, finding, True)
+        self._write_event(finding, step, where)
+
+    def _write_event(self, finding: Finding, step: int, where: Where | None, **options: Any) -> None:
+        """Hand an event to the session; a failure there is recorded and never reaches the caller, so a
+        write that fails on one rank cannot keep that rank from the decisions and collectives that follow."""
+        try:
+            self.session.emit(finding, step=step, where=where or self.context.where(), callback=self.source,
+                              **options)
+        except Exception as failure:
+            self.session.failures.record("writing an event", failure, "this event is lost")
+
+    def close_episodes(self, step: int, where: Where, kinds: Iterable[str], final: bool = False) -> None:
         """End the episodes of ``kinds`` not observed for a while (all of them when ``final``)."""
+        kinds = {str(kind) for kind in kinds}
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
             if (kind, key) in self._silenced_episodes:
                 self._silenced_episodes.discard((kind, key))
@@ -93,22 +288,26 @@ class Monitor:
             subject = f" ({key})" if key else ""
             message = (f"{kind}{subject} ended: seen on {episode['steps']} check step(s), "
                        f"steps {episode['first_step']}-{episode['last_step']}")
-            self.session.emit(Finding(kind, "info", message, dict(episode, key=key)),
-                              step=max(step, episode["last_step"]),
-                              callback=self.source, episode="end", **where)
+            self._write_event(Finding(Kind(kind), Severity.INFO, message, dict(episode, key=key)),
+                        max(step, episode["last_step"]), where, episode=EpisodePhase.END)
         self._seen_this_check = {key for key in self._seen_this_check if key[0] not in kinds}
 
+    def measurement_failed(self, failure: Exception, consequence: str, step: int) -> None:
+        """The shared measurement of check step ``step`` failed (on this rank or, learnt from the reduced
+        flags, on another): recorded under this monitor's check, the same on every rank."""
+        self.session.failures.record(f"{type(self).__name__}.before_optimizer_step", failure, consequence, step)
+
     def warn(self, message: str) -> None:
-        """A rate-limited user warning on the global-zero process; events.jsonl keeps everything."""
-        if not self.attached or not self.session.is_global_zero or self._warnings_left <= 0:
+        """A rate-limited notice (not a finding) on the global-zero process, e.g. what a level costs."""
+        if not self.bound or not self.session.is_global_zero or self._warnings_left <= 0:
             return
         self._warnings_left -= 1
-        suffix = "" if self._warnings_left else f" (further warnings from {self.source} are silenced; see events.jsonl)"
-        warnings.warn(f"lightning-debug: {message}{suffix}", UserWarning, stacklevel=3)
+        notify(f"lightning-debug: {message}")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self.session.metrics.add_many(step, metrics)
 
+    # --- resume and report ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"tally": self.tally.state_dict(), "episodes": self.episodes.state_dict()}
 
@@ -117,4 +316,6 @@ class Monitor:
         self.episodes.load_state_dict(state_dict.get("episodes", {}))
 
     def report_section(self) -> dict[str, Any]:
-        return {"findings": self.tally.state_dict()}
+        """This area's part of report.json: ``findings`` (the tally), ``stats`` and area data."""
+        return {"findings": self.tally.state_dict(),
+                "check_frequency": getattr(self.config, self.frequency_field)}

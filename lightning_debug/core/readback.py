@@ -37,9 +37,16 @@ class Readback:
     def ready(self) -> bool:
         return self._event is None or self._event.query()
 
+    def tensor(self) -> torch.Tensor:
+        """The values as a CPU tensor (waits for the copy if it has not completed)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
     def values(self) -> list[float]:
         if self._values is None:
             if self._event is not None:
                 self._event.synchronize()
-            self._values = [float(v) for v in self._host.tolist()]
+            values = self._host.tolist()
+            self._values = values if self._host.is_floating_point() else [float(v) for v in values]
         return self._values

@@ -1,160 +1,156 @@
-"""One run's shared state: the events file, the logger writes, the report, the step measurements.
+"""One run's shared outputs: its directory and id, events.jsonl, the logger scalars, the timeline, the failures.
 
-Every callback of a run (and the Accelerate debugger) holds the same :class:`DebugSession`, so
-there is one events.jsonl, one report and one gradient pass per step however many are enabled.
-Only the global-zero process writes; the other ranks measure and take part in collectives.
+Every monitor of a run writes through the same :class:`Session`, so there is one events.jsonl and
+one stream of scalars however many areas are enabled. Only the global-zero process writes events
+and scalars; every process may write documents of its own (an out-of-memory post-mortem).
+
+Writing never raises: a failing write or listener is recorded in the run's failures and the caller
+goes on, so a write that fails on one rank only cannot keep that rank from a decision or a
+collective the others take.
+
+Each run has an id (:func:`new_run_id`) carried by every event, and its own directory
+(:func:`run_directory`), so two runs never share an events.jsonl.
 """
 
 from __future__ import annotations
 
-import warnings
+import datetime
+import secrets
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
-
-import torch
+from typing import Any
 
 from lightning_debug.core.events import EventLog
-from lightning_debug.core.findings import Finding
+from lightning_debug.core.findings import EpisodePhase, Finding
+from lightning_debug.core.guard import Failures
 from lightning_debug.core.metrics import MetricsSink, MetricsWriter
-from lightning_debug.core.report import build_report, write_report
-from lightning_debug.core.step_numerics import AllGather, StepNumerics
 from lightning_debug.core.timeline import Timeline
 
-MAX_PENDING_READBACKS = 4
+Where = dict[str, int]
+EventListener = Callable[[dict[str, Any]], None]
+DocumentWriter = Callable[[Path, str, Any], Path]
+RUN_MARKERS = ("events.jsonl", "report.json")
 
 
-class ReportContributor(Protocol):
-    report_name: str
+def new_run_id(now: datetime.datetime | None = None) -> str:
+    """A run id that sorts by start time and is unique: ``20260101-120000-3fa2c1`` (UTC).
 
-    def report_section(self) -> dict[str, Any]: ...
+    Example::
+
+        >>> new_run_id(datetime.datetime(2026, 1, 2, 3, 4, 5))[:16]
+        '20260102-030405-'
+    """
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
 
 
-class DebugSession:
-    """Shared writer and measurement cache of one run.
+def run_directory(configured: str, base: Path | None, run_id: str, base_is_per_run: bool) -> Path:
+    """Where a run's files go: ``debug_output_dir`` under ``base`` when ``base`` is already this run's
+    own directory (a logger's ``version_N``) and holds no earlier run's files; otherwise a
+    ``<run_id>`` directory below it. Decide on one process and share the result (the file system
+    may differ between nodes).
+
+    Example::
+
+        >>> import tempfile
+        >>> base = Path(tempfile.mkdtemp())
+        >>> run_directory("debug_outputs", base, "r1", True) == base / "debug_outputs"
+        True
+        >>> run_directory("debug_outputs", base, "r1", False) == base / "debug_outputs" / "r1"
+        True
+    """
+    path = Path(configured).expanduser()
+    if path.is_absolute() or base is None:
+        return path / run_id
+    path = base / path
+    if base_is_per_run and not any((path / marker).exists() for marker in RUN_MARKERS):
+        return path
+    return path / run_id
+
+
+class Session:
+    """Shared writers of one run.
 
     Args:
-        output_dir: Directory for events.jsonl and the reports, or None to write no files.
-        is_global_zero: Only this process writes files and logger scalars.
+        output_dir: Directory for events.jsonl, the report and documents, or None to write no files.
+        is_global_zero: Only this process writes events, reports and logger scalars.
         sink: Where a step's scalars go (``trainer.logger.log_metrics``, ``accelerator.log``).
-        config: The run's configuration as plain values, copied into report.json.
+        failures: The run's failure registry.
+        rank: This process's rank, added to the names of the documents it writes.
+
+    Example::
+
+        >>> from lightning_debug.core.kinds import Kind, Severity
+        >>> session = Session(None, True, None, Failures())
+        >>> seen = []; session.event_listeners.append(seen.append)
+        >>> session.emit(Finding(Kind.SLOW_STEP, Severity.WARNING, "slow"), step=3, where={"epoch": 0, "batch": 3},
+        ...              callback="PerformanceProfilerCallback")
+        >>> seen[0]["kind"], seen[0]["step"]
+        ('slow_step', 3)
     """
 
     def __init__(self, output_dir: Path | None, is_global_zero: bool, sink: MetricsSink | None,
-                 config: dict[str, Any]) -> None:
+                 failures: Failures, rank: int = 0, *, run_id: str | None = None,
+                 log_every_n_steps: int | None = None,
+                 exposed: Callable[[dict[str, float]], None] | None = None) -> None:
         self.is_global_zero = is_global_zero
+        self.files_dir = output_dir
         self.output_dir = output_dir if is_global_zero else None
-        self.events = EventLog(self.output_dir)
+        self.rank = rank
+        self.run_id = run_id
+        self.failures = failures
+        self.events = EventLog(self.output_dir, failures)
         self.timeline = Timeline()
-        self.event_listeners: list[Callable[[dict[str, Any]], None]] = [self.timeline.observe_event]
+        self.event_listeners: list[EventListener] = [self.timeline.observe_event]
         self.links: dict[str, str] = {}
-        self._concluded = False
-        self.metrics = MetricsWriter(self._with_timeline(sink) if is_global_zero else None)
-        self.config = config
-        self.contributors: list[ReportContributor] = []
-        self._loss_finite: dict[int, torch.Tensor] = {}
-        self._numerics: StepNumerics | None = None
-        self.want_param_norms = False  # set by checks that need every weight's norm (weight logging)
-        self._pending: list[StepNumerics] = []
-        self._report_failed = False
+        self.metrics = MetricsWriter(sink if is_global_zero else None, failures, log_every_n_steps,
+                                     observer=self.timeline.observe_metrics if is_global_zero else None,
+                                     exposed=exposed)
+        self.document_writer: DocumentWriter | None = None
+        # recent steps a check added work to (activation hooks): their timing is not the user's
+        self.instrumented_steps: deque[int] = deque(maxlen=64)
+        # set by the performance monitor: whether it times a step (so added work can go to another)
+        self.timed_steps: Callable[[int], bool] | None = None
 
-    def _with_timeline(self, sink: MetricsSink | None) -> MetricsSink:
-        """Scalars feed the timeline (the end-of-fit plots) and then the user's sink, if any."""
-
-        def write(metrics: dict[str, float], step: int) -> None:
-            self.timeline.observe_metrics(metrics, step)
-            if sink is not None:
-                sink(metrics, step)
-
-        return write
-
-    def join(self, contributor: ReportContributor) -> None:
-        if contributor not in self.contributors:
-            self.contributors.append(contributor)
-
-    # --- findings -------------------------------------------------------------------------------
-    def emit(self, finding: Finding, *, step: int, epoch: int, batch: int, callback: str,
-             episode: str | None = None) -> None:
+    def emit(self, finding: Finding, *, step: int, where: Where, callback: str,
+             episode: EpisodePhase | None = None, console: bool = True) -> None:
+        """Write one event (global zero only) and hand it to the listeners (timeline, TensorBoard text, and,
+        with ``console``, the one-line warning); never raises."""
         record: dict[str, Any] = {
-            "step": step, "epoch": epoch, "batch": batch, "kind": finding.kind, "severity": finding.severity,
-            "callback": callback, "message": finding.message, "details": finding.details,
+            "step": step, "epoch": where.get("epoch", -1), "batch": where.get("batch", -1),
+            "kind": finding.kind.value, "severity": finding.severity.value, "callback": callback,
+            "message": finding.message, "details": finding.details,
         }
         if episode is not None:
-            record["episode"] = episode
+            record["episode"] = episode.value
+        if self.run_id is not None:
+            record["run"] = self.run_id
         self.events.write(record)
         if self.is_global_zero:
+            seen = dict(record, console=console)
             for listener in list(self.event_listeners):
                 try:
-                    listener(record)
-                except Exception as failure:  # a broken listener (a closed logger) must not stop training
+                    listener(seen)
+                except Exception as failure:
                     self.event_listeners.remove(listener)
-                    warnings.warn(f"lightning-debug: an event listener failed ({type(failure).__name__}: {failure}) "
-                                  "and was removed; events.jsonl still has every event.", RuntimeWarning)
+                    self.failures.record(f"event listener {type(listener).__name__}", failure,
+                                         "it was removed (events.jsonl still has every event)")
 
-    # --- shared per-step measurement --------------------------------------------------------------
-    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
-        """AND the finiteness of a micro-batch loss into this optimizer step's flag (no sync)."""
-        finite = torch.isfinite(loss.detach()).all()
-        previous = self._loss_finite.get(step)
-        self._loss_finite = {step: finite if previous is None else previous & finite}
+    def write_document(self, stem: str, step: int, document: Any) -> Path | None:
+        """Write a document (e.g. an OOM post-mortem) for people next to the events, on any rank.
 
-    def step_numerics(self, step: int, named_parameters: Callable[[], Any], all_gather: AllGather | None,
-                      grads_sharded: bool = False, grad_scale: torch.Tensor | None = None) -> StepNumerics:
-        """This step's :class:`StepNumerics`, computed by the first caller, shared with the rest."""
-        if self._numerics is None or self._numerics.step != step:
-            self._numerics = StepNumerics(step, list(named_parameters()), self._loss_finite.pop(step, None),
-                                          all_gather, grads_sharded, grad_scale, self.want_param_norms)
-            self._pending.append(self._numerics)
-        return self._numerics
-
-    def poll(self, final: bool = False) -> None:
-        """Stage pending measurements for read-back and deliver those whose copy has completed.
-
-        Deferred reads are bounded: past a few pending steps the oldest is read with a sync.
+        The run's presentation layer renders it (``document_writer``); returns the path, or None
+        when this run writes no files.
         """
-        for numerics in self._pending:
-            numerics.stage(blocking=False)
-        while self._pending and (final or self._pending[0].ready() or len(self._pending) > MAX_PENDING_READBACKS):
-            self._pending.pop(0).deliver()
+        if self.files_dir is None or self.document_writer is None:
+            return None
+        name = f"{stem}_step{step}" + (f"_rank{self.rank}" if self.rank else "")
+        return self.document_writer(self.files_dir, name, document)
 
-    def end_step(self, step: int) -> None:
-        """Deliver ready measurements and write every step's scalars that can no longer change."""
-        self.poll()
-        oldest_undelivered = min((n.step for n in self._pending), default=step + 1)
-        self.metrics.flush_before(min(step + 1, oldest_undelivered))
-
-    # --- the end --------------------------------------------------------------------------------
-    def finish(self, status: str, step: int, error: str | None = None, final: bool = True) -> dict[str, Any]:
-        """Deliver everything, write all scalars and (re)write report.json / report.md.
-
-        ``final`` marks the last call of the run (the last callback to finish): then, once per run
-        on the global-zero process, the plots are drawn and the console summary is printed.
-        """
-        self.poll(final=True)
-        self.metrics.flush_before(None)
-        sections = {}
-        for contributor in self.contributors:
-            try:
-                sections[contributor.report_name] = contributor.report_section()
-            except Exception as failure:  # one broken section must not lose the others
-                sections[contributor.report_name] = {"error": f"{type(failure).__name__}: {failure}"}
-        report = build_report(status=status, step=step, sections=sections, config=self.config, error=error)
-        if self.output_dir is not None and not self._report_failed:
-            try:
-                write_report(self.output_dir, report)
-            except OSError as failure:
-                self._report_failed = True
-                warnings.warn(f"lightning-debug could not write the report to {self.output_dir} ({failure}); "
-                              "training continues.", RuntimeWarning)
-        if final:
-            self.conclude(report)
-        return report
-
-    def conclude(self, report: dict[str, Any]) -> None:
-        """Once per run, on the global-zero process: debug_analysis.png and the console summary."""
-        if self._concluded or not self.is_global_zero:
-            return
-        self._concluded = True
-        from lightning_debug.summary import conclude_run
-
-        conclude_run(self, report)
+    def file_path(self, stem: str, step: int, suffix: str) -> Path | None:
+        """Where a rank's own file (a memory snapshot) goes, or None when this run writes no files."""
+        if self.files_dir is None:
+            return None
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        return self.files_dir / (f"{stem}_step{step}" + (f"_rank{self.rank}" if self.rank else "") + suffix)

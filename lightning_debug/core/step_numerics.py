@@ -2,39 +2,188 @@
 
 The anomaly and gradient checks both need gradient norms; computing them twice would double the
 cost. :class:`StepNumerics` does one fused pass, packs everything (per-rank flags included) into
-one device vector, and reads it back to the host at most once, now or a step later.
+one device vector, reduces it across processes with one collective, and reads it back to the host
+at most once, now or a step later.
+
+What does not change from step to step is worked out once: :class:`ParameterIndex` holds the
+trainable parameters, their names and the fused-norm plan, and is rebuilt only when a parameter
+or module is registered anywhere (global registration hooks bump a counter) or when a
+parameter's ``requires_grad`` changes. So a healthy check step does no Python work per parameter
+beyond collecting the gradients, and names are looked up only when something is found.
+
+Sharded parameters (``DTensor``: FSDP2, tensor parallel) are measured on their local shards; each
+rank contributes the squares of the blocks it owns (:func:`~lightning_debug.checks.numerics.owns_block`),
+so the one all-reduce that carries every rank's flags also yields exact full-parameter norms.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
+from itertools import repeat
+from operator import is_
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from lightning_debug.checks.numerics import fused_norms, nonfinite_named
+from lightning_debug.checks.numerics import (
+    NormPlan,
+    has_partial,
+    is_dtensor,
+    local_tensor,
+    local_tensors,
+    owns_block,
+    user_name,
+    without_partial,
+)
+from lightning_debug.core.metrics import metric_part
 from lightning_debug.core.readback import Readback
 
-RANK_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum")
+# One row per rank; new per-rank flags are appended here (the packing follows this list).
+RANK_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum", "input_nonfinite",
+               "check_failed")
+MAX_PENDING_READBACKS = 4
+REQUIRES_GRAD_RECHECK = 16
 AllGather = Callable[[torch.Tensor], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], Any]
+
+_registrations = [0]
 
 
-@dataclass
+def _count_registration(*args: Any) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    """Count every parameter and submodule registered in this process (once per process)."""
+    if _registrations[0] == 0:
+        _registrations[0] = 1
+        nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+def world_position() -> tuple[int, int]:
+    """This process's rank and the number of processes of the default (WORLD) group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ParameterIndex:
+    """The trainable parameters of a model (or of one optimizer), built once and reused every step.
+
+    Holds the parameters in ``named_parameters`` order, their user-facing names (see
+    :func:`~lightning_debug.checks.numerics.user_name`), which are sharded, which blocks this rank
+    owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every
+    rank builds the same slots in the same order (full shapes decide, not local ones), which is
+    what lets one all-reduce line their values up. With ``plain_sharded`` (FSDP1 flat parameters,
+    DeepSpeed) plain tensors are this rank's shard: every rank's block counts, and no slot is
+    dropped for being empty here, since another rank may hold its elements.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> model[0].bias.requires_grad_(False)
+        Parameter containing:...
+        >>> index = ParameterIndex(list(model.named_parameters()))
+        >>> index.names
+        ['0.weight', '1.weight', '1.bias']
+    """
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], rank: int = 0, plain_sharded: bool = False) -> None:
+        everything = [(name, p) for name, p in named if plain_sharded or p.numel() > 0]
+        self.watched = [p for _, p in everything]
+        self.trainable_mask = [p.requires_grad for p in self.watched]
+        trainable = [(user_name(name), p) for (name, p), keep in zip(everything, self.trainable_mask) if keep]
+        self.names = [name for name, _ in trainable]
+        self.params = [p for _, p in trainable]
+        self.rank = rank
+        self.plain_sharded = plain_sharded
+        self.sharded = plain_sharded or any(is_dtensor(p) for p in self.params)
+        self.sharded_names = [name for name, p in trainable if plain_sharded or is_dtensor(p)]
+        self.plan = NormPlan(local_tensors(self.params, self.sharded))
+        self.device = self.plan.device
+        self.param_owner = self._owner_mask(self.params)
+        self._grad_owner: torch.Tensor | None = None
+        self._partial_slots: list[int] = []
+        self._uses = 0
+        self._tags: dict[str, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def _owner_mask(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+        def owned(tensor: torch.Tensor | None) -> bool:
+            if self.plain_sharded and not is_dtensor(tensor):
+                return True
+            return owns_block(tensor, self.rank) if tensor is not None else self.rank == 0
+
+        return torch.tensor([owned(t) for t in tensors], dtype=torch.bool, device=self.device)
+
+    def current(self) -> bool:
+        """Whether no parameter's ``requires_grad`` changed (checked every few uses: cheap, not free)."""
+        self._uses += 1
+        if self._uses % REQUIRES_GRAD_RECHECK:
+            return True
+        return [p.requires_grad for p in self.watched] == self.trainable_mask
+
+    def tags(self, prefix: str) -> list[str]:
+        """``prefix + name`` for every parameter, built once (per-parameter scalar names)."""
+        tags = self._tags.get(prefix)
+        if tags is None:
+            tags = self._tags[prefix] = [prefix + metric_part(name) for name in self.names]
+        return tags
+
+    def local_params(self) -> list[torch.Tensor]:
+        return local_tensors(self.params, self.sharded)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Each parameter's local gradient (zeros where there is none) and the slots without one."""
+        grads = [p.grad for p in self.params]
+        missing: list[int] = []
+        if any(map(is_, grads, repeat(None))):
+            missing = [i for i, grad in enumerate(grads) if grad is None]
+            for i in missing:
+                grads[i] = torch.zeros_like(local_tensor(self.params[i]))
+        if self.sharded:  # DTensor locals, Partial placements (plain shards pass through unchanged)
+            if self._grad_owner is None:  # gradients are laid out like their parameters, except Partial ones
+                absent = set(missing)
+                layout = [self.params[i] if i in absent else g for i, g in enumerate(grads)]
+                self._partial_slots = [i for i, g in enumerate(layout) if has_partial(g)]
+                self._grad_owner = self._owner_mask(without_partial(g) if has_partial(g) else g for g in layout)
+            for i in self._partial_slots:
+                if i not in missing:
+                    grads[i] = without_partial(grads[i])  # type: ignore[arg-type]
+            grads = local_tensors(grads, True)  # type: ignore[arg-type]
+        return grads, missing  # type: ignore[return-value]
+
+    @property
+    def grad_owner(self) -> torch.Tensor:
+        return self._grad_owner if self._grad_owner is not None else self.param_owner
+
+
 class HostNumerics:
-    """The host-side values of a :class:`StepNumerics`."""
+    """The host-side values of a :class:`StepNumerics`: per-rank flags as Python numbers, the
+    per-parameter squared norms as CPU tensors, turned into names and Python floats only when asked
+    (that is, when something was found or per-parameter scalars are logged)."""
 
-    step: int
-    ranks: list[dict[str, float]]
-    grad_names: list[str]
-    grad_norms: list[float]
-    param_names: list[str]
-    param_norms: list[float]
-    missing: list[str]
-    grads_sharded: bool
-    scan_parameters: Callable[[], list[tuple[str, float]]] | None = None
-    read_before_update: bool = True
+    def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, grad_squares: torch.Tensor,
+                 param_squares: torch.Tensor, missing_slots: list[int],
+                 scan_parameters: Callable[[], list[tuple[str, float]]] | None = None,
+                 read_before_update: bool = True, error: Exception | None = None) -> None:
+        self.step = step
+        self.error = error
+        self.ranks = ranks
+        self.param_names = index.names
+        self.tags = index.tags
+        self._grad_squares = grad_squares
+        self._param_squares = param_squares
+        self._missing_slots = missing_slots
+        self.scan_parameters = scan_parameters
+        self.read_before_update = read_before_update
 
     @property
     def loss_checked(self) -> bool:
@@ -45,6 +194,10 @@ class HostNumerics:
         return [i for i, rank in enumerate(self.ranks) if rank["loss_finite"] == 0]
 
     @property
+    def ranks_with_nonfinite_inputs(self) -> list[int]:
+        return [i for i, rank in enumerate(self.ranks) if rank["input_nonfinite"] > 0]
+
+    @property
     def ranks_with_nonfinite_grads(self) -> list[int]:
         return [i for i, rank in enumerate(self.ranks) if rank["grad_nonfinite"] > 0]
 
@@ -53,17 +206,93 @@ class HostNumerics:
         return [i for i, rank in enumerate(self.ranks) if rank["param_nonfinite"] > 0]
 
     @property
+    def ranks_with_failed_check(self) -> list[int]:
+        """Ranks whose own measurement raised: every rank learns it from the reduced rows, in the same step."""
+        return [i for i, rank in enumerate(self.ranks) if rank["check_failed"] > 0]
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why this step's measurement is missing: this rank's own error, or which rank failed (None when it ran)."""
+        ranks = self.ranks_with_failed_check
+        if not ranks:
+            return None
+        where = f" on rank {', '.join(map(str, ranks))}" if len(self.ranks) > 1 else ""
+        own = f" ({type(self.error).__name__}: {self.error})" if self.error is not None else ""
+        return RuntimeError(f"the shared gradient pass failed{where}{own}")
+
+    @property
     def global_grad_norm(self) -> float:
-        squares = [rank["grad_square_sum"] for rank in self.ranks]
-        return math.sqrt(sum(squares) if self.grads_sharded else squares[0])
+        """The 2-norm of all gradients together: each rank sent the squares of the blocks it owns."""
+        if self.ranks_with_failed_check:
+            return math.nan
+        return math.sqrt(sum(rank["grad_square_sum"] for rank in self.ranks))
+
+    @property
+    def missing(self) -> list[str]:
+        """Trainable parameters that received no gradient."""
+        return [self.param_names[i] for i in self._missing_slots]
+
+    @cached_property
+    def grad_names(self) -> list[str]:
+        """Names of the parameters with a gradient (``grad_norms`` in the same order)."""
+        if not self._missing_slots:
+            return self.param_names
+        missing = set(self._missing_slots)
+        return [name for i, name in enumerate(self.param_names) if i not in missing]
+
+    @cached_property
+    def _present_squares(self) -> torch.Tensor:
+        squares = self._grad_squares
+        if self._missing_slots:
+            keep = torch.ones(squares.numel(), dtype=torch.bool)
+            keep[self._missing_slots] = False
+            squares = squares[keep]
+        return squares
+
+    @cached_property
+    def grad_norms(self) -> list[float]:
+        return self._present_squares.sqrt().tolist()
+
+    def grad_norm_extremes(self) -> tuple[float, float]:
+        """The largest and the smallest gradient norm (NaN when a gradient is not finite; 0 when none)."""
+        squares = self._present_squares
+        if not squares.numel():
+            return 0.0, 0.0
+        return math.sqrt(squares.max()), math.sqrt(squares.min())
+
+    def grad_norms_by_slot(self) -> torch.Tensor:
+        """Every parameter's gradient norm as a CPU tensor in ``param_names`` order (0 without a gradient)."""
+        return self._grad_squares.sqrt()
+
+    def param_norms_by_slot(self) -> torch.Tensor:
+        """Every parameter's norm as a CPU tensor in ``param_names`` order (empty when not measured)."""
+        return self._param_squares.sqrt()
+
+    @property
+    def params_measured(self) -> bool:
+        """Whether this step measured every parameter's norm (see ``with_param_norms``)."""
+        return self._param_squares.numel() > 0
+
+    @cached_property
+    def param_norms(self) -> list[float]:
+        """Every trainable parameter's norm, when this step measured them (else empty)."""
+        return self._param_squares.sqrt().tolist()
+
+    @property
+    def grads_finite(self) -> bool:
+        return not any(rank["grad_nonfinite"] for rank in self.ranks)
 
     def nonfinite_grads(self) -> list[tuple[str, float]]:
+        if self.grads_finite:
+            return []
         return [(n, v) for n, v in zip(self.grad_names, self.grad_norms) if not math.isfinite(v)]
 
     def nonfinite_params(self) -> list[tuple[str, float]]:
         """Non-finite parameters: from the step's norms when they were computed, else scanned now."""
-        if not self.param_norms and self.scan_parameters is not None:
-            return self.scan_parameters()
+        if not self.params_measured:
+            return self.scan_parameters() if self.scan_parameters is not None else []
+        if not any(rank["param_nonfinite"] for rank in self.ranks):
+            return []
         return [(n, v) for n, v in zip(self.param_names, self.param_norms) if not math.isfinite(v)]
 
 
@@ -72,67 +301,100 @@ class StepNumerics:
 
     Args:
         step: The optimizer step measured.
-        named_parameters: The model's ``(name, parameter)`` pairs; only trainable, non-empty ones count.
+        index: The parameters to measure (see :class:`ParameterIndex`).
         loss_finite: 0-d bool tensor, all losses of this step finite, or None when nobody looked.
-        all_gather: Gathers a 1-d tensor from every rank into ``[world, n]``; None on one process.
-        grads_sharded: Gradients are shards (FSDP), so squared norms add up across ranks.
+        all_reduce: Sums a float64 vector over every process in place (the WORLD group); None on
+            one process. Called exactly once, by every rank, with a vector of the same length.
+        grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
+            as in an Accelerate loop right after backward): norms are divided by it on the device.
         with_param_norms: Also compute every parameter's norm (for weight norms and update ratios).
             Without it, parameters are scanned only when asked (:meth:`scan_parameters`), which the
             anomaly check does when the loss or gradients are non-finite: a non-finite weight shows
             up there on the next forward, so healthy steps skip a full pass over the weights.
-        grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
-            as in an Accelerate loop right after backward): norms are divided by it on the device.
+        gradients: ``index.local_grads()`` when the caller already collected them.
+        input_nonfinite: 0-d tensor, how many of the step's batch tensors hold NaN/Inf, or None.
     """
 
-    def __init__(self, step: int, named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
-                 loss_finite: torch.Tensor | None, all_gather: AllGather | None = None,
-                 grads_sharded: bool = False, grad_scale: torch.Tensor | None = None,
-                 with_param_norms: bool = False) -> None:
+    def __init__(self, step: int, index: ParameterIndex, loss_finite: torch.Tensor | None,
+                 all_reduce: AllReduce | None = None, grad_scale: torch.Tensor | None = None,
+                 with_param_norms: bool = False,
+                 gradients: tuple[list[torch.Tensor], list[int]] | None = None,
+                 input_nonfinite: torch.Tensor | None = None) -> None:
         self.step = step
-        self.grads_sharded = grads_sharded
-        trainable = [(name, p) for name, p in named_parameters if p.requires_grad and p.numel() > 0]
-        with_grad = [(name, p) for name, p in trainable if p.grad is not None]
-        self.missing = [name for name, p in trainable if p.grad is None]
-        self.grad_names = [name for name, _ in with_grad]
-        self.param_names = [name for name, _ in trainable]
-        self.parameters = [p for _, p in trainable]
-        device = (self.parameters[0].device if self.parameters
-                  else loss_finite.device if loss_finite is not None else torch.device("cpu"))
-        self.grad_norms = fused_norms([p.grad for _, p in with_grad], device)  # type: ignore[misc]
-        if grad_scale is not None:
-            self.grad_norms = self.grad_norms / grad_scale.detach().to(device=device, dtype=torch.float32)
-        self.param_norms = (fused_norms(self.parameters, device) if with_param_norms
-                            else torch.zeros(0, dtype=torch.float32, device=device))
-        loss_flag = (loss_finite.to(device=device, dtype=torch.float32) if loss_finite is not None
-                     else torch.full((), -1.0, device=device))
-        row = torch.stack([
-            loss_flag,
-            (~torch.isfinite(self.grad_norms)).sum().float(),
-            (~torch.isfinite(self.param_norms)).sum().float(),
-            self.grad_norms.square().sum(),
-        ])
-        rows = all_gather(row).reshape(-1, len(RANK_FIELDS)) if all_gather is not None else row.unsqueeze(0)
-        self.world_size = rows.shape[0]
-        self.packed = torch.cat([rows.reshape(-1), self.grad_norms, self.param_norms])
+        self.index = index
+        self.error: Exception | None = None
+        device = index.device if len(index) else loss_finite.device if loss_finite is not None else torch.device("cpu")
+        self.with_param_norms = with_param_norms and len(index) > 0
+        unknown = torch.full((), -1.0, dtype=torch.float64, device=device)
+        try:
+            grads, missing = gradients if gradients is not None else index.local_grads()
+            # with plain shards a gradient missing here may live on another rank: none is reported missing
+            self.missing_slots = [] if index.plain_sharded else missing
+            grad_squares = (index.plan.squares(grads) if len(index)
+                            else torch.zeros(0, dtype=torch.float64, device=device))
+            if grad_scale is not None:
+                grad_squares = grad_squares / grad_scale.detach().to(device=device, dtype=torch.float64).square()
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            grad_terms = torch.where(index.grad_owner, grad_squares, zero)
+            pieces = [grad_terms]
+            param_nonfinite = zero
+            if self.with_param_norms:
+                param_squares = index.plan.squares(index.local_params())
+                param_nonfinite = (~torch.isfinite(param_squares)).sum()
+                pieces.append(torch.where(index.param_owner, param_squares, zero))
+            flags = {"loss_finite": loss_finite.to(device=device, dtype=torch.float64) if loss_finite is not None
+                     else unknown, "grad_nonfinite": (~torch.isfinite(grad_squares)).sum().double(),
+                     "param_nonfinite": param_nonfinite.double(), "grad_square_sum": grad_terms.sum(),
+                     "input_nonfinite": input_nonfinite.to(device=device, dtype=torch.float64)
+                     if input_nonfinite is not None else unknown, "check_failed": torch.zeros_like(unknown)}
+        except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
+            self.error = error
+            self.missing_slots = []
+            pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
+                                  device=device)]
+            flags = dict.fromkeys(RANK_FIELDS, torch.zeros_like(unknown))
+            flags.update(loss_finite=unknown, input_nonfinite=unknown, check_failed=torch.ones_like(unknown))
+        row = torch.stack([flags[name] for name in RANK_FIELDS])
+        rank, world = world_position() if all_reduce is not None else (0, 1)
+        self.world_size = world
+        if world > 1:
+            width = len(RANK_FIELDS)
+            values = torch.cat(pieces)
+            packed = torch.zeros(world * width + values.numel(), dtype=torch.float64, device=device)
+            packed[rank * width:(rank + 1) * width] = row
+            packed[world * width:] = values
+            all_reduce(packed)  # type: ignore[misc]
+            self.packed = packed
+        else:
+            self.packed = torch.cat([row, *pieces])
         self._readback: Readback | None = None
         self._read_blocking = False
         self._host: HostNumerics | None = None
         self._subscribers: list[Callable[[HostNumerics], None]] = []
 
     def scan_parameters(self) -> list[tuple[str, float]]:
-        """Names and norms of the non-finite parameters, now (one sync; the anomaly path only).
+        """Names and local norms of the non-finite parameters, now (one sync; the anomaly path only).
 
-        When the values were read synchronously (every rank at the same point of the same step), the
-        count is max-reduced across processes, so all ranks agree even with sharded parameters. A
-        deferred read completes at different times on different GPUs, so it issues no collective.
+        When the values were read synchronously (every rank at the same point of the same step),
+        the per-parameter flags are summed across processes, so every rank names the same
+        parameters, sharded ones included. A deferred read completes at different times on
+        different GPUs, so it issues no collective.
         """
-        norms = fused_norms(self.parameters)
-        count = (~torch.isfinite(norms)).sum()
-        if self._read_blocking and self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if not int(count):
+        index = self.index
+        if not len(index):
             return []
-        return nonfinite_named(self.param_names, norms)
+        try:
+            squares = index.plan.squares(index.local_params())
+        except Exception:  # the flags still join the reduction (as finite), so no rank waits alone
+            squares = torch.zeros(len(index), dtype=torch.float64, device=index.device)
+        flags = (~torch.isfinite(squares)).double()
+        if self._read_blocking and self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flags)
+        bad = flags.nonzero().flatten().tolist()
+        if not bad:
+            return []
+        norms = squares.sqrt().tolist()
+        return [(index.names[i], norms[i] if not math.isfinite(norms[i]) else math.nan) for i in bad]
 
     def subscribe(self, consumer: Callable[[HostNumerics], None]) -> None:
         """Call ``consumer`` with the host values once they are read back."""
@@ -151,16 +413,16 @@ class StepNumerics:
         if self._host is None:
             self.stage(blocking)
             assert self._readback is not None
-            values = self._readback.values()
+            values = self._readback.tensor()
             width = len(RANK_FIELDS)
-            ranks = [dict(zip(RANK_FIELDS, values[i * width:(i + 1) * width])) for i in range(self.world_size)]
             offset = self.world_size * width
-            grads_end = offset + len(self.grad_names)
+            rows = values[:offset].tolist()
+            ranks = [dict(zip(RANK_FIELDS, rows[i * width:(i + 1) * width])) for i in range(self.world_size)]
+            count = len(self.index)
             self._host = HostNumerics(
-                step=self.step, ranks=ranks, grad_names=self.grad_names, grad_norms=values[offset:grads_end],
-                param_names=self.param_names, param_norms=values[grads_end:], missing=self.missing,
-                grads_sharded=self.grads_sharded, scan_parameters=self.scan_parameters,
-                read_before_update=self._read_blocking,
+                step=self.step, ranks=ranks, index=self.index, grad_squares=values[offset:offset + count],
+                param_squares=values[offset + count:], missing_slots=self.missing_slots,
+                scan_parameters=self.scan_parameters, read_before_update=self._read_blocking, error=self.error,
             )
         return self._host
 
@@ -169,3 +431,98 @@ class StepNumerics:
         subscribers, self._subscribers = self._subscribers, []
         for consumer in subscribers:
             consumer(host)
+
+
+class NumericsQueue:
+    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by
+    the rest, the parameter indexes they are computed over, and the steps still waiting for their
+    values to reach the host.
+
+    Deferred reads are bounded: past ``max_pending`` waiting steps the oldest is read with a sync.
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_READBACKS) -> None:
+        self.max_pending = max_pending
+        # Checks that need every weight's norm on their steps (weight logging, update ratios).
+        self.param_norms_wanted: list[Callable[[int], bool]] = []
+        self._loss_finite: dict[int, torch.Tensor] = {}
+        self._input_nonfinite: dict[int, torch.Tensor] = {}
+        self._current: StepNumerics | None = None
+        self._pending: list[StepNumerics] = []
+        self._indexes: dict[Any, tuple[int, ParameterIndex]] = {}
+        _watch_registrations()
+
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """AND the finiteness of a micro-batch loss into this optimizer step's flag (no sync)."""
+        finite = torch.isfinite(loss.detach()).all()
+        previous = self._loss_finite.get(step)
+        self._loss_finite = {step: finite if previous is None else previous & finite}
+
+    def observe_inputs(self, step: int, count: torch.Tensor) -> None:
+        """Add a micro-batch's count of batch tensors holding NaN/Inf (a device tensor) to this step's (no sync)."""
+        previous = self._input_nonfinite.get(step)
+        self._input_nonfinite = {step: count if previous is None else previous + count.to(previous.device)}
+
+    def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+              parameters: Sequence[torch.Tensor] | None = None, rebuild: bool = False,
+              plain_sharded: bool = False) -> ParameterIndex:
+        """The :class:`ParameterIndex` of the model, or of ``parameters`` (an optimizer's, in its
+        order) when given; cached, and rebuilt only when the model's parameters changed.
+
+        The model's index is keyed by the process-wide count of parameter and module
+        registrations; a subset by the identities of its parameters.
+        """
+        key: Any = ("model" if parameters is None else tuple(map(id, parameters)), plain_sharded)
+        cached = self._indexes.get(key)
+        generation = _registrations[0]
+        if not rebuild and cached is not None and cached[0] == generation and cached[1].current():
+            return cached[1]
+        named = list(named_parameters())
+        if parameters is not None:
+            position = {id(p): name for name, p in named}
+            named = [(position.get(id(p), f"parameter {i}"), p) for i, p in enumerate(parameters)]  # type: ignore[misc]
+        if len(self._indexes) > 8:
+            self._indexes.clear()
+        index = ParameterIndex(named, world_position()[0], plain_sharded)
+        self._indexes[key] = (generation, index)
+        return index
+
+    def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+            all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
+            parameters: Sequence[torch.Tensor] | None = None, plain_sharded: bool = False) -> StepNumerics:
+        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first).
+
+        ``parameters``: measure only these (an optimizer's, in its order) instead of the model's.
+        ``plain_sharded``: plain parameters are per-rank shards (see :class:`ParameterIndex`).
+        """
+        if self._current is None or self._current.step != step:
+            index = self.index(named_parameters, parameters, plain_sharded=plain_sharded)
+            gradients: tuple[list[torch.Tensor], list[int]] | None = None
+            try:  # a failure here is flagged inside StepNumerics, which still joins the collective
+                gradients = index.local_grads()
+                if gradients[1] and not all(index.params[i].requires_grad for i in gradients[1]):  # frozen since built
+                    index = self.index(named_parameters, parameters, rebuild=True, plain_sharded=plain_sharded)
+                    gradients = index.local_grads()
+            except Exception:
+                gradients = None
+            wanted = any(wants(step) for wants in self.param_norms_wanted)
+            self._current = StepNumerics(step, index, self._loss_finite.pop(step, None), all_reduce, grad_scale,
+                                         wanted, gradients, self._input_nonfinite.pop(step, None))
+            self._pending.append(self._current)
+        return self._current
+
+    def poll(self, final: bool = False) -> None:
+        """Stage pending measurements for read-back and deliver those whose copy has completed."""
+        for numerics in self._pending:
+            numerics.stage(blocking=False)
+        while self._pending and (final or self._pending[0].ready() or len(self._pending) > self.max_pending):
+            self._pending.pop(0).deliver()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a measurement waits for its values to reach the host."""
+        return bool(self._pending)
+
+    @property
+    def oldest_pending_step(self) -> int | None:
+        return self._pending[0].step if self._pending else None

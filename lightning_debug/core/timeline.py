@@ -1,22 +1,18 @@
 """What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding.
 
 During training the session feeds a :class:`Timeline` with every batch of ``debug/`` scalars it
-hands to the logger and every event it writes; offline, :func:`read_timeline` rebuilds the same
-thing from ``events.jsonl`` and the TensorBoard event files. Either way the plots and the
+hands to the logger and every event it writes; offline, ``lightning_debug.report.offline``
+rebuilds the same thing from ``events.jsonl`` and the TensorBoard event files. Either way the plots and the
 offline report are drawn from one object whose memory does not grow with the run's length.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import time
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lightning_debug.core.findings import SEVERITY_ORDER
+from lightning_debug.core.kinds import severity_rank
 
 PLOTTED_TAGS = (
     "debug/perf/step_ms", "debug/perf/data_ms",
@@ -27,8 +23,6 @@ PLOTTED_TAGS = (
 MAX_POINTS = 2048
 MAX_EVENTS = 4096
 MAX_TAGS = 10_000
-
-Progress = Callable[[str], None]
 
 
 class Series:
@@ -104,6 +98,7 @@ class Timeline:
     events_dropped: int = 0
     last_step: int = -1
     tags: set[str] = field(default_factory=set)
+    _open: dict[tuple[str, int], list[Episode]] = field(default_factory=dict, repr=False)
 
     def observe_metrics(self, metrics: dict[str, float], step: int) -> None:
         """A metrics sink: the series of the plotted tags, and the names of all tags (for the layout)."""
@@ -121,23 +116,23 @@ class Timeline:
         self.last_step = max(self.last_step, step)
         details = record.get("details") or {}
         kind = str(record.get("kind", "unknown"))
-        if record.get("episode") == "end":
-            first = int(details.get("first_step", step))
-            last = int(details.get("last_step", step))
-            for episode in reversed(self.episodes):
-                if episode.kind == kind and episode.first_step == first and episode.last_step is None:
-                    episode.last_step = last
-                    episode.key = str(details.get("key", ""))
-                    episode.check_steps = int(details.get("steps", 1))
-                    return
+        if record.get("episode") == "end":  # the open episode it ends, found by kind and first step
+            waiting = self._open.get((kind, int(details.get("first_step", step))))
+            if waiting:
+                episode = waiting.pop()
+                episode.last_step = int(details.get("last_step", step))
+                episode.key = str(details.get("key", ""))
+                episode.check_steps = int(details.get("steps", 1))
             return
         if len(self.episodes) >= MAX_EVENTS:
             self.events_dropped += 1
             return
-        self.episodes.append(Episode(
-            kind=kind, severity=str(record.get("severity", "info")), first_step=step,
-            last_step=None if record.get("episode") == "start" else step,
-            message=str(record.get("message", "")), callback=str(record.get("callback", ""))))
+        episode = Episode(kind=kind, severity=str(record.get("severity", "info")), first_step=step,
+                          last_step=None if record.get("episode") == "start" else step,
+                          message=str(record.get("message", "")), callback=str(record.get("callback", "")))
+        self.episodes.append(episode)
+        if episode.last_step is None:
+            self._open.setdefault((kind, step), []).append(episode)
 
     def values(self, tag: str) -> tuple[list[int], list[float]]:
         series = self.series.get(tag)
@@ -155,10 +150,9 @@ class Timeline:
             entry["steps"] += episode.check_steps
             entry["first_step"] = min(entry["first_step"], episode.first_step)
             entry["last_step"] = max(entry["last_step"], last)
-            if SEVERITY_ORDER.get(episode.severity, 9) < SEVERITY_ORDER.get(entry["severity"], 9):
+            if severity_rank(episode.severity) < severity_rank(entry["severity"]):
                 entry["severity"] = episode.severity
-        return dict(sorted(out.items(), key=lambda item: (SEVERITY_ORDER.get(item[1]["severity"], 9),
-                                                          item[1]["first_step"])))
+        return dict(sorted(out.items(), key=lambda item: (severity_rank(item[1]["severity"]), item[1]["first_step"])))
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """count / mean / min / max of the plotted series, under report.json's area names."""
@@ -178,91 +172,3 @@ AREA_NAMES = {
     "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
     "debug/grad/global_norm": "gradient_norm",
 }
-
-
-# --- offline -------------------------------------------------------------------------------------
-class RunDirectoryError(ValueError):
-    """A directory that does not hold what a lightning-debug run leaves behind; the message is one line."""
-
-
-@dataclass
-class EventsFile:
-    records: list[dict[str, Any]]
-    truncated_last_line: bool
-
-
-def read_events_file(path: Path) -> EventsFile:
-    """Parse events.jsonl strictly: a bad line is an error, except a truncated last line (a crash mid-write)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise RunDirectoryError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
-    lines = text.split("\n")
-    complete_end = text.endswith("\n")
-    records: list[dict[str, Any]] = []
-    truncated = False
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines) and not complete_end:
-                truncated = True
-                continue
-            raise RunDirectoryError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
-        if not isinstance(record, dict) or "kind" not in record or not isinstance(record.get("step"), int):
-            raise RunDirectoryError(f"{path}:{number}: not a lightning-debug event (needs an object with "
-                                    "'kind' and an integer 'step')")
-        records.append(record)
-    return EventsFile(records, truncated)
-
-
-def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
-    """The TensorBoard event files directly in each directory, oldest first."""
-    found: list[Path] = []
-    for directory in directories:
-        if directory.is_dir():
-            found += sorted(directory.glob("events.out.tfevents.*"), key=lambda p: (p.stat().st_mtime, p.name))
-    return found
-
-
-def _scalar_values(path: Path) -> Iterator[tuple[str, int, float]]:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    for event in EventFileLoader(str(path)).Load():
-        if not event.HasField("summary"):
-            continue
-        for value in event.summary.value:
-            if not value.tag.startswith("debug/"):
-                continue
-            if value.HasField("simple_value"):
-                yield value.tag, int(event.step), float(value.simple_value)
-            elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
-                yield value.tag, int(event.step), float(tensor_util.make_ndarray(value.tensor).item())
-
-
-def read_timeline(events: EventsFile | None, tensorboard: list[Path], progress: Progress | None = None,
-                  progress_every_s: float = 1.0) -> tuple[Timeline, list[str]]:
-    """A timeline from parsed events and TensorBoard files; returns it and notes on files it skipped."""
-    timeline = Timeline()
-    notes: list[str] = []
-    for record in events.records if events is not None else []:
-        timeline.observe_event(record)
-    for path in tensorboard:
-        started = last_said = time.monotonic()
-        points = 0
-        try:
-            for tag, step, value in _scalar_values(path):
-                timeline.observe_metrics({tag: value}, step)
-                points += 1
-                now = time.monotonic()
-                if progress is not None and now - last_said >= progress_every_s:
-                    last_said = now
-                    progress(f"reading {path.name}: {points} debug scalars so far ({now - started:.0f} s)")
-        except Exception as error:  # a damaged file loses its own points only
-            notes.append(f"skipped the rest of {path} ({type(error).__name__}: {error})")
-        if progress is not None:
-            progress(f"read {points} debug scalars from {path.name}")
-    return timeline, notes

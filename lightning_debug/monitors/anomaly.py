@@ -3,30 +3,35 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightning_debug.checks.batches import count_nonfinite, floating_tensors, nonfinite_samples
 from lightning_debug.checks.localize import Cause, capture_rng, localize
-from lightning_debug.checks.numerics import fused_norms, nonfinite_named
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.checks.numerics import nonfinite_named
+from lightning_debug.config import AnomalyMode, Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.monitor import Monitor, Where
-from lightning_debug.core.schedule import CheckSchedule
-from lightning_debug.core.step_numerics import HostNumerics, StepNumerics
+from lightning_debug.core.kinds import COMMON_CAUSES, Kind, Severity, advice_for_cause
+from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
+from lightning_debug.core.session import Where
+from lightning_debug.core.step_numerics import HostNumerics
 from lightning_debug.errors import AnomalyError
 
-ANOMALY_KINDS = {"nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "amp_overflow_skipped"}
-Replay = Callable[[Any], "torch.Tensor | None"]
 NAMES_IN_DETAILS = 20
+INPUT_STEPS_KEPT = 8
+BAD_BATCHES_KEPT = 20
+InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
 
 ACTIONS = {
-    "warn": "Training continues (anomaly_detection_mode='warn').",
-    "raise": "Raising AnomalyError (anomaly_detection_mode='raise').",
-    "skip": "This optimizer step was skipped: no update, no momentum, no weight decay (anomaly_detection_mode='skip').",
-    "stop": "The non-finite update was dropped and training stops after this step (anomaly_detection_mode='stop').",
+    AnomalyMode.WARN: "Training continues (anomaly_detection_mode='warn').",
+    AnomalyMode.RAISE: "Raising AnomalyError (anomaly_detection_mode='raise').",
+    AnomalyMode.SKIP: "This optimizer step was skipped: no update, no momentum, no weight decay "
+                      "(anomaly_detection_mode='skip').",
+    AnomalyMode.STOP: "The non-finite update was dropped and training stops after this step "
+                      "(anomaly_detection_mode='stop').",
 }
 
 
@@ -40,137 +45,196 @@ def _on_ranks(ranks: list[int], world_size: int) -> str:
 
 
 def _advice(cause: Cause) -> str:
-    """The seed checklist's fixes for what the replay found."""
-    operation = (cause.operation or "").lower()
-    if cause.where == "inputs":
-        return "Clean or filter the data (torch.nan_to_num, drop bad samples) and check the normalization. "
-    if cause.where == "backward":
-        return ("A backward-only NaN: sqrt/pow/norm/atan2 at exactly 0 has an infinite derivative; add an epsilon "
-                "inside (torch.sqrt(x + 1e-12)) or clamp the argument. ")
-    if any(name in operation for name in ("log", "div", "reciprocal", "rsqrt")):
-        return "Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)). "
-    if any(name in operation for name in ("sqrt", "pow")):
-        return "The argument is negative or zero: clamp it (x.clamp_min(0) + 1e-12) or use torch.abs. "
-    if any(name in operation for name in ("exp", "softmax", "matmul", "linear", "mm", "bmm", "conv")):
-        return ("An overflow: values grew too large (max |x| above); lower the learning rate, clip gradients, "
-                "normalize inputs or use a numerically stable form (log_softmax, logsumexp). ")
-    return ""
+    return advice_for_cause(cause.where, cause.operation)
 
 
-def drop_gradients(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
-    so there is no update, no momentum and no weight decay for this step."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = None
+@dataclass
+class Verdict:
+    """What one checked step shows, before anything is written: the same on every rank."""
+
+    bad_loss_ranks: list[int]
+    bad_grads: list[tuple[str, float]]
+    bad_params: list[tuple[str, float]]
+    uses_grad_scaler: bool
+    last_finite_param_step: int
+    bad_input_ranks: list[int]
+    input_rows: list[dict[str, Any]]
+
+    @property
+    def amp_overflow(self) -> bool:
+        """fp16 overflow the GradScaler handles: non-finite gradients with a finite loss and weights."""
+        return self.uses_grad_scaler and bool(self.bad_grads) and not self.bad_loss_ranks and not self.bad_params
+
+    def kinds(self, cause: Cause | None) -> list[Kind]:
+        """The kinds this step shows; ``nonfinite_input`` alone decides nothing (its loss does)."""
+        inputs = [Kind.NONFINITE_INPUT] if self.bad_input_ranks else []
+        if self.amp_overflow:
+            return [*inputs, Kind.AMP_OVERFLOW_SKIPPED]
+        kinds = inputs + ([Kind.NONFINITE_PARAM] if self.bad_params else [])
+        if cause is not None and cause.where == "forward" and cause.operation:
+            kinds.append(Kind.NONFINITE_ACTIVATION)
+        return kinds + [kind for kind, bad in ((Kind.NONFINITE_LOSS, self.bad_loss_ranks),
+                                               (Kind.NONFINITE_GRAD, self.bad_grads)) if bad]
 
 
 class AnomalyMonitor(Monitor):
     """See :class:`lightning_debug.AnomalyDetectionCallback` for the behaviour users rely on."""
 
-    report_name = "anomaly"
+    area = Area.ANOMALY
+    kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
+                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT})
+    deciding = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION})
+    events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
+    frequency_field = "anomaly_check_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "AnomalyDetectionCallback") -> None:
         super().__init__(config, source)
-        self.schedule = CheckSchedule(config.anomaly_check_frequency)
         self.anomaly_count = 0
         self.skipped_steps = 0
         self.last_finite_param_step = -1
-        self.uses_grad_scaler = False
-        self._previous_detect_anomaly: bool | None = None
+        self._previous_detect_anomaly: tuple[bool, bool] | None = None
         self._positions: dict[int, Where] = {}
         self.localizes = config.level >= DebugLevel.ADVANCED
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._last_grad_norm = float("nan")
         self._learning_rates: list[float] = []
+        self._inputs: dict[int, InputRows] = {}
+        self.bad_batches: list[dict[str, Any]] = []
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> AnomalyMode:
         return self.config.anomaly_detection_mode
 
-    def due(self, step: int) -> bool:
-        return self.schedule.is_due(step)
-
-    def start(self, uses_grad_scaler: bool) -> None:
-        self.uses_grad_scaler = uses_grad_scaler
+    def start(self, step: int) -> None:
         if self.config.level >= DebugLevel.EXPERT and self._previous_detect_anomaly is None:
-            self._previous_detect_anomaly = torch.is_anomaly_enabled()
-            torch.autograd.set_detect_anomaly(True)
-            self.warn("level=EXPERT runs every backward under torch.autograd.set_detect_anomaly, which costs "
-                      "several times the step time; use it to pin down a known problem.")
+            # check_nan=False: autograd must not raise inside the framework's backward (that would end a
+            # warn/skip/stop run); a NaN is named by the replay, which checks NaN inside its own try.
+            self._previous_detect_anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            self.warn("level=EXPERT records every forward operation's stack (torch.autograd.set_detect_anomaly, "
+                      "several times the step time) so that an error in backward names its forward line; use it to "
+                      "pin down a known problem.")
+        if self.localizes and self.context.replay() is None:
+            self.warn("level=ADVANCED names the cause of a NaN by replaying the step, which this training loop does "
+                      "not allow (manual optimization steps the optimizers inside training_step); NaN/Inf are still "
+                      "found, without their cause.")
 
     def restore(self) -> None:
         if self._previous_detect_anomaly is not None:
-            torch.autograd.set_detect_anomaly(self._previous_detect_anomaly)
+            enabled, check_nan = self._previous_detect_anomaly
+            torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
             self._previous_detect_anomaly = None
 
-    def capture_inputs(self, step: int, batch: Any) -> None:
-        """Keep a reference to this micro-batch and the RNG state, for a replay (ADVANCED+, check steps)."""
-        if not (self.localizes and self.due(step)):
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        """On check steps, count the batch's floating tensors that hold NaN/Inf (fused, read back with the
+        loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
+        the micro-batch and the RNG state, for a replay."""
+        if not self.due(step):
+            return
+        tensors = floating_tensors(batch)
+        if tensors:
+            self.numerics.observe_inputs(step, count_nonfinite([t for _, t in tensors]))
+            self._inputs.setdefault(step, []).append((self.context.where(), tensors))
+            while len(self._inputs) > INPUT_STEPS_KEPT:
+                self._inputs.pop(min(self._inputs))
+        if not self.localizes:
             return
         if self._step_inputs[0] != step:
             self._step_inputs = (step, [])
-        self._step_inputs[1].append((batch, capture_rng()))
+        self._step_inputs[1].append((captured, capture_rng()))
 
-    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
         if self.due(step):
-            self.session.observe_loss(step, loss)
+            self.numerics.observe_loss(step, loss)
 
-    def check(self, numerics: StepNumerics, where: Where, optimizer: torch.optim.Optimizer,
-              model: torch.nn.Module | None = None, replay: Replay | None = None) -> str:
-        """Check this step's numerics; returns ``"continue"``, ``"skip"`` or ``"stop"``.
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        """Check this step's numerics and decide what happens to the optimizer step.
 
-        In ``warn`` mode (below ADVANCED) the values are read later without a sync and this returns
-        ``"continue"``. Otherwise it reads them now (one sync), names the cause by replaying the step
-        when ``level >= ADVANCED`` and ``replay`` is given, raises :class:`AnomalyError` in ``raise``
-        mode and drops the optimizer step's gradients in ``skip`` and ``stop`` modes.
+        In ``warn`` mode (below ADVANCED) the values are read later without a sync and the step
+        continues. Otherwise they are read now (one sync), the cause is named by replaying the step
+        when ``level >= ADVANCED`` and a replay is possible, ``raise`` mode raises
+        :class:`AnomalyError`, and ``skip``/``stop`` return the decision the run carries out (it drops
+        the optimizer step's gradients).
+
+        Decide first, write later: everything that decides (the gathered flags, the replay and the
+        parameter scan, both collectives) comes from values every rank shares and runs on every
+        rank; the findings are written afterwards, separately guarded, so a write that fails on one
+        rank cannot change what that rank decides. A measurement that failed on any rank is a
+        flag in the gathered rows, and every rank then continues this step without a decision.
         """
+        if not self.due(step):
+            return Decision.CONTINUE
+        current = numerics()
+        where = self.context.where()
         self._learning_rates = [float(group.get("lr", float("nan"))) for group in optimizer.param_groups]
-        if self.mode == "warn" and not (self.localizes and replay is not None):
-            self._positions[numerics.step] = where
+        replay = self.context.replay() if self.localizes else None
+        if self.mode is AnomalyMode.WARN and replay is None:
+            self._positions[current.step] = where
             if len(self._positions) > 64:
                 self._positions.pop(min(self._positions))
-            numerics.subscribe(self._on_numerics)
-            return "continue"
-        host = numerics.read(blocking=True)
+            current.subscribe(self._on_numerics)
+            return Decision.CONTINUE
+        host = current.read(blocking=True)
+        if host.failure is not None:
+            self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
+                                    host.step)
+            return Decision.CONTINUE
+        model = self.context.module()
+        if replay is not None and current.index.sharded:
+            replay = None
+            self._no_replay_on_sharded(current.index.sharded_names)
         cause = self._replay(host, model, replay) if model is not None and replay is not None else None
-        kinds = [kind for kind in self._inspect(host, where, cause) if kind != "amp_overflow_skipped"]
-        if not kinds or self.mode == "warn":
-            return "continue"
-        if self.mode == "raise":
-            names = [n for n, _ in (host.nonfinite_params() or host.nonfinite_grads())][:NAMES_IN_DETAILS]
-            ranks = host.ranks_with_nonfinite_loss
+        verdict = self._judge(host)
+        self.session.failures.call("writing the anomaly findings", self._write_findings, host, where, cause, verdict)
+        kinds = [kind for kind in verdict.kinds(cause) if kind in self.deciding]
+        if not kinds or self.mode is AnomalyMode.WARN:
+            return Decision.CONTINUE
+        if self.mode is AnomalyMode.RAISE:
+            names = [n for n, _ in (verdict.bad_params or verdict.bad_grads)][:NAMES_IN_DETAILS]
+            ranks = verdict.bad_loss_ranks
             raise AnomalyError(
-                f"lightning-debug: non-finite {', '.join(k.removeprefix('nonfinite_') for k in kinds)} at step "
+                f"lightning-debug: non-finite {', '.join(k.value.removeprefix('nonfinite_') for k in kinds)} at step "
                 f"{host.step}" + (f" (parameters: {', '.join(names)})" if names else "")
                 + _on_ranks(ranks, len(host.ranks)) + (f". Cause: {cause.summary}" if cause is not None else ""),
-                step=host.step, kinds=kinds,
+                step=host.step, kinds=[kind.value for kind in kinds],
                 details={"parameters": names, "ranks": ranks, "cause": cause.to_dict() if cause else None})
-        drop_gradients(optimizer)
         self.skipped_steps += 1
-        return "stop" if self.mode == "stop" or "nonfinite_param" in kinds else "skip"
+        return Decision.STOP if self.mode is AnomalyMode.STOP or Kind.NONFINITE_PARAM in kinds else Decision.SKIP
 
     def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
-        """Localize the first step of an episode of non-finite loss or gradients (every rank at once)."""
+        """Localize the first step of an episode of non-finite loss or gradients (every rank at once).
+
+        Whether to replay depends only on values every rank shares, and under distributed training
+        every rank replays each of its micro-batches with the same number of calls whatever it finds
+        (``localize(same_work=True)``), so collectives inside ``training_step`` still match; a replay
+        that raises becomes an ``error`` cause, and the causes are gathered on every rank.
+        """
         anomalous = bool(host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads)
-        if not anomalous or (self.uses_grad_scaler and not host.ranks_with_nonfinite_loss):
+        if not anomalous or (self.context.uses_grad_scaler and not host.ranks_with_nonfinite_loss):
             return None
         if any(kind in ("nonfinite_loss", "nonfinite_grad") for kind, _ in self.episodes.open):
             return None
+        distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
         step, inputs = self._step_inputs
         causes: list[Cause] = []
         if step == host.step:
-            for batch, rng in inputs:
-                cause = localize(model, batch, lambda batch=batch: replay(batch), rng, check_backward=True)
+            for captured, rng in inputs:
+                try:
+                    cause = localize(model, captured, lambda captured=captured: replay(captured), rng,
+                                     check_backward=True, same_work=distributed)
+                except Exception as error:
+                    cause = Cause("error", f"the replay failed ({type(error).__name__}: {error})")
                 causes.append(cause)
-                if cause.where != "not_reproduced":
+                if cause.where not in ("not_reproduced", "error") and not distributed:
                     break
-        own = causes[-1] if causes else Cause("not_reproduced", "no batch was captured for this step")
+        found = [c for c in causes if c.where not in ("not_reproduced", "error")]
+        own = (found or causes or [Cause("not_reproduced", "no batch was captured for this step")])[0]
         own.replay_ms = sum(c.replay_ms for c in causes)
-        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
+        if distributed:
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, own.to_dict())
-            reproduced = [(rank, c) for rank, c in enumerate(gathered) if c and c.get("where") != "not_reproduced"]
+            reproduced = [(rank, c) for rank, c in enumerate(gathered)
+                          if c and c.get("where") not in ("not_reproduced", "error")]
             if reproduced:
                 rank, first = reproduced[0]
                 own = Cause(**{k: v for k, v in first.items()})
@@ -178,81 +242,150 @@ class AnomalyMonitor(Monitor):
             own.outputs = dict(own.outputs, per_rank={rank: c.get("summary") for rank, c in enumerate(gathered)})
         return own
 
-    def finalize(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], step: int, where: Where) -> None:
-        """The last update has not been checked yet: check the parameters once more (one sync)."""
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
-        if named:
-            bad = nonfinite_named([n for n, _ in named], fused_norms([p for _, p in named]))
+    def _no_replay_on_sharded(self, names: list[str]) -> None:
+        """Say once why level=ADVANCED names no cause here: a replayed forward of sharded modules
+        re-runs their collectives, which every rank would have to enter in lockstep."""
+        if self.localizes:
+            self.localizes = False
+            self.warn(f"level=ADVANCED cannot replay a step of a model with sharded parameters (FSDP, tensor parallel: "
+                      f"{_names([(name, 0.0) for name in names])}): the replayed forward would re-run their "
+                      "collectives. Non-finite losses, gradients and parameters are still detected "
+                      "and named; the operation and module that produced them are not.")
+
+    def finalize(self, step: int) -> None:
+        """The last update has not been checked yet: check the parameters once more (one sync).
+
+        This can run on an exception path, where other ranks may not follow, so it issues no
+        collective: each rank checks its own shards and rank 0 writes what it finds.
+        """
+        where = self.context.where()
+        index = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
+        if len(index):
+            bad = nonfinite_named(index.names, index.plan.squares(index.local_params()).sqrt())
             if bad:
                 self._record_params(bad, step, where, world_size=1, ranks=[0])
-        self.close_episodes(step, where, ANOMALY_KINDS, final=True)
+        super().finalize(step)
 
     def _on_numerics(self, host: HostNumerics) -> None:
-        self._inspect(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}))
+        if host.failure is not None:
+            self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
+                                    host.step)
+            return
+        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), None, self._judge(host))
 
-    def _inspect(self, host: HostNumerics, where: Where, cause: Cause | None = None) -> list[str]:
-        """Record what ``host`` shows; return the kinds found (empty on a healthy step)."""
-        step, world = host.step, len(host.ranks)
+    def _judge(self, host: HostNumerics) -> "Verdict":
+        """What ``host`` shows, and the counts that follow from it; the same on every rank (the parameter
+        scan, a collective, runs on every rank when the gathered flags ask for it). Writes nothing."""
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
-        bad_params = host.nonfinite_params() if bad_loss_ranks or bad_grads or host.param_norms else []
-        kinds: list[str] = []
-        if self.uses_grad_scaler and bad_grads and not bad_loss_ranks and not bad_params:
-            kinds.append("amp_overflow_skipped")
-            self.record(Finding("amp_overflow_skipped", "info",
+        scan = bool(bad_loss_ranks or host.ranks_with_nonfinite_grads or host.params_measured)
+        inputs = self._inputs.pop(host.step, [])
+        for old in [s for s in self._inputs if s < host.step]:
+            del self._inputs[old]
+        bad_input_ranks = host.ranks_with_nonfinite_inputs
+        rows = self._input_rows(inputs, len(host.ranks), host.read_before_update) if bad_input_ranks else []
+        verdict = Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
+                          self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows)
+        if not verdict.bad_params:
+            self.last_finite_param_step = host.step
+        if any(kind in self.deciding for kind in verdict.kinds(None)):
+            self.anomaly_count += 1
+        elif math.isfinite(host.global_grad_norm):
+            self._last_grad_norm = host.global_grad_norm
+        return verdict
+
+    def _write_findings(self, host: HostNumerics, where: Where, cause: Cause | None, verdict: "Verdict") -> None:
+        """Record the findings of a judged step: events (global zero), episodes, scalars."""
+        step, world = host.step, len(host.ranks)
+        bad_loss_ranks, bad_grads, bad_params = verdict.bad_loss_ranks, verdict.bad_grads, verdict.bad_params
+        if verdict.bad_input_ranks:
+            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world)
+        if verdict.amp_overflow:
+            self.record(Finding(Kind.AMP_OVERFLOW_SKIPPED, Severity.INFO,
                                 f"fp16 gradients overflowed at step {step} ({len(bad_grads)} parameters); the "
                                 "GradScaler skips this step and lowers its scale, as designed.",
                                 {"parameters": [n for n, _ in bad_grads[:NAMES_IN_DETAILS]]}), step, where)
         else:
             if bad_params:
-                kinds.append("nonfinite_param")
-                if host.param_norms or host.read_before_update:
-                    self._record_params(bad_params, step, where, world, host.ranks_with_nonfinite_params)
+                if host.params_measured or host.read_before_update:
+                    self._record_params(bad_params, step, where, world, host.ranks_with_nonfinite_params,
+                                        last_finite=verdict.last_finite_param_step)
                 else:  # scanned a step late: these are the weights after this step's update
                     self._record_params(bad_params, step + 1, where, world, [], last_finite=step)
-            else:
-                self.last_finite_param_step = step
             found = f" Cause: {cause.summary}." if cause is not None else ""
             cause_details = {"cause": cause.to_dict()} if cause is not None else {}
             if cause is not None and cause.where == "forward" and cause.operation:
-                kinds.append("nonfinite_activation")
-                self.record(Finding("nonfinite_activation", "error",
+                self.record(Finding(Kind.NONFINITE_ACTIVATION, Severity.ERROR,
                                     f"At step {step}, {cause.summary}. {_advice(cause)}".strip(), cause.to_dict()),
                             step, where, key=cause.module or "", warn=False)
             if bad_loss_ranks:
-                kinds.append("nonfinite_loss")
-                because = " because parameters are already non-finite" if bad_params else ""
+                because = (" because parameters are already non-finite" if bad_params else
+                           " and the batch itself holds NaN/Inf (see nonfinite_input)"
+                           if set(bad_loss_ranks) & set(verdict.bad_input_ranks) else "")
                 self.record(Finding(
-                    "nonfinite_loss", "error",
+                    Kind.NONFINITE_LOSS, Severity.ERROR,
                     f"The loss is NaN/Inf at step {step}{_on_ranks(bad_loss_ranks, world)}{because}.{found} "
                     + (_advice(cause) if cause is not None and cause.where != "not_reproduced" else
-                       "Common causes: log or division of a value that reaches 0 (add an epsilon or clamp), sqrt "
-                       "of a negative, a learning rate too high, NaN in the input batch. ") + ACTIONS[self.mode],
-                    dict({"ranks": bad_loss_ranks, "world_size": world, "action": self.mode}, **cause_details)),
+                       f"Common causes: {COMMON_CAUSES[Kind.NONFINITE_LOSS]}. ") + ACTIONS[self.mode],
+                    dict({"ranks": bad_loss_ranks, "world_size": world, "action": self.mode.value}, **cause_details)),
                     step, where)
             if bad_grads:
-                kinds.append("nonfinite_grad")
                 origin = ("the loss is already non-finite" if bad_loss_ranks else
                           "the loss is finite, so the problem is in the backward pass: sqrt/pow/norm at 0, "
                           "division by a tiny value, or an overflow")
                 self.record(Finding(
-                    "nonfinite_grad", "error",
+                    Kind.NONFINITE_GRAD, Severity.ERROR,
                     f"{len(bad_grads)} of {len(host.grad_names)} gradients are NaN/Inf at step {step}: "
                     f"{_names(bad_grads)}; {origin}.{found} Clip gradients or lower the learning rate if they "
                     "overflow. " + ACTIONS[self.mode],
                     dict({"parameters": [n for n, _ in bad_grads[:NAMES_IN_DETAILS]], "count": len(bad_grads),
-                          "ranks": host.ranks_with_nonfinite_grads, "action": self.mode}, **cause_details)),
+                          "ranks": host.ranks_with_nonfinite_grads, "action": self.mode.value}, **cause_details)),
                     step, where)
-        if any(kind != "amp_overflow_skipped" for kind in kinds):
-            self.anomaly_count += 1
-        elif math.isfinite(host.global_grad_norm):
-            self._last_grad_norm = host.global_grad_norm
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if bad_loss_ranks else 1.0
         self.log_metrics(step, metrics)
-        self.close_episodes(step, where, ANOMALY_KINDS - {"nonfinite_activation"})
-        return kinds
+        self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
+
+    def _input_rows(self, inputs: InputRows, world_size: int, synchronous: bool) -> list[dict[str, Any]]:
+        """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
+
+        Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
+        rank are gathered; read a step late, each rank knows only its own and rank zero writes them.
+        """
+        found: list[dict[str, Any]] = []
+        for batch_where, tensors in inputs:
+            for name, tensor in tensors:
+                samples, count = nonfinite_samples(tensor)
+                if count:
+                    found.append({"tensor": name, "shape": list(tensor.shape), "samples": samples, "count": count,
+                                  "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
+        per_rank = {self.context.rank: found}
+        if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, found)
+            per_rank = {rank: rows or [] for rank, rows in enumerate(gathered)}
+        return [dict(row, rank=rank) for rank, rank_rows in sorted(per_rank.items()) for row in rank_rows]
+
+    def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
+                       world_size: int) -> None:
+        """``nonfinite_input``: the tensor, its micro-batch and the samples that hold NaN/Inf."""
+        first = rows[0] if rows else None
+        if first is not None:
+            batch_text = f"batch {first['batch']} of epoch {first['epoch']}"
+            what = (f"`{first['tensor']}` (shape {first['shape']}) holds {first['count']} NaN/Inf value(s) in "
+                    f"sample(s) {first['samples']} of {batch_text}" + _on_ranks([first["rank"]], world_size))
+            more = f"; {len(rows) - 1} more tensor(s) too" if len(rows) > 1 else ""
+        else:
+            what, more = "a batch tensor holds NaN/Inf (the samples are known on that rank only)", ""
+        self.bad_batches = (self.bad_batches + [dict(row, step=step) for row in rows])[-BAD_BATCHES_KEPT:]
+        self.record(Finding(
+            Kind.NONFINITE_INPUT, Severity.ERROR,
+            f"Bad input at step {step}{_on_ranks(ranks, world_size)}: {what}{more}. The data holds NaN/Inf before "
+            "the model sees it: check those samples (missing values, a zero std in normalisation, a corrupt file).",
+            {"samples": first["samples"] if first else [], "tensor": first["tensor"] if first else None,
+             "shape": first["shape"] if first else None, "count": sum(row["count"] for row in rows),
+             "ranks": ranks, "inputs": rows[:NAMES_IN_DETAILS]}), step, where)
 
     def _record_params(self, bad_params: list[tuple[str, float]], step: int, where: Where, world_size: int,
                        ranks: list[int], last_finite: int | None = None) -> None:
@@ -260,15 +393,15 @@ class AnomalyMonitor(Monitor):
         since = (f"in the optimizer step at step {step - 1}" if last == step - 1
                  else f"between steps {last} and {step}" if last >= 0 else f"before step {step}")
         action = ("Skipping steps cannot repair the weights, so training stops (anomaly_detection_mode='skip')."
-                  if self.mode == "skip" else ACTIONS[self.mode])
+                  if self.mode is AnomalyMode.SKIP else ACTIONS[self.mode])
         self.record(Finding(
-            "nonfinite_param", "critical",
+            Kind.NONFINITE_PARAM, Severity.CRITICAL,
             f"Parameter {_names(bad_params)} became non-finite {since}{_on_ranks(ranks, world_size)}"
             f"{self._optimizer_context()}. With finite "
             "gradients this is the optimizer overflowing the weights: lower the learning rate, clip gradients, "
             "check weight decay and fp16 loss scaling. " + action,
             {"parameters": [n for n, _ in bad_params[:NAMES_IN_DETAILS]], "count": len(bad_params),
-             "last_finite_step": last, "action": self.mode}), step, where)
+             "last_finite_step": last, "action": self.mode.value}), step, where)
 
     def _optimizer_context(self) -> str:
         learning_rates = sorted(set(self._learning_rates))
@@ -289,4 +422,4 @@ class AnomalyMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
-                    mode=self.mode, check_frequency=self.config.anomaly_check_frequency)
+                    mode=self.mode.value, nonfinite_inputs=list(self.bad_batches))

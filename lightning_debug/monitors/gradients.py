@@ -8,7 +8,6 @@ measures itself (weight updates, histograms) is fused device work read back with
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,33 +15,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_debug.checks.gradients import (
-    clone_tensors,
-    histogram_from_row,
-    histogram_summaries,
-    round_significant,
-    suggest_clip_value,
-    update_norms,
-)
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries, suggest_clip_value
+from lightning_debug.checks.numerics import user_name
+from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.session import DebugSession
-from lightning_debug.core.monitor import Monitor, Where
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
+from lightning_debug.core.metrics import metric_part
 from lightning_debug.core.readback import Readback
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats, Window
-from lightning_debug.core.step_numerics import HostNumerics, StepNumerics
+from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, ParameterIndex
 
-GRADIENT_KINDS = {"exploding_grad", "vanishing_grad", "missing_grad", "frozen_param"}
 NAMES_IN_DETAILS = 20
 WORST_SHOWN = 5
 HISTOGRAM_BINS = 30
 HEALTHY_NORMS_KEPT = 256
 FLAGGED_KEPT = 200
 MAX_PENDING_CHECKS = 4
-
-NamedParameters = Callable[[], Iterable[tuple[str, nn.Parameter]]]
-HistogramWriter = Callable[[str, dict[str, Any], int], None]
 
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
@@ -96,7 +86,9 @@ class ForwardOrder:
     layers" are found by watching one forward pass and then removing the hooks: a one-time cost
     on the first training batch, nothing afterwards. A parameter owned directly by a container
     module takes the position where that module is entered; parameters of modules never entered
-    (used functionally by a parent) come last, in registration order.
+    (used functionally by a parent) come last, in registration order. Inside a ``torch.compile``d
+    module no hook is registered (Dynamo would trace it and recompile once it is removed): its
+    parameters take the compiled module's position, in registration order.
 
     Example::
 
@@ -110,6 +102,7 @@ class ForwardOrder:
         self.module_names: list[str] = []
         self._seen: set[str] = set()
         self._handles: list[Any] = []
+        self._compiled: list[str] = []
 
     @property
     def watching(self) -> bool:
@@ -117,8 +110,13 @@ class ForwardOrder:
 
     def watch(self, root: nn.Module) -> None:
         self.stop()
-        self.module_names, self._seen = [], set()
+        self.module_names, self._seen, self._compiled = [], set(), []
         for name, module in root.named_modules():
+            name = user_name(name)
+            if any(name == c or name.startswith(c + ".") for c in self._compiled):
+                continue
+            if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+                self._compiled.append(name)
             self._handles.append(module.register_forward_pre_hook(self._hook_for(name)))
 
     def _hook_for(self, name: str) -> Callable[..., None]:
@@ -137,7 +135,12 @@ class ForwardOrder:
         """Sort keys (module position, registration index) for each parameter name."""
         rank = {name: index for index, name in enumerate(self.module_names)}
         unseen = len(rank)
-        return {name: (rank.get(_module_of(name), unseen), index) for index, name in enumerate(parameter_names)}
+
+        def module_position(module: str) -> int:
+            inside = next((c for c in self._compiled if module == c or module.startswith(c + ".")), None)
+            return rank.get(inside if inside is not None else module, unseen)
+
+        return {name: (module_position(_module_of(name)), index) for index, name in enumerate(parameter_names)}
 
 
 @dataclass
@@ -148,7 +151,7 @@ class PendingCheck:
     where: Where
     host: HostNumerics | None = None
     snapshot: list[torch.Tensor] = field(default_factory=list)
-    snapshot_parameters: list[nn.Parameter] = field(default_factory=list)
+    index: ParameterIndex | None = None
     update_expected: bool = False
     update: Readback | None = None
     had_grad: list[bool] = field(default_factory=list)
@@ -164,9 +167,9 @@ class PendingCheck:
 class GradientMonitor(Monitor):
     """See :class:`lightning_debug.GradientHealthCallback` for the behaviour users rely on.
 
-    Driven by three calls per check step: :meth:`check` before the optimizer step (gradients are
-    final, not yet clipped), :meth:`after_optimizer_step` once the step is taken (weight updates),
-    and :meth:`poll` to turn host values into findings and scalars when they have arrived.
+    Per check step: :meth:`before_optimizer_step` registers it (gradients are final, not yet
+    clipped), :meth:`after_optimizer_step` measures the weight update once the step is taken, and
+    :meth:`poll` turns the values into findings and scalars once they have reached the host.
 
     Example::
 
@@ -176,12 +179,15 @@ class GradientMonitor(Monitor):
         [0, 10, 20]
     """
 
-    report_name = "gradients"
+    area = Area.GRADIENTS
+    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM})
+    events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
+                        Event.BATCH_END})
+    frequency_field = "gradient_checking_frequency"
     histogram_every_checks = 10
 
     def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
         super().__init__(config, source)
-        self.schedule = CheckSchedule(config.gradient_checking_frequency)
         self.counts = {"exploding": 0, "vanishing": 0, "missing": 0, "frozen": 0}
         self.checks = 0
         self.global_norms = RunningStats()
@@ -189,7 +195,7 @@ class GradientMonitor(Monitor):
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
         self.parameter_norms: dict[str, RunningStats] = {}
         self.parameter_update_ratios: dict[str, RunningStats] = {}
-        self.flagged = {kind: FlagCounter() for kind in sorted(GRADIENT_KINDS)}
+        self.flagged = {kind.value: FlagCounter() for kind in sorted(self.kinds)}
         self.clip_suggestion: dict[str, Any] | None = None
         self.trainability: dict[str, Any] = {}
         self.static_frozen: dict[str, list[str]] = {}
@@ -201,20 +207,17 @@ class GradientMonitor(Monitor):
         self._pending: dict[int, PendingCheck] = {}
         self._awaiting_update: PendingCheck | None = None
         self._histogram_writer: HistogramWriter | None = None
-        self._failed = False
+        self._said_sharded = False
 
     # --- configuration --------------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        return self.schedule.is_due(step)
-
     @property
     def measures_updates(self) -> bool:
         return self.config.log_weights or self.config.level >= DebugLevel.ADVANCED
 
-    def attach(self, session: DebugSession) -> None:
-        super().attach(session)
-        if self.measures_updates:
-            session.want_param_norms = True  # weight norms and update ratios need every weight's norm
+    def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
+        super().bind(session, context, numerics)
+        if self.measures_updates:  # weight norms and update ratios need every weight's norm on check steps
+            numerics.param_norms_wanted.append(self.due)
 
     @property
     def wants_histograms(self) -> bool:
@@ -227,25 +230,18 @@ class GradientMonitor(Monitor):
         return (step // self.config.gradient_checking_frequency) % every == 0
 
     # --- fit start ------------------------------------------------------------------------------
-    def start(self, named_parameters: Iterable[tuple[str, nn.Parameter]],
-              param_groups: Sequence[dict[str, Any]], step: int, where: Where,
-              histogram_writer: HistogramWriter | None = None, histogram_logger: str | None = None) -> None:
-        """What is known before any tensor work: trainability and what the optimizer holds.
-
-        Args:
-            named_parameters: The model's parameters.
-            param_groups: The param groups of every optimizer of the run.
-            step, where: Position of the run (0 unless resumed).
-            histogram_writer: Writes one histogram (``add_histogram_raw`` keywords); None when the
-                logger cannot.
-            histogram_logger: The logger(s) that cannot write histograms, named in the warning.
-        """
-        named = list(named_parameters)
+    def start(self, step: int) -> None:
+        """What is known before any tensor work: trainability and what the optimizer holds; then the
+        module execution order is recorded during the first forward pass."""
+        context, where = self.context, self.context.where()
+        named = [(user_name(name), p) for name, p in context.named_parameters()]
         self._positions = {name: (0, index) for index, (name, _) in enumerate(named)}
-        self._histogram_writer = histogram_writer if self.session.is_global_zero else None
-        if self.wants_histograms and histogram_writer is None and self.session.is_global_zero:
-            self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
-                      f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still logged.")
+        if self.session.is_global_zero:
+            self._histogram_writer, histogram_logger = context.histogram_writer()
+            if self.wants_histograms and self._histogram_writer is None:
+                self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
+                          f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
+                          "logged.")
         trainable = [(name, p) for name, p in named if p.requires_grad]
         untrainable = [(name, p) for name, p in named if not p.requires_grad]
         self.trainability = {
@@ -257,17 +253,20 @@ class GradientMonitor(Monitor):
         }
         if untrainable:
             self.session.emit(Finding(
-                "requires_grad_false", "info",
+                Kind.REQUIRES_GRAD_FALSE, Severity.INFO,
                 f"{len(untrainable)} of {len(named)} parameters ({self.trainability['requires_grad_false_elements']:,} "
                 f"elements) have requires_grad=False and are not trained by design: "
                 f"{_quoted(self.trainability['requires_grad_false_names'])}.",
                 {"count": len(untrainable), "elements": self.trainability["requires_grad_false_elements"],
                  "parameters": self.trainability["requires_grad_false_names"]}),
-                step=step, callback=self.source, **where)
-        self._param_groups = param_groups
-        self.static_frozen = self._frozen_by_optimizer(trainable, param_groups)
+                step=step, where=where, callback=self.source)
+        self._param_groups = context.param_groups()
+        self.static_frozen = self._frozen_by_optimizer(trainable, self._param_groups)
         self._record_static_frozen(step, where)
         self._static_recorded_step = step
+        module = context.module()
+        if module is not None:
+            self.order.watch(module)
 
     def _frozen_by_optimizer(self, trainable: list[tuple[str, nn.Parameter]],
                              param_groups: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
@@ -301,22 +300,25 @@ class GradientMonitor(Monitor):
         for cause, names in self.static_frozen.items():
             self.flagged["frozen_param"].add(names)
             self.record(Finding(
-                "frozen_param", "warning",
+                Kind.FROZEN_PARAM, Severity.WARNING,
                 f"{len(names)} trainable parameter(s) {_quoted(names)} {advice[cause]}",
                 {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "cause": cause}),
                 step, where, key=cause)
 
     # --- forward order --------------------------------------------------------------------------
-    def watch_forward(self, root: nn.Module) -> None:
-        """Record the module execution order during the next forward pass (see :class:`ForwardOrder`)."""
-        self.order.watch(root)
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self._stop_watching_forward()
 
-    def stop_watching_forward(self, parameter_names: Iterable[str]) -> None:
+    def batch_end(self, step: int, batch: Any) -> None:
+        self._stop_watching_forward()
+
+    def _stop_watching_forward(self) -> None:
+        """The first forward pass is over: keep the module execution order (see :class:`ForwardOrder`)."""
         if not self.order.watching:
             return
         self.order.stop()
         if self.order.module_names:
-            self._positions = self.order.positions(list(parameter_names))
+            self._positions = self.order.positions([user_name(name) for name, _ in self.context.named_parameters()])
             self.order_source = "forward execution order (module pre-hooks on the first training batch)"
 
     def input_to_output(self, names: Iterable[str]) -> list[str]:
@@ -325,82 +327,102 @@ class GradientMonitor(Monitor):
         return sorted(names, key=lambda name: self._positions.get(name, fallback))
 
     # --- check step -----------------------------------------------------------------------------
-    def check(self, numerics: StepNumerics, where: Where, named_parameters: NamedParameters) -> None:
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Register a check step before the optimizer step: no host sync, no norm computed twice.
 
         The verdicts come when the shared numerics are read back (a step later, or at fit end).
         Weight snapshots (update ratios) and histograms are taken here, only on check steps and
         only on the global-zero process, the one that reports them.
         """
-        step = numerics.step
-        pending = PendingCheck(step, where)
+        if not self.due(step):
+            return Decision.CONTINUE
+        current = numerics()
+        index = current.index
+        pending = PendingCheck(step, self.context.where())
         if self._awaiting_update is not None:
             self._awaiting_update.update_expected = False
-            self._awaiting_update.snapshot, self._awaiting_update.snapshot_parameters = [], []
+            self._awaiting_update.snapshot, self._awaiting_update.index = [], None
         self._awaiting_update = None
-        measure_updates = self.measures_updates and self.session.is_global_zero
-        needs_tensors = measure_updates or self.histograms_due(step)
-        named = [(name, p) for name, p in named_parameters() if p.requires_grad] if needs_tensors else []
-        if measure_updates:
+        on_shards = index.sharded and self._sharded_outputs_off(index)
+        if self.measures_updates and self.session.is_global_zero and not on_shards and len(index):
             resting = {id(p) for group in self._param_groups if _number_equals_zero(group.get("lr"))
                        for p in group.get("params", [])}
-            pending.lr_zero_now = [id(p) in resting for _, p in named]
-            pending.snapshot_parameters = [p for _, p in named]
-            pending.snapshot = clone_tensors(pending.snapshot_parameters)
+            pending.lr_zero_now = [id(p) in resting for p in index.params] if resting else []
+            pending.index = index
+            pending.snapshot = index.plan.snapshot(index.params)
             pending.update_expected = True
             self._awaiting_update = pending
-        if self.histograms_due(step):
-            with_grad = [(name, p.grad) for name, p in named if p.grad is not None]
-            if self.config.log_gradients and with_grad:
-                pending.histograms.append(("debug/grad_hist/", [name for name, _ in with_grad], Readback(
-                    histogram_summaries([g for _, g in with_grad], HISTOGRAM_BINS).reshape(-1), blocking=False)))
-            if self.config.log_weights and named:
-                pending.histograms.append(("debug/weight_hist/", [name for name, _ in named], Readback(
-                    histogram_summaries([p for _, p in named], HISTOGRAM_BINS).reshape(-1), blocking=False)))
+        if self.histograms_due(step) and not on_shards:
+            self._histograms(pending, index)
         self._pending[step] = pending
-        numerics.subscribe(self._on_numerics)
+        current.subscribe(self._on_numerics)
+        return Decision.CONTINUE
 
-    def after_optimizer_step(self, global_step: int) -> None:
+    def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
         pending = self._awaiting_update
-        if pending is None or global_step <= pending.step:
+        if pending is None or steps_done <= pending.step:
             return
         self._awaiting_update = None
-        parameters = pending.snapshot_parameters
-        pending.had_grad = [p.grad is not None for p in parameters]
-        pending.update = Readback(update_norms(pending.snapshot, parameters), blocking=False)
-        pending.snapshot, pending.snapshot_parameters = [], []
+        index = pending.index
+        assert index is not None
+        pending.had_grad = [p.grad is not None for p in index.params]
+        pending.update = Readback(index.plan.distance_squares(pending.snapshot, index.params).sqrt(), blocking=False)
+        pending.snapshot, pending.index = [], None
+
+    def _histograms(self, pending: PendingCheck, index: ParameterIndex) -> None:
+        """Gradient and weight histograms of every parameter, in fused operations, read back later."""
+        if self.config.log_gradients:
+            grads = [p.grad for p in index.params]
+            names = [name for name, grad in zip(index.names, grads) if grad is not None]
+            if names:
+                pending.histograms.append(("debug/grad_hist/", names, Readback(histogram_summaries(
+                    [grad for grad in grads if grad is not None], HISTOGRAM_BINS).reshape(-1), blocking=False)))
+        if self.config.log_weights and len(index):
+            pending.histograms.append(("debug/weight_hist/", index.names, Readback(
+                histogram_summaries(index.params, HISTOGRAM_BINS).reshape(-1), blocking=False)))
+
+    def _sharded_outputs_off(self, index: ParameterIndex) -> bool:
+        """Weight updates and histograms are measured on rank zero's tensors, which for sharded parameters
+        (DTensor, FSDP1 flat parameters) are one shard: they are switched off, saying so once. Returns True."""
+        wanted = [what for what, on in (("update ratios and the frozen-parameter update check", self.measures_updates),
+                                        ("histograms", self.wants_histograms)) if on]
+        if wanted and not self._said_sharded:
+            self._said_sharded = True
+            self.warn(f"{' and '.join(wanted)} are not available for sharded parameters "
+                      f"({_quoted(index.sharded_names)}), of which every rank holds only a shard; gradient and "
+                      "weight norms, and the findings from them, are exact.")
+        return True
 
     def _on_numerics(self, host: HostNumerics) -> None:
         pending = self._pending.get(host.step)
-        if pending is not None:
-            pending.host = host
-            self.poll()
+        if pending is None:
+            return
+        if host.failure is not None:
+            del self._pending[host.step]
+            if pending is self._awaiting_update:
+                self._awaiting_update = None
+            self.measurement_failed(host.failure, "this check step has no gradient verdict", host.step)
+            return
+        pending.host = host
+        self.poll()
 
     def poll(self, final: bool = False) -> None:
         """Turn every check step whose values have all arrived into findings and scalars, in order."""
-        if not self._pending:
-            return
-        try:
-            while self._pending:
-                step = min(self._pending)
-                pending = self._pending[step]
-                if pending.host is None:
-                    if final:
-                        del self._pending[step]
-                        continue
-                    break
-                if not (final or pending.ready() or len(self._pending) > MAX_PENDING_CHECKS):
-                    break
-                del self._pending[step]
-                if pending is self._awaiting_update:
-                    self._awaiting_update = None
-                self._complete(pending)
-        except Exception as failure:
-            if not self._failed:
-                self._failed = True
-                warnings.warn(f"lightning-debug: {self.source} could not evaluate a check step "
-                              f"({type(failure).__name__}: {failure}); training continues.", RuntimeWarning)
+        while self._pending:
+            step = min(self._pending)
+            pending = self._pending[step]
+            if pending.host is None:
+                if final:
+                    del self._pending[step]
+                    continue
+                break
+            if not (final or pending.ready() or len(self._pending) > MAX_PENDING_CHECKS):
+                break
+            del self._pending[step]
+            if pending is self._awaiting_update:
+                self._awaiting_update = None
+            self._complete(pending)
 
     # --- verdicts -------------------------------------------------------------------------------
     def _complete(self, pending: PendingCheck) -> None:
@@ -411,17 +433,23 @@ class GradientMonitor(Monitor):
         self.checks += 1
         global_norm = host.global_grad_norm
         self.global_norms.add(global_norm)
-        grads = list(zip(host.grad_names, host.grad_norms))
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         high, low = config.gradient_explosion_threshold, config.gradient_vanishing_threshold
-        above = [(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
+        # one max and one min over the norms; names are paired with norms only when one is out of range
+        largest, smallest = host.grad_norm_extremes()
+        suspect_high = not (largest <= high and global_norm <= high)  # NaN is suspect too
+        suspect_low = not smallest >= low
+        per_parameter = (suspect_high or suspect_low or config.log_gradients
+                         or config.level >= DebugLevel.INTERMEDIATE)
+        grads = list(zip(host.grad_names, host.grad_norms)) if per_parameter else []
+        above = [(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high] if suspect_high else []
         if above or (math.isfinite(global_norm) and global_norm > high):
             self._record_exploding(step, where, global_norm, grads, above)
         elif math.isfinite(global_norm):
             self.healthy_norms.add(global_norm)
 
-        below = [name for name, norm in grads if math.isfinite(norm) and norm < low]
+        below = [name for name, norm in grads if math.isfinite(norm) and norm < low] if suspect_low else []
         if below:
             self._record_vanishing(step, where, grads, below)
 
@@ -443,16 +471,16 @@ class GradientMonitor(Monitor):
             "debug/grad/missing_count": float(self.counts["missing"]),
         })
         if config.log_gradients:
-            metrics.update({f"debug/grad/norm/{name}": norm for name, norm in grads})
+            metrics.update(zip([f"debug/grad/norm/{metric_part(name)}" for name in host.grad_names] if host.missing
+                               else host.tags("debug/grad/norm/"), host.grad_norms))
         if config.log_weights:
-            metrics.update({f"debug/weight/norm/{name}": norm
-                            for name, norm in zip(host.param_names, host.param_norms)})
+            metrics.update(zip(host.tags("debug/weight/norm/"), host.param_norms))
         if config.level >= DebugLevel.INTERMEDIATE:
             for name, norm in grads:
                 self.parameter_norms.setdefault(name, RunningStats()).add(norm)
         self._write_histograms(pending)
         self.log_metrics(step, metrics)
-        self.close_episodes(step, where, GRADIENT_KINDS)
+        self.close_episodes(step, where, self.kinds)
 
     def _record_exploding(self, step: int, where: Where, global_norm: float, grads: list[tuple[str, float]],
                           above: list[tuple[str, float]]) -> None:
@@ -463,7 +491,7 @@ class GradientMonitor(Monitor):
         self.clip_suggestion = {"value": clip, "basis": basis, "step": step}
         shown = ", ".join(f"`{name}` {norm:.3g}" for name, norm in worst)
         self.record(Finding(
-            "exploding_grad", "warning",
+            Kind.EXPLODING_GRAD, Severity.WARNING,
             f"Gradients are exploding at step {step}: global norm {global_norm:.4g} > "
             f"gradient_explosion_threshold {self.config.gradient_explosion_threshold:g}; largest: {shown}. "
             f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or "
@@ -492,7 +520,7 @@ class GradientMonitor(Monitor):
             where_it_dies += (f". {len(zeros)} of them are exactly zero: dead ReLUs (pre-activations all negative, "
                               "often after a too-large step), a masked path, or a constant output")
         self.record(Finding(
-            "vanishing_grad", "warning",
+            Kind.VANISHING_GRAD, Severity.WARNING,
             f"{len(below)} of {len(grads)} gradients are below gradient_vanishing_threshold "
             f"{self.config.gradient_vanishing_threshold:g} at step {step}, input side first: {_quoted(ordered)}"
             f"{where_it_dies}. Use ReLU/GELU instead of sigmoid/tanh, a better initialization (Kaiming/Xavier), "
@@ -509,7 +537,7 @@ class GradientMonitor(Monitor):
         self.flagged["missing_grad"].add(missing)
         ordered = self.input_to_output(missing)
         self.record(Finding(
-            "missing_grad", "warning",
+            Kind.MISSING_GRAD, Severity.WARNING,
             f"{len(missing)} of {trainable} trainable parameters received no gradient at step {step}: "
             f"{_quoted(ordered)}. A layer that is never used in the forward, or a branch cut off by detach(), "
             f"no_grad(), .data or .item(). Use it, remove it, or call requires_grad_(False). {DDP_NOTE}",
@@ -519,37 +547,35 @@ class GradientMonitor(Monitor):
             step, where)
 
     def _updates(self, pending: PendingCheck, host: HostNumerics) -> tuple[dict[str, float], bool]:
+        """Update ratios ``||Δw|| / ||w||`` and the parameters a step left unchanged, in tensor operations
+        over every parameter at once; names are paired with values only for logging and findings."""
         assert pending.update is not None
-        deltas = pending.update.values()
-        names, weights = host.param_names, host.param_norms
-        grad_norms = dict(zip(host.grad_names, host.grad_norms))
-        already = {name for names_ in self.static_frozen.values() for name in names_}
+        deltas = pending.update.tensor().double()
+        weights = host.param_norms_by_slot()
+        gradients = host.grad_norms_by_slot()
+        names = host.param_names
         metrics: dict[str, float] = {}
-        not_updated: list[str] = []
-        delta_squares = weight_squares = 0.0
-        for index, name in enumerate(names[:len(deltas)]):
-            delta, weight = deltas[index], weights[index]
-            ratio = delta / weight if weight > 0 else (math.inf if delta > 0 else 0.0)
-            delta_squares += delta * delta
-            weight_squares += weight * weight
-            if self.config.log_weights:
-                metrics[f"debug/weight/update_ratio/{name}"] = ratio
-            if self.config.level >= DebugLevel.ADVANCED:
+        ratios = torch.where(weights > 0, deltas / weights.clamp_min(torch.finfo(torch.float64).tiny),
+                             torch.where(deltas > 0, math.inf, 0.0))
+        if self.config.log_weights:
+            metrics.update(zip(host.tags("debug/weight/update_ratio/"), ratios.tolist()))
+        if self.config.level >= DebugLevel.ADVANCED:
+            for name, ratio in zip(names, ratios.tolist()):
                 self.parameter_update_ratios.setdefault(name, RunningStats()).add(ratio)
-            gradient = grad_norms.get(name)
-            resting = bool(pending.lr_zero_now) and pending.lr_zero_now[index]
-            if (delta == 0 and pending.had_grad[index] and not resting and gradient is not None
-                    and math.isfinite(gradient) and gradient > 0 and name not in already):
-                not_updated.append(name)
+        delta_squares, weight_squares = float(deltas.square().sum()), float(weights.square().sum())
         if weight_squares > 0 and math.isfinite(delta_squares):
             overall = math.sqrt(delta_squares / weight_squares)
             self.update_ratios.add(overall)
-            metrics["debug/weight/update_ratio"] = overall
+            metrics["debug/weight/update_ratio_global"] = overall
+        unchanged = ((deltas == 0) & (gradients > 0) & torch.isfinite(gradients)).nonzero().flatten().tolist()
+        already = {name for names_ in self.static_frozen.values() for name in names_} if unchanged else set()
+        not_updated = [names[i] for i in unchanged if pending.had_grad[i] and names[i] not in already
+                       and not (pending.lr_zero_now and pending.lr_zero_now[i])]
         if not_updated:
             self.flagged["frozen_param"].add(not_updated)
             ordered = self.input_to_output(not_updated)
             self.record(Finding(
-                "frozen_param", "warning",
+                Kind.FROZEN_PARAM, Severity.WARNING,
                 f"{len(not_updated)} trainable parameter(s) had a non-zero gradient but the optimizer step at step "
                 f"{pending.step} left them exactly unchanged: {_quoted(ordered)}. Look for a learning rate of 0 or "
                 "too small for the weights' precision (bf16/fp16 weights), a param group of an optimizer that is "
@@ -566,17 +592,20 @@ class GradientMonitor(Monitor):
         for prefix, names, readback in pending.histograms:
             values = readback.values()
             for index, name in enumerate(names):
-                writer(prefix + name, histogram_from_row(values[index * width:(index + 1) * width], HISTOGRAM_BINS),
+                writer(prefix + metric_part(name), histogram_from_row(values[index * width:(index + 1) * width], HISTOGRAM_BINS),
                        pending.step)
 
     # --- the end --------------------------------------------------------------------------------
-    def finalize(self, step: int, where: Where) -> None:
+    def finalize(self, step: int) -> None:
         """Evaluate every check step still waiting and close the open episodes."""
         self.order.stop()
         self.poll(final=True)
         self._awaiting_update = None
         self._pending = {}
-        self.close_episodes(step, where, GRADIENT_KINDS, final=True)
+        super().finalize(step)
+
+    def restore(self) -> None:
+        self.order.stop()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(
@@ -615,8 +644,7 @@ class GradientMonitor(Monitor):
         if self.update_ratios.count:
             stats["update_ratio"] = self.update_ratios.summary()
         section: dict[str, Any] = dict(
-            super().report_section(), stats=stats, check_frequency=self.config.gradient_checking_frequency,
-            checks=self.checks,
+            super().report_section(), stats=stats, checks=self.checks,
             counts={f"{kind}_checks": count for kind, count in self.counts.items()},
             most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
             trainability=self.trainability, clip_suggestion=self.clip_suggestion, order=self.order_source,
@@ -625,33 +653,4 @@ class GradientMonitor(Monitor):
             section["parameter_norms"] = {name: s.summary() for name, s in self.parameter_norms.items()}
         if self.parameter_update_ratios:
             section["parameter_update_ratios"] = {name: s.summary() for name, s in self.parameter_update_ratios.items()}
-        section["markdown"] = {"Gradient health": self._markdown()}
         return section
-
-    def _markdown(self) -> str:
-        norms = self.global_norms.summary()
-        lines = [f"{self.checks} check step(s), every {self.config.gradient_checking_frequency} optimizer step(s)."]
-        if norms.get("count"):
-            lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
-                         f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
-        counts = self.counts
-        lines.append(f"Check steps with exploding gradients: {counts['exploding']}, vanishing: {counts['vanishing']}, "
-                     f"missing: {counts['missing']}, not updated: {counts['frozen']}.")
-        if self.clip_suggestion:
-            lines.append(f"Suggested clipping: `Trainer(gradient_clip_val={self.clip_suggestion['value']:g})` "
-                         f"({self.clip_suggestion['basis']}).")
-        frozen = self.trainability.get("requires_grad_false_parameters", 0)
-        if frozen:
-            lines.append(f"{frozen} parameter(s) have requires_grad=False (not trained by design).")
-        flagged = {kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts}
-        if flagged:
-            lines += ["", "| kind | parameter | check steps flagged |", "|---|---|---|"]
-            for kind, rows in flagged.items():
-                lines += [f"| {kind} | `{name}` | {hits} |" for name, hits in rows]
-        if self.config.level >= DebugLevel.INTERMEDIATE and self.parameter_norms:
-            largest = sorted(self.parameter_norms.items(), key=lambda item: -item[1].maximum)[:20]
-            lines += ["", "| parameter | mean grad norm | min | max |", "|---|---|---|---|"]
-            lines += [f"| `{name}` | {round_significant(s.total / s.count, 3) if s.count else '-'} | "
-                      f"{round_significant(s.minimum, 3) if s.count else '-'} | "
-                      f"{round_significant(s.maximum, 3) if s.count else '-'} |" for name, s in largest]
-        return "\n".join(lines)

@@ -1,18 +1,18 @@
 """Memory over the run: readings, ``memory_high``, leaks found and explained, the OOM post-mortem.
 
-Framework-free: the Lightning callback and the Accelerate debugger call the same methods, and a
-plain training loop can too::
+Framework-free: the run drives it through the same events in a Lightning callback, an Accelerate
+loop or a plain training loop::
 
-    >>> import torch
     >>> from lightning_debug import DebugConfig
-    >>> from lightning_debug.core.session import DebugSession
+    >>> from lightning_debug.core.monitor import RunContext
+    >>> from lightning_debug.run import Run
     >>> from lightning_debug.monitors.memory import MemoryMonitor
     >>> monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=5), "my_loop")
-    >>> monitor.attach(DebugSession(None, True, None, {}))
+    >>> run = Run(DebugConfig(save_debug_info=False), RunContext(), [monitor])
+    >>> run.start(0)
     >>> for step in range(20):
-    ...     if monitor.due(step):
-    ...         monitor.measure(step, {"epoch": 0, "batch": step}, torch.device("cpu"))
-    >>> monitor.finalize(19, {"epoch": 0, "batch": 19})
+    ...     _ = run.before_optimizer_step(step, None)
+    >>> run.finalize(19)
     >>> monitor.report_section()["stats"]["memory/cpu_rss_mb"]["count"]
     4
 """
@@ -25,13 +25,13 @@ import pickle
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_debug.checks.memory import (
     MB,
+    SERIES_LABELS,
     Census,
     MemoryReading,
     Trend,
@@ -52,18 +52,15 @@ from lightning_debug.checks.memory import (
     steps_until_exhausted,
     take_census,
 )
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.monitor import Monitor, Where
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
+from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 
-MEMORY_KINDS = {"memory_high", "memory_growth"}
-SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use",
-                 "cpu_rss": "process RSS"}
 # Below these rises over the trend window, growth is allocator granularity or warm-up creep.
 GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
-PHASES = ("forward", "backward", "optimizer", "validation")
 
 
 def _history_enabled() -> bool:
@@ -84,13 +81,16 @@ class _Suspicion:
 class MemoryMonitor(Monitor):
     """See :class:`lightning_debug.MemoryProfilerCallback` for the behaviour users rely on.
 
-    Call order per optimizer step: optionally :meth:`phase` ("forward", "backward", "optimizer",
-    "end") as the step goes, :meth:`measure` on steps where :meth:`due` is true, at the same point
-    of every such step (after backward, before the optimizer step); :meth:`post_mortem` from an
-    exception handler; :meth:`finalize` at the end.
+    The phase of the step is followed through the events (forward from a batch's start, backward,
+    optimizer, evaluation); on check steps the readings are taken before the optimizer step, at
+    the same point of every such step; an out-of-memory exception gets a post-mortem.
     """
 
-    report_name = "memory"
+    area = Area.MEMORY
+    kinds = frozenset({Kind.MEMORY_HIGH, Kind.MEMORY_GROWTH})  # an ``oom`` is one event, never an open episode
+    events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
+                        Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
+    frequency_field = "memory_profiling_frequency"
     window = 32
     warmup_readings = 2
     min_spacing = 8
@@ -98,7 +98,6 @@ class MemoryMonitor(Monitor):
 
     def __init__(self, config: DebugConfig, source: str = "MemoryProfilerCallback") -> None:
         super().__init__(config, source)
-        self.schedule = CheckSchedule(config.memory_profiling_frequency)
         self.stats: dict[str, RunningStats] = {}
         self.phase_stats: dict[str, RunningStats] = {}
         self.census_ms = RunningStats()
@@ -107,8 +106,6 @@ class MemoryMonitor(Monitor):
         self.trends: dict[str, Trend] = {}
         self.readings = 0
         self.current_phase: str | None = None
-        self.postmortem_dir: Path | None = None
-        self.rank = 0
         self.verdict: dict[str, Any] = {"status": "not enough readings"}
         self.oom_files: list[str] = []
         self._device: torch.device | None = None
@@ -118,19 +115,42 @@ class MemoryMonitor(Monitor):
         self._open_phase: str | None = None
         self._peak_since_check = 0
         self._advanced = config.level >= DebugLevel.ADVANCED
+        self._step_in_progress = 0
 
-    # --- schedule and phases ----------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        return self.schedule.is_due(step)
-
-    def start(self, device: torch.device | None) -> None:
-        """Say which device trains (optional; :meth:`measure` learns it too). At EXPERT level on CUDA
-        this switches on allocation history for the whole run, so an OOM leaves a full snapshot."""
-        self._device = device
+    # --- events ---------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Learn which device trains. At EXPERT level on CUDA this switches on allocation history for
+        the whole run, so an OOM leaves a full snapshot."""
+        device = self._device = self.context.device()
         if self.config.level >= DebugLevel.EXPERT and cuda_index(device) is not None and not _history_enabled():
             self._start_history()
             self.warn("level=EXPERT records every CUDA allocation with its Python stack for the whole run "
                       "(a few microseconds per allocation) so that an OOM leaves a full memory snapshot.")
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        self._step_in_progress = step
+        self.phase("forward", step)
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self.phase("backward", step)
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        self.phase("optimizer", step)
+        if self.due(step):
+            self.measure(step, self.context.where(), self.context.device())
+        return Decision.CONTINUE
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self.phase("end", self._step_in_progress)
+
+    def evaluation(self, step: int, started: bool) -> None:
+        if started and self.current_phase != "validation":
+            self.phase("validation", step)
+        elif not started:
+            self.phase("end", step)
+
+    def exception(self, step: int, error: BaseException, batch: Any) -> None:
+        self.post_mortem(error, step, self.context.where(), batch)
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Mark that phase ``name`` ("forward", "backward", "optimizer", "validation"; "end" closes the
@@ -155,7 +175,7 @@ class MemoryMonitor(Monitor):
             value = heap_in_use() or 0
         if self._open_phase is not None and value:
             self.phase_stats.setdefault(self._open_phase, RunningStats()).add(value / MB)
-            if step is not None and self.config.log_memory and self.attached:
+            if step is not None and self.config.log_memory and self.bound:
                 self.log_metrics(step, {f"debug/memory/phase/{self._open_phase}_mb": value / MB})
         self._open_phase = self.current_phase
 
@@ -179,7 +199,7 @@ class MemoryMonitor(Monitor):
         self._check_high(reading, step, where)
         if self.session.is_global_zero:
             self._check_growth(reading, step, where)
-        self.close_episodes(step, where, MEMORY_KINDS)
+        self.close_episodes(step, where, self.kinds)
         self.check_ms.add((time.perf_counter() - started) * 1000)
 
     def _check_high(self, reading: MemoryReading, step: int, where: Where) -> None:
@@ -188,7 +208,7 @@ class MemoryMonitor(Monitor):
             share = reading.cuda_reserved / reading.cuda_total
             if share > limit:
                 self.record(Finding(
-                    "memory_high", "warning",
+                    Kind.MEMORY_HIGH, Severity.WARNING,
                     f"CUDA memory reserved is {share:.0%} of the device ({format_bytes(reading.cuda_reserved)} of "
                     f"{format_bytes(reading.cuda_total)}; {format_bytes(reading.cuda_allocated or 0)} allocated) at "
                     f"step {step}, above memory_high_fraction={limit:g}: a larger batch or a longer sequence will "
@@ -199,7 +219,7 @@ class MemoryMonitor(Monitor):
         used = 1.0 - reading.cpu_available / reading.cpu_total if reading.cpu_total else 0.0
         if used > limit:
             self.record(Finding(
-                "memory_high", "warning",
+                Kind.MEMORY_HIGH, Severity.WARNING,
                 f"System memory is {used:.0%} used ({format_bytes(reading.cpu_available)} available of "
                 f"{format_bytes(reading.cpu_total)}; this process holds {format_bytes(reading.cpu_rss)}) at step "
                 f"{step}, above memory_high_fraction={limit:g}: the machine may start swapping or the OOM killer "
@@ -267,20 +287,10 @@ class MemoryMonitor(Monitor):
         self._suspicion = None
         self._stop_history()
 
-    def _files_dir(self) -> Path | None:
-        if self.attached and self.session.output_dir is not None:
-            return self.session.output_dir
-        return self.postmortem_dir if self.config.save_debug_info else None
-
-    def _file_name(self, stem: str, step: int, suffix: str) -> str:
-        return f"{stem}_step{step}" + (f"_rank{self.rank}" if self.rank else "") + suffix
-
     def _dump_snapshot(self, snapshot: dict[str, Any], stem: str, step: int) -> str | None:
-        directory = self._files_dir()
-        if directory is None:
+        path = self.session.file_path(stem, step, ".pickle")
+        if path is None:
             return None
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / self._file_name(stem, step, ".pickle")
         with open(path, "wb") as handle:
             pickle.dump(snapshot, handle)
         return str(path)
@@ -329,7 +339,7 @@ class MemoryMonitor(Monitor):
             "census_steps": [suspicion.step, step], "census_ms": round(self.census_ms.last, 1),
             "cuda_sites": sites, "snapshot": snapshot_path,
         }
-        return Finding("memory_growth", "warning", message, details)
+        return Finding(Kind.MEMORY_GROWTH, Severity.WARNING, message, details)
 
     def _verdict(self, status: str) -> dict[str, Any]:
         verdict: dict[str, Any] = {"status": status, "trends": {
@@ -363,29 +373,26 @@ class MemoryMonitor(Monitor):
             if _history_enabled():
                 snapshot_path = self._dump_snapshot(torch.cuda.memory._snapshot(), "oom_snapshot", step)
         phase = self.current_phase or "outside a training step"
-        text = _render_post_mortem(step, phase, error, reading, batch_lines, largest, fixes, summary, snapshot_path)
-        path = None
-        directory = self._files_dir()
-        if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
-            path = directory / self._file_name("oom", step, ".md")
-            path.write_text(text, encoding="utf-8")
+        path = self.session.write_document("oom", step, {
+            "document": "oom_post_mortem", "step": step, "phase": phase, "error": error,
+            "memory_mb": reading.metrics(), "batch": batch_lines, "largest_tensors": largest, "fixes": fixes,
+            "cuda_memory_summary": summary, "snapshot": snapshot_path})
+        if path is not None:
             self.oom_files.append(str(path))
-        if self.attached:
-            message = (f"Out of memory at step {step} during {phase} ({error.splitlines()[0][:300]})."
-                       + (f" Post-mortem: {path}." if path else "") + " " + " ".join(fixes[:-4])
-                       + " Try: a smaller batch, gradient accumulation (accumulate_grad_batches), mixed precision "
-                       "(precision='bf16-mixed'), activation checkpointing.")
-            self.record(Finding("oom", "critical", message, {
-                "phase": phase, "error": error[:2000], "post_mortem": str(path) if path else None,
-                "snapshot": snapshot_path, "batch": batch_lines, "largest_tensors": largest[:5],
-                "memory_mb": reading.metrics(), "fixes": fixes}), step, where, key=str(step))
+        message = (f"Out of memory at step {step} during {phase} ({error.splitlines()[0][:300]})."
+                   + (f" Post-mortem: {path}." if path else "") + " " + " ".join(fixes[:-4])
+                   + " Try: a smaller batch, gradient accumulation (accumulate_grad_batches), mixed precision "
+                   "(precision='bf16-mixed'), activation checkpointing.")
+        self.record(Finding(Kind.OOM, Severity.CRITICAL, message, {
+            "phase": phase, "error": error[:2000], "post_mortem": str(path) if path else None,
+            "snapshot": snapshot_path, "batch": batch_lines, "largest_tensors": largest[:5],
+            "memory_mb": reading.metrics(), "fixes": fixes}), step, where, key=str(step))
 
     # --- the end ---------------------------------------------------------------------------------------
-    def finalize(self, step: int, where: Where) -> None:
+    def finalize(self, step: int) -> None:
         """Close open episodes and stop the allocation history this monitor started."""
         self._suspicion = None
-        self.close_episodes(step, where, MEMORY_KINDS, final=True)
+        super().finalize(step)
         self.restore()
 
     def restore(self) -> None:
@@ -405,63 +412,9 @@ class MemoryMonitor(Monitor):
         return dict(
             super().report_section(),
             stats={f"memory/{name}": stats.summary() for name, stats in self.stats.items() if stats.count},
-            growth=self.verdict, check_frequency=self.config.memory_profiling_frequency,
+            growth=self.verdict,
             phases={name: stats.summary() for name, stats in self.phase_stats.items()},
+            phase_reading="cuda_peak" if cuda_index(self._device) is not None else "cpu_heap",
             cost_ms={"check": self.check_ms.summary(), "census": self.census_ms.summary()},
             oom_post_mortems=list(self.oom_files),
-            markdown={"Memory": self._markdown()},
         )
-
-    def _markdown(self) -> str:
-        lines = [f"Measured every {self.config.memory_profiling_frequency} optimizer steps "
-                 f"({self.stats['cpu_rss_mb'].count if 'cpu_rss_mb' in self.stats else 0} readings).", ""]
-        if self.stats:
-            lines += ["| reading | last | mean | min | max |", "|---|---|---|---|---|"]
-            for name, stats in self.stats.items():
-                if stats.count:
-                    lines.append(f"| {name} | {stats.last:.4g} | {stats.total / stats.count:.4g} | "
-                                 f"{stats.minimum:.4g} | {stats.maximum:.4g} |")
-            lines.append("")
-        status = self.verdict["status"]
-        if status == "growing":
-            lines.append(f"**Growth: yes.** {self.verdict.get('message', '')}")
-        else:
-            shown = "; ".join(f"{SERIES_LABELS[name]} {trend.slope / 1024:+.2f} KB/step (tau {trend.consistency:.2f})"
-                              for name, trend in self.trends.items())
-            lines.append(f"**Growth: {status}.**" + (f" Last trends: {shown}." if shown else ""))
-        if self.phase_stats:
-            on_cuda = cuda_index(self._device) is not None
-            lines += ["", "| phase | " + ("peak allocated MB" if on_cuda else "CPU heap in use at its end, MB")
-                      + " (max) | mean |", "|---|---|---|"]
-            for name in sorted(self.phase_stats, key=lambda n: PHASES.index(n) if n in PHASES else len(PHASES)):
-                stats = self.phase_stats[name]
-                lines.append(f"| {name} | {stats.maximum:.4g} | {stats.total / stats.count:.4g} |")
-        if self.census_ms.count:
-            lines += ["", f"Tensor censuses taken to explain growth: {self.census_ms.count} "
-                          f"(mean {self.census_ms.total / self.census_ms.count:.0f} ms)."]
-        for path in self.oom_files:
-            lines += ["", f"Out-of-memory post-mortem: `{path}`."]
-        return "\n".join(lines)
-
-
-def _render_post_mortem(step: int, phase: str, error: str, reading: MemoryReading, batch_lines: list[str],
-                        largest: list[dict[str, Any]], fixes: list[str], summary: str | None,
-                        snapshot_path: str | None) -> str:
-    lines = [f"# Out of memory at step {step} (during {phase})", "", "```", error.strip(), "```", "",
-             "## What to try", ""]
-    lines += [f"- {fix}" for fix in fixes]
-    lines += ["", "## Memory at the failure", ""]
-    lines += [f"- {name}: {value:.1f}" for name, value in reading.metrics().items()]
-    lines += ["", "## The batch", ""]
-    lines += [f"- {line}" for line in batch_lines] or ["- (not known)"]
-    lines += ["", "## Largest live tensors", "", "| shape | dtype | device | grad_fn | count | MB |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {row['shape']} | {row['dtype']} | {row['device']} | {row['grad_fn'] or ''} | {row['count']} | "
-              f"{row['mb']:.2f} |" for row in largest]
-    if snapshot_path:
-        lines += ["", "## Allocation history", "",
-                  f"`{snapshot_path}`: drag it onto https://pytorch.org/memory_viz to see every allocation with "
-                  "its stack."]
-    if summary:
-        lines += ["", "## torch.cuda.memory_summary()", "", "```", summary.rstrip(), "```"]
-    return "\n".join(lines) + "\n"

@@ -1,12 +1,14 @@
 """Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps.
 
-The monitor is driven by phase boundaries (a batch starts, backward starts, the optimizer step
-starts, a batch ends), so a Lightning callback and a plain training loop use it the same way. On
-a non-check step it does nothing but an integer comparison per boundary.
+The monitor is driven by the run's events at phase boundaries (a batch starts, backward starts,
+the optimizer step starts, a batch ends), so a Lightning callback, an Accelerate loop and a plain
+training loop use it the same way. On a non-check step it does nothing but an integer comparison
+per boundary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import linecache
 import math
 import os
@@ -26,19 +28,17 @@ from lightning_debug.checks.timing import (
     StepTimes,
     Stopwatch,
     infer_batch_size,
-    operators_markdown,
-    phase_table_markdown,
     top_operators,
 )
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.monitor import Monitor, Where
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.readback import Readback
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.session import Where
 from lightning_debug.core.stats import DistributionStats, Window
 
-PERF_KINDS = {"slow_step", "dataloader_bottleneck"}
-STRAGGLER_KIND = "straggler_rank"
+PERF_KINDS = {Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK}
 DEFAULT_PROFILE_WINDOW = (10, 5)
 SYNC_DEBUG_WINDOW = (5, 3)
 RECENT_STEPS = 50
@@ -140,52 +140,53 @@ class PerformanceMonitor(Monitor):
     """Step-phase timing, throughput, slow steps, data-loader stalls, stragglers, torch.profiler.
 
     See :class:`lightning_debug.PerformanceProfilerCallback` for the behaviour users rely on. A
-    plain training loop drives it with five calls per batch::
+    plain training loop drives it through a run, with one call per phase boundary::
 
         >>> import torch
         >>> from lightning_debug import DebugConfig
-        >>> from lightning_debug.core.session import DebugSession
+        >>> from lightning_debug.core.monitor import RunContext
+        >>> from lightning_debug.run import Run
         >>> monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop")
-        >>> monitor.attach(DebugSession(None, True, None, {}))
+        >>> run = Run(DebugConfig(save_debug_info=False), RunContext(), [monitor])
         >>> model = torch.nn.Linear(4, 1); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> run.start(0)
         >>> for step in range(3):
         ...     batch = torch.randn(8, 4)
-        ...     monitor.batch_start(step, batch)
+        ...     run.batch_start(step, batch)
         ...     loss = model(batch).pow(2).mean()
-        ...     monitor.backward_start(); loss.backward()
-        ...     monitor.optimizer_start(); optimizer.step(); optimizer.zero_grad()
-        ...     monitor.batch_end(step, {"epoch": 0, "batch": step}, batch)
-        >>> monitor.finalize(2, {"epoch": 0, "batch": 2})
+        ...     run.before_backward(step, loss); loss.backward()
+        ...     _ = run.before_optimizer_step(step, optimizer); optimizer.step(); optimizer.zero_grad()
+        ...     run.after_optimizer_step(step + 1); run.batch_end(batch)
+        >>> run.finalize(2)
         >>> monitor.report_section()["stats"]["step_time_ms"]["count"]
         3
 
     Args:
         config: The run's configuration (frequency, level, thresholds, profiler window).
         source: The name written into events (``"callback"``).
-        device: The training device; CUDA events time a CUDA device, the wall clock anything else.
         batch_size_fn: ``batch -> number of samples``, when the first tensor's dimension 0 is not it.
         tokens_fn: ``batch -> number of tokens``, to log ``debug/perf/tokens_per_sec``.
-        world_size: Processes in the job; samples/s is this process's times the world size.
-        rank: This process's global rank (names trace files).
-        all_gather: Gathers a 1-d tensor from every rank (``[world, n]`` or ``[world * n]``); given
-            with ``world_size > 1``, per-rank step times are compared on check steps. Every rank
-            calls it at the same steps.
+
+    The device, the number of processes (samples/s is this process's times the world size), the
+    rank (names trace files) and the all-gather (per-rank step times compared on check steps)
+    come from the run's context at :meth:`start`.
     """
 
-    report_name = "performance"
+    area = Area.PERFORMANCE
+    kinds = frozenset({Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK, Kind.STRAGGLER_RANK})
+    events = frozenset({Event.START, Event.EPOCH_START, Event.BATCH_START, Event.BEFORE_BACKWARD,
+                        Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END, Event.EVALUATION})
+    frequency_field = "performance_profiling_frequency"
 
-    def __init__(self, config: DebugConfig, source: str = "PerformanceProfilerCallback",
-                 device: torch.device | None = None, *, batch_size_fn: SizeFn | None = None,
-                 tokens_fn: SizeFn | None = None, world_size: int = 1, rank: int = 0,
-                 all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(self, config: DebugConfig, source: str = "PerformanceProfilerCallback", *,
+                 batch_size_fn: SizeFn | None = None, tokens_fn: SizeFn | None = None) -> None:
         super().__init__(config, source)
-        self.schedule = CheckSchedule(config.performance_profiling_frequency)
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
-        self.stopwatch = Stopwatch(device)
-        self.world_size = world_size
-        self.rank = rank
-        self.all_gather = all_gather
+        self.stopwatch = Stopwatch(None)
+        self.world_size = 1
+        self.rank = 0
+        self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.loader: dict[str, Any] | None = None
         self.stats: dict[str, DistributionStats] = {name: DistributionStats() for name in ("step", *PHASES, "samples_per_sec",
                                                                               "tokens_per_sec")}
@@ -224,29 +225,41 @@ class PerformanceMonitor(Monitor):
         windows = [self.profile_window, self.sync_window if self.stopwatch.uses_cuda else None]
         self._windows_until = max((start + length for start, length in filter(None, windows)), default=-1)
 
-    # --- setup ----------------------------------------------------------------------------------
-    def start(self, *, device: torch.device | None = None, world_size: int | None = None, rank: int | None = None,
-              all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None, loader: Any = None) -> None:
-        """Start (or restart) timing a run; arguments given here replace the constructor's."""
-        if device is not None:
-            self.stopwatch = Stopwatch(device)
-        if world_size is not None:
-            self.world_size = world_size
-        if rank is not None:
-            self.rank = rank
-        if all_gather is not None:
-            self.all_gather = all_gather
+    # --- events ---------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Start (or restart) timing a run on the context's device, processes and loader."""
+        context = self.context
+        self.session.timed_steps = self.schedule.is_due
+        self.stopwatch = Stopwatch(context.device())
+        self.world_size, self.rank = context.world_size, context.rank
+        self.all_gather = context.all_gather()
+        loader = context.train_loader()
         if loader is not None:
             self.describe_loader(loader)
         self._reset_run_state()
+
+    def epoch_start(self, step: int) -> None:
+        self.describe_loader(self.context.train_loader())
+        self.reset_data_clock(step)
+
+    def evaluation(self, step: int, started: bool) -> None:
+        if not started:
+            self.reset_data_clock(step)
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self.backward_start()
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        self.optimizer_start()
+        return Decision.CONTINUE
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self._batch_end(step, self.context.where(), batch)
 
     def describe_loader(self, loader: Any) -> None:
         """The training DataLoader (or its settings dict), quoted in ``dataloader_bottleneck`` advice."""
         self.loader = dict(loader) if isinstance(loader, Mapping) and "num_workers" in loader else \
             loader_settings(loader)
-
-    def due(self, step: int) -> bool:
-        return self.schedule.is_due(step)
 
     def reset_data_clock(self, step: int) -> None:
         """Time spent outside training steps (validation, epoch boundaries) is no data wait: restart the clock."""
@@ -257,7 +270,7 @@ class PerformanceMonitor(Monitor):
             self._next_start = (step, self.stopwatch.mark())
 
     # --- phase boundaries -----------------------------------------------------------------------
-    def batch_start(self, step: int, batch: object) -> None:
+    def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
         """A batch of optimizer step ``step`` starts; the data wait ends here."""
         if step <= self._windows_until and self._window_boundary(step):
             self.reset_data_clock(step)
@@ -287,7 +300,7 @@ class PerformanceMonitor(Monitor):
         if self._timer is not None:
             self._timer.enter("optimizer")
 
-    def batch_end(self, step: int, where: Where, batch: object | None = None) -> None:
+    def _batch_end(self, step: int, where: Where, batch: object | None = None) -> None:
         """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
         batch in which :meth:`optimizer_start` was called (or when a batch of a later step starts)."""
         timer = self._timer
@@ -308,9 +321,9 @@ class PerformanceMonitor(Monitor):
             self._where = dict(where)
             self._poll()
 
-    def finalize(self, step: int, where: Where) -> None:
+    def finalize(self, step: int) -> None:
         """The end of the run (or an exception): read what is left, stop the profiler, close episodes."""
-        self._where = dict(where)
+        where = self._where = dict(self.context.where())
         timer = self._timer
         if timer is not None and timer.last_stop is not None and timer.saw_optimizer:
             self._complete(timer, gather=False)
@@ -323,7 +336,7 @@ class PerformanceMonitor(Monitor):
         self._poll(final=True)
         self._stop_profiler()
         self._end_sync_window(step, where)
-        self.close_episodes(step, where, PERF_KINDS | {STRAGGLER_KIND}, final=True)
+        super().finalize(step)
 
     def restore(self) -> None:
         """Undo global changes (profiler running, sync debug mode) whatever happened."""
@@ -367,7 +380,7 @@ class PerformanceMonitor(Monitor):
             self._check_stragglers(values)
 
     def _process(self, timer: PhaseTimer) -> None:
-        if timer.excluded:
+        if timer.excluded or timer.step in self.session.instrumented_steps:
             self.excluded_steps += 1
             return
         times = timer.read()
@@ -407,7 +420,7 @@ class PerformanceMonitor(Monitor):
         phase = max(excess, key=lambda name: excess[name])
         phase_median = self._recent[phase].median()
         self.record(Finding(
-            "slow_step", "warning",
+            Kind.SLOW_STEP, Severity.WARNING,
             f"Step {times.step} took {step_ms:.1f} ms, {step_ms / median:.1f}x the recent median of {median:.1f} ms; "
             f"the {phase} phase took {times.phases[phase]:.1f} ms (median {phase_median:.1f} ms), so "
             f"{PHASE_HINTS[phase]}.",
@@ -428,7 +441,7 @@ class PerformanceMonitor(Monitor):
         settings = self.loader or {}
         advice = loader_advice(self.loader, self.stopwatch.uses_cuda, usable_cpus())
         self.record(Finding(
-            "dataloader_bottleneck", "warning",
+            Kind.DATALOADER_BOTTLENECK, Severity.WARNING,
             f"The training loop waits for data {100 * share:.0f}% of the step time (medians over the last "
             f"{len(self._data_window)} check steps: {data_median:.1f} ms of {step_median:.1f} ms per step). "
             + " ".join(advice),
@@ -479,7 +492,7 @@ class PerformanceMonitor(Monitor):
                 rest = sorted(means["data_ms"][k] + means["forward_ms"][k] for k in range(len(rows)) if k != rank)
                 typical_rest = rest[len(rest) // 2]
                 self.record(Finding(
-                    STRAGGLER_KIND, "warning",
+                    Kind.STRAGGLER_RANK, Severity.WARNING,
                     f"Rank {rank} is the slowest on {count} of the last {STRAGGLER_WINDOW} check steps: its data wait "
                     f"+ forward take {mine:.1f} ms against {typical_rest:.1f} ms on the other ranks, which wait for "
                     "it in the gradient all-reduce (their backward phase is longer). Check that rank's data "
@@ -488,7 +501,7 @@ class PerformanceMonitor(Monitor):
                     {"rank": rank, "flagged_check_steps": count, "window_check_steps": STRAGGLER_WINDOW,
                      "mean_ms_by_rank": means, "world_size": len(rows)}),
                     step, self._where, key=f"rank{rank}")
-        self.close_episodes(step, self._where, {STRAGGLER_KIND})
+        self.close_episodes(step, self._where, {Kind.STRAGGLER_RANK})
 
     # --- profiler and sync-debug windows ----------------------------------------------------------
     def _window_boundary(self, step: int) -> bool:
@@ -516,7 +529,7 @@ class PerformanceMonitor(Monitor):
 
     def _start_profiler(self, step: int, start: int, end: int) -> None:
         self._profile_done = True
-        if not self.attached or self.session.output_dir is None:
+        if not self.bound or self.session.output_dir is None:
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -552,18 +565,17 @@ class PerformanceMonitor(Monitor):
         by_cpu = top_operators(averages, TOP_OPERATORS, by="self_cpu_ms")
         by_device = top_operators(averages, TOP_OPERATORS, by="self_device_ms") if self.stopwatch.uses_cuda else []
         trace = {"path": str(path), "first_step": first, "last_step": last,
-                 "by_self_cpu": operators_markdown(by_cpu, "self_cpu_ms"),
-                 "by_self_device": operators_markdown(by_device, "self_device_ms") if by_device else "",
+                 "by_self_cpu": [dataclasses.asdict(row) for row in by_cpu],
+                 "by_self_device": [dataclasses.asdict(row) for row in by_device],
                  "top_cpu": [row.name for row in by_cpu[:5]], "top_device": [row.name for row in by_device[:5]]}
         self.profiler_traces.append(trace)
         finding = Finding(
-            "profiler_trace", "info",
+            Kind.PROFILER_TRACE, Severity.INFO,
             f"torch.profiler trace of steps {first}-{last} written to {path} (open it in Perfetto, "
             f"chrome://tracing or TensorBoard); top operators by self CPU time: {', '.join(trace['top_cpu'])}.",
             {"path": str(path), "first_step": first, "last_step": last, "top_cpu": trace["top_cpu"],
              "top_device": trace["top_device"]})
-        self.tally.record(last, finding, True)
-        self.session.emit(finding, step=last, callback=self.source, **self._where)
+        self.emit(finding, last, self._where)
 
     def _start_sync_window(self) -> None:
         self._sync_previous_mode = torch.cuda.get_sync_debug_mode()
@@ -598,7 +610,7 @@ class PerformanceMonitor(Monitor):
         user = [site for site in self.sync_sites if site["origin"] == "user code"]
         shown = (user or self.sync_sites)[:3]
         self.record(Finding(
-            "host_sync", "warning" if user else "info",
+            Kind.HOST_SYNC, Severity.WARNING if user else Severity.INFO,
             f"{sum(sites.values())} host-device synchronizations in steps {start}-{start + length - 1} "
             f"(torch.cuda.set_sync_debug_mode('warn')); "
             + "; ".join(f"{Path(s['file']).name}:{s['line']} `{s['code']}` x{s['count']}" for s in shown)
@@ -623,26 +635,6 @@ class PerformanceMonitor(Monitor):
             if self.stats[name].count:
                 stats[name] = self.stats[name].summary()
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
-        markdown: dict[str, str] = {}
-        if summaries["step"].get("count"):
-            markdown["Step time"] = (
-                f"Every {self.config.performance_profiling_frequency} optimizer step(s), {clock}; "
-                f"{summaries['step']['count']} steps measured (median and p90 over a bounded sample).\n\n"
-                + phase_table_markdown(summaries))
-        for trace in self.profiler_traces:
-            title = f"Top operators (torch.profiler, steps {trace['first_step']}-{trace['last_step']})"
-            body = f"Trace: `{trace['path']}`\n\nBy self CPU time:\n\n{trace['by_self_cpu']}\n"
-            if trace["by_self_device"]:
-                body += f"\nBy self CUDA time:\n\n{trace['by_self_device']}\n"
-            markdown[title] = body
-        if self.sync_sites:
-            markdown["Host-device synchronizations (EXPERT window)"] = "\n".join(
-                ["| where | code | count | origin |", "|---|---|---|---|"]
-                + [f"| {s['file']}:{s['line']} | `{s['code']}` | {s['count']} | {s['origin']} |"
-                   for s in self.sync_sites])
-        return dict(super().report_section(), stats=stats, markdown=markdown, clock=clock,
-                    check_frequency=self.config.performance_profiling_frequency, loader=self.loader,
-                    profiler_traces=[{k: trace[k] for k in ("path", "first_step", "last_step", "top_cpu",
-                                                            "top_device")} for trace in self.profiler_traces],
-                    sync_sites=self.sync_sites, excluded_steps=self.excluded_steps,
-                    dropped_measurements=self.dropped_measurements)
+        return dict(super().report_section(), stats=stats, clock=clock, loader=self.loader,
+                    profiler_traces=list(self.profiler_traces), sync_sites=self.sync_sites,
+                    excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements)

@@ -1,20 +1,28 @@
-"""TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab, and findings as text at their step.
+"""TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text
+at their step, and at the end the report (Text tab) and the analysis plot (Images tab).
 
-When the trainer logs to TensorBoard, the run's session writes, at setup on the global-zero
-process, a custom-scalars layout with four groups (anomalies, gradients, memory, performance),
-so the charts are found together instead of scattered through the Scalars tab while the run
-goes on; at the end of the run the layout is written again without the charts that received
-no data (TensorBoard shows the latest). Every event written to events.jsonl also becomes a text
-entry ``debug/events/<kind>`` at its step (Text tab), so a spike in a chart can be matched with
-what was found there.
+Every TensorBoard tab groups tags into sections by the text before the first ``/``, so all
+``debug/...`` charts share one "debug" section there (names are kept: dashboards depend on them).
+The grouping by area lives in the Custom Scalars tab: when the run logs to TensorBoard, it writes,
+when it is created on the global-zero process, a layout with five groups (anomalies, gradients,
+activations, memory, performance); the first chart of the anomalies group is the user's own loss tags, so the
+loss sits next to ``debug/loss_finite``. At the end of the run the layout is written again
+without the debug charts that received no data (TensorBoard shows the latest), the report as text
+``debug/report`` and ``debug_analysis.png`` as the image ``debug/analysis``. Every event written
+to events.jsonl also becomes a text entry ``debug/events/<kind>`` at its step (Text tab), so a
+spike in a chart can be matched with what was found there. docs/tensorboard.md shows what each
+tab looks like.
+At the end, checks that failed (raised instead of running) are listed under
+``debug/failed_checks``, so a quiet Text tab never passes for a clean run.
 
 Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
     >>> import tempfile
     >>> from torch.utils.tensorboard import SummaryWriter
-    >>> from lightning_debug.core.session import DebugSession
-    >>> from lightning_debug.tensorboard import attach_to_writer
-    >>> session = DebugSession(None, True, None, {})
+    >>> from lightning_debug.core.guard import Failures
+    >>> from lightning_debug.core.session import Session
+    >>> from lightning_debug.report.tensorboard import attach_to_writer
+    >>> session = Session(None, True, None, Failures())
     >>> writer = SummaryWriter(tempfile.mkdtemp())
     >>> attach_to_writer(writer, session)
     True
@@ -22,15 +30,21 @@ Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from lightning_debug.core.session import DebugSession
+from lightning_debug.core.monitor import HistogramWriter
+from lightning_debug.core.session import Session
+from lightning_debug.report.document import failed_checks_markdown
 
-LAYOUT_CATEGORIES = ("lightning-debug: anomalies", "lightning-debug: gradients", "lightning-debug: memory",
-                     "lightning-debug: performance")
+LAYOUT_CATEGORIES = ("lightning-debug: anomalies", "lightning-debug: gradients", "lightning-debug: activations",
+                     "lightning-debug: memory", "lightning-debug: performance")
 EVENT_TAG_PREFIX = "debug/events/"
+FAILED_CHECKS_TAG = "debug/failed_checks"
+REPORT_TAG = "debug/report"
+PLOT_TAG = "debug/analysis"
+USER_LOSS_PATTERN = r"(?!debug/)(?i:.*loss.*)"
 MAX_TEXT_ENTRIES = 500
 _ATTACHED = "_lightning_debug_layout_written"
 
@@ -43,6 +57,7 @@ def debug_layout() -> dict[str, dict[str, list[Any]]]:
     """
     return {
         "lightning-debug: anomalies": {
+            "your loss (every tag with 'loss' outside debug/)": ["Multiline", [USER_LOSS_PATTERN]],
             "loss finite (1 = finite, 0 = NaN/Inf)": ["Multiline", [r"debug/loss_finite$"]],
             "check steps with NaN/Inf (cumulative)": ["Multiline", [r"debug/anomaly/.*"]],
         },
@@ -53,6 +68,14 @@ def debug_layout() -> dict[str, dict[str, list[Any]]]:
             "per-parameter gradient norms": ["Multiline", [r"debug/grad/norm/.*"]],
             "weight norms": ["Multiline", [r"debug/weight/norm/.*"]],
             "update ratio ||dw|| / ||w||": ["Multiline", [r"debug/weight/update_ratio.*"]],
+        },
+        "lightning-debug: activations": {
+            "fraction of zeros (dead ReLUs near 1)": ["Multiline", [r"debug/activation/.*/zero_fraction$"]],
+            "fraction saturated (sigmoid/tanh)": ["Multiline", [r"debug/activation/.*/saturated_fraction$"]],
+            "max |x|": ["Multiline", [r"debug/activation/.*/max_abs$"]],
+            "mean": ["Multiline", [r"debug/activation/.*/mean$"]],
+            "std": ["Multiline", [r"debug/activation/.*/std$"]],
+            "non-finite values": ["Multiline", [r"debug/activation/.*/nonfinite_count$"]],
         },
         "lightning-debug: memory": {
             "process RSS and C heap (MB)": ["Multiline", [r"debug/memory/cpu_(rss|heap)_mb$"]],
@@ -75,7 +98,7 @@ def event_markdown(record: dict[str, Any]) -> str:
     phase = {"start": "started", "end": "ended"}.get(str(record.get("episode")), "")
     lines = [f"**{record.get('kind')}** ({record.get('severity')}{', ' + phase if phase else ''}) at {where}, "
              f"from {record.get('callback')}", "", str(record.get("message", ""))]
-    for key in ("parameters", "modules", "ranks"):
+    for key in ("parameters", "modules", "ranks", "samples"):
         names = details.get(key)
         if names:
             lines += ["", f"{key}: " + ", ".join(f"`{name}`" for name in list(names)[:20])]
@@ -83,31 +106,46 @@ def event_markdown(record: dict[str, Any]) -> str:
 
 
 def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """:func:`debug_layout` without the charts (and groups) that no tag in ``tags`` matches."""
+    """:func:`debug_layout` without the debug charts (and groups) that no tag in ``tags`` (the run's debug
+    scalars) matches; the chart of the user's own loss, which the run does not see, is kept."""
     import re
 
     names = list(tags)
     layout: dict[str, dict[str, list[Any]]] = {}
     for category, charts in debug_layout().items():
         kept = {title: chart for title, chart in charts.items()
-                if any(re.match(pattern, name) for pattern in chart[1] for name in names)}
+                if USER_LOSS_PATTERN in chart[1]
+                or any(re.match(pattern, name) for pattern in chart[1] for name in names)}
         if kept:
             layout[category] = kept
     return layout
 
 
 class EventText:
-    """Session event listener writing each event as a text entry at its step (bounded per run);
-    at the end of the run it rewrites the layout with only the charts that have data."""
+    """Session event listener writing each event as a text entry at its step (bounded per run); at the
+    end of the run it rewrites the layout with only the charts that have data and adds the report
+    (text) and the analysis plot (image)."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
         self.written = 0
 
-    def conclude(self, session: DebugSession) -> None:
+    def conclude(self, session: Session, files: list[Path]) -> None:
         layout = pruned_layout(session.timeline.tags)
         if layout:
             self.writer.add_custom_scalars(layout)
+        step = max(session.timeline.last_step, 0)
+        for path in files:
+            if path.suffix == ".md":
+                self.writer.add_text(REPORT_TAG, path.read_text(encoding="utf-8"), global_step=step)
+            elif path.suffix == ".png":
+                from matplotlib.image import imread  # the plot exists, so matplotlib is installed
+
+                self.writer.add_image(PLOT_TAG, imread(str(path))[..., :3], global_step=step, dataformats="HWC")
+        failed = session.failures.summary()
+        if failed:
+            last = max(int(entry["last_step"]) for entry in failed.values())
+            self.writer.add_text(FAILED_CHECKS_TAG, "\n".join(failed_checks_markdown(failed)), global_step=max(last, 0))
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.written > MAX_TEXT_ENTRIES:
@@ -122,7 +160,17 @@ class EventText:
                              global_step=step)
 
 
-def attach_to_writer(writer: Any, session: DebugSession, log_dir: str | None = None) -> bool:
+def histogram_writer(candidates: Iterable[Any]) -> HistogramWriter | None:
+    """A writer of raw histograms into the first of ``candidates`` that has ``add_histogram_raw`` (a
+    TensorBoard ``SummaryWriter``), or None when none has."""
+    for candidate in candidates:
+        add = getattr(candidate, "add_histogram_raw", None)
+        if callable(add):
+            return lambda tag, histogram, step, _add=add: _add(tag, global_step=step, **histogram)
+    return None
+
+
+def attach_to_writer(writer: Any, session: Session, log_dir: str | None = None) -> bool:
     """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it.
 
     Returns False when ``writer`` cannot write custom scalars (not a TensorBoard writer).
@@ -139,22 +187,3 @@ def attach_to_writer(writer: Any, session: DebugSession, log_dir: str | None = N
     if log_dir:
         session.links.setdefault("tensorboard", f"tensorboard --logdir {log_dir}")
     return True
-
-
-def attach_to_loggers(loggers: Iterable[Any], session: DebugSession) -> int:
-    """Attach every TensorBoard logger of a Lightning trainer (call on the global-zero process only).
-
-    Never raises: a logger that cannot be used becomes one warning. Returns how many were attached.
-    """
-    from lightning.fabric.loggers import TensorBoardLogger
-
-    attached = 0
-    for logger in loggers:
-        if not isinstance(logger, TensorBoardLogger):
-            continue
-        try:
-            attached += attach_to_writer(logger.experiment, session, getattr(logger, "log_dir", None))
-        except Exception as failure:
-            warnings.warn(f"lightning-debug could not set up the TensorBoard layout ({type(failure).__name__}: "
-                          f"{failure}); the debug/ charts are still logged.", RuntimeWarning)
-    return attached

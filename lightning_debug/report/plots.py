@@ -9,7 +9,7 @@ Example::
 
     >>> import tempfile, pathlib
     >>> from lightning_debug.core.timeline import Timeline
-    >>> from lightning_debug.plots import draw_debug_analysis
+    >>> from lightning_debug.report.plots import draw_debug_analysis
     >>> timeline = Timeline()
     >>> for step in range(20):
     ...     timeline.observe_metrics({"debug/perf/step_ms": 10.0 + step % 3, "debug/grad/global_norm": 1.0}, step)
@@ -20,11 +20,13 @@ Example::
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
-from lightning_debug.core.findings import SEVERITY_ORDER
+from lightning_debug.core.kinds import severity_rank
 from lightning_debug.core.timeline import Timeline
+from lightning_debug.report.document import write_atomic
 
 PLOT_FILENAME = "debug_analysis.png"
 INSTALL_HINT = 'pip install "lightning-debug[plots]"'
@@ -67,11 +69,11 @@ def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
     by_kind: dict[str, str] = {}
     for episode in timeline.episodes:
         current = by_kind.get(episode.kind)
-        if current is None or SEVERITY_ORDER.get(episode.severity, 9) < SEVERITY_ORDER.get(current, 9):
+        if current is None or severity_rank(episode.severity) < severity_rank(current):
             by_kind[episode.kind] = episode.severity
     if not by_kind:
         return False
-    kinds = sorted(by_kind, key=lambda kind: (SEVERITY_ORDER.get(by_kind[kind], 9), kind), reverse=True)
+    kinds = sorted(by_kind, key=lambda kind: (severity_rank(by_kind[kind]), kind), reverse=True)
     rows = {kind: row for row, kind in enumerate(kinds)}
     for episode in timeline.episodes:
         row = rows[episode.kind]
@@ -132,14 +134,14 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
         findings_axis.set_yticks([])
         _nothing(findings_axis, "no findings")
 
-    serious = sorted({e.first_step for e in timeline.episodes if SEVERITY_ORDER.get(e.severity, 9) <= 1})
+    serious = sorted({e.first_step for e in timeline.episodes if severity_rank(e.severity) <= 1})
     for step in serious[:MAX_MARKED_STEPS]:
         for axis in (step_axis, memory_axis, grad_axis):
             axis.axvline(step, color=SEVERITY_COLORS["error"], linestyle="--", linewidth=0.8, alpha=0.6)
     findings_axis.set_xlim(-0.5, max(last_step, 1) + 0.5)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
-    return path
+    image = io.BytesIO()
+    figure.savefig(image, format="png")
+    return write_atomic(path, image.getvalue())
 
 
 def write_debug_analysis(directory: Path, timeline: Timeline, report: dict[str, Any]) -> Path:

@@ -1,0 +1,117 @@
+"""Statistics of a layer's output: what ``log_activations`` measures on a check step.
+
+Each function returns device tensors and never reads them back; the monitor stacks the rows of
+all modules of a forward pass into one vector and reads it once, a step later.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+STATS = ("mean", "std", "max_abs", "zero_fraction", "saturated_fraction", "nonfinite_count")
+SATURATION_MARGIN = 0.02
+RELU_LIKE = (nn.ReLU, nn.ReLU6)
+_METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def saturation_range(module: nn.Module) -> tuple[float, float] | None:
+    """``(center, half_width)`` of a bounded activation's output range, or None for other modules.
+
+    Example::
+
+        >>> saturation_range(nn.Sigmoid()), saturation_range(nn.Hardtanh(-2.0, 2.0)), saturation_range(nn.ReLU())
+        ((0.5, 0.5), (0.0, 2.0), None)
+    """
+    if isinstance(module, (nn.Sigmoid, nn.Hardsigmoid)):
+        return 0.5, 0.5
+    if isinstance(module, (nn.Tanh, nn.Softsign)):
+        return 0.0, 1.0
+    if isinstance(module, nn.Hardtanh) and not isinstance(module, nn.ReLU6):
+        return (module.min_val + module.max_val) / 2, (module.max_val - module.min_val) / 2
+    return None
+
+
+def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None) -> torch.Tensor:
+    """One float32 row of :data:`STATS` for a module's output, on its device (no host sync).
+
+    ``zero_fraction`` counts exact zeros (a ReLU's inactive units); ``saturated_fraction`` (NaN
+    without ``saturation``) counts values within 2% of the half-width from the range's ends; mean
+    and std are over all values (NaN when one is NaN), ``max_abs`` likewise. The std comes from the
+    sums of values and squares in float32 (one pass each): enough to watch a layer, not exact when
+    the mean is thousands of times the std.
+
+    Example::
+
+        >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
+        >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
+        ([1.0, 1.225, 3.0, 0.5], True, 0.0)
+        >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
+        0.6667
+    """
+    x = output.detach()
+    count = x.numel()
+    if count == 0:
+        return torch.full((len(STATS),), math.nan, dtype=torch.float32, device=x.device)
+    # a handful of single-pass reductions (var_mean and inf-norms cost several times more on CPU)
+    total = x.sum(dtype=torch.float32)
+    squares = torch.linalg.vector_norm(x, dtype=torch.float32).square()
+    low, high = torch.aminmax(x)
+    mean = total / count
+    std = (squares / count - mean.square()).clamp_min(0).sqrt()
+    max_abs = torch.maximum(-low, high).float()
+    zeros = count - torch.count_nonzero(x)
+    nonfinite = torch.count_nonzero(x - x)  # x - x is 0, or NaN where x is NaN/Inf
+    if saturation is not None:
+        center, half = saturation
+        saturated = ((x - center).abs() >= half * (1 - SATURATION_MARGIN)).sum() / count
+    else:
+        saturated = torch.full((), math.nan, device=x.device)
+    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float()])
+
+
+def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules without children (the ones whose outputs are the layers' activations), by name."""
+    return [(name, module) for name, module in model.named_modules() if next(module.children(), None) is None]
+
+
+def first_floating(output: object) -> torch.Tensor | None:
+    """The tensor a module's output is judged by: itself, or the first floating tensor of a tuple/list/dict
+    (an LSTM's ``(output, (h, c))``)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    values: Iterable[object] = (output.values() if isinstance(output, dict)
+                                else output if isinstance(output, (list, tuple)) else ())
+    for value in values:
+        found = first_floating(value)
+        if found is not None:
+            return found
+    return None
+
+
+def metric_names(names: Sequence[str], root: str = "model") -> list[str]:
+    """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique.
+
+    Leaf paths never contain another leaf's path plus ``/`` (module paths are joined by dots), so
+    ``debug/activation/<name>/<stat>`` is never also a prefix of another metric.
+
+    Example::
+
+        >>> metric_names(["", "blocks.0.act", "head:out", "head_out"])
+        ['model', 'blocks.0.act', 'head_out', 'head_out_2']
+    """
+    seen: set[str] = set()
+    safe: list[str] = []
+    for name in names:
+        base = _METRIC_UNSAFE.sub("_", name) or root
+        candidate, number = base, 1
+        while candidate in seen:
+            number += 1
+            candidate = f"{base}_{number}"
+        seen.add(candidate)
+        safe.append(candidate)
+    return safe

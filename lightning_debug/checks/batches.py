@@ -1,0 +1,82 @@
+"""What is in a batch: its floating tensors by position, and which samples hold NaN/Inf.
+
+A batch is whatever the loop hands to the model: a tensor, a tuple or list, a dict (a Hugging Face
+``BatchEncoding`` is a mapping), or nests of those. The finiteness test itself is the fused norm
+pass of :func:`lightning_debug.checks.numerics.fused_norms` (no host sync); the per-sample look-up
+here runs only once a batch is known to be bad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+MAX_SAMPLES_LISTED = 50
+
+
+def named_tensors(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a nested batch with its position, e.g. ``batch[0]`` or ``batch['pixel_values']``.
+
+    Example::
+
+        >>> [name for name, _ in named_tensors({"x": torch.ones(2), "y": [torch.ones(1), 3]})]
+        ["batch['x']", "batch['y'][0]"]
+    """
+    if isinstance(batch, torch.Tensor):
+        return [(path, batch)]
+    if isinstance(batch, Mapping):
+        return [item for key, value in batch.items() for item in named_tensors(value, f"{path}[{key!r}]")]
+    if isinstance(batch, (list, tuple)):
+        return [item for index, value in enumerate(batch) for item in named_tensors(value, f"{path}[{index}]")]
+    return []
+
+
+def floating_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """The dense, non-empty floating-point tensors of a batch (labels and token ids cannot be NaN)."""
+    return [(name, t) for name, t in named_tensors(batch)
+            if t.is_floating_point() and not t.is_sparse and t.numel() > 0]
+
+
+def nonfinite_samples(tensor: torch.Tensor, limit: int = MAX_SAMPLES_LISTED) -> tuple[list[int], int]:
+    """Indices along the first dimension (the samples) that hold NaN/Inf, and the number of bad values.
+
+    One host read; call it only for a tensor known to hold non-finite values.
+
+    Example::
+
+        >>> x = torch.zeros(8, 3); x[5, 1] = float("nan"); x[6, 0] = float("inf")
+        >>> nonfinite_samples(x)
+        ([5, 6], 2)
+    """
+    bad = ~torch.isfinite(tensor.detach())
+    if tensor.dim() == 0:
+        return [], int(bad)
+    per_sample = bad.reshape(tensor.shape[0], -1).any(dim=1)
+    indices = per_sample.nonzero().flatten()[:limit].tolist()
+    return [int(i) for i in indices], int(bad.sum())
+
+
+def count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """How many of ``tensors`` hold a NaN/Inf, as a 0-d device tensor (no host sync).
+
+    One ``aminmax`` pass per tensor (a NaN makes both ends NaN, an infinity is one of them), then one
+    test per device and dtype: nothing is squared or summed, so nothing overflows, and a mask
+    filled with ``torch.finfo(dtype).min`` is not mistaken for an infinity.
+
+    Example::
+
+        >>> count_nonfinite([torch.tensor([1.0, float("nan")]), torch.full((3,), torch.finfo(torch.float32).min)])
+        tensor(1)
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).extend(torch.aminmax(tensor.detach()))
+    counts = [(~torch.isfinite(torch.stack(ends).reshape(-1, 2))).any(dim=1).sum() for ends in groups.values()]
+    if not counts:
+        return torch.zeros((), dtype=torch.int64)
+    if len(counts) == 1:
+        return counts[0]
+    device = next((c.device for c in counts if c.device.type != "cpu"), counts[0].device)  # never read a GPU value
+    return torch.stack([count.to(device, non_blocking=True) for count in counts]).sum()

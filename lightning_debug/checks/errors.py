@@ -1,0 +1,206 @@
+"""Where a runtime error happened: the module, the tensors and the line, read from its traceback.
+
+Nothing here runs before an exception. A traceback keeps every frame alive, so the frame of the
+innermost ``forward`` that failed still holds ``self`` (the module) and its arguments (the input
+that did not fit): that names the module and both shapes of a shape mismatch, or the devices of a
+device mismatch, at no cost to healthy steps. An error raised by the backward has no such frames;
+:func:`find_inplace` replays the step's forward once to find the in-place operation that modified
+a tensor the backward needed.
+"""
+
+from __future__ import annotations
+
+import linecache
+import re
+import traceback
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_debug.checks.localize import module_stack, operation_name, preserved_state, user_source
+
+TENSORS_SHOWN = 6
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                               "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+                               "__setitem__"})
+_MODULE_CALLS = frozenset({"_call_impl", "_wrapped_call_impl", "inner"})  # torch's frames around a forward
+_SIZE_ATTRIBUTES = ("in_features", "in_channels", "num_features", "normalized_shape", "embedding_dim",
+                    "num_embeddings", "input_size", "embed_dim")
+
+
+def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
+    """Shape, dtype and device of a tensor, as plain values (no read of its data).
+
+    Example::
+
+        >>> tensor_summary(torch.ones(2, 3))
+        {'shape': [2, 3], 'dtype': 'float32', 'device': 'cpu'}
+    """
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "device": str(tensor.device)}
+
+
+def frames_of(error: BaseException) -> list[tuple[FrameType, int]]:
+    """The traceback's frames, outermost first, with the line each was at."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+def _tensor_locals(frame: FrameType, names: Iterator[str] | None = None) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    local = frame.f_locals
+    for name in names if names is not None else list(local):
+        value: Any = local
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+            if value is None:
+                break
+        if isinstance(value, torch.Tensor) and name not in found:
+            found[name] = tensor_summary(value)
+            if len(found) >= TENSORS_SHOWN:
+                break
+    return found
+
+
+def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, Any] | None:
+    """The innermost module of ``model`` being called on the traceback (``module(x)``, not a method such as
+    ``training_step``), with the tensors it was called with, its own parameters and the sizes it
+    expects (``in_features``, ...).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 2), nn.Linear(3, 1))
+        >>> try:
+        ...     model(torch.ones(5, 4))
+        ... except RuntimeError as error:
+        ...     found = failing_module(error, model)
+        >>> found["name"], found["inputs"]["input"]["shape"], found["parameters"]["weight"]["shape"], found["expects"]
+        ('1', [5, 2], [1, 3], {'in_features': 3})
+    """
+    if model is None:
+        return None
+    names = {id(module): name for name, module in model.named_modules()}
+    frames = [frame for frame, _ in frames_of(error)]
+    for index in range(len(frames) - 1, -1, -1):
+        frame = frames[index]
+        module = frame.f_locals.get("self")
+        if frame.f_code.co_name not in _MODULE_CALLS or not isinstance(module, nn.Module) or id(module) not in names:
+            continue
+        own = [f for f in frames[index + 1:]
+               if f.f_locals.get("self") is module and f.f_code.co_name not in _MODULE_CALLS]
+        called = next((f for f in own if f.f_code.co_name == "forward"), own[0] if own else None)
+        inputs = _tensor_locals(called) if called is not None else {
+            f"args[{i}]": tensor_summary(a) for i, a in enumerate(frame.f_locals.get("args", ()))
+            if isinstance(a, torch.Tensor)}
+        parameters = {name: tensor_summary(p)
+                      for name, p in list(module.named_parameters(recurse=False))[:TENSORS_SHOWN]}
+        buffers = {name: tensor_summary(b) for name, b in list(module.named_buffers(recurse=False))[:TENSORS_SHOWN]}
+        expects = {attribute: getattr(module, attribute) for attribute in _SIZE_ATTRIBUTES
+                   if isinstance(getattr(module, attribute, None), (int, tuple, list))}
+        return {"name": names[id(module)], "type": type(module).__name__, "repr": _short_repr(module),
+                "inputs": inputs, "parameters": parameters, "buffers": buffers,
+                "expects": {k: list(v) if isinstance(v, tuple) else v for k, v in expects.items()}}
+    return None
+
+
+def _short_repr(module: nn.Module) -> str:
+    text = repr(module)
+    return text if "\n" not in text and len(text) <= 120 else f"{type(module).__name__}({module.extra_repr()[:100]})"
+
+
+def failing_source(error: BaseException) -> dict[str, Any] | None:
+    """The innermost line of the user's own code on the traceback (not torch, Lightning, Accelerate or
+    this package), and the shapes of the tensors that line names (``x``, ``self.bias``)."""
+    frames = frames_of(error)
+    summaries = [traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name,
+                                        line=linecache.getline(frame.f_code.co_filename, line).strip())
+                 for frame, line in frames]
+    source = user_source(summaries)
+    if source is None:
+        return None
+    frame = next(frame for (frame, line), summary in zip(reversed(frames), reversed(summaries))
+                 if summary.filename == source["file"] and line == source["line"])
+    source["tensors"] = _tensor_locals(frame, iter(_IDENTIFIER.findall(source["code"])))
+    return source
+
+
+def innermost_tensors(error: BaseException) -> dict[str, dict[str, Any]]:
+    """The tensor arguments of the innermost frame that has any (``input`` and ``target`` of a loss function).
+
+    Example::
+
+        >>> def squared_error(input, target):
+        ...     return (input - target).square().mean()
+        >>> try:
+        ...     squared_error(torch.ones(4, 3), torch.ones(4, 2))
+        ... except RuntimeError as error:
+        ...     found = innermost_tensors(error)
+        >>> found["input"]["shape"], found["target"]["shape"]
+        ([4, 3], [4, 2])
+    """
+    for frame, _ in reversed(frames_of(error)):
+        found = _tensor_locals(frame)
+        if found:
+            return found
+    return {}
+
+
+class _InPlaceFinder(TorchFunctionMode):
+    """Records the first in-place operation applied to the output of ``node`` with ``shape``."""
+
+    def __init__(self, stack: list[tuple[str, nn.Module, Any]], node: str, shape: list[int] | None) -> None:
+        super().__init__()
+        self.stack, self.node, self.shape = stack, node.lower(), shape
+        self.found: dict[str, Any] | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.found is None and args and isinstance(args[0], torch.Tensor):
+            name = getattr(func, "__name__", "")
+            in_place = (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_DUNDERS \
+                or kwargs.get("inplace") is True
+            target = args[0]
+            producer = target.grad_fn.name() if target.grad_fn is not None else ""
+            if in_place and re.sub(r"Backward\d*$", "", producer).lower() == self.node \
+                    and (self.shape is None or list(target.shape) == self.shape):
+                module_name, module, _ = self.stack[-1] if self.stack else ("", None, ())
+                self.found = {"operation": operation_name(func) + ("(inplace=True)" if kwargs.get("inplace") else ""),
+                              "module": module_name,
+                              "module_type": type(module).__name__ if module is not None else None,
+                              "source": user_source(traceback.extract_stack()[:-1]), "modified": producer,
+                              "shape": list(target.shape)}
+        return func(*args, **kwargs)
+
+
+def find_inplace(model: nn.Module, replay: Callable[[], Any], node: str,
+                 shape: list[int] | None) -> dict[str, Any] | None:
+    """Replay a forward (RNG and buffers restored afterwards) and return the first in-place operation
+    that modified an output of the autograd node ``node`` (``"Relu"`` or ``"ReluBackward0"``) of
+    ``shape``: the operation, the module it ran in, the source line. None when the replay finds none.
+
+    Example::
+
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.lin = nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         h = torch.relu(self.lin(x)); h += 1; return h.sum()
+        >>> net = Net()
+        >>> found = find_inplace(net, lambda: net(torch.ones(3, 2)), "Relu", [3, 2])
+        >>> found["operation"], found["modified"], found["shape"]
+        ('Tensor.add_', 'ReluBackward0', [3, 2])
+    """
+    node = re.sub(r"Backward\d*$", "", node)
+    with preserved_state(model), torch.enable_grad(), module_stack(model) as stack, \
+            _InPlaceFinder(stack, node, shape) as finder:
+        replay()
+    return finder.found

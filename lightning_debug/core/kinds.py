@@ -1,0 +1,293 @@
+"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each.
+
+Checks name what they find with a :class:`Kind`; events.jsonl, report.json, report.md, the
+console summary and TensorBoard all read the same kind, severity and advice from here, so a
+finding reads the same wherever a person meets it.
+
+Example::
+
+    >>> from lightning_debug.core.kinds import Kind, Severity
+    >>> Kind.NONFINITE_LOSS == "nonfinite_loss", Severity.ERROR.at_least(Severity.WARNING)
+    (True, True)
+    >>> sorted([Severity.INFO, Severity.CRITICAL, Severity.WARNING])
+    [<Severity.CRITICAL: 'critical'>, <Severity.WARNING: 'warning'>, <Severity.INFO: 'info'>]
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class Severity(str, enum.Enum):
+    """How bad a finding is; sorting puts the most severe first."""
+
+    CRITICAL = "critical"
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def rank(self) -> int:
+        """0 for critical up to 3 for info."""
+        return _SEVERITY_RANK[self]
+
+    def at_least(self, other: "Severity") -> bool:
+        return self.rank <= other.rank
+
+    def __lt__(self, other: object) -> bool:  # type: ignore[override]
+        return isinstance(other, Severity) and self.rank < other.rank
+
+    @classmethod
+    def parse(cls, value: Any) -> "Severity":
+        """A severity from a file someone else wrote; anything unknown counts as info."""
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            return cls.INFO
+
+
+_SEVERITY_RANK = {Severity.CRITICAL: 0, Severity.ERROR: 1, Severity.WARNING: 2, Severity.INFO: 3}
+
+
+def severity_rank(value: Any) -> int:
+    """The sort rank of a severity given as an enum or a string (unknown strings sort last)."""
+    try:
+        return Severity(str(value)).rank
+    except ValueError:
+        return len(_SEVERITY_RANK)
+
+
+class Kind(str, enum.Enum):
+    """Every kind of finding the checks write (the ``kind`` of an event)."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    NONFINITE_PARAM = "nonfinite_param"
+    NONFINITE_ACTIVATION = "nonfinite_activation"
+    AMP_OVERFLOW_SKIPPED = "amp_overflow_skipped"
+    EXPLODING_GRAD = "exploding_grad"
+    VANISHING_GRAD = "vanishing_grad"
+    MISSING_GRAD = "missing_grad"
+    FROZEN_PARAM = "frozen_param"
+    REQUIRES_GRAD_FALSE = "requires_grad_false"
+    MEMORY_GROWTH = "memory_growth"
+    MEMORY_HIGH = "memory_high"
+    OOM = "oom"
+    SLOW_STEP = "slow_step"
+    DATALOADER_BOTTLENECK = "dataloader_bottleneck"
+    STRAGGLER_RANK = "straggler_rank"
+    HOST_SYNC = "host_sync"
+    PROFILER_TRACE = "profiler_trace"
+    NONFINITE_INPUT = "nonfinite_input"
+    DEAD_ACTIVATION = "dead_activation"
+    SATURATED_ACTIVATION = "saturated_activation"
+    EVAL_MODE_IN_TRAINING = "eval_mode_in_training"
+    GRAD_NOT_ZEROED = "grad_not_zeroed"
+    EXCEPTION = "exception"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class ErrorCategory(str, enum.Enum):
+    """What kind of runtime error the user's step raised (``details.category`` of an ``exception`` event)."""
+
+    SHAPE_MISMATCH = "shape_mismatch"
+    DEVICE_MISMATCH = "device_mismatch"
+    DTYPE_MISMATCH = "dtype_mismatch"
+    INPLACE_OPERATION = "inplace_operation"
+    BACKWARD_TWICE = "backward_twice"
+    NO_GRAD = "no_grad"
+    DDP_UNUSED_PARAMETERS = "ddp_unused_parameters"
+    INDEX_OUT_OF_RANGE = "index_out_of_range"
+    DEVICE_ASSERT = "device_assert"
+    OOM = "oom"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMMON_CAUSES = {
+    Kind.NONFINITE_LOSS: "log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
+                         "a learning rate too high, NaN in the input batch",
+}
+
+ADVICE: dict[Kind, str] = {
+    Kind.NONFINITE_LOSS: f"Find the operation that produces it: a {COMMON_CAUSES[Kind.NONFINITE_LOSS]}. "
+                         "`level: ADVANCED` replays the step to name the operation and its source line; "
+                         "`anomaly_detection_mode: skip` keeps training past rare bad batches.",
+    Kind.NONFINITE_GRAD: "With a finite loss the backward pass is at fault (sqrt/pow/norm at 0, division by a tiny "
+                         "value, an overflow): clamp inputs of those operations, clip gradients "
+                         "(`Trainer(gradient_clip_val=1.0)`), lower the learning rate.",
+    Kind.NONFINITE_PARAM: "The weights are already broken; skipping steps cannot repair them. Restart from the last "
+                          "good checkpoint with a lower learning rate, gradient clipping, and check weight decay and "
+                          "fp16 loss scaling.",
+    Kind.NONFINITE_ACTIVATION: "A layer's output is not finite: look at the named module's inputs and its "
+                               "normalisation; clamp or add epsilons where it divides, logs or exponentiates.",
+    Kind.AMP_OVERFLOW_SKIPPED: "Nothing to do unless it happens on most steps; then values overflow fp16: scale "
+                               "inputs down or train in bf16.",
+    Kind.EXPLODING_GRAD: "Clip gradients (`Trainer(gradient_clip_val=...)`, see the suggestion under Gradient "
+                         "health), lower the learning rate, use a learning-rate warm-up, check initialisation and "
+                         "normalisation.",
+    Kind.VANISHING_GRAD: "Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
+                         "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
+                         "the loss is not detached or scaled to nothing.",
+    Kind.MISSING_GRAD: "A trainable parameter got no gradient: a layer defined but not used in forward, a branch cut "
+                       "by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of the loss. Use it, remove "
+                       "it, or set `requires_grad=False` (under DDP it also needs `find_unused_parameters`).",
+    Kind.FROZEN_PARAM: "The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
+                       "for a learning rate of 0, or set `requires_grad=False` if they are frozen on purpose.",
+    Kind.MEMORY_GROWTH: "Memory grows step after step: a tensor kept across steps together with its graph "
+                        "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
+                        "only grows, or gradients accumulated without `zero_grad()`.",
+    Kind.MEMORY_HIGH: "Close to the limit: reduce the batch size, accumulate gradients, use mixed precision or "
+                      "activation checkpointing, and free tensors you keep between steps.",
+    Kind.OOM: "Out of memory: see the post-mortem for what held the memory; reduce the batch size, accumulate "
+              "gradients, use mixed precision or activation checkpointing.",
+    Kind.SLOW_STEP: "See which phase was slow (data, forward, backward, optimizer): a checkpoint save, garbage "
+                    "collection, validation, or a host sync; `profile_steps` records a torch.profiler trace.",
+    Kind.DATALOADER_BOTTLENECK: "The model waits for data: raise `num_workers`, set `pin_memory=True` on GPU and "
+                                "`persistent_workers=True`, and move heavy preprocessing out of `__getitem__`.",
+    Kind.STRAGGLER_RANK: "One rank is consistently slower: check its data shard, its device (clocks, temperature) "
+                         "and other jobs on that node.",
+    Kind.HOST_SYNC: "Keep values on the device inside the step: log tensors instead of `.item()`, and do not print "
+                    "or branch on tensor values.",
+    Kind.PROFILER_TRACE: "Open the trace in https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler "
+                         "plugin; the top operators are listed below.",
+    Kind.NONFINITE_INPUT: "The data holds NaN/Inf before the model sees it: find the samples named in the event "
+                          "(a missing value, a division by a zero std in normalisation, a corrupt file), clean or drop "
+                          "them, or guard with torch.nan_to_num in the dataset.",
+    Kind.DEAD_ACTIVATION: "The layer outputs (almost) only zeros, so no gradient flows through it: usually a large "
+                          "negative bias or a too-large step pushed every pre-activation below zero. Use Kaiming "
+                          "initialisation, normalisation before the activation, a lower learning rate (or a warm-up), "
+                          "or LeakyReLU/GELU.",
+    Kind.SATURATED_ACTIVATION: "The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
+                               "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
+                               "lower the learning rate, or use ReLU/GELU in hidden layers.",
+    Kind.EVAL_MODE_IN_TRAINING: "Dropout and BatchNorm of these modules behave as in inference during training "
+                                "(no dropout, frozen running statistics). Call `model.train()` after evaluating, and "
+                                "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
+                                "intended, freeze their parameters too (`requires_grad_(False)`).",
+    Kind.GRAD_NOT_ZEROED: "Gradients accumulate across optimizer steps, so each update uses the sum of all past "
+                          "gradients: call `optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
+    Kind.EXCEPTION: "The step raised; report.md's \"Runtime error\" section says what the plugin could name (the "
+                    "module, the shapes, devices or parameters involved) and the fix for that kind of error.",
+}
+
+ERROR_ADVICE: dict[ErrorCategory, str] = {
+    ErrorCategory.SHAPE_MISMATCH: "Make the shapes agree where it failed: flatten (`x.view(x.size(0), -1)`), "
+                                  "transpose, unsqueeze, or fix the layer's size (`in_features`, `in_channels`) to "
+                                  "the input it really gets; `lightning_debug.inspect_tensor(x)` prints a tensor's "
+                                  "shape, dtype and device.",
+    ErrorCategory.DEVICE_MISMATCH: "Keep the model and the batch on one device: let Lightning/Accelerate move the "
+                                   "batch (no `.cuda()`/`.cpu()` of your own), register tensors the model keeps as "
+                                   "buffers (`self.register_buffer`) so `.to(device)` moves them, and create new "
+                                   "tensors with `device=x.device`.",
+    ErrorCategory.DTYPE_MISMATCH: "Use float32 (or the autocast dtype) for inputs and long (int64) for class "
+                                  "labels; convert with `.float()` / `.long()` in the dataset, not in the model.",
+    ErrorCategory.INPLACE_OPERATION: "An in-place operation (`x += y`, `x[i] = v`, `.add_()`, `relu(inplace=True)`) "
+                                     "changed a tensor the backward needs: use the out-of-place form `x = x + y`, or "
+                                     "`x = x.clone()` before modifying it; modify leaf parameters only under "
+                                     "`torch.no_grad()`.",
+    ErrorCategory.BACKWARD_TWICE: "Recompute the forward before the second backward, or pass `retain_graph=True` to "
+                                  "the first one if you really need both. Most often a tensor of the previous step "
+                                  "(an RNN hidden state, a running loss) enters this step's graph: `.detach()` it.",
+    ErrorCategory.NO_GRAD: "The loss is cut off from the parameters: remove the `.detach()`, `.item()`, `.data`, "
+                           "`torch.no_grad()` or numpy round-trip on the path to the loss, and check that parameters "
+                           "have `requires_grad=True`.",
+    ErrorCategory.DDP_UNUSED_PARAMETERS: "Parameters that get no gradient under DDP: use them in forward, "
+                                         "remove them, freeze them (`requires_grad_(False)`), or let DDP look for "
+                                         "them (slower, it walks the graph every step): `Trainer(strategy="
+                                         "'ddp_find_unused_parameters_true')`, `DistributedDataParallel("
+                                         "find_unused_parameters=True)`, or Accelerate's "
+                                         "`DistributedDataParallelKwargs(find_unused_parameters=True)`.",
+    ErrorCategory.INDEX_OUT_OF_RANGE: "A class label or an index is out of range: labels for `cross_entropy`/"
+                                      "`nll_loss` must be in [0, num_classes) (check `target.min()`, `target.max()` "
+                                      "and that the head has num_classes outputs), token ids below the embedding "
+                                      "size; `lightning_debug.check_labels(target, num_classes)` names the samples.",
+    ErrorCategory.DEVICE_ASSERT: "A CUDA kernel failed an assertion, most often a class label outside [0, num_classes) "
+                                 "in `cross_entropy`/`nll_loss` or a token id beyond the embedding size. Check the "
+                                 "labels' range; rerun with `CUDA_LAUNCH_BLOCKING=1` or on CPU to see the exact "
+                                 "operation. The CUDA context is unusable after this error: restart the process.",
+    ErrorCategory.OOM: "See the out-of-memory post-mortem (`oom` finding, `oom_step<N>.md`, with "
+                       "MemoryProfilerCallback): a smaller batch, gradient accumulation, mixed precision or activation "
+                       "checkpointing.",
+    ErrorCategory.OTHER: "The traceback and the module named here show where it happened.",
+}
+
+
+HINTS: dict[Kind, str] = {
+    Kind.NONFINITE_LOSS: "clamp or add an epsilon before log/div/sqrt; level=ADVANCED names the operation",
+    Kind.NONFINITE_GRAD: "the backward is at fault: epsilon inside sqrt/pow/norm, clip gradients",
+    Kind.NONFINITE_PARAM: "the weights are broken: restart from a checkpoint with a lower learning rate",
+    Kind.NONFINITE_ACTIVATION: "look at that module's inputs; clamp or add epsilons",
+    Kind.AMP_OVERFLOW_SKIPPED: "expected with fp16 unless it happens on most steps",
+    Kind.EXPLODING_GRAD: "clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate",
+    Kind.VANISHING_GRAD: "ReLU/GELU, a better initialisation, normalisation or residual connections",
+    Kind.MISSING_GRAD: "use the layer, remove it, or requires_grad_(False)",
+    Kind.FROZEN_PARAM: "add them to the optimizer, or check for a learning rate of 0",
+    Kind.MEMORY_GROWTH: "a tensor kept with its graph? keep loss.item() or loss.detach()",
+    Kind.MEMORY_HIGH: "smaller batch, gradient accumulation, mixed precision",
+    Kind.OOM: "see the post-mortem; smaller batch, mixed precision, checkpointing",
+    Kind.SLOW_STEP: "see the slow phase; profile_steps records a torch.profiler trace",
+    Kind.DATALOADER_BOTTLENECK: "raise num_workers; pin_memory and persistent_workers",
+    Kind.STRAGGLER_RANK: "check that rank's data shard, device and node",
+    Kind.HOST_SYNC: "keep values on the device inside the step (no .item())",
+    Kind.PROFILER_TRACE: "open it in https://ui.perfetto.dev",
+    Kind.NONFINITE_INPUT: "clean or drop those samples; check the normalisation (a zero std)",
+    Kind.DEAD_ACTIVATION: "lower the learning rate, check the bias init, or use LeakyReLU/GELU",
+    Kind.SATURATED_ACTIVATION: "normalise the inputs, a better initialisation, or ReLU/GELU",
+    Kind.EVAL_MODE_IN_TRAINING: "call .train() on it, unless it is frozen on purpose",
+    Kind.GRAD_NOT_ZEROED: "call optimizer.zero_grad() once per optimizer step",
+    Kind.EXCEPTION: "see the explanation in report.md; your exception is raised unchanged",
+}
+"""The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
+
+
+def hint_for(kind: Any, width: int = 90) -> str | None:
+    """A short hint for a console line: :data:`HINTS`, else the advice cut to ``width`` at a word.
+
+    Example::
+
+        >>> hint_for("exploding_grad")
+        'clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate'
+    """
+    try:
+        known = Kind(str(kind))
+    except ValueError:
+        return None
+    text = HINTS.get(known) or ADVICE.get(known)
+    if text is None or len(text) <= width:
+        return text
+    return text[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+def advice_for(kind: Any) -> str | None:
+    """The advice of a kind given as an enum or a string (None for kinds this version does not know)."""
+    try:
+        return ADVICE.get(Kind(str(kind)))
+    except ValueError:
+        return None
+
+
+def advice_for_cause(where: str, operation: str | None) -> str:
+    """The seed checklist's fix for what a replay found (``where`` and ``operation`` of a cause)."""
+    operation = (operation or "").lower()
+    if where == "inputs":
+        return "Clean or filter the data (torch.nan_to_num, drop bad samples) and check the normalization. "
+    if where == "backward":
+        return ("A backward-only NaN: sqrt/pow/norm/atan2 at exactly 0 has an infinite derivative; add an epsilon "
+                "inside (torch.sqrt(x + 1e-12)) or clamp the argument. ")
+    if any(name in operation for name in ("log", "div", "reciprocal", "rsqrt")):
+        return "Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)). "
+    if any(name in operation for name in ("sqrt", "pow")):
+        return "The argument is negative or zero: clamp it (x.clamp_min(0) + 1e-12) or use torch.abs. "
+    if any(name in operation for name in ("exp", "softmax", "matmul", "linear", "mm", "bmm", "conv")):
+        return ("An overflow: values grew too large (max |x| above); lower the learning rate, clip gradients, "
+                "normalize inputs or use a numerically stable form (log_softmax, logsumexp). ")
+    return ""

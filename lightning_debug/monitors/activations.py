@@ -1,0 +1,309 @@
+"""Activation statistics (``log_activations``): what each layer outputs, dead ReLUs, saturated sigmoids.
+
+On a gradient check step (or the step after it, when the performance profiler times the check
+step), forward hooks are put on the model's leaf modules when the step's first micro-batch starts
+and taken off when its forward ends (the loss is computed), so no other forward pays anything. Each hook computes its module's output statistics on the device right away (the
+output may be modified in place later, e.g. by ``ReLU(inplace=True)`` or ``out += identity``);
+the rows of all modules are stacked into one vector and read back once, without a host sync,
+when the copy has completed (usually at the next step). With ``log_activations`` off this
+monitor does not exist.
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_debug import DebugConfig
+    >>> from lightning_debug.core.monitor import RunContext
+    >>> from lightning_debug.run import Run
+    >>> model = nn.Sequential(nn.Linear(4, 32), nn.ReLU())
+    >>> with torch.no_grad():
+    ...     _ = model[0].bias.fill_(-100.0)
+    >>> class Loop(RunContext):
+    ...     def module(self): return model
+    >>> config = DebugConfig(log_activations=True, gradient_checking_frequency=1, save_debug_info=False,
+    ...                      print_summary=False)
+    >>> monitor = ActivationMonitor(config, "my_loop")
+    >>> run = Run(config, Loop(), [monitor]); run.start(0)
+    >>> run.batch_start(0, None); loss = model(torch.randn(8, 4)).sum(); run.before_backward(0, loss)
+    >>> run.batch_end(); report = run.finish("finished", 1)
+    >>> report["findings"]["dead_activation"]["first_message"][:40]
+    '`1` (ReLU, fed by `0` (Linear)) outputs '
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_debug.checks.activations import (
+    RELU_LIKE,
+    STATS,
+    first_floating,
+    leaf_modules,
+    metric_names,
+    output_stats,
+    saturation_range,
+)
+from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
+from lightning_debug.config import Area, DebugConfig, DebugLevel
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.session import Where
+
+DEAD_FRACTION = 0.99
+SATURATED_FRACTION = 0.9
+MIN_ELEMENTS = 64
+MAX_OUTPUTS = 1024
+MAX_PENDING = 4
+HISTOGRAM_BINS = 30
+TABLE_ROWS = 40
+
+
+def _quoted(label_and_type: str) -> str:
+    """``"0 (Linear)"`` as ``"`0` (Linear)"``."""
+    label, _, kind = label_and_type.rpartition(" (")
+    return f"`{label}` ({kind}"
+
+
+@dataclass
+class Output:
+    """One call of one leaf module in a check step's forward."""
+
+    label: str
+    module_type: str
+    shape: list[int]
+    relu_like: bool
+    saturating: bool
+    fed_by: str | None  # "label (type)" of the module whose output this one received
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class PendingStats:
+    step: int
+    where: Where
+    outputs: list[Output]
+    stats: Readback
+    histograms: Readback | None
+
+
+class ActivationMonitor(Monitor):
+    """Per-module output statistics on gradient check steps; ``dead_activation`` and ``saturated_activation``.
+
+    Scalars ``debug/activation/<module>/<stat>`` (mean, std, max_abs, zero_fraction, nonfinite_count,
+    and saturated_fraction for sigmoid/tanh-like modules); histograms ``debug/activation_hist/<module>``
+    at level EXPERT. A module called several times in one forward gets one entry per call
+    (``<module>_call2``, ...).
+    """
+
+    area = Area.ACTIVATIONS
+    kinds = frozenset({Kind.DEAD_ACTIVATION, Kind.SATURATED_ACTIVATION})
+    events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EXCEPTION})
+    frequency_field = "gradient_checking_frequency"
+
+    def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
+        super().__init__(config, source)
+        self.checks = 0
+        self.latest: dict[str, dict[str, Any]] = {}
+        self.latest_step = -1
+        self.flagged: dict[str, dict[str, int]] = {kind.value: {} for kind in self.kinds}
+        self._histogram_writer: HistogramWriter | None = None
+        self._handles: list[Any] = []
+        self._instrumented_step = -1
+        self._alternate = False
+        self._deferred: int | None = None
+        self._where: Where = {}
+        self._outputs: list[Output] = []
+        self._rows: list[torch.Tensor] = []
+        self._histogram_rows: list[torch.Tensor] = []
+        self._calls: dict[str, int] = {}
+        self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
+        self._pending: list[PendingStats] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
+
+    def start(self, step: int) -> None:
+        if self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
+            self._histogram_writer = self.context.histogram_writer()[0]
+
+    # --- the check step's forward -----------------------------------------------------------------
+    def _measures(self, step: int) -> bool:
+        """A gradient check step, or the next step when the performance profiler times the check step
+        (and not the next one): the profiler never times the hooks. When it times every step, every
+        other check step is measured, and the profiler leaves those out of its timings."""
+        if step == self._instrumented_step:
+            return False
+        if self._deferred is not None and step > self._deferred:
+            self._deferred = None
+            return True
+        if not self.due(step):
+            return False
+        timed = self.session.timed_steps
+        if timed is not None and timed(step):
+            if not timed(step + 1):
+                self._deferred = step
+                return False
+            self._alternate = not self._alternate
+            return self._alternate
+        return True
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        """Hook the leaf modules for the first micro-batch of the step measured."""
+        if not self._measures(step):
+            return
+        model = self.context.module()
+        if model is None:
+            return
+        self._instrumented_step, self._where = step, self.context.where()
+        self._calls, self._outputs, self._rows, self._histogram_rows = {}, [], [], []
+        self.session.instrumented_steps.append(step)
+        for name, module in leaf_modules(model):
+            self._handles.append(module.register_forward_hook(self._hook_for(name)))
+
+    def _hook_for(self, name: str) -> Any:
+        def observe(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            tensor = first_floating(output)
+            if tensor is None or len(self._outputs) >= MAX_OUTPUTS:
+                return
+            calls = self._calls[name] = self._calls.get(name, 0) + 1
+            label = name if calls == 1 else f"{name}_call{calls}"
+            previous = self._previous
+            fed_by = previous[0] if previous is not None and args and args[0] is previous[1] else None
+            saturation = saturation_range(module)
+            self._rows.append(output_stats(tensor, saturation))
+            if self._histogram_writer is not None:
+                self._histogram_rows.append(histogram_summaries([tensor], HISTOGRAM_BINS)[0])
+            self._outputs.append(Output(label, type(module).__name__, list(tensor.shape),
+                                        isinstance(module, RELU_LIKE), saturation is not None, fed_by))
+            self._previous = (f"{label} ({type(module).__name__})", tensor)
+        return observe
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self._end_forward()
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self._end_forward()
+
+    def exception(self, step: int, error: BaseException, batch: Any) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._previous = [], None
+
+    def _end_forward(self) -> None:
+        """The forward is over: take the hooks off and start reading the stacked statistics back."""
+        if not self._handles:
+            return
+        self._remove_hooks()
+        if not self._rows:
+            return
+        device = self._rows[0].device
+        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows]), blocking=False)
+        histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
+                               blocking=False) if self._histogram_rows else None)
+        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms))
+        self._rows, self._histogram_rows, self._outputs = [], [], []
+        self.poll()
+
+    # --- verdicts ---------------------------------------------------------------------------------
+    def poll(self, final: bool = False) -> None:
+        while self._pending and (final or len(self._pending) > MAX_PENDING or self._pending[0].stats.ready()):
+            self._complete(self._pending.pop(0))
+
+    def _complete(self, pending: PendingStats) -> None:
+        values = pending.stats.values()
+        width = len(STATS)
+        step, where, outputs = pending.step, pending.where, pending.outputs
+        names = metric_names([output.label for output in outputs])
+        metrics: dict[str, float] = {}
+        self.latest, self.latest_step = {}, step
+        for index, (output, name) in enumerate(zip(outputs, names)):
+            stats = dict(zip(STATS, values[index * width:(index + 1) * width]))
+            if not output.saturating:
+                stats.pop("saturated_fraction")
+            metrics.update({f"debug/activation/{name}/{stat}": value for stat, value in stats.items()})
+            if len(self.latest) < TABLE_ROWS:
+                self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
+            if output.numel < MIN_ELEMENTS:
+                continue
+            if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
+                self._record_dead(step, where, output, stats)
+            last = index == len(outputs) - 1
+            if output.saturating and not last and stats["saturated_fraction"] >= SATURATED_FRACTION:
+                self._record_saturated(step, where, output, stats)
+        self.checks += 1
+        self.log_metrics(step, metrics)
+        if pending.histograms is not None and self._histogram_writer is not None:
+            rows = pending.histograms.values()
+            size = 5 + HISTOGRAM_BINS
+            for index, name in enumerate(names):
+                self._histogram_writer(f"debug/activation_hist/{name}",
+                                       histogram_from_row(rows[index * size:(index + 1) * size], HISTOGRAM_BINS), step)
+        self.close_episodes(step, where, self.kinds)
+
+    def _describe(self, output: Output) -> str:
+        fed = f", fed by {_quoted(output.fed_by)}" if output.fed_by else ""
+        return f"`{output.label}` ({output.module_type}{fed})"
+
+    def _record_dead(self, step: int, where: Where, output: Output, stats: dict[str, float]) -> None:
+        counts = self.flagged[Kind.DEAD_ACTIVATION.value]
+        counts[output.label] = counts.get(output.label, 0) + 1
+        fed = f"{_quoted(output.fed_by)} and " if output.fed_by else ""
+        self.record(Finding(
+            Kind.DEAD_ACTIVATION, Severity.WARNING,
+            f"{self._describe(output)} outputs zero for {stats['zero_fraction']:.1%} of its {output.numel} values "
+            f"(shape {output.shape}) at step {step}: the layer is dead, no gradient flows back through it to "
+            f"{fed}the layers before. Usually a large negative bias or a too-large step pushed every "
+            "pre-activation below zero: Kaiming initialisation, normalisation before the activation, a lower "
+            "learning rate, or LeakyReLU/GELU.",
+            {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+             "shape": output.shape, "zero_fraction": stats["zero_fraction"], "max_abs": stats["max_abs"]}),
+            step, where, key=output.label)
+
+    def _record_saturated(self, step: int, where: Where, output: Output, stats: dict[str, float]) -> None:
+        counts = self.flagged[Kind.SATURATED_ACTIVATION.value]
+        counts[output.label] = counts.get(output.label, 0) + 1
+        self.record(Finding(
+            Kind.SATURATED_ACTIVATION, Severity.WARNING,
+            f"{self._describe(output)} is saturated at step {step}: {stats['saturated_fraction']:.1%} of its "
+            f"{output.numel} outputs sit at the ends of its range, where its derivative is ~0, so gradients vanish "
+            "through it. Normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, a lower "
+            "learning rate, or ReLU/GELU in hidden layers.",
+            {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+             "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"]}),
+            step, where, key=output.label)
+
+    # --- the end ----------------------------------------------------------------------------------
+    def finalize(self, step: int) -> None:
+        self._remove_hooks()
+        self.poll(final=True)
+        super().finalize(step)
+
+    def restore(self) -> None:
+        self._remove_hooks()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), checks=self.checks,
+                    flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.checks = int(state_dict.get("checks", 0))
+        for kind, counts in state_dict.get("flagged", {}).items():
+            self.flagged[kind] = {name: int(count) for name, count in counts.items()}
+
+    def report_section(self) -> dict[str, Any]:
+        return dict(super().report_section(), checks=self.checks, latest_step=self.latest_step,
+                    latest=dict(self.latest), flagged={kind: dict(c) for kind, c in self.flagged.items() if c})

@@ -1,0 +1,246 @@
+"""The training loop's silent killers: modules left in eval mode, gradients never zeroed.
+
+Neither raises an error; both make a run train worse without a trace in the loss curve's shape.
+
+- ``eval_mode_in_training``: at the start of training, at each epoch, and on gradient check steps
+  (the model as a whole), modules in eval mode while the model trains, found where their mode
+  changes something (Dropout, BatchNorm/InstanceNorm with running statistics) and they are
+  trained. A frozen backbone in eval mode (no trainable parameter) is left alone.
+- ``grad_not_zeroed``: on the backwards of a gradient check step that follow an optimizer step, the
+  gradients they add to are looked at: a parameter that receives its first gradient of the step
+  while still holding the previous step's non-zero one accumulates across steps (a loop without
+  ``optimizer.zero_grad()``). A second backward of the same step adding to the first one's
+  gradients (two losses, two backward calls) is not counted. Parameters are hooked only on that backward and only if they
+  still hold a gradient (``zero_grad()`` sets them to None, so a healthy loop hooks nothing); the
+  old gradients' norms are one fused kernel, read back without a sync. Intentional accumulation over
+  micro-batches is not affected: it happens between optimizer steps. Only parameters an optimizer
+  holds are looked at (the gradient of one no optimizer steps changes nothing; ``frozen_param``
+  names it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_debug.checks.numerics import fused_norms
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.monitor import Event, Monitor
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.session import Where
+
+NAMES_SHOWN = 5
+NAMES_IN_DETAILS = 20
+MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _mode_matters(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.track_running_stats
+    return isinstance(module, MODE_DEPENDENT)
+
+
+def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
+    """The outermost modules in eval mode inside a training ``root`` whose mode matters, with the
+    Dropout/BatchNorm layers it changes; frozen ones (no trainable parameter) are left out.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
+        >>> _ = model[1].eval()
+        >>> modules_left_in_eval(model)
+        [('1', ['1.1'])]
+        >>> _ = model[1].requires_grad_(False)
+        >>> modules_left_in_eval(model)
+        []
+    """
+    if not root.training:
+        return []
+    found: list[tuple[str, list[str]]] = []
+
+    def visit(prefix: str, module: nn.Module, parent_trains: bool) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if child.training:
+                visit(path, child, parent_trains)
+                continue
+            own = list(child.parameters())
+            trained = any(p.requires_grad for p in own) if own else parent_trains
+            affected = [f"{path}.{sub}" if sub else path for sub, m in child.named_modules() if _mode_matters(m)]
+            if trained and affected:
+                found.append((path, affected))
+
+    visit("", root, any(p.requires_grad for p in root.parameters()))
+    return found
+
+
+@dataclass
+class Window:
+    """The parameters hooked during one backward, with the norms of the gradients they held before it."""
+
+    step: int
+    where: Where
+    names: list[str]
+    ids: list[int]
+    norms: torch.Tensor
+    handles: list[Any] = field(default_factory=list)
+    touched: set[int] = field(default_factory=set)
+
+
+class LoopMonitor(Monitor):
+    """See the module docstring; one per run, on gradient check steps (``gradient_checking_frequency``)."""
+
+    area = Area.LOOP
+    kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED})
+    events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.AFTER_OPTIMIZER_STEP,
+                        Event.BATCH_END, Event.EXCEPTION})
+    frequency_field = "gradient_checking_frequency"
+
+    def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
+        super().__init__(config, source)
+        self.mode_checks = 0
+        self.eval_modules: dict[str, list[str]] = {}
+        self.accumulating: list[str] = []
+        self._steps_done = 0
+        self._armed = False
+        self._checked_backward = False
+        self._fresh: set[int] = set()  # parameters whose gradient is this step's own
+        self._walked_epoch: int | None = None
+        self._window: Window | None = None
+        self._pending: list[tuple[int, Where, list[str], Readback]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(super().__getstate__(), _window=None, _pending=[])
+
+    # --- eval mode --------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        self._steps_done = step
+        self._check_modes(step)
+
+    def epoch_start(self, step: int) -> None:
+        self._check_modes(step)
+
+    def _check_modes(self, step: int) -> None:
+        model = self.context.module()
+        if model is None:
+            return
+        where = self.context.where()
+        self._walked_epoch = where.get("epoch")
+        self.mode_checks += 1
+        for name, affected in modules_left_in_eval(model):
+            self._record_eval(step, where, name, affected)
+        self.close_episodes(step, where, {Kind.EVAL_MODE_IN_TRAINING})
+
+    def _record_eval(self, step: int, where: Where, name: str, affected: list[str]) -> None:
+        self.eval_modules[name] = affected[:NAMES_IN_DETAILS]
+        subject = f"`{name}`" if name else "The whole model"
+        layers = ", ".join(f"`{layer}`" for layer in affected[:NAMES_SHOWN])
+        more = f" and {len(affected) - NAMES_SHOWN} more" if len(affected) > NAMES_SHOWN else ""
+        self.record(Finding(
+            Kind.EVAL_MODE_IN_TRAINING, Severity.WARNING,
+            f"{subject} is in eval mode while the model trains (step {step}): its Dropout/BatchNorm layers "
+            f"{layers}{more} behave as in inference (no dropout, running statistics frozen) although it has "
+            "trainable parameters. Call `.train()` on it (or on the model after evaluating); if frozen statistics "
+            "are intended, freeze its parameters too.",
+            {"modules": [name], "affected": affected[:NAMES_IN_DETAILS], "count": len(affected)}),
+            step, where, key=name)
+
+    # --- gradients accumulated across steps ------------------------------------------------------
+    def after_optimizer_step(self, steps_done: int) -> None:
+        if steps_done > self._steps_done:
+            self._close_window()  # the step's backwards are over
+            self._steps_done = steps_done
+            self._armed = self.due(steps_done) and not self.context.grads_sharded
+            self._checked_backward = False
+            self._fresh = set()
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self._close_window()
+        if not self.due(step):
+            return
+        model = self.context.module()
+        if model is not None and not model.training:
+            self._record_eval(step, self.context.where(), "", [
+                name or "(the model)" for name, m in model.named_modules() if _mode_matters(m)])
+        elif self.context.where().get("epoch") != self._walked_epoch:
+            self._check_modes(step)
+        if not self._armed:
+            return
+        self._checked_backward = True
+        stepped = {id(p) for group in self.context.param_groups() for p in group.get("params", [])}
+        held: list[tuple[str, torch.nn.Parameter]] = []
+        for name, parameter in self.context.named_parameters():
+            if not parameter.requires_grad or (stepped and id(parameter) not in stepped):
+                continue
+            if parameter.grad is None:
+                self._fresh.add(id(parameter))
+            elif id(parameter) not in self._fresh:
+                held.append((name, parameter))
+        if not held:
+            return
+        window = self._window = Window(step, self.context.where(), [name for name, _ in held],
+                                       [id(p) for _, p in held],
+                                       fused_norms([p.grad for _, p in held]))  # type: ignore[misc]
+        for index, (_, parameter) in enumerate(held):
+            window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self._close_window()
+        if self._checked_backward:
+            self._armed = self._checked_backward = False
+
+    def exception(self, step: int, error: BaseException, batch: Any) -> None:
+        self._close_window(evaluate=False)
+
+    def _close_window(self, evaluate: bool = True) -> None:
+        """The backward is over (the next backward or the batch's end): drop the hooks; the old norms of
+        the parameters it reached are read later."""
+        window, self._window = self._window, None
+        if window is None:
+            return
+        for handle in window.handles:
+            handle.remove()
+        self._fresh.update(window.ids[i] for i in window.touched)
+        if evaluate and window.touched:
+            touched = sorted(window.touched)
+            norms = window.norms[torch.tensor(touched, device=window.norms.device)]
+            self._pending.append((window.step, window.where, [window.names[i] for i in touched],
+                                  Readback(norms, blocking=False)))
+
+    def poll(self, final: bool = False) -> None:
+        while self._pending and (final or self._pending[0][3].ready()):
+            step, where, names, readback = self._pending.pop(0)
+            stale = [name for name, norm in zip(names, readback.values()) if norm > 0]
+            if stale:
+                self._record_accumulating(step, where, stale, len(names))
+            self.close_episodes(step, where, {Kind.GRAD_NOT_ZEROED})
+
+    def _record_accumulating(self, step: int, where: Where, stale: list[str], reached: int) -> None:
+        self.accumulating = stale[:NAMES_IN_DETAILS]
+        shown = ", ".join(f"`{name}`" for name in stale[:NAMES_SHOWN])
+        more = f" and {len(stale) - NAMES_SHOWN} more" if len(stale) > NAMES_SHOWN else ""
+        self.record(Finding(
+            Kind.GRAD_NOT_ZEROED, Severity.ERROR,
+            f"Gradients are not zeroed between optimizer steps: at step {step} the backward added to {len(stale)} "
+            f"of {reached} parameters that still held the previous step's gradient ({shown}{more}), so every "
+            "update uses the sum of all past gradients and the effective step size keeps growing. Call "
+            "`optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
+            {"parameters": stale[:NAMES_IN_DETAILS], "count": len(stale)}), step, where)
+
+    # --- the end ---------------------------------------------------------------------------------
+    def finalize(self, step: int) -> None:
+        self._close_window()
+        self.poll(final=True)
+        super().finalize(step)
+
+    def restore(self) -> None:
+        self._close_window(evaluate=False)
+
+    def report_section(self) -> dict[str, Any]:
+        return dict(super().report_section(), mode_checks=self.mode_checks, eval_modules=dict(self.eval_modules),
+                    accumulating=list(self.accumulating))

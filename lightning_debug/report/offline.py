@@ -1,0 +1,489 @@
+"""``lightning-debug report DIR``: rebuild report.json, report.md and the plots of a run after the fact.
+
+For a run that died without writing its report (killed, out of memory on the host), or one whose
+report you want again with a newer version: everything is rebuilt from ``events.jsonl`` and the
+TensorBoard event files next to it (the debug directory itself and the log directory holding it).
+A report.json already there contributes what only a live run knows (status, configuration,
+per-callback sections); findings and statistics come from the files.
+
+Files from a crash, a full disk or someone else are read defensively: events.jsonl is streamed
+(bounded memory whatever its length), every line is checked against the event schema and a bad
+one is skipped and counted (a line over 1 MiB, JSON nested too deep, a ``step`` that is not an
+integer, ``details`` that is not an object); report.json is used only in the parts that have the
+types the report needs. When an events.jsonl holds several runs (written before runs had their own
+directories), the report is of the last run only. When events are missing or cut off, findings the
+TensorBoard scalars show (``debug/loss_finite`` at 0, a rising ``debug/grad/exploding_count``) are
+reported from there, marked with their source. The rebuilt files are written atomically and never
+through a symlink. Input with nothing usable in it is a :class:`RunDirectoryError` with a one-line
+message.
+
+Example::
+
+    >>> import json, tempfile, pathlib
+    >>> from lightning_debug.report.offline import rebuild
+    >>> run = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (run / "events.jsonl").write_text(json.dumps({"step": 3, "kind": "nonfinite_loss",
+    ...     "severity": "error", "message": "The loss is NaN/Inf at step 3.", "episode": "start"}) + "\\n"
+    ...     + '{"step": "three", "kind": 7}\\n')
+    >>> result = rebuild(run, plots=False)
+    >>> result.report["findings"]["nonfinite_loss"]["first_step"], result.report["status"], result.bad_lines
+    (3, 'unknown', 1)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_debug.core.events import EVENTS_FILENAME
+from lightning_debug.core.timeline import Timeline
+from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
+
+Progress = Callable[[str], None]
+
+MAX_LINE_BYTES = 1 << 20
+MAX_REPORT_BYTES = 64 << 20
+MAX_DEPTH = 32
+MAX_TEXT = 4000
+BAD_LINES_SHOWN = 3
+STATUSES = ("finished", "failed", "interrupted", "unknown")
+TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
+    "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
+    "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
+    "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
+}
+
+
+class RunDirectoryError(ValueError):
+    """A directory that does not hold what a lightning-debug run leaves behind; the message is one line."""
+
+
+# --- events.jsonl --------------------------------------------------------------------------------
+@dataclass
+class EventsScan:
+    """What reading events.jsonl found besides its events (which are streamed, not kept)."""
+
+    read: int = 0
+    bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    truncated_last_line: bool = False
+    run: str | None = None
+    earlier_runs: int = 0
+    other_run_events: int = 0
+
+    def reject(self, where: str, why: str) -> None:
+        self.bad += 1
+        if len(self.bad_examples) < BAD_LINES_SHOWN:
+            self.bad_examples.append(f"{where}: {why}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(2 ** 62) < value < 2 ** 62
+
+
+def event_problem(record: Any) -> str | None:
+    """Why ``record`` is not a lightning-debug event (None when it is one).
+
+    Example::
+
+        >>> event_problem({"step": 3, "kind": "slow_step"}), event_problem({"step": "3", "kind": "slow_step"})
+        (None, "'step' is not an integer")
+    """
+    if not isinstance(record, dict):
+        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
+    if not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
+        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
+    if not _is_int(record.get("step")) or record["step"] < 0:
+        return "'step' is not an integer" if not _is_int(record.get("step")) else "'step' is negative"
+    for key in ("severity", "message", "callback", "run"):
+        if key in record and record[key] is not None and not isinstance(record[key], str):
+            return f"'{key}' is not a string"
+    for key in ("epoch", "batch"):
+        if key in record and not _is_int(record[key]):
+            return f"'{key}' is not an integer"
+    if record.get("episode") not in (None, "start", "end"):
+        return "'episode' is neither 'start' nor 'end'"
+    details = record.get("details")
+    if details is not None and not isinstance(details, dict):
+        return "'details' is not an object"
+    for key in ("first_step", "last_step", "steps"):
+        if details and key in details and not _is_int(details[key]):
+            return f"'details.{key}' is not an integer"
+    if details and "key" in details and not isinstance(details["key"], (str, type(None))):
+        return "'details.key' is not a string"
+    return None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
+    """``(number, line, complete)`` of a file read in bounded pieces; a line over
+    :data:`MAX_LINE_BYTES` comes as None (its bytes are skipped, not kept)."""
+    with open(path, "rb") as stream:
+        number = 0
+        while True:
+            line = stream.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            number += 1
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):
+                    line = stream.readline(MAX_LINE_BYTES)
+                yield number, None, True
+                continue
+            yield number, line, line.endswith(b"\n")
+
+
+def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
+    """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
+    the trace of a crash in the middle of a write, is noted as such, not as bad)."""
+    for number, line, complete in _lines(path):
+        where = f"{path.name}:{number}"
+        if line is None:
+            scan.reject(where, f"longer than {MAX_LINE_BYTES} bytes")
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            scan.reject(where, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            continue
+        except RecursionError:
+            scan.reject(where, "JSON nested too deep")
+            continue
+        except ValueError as error:
+            if not complete:
+                scan.truncated_last_line = True
+            else:
+                scan.reject(where, f"not valid JSON ({getattr(error, 'msg', error)})")
+            continue
+        problem = event_problem(record)
+        if problem is not None:
+            scan.reject(where, problem)
+            continue
+        scan.read += 1
+        yield record
+
+
+@dataclass
+class EventsFile:
+    """All valid events of a (small) events.jsonl, for tests and tools; :func:`rebuild` streams instead."""
+
+    records: list[dict[str, Any]]
+    truncated_last_line: bool
+    bad_lines: int = 0
+
+
+def read_events_file(path: Path) -> EventsFile:
+    scan = EventsScan()
+    records = list(iter_events(path, scan))
+    return EventsFile(records, scan.truncated_last_line, scan.bad)
+
+
+def _last_run(records: Iterable[dict[str, Any]], scan: EventsScan) -> Iterator[dict[str, Any]]:
+    """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the
+    consumer starts afresh); events of a run seen earlier are counted, not used."""
+    seen: set[Any] = set()
+    for record in records:
+        run = record.get("run")
+        if run not in seen:
+            if seen:
+                scan.earlier_runs += 1
+                yield {}
+            seen.add(run)
+            scan.run = run
+        elif run != scan.run:
+            scan.other_run_events += 1
+            continue
+        yield record
+
+
+# --- TensorBoard ---------------------------------------------------------------------------------
+def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
+    """The TensorBoard event files directly in each directory, oldest first."""
+    found: list[Path] = []
+    for directory in directories:
+        if directory.is_dir():
+            found += sorted((p for p in directory.glob("events.out.tfevents.*") if p.is_file()),
+                            key=lambda p: (p.stat().st_mtime, p.name))
+    return found
+
+
+def _scalar_values(path: Path) -> Iterator[tuple[str, int, float]]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    for event in EventFileLoader(str(path)).Load():
+        if not event.HasField("summary"):
+            continue
+        for value in event.summary.value:
+            if not value.tag.startswith("debug/"):
+                continue
+            if value.HasField("simple_value"):
+                yield value.tag, int(event.step), float(value.simple_value)
+            elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
+                yield value.tag, int(event.step), float(tensor_util.make_ndarray(value.tensor).item())
+
+
+class ScalarFindings:
+    """What the debug scalars alone show, for runs whose events are missing or cut off: the steps where
+    ``debug/loss_finite`` was 0 and where a cumulative count rose (bounded: first and last step, count)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[int]] = {}
+        self._last: dict[str, float] = {}
+
+    def observe(self, tag: str, step: int, value: float) -> None:
+        if tag == "debug/loss_finite":
+            hit = value == 0.0
+        elif tag in TENSORBOARD_COUNTS or tag == "debug/anomaly/count":
+            hit = math.isfinite(value) and value > self._last.get(tag, 0.0)
+            self._last[tag] = value
+        else:
+            return
+        if hit:
+            span = self.spans.setdefault(tag, [step, step, 0])
+            span[0], span[1], span[2] = min(span[0], step), max(span[1], step), span[2] + 1
+
+    def findings(self) -> dict[str, dict[str, Any]]:
+        """Findings in report.json's form, each with ``source: tensorboard``."""
+        out: dict[str, dict[str, Any]] = {}
+
+        def add(kind: str, severity: str, tag: str, what: str) -> None:
+            first, last, points = self.spans[tag]
+            out[kind] = {"episodes": 1, "steps": points, "first_step": first, "last_step": last,
+                         "severity": severity, "callback": "TensorBoard", "source": "tensorboard",
+                         "first_message": f"TensorBoard's {tag} shows {what} at steps {first}-{last} "
+                                          f"({points} logged point(s)); events.jsonl has no event for it."}
+
+        if "debug/loss_finite" in self.spans:
+            add("nonfinite_loss", "error", "debug/loss_finite", "a NaN/Inf loss (0)")
+        elif "debug/anomaly/count" in self.spans:
+            add("nonfinite_grad", "error", "debug/anomaly/count", "check steps with NaN/Inf gradients or weights")
+        for tag, (kind, severity, what) in TENSORBOARD_COUNTS.items():
+            if tag in self.spans:
+                add(kind, severity, tag, what)
+        return out
+
+
+def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorboard: list[Path],
+                  progress: Progress | None = None, progress_every_s: float = 1.0,
+                  scalars: ScalarFindings | None = None) -> tuple[Timeline, list[str]]:
+    """A timeline from events and TensorBoard files; returns it and notes on files it skipped. A
+    ``{}`` in ``events`` (see :func:`_last_run`) starts the timeline afresh."""
+    timeline = Timeline()
+    notes: list[str] = []
+    for record in events.records if isinstance(events, EventsFile) else events or []:
+        if record:
+            timeline.observe_event(record)
+        else:
+            timeline = Timeline()
+    for path in tensorboard:
+        started = last_said = time.monotonic()
+        points = 0
+        try:
+            for tag, step, value in _scalar_values(path):
+                timeline.observe_metrics({tag: value}, step)
+                if scalars is not None:
+                    scalars.observe(tag, step, value)
+                points += 1
+                now = time.monotonic()
+                if progress is not None and now - last_said >= progress_every_s:
+                    last_said = now
+                    progress(f"reading {path.name}: {points} debug scalars so far ({now - started:.0f} s)")
+        except Exception as error:  # a damaged file loses its own points only
+            notes.append(f"skipped the rest of {path} ({type(error).__name__}: {error})")
+        if progress is not None:
+            progress(f"read {points} debug scalars from {path.name}")
+    return timeline, notes
+
+
+# --- report.json -----------------------------------------------------------------------------------
+def _shallow(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """``value`` is JSON nested at most ``limit`` deep with string keys (checked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(item, dict):
+            if not all(isinstance(key, str) for key in item):
+                return False
+            stack.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
+    return True
+
+
+def _valid_finding(entry: Any) -> bool:
+    return (isinstance(entry, dict) and all(_is_int(entry.get(k)) for k in ("episodes", "steps", "first_step", "last_step"))
+            and isinstance(entry.get("severity"), str) and isinstance(entry.get("first_message"), str))
+
+
+def _valid_stat(entry: Any) -> bool:
+    return isinstance(entry, dict) and all(
+        isinstance(entry.get(k), (int, float)) and not isinstance(entry.get(k), bool) for k in ("count", "mean", "min", "max"))
+
+
+def _valid_failure(entry: Any) -> bool:
+    return (isinstance(entry, dict) and _is_int(entry.get("count")) and _is_int(entry.get("first_step"))
+            and isinstance(entry.get("reasons", {}), dict) and all(isinstance(k, str) for k in entry.get("reasons", {})))
+
+
+def _valid_section(section: Any) -> bool:
+    markdown = section.get("markdown", {}) if isinstance(section, dict) else None
+    return (isinstance(markdown, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in markdown.items())
+            and _shallow(section))
+
+
+def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
+    """The parts of a report.json already there that have the types a report needs."""
+    path = directory / REPORT_JSON
+    if not path.is_file():
+        return {}
+    if path.stat().st_size > MAX_REPORT_BYTES:
+        notes.append(f"ignored {path.name}: larger than {MAX_REPORT_BYTES >> 20} MiB")
+        return {}
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except RecursionError:
+        notes.append(f"ignored {path.name}: JSON nested too deep")
+        return {}
+    except (ValueError, UnicodeDecodeError) as error:
+        notes.append(f"ignored the unreadable {path.name} ({str(error)[:200]})")
+        return {}
+    if not isinstance(raw, dict):
+        notes.append(f"ignored {path.name}: not a JSON object")
+        return {}
+    kept: dict[str, Any] = {}
+    if raw.get("status") in STATUSES:
+        kept["status"] = raw["status"]
+    if _is_int(raw.get("last_step")) and raw["last_step"] >= 0:
+        kept["last_step"] = raw["last_step"]
+    for key in ("error", "run"):
+        if isinstance(raw.get(key), str):
+            kept[key] = raw[key][:MAX_TEXT]
+    for key, valid in (("findings", _valid_finding), ("stats", _valid_stat), ("failed_checks", _valid_failure),
+                       ("sections", _valid_section)):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            notes.append(f"ignored {path.name}'s '{key}': not an object")
+            continue
+        good = {str(name): entry for name, entry in value.items() if valid(entry)}
+        if len(good) < len(value):
+            notes.append(f"ignored {len(value) - len(good)} malformed entr(y/ies) of {path.name}'s '{key}'")
+        kept[key] = good
+    if isinstance(raw.get("config"), dict) and _shallow(raw["config"]):
+        kept["config"] = raw["config"]
+    elif "config" in raw:
+        notes.append(f"ignored {path.name}'s 'config': not a plain object")
+    return kept
+
+
+def _merge_findings(from_events: dict[str, Any], existing: dict[str, Any]) -> dict[str, Any]:
+    """A live tally is exact; keep it for a kind unless the events go on past it."""
+    merged = dict(from_events)
+    for kind, entry in existing.items():
+        newer = from_events.get(kind)
+        if newer is None or entry.get("last_step", -1) >= newer.get("last_step", -1):
+            merged[kind] = entry
+    return sort_findings(merged)
+
+
+# --- the verb ----------------------------------------------------------------------------------------
+def find_run_directories(root: Path) -> list[Path]:
+    """The debug directories at or under ``root``: those holding events.jsonl or report.json."""
+    if not root.exists():
+        raise RunDirectoryError(f"no such directory: {root}")
+    if not root.is_dir():
+        raise RunDirectoryError(f"not a directory: {root}")
+    markers = (EVENTS_FILENAME, REPORT_JSON)
+    found = sorted({path.parent for marker in markers for path in root.rglob(marker) if path.is_file()})
+    if not found:
+        raise RunDirectoryError(f"no events.jsonl under {root}: give a run's debug_outputs directory or the log "
+                                "directory that holds it")
+    return found
+
+
+@dataclass
+class RebuildResult:
+    directory: Path
+    report: dict[str, Any]
+    written: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    events: int = 0
+    truncated_last_line: bool = False
+    tensorboard: list[Path] = field(default_factory=list)
+    bad_lines: int = 0
+
+
+def rebuild(directory: Path, plots: bool = True, progress: Progress | None = None) -> RebuildResult:
+    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files.
+
+    Raises :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used.
+    """
+    notes: list[str] = []
+    events_path = directory / EVENTS_FILENAME
+    scan = EventsScan()
+    has_events = events_path.is_file()
+    if not has_events:
+        notes.append("no events.jsonl (a run that found nothing writes none)")
+    tensorboard = tensorboard_files([directory, directory.parent])
+    if progress is not None and tensorboard:
+        progress(f"reading {len(tensorboard)} TensorBoard file(s) next to {directory}")
+    scalars = ScalarFindings()
+    records = _last_run(iter_events(events_path, scan), scan) if has_events else None
+    timeline, skipped = read_timeline(records, tensorboard, progress, scalars=scalars)
+    notes += skipped
+    existing = _existing_report(directory, notes)
+    if scan.bad:
+        notes.append(f"skipped {scan.bad} malformed line(s) of events.jsonl, e.g. {'; '.join(scan.bad_examples)}")
+    if scan.earlier_runs or scan.other_run_events:
+        notes.append(f"events.jsonl holds events of {scan.earlier_runs} earlier run(s); this report is of the last "
+                     f"one ({scan.run or 'no run id'}) only")
+    tensorboard_findings = {kind: entry for kind, entry in scalars.findings().items()
+                            if kind not in timeline.findings() and kind not in existing.get("findings", {})}
+    if not (scan.read or existing or timeline.last_step >= 0):
+        reason = (f"{scan.bad} malformed line(s), e.g. {scan.bad_examples[0]}" if scan.bad_examples
+                  else "no events")
+        raise RunDirectoryError(f"nothing usable in {directory}: events.jsonl has {reason}, and there is no valid "
+                                "report.json or TensorBoard data")
+    if not tensorboard:
+        notes.append("no TensorBoard event files next to it: the plots show the findings only")
+    if tensorboard_findings:
+        notes.append(f"from the TensorBoard scalars, not events.jsonl: {', '.join(tensorboard_findings)}")
+    last_step = max(existing.get("last_step", -1), timeline.last_step)
+    report = build_report(status=existing.get("status", "unknown"), step=last_step, sections={},
+                          config=existing.get("config") or {}, error=existing.get("error"),
+                          run_id=existing.get("run") or scan.run)
+    report["findings"] = _merge_findings(dict(timeline.findings(), **tensorboard_findings),
+                                         existing.get("findings") or {})
+    report["stats"] = dict(timeline.stats(), **(existing.get("stats") or {}))
+    report["sections"] = existing.get("sections") or {}
+    report["failed_checks"] = existing.get("failed_checks") or {}
+    report["rebuilt"] = {
+        "events": str(events_path) if has_events else None,
+        "events_read": scan.read,
+        "bad_lines": scan.bad,
+        "truncated_last_line": scan.truncated_last_line,
+        "tensorboard": [str(path) for path in tensorboard],
+        "findings_from_tensorboard": sorted(tensorboard_findings),
+        "notes": notes,
+    }
+    write_report(directory, report)
+    result = RebuildResult(directory, report, [directory / REPORT_JSON, directory / REPORT_MD], notes, scan.read,
+                           scan.truncated_last_line, tensorboard, scan.bad)
+    if plots:
+        from lightning_debug.report.plots import PlotsUnavailable, write_debug_analysis
+
+        try:
+            result.written.append(write_debug_analysis(directory, timeline, report))
+        except PlotsUnavailable as missing:
+            notes.append(str(missing))
+    return result

@@ -1,0 +1,211 @@
+"""The end of a run for a person: ``debug_analysis.png`` and a compact summary on the console.
+
+:meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
+global-zero process, after report.json is written. The summary goes through rich when it is
+installed and is plain text otherwise; both say what was found (most severe first), at which
+steps, which checks did not run, and where the files are.
+
+Example::
+
+    >>> from lightning_debug.report.summary import summary_lines
+    >>> report = {"status": "finished", "last_step": 80, "findings": {"nonfinite_loss": {
+    ...     "severity": "error", "first_step": 40, "last_step": 79, "episodes": 1, "steps": 40,
+    ...     "first_message": "The loss is NaN/Inf at step 40."}}}
+    >>> print("\\n".join(summary_lines(report, {})))
+    lightning-debug: run finished at step 80, 1 kind(s) of finding
+      severity  finding                where        what
+      error     nonfinite_loss         steps 40-79  The loss is NaN/Inf at step 40.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from lightning_debug.config import DebugConfig
+from lightning_debug.core.events import EVENTS_FILENAME
+from lightning_debug.core.guard import notify
+from lightning_debug.core.kinds import Severity, hint_for
+from lightning_debug.core.session import Session
+from lightning_debug.report.document import REPORT_JSON, REPORT_MD
+
+MESSAGE_WIDTH = 110
+LINE_MESSAGE_WIDTH = 160
+HINT_WIDTH = 90
+WARNINGS_PER_SOURCE = 10
+SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def _span(entry: dict[str, Any]) -> str:
+    if entry["first_step"] == entry["last_step"]:
+        return f"step {entry['first_step']}"
+    return f"steps {entry['first_step']}-{entry['last_step']}"
+
+
+def _short(message: str, width: int = MESSAGE_WIDTH) -> str:
+    """The first sentence, cut at a word to ``width`` characters."""
+    first_sentence = message.split(". ")[0].rstrip(".") + "."
+    if len(first_sentence) <= width:
+        return first_sentence
+    return first_sentence[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+
+
+def finding_line(record: dict[str, Any]) -> str:
+    """The one console line of a finding: what (first sentence), kind and where, and one short hint
+    (the cause a replay named, else the start of the advice); the full text is in events.jsonl.
+
+    Example::
+
+        >>> print(finding_line({"step": 40, "epoch": 0, "batch": 40, "kind": "nonfinite_loss", "severity": "error",
+        ...     "message": "The loss is NaN/Inf at step 40. Cause: `torch.log` at train.py:12. Common causes: ...",
+        ...     "details": {"cause": {"summary": "`torch.log` at train.py:12 (`torch.log(p)`) produced NaN/Inf"}}}))
+        lightning-debug: [step 40] The loss is NaN/Inf at step 40 (nonfinite_loss, epoch 0, batch 40). Cause: `torch.log` at train.py:12 (`torch.log(p)`) produced NaN/Inf.
+    """
+    details = record.get("details") if isinstance(record.get("details"), dict) else {}
+    cause = details.get("cause") if isinstance(details.get("cause"), dict) else {}
+    if cause.get("summary") and cause.get("where") not in ("not_reproduced", "error"):
+        hint = "Cause: " + _short(str(cause["summary"]), HINT_WIDTH)
+    else:
+        advice = hint_for(record.get("kind"))
+        hint = f"Hint: {advice}." if advice else ""
+    where = f"{record.get('kind')}, epoch {record.get('epoch')}, batch {record.get('batch')}"
+    headline = _short(str(record.get("message", "")), LINE_MESSAGE_WIDTH)
+    headline = headline if headline.endswith("...") else headline.rstrip(".")
+    return f"lightning-debug: [step {record.get('step')}] {headline} ({where}). {hint}".rstrip()
+
+
+class FindingWarnings:
+    """Session event listener: one warning line per finding of severity warning or above as its episode
+    starts, at most ``per_source`` per callback (then one line saying the rest are in events.jsonl)."""
+
+    def __init__(self, per_source: int = WARNINGS_PER_SOURCE) -> None:
+        self.per_source = per_source
+        self._shown: dict[str, int] = {}
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record.get("episode") == "end" or not record.get("console", True):
+            return
+        if not Severity.parse(record.get("severity")).at_least(Severity.WARNING):
+            return
+        source = str(record.get("callback", ""))
+        shown = self._shown.get(source, 0)
+        if shown >= self.per_source:
+            return
+        self._shown[source] = shown + 1
+        last = shown + 1 == self.per_source
+        notify(finding_line(record) + (f" (further findings of {source} are only in events.jsonl)" if last else ""))
+
+
+def _headline(report: dict[str, Any]) -> str:
+    findings = report.get("findings") or {}
+    failed = report.get("failed_checks") or {}
+    found = f"{len(findings)} kind(s) of finding" if findings else (
+        "nothing wrong found" if not failed else "nothing found by the checks that ran")
+    if failed:
+        since = min(int(entry.get("first_step", 0)) for entry in failed.values())
+        found += f"; {len(failed)} check(s) failed and did not run (since step {since})"
+    status = report.get("status", "?")
+    outcome = f"run {status}" if status in ("finished", "failed", "interrupted") else f"run status {status}"
+    return f"lightning-debug: {outcome} at step {report.get('last_step', '?')}, {found}"
+
+
+def failed_check_lines(report: dict[str, Any]) -> list[str]:
+    """One line per check that failed: which, since when, how often and why.
+
+    Example::
+
+        >>> failed_check_lines({"failed_checks": {"AnomalyMonitor.finalize": {
+        ...     "count": 1, "first_step": 11, "reasons": {"TypeError: odd": 1}}}})
+        ['  failed    AnomalyMonitor.finalize since step 11 (1x): TypeError: odd.']
+    """
+    lines = []
+    for name, entry in (report.get("failed_checks") or {}).items():
+        reason = next(iter(entry.get("reasons") or {"?": 0}))
+        lines.append(f"  {'failed':<9} {name} since step {entry.get('first_step')} ({entry.get('count')}x): "
+                     f"{_short(reason)}")
+    return lines
+
+
+def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
+    """The plain-text summary: a headline, one line per finding kind and per failed check, one per file."""
+    lines = [_headline(report)]
+    if report.get("findings"):
+        lines.append(f"  {'severity':<9} {'finding':<22} {'where':<12} what")
+    for kind, entry in (report.get("findings") or {}).items():
+        lines.append(f"  {entry['severity']:<9} {kind:<22} {_span(entry):<12} {_short(str(entry['first_message']))}")
+    lines += failed_check_lines(report)
+    for label, where in files.items():
+        lines.append(f"  {label + ':':<9} {where}")
+    return lines
+
+
+def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO | None = None) -> None:
+    """Print the summary with rich when it is installed, as plain text otherwise."""
+    stream = stream if stream is not None else sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        stream.write("\n".join(summary_lines(report, files)) + "\n")
+        return
+    is_terminal = bool(getattr(stream, "isatty", lambda: False)())
+    console = Console(file=stream, highlight=False, soft_wrap=False, width=None if is_terminal else 120)
+    findings = report.get("findings") or {}
+    table = Table(title=_headline(report), title_justify="left", show_header=bool(findings), box=None,
+                  padding=(0, 1), expand=False)
+    spans = [_span(entry) for entry in findings.values()]
+    widths = [9, max([len(kind) for kind in findings] + [7]), max([len(span) for span in spans] + [5])]
+    table.add_column("severity", no_wrap=True, width=widths[0])
+    table.add_column("finding", no_wrap=True, width=widths[1])
+    table.add_column("where", no_wrap=True, width=widths[2])
+    table.add_column("what", no_wrap=True, overflow="ellipsis", width=max(20, console.width - sum(widths) - 9))
+    for kind, entry in findings.items():
+        severity = str(entry["severity"])
+        table.add_row(f"[{SEVERITY_STYLES.get(severity, '')}]{severity}[/]", kind, _span(entry),
+                      _short(str(entry["first_message"])))
+    console.print(table)
+    for line in failed_check_lines(report):
+        console.print(line, style="bold red", overflow="fold", markup=False)
+    for label, where in files.items():
+        console.print(f"  [bold]{label}:[/] {where}", overflow="fold")
+
+
+def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
+                 attach: Any = None, report_written: bool = True) -> dict[str, str]:
+    """Draw the plots (``save_plots``), finish the TensorBoard layout, attach the files to the
+    loggers' runs (``attach(files)``, a list of what it attached to), and print the summary
+    (``print_summary``) listing only files this run wrote (not report.md when ``report_written`` is
+    False, e.g. on a full disk, even if an earlier version is there). A failure in any step is
+    recorded and the others go on. Returns the files and links listed."""
+    files: dict[str, str] = {}
+    failures = session.failures
+    directory = session.output_dir
+    if directory is not None:
+        if config.save_plots:
+            files.update(failures.call("drawing debug_analysis.png", _draw, directory, session, report) or {})
+        documents = (("report", REPORT_MD), ("json", REPORT_JSON)) if report_written else ()
+        for label, name in (*documents, ("events", EVENTS_FILENAME)):
+            if (directory / name).is_file():
+                files[label] = str(directory / name)
+    written = [Path(path) for path in files.values() if Path(path).is_file()]
+    for listener in session.event_listeners:
+        conclude = getattr(listener, "conclude", None)
+        if callable(conclude):
+            failures.call(f"finishing {type(listener).__name__}", conclude, session, written)
+    if attach is not None and written:
+        for target in failures.call("attaching the report to the loggers' runs", attach, written) or []:
+            files.setdefault("attached", target)
+    files.update(session.links)
+    if config.print_summary:
+        failures.call("printing the summary", print_summary, report, files)
+    return files
+
+
+def _draw(directory: Path, session: Session, report: dict[str, Any]) -> dict[str, str]:
+    from lightning_debug.report.plots import PlotsUnavailable, write_debug_analysis
+
+    try:
+        return {"plots": str(write_debug_analysis(directory, session.timeline, report))}
+    except PlotsUnavailable as missing:
+        return {"plots": str(missing)}

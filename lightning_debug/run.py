@@ -1,0 +1,252 @@
+"""The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
+
+A :class:`Run` knows nothing of Lightning or Accelerate. An adapter creates it with a
+:class:`~lightning_debug.core.monitor.RunContext` (where files go, who writes, how to reach the
+model and the loggers) and turns its framework's hooks into the run's events, in this order for
+each micro-batch::
+
+    batch_start -> before_backward -> [before_optimizer_step -> after_optimizer_step] -> batch_end
+
+plus ``start``, ``epoch_start``, ``evaluation``, ``exception`` and ``finish``. The run calls each
+event on the monitors that declared they need it, computes the gradient pass they share once per
+step, carries out their decision (skip or stop drop the step's gradients), writes their scalars
+and events through one session, and at the end asks the presentation layer for the report.
+
+A failure inside a monitor is recorded once (:class:`~lightning_debug.core.guard.Failures`) and the
+others go on; only :class:`~lightning_debug.AnomalyError` leaves the run.
+
+Example, a plain loop with the anomaly checks::
+
+    >>> import torch
+    >>> from lightning_debug import DebugConfig
+    >>> from lightning_debug.core.monitor import RunContext
+    >>> from lightning_debug.monitors.anomaly import AnomalyMonitor
+    >>> config = DebugConfig(save_debug_info=False, print_summary=False)
+    >>> model = torch.nn.Linear(2, 1); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> class Loop(RunContext):
+    ...     def module(self): return model
+    >>> run = Run(config, Loop(), [AnomalyMonitor(config, "my_loop")])
+    >>> run.start(0)
+    >>> for step in range(3):
+    ...     run.batch_start(step, None)
+    ...     loss = model(torch.ones(4, 2)).pow(2).mean() + (torch.log(torch.zeros(())) if step == 1 else 0)
+    ...     run.before_backward(step, loss); loss.backward()
+    ...     decision = run.before_optimizer_step(step, optimizer); optimizer.step(); optimizer.zero_grad()
+    ...     run.after_optimizer_step(step + 1); run.batch_end()
+    >>> report = run.finish("finished", 3)
+    >>> report["findings"]["nonfinite_loss"]["first_step"]
+    1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.guard import Failures
+from lightning_debug.core.monitor import Decision, Event, Monitor, RunContext
+from lightning_debug.core.session import Session
+from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
+from lightning_debug.report.attach import attach_files
+from lightning_debug.report.document import build_report, write_document, write_report
+from lightning_debug.report.summary import FindingWarnings, conclude_run
+from lightning_debug.report.tensorboard import attach_to_writer
+
+AREA_ORDER = list(Area)
+
+
+def drop_gradients(optimizer: Any) -> None:
+    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
+    so there is no update, no momentum and no weight decay for this step."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
+
+
+class Run:
+    """One training run: see the module docstring.
+
+    Args:
+        config: The run-wide settings (output files, plots, console summary); each monitor keeps
+            its own config for its checks.
+        context: What the framework tells the run.
+        monitors: The enabled monitors; more can be added with :meth:`add` before :meth:`start`.
+    """
+
+    def __init__(self, config: DebugConfig, context: RunContext, monitors: Iterable[Monitor] = ()) -> None:
+        self.config = config
+        self.context = context
+        self.failures = Failures()
+        self.numerics = NumericsQueue()
+        output_dir = context.output_dir if config.save_debug_info else None
+        self.session = Session(
+            output_dir, context.is_global_zero,
+            self.failures.call("logger", context.metrics_sink) if context.is_global_zero else None,
+            self.failures, context.rank, run_id=context.run_id,
+            log_every_n_steps=context.log_every_n_steps if config.follow_log_cadence else None,
+            exposed=self.failures.call("callback metrics", context.exposed_metrics_sink)
+            if config.expose_callback_metrics else None)
+        self.session.document_writer = write_document
+        if context.is_global_zero:
+            self.session.event_listeners.append(FindingWarnings())
+        self.monitors: list[Monitor] = []
+        self._handlers: dict[Event, list[tuple[str, Callable[..., Any]]]] = {event: [] for event in Event}
+        self._pollers: list[tuple[str, Callable[[], None]]] = []
+        self._batch: Any = None
+        self._batch_step = 0
+        self._finalized = False
+        self._report: dict[str, Any] | None = None
+        self._exceptions_seen: set[int] = set()
+        self.finished = False
+        if context.is_global_zero:
+            for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
+                self.failures.call("TensorBoard layout", attach_to_writer, writer, self.session, log_dir)
+        for monitor in monitors:
+            self.add(monitor)
+
+    def add(self, monitor: Monitor) -> None:
+        """Bind ``monitor`` to this run and call it at the events it declares (areas in a fixed order)."""
+        monitor.bind(self.session, self.context, self.numerics)
+        self.monitors.append(monitor)
+        self.monitors.sort(key=lambda m: AREA_ORDER.index(m.area))
+        for event in Event:
+            self._handlers[event] = [(f"{type(m).__name__}.{event.value}", getattr(m, event.value))
+                                     for m in self.monitors if event in m.events]
+        self._pollers = [(f"{type(m).__name__}.poll", m.poll) for m in self.monitors if type(m).poll is not Monitor.poll]
+
+    def monitor(self, area: Area) -> Monitor | None:
+        return next((m for m in self.monitors if m.area is area), None)
+
+    def _emit(self, event: Event, *args: Any) -> None:
+        call = self.failures.call
+        for name, handler in self._handlers[event]:
+            call(name, handler, *args)
+
+    # --- events ---------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
+        self.failures.step = step
+        self._emit(Event.START, step)
+
+    def epoch_start(self, step: int) -> None:
+        self._emit(Event.EPOCH_START, step)
+
+    def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
+        """A micro-batch of optimizer step ``step`` starts; ``captured`` is what a replay recomputes it from.
+
+        Values of earlier steps that reached the host become findings here, and the scalars of the
+        steps that can no longer change go to the logger.
+        """
+        self.failures.step = step
+        self._batch, self._batch_step = batch, step
+        call = self.failures.call
+        for name, poll in self._pollers:
+            call(name, poll)
+        numerics = self.numerics
+        if numerics.pending:
+            call("reading back measurements", numerics.poll)
+        oldest = numerics.oldest_pending_step
+        call("logging debug scalars", self.session.metrics.flush_before, step if oldest is None else min(step, oldest))
+        self._emit(Event.BATCH_START, step, batch, captured)
+
+    def before_backward(self, step: int, loss: Any) -> None:
+        self._emit(Event.BEFORE_BACKWARD, step, loss)
+
+    def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
+        """Gradients are final: run the checks due and return what happens to this optimizer step.
+
+        On :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here;
+        the adapter stops training on STOP.
+        """
+        context = self.context
+
+        def numerics() -> StepNumerics:
+            return self.numerics.get(step, context.named_parameters, context.all_reduce(), context.grad_scale(),
+                                     plain_sharded=context.grads_sharded)
+
+        decision = Decision.CONTINUE
+        call = self.failures.call
+        for name, handler in self._handlers[Event.BEFORE_OPTIMIZER_STEP]:
+            result = call(name, handler, step, optimizer, numerics)
+            if result is not None and result > decision:
+                decision = result
+        if decision is not Decision.CONTINUE:
+            drop_gradients(optimizer)
+        return decision
+
+    def after_optimizer_step(self, steps_done: int) -> None:
+        """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
+        self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
+
+    def batch_end(self, batch: Any = None) -> None:
+        """The micro-batch opened by the last :meth:`batch_start` ends."""
+        self._emit(Event.BATCH_END, self._batch_step, batch if batch is not None else self._batch)
+        self._batch = None
+
+    def evaluation(self, step: int, started: bool, batch: Any = None) -> None:
+        """Evaluation between training steps starts (a batch of it) or ends."""
+        self._batch = batch if started else None
+        self._emit(Event.EVALUATION, step, started)
+
+    def exception(self, step: int, error: BaseException) -> None:
+        """The loop raised ``error``; monitors leave their post-mortems (once per error)."""
+        if id(error) in self._exceptions_seen:
+            return
+        self._exceptions_seen.add(id(error))
+        self._emit(Event.EXCEPTION, step, error, self._batch)
+
+    # --- the end --------------------------------------------------------------------------------
+    def deliver_pending(self) -> None:
+        """Read every pending measurement now (a sync on CUDA): before a checkpoint or the report."""
+        self.failures.call("reading back measurements", self.numerics.poll, True)
+
+    def finalize(self, step: int) -> None:
+        """Last measurements: everything pending is evaluated and open episodes close at ``step``."""
+        if self._finalized:
+            return
+        self._finalized = True
+        self.deliver_pending()
+        for monitor in self.monitors:
+            self.failures.call(f"{type(monitor).__name__}.finalize", monitor.finalize, step)
+
+    def finish(self, status: str, step: int, error: str | None = None) -> dict[str, Any] | None:
+        """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
+
+        ``status`` is ``finished``, ``failed`` or ``interrupted``; ``step`` is the number of
+        optimizer steps taken. Returns the report; later calls return the same report.
+        """
+        if self.finished:
+            return self._report
+        self.finished = True
+        self.finalize(max(step - 1, 0))
+        self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
+        sections = {}
+        for monitor in self.monitors:
+            try:
+                sections[monitor.area.value] = monitor.report_section()
+            except Exception as failure:  # one broken section must not lose the others
+                sections[monitor.area.value] = {"error": f"{type(failure).__name__}: {failure}"}
+        report = self.failures.call("building the report", build_report, status=status, step=step, sections=sections,
+                                    config=self.config.to_dict(), error=error, failures=self.failures.summary(),
+                                    run_id=self.context.run_id)
+        self._report = report
+        written = False
+        if report is not None and self.session.output_dir is not None:
+            try:
+                write_report(self.session.output_dir, report)
+                written = True
+            except Exception as failure:
+                self.failures.record("writing the report", failure,
+                                     "report.json and report.md of this run are not written (a previous complete "
+                                     "version, if any, is left as it was)")
+                report["failed_checks"] = self.failures.summary()  # what the summary and the caller see
+        if report is not None and self.session.is_global_zero:
+            def attach(files: list) -> list[str]:
+                return attach_files(self.context.artifact_stores(), files)
+
+            self.failures.call("concluding the run", conclude_run, self.session, report, self.config, attach, written)
+        for monitor in self.monitors:
+            self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
+            monitor.unbind()
+        return report
