@@ -128,7 +128,8 @@ class Run:
     def start(self, step: int) -> None:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
-        self.numerics.several_optimizers = self.failures.call("listing the optimizers", self._several_optimizers) or False
+        several = self.failures.call("listing the optimizers", self._several_optimizers)
+        self.numerics.several_optimizers = bool(several)
         self._emit(Event.START, step)
 
     def epoch_start(self, step: int) -> None:
