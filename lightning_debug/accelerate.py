@@ -280,8 +280,8 @@ class AccelerateDebugger:
             self._said_unnamed = True
             warnings.warn(
                 f"lightning-debug: AccelerateDebugger has {len(self.optimizers)} optimizers but backward() was not "
-                "told which one steps next: each step is judged on all their parameters (a GAN's discriminator step then "
-                "reports the generator's parameters as without gradient). Call debugger.backward(loss, "
+                "told which one steps next: each step is judged on all their parameters (a GAN's discriminator step "
+                "then reports the generator's parameters as without gradient). Call debugger.backward(loss, "
                 "optimizer=opt) to judge each step on the parameters of the optimizer that takes it.",
                 RuntimeWarning, stacklevel=3)
         return self._all_optimizers
