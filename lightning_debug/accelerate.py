@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -66,10 +66,16 @@ class AccelerateContext(RunContext):
         return self.debugger.module
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return list(self.debugger.optimizer.param_groups)
+        return [group for optimizer in self.debugger.optimizers for group in optimizer.param_groups]
+
+    def optimizers(self) -> list[Any]:
+        return list(self.debugger.optimizers)
 
     def where(self) -> Where:
-        return self.debugger.where
+        where = self.debugger.where
+        if self.optimizer_index is not None:
+            where["optimizer"] = self.optimizer_index
+        return where
 
     def metrics_sink(self) -> MetricsSink:
         """Scalars to every tracker the user configured (looked up per write); nothing while there is none."""
@@ -108,6 +114,25 @@ class AccelerateContext(RunContext):
         return self.debugger._replay_forward
 
 
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside Accelerate's wrapper(s)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class AllOptimizers:
+    """Several optimizers seen as one, for a ``backward`` that does not say which of them steps next:
+    the step is then judged on all their parameters together (and gradients are dropped from all)."""
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = list(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+
 class AccelerateDebugger:
     """NaN/Inf detection, gradient health, memory and performance checks for an Accelerate loop.
 
@@ -119,8 +144,13 @@ class AccelerateDebugger:
     events and drive the frequencies. In ``skip``/``stop`` mode the gradients of a non-finite step are
     dropped so that ``optimizer.step()`` changes nothing, and ``stop`` sets :attr:`should_stop`.
 
+    With several optimizers (a GAN: pass them as a list), name the one that steps next in
+    ``backward(loss, optimizer=...)``: that step is then judged on the parameters this optimizer
+    owns, and the frequencies count its own steps (docs/accelerate.md, "Several optimizers").
+
     Args:
-        accelerator, model, optimizer: The run's ``Accelerator`` and what ``prepare`` returned.
+        accelerator, model, optimizer: The run's ``Accelerator`` and what ``prepare`` returned;
+            ``optimizer`` may be a list of optimizers.
         config: The checks' settings; None means the defaults.
         train_dataloader: Quoted in ``dataloader_bottleneck`` advice (default: the first prepared one).
         batch_size_fn, tokens_fn: ``batch -> samples / tokens``; the batch is what the model is called with.
@@ -142,11 +172,19 @@ class AccelerateDebugger:
         ('finished', 1)
     """
 
-    def __init__(self, accelerator: "Accelerator", model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, accelerator: "Accelerator", model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                  config: DebugConfig | None = None, *, train_dataloader: Any = None,
                  batch_size_fn: SizeFn | None = None, tokens_fn: SizeFn | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
-        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+        self.optimizers: list[torch.optim.Optimizer] = (list(optimizer) if isinstance(optimizer, (list, tuple))
+                                                          else [optimizer])  # type: ignore[list-item]
+        if not self.optimizers:
+            raise ValueError("AccelerateDebugger needs at least one optimizer, got an empty list")
+        self.accelerator, self.model, self.optimizer = accelerator, model, self.optimizers[0]
+        self._all_optimizers = AllOptimizers(self.optimizers)
+        self._stepping: Any = self.optimizer
+        self._said_unnamed = False
         self.module: torch.nn.Module = accelerator.unwrap_model(model)
         self.step = self.epoch = self.batch = 0
         self.should_stop = False
@@ -164,11 +202,10 @@ class AccelerateDebugger:
         self.run.start(self.step)
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_forward_end)]
-        inner = optimizer
-        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-            inner = inner.optimizer  # type: ignore[attr-defined]
-        if hasattr(inner, "register_step_post_hook"):
-            self._hooks.append(inner.register_step_post_hook(lambda *_: self._end_pending_batch()))
+        for each in self.optimizers:
+            inner = _inner(each)
+            if hasattr(inner, "register_step_post_hook"):
+                self._hooks.append(inner.register_step_post_hook(lambda *_: self._end_pending_batch()))
 
     @property
     def where(self) -> Where:
@@ -176,12 +213,15 @@ class AccelerateDebugger:
         return dict(self._batch_where) if self._batch_open else {"epoch": self.epoch, "batch": self.batch}
 
     # --- what the loop calls ---------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
         """``accelerator.backward(loss, **kwargs)`` with the checks around it.
 
         The loss is checked before backward (no host sync); after the backward of a real optimizer
         step the gradients are checked and the anomaly mode acts before the ``optimizer.step()`` that
         follows. An out-of-memory error in backward leaves a post-mortem and propagates unchanged.
+
+        ``optimizer``: with several optimizers, the one whose ``step()`` follows this backward; its
+        step is judged on the parameters it owns. Without it, all of them are judged together.
         """
         if self.run.finished:
             self.accelerator.backward(loss, **kwargs)
@@ -197,7 +237,8 @@ class AccelerateDebugger:
             self.run.exception(self.step, error)
             raise
         if real_step:
-            decision = self.run.before_optimizer_step(self.step, self.optimizer)
+            self._stepping = self._next_optimizer(optimizer)
+            decision = self.run.before_optimizer_step(self.step, self._stepping)
             if decision is not Decision.CONTINUE:
                 self.run.failures.call("handing the skipped step to the GradScaler", self._hand_skip_to_grad_scaler)
             self.should_stop = self.should_stop or decision is Decision.STOP
@@ -226,6 +267,24 @@ class AccelerateDebugger:
         for handle in self._hooks:
             handle.remove()
         return self.run.finish(status, self.step, None if error is None else f"{type(error).__name__}: {error}")
+
+    def _next_optimizer(self, named: Any) -> Any:
+        """The optimizer the coming step belongs to: ``named`` (one of ours, matched through Accelerate's
+        wrapper), the only one, or, with several and none named, all of them (said once)."""
+        if named is not None:
+            inner = _inner(named)
+            return next((o for o in self.optimizers if o is named or _inner(o) is inner), named)
+        if len(self.optimizers) == 1:
+            return self.optimizer
+        if not self._said_unnamed and self.run.context.is_global_zero:
+            self._said_unnamed = True
+            warnings.warn(
+                f"lightning-debug: AccelerateDebugger has {len(self.optimizers)} optimizers but backward() was not "
+                "told which one steps next: each step is judged on all their parameters (a GAN's discriminator step "
+                "then reports the generator's parameters as without gradient). Call debugger.backward(loss, "
+                "optimizer=opt) to judge each step on the parameters of the optimizer that takes it.",
+                RuntimeWarning, stacklevel=3)
+        return self._all_optimizers
 
     def __enter__(self) -> "AccelerateDebugger":
         return self
@@ -293,7 +352,7 @@ class AccelerateDebugger:
         """Under a GradScaler ``optimizer.step()`` needs a gradient to unscale: one NaN gradient makes
         the scaler skip the step, as it does for an overflow, instead of failing on no gradients."""
         if self.run.context.uses_grad_scaler:
-            for group in self.optimizer.param_groups:
+            for group in self._stepping.param_groups:
                 for parameter in group["params"]:
                     if parameter.requires_grad:
                         parameter.grad = torch.full_like(parameter, float("nan"))

@@ -98,6 +98,7 @@ class Run:
         self._finalized = False
         self._report: dict[str, Any] | None = None
         self._exceptions_seen: set[int] = set()
+        self._optimizer_steps: dict[int, int] = {}
         self.finished = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
@@ -127,6 +128,8 @@ class Run:
     def start(self, step: int) -> None:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
+        several = self.failures.call("listing the optimizers", self._several_optimizers)
+        self.numerics.several_optimizers = bool(several)
         self._emit(Event.START, step)
 
     def epoch_start(self, step: int) -> None:
@@ -140,6 +143,7 @@ class Run:
         """
         self.failures.step = step
         self._batch, self._batch_step = batch, step
+        self.context.optimizer_index = None
         call = self.failures.call
         for name, poll in self._pollers:
             call(name, poll)
@@ -153,17 +157,40 @@ class Run:
     def before_backward(self, step: int, loss: Any) -> None:
         self._emit(Event.BEFORE_BACKWARD, step, loss)
 
+    def _several_optimizers(self) -> bool:
+        return len(self.context.optimizers()) > 1
+
+    def _own_step(self, optimizer: Any) -> int | None:
+        """With several optimizers: how many steps ``optimizer`` took before this one (and its position
+        in the context's list, for the events); None with one optimizer, or with sharded flat
+        parameters, whose optimizers hold copies that are not the module's parameters."""
+        context = self.context
+        optimizers = context.optimizers()
+        self.numerics.several_optimizers = several = len(optimizers) > 1
+        if not several or optimizer is None or context.grads_sharded:
+            context.optimizer_index = None
+            return None
+        context.optimizer_index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+        own = self._optimizer_steps.get(id(optimizer), 0)
+        self._optimizer_steps[id(optimizer)] = own + 1
+        return own
+
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
         """Gradients are final: run the checks due and return what happens to this optimizer step.
 
-        On :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here;
-        the adapter stops training on STOP.
+        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the
+        checks' frequencies count its own steps (``NumericsQueue.optimizer_step``). On
+        :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here; the
+        adapter stops training on STOP.
         """
         context = self.context
+        own = self.failures.call("listing the optimizers", self._own_step, optimizer)
+        self.numerics.optimizer_step = own
+        owner = optimizer if own is not None else None
 
         def numerics() -> StepNumerics:
             return self.numerics.get(step, context.named_parameters, context.all_reduce(), context.grad_scale(),
-                                     plain_sharded=context.grads_sharded)
+                                     optimizer=owner, plain_sharded=context.grads_sharded)
 
         decision = Decision.CONTINUE
         call = self.failures.call

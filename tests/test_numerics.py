@@ -29,13 +29,16 @@ def test_the_index_is_reused_until_a_parameter_or_module_is_registered() -> None
     assert queue.index(model.named_parameters) is not rebuilt
 
 
-def test_a_subset_of_parameters_has_its_own_index_in_its_order() -> None:
+def test_an_optimizers_parameters_have_their_own_index_in_its_order() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     queue = NumericsQueue()
-    subset = [model[1].bias, model[0].weight]
-    index = queue.index(model.named_parameters, subset)
-    assert index.names == ["1.bias", "0.weight"] and queue.index(model.named_parameters, subset) is index
+    optimizer = torch.optim.SGD([model[1].bias, model[0].weight], lr=0.1)
+    index = queue.index(model.named_parameters, optimizer)
+    assert index.names == ["1.bias", "0.weight"] and queue.index(model.named_parameters, optimizer) is index
     assert queue.index(model.named_parameters) is not index
+    optimizer.add_param_group({"params": [model[1].weight]})
+    grown = queue.index(model.named_parameters, optimizer)
+    assert grown is not index and grown.names == ["1.bias", "0.weight", "1.weight"]
 
 
 def test_plain_shards_count_on_every_rank_and_keep_empty_slots() -> None:

@@ -93,8 +93,14 @@ class LightningContext(RunContext):
     def param_groups(self) -> list[dict[str, Any]]:
         return [group for optimizer in self.trainer.optimizers for group in optimizer.param_groups]
 
+    def optimizers(self) -> list[Any]:
+        return self.trainer.optimizers
+
     def where(self) -> Where:
-        return {"epoch": self.trainer.current_epoch, "batch": self.batch_idx}
+        where = {"epoch": self.trainer.current_epoch, "batch": self.batch_idx}
+        if self.optimizer_index is not None:
+            where["optimizer"] = self.optimizer_index
+        return where
 
     def metrics_sink(self) -> MetricsSink | None:
         loggers = self.trainer.loggers

@@ -74,6 +74,9 @@ class RunContext:
     uses_grad_scaler: bool = False
     log_every_n_steps: int | None = None
     """The framework's logging cadence for scalars (None: every check step; 0: none)."""
+    optimizer_index: int | None = None
+    """With several optimizers, the position in :meth:`optimizers` of the one being stepped (set by the
+    run at ``before_optimizer_step``; events then carry it as ``optimizer``); None otherwise."""
 
     def device(self) -> torch.device | None:
         return None
@@ -87,6 +90,11 @@ class RunContext:
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The param groups of every optimizer of the run."""
+        return []
+
+    def optimizers(self) -> list[Any]:
+        """The run's optimizers, in the user's order. With more than one, each optimizer step is judged
+        on the parameters that optimizer owns, and its checks count that optimizer's own steps."""
         return []
 
     def where(self) -> Where:
@@ -198,6 +206,12 @@ class Monitor:
 
     def due(self, step: int) -> bool:
         return self.schedule.is_due(step)
+
+    def optimizer_step_due(self, step: int) -> bool:
+        """Whether a check of one optimizer step runs at ``step`` (inside ``before_optimizer_step``): with
+        several optimizers the frequency counts the steps of the optimizer being stepped, so each of them
+        is checked every ``frequency`` of its own steps, whatever their order."""
+        return self.schedule.is_due(self.numerics.scheduled_step(step))
 
     # --- events (the run calls those listed in ``events``) ---------------------------------------
     def start(self, step: int) -> None:

@@ -10,7 +10,9 @@ class CheckSchedule:
     """A check that runs every ``frequency`` optimizer steps, starting at step 0.
 
     Steps are optimizer steps (``trainer.global_step`` before the step is taken), so gradient
-    accumulation and manual optimization with several optimizers count the same way Lightning does.
+    accumulation counts the same way Lightning does. With several optimizers the checks of one
+    optimizer step (anomaly, gradients) count that optimizer's own steps instead
+    (:meth:`~lightning_debug.core.monitor.Monitor.optimizer_step_due`), so that each is checked.
 
     Example::
 

@@ -122,6 +122,8 @@ class Session:
             "kind": finding.kind.value, "severity": finding.severity.value, "callback": callback,
             "message": finding.message, "details": finding.details,
         }
+        if "optimizer" in where:
+            record["optimizer"] = where["optimizer"]
         if episode is not None:
             record["episode"] = episode.value
         if self.run_id is not None:

@@ -173,8 +173,10 @@ class HostNumerics:
     def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, grad_squares: torch.Tensor,
                  param_squares: torch.Tensor, missing_slots: list[int],
                  scan_parameters: Callable[[], list[tuple[str, float]]] | None = None,
-                 read_before_update: bool = True, error: Exception | None = None) -> None:
+                 read_before_update: bool = True, error: Exception | None = None,
+                 without_gradients: bool = False) -> None:
         self.step = step
+        self.without_gradients = without_gradients
         self.error = error
         self.ranks = ranks
         self.param_names = index.names
@@ -330,6 +332,9 @@ class StepNumerics:
             grads, missing = gradients if gradients is not None else index.local_grads()
             # with plain shards a gradient missing here may live on another rank: none is reported missing
             self.missing_slots = [] if index.plain_sharded else missing
+            # no parameter has a gradient: no backward ran for this optimizer step (a training_step that
+            # returned None, which Lightning skips); such a step has nothing to judge
+            self.without_gradients = bool(missing) and len(missing) == len(index) and not index.plain_sharded
             grad_squares = (index.plan.squares(grads) if len(index)
                             else torch.zeros(0, dtype=torch.float64, device=device))
             if grad_scale is not None:
@@ -350,6 +355,7 @@ class StepNumerics:
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
             self.missing_slots = []
+            self.without_gradients = False
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
                                   device=device)]
             flags = dict.fromkeys(RANK_FIELDS, torch.zeros_like(unknown))
@@ -423,6 +429,7 @@ class StepNumerics:
                 step=self.step, ranks=ranks, index=self.index, grad_squares=values[offset:offset + count],
                 param_squares=values[offset + count:], missing_slots=self.missing_slots,
                 scan_parameters=self.scan_parameters, read_before_update=self._read_blocking, error=self.error,
+                without_gradients=self.without_gradients,
             )
         return self._host
 
@@ -449,7 +456,11 @@ class NumericsQueue:
         self._input_nonfinite: dict[int, torch.Tensor] = {}
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
-        self._indexes: dict[Any, tuple[int, ParameterIndex]] = {}
+        self._indexes: dict[Any, tuple[Any, ParameterIndex]] = {}
+        # With several optimizers (set by the run): how many steps the optimizer being stepped took before
+        # this one, which is what the per-optimizer-step checks count their frequencies in; else None.
+        self.optimizer_step: int | None = None
+        self.several_optimizers = False
         _watch_registrations()
 
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
@@ -464,44 +475,56 @@ class NumericsQueue:
         self._input_nonfinite = {step: count if previous is None else previous + count.to(previous.device)}
 
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
-              parameters: Sequence[torch.Tensor] | None = None, rebuild: bool = False,
-              plain_sharded: bool = False) -> ParameterIndex:
-        """The :class:`ParameterIndex` of the model, or of ``parameters`` (an optimizer's, in its
-        order) when given; cached, and rebuilt only when the model's parameters changed.
+              optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
+        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its
+        param groups, in their order) when given; cached, and rebuilt only when they changed.
 
         The model's index is keyed by the process-wide count of parameter and module
-        registrations; a subset by the identities of its parameters.
+        registrations; an optimizer's by the optimizer itself, that count and the sizes of its
+        param groups (``add_param_group`` rebuilds it), so a check step does no work per parameter
+        to find it.
         """
-        key: Any = ("model" if parameters is None else tuple(map(id, parameters)), plain_sharded)
+        generation: Any = _registrations[0]
+        if optimizer is None:
+            key: Any = ("model", plain_sharded)
+        else:
+            key = ("optimizer", id(optimizer), plain_sharded)
+            generation = (generation, optimizer, tuple(len(group["params"]) for group in optimizer.param_groups))
         cached = self._indexes.get(key)
-        generation = _registrations[0]
         if not rebuild and cached is not None and cached[0] == generation and cached[1].current():
             return cached[1]
         named = list(named_parameters())
-        if parameters is not None:
+        if optimizer is not None:
             position = {id(p): name for name, p in named}
-            named = [(position.get(id(p), f"parameter {i}"), p) for i, p in enumerate(parameters)]  # type: ignore[misc]
+            owned = [p for group in optimizer.param_groups for p in group["params"]]
+            named = [(position.get(id(p), f"parameter {i}"), p) for i, p in enumerate(owned)]
         if len(self._indexes) > 8:
             self._indexes.clear()
         index = ParameterIndex(named, world_position()[0], plain_sharded)
         self._indexes[key] = (generation, index)
         return index
 
+    def scheduled_step(self, step: int) -> int:
+        """The step a per-optimizer-step check's frequency counts: ``step`` itself, or, with several
+        optimizers, how many steps the optimizer being stepped has taken before this one."""
+        return step if self.optimizer_step is None else self.optimizer_step
+
     def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
             all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
-            parameters: Sequence[torch.Tensor] | None = None, plain_sharded: bool = False) -> StepNumerics:
+            optimizer: Any = None, plain_sharded: bool = False) -> StepNumerics:
         """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first).
 
-        ``parameters``: measure only these (an optimizer's, in its order) instead of the model's.
+        ``optimizer``: measure only the parameters it owns (several optimizers: each optimizer step
+        is judged on its own parameters) instead of the model's.
         ``plain_sharded``: plain parameters are per-rank shards (see :class:`ParameterIndex`).
         """
         if self._current is None or self._current.step != step:
-            index = self.index(named_parameters, parameters, plain_sharded=plain_sharded)
+            index = self.index(named_parameters, optimizer, plain_sharded=plain_sharded)
             gradients: tuple[list[torch.Tensor], list[int]] | None = None
             try:  # a failure here is flagged inside StepNumerics, which still joins the collective
                 gradients = index.local_grads()
                 if gradients[1] and not all(index.params[i].requires_grad for i in gradients[1]):  # frozen since built
-                    index = self.index(named_parameters, parameters, rebuild=True, plain_sharded=plain_sharded)
+                    index = self.index(named_parameters, optimizer, rebuild=True, plain_sharded=plain_sharded)
                     gradients = index.local_grads()
             except Exception:
                 gradients = None

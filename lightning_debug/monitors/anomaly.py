@@ -128,8 +128,10 @@ class AnomalyMonitor(Monitor):
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
         """On check steps, count the batch's floating tensors that hold NaN/Inf (fused, read back with the
         loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
-        the micro-batch and the RNG state, for a replay."""
-        if not self.due(step):
+        the micro-batch and the RNG state, for a replay. With several optimizers every batch is observed
+        (cheap device work, no sync): which optimizer steps next, and whether its check is due, is not
+        known yet."""
+        if not (self.due(step) or self.numerics.several_optimizers):
             return
         tensors = floating_tensors(batch)
         if tensors:
@@ -144,7 +146,7 @@ class AnomalyMonitor(Monitor):
         self._step_inputs[1].append((captured, capture_rng()))
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        if self.due(step):
+        if self.due(step) or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
@@ -162,7 +164,7 @@ class AnomalyMonitor(Monitor):
         rank cannot change what that rank decides. A measurement that failed on any rank is a
         flag in the gathered rows, and every rank then continues this step without a decision.
         """
-        if not self.due(step):
+        if not self.optimizer_step_due(step):
             return Decision.CONTINUE
         current = numerics()
         where = self.context.where()

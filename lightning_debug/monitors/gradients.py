@@ -190,6 +190,7 @@ class GradientMonitor(Monitor):
         super().__init__(config, source)
         self.counts = {"exploding": 0, "vanishing": 0, "missing": 0, "frozen": 0}
         self.checks = 0
+        self.steps_without_gradients = 0
         self.global_norms = RunningStats()
         self.update_ratios = RunningStats()
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
@@ -217,7 +218,7 @@ class GradientMonitor(Monitor):
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
         if self.measures_updates:  # weight norms and update ratios need every weight's norm on check steps
-            numerics.param_norms_wanted.append(self.due)
+            numerics.param_norms_wanted.append(self.optimizer_step_due)
 
     @property
     def wants_histograms(self) -> bool:
@@ -227,7 +228,7 @@ class GradientMonitor(Monitor):
         if self._histogram_writer is None or not self.wants_histograms:
             return False
         every = 1 if self.config.level >= DebugLevel.EXPERT else self.histogram_every_checks
-        return (step // self.config.gradient_checking_frequency) % every == 0
+        return (self.numerics.scheduled_step(step) // self.config.gradient_checking_frequency) % every == 0
 
     # --- fit start ------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -334,14 +335,18 @@ class GradientMonitor(Monitor):
         Weight snapshots (update ratios) and histograms are taken here, only on check steps and
         only on the global-zero process, the one that reports them.
         """
-        if not self.due(step):
+        if not self.optimizer_step_due(step):
             return Decision.CONTINUE
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where())
-        if self._awaiting_update is not None:
-            self._awaiting_update.update_expected = False
-            self._awaiting_update.snapshot, self._awaiting_update.index = [], None
+        awaiting = self._awaiting_update
+        if awaiting is not None:
+            if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
+                self._measure_update(awaiting)
+            else:
+                awaiting.update_expected = False
+                awaiting.snapshot, awaiting.index = [], None
         self._awaiting_update = None
         on_shards = index.sharded and self._sharded_outputs_off(index)
         if self.measures_updates and self.session.is_global_zero and not on_shards and len(index):
@@ -363,6 +368,10 @@ class GradientMonitor(Monitor):
         pending = self._awaiting_update
         if pending is None or steps_done <= pending.step:
             return
+        self._measure_update(pending)
+
+    def _measure_update(self, pending: PendingCheck) -> None:
+        """``||Δw||`` of ``pending``'s parameters since its snapshot, read back later (no sync)."""
         self._awaiting_update = None
         index = pending.index
         assert index is not None
@@ -430,6 +439,9 @@ class GradientMonitor(Monitor):
         assert host is not None
         step, where = pending.step, pending.where
         config = self.config
+        if host.without_gradients:  # no backward ran (a training_step that returned None): nothing to judge
+            self.steps_without_gradients += 1
+            return
         self.checks += 1
         global_norm = host.global_grad_norm
         self.global_norms.add(global_norm)
@@ -610,6 +622,7 @@ class GradientMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         return dict(
             super().state_dict(), counts=dict(self.counts), checks=self.checks,
+            steps_without_gradients=self.steps_without_gradients,
             global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
             healthy_norms=list(self.healthy_norms.values),
             parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
@@ -622,6 +635,7 @@ class GradientMonitor(Monitor):
         super().load_state_dict(state_dict)
         self.counts.update({k: int(v) for k, v in state_dict.get("counts", {}).items()})
         self.checks = int(state_dict.get("checks", 0))
+        self.steps_without_gradients = int(state_dict.get("steps_without_gradients", 0))
         if "global_norms" in state_dict:
             self.global_norms.load_state_dict(state_dict["global_norms"])
         if "update_ratios" in state_dict:
@@ -645,6 +659,7 @@ class GradientMonitor(Monitor):
             stats["update_ratio"] = self.update_ratios.summary()
         section: dict[str, Any] = dict(
             super().report_section(), stats=stats, checks=self.checks,
+            steps_without_gradients=self.steps_without_gradients,
             counts={f"{kind}_checks": count for kind, count in self.counts.items()},
             most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
             trainability=self.trainability, clip_suggestion=self.clip_suggestion, order=self.order_source,

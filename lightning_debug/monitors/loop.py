@@ -15,7 +15,9 @@ Neither raises an error; both make a run train worse without a trace in the loss
   old gradients' norms are one fused kernel, read back without a sync. Intentional accumulation over
   micro-batches is not affected: it happens between optimizer steps. Only parameters an optimizer
   holds are looked at (the gradient of one no optimizer steps changes nothing; ``frozen_param``
-  names it).
+  names it). With several optimizers, only those of the optimizer that steps after the backward: a
+  GAN's generator backward runs through the discriminator, whose gradients its own step used and its
+  own ``zero_grad()`` clears before its next backward.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class Window:
     norms: torch.Tensor
     handles: list[Any] = field(default_factory=list)
     touched: set[int] = field(default_factory=set)
+    owned: set[int] | None = None  # with several optimizers: the parameters of the one that steps next
 
 
 class LoopMonitor(Monitor):
@@ -97,8 +100,8 @@ class LoopMonitor(Monitor):
 
     area = Area.LOOP
     kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED})
-    events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.AFTER_OPTIMIZER_STEP,
-                        Event.BATCH_END, Event.EXCEPTION})
+    events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
+                        Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
     frequency_field = "gradient_checking_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
@@ -189,6 +192,12 @@ class LoopMonitor(Monitor):
         for index, (_, parameter) in enumerate(held):
             window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
 
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: Any) -> None:
+        """With several optimizers, the open window is judged on the parameters of the one stepping now."""
+        window = self._window
+        if window is not None and self.numerics.several_optimizers and optimizer is not None:
+            window.owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+
     def batch_end(self, step: int, batch: Any) -> None:
         self._close_window()
         if self._checked_backward:
@@ -206,8 +215,10 @@ class LoopMonitor(Monitor):
         for handle in window.handles:
             handle.remove()
         self._fresh.update(window.ids[i] for i in window.touched)
-        if evaluate and window.touched:
-            touched = sorted(window.touched)
+        judged = window.touched if window.owned is None else {
+            i for i in window.touched if window.ids[i] in window.owned}
+        if evaluate and judged:
+            touched = sorted(judged)
             norms = window.norms[torch.tensor(touched, device=window.norms.device)]
             self._pending.append((window.step, window.where, [window.names[i] for i in touched],
                                   Readback(norms, blocking=False)))

@@ -70,6 +70,8 @@ def finding_line(record: dict[str, Any]) -> str:
         advice = hint_for(record.get("kind"))
         hint = f"Hint: {advice}." if advice else ""
     where = f"{record.get('kind')}, epoch {record.get('epoch')}, batch {record.get('batch')}"
+    if record.get("optimizer") is not None:
+        where += f", optimizer {record['optimizer']}"
     headline = _short(str(record.get("message", "")), LINE_MESSAGE_WIDTH)
     headline = headline if headline.endswith("...") else headline.rstrip(".")
     return f"lightning-debug: [step {record.get('step')}] {headline} ({where}). {hint}".rstrip()
