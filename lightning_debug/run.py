@@ -127,6 +127,7 @@ class Run:
     def start(self, step: int) -> None:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
+        self.numerics.steps_done = step
         self._emit(Event.START, step)
 
     def epoch_start(self, step: int) -> None:
@@ -177,6 +178,7 @@ class Run:
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
+        self.numerics.steps_done = steps_done
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 
     def batch_end(self, batch: Any = None) -> None:

@@ -249,6 +249,20 @@ HINTS: dict[Kind, str] = {
 """The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
 
 
+CAUSAL_ORDER = {Kind.NONFINITE_INPUT: 0, Kind.NONFINITE_ACTIVATION: 1, Kind.NONFINITE_LOSS: 2,
+                Kind.NONFINITE_GRAD: 3, Kind.NONFINITE_PARAM: 4}
+"""Within one step a NaN flows input batch -> activation -> loss -> gradient -> parameter: the report lists
+findings of the same step in this order, so the root cause comes before what follows from it."""
+
+
+def causal_rank(kind: Any) -> int:
+    """Where ``kind`` sits in :data:`CAUSAL_ORDER` (kinds outside the chain come after it)."""
+    try:
+        return CAUSAL_ORDER.get(Kind(str(kind)), len(CAUSAL_ORDER))
+    except ValueError:
+        return len(CAUSAL_ORDER)
+
+
 def hint_for(kind: Any, width: int = 90) -> str | None:
     """A short hint for a console line: :data:`HINTS`, else the advice cut to ``width`` at a word.
 
