@@ -13,6 +13,7 @@ from lightning_debug.checks.batches import count_nonfinite, floating_tensors, no
 from lightning_debug.checks.localize import Cause, capture_rng, localize
 from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.config import AnomalyMode, Area, DebugConfig, DebugLevel
+from lightning_debug.core.buffers import BufferSnapshot
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import COMMON_CAUSES, Kind, Severity, advice_for_cause
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
@@ -28,10 +29,10 @@ InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
 ACTIONS = {
     AnomalyMode.WARN: "Training continues (anomaly_detection_mode='warn').",
     AnomalyMode.RAISE: "Raising AnomalyError (anomaly_detection_mode='raise').",
-    AnomalyMode.SKIP: "This optimizer step was skipped: no update, no momentum, no weight decay "
-                      "(anomaly_detection_mode='skip').",
-    AnomalyMode.STOP: "The non-finite update was dropped and training stops after this step "
-                      "(anomaly_detection_mode='stop').",
+    AnomalyMode.SKIP: "This optimizer step was skipped: no update, no momentum, no weight decay, and any "
+                      "BatchNorm running statistics its forward changed are restored (anomaly_detection_mode='skip').",
+    AnomalyMode.STOP: "The non-finite update was dropped (any BatchNorm running statistics its forward changed are "
+                      "restored) and training stops after this step (anomaly_detection_mode='stop').",
 }
 
 
@@ -101,7 +102,7 @@ class AnomalyMonitor(Monitor):
 
     area = Area.ANOMALY
     kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
-                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT})
+                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER})
     deciding = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION})
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
     frequency_field = "anomaly_check_frequency"
@@ -124,6 +125,8 @@ class AnomalyMonitor(Monitor):
         self._params_broken_at: int | None = None
         self._largest_value: dict[int, float] = {}
         self._weights_before: tuple[int, torch.Tensor | None] = (-1, None)
+        self._buffers = BufferSnapshot()
+        self.restored_buffer_steps = 0
 
     @property
     def mode(self) -> AnomalyMode:
@@ -156,6 +159,10 @@ class AnomalyMonitor(Monitor):
         if not self.due(step):
             return
         self._measure_weights_before_forward(step)
+        if self.mode in (AnomalyMode.SKIP, AnomalyMode.STOP) and self._buffers.step != step:
+            model = self.context.module()
+            if model is not None:  # before the step's first forward: what a skipped step restores
+                self._buffers.take(model, step)
         tensors = floating_tensors(batch)
         if tensors:
             self.numerics.observe_inputs(step, count_nonfinite([t for _, t in tensors]))
@@ -237,7 +244,48 @@ class AnomalyMonitor(Monitor):
                 step=host.step, kinds=[kind.value for kind in kinds],
                 details={"parameters": names, "ranks": ranks, "cause": cause.to_dict() if cause else None})
         self.skipped_steps += 1
-        return Decision.STOP if self.mode is AnomalyMode.STOP or Kind.NONFINITE_PARAM in kinds else Decision.SKIP
+        decision = Decision.STOP if self.mode is AnomalyMode.STOP or Kind.NONFINITE_PARAM in kinds else Decision.SKIP
+        return self._undo_forward(host, where, decision)
+
+    def _undo_forward(self, host: HostNumerics, where: Where, decision: Decision) -> Decision:
+        """A dropped step leaves no trace: put back the buffers its forward changed (BatchNorm running
+        statistics, copied before the forward), then check them; buffers that are still non-finite (no
+        copy of this step, or broken earlier, on an unchecked step) are named and training stops.
+
+        Runs on every rank (the decision is shared); the check's verdict is reduced across ranks, so
+        every rank stops together.
+        """
+        model = self.context.module()
+        if model is None:
+            return decision
+        restored = self._buffers.restore(model, host.step)
+        broken = self._buffers.nonfinite(model)
+        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64,
+                            device=self.numerics.index(self.context.named_parameters,
+                                                       plain_sharded=self.context.grads_sharded).device)
+        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stop)
+        if restored and self._buffers.names:
+            self.restored_buffer_steps += 1
+        if not stop.item():
+            return decision
+        self.session.failures.call("writing the anomaly findings", self._record_buffers, broken, host.step, where,
+                                   restored, len(host.ranks))
+        return Decision.STOP
+
+    def _record_buffers(self, broken: list[str], step: int, where: Where, restored: bool, world_size: int) -> None:
+        why = ("they were already non-finite before this step (a NaN batch on a step that was not checked: set "
+               "anomaly_check_frequency=1 with skip)" if restored else
+               "no copy of them was taken before this step's forward")
+        names = _names([(name, 0.0) for name in broken]) if broken else "on another rank"
+        self.record(Finding(
+            Kind.NONFINITE_BUFFER, Severity.CRITICAL,
+            f"Buffers {names} are NaN/Inf at step {step} and could not be restored: {why}. Evaluation with these "
+            "running statistics gives NaN, so training stops instead of continuing over a broken model "
+            f"(anomaly_detection_mode='{self.mode.value}'). Restart from a checkpoint, or reset them "
+            "(module.reset_running_stats()).",
+            {"buffers": broken[:NAMES_IN_DETAILS], "count": len(broken), "restored": restored,
+             "world_size": world_size, "action": AnomalyMode.STOP.value}), step, where)
 
     def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
         """Localize the first step of an episode of non-finite loss or gradients (every rank at once).
@@ -267,6 +315,11 @@ class AnomalyMonitor(Monitor):
                     break
         found = [c for c in causes if c.where not in ("not_reproduced", "error")]
         own = (found or causes or [Cause("not_reproduced", "no batch was captured for this step")])[0]
+        outside = self.context.replay_scope() if causes else None
+        if outside and own.where == "not_reproduced":
+            own = Cause("not_reproduced", f"the replayed forward of the model gave finite outputs, so the NaN/Inf "
+                        f"comes from {outside}, which the replay does not cover (a log or division of a value that "
+                        "reaches 0 in the loss function, or NaN/Inf in the targets)", replay_ms=own.replay_ms)
         own.replay_ms = sum(c.replay_ms for c in causes)
         if distributed:
             gathered: list[Any] = [None] * dist.get_world_size()
@@ -554,4 +607,5 @@ class AnomalyMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
+                    restored_buffer_steps=self.restored_buffer_steps,
                     mode=self.mode.value, nonfinite_inputs=list(self.bad_batches))
