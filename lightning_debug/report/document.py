@@ -128,7 +128,8 @@ def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """report.md: the status, then each finding (most severe first) with where it was and what to do."""
+    """report.md: the status, then each finding (root causes first, most severe first, each consequence after
+    its cause) with where it was and what to do."""
     lines = ["# lightning-debug report", ""]
     status = report["status"]
     lines.append(f"Run status: **{status}** at step {report['last_step']}"

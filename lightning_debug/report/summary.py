@@ -2,8 +2,8 @@
 
 :meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
 global-zero process, after report.json is written. The summary goes through rich when it is
-installed and is plain text otherwise; both say what was found (root causes first, most severe first, each consequence after its cause), at which
-steps, which checks did not run, and where the files are.
+installed and is plain text otherwise; both say what was found (root causes first, most severe first,
+each consequence after its cause), at which steps, which checks did not run, and where the files are.
 
 Example::
 
@@ -73,7 +73,7 @@ def finding_line(record: dict[str, Any]) -> str:
     if cause.get("summary") and cause.get("where") not in ("not_reproduced", "error"):
         hint = "Cause: " + _short(str(cause["summary"]), HINT_WIDTH)
     elif details.get("consequence_of"):
-        hint = f"A consequence of {details['consequence_of']}: fix that first."
+        hint = f"Hint: a consequence of {details['consequence_of']}; fix that first."
     else:
         advice = hint_for(record.get("kind"))
         hint = f"Hint: {advice}." if advice else ""
