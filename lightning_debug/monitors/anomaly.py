@@ -258,11 +258,15 @@ class AnomalyMonitor(Monitor):
         model = self.context.module()
         if model is None:
             return decision
-        restored = self._buffers.restore(model, host.step)
-        broken = self._buffers.nonfinite(model)
-        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64,
-                            device=self.numerics.index(self.context.named_parameters,
-                                                       plain_sharded=self.context.grads_sharded).device)
+        try:
+            restored = self._buffers.restore(model, host.step)
+            broken = self._buffers.nonfinite(model)
+        except Exception as failure:  # still join the reduction below, so that no rank decides alone
+            self.session.failures.record("restoring the buffers of a skipped step", failure,
+                                         "the buffers are left as the forward changed them")
+            restored, broken = False, []
+        device = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded).device
+        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
         if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stop)
         if restored and self._buffers.names:
