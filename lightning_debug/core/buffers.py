@@ -43,6 +43,7 @@ class BufferSnapshot:
         self._holders: list[tuple[str, nn.Module, str]] = []
         self._module_id: int | None = None
         self._copies: list[torch.Tensor] = []
+        self._ids: list[int] = []
         self.step = -1
 
     def _collect(self, model: nn.Module) -> None:
@@ -69,10 +70,12 @@ class BufferSnapshot:
         if not current:
             self.step = step
             return
-        if len(self._copies) != len(current) or any(
+        ids = list(map(id, current))
+        if ids != self._ids and (len(self._copies) != len(current) or any(
                 copy.shape != buffer.shape or copy.dtype != buffer.dtype or copy.device != buffer.device
-                for copy, buffer in zip(self._copies, current)):
+                for copy, buffer in zip(self._copies, current))):
             self._copies = [torch.empty_like(buffer) for buffer in current]
+        self._ids = ids
         with torch.no_grad():
             torch._foreach_copy_(self._copies, current)
         self.step = step
@@ -82,8 +85,7 @@ class BufferSnapshot:
         current = self.buffers(model)
         if not current:
             return True
-        if self.step != step or len(self._copies) != len(current) or any(
-                copy.shape != buffer.shape for copy, buffer in zip(self._copies, current)):
+        if self.step != step or list(map(id, current)) != self._ids:
             return False
         with torch.no_grad():
             torch._foreach_copy_(current, self._copies)
