@@ -386,20 +386,29 @@ def test_a_dropped_step_restores_the_batchnorm_statistics_its_forward_broke(tmp_
 
 
 def test_skip_stops_with_the_buffer_names_when_they_cannot_be_restored(tmp_path: Path) -> None:
-    """Checked every 4 steps, the NaN batch at step 2 goes unseen: its running statistics stay broken."""
+    """Checked every 4 steps: at step 2 (not checked) an extra no-grad forward of a NaN batch poisons the
+    running statistics (the weights stay finite); the NaN loss of step 4 is skipped, but the copy taken
+    before step 4 is already broken, so the buffers are named and training stops."""
     callback = AnomalyDetectionCallback(anomaly_detection_mode="skip", anomaly_check_frequency=4)
 
     class LateNaN(BatchNormNet):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 2:
+                with torch.no_grad():
+                    self.net(torch.full_like(batch[0], float("nan")))
             loss = super().training_step(batch, batch_idx)
             return loss + torch.log(torch.zeros(())) * (self.trainer.global_step == 4)
 
     trainer = make_trainer(tmp_path, [callback], max_steps=24, limit_val_batches=0)
-    model = LateNaN(nan_sample=37)
+    model = LateNaN(nan_sample=None)
     with pytest.warns(UserWarning, match=r"nonfinite_buffer"):
         trainer.fit(model)
     assert trainer.global_step == 5, "training stops instead of continuing over broken statistics"
-    buffer = starts(read_events(debug_dir(trainer)), "nonfinite_buffer")[0]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    events = read_events(debug_dir(trainer))
+    assert not starts(events, "nonfinite_param")
+    buffer = starts(events, "nonfinite_buffer")[0]
     assert buffer["step"] == 4 and buffer["severity"] == "critical"
     assert set(buffer["details"]["buffers"]) == {"net.1.running_mean", "net.1.running_var"}
+    assert "already non-finite before this step" in buffer["message"]
     assert "training continues" not in buffer["message"].lower()
