@@ -201,7 +201,9 @@ def test_without_skip_the_same_nan_reaches_the_weights(tmp_path: Path) -> None:
     with pytest.warns(UserWarning):
         run = run_loop(tmp_path, steps=7, nan_input_at=5, anomaly_detection_mode="warn")
     assert not run.parameters_finite()
-    assert [e["step"] for e in starts(read_events(run.debug_dir), "nonfinite_param")] == [6]
+    params = starts(read_events(run.debug_dir), "nonfinite_param")
+    assert [e["step"] for e in params] == [5], "labelled with the update that applied the NaN gradients"
+    assert params[0]["details"]["consequence_of"] == "nonfinite_grad"
 
 
 def test_raise_mode_raises_at_the_step_and_the_report_says_failed(tmp_path: Path) -> None:
