@@ -265,6 +265,8 @@ class AnomalyMonitor(Monitor):
             self.session.failures.record("restoring the buffers of a skipped step", failure,
                                          "the buffers are left as the forward changed them")
             restored, broken = False, []
+        if not self._buffers.names:  # the same model on every rank: nothing to restore anywhere
+            return decision
         device = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded).device
         stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
         if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
