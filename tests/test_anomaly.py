@@ -297,6 +297,7 @@ def test_warn_mode_names_the_loss_first_and_the_parameters_as_its_consequence(tm
 
 
 def test_an_overflowing_learning_rate_is_still_blamed_with_finite_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6)
     with pytest.warns(UserWarning, match=r"\[step 0\] Parameter"):
         trainer.fit(TinyRegressor(lr=3e38))
@@ -311,14 +312,15 @@ def test_an_overflowing_learning_rate_is_still_blamed_with_finite_gradients(tmp_
 
 
 class Fp16Overflow(TinyRegressor):
-    """Pure fp16: the squared error of outputs scaled by 1000 overflows 65504 from the first step."""
+    """Pure fp16: the squared error of outputs scaled by 1e5 overflows 65504 from the first step."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return torch.nn.functional.mse_loss(self(x) * 1000.0, y)
+        return torch.nn.functional.mse_loss(self(x) * 1e5, y)
 
 
 def test_pure_fp16_overflow_is_labelled_with_the_step_that_broke_the_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=3, precision="16-true")
     with pytest.warns(UserWarning):
         trainer.fit(Fp16Overflow())

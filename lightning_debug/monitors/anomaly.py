@@ -271,7 +271,7 @@ class AnomalyMonitor(Monitor):
         stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
         if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stop)
-        if restored and self._buffers.names:
+        if restored:
             self.restored_buffer_steps += 1
         if not stop.item():
             return decision
@@ -474,8 +474,7 @@ class AnomalyMonitor(Monitor):
             if bad_params and params_first:
                 self._record_params(bad_params, where, world,
                                     host.ranks_with_nonfinite_params if host.params_measured else [], origin)
-            if activation:
-                assert cause is not None
+            if activation and cause is not None:
                 self.record(Finding(Kind.NONFINITE_ACTIVATION, Severity.ERROR,
                                     f"At step {step}, {cause.summary}. {_advice(cause)}".strip(),
                                     dict(cause.to_dict(), **({"consequence_of": Kind.NONFINITE_PARAM.value}
