@@ -113,6 +113,11 @@ class AccelerateContext(RunContext):
     def replay(self) -> Replay:
         return self.debugger._replay_forward
 
+    def replay_scope(self) -> str | None:
+        """The replay recomputes the model's forward; the loop's own loss function only when the model
+        returns its ``loss`` (a Hugging Face model given labels)."""
+        return None if self.debugger._replayed_loss else "the loss computed outside the model, in the training loop"
+
 
 def _inner(optimizer: Any) -> Any:
     """The torch optimizer inside Accelerate's wrapper(s)."""
@@ -189,6 +194,7 @@ class AccelerateDebugger:
         self.step = self.epoch = self.batch = 0
         self.should_stop = False
         self._batch_open = self._awaiting_step_end = self._replaying = False
+        self._replayed_loss = False
         self._batch_where: Where = self.where
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
         if launched > accelerator.num_processes:
@@ -339,12 +345,16 @@ class AccelerateDebugger:
 
     def _replay_forward(self, captured: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor | None:
         """Recompute a captured forward through the unwrapped model (no DDP hooks). The loop's own loss
-        function is not known here, so a NaN it makes outside the model is reported as not reproduced."""
+        function is not known here: when the replayed outputs are finite, the report says the loss is
+        computed outside what was replayed (:meth:`AccelerateContext.replay_scope`)."""
         args, kwargs = captured
         self._replaying = True
         try:
             with self.accelerator.autocast():
-                return output_scalar(self.module(*args, **kwargs))
+                output = self.module(*args, **kwargs)
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+            self._replayed_loss = isinstance(loss, torch.Tensor)
+            return output_scalar(output)
         finally:
             self._replaying = False
 

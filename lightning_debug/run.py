@@ -130,6 +130,7 @@ class Run:
         self.failures.step = step
         several = self.failures.call("listing the optimizers", self._several_optimizers)
         self.numerics.several_optimizers = bool(several)
+        self.numerics.steps_done = step
         self._emit(Event.START, step)
 
     def epoch_start(self, step: int) -> None:
@@ -204,6 +205,7 @@ class Run:
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
+        self.numerics.steps_done = steps_done
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 
     def batch_end(self, batch: Any = None) -> None:

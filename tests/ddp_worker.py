@@ -2,7 +2,7 @@
 
 Usage: python tests/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four] [--level LEVEL]
                                   [--unused-layer] [--fail-writes-rank0] [--fail-check-rank1-step STEP]
-                                  [--gather-in-step]
+                                  [--gather-in-step] [--nan-sample-batchnorm]
 
 ``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
 only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
@@ -10,7 +10,9 @@ forward never uses, which DDP (without ``find_unused_parameters``) rejects at th
 ``--fail-writes-rank0`` makes every write of rank 0 fail (events, the logger, TensorBoard text, warnings
 turned into errors); ``--fail-check-rank1-step`` makes rank 1's own measurement raise at that step;
 ``--gather-in-step`` calls ``self.all_gather`` inside ``training_step`` (as contrastive losses do),
-a collective that a replay of the step must not desynchronise. Each rank writes
+a collective that a replay of the step must not desynchronise. ``--nan-sample-batchnorm`` puts a
+BatchNorm1d after ``inp`` and, instead of the NaN loss, one NaN sample in the batch of NAN_STEP on
+NAN_RANK only (its forward poisons that rank's running statistics). Each rank writes
 OUT_DIR/result_<rank>.json with how its training ended, the decision it took at each optimizer
 step, the steps at which it entered the plugin's collectives, a checksum of its weights and where
 its debug session writes (None on the ranks that must not write). Under ``ddp_spawn`` the ranks
@@ -43,8 +45,10 @@ class NaNOnOneRank(TinyRegressor):
 
     def __init__(self, nan_rank: int, nan_step: int, out_dir: str = "", write_in_fit_end: bool = False,
                  unused_layer: bool = False, fail_writes_rank0: bool = False,
-                 fail_check_rank1_step: int | None = None, gather_in_step: bool = False) -> None:
+                 fail_check_rank1_step: int | None = None, gather_in_step: bool = False,
+                 nan_sample_batchnorm: bool = False) -> None:
         super().__init__(unused_layer=unused_layer)
+        self.norm = torch.nn.BatchNorm1d(16) if nan_sample_batchnorm else None
         self.nan_rank, self.nan_step = nan_rank, nan_step
         self.out_dir, self.write_in_fit_end = out_dir, write_in_fit_end
         self.fail_writes_rank0, self.fail_check_rank1_step = fail_writes_rank0, fail_check_rank1_step
@@ -52,7 +56,18 @@ class NaNOnOneRank(TinyRegressor):
         self.decisions: list[list[Any]] = []
         self.gather_steps: list[int] = []
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            return super().forward(x)
+        return self.head(torch.relu(self.hidden(torch.relu(self.norm(self.inp(x))))))
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.norm is not None:
+            x, y = batch
+            if self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_step:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            return torch.nn.functional.mse_loss(self(x), y)
         loss = super().training_step(batch, batch_idx)
         if self.gather_in_step:  # every rank's features, as a contrastive loss gathers them
             features = self.all_gather(torch.relu(self.inp(batch[0])).detach())
@@ -121,6 +136,8 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
         rank=trainer.global_rank, world_size=trainer.world_size, global_step=trainer.global_step,
         should_stop=trainer.should_stop,
         params_finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        buffers_finite=all(bool(torch.isfinite(b.float()).all()) for b in model.buffers()),
+        batches_tracked=int(model.norm.num_batches_tracked) if model.norm is not None else None,
         param_checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
         decisions=model.decisions, gather_steps=model.gather_steps,
         skipped_steps=anomaly.monitor.skipped_steps if anomaly is not None else None,
@@ -144,6 +161,7 @@ def main() -> None:
     parser.add_argument("--fail-writes-rank0", action="store_true")
     parser.add_argument("--fail-check-rank1-step", type=int, default=None)
     parser.add_argument("--gather-in-step", action="store_true")
+    parser.add_argument("--nan-sample-batchnorm", action="store_true")
     args = parser.parse_args()
     if args.all_four:
         config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
@@ -156,7 +174,8 @@ def main() -> None:
     trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=MAX_STEPS, devices=2, strategy=args.strategy)
     model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_fit_end=spawned,
                          unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
-                         fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step)
+                         fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
+                         nan_sample_batchnorm=args.nan_sample_batchnorm)
     outcome: dict[str, Any] = {"exception": None}
     try:
         trainer.fit(model)

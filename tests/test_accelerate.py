@@ -201,7 +201,9 @@ def test_without_skip_the_same_nan_reaches_the_weights(tmp_path: Path) -> None:
     with pytest.warns(UserWarning):
         run = run_loop(tmp_path, steps=7, nan_input_at=5, anomaly_detection_mode="warn")
     assert not run.parameters_finite()
-    assert [e["step"] for e in starts(read_events(run.debug_dir), "nonfinite_param")] == [6]
+    params = starts(read_events(run.debug_dir), "nonfinite_param")
+    assert [e["step"] for e in params] == [5], "labelled with the update that applied the NaN gradients"
+    assert params[0]["details"]["consequence_of"] == "nonfinite_grad"
 
 
 def test_raise_mode_raises_at_the_step_and_the_report_says_failed(tmp_path: Path) -> None:
@@ -221,6 +223,47 @@ def test_advanced_level_replays_the_step_and_names_the_operation(tmp_path: Path)
     assert loss_event["step"] == 4 and cause["where"] == "forward"
     assert cause["module"] == "act" and "sqrt" in cause["operation"], cause
     assert run.parameters_finite() and run.debugger.step == 6
+
+
+def test_advanced_replay_of_a_loss_outside_the_model_says_so(tmp_path: Path) -> None:
+    """The loop's ``log(0)`` is not part of the model's forward: the replay must say that, not blame
+    non-determinism."""
+    with pytest.warns(UserWarning, match=r"\[step 4\]"):
+        run = run_loop(tmp_path, steps=6, log_zero_at=(4, 0), level="advanced", anomaly_detection_mode="skip",
+                       mode="anomaly_detection")
+    loss_event = starts(read_events(run.debug_dir), "nonfinite_loss")[0]
+    cause = loss_event["details"]["cause"]
+    assert loss_event["step"] == 4 and cause["where"] == "not_reproduced"
+    assert "the loss computed outside the model" in cause["summary"] and "finite outputs" in cause["summary"]
+    assert "non-deterministic" not in loss_event["message"]
+
+
+def test_skip_restores_batchnorm_statistics_in_an_accelerate_loop(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    inputs, targets = regression_data().tensors
+    inputs = inputs.clone()
+    inputs[21, 2] = float("nan")  # batch 2 of 8-sample batches
+    loader = DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=8)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with pytest.warns(UserWarning, match=r"\[step 2\]"):
+        with AccelerateDebugger(accelerator, model, optimizer, anomaly_detection_mode="skip",
+                                mode="anomaly_detection") as debugger:
+            for x, y in loader:
+                debugger.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+    net = accelerator.unwrap_model(model)
+    assert debugger.run.monitor(Area.ANOMALY).restored_buffer_steps == 1  # type: ignore[union-attr]
+    for name, tensor in [*net.named_parameters(), *net.named_buffers()]:
+        assert torch.isfinite(tensor.float()).all(), name
+    assert int(net[1].num_batches_tracked) == len(loader) - 1
+    net.eval()
+    with torch.no_grad():
+        assert torch.isfinite(nn.functional.mse_loss(net(targets.new_zeros(4, 8)), targets[:4]))
+    accelerator.end_training()
 
 
 def test_stop_mode_sets_should_stop_after_the_bad_step(tmp_path: Path) -> None:

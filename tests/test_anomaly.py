@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -12,7 +13,15 @@ import pytest
 import torch
 
 from lightning_debug import AnomalyDetectionCallback, AnomalyError, DebugConfig
-from tests.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, read_scalars
+from tests.toolkit import (
+    TinyRegressor,
+    debug_dir,
+    make_trainer,
+    read_events,
+    read_report,
+    read_scalars,
+    regression_data,
+)
 
 
 def starts(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -247,3 +256,161 @@ def test_callbacks_pickle_and_take_config_or_overrides() -> None:
     assert callback.state_key != AnomalyDetectionCallback().state_key
     with pytest.raises(ValueError, match="anomaly_detection_mode must be one of warn, raise, skip, stop"):
         AnomalyDetectionCallback(anomaly_detection_mode="explode")
+
+
+# --- root cause first (issue 13) --------------------------------------------------------------------
+class LogOfZeroInGraph(TinyRegressor):
+    """``log(0 * loss)`` from ``from_step`` on: a NaN loss whose gradients are NaN too, with finite weights."""
+
+    def __init__(self, from_step: int = 5, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.from_step = from_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        if self.trainer.global_step >= self.from_step:
+            loss = torch.log(loss * 0.0)
+        return loss
+
+
+def test_warn_mode_names_the_loss_first_and_the_parameters_as_its_consequence(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=9)
+    with pytest.warns(UserWarning, match=r"\[step 5\] The loss is NaN/Inf"):
+        trainer.fit(LogOfZeroInGraph(from_step=5))
+    events = read_events(debug_dir(trainer))
+    report = read_report(debug_dir(trainer))
+    assert list(report["findings"])[:3] == ["nonfinite_loss", "nonfinite_grad", "nonfinite_param"]
+    assert "consequence_of" not in report["findings"]["nonfinite_loss"]
+    assert report["findings"]["nonfinite_grad"]["consequence_of"] == "nonfinite_loss"
+    assert report["findings"]["nonfinite_param"]["consequence_of"] == "nonfinite_grad"
+    loss = starts(events, "nonfinite_loss")[0]
+    assert loss["step"] == 5 and "already non-finite" not in loss["message"]
+    param = starts(events, "nonfinite_param")[0]
+    assert param["step"] == 5, "the weights broke in step 5's update, not before step 6"
+    assert "in the optimizer step at step 5, because the gradients of step 5 were non-finite" in param["message"]
+    assert "lower the learning rate" not in param["message"].lower()
+    assert param["details"]["by_nonfinite_gradients"] and param["details"]["update_step"] == 5
+    markdown = (debug_dir(trainer) / "report.md").read_text()
+    assert markdown.index("`nonfinite_loss`") < markdown.index("`nonfinite_grad`") < markdown.index("`nonfinite_param`")
+    assert "(critical, consequence of `nonfinite_grad`)" in markdown
+
+
+def test_an_overflowing_learning_rate_is_still_blamed_with_finite_gradients(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6)
+    with pytest.warns(UserWarning, match=r"\[step 0\] Parameter"):
+        trainer.fit(TinyRegressor(lr=3e38))
+    events = read_events(debug_dir(trainer))
+    param = starts(events, "nonfinite_param")[0]
+    assert param["step"] == 0 and "in the optimizer step at step 0" in param["message"]
+    assert "although its gradients were finite" in param["message"] and "Lower the learning rate" in param["message"]
+    assert "consequence_of" not in param["details"]
+    loss = starts(events, "nonfinite_loss")[0]
+    assert loss["step"] == 1 and loss["details"]["consequence_of"] == "nonfinite_param"
+    assert list(read_report(debug_dir(trainer))["findings"])[0] == "nonfinite_param"
+
+
+class Fp16Overflow(TinyRegressor):
+    """Pure fp16: the squared error of outputs scaled by 1e5 overflows 65504 from the first step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x) * 1e5, y)
+
+
+def test_pure_fp16_overflow_is_labelled_with_the_step_that_broke_the_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=3, precision="16-true")
+    with pytest.warns(UserWarning):
+        trainer.fit(Fp16Overflow())
+    events = read_events(debug_dir(trainer))
+    grads = starts(events, "nonfinite_grad")
+    param = starts(events, "nonfinite_param")[0]
+    assert [e["step"] for e in grads] == [0] and param["step"] == 0
+    assert "in the optimizer step at step 0, because the gradients of step 0" in param["message"]
+
+
+class BatchNormNet(pl.LightningModule):
+    """Linear -> BatchNorm1d -> ReLU -> Linear; sample ``nan_sample`` of the training data is NaN."""
+
+    def __init__(self, nan_sample: int | None = 37) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+        self.nan_sample = nan_sample
+        self.val_losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.val_losses.append(float(loss))
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def _data(self, poisoned: bool) -> torch.utils.data.DataLoader:
+        inputs, targets = regression_data().tensors
+        inputs = inputs.clone()
+        if poisoned and self.nan_sample is not None:
+            inputs[self.nan_sample, 3] = float("nan")
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=16)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._data(poisoned=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._data(poisoned=False)
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_a_dropped_step_restores_the_batchnorm_statistics_its_forward_broke(tmp_path: Path, mode: str) -> None:
+    callback = AnomalyDetectionCallback(anomaly_detection_mode=mode)
+    trainer = make_trainer(tmp_path, [callback], max_steps=16, val_check_interval=8, num_sanity_val_steps=0)
+    model = BatchNormNet(nan_sample=37)  # batch 2 of the one epoch
+    with pytest.warns(UserWarning, match=r"\[step 2\] .*nonfinite_input"):
+        trainer.fit(model)
+    assert callback.monitor.skipped_steps == 1 and callback.monitor.restored_buffer_steps == 1
+    assert trainer.global_step == (16 if mode == "skip" else 3)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        assert torch.isfinite(tensor.float()).all(), f"{name} is not finite after the skipped step"
+    assert int(model.net[1].num_batches_tracked) == trainer.global_step - 1, "the skipped forward is not counted"
+    if mode == "skip":
+        assert model.val_losses and all(math.isfinite(v) for v in model.val_losses)
+    events = read_events(debug_dir(trainer))
+    assert not starts(events, "nonfinite_buffer")
+    assert "BatchNorm running statistics its forward changed are restored" in starts(events, "nonfinite_loss")[0]["message"]
+
+
+def test_skip_stops_with_the_buffer_names_when_they_cannot_be_restored(tmp_path: Path) -> None:
+    """Checked every 4 steps: at step 2 (not checked) an extra no-grad forward of a NaN batch poisons the
+    running statistics (the weights stay finite); the NaN loss of step 4 is skipped, but the copy taken
+    before step 4 is already broken, so the buffers are named and training stops."""
+    callback = AnomalyDetectionCallback(anomaly_detection_mode="skip", anomaly_check_frequency=4)
+
+    class LateNaN(BatchNormNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 2:
+                with torch.no_grad():
+                    self.net(torch.full_like(batch[0], float("nan")))
+            loss = super().training_step(batch, batch_idx)
+            return loss + torch.log(torch.zeros(())) * (self.trainer.global_step == 4)
+
+    trainer = make_trainer(tmp_path, [callback], max_steps=24, limit_val_batches=0)
+    model = LateNaN(nan_sample=None)
+    with pytest.warns(UserWarning, match=r"nonfinite_buffer"):
+        trainer.fit(model)
+    assert trainer.global_step == 5, "training stops instead of continuing over broken statistics"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    events = read_events(debug_dir(trainer))
+    assert not starts(events, "nonfinite_param")
+    buffer = starts(events, "nonfinite_buffer")[0]
+    assert buffer["step"] == 4 and buffer["severity"] == "critical"
+    assert set(buffer["details"]["buffers"]) == {"net.1.running_mean", "net.1.running_var"}
+    assert "already non-finite before this step" in buffer["message"]
+    assert "training continues" not in buffer["message"].lower()

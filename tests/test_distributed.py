@@ -56,6 +56,20 @@ def test_skip_on_rank_zero_skips_on_both_ranks(tmp_path: Path) -> None:
     assert all(r["params_finite"] and r["exception"] is None for r in results)
 
 
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_skip_restores_batchnorm_statistics_on_every_rank(tmp_path: Path) -> None:
+    """A NaN sample on rank 0 at step 5 poisons rank 0's running statistics (which DDP broadcasts to the
+    other ranks at every forward); both ranks skip the step and restore their own, so every buffer stays
+    finite and training goes on."""
+    results = run_two_ranks(tmp_path, "skip", 0, 5, "ddp", False, "basic", "--nan-sample-batchnorm")
+    assert [r["global_step"] for r in results] == [12, 12]
+    assert all(r["exception"] is None and r["params_finite"] and r["buffers_finite"] for r in results)
+    assert [r["skipped_steps"] for r in results] == [1, 1]
+    assert [r["batches_tracked"] for r in results] == [11, 11], "the skipped forward is undone on both ranks"
+    assert results[0]["decisions"][5] == [5, "skip"] and results[1]["decisions"][5] == [5, "skip"]
+    assert results[0]["gather_steps"] == results[1]["gather_steps"]
+
+
 # --- all four callbacks, every check on every step ---------------------------------------------------
 def files_named(root: Path, pattern: str) -> list[Path]:
     return sorted(root.rglob(pattern))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_debug.core.kinds import Kind, Severity, severity_rank
+from lightning_debug.core.kinds import Kind, Severity, causal_rank, severity_rank
 
 
 @dataclass
@@ -31,7 +32,8 @@ class EpisodePhase(str, enum.Enum):
 
 
 class Tally:
-    """Per kind: episodes, affected check steps, first and last step, first message.
+    """Per kind: episodes, affected check steps, first and last step, first message, and the kind it
+    follows from (``consequence_of``, when its first finding named one: the report lists it after that kind).
 
     Kept in each monitor's ``state_dict`` so counts continue across a resume.
     """
@@ -44,6 +46,8 @@ class Tally:
             "episodes": 0, "steps": 0, "first_step": step, "last_step": step,
             "severity": finding.severity.value, "first_message": finding.message,
         })
+        if not entry["steps"] and finding.details.get("consequence_of"):
+            entry["consequence_of"] = str(finding.details["consequence_of"])
         entry["episodes"] += int(new_episode)
         entry["steps"] += 1
         entry["last_step"] = step
@@ -108,3 +112,37 @@ class Episodes:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.open = {tuple(key): dict(value) for key, value in state.get("open", [])}  # type: ignore[misc]
+
+
+def root_of(kind: str, findings: Mapping[str, dict[str, Any]]) -> str:
+    """The finding ``kind`` follows from, through its ``consequence_of`` chain (itself when it is a root)."""
+    seen = {kind}
+    while True:
+        cause = findings.get(kind, {}).get("consequence_of")
+        if not cause or cause not in findings or cause in seen:
+            return kind
+        seen.add(cause)
+        kind = cause
+
+
+def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Root causes first: most severe first, then by first step, then in causal order within a step
+    (input batch -> activation -> loss -> gradient -> parameter); a consequence (``consequence_of``)
+    comes right after the finding it follows from, whatever its own severity.
+
+    Example::
+
+        >>> list(order_findings({"nonfinite_param": {"severity": "critical", "first_step": 5,
+        ...                                         "consequence_of": "nonfinite_grad"},
+        ...                     "nonfinite_grad": {"severity": "error", "first_step": 5},
+        ...                     "nonfinite_loss": {"severity": "error", "first_step": 5}}))
+        ['nonfinite_loss', 'nonfinite_grad', 'nonfinite_param']
+    """
+    def key(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
+        kind, entry = item
+        root = root_of(kind, findings)
+        anchor = findings[root]
+        return (severity_rank(anchor.get("severity")), anchor.get("first_step", 0), causal_rank(root), root,
+                root != kind, entry.get("first_step", 0), causal_rank(kind), kind)
+
+    return dict(sorted(findings.items(), key=key))

@@ -68,6 +68,7 @@ class Kind(str, enum.Enum):
     NONFINITE_GRAD = "nonfinite_grad"
     NONFINITE_PARAM = "nonfinite_param"
     NONFINITE_ACTIVATION = "nonfinite_activation"
+    NONFINITE_BUFFER = "nonfinite_buffer"
     AMP_OVERFLOW_SKIPPED = "amp_overflow_skipped"
     EXPLODING_GRAD = "exploding_grad"
     VANISHING_GRAD = "vanishing_grad"
@@ -159,6 +160,10 @@ ADVICE: dict[Kind, str] = {
                     "or branch on tensor values.",
     Kind.PROFILER_TRACE: "Open the trace in https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler "
                          "plugin; the top operators are listed below.",
+    Kind.NONFINITE_BUFFER: "Module buffers (BatchNorm running statistics) hold NaN/Inf: evaluation uses them, so "
+                           "every validation loss is NaN. Restart from a checkpoint or call "
+                           "`module.reset_running_stats()`; with `anomaly_detection_mode='skip'` check every step "
+                           "(`anomaly_check_frequency=1`) so that a NaN batch's forward is undone.",
     Kind.NONFINITE_INPUT: "The data holds NaN/Inf before the model sees it: find the samples named in the event "
                           "(a missing value, a division by a zero std in normalisation, a corrupt file), clean or drop "
                           "them, or guard with torch.nan_to_num in the dataset.",
@@ -240,6 +245,7 @@ HINTS: dict[Kind, str] = {
     Kind.HOST_SYNC: "keep values on the device inside the step (no .item())",
     Kind.PROFILER_TRACE: "open it in https://ui.perfetto.dev",
     Kind.NONFINITE_INPUT: "clean or drop those samples; check the normalisation (a zero std)",
+    Kind.NONFINITE_BUFFER: "restart from a checkpoint or reset_running_stats(); check every step with skip",
     Kind.DEAD_ACTIVATION: "lower the learning rate, check the bias init, or use LeakyReLU/GELU",
     Kind.SATURATED_ACTIVATION: "normalise the inputs, a better initialisation, or ReLU/GELU",
     Kind.EVAL_MODE_IN_TRAINING: "call .train() on it, unless it is frozen on purpose",
@@ -247,6 +253,20 @@ HINTS: dict[Kind, str] = {
     Kind.EXCEPTION: "see the explanation in report.md; your exception is raised unchanged",
 }
 """The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
+
+
+CAUSAL_ORDER = {Kind.NONFINITE_INPUT: 0, Kind.NONFINITE_ACTIVATION: 1, Kind.NONFINITE_LOSS: 2,
+                Kind.NONFINITE_GRAD: 3, Kind.NONFINITE_PARAM: 4, Kind.NONFINITE_BUFFER: 4}
+"""Within one step a NaN flows input batch -> activation -> loss -> gradient -> parameter: the report lists
+findings of the same step in this order, so the root cause comes before what follows from it."""
+
+
+def causal_rank(kind: Any) -> int:
+    """Where ``kind`` sits in :data:`CAUSAL_ORDER` (kinds outside the chain come after it)."""
+    try:
+        return CAUSAL_ORDER.get(Kind(str(kind)), len(CAUSAL_ORDER))
+    except ValueError:
+        return len(CAUSAL_ORDER)
 
 
 def hint_for(kind: Any, width: int = 90) -> str | None:

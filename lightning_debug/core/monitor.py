@@ -142,6 +142,11 @@ class RunContext:
         """Recomputes the loss of a captured micro-batch (``level=ADVANCED`` localization), or None."""
         return None
 
+    def replay_scope(self) -> str | None:
+        """What the last replay could not recompute, when the loss lies outside it (None: it recomputed the
+        loss). A replay that reproduces nothing then points there instead of at non-determinism."""
+        return None
+
 
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.

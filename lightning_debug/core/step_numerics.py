@@ -174,7 +174,7 @@ class HostNumerics:
                  param_squares: torch.Tensor, missing_slots: list[int],
                  scan_parameters: Callable[[], list[tuple[str, float]]] | None = None,
                  read_before_update: bool = True, error: Exception | None = None,
-                 without_gradients: bool = False) -> None:
+                 without_gradients: bool = False, steps_done: Callable[[], int] | None = None) -> None:
         self.step = step
         self.without_gradients = without_gradients
         self.error = error
@@ -186,6 +186,9 @@ class HostNumerics:
         self._missing_slots = missing_slots
         self.scan_parameters = scan_parameters
         self.read_before_update = read_before_update
+        self._steps_done = steps_done
+        # The last optimizer step whose update the parameters seen by nonfinite_params() had received.
+        self.params_seen_after: int | None = None
 
     @property
     def loss_checked(self) -> bool:
@@ -290,9 +293,19 @@ class HostNumerics:
         return [(n, v) for n, v in zip(self.grad_names, self.grad_norms) if not math.isfinite(v)]
 
     def nonfinite_params(self) -> list[tuple[str, float]]:
-        """Non-finite parameters: from the step's norms when they were computed, else scanned now."""
+        """Non-finite parameters: from the step's norms when they were computed, else scanned now.
+
+        :attr:`params_seen_after` says which weights these are: a scan now, read a step late, sees the
+        weights after this step's update (and any update since); the step's own norms, or a scan
+        read synchronously, the weights its forward used.
+        """
         if not self.params_measured:
-            return self.scan_parameters() if self.scan_parameters is not None else []
+            if self.scan_parameters is None:
+                return []
+            self.params_seen_after = (self._steps_done() - 1 if self._steps_done is not None and
+                                      not self.read_before_update else self.step - 1)
+            return self.scan_parameters()
+        self.params_seen_after = self.step - 1
         if not any(rank["param_nonfinite"] for rank in self.ranks):
             return []
         return [(n, v) for n, v in zip(self.param_names, self.param_norms) if not math.isfinite(v)]
@@ -373,6 +386,8 @@ class StepNumerics:
             self.packed = packed
         else:
             self.packed = torch.cat([row, *pieces])
+        # How many optimizer steps have been taken by now (set by NumericsQueue): which update a late scan sees.
+        self.steps_done: Callable[[], int] | None = None
         self._readback: Readback | None = None
         self._read_blocking = False
         self._host: HostNumerics | None = None
@@ -429,7 +444,7 @@ class StepNumerics:
                 step=self.step, ranks=ranks, index=self.index, grad_squares=values[offset:offset + count],
                 param_squares=values[offset + count:], missing_slots=self.missing_slots,
                 scan_parameters=self.scan_parameters, read_before_update=self._read_blocking, error=self.error,
-                without_gradients=self.without_gradients,
+                without_gradients=self.without_gradients, steps_done=self.steps_done,
             )
         return self._host
 
@@ -452,6 +467,8 @@ class NumericsQueue:
         self.max_pending = max_pending
         # Checks that need every weight's norm on their steps (weight logging, update ratios).
         self.param_norms_wanted: list[Callable[[int], bool]] = []
+        # Optimizer steps taken so far (the run sets it after each step): which update a late parameter scan sees.
+        self.steps_done = 0
         self._loss_finite: dict[int, torch.Tensor] = {}
         self._input_nonfinite: dict[int, torch.Tensor] = {}
         self._current: StepNumerics | None = None
@@ -531,6 +548,7 @@ class NumericsQueue:
             wanted = any(wants(step) for wants in self.param_norms_wanted)
             self._current = StepNumerics(step, index, self._loss_finite.pop(step, None), all_reduce, grad_scale,
                                          wanted, gradients, self._input_nonfinite.pop(step, None))
+            self._current.steps_done = lambda: self.steps_done
             self._pending.append(self._current)
         return self._current
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import severity_rank
 
 PLOTTED_TAGS = (
@@ -86,6 +87,7 @@ class Episode:
     callback: str = ""
     key: str = ""
     check_steps: int = 1
+    consequence_of: str = ""
 
 
 @dataclass
@@ -129,7 +131,8 @@ class Timeline:
             return
         episode = Episode(kind=kind, severity=str(record.get("severity", "info")), first_step=step,
                           last_step=None if record.get("episode") == "start" else step,
-                          message=str(record.get("message", "")), callback=str(record.get("callback", "")))
+                          message=str(record.get("message", "")), callback=str(record.get("callback", "")),
+                          consequence_of=str(details.get("consequence_of") or ""))
         self.episodes.append(episode)
         if episode.last_step is None:
             self._open.setdefault((kind, step), []).append(episode)
@@ -146,13 +149,15 @@ class Timeline:
             entry = out.setdefault(episode.kind, {
                 "episodes": 0, "steps": 0, "first_step": episode.first_step, "last_step": last,
                 "severity": episode.severity, "first_message": episode.message, "callback": episode.callback})
+            if episode.consequence_of and entry["episodes"] == 0:
+                entry["consequence_of"] = episode.consequence_of
             entry["episodes"] += 1
             entry["steps"] += episode.check_steps
             entry["first_step"] = min(entry["first_step"], episode.first_step)
             entry["last_step"] = max(entry["last_step"], last)
             if severity_rank(episode.severity) < severity_rank(entry["severity"]):
                 entry["severity"] = episode.severity
-        return dict(sorted(out.items(), key=lambda item: (severity_rank(item[1]["severity"]), item[1]["first_step"])))
+        return order_findings(out)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """count / mean / min / max of the plotted series, under report.json's area names."""

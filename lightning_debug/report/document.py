@@ -7,7 +7,8 @@ report.json's top-level keys are stable (``schema_version`` changes if one ever 
 - ``status``: ``finished``, ``failed``, ``interrupted`` (or ``unknown`` for a report rebuilt
   offline from a run that never wrote one), ``error`` (the exception, or null), ``last_step``
 - ``findings``: kind -> ``{episodes, steps, first_step, last_step, severity, first_message,
-  callback}``, most severe first, then by first step
+  callback}`` and ``consequence_of`` (the kind it follows from) when it is a consequence; root causes
+  most severe first, then by first step and causal order, each consequence right after its cause
 - ``stats``: area (``gradient_norm``, ``step_time_ms``, ``memory/cpu_rss_mb``, ...) -> ``{count, mean,
   min, max, ...}``
 - ``sections``: area -> what else its monitor reports (tables, suggestions, and the ``markdown``
@@ -43,6 +44,7 @@ from lightning_debug.checks.memory import PHASES as MEMORY_PHASES
 from lightning_debug.checks.memory import SERIES_LABELS
 from lightning_debug.checks.timing import PHASES
 from lightning_debug.core.events import jsonable
+from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
 
 REPORT_SCHEMA_VERSION = 1
@@ -88,9 +90,8 @@ def build_report(*, status: str, step: int, sections: dict[str, dict[str, Any]],
 
 
 def sort_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Most severe first, then by first step."""
-    return dict(sorted(findings.items(), key=lambda item: (severity_rank(item[1].get("severity")),
-                                                           item[1].get("first_step", 0))))
+    """Root causes first, each consequence right after its cause (see :func:`~lightning_debug.core.findings.order_findings`)."""
+    return order_findings(findings)
 
 
 def _number(value: Any) -> str:
@@ -127,7 +128,8 @@ def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """report.md: the status, then each finding (most severe first) with where it was and what to do."""
+    """report.md: the status, then each finding (root causes first, most severe first, each consequence after
+    its cause) with where it was and what to do."""
     lines = ["# lightning-debug report", ""]
     status = report["status"]
     lines.append(f"Run status: **{status}** at step {report['last_step']}"
@@ -145,16 +147,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         counts = ", ".join(f"{count} {severity}" for severity, count in
                            sorted(by_severity.items(), key=lambda item: severity_rank(item[0])))
         lines += [f"Found {len(findings)} kind(s) of problem: {counts}.", "",
-                  "## Findings (most severe first)", ""]
+                  "## Findings (root causes first, most severe first)", ""]
         for number, (kind, entry) in enumerate(findings.items(), start=1):
-            lines += [f"### {number}. `{kind}` ({entry['severity']})", "",
+            cause = entry.get("consequence_of") if entry.get("consequence_of") in findings else None
+            lines += [f"### {number}. `{kind}` ({entry['severity']}" + (f", consequence of `{cause}`" if cause
+                                                                        else "") + ")", "",
                       f"- **Where**: {_span(entry)}; {entry['episodes']} episode(s) over {entry['steps']} check "
                       f"step(s); reported by `{entry.get('callback', '?')}`.",
                       f"- **What**: {entry['first_message']}"]
             if entry.get("source") == "tensorboard":
                 lines.append("- **Source**: the TensorBoard scalars; events.jsonl has no event of it (missing, cut "
                              "off or lost lines), so details such as parameter names are not known.")
-            advice = advice_for(kind)
+            advice = (f"This follows from `{cause}` above; fix that first." if cause is not None
+                      else advice_for(kind))
             if advice:
                 lines.append(f"- **What to do**: {advice}")
             lines.append("")

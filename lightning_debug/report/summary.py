@@ -2,8 +2,8 @@
 
 :meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
 global-zero process, after report.json is written. The summary goes through rich when it is
-installed and is plain text otherwise; both say what was found (most severe first), at which
-steps, which checks did not run, and where the files are.
+installed and is plain text otherwise; both say what was found (root causes first, most severe first,
+each consequence after its cause), at which steps, which checks did not run, and where the files are.
 
 Example::
 
@@ -51,6 +51,12 @@ def _short(message: str, width: int = MESSAGE_WIDTH) -> str:
     return first_sentence[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
 
 
+def _what(entry: dict[str, Any]) -> str:
+    """A summary row's text: the first sentence, after "consequence of <kind>:" when it is one."""
+    cause = entry.get("consequence_of")
+    return (f"consequence of {cause}: " if cause else "") + _short(str(entry["first_message"]))
+
+
 def finding_line(record: dict[str, Any]) -> str:
     """The one console line of a finding: what (first sentence), kind and where, and one short hint
     (the cause a replay named, else the start of the advice); the full text is in events.jsonl.
@@ -66,6 +72,8 @@ def finding_line(record: dict[str, Any]) -> str:
     cause = details.get("cause") if isinstance(details.get("cause"), dict) else {}
     if cause.get("summary") and cause.get("where") not in ("not_reproduced", "error"):
         hint = "Cause: " + _short(str(cause["summary"]), HINT_WIDTH)
+    elif details.get("consequence_of"):
+        hint = f"Hint: a consequence of {details['consequence_of']}; fix that first."
     else:
         advice = hint_for(record.get("kind"))
         hint = f"Hint: {advice}." if advice else ""
@@ -135,7 +143,7 @@ def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
     if report.get("findings"):
         lines.append(f"  {'severity':<9} {'finding':<22} {'where':<12} what")
     for kind, entry in (report.get("findings") or {}).items():
-        lines.append(f"  {entry['severity']:<9} {kind:<22} {_span(entry):<12} {_short(str(entry['first_message']))}")
+        lines.append(f"  {entry['severity']:<9} {kind:<22} {_span(entry):<12} {_what(entry)}")
     lines += failed_check_lines(report)
     for label, where in files.items():
         lines.append(f"  {label + ':':<9} {where}")
@@ -164,8 +172,7 @@ def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO 
     table.add_column("what", no_wrap=True, overflow="ellipsis", width=max(20, console.width - sum(widths) - 9))
     for kind, entry in findings.items():
         severity = str(entry["severity"])
-        table.add_row(f"[{SEVERITY_STYLES.get(severity, '')}]{severity}[/]", kind, _span(entry),
-                      _short(str(entry["first_message"])))
+        table.add_row(f"[{SEVERITY_STYLES.get(severity, '')}]{severity}[/]", kind, _span(entry), _what(entry))
     console.print(table)
     for line in failed_check_lines(report):
         console.print(line, style="bold red", overflow="fold", markup=False)
