@@ -63,8 +63,7 @@ def _own_time(method: _Method) -> _Method:
     performance monitor leaves out of step timing: the plugin never reports its own cost."""
     @functools.wraps(method)
     def counted(self: Run, *args: Any, **kwargs: Any) -> Any:
-        with self.session.own_time:
-            return method(self, *args, **kwargs)
+        return self.session.own_time.call(method, self, *args, **kwargs)
     return counted  # type: ignore[return-value]
 
 

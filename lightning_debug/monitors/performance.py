@@ -257,6 +257,7 @@ class PerformanceMonitor(Monitor):
         """Start (or restart) timing a run on the context's device, processes and loader."""
         context = self.context
         self.session.timed_steps = self.schedule.is_due
+        self.session.own_time.enabled = True  # the run counts its own time from now on, and phases leave it out
         self.stopwatch.cpu_wait_ms = None
         self._cpu_wait.close()
         stopwatch = Stopwatch(context.device(), self.session.own_time.total_ms)
