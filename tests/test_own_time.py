@@ -190,3 +190,25 @@ def test_rank_zero_logging_is_no_straggler(tmp_path: Path) -> None:
         run.batch_end(batch)
     run.finish("finished", 20)
     assert [e for e in read_events(tmp_path) if e["kind"] == "straggler_rank"] == []
+
+
+def test_phase_timer_leaves_out_the_plugin_time_and_judges_without_cpu_waits() -> None:
+    """Framework-free: 30 ms of plugin work inside backward and 20 ms of CPU wait in forward."""
+    from lightning_debug.checks.timing import PhaseTimer, Stopwatch
+    from lightning_debug.core.own_time import OwnTime
+
+    own, waited = OwnTime(), [0.0]
+    own.enabled = True
+    watch = Stopwatch(None, own.total_ms, lambda: waited[0])
+    timer = PhaseTimer(watch, step=3, start=watch.mark())
+    timer.enter("forward")
+    time.sleep(0.02)
+    waited[0] += 15.0  # the scheduler gave the CPU to another program for 15 ms of those 20
+    timer.enter("backward")
+    own.call(time.sleep, 0.03)  # a census
+    timer.enter("optimizer")
+    timer.stop()
+    times = timer.read()
+    assert times.own_ms >= 29 and times.phases["backward"] < 10, times
+    assert times.phases["forward"] >= 19 and 4 <= times.judged("forward") <= times.phases["forward"] - 14.9
+    assert times.judged_step_ms == pytest.approx(times.step_ms - 15.0)
