@@ -47,10 +47,11 @@ MIN_HISTORY = 5
 # A slow step is a robust outlier: above the median by (slow_step_factor - 1) medians, by SLOW_MAD_Z
 # robust standard deviations (1.4826 MAD) and by MIN_SLOW_EXCESS_MS. It is a warning when it recurs
 # (SLOW_MIN_FLAGGED of the last SLOW_WINDOW timed steps); one outlier alone is reported (info) only
-# when it is far out (SLOW_LONE_FACTOR x the median and SLOW_LONE_MS more), since a busy machine
-# delays single steps by tens of milliseconds.
+# when it is far out (SLOW_LONE_FACTOR x the median and SLOW_LONE_MS more). A busy machine delays
+# bursts of steps by tens of milliseconds beyond the measured wait for a CPU (a busy hyperthread
+# sibling, a hypervisor's steal time), hence the absolute floor.
 SLOW_MAD_Z = 6.0
-MIN_SLOW_EXCESS_MS = 10.0
+MIN_SLOW_EXCESS_MS = 50.0
 SLOW_WINDOW = 10
 SLOW_MIN_FLAGGED = 3
 SLOW_LONE_FACTOR = 20.0
