@@ -4,9 +4,10 @@ A tensor census, a memory snapshot, a replay, the debug scalars handed to a logg
 written to disk all happen inside a training step's wall-clock interval. Timed naively they make
 the steps where the plugin works look slow (a 500 ms census reported as a ``slow_step``), inflate
 the data wait on the rank that writes files (a healthy rank 0 named a straggler), and come and go
-with the check schedule. The run enters :class:`OwnTime` around everything it does; the
-performance monitor reads :meth:`OwnTime.total_ms` at each phase boundary and subtracts the
-difference from the phase. Framework-free: only ``time.perf_counter``.
+with the check schedule. The run handles every event through :meth:`OwnTime.call` (counted once
+the performance monitor has set :attr:`OwnTime.enabled`); the performance monitor reads
+:meth:`OwnTime.total_ms` at each phase boundary and subtracts the difference from the phase.
+Framework-free: only ``time.perf_counter``.
 """
 
 from __future__ import annotations
