@@ -40,8 +40,9 @@ Example, a plain loop with the anomaly checks::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.guard import Failures
@@ -54,6 +55,16 @@ from lightning_debug.report.summary import FindingWarnings, conclude_run
 from lightning_debug.report.tensorboard import attach_to_writer
 
 AREA_ORDER = list(Area)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _own_time(method: _Method) -> _Method:
+    """Count the event's handling as the plugin's own time (the session's ``own_time``), which the
+    performance monitor leaves out of step timing: the plugin never reports its own cost."""
+    @functools.wraps(method)
+    def counted(self: Run, *args: Any, **kwargs: Any) -> Any:
+        return self.session.own_time.call(method, self, *args, **kwargs)
+    return counted  # type: ignore[return-value]
 
 
 def drop_gradients(optimizer: Any) -> None:
@@ -125,6 +136,7 @@ class Run:
             call(name, handler, *args)
 
     # --- events ---------------------------------------------------------------------------------
+    @_own_time
     def start(self, step: int) -> None:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
@@ -133,9 +145,11 @@ class Run:
         self.numerics.steps_done = step
         self._emit(Event.START, step)
 
+    @_own_time
     def epoch_start(self, step: int) -> None:
         self._emit(Event.EPOCH_START, step)
 
+    @_own_time
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
         """A micro-batch of optimizer step ``step`` starts; ``captured`` is what a replay recomputes it from.
 
@@ -155,6 +169,7 @@ class Run:
         call("logging debug scalars", self.session.metrics.flush_before, step if oldest is None else min(step, oldest))
         self._emit(Event.BATCH_START, step, batch, captured)
 
+    @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
         self._emit(Event.BEFORE_BACKWARD, step, loss)
 
@@ -176,6 +191,7 @@ class Run:
         self._optimizer_steps[id(optimizer)] = own + 1
         return own
 
+    @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
         """Gradients are final: run the checks due and return what happens to this optimizer step.
 
@@ -203,21 +219,25 @@ class Run:
             drop_gradients(optimizer)
         return decision
 
+    @_own_time
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
         self.numerics.steps_done = steps_done
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 
+    @_own_time
     def batch_end(self, batch: Any = None) -> None:
         """The micro-batch opened by the last :meth:`batch_start` ends."""
         self._emit(Event.BATCH_END, self._batch_step, batch if batch is not None else self._batch)
         self._batch = None
 
+    @_own_time
     def evaluation(self, step: int, started: bool, batch: Any = None) -> None:
         """Evaluation between training steps starts (a batch of it) or ends."""
         self._batch = batch if started else None
         self._emit(Event.EVALUATION, step, started)
 
+    @_own_time
     def exception(self, step: int, error: BaseException) -> None:
         """The loop raised ``error``; monitors leave their post-mortems (once per error)."""
         if id(error) in self._exceptions_seen:
@@ -226,6 +246,7 @@ class Run:
         self._emit(Event.EXCEPTION, step, error, self._batch)
 
     # --- the end --------------------------------------------------------------------------------
+    @_own_time
     def deliver_pending(self) -> None:
         """Read every pending measurement now (a sync on CUDA): before a checkpoint or the report."""
         self.failures.call("reading back measurements", self.numerics.poll, True)

@@ -223,8 +223,8 @@ def test_consistently_slower_rank_is_named_as_straggler(tmp_path: Path) -> None:
 
     monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop")
     run = plain_run([monitor], tmp_path, world_size=2, all_gather=all_gather)
-    run_plain_loop(run, 8)
-    run.finish("finished", 8)
+    run_plain_loop(run, 20)  # 5 warm-up check steps, then a window of 8
+    run.finish("finished", 20)
 
     stragglers = [e for e in read_events(tmp_path) if e["kind"] == "straggler_rank" and e.get("episode") == "start"]
     assert len(stragglers) == 1

@@ -20,9 +20,12 @@ class PerformanceProfilerCallback(DebugCallback):
     boundaries are CUDA events read once they have completed, so the measurement never waits for
     the GPU; on CPU they are wall-clock times. Other steps cost an integer comparison per hook.
 
-    Findings: ``slow_step`` (a step ``slow_step_factor`` times slower than the recent median, with
-    the phase that was slow), ``dataloader_bottleneck`` (data wait above
-    ``dataloader_bottleneck_share`` of the step time, with the loader's ``num_workers``,
+    The plugin's own work inside a step (checks, census, replays, logging) and, on CPU, the time the
+    training thread waited for a CPU another program had are not held against the step.
+
+    Findings: ``slow_step`` (steps ``slow_step_factor`` times slower than the recent median, a
+    robust outlier that recurs, with the phase that was slow), ``dataloader_bottleneck`` (a sustained
+    data wait above ``dataloader_bottleneck_share`` of the step time, with the loader's ``num_workers``,
     ``pin_memory``, ``persistent_workers`` and what to change), ``straggler_rank`` under DDP (per-rank
     times gathered on check steps; the rank that is consistently slowest before the gradient
     all-reduce) and, at ``level=EXPERT`` on CUDA, ``host_sync`` (the lines that forced host-device

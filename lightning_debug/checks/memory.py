@@ -38,6 +38,7 @@ CensusKey = tuple[tuple[int, ...], str, str, str]  # shape, dtype, device, grad_
 LIBRARY_PATH_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen", "/torch/", "/lightning/",
                         "/lightning_fabric/", "/lightning_debug/")
 GRAPHS_MEASURED_PER_GROUP = 8
+STEADY_PER_STEP = 0.5  # a group growing by at least a tensor every two steps grows with the steps
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use", "cpu_rss": "process RSS"}
 PHASES = ("forward", "backward", "optimizer", "validation")
@@ -367,8 +368,27 @@ class GroupGrowth:
                 "per_step": round(self.per_step, 3), "graph_nodes": self.graph_nodes}
 
 
+def growth_rank(group: GroupGrowth) -> tuple[bool, bool, int, int]:
+    """Sort key, most likely cause first: steadily growing groups that hold an autograd graph (a kept
+    graph keeps its saved tensors alive, so the graph-less groups growing beside it are its
+    consequence), then steady growth by bytes, then the rest by bytes."""
+    steady = group.added >= 2 and group.per_step >= STEADY_PER_STEP
+    return (not (steady and bool(group.grad_fn)), not steady, -group.added_bytes, -group.added)
+
+
 def census_growth(before: Census, after: Census, steps: int) -> list[GroupGrowth]:
-    """Groups with more tensors in ``after`` than in ``before``, most added first."""
+    """Groups with more tensors in ``after`` than in ``before``, most likely cause first (:func:`growth_rank`).
+
+    Example: the loss kept with its graph leads, although the batch targets its graph saved are
+    more tensors and more bytes::
+
+        >>> import torch
+        >>> weight = torch.ones(3, requires_grad=True)
+        >>> before = take_census([weight])
+        >>> kept = [(weight * torch.ones(32, 3)).sum() for _ in range(10)] + [torch.ones(32) for _ in range(20)]
+        >>> [(g.grad_fn, g.added) for g in census_growth(before, take_census([weight, *kept]), 10)]
+        [('SumBackward0', 10), ('', 20)]
+    """
     grown = []
     for key, (count, size) in after.groups.items():
         old_count, old_size = before.groups.get(key, (0, 0))
@@ -376,7 +396,7 @@ def census_growth(before: Census, after: Census, steps: int) -> list[GroupGrowth
             shape, dtype, device, grad_fn = key
             grown.append(GroupGrowth(shape, dtype, device, grad_fn, count - old_count, size - old_size,
                                      (count - old_count) / max(steps, 1), after.graph_nodes.get(key, 0)))
-    return sorted(grown, key=lambda group: (-group.added, -group.added_bytes))
+    return sorted(grown, key=growth_rank)
 
 
 @dataclass(frozen=True)
@@ -441,7 +461,9 @@ def explain_growth(grown: Sequence[GroupGrowth], steps: int, graphs: Sequence[Gr
     what = f"(shape {_shape_text(top.shape)}, {top.dtype} on {top.device})"
     others = ""
     if len(growing) > 1:
-        others = " Also growing: " + "; ".join(
+        held = top.grad_fn and any(not group.grad_fn for group in growing[1:4])
+        others = (" Also growing (tensors these graphs saved for backward stay alive with them):" if held else
+                  " Also growing:") + " " + "; ".join(
             f"~{group.per_step:.2g}/step {_shape_text(group.shape)} {group.dtype}"
             + (f" {group.grad_fn}" if group.grad_fn else "") for group in growing[1:4]) + "."
     if top.grad_fn:

@@ -9,8 +9,11 @@ is the truth and is read at once. Nothing here knows about Lightning or Accelera
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -20,8 +23,56 @@ PHASES = ("data", "forward", "backward", "optimizer")
 Mark = Union[float, "torch.cuda.Event"]
 
 
+class CpuWait:
+    """Milliseconds the calling thread has spent runnable but waiting for a CPU (Linux ``schedstat``).
+
+    On a loaded machine a step is delayed by other programs, not by itself: that wait is not held
+    against the step when judging slow steps, data waits or stragglers. Reads
+    ``/proc/thread-self/schedstat`` through a descriptor kept open per thread (about a microsecond a
+    read); where it does not exist, every reading is 0 and nothing is left out. :meth:`close` closes
+    the descriptors.
+
+    Example::
+
+        >>> wait = CpuWait()
+        >>> wait() >= 0.0
+        True
+        >>> wait.close()
+    """
+
+    PATH = "/proc/thread-self/schedstat"
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self.available = os.path.exists(self.PATH)
+
+    def __call__(self) -> float:
+        if not self.available:
+            return 0.0
+        thread = threading.get_ident()
+        try:
+            fd = self._fds.get(thread)
+            if fd is None:
+                fd = self._fds[thread] = os.open(self.PATH, os.O_RDONLY)
+            return int(os.pread(fd, 128, 0).split()[1]) / 1e6
+        except (OSError, ValueError, IndexError):
+            self.available = False
+            return 0.0
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class Stopwatch:
     """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise.
+
+    ``own_ms`` reads a monotone total of the time the debugging plugin itself spent (its checks,
+    census, logging; :class:`lightning_debug.core.own_time.OwnTime`): the phases leave it out.
 
     Example::
 
@@ -31,9 +82,20 @@ class Stopwatch:
         (True, True)
     """
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, own_ms: Callable[[], float] | None = None,
+                 cpu_wait_ms: Callable[[], float] | None = None) -> None:
         self.device = device
         self.uses_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+        self.own_ms = own_ms
+        self.cpu_wait_ms = cpu_wait_ms
+
+    def own(self) -> float:
+        """The plugin's own time so far (ms), read at a mark; 0 when nobody counts it."""
+        return self.own_ms() if self.own_ms is not None else 0.0
+
+    def cpu_wait(self) -> float:
+        """This thread's wait for a CPU so far (ms, :class:`CpuWait`); 0 when nobody reads it."""
+        return self.cpu_wait_ms() if self.cpu_wait_ms is not None else 0.0
 
     def mark(self) -> Mark:
         if self.uses_cuda:
@@ -61,13 +123,26 @@ class Stopwatch:
 
 @dataclass
 class StepTimes:
-    """The measured phases of one optimizer step, in milliseconds."""
+    """The measured phases of one optimizer step, in milliseconds, the plugin's own time (``own_ms``) left out.
+
+    ``cpu_waits`` is the part of each phase the training thread spent waiting for a CPU (another
+    program had it); :meth:`judged` is a phase without it, what the checks compare.
+    """
 
     step: int
     phases: dict[str, float]
     samples: int | None = None
     tokens: int | None = None
     micro_batches: int = 1
+    own_ms: float = 0.0
+    cpu_waits: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def judged(self, phase: str) -> float:
+        return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
+
+    @property
+    def judged_step_ms(self) -> float:
+        return sum(self.judged(phase) for phase in self.phases)
 
     @property
     def step_ms(self) -> float:
@@ -88,7 +163,9 @@ class PhaseTimer:
     Each :meth:`enter` closes the phase in progress and opens the next one; :meth:`stop` (a batch
     ends) opens the data wait that lasts until the next batch starts. The intervals tile the time
     from the previous step's end to this step's end, so ``step = data + forward + backward +
-    optimizer`` exactly.
+    optimizer`` exactly. The plugin's own time inside an interval (read from the stopwatch's
+    ``own_ms`` at both ends) is subtracted from that interval, so a check step whose checks take
+    500 ms is timed like any other step.
 
     Example::
 
@@ -101,12 +178,15 @@ class PhaseTimer:
         (4, ['backward', 'data', 'forward', 'optimizer'], True)
     """
 
-    def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None) -> None:
+    def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None, start_own: float | None = None,
+                 start_wait: float | None = None) -> None:
         self.stopwatch = stopwatch
         self.step = step
-        self.intervals: list[tuple[str, Mark, Mark]] = []
+        self.intervals: list[tuple[str, Mark, Mark, float, float]] = []
         self.current: str | None = "data" if start is not None else None
         self.since: Mark | None = start
+        self.since_own = stopwatch.own() if start_own is None else start_own
+        self.since_wait = stopwatch.cpu_wait() if start_wait is None else start_wait
         self.last_stop: Mark | None = None
         self._closed = 0
         self.samples: int | None = 0
@@ -118,14 +198,19 @@ class PhaseTimer:
 
     def enter(self, phase: str) -> Mark:
         mark = self.stopwatch.mark()
+        own, wait = self.stopwatch.own(), self.stopwatch.cpu_wait()
         if self.current is not None and self.since is not None:
-            self.intervals.append((self.current, self.since, mark))
-        self.current, self.since = phase, mark
+            self.intervals.append((self.current, self.since, mark, own - self.since_own, wait - self.since_wait))
+        self.current, self.since, self.since_own, self.since_wait = phase, mark, own, wait
         if phase == "optimizer":
             self.saw_optimizer = True
         elif phase == "forward":
             self.micro_batches += 1
         return mark
+
+    def restart(self) -> None:
+        """The phase in progress starts over now (time outside training steps is no data wait)."""
+        self.since, self.since_own, self.since_wait = self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait()
 
     def stop(self) -> Mark:
         self.last_stop = self.enter("data")
@@ -138,23 +223,30 @@ class PhaseTimer:
             self.tokens = (self.tokens or 0) + tokens
 
     @property
-    def closed_intervals(self) -> list[tuple[str, Mark, Mark]]:
+    def closed_intervals(self) -> list[tuple[str, Mark, Mark, float, float]]:
         """The intervals up to the last batch end (the trailing data wait belongs to the next step)."""
         return self.intervals[: self._closed]
 
     def ready(self) -> bool:
         closed = self.closed_intervals
-        return all(self.stopwatch.completed(end) for _, _, end in closed)
+        return all(self.stopwatch.completed(end) for _, _, end, _, _ in closed)
 
     def wait(self) -> None:
-        for _, _, end in self.closed_intervals:
+        for _, _, end, _, _ in self.closed_intervals:
             self.stopwatch.wait(end)
 
     def read(self) -> StepTimes:
         phases = dict.fromkeys(PHASES, 0.0)
-        for phase, start, end in self.closed_intervals:
-            phases[phase] = phases.get(phase, 0.0) + self.stopwatch.elapsed_ms(start, end)
-        return StepTimes(self.step, phases, self.samples or None, self.tokens, max(self.micro_batches, 1))
+        waits = dict.fromkeys(PHASES, 0.0)
+        own_total = 0.0
+        for phase, start, end, own, wait in self.closed_intervals:
+            elapsed = self.stopwatch.elapsed_ms(start, end)
+            own = min(max(own, 0.0), elapsed)
+            own_total += own
+            phases[phase] = phases.get(phase, 0.0) + elapsed - own
+            waits[phase] = waits.get(phase, 0.0) + min(max(wait, 0.0), elapsed - own)
+        return StepTimes(self.step, phases, self.samples or None, self.tokens, max(self.micro_batches, 1), own_total,
+                         waits)
 
 
 def infer_batch_size(batch: Any, _depth: int = 0) -> int | None:

@@ -25,6 +25,7 @@ from lightning_debug.core.events import EventLog
 from lightning_debug.core.findings import EpisodePhase, Finding
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.metrics import MetricsSink, MetricsWriter
+from lightning_debug.core.own_time import OwnTime
 from lightning_debug.core.timeline import Timeline
 
 Where = dict[str, int]
@@ -112,6 +113,8 @@ class Session:
         self.instrumented_steps: deque[int] = deque(maxlen=64)
         # set by the performance monitor: whether it times a step (so added work can go to another)
         self.timed_steps: Callable[[int], bool] | None = None
+        # the run's own host time (checks, census, replays, logging): step timing leaves it out
+        self.own_time = OwnTime()
 
     def emit(self, finding: Finding, *, step: int, where: Where, callback: str,
              episode: EpisodePhase | None = None, console: bool = True) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from lightning_debug.checks.timing import (
     PHASES,
+    CpuWait,
     Mark,
     PhaseTimer,
     StepTimes,
@@ -43,14 +44,36 @@ DEFAULT_PROFILE_WINDOW = (10, 5)
 SYNC_DEBUG_WINDOW = (5, 3)
 RECENT_STEPS = 50
 MIN_HISTORY = 5
-MIN_SLOW_EXCESS_MS = 5.0
+# A slow step is a robust outlier: above the median by (slow_step_factor - 1) medians, by SLOW_MAD_Z
+# robust standard deviations (1.4826 MAD) and by MIN_SLOW_EXCESS_MS. It is a warning when it recurs
+# (SLOW_MIN_FLAGGED of the last SLOW_WINDOW timed steps); one outlier alone is reported (info) only
+# when it is far out (SLOW_LONE_FACTOR x the median and SLOW_LONE_MS more). A busy machine delays
+# bursts of steps by tens of milliseconds beyond the measured wait for a CPU (a busy hyperthread
+# sibling, a hypervisor's steal time), hence the absolute floor.
+SLOW_MAD_Z = 6.0
+MIN_SLOW_EXCESS_MS = 50.0
+SLOW_WINDOW = 10
+SLOW_MIN_FLAGGED = 3
+SLOW_LONE_FACTOR = 20.0
+SLOW_LONE_MS = 250.0
+# The data wait is a bottleneck when its median share over DATA_WINDOW timed steps is above the
+# configured share, DATA_MIN_SHARE_OF_STEPS of those steps are above it too, and the median wait is
+# at least MIN_DATA_WAIT_MS (the loop's own overhead between batches is a millisecond or two, more
+# on a loaded machine).
 DATA_WINDOW = 10
-MIN_DATA_HISTORY = 3
-MIN_DATA_WAIT_MS = 1.0
-STRAGGLER_WINDOW = 5
-STRAGGLER_MIN_FLAGGED = 4
-STRAGGLER_MARGIN = 0.2
-STRAGGLER_MIN_MS = 1.0
+MIN_DATA_HISTORY = 6
+MIN_DATA_WAIT_MS = 5.0
+DATA_MIN_SHARE_OF_STEPS = 0.7
+# A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
+# other ranks by STRAGGLER_MARGIN of theirs, by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS,
+# on STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered
+# check steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
+STRAGGLER_WARMUP = 5
+STRAGGLER_WINDOW = 8
+STRAGGLER_MIN_FLAGGED = 6
+STRAGGLER_MARGIN = 0.5
+STRAGGLER_STEP_SHARE = 0.2
+STRAGGLER_MIN_MS = 5.0
 MAX_PENDING = 16
 TOP_OPERATORS = 15
 GATHER_FIELDS = ("step", "step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms")
@@ -184,6 +207,7 @@ class PerformanceMonitor(Monitor):
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
         self.stopwatch = Stopwatch(None)
+        self._cpu_wait = CpuWait()
         self.world_size = 1
         self.rank = 0
         self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -196,6 +220,8 @@ class PerformanceMonitor(Monitor):
         self.sync_sites: list[dict[str, Any]] | None = None
         self.excluded_steps = 0
         self.dropped_measurements = 0
+        self.own_stats = DistributionStats()  # the plugin's own time inside timed steps, left out of them
+        self.cpu_wait_stats = DistributionStats()  # waiting for a CPU another program had: not held against steps
         self._reset_run_state()
 
     @staticmethod
@@ -207,13 +233,15 @@ class PerformanceMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         self._timer: PhaseTimer | None = None
-        self._next_start: tuple[int, Mark] | None = None
+        self._next_start: tuple[int, Mark, float, float] | None = None
         self._pending: list[PhaseTimer] = []
         self._gathers: deque[Readback] = deque()
         self._latest: StepTimes | None = None
         self._where: Where = {"epoch": 0, "batch": 0}
         self._recent: dict[str, Window] = {name: Window(RECENT_STEPS) for name in ("step", *PHASES)}
         self._data_window: deque[tuple[float, float]] = deque(maxlen=DATA_WINDOW)
+        self._slow_flags: deque[bool] = deque(maxlen=SLOW_WINDOW)
+        self._gathered = 0
         self._straggler_window: deque[tuple[int | None, list[list[float]]]] = deque(maxlen=STRAGGLER_WINDOW)
         self._profiler: Any = None
         self._profiler_step = -1
@@ -230,7 +258,13 @@ class PerformanceMonitor(Monitor):
         """Start (or restart) timing a run on the context's device, processes and loader."""
         context = self.context
         self.session.timed_steps = self.schedule.is_due
-        self.stopwatch = Stopwatch(context.device())
+        self.session.own_time.enabled = True  # the run counts its own time from now on, and phases leave it out
+        self.stopwatch.cpu_wait_ms = None
+        self._cpu_wait.close()
+        stopwatch = Stopwatch(context.device(), self.session.own_time.total_ms)
+        if not stopwatch.uses_cuda:  # a host thread's wait for a CPU says nothing of the GPU's timeline
+            stopwatch.cpu_wait_ms = self._cpu_wait
+        self.stopwatch = stopwatch
         self.world_size, self.rank = context.world_size, context.rank
         self.all_gather = context.all_gather()
         loader = context.train_loader()
@@ -265,9 +299,9 @@ class PerformanceMonitor(Monitor):
         """Time spent outside training steps (validation, epoch boundaries) is no data wait: restart the clock."""
         timer = self._timer
         if timer is not None and timer.current == "data":
-            timer.since = self.stopwatch.mark()
+            timer.restart()
         elif self.due(step):
-            self._next_start = (step, self.stopwatch.mark())
+            self._next_start = (step, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
 
     # --- phase boundaries -----------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
@@ -281,8 +315,9 @@ class PerformanceMonitor(Monitor):
             self._complete(timer, gather=False)
             timer = None
         if timer is None:
-            start = self._next_start[1] if self._next_start is not None and self._next_start[0] == step else None
-            timer = self._timer = PhaseTimer(self.stopwatch, step, start)
+            start, start_own, start_wait = (self._next_start[1:] if self._next_start is not None and
+                                            self._next_start[0] == step else (None, None, None))
+            timer = self._timer = PhaseTimer(self.stopwatch, step, start, start_own, start_wait)
             self._next_start = None
         timer.enter("forward")
         timer.excluded = timer.excluded or self._profiler is not None or self._sync_catcher is not None
@@ -312,11 +347,11 @@ class PerformanceMonitor(Monitor):
                 if timer.saw_optimizer:
                     self._complete(timer, gather=True)
                     if self.due(step + 1):
-                        self._next_start, handed_over = (step + 1, end), True
+                        self._next_start, handed_over = (step + 1, end, timer.since_own, timer.since_wait), True
             else:
                 self._complete(timer, gather=False)
         if self._timer is None and not handed_over and self.due(step + 1):
-            self._next_start = (step + 1, self.stopwatch.mark())
+            self._next_start = (step + 1, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
         if self._pending or self._gathers:
             self._where = dict(where)
             self._poll()
@@ -340,6 +375,7 @@ class PerformanceMonitor(Monitor):
 
     def restore(self) -> None:
         """Undo global changes (profiler running, sync debug mode) whatever happened."""
+        self._cpu_wait.close()
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
             try:
@@ -389,6 +425,9 @@ class PerformanceMonitor(Monitor):
         for phase in PHASES:
             self.stats[phase].add(times.phases[phase])
         self.stats["step"].add(step_ms)
+        self.own_stats.add(times.own_ms)
+        if self.stopwatch.cpu_wait_ms is not None:
+            self.cpu_wait_stats.add(sum(times.cpu_waits.values()))
         if times.samples_per_sec is not None:
             self.stats["samples_per_sec"].add(times.samples_per_sec * self.world_size)
         if times.tokens_per_sec is not None:
@@ -404,38 +443,64 @@ class PerformanceMonitor(Monitor):
         self._check_slow_step(times, where)
         self._check_data_wait(times, where)
         self.close_episodes(times.step, where, PERF_KINDS)
-        self._recent["step"].add(step_ms)
+        self._recent["step"].add(times.judged_step_ms)
         for phase in PHASES:
-            self._recent[phase].add(times.phases[phase])
+            self._recent[phase].add(times.judged(phase))
         self._latest = times
 
-    def _check_slow_step(self, times: StepTimes, where: Where) -> None:
+    def slow_threshold_ms(self) -> float | None:
+        """The step time above which a step is an outlier of this run (None until enough history):
+        see ``SLOW_MAD_Z`` and ``MIN_SLOW_EXCESS_MS``."""
         history = self._recent["step"]
         if len(history) < MIN_HISTORY:
+            return None
+        median = history.median()
+        mad = statistics.median(abs(value - median) for value in history.values)
+        return median + max((self.config.slow_step_factor - 1) * median, SLOW_MAD_Z * 1.4826 * mad,
+                            MIN_SLOW_EXCESS_MS)
+
+    def _check_slow_step(self, times: StepTimes, where: Where) -> None:
+        threshold = self.slow_threshold_ms()
+        if threshold is None:
             return
-        median, step_ms = history.median(), times.step_ms
-        if not (step_ms > self.config.slow_step_factor * median and step_ms - median >= MIN_SLOW_EXCESS_MS):
+        median, step_ms = self._recent["step"].median(), times.step_ms
+        judged = times.judged_step_ms
+        outlier = judged > threshold
+        self._slow_flags.append(outlier)
+        if not outlier:
             return
-        excess = {phase: times.phases[phase] - self._recent[phase].median() for phase in PHASES}
+        flagged = sum(self._slow_flags)
+        recurring = flagged >= SLOW_MIN_FLAGGED
+        if not recurring and not (judged >= SLOW_LONE_FACTOR * median and judged - median >= SLOW_LONE_MS):
+            return
+        excess = {phase: times.judged(phase) - self._recent[phase].median() for phase in PHASES}
         phase = max(excess, key=lambda name: excess[name])
         phase_median = self._recent[phase].median()
+        how_often = (f"{flagged} of the last {len(self._slow_flags)} timed steps were this slow" if recurring else
+                     "a single step so far (it becomes a warning if it recurs)")
         self.record(Finding(
-            Kind.SLOW_STEP, Severity.WARNING,
-            f"Step {times.step} took {step_ms:.1f} ms, {step_ms / median:.1f}x the recent median of {median:.1f} ms; "
-            f"the {phase} phase took {times.phases[phase]:.1f} ms (median {phase_median:.1f} ms), so "
+            Kind.SLOW_STEP, Severity.WARNING if recurring else Severity.INFO,
+            f"Step {times.step} took {step_ms:.1f} ms, {step_ms / median:.1f}x the recent median of {median:.1f} ms "
+            f"({how_often}); the {phase} phase took {times.phases[phase]:.1f} ms (median {phase_median:.1f} ms), so "
             f"{PHASE_HINTS[phase]}.",
             {"phase": phase, "step_ms": step_ms, "median_step_ms": median, "factor": step_ms / median,
-             "phase_ms": times.phases[phase], "median_phase_ms": phase_median,
-             "phases_ms": dict(times.phases), "threshold_factor": self.config.slow_step_factor}),
-            times.step, where, key=phase)
+             "phase_ms": times.phases[phase], "median_phase_ms": phase_median, "threshold_ms": threshold,
+             "slow_steps": flagged, "window_steps": len(self._slow_flags), "recurring": recurring,
+             "phases_ms": dict(times.phases), "plugin_ms": times.own_ms,
+             "cpu_wait_ms": sum(times.cpu_waits.values()),
+             "threshold_factor": self.config.slow_step_factor}),
+            times.step, where, key=phase if recurring else f"{phase} (once)")
 
     def _check_data_wait(self, times: StepTimes, where: Where) -> None:
-        self._data_window.append((times.phases["data"], times.step_ms))
+        self._data_window.append((times.judged("data"), times.judged_step_ms))
         if len(self._data_window) < MIN_DATA_HISTORY:
             return
         data_median = statistics.median(d for d, _ in self._data_window)
-        share = statistics.median(d / s if s > 0 else 0.0 for d, s in self._data_window)
-        if share < self.config.dataloader_bottleneck_share or data_median < MIN_DATA_WAIT_MS:
+        shares = [d / s if s > 0 else 0.0 for d, s in self._data_window]
+        share = statistics.median(shares)
+        limit = self.config.dataloader_bottleneck_share
+        above = sum(value >= limit for value in shares)
+        if share < limit or data_median < MIN_DATA_WAIT_MS or above < DATA_MIN_SHARE_OF_STEPS * len(shares):
             return
         step_median = statistics.median(s for _, s in self._data_window)
         settings = self.loader or {}
@@ -447,6 +512,7 @@ class PerformanceMonitor(Monitor):
             + " ".join(advice),
             {"data_ms": data_median, "step_ms": step_median, "share": share,
              "window_check_steps": len(self._data_window), "threshold_share": self.config.dataloader_bottleneck_share,
+             "steps_above_share": above, "min_data_ms": MIN_DATA_WAIT_MS,
              "num_workers": settings.get("num_workers"), "pin_memory": settings.get("pin_memory"),
              "persistent_workers": settings.get("persistent_workers"),
              "prefetch_factor": settings.get("prefetch_factor"), "cpus": usable_cpus(), "advice": advice}),
@@ -455,7 +521,7 @@ class PerformanceMonitor(Monitor):
     # --- stragglers -------------------------------------------------------------------------------
     def _gather(self) -> None:
         latest = self._latest
-        values = ([float(latest.step), latest.step_ms] + [latest.phases[p] for p in PHASES]
+        values = ([float(latest.step), latest.judged_step_ms] + [latest.judged(p) for p in PHASES]
                   if latest is not None else [math.nan] * len(GATHER_FIELDS))
         host = torch.tensor(values, dtype=torch.float64)
         if self.stopwatch.uses_cuda:
@@ -474,12 +540,17 @@ class PerformanceMonitor(Monitor):
         if len({row[0] for row in rows}) != 1:
             return
         step = int(rows[0][0])
+        self._gathered += 1
+        if self._gathered <= STRAGGLER_WARMUP:
+            return
         before_sync = [row[2] + row[3] for row in rows]
         slowest = max(range(len(rows)), key=lambda rank: before_sync[rank])
         others = sorted(v for rank, v in enumerate(before_sync) if rank != slowest)
         typical = others[len(others) // 2]
-        slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and before_sync[slowest] - typical >= \
-            STRAGGLER_MIN_MS
+        step_ms = statistics.median(row[1] for row in rows)
+        gap = before_sync[slowest] - typical
+        slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and gap >= max(
+            STRAGGLER_MIN_MS, STRAGGLER_STEP_SHARE * step_ms)
         self._straggler_window.append((slowest if slow else None, rows))
         flagged = Counter(rank for rank, _ in self._straggler_window if rank is not None)
         if len(self._straggler_window) == STRAGGLER_WINDOW and flagged:
@@ -488,18 +559,20 @@ class PerformanceMonitor(Monitor):
                 window = [r for _, r in self._straggler_window]
                 means = {field: [sum(r[k][i] for r in window) / len(window) for k in range(len(rows))]
                          for i, field in enumerate(GATHER_FIELDS) if field != "step"}
-                mine = means["data_ms"][rank] + means["forward_ms"][rank]
-                rest = sorted(means["data_ms"][k] + means["forward_ms"][k] for k in range(len(rows)) if k != rank)
+                medians = [statistics.median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
+                mine = medians[rank]
+                rest = sorted(medians[k] for k in range(len(rows)) if k != rank)
                 typical_rest = rest[len(rest) // 2]
                 self.record(Finding(
                     Kind.STRAGGLER_RANK, Severity.WARNING,
                     f"Rank {rank} is the slowest on {count} of the last {STRAGGLER_WINDOW} check steps: its data wait "
-                    f"+ forward take {mine:.1f} ms against {typical_rest:.1f} ms on the other ranks, which wait for "
+                    f"+ forward take {mine:.1f} ms (median) against {typical_rest:.1f} ms on the other ranks, which wait for "
                     "it in the gradient all-reduce (their backward phase is longer). Check that rank's data "
                     "(uneven sample sizes or a slow shard), its GPU (clocks, temperature, other processes) and its "
                     "CPU and data-loader workers.",
                     {"rank": rank, "flagged_check_steps": count, "window_check_steps": STRAGGLER_WINDOW,
-                     "mean_ms_by_rank": means, "world_size": len(rows)}),
+                     "mean_ms_by_rank": means, "median_before_sync_ms_by_rank": medians,
+                     "world_size": len(rows)}),
                     step, self._where, key=f"rank{rank}")
         self.close_episodes(step, self._where, {Kind.STRAGGLER_RANK})
 
@@ -637,4 +710,5 @@ class PerformanceMonitor(Monitor):
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
         return dict(super().report_section(), stats=stats, clock=clock, loader=self.loader,
                     profiler_traces=list(self.profiler_traces), sync_sites=self.sync_sites,
-                    excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements)
+                    excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
+                    plugin_time_ms=self.own_stats.summary(), cpu_wait_ms=self.cpu_wait_stats.summary())
