@@ -137,7 +137,8 @@ class LossTrend:
     """The loss of recent check steps and the level the run started from; judges each new loss.
 
     ``spike``: the loss is more than :data:`LOSS_SPIKE_FACTOR` times both its recent median and the
-    level it started from (so a loss near 0 that goes back up to where it began is not a spike), and,
+    level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
+    that goes back up toward where it began is not a spike), and,
     with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
     One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
@@ -159,6 +160,11 @@ class LossTrend:
         self.recent: deque[float] = deque(maxlen=window)
         self.start: list[float] = []
 
+    @property
+    def start_level(self) -> float:
+        """Where the run started: the highest of its first losses (NaN before any)."""
+        return max(self.start) if self.start else math.nan
+
     def judge(self, loss: float) -> LossVerdict:
         if not math.isfinite(loss):
             return LossVerdict(None, loss)
@@ -171,7 +177,7 @@ class LossTrend:
     def _spike(self, loss: float) -> LossVerdict | None:
         if not self.recent or loss <= 0:
             return None
-        level, start = median(self.recent), median(self.start)
+        level, start = median(self.recent), self.start_level
         if level <= 0 or start <= 0:
             return None
         limit = LOSS_SPIKE_FACTOR * max(level, start)
@@ -186,7 +192,7 @@ class LossTrend:
         if len(window) < DIVERGENCE_WINDOW or window[0] <= 0:
             return None
         rises = sum(later > earlier for earlier, later in zip(window, window[1:]))
-        start = median(self.start)
+        start = self.start_level
         if rises < DIVERGENCE_RISES or loss < DIVERGENCE_FACTOR * window[0] or not loss > start:
             return None
         return LossVerdict("divergence", loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
