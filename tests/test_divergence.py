@@ -351,6 +351,36 @@ def test_adamw_at_lr_10_has_a_high_update_ratio_at_step_0_where_ratios_are_measu
     assert high[0]["details"]["learning_rates"] == [10.0]
 
 
+class ZeroInitialised(pl.LightningModule):
+    """Healthy Adam training of a model with zero-initialised biases and a zero-initialised learned
+    token, as transformers have: their first update ratio is infinite by construction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.zeros(16))
+        self.inp = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        for layer in (self.inp, self.head):
+            nn.init.zeros_(layer.bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(torch.relu(self.inp(x)) + self.token), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(), batch_size=32, shuffle=True)
+
+
+def test_zero_initialised_parameters_are_not_update_ratio_high(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, ZeroInitialised(), every_check_every_step(), 6)
+    ratios = read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio/token"]
+    assert max(value for _, value in ratios) > 0.5, "the plant: the token's first ratios are far above 1e-3"
+    assert loud(trainer) == []
+
+
 def test_a_steady_overshoot_is_loss_divergence(tmp_path: Path) -> None:
     model = SlowlyDiverging()
     trainer = fit(tmp_path, model, [AnomalyDetectionCallback()], 16)

@@ -149,6 +149,28 @@ class ForwardOrder:
 
 
 @dataclass
+class ModuleLayout:
+    """Which module owns each parameter slot of an index, built once per index: per-module sums of
+    per-parameter values are then one ``index_add_`` (no Python loop over parameters per check)."""
+
+    modules: list[str]
+    slot_module: torch.Tensor
+    elements: torch.Tensor
+
+    @classmethod
+    def of(cls, names: Sequence[str], params: Sequence[torch.Tensor]) -> "ModuleLayout":
+        position: dict[str, int] = {}
+        slots = [position.setdefault(_module_of(name), len(position)) for name in names]
+        slot_module = torch.tensor(slots, dtype=torch.long)
+        elements = torch.zeros(len(position), dtype=torch.float64).index_add_(
+            0, slot_module, torch.tensor([float(p.numel()) for p in params], dtype=torch.float64))
+        return cls(list(position), slot_module, elements)
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(self.modules), dtype=torch.float64).index_add_(0, self.slot_module, values.double())
+
+
+@dataclass
 class PendingCheck:
     """One check step between its measurement and the moment all its values are on the host."""
 
@@ -161,7 +183,7 @@ class PendingCheck:
     update: Readback | None = None
     had_grad: list[bool] = field(default_factory=list)
     lr_zero_now: list[bool] = field(default_factory=list)
-    numels: list[int] = field(default_factory=list)
+    layout: ModuleLayout | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
 
     def ready(self) -> bool:
@@ -216,7 +238,7 @@ class GradientMonitor(Monitor):
         self._awaiting_update: PendingCheck | None = None
         self._histogram_writer: HistogramWriter | None = None
         self._said_sharded = False
-        self._numels: tuple[ParameterIndex | None, list[int]] = (None, [])
+        self._layout: tuple[ParameterIndex | None, ModuleLayout | None] = (None, None)
 
     # --- configuration --------------------------------------------------------------------------
     @property
@@ -358,9 +380,9 @@ class GradientMonitor(Monitor):
                        for p in group.get("params", [])}
             pending.lr_zero_now = [id(p) in resting for p in index.params] if resting else []
             pending.index = index
-            if self._numels[0] is not index:
-                self._numels = (index, [p.numel() for p in index.params])
-            pending.numels = self._numels[1]
+            if self._layout[0] is not index:
+                self._layout = (index, ModuleLayout.of(index.names, index.params))
+            pending.layout = self._layout[1]
             pending.snapshot = index.plan.snapshot(index.params)
             pending.update_expected = True
             self._awaiting_update = pending
@@ -692,26 +714,16 @@ class GradientMonitor(Monitor):
         modules whose weights are not (near) zero: a parameter that starts at 0 has an infinite ratio
         on its first step by construction.
         """
-        if len(pending.numels) != len(names):
+        layout = pending.layout
+        if layout is None or layout.slot_module.numel() != len(names):
             return
-        modules: dict[str, list[int]] = {}
-        for i, name in enumerate(names):
-            modules.setdefault(_module_of(name), []).append(i)
-        delta_squares, weight_squares = deltas.square().tolist(), weights.square().tolist()
-        high: list[tuple[str, float]] = []
-        for module, slots in modules.items():
-            moved = sum(delta_squares[i] for i in slots)
-            size = sum(weight_squares[i] for i in slots)
-            elements = sum(pending.numels[i] for i in slots)
-            if not (math.isfinite(moved) and math.isfinite(size)) or size <= 0 or elements <= 0:
-                continue
-            if math.sqrt(size / elements) < UPDATE_RATIO_MIN_WEIGHT_RMS:
-                continue
-            ratio = math.sqrt(moved / size)
-            if ratio > UPDATE_RATIO_LIMIT:
-                high.append((module, ratio))
-        if not high:
+        moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
+        ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+        over = (torch.isfinite(moved) & torch.isfinite(size) & (size > 0) & (ratio > UPDATE_RATIO_LIMIT)
+                & ((size / layout.elements.clamp_min(1.0)).sqrt() >= UPDATE_RATIO_MIN_WEIGHT_RMS))
+        if not bool(over.any()):
             return
+        high = [(layout.modules[i], float(ratio[i])) for i in over.nonzero().flatten().tolist()]
         high.sort(key=lambda item: -item[1])
         self.flagged["update_ratio_high"].add(module or "(root)" for module, _ in high)
         lrs = sorted({float(g["lr"]) for g in self._param_groups if isinstance(g.get("lr"), (int, float))})
