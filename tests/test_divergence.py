@@ -303,6 +303,7 @@ def test_exploding_with_clipping_configured_says_what_the_clip_did(tmp_path: Pat
     assert details["clip_val"] == 1.0 and details["clip_algorithm"] == "norm"
     assert details["suggested_clip_val"] is None
     assert details["clip_factor"] == pytest.approx(details["global_norm"])
+    assert details["global_norm"] > 100, "measured before Lightning clips (after on_before_optimizer_step)"
     assert "gradient_clip_val=1" in message and f"from {details['global_norm']:.4g} down to 1" in message
     assert "Clip the gradient norm at" not in message and "gradient_clip_val=10" not in message
     report = (debug_dir(trainer) / "report.md").read_text()
