@@ -70,10 +70,12 @@ class DeepNormMLP(pl.LightningModule):
                  optimizer: str = "adam", grad_scale_from: int | None = None, grad_scale: float = 100.0,
                  loss_scale: float = 1.0) -> None:
         super().__init__()
-        self.stem = nn.Linear(16, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                    for _ in range(depth))
-        self.head = nn.Linear(width, classes)
+        with torch.random.fork_rng():  # the same initial weights whatever ran before: the norms are asserted
+            torch.manual_seed(0)
+            self.stem = nn.Linear(16, width)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
+                                        for _ in range(depth))
+            self.head = nn.Linear(width, classes)
         self.lr, self.optimizer_name = lr, optimizer
         self.grad_scale_from, self.grad_scale, self.loss_scale = grad_scale_from, grad_scale, loss_scale
 
