@@ -59,6 +59,11 @@ class AccelerateContext(RunContext):
     def uses_grad_scaler(self) -> bool:
         return getattr(self.accelerator, "scaler", None) is not None
 
+    def gradient_clipping(self) -> tuple[float, str] | None:
+        """The last ``accelerator.clip_grad_norm_``/``clip_grad_value_`` call of the loop (they run after
+        ``debugger.backward``, where the checks saw the gradients, so the checks see them before clipping)."""
+        return self.debugger.clipping
+
     def device(self) -> torch.device:
         return self.accelerator.device
 
@@ -193,6 +198,8 @@ class AccelerateDebugger:
         self.module: torch.nn.Module = accelerator.unwrap_model(model)
         self.step = self.epoch = self.batch = 0
         self.should_stop = False
+        self.clipping: tuple[float, str] | None = None
+        self._watch_clipping()
         self._batch_open = self._awaiting_step_end = self._replaying = False
         self._replayed_loss = False
         self._batch_where: Where = self.where
@@ -217,6 +224,24 @@ class AccelerateDebugger:
     def where(self) -> Where:
         """Epoch (a prepared DataLoader's end counts one) and micro-batch index, as when the batch began."""
         return dict(self._batch_where) if self._batch_open else {"epoch": self.epoch, "batch": self.batch}
+
+    def _watch_clipping(self) -> None:
+        """Wrap the accelerator's clipping methods (on this instance only, undone by :meth:`finish`) to learn
+        the clip value the loop uses: the exploding-gradient finding then says what the clip did."""
+        accelerator = self.accelerator
+        for name, algorithm in (("clip_grad_norm_", "norm"), ("clip_grad_value_", "value")):
+            original = getattr(accelerator, name, None)
+            if original is None or name in accelerator.__dict__:
+                continue
+
+            def clipping(parameters: Any, *args: Any, _original: Any = original, _algorithm: str = algorithm,
+                         **kwargs: Any) -> Any:
+                limit = args[0] if args else kwargs.get("max_norm", kwargs.get("clip_value"))
+                if isinstance(limit, (int, float)) and not isinstance(limit, bool):
+                    self.clipping = (float(limit), _algorithm)
+                return _original(parameters, *args, **kwargs)
+
+            setattr(accelerator, name, clipping)
 
     # --- what the loop calls ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
@@ -272,6 +297,8 @@ class AccelerateDebugger:
         self._end_pending_batch()
         for handle in self._hooks:
             handle.remove()
+        for name in ("clip_grad_norm_", "clip_grad_value_"):
+            self.accelerator.__dict__.pop(name, None)
         return self.run.finish(status, self.step, None if error is None else f"{type(error).__name__}: {error}")
 
     def _next_optimizer(self, named: Any) -> Any:

@@ -287,8 +287,12 @@ class DebugConfig:
         gradient_checking_frequency: Check gradient health every N optimizer steps.
         memory_profiling_frequency: Measure memory every N optimizer steps.
         performance_profiling_frequency: Time the step phases every N optimizer steps.
-        gradient_explosion_threshold: A gradient norm above this is exploding.
-        gradient_vanishing_threshold: A gradient norm below this is vanishing.
+        gradient_explosion_threshold: A gradient norm above this is exploding, when set: by default
+            the global norm is judged against the run's own recent norms (a jump of 10x over their
+            median), and this fixed value is not used (see docs/gradients.md).
+        gradient_vanishing_threshold: A layer (module) whose gradient norm is below this is
+            vanishing; parameters with an exactly zero gradient inside a learning module are
+            structural and never count.
         save_debug_info: Write events.jsonl and the report files to ``debug_output_dir``.
         debug_output_dir: Where files go (a path string or ``os.PathLike``). Every run writes in a
             directory of its own: a relative path resolves under the logger's version directory
@@ -387,7 +391,34 @@ class DebugConfig:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise unknown_name_error("DebugConfig", unknown[0], known)
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        copy = dataclasses.replace(self, **given)
+        copy._given_fields = self.given_fields | frozenset(given)
+        return copy
+
+    @property
+    def given_fields(self) -> frozenset[str]:
+        """The fields the user set (at construction or through :meth:`replace`), as opposed to defaults.
+
+        Some defaults are only a starting point the checks refine from the run itself (the gradient
+        thresholds); a value the user typed is applied as given.
+
+        Example::
+
+            >>> sorted(DebugConfig(gradient_explosion_threshold=50.0).given_fields)
+            ['gradient_explosion_threshold']
+            >>> DebugConfig().replace(level="advanced").is_given("gradient_explosion_threshold")
+            False
+        """
+        return self.__dict__.get("_given_fields", frozenset())
+
+    def is_given(self, name: str) -> bool:
+        """Whether the user set field ``name`` (see :attr:`given_fields`), even to its default value.
+
+        The callbacks' keyword arguments default to None, which sets nothing, so a LightningCLI
+        config that lists a callback's arguments without values does not set them either.
+        """
+        return name in self.given_fields
 
     @property
     def areas(self) -> tuple[Area, ...]:
@@ -405,7 +436,19 @@ class DebugConfig:
         return out
 
 
-DebugConfig.__init__ = rejects_unknown_keywords(DebugConfig.__init__)  # type: ignore[method-assign]
+def _records_given_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``DebugConfig.__init__`` to remember which fields were passed (see ``DebugConfig.given_fields``)."""
+    @functools.wraps(init)
+    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        positional = [f.name for f in dataclasses.fields(DebugConfig)][:len(args)]
+        self._given_fields = frozenset(positional) | frozenset(kwargs)
+
+    return recording
+
+
+DebugConfig.__init__ = _records_given_fields(  # type: ignore[method-assign]
+    rejects_unknown_keywords(DebugConfig.__init__))
 
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(DebugConfig) if f.type in ("bool", bool))
 

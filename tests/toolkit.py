@@ -37,7 +37,7 @@ class TinyRegressor(pl.LightningModule):
         unused_layer: Add a layer that never takes part in the forward (missing gradients).
     """
 
-    def __init__(self, features: int = 8, hidden: int = 16, lr: float = 0.05, log_zero_from_step: int | None = None,
+    def __init__(self, features: int = 8, hidden: int = 16, lr: float = 0.01, log_zero_from_step: int | None = None,
                  nan_layer_from_step: int | None = None, unused_layer: bool = False,
                  optimizer: str = "sgd") -> None:
         super().__init__()

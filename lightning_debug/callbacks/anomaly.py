@@ -29,6 +29,10 @@ class AnomalyDetectionCallback(DebugCallback):
     as ``amp_overflow_skipped``. ``level=EXPERT`` also runs backward under
     ``torch.autograd.set_detect_anomaly`` (several times slower).
 
+    The same check judges the loss value against its recent level, while it is still finite:
+    ``loss_spike`` (10x above its recent level and its start) and ``loss_divergence`` (rising on most
+    of the last 8 checked steps and at least doubled), the early signs of a learning rate far too high.
+
     From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, same
     RNG state, parameters as they were, BatchNorm statistics and RNG restored afterwards) to name
     the cause: the batch itself, the first module and operation that produced a NaN/Inf from finite

@@ -84,6 +84,15 @@ class LightningContext(RunContext):
     def device(self) -> torch.device | None:
         return self.pl_module.device
 
+    def gradient_clipping(self) -> tuple[float, str] | None:
+        """``Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)``: Lightning clips after
+        ``on_before_optimizer_step``, so the checks see the gradients before clipping."""
+        value = self.trainer.gradient_clip_val
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            return None
+        algorithm = self.trainer.gradient_clip_algorithm
+        return float(value), str(getattr(algorithm, "value", algorithm) or "norm")
+
     def module(self) -> nn.Module:
         return self.pl_module
 

@@ -17,10 +17,15 @@ class GradientHealthCallback(DebugCallback):
     The values are read back a step later without a host sync; steps that are not check steps
     cost nothing. It finds:
 
-    - ``exploding_grad``: the global norm or a parameter's norm above ``gradient_explosion_threshold``;
-      names the largest and suggests a ``gradient_clip_val`` from this run's own healthy norms.
-    - ``vanishing_grad``: parameters whose gradient norm is below ``gradient_vanishing_threshold``,
-      ordered from the input side to the output side (execution order seen on the first batch).
+    - ``exploding_grad``: the global norm jumps over 10x the median of this run's recent check steps
+      (or is absurd, above 1e4, before there is history), or, when you set it, exceeds
+      ``gradient_explosion_threshold``; names the largest, says what a configured gradient clipping
+      did, else suggests a ``gradient_clip_val`` from this run's own healthy norms.
+    - ``vanishing_grad``: layers (modules) whose gradient norm is below ``gradient_vanishing_threshold``,
+      ordered from the input side to the output side (execution order seen on the first batch); a
+      parameter with a zero gradient inside a learning module (attention's key bias) is structural.
+    - ``update_ratio_high`` (with ``log_weights`` or level ADVANCED): a layer whose optimizer step
+      moved its weights by more than their own norm.
     - ``missing_grad``: trainable parameters that received no gradient (unused layer, detached branch).
     - ``frozen_param``: trainable parameters the optimizer cannot move (in no param group, base lr 0),
       found at fit start; with ``log_weights`` or level ADVANCED, also parameters with a gradient

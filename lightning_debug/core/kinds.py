@@ -89,6 +89,9 @@ class Kind(str, enum.Enum):
     EVAL_MODE_IN_TRAINING = "eval_mode_in_training"
     GRAD_NOT_ZEROED = "grad_not_zeroed"
     EXCEPTION = "exception"
+    LOSS_SPIKE = "loss_spike"
+    LOSS_DIVERGENCE = "loss_divergence"
+    UPDATE_RATIO_HIGH = "update_ratio_high"
 
     def __str__(self) -> str:
         return self.value
@@ -182,6 +185,15 @@ ADVICE: dict[Kind, str] = {
                           "gradients: call `optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
     Kind.EXCEPTION: "The step raised; report.md's \"Runtime error\" section says what the plugin could name (the "
                     "module, the shapes, devices or parameters involved) and the fix for that kind of error.",
+    Kind.LOSS_SPIKE: "The loss jumped far above its recent level, usually the first sign of a learning rate that is "
+                     "too high: lower it (often 10x), add a learning-rate warm-up, clip gradients "
+                     "(`Trainer(gradient_clip_val=1.0)`); if it happens on single batches, look at those batches.",
+    Kind.LOSS_DIVERGENCE: "The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
+                          "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
+                          "`zero_grad()` runs every step.",
+    Kind.UPDATE_RATIO_HIGH: "One optimizer step changes these weights by more than their own size (a healthy ratio "
+                            "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
+                            "it, add a warm-up, clip gradients.",
 }
 
 ERROR_ADVICE: dict[ErrorCategory, str] = {
@@ -251,6 +263,9 @@ HINTS: dict[Kind, str] = {
     Kind.EVAL_MODE_IN_TRAINING: "call .train() on it, unless it is frozen on purpose",
     Kind.GRAD_NOT_ZEROED: "call optimizer.zero_grad() once per optimizer step",
     Kind.EXCEPTION: "see the explanation in report.md; your exception is raised unchanged",
+    Kind.LOSS_SPIKE: "lower the learning rate, add a warm-up, clip gradients",
+    Kind.LOSS_DIVERGENCE: "lower the learning rate, add a warm-up, clip gradients",
+    Kind.UPDATE_RATIO_HIGH: "the learning rate is far too high: lower it, add a warm-up",
 }
 """The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
 

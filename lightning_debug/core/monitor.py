@@ -135,6 +135,11 @@ class RunContext:
         """The loss scale the gradients still carry at the optimizer step (None once unscaled)."""
         return None
 
+    def gradient_clipping(self) -> tuple[float, str] | None:
+        """The gradient clipping the loop applies after the checks saw the gradients: ``(value, "norm")`` or
+        ``(value, "value")``, None when it does not clip (or the framework does not say)."""
+        return None
+
     def train_loader(self) -> Any:
         return None
 

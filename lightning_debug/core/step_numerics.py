@@ -44,7 +44,7 @@ from lightning_debug.core.readback import Readback
 
 # One row per rank; new per-rank flags are appended here (the packing follows this list).
 RANK_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum", "input_nonfinite",
-               "check_failed")
+               "check_failed", "loss_value")
 MAX_PENDING_READBACKS = 4
 REQUIRES_GRAD_RECHECK = 16
 AllGather = Callable[[torch.Tensor], torch.Tensor]
@@ -195,6 +195,15 @@ class HostNumerics:
         return all(rank["loss_finite"] >= 0 for rank in self.ranks)
 
     @property
+    def loss_value(self) -> float:
+        """The step's loss (mean over micro-batches, then over the ranks that measured one); NaN when no
+        loss was observed or it is not finite. Read with the flags, so it costs no sync of its own."""
+        values = [rank.get("loss_value", math.nan) for rank in self.ranks]
+        if not values or not all(math.isfinite(v) for v in values):
+            return math.nan
+        return sum(values) / len(values)
+
+    @property
     def ranks_with_nonfinite_loss(self) -> list[int]:
         return [i for i, rank in enumerate(self.ranks) if rank["loss_finite"] == 0]
 
@@ -318,6 +327,7 @@ class StepNumerics:
         step: The optimizer step measured.
         index: The parameters to measure (see :class:`ParameterIndex`).
         loss_finite: 0-d bool tensor, all losses of this step finite, or None when nobody looked.
+        loss_value: 0-d tensor, the mean of this step's micro-batch losses, or None when nobody looked.
         all_reduce: Sums a float64 vector over every process in place (the WORLD group); None on
             one process. Called exactly once, by every rank, with a vector of the same length.
         grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
@@ -334,7 +344,7 @@ class StepNumerics:
                  all_reduce: AllReduce | None = None, grad_scale: torch.Tensor | None = None,
                  with_param_norms: bool = False,
                  gradients: tuple[list[torch.Tensor], list[int]] | None = None,
-                 input_nonfinite: torch.Tensor | None = None) -> None:
+                 input_nonfinite: torch.Tensor | None = None, loss_value: torch.Tensor | None = None) -> None:
         self.step = step
         self.index = index
         self.error: Exception | None = None
@@ -364,7 +374,9 @@ class StepNumerics:
                      else unknown, "grad_nonfinite": (~torch.isfinite(grad_squares)).sum().double(),
                      "param_nonfinite": param_nonfinite.double(), "grad_square_sum": grad_terms.sum(),
                      "input_nonfinite": input_nonfinite.to(device=device, dtype=torch.float64)
-                     if input_nonfinite is not None else unknown, "check_failed": torch.zeros_like(unknown)}
+                     if input_nonfinite is not None else unknown, "check_failed": torch.zeros_like(unknown),
+                     "loss_value": loss_value.to(device=device, dtype=torch.float64) if loss_value is not None
+                     else torch.full_like(unknown, math.nan)}
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
             self.missing_slots = []
@@ -372,7 +384,8 @@ class StepNumerics:
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
                                   device=device)]
             flags = dict.fromkeys(RANK_FIELDS, torch.zeros_like(unknown))
-            flags.update(loss_finite=unknown, input_nonfinite=unknown, check_failed=torch.ones_like(unknown))
+            flags.update(loss_finite=unknown, input_nonfinite=unknown, check_failed=torch.ones_like(unknown),
+                         loss_value=torch.full_like(unknown, math.nan))
         row = torch.stack([flags[name] for name in RANK_FIELDS])
         rank, world = world_position() if all_reduce is not None else (0, 1)
         self.world_size = world
@@ -470,6 +483,7 @@ class NumericsQueue:
         # Optimizer steps taken so far (the run sets it after each step): which update a late parameter scan sees.
         self.steps_done = 0
         self._loss_finite: dict[int, torch.Tensor] = {}
+        self._loss_sum: dict[int, tuple[torch.Tensor, int]] = {}
         self._input_nonfinite: dict[int, torch.Tensor] = {}
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
@@ -482,9 +496,13 @@ class NumericsQueue:
 
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
         """AND the finiteness of a micro-batch loss into this optimizer step's flag (no sync)."""
-        finite = torch.isfinite(loss.detach()).all()
+        detached = loss.detach()
+        finite = torch.isfinite(detached).all()
         previous = self._loss_finite.get(step)
         self._loss_finite = {step: finite if previous is None else previous & finite}
+        value = detached.double().mean()
+        total, count = self._loss_sum.get(step, (None, 0))
+        self._loss_sum = {step: (value if total is None else total + value.to(total.device), count + 1)}
 
     def observe_inputs(self, step: int, count: torch.Tensor) -> None:
         """Add a micro-batch's count of batch tensors holding NaN/Inf (a device tensor) to this step's (no sync)."""
@@ -546,8 +564,10 @@ class NumericsQueue:
             except Exception:
                 gradients = None
             wanted = any(wants(step) for wants in self.param_norms_wanted)
+            total, count = self._loss_sum.pop(step, (None, 0))
             self._current = StepNumerics(step, index, self._loss_finite.pop(step, None), all_reduce, grad_scale,
-                                         wanted, gradients, self._input_nonfinite.pop(step, None))
+                                         wanted, gradients, self._input_nonfinite.pop(step, None),
+                                         total / count if total is not None else None)
             self._current.steps_done = lambda: self.steps_done
             self._pending.append(self._current)
         return self._current

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning_debug.checks.batches import count_nonfinite, floating_tensors, nonfinite_samples
 from lightning_debug.checks.localize import Cause, capture_rng, localize
 from lightning_debug.checks.numerics import nonfinite_named
+from lightning_debug.checks.trends import LossTrend
 from lightning_debug.config import AnomalyMode, Area, DebugConfig, DebugLevel
 from lightning_debug.core.buffers import BufferSnapshot
 from lightning_debug.core.findings import Finding
@@ -19,6 +20,7 @@ from lightning_debug.core.kinds import COMMON_CAUSES, Kind, Severity, advice_for
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
 from lightning_debug.core.session import Where
 from lightning_debug.core.step_numerics import HostNumerics
+from lightning_debug.monitors.divergence import loss_finding
 from lightning_debug.errors import AnomalyError
 
 NAMES_IN_DETAILS = 20
@@ -102,7 +104,8 @@ class AnomalyMonitor(Monitor):
 
     area = Area.ANOMALY
     kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
-                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER})
+                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER, Kind.LOSS_SPIKE,
+                       Kind.LOSS_DIVERGENCE})
     deciding = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION})
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
     frequency_field = "anomaly_check_frequency"
@@ -127,6 +130,7 @@ class AnomalyMonitor(Monitor):
         self._weights_before: tuple[int, torch.Tensor | None] = (-1, None)
         self._buffers = BufferSnapshot()
         self.restored_buffer_steps = 0
+        self.loss_trend = LossTrend()
 
     @property
     def mode(self) -> AnomalyMode:
@@ -519,6 +523,9 @@ class AnomalyMonitor(Monitor):
                 ranks = host.ranks_with_nonfinite_params if host.params_measured else []
                 self._record_params(bad_params, where, world, ranks, origin or ParamsOrigin(
                     step, None, False, False, f"before step {step}"))
+        trend = loss_finding(self.loss_trend.judge(host.loss_value), step, self._learning_rates)
+        if trend is not None:
+            self.record(trend, step, where)
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if bad_loss_ranks else 1.0
@@ -604,13 +611,14 @@ class AnomalyMonitor(Monitor):
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
-                    last_finite_param_step=self.last_finite_param_step)
+                    last_finite_param_step=self.last_finite_param_step, loss_trend=self.loss_trend.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.anomaly_count = int(state_dict.get("anomaly_count", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.last_finite_param_step = int(state_dict.get("last_finite_param_step", -1))
+        self.loss_trend.load_state_dict(state_dict.get("loss_trend", {}))
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,

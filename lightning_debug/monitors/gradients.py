@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries, suggest_clip_value
 from lightning_debug.checks.numerics import user_name
+from lightning_debug.checks.trends import ABSURD_GRAD_NORM, NORM_JUMP_FACTOR, NormHistory
 from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -33,6 +34,10 @@ HISTOGRAM_BINS = 30
 HEALTHY_NORMS_KEPT = 256
 FLAGGED_KEPT = 200
 MAX_PENDING_CHECKS = 4
+# A module whose update moves its weights by more than their own norm in one step (healthy: ~1e-3)...
+UPDATE_RATIO_LIMIT = 1.0
+# ...unless its weights are (near) zero, as zero-initialised biases and tokens are at first.
+UPDATE_RATIO_MIN_WEIGHT_RMS = 1e-3
 
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
@@ -144,6 +149,28 @@ class ForwardOrder:
 
 
 @dataclass
+class ModuleLayout:
+    """Which module owns each parameter slot of an index, built once per index: per-module sums of
+    per-parameter values are then one ``index_add_`` (no Python loop over parameters per check)."""
+
+    modules: list[str]
+    slot_module: torch.Tensor
+    elements: torch.Tensor
+
+    @classmethod
+    def of(cls, names: Sequence[str], params: Sequence[torch.Tensor]) -> "ModuleLayout":
+        position: dict[str, int] = {}
+        slots = [position.setdefault(_module_of(name), len(position)) for name in names]
+        slot_module = torch.tensor(slots, dtype=torch.long)
+        elements = torch.zeros(len(position), dtype=torch.float64).index_add_(
+            0, slot_module, torch.tensor([float(p.numel()) for p in params], dtype=torch.float64))
+        return cls(list(position), slot_module, elements)
+
+    def sums(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(self.modules), dtype=torch.float64).index_add_(0, self.slot_module, values.double())
+
+
+@dataclass
 class PendingCheck:
     """One check step between its measurement and the moment all its values are on the host."""
 
@@ -156,6 +183,7 @@ class PendingCheck:
     update: Readback | None = None
     had_grad: list[bool] = field(default_factory=list)
     lr_zero_now: list[bool] = field(default_factory=list)
+    layout: ModuleLayout | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
 
     def ready(self) -> bool:
@@ -180,7 +208,8 @@ class GradientMonitor(Monitor):
     """
 
     area = Area.GRADIENTS
-    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM})
+    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
+                       Kind.UPDATE_RATIO_HIGH})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
     frequency_field = "gradient_checking_frequency"
@@ -194,6 +223,7 @@ class GradientMonitor(Monitor):
         self.global_norms = RunningStats()
         self.update_ratios = RunningStats()
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
+        self.recent_norms = NormHistory()
         self.parameter_norms: dict[str, RunningStats] = {}
         self.parameter_update_ratios: dict[str, RunningStats] = {}
         self.flagged = {kind.value: FlagCounter() for kind in sorted(self.kinds)}
@@ -209,6 +239,7 @@ class GradientMonitor(Monitor):
         self._awaiting_update: PendingCheck | None = None
         self._histogram_writer: HistogramWriter | None = None
         self._said_sharded = False
+        self._layout: tuple[ParameterIndex | None, ModuleLayout | None] = (None, None)
 
     # --- configuration --------------------------------------------------------------------------
     @property
@@ -354,6 +385,9 @@ class GradientMonitor(Monitor):
                        for p in group.get("params", [])}
             pending.lr_zero_now = [id(p) in resting for p in index.params] if resting else []
             pending.index = index
+            if self._layout[0] is not index:
+                self._layout = (index, ModuleLayout.of(index.names, index.params))
+            pending.layout = self._layout[1]
             pending.snapshot = index.plan.snapshot(index.params)
             pending.update_expected = True
             self._awaiting_update = pending
@@ -448,22 +482,27 @@ class GradientMonitor(Monitor):
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         high, low = config.gradient_explosion_threshold, config.gradient_vanishing_threshold
+        fixed_high = config.is_given("gradient_explosion_threshold")
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
-        suspect_high = not (largest <= high and global_norm <= high)  # NaN is suspect too
+        jump_limit = self.recent_norms.limit()
+        limit = jump_limit if jump_limit is not None else ABSURD_GRAD_NORM
+        suspect_jump = math.isfinite(global_norm) and global_norm > limit
+        suspect_high = fixed_high and not (largest <= high and global_norm <= high)  # NaN is suspect too
         suspect_low = not smallest >= low
-        per_parameter = (suspect_high or suspect_low or config.log_gradients
+        per_parameter = (suspect_high or suspect_jump or suspect_low or config.log_gradients
                          or config.level >= DebugLevel.INTERMEDIATE)
         grads = list(zip(host.grad_names, host.grad_norms)) if per_parameter else []
         above = [(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high] if suspect_high else []
-        if above or (math.isfinite(global_norm) and global_norm > high):
-            self._record_exploding(step, where, global_norm, grads, above)
+        if above or suspect_jump or (suspect_high and math.isfinite(global_norm) and global_norm > high):
+            self._record_exploding(step, where, global_norm, grads, above,
+                                   None if not suspect_jump else jump_limit if jump_limit is not None else math.inf)
         elif math.isfinite(global_norm):
             self.healthy_norms.add(global_norm)
+        self.recent_norms.add(global_norm)
 
-        below = [name for name, norm in grads if math.isfinite(norm) and norm < low] if suspect_low else []
-        if below:
-            self._record_vanishing(step, where, grads, below)
+        if suspect_low:
+            self._judge_vanishing(step, where, grads)
 
         if host.missing:
             self._record_missing(step, where, host.missing, len(host.param_names))
@@ -494,54 +533,136 @@ class GradientMonitor(Monitor):
         self.log_metrics(step, metrics)
         self.close_episodes(step, where, self.kinds)
 
+    def _clipping_note(self, global_norm: float) -> tuple[str, dict[str, Any]]:
+        """What the loop's own clipping did to this step (the checks see the gradients before it)."""
+        clipping = self.context.gradient_clipping()
+        if clipping is None:
+            return "", {}
+        value, algorithm = clipping
+        details = {"clip_val": value, "clip_algorithm": algorithm}
+        if algorithm == "value":
+            return (f" Gradient clipping is on (each element clipped to +-{value:g}, gradient_clip_algorithm='value'); "
+                    f"the norm above is measured before clipping.", details)
+        factor = global_norm / value if value > 0 else math.inf
+        if factor > 1:
+            details["clip_factor"] = factor
+            return (f" Gradient clipping is on (gradient_clip_val={value:g}, by norm): it scaled this step's gradients "
+                    f"from {global_norm:.4g} down to {value:g}, {factor:.3g}x smaller, so the update stays bounded, "
+                    "but the gradients themselves are out of scale.", details)
+        return f" Gradient clipping is on (gradient_clip_val={value:g}, by norm) and did not act on this step.", details
+
     def _record_exploding(self, step: int, where: Where, global_norm: float, grads: list[tuple[str, float]],
-                          above: list[tuple[str, float]]) -> None:
+                          above: list[tuple[str, float]], jump_limit: float | None) -> None:
+        """``jump_limit``: None when the user's fixed threshold was crossed; the limit learnt from the run's
+        recent norms when the norm jumped over it; ``inf`` when the norm is absurd with no history yet."""
         self.counts["exploding"] += 1
-        self.flagged["exploding_grad"].add(name for name, _ in above)
         worst = sorted((item for item in grads if math.isfinite(item[1])), key=lambda item: -item[1])[:WORST_SHOWN]
-        clip, basis = suggest_clip_value(list(self.healthy_norms.values), self.config.gradient_explosion_threshold)
-        self.clip_suggestion = {"value": clip, "basis": basis, "step": step}
+        named = above or worst
+        self.flagged["exploding_grad"].add(name for name, _ in named)
         shown = ", ".join(f"`{name}` {norm:.3g}" for name, norm in worst)
+        threshold = self.config.gradient_explosion_threshold
+        level = self.recent_norms.level()
+        if jump_limit is None:
+            what = f"global norm {global_norm:.4g} > gradient_explosion_threshold {threshold:g}"
+        elif math.isfinite(jump_limit):
+            what = (f"global norm {global_norm:.4g}, {global_norm / level:.3g}x its median {level:.4g} over the last "
+                    f"{len(self.recent_norms.values)} check steps (a jump of over {NORM_JUMP_FACTOR:g}x)")
+        else:
+            what = (f"global norm {global_norm:.4g} at the first check steps, above {ABSURD_GRAD_NORM:g}, which no "
+                    "model trained with a mean loss starts with")
+        clip_note, clip_details = self._clipping_note(global_norm)
+        if clip_details:
+            clip, basis = None, "gradient clipping is already configured"
+            fix = ("Lower the learning rate or add a warm-up, normalize the inputs and check the initialization; "
+                   "look at the batch of this step.")
+        else:
+            clip, basis = suggest_clip_value(list(self.healthy_norms.values), threshold)
+            fix = (f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or "
+                   "torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
+                   "initialization.")
+        self.clip_suggestion = {"value": clip, "basis": basis, "step": step}
         self.record(Finding(
             Kind.EXPLODING_GRAD, Severity.WARNING,
-            f"Gradients are exploding at step {step}: global norm {global_norm:.4g} > "
-            f"gradient_explosion_threshold {self.config.gradient_explosion_threshold:g}; largest: {shown}. "
-            f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or "
-            "torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
-            "initialization.",
-            {"global_norm": global_norm, "threshold": self.config.gradient_explosion_threshold,
-             "parameters": [name for name, _ in above[:NAMES_IN_DETAILS]],
-             "worst": [[name, norm] for name, norm in worst], "count": len(above),
-             "suggested_clip_val": clip, "clip_basis": basis}),
+            f"Gradients are exploding at step {step}: {what}; largest: {shown}.{clip_note} {fix}",
+            {"global_norm": global_norm, "threshold": threshold if jump_limit is None else None,
+             "judged_by": ("gradient_explosion_threshold" if jump_limit is None else
+                           "jump over recent norms" if math.isfinite(jump_limit) else "absurd norm"),
+             "recent_median": level if math.isfinite(level) else None,
+             "limit": jump_limit if jump_limit is not None and math.isfinite(jump_limit) else None,
+             "parameters": [name for name, _ in named[:NAMES_IN_DETAILS]],
+             "worst": [[name, norm] for name, norm in worst], "count": len(named),
+             "suggested_clip_val": clip, "clip_basis": basis, **clip_details}),
             step, where)
 
-    def _record_vanishing(self, step: int, where: Where, grads: list[tuple[str, float]], below: list[str]) -> None:
+    def _judge_vanishing(self, step: int, where: Where, grads: list[tuple[str, float]]) -> None:
+        """Vanishing gradients, judged per layer (module): the norm of all of a module's gradients below
+        ``gradient_vanishing_threshold``. A parameter whose gradient is exactly zero while the rest of its
+        module learns is structural (the key bias of attention: softmax ignores a shift shared by every
+        key) and never counts; a whole module at zero is a dead layer."""
+        low = self.config.gradient_vanishing_threshold
+        members: dict[str, list[str]] = {}
+        squares: dict[str, float] = {}
+        for name, norm in grads:
+            module = _module_of(name)
+            members.setdefault(module, []).append(name)
+            squares[module] = squares.get(module, 0.0) + norm * norm
+        module_norms = {module: math.sqrt(value) for module, value in squares.items()}
+        dying = [module for module, norm in module_norms.items() if math.isfinite(norm) and norm < low]
+        if not dying:
+            return
+        norms = dict(grads)
+        self._record_vanishing(step, where, grads, [n for m in dying for n in members[m]], module_norms, norms)
+
+    def _record_vanishing(self, step: int, where: Where, grads: list[tuple[str, float]], below: list[str],
+                          module_norms: dict[str, float], norms: dict[str, float]) -> None:
         self.counts["vanishing"] += 1
         self.flagged["vanishing_grad"].add(below)
+        low = self.config.gradient_vanishing_threshold
         ordered = self.input_to_output(below)
         everything = self.input_to_output(name for name, _ in grads)
         position = {name: index for index, name in enumerate(everything)}
         last_vanishing = max(position[name] for name in below)
         healthy_after = everything[last_vanishing + 1] if last_vanishing + 1 < len(everything) else None
-        norms = dict(grads)
-        layers = list(dict.fromkeys(_module_of(name) or name for name in ordered))
+        layers = list(dict.fromkeys(_module_of(name) for name in ordered))
+        all_layers = list(dict.fromkeys(_module_of(name) for name in everything))
+        dead = [layer for layer in layers if module_norms[layer] == 0]
+
+        def label(layer: str) -> str:
+            return f"`{layer or '(root)'}`"
+
+        def neighbours(layer: str) -> list[list[Any]]:
+            index = all_layers.index(layer)
+            near = [all_layers[i] for i in (index - 1, index + 1) if 0 <= i < len(all_layers)]
+            return [[other, module_norms[other]] for other in near if not module_norms[other] < low]
+
+        first = layers[0]
+        around = neighbours(first)
+        compared = (f" (neighbouring layers: {', '.join(f'{label(n)} {v:.3g}' for n, v in around)})"
+                    if around else "")
         where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
                          "toward the input" if healthy_after else "")
-        zeros = [name for name in ordered if norms[name] == 0]
-        if zeros:
-            where_it_dies += (f". {len(zeros)} of them are exactly zero: dead ReLUs (pre-activations all negative, "
-                              "often after a too-large step), a masked path, or a constant output")
+        if dead and len(dead) == len(layers):
+            cause = ("Their gradients are exactly zero: nothing flows back into them. Look for a layer downstream "
+                     "whose weights are all zero, dead ReLUs (pre-activations all negative, often after a too-large "
+                     "step), a mask or a detach()/no_grad() on the path, or a constant output.")
+        else:
+            cause = ("Use ReLU/GELU instead of saturating sigmoid/tanh, a better initialization (Kaiming/Xavier), "
+                     "normalization layers or residual connections, and look for a detach() or no_grad() on the path."
+                     + (f" {len(dead)} of these layers are exactly zero (dead ReLUs, a masked path or zero weights "
+                        "downstream)." if dead else ""))
         self.record(Finding(
             Kind.VANISHING_GRAD, Severity.WARNING,
-            f"{len(below)} of {len(grads)} gradients are below gradient_vanishing_threshold "
-            f"{self.config.gradient_vanishing_threshold:g} at step {step}, input side first: {_quoted(ordered)}"
-            f"{where_it_dies}. Use ReLU/GELU instead of sigmoid/tanh, a better initialization (Kaiming/Xavier), "
-            "normalization layers or residual connections, and look for a detach() or no_grad() on the path.",
+            f"{len(layers)} of {len(all_layers)} layers have a gradient norm below gradient_vanishing_threshold "
+            f"{low:g} at step {step}, input side first: {', '.join(label(n) for n in layers[:WORST_SHOWN])}"
+            f"{f' and {len(layers) - WORST_SHOWN} more' if len(layers) > WORST_SHOWN else ''}; {label(first)} "
+            f"{module_norms[first]:.3g}{compared}{where_it_dies}. {cause}",
             {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(below), "layers": layers[:NAMES_IN_DETAILS],
+             "layer_norms": {layer: module_norms[layer] for layer in layers[:NAMES_IN_DETAILS]},
+             "neighbours": {layer: neighbours(layer) for layer in layers[:NAMES_IN_DETAILS]},
              "norms": {name: norms[name] for name in ordered[:NAMES_IN_DETAILS]},
-             "threshold": self.config.gradient_vanishing_threshold, "healthy_from": healthy_after,
-             "exactly_zero": zeros[:NAMES_IN_DETAILS],
-             "order": self.order_source}),
+             "threshold": low, "healthy_from": healthy_after,
+             "exactly_zero": [name for name in ordered if norms[name] == 0][:NAMES_IN_DETAILS],
+             "dead_layers": dead[:NAMES_IN_DETAILS], "order": self.order_source}),
             step, where)
 
     def _record_missing(self, step: int, where: Where, missing: list[str], trainable: int) -> None:
@@ -579,6 +700,7 @@ class GradientMonitor(Monitor):
             overall = math.sqrt(delta_squares / weight_squares)
             self.update_ratios.add(overall)
             metrics["debug/weight/update_ratio_global"] = overall
+        self._judge_update_ratios(pending, names, deltas, weights)
         unchanged = ((deltas == 0) & (gradients > 0) & torch.isfinite(gradients)).nonzero().flatten().tolist()
         already = {name for names_ in self.static_frozen.values() for name in names_} if unchanged else set()
         not_updated = [names[i] for i in unchanged if pending.had_grad[i] and names[i] not in already
@@ -595,6 +717,39 @@ class GradientMonitor(Monitor):
                 {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(not_updated), "cause": "no_update"}),
                 pending.step, pending.where, key="no_update")
         return metrics, bool(not_updated)
+
+    def _judge_update_ratios(self, pending: PendingCheck, names: list[str], deltas: torch.Tensor,
+                             weights: torch.Tensor) -> None:
+        """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm.
+
+        Judged per module, so a zero-initialised bias next to its weight does not count, and only for
+        modules whose weights are not (near) zero: a parameter that starts at 0 has an infinite ratio
+        on its first step by construction.
+        """
+        layout = pending.layout
+        if layout is None or layout.slot_module.numel() != len(names):
+            return
+        moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
+        ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+        over = (torch.isfinite(moved) & torch.isfinite(size) & (size > 0) & (ratio > UPDATE_RATIO_LIMIT)
+                & ((size / layout.elements.clamp_min(1.0)).sqrt() >= UPDATE_RATIO_MIN_WEIGHT_RMS))
+        if not bool(over.any()):
+            return
+        high = [(layout.modules[i], float(ratio[i])) for i in over.nonzero().flatten().tolist()]
+        high.sort(key=lambda item: -item[1])
+        self.flagged["update_ratio_high"].add(module or "(root)" for module, _ in high)
+        lrs = sorted({float(g["lr"]) for g in self._param_groups if isinstance(g.get("lr"), (int, float))})
+        lr_text = f" (learning rate {', '.join(f'{lr:.3g}' for lr in lrs)})" if lrs else ""
+        shown = ", ".join(f"`{module or '(root)'}` {ratio:.3g}" for module, ratio in high[:WORST_SHOWN])
+        self.record(Finding(
+            Kind.UPDATE_RATIO_HIGH, Severity.WARNING,
+            f"The optimizer step at step {pending.step} changed {len(high)} layer(s) by more than their own weight "
+            f"norm (||update|| / ||weight||, healthy around 1e-3): {shown}{lr_text}. The learning rate is far too "
+            "high for them: lower it, add a learning-rate warm-up, clip gradients.",
+            {"layers": [module for module, _ in high[:NAMES_IN_DETAILS]],
+             "ratios": {module: ratio for module, ratio in high[:NAMES_IN_DETAILS]}, "limit": UPDATE_RATIO_LIMIT,
+             "learning_rates": lrs}),
+            pending.step, pending.where)
 
     def _write_histograms(self, pending: PendingCheck) -> None:
         writer = self._histogram_writer
@@ -624,7 +779,7 @@ class GradientMonitor(Monitor):
             super().state_dict(), counts=dict(self.counts), checks=self.checks,
             steps_without_gradients=self.steps_without_gradients,
             global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
-            healthy_norms=list(self.healthy_norms.values),
+            healthy_norms=list(self.healthy_norms.values), recent_norms=list(self.recent_norms.values),
             parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
@@ -643,6 +798,7 @@ class GradientMonitor(Monitor):
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
         for value in state_dict.get("healthy_norms", []):
             self.healthy_norms.add(float(value))
+        self.recent_norms.load(state_dict.get("recent_norms", []))
         for target, key in ((self.parameter_norms, "parameter_norms"),
                             (self.parameter_update_ratios, "parameter_update_ratios")):
             target.clear()

@@ -201,8 +201,10 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
                  f"{counts['vanishing_checks']}, missing: {counts['missing_checks']}, not updated: "
                  f"{counts['frozen_checks']}.")
     clip = section.get("clip_suggestion")
-    if clip:
+    if clip and clip.get("value") is not None:
         lines.append(f"Suggested clipping: `Trainer(gradient_clip_val={clip['value']:g})` ({clip['basis']}).")
+    elif clip:
+        lines.append(f"No clip value suggested: {clip['basis']}.")
     frozen = section.get("trainability", {}).get("requires_grad_false_parameters", 0)
     if frozen:
         lines.append(f"{frozen} parameter(s) have requires_grad=False (not trained by design).")

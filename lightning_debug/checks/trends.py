@@ -1,0 +1,206 @@
+"""Judging a value against the run's own recent history: robust levels, jumps and steady rises.
+
+A fixed threshold cannot fit every model (a ResNet's gradient norm at initialisation is 60, a small
+MLP's 0.5), so the gradient and loss checks compare a value with what this run has shown lately:
+the median of a bounded window is the level and the median absolute deviation the spread, both
+insensitive to the outliers being looked for. Pure host-side arithmetic over Python floats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
+NORM_JUMP_FACTOR = 10.0
+NORM_JUMP_SIGMAS = 6.0
+NORM_WINDOW = 16
+NORM_MIN_HISTORY = 3
+# Without enough history a global norm above this is absurd for any model trained with a mean loss.
+ABSURD_GRAD_NORM = 1e4
+# Loss: a spike is this many times the recent level and the level the run started from.
+LOSS_SPIKE_FACTOR = 10.0
+LOSS_SPIKE_SIGMAS = 6.0
+LOSS_WINDOW = 32
+LOSS_START_VALUES = 5
+# Loss: a divergence rises on most of the last DIVERGENCE_WINDOW checks and at least doubles over them.
+DIVERGENCE_WINDOW = 8
+DIVERGENCE_RISES = 6
+DIVERGENCE_FACTOR = 2.0
+MAD_TO_SIGMA = 1.4826
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (NaN when empty).
+
+    Example::
+
+        >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
+        (2.0, 2.5)
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def robust_sigma(values: Sequence[float]) -> float:
+    """The spread of ``values`` as a standard deviation estimated from the median absolute deviation.
+
+    Example::
+
+        >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
+        1.483
+    """
+    level = median(values)
+    return MAD_TO_SIGMA * median([abs(v - level) for v in values])
+
+
+def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
+    """The value above which a new value is a jump over ``history``: ``factor`` times its median and
+    ``sigmas`` robust standard deviations above it, whichever is higher; None with fewer than
+    ``minimum`` values (too little history to judge).
+
+    Example::
+
+        >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3)
+        10.0
+        >>> jump_limit([1.0], factor=10, sigmas=6, minimum=3) is None
+        True
+    """
+    finite = [v for v in history if math.isfinite(v)]
+    if len(finite) < minimum:
+        return None
+    level = median(finite)
+    return max(factor * level, level + sigmas * robust_sigma(finite))
+
+
+class NormHistory:
+    """The recent global gradient norms of check steps, for judging the next one (see :func:`jump_limit`).
+
+    Every finite norm enters the window, flagged or not: an explosion is reported when it starts, and a
+    level that stays becomes the run's new normal instead of one endless finding.
+
+    Example::
+
+        >>> history = NormHistory()
+        >>> for norm in (60.0, 58.0, 61.0): history.add(norm)
+        >>> history.limit()
+        600.0
+    """
+
+    def __init__(self, window: int = NORM_WINDOW) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def limit(self) -> float | None:
+        return jump_limit(self.values, NORM_JUMP_FACTOR, NORM_JUMP_SIGMAS, NORM_MIN_HISTORY)
+
+    def level(self) -> float:
+        return median(self.values)
+
+    def add(self, norm: float) -> None:
+        if math.isfinite(norm):
+            self.values.append(norm)
+
+    def load(self, values: Iterable[float]) -> None:
+        self.values.clear()
+        for value in values:
+            self.add(float(value))
+
+
+@dataclass
+class LossVerdict:
+    """What one check step's loss shows: a ``spike`` or a ``divergence`` (or nothing), with the numbers."""
+
+    kind: str | None
+    loss: float
+    level: float = math.nan
+    start: float = math.nan
+    limit: float = math.nan
+    window: list[float] | None = None
+
+    @property
+    def details(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss": self.loss, "recent_level": self.level, "start_level": self.start}
+        if math.isfinite(self.limit):
+            out["limit"] = self.limit
+        if self.window:
+            out["recent_losses"] = self.window
+        return out
+
+
+class LossTrend:
+    """The loss of recent check steps and the level the run started from; judges each new loss.
+
+    ``spike``: the loss is more than :data:`LOSS_SPIKE_FACTOR` times both its recent median and the
+    level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
+    that goes back up toward where it began is not a spike), and,
+    with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
+    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
+    ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
+    :data:`DIVERGENCE_RISES` times, at least doubled, and is above the start level. Both need a
+    positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
+    anomaly check names them).
+
+    Example::
+
+        >>> trend = LossTrend()
+        >>> [trend.judge(v).kind for v in (6.9, 7857.0)]
+        [None, 'spike']
+        >>> calm = LossTrend()
+        >>> [calm.judge(v).kind for v in (0.7, 0.01, 0.02, 0.6)]
+        [None, None, None, None]
+    """
+
+    def __init__(self, window: int = LOSS_WINDOW) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+        self.start: list[float] = []
+
+    @property
+    def start_level(self) -> float:
+        """Where the run started: the highest of its first losses (NaN before any)."""
+        return max(self.start) if self.start else math.nan
+
+    def judge(self, loss: float) -> LossVerdict:
+        if not math.isfinite(loss):
+            return LossVerdict(None, loss)
+        verdict = self._divergence(loss) or self._spike(loss) or LossVerdict(None, loss)
+        self.recent.append(loss)
+        if len(self.start) < LOSS_START_VALUES:
+            self.start.append(loss)
+        return verdict
+
+    def _spike(self, loss: float) -> LossVerdict | None:
+        if not self.recent or loss <= 0:
+            return None
+        level, start = median(self.recent), self.start_level
+        if level <= 0 or start <= 0:
+            return None
+        limit = LOSS_SPIKE_FACTOR * max(level, start)
+        if len(self.recent) >= LOSS_START_VALUES:
+            limit = max(limit, level + LOSS_SPIKE_SIGMAS * robust_sigma(self.recent))
+        if loss <= limit:
+            return None
+        return LossVerdict("spike", loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
+
+    def _divergence(self, loss: float) -> LossVerdict | None:
+        window = [*list(self.recent)[-(DIVERGENCE_WINDOW - 1):], loss]
+        if len(window) < DIVERGENCE_WINDOW or window[0] <= 0:
+            return None
+        rises = sum(later > earlier for earlier, later in zip(window, window[1:]))
+        start = self.start_level
+        if rises < DIVERGENCE_RISES or loss < DIVERGENCE_FACTOR * window[0] or not loss > start:
+            return None
+        return LossVerdict("divergence", loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "start": list(self.start)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent.clear()
+        self.recent.extend(float(v) for v in state.get("recent", []))
+        self.start = [float(v) for v in state.get("start", [])][:LOSS_START_VALUES]

@@ -1,0 +1,46 @@
+"""Early divergence: the findings a loss that spikes or climbs and a weight update larger than the weights
+turn into, while everything is still finite (the arithmetic is in :mod:`lightning_debug.checks.trends`).
+
+The loss is judged by the anomaly check, which runs every step by default and already reads the
+loss's finiteness; its value travels in the same read-back (no extra sync). So a learning rate that
+blows the loss up at step 1 is named a step or two later, before anything is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from lightning_debug.checks.trends import LossVerdict
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and clip gradients "
+       "(Trainer(gradient_clip_val=1.0) or torch.nn.utils.clip_grad_norm_)")
+
+
+def _learning_rates(learning_rates: Sequence[float]) -> str:
+    rates = sorted({lr for lr in learning_rates if math.isfinite(lr)})
+    return f" (learning rate {', '.join(f'{lr:.3g}' for lr in rates)})" if rates else ""
+
+
+def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
+    """``loss_spike`` or ``loss_divergence`` for a judged loss, None when it shows neither."""
+    lr = _learning_rates(learning_rates)
+    if verdict.kind == "spike":
+        return Finding(
+            Kind.LOSS_SPIKE, Severity.WARNING,
+            f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
+            f"level {verdict.level:.4g} (the run started at {verdict.start:.4g}){lr}; everything is still finite. "
+            f"This is how a too-high learning rate starts. {FIX}; if it happens on single batches, look at "
+            "those batches.",
+            dict(verdict.details, learning_rates=list(learning_rates)))
+    if verdict.kind == "divergence":
+        window = verdict.window or []
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss is rising steadily: {window[0]:.4g} -> {verdict.loss:.4g} over the last {len(window)} "
+            f"checked steps, up to step {step}, above where the run started ({verdict.start:.4g}){lr}. The "
+            f"optimizer overshoots. {FIX}; check the sign of the loss and that zero_grad() runs every step.",
+            dict(verdict.details, learning_rates=list(learning_rates)))
+    return None
