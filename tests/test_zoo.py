@@ -242,9 +242,11 @@ def test_losses_kept_with_their_graph_are_a_leak_explained_by_the_graph(model: s
 
 @pytest.mark.parametrize("model", cases("slow_data", "resnet", "gpt2"))
 def test_dataset_that_sleeps_is_a_dataloader_bottleneck(model: str, tmp_path: Path) -> None:
+    """4 ms per sample in ``__getitem__`` (32-64 ms per batch, more than the step's compute), timed every
+    step: a sustained bottleneck, found within the 12 steps however many timed steps the verdict needs."""
     needs(model)
-    result = fit(model, Plant(data_sleep_s=0.006), defaults(performance_profiling_frequency=2), tmp_path,
-                 max_steps=8)
+    result = fit(model, Plant(data_sleep_s=0.004), defaults(performance_profiling_frequency=1), tmp_path,
+                 max_steps=12)
     bottleneck = result.starts("dataloader_bottleneck")
-    assert bottleneck and bottleneck[0]["step"] <= 6, result.alarms()
+    assert bottleneck and bottleneck[0]["step"] <= 11, result.alarms()
     assert bottleneck[0]["details"]["num_workers"] == 0 and bottleneck[0]["details"]["share"] > 0.3
