@@ -63,6 +63,8 @@ KNOWN: dict[str, str] = {
     **{f"{model}-nan_input": f"nonfinite_loss wrong cause: 'because parameters are already non-finite' at step 3, and "
                              f"nonfinite_param listed before nonfinite_input, {_CAUSE}"
        for model in ("mlp24", "resnet", "boring")},
+    "resnet-nan_input_skip": f"skip leaves a trace: the NaN sample's forward poisons every BatchNorm running_mean/"
+                             f"running_var; the update is dropped, the buffers stay NaN, {_CAUSE}",
     **{f"{model}-lr_10": f"missed: no loss_spike/loss_divergence/update_ratio_high finding (the kinds do not exist "
                          f"yet) although the loss jumps 100-1,000,000x at step 1, {_DIVERGE}"
        for model in ("mlp24", "bert", "gpt2", "resnet")},
@@ -198,6 +200,20 @@ def test_nan_sample_in_the_batch_is_named_with_its_sample_first(model: str, tmp_
     assert loss and loss[0]["step"] == 3 and "parameters are already non-finite" not in loss[0]["message"], \
         result.alarms()
     assert nonfinite_order(result)[0] == "nonfinite_input", result.findings_order()
+
+
+@pytest.mark.parametrize("model", cases("nan_input_skip", "resnet", "mlp24"))
+def test_skip_mode_drops_the_nan_batch_without_a_trace(model: str, tmp_path: Path) -> None:
+    """``anomaly_detection_mode="skip"`` on the NaN sample of step 3: the update is dropped, and what the
+    forward changed goes with it (BatchNorm running statistics of the ResNet), so every parameter and
+    buffer is finite at the end and the run goes on."""
+    needs(model)
+    result = fit(model, Plant(nan_input_at=3, nan_sample=1), defaults(anomaly_detection_mode="skip"), tmp_path,
+                 max_steps=6)
+    assert [e["step"] for e in result.starts("nonfinite_input")] == [3], result.alarms()
+    assert not result.nonfinite_state(), result.nonfinite_state()
+    assert not result.starts("nonfinite_param"), result.alarms()
+    assert result.report["status"] == "finished" and result.report["last_step"] >= 5, result.report["last_step"]
 
 
 @pytest.mark.parametrize("model", cases("lr_10", "mlp24", "bert", "gpt2", "resnet"))

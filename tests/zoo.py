@@ -463,6 +463,13 @@ class Result:
     events: list[dict[str, Any]]
     report: dict[str, Any]
     seconds: float
+    module: pl.LightningModule
+
+    def nonfinite_state(self) -> list[str]:
+        """The module's parameters and buffers that hold NaN/Inf after the run."""
+        state = list(self.module.named_parameters()) + list(self.module.named_buffers())
+        return [name for name, tensor in state
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())]
 
     def starts(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] == kind and e.get("episode") != "end"]
@@ -501,4 +508,4 @@ def fit(name: str, plant: Plant, config: DebugConfig, root: Path, max_steps: int
     trainer.fit(module)
     seconds = time.perf_counter() - started
     directory = debug_dir(trainer)
-    return Result(read_events(directory), read_report(directory), seconds)
+    return Result(read_events(directory), read_report(directory), seconds, module)
