@@ -33,44 +33,6 @@ _DIVERGE = "issue 13 (early divergence)"
 _PERF = "issue 13 (slow_step/dataloader/census/leak explanation)"
 _MULTI = "issue 13 (multi-optimizer)"
 KNOWN: dict[str, str] = {
-    # healthy runs, every check on
-    "bert-healthy": f"vanishing_grad false alarm: attention query/key biases get an exactly zero gradient by "
-                    f"construction (softmax is shift-invariant), {_GRAD}",
-    "resnet-healthy": f"exploding_grad false alarm: global norm 20 at step 0 > fixed threshold 10, {_GRAD}",
-    "mlp24-healthy": f"exploding_grad false alarm: global norm 47 at step 0 > fixed threshold 10, {_GRAD}",
-    "demo_transformer-healthy": f"exploding_grad false alarm: global norm ~10 at steps 2 and 18 > fixed threshold 10, "
-                                f"{_GRAD}",
-    "boring-healthy": f"dataloader_bottleneck false alarm: 8 ms of collate in a 13 ms step of a 66-parameter model, "
-                      f"{_PERF}",
-    "gan_untoggled-every_step": f"missing_grad false alarm: on the discriminator's step every generator parameter "
-                                f"is judged, {_MULTI}",
-    # defaults
-    "mlp24-defaults": f"exploding_grad false alarm: global norm 47 at step 0 > fixed threshold 10, {_GRAD}",
-    "bert-defaults": f"vanishing_grad false alarm: attention query/key biases, {_GRAD}",
-    "resnet-defaults": f"exploding_grad false alarm: global norm 20 at step 0 > fixed threshold 10, {_GRAD}",
-    # GAN, training_step returning None
-    "gan_untoggled-advanced": f"missing_grad false alarm: generator parameters judged on the discriminator's step, "
-                              f"{_MULTI}",
-    "mlp24-returns_none": f"missing_grad false alarm on the skipped step (no backward ran), {_MULTI}; and "
-                          f"exploding_grad at step 0, {_GRAD}",
-    "boring-returns_none": f"missing_grad false alarm on the skipped step (no backward ran), {_MULTI}; and "
-                           f"dataloader_bottleneck on a 4 ms step, {_PERF}",
-    # planted bugs
-    **{f"{model}-log_zero": f"nonfinite_loss wrong cause: 'because parameters are already non-finite' at step 5, and "
-                            f"nonfinite_param ('with finite gradients ... lower the learning rate') listed first, "
-                            f"{_CAUSE}"
-       for model in ("mlp24", "bert", "gpt2", "resnet", "t5", "demo_transformer", "boring", "lstm")},
-    **{f"{model}-nan_input": f"nonfinite_loss wrong cause: 'because parameters are already non-finite' at step 3, and "
-                             f"nonfinite_param listed before nonfinite_input, {_CAUSE}"
-       for model in ("mlp24", "resnet", "boring")},
-    "resnet-nan_input_skip": f"skip leaves a trace: the NaN sample's forward poisons every BatchNorm running_mean/"
-                             f"running_var; the update is dropped, the buffers stay NaN, {_CAUSE}",
-    **{f"{model}-lr_10": f"missed: no loss_spike/loss_divergence/update_ratio_high finding (the kinds do not exist "
-                         f"yet) although the loss jumps 100-1,000,000x at step 1, {_DIVERGE}"
-       for model in ("mlp24", "bert", "gpt2", "resnet")},
-    **{f"{model}-kept_graph": f"slow_step false alarm at steps 56 and 64: the memory check's own tensor census "
-                              f"(~300 ms) timed as the step, {_PERF}"
-       for model in ("mlp24", "gpt2")},
 }
 
 

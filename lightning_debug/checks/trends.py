@@ -142,7 +142,9 @@ class LossTrend:
     with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
     One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
-    :data:`DIVERGENCE_RISES` times, at least doubled, and is above the start level. Both need a
+    :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
+    above every loss of its first half and their medians at least doubled (a rise, not noise), and it
+    is above the start level. Both need a
     positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
     anomaly check names them).
 
@@ -193,7 +195,10 @@ class LossTrend:
             return None
         rises = sum(later > earlier for earlier, later in zip(window, window[1:]))
         start = self.start_level
-        if rises < DIVERGENCE_RISES or loss < DIVERGENCE_FACTOR * window[0] or not loss > start:
+        half = DIVERGENCE_WINDOW // 2
+        first, last = window[:half], window[half:]
+        steady = min(last) > max(first) and median(last) >= DIVERGENCE_FACTOR * median(first)
+        if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0] or not loss > start:
             return None
         return LossVerdict("divergence", loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
 

@@ -224,6 +224,8 @@ class GradientMonitor(Monitor):
         self.update_ratios = RunningStats()
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
         self.recent_norms = NormHistory()
+        # With several optimizers each one's gradients have their own scale (a GAN's D and G): one history each.
+        self._norm_histories: dict[Any, NormHistory] = {None: self.recent_norms}
         self.parameter_norms: dict[str, RunningStats] = {}
         self.parameter_update_ratios: dict[str, RunningStats] = {}
         self.flagged = {kind.value: FlagCounter() for kind in sorted(self.kinds)}
@@ -477,6 +479,7 @@ class GradientMonitor(Monitor):
             self.steps_without_gradients += 1
             return
         self.checks += 1
+        self.recent_norms = self._norm_histories.setdefault(where.get("optimizer"), NormHistory())
         global_norm = host.global_grad_norm
         self.global_norms.add(global_norm)
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
