@@ -44,8 +44,8 @@ def test_an_optimizers_parameters_have_their_own_index_in_its_order() -> None:
 def test_plain_shards_count_on_every_rank_and_keep_empty_slots() -> None:
     named = [("a", nn.Parameter(torch.ones(3))), ("b", nn.Parameter(torch.zeros(0)))]
     replicated, sharded = ParameterIndex(named, rank=1), ParameterIndex(named, rank=1, plain_sharded=True)
-    assert replicated.names == ["a"] and replicated.param_owner.tolist() == [False]
-    assert sharded.names == ["a", "b"] and sharded.param_owner.tolist() == [True, True]
+    assert replicated.names == ["a"] and replicated.param_owner.mask.tolist() == [False]
+    assert sharded.names == ["a", "b"] and sharded.param_owner.mask.tolist() == [True, True]
 
 
 class FreezesThenUnfreezes(TinyRegressor):

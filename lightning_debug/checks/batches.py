@@ -56,27 +56,3 @@ def nonfinite_samples(tensor: torch.Tensor, limit: int = MAX_SAMPLES_LISTED) -> 
     per_sample = bad.reshape(tensor.shape[0], -1).any(dim=1)
     indices = per_sample.nonzero().flatten()[:limit].tolist()
     return [int(i) for i in indices], int(bad.sum())
-
-
-def count_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """How many of ``tensors`` hold a NaN/Inf, as a 0-d device tensor (no host sync).
-
-    One ``aminmax`` pass per tensor (a NaN makes both ends NaN, an infinity is one of them), then one
-    test per device and dtype: nothing is squared or summed, so nothing overflows, and a mask
-    filled with ``torch.finfo(dtype).min`` is not mistaken for an infinity.
-
-    Example::
-
-        >>> count_nonfinite([torch.tensor([1.0, float("nan")]), torch.full((3,), torch.finfo(torch.float32).min)])
-        tensor(1)
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).extend(torch.aminmax(tensor.detach()))
-    counts = [(~torch.isfinite(torch.stack(ends).reshape(-1, 2))).any(dim=1).sum() for ends in groups.values()]
-    if not counts:
-        return torch.zeros((), dtype=torch.int64)
-    if len(counts) == 1:
-        return counts[0]
-    device = next((c.device for c in counts if c.device.type != "cpu"), counts[0].device)  # never read a GPU value
-    return torch.stack([count.to(device, non_blocking=True) for count in counts]).sum()

@@ -36,6 +36,7 @@ except ImportError:
     _StridedShard = Shard  # type: ignore[assignment,misc]
 
 SMALL_NUMEL_CPU = 4096
+FLAT_MIN_TENSORS = 32
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _local_of = attrgetter("_local_tensor")
 
@@ -161,7 +162,8 @@ class NormPlan:
     weights) and returns their squared norms as one float64 vector in slot order, with a number of
     operations that does not depend on the number of slots: on the CPU, tensors of at most
     ``SMALL_NUMEL_CPU`` elements are concatenated into one buffer (one ``torch.cat`` per trailing
-    shape, which needs no per-tensor view) and summed per segment; larger
+    shape, which needs no per-tensor view) and summed per segment when there are at least
+    ``FLAT_MIN_TENSORS`` of them (fewer go with the large ones); larger
     ones, and everything on CUDA (where it is one fused kernel), go through one
     ``torch._foreach_norm`` per device and dtype. Complex and integer slots, and tensors the fused
     path cannot take (a sparse gradient), fall back to :func:`fused_norms`. Squares are float64 so
@@ -191,6 +193,13 @@ class NormPlan:
                 flat.setdefault(tensor.device, {}).setdefault(trailing, []).append(index)
             else:
                 foreach.setdefault((tensor.device, tensor.dtype), []).append(index)
+        for device, by_shape in list(flat.items()):  # a few small tensors: one launch each beats four joint operations
+            if sum(len(indices) for indices in by_shape.values()) < FLAT_MIN_TENSORS:
+                for index in sorted(i for indices in by_shape.values() for i in indices):
+                    foreach.setdefault((device, examples[index].dtype), []).append(index)
+                del flat[device]
+        for key in foreach:
+            foreach[key].sort()
         self._flat = []
         for device, by_shape in flat.items():
             groups = [(indices, trailing is None) for trailing, indices in by_shape.items()]
@@ -217,7 +226,8 @@ class NormPlan:
     def _in_order(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         if not pieces:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
-        joined = torch.cat([piece.to(self.device, torch.float64) for piece in pieces])
+        joined = (pieces[0].to(self.device, torch.float64) if len(pieces) == 1 else
+                  torch.cat([piece.to(self.device, torch.float64) for piece in pieces]))
         return joined if self._order is None else joined.index_select(0, self._order)
 
     def _fallback(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

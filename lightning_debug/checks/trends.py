@@ -179,7 +179,10 @@ class LossTrend:
     def _spike(self, loss: float) -> LossVerdict | None:
         if not self.recent or loss <= 0:
             return None
-        level, start = median(self.recent), self.start_level
+        start = self.start_level
+        if start <= 0 or loss <= LOSS_SPIKE_FACTOR * start:  # below the lowest limit there can be: no median needed
+            return None
+        level = median(self.recent)
         if level <= 0 or start <= 0:
             return None
         limit = LOSS_SPIKE_FACTOR * max(level, start)
@@ -190,15 +193,17 @@ class LossTrend:
         return LossVerdict("spike", loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
 
     def _divergence(self, loss: float) -> LossVerdict | None:
+        start = self.start_level
+        if not loss > start:  # at or below where the run started (or no start yet): no divergence
+            return None
         window = [*list(self.recent)[-(DIVERGENCE_WINDOW - 1):], loss]
         if len(window) < DIVERGENCE_WINDOW or window[0] <= 0:
             return None
         rises = sum(later > earlier for earlier, later in zip(window, window[1:]))
-        start = self.start_level
         half = DIVERGENCE_WINDOW // 2
         first, last = window[:half], window[half:]
         steady = min(last) > max(first) and median(last) >= DIVERGENCE_FACTOR * median(first)
-        if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0] or not loss > start:
+        if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0]:
             return None
         return LossVerdict("divergence", loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
 

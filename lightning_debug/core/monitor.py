@@ -304,6 +304,8 @@ class Monitor:
 
     def close_episodes(self, step: int, where: Where, kinds: Iterable[str], final: bool = False) -> None:
         """End the episodes of ``kinds`` not observed for a while (all of them when ``final``)."""
+        if not self.episodes.open and not self._seen_this_check:  # a healthy check: nothing open, nothing seen
+            return
         kinds = {str(kind) for kind in kinds}
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
             if (kind, key) in self._silenced_episodes:

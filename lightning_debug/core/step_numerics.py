@@ -42,8 +42,14 @@ from lightning_debug.checks.numerics import (
 from lightning_debug.core.metrics import metric_part
 from lightning_debug.core.readback import Readback
 
-# One row per rank; new per-rank flags are appended here (the packing follows this list).
-RANK_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum", "input_nonfinite",
+# One row per rank, raw values whose finiteness is the flag (the host derives the flags, see
+# ``rank_flags``); the packing follows this list. The counts and ``check_failed`` are Python numbers,
+# which travel in the row only when there is a collective to carry them.
+HOST_FIELDS = ("loss_count", "input_count", "check_failed")
+DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum")
+RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
+# What HostNumerics.ranks holds for each rank (the flags the checks read).
+FLAG_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum", "input_nonfinite",
                "check_failed", "loss_value")
 MAX_PENDING_READBACKS = 4
 REQUIRES_GRAD_RECHECK = 16
@@ -65,11 +71,74 @@ def _watch_registrations() -> None:
         nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
+_constants: dict[tuple[torch.device, str], torch.Tensor] = {}
+
+
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A shared 0-d float64 tensor holding ``value`` on ``device``, created once (never written to)."""
+    key = (device, str(value))
+    tensor = _constants.get(key)
+    if tensor is None:
+        tensor = _constants[key] = torch.full((), value, dtype=torch.float64, device=device)
+    return tensor
+
+
+def rank_flags(row: Sequence[float]) -> dict[str, float]:
+    """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign
+    that one of its terms is not (NaN and infinities propagate; float64 sums of float32 values do not
+    overflow), so the device packs raw sums and the host tells.
+
+    Example::
+
+        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0])
+        >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
+        (0.0, -1.0, 0.0, nan)
+    """
+    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local = row
+    loss_finite = math.isfinite(loss_sum)
+    return {"loss_finite": -1.0 if not loss_count else float(loss_finite),
+            "grad_nonfinite": float(not math.isfinite(grad_local)),
+            "param_nonfinite": float(not math.isfinite(param_local)),
+            "grad_square_sum": grad_owned,
+            "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
+            "check_failed": failed,
+            "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
+
+
 def world_position() -> tuple[int, int]:
     """This process's rank and the number of processes of the default (WORLD) group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+class Owned:
+    """Which slots' squares this rank adds to the sums over every process (see
+    :func:`~lightning_debug.checks.numerics.owns_block`), with the two common cases, every slot (one
+    process) and none (a replica), known on the host so that they cost no device work.
+
+    Example::
+
+        >>> squares = torch.tensor([1.0, 4.0], dtype=torch.float64)
+        >>> terms, total = Owned([True, False], squares.device).terms(squares, squares.sum())
+        >>> terms.tolist(), float(total)
+        ([1.0, 0.0], 1.0)
+    """
+
+    def __init__(self, owned: list[bool], device: torch.device) -> None:
+        self.mask = torch.tensor(owned, dtype=torch.bool, device=device)
+        self.every = all(owned)
+        self.none = not any(owned) and not self.every
+
+    def terms(self, squares: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned part of ``squares`` (zeros elsewhere) and its sum, given ``total``, the sum of all."""
+        if self.every:
+            return squares, total
+        zero = constant(0.0, squares.device)
+        if self.none:
+            return torch.zeros_like(squares), zero
+        terms = torch.where(self.mask, squares, zero)
+        return terms, terms.sum()
 
 
 class ParameterIndex:
@@ -107,7 +176,7 @@ class ParameterIndex:
         self.plan = NormPlan(local_tensors(self.params, self.sharded))
         self.device = self.plan.device
         self.param_owner = self._owner_mask(self.params)
-        self._grad_owner: torch.Tensor | None = None
+        self._grad_owner: Owned | None = None
         self._partial_slots: list[int] = []
         self._uses = 0
         self._tags: dict[str, list[str]] = {}
@@ -115,13 +184,13 @@ class ParameterIndex:
     def __len__(self) -> int:
         return len(self.params)
 
-    def _owner_mask(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    def _owner_mask(self, tensors: Iterable[torch.Tensor | None]) -> Owned:
         def owned(tensor: torch.Tensor | None) -> bool:
             if self.plain_sharded and not is_dtensor(tensor):
                 return True
             return owns_block(tensor, self.rank) if tensor is not None else self.rank == 0
 
-        return torch.tensor([owned(t) for t in tensors], dtype=torch.bool, device=self.device)
+        return Owned([owned(t) for t in tensors], self.device)
 
     def current(self) -> bool:
         """Whether no parameter's ``requires_grad`` changed (checked every few uses: cheap, not free)."""
@@ -161,7 +230,7 @@ class ParameterIndex:
         return grads, missing  # type: ignore[return-value]
 
     @property
-    def grad_owner(self) -> torch.Tensor:
+    def grad_owner(self) -> Owned:
         return self._grad_owner if self._grad_owner is not None else self.param_owner
 
 
@@ -320,14 +389,64 @@ class HostNumerics:
         return [(n, v) for n, v in zip(self.param_names, self.param_norms) if not math.isfinite(v)]
 
 
+class Observed:
+    """What the forward of an optimizer step showed before its gradients existed, as device values
+    (no sync): the sum of its micro-batch losses, and the extremes of its batches' floating tensors.
+
+    Sums and extremes carry NaN/Inf through, so one value per quantity is all the step needs; the
+    host tells finiteness after the read-back (:func:`rank_flags`). Extremes, not sums, for the
+    batches: a mask filled with ``torch.finfo(dtype).min`` is finite and must not overflow into a
+    false alarm.
+
+    Example::
+
+        >>> seen = Observed()
+        >>> seen.add_loss(torch.tensor(2.0)); seen.add_loss(torch.tensor(4.0))
+        >>> seen.add_inputs([torch.tensor([1.0, float("nan")])])
+        >>> float(seen.loss_sum), seen.loss_count, [float(end) for end in seen.input_ends()]
+        (6.0, 2, [nan, nan])
+    """
+
+    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count")
+
+    def __init__(self) -> None:
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_count = 0
+        self._ends: list[torch.Tensor] = []
+        self.input_count = 0
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        value = loss.detach().double()
+        if value.dim():
+            value = value.mean()
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value.to(self.loss_sum.device)
+        self.loss_count += 1
+
+    def add_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        for tensor in tensors:
+            self._ends.extend(torch.aminmax(tensor.detach()))
+        self.input_count += len(tensors)
+
+    def input_ends(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The smallest and the largest value over every observed batch tensor (NaN if any holds one)."""
+        ends = self._ends
+        if len(ends) <= 2:
+            return (ends[0], ends[1]) if ends else None
+        first = ends[0]
+        if not all(end.dtype == first.dtype and end.device == first.device for end in ends):
+            device = next((end.device for end in ends if end.device.type != "cpu"), first.device)  # never read a GPU value
+            ends = [end.to(device, torch.float64, non_blocking=True) for end in ends]
+        low, high = torch.aminmax(torch.stack(ends))
+        return low, high
+
+
 class StepNumerics:
     """Device-side measurement of one optimizer step; see the module docstring.
 
     Args:
         step: The optimizer step measured.
         index: The parameters to measure (see :class:`ParameterIndex`).
-        loss_finite: 0-d bool tensor, all losses of this step finite, or None when nobody looked.
-        loss_value: 0-d tensor, the mean of this step's micro-batch losses, or None when nobody looked.
+        observed: The step's losses and batches (:class:`Observed`), or None when nobody looked.
         all_reduce: Sums a float64 vector over every process in place (the WORLD group); None on
             one process. Called exactly once, by every rank, with a vector of the same length.
         grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
@@ -337,20 +456,24 @@ class StepNumerics:
             anomaly check does when the loss or gradients are non-finite: a non-finite weight shows
             up there on the next forward, so healthy steps skip a full pass over the weights.
         gradients: ``index.local_grads()`` when the caller already collected them.
-        input_nonfinite: 0-d tensor, how many of the step's batch tensors hold NaN/Inf, or None.
+
+    The device work of a healthy step is the fused norm pass and three operations (a sum, the
+    stack of the row, the concatenation), whatever the number of parameters.
     """
 
-    def __init__(self, step: int, index: ParameterIndex, loss_finite: torch.Tensor | None,
+    def __init__(self, step: int, index: ParameterIndex, observed: Observed | None = None,
                  all_reduce: AllReduce | None = None, grad_scale: torch.Tensor | None = None,
                  with_param_norms: bool = False,
-                 gradients: tuple[list[torch.Tensor], list[int]] | None = None,
-                 input_nonfinite: torch.Tensor | None = None, loss_value: torch.Tensor | None = None) -> None:
+                 gradients: tuple[list[torch.Tensor], list[int]] | None = None) -> None:
         self.step = step
         self.index = index
         self.error: Exception | None = None
-        device = index.device if len(index) else loss_finite.device if loss_finite is not None else torch.device("cpu")
+        loss = observed.loss_sum if observed is not None else None
+        device = index.device if len(index) else loss.device if loss is not None else torch.device("cpu")
         self.with_param_norms = with_param_norms and len(index) > 0
-        unknown = torch.full((), -1.0, dtype=torch.float64, device=device)
+        zero, nan = constant(0.0, device), constant(math.nan, device)
+        host_row = [float(observed.loss_count), float(observed.input_count), 0.0] if observed is not None \
+            else [0.0, 0.0, 0.0]
         try:
             grads, missing = gradients if gradients is not None else index.local_grads()
             # with plain shards a gradient missing here may live on another rank: none is reported missing
@@ -362,43 +485,42 @@ class StepNumerics:
                             else torch.zeros(0, dtype=torch.float64, device=device))
             if grad_scale is not None:
                 grad_squares = grad_squares / grad_scale.detach().to(device=device, dtype=torch.float64).square()
-            zero = torch.zeros((), dtype=torch.float64, device=device)
-            grad_terms = torch.where(index.grad_owner, grad_squares, zero)
+            grad_local = grad_squares.sum()
+            grad_terms, grad_owned = index.grad_owner.terms(grad_squares, grad_local)
             pieces = [grad_terms]
-            param_nonfinite = zero
+            param_local = zero
             if self.with_param_norms:
                 param_squares = index.plan.squares(index.local_params())
-                param_nonfinite = (~torch.isfinite(param_squares)).sum()
-                pieces.append(torch.where(index.param_owner, param_squares, zero))
-            flags = {"loss_finite": loss_finite.to(device=device, dtype=torch.float64) if loss_finite is not None
-                     else unknown, "grad_nonfinite": (~torch.isfinite(grad_squares)).sum().double(),
-                     "param_nonfinite": param_nonfinite.double(), "grad_square_sum": grad_terms.sum(),
-                     "input_nonfinite": input_nonfinite.to(device=device, dtype=torch.float64)
-                     if input_nonfinite is not None else unknown, "check_failed": torch.zeros_like(unknown),
-                     "loss_value": loss_value.to(device=device, dtype=torch.float64) if loss_value is not None
-                     else torch.full_like(unknown, math.nan)}
+                param_local = param_squares.sum()
+                pieces.append(index.param_owner.terms(param_squares, param_local)[0])
+            ends = observed.input_ends() if observed is not None else None
+            low, high = ends if ends is not None else (zero, zero)
+            values = [loss if loss is not None else nan, low, high, grad_local, grad_owned, param_local]
+            values = [value if value.device == device else value.to(device, non_blocking=True) for value in values]
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
             self.missing_slots = []
             self.without_gradients = False
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
                                   device=device)]
-            flags = dict.fromkeys(RANK_FIELDS, torch.zeros_like(unknown))
-            flags.update(loss_finite=unknown, input_nonfinite=unknown, check_failed=torch.ones_like(unknown),
-                         loss_value=torch.full_like(unknown, math.nan))
-        row = torch.stack([flags[name] for name in RANK_FIELDS])
+            host_row = [0.0, 0.0, 1.0]
+            values = [nan, zero, zero, zero, zero, zero]
+        row = torch.stack(values)
         rank, world = world_position() if all_reduce is not None else (0, 1)
         self.world_size = world
         if world > 1:
             width = len(RANK_FIELDS)
-            values = torch.cat(pieces)
-            packed = torch.zeros(world * width + values.numel(), dtype=torch.float64, device=device)
-            packed[rank * width:(rank + 1) * width] = row
-            packed[world * width:] = values
+            packed = torch.zeros(world * width + sum(piece.numel() for piece in pieces), dtype=torch.float64,
+                                 device=device)
+            packed[rank * width:(rank + 1) * width] = torch.cat([torch.tensor(host_row, dtype=torch.float64,
+                                                                              device=device), row])
+            packed[world * width:] = torch.cat(pieces)
             all_reduce(packed)  # type: ignore[misc]
             self.packed = packed
+            self._host_row: list[float] | None = None
         else:
             self.packed = torch.cat([row, *pieces])
+            self._host_row = host_row
         # How many optimizer steps have been taken by now (set by NumericsQueue): which update a late scan sees.
         self.steps_done: Callable[[], int] | None = None
         self._readback: Readback | None = None
@@ -448,10 +570,14 @@ class StepNumerics:
             self.stage(blocking)
             assert self._readback is not None
             values = self._readback.tensor()
-            width = len(RANK_FIELDS)
-            offset = self.world_size * width
-            rows = values[:offset].tolist()
-            ranks = [dict(zip(RANK_FIELDS, rows[i * width:(i + 1) * width])) for i in range(self.world_size)]
+            if self._host_row is not None:  # one process: the counts never left the host
+                offset = len(DEVICE_FIELDS)
+                ranks = [rank_flags(self._host_row + values[:offset].tolist())]
+            else:
+                width = len(RANK_FIELDS)
+                offset = self.world_size * width
+                rows = values[:offset].tolist()
+                ranks = [rank_flags(rows[i * width:(i + 1) * width]) for i in range(self.world_size)]
             count = len(self.index)
             self._host = HostNumerics(
                 step=self.step, ranks=ranks, index=self.index, grad_squares=values[offset:offset + count],
@@ -482,9 +608,7 @@ class NumericsQueue:
         self.param_norms_wanted: list[Callable[[int], bool]] = []
         # Optimizer steps taken so far (the run sets it after each step): which update a late parameter scan sees.
         self.steps_done = 0
-        self._loss_finite: dict[int, torch.Tensor] = {}
-        self._loss_sum: dict[int, tuple[torch.Tensor, int]] = {}
-        self._input_nonfinite: dict[int, torch.Tensor] = {}
+        self._observed: tuple[int, Observed] | None = None
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
         self._indexes: dict[Any, tuple[Any, ParameterIndex]] = {}
@@ -494,20 +618,19 @@ class NumericsQueue:
         self.several_optimizers = False
         _watch_registrations()
 
-    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
-        """AND the finiteness of a micro-batch loss into this optimizer step's flag (no sync)."""
-        detached = loss.detach()
-        finite = torch.isfinite(detached).all()
-        previous = self._loss_finite.get(step)
-        self._loss_finite = {step: finite if previous is None else previous & finite}
-        value = detached.double().mean()
-        total, count = self._loss_sum.get(step, (None, 0))
-        self._loss_sum = {step: (value if total is None else total + value.to(total.device), count + 1)}
+    def observed(self, step: int) -> Observed:
+        """What has been observed of optimizer step ``step`` so far (an earlier step's is dropped)."""
+        if self._observed is None or self._observed[0] != step:
+            self._observed = (step, Observed())
+        return self._observed[1]
 
-    def observe_inputs(self, step: int, count: torch.Tensor) -> None:
-        """Add a micro-batch's count of batch tensors holding NaN/Inf (a device tensor) to this step's (no sync)."""
-        previous = self._input_nonfinite.get(step)
-        self._input_nonfinite = {step: count if previous is None else previous + count.to(previous.device)}
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Add a micro-batch loss to this optimizer step's (no sync)."""
+        self.observed(step).add_loss(loss)
+
+    def observe_inputs(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Add a micro-batch's floating batch tensors to this step's NaN/Inf test (one ``aminmax`` each, no sync)."""
+        self.observed(step).add_inputs(tensors)
 
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
               optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
@@ -564,10 +687,9 @@ class NumericsQueue:
             except Exception:
                 gradients = None
             wanted = any(wants(step) for wants in self.param_norms_wanted)
-            total, count = self._loss_sum.pop(step, (None, 0))
-            self._current = StepNumerics(step, index, self._loss_finite.pop(step, None), all_reduce, grad_scale,
-                                         wanted, gradients, self._input_nonfinite.pop(step, None),
-                                         total / count if total is not None else None)
+            observed = self._observed[1] if self._observed is not None and self._observed[0] == step else None
+            self._observed = None
+            self._current = StepNumerics(step, index, observed, all_reduce, grad_scale, wanted, gradients)
             self._current.steps_done = lambda: self.steps_done
             self._pending.append(self._current)
         return self._current

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_debug.checks.batches import count_nonfinite, floating_tensors, nonfinite_samples
+from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
 from lightning_debug.checks.localize import Cause, capture_rng, localize
 from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.checks.trends import LossTrend
@@ -171,7 +171,7 @@ class AnomalyMonitor(Monitor):
                 self._buffers.take(model, step)
         tensors = floating_tensors(batch)
         if tensors:
-            self.numerics.observe_inputs(step, count_nonfinite([t for _, t in tensors]))
+            self.numerics.observe_inputs(step, [t for _, t in tensors])
             self._inputs.setdefault(step, []).append((self.context.where(), tensors))
             while len(self._inputs) > INPUT_STEPS_KEPT:
                 self._inputs.pop(min(self._inputs))

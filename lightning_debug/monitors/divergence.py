@@ -26,6 +26,8 @@ def _learning_rates(learning_rates: Sequence[float]) -> str:
 
 def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
     """``loss_spike`` or ``loss_divergence`` for a judged loss, None when it shows neither."""
+    if verdict.kind is None:
+        return None
     lr = _learning_rates(learning_rates)
     if verdict.kind == "spike":
         return Finding(

@@ -11,7 +11,8 @@ Neither raises an error; both make a run train worse without a trace in the loss
   while still holding the previous step's non-zero one accumulates across steps (a loop without
   ``optimizer.zero_grad()``). A second backward of the same step adding to the first one's
   gradients (two losses, two backward calls) is not counted. Parameters are hooked only on that backward and only if they
-  still hold a gradient (``zero_grad()`` sets them to None, so a healthy loop hooks nothing); the
+  still hold a gradient (``zero_grad()`` sets them to None, so a healthy loop hooks nothing, and a
+  few parameters of each param group, which ``zero_grad()`` clears together, tell so); the
   old gradients' norms are one fused kernel, read back without a sync. Intentional accumulation over
   micro-batches is not affected: it happens between optimizer steps. Only parameters an optimizer
   holds are looked at (the gradient of one no optimizer steps changes nothing; ``frozen_param``
@@ -38,6 +39,7 @@ from lightning_debug.core.session import Where
 
 NAMES_SHOWN = 5
 NAMES_IN_DETAILS = 20
+PROBES_PER_GROUP = 16
 MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
@@ -113,6 +115,9 @@ class LoopMonitor(Monitor):
         self._armed = False
         self._checked_backward = False
         self._fresh: set[int] = set()  # parameters whose gradient is this step's own
+        self._all_fresh = False  # every one of them: the step's first backward found no gradient at all
+        self._probe_layout: tuple[Any, tuple[int, ...]] | None = None
+        self._probe_params: list[torch.nn.Parameter] = []
         self._walked_epoch: int | None = None
         self._window: Window | None = None
         self._pending: list[tuple[int, Where, list[str], Readback]] = []
@@ -161,6 +166,7 @@ class LoopMonitor(Monitor):
             self._armed = self.due(steps_done) and not self.context.grads_sharded
             self._checked_backward = False
             self._fresh = set()
+            self._all_fresh = False
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         self._close_window()
@@ -175,12 +181,19 @@ class LoopMonitor(Monitor):
         if not self._armed:
             return
         self._checked_backward = True
+        if self._all_fresh:
+            return
+        if all(p.grad is None for p in self._probes()):  # zero_grad() cleared them: the gradients are this step's own
+            self._all_fresh = True
+            return
+        index = self.numerics.index(self.context.named_parameters)
+        grads = [p.grad for p in index.params]
         stepped = {id(p) for group in self.context.param_groups() for p in group.get("params", [])}
         held: list[tuple[str, torch.nn.Parameter]] = []
-        for name, parameter in self.context.named_parameters():
-            if not parameter.requires_grad or (stepped and id(parameter) not in stepped):
+        for name, parameter, grad in zip(index.names, index.params, grads):
+            if stepped and id(parameter) not in stepped:
                 continue
-            if parameter.grad is None:
+            if grad is None:
                 self._fresh.add(id(parameter))
             elif id(parameter) not in self._fresh:
                 held.append((name, parameter))
@@ -191,6 +204,21 @@ class LoopMonitor(Monitor):
                                        fused_norms([p.grad for _, p in held]))  # type: ignore[misc]
         for index, (_, parameter) in enumerate(held):
             window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
+
+    def _probes(self) -> list[torch.nn.Parameter]:
+        """A few trainable parameters of every param group, spread over it (built once per layout).
+
+        ``optimizer.zero_grad()`` clears every parameter an optimizer holds, so when these hold no
+        gradient the loop zeroes its gradients, and a check step need not touch every parameter (each
+        touch of a parameter the backward left cache-cold costs about half a microsecond).
+        """
+        groups = self.context.param_groups()
+        layout = (self.numerics.index(self.context.named_parameters), tuple(len(g.get("params", [])) for g in groups))
+        if self._probe_layout is None or self._probe_layout[0] is not layout[0] or self._probe_layout[1] != layout[1]:
+            lists = [list(g.get("params", [])) for g in groups] or [layout[0].params]
+            picked = [p for ps in lists for p in ps[::max(1, len(ps) // PROBES_PER_GROUP)] + ps[-1:]]
+            self._probe_layout, self._probe_params = layout, [p for p in picked if p.requires_grad]
+        return self._probe_params
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: Any) -> None:
         """With several optimizers, the open window is judged on the parameters of the one stepping now."""
