@@ -375,16 +375,17 @@ class ManualNoZeroGrad(pl.LightningModule):
     """Manual optimization that forgets ``zero_grad()`` (``zero_grad`` True: the healthy control); two losses
     with a backward each, so the second backward adds to the first one's gradients, as intended."""
 
-    def __init__(self, zero_grad: bool) -> None:
+    def __init__(self, zero_grad: bool, set_to_none: bool = True) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
         self.zero_grad_each_step = zero_grad
+        self.set_to_none = set_to_none
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         optimizer = self.optimizers()
         if self.zero_grad_each_step:
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=self.set_to_none)
         x, y = batch
         self.manual_backward(nn.functional.mse_loss(self.model(x), y))
         self.manual_backward(self.model(x).abs().mean() * 1e-3)
@@ -430,6 +431,8 @@ def test_manual_optimization_without_zero_grad_is_named(tmp_path: Path) -> None:
     assert events[0]["details"]["parameters"] == ["model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"]
     trainer = fit(tmp_path / "ok", ManualNoZeroGrad(zero_grad=True), gradient_checking_frequency=2)
     assert not starts(read_events(debug_dir(trainer)), "grad_not_zeroed")
+    trainer = fit(tmp_path / "zeros", ManualNoZeroGrad(zero_grad=True, set_to_none=False), gradient_checking_frequency=2)
+    assert not starts(read_events(debug_dir(trainer)), "grad_not_zeroed"), "gradients zeroed in place are zeroed too"
     trainer = fit(tmp_path / "gan", TwoOptimizers(), gradient_checking_frequency=1, max_steps=12)
     assert not starts(read_events(debug_dir(trainer)), "grad_not_zeroed"), "each optimizer zeroes its own"
 
