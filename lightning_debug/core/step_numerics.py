@@ -48,9 +48,6 @@ from lightning_debug.core.readback import Readback
 HOST_FIELDS = ("loss_count", "input_count", "check_failed")
 DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum")
 RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
-# What HostNumerics.ranks holds for each rank (the flags the checks read).
-FLAG_FIELDS = ("loss_finite", "grad_nonfinite", "param_nonfinite", "grad_square_sum", "input_nonfinite",
-               "check_failed", "loss_value")
 MAX_PENDING_READBACKS = 4
 REQUIRES_GRAD_RECHECK = 16
 AllGather = Callable[[torch.Tensor], torch.Tensor]
