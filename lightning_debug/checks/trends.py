@@ -183,7 +183,7 @@ class LossTrend:
         if start <= 0 or loss <= LOSS_SPIKE_FACTOR * start:  # below the lowest limit there can be: no median needed
             return None
         level = median(self.recent)
-        if level <= 0 or start <= 0:
+        if level <= 0:
             return None
         limit = LOSS_SPIKE_FACTOR * max(level, start)
         if len(self.recent) >= LOSS_START_VALUES:

@@ -186,14 +186,13 @@ class LoopMonitor(Monitor):
         if all(p.grad is None for p in self._probes()):  # zero_grad() cleared them: the gradients are this step's own
             self._all_fresh = True
             return
-        index = self.numerics.index(self.context.named_parameters)
-        grads = [p.grad for p in index.params]
+        parameters = self.numerics.index(self.context.named_parameters)
         stepped = {id(p) for group in self.context.param_groups() for p in group.get("params", [])}
         held: list[tuple[str, torch.nn.Parameter]] = []
-        for name, parameter, grad in zip(index.names, index.params, grads):
+        for name, parameter in zip(parameters.names, parameters.params):
             if stepped and id(parameter) not in stepped:
                 continue
-            if grad is None:
+            if parameter.grad is None:
                 self._fresh.add(id(parameter))
             elif id(parameter) not in self._fresh:
                 held.append((name, parameter))
