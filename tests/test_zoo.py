@@ -38,8 +38,6 @@ KNOWN: dict[str, str] = {
 
 # Cases that fail on some runs only (step timing on a loaded 2-core machine): xfail, not strict.
 FLAKY: dict[str, str] = {
-    "lstm-healthy": f"dataloader_bottleneck false alarm on a loaded machine only: 8-10 ms of collate per 28 ms "
-                    f"step, at the 0.3 share threshold, {_PERF}",
 }
 
 
