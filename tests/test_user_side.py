@@ -229,7 +229,7 @@ BUGS = {
                             and first["details"]["parameters"][0] == "layers.0.weight"),
     "unused_layer": (6, lambda first, d: first["kind"] == "missing_grad"
                      and first["details"]["parameters"] == ["aux_head.weight", "aux_head.bias"]),
-    "memory_leak_kept_graphs": (80, lambda first, d: first["kind"] == "memory_growth"
+    "memory_leak_kept_graphs": (120, lambda first, d: first["kind"] == "memory_growth"
                                 and any(t["grad_fn"] for t in first["details"]["tensors"])),
     "slow_dataloader": (8, lambda first, d: first["kind"] == "dataloader_bottleneck"
                         and first["details"]["num_workers"] == 0),

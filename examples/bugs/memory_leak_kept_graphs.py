@@ -46,7 +46,7 @@ class KeepsMetricGraphs(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def main(output_dir: str | Path = "bug_runs", steps: int = 80) -> dict[str, Any]:
+def main(output_dir: str | Path = "bug_runs", steps: int = 120) -> dict[str, Any]:
     torch.manual_seed(0)
     x = torch.randn(2048, 2048)
     y = x[:, :1]
