@@ -256,3 +256,42 @@ def test_a_reused_callback_starts_clean_in_a_new_trainer(tmp_path: Path) -> None
     assert report["findings"] == {} and report["sections"]["anomaly"]["anomaly_count"] == 0
     assert callback.monitor.anomaly_count == 0 and callback.run is None
     assert getattr(second, "_lightning_debug_run").monitor(Area.ANOMALY) is callback.monitor
+
+
+def test_callbacks_that_do_not_lead_answer_no_batch_hooks_and_get_them_back(tmp_path: Path) -> None:
+    """Lightning calls a callback's batch hook, inside a profiler context, whenever it is callable: during a
+    fit the callbacks that do not lead (and Lightning's no-op hooks of the leader) answer None, a hook a
+    subclass overrides still runs, and after the fit every callback has its methods back (and leads again
+    when reused alone)."""
+    from lightning.pytorch import Callback
+
+    from lightning_debug import GradientHealthCallback, MemoryProfilerCallback
+
+    class Counting(MemoryProfilerCallback):
+        calls = 0
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            Counting.calls += 1
+
+    seen: dict[str, list[Any]] = {}
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                seen.update({type(cb).__name__: [cb.on_train_batch_start, cb.on_after_backward]
+                             for cb in trainer.callbacks if type(cb).__module__ != __name__ or cb is counting})
+
+    leader, gradients, counting = AnomalyDetectionCallback(), GradientHealthCallback(), Counting()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(tmp_path / "a", [Probe(), leader, gradients, counting], max_steps=4).fit(TinyRegressor())
+    assert seen["AnomalyDetectionCallback"][0] is not None and seen["AnomalyDetectionCallback"][1] is None
+    assert seen["GradientHealthCallback"] == [None, None]
+    assert seen["Counting"][0] is None and seen["Counting"][1] is not None and Counting.calls == 4
+    assert all(callable(cb.on_train_batch_start) and callable(cb.on_after_backward)
+               for cb in (leader, gradients, counting))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        second = make_trainer(tmp_path / "b", [gradients], max_steps=4)
+        second.fit(TinyRegressor())
+    assert read_report(debug_dir(second))["sections"]["gradients"]["checks"] >= 1

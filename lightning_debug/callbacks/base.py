@@ -25,6 +25,9 @@ from lightning_debug.run import Run
 from lightning_debug.callbacks.context import LightningContext
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
+# Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
+BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+               "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
 
 
 class DebugCallback(Callback):
@@ -56,7 +59,11 @@ class DebugCallback(Callback):
         raise NotImplementedError
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _run=None, _leads=False, _run_monitors=[])
+        state = dict(self.__dict__, _run=None, _leads=False, _run_monitors=[])
+        for name in BATCH_HOOKS:
+            if state.get(name, True) is None:
+                del state[name]
+        return state
 
     @property
     def failures(self) -> Failures:
@@ -93,9 +100,30 @@ class DebugCallback(Callback):
         for monitor in (self.monitor, *self.companions):
             run.add(monitor)
         self._run = run
+        self._unsubscribe_idle_hooks()
+
+    def _unsubscribe_idle_hooks(self) -> None:
+        """Answer None for the batch hooks this callback has no use for during this fit.
+
+        Lightning calls a hook of every callback on every batch when it is callable, each call
+        inside a profiler context with its own label: the callbacks that do not lead, and Lightning's
+        no-op hooks of the one that does, would cost that on every step for nothing. A hook a subclass
+        overrides is left alone. :meth:`_leave` puts the methods back.
+        """
+        self._restore_hooks()
+        for name in BATCH_HOOKS:
+            own = getattr(type(self), name)
+            if own is getattr(Callback, name) or (not self._leads and own is getattr(DebugCallback, name)):
+                setattr(self, name, None)
+
+    def _restore_hooks(self) -> None:
+        for name in BATCH_HOOKS:
+            if name in self.__dict__ and self.__dict__[name] is None:
+                del self.__dict__[name]
 
     def _leave(self) -> None:
         self._run, self._leads, self._run_monitors = None, False, []
+        self._restore_hooks()
 
     # --- hooks -> run events (the leading callback only) ----------------------------------------
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
