@@ -60,10 +60,7 @@ class DebugCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__, _run=None, _leads=False, _run_monitors=[])
-        for name in BATCH_HOOKS:
-            if state.get(name, True) is None:
-                del state[name]
-        return state
+        return {key: value for key, value in state.items() if not (value is None and key in BATCH_HOOKS)}
 
     @property
     def failures(self) -> Failures:
