@@ -284,7 +284,11 @@ def test_callbacks_that_do_not_lead_answer_no_batch_hooks_and_get_them_back(tmp_
     leader, gradients, counting = AnomalyDetectionCallback(), GradientHealthCallback(), Counting()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(tmp_path / "a", [Probe(), leader, gradients, counting], max_steps=4).fit(TinyRegressor())
+        first = make_trainer(tmp_path / "a", [Probe(), leader, gradients, counting], max_steps=4)
+        first.fit(TinyRegressor())
+    serious = {kind for kind, entry in read_report(debug_dir(first))["findings"].items()
+               if entry["severity"] in ("warning", "error", "critical")}
+    assert not serious, serious
     assert seen["AnomalyDetectionCallback"][0] is not None and seen["AnomalyDetectionCallback"][1] is None
     assert seen["GradientHealthCallback"] == [None, None]
     assert seen["Counting"][0] is None and seen["Counting"][1] is not None and Counting.calls == 4
