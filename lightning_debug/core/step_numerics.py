@@ -125,7 +125,7 @@ class Owned:
     def __init__(self, owned: list[bool], device: torch.device) -> None:
         self.mask = torch.tensor(owned, dtype=torch.bool, device=device)
         self.every = all(owned)
-        self.none = not any(owned) and not self.every
+        self.none = bool(owned) and not any(owned)
 
     def terms(self, squares: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The owned part of ``squares`` (zeros elsewhere) and its sum, given ``total``, the sum of all."""
