@@ -11,7 +11,10 @@ ratio to its plain loop. Models (``--model``):
 - ``gpt2``: a ``transformers`` GPT-2 built from its config (12 layers, width 128: 148 parameter tensors);
 - ``sweep``: the many-tensor sweep: an ``nn.ParameterList`` of N tensors of 16 elements whose sums enter an
   MSE loss with a ``Linear(8, 1)``, SGD, batch 8, for each N of ``--tensors``; it ends with the slope fit,
-  the cost added per parameter tensor: (overhead at 1,000 tensors - overhead at 100) / 900;
+  the cost added per parameter tensor: (overhead at 1,000 tensors - overhead at 100) / 900, from step times
+  (each run against the plain run of its round), from the time inside the hooks, and from the hooks plus the
+  optimizer's update (where the cost of reading the gradients lands: the optimizer finds their Python objects
+  made); ``anchor_read_gradients`` reads every ``.grad`` and nothing more, the floor of any such check;
 - ``gpt``: with CUDA, a ~134M-parameter GPT-like model in bf16.
 
     python benchmarks/overhead.py                 # CPU MLP, 5 rounds
@@ -61,6 +64,23 @@ class StepClock(pl.Callback):
         self.seconds_per_step = float("nan")
         self.wall_seconds_per_step = float("nan")
         self.ended = False
+        # The step's tail, main-thread CPU time from the gradients being final to the batch's end: the
+        # checks of on_before_optimizer_step and the optimizer's update (this clock's hooks run first).
+        self.tail_seconds = 0.0
+        self._tail_started: float | None = None
+
+    @property
+    def in_tail(self) -> bool:
+        return self._tail_started is not None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.cpu and not self.ended:
+            self._tail_started = time.thread_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self._tail_started is not None:
+            self.tail_seconds += time.thread_time() - self._tail_started
+            self._tail_started = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step >= self.warmup:
@@ -79,6 +99,18 @@ class StepClock(pl.Callback):
         else:
             self.seconds_per_step = per_step_median(self.cpu)
             self.wall_seconds_per_step = per_step_median(self.wall)
+
+
+class ReadGradients(pl.Callback):
+    """Reads every parameter's ``.grad`` before each optimizer step and nothing more: the floor of any
+    check over all gradients. Most of it moves rather than adds: the first access to a gradient
+    the backward just produced creates its Python object, which the optimizer then finds ready."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.parameters = list(pl_module.parameters())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.present = sum(p.grad is not None for p in self.parameters)  # keeps no gradient alive
 
 
 class GradNormRecipe(pl.Callback):
@@ -231,6 +263,7 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
                         PerformanceProfilerCallback)]},
         "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
         "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
+        "anchor_read_gradients": lambda: {"callbacks": [ReadGradients()]},
         "anchor_device_stats": lambda: {"callbacks": [DeviceStatsMonitor()]},
     }
 
@@ -290,10 +323,11 @@ class HookTimer:
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
         self.seconds = 0.0
+        self.seconds_in_tail = 0.0
 
     def wrap(self, callbacks: list[pl.Callback]) -> None:
         for callback in callbacks:
-            if not type(callback).__module__.startswith("lightning_debug"):
+            if not (type(callback).__module__.startswith("lightning_debug") or isinstance(callback, ReadGradients)):
                 continue
             for name in dir(type(callback)):
                 if name.startswith("on_") or name in ("setup", "teardown", "state_dict"):
@@ -307,7 +341,10 @@ class HookTimer:
             try:
                 return hook(*args, **kwargs)
             finally:
-                self.seconds += time.thread_time() - started
+                spent = time.thread_time() - started
+                self.seconds += spent
+                if self.clock.in_tail:
+                    self.seconds_in_tail += spent
         return timed
 
 
@@ -354,11 +391,15 @@ def run_once(model_name: str, name: str, steps: int, warmup: int, tensors: int =
     if hooks.seconds:
         HOOK_TIMES.setdefault(name, []).append((hooks.seconds / len(clock.cpu), total_cpu / max(len(clock.cpu) - 1, 1)))
     MEAN_TIMES.setdefault((name, tensors), []).append(total_cpu / max(len(clock.cpu) - 1, 1))
+    # hooks outside the tail + the whole tail: what the checks cost where each part lands, optimizer included
+    TAIL_TIMES.setdefault((name, tensors), []).append(
+        (hooks.seconds - hooks.seconds_in_tail + clock.tail_seconds) / max(len(clock.cpu) - 1, 1))
     return clock.seconds_per_step
 
 
 MEAN_TIMES: dict[tuple[str, int], list[float]] = {}
-SWEEP_CONFIGURATIONS = ("plain", "all_four_defaults", "all_four", "per_parameter")
+TAIL_TIMES: dict[tuple[str, int], list[float]] = {}
+SWEEP_CONFIGURATIONS = ("plain", "all_four_defaults", "all_four", "per_parameter", "anchor_read_gradients")
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -386,22 +427,52 @@ def sweep(args: argparse.Namespace) -> None:
     print("|---|" + "---|" * (2 * len(names) - 1))
     overhead: dict[tuple[str, int], float] = {}
     for size in sizes:
-        plain = statistics.median(MEAN_TIMES[("plain", size)])
+        plains = MEAN_TIMES[("plain", size)]
+        plain = statistics.median(plains)
         cells = [f"{plain * 1e3:.2f}"]
         for name in names[1:]:
             value = statistics.median(MEAN_TIMES[(name, size)])
-            overhead[(name, size)] = value - plain
+            # each round's run against the plain run just before it: drift between rounds cancels
+            overhead[(name, size)] = statistics.median(
+                run - base for run, base in zip(MEAN_TIMES[(name, size)], plains))
             cells.append(f"{value * 1e3:.2f} ({value / plain:.2f}x)")
         cells += [f"{statistics.median(hooks[(name, size)]) * 1e3:.2f}" for name in names[1:]]
         print(f"| {size:,} | " + " | ".join(cells) + " |")
+    print("\nThe checks where their cost lands: time inside the hooks outside the step's tail, plus the tail "
+          "(on_before_optimizer_step to the batch's end: the checks there and the optimizer's update), ms/step:\n")
+    print("| tensors | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for size in sizes:
+        print(f"| {size:,} | " + " | ".join(f"{statistics.median(TAIL_TIMES[(name, size)]) * 1e3:.3f}"
+                                          for name in names) + " |")
+    print("\nOverhead of each round against its plain run, ms/step:\n")
+    for size in sizes:
+        for name in names[1:]:
+            rounds = [run - base for run, base in zip(MEAN_TIMES[(name, size)], MEAN_TIMES[("plain", size)])]
+            print(f"- {size:,} tensors, {name}: " + ", ".join(f"{value * 1e3:.2f}" for value in rounds))
     if 100 in sizes and 1000 in sizes:
-        print("\nSlope, the cost added per parameter tensor: (overhead at 1,000 tensors - at 100) / 900\n")
-        print("| configuration | from step times, us/tensor | from time in the hooks, us/tensor |")
-        print("|---|---|---|")
+        print("\nSlope, the cost added per parameter tensor: (overhead at 1,000 tensors - at 100) / 900; the overhead "
+              "from step times is the median over rounds of each run minus the plain run of its round\n")
+        print("| configuration | from step times, us/tensor | from time in the hooks, us/tensor | from the hooks and "
+              "the optimizer's update, us/tensor |")
+        print("|---|---|---|---|")
+
+        def tail_overhead(name: str, size: int) -> float:
+            return statistics.median(TAIL_TIMES[(name, size)]) - statistics.median(TAIL_TIMES[("plain", size)])
+
         for name in names[1:]:
             wall = (overhead[(name, 1000)] - overhead[(name, 100)]) / 900 * 1e6
             inside = (statistics.median(hooks[(name, 1000)]) - statistics.median(hooks[(name, 100)])) / 900 * 1e6
-            print(f"| {name} | {wall:.2f} | {inside:.2f} |")
+            landed = (tail_overhead(name, 1000) - tail_overhead(name, 100)) / 900 * 1e6
+            print(f"| {name} | {wall:.2f} | {inside:.2f} | {landed:.2f} |")
+        if "anchor_read_gradients" in names:
+            def hook_slope(name: str) -> float:
+                return (statistics.median(hooks[(name, 1000)]) - statistics.median(hooks[(name, 100)])) / 900 * 1e6
+
+            print("\nIn the hooks, beyond reading every gradient (anchor_read_gradients, whose cost moves from the "
+                  "optimizer rather than adds): " + ", ".join(
+                      f"{name} {hook_slope(name) - hook_slope('anchor_read_gradients'):.2f} us/tensor"
+                      for name in names[1:] if name != "anchor_read_gradients"))
 
 
 def main() -> None:

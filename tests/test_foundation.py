@@ -64,6 +64,35 @@ def test_norm_plan_measures_every_kind_of_slot_in_slot_order_and_survives_a_spar
     assert plan.squares(with_sparse).tolist()[0] == pytest.approx(3.0) and not plan.fused
 
 
+def test_norm_plan_joins_many_small_tensors_without_mixing_them_up() -> None:
+    """Enough small tensors for the joined paths: same-shape rows (1-d, transposed 2-d, 0-d, one of
+    them bfloat16), segments of odd shapes, a mid-size loner, empty and complex slots, shuffled."""
+    generator = torch.Generator().manual_seed(0)
+    examples = [torch.randn(16, generator=generator) for _ in range(20)]
+    examples += [torch.randn(16, generator=generator).to(torch.bfloat16)]
+    examples += [torch.randn(3, 5, generator=generator).t() for _ in range(9)]
+    examples += [torch.randn((), generator=generator) for _ in range(8)]
+    examples += [torch.randn(7, dtype=torch.float64, generator=generator), torch.randn(2, 3, generator=generator)]
+    examples += [torch.randn(4, generator=generator).to(torch.bfloat16) for _ in range(3)]
+    examples += [torch.randn(2000, generator=generator), torch.randn(6000, generator=generator)]
+    examples += [torch.empty(0) for _ in range(8)] + [torch.tensor([3 + 4j])]
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    examples = [examples[i] for i in order]
+    plan = NormPlan(examples)
+    assert plan._rows and plan._segments  # the joined paths are what this test is about
+    expected = [torch.linalg.vector_norm(t.abs().double()).item() ** 2 for t in examples]
+    assert plan.squares(examples).tolist() == pytest.approx(expected, rel=1e-3, abs=1e-6)
+    for broken in (i for i, t in enumerate(examples) if t.numel() and not t.is_complex()):
+        poisoned = [t.clone() for t in examples]
+        poisoned[broken][(0,) * poisoned[broken].dim()] = float("nan")
+        finite = [math.isfinite(v) for v in plan.squares(poisoned).tolist()]
+        assert finite == [i != broken for i in range(len(examples))]
+    snapshot = plan.snapshot(examples)
+    moved = [t if t.is_complex() else t + 1 for t in examples]
+    assert plan.distance_squares(snapshot, moved).tolist() == pytest.approx(
+        [0.0 if t.is_complex() else float(t.numel()) for t in examples], rel=1e-2)
+
+
 def test_events_are_flushed_per_line_and_a_truncated_last_line_is_tolerated(tmp_path: Path) -> None:
     log = EventLog(tmp_path, Failures())
     log.write({"step": 1, "kind": "nonfinite_loss", "severity": "error", "details": {"norm": float("inf")}})

@@ -37,6 +37,8 @@ except ImportError:
 
 SMALL_NUMEL_CPU = 4096
 FLAT_MIN_TENSORS = 32
+ROWS_MIN_TENSORS = 8
+SEGMENT_MAX_NUMEL = 1024
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _local_of = attrgetter("_local_tensor")
 
@@ -160,14 +162,24 @@ class NormPlan:
     Built from one example per slot (a plain, local tensor with the slot's shape, dtype and
     device). :meth:`squares` then takes any list of tensors with those shapes (the gradients, the
     weights) and returns their squared norms as one float64 vector in slot order, with a number of
-    operations that does not depend on the number of slots: on the CPU, tensors of at most
-    ``SMALL_NUMEL_CPU`` elements are concatenated into one buffer (one ``torch.cat`` per trailing
-    shape, which needs no per-tensor view) and summed per segment when there are at least
-    ``FLAT_MIN_TENSORS`` of them (fewer go with the large ones); larger
-    ones, and everything on CUDA (where it is one fused kernel), go through one
-    ``torch._foreach_norm`` per device and dtype. Complex and integer slots, and tensors the fused
-    path cannot take (a sparse gradient), fall back to :func:`fused_norms`. Squares are float64 so
-    that a finite norm above ~1.8e19 does not square to infinity.
+    operations that does not depend on the number of slots.
+
+    On CUDA, and for tensors of more than ``SMALL_NUMEL_CPU`` elements, that is one
+    ``torch._foreach_norm`` per device and dtype (one fused kernel on CUDA). The CPU runs that
+    operation one kernel per tensor, so when it has at least ``FLAT_MIN_TENSORS`` small tensors
+    they are joined instead:
+
+    - tensors that share their shape with at least ``ROWS_MIN_TENSORS - 1`` others (the biases and
+      norm weights of repeated layers) become the rows of one matrix (one ``torch.cat``), whose
+      row norms are one vectorized reduction;
+    - the rest, up to ``SEGMENT_MAX_NUMEL`` elements each, are concatenated into one buffer (one
+      ``torch.cat`` per trailing shape, which needs no per-tensor view) and summed per segment,
+      a slower kernel per element that only few elements reach; larger ones, and all of them when
+      they are few, go with the fused norm.
+
+    Complex and integer slots, and tensors the fused path cannot take (a sparse gradient), fall
+    back to :func:`fused_norms`. Squares are float64 so that a finite norm above ~1.8e19 does not
+    square to infinity.
 
     Example::
 
@@ -182,40 +194,62 @@ class NormPlan:
     def __init__(self, examples: Sequence[torch.Tensor]) -> None:
         self.size = len(examples)
         self.device = examples[0].device if examples else torch.device("cpu")
-        flat: dict[torch.device, dict[tuple[int, ...] | None, list[int]]] = {}
+        small: dict[torch.device, list[int]] = {}
         foreach: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         odd: list[int] = []
         for index, tensor in enumerate(examples):
             if _odd(tensor):
                 odd.append(index)
             elif tensor.device.type == "cpu" and tensor.numel() <= SMALL_NUMEL_CPU:
-                trailing = tuple(tensor.shape[1:]) if tensor.dim() else None  # None: 0-d, stacked
-                flat.setdefault(tensor.device, {}).setdefault(trailing, []).append(index)
+                small.setdefault(tensor.device, []).append(index)
             else:
                 foreach.setdefault((tensor.device, tensor.dtype), []).append(index)
-        for device, by_shape in list(flat.items()):  # a few small tensors: one launch each beats four joint operations
-            if sum(len(indices) for indices in by_shape.values()) < FLAT_MIN_TENSORS:
-                for index in sorted(i for indices in by_shape.values() for i in indices):
+        # (indices, scalars): same-shape slots measured as the rows of one matrix
+        self._rows: list[tuple[list[int], bool]] = []
+        # ((indices, scalars) per trailing shape, segment lengths): slots summed per segment of one buffer
+        self._segments: list[tuple[list[tuple[list[int], bool]], torch.Tensor]] = []
+        for device, indices in small.items():
+            if len(indices) < FLAT_MIN_TENSORS:  # a few small tensors: one launch each beats joining them
+                for index in indices:
                     foreach.setdefault((device, examples[index].dtype), []).append(index)
-                del flat[device]
+                continue
+            by_shape: dict[tuple[int, ...], list[int]] = {}
+            for index in indices:
+                by_shape.setdefault(tuple(examples[index].shape), []).append(index)
+            by_trailing: dict[tuple[int, ...] | None, list[int]] = {}
+            for shape, members in by_shape.items():
+                if len(members) >= ROWS_MIN_TENSORS and math.prod(shape) > 0:
+                    self._rows.append((members, not shape))
+                    continue
+                for index in members:
+                    if examples[index].numel() > SEGMENT_MAX_NUMEL:
+                        foreach.setdefault((device, examples[index].dtype), []).append(index)
+                    else:  # None: 0-d, stacked
+                        by_trailing.setdefault(shape[1:] if shape else None, []).append(index)
+            if by_trailing:
+                groups = [(members, trailing is None) for trailing, members in by_trailing.items()]
+                lengths = torch.tensor([examples[i].numel() for members, _ in groups for i in members], device=device)
+                self._segments.append((groups, lengths))
         for key in foreach:
             foreach[key].sort()
-        self._flat = []
-        for device, by_shape in flat.items():
-            groups = [(indices, trailing is None) for trailing, indices in by_shape.items()]
-            lengths = torch.tensor([examples[i].numel() for indices, _ in groups for i in indices], device=device)
-            self._flat.append((groups, lengths))
         self._foreach = [(indices, dtype) for (_, dtype), indices in foreach.items()]
         self._odd = odd
-        order = [i for groups, _ in self._flat for indices, _ in groups for i in indices]
+        order = [i for indices, _ in self._rows for i in indices]
+        order += [i for groups, _ in self._segments for indices, _ in groups for i in indices]
         order += [i for indices, _ in self._foreach for i in indices] + odd
-        self._whole = sum(len(groups) for groups, _ in self._flat) + len(self._foreach) + bool(odd) == 1
+        blocks = len(self._rows) + sum(len(groups) for groups, _ in self._segments) + len(self._foreach) + bool(odd)
+        self._whole = blocks == 1
         self._order = None if order == list(range(self.size)) else torch.tensor(
             sorted(range(self.size), key=order.__getitem__), device=self.device)
         self.fused = True
 
     def _pick(self, tensors: Sequence[torch.Tensor], indices: list[int]) -> Sequence[torch.Tensor]:
         return tensors if self._whole else [tensors[i] for i in indices]
+
+    def _matrix(self, tensors: Sequence[torch.Tensor], indices: list[int], scalars: bool) -> torch.Tensor:
+        """The same-shape slots ``indices`` as the rows of one matrix."""
+        picked = list(self._pick(tensors, indices))
+        return (torch.stack(picked) if scalars else torch.cat(picked)).view(len(indices), -1)
 
     def _concat(self, tensors: Sequence[torch.Tensor], groups: list[tuple[list[int], bool]]) -> torch.Tensor:
         """The values of the slots of ``groups``, one after the other, as one 1-d tensor."""
@@ -234,22 +268,34 @@ class NormPlan:
         self.fused = False
         return fused_norms(tensors, self.device).double().square()
 
+    @staticmethod
+    def _row_squares(matrix: torch.Tensor) -> torch.Tensor:
+        matrix = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
+        return torch.linalg.vector_norm(matrix, dim=1).double().square()
+
+    @staticmethod
+    def _segment_squares(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        values = values if values.dtype == torch.float64 else values.float()
+        return torch.segment_reduce(values.square(), "sum", lengths=lengths)
+
+    @staticmethod
+    def _foreach_squares(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
+        norms = torch._foreach_norm(tensors, 2) if dtype == torch.float64 else \
+            torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        return torch.stack(norms).double().square()
+
     @torch.no_grad()
     def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Squared norms of ``tensors`` (one per slot, shaped like the examples), float64, slot order."""
         if not self.fused:
             return self._fallback(tensors)
         try:
-            pieces = []
-            for groups, lengths in self._flat:
-                values = self._concat(tensors, groups)
-                values = values if values.dtype == torch.float64 else values.float()
-                pieces.append(torch.segment_reduce(values.square(), "sum", lengths=lengths))
+            pieces = [self._row_squares(self._matrix(tensors, indices, scalars)) for indices, scalars in self._rows]
+            for groups, lengths in self._segments:
+                pieces.append(self._segment_squares(self._concat(tensors, groups), lengths))
             for indices, dtype in self._foreach:
-                group = self._pick(tensors, indices)
-                norms = torch._foreach_norm(group, 2) if dtype == torch.float64 else \
-                    torch._foreach_norm(group, 2, dtype=torch.float32)
-                pieces.append(torch.stack(norms).double().square())
+                pieces.append(self._foreach_squares(self._pick(tensors, indices), dtype))
             if self._odd:
                 pieces.append(fused_norms([tensors[i] for i in self._odd], self.device).double().square())
             return self._in_order(pieces)
@@ -261,7 +307,8 @@ class NormPlan:
         """Copies of ``tensors`` (the weights before an optimizer step) for :meth:`distance_squares`."""
         if not self.fused:
             return [t.detach().clone() for t in tensors]
-        copies = [self._concat(tensors, groups) for groups, _ in self._flat]
+        copies = [self._matrix(tensors, indices, scalars) for indices, scalars in self._rows]
+        copies += [self._concat(tensors, groups) for groups, _ in self._segments]
         for indices, _ in self._foreach:
             copies.extend(torch._foreach_mul(self._pick(tensors, indices), 1.0))
         copies.extend(tensors[i].detach().clone() for i in self._odd)
@@ -272,18 +319,15 @@ class NormPlan:
         """``||tensors_i - snapshot_i||²`` per slot (float64, slot order): the size of a weight update."""
         if not self.fused:
             return fused_norms(torch._foreach_sub(list(tensors), snapshot), self.device).double().square()
-        pieces = []
-        position = 0
-        for groups, lengths in self._flat:
-            delta = self._concat(tensors, groups) - snapshot[position]
-            delta = delta if delta.dtype == torch.float64 else delta.float()
-            pieces.append(torch.segment_reduce(delta.square(), "sum", lengths=lengths))
+        pieces = [self._row_squares(self._matrix(tensors, indices, scalars) - before)
+                  for (indices, scalars), before in zip(self._rows, snapshot)]
+        position = len(self._rows)
+        for groups, lengths in self._segments:
+            pieces.append(self._segment_squares(self._concat(tensors, groups) - snapshot[position], lengths))
             position += 1
         for indices, dtype in self._foreach:
             deltas = torch._foreach_sub(list(self._pick(tensors, indices)), snapshot[position:position + len(indices)])
-            norms = torch._foreach_norm(deltas, 2) if dtype == torch.float64 else \
-                torch._foreach_norm(deltas, 2, dtype=torch.float32)
-            pieces.append(torch.stack(norms).double().square())
+            pieces.append(self._foreach_squares(deltas, dtype))
             position += len(indices)
         if self._odd:
             deltas = [tensors[i] - before for i, before in zip(self._odd, snapshot[position:])]
