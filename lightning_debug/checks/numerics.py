@@ -246,15 +246,18 @@ class NormPlan:
     def _pick(self, tensors: Sequence[torch.Tensor], indices: list[int]) -> Sequence[torch.Tensor]:
         return tensors if self._whole else [tensors[i] for i in indices]
 
+    def _join(self, tensors: Sequence[torch.Tensor], indices: list[int], scalars: bool) -> torch.Tensor:
+        """The slots ``indices`` (0-d ones stacked, others sharing their trailing shape) along dim 0."""
+        picked = list(self._pick(tensors, indices))
+        return torch.stack(picked) if scalars else torch.cat(picked)
+
     def _matrix(self, tensors: Sequence[torch.Tensor], indices: list[int], scalars: bool) -> torch.Tensor:
         """The same-shape slots ``indices`` as the rows of one matrix."""
-        picked = list(self._pick(tensors, indices))
-        return (torch.stack(picked) if scalars else torch.cat(picked)).view(len(indices), -1)
+        return self._join(tensors, indices, scalars).view(len(indices), -1)
 
     def _concat(self, tensors: Sequence[torch.Tensor], groups: list[tuple[list[int], bool]]) -> torch.Tensor:
         """The values of the slots of ``groups``, one after the other, as one 1-d tensor."""
-        parts = [torch.stack(list(self._pick(tensors, indices))) if scalars
-                 else torch.cat(list(self._pick(tensors, indices))).reshape(-1) for indices, scalars in groups]
+        parts = [self._join(tensors, indices, scalars).reshape(-1) for indices, scalars in groups]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _in_order(self, pieces: list[torch.Tensor]) -> torch.Tensor:
