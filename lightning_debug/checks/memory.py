@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import statistics
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,8 @@ from typing import Any
 
 import psutil
 import torch
+
+from lightning_debug.checks.robust import MAD_TO_SIGMA, median
 
 MB = 2**20
 CensusKey = tuple[tuple[int, ...], str, str, str]  # shape, dtype, device, grad_fn class name ("" for none)
@@ -219,11 +220,11 @@ def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
             direction = (value_j > value_i) - (value_j < value_i)
             concordance += direction if step_j > step_i else -direction
             pairs += 1
-    slope = statistics.median(slopes)
-    intercept = statistics.median(value - slope * step for step, value in points)
+    slope = median(slopes)
+    intercept = median(value - slope * step for step, value in points)
     residuals = [abs(value - intercept - slope * step) for step, value in points]
     steps = [step for step, _ in points]
-    return Trend(slope=slope, intercept=intercept, noise=1.4826 * statistics.median(residuals),
+    return Trend(slope=slope, intercept=intercept, noise=MAD_TO_SIGMA * median(residuals),
                  consistency=concordance / pairs, readings=len(points), first_step=min(steps),
                  last_step=max(steps))
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_debug.checks.robust import median, robust_sigma
+
 # Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
 NORM_JUMP_FACTOR = 10.0
 NORM_JUMP_SIGMAS = 6.0
@@ -30,34 +32,6 @@ LOSS_START_VALUES = 5
 DIVERGENCE_WINDOW = 8
 DIVERGENCE_RISES = 6
 DIVERGENCE_FACTOR = 2.0
-MAD_TO_SIGMA = 1.4826
-
-
-def median(values: Sequence[float]) -> float:
-    """The median of ``values`` (NaN when empty).
-
-    Example::
-
-        >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
-        (2.0, 2.5)
-    """
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def robust_sigma(values: Sequence[float]) -> float:
-    """The spread of ``values`` as a standard deviation estimated from the median absolute deviation.
-
-    Example::
-
-        >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
-        1.483
-    """
-    level = median(values)
-    return MAD_TO_SIGMA * median([abs(v - level) for v in values])
 
 
 def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:

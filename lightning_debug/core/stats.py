@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_debug.checks.robust import quantile
+
 
 class RunningStats:
     """Count, mean, min, max and last value of a stream, in O(1) memory.
@@ -84,23 +86,6 @@ class Reservoir:
 
     def quantile(self, q: float) -> float:
         return quantile(self.values, q)
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile (NaN for no values).
-
-    Example::
-
-        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
-        (2.5, 4.6)
-    """
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class DistributionStats(RunningStats):

@@ -12,7 +12,6 @@ import dataclasses
 import linecache
 import math
 import os
-import statistics
 import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks.robust import median, robust_sigma
 from lightning_debug.checks.timing import (
     PHASES,
     CpuWait,
@@ -455,8 +455,8 @@ class PerformanceMonitor(Monitor):
         if len(history) < MIN_HISTORY:
             return None
         median = history.median()
-        mad = statistics.median(abs(value - median) for value in history.values)
-        return median + max((self.config.slow_step_factor - 1) * median, SLOW_MAD_Z * 1.4826 * mad,
+        sigma = robust_sigma(list(history.values), median)
+        return median + max((self.config.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma,
                             MIN_SLOW_EXCESS_MS)
 
     def _check_slow_step(self, times: StepTimes, where: Where) -> None:
@@ -495,14 +495,14 @@ class PerformanceMonitor(Monitor):
         self._data_window.append((times.judged("data"), times.judged_step_ms))
         if len(self._data_window) < MIN_DATA_HISTORY:
             return
-        data_median = statistics.median(d for d, _ in self._data_window)
+        data_median = median(d for d, _ in self._data_window)
         shares = [d / s if s > 0 else 0.0 for d, s in self._data_window]
-        share = statistics.median(shares)
+        share = median(shares)
         limit = self.config.dataloader_bottleneck_share
         above = sum(value >= limit for value in shares)
         if share < limit or data_median < MIN_DATA_WAIT_MS or above < DATA_MIN_SHARE_OF_STEPS * len(shares):
             return
-        step_median = statistics.median(s for _, s in self._data_window)
+        step_median = median(s for _, s in self._data_window)
         settings = self.loader or {}
         advice = loader_advice(self.loader, self.stopwatch.uses_cuda, usable_cpus())
         self.record(Finding(
@@ -547,7 +547,7 @@ class PerformanceMonitor(Monitor):
         slowest = max(range(len(rows)), key=lambda rank: before_sync[rank])
         others = sorted(v for rank, v in enumerate(before_sync) if rank != slowest)
         typical = others[len(others) // 2]
-        step_ms = statistics.median(row[1] for row in rows)
+        step_ms = median(row[1] for row in rows)
         gap = before_sync[slowest] - typical
         slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and gap >= max(
             STRAGGLER_MIN_MS, STRAGGLER_STEP_SHARE * step_ms)
@@ -559,7 +559,7 @@ class PerformanceMonitor(Monitor):
                 window = [r for _, r in self._straggler_window]
                 means = {field: [sum(r[k][i] for r in window) / len(window) for k in range(len(rows))]
                          for i, field in enumerate(GATHER_FIELDS) if field != "step"}
-                medians = [statistics.median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
+                medians = [median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
                 mine = medians[rank]
                 rest = sorted(medians[k] for k in range(len(rows)) if k != rank)
                 typical_rest = rest[len(rest) // 2]

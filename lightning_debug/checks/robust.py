@@ -1,0 +1,76 @@
+"""Robust statistics: the one place that says what a level and a spread are.
+
+Every area judges a value against a run's own history (gradient norms, losses, step times, memory
+readings). The median is the level and the median absolute deviation, scaled to a standard deviation,
+the spread: both ignore the outliers being looked for, where a mean and a standard deviation would
+be dragged by them. Pure arithmetic over Python floats.
+
+Example::
+
+    >>> from lightning_debug.checks.robust import median, robust_sigma, quantile
+    >>> median([3.0, 1.0, 2.0]), round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3), quantile([1.0, 3.0], 0.5)
+    (2.0, 1.483, 2.0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+# The median absolute deviation of a normal distribution times this is its standard deviation.
+MAD_TO_SIGMA = 1.4826
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of ``values`` (NaN when empty).
+
+    Example::
+
+        >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
+        (2.0, 2.5)
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def mad(values: Sequence[float], level: float | None = None) -> float:
+    """The median absolute deviation of ``values`` around ``level`` (their median when None).
+
+    Example::
+
+        >>> mad([1.0, 2.0, 3.0, 100.0])
+        1.0
+    """
+    centre = median(values) if level is None else level
+    return median([abs(v - centre) for v in values])
+
+
+def robust_sigma(values: Sequence[float], level: float | None = None) -> float:
+    """The spread of ``values`` as a standard deviation estimated from the median absolute deviation.
+
+    Example::
+
+        >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
+        1.483
+    """
+    return MAD_TO_SIGMA * mad(values, level)
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (NaN for no values).
+
+    Example::
+
+        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
+        (2.5, 4.6)
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
