@@ -1,29 +1,14 @@
-"""Memory over the run: readings, ``memory_high``, leaks found and explained, the OOM post-mortem.
+"""The memory monitor's plumbing: events, readings, the census and allocation history, recording.
 
-Framework-free: the run drives it through the same events in a Lightning callback, an Accelerate
-loop or a plain training loop::
-
-    >>> from lightning_debug import DebugConfig
-    >>> from lightning_debug.core.monitor import RunContext
-    >>> from lightning_debug.run import Run
-    >>> from lightning_debug.monitors.memory import MemoryMonitor
-    >>> monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=5), "my_loop")
-    >>> run = Run(DebugConfig(save_debug_info=False), RunContext(), [monitor])
-    >>> run.start(0)
-    >>> for step in range(20):
-    ...     _ = run.before_optimizer_step(step, None)
-    >>> run.finalize(19)
-    >>> monitor.report_section()["stats"]["memory/cpu_rss_mb"]["count"]
-    4
+What is judged lives beside it, pure: ``memory_high`` in :mod:`.high`, the leak rule in
+:mod:`.growth`, the OOM post-mortem in :mod:`.post_mortem`; the settings in :mod:`.settings`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import pickle
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +16,6 @@ import torch
 
 from lightning_debug.checks.memory import (
     MB,
-    SERIES_LABELS,
     Census,
     MemoryReading,
     Trend,
@@ -40,27 +24,30 @@ from lightning_debug.checks.memory import (
     cuda_peak_and_reset,
     census_growth,
     describe_batch,
-    explain_growth,
-    fit_trend,
-    format_bytes,
     graph_growth,
     heap_in_use,
     is_out_of_memory,
-    is_steady_growth,
     oom_fixes,
     read_memory,
-    steps_until_exhausted,
     take_census,
 )
-from lightning_debug.config import Area, DebugConfig, DebugLevel
+from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
-
-# Below these rises over the trend window, growth is allocator granularity or warm-up creep.
-GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
+from lightning_debug.monitors.memory.growth import (
+    GrowthSeries,
+    GrowthStatus,
+    LeakStep,
+    growth_finding,
+    growth_verdict,
+    next_leak_step,
+)
+from lightning_debug.monitors.memory.high import high_memory
+from lightning_debug.monitors.memory.post_mortem import OomEvidence, oom_document, oom_finding
+from lightning_debug.monitors.memory.settings import MemorySettings
 
 
 def _history_enabled() -> bool:
@@ -91,22 +78,17 @@ class MemoryMonitor(Monitor):
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
     frequency_field = "memory_profiling_frequency"
-    window = 32
-    warmup_readings = 2
-    min_spacing = 8
-    history_entries = 100_000
 
     def __init__(self, config: DebugConfig, source: str = "MemoryProfilerCallback") -> None:
         super().__init__(config, source)
+        self.settings = MemorySettings.from_config(config)
         self.stats: dict[str, RunningStats] = {}
         self.phase_stats: dict[str, RunningStats] = {}
         self.census_ms = RunningStats()
         self.check_ms = RunningStats()
-        self.series: dict[str, deque[tuple[int, float]]] = {}
-        self.trends: dict[str, Trend] = {}
-        self.readings = 0
+        self.windows = GrowthSeries(self.settings.window, self.settings.warmup_readings, self.settings.min_spacing)
         self.current_phase: str | None = None
-        self.verdict: dict[str, Any] = {"status": "not enough readings"}
+        self.verdict: dict[str, Any] = {"status": GrowthStatus.NOT_ENOUGH.value}
         self.oom_files: list[str] = []
         self._device: torch.device | None = None
         self._suspicion: _Suspicion | None = None
@@ -114,7 +96,6 @@ class MemoryMonitor(Monitor):
         self._history_ours = False
         self._open_phase: str | None = None
         self._peak_since_check = 0
-        self._advanced = config.level >= DebugLevel.ADVANCED
         self._step_in_progress = 0
 
     # --- events ---------------------------------------------------------------------------------
@@ -122,7 +103,7 @@ class MemoryMonitor(Monitor):
         """Learn which device trains. At EXPERT level on CUDA this switches on allocation history for
         the whole run, so an OOM leaves a full snapshot."""
         device = self._device = self.context.device()
-        if self.config.level >= DebugLevel.EXPERT and cuda_index(device) is not None and not _history_enabled():
+        if self.settings.whole_run_history and cuda_index(device) is not None and not _history_enabled():
             self._start_history()
             self.warn("level=EXPERT records every CUDA allocation with its Python stack for the whole run "
                       "(a few microseconds per allocation) so that an OOM leaves a full memory snapshot.")
@@ -162,7 +143,7 @@ class MemoryMonitor(Monitor):
         when it ends.
         """
         self.current_phase = None if name == "end" else name
-        if not self._advanced:
+        if not self.settings.phase_readings:
             return
         if step is not None and not self.due(step):
             self._open_phase = None
@@ -175,7 +156,7 @@ class MemoryMonitor(Monitor):
             value = heap_in_use() or 0
         if self._open_phase is not None and value:
             self.phase_stats.setdefault(self._open_phase, RunningStats()).add(value / MB)
-            if step is not None and self.config.log_memory and self.bound:
+            if step is not None and self.settings.log_memory and self.bound:
                 self.log_metrics(step, {f"debug/memory/phase/{self._open_phase}_mb": value / MB})
         self._open_phase = self.current_phase
 
@@ -194,71 +175,38 @@ class MemoryMonitor(Monitor):
         metrics = reading.metrics()
         for name, value in metrics.items():
             self.stats.setdefault(name, RunningStats()).add(value)
-        if self.config.log_memory:
+        if self.settings.log_memory:
             self.log_metrics(step, {f"debug/memory/{name}": value for name, value in metrics.items()})
-        self._check_high(reading, step, where)
+        for key, finding in high_memory(reading, step, self.settings.high_fraction):
+            self.record(finding, step, where, key=key)
         if self.session.is_global_zero:
             self._check_growth(reading, step, where)
         self.close_episodes(step, where, self.kinds)
         self.check_ms.add((time.perf_counter() - started) * 1000)
 
-    def _check_high(self, reading: MemoryReading, step: int, where: Where) -> None:
-        limit = self.config.memory_high_fraction
-        if reading.cuda_reserved is not None and reading.cuda_total:
-            share = reading.cuda_reserved / reading.cuda_total
-            if share > limit:
-                self.record(Finding(
-                    Kind.MEMORY_HIGH, Severity.WARNING,
-                    f"CUDA memory reserved is {share:.0%} of the device ({format_bytes(reading.cuda_reserved)} of "
-                    f"{format_bytes(reading.cuda_total)}; {format_bytes(reading.cuda_allocated or 0)} allocated) at "
-                    f"step {step}, above memory_high_fraction={limit:g}: a larger batch or a longer sequence will "
-                    "run out. Mixed precision, activation checkpointing or a smaller batch make room.",
-                    {"device": "cuda", "fraction": share, "reserved_mb": reading.cuda_reserved / MB,
-                     "allocated_mb": (reading.cuda_allocated or 0) / MB, "total_mb": reading.cuda_total / MB,
-                     "limit": limit}), step, where, key="cuda")
-        used = 1.0 - reading.cpu_available / reading.cpu_total if reading.cpu_total else 0.0
-        if used > limit:
-            self.record(Finding(
-                Kind.MEMORY_HIGH, Severity.WARNING,
-                f"System memory is {used:.0%} used ({format_bytes(reading.cpu_available)} available of "
-                f"{format_bytes(reading.cpu_total)}; this process holds {format_bytes(reading.cpu_rss)}) at step "
-                f"{step}, above memory_high_fraction={limit:g}: the machine may start swapping or the OOM killer "
-                "may end the run. Fewer DataLoader workers, a smaller prefetch_factor or a dataset read from "
-                "disk instead of memory make room.",
-                {"device": "cpu", "fraction": used, "available_mb": reading.cpu_available / MB,
-                 "total_mb": reading.cpu_total / MB, "rss_mb": reading.cpu_rss / MB, "limit": limit}),
-                step, where, key="cpu")
-
     # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
-        self.readings += 1
-        latest = self.series["cpu_rss"][-1][0] if self.series.get("cpu_rss") else None
-        if self.readings <= self.warmup_readings or (latest is not None and step - latest < self.min_spacing):
+        if not self.windows.add(step, reading.leak_series()):
             if self._growth is not None:
                 self.record(self._growth, step, where)
             return
-        for name, value in reading.leak_series().items():
-            self.series.setdefault(name, deque(maxlen=self.window)).append((step, value))
-        self.trends = {name: trend for name, points in self.series.items() if (trend := fit_trend(list(points)))}
-        growing = {name: trend for name, trend in self.trends.items()
-                   if is_steady_growth(trend, GROWTH_FLOORS[name])}
-        if not growing:
+        growing = self.windows.growing()
+        action = next_leak_step(growing, suspected=self._suspicion is not None, explained=self._growth is not None)
+        if action is LeakStep.HEALTHY:
             if self._suspicion is not None:
                 self._end_suspicion()
             self._growth = None
-            self.verdict = self._verdict("no steady growth")
+            self.verdict = self._verdict(GrowthStatus.NONE)
             return
-        if self._growth is not None:
-            self.record(self._growth, step, where)
-            self.verdict = self._verdict("growing")
-            return
-        if self._suspicion is None:
+        if action is LeakStep.SUSPECT:
             self._suspicion = _Suspicion(step, self._census(), self._start_history() if reading.on_cuda else False)
-            self.verdict = self._verdict("suspected")
+            self.verdict = self._verdict(GrowthStatus.SUSPECTED)
             return
-        self._growth = self._explain(step, growing, reading)
+        if action is LeakStep.CONFIRM:
+            self._growth = self._explain(step, growing, reading)
+        assert self._growth is not None
         self.record(self._growth, step, where)
-        self.verdict = self._verdict("growing")
+        self.verdict = self._verdict(GrowthStatus.GROWING)
 
     def _census(self) -> Census:
         census = take_census()
@@ -270,7 +218,7 @@ class MemoryMonitor(Monitor):
             return True
         try:
             torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=self.history_entries, clear_history=True)
+                                                     max_entries=self.settings.history_entries, clear_history=True)
         except Exception as failure:
             self.warn(f"could not record CUDA allocation history ({type(failure).__name__}: {failure}); "
                       "leaks are explained from the tensor census only.")
@@ -279,7 +227,7 @@ class MemoryMonitor(Monitor):
         return True
 
     def _stop_history(self) -> None:
-        if self._history_ours and self.config.level < DebugLevel.EXPERT:
+        if self._history_ours and not self.settings.whole_run_history:
             self._history_ours = False
             torch.cuda.memory._record_memory_history(enabled=None)
 
@@ -313,41 +261,11 @@ class MemoryMonitor(Monitor):
                 snapshot_path = self._dump_snapshot(snapshot, "memory_growth", step)
             finally:
                 self._stop_history()
-        name = next(iter(growing))
-        trend = growing[name]
-        if name == "cuda_allocated":
-            headroom, what = (reading.cuda_total or 0) - (reading.cuda_allocated or 0), "this GPU"
-        else:
-            headroom, what = reading.cpu_available, "this machine's available memory"
-        remaining = steps_until_exhausted(trend.slope, headroom)
-        run_out_step = step + int(remaining) if math.isfinite(remaining) else None
-        where_text = ""
-        if sites:
-            where_text = " Allocation sites still holding memory: " + "; ".join(
-                f"{site['site']} ({site['alive']} live, {site['alive_mb']:.1f} MB)" for site in sites[:3]) + "."
-        rate = (f"Memory grows steadily: {SERIES_LABELS[name]} +{format_bytes(trend.slope)}/step over steps "
-                f"{trend.first_step}-{trend.last_step} ({trend.readings} readings)")
-        if run_out_step is not None:
-            rate += f"; at this rate {what} ({format_bytes(headroom)} left) runs out around step {run_out_step:,}"
-        message = f"{rate}. {explain_growth(grown, steps, graphs)}{where_text}"
-        details = {
-            "series": name, "mb_per_step": trend.slope / MB, "run_out_step": run_out_step,
-            "headroom_mb": headroom / MB,
-            "trends": {series: self.trends[series].summary() for series in growing},
-            "tensors": [group.to_dict() for group in grown[:5]],
-            "growing_graphs": [graph.to_dict() for graph in graphs[:3]],
-            "census_steps": [suspicion.step, step], "census_ms": round(self.census_ms.last, 1),
-            "cuda_sites": sites, "snapshot": snapshot_path,
-        }
-        return Finding(Kind.MEMORY_GROWTH, Severity.WARNING, message, details)
+        return growth_finding(step, growing, self.windows.trends, reading, suspicion.step, grown, graphs, sites,
+                              snapshot_path, self.census_ms.last)
 
-    def _verdict(self, status: str) -> dict[str, Any]:
-        verdict: dict[str, Any] = {"status": status, "trends": {
-            name: dict(trend.summary(), significant=is_steady_growth(trend, GROWTH_FLOORS[name]))
-            for name, trend in self.trends.items()}}
-        if self._growth is not None:
-            verdict["message"] = self._growth.message
-        return verdict
+    def _verdict(self, status: GrowthStatus) -> dict[str, Any]:
+        return growth_verdict(status, self.windows.trends, self._growth.message if self._growth is not None else None)
 
     # --- out of memory ---------------------------------------------------------------------------------
     def post_mortem(self, exception: BaseException, step: int, where: Where, batch: object | None) -> None:
@@ -361,8 +279,7 @@ class MemoryMonitor(Monitor):
         reading = read_memory(torch.device("cuda", index) if index is not None else None, reset_peak=False)
         error = f"{type(exception).__name__}: {exception}"
         batch_lines = describe_batch(batch) if batch is not None else []
-        census = self._census()
-        largest = census.largest(10)
+        largest = self._census().largest(10)
         fragmentation = 0.0
         if reading.cuda_reserved is not None and reading.cuda_total:
             fragmentation = (reading.cuda_reserved - (reading.cuda_allocated or 0)) / reading.cuda_total
@@ -372,21 +289,12 @@ class MemoryMonitor(Monitor):
             summary = torch.cuda.memory_summary(index)
             if _history_enabled():
                 snapshot_path = self._dump_snapshot(torch.cuda.memory._snapshot(), "oom_snapshot", step)
-        phase = self.current_phase or "outside a training step"
-        path = self.session.write_document("oom", step, {
-            "document": "oom_post_mortem", "step": step, "phase": phase, "error": error,
-            "memory_mb": reading.metrics(), "batch": batch_lines, "largest_tensors": largest, "fixes": fixes,
-            "cuda_memory_summary": summary, "snapshot": snapshot_path})
+        evidence = OomEvidence(step, self.current_phase or "outside a training step", error, reading, batch_lines,
+                               largest, fixes, summary)
+        path = self.session.write_document("oom", step, oom_document(evidence, snapshot_path))
         if path is not None:
             self.oom_files.append(str(path))
-        message = (f"Out of memory at step {step} during {phase} ({error.splitlines()[0][:300]})."
-                   + (f" Post-mortem: {path}." if path else "") + " " + " ".join(fixes[:-4])
-                   + " Try: a smaller batch, gradient accumulation (accumulate_grad_batches), mixed precision "
-                   "(precision='bf16-mixed'), activation checkpointing.")
-        self.record(Finding(Kind.OOM, Severity.CRITICAL, message, {
-            "phase": phase, "error": error[:2000], "post_mortem": str(path) if path else None,
-            "snapshot": snapshot_path, "batch": batch_lines, "largest_tensors": largest[:5],
-            "memory_mb": reading.metrics(), "fixes": fixes}), step, where, key=str(step))
+        self.record(oom_finding(evidence, str(path) if path else None, snapshot_path), step, where, key=str(step))
 
     # --- the end ---------------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:

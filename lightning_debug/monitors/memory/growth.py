@@ -1,0 +1,190 @@
+"""The leak rule: steady growth of a byte count with the steps, suspected, confirmed, explained.
+
+Pure: it takes the readings (as ``{series: bytes}``), the census diff and allocation sites the
+plumbing gathered, and returns what to do next, the verdict for the report and the finding. A
+reading per check step goes into a bounded window per series; a robust trend through each window
+(:func:`~lightning_debug.checks.memory.fit_trend`) says whether it grows steadily.
+
+What could make it fire on a healthy model, and how it is ruled out:
+
+- warm-up (allocator pools, cuDNN workspaces, lazily built optimizer state, the first validation):
+  the first ``warmup_readings`` readings stay out of the window, the trend is Theil-Sen (a jump is
+  one outlier among the pairwise slopes) and it must be mostly rising (Kendall's tau >= 0.7);
+- allocator granularity and resident-set noise: the rise over the window must exceed a floor per
+  series (:data:`GROWTH_FLOORS`) and four times the robust scatter around the line;
+- readings close together (several per step in short runs): readings fewer than ``min_spacing``
+  steps apart are skipped;
+- a one-off: growth must be seen on two readings in a row (suspected, then confirmed) before the
+  finding; between them a census of live tensors is taken, so the finding names what piles up.
+
+Example::
+
+    >>> series = GrowthSeries(window=32, warmup_readings=0, min_spacing=1)
+    >>> verdicts = [series.add(step, {"cpu_heap": 1e6 + 4e6 * step}) for step in range(8)]
+    >>> sorted(series.growing()), next_leak_step(series.growing(), suspected=False, explained=False)
+    (['cpu_heap'], <LeakStep.SUSPECT: 'suspect'>)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_debug.checks.memory import (
+    MB,
+    SERIES_LABELS,
+    GraphGrowth,
+    GroupGrowth,
+    MemoryReading,
+    Trend,
+    explain_growth,
+    fit_trend,
+    format_bytes,
+    is_steady_growth,
+    steps_until_exhausted,
+)
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+# Below these rises over the trend window, growth is allocator granularity or warm-up creep.
+GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
+
+
+class GrowthStatus(str, enum.Enum):
+    """The leak verdict in the report (``growth.status``)."""
+
+    NOT_ENOUGH = "not enough readings"
+    NONE = "no steady growth"
+    SUSPECTED = "suspected"
+    GROWING = "growing"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LeakStep(str, enum.Enum):
+    """What the plumbing does after a reading that entered the window."""
+
+    HEALTHY = "healthy"  # no steady growth: drop a suspicion (and its allocation history) and the finding
+    SUSPECT = "suspect"  # growth seen first: take the first census, start the CUDA allocation history
+    CONFIRM = "confirm"  # growth seen again: take the second census and explain
+    ONGOING = "ongoing"  # the explained growth goes on: keep its episode open
+
+
+class GrowthSeries:
+    """Bounded windows of (step, bytes) per series and their trends.
+
+    Example::
+
+        >>> series = GrowthSeries(window=4, warmup_readings=1, min_spacing=10)
+        >>> [series.add(step, {"cpu_rss": 1.0}) for step in (0, 10, 15, 20)]
+        [False, True, False, True]
+        >>> list(series.points["cpu_rss"])
+        [(10, 1.0), (20, 1.0)]
+    """
+
+    def __init__(self, window: int, warmup_readings: int, min_spacing: int) -> None:
+        self.window = window
+        self.warmup_readings = warmup_readings
+        self.min_spacing = min_spacing
+        self.points: dict[str, deque[tuple[int, float]]] = {}
+        self.trends: dict[str, Trend] = {}
+        self.readings = 0
+
+    def add(self, step: int, values: Mapping[str, float]) -> bool:
+        """Add a reading; False (and nothing added) during warm-up or fewer than ``min_spacing`` steps
+        after the last reading of the window."""
+        self.readings += 1
+        latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
+        if self.readings <= self.warmup_readings or (latest is not None and step - latest < self.min_spacing):
+            return False
+        for name, value in values.items():
+            self.points.setdefault(name, deque(maxlen=self.window)).append((step, value))
+        self.trends = {name: trend for name, points in self.points.items() if (trend := fit_trend(list(points)))}
+        return True
+
+    def growing(self) -> dict[str, Trend]:
+        """The series that grow steadily (:func:`~lightning_debug.checks.memory.is_steady_growth`), in
+        the order of the reading (exact counts first, the resident set last)."""
+        return {name: trend for name, trend in self.trends.items() if is_steady_growth(trend, GROWTH_FLOORS[name])}
+
+
+def next_leak_step(growing: Mapping[str, Trend], suspected: bool, explained: bool) -> LeakStep:
+    """The next step of the leak rule, from the growing series and where the rule stands.
+
+    Example::
+
+        >>> next_leak_step({}, suspected=True, explained=False)
+        <LeakStep.HEALTHY: 'healthy'>
+    """
+    if not growing:
+        return LeakStep.HEALTHY
+    if explained:
+        return LeakStep.ONGOING
+    return LeakStep.CONFIRM if suspected else LeakStep.SUSPECT
+
+
+def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: str | None = None) -> dict[str, Any]:
+    """The report's ``growth`` entry: the status, every series' trend and whether it is significant.
+
+    Example::
+
+        >>> growth_verdict(GrowthStatus.NONE, {})
+        {'status': 'no steady growth', 'trends': {}}
+    """
+    verdict: dict[str, Any] = {"status": status.value, "trends": {
+        name: dict(trend.summary(), significant=is_steady_growth(trend, GROWTH_FLOORS[name]))
+        for name, trend in trends.items()}}
+    if message is not None:
+        verdict["message"] = message
+    return verdict
+
+
+def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str, Trend], reading: MemoryReading,
+                   census_step: int, grown: Sequence[GroupGrowth], graphs: Sequence[GraphGrowth],
+                   sites: Sequence[dict[str, Any]], snapshot: str | None, census_ms: float) -> Finding:
+    """The ``memory_growth`` finding: the rate, when memory runs out at that rate, and the cause from
+    the census diff since ``census_step`` (and the CUDA allocation sites still holding memory).
+
+    Example::
+
+        >>> from lightning_debug.checks.memory import fit_trend
+        >>> trend = fit_trend([(step, 2.0**20 * step) for step in range(0, 80, 10)])
+        >>> reading = MemoryReading(cpu_rss=1, cpu_available=2**30, cpu_total=2**31, cpu_heap=2**26)
+        >>> finding = growth_finding(70, {"cpu_heap": trend}, {"cpu_heap": trend}, reading, 60, [], [], [], None, 1.0)
+        >>> finding.message[:60]
+        'Memory grows steadily: CPU heap in use +1.0 MB/step over ste'
+        >>> finding.details["run_out_step"]
+        1094
+    """
+    steps = step - census_step
+    name = next(iter(growing))
+    trend = growing[name]
+    if name == "cuda_allocated":
+        headroom, what = (reading.cuda_total or 0) - (reading.cuda_allocated or 0), "this GPU"
+    else:
+        headroom, what = reading.cpu_available, "this machine's available memory"
+    remaining = steps_until_exhausted(trend.slope, headroom)
+    run_out_step = step + int(remaining) if math.isfinite(remaining) else None
+    where_text = ""
+    if sites:
+        where_text = " Allocation sites still holding memory: " + "; ".join(
+            f"{site['site']} ({site['alive']} live, {site['alive_mb']:.1f} MB)" for site in sites[:3]) + "."
+    rate = (f"Memory grows steadily: {SERIES_LABELS[name]} +{format_bytes(trend.slope)}/step over steps "
+            f"{trend.first_step}-{trend.last_step} ({trend.readings} readings)")
+    if run_out_step is not None:
+        rate += f"; at this rate {what} ({format_bytes(headroom)} left) runs out around step {run_out_step:,}"
+    message = f"{rate}. {explain_growth(grown, steps, graphs)}{where_text}"
+    details = {
+        "series": name, "mb_per_step": trend.slope / MB, "run_out_step": run_out_step,
+        "headroom_mb": headroom / MB,
+        "trends": {series: trends[series].summary() for series in growing},
+        "tensors": [group.to_dict() for group in grown[:5]],
+        "growing_graphs": [graph.to_dict() for graph in graphs[:3]],
+        "census_steps": [census_step, step], "census_ms": round(census_ms, 1),
+        "cuda_sites": list(sites), "snapshot": snapshot,
+    }
+    return Finding(Kind.MEMORY_GROWTH, Severity.WARNING, message, details)

@@ -1,0 +1,59 @@
+"""The out-of-memory post-mortem: the document written after an OOM and its ``oom`` finding.
+
+Pure: the plumbing gathers the reading, the batch, the census and the allocator's summary; here
+they become the ``oom_step<N>`` document and the critical finding that points at it. It cannot
+fire on a healthy model: only an exception that is an out-of-memory error
+(:func:`~lightning_debug.checks.memory.is_out_of_memory`) gets one.
+
+Example::
+
+    >>> from lightning_debug.checks.memory import MemoryReading, oom_fixes
+    >>> evidence = OomEvidence(step=3, phase="backward", error="OutOfMemoryError: CUDA out of memory",
+    ...                        reading=MemoryReading(1, 2, 3, None), batch=[], largest=[], fixes=oom_fixes("backward"))
+    >>> oom_finding(evidence, None, None).message[:52]
+    'Out of memory at step 3 during backward (OutOfMemory'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_debug.checks.memory import MemoryReading
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+
+@dataclass(frozen=True)
+class OomEvidence:
+    """What was seen when memory ran out: the phase (or "outside a training step"), the error text,
+    a reading, the batch's tensors, the largest census groups and the fixes to try."""
+
+    step: int
+    phase: str
+    error: str
+    reading: MemoryReading
+    batch: list[str]
+    largest: list[dict[str, Any]]
+    fixes: list[str]
+    cuda_summary: str | None = None
+
+
+def oom_document(evidence: OomEvidence, snapshot: str | None) -> dict[str, Any]:
+    """The ``oom_post_mortem`` document (rendered by the report as ``oom_step<N>.md``)."""
+    return {"document": "oom_post_mortem", "step": evidence.step, "phase": evidence.phase, "error": evidence.error,
+            "memory_mb": evidence.reading.metrics(), "batch": evidence.batch, "largest_tensors": evidence.largest,
+            "fixes": evidence.fixes, "cuda_memory_summary": evidence.cuda_summary, "snapshot": snapshot}
+
+
+def oom_finding(evidence: OomEvidence, path: str | None, snapshot: str | None) -> Finding:
+    """The critical ``oom`` finding, pointing at the post-mortem written to ``path`` (None: not written)."""
+    fixes = evidence.fixes
+    message = (f"Out of memory at step {evidence.step} during {evidence.phase} ({evidence.error.splitlines()[0][:300]})."
+               + (f" Post-mortem: {path}." if path else "") + " " + " ".join(fixes[:-4])
+               + " Try: a smaller batch, gradient accumulation (accumulate_grad_batches), mixed precision "
+               "(precision='bf16-mixed'), activation checkpointing.")
+    return Finding(Kind.OOM, Severity.CRITICAL, message, {
+        "phase": evidence.phase, "error": evidence.error[:2000], "post_mortem": path,
+        "snapshot": snapshot, "batch": evidence.batch, "largest_tensors": evidence.largest[:5],
+        "memory_mb": evidence.reading.metrics(), "fixes": fixes})
