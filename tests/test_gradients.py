@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_debug.core.step_numerics as numerics_module
+import lightning_debug.core.numerics.queue as numerics_module
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
 from lightning_debug.checks.gradients import (
     _summary_row,

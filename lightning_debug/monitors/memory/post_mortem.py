@@ -49,7 +49,8 @@ def oom_document(evidence: OomEvidence, snapshot: str | None) -> dict[str, Any]:
 def oom_finding(evidence: OomEvidence, path: str | None, snapshot: str | None) -> Finding:
     """The critical ``oom`` finding, pointing at the post-mortem written to ``path`` (None: not written)."""
     fixes = evidence.fixes
-    message = (f"Out of memory at step {evidence.step} during {evidence.phase} ({evidence.error.splitlines()[0][:300]})."
+    first_line = evidence.error.splitlines()[0][:300]
+    message = (f"Out of memory at step {evidence.step} during {evidence.phase} ({first_line})."
                + (f" Post-mortem: {path}." if path else "") + " " + " ".join(fixes[:-4])
                + " Try: a smaller batch, gradient accumulation (accumulate_grad_batches), mixed precision "
                "(precision='bf16-mixed'), activation checkpointing.")

@@ -1,0 +1,58 @@
+"""Loss, gradient and parameter health of one optimizer step, computed once for every check.
+
+The anomaly and gradient checks both need gradient norms; computing them twice would double the
+cost. :class:`StepNumerics` does one fused pass, packs everything (per-rank flags included) into
+one device vector, reduces it across processes with one collective, and reads it back to the host
+at most once, now or a step later.
+
+What does not change from step to step is worked out once: :class:`ParameterIndex` holds the
+trainable parameters, their names and the fused-norm plan, and is rebuilt only when a parameter
+or module is registered anywhere (global registration hooks bump a counter) or when a
+parameter's ``requires_grad`` changes. So a healthy check step does no Python work per parameter
+beyond collecting the gradients, and names are looked up only when something is found.
+
+Sharded parameters (``DTensor``: FSDP2, tensor parallel) are measured on their local shards; each
+rank contributes the squares of the blocks it owns (:func:`~lightning_debug.checks.numerics.owns_block`),
+so the one all-reduce that carries every rank's flags also yields exact full-parameter norms.
+
+One concern per module: :mod:`.rows` (a rank's row and its flags), :mod:`.registrations` (when a
+model changed), :mod:`.owned` and :mod:`.index` (the parameters, built once), :mod:`.observed` (the
+forward's losses and batches), :mod:`.step` (the device pass), :mod:`.host` (its values on the host)
+and :mod:`.queue` (the step's pass shared by every check, and the pending read-backs).
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_debug.core.numerics import NumericsQueue
+    >>> model = nn.Linear(3, 1, bias=False)
+    >>> model(torch.ones(1, 3)).sum().backward()
+    >>> round(NumericsQueue().get(0, model.named_parameters, None).read().global_grad_norm, 4)
+    1.7321
+"""
+
+from __future__ import annotations
+
+from lightning_debug.core.numerics.host import HostNumerics
+from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, ParameterIndex
+from lightning_debug.core.numerics.observed import Observed
+from lightning_debug.core.numerics.owned import Owned
+from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
+from lightning_debug.core.numerics.registrations import registration_count, watch_registrations
+from lightning_debug.core.numerics.rows import (
+    DEVICE_FIELDS,
+    HOST_FIELDS,
+    RANK_FIELDS,
+    AllGather,
+    AllReduce,
+    constant,
+    rank_flags,
+    world_position,
+)
+from lightning_debug.core.numerics.step import StepNumerics
+
+__all__ = [
+    "DEVICE_FIELDS", "HOST_FIELDS", "MAX_PENDING_READBACKS", "RANK_FIELDS", "REQUIRES_GRAD_RECHECK", "AllGather",
+    "AllReduce", "HostNumerics", "NumericsQueue", "Observed", "Owned", "ParameterIndex", "StepNumerics",
+    "constant", "rank_flags", "registration_count", "watch_registrations", "world_position",
+]

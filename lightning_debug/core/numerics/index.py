@@ -1,0 +1,125 @@
+"""The trainable parameters of a model (or of one optimizer), worked out once and reused every step.
+
+Example::
+
+    >>> from torch import nn
+    >>> len(ParameterIndex(list(nn.Linear(2, 2).named_parameters())))
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import is_
+
+import torch
+from torch import nn
+
+from lightning_debug.checks.numerics import (
+    NormPlan,
+    has_partial,
+    is_dtensor,
+    local_tensor,
+    local_tensors,
+    owns_block,
+    user_name,
+    without_partial,
+)
+from lightning_debug.core.metrics import metric_part
+from lightning_debug.core.numerics.owned import Owned
+
+REQUIRES_GRAD_RECHECK = 16
+
+
+class ParameterIndex:
+    """The trainable parameters of a model (or of one optimizer), built once and reused every step.
+
+    Holds the parameters in ``named_parameters`` order, their user-facing names (see
+    :func:`~lightning_debug.checks.numerics.user_name`), which are sharded, which blocks this rank
+    owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every
+    rank builds the same slots in the same order (full shapes decide, not local ones), which is
+    what lets one all-reduce line their values up. With ``plain_sharded`` (FSDP1 flat parameters,
+    DeepSpeed) plain tensors are this rank's shard: every rank's block counts, and no slot is
+    dropped for being empty here, since another rank may hold its elements.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> model[0].bias.requires_grad_(False)
+        Parameter containing:...
+        >>> index = ParameterIndex(list(model.named_parameters()))
+        >>> index.names
+        ['0.weight', '1.weight', '1.bias']
+    """
+
+    def __init__(self, named: Sequence[tuple[str, nn.Parameter]], rank: int = 0, plain_sharded: bool = False) -> None:
+        everything = [(name, p) for name, p in named if plain_sharded or p.numel() > 0]
+        self.watched = [p for _, p in everything]
+        self.trainable_mask = [p.requires_grad for p in self.watched]
+        trainable = [(user_name(name), p) for (name, p), keep in zip(everything, self.trainable_mask) if keep]
+        self.names = [name for name, _ in trainable]
+        self.params = [p for _, p in trainable]
+        self.rank = rank
+        self.plain_sharded = plain_sharded
+        self.sharded = plain_sharded or any(is_dtensor(p) for p in self.params)
+        self.sharded_names = [name for name, p in trainable if plain_sharded or is_dtensor(p)]
+        self.plan = NormPlan(local_tensors(self.params, self.sharded))
+        self.device = self.plan.device
+        self.param_owner = self._owner_mask(self.params)
+        self._grad_owner: Owned | None = None
+        self._partial_slots: list[int] = []
+        self._uses = 0
+        self._tags: dict[str, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def _owner_mask(self, tensors: Iterable[torch.Tensor | None]) -> Owned:
+        def owned(tensor: torch.Tensor | None) -> bool:
+            if self.plain_sharded and not is_dtensor(tensor):
+                return True
+            return owns_block(tensor, self.rank) if tensor is not None else self.rank == 0
+
+        return Owned([owned(t) for t in tensors], self.device)
+
+    def current(self) -> bool:
+        """Whether no parameter's ``requires_grad`` changed (checked every few uses: cheap, not free)."""
+        self._uses += 1
+        if self._uses % REQUIRES_GRAD_RECHECK:
+            return True
+        return [p.requires_grad for p in self.watched] == self.trainable_mask
+
+    def tags(self, prefix: str) -> list[str]:
+        """``prefix + name`` for every parameter, built once (per-parameter scalar names)."""
+        tags = self._tags.get(prefix)
+        if tags is None:
+            tags = self._tags[prefix] = [prefix + metric_part(name) for name in self.names]
+        return tags
+
+    def local_params(self) -> list[torch.Tensor]:
+        return local_tensors(self.params, self.sharded)
+
+    def local_grads(self) -> tuple[list[torch.Tensor], list[int]]:
+        """Each parameter's local gradient (zeros where there is none) and the slots without one."""
+        grads = [p.grad for p in self.params]
+        missing: list[int] = []
+        if any(map(is_, grads, repeat(None))):
+            missing = [i for i, grad in enumerate(grads) if grad is None]
+            for i in missing:
+                grads[i] = torch.zeros_like(local_tensor(self.params[i]))
+        if self.sharded:  # DTensor locals, Partial placements (plain shards pass through unchanged)
+            if self._grad_owner is None:  # gradients are laid out like their parameters, except Partial ones
+                absent = set(missing)
+                layout = [self.params[i] if i in absent else g for i, g in enumerate(grads)]
+                self._partial_slots = [i for i, g in enumerate(layout) if has_partial(g)]
+                self._grad_owner = self._owner_mask(without_partial(g) if has_partial(g) else g for g in layout)
+            for i in self._partial_slots:
+                if i not in missing:
+                    grads[i] = without_partial(grads[i])  # type: ignore[arg-type]
+            grads = local_tensors(grads, True)  # type: ignore[arg-type]
+        return grads, missing  # type: ignore[return-value]
+
+    @property
+    def grad_owner(self) -> Owned:
+        return self._grad_owner if self._grad_owner is not None else self.param_owner

@@ -1,0 +1,148 @@
+"""The current step's shared gradient pass, the parameter indexes, and the read-backs still pending.
+
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Linear(2, 1)
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> queue = NumericsQueue()
+    >>> numerics = queue.get(0, model.named_parameters, None)
+    >>> queue.get(0, model.named_parameters, None) is numerics, queue.pending
+    (True, True)
+    >>> queue.poll(final=True); queue.pending
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_debug.core.numerics.index import ParameterIndex
+from lightning_debug.core.numerics.observed import Observed
+from lightning_debug.core.numerics.registrations import registration_count, watch_registrations
+from lightning_debug.core.numerics.rows import AllReduce, world_position
+from lightning_debug.core.numerics.step import StepNumerics
+
+MAX_PENDING_READBACKS = 4
+
+
+class NumericsQueue:
+    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by
+    the rest, the parameter indexes they are computed over, and the steps still waiting for their
+    values to reach the host.
+
+    Deferred reads are bounded: past ``max_pending`` waiting steps the oldest is read with a sync.
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_READBACKS) -> None:
+        self.max_pending = max_pending
+        # Checks that need every weight's norm on their steps (weight logging, update ratios).
+        self.param_norms_wanted: list[Callable[[int], bool]] = []
+        # Optimizer steps taken so far (the run sets it after each step): which update a late parameter scan sees.
+        self.steps_done = 0
+        self._observed: tuple[int, Observed] | None = None
+        self._current: StepNumerics | None = None
+        self._pending: list[StepNumerics] = []
+        self._indexes: dict[Any, tuple[Any, ParameterIndex]] = {}
+        # With several optimizers (set by the run): how many steps the optimizer being stepped took before
+        # this one, which is what the per-optimizer-step checks count their frequencies in; else None.
+        self.optimizer_step: int | None = None
+        self.several_optimizers = False
+        watch_registrations()
+
+    def observed(self, step: int) -> Observed:
+        """What has been observed of optimizer step ``step`` so far (an earlier step's is dropped)."""
+        if self._observed is None or self._observed[0] != step:
+            self._observed = (step, Observed())
+        return self._observed[1]
+
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Add a micro-batch loss to this optimizer step's (no sync)."""
+        self.observed(step).add_loss(loss)
+
+    def observe_inputs(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Add a micro-batch's floating batch tensors to this step's NaN/Inf test (one ``aminmax`` each, no sync)."""
+        self.observed(step).add_inputs(tensors)
+
+    def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+              optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
+        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its
+        param groups, in their order) when given; cached, and rebuilt only when they changed.
+
+        The model's index is keyed by the process-wide count of parameter and module
+        registrations; an optimizer's by the optimizer itself, that count and the sizes of its
+        param groups (``add_param_group`` rebuilds it), so a check step does no work per parameter
+        to find it.
+        """
+        generation: Any = registration_count()
+        if optimizer is None:
+            key: Any = ("model", plain_sharded)
+        else:
+            key = ("optimizer", id(optimizer), plain_sharded)
+            generation = (generation, optimizer, tuple(len(group["params"]) for group in optimizer.param_groups))
+        cached = self._indexes.get(key)
+        if not rebuild and cached is not None and cached[0] == generation and cached[1].current():
+            return cached[1]
+        named = list(named_parameters())
+        if optimizer is not None:
+            position = {id(p): name for name, p in named}
+            owned = [p for group in optimizer.param_groups for p in group["params"]]
+            named = [(position.get(id(p), f"parameter {i}"), p) for i, p in enumerate(owned)]
+        if len(self._indexes) > 8:
+            self._indexes.clear()
+        index = ParameterIndex(named, world_position()[0], plain_sharded)
+        self._indexes[key] = (generation, index)
+        return index
+
+    def scheduled_step(self, step: int) -> int:
+        """The step a per-optimizer-step check's frequency counts: ``step`` itself, or, with several
+        optimizers, how many steps the optimizer being stepped has taken before this one."""
+        return step if self.optimizer_step is None else self.optimizer_step
+
+    def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+            all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
+            optimizer: Any = None, plain_sharded: bool = False) -> StepNumerics:
+        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first).
+
+        ``optimizer``: measure only the parameters it owns (several optimizers: each optimizer step
+        is judged on its own parameters) instead of the model's.
+        ``plain_sharded``: plain parameters are per-rank shards (see :class:`ParameterIndex`).
+        """
+        if self._current is None or self._current.step != step:
+            index = self.index(named_parameters, optimizer, plain_sharded=plain_sharded)
+            gradients: tuple[list[torch.Tensor], list[int]] | None = None
+            try:  # a failure here is flagged inside StepNumerics, which still joins the collective
+                gradients = index.local_grads()
+                if gradients[1] and not all(index.params[i].requires_grad for i in gradients[1]):  # frozen since built
+                    index = self.index(named_parameters, optimizer, rebuild=True, plain_sharded=plain_sharded)
+                    gradients = index.local_grads()
+            except Exception:
+                gradients = None
+            wanted = any(wants(step) for wants in self.param_norms_wanted)
+            observed = self._observed[1] if self._observed is not None and self._observed[0] == step else None
+            self._observed = None
+            self._current = StepNumerics(step, index, observed, all_reduce, grad_scale, wanted, gradients)
+            self._current.steps_done = lambda: self.steps_done
+            self._pending.append(self._current)
+        return self._current
+
+    def poll(self, final: bool = False) -> None:
+        """Stage pending measurements for read-back and deliver those whose copy has completed."""
+        for numerics in self._pending:
+            numerics.stage(blocking=False)
+        while self._pending and (final or self._pending[0].ready() or len(self._pending) > self.max_pending):
+            self._pending.pop(0).deliver()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a measurement waits for its values to reach the host."""
+        return bool(self._pending)
+
+    @property
+    def oldest_pending_step(self) -> int | None:
+        return self._pending[0].step if self._pending else None
