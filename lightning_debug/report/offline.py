@@ -2,7 +2,8 @@
 
 For a run that died without writing its report (killed, out of memory on the host), or one whose
 report you want again with a newer version: everything is rebuilt from ``events.jsonl`` and the
-TensorBoard event files next to it (the debug directory itself and the log directory holding it).
+TensorBoard event files next to it (the debug directory itself and the log directory holding it);
+events.jsonl is read by :mod:`lightning_debug.report.events_file`.
 A report.json already there contributes what only a live run knows (status, configuration,
 per-callback sections); findings and statistics come from the files.
 
@@ -43,14 +44,20 @@ from typing import Any
 from lightning_debug.core.events import EVENTS_FILENAME
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
+from lightning_debug.report.events_file import (  # read_events_file: re-exported for tools and tests
+    EventsFile,
+    EventsScan,
+    is_int,
+    iter_events,
+    last_run,
+    read_events_file,
+)
 
 Progress = Callable[[str], None]
 
-MAX_LINE_BYTES = 1 << 20
 MAX_REPORT_BYTES = 64 << 20
 MAX_DEPTH = 32
 MAX_TEXT = 4000
-BAD_LINES_SHOWN = 3
 STATUSES = ("finished", "failed", "interrupted", "unknown")
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
@@ -61,145 +68,6 @@ TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
 
 class RunDirectoryError(ValueError):
     """A directory that does not hold what a lightning-debug run leaves behind; the message is one line."""
-
-
-# --- events.jsonl --------------------------------------------------------------------------------
-@dataclass
-class EventsScan:
-    """What reading events.jsonl found besides its events (which are streamed, not kept)."""
-
-    read: int = 0
-    bad: int = 0
-    bad_examples: list[str] = field(default_factory=list)
-    truncated_last_line: bool = False
-    run: str | None = None
-    earlier_runs: int = 0
-    other_run_events: int = 0
-
-    def reject(self, where: str, why: str) -> None:
-        self.bad += 1
-        if len(self.bad_examples) < BAD_LINES_SHOWN:
-            self.bad_examples.append(f"{where}: {why}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -(2 ** 62) < value < 2 ** 62
-
-
-def event_problem(record: Any) -> str | None:
-    """Why ``record`` is not a lightning-debug event (None when it is one).
-
-    Example::
-
-        >>> event_problem({"step": 3, "kind": "slow_step"}), event_problem({"step": "3", "kind": "slow_step"})
-        (None, "'step' is not an integer")
-    """
-    if not isinstance(record, dict):
-        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
-    if not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
-        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
-    if not _is_int(record.get("step")) or record["step"] < 0:
-        return "'step' is not an integer" if not _is_int(record.get("step")) else "'step' is negative"
-    for key in ("severity", "message", "callback", "run"):
-        if key in record and record[key] is not None and not isinstance(record[key], str):
-            return f"'{key}' is not a string"
-    for key in ("epoch", "batch"):
-        if key in record and not _is_int(record[key]):
-            return f"'{key}' is not an integer"
-    if record.get("episode") not in (None, "start", "end"):
-        return "'episode' is neither 'start' nor 'end'"
-    details = record.get("details")
-    if details is not None and not isinstance(details, dict):
-        return "'details' is not an object"
-    for key in ("first_step", "last_step", "steps"):
-        if details and key in details and not _is_int(details[key]):
-            return f"'details.{key}' is not an integer"
-    if details and "key" in details and not isinstance(details["key"], (str, type(None))):
-        return "'details.key' is not a string"
-    return None
-
-
-def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
-    """``(number, line, complete)`` of a file read in bounded pieces; a line over
-    :data:`MAX_LINE_BYTES` comes as None (its bytes are skipped, not kept)."""
-    with open(path, "rb") as stream:
-        number = 0
-        while True:
-            line = stream.readline(MAX_LINE_BYTES + 1)
-            if not line:
-                return
-            number += 1
-            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-                while line and not line.endswith(b"\n"):
-                    line = stream.readline(MAX_LINE_BYTES)
-                yield number, None, True
-                continue
-            yield number, line, line.endswith(b"\n")
-
-
-def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
-    """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
-    the trace of a crash in the middle of a write, is noted as such, not as bad)."""
-    for number, line, complete in _lines(path):
-        where = f"{path.name}:{number}"
-        if line is None:
-            scan.reject(where, f"longer than {MAX_LINE_BYTES} bytes")
-            continue
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as error:
-            scan.reject(where, f"not UTF-8 text ({error.reason} at byte {error.start})")
-            continue
-        except RecursionError:
-            scan.reject(where, "JSON nested too deep")
-            continue
-        except ValueError as error:
-            if not complete:
-                scan.truncated_last_line = True
-            else:
-                scan.reject(where, f"not valid JSON ({getattr(error, 'msg', error)})")
-            continue
-        problem = event_problem(record)
-        if problem is not None:
-            scan.reject(where, problem)
-            continue
-        scan.read += 1
-        yield record
-
-
-@dataclass
-class EventsFile:
-    """All valid events of a (small) events.jsonl, for tests and tools; :func:`rebuild` streams instead."""
-
-    records: list[dict[str, Any]]
-    truncated_last_line: bool
-    bad_lines: int = 0
-
-
-def read_events_file(path: Path) -> EventsFile:
-    scan = EventsScan()
-    records = list(iter_events(path, scan))
-    return EventsFile(records, scan.truncated_last_line, scan.bad)
-
-
-def _last_run(records: Iterable[dict[str, Any]], scan: EventsScan) -> Iterator[dict[str, Any]]:
-    """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the
-    consumer starts afresh); events of a run seen earlier are counted, not used."""
-    seen: set[Any] = set()
-    for record in records:
-        run = record.get("run")
-        if run not in seen:
-            if seen:
-                scan.earlier_runs += 1
-                yield {}
-            seen.add(run)
-            scan.run = run
-        elif run != scan.run:
-            scan.other_run_events += 1
-            continue
-        yield record
 
 
 # --- TensorBoard ---------------------------------------------------------------------------------
@@ -274,7 +142,7 @@ def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorbo
                   progress: Progress | None = None, progress_every_s: float = 1.0,
                   scalars: ScalarFindings | None = None) -> tuple[Timeline, list[str]]:
     """A timeline from events and TensorBoard files; returns it and notes on files it skipped. A
-    ``{}`` in ``events`` (see :func:`_last_run`) starts the timeline afresh."""
+    ``{}`` in ``events`` (see :func:`~lightning_debug.report.events_file.last_run`) starts the timeline afresh."""
     timeline = Timeline()
     notes: list[str] = []
     for record in events.records if isinstance(events, EventsFile) else events or []:
@@ -320,7 +188,7 @@ def _shallow(value: Any, limit: int = MAX_DEPTH) -> bool:
 
 
 def _valid_finding(entry: Any) -> bool:
-    return (isinstance(entry, dict) and all(_is_int(entry.get(k)) for k in ("episodes", "steps", "first_step", "last_step"))
+    return (isinstance(entry, dict) and all(is_int(entry.get(k)) for k in ("episodes", "steps", "first_step", "last_step"))
             and isinstance(entry.get("severity"), str) and isinstance(entry.get("first_message"), str))
 
 
@@ -330,7 +198,7 @@ def _valid_stat(entry: Any) -> bool:
 
 
 def _valid_failure(entry: Any) -> bool:
-    return (isinstance(entry, dict) and _is_int(entry.get("count")) and _is_int(entry.get("first_step"))
+    return (isinstance(entry, dict) and is_int(entry.get("count")) and is_int(entry.get("first_step"))
             and isinstance(entry.get("reasons", {}), dict) and all(isinstance(k, str) for k in entry.get("reasons", {})))
 
 
@@ -362,7 +230,7 @@ def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     if raw.get("status") in STATUSES:
         kept["status"] = raw["status"]
-    if _is_int(raw.get("last_step")) and raw["last_step"] >= 0:
+    if is_int(raw.get("last_step")) and raw["last_step"] >= 0:
         kept["last_step"] = raw["last_step"]
     for key in ("error", "run"):
         if isinstance(raw.get(key), str):
@@ -438,7 +306,7 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     if progress is not None and tensorboard:
         progress(f"reading {len(tensorboard)} TensorBoard file(s) next to {directory}")
     scalars = ScalarFindings()
-    records = _last_run(iter_events(events_path, scan), scan) if has_events else None
+    records = last_run(iter_events(events_path, scan), scan) if has_events else None
     timeline, skipped = read_timeline(records, tensorboard, progress, scalars=scalars)
     notes += skipped
     existing = _existing_report(directory, notes)

@@ -1,0 +1,165 @@
+"""Reading events.jsonl defensively: streamed, every line checked against the event schema.
+
+Files from a crash, a full disk or someone else: a line over 1 MiB, JSON nested too deep, a
+``step`` that is not an integer or ``details`` that is not an object is skipped and counted (with a
+few examples), a cut-off last line (a crash in the middle of a write) is noted as such, and the
+events of the last run are told from those of earlier runs appended to the same file.
+
+Example::
+
+    >>> import json, tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "events.jsonl"
+    >>> _ = path.write_text(json.dumps({"step": 3, "kind": "slow_step"}) + "\\n" + '{"step": -1, "kind": "x"}\\n')
+    >>> events = read_events_file(path)
+    >>> [record["step"] for record in events.records], events.bad_lines
+    ([3], 1)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_LINE_BYTES = 1 << 20
+BAD_LINES_SHOWN = 3
+
+
+@dataclass
+class EventsScan:
+    """What reading events.jsonl found besides its events (which are streamed, not kept)."""
+
+    read: int = 0
+    bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    truncated_last_line: bool = False
+    run: str | None = None
+    earlier_runs: int = 0
+    other_run_events: int = 0
+
+    def reject(self, where: str, why: str) -> None:
+        self.bad += 1
+        if len(self.bad_examples) < BAD_LINES_SHOWN:
+            self.bad_examples.append(f"{where}: {why}")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(2 ** 62) < value < 2 ** 62
+
+
+def event_problem(record: Any) -> str | None:
+    """Why ``record`` is not a lightning-debug event (None when it is one).
+
+    Example::
+
+        >>> event_problem({"step": 3, "kind": "slow_step"}), event_problem({"step": "3", "kind": "slow_step"})
+        (None, "'step' is not an integer")
+    """
+    if not isinstance(record, dict):
+        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
+    if not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
+        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
+    if not is_int(record.get("step")) or record["step"] < 0:
+        return "'step' is not an integer" if not is_int(record.get("step")) else "'step' is negative"
+    for key in ("severity", "message", "callback", "run"):
+        if key in record and record[key] is not None and not isinstance(record[key], str):
+            return f"'{key}' is not a string"
+    for key in ("epoch", "batch"):
+        if key in record and not is_int(record[key]):
+            return f"'{key}' is not an integer"
+    if record.get("episode") not in (None, "start", "end"):
+        return "'episode' is neither 'start' nor 'end'"
+    details = record.get("details")
+    if details is not None and not isinstance(details, dict):
+        return "'details' is not an object"
+    for key in ("first_step", "last_step", "steps"):
+        if details and key in details and not is_int(details[key]):
+            return f"'details.{key}' is not an integer"
+    if details and "key" in details and not isinstance(details["key"], (str, type(None))):
+        return "'details.key' is not a string"
+    return None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
+    """``(number, line, complete)`` of a file read in bounded pieces; a line over
+    :data:`MAX_LINE_BYTES` comes as None (its bytes are skipped, not kept)."""
+    with open(path, "rb") as stream:
+        number = 0
+        while True:
+            line = stream.readline(MAX_LINE_BYTES + 1)
+            if not line:
+                return
+            number += 1
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):
+                    line = stream.readline(MAX_LINE_BYTES)
+                yield number, None, True
+                continue
+            yield number, line, line.endswith(b"\n")
+
+
+def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
+    """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
+    the trace of a crash in the middle of a write, is noted as such, not as bad)."""
+    for number, line, complete in _lines(path):
+        where = f"{path.name}:{number}"
+        if line is None:
+            scan.reject(where, f"longer than {MAX_LINE_BYTES} bytes")
+            continue
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            scan.reject(where, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            continue
+        except RecursionError:
+            scan.reject(where, "JSON nested too deep")
+            continue
+        except ValueError as error:
+            if not complete:
+                scan.truncated_last_line = True
+            else:
+                scan.reject(where, f"not valid JSON ({getattr(error, 'msg', error)})")
+            continue
+        problem = event_problem(record)
+        if problem is not None:
+            scan.reject(where, problem)
+            continue
+        scan.read += 1
+        yield record
+
+
+@dataclass
+class EventsFile:
+    """All valid events of a (small) events.jsonl, for tests and tools; :func:`rebuild` streams instead."""
+
+    records: list[dict[str, Any]]
+    truncated_last_line: bool
+    bad_lines: int = 0
+
+
+def read_events_file(path: Path) -> EventsFile:
+    scan = EventsScan()
+    records = list(iter_events(path, scan))
+    return EventsFile(records, scan.truncated_last_line, scan.bad)
+
+
+def last_run(records: Iterable[dict[str, Any]], scan: EventsScan) -> Iterator[dict[str, Any]]:
+    """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the
+    consumer starts afresh); events of a run seen earlier are counted, not used."""
+    seen: set[Any] = set()
+    for record in records:
+        run = record.get("run")
+        if run not in seen:
+            if seen:
+                scan.earlier_runs += 1
+                yield {}
+            seen.add(run)
+            scan.run = run
+        elif run != scan.run:
+            scan.other_run_events += 1
+            continue
+        yield record
