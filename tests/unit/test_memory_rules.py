@@ -13,7 +13,7 @@ import random
 import pytest
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.memory import MB, GroupGrowth, MemoryReading, fit_trend, oom_fixes
+from lightning_debug.checks.memory import MB, GroupGrowth, MemoryPhase, MemoryReading, fit_trend, oom_fixes
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.memory import MemorySettings
 from lightning_debug.monitors.memory.growth import (
@@ -168,10 +168,11 @@ def test_the_oom_post_mortem_points_at_its_file_and_the_phase_fix() -> None:
     evidence = OomEvidence(step=9, phase="optimizer", error="OutOfMemoryError: CUDA out of memory.\nmore",
                            reading=cuda_reading(79 * GB), batch=["batch[0]: [64, 512] float32 on cuda:0 (128.0 KB)"],
                            largest=[{"shape": [4096, 4096], "dtype": "float32", "device": "cuda:0", "grad_fn": None,
-                                     "count": 3, "mb": 192.0}] * 7, fixes=oom_fixes("optimizer"))
+                                     "count": 3, "mb": 192.0}] * 7, fixes=oom_fixes(MemoryPhase.OPTIMIZER))
     finding = oom_finding(evidence, "/runs/oom_step9.md", None)
     assert finding.kind is Kind.OOM and finding.severity is Severity.CRITICAL
-    assert finding.message.startswith("Out of memory at step 9 during optimizer (OutOfMemoryError: CUDA out of memory.)")
+    assert finding.message.startswith(
+        "Out of memory at step 9 during optimizer (OutOfMemoryError: CUDA out of memory.)")
     assert "Post-mortem: /runs/oom_step9.md." in finding.message and "Shard it" in finding.message
     assert len(finding.details["largest_tensors"]) == 5 and finding.details["post_mortem"] == "/runs/oom_step9.md"
     document = oom_document(evidence, "snap.pickle")

@@ -41,6 +41,7 @@ from lightning_debug.checks.memory.readings import (
     MB,
     PHASES,
     SERIES_LABELS,
+    MemoryPhase,
     MemoryReading,
     cuda_index,
     cuda_peak_and_reset,
@@ -55,7 +56,7 @@ from lightning_debug.checks.memory.trend import Trend, fit_trend, is_steady_grow
 
 __all__ = [
     "GRAPHS_MEASURED_PER_GROUP", "LIBRARY_PATH_MARKERS", "MB", "OOM_PATTERNS", "PHASES", "SERIES_LABELS",
-    "STEADY_PER_STEP", "Census", "CensusKey", "GraphGrowth", "GroupGrowth", "MemoryReading", "Trend",
+    "STEADY_PER_STEP", "Census", "CensusKey", "GraphGrowth", "GroupGrowth", "MemoryPhase", "MemoryReading", "Trend",
     "allocation_site", "census_growth", "cuda_index", "cuda_leak_sites", "cuda_peak_and_reset",
     "cuda_total_memory", "describe_batch", "explain_growth", "fit_trend", "format_bytes", "graph_growth",
     "graph_size", "growth_rank", "heap_in_use", "is_out_of_memory", "is_steady_growth", "live_tensors",

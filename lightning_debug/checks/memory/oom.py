@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.memory.readings import format_bytes, shape_text
+from lightning_debug.checks.memory.readings import MemoryPhase, format_bytes, shape_text
 
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
@@ -55,10 +55,10 @@ def describe_batch(batch: Any, limit: int = 20) -> list[str]:
     return lines
 
 
-def oom_fixes(phase: str | None, fragmentation_share: float = 0.0) -> list[str]:
+def oom_fixes(phase: MemoryPhase | None, fragmentation_share: float = 0.0) -> list[str]:
     """What to try after an out-of-memory error, the most specific first."""
     fixes = []
-    if phase == "optimizer":
+    if phase is MemoryPhase.OPTIMIZER:
         fixes.append("The optimizer step ran out: its state (Adam keeps two copies of every parameter) does "
                      "not fit. Shard it (FSDP / DeepSpeed ZeRO), use a lighter optimizer (SGD, 8-bit Adam), "
                      "or train fewer parameters.")

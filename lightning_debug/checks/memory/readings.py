@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 from collections.abc import Sequence
@@ -23,7 +24,19 @@ import torch
 
 MB = 2**20
 SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use", "cpu_rss": "process RSS"}
-PHASES = ("forward", "backward", "optimizer", "validation")
+
+
+class MemoryPhase(enum.Enum):
+    """Where in a training step the run is: the phases the monitor reads memory at, and what an OOM
+    post-mortem names (the values are the names in report.json and in scalar tags)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    VALIDATION = "validation"
+
+
+PHASES = tuple(phase.value for phase in MemoryPhase)
 
 
 def format_bytes(size: float) -> str:

@@ -17,6 +17,7 @@ import torch
 from lightning_debug.checks.memory import (
     MB,
     Census,
+    MemoryPhase,
     MemoryReading,
     Trend,
     cuda_index,
@@ -83,18 +84,18 @@ class MemoryMonitor(Monitor):
         super().__init__(config, source)
         self.settings = MemorySettings.from_config(config)
         self.stats: dict[str, RunningStats] = {}
-        self.phase_stats: dict[str, RunningStats] = {}
+        self.phase_stats: dict[MemoryPhase, RunningStats] = {}
         self.census_ms = RunningStats()
         self.check_ms = RunningStats()
         self.windows = GrowthSeries(self.settings.window, self.settings.warmup_readings, self.settings.min_spacing)
-        self.current_phase: str | None = None
+        self.current_phase: MemoryPhase | None = None
         self.verdict: dict[str, Any] = {"status": GrowthStatus.NOT_ENOUGH.value}
         self.oom_files: list[str] = []
         self._device: torch.device | None = None
         self._suspicion: _Suspicion | None = None
         self._growth: Finding | None = None
         self._history_ours = False
-        self._open_phase: str | None = None
+        self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
         self._step_in_progress = 0
 
@@ -110,39 +111,38 @@ class MemoryMonitor(Monitor):
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
         self._step_in_progress = step
-        self.phase("forward", step)
+        self.phase(MemoryPhase.FORWARD, step)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        self.phase("backward", step)
+        self.phase(MemoryPhase.BACKWARD, step)
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        self.phase("optimizer", step)
+        self.phase(MemoryPhase.OPTIMIZER, step)
         if self.due(step):
             self.measure(step, self.context.where(), self.context.device())
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
-        self.phase("end", self._step_in_progress)
+        self.phase(None, self._step_in_progress)
 
     def evaluation(self, step: int, started: bool) -> None:
-        if started and self.current_phase != "validation":
-            self.phase("validation", step)
+        if started and self.current_phase is not MemoryPhase.VALIDATION:
+            self.phase(MemoryPhase.VALIDATION, step)
         elif not started:
-            self.phase("end", step)
+            self.phase(None, step)
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self.post_mortem(error, step, self.context.where(), batch)
 
-    def phase(self, name: str, step: int | None = None) -> None:
-        """Mark that phase ``name`` ("forward", "backward", "optimizer", "validation"; "end" closes the
-        current one) starts now.
+    def phase(self, phase: MemoryPhase | None, step: int | None = None) -> None:
+        """Mark that ``phase`` starts now (None: the current one ends, outside any phase).
 
-        Remembering the name costs nothing and tells the OOM post-mortem where the run was. From
+        Remembering the phase costs nothing and tells the OOM post-mortem where the run was. From
         ADVANCED level on, on check steps (every call when ``step`` is None), it also reads host-side
         counters: on CUDA the peak allocated during the phase that ends, on the CPU the heap in use
         when it ends.
         """
-        self.current_phase = None if name == "end" else name
+        self.current_phase = phase
         if not self.settings.phase_readings:
             return
         if step is not None and not self.due(step):
@@ -157,7 +157,7 @@ class MemoryMonitor(Monitor):
         if self._open_phase is not None and value:
             self.phase_stats.setdefault(self._open_phase, RunningStats()).add(value / MB)
             if step is not None and self.settings.log_memory and self.bound:
-                self.log_metrics(step, {f"debug/memory/phase/{self._open_phase}_mb": value / MB})
+                self.log_metrics(step, {f"debug/memory/phase/{self._open_phase.value}_mb": value / MB})
         self._open_phase = self.current_phase
 
     # --- the check step -----------------------------------------------------------------------------
@@ -289,8 +289,8 @@ class MemoryMonitor(Monitor):
             summary = torch.cuda.memory_summary(index)
             if _history_enabled():
                 snapshot_path = self._dump_snapshot(torch.cuda.memory._snapshot(), "oom_snapshot", step)
-        evidence = OomEvidence(step, self.current_phase or "outside a training step", error, reading, batch_lines,
-                               largest, fixes, summary)
+        phase = self.current_phase.value if self.current_phase is not None else "outside a training step"
+        evidence = OomEvidence(step, phase, error, reading, batch_lines, largest, fixes, summary)
         path = self.session.write_document("oom", step, oom_document(evidence, snapshot_path))
         if path is not None:
             self.oom_files.append(str(path))
@@ -321,7 +321,7 @@ class MemoryMonitor(Monitor):
             super().report_section(),
             stats={f"memory/{name}": stats.summary() for name, stats in self.stats.items() if stats.count},
             growth=self.verdict,
-            phases={name: stats.summary() for name, stats in self.phase_stats.items()},
+            phases={phase.value: stats.summary() for phase, stats in self.phase_stats.items()},
             phase_reading="cuda_peak" if cuda_index(self._device) is not None else "cpu_heap",
             cost_ms={"check": self.check_ms.summary(), "census": self.census_ms.summary()},
             oom_post_mortems=list(self.oom_files),

@@ -7,9 +7,10 @@ fire on a healthy model: only an exception that is an out-of-memory error
 
 Example::
 
-    >>> from lightning_debug.checks.memory import MemoryReading, oom_fixes
+    >>> from lightning_debug.checks.memory import MemoryPhase, MemoryReading, oom_fixes
     >>> evidence = OomEvidence(step=3, phase="backward", error="OutOfMemoryError: CUDA out of memory",
-    ...                        reading=MemoryReading(1, 2, 3, None), batch=[], largest=[], fixes=oom_fixes("backward"))
+    ...                        reading=MemoryReading(1, 2, 3, None), batch=[], largest=[],
+    ...                        fixes=oom_fixes(MemoryPhase.BACKWARD))
     >>> oom_finding(evidence, None, None).message[:52]
     'Out of memory at step 3 during backward (OutOfMemory'
 """
