@@ -11,6 +11,7 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from lightning_debug import DebugConfig
 from lightning_debug.checks.memory import MB, GroupGrowth, MemoryPhase, MemoryReading, fit_trend, oom_fixes
@@ -25,8 +26,10 @@ from lightning_debug.monitors.memory.growth import (
     growth_verdict,
     next_leak_step,
 )
+from lightning_debug.monitors.memory import history as history_module
 from lightning_debug.monitors.memory.high import high_memory
-from lightning_debug.monitors.memory.post_mortem import OomEvidence, oom_document, oom_finding
+from lightning_debug.monitors.memory.history import AllocationHistory
+from lightning_debug.monitors.memory.post_mortem import OomEvidence, fragmentation_share, oom_document, oom_finding
 
 GB = 1024 * MB
 
@@ -184,6 +187,46 @@ def test_an_oom_without_a_written_post_mortem_says_so_by_omission() -> None:
     evidence = OomEvidence(3, "outside a training step", "MemoryError: ", cpu_reading(1 * GB), [], [], oom_fixes(None))
     finding = oom_finding(evidence, None, None)
     assert "Post-mortem" not in finding.message and finding.details["post_mortem"] is None
+
+
+def test_a_fragmented_gpu_puts_expandable_segments_among_the_fixes() -> None:
+    fragmented = cuda_reading(40 * GB, reserved=60 * GB)
+    assert fragmentation_share(fragmented) == pytest.approx(0.25)
+    assert fragmentation_share(cpu_reading(1 * GB)) == 0.0
+    assert any("expandable_segments" in fix for fix in oom_fixes(None, fragmentation_share(fragmented)))
+    assert not any("expandable_segments" in fix for fix in oom_fixes(None, fragmentation_share(cuda_reading(40 * GB))))
+
+
+# --- CUDA allocation history ----------------------------------------------------------------------------
+
+
+def test_the_allocation_history_switches_off_only_what_it_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    recording = [False]
+    monkeypatch.setattr(history_module, "history_enabled", lambda: recording[0])
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled=None, **options: calls.append((enabled, options.get("max_entries"))))
+    ours = AllocationHistory(max_entries=123)
+    assert ours.start() is None and ours.ours and calls == [("all", 123)]
+    ours.stop()
+    ours.stop()
+    assert calls == [("all", 123), (None, None)] and not ours.ours
+    recording[0] = True  # someone else records: left alone
+    theirs = AllocationHistory(max_entries=123)
+    assert theirs.start() is None and not theirs.ours
+    theirs.stop()
+    assert len(calls) == 2
+
+
+def test_a_history_that_cannot_start_returns_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(**options: object) -> None:
+        raise RuntimeError("no CUDA here")
+
+    monkeypatch.setattr(history_module, "history_enabled", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", refuse)
+    history = AllocationHistory(max_entries=1)
+    failure = history.start()
+    assert isinstance(failure, RuntimeError) and not history.ours
 
 
 # --- settings -----------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The memory monitor's plumbing: events, readings, the census and allocation history, recording.
 
 What is judged lives beside it, pure: ``memory_high`` in :mod:`.high`, the leak rule in
-:mod:`.growth`, the OOM post-mortem in :mod:`.post_mortem`; the settings in :mod:`.settings`.
+:mod:`.growth`, the OOM post-mortem in :mod:`.post_mortem`; the settings in :mod:`.settings`; the
+CUDA allocation history is switched on and off by :mod:`.history`.
 """
 
 from __future__ import annotations
@@ -47,16 +48,9 @@ from lightning_debug.monitors.memory.growth import (
     next_leak_step,
 )
 from lightning_debug.monitors.memory.high import high_memory
-from lightning_debug.monitors.memory.post_mortem import OomEvidence, oom_document, oom_finding
+from lightning_debug.monitors.memory.history import AllocationHistory, history_enabled
+from lightning_debug.monitors.memory.post_mortem import OomEvidence, fragmentation_share, oom_document, oom_finding
 from lightning_debug.monitors.memory.settings import MemorySettings
-
-
-def _history_enabled() -> bool:
-    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
-    try:
-        return bool(query()) if query is not None else False
-    except Exception:
-        return False
 
 
 @dataclass
@@ -94,7 +88,7 @@ class MemoryMonitor(Monitor):
         self._device: torch.device | None = None
         self._suspicion: _Suspicion | None = None
         self._growth: Finding | None = None
-        self._history_ours = False
+        self.history = AllocationHistory(self.settings.history_entries)
         self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
         self._step_in_progress = 0
@@ -104,7 +98,7 @@ class MemoryMonitor(Monitor):
         """Learn which device trains. At EXPERT level on CUDA this switches on allocation history for
         the whole run, so an OOM leaves a full snapshot."""
         device = self._device = self.context.device()
-        if self.settings.whole_run_history and cuda_index(device) is not None and not _history_enabled():
+        if self.settings.whole_run_history and cuda_index(device) is not None and not history_enabled():
             self._start_history()
             self.warn("level=EXPERT records every CUDA allocation with its Python stack for the whole run "
                       "(a few microseconds per allocation) so that an OOM leaves a full memory snapshot.")
@@ -214,22 +208,15 @@ class MemoryMonitor(Monitor):
         return census
 
     def _start_history(self) -> bool:
-        if _history_enabled():
-            return True
-        try:
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=self.settings.history_entries, clear_history=True)
-        except Exception as failure:
+        failure = self.history.start()
+        if failure is not None:
             self.warn(f"could not record CUDA allocation history ({type(failure).__name__}: {failure}); "
                       "leaks are explained from the tensor census only.")
-            return False
-        self._history_ours = True
-        return True
+        return failure is None
 
     def _stop_history(self) -> None:
-        if self._history_ours and not self.settings.whole_run_history:
-            self._history_ours = False
-            torch.cuda.memory._record_memory_history(enabled=None)
+        if not self.settings.whole_run_history:
+            self.history.stop()
 
     def _end_suspicion(self) -> None:
         self._suspicion = None
@@ -280,14 +267,11 @@ class MemoryMonitor(Monitor):
         error = f"{type(exception).__name__}: {exception}"
         batch_lines = describe_batch(batch) if batch is not None else []
         largest = self._census().largest(10)
-        fragmentation = 0.0
-        if reading.cuda_reserved is not None and reading.cuda_total:
-            fragmentation = (reading.cuda_reserved - (reading.cuda_allocated or 0)) / reading.cuda_total
-        fixes = oom_fixes(self.current_phase, fragmentation)
+        fixes = oom_fixes(self.current_phase, fragmentation_share(reading))
         summary = snapshot_path = None
         if index is not None:
             summary = torch.cuda.memory_summary(index)
-            if _history_enabled():
+            if history_enabled():
                 snapshot_path = self._dump_snapshot(torch.cuda.memory._snapshot(), "oom_snapshot", step)
         phase = self.current_phase.value if self.current_phase is not None else "outside a training step"
         evidence = OomEvidence(step, phase, error, reading, batch_lines, largest, fixes, summary)
@@ -304,9 +288,7 @@ class MemoryMonitor(Monitor):
         self.restore()
 
     def restore(self) -> None:
-        if self._history_ours:
-            self._history_ours = False
-            torch.cuda.memory._record_memory_history(enabled=None)
+        self.history.stop()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), stats={name: stats.state_dict() for name, stats in self.stats.items()})

@@ -40,6 +40,20 @@ class OomEvidence:
     cuda_summary: str | None = None
 
 
+def fragmentation_share(reading: MemoryReading) -> float:
+    """The share of the device reserved by the caching allocator but not allocated (0 off CUDA): above
+    a tenth, the fixes start with ``expandable_segments``.
+
+    Example::
+
+        >>> fragmentation_share(MemoryReading(1, 2, 3, None, cuda_allocated=50, cuda_reserved=70, cuda_total=100))
+        0.2
+    """
+    if reading.cuda_reserved is None or not reading.cuda_total:
+        return 0.0
+    return (reading.cuda_reserved - (reading.cuda_allocated or 0)) / reading.cuda_total
+
+
 def oom_document(evidence: OomEvidence, snapshot: str | None) -> dict[str, Any]:
     """The ``oom_post_mortem`` document (rendered by the report as ``oom_step<N>.md``)."""
     return {"document": "oom_post_mortem", "step": evidence.step, "phase": evidence.phase, "error": evidence.error,
