@@ -260,6 +260,17 @@ class Run:
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.finalize", monitor.finalize, step)
 
+    def _report_section(self, monitor: Monitor) -> dict[str, Any]:
+        """``monitor``'s part of the report; when building it raises, a failed check (listed in the report and
+        the summary) and a section that still holds the area's findings, so none of them is lost."""
+        try:
+            return monitor.report_section()
+        except Exception as failure:  # one broken section must not lose the others
+            self.failures.record(f"{type(monitor).__name__}.report_section", failure,
+                                 "this area's statistics are not in the report (its findings are)")
+            findings = self.failures.call(f"{type(monitor).__name__}.report_section", monitor.tally.state_dict)
+            return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
+
     def finish(self, status: str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
@@ -271,12 +282,7 @@ class Run:
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
-        sections = {}
-        for monitor in self.monitors:
-            try:
-                sections[monitor.area.value] = monitor.report_section()
-            except Exception as failure:  # one broken section must not lose the others
-                sections[monitor.area.value] = {"error": f"{type(failure).__name__}: {failure}"}
+        sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
         report = self.failures.call("building the report", build_report, status=status, step=step, sections=sections,
                                     config=self.config.to_dict(), error=error, failures=self.failures.summary(),
                                     run_id=self.context.run_id)
