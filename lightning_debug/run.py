@@ -1,7 +1,7 @@
 """The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
 
 A :class:`Run` knows nothing of Lightning or Accelerate. An adapter creates it with a
-:class:`~lightning_debug.core.monitor.RunContext` (where files go, who writes, how to reach the
+:class:`~lightning_debug.core.context.RunContext` (where files go, who writes, how to reach the
 model and the loggers) and turns its framework's hooks into the run's events, in this order for
 each micro-batch::
 
@@ -33,7 +33,7 @@ Example, a plain loop with the anomaly checks::
     ...     run.before_backward(step, loss); loss.backward()
     ...     decision = run.before_optimizer_step(step, optimizer); optimizer.step(); optimizer.zero_grad()
     ...     run.after_optimizer_step(step + 1); run.batch_end()
-    >>> report = run.finish("finished", 3)
+    >>> report = run.finish(RunStatus.FINISHED, 3)
     >>> report["findings"]["nonfinite_loss"]["first_step"]
     1
 """
@@ -45,8 +45,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
-from lightning_debug.core.monitor import Decision, Event, Monitor, RunContext
+from lightning_debug.core.monitor import Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
@@ -271,14 +272,16 @@ class Run:
             findings = self.failures.call(f"{type(monitor).__name__}.report_section", monitor.tally.state_dict)
             return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
 
-    def finish(self, status: str, step: int, error: str | None = None) -> dict[str, Any] | None:
+    def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
-        ``status`` is ``finished``, ``failed`` or ``interrupted``; ``step`` is the number of
-        optimizer steps taken. Returns the report; later calls return the same report.
+        ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
+        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken. Returns the
+        report; later calls return the same report.
         """
         if self.finished:
             return self._report
+        status = RunStatus.parse(status)
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)

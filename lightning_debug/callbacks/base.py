@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_debug.config import DebugConfig, rejects_unknown_keywords, resolve_config
+from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import companion_monitors, run_monitors
@@ -175,16 +176,15 @@ class DebugCallback(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._run is not None:
             if self._leads:
-                self._run.finish("finished", trainer.global_step)
+                self._run.finish(RunStatus.FINISHED, trainer.global_step)
             self._leave()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if self._run is None:
             return
         if self._leads:
-            status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
             self._run.exception(trainer.global_step, exception)
-            self._run.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}")
+            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {exception}")
         self._leave()
 
     # --- resume ---------------------------------------------------------------------------------
