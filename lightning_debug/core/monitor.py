@@ -66,15 +66,18 @@ class Monitor:
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
     events: ClassVar[frozenset[Event]] = frozenset()
-    frequency_field: ClassVar[str]
+    frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
+    """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
+    from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""
     max_warnings: ClassVar[int] = 10
     episode_grace: ClassVar[int] = 3
     max_episode_events: ClassVar[int] = 25
 
-    def __init__(self, config: DebugConfig, source: str) -> None:
+    def __init__(self, config: DebugConfig, source: str, frequency: int | None = None) -> None:
         self.config = config
         self.source = source
-        self.schedule = CheckSchedule(getattr(config, self.frequency_field))
+        self.frequency = frequency if frequency is not None else self.configured_frequency(config)
+        self.schedule = CheckSchedule(self.frequency)
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
         self._silenced_episodes: set[tuple[str, str]] = set()
@@ -83,6 +86,14 @@ class Monitor:
         self._session: Session | None = None
         self._context: RunContext | None = None
         self._numerics: NumericsQueue | None = None
+
+    @classmethod
+    def configured_frequency(cls, config: DebugConfig) -> int:
+        """How often this monitor checks (optimizer steps) under ``config``, through :attr:`frequency_of`."""
+        if cls.frequency_of is None:
+            raise TypeError(f"{cls.__name__} has no row in the table of areas (lightning_debug.monitors.areas) "
+                            "to read its check frequency from; pass frequency=")
+        return cls.frequency_of(config)
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _session=None, _context=None, _numerics=None)
@@ -246,4 +257,4 @@ class Monitor:
     def report_section(self) -> dict[str, Any]:
         """This area's part of report.json: ``findings`` (the tally), ``stats`` and area data."""
         return {"findings": self.tally.state_dict(),
-                "check_frequency": getattr(self.config, self.frequency_field)}
+                "check_frequency": self.frequency}
