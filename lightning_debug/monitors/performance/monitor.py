@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.timing import PHASES, CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, infer_batch_size
+from lightning_debug.checks.timing import CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, infer_batch_size
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
-from lightning_debug.core.stats import DistributionStats
 from lightning_debug.monitors.performance.data_wait import DataWaitRule
 from lightning_debug.monitors.performance.loader import describe_loader, usable_cpus
 from lightning_debug.monitors.performance.profiler import StepWindows, host_sync_finding, trace_finding
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 from lightning_debug.monitors.performance.slow_step import SlowStepRule
+from lightning_debug.monitors.performance.step_stats import StepStats, step_metrics
 from lightning_debug.monitors.performance.stragglers import StragglerRule, gather_row
 
 PERF_KINDS = {Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK}
@@ -80,24 +80,17 @@ class PerformanceMonitor(Monitor):
                  batch_size_fn: SizeFn | None = None, tokens_fn: SizeFn | None = None) -> None:
         super().__init__(config, source)
         self.settings = PerformanceSettings.from_config(config)
-        self.batch_size_fn = batch_size_fn
-        self.tokens_fn = tokens_fn
+        self.batch_size_fn, self.tokens_fn = batch_size_fn, tokens_fn
         self.stopwatch = Stopwatch(None)
         self._cpu_wait = CpuWait()
-        self.world_size = 1
-        self.rank = 0
+        self.world_size, self.rank = 1, 0
         self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.loader: dict[str, Any] | None = None
-        self.stats: dict[str, DistributionStats] = {
-            name: DistributionStats() for name in ("step", *(p.value for p in PHASES), "samples_per_sec",
-                                                   "tokens_per_sec")}
+        self.step_stats = StepStats()
         self.profile_window = self.settings.profile_window
         self.profiler_traces: list[dict[str, Any]] = []
         self.sync_sites: list[dict[str, Any]] | None = None
-        self.excluded_steps = 0
-        self.dropped_measurements = 0
-        self.own_stats = DistributionStats()  # the plugin's own time inside timed steps, left out of them
-        self.cpu_wait_stats = DistributionStats()  # waiting for a CPU another program had: not held against steps
+        self.excluded_steps = self.dropped_measurements = 0
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -139,16 +132,6 @@ class PerformanceMonitor(Monitor):
         if not started:
             self.reset_data_clock(step)
 
-    def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        self.backward_start()
-
-    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        self.optimizer_start()
-        return Decision.CONTINUE
-
-    def batch_end(self, step: int, batch: Any) -> None:
-        self._batch_end(step, self.context.where(), batch)
-
     def describe_loader(self, loader: Any) -> None:
         """The training DataLoader (or its settings dict), quoted in ``dataloader_bottleneck`` advice."""
         self.loader = describe_loader(loader)
@@ -160,10 +143,6 @@ class PerformanceMonitor(Monitor):
             timer.restart()
         elif self.due(step):
             self._next_start = (step, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
-
-    def slow_threshold_ms(self) -> float | None:
-        """The step time above which a step is an outlier of this run (None until enough history)."""
-        return self.slow_steps.threshold_ms(self.settings)
 
     # --- phase boundaries -----------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
@@ -187,19 +166,21 @@ class PerformanceMonitor(Monitor):
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
         timer.add_samples(None if samples is None else int(samples), None if tokens is None else int(tokens))
 
-    def backward_start(self) -> None:
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
         """The loss is computed; the forward phase ends."""
         if self._timer is not None:
             self._timer.enter(Phase.BACKWARD)
 
-    def optimizer_start(self) -> None:
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Gradients are ready (before ``optimizer.step``); the backward phase ends."""
         if self._timer is not None:
             self._timer.enter(Phase.OPTIMIZER)
+        return Decision.CONTINUE
 
-    def _batch_end(self, step: int, where: Where, batch: object | None = None) -> None:
+    def batch_end(self, step: int, batch: Any) -> None:
         """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
-        batch in which :meth:`optimizer_start` was called (or when a batch of a later step starts)."""
+        batch in which the optimizer step started (or when a batch of a later step starts)."""
+        where = self.context.where()
         timer = self._timer
         handed_over = False
         if timer is not None:
@@ -284,27 +265,10 @@ class PerformanceMonitor(Monitor):
         if timer.excluded or self.ledger.was_instrumented(timer.step):
             self.excluded_steps += 1
             return
-        times = timer.read()
-        where = timer.where or self._where
-        step_ms = times.step_ms
-        for phase in PHASES:
-            self.stats[phase.value].add(times.phases[phase])
-        self.stats["step"].add(step_ms)
-        self.own_stats.add(times.own_ms)
-        if self.stopwatch.cpu_wait_ms is not None:
-            self.cpu_wait_stats.add(sum(times.cpu_waits.values()))
-        if times.samples_per_sec is not None:
-            self.stats["samples_per_sec"].add(times.samples_per_sec * self.world_size)
-        if times.tokens_per_sec is not None:
-            self.stats["tokens_per_sec"].add(times.tokens_per_sec * self.world_size)
+        times, where = timer.read(), timer.where or self._where
+        self.step_stats.add(times, self.world_size, cpu_waits_read=self.stopwatch.cpu_wait_ms is not None)
         if self.settings.log_performance:
-            metrics = {"debug/perf/step_ms": step_ms}
-            metrics.update({f"debug/perf/{phase.value}_ms": times.phases[phase] for phase in PHASES})
-            if times.samples_per_sec is not None:
-                metrics["debug/perf/samples_per_sec"] = times.samples_per_sec * self.world_size
-            if times.tokens_per_sec is not None:
-                metrics["debug/perf/tokens_per_sec"] = times.tokens_per_sec * self.world_size
-            self.log_metrics(times.step, metrics)
+            self.log_metrics(times.step, step_metrics(times, self.world_size))
         slow = self.slow_steps.judge(times, self.settings)
         if slow is not None:
             self.record(slow.finding(), times.step, where, key=slow.key)
@@ -328,21 +292,15 @@ class PerformanceMonitor(Monitor):
 
     # --- resume and report ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), stats={name: stats.state_dict() for name, stats in self.stats.items()})
+        return dict(super().state_dict(), stats=self.step_stats.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        for name, state in state_dict.get("stats", {}).items():
-            if name in self.stats:
-                self.stats[name].load_state_dict(state)
+        self.step_stats.load_state_dict(state_dict.get("stats", {}))
 
     def report_section(self) -> dict[str, Any]:
-        stats = {f"{name}_time_ms": self.stats[name].summary() for name in ("step", *(p.value for p in PHASES))}
-        for name in ("samples_per_sec", "tokens_per_sec"):
-            if self.stats[name].count:
-                stats[name] = self.stats[name].summary()
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
-        return dict(super().report_section(), stats=stats, clock=clock, loader=self.loader,
+        return dict(super().report_section(), stats=self.step_stats.summaries(), clock=clock, loader=self.loader,
                     profiler_traces=list(self.profiler_traces), sync_sites=self.sync_sites,
                     excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
-                    plugin_time_ms=self.own_stats.summary(), cpu_wait_ms=self.cpu_wait_stats.summary())
+                    plugin_time_ms=self.step_stats.own.summary(), cpu_wait_ms=self.step_stats.cpu_wait.summary())
