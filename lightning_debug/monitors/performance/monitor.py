@@ -201,7 +201,7 @@ class PerformanceMonitor(Monitor):
 
     def finalize(self, step: int) -> None:
         """The end of the run (or an exception): read what is left, stop the profiler, close episodes."""
-        self._where = dict(self.context.where())
+        where = self._where = dict(self.context.where())
         timer = self._timer
         if timer is not None and timer.last_stop is not None and timer.saw_optimizer:
             self._complete(timer, gather=False)
@@ -213,6 +213,7 @@ class PerformanceMonitor(Monitor):
                 pending.excluded = True
         self._poll(final=True)
         self.windows.stop_profiler()
+        self._where = where  # the sync-debug window's finding, if still open, is placed where the run ended
         self.windows.end_sync_window(step)
         super().finalize(step)
 
