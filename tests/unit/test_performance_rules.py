@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -268,6 +269,25 @@ def test_profiler_window_on_cpu_writes_one_trace(tmp_path: Path) -> None:
     assert closed == [False, False, False, True, False] and not windows.active
     assert [(t["first_step"], t["last_step"]) for t in traces] == [(1, 2)]
     assert Path(traces[0]["path"]).exists()
+
+
+def test_sync_debug_window_reports_the_synchronizing_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA sync-debug mode is simulated: inside the window each synchronization is a warning."""
+    modes: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    closed: list[tuple[list[dict[str, Any]], int, int]] = []
+    windows = StepWindows(PerformanceSettings(sync_window=(2, 2)), True, 0, None, pytest.fail,
+                          lambda sites, total, step: closed.append((sites, total, step)), pytest.fail)
+    for step in range(6):
+        windows.boundary(step)
+        assert windows.active == (2 <= step < 4)
+        if windows.active:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    assert modes == ["warn", 0] and len(closed) == 1
+    sites, total, step = closed[0]
+    assert (total, step, sites[0]["origin"], sites[0]["count"]) == (2, 4, "user code", 2)
+    assert sites[0]["code"].startswith("warnings.warn(")
 
 
 def test_windows_without_an_output_directory_or_cuda_do_nothing() -> None:
