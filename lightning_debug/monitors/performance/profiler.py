@@ -116,6 +116,13 @@ class StepWindows:
         on_sync: Called with the sync sites, the number of synchronizations and the step when the
             sync-debug window closes.
         on_failure: Called with a message when a trace cannot be written (training goes on).
+
+    Example::
+
+        >>> windows = StepWindows(PerformanceSettings(profile_window=(0, 2), sync_window=(5, 3)), False, 0, None,
+        ...                       print, print, print)
+        >>> windows.until, windows.sync_window, [windows.boundary(step) for step in range(3)], windows.active
+        (2, None, [False, False, False], False)
     """
 
     def __init__(self, settings: PerformanceSettings, uses_cuda: bool, rank: int, output_dir: Path | None,
