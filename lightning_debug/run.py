@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
+from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
@@ -91,6 +92,7 @@ class Run:
         self.context = context
         self.failures = Failures()
         self.numerics = NumericsQueue()
+        self.ledger = RunLedger()
         output_dir = context.output_dir if config.save_debug_info else None
         self.session = Session(
             output_dir, context.is_global_zero,
@@ -121,6 +123,7 @@ class Run:
     def add(self, monitor: Monitor) -> None:
         """Bind ``monitor`` to this run and call it at the events it declares (areas in a fixed order)."""
         monitor.bind(self.session, self.context, self.numerics)
+        monitor.share(self.ledger)
         self.monitors.append(monitor)
         self.monitors.sort(key=lambda m: AREA_ORDER.index(m.area))
         for event in Event:

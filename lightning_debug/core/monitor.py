@@ -24,6 +24,7 @@ from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
 from lightning_debug.core.guard import notify
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.session import Session, Where
 from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
@@ -86,6 +87,7 @@ class Monitor:
         self._session: Session | None = None
         self._context: RunContext | None = None
         self._numerics: NumericsQueue | None = None
+        self._ledger: RunLedger | None = None
 
     @classmethod
     def configured_frequency(cls, config: DebugConfig) -> int:
@@ -96,14 +98,19 @@ class Monitor:
         return cls.frequency_of(config)
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _session=None, _context=None, _numerics=None)
+        return dict(self.__dict__, _session=None, _context=None, _numerics=None, _ledger=None)
 
     # --- binding --------------------------------------------------------------------------------
     def bind(self, session: Session, context: RunContext, numerics: NumericsQueue) -> None:
         self._session, self._context, self._numerics = session, context, numerics
 
+    def share(self, ledger: RunLedger) -> None:
+        """The run's ledger, where monitors leave facts for each other (bound with the session)."""
+        self._ledger = ledger
+
     def unbind(self) -> None:
         self._session = self._context = self._numerics = None
+        self._ledger = None
 
     @property
     def bound(self) -> bool:
@@ -120,6 +127,12 @@ class Monitor:
         if self._context is None:
             raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
         return self._context
+
+    @property
+    def ledger(self) -> RunLedger:
+        if self._ledger is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return self._ledger
 
     @property
     def numerics(self) -> NumericsQueue:
