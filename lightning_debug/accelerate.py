@@ -20,7 +20,8 @@ import torch
 from lightning_debug.checks.localize import output_scalar
 from lightning_debug.config import DebugConfig, resolve_config
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.monitor import Decision, HistogramWriter, Replay, RunContext
+from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus
+from lightning_debug.core.monitor import Decision
 from lightning_debug.core.session import Where, new_run_id, run_directory
 from lightning_debug.core.step_numerics import AllGather
 from lightning_debug.monitors import monitors_for
@@ -291,7 +292,7 @@ class AccelerateDebugger:
         """
         if self.run.finished:
             return None
-        status = "finished" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        status = RunStatus.of(error)
         if error is not None:
             self.run.exception(self.step, error)
         self._end_pending_batch()

@@ -58,6 +58,7 @@ class DebugMode(enum.Enum, metaclass=_AnyCaseNames):
     FULL_DEBUG = "full_debug"
 
 
+@functools.total_ordering
 class DebugLevel(enum.Enum, metaclass=_AnyCaseNames):
     """How deep each check goes; a higher level includes everything of the lower ones."""
 
@@ -69,15 +70,6 @@ class DebugLevel(enum.Enum, metaclass=_AnyCaseNames):
     @property
     def rank(self) -> int:
         return list(DebugLevel).index(self)
-
-    def __ge__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
-        return self.rank >= other.rank
-
-    def __gt__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
-        return self.rank > other.rank
-
-    def __le__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
-        return self.rank <= other.rank
 
     def __lt__(self, other: "DebugLevel") -> bool:  # type: ignore[override]
         return self.rank < other.rank
@@ -262,6 +254,19 @@ def _check_performance_fields(config: "DebugConfig") -> None:
         config.profile_steps = (values[0], values[1])  # type: ignore[assignment]
 
 
+def _check_gradient_thresholds(config: "DebugConfig") -> None:
+    """The vanishing threshold, and the explosion threshold only when set (then the vanishing one is below it)."""
+    low = config.gradient_vanishing_threshold = _check_threshold("gradient_vanishing_threshold",
+                                                                 config.gradient_vanishing_threshold)
+    if config.gradient_explosion_threshold is None:
+        return
+    high = config.gradient_explosion_threshold = _check_threshold("gradient_explosion_threshold",
+                                                                  config.gradient_explosion_threshold)
+    if low >= high:
+        raise ValueError("DebugConfig.gradient_vanishing_threshold must be below DebugConfig."
+                         f"gradient_explosion_threshold, got {low!r} >= {high!r}")
+
+
 def _check_memory_fields(config: "DebugConfig") -> None:
     fraction = _real(config.memory_high_fraction)
     if fraction is None or not 0 < fraction <= 1:
@@ -287,9 +292,11 @@ class DebugConfig:
         gradient_checking_frequency: Check gradient health every N optimizer steps.
         memory_profiling_frequency: Measure memory every N optimizer steps.
         performance_profiling_frequency: Time the step phases every N optimizer steps.
-        gradient_explosion_threshold: A gradient norm above this is exploding, when set: by default
-            the global norm is judged against the run's own recent norms (a jump of 10x over their
-            median), and this fixed value is not used (see docs/gradients.md).
+        gradient_explosion_threshold: Opt-in fixed cap on the gradient norm: when set, a global (or
+            any parameter's) gradient norm above it is exploding, and it is the clip value suggested
+            before the run has a history. ``None`` (the default): the global norm is judged against
+            the run's own recent norms (a jump of 10x over their median) and no fixed value is used
+            anywhere (see docs/gradients.md).
         gradient_vanishing_threshold: A layer (module) whose gradient norm is below this is
             vanishing; parameters with an exactly zero gradient inside a learning module are
             structural and never count.
@@ -342,7 +349,7 @@ class DebugConfig:
     gradient_checking_frequency: int = 100
     memory_profiling_frequency: int = 50
     performance_profiling_frequency: int = 10
-    gradient_explosion_threshold: float = 10.0
+    gradient_explosion_threshold: float | None = None
     gradient_vanishing_threshold: float = 1e-6
     save_debug_info: bool = True
     debug_output_dir: str = "debug_outputs"  # an os.PathLike is accepted too (stored as str)
@@ -365,20 +372,9 @@ class DebugConfig:
         self.level = _coerce_enum(DebugLevel, "level", self.level)  # type: ignore[assignment]
         self.anomaly_detection_mode = _coerce_enum(  # type: ignore[assignment]
             AnomalyMode, "anomaly_detection_mode", self.anomaly_detection_mode)
-        for name in (
-            "anomaly_check_frequency",
-            "gradient_checking_frequency",
-            "memory_profiling_frequency",
-            "performance_profiling_frequency",
-        ):
+        for name in FREQUENCY_FIELDS:
             setattr(self, name, _check_frequency(name, getattr(self, name)))
-        for name in ("gradient_explosion_threshold", "gradient_vanishing_threshold"):
-            setattr(self, name, _check_threshold(name, getattr(self, name)))
-        if self.gradient_vanishing_threshold >= self.gradient_explosion_threshold:
-            raise ValueError(
-                "DebugConfig.gradient_vanishing_threshold must be below DebugConfig.gradient_explosion_threshold, got "
-                f"{self.gradient_vanishing_threshold!r} >= {self.gradient_explosion_threshold!r}"
-            )
+        _check_gradient_thresholds(self)
         for name in BOOL_FIELDS:
             setattr(self, name, _check_bool(name, getattr(self, name)))
         _check_performance_fields(self)
@@ -391,34 +387,7 @@ class DebugConfig:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise unknown_name_error("DebugConfig", unknown[0], known)
-        given = {k: v for k, v in overrides.items() if v is not None}
-        copy = dataclasses.replace(self, **given)
-        copy._given_fields = self.given_fields | frozenset(given)
-        return copy
-
-    @property
-    def given_fields(self) -> frozenset[str]:
-        """The fields the user set (at construction or through :meth:`replace`), as opposed to defaults.
-
-        Some defaults are only a starting point the checks refine from the run itself (the gradient
-        thresholds); a value the user typed is applied as given.
-
-        Example::
-
-            >>> sorted(DebugConfig(gradient_explosion_threshold=50.0).given_fields)
-            ['gradient_explosion_threshold']
-            >>> DebugConfig().replace(level="advanced").is_given("gradient_explosion_threshold")
-            False
-        """
-        return self.__dict__.get("_given_fields", frozenset())
-
-    def is_given(self, name: str) -> bool:
-        """Whether the user set field ``name`` (see :attr:`given_fields`), even to its default value.
-
-        The callbacks' keyword arguments default to None, which sets nothing, so a LightningCLI
-        config that lists a callback's arguments without values does not set them either.
-        """
-        return name in self.given_fields
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @property
     def areas(self) -> tuple[Area, ...]:
@@ -436,20 +405,10 @@ class DebugConfig:
         return out
 
 
-def _records_given_fields(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap ``DebugConfig.__init__`` to remember which fields were passed (see ``DebugConfig.given_fields``)."""
-    @functools.wraps(init)
-    def recording(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        positional = [f.name for f in dataclasses.fields(DebugConfig)][:len(args)]
-        self._given_fields = frozenset(positional) | frozenset(kwargs)
+DebugConfig.__init__ = rejects_unknown_keywords(DebugConfig.__init__)  # type: ignore[method-assign]
 
-    return recording
-
-
-DebugConfig.__init__ = _records_given_fields(  # type: ignore[method-assign]
-    rejects_unknown_keywords(DebugConfig.__init__))
-
+FREQUENCY_FIELDS = ("anomaly_check_frequency", "gradient_checking_frequency", "memory_profiling_frequency",
+                    "performance_profiling_frequency")
 BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(DebugConfig) if f.type in ("bool", bool))
 
 

@@ -1,7 +1,7 @@
 """The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
 
 A :class:`Run` knows nothing of Lightning or Accelerate. An adapter creates it with a
-:class:`~lightning_debug.core.monitor.RunContext` (where files go, who writes, how to reach the
+:class:`~lightning_debug.core.context.RunContext` (where files go, who writes, how to reach the
 model and the loggers) and turns its framework's hooks into the run's events, in this order for
 each micro-batch::
 
@@ -33,7 +33,7 @@ Example, a plain loop with the anomaly checks::
     ...     run.before_backward(step, loss); loss.backward()
     ...     decision = run.before_optimizer_step(step, optimizer); optimizer.step(); optimizer.zero_grad()
     ...     run.after_optimizer_step(step + 1); run.batch_end()
-    >>> report = run.finish("finished", 3)
+    >>> report = run.finish(RunStatus.FINISHED, 3)
     >>> report["findings"]["nonfinite_loss"]["first_step"]
     1
 """
@@ -45,8 +45,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
-from lightning_debug.core.monitor import Decision, Event, Monitor, RunContext
+from lightning_debug.core.ledger import RunLedger
+from lightning_debug.core.monitor import Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
@@ -90,6 +92,7 @@ class Run:
         self.context = context
         self.failures = Failures()
         self.numerics = NumericsQueue()
+        self.ledger = RunLedger()
         output_dir = context.output_dir if config.save_debug_info else None
         self.session = Session(
             output_dir, context.is_global_zero,
@@ -120,6 +123,7 @@ class Run:
     def add(self, monitor: Monitor) -> None:
         """Bind ``monitor`` to this run and call it at the events it declares (areas in a fixed order)."""
         monitor.bind(self.session, self.context, self.numerics)
+        monitor.share(self.ledger)
         self.monitors.append(monitor)
         self.monitors.sort(key=lambda m: AREA_ORDER.index(m.area))
         for event in Event:
@@ -260,23 +264,31 @@ class Run:
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.finalize", monitor.finalize, step)
 
-    def finish(self, status: str, step: int, error: str | None = None) -> dict[str, Any] | None:
+    def _report_section(self, monitor: Monitor) -> dict[str, Any]:
+        """``monitor``'s part of the report; when building it raises, a failed check (listed in the report and
+        the summary) and a section that still holds the area's findings, so none of them is lost."""
+        try:
+            return monitor.report_section()
+        except Exception as failure:  # one broken section must not lose the others
+            self.failures.record(f"{type(monitor).__name__}.report_section", failure,
+                                 "this area's statistics are not in the report (its findings are)")
+            findings = self.failures.call(f"{type(monitor).__name__}.report_section", monitor.tally.state_dict)
+            return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
+
+    def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
-        ``status`` is ``finished``, ``failed`` or ``interrupted``; ``step`` is the number of
-        optimizer steps taken. Returns the report; later calls return the same report.
+        ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
+        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken. Returns the
+        report; later calls return the same report.
         """
         if self.finished:
             return self._report
+        status = RunStatus.parse(status)
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
-        sections = {}
-        for monitor in self.monitors:
-            try:
-                sections[monitor.area.value] = monitor.report_section()
-            except Exception as failure:  # one broken section must not lose the others
-                sections[monitor.area.value] = {"error": f"{type(failure).__name__}: {failure}"}
+        sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
         report = self.failures.call("building the report", build_report, status=status, step=step, sections=sections,
                                     config=self.config.to_dict(), error=error, failures=self.failures.summary(),
                                     run_id=self.context.run_id)

@@ -24,7 +24,7 @@ INVALID: list[tuple[str, Any, str]] = (
      ("level", "deep", "BASIC, INTERMEDIATE, ADVANCED, EXPERT"),
      ("anomaly_detection_mode", "ignore", "warn, raise, skip, stop"), ("anomaly_detection_mode", None, "warn"),
      ("gradient_explosion_threshold", -1.0, ">= 0"), ("gradient_explosion_threshold", float("nan"), "finite"),
-     ("gradient_vanishing_threshold", "small", ">= 0"), ("gradient_vanishing_threshold", 100.0, "below"),
+     ("gradient_vanishing_threshold", "small", ">= 0"),
      ("debug_output_dir", "", "non-empty"), ("debug_output_dir", 7, "non-empty")]
     + [(name, value, ">= 1") for name in FREQUENCIES for value in (0, -5, 2.5, "10", True)]
     + [(name, value, "True or False") for name in BOOLEANS for value in ("yes", 1, None)]
@@ -36,7 +36,7 @@ def test_defaults_match_the_contract() -> None:
     assert (config.mode, config.level, config.anomaly_detection_mode) == (DebugMode.FULL_DEBUG, DebugLevel.BASIC, "warn")
     assert (config.anomaly_check_frequency, config.gradient_checking_frequency, config.memory_profiling_frequency,
             config.performance_profiling_frequency) == (1, 100, 50, 10)
-    assert (config.gradient_explosion_threshold, config.gradient_vanishing_threshold) == (10.0, 1e-6)
+    assert (config.gradient_explosion_threshold, config.gradient_vanishing_threshold) == (None, 1e-6)
     assert config.save_debug_info and config.debug_output_dir == "debug_outputs"
     assert not (config.log_gradients or config.log_activations or config.log_weights)
     assert config.log_memory and config.log_performance
@@ -117,6 +117,36 @@ trainer:
     assert gradient.config.gradient_checking_frequency == 10
     assert anomaly.config.anomaly_detection_mode == "skip" and anomaly.config.anomaly_check_frequency == 3
     assert anomaly.config.level is DebugLevel.ADVANCED
+
+
+def test_the_explosion_threshold_is_opt_in_and_bounds_the_vanishing_one_only_when_set() -> None:
+    assert DebugConfig(gradient_vanishing_threshold=100.0).gradient_explosion_threshold is None
+    with pytest.raises(ValueError, match="gradient_vanishing_threshold must be below"):
+        DebugConfig(gradient_vanishing_threshold=100.0, gradient_explosion_threshold=50.0)
+    config = DebugConfig(gradient_explosion_threshold=50)
+    assert (config.gradient_explosion_threshold, type(config.gradient_explosion_threshold)) == (50.0, float)
+    assert config.replace(level="advanced").gradient_explosion_threshold == 50.0
+    assert DebugConfig().replace(gradient_explosion_threshold=None).gradient_explosion_threshold is None
+    assert DebugConfig().to_dict()["gradient_explosion_threshold"] is None
+
+
+def test_a_nested_config_block_means_what_the_same_values_flat_mean(tmp_path: Path) -> None:
+    """Every field listed in a nested ``config:`` (as ``--print_config`` writes it) switches no rule on."""
+    import yaml
+
+    listed = DebugConfig().to_dict()  # null for gradient_explosion_threshold and profile_steps
+    nested = yaml.safe_dump({"trainer": {"logger": False, "callbacks": [{
+        "class_path": "lightning_debug.GradientHealthCallback",
+        "init_args": {"config": dict(listed, gradient_checking_frequency=10)}}]}})
+    flat = yaml.safe_dump({"trainer": {"logger": False, "callbacks": [{
+        "class_path": "lightning_debug.GradientHealthCallback", "init_args": {"gradient_checking_frequency": 10}}]}})
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "flat").mkdir()
+    configs = [next(c for c in _run_cli(tmp_path / name, text).trainer.callbacks
+                    if type(c).__module__.startswith("lightning_debug")).config
+               for name, text in (("nested", nested), ("flat", flat))]
+    assert configs[0] == configs[1] == DebugConfig(gradient_checking_frequency=10)
+    assert configs[0].gradient_explosion_threshold is None
 
 
 def test_lightning_cli_rejects_an_invalid_yaml_value(tmp_path: Path) -> None:
@@ -232,11 +262,9 @@ def test_any_yaml_value_through_lightning_cli_is_accepted_as_in_python_or_an_err
     if isinstance(outcome, str):
         assert _names_field(outcome, field), outcome[-2000:]
         assert expected is None, f"Python accepts {field}={value!r}, the YAML file should too: {outcome[-2000:]}"
-    elif expected is not None:
-        assert getattr(outcome, field) == getattr(expected, field)
-    else:  # Python refuses the value itself: the CLI may only have read a string as what it spells
+    else:  # as Python has it, or the CLI read a string as what it spells (``"null"`` for an optional field)
         parsed = getattr(outcome, field)
-        accepted = [in_python(reading) for reading in _readings(value)]
+        accepted = [expected] + [in_python(reading) for reading in _readings(value)]
         assert any(c is not None and getattr(c, field) == parsed for c in accepted), \
             f"{field}={value!r} became {parsed!r}"
 

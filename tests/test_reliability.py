@@ -201,3 +201,34 @@ def test_a_check_that_fails_on_purpose_is_reported_as_failed_not_clean(tmp_path:
     accumulator.Reload()
     text = accumulator.Tensors("debug/failed_checks/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert all(name in text for name in expected)
+
+
+@pytest.mark.parametrize("nan_from", [4, None], ids=["with_findings", "healthy"])
+def test_a_report_section_that_raises_is_a_failed_check_and_keeps_the_findings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        nan_from: int | None) -> None:
+    from lightning_debug.monitors.anomaly import AnomalyMonitor
+
+    def broken(self: AnomalyMonitor) -> dict[str, Any]:
+        raise RuntimeError("section on purpose")
+
+    monkeypatch.setattr(AnomalyMonitor, "report_section", broken)
+    callbacks = debug_callbacks(DebugConfig(mode="anomaly_detection", print_summary=True))
+    trainer, messages = fit_all_four(tmp_path, TinyRegressor(log_zero_from_step=nan_from), steps=8,
+                                     callbacks=callbacks)
+    assert trainer.global_step == 8
+    report = read_report(debug_dir(trainer))
+    assert set(report["failed_checks"]) == {"AnomalyMonitor.report_section"}
+    assert "RuntimeError: section on purpose" in report["failed_checks"]["AnomalyMonitor.report_section"]["reasons"]
+    assert report["sections"]["anomaly"]["error"] == "RuntimeError: section on purpose"
+    markdown = (debug_dir(trainer) / "report.md").read_text()
+    assert "## Checks that failed" in markdown and "| AnomalyMonitor.report_section |" in markdown
+    assert "No problems found." not in markdown
+    if nan_from is not None:
+        finding = report["findings"]["nonfinite_loss"]
+        assert finding["first_step"] == nan_from and finding["callback"] == "anomaly"
+        assert "`nonfinite_loss`" in markdown
+    console = " ".join(capsys.readouterr().out.split())
+    assert "nothing wrong found" not in console and "1 check(s) failed" in console
+    assert "failed AnomalyMonitor.report_section since step" in console
+    assert [m.split(" failed")[0] for m in failures(messages)] == ["lightning-debug: AnomalyMonitor.report_section"]

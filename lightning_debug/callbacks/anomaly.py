@@ -4,8 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config import AnomalyMode, AnomalyModeName, DebugConfig, DebugLevel, DebugLevelName
-from lightning_debug.monitors.anomaly import AnomalyMonitor
+from lightning_debug.config import AnomalyMode, AnomalyModeName, Area, DebugConfig, DebugLevel, DebugLevelName
 
 
 class AnomalyDetectionCallback(DebugCallback):
@@ -49,7 +48,7 @@ class AnomalyDetectionCallback(DebugCallback):
         ...                      max_steps=1, logger=False, enable_progress_bar=False)
     """
 
-    own_fields = ("anomaly_detection_mode", "anomaly_check_frequency")
+    area = Area.ANOMALY
 
     def __init__(
         self,
@@ -64,6 +63,3 @@ class AnomalyDetectionCallback(DebugCallback):
         super().__init__(config, anomaly_detection_mode=anomaly_detection_mode,
                          anomaly_check_frequency=anomaly_check_frequency, level=level,
                          save_debug_info=save_debug_info, debug_output_dir=debug_output_dir)
-
-    def make_monitor(self) -> AnomalyMonitor:
-        return AnomalyMonitor(self.config, type(self).__name__)

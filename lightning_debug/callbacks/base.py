@@ -17,10 +17,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_debug.config import DebugConfig, rejects_unknown_keywords, resolve_config
+from lightning_debug.config import Area, DebugConfig, rejects_unknown_keywords, resolve_config
+from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, guarded
 from lightning_debug.core.monitor import Decision, Monitor
-from lightning_debug.monitors import companion_monitors, run_monitors
+from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.run import Run
 from lightning_debug.callbacks.context import LightningContext
 
@@ -39,10 +40,15 @@ class DebugCallback(Callback):
     training.
     """
 
+    area: ClassVar[Area]
     own_fields: ClassVar[tuple[str, ...]] = ()
+    """The fields of its area's row in the table of areas (:data:`~lightning_debug.monitors.AREA_SPECS`) that
+    tell two callbacks of one class apart (the ``state_key``); set from ``area``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "area" in cls.__dict__:
+            cls.own_fields = AREA_SPECS[cls.area].settings
         if "__init__" in cls.__dict__:
             cls.__init__ = rejects_unknown_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
@@ -56,7 +62,8 @@ class DebugCallback(Callback):
         self._failures = Failures()
 
     def make_monitor(self) -> Monitor:
-        raise NotImplementedError
+        """A fresh monitor of this callback's area (its row in the table of areas)."""
+        return AREA_SPECS[self.area].build(self.config, type(self).__name__)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__, _run=None, _leads=False, _run_monitors=[])
@@ -175,16 +182,15 @@ class DebugCallback(Callback):
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._run is not None:
             if self._leads:
-                self._run.finish("finished", trainer.global_step)
+                self._run.finish(RunStatus.FINISHED, trainer.global_step)
             self._leave()
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if self._run is None:
             return
         if self._leads:
-            status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
             self._run.exception(trainer.global_step, exception)
-            self._run.finish(status, trainer.global_step, f"{type(exception).__name__}: {exception}")
+            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {exception}")
         self._leave()
 
     # --- resume ---------------------------------------------------------------------------------

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config import DebugConfig, DebugLevel, DebugLevelName
-from lightning_debug.monitors.gradients import GradientMonitor
+from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
 
 
 class GradientHealthCallback(DebugCallback):
@@ -52,7 +51,7 @@ class GradientHealthCallback(DebugCallback):
         ...                      max_steps=1, logger=False, enable_progress_bar=False)
     """
 
-    own_fields = ("gradient_checking_frequency",)
+    area = Area.GRADIENTS
 
     def __init__(
         self,
@@ -73,6 +72,3 @@ class GradientHealthCallback(DebugCallback):
                          gradient_vanishing_threshold=gradient_vanishing_threshold, log_gradients=log_gradients,
                          log_activations=log_activations, log_weights=log_weights, level=level,
                          save_debug_info=save_debug_info, debug_output_dir=debug_output_dir)
-
-    def make_monitor(self) -> GradientMonitor:
-        return GradientMonitor(self.config, type(self).__name__)

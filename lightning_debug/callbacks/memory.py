@@ -4,8 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config import DebugConfig, DebugLevel, DebugLevelName
-from lightning_debug.monitors.memory import MemoryMonitor
+from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
 
 
 class MemoryProfilerCallback(DebugCallback):
@@ -40,7 +39,7 @@ class MemoryProfilerCallback(DebugCallback):
         ...                      max_steps=1, logger=False, enable_progress_bar=False)
     """
 
-    own_fields = ("memory_profiling_frequency",)
+    area = Area.MEMORY
 
     def __init__(
         self,
@@ -56,6 +55,3 @@ class MemoryProfilerCallback(DebugCallback):
         super().__init__(config, memory_profiling_frequency=memory_profiling_frequency, log_memory=log_memory,
                          level=level, save_debug_info=save_debug_info, debug_output_dir=debug_output_dir,
                          memory_high_fraction=memory_high_fraction)
-
-    def make_monitor(self) -> MemoryMonitor:
-        return MemoryMonitor(self.config, type(self).__name__)

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config import DebugConfig, DebugLevel, DebugLevelName
-from lightning_debug.monitors.performance import PerformanceMonitor
+from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.core.monitor import Monitor
+from lightning_debug.monitors import AREA_SPECS
 
 
 class PerformanceProfilerCallback(DebugCallback):
@@ -50,7 +51,7 @@ class PerformanceProfilerCallback(DebugCallback):
         >>> trainer = pl.Trainer(callbacks=[callback], max_steps=1, logger=False, enable_progress_bar=False)
     """
 
-    own_fields = ("performance_profiling_frequency",)
+    area = Area.PERFORMANCE
 
     def __init__(
         self,
@@ -74,6 +75,6 @@ class PerformanceProfilerCallback(DebugCallback):
                          debug_output_dir=debug_output_dir, slow_step_factor=slow_step_factor,
                          dataloader_bottleneck_share=dataloader_bottleneck_share, profile_steps=profile_steps)
 
-    def make_monitor(self) -> PerformanceMonitor:
-        return PerformanceMonitor(self.config, type(self).__name__, batch_size_fn=self.batch_size_fn,
-                                  tokens_fn=self.tokens_fn)
+    def make_monitor(self) -> Monitor:
+        return AREA_SPECS[self.area].build(self.config, type(self).__name__, batch_size_fn=self.batch_size_fn,
+                                           tokens_fn=self.tokens_fn)

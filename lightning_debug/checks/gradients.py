@@ -140,24 +140,48 @@ def round_significant(value: float, digits: int = 2) -> float:
     return round(value, digits - 1 - int(math.floor(math.log10(abs(value)))))
 
 
-def suggest_clip_value(healthy_norms: Sequence[float], threshold: float, quantile: float = 0.9,
-                       minimum_history: int = 3) -> tuple[float, str]:
+def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, quantile: float = 0.9,
+                       minimum_history: int = 3) -> tuple[float | None, str]:
     """A ``gradient_clip_val`` taken from the run's own recent healthy global norms.
 
     Clipping at a high quantile of the norms a run has when it is healthy leaves normal steps
-    alone and caps the spikes. Without enough history it falls back to the explosion threshold.
-    Returns the value and a sentence saying where it comes from.
+    alone and caps the spikes. Without enough history it falls back to the user's
+    ``gradient_explosion_threshold`` when one is set, and suggests no value (None) otherwise: a
+    fixed number nobody chose would be a guess. Returns the value and a sentence saying where it
+    comes from (or why there is none).
 
     Example::
 
-        >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=10.0)
+        >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
         (4.0, '90th percentile of the last 4 healthy global gradient norms')
         >>> suggest_clip_value([], threshold=10.0)[0]
         10.0
+        >>> suggest_clip_value([1.0], threshold=None)
+        (None, 'too few healthy check steps yet to learn a clip value from')
     """
     finite = sorted(v for v in healthy_norms if math.isfinite(v))
     if len(finite) < minimum_history:
+        if threshold is None:
+            return None, "too few healthy check steps yet to learn a clip value from"
         return threshold, "the gradient_explosion_threshold; too few healthy check steps yet to learn from"
     value = finite[min(len(finite) - 1, int(quantile * len(finite)))]
     return (round_significant(value),
             f"{round(quantile * 100)}th percentile of the last {len(finite)} healthy global gradient norms")
+
+
+def clip_advice(clip: float | None, basis: str) -> str:
+    """The fix an ``exploding_grad`` message gives when the loop does not clip: the suggested value, or
+    clipping in general when there is none yet.
+
+    Example::
+
+        >>> clip_advice(4.0, "the 90th percentile").split(" or ")[0]
+        'Clip the gradient norm at 4 (the 90th percentile): Trainer(gradient_clip_val=4)'
+        >>> clip_advice(None, "too few healthy check steps").split(" or ")[0]
+        'Clip the gradient norm (no value suggested: too few healthy check steps): Trainer(gradient_clip_val=...)'
+    """
+    how = ("torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
+           "initialization.")
+    if clip is None:
+        return f"Clip the gradient norm (no value suggested: {basis}): Trainer(gradient_clip_val=...) or {how}"
+    return f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or {how}"

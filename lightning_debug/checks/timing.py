@@ -9,6 +9,7 @@ is the truth and is read at once. Nothing here knows about Lightning or Accelera
 
 from __future__ import annotations
 
+import enum
 import os
 import threading
 import time
@@ -19,7 +20,24 @@ from typing import Any, Union
 
 import torch
 
-PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class Phase(str, enum.Enum):
+    """The phases that tile one optimizer step, in order; the value names them in events and metrics.
+
+    Example::
+
+        >>> [phase.value for phase in Phase], Phase("forward") is Phase.FORWARD
+        (['data', 'forward', 'backward', 'optimizer'], True)
+    """
+
+    DATA = "data"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
 Mark = Union[float, "torch.cuda.Event"]
 
 
@@ -130,14 +148,14 @@ class StepTimes:
     """
 
     step: int
-    phases: dict[str, float]
+    phases: dict[Phase, float]
     samples: int | None = None
     tokens: int | None = None
     micro_batches: int = 1
     own_ms: float = 0.0
-    cpu_waits: dict[str, float] = dataclasses.field(default_factory=dict)
+    cpu_waits: dict[Phase, float] = dataclasses.field(default_factory=dict)
 
-    def judged(self, phase: str) -> float:
+    def judged(self, phase: Phase) -> float:
         return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
 
     @property
@@ -170,20 +188,20 @@ class PhaseTimer:
     Example::
 
         >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
-        >>> for phase in ("forward", "backward", "optimizer"):
+        >>> for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
         ...     _ = timer.enter(phase)
         >>> _ = timer.stop()
         >>> times = timer.read()
-        >>> times.step, sorted(times.phases), times.step_ms >= times.phases["forward"]
-        (4, ['backward', 'data', 'forward', 'optimizer'], True)
+        >>> times.step, [phase.value for phase in times.phases], times.step_ms >= times.phases[Phase.FORWARD]
+        (4, ['data', 'forward', 'backward', 'optimizer'], True)
     """
 
     def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None, start_own: float | None = None,
                  start_wait: float | None = None) -> None:
         self.stopwatch = stopwatch
         self.step = step
-        self.intervals: list[tuple[str, Mark, Mark, float, float]] = []
-        self.current: str | None = "data" if start is not None else None
+        self.intervals: list[tuple[Phase, Mark, Mark, float, float]] = []
+        self.current: Phase | None = Phase.DATA if start is not None else None
         self.since: Mark | None = start
         self.since_own = stopwatch.own() if start_own is None else start_own
         self.since_wait = stopwatch.cpu_wait() if start_wait is None else start_wait
@@ -196,15 +214,16 @@ class PhaseTimer:
         self.excluded = False
         self.where: dict[str, int] = {}
 
-    def enter(self, phase: str) -> Mark:
+    def enter(self, phase: Phase | str) -> Mark:
+        phase = Phase(phase)
         mark = self.stopwatch.mark()
         own, wait = self.stopwatch.own(), self.stopwatch.cpu_wait()
         if self.current is not None and self.since is not None:
             self.intervals.append((self.current, self.since, mark, own - self.since_own, wait - self.since_wait))
         self.current, self.since, self.since_own, self.since_wait = phase, mark, own, wait
-        if phase == "optimizer":
+        if phase is Phase.OPTIMIZER:
             self.saw_optimizer = True
-        elif phase == "forward":
+        elif phase is Phase.FORWARD:
             self.micro_batches += 1
         return mark
 
@@ -213,7 +232,7 @@ class PhaseTimer:
         self.since, self.since_own, self.since_wait = self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait()
 
     def stop(self) -> Mark:
-        self.last_stop = self.enter("data")
+        self.last_stop = self.enter(Phase.DATA)
         self._closed = len(self.intervals)
         return self.last_stop
 
@@ -223,7 +242,7 @@ class PhaseTimer:
             self.tokens = (self.tokens or 0) + tokens
 
     @property
-    def closed_intervals(self) -> list[tuple[str, Mark, Mark, float, float]]:
+    def closed_intervals(self) -> list[tuple[Phase, Mark, Mark, float, float]]:
         """The intervals up to the last batch end (the trailing data wait belongs to the next step)."""
         return self.intervals[: self._closed]
 

@@ -16,7 +16,10 @@ Example::
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any
+
+from lightning_debug.config import Area
 
 
 class Severity(str, enum.Enum):
@@ -116,85 +119,211 @@ class ErrorCategory(str, enum.Enum):
         return self.value
 
 
-COMMON_CAUSES = {
-    Kind.NONFINITE_LOSS: "log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
-                         "a learning rate too high, NaN in the input batch",
-}
+_NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
+                          "a learning rate too high, NaN in the input batch")
 
-ADVICE: dict[Kind, str] = {
-    Kind.NONFINITE_LOSS: f"Find the operation that produces it: a {COMMON_CAUSES[Kind.NONFINITE_LOSS]}. "
-                         "`level: ADVANCED` replays the step to name the operation and its source line; "
-                         "`anomaly_detection_mode: skip` keeps training past rare bad batches.",
-    Kind.NONFINITE_GRAD: "With a finite loss the backward pass is at fault (sqrt/pow/norm at 0, division by a tiny "
-                         "value, an overflow): clamp inputs of those operations, clip gradients "
-                         "(`Trainer(gradient_clip_val=1.0)`), lower the learning rate.",
-    Kind.NONFINITE_PARAM: "The weights are already broken; skipping steps cannot repair them. Restart from the last "
-                          "good checkpoint with a lower learning rate, gradient clipping, and check weight decay and "
-                          "fp16 loss scaling.",
-    Kind.NONFINITE_ACTIVATION: "A layer's output is not finite: look at the named module's inputs and its "
-                               "normalisation; clamp or add epsilons where it divides, logs or exponentiates.",
-    Kind.AMP_OVERFLOW_SKIPPED: "Nothing to do unless it happens on most steps; then values overflow fp16: scale "
-                               "inputs down or train in bf16.",
-    Kind.EXPLODING_GRAD: "Clip gradients (`Trainer(gradient_clip_val=...)`, see the suggestion under Gradient "
-                         "health), lower the learning rate, use a learning-rate warm-up, check initialisation and "
-                         "normalisation.",
-    Kind.VANISHING_GRAD: "Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
-                         "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
-                         "the loss is not detached or scaled to nothing.",
-    Kind.MISSING_GRAD: "A trainable parameter got no gradient: a layer defined but not used in forward, a branch cut "
-                       "by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of the loss. Use it, remove "
-                       "it, or set `requires_grad=False` (under DDP it also needs `find_unused_parameters`).",
-    Kind.FROZEN_PARAM: "The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
-                       "for a learning rate of 0, or set `requires_grad=False` if they are frozen on purpose.",
-    Kind.MEMORY_GROWTH: "Memory grows step after step: a tensor kept across steps together with its graph "
-                        "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
-                        "only grows, or gradients accumulated without `zero_grad()`.",
-    Kind.MEMORY_HIGH: "Close to the limit: reduce the batch size, accumulate gradients, use mixed precision or "
-                      "activation checkpointing, and free tensors you keep between steps.",
-    Kind.OOM: "Out of memory: see the post-mortem for what held the memory; reduce the batch size, accumulate "
-              "gradients, use mixed precision or activation checkpointing.",
-    Kind.SLOW_STEP: "See which phase was slow (data, forward, backward, optimizer): a checkpoint save, garbage "
-                    "collection, validation, or a host sync; `profile_steps` records a torch.profiler trace.",
-    Kind.DATALOADER_BOTTLENECK: "The model waits for data: raise `num_workers`, set `pin_memory=True` on GPU and "
-                                "`persistent_workers=True`, and move heavy preprocessing out of `__getitem__`.",
-    Kind.STRAGGLER_RANK: "One rank is consistently slower: check its data shard, its device (clocks, temperature) "
-                         "and other jobs on that node.",
-    Kind.HOST_SYNC: "Keep values on the device inside the step: log tensors instead of `.item()`, and do not print "
-                    "or branch on tensor values.",
-    Kind.PROFILER_TRACE: "Open the trace in https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler "
-                         "plugin; the top operators are listed below.",
-    Kind.NONFINITE_BUFFER: "Module buffers (BatchNorm running statistics) hold NaN/Inf: evaluation uses them, so "
-                           "every validation loss is NaN. Restart from a checkpoint or call "
-                           "`module.reset_running_stats()`; with `anomaly_detection_mode='skip'` check every step "
-                           "(`anomaly_check_frequency=1`) so that a NaN batch's forward is undone.",
-    Kind.NONFINITE_INPUT: "The data holds NaN/Inf before the model sees it: find the samples named in the event "
-                          "(a missing value, a division by a zero std in normalisation, a corrupt file), clean or drop "
-                          "them, or guard with torch.nan_to_num in the dataset.",
-    Kind.DEAD_ACTIVATION: "The layer outputs (almost) only zeros, so no gradient flows through it: usually a large "
-                          "negative bias or a too-large step pushed every pre-activation below zero. Use Kaiming "
-                          "initialisation, normalisation before the activation, a lower learning rate (or a warm-up), "
-                          "or LeakyReLU/GELU.",
-    Kind.SATURATED_ACTIVATION: "The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
-                               "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
-                               "lower the learning rate, or use ReLU/GELU in hidden layers.",
-    Kind.EVAL_MODE_IN_TRAINING: "Dropout and BatchNorm of these modules behave as in inference during training "
-                                "(no dropout, frozen running statistics). Call `model.train()` after evaluating, and "
-                                "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
-                                "intended, freeze their parameters too (`requires_grad_(False)`).",
-    Kind.GRAD_NOT_ZEROED: "Gradients accumulate across optimizer steps, so each update uses the sum of all past "
-                          "gradients: call `optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
-    Kind.EXCEPTION: "The step raised; report.md's \"Runtime error\" section says what the plugin could name (the "
-                    "module, the shapes, devices or parameters involved) and the fix for that kind of error.",
-    Kind.LOSS_SPIKE: "The loss jumped far above its recent level, usually the first sign of a learning rate that is "
-                     "too high: lower it (often 10x), add a learning-rate warm-up, clip gradients "
-                     "(`Trainer(gradient_clip_val=1.0)`); if it happens on single batches, look at those batches.",
-    Kind.LOSS_DIVERGENCE: "The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
-                          "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
-                          "`zero_grad()` runs every step.",
-    Kind.UPDATE_RATIO_HIGH: "One optimizer step changes these weights by more than their own size (a healthy ratio "
-                            "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
-                            "it, add a warm-up, clip gradients.",
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything said about one kind of finding, in one place.
+
+    ``area`` is the area whose monitor writes it; ``severity`` the severity it is written with (None when
+    it depends on what was found); ``advice`` what to do (report.md), ``hint`` its one-line console
+    version; ``common_causes`` the usual culprits; ``causal_rank`` where it sits in the chain a NaN
+    flows along within one step (see :data:`CAUSAL_ORDER`), None outside it.
+
+    Example::
+
+        >>> spec = KIND_SPECS[Kind.EXPLODING_GRAD]
+        >>> spec.area, spec.severity, spec.causal_rank
+        (<Area.GRADIENTS: 'gradients'>, <Severity.WARNING: 'warning'>, None)
+    """
+
+    area: Area
+    severity: Severity | None = None
+    advice: str | None = None
+    hint: str | None = None
+    common_causes: str | None = None
+    causal_rank: int | None = None
+
+
+KIND_SPECS: dict[Kind, KindSpec] = {
+    Kind.NONFINITE_LOSS: KindSpec(
+        Area.ANOMALY, Severity.ERROR,
+        advice=f"Find the operation that produces it: a {_NONFINITE_LOSS_CAUSES}. "
+               "`level: ADVANCED` replays the step to name the operation and its source line; "
+               "`anomaly_detection_mode: skip` keeps training past rare bad batches.",
+        hint="clamp or add an epsilon before log/div/sqrt; level=ADVANCED names the operation",
+        common_causes=_NONFINITE_LOSS_CAUSES,
+        causal_rank=2),
+    Kind.NONFINITE_GRAD: KindSpec(
+        Area.ANOMALY, Severity.ERROR,
+        advice="With a finite loss the backward pass is at fault (sqrt/pow/norm at 0, division by a tiny "
+               "value, an overflow): clamp inputs of those operations, clip gradients "
+               "(`Trainer(gradient_clip_val=1.0)`), lower the learning rate.",
+        hint="the backward is at fault: epsilon inside sqrt/pow/norm, clip gradients",
+        causal_rank=3),
+    Kind.NONFINITE_PARAM: KindSpec(
+        Area.ANOMALY, Severity.CRITICAL,
+        advice="The weights are already broken; skipping steps cannot repair them. Restart from the last "
+               "good checkpoint with a lower learning rate, gradient clipping, and check weight decay and "
+               "fp16 loss scaling.",
+        hint="the weights are broken: restart from a checkpoint with a lower learning rate",
+        causal_rank=4),
+    Kind.NONFINITE_ACTIVATION: KindSpec(
+        Area.ANOMALY, Severity.ERROR,
+        advice="A layer's output is not finite: look at the named module's inputs and its "
+               "normalisation; clamp or add epsilons where it divides, logs or exponentiates.",
+        hint="look at that module's inputs; clamp or add epsilons",
+        causal_rank=1),
+    Kind.NONFINITE_BUFFER: KindSpec(
+        Area.ANOMALY, Severity.CRITICAL,
+        advice="Module buffers (BatchNorm running statistics) hold NaN/Inf: evaluation uses them, so "
+               "every validation loss is NaN. Restart from a checkpoint or call "
+               "`module.reset_running_stats()`; with `anomaly_detection_mode='skip'` check every step "
+               "(`anomaly_check_frequency=1`) so that a NaN batch's forward is undone.",
+        hint="restart from a checkpoint or reset_running_stats(); check every step with skip",
+        causal_rank=4),
+    Kind.AMP_OVERFLOW_SKIPPED: KindSpec(
+        Area.ANOMALY, Severity.INFO,
+        advice="Nothing to do unless it happens on most steps; then values overflow fp16: scale "
+               "inputs down or train in bf16.",
+        hint="expected with fp16 unless it happens on most steps"),
+    Kind.EXPLODING_GRAD: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="Clip gradients (`Trainer(gradient_clip_val=...)`, see the suggestion under Gradient "
+               "health), lower the learning rate, use a learning-rate warm-up, check initialisation and "
+               "normalisation.",
+        hint="clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate"),
+    Kind.VANISHING_GRAD: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
+               "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
+               "the loss is not detached or scaled to nothing.",
+        hint="ReLU/GELU, a better initialisation, normalisation or residual connections"),
+    Kind.MISSING_GRAD: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="A trainable parameter got no gradient: a layer defined but not used in forward, a branch cut "
+               "by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of the loss. Use it, remove "
+               "it, or set `requires_grad=False` (under DDP it also needs `find_unused_parameters`).",
+        hint="use the layer, remove it, or requires_grad_(False)"),
+    Kind.FROZEN_PARAM: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
+               "for a learning rate of 0, or set `requires_grad=False` if they are frozen on purpose.",
+        hint="add them to the optimizer, or check for a learning rate of 0"),
+    Kind.REQUIRES_GRAD_FALSE: KindSpec(
+        Area.GRADIENTS, Severity.INFO),
+    Kind.MEMORY_GROWTH: KindSpec(
+        Area.MEMORY, Severity.WARNING,
+        advice="Memory grows step after step: a tensor kept across steps together with its graph "
+               "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
+               "only grows, or gradients accumulated without `zero_grad()`.",
+        hint="a tensor kept with its graph? keep loss.item() or loss.detach()"),
+    Kind.MEMORY_HIGH: KindSpec(
+        Area.MEMORY, Severity.WARNING,
+        advice="Close to the limit: reduce the batch size, accumulate gradients, use mixed precision or "
+               "activation checkpointing, and free tensors you keep between steps.",
+        hint="smaller batch, gradient accumulation, mixed precision"),
+    Kind.OOM: KindSpec(
+        Area.MEMORY, Severity.CRITICAL,
+        advice="Out of memory: see the post-mortem for what held the memory; reduce the batch size, accumulate "
+               "gradients, use mixed precision or activation checkpointing.",
+        hint="see the post-mortem; smaller batch, mixed precision, checkpointing"),
+    Kind.SLOW_STEP: KindSpec(
+        Area.PERFORMANCE, Severity.WARNING,
+        advice="See which phase was slow (data, forward, backward, optimizer): a checkpoint save, garbage "
+               "collection, validation, or a host sync; `profile_steps` records a torch.profiler trace.",
+        hint="see the slow phase; profile_steps records a torch.profiler trace"),
+    Kind.DATALOADER_BOTTLENECK: KindSpec(
+        Area.PERFORMANCE, Severity.WARNING,
+        advice="The model waits for data: raise `num_workers`, set `pin_memory=True` on GPU and "
+               "`persistent_workers=True`, and move heavy preprocessing out of `__getitem__`.",
+        hint="raise num_workers; pin_memory and persistent_workers"),
+    Kind.STRAGGLER_RANK: KindSpec(
+        Area.PERFORMANCE, Severity.WARNING,
+        advice="One rank is consistently slower: check its data shard, its device (clocks, temperature) "
+               "and other jobs on that node.",
+        hint="check that rank's data shard, device and node"),
+    Kind.HOST_SYNC: KindSpec(
+        Area.PERFORMANCE, Severity.WARNING,
+        advice="Keep values on the device inside the step: log tensors instead of `.item()`, and do not print "
+               "or branch on tensor values.",
+        hint="keep values on the device inside the step (no .item())"),
+    Kind.PROFILER_TRACE: KindSpec(
+        Area.PERFORMANCE, Severity.INFO,
+        advice="Open the trace in https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler "
+               "plugin; the top operators are listed below.",
+        hint="open it in https://ui.perfetto.dev"),
+    Kind.NONFINITE_INPUT: KindSpec(
+        Area.ANOMALY, Severity.ERROR,
+        advice="The data holds NaN/Inf before the model sees it: find the samples named in the event "
+               "(a missing value, a division by a zero std in normalisation, a corrupt file), clean or drop "
+               "them, or guard with torch.nan_to_num in the dataset.",
+        hint="clean or drop those samples; check the normalisation (a zero std)",
+        causal_rank=0),
+    Kind.DEAD_ACTIVATION: KindSpec(
+        Area.ACTIVATIONS, Severity.WARNING,
+        advice="The layer outputs (almost) only zeros, so no gradient flows through it: usually a large "
+               "negative bias or a too-large step pushed every pre-activation below zero. Use Kaiming "
+               "initialisation, normalisation before the activation, a lower learning rate (or a warm-up), "
+               "or LeakyReLU/GELU.",
+        hint="lower the learning rate, check the bias init, or use LeakyReLU/GELU"),
+    Kind.SATURATED_ACTIVATION: KindSpec(
+        Area.ACTIVATIONS, Severity.WARNING,
+        advice="The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
+               "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
+               "lower the learning rate, or use ReLU/GELU in hidden layers.",
+        hint="normalise the inputs, a better initialisation, or ReLU/GELU"),
+    Kind.EVAL_MODE_IN_TRAINING: KindSpec(
+        Area.LOOP, Severity.WARNING,
+        advice="Dropout and BatchNorm of these modules behave as in inference during training "
+               "(no dropout, frozen running statistics). Call `model.train()` after evaluating, and "
+               "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
+               "intended, freeze their parameters too (`requires_grad_(False)`).",
+        hint="call .train() on it, unless it is frozen on purpose"),
+    Kind.GRAD_NOT_ZEROED: KindSpec(
+        Area.LOOP, Severity.ERROR,
+        advice="Gradients accumulate across optimizer steps, so each update uses the sum of all past "
+               "gradients: call `optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
+        hint="call optimizer.zero_grad() once per optimizer step"),
+    Kind.EXCEPTION: KindSpec(
+        Area.ERRORS, Severity.ERROR,
+        advice="The step raised; report.md's \"Runtime error\" section says what the plugin could name (the "
+               "module, the shapes, devices or parameters involved) and the fix for that kind of error.",
+        hint="see the explanation in report.md; your exception is raised unchanged"),
+    Kind.LOSS_SPIKE: KindSpec(
+        Area.ANOMALY, Severity.WARNING,
+        advice="The loss jumped far above its recent level, usually the first sign of a learning rate that is "
+               "too high: lower it (often 10x), add a learning-rate warm-up, clip gradients "
+               "(`Trainer(gradient_clip_val=1.0)`); if it happens on single batches, look at those batches.",
+        hint="lower the learning rate, add a warm-up, clip gradients"),
+    Kind.LOSS_DIVERGENCE: KindSpec(
+        Area.ANOMALY, Severity.WARNING,
+        advice="The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
+               "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
+               "`zero_grad()` runs every step.",
+        hint="lower the learning rate, add a warm-up, clip gradients"),
+    Kind.UPDATE_RATIO_HIGH: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="One optimizer step changes these weights by more than their own size (a healthy ratio "
+               "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
+               "it, add a warm-up, clip gradients.",
+        hint="the learning rate is far too high: lower it, add a warm-up"),
 }
+"""The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
+views of it."""
+
+ADVICE: dict[Kind, str] = {kind: spec.advice for kind, spec in KIND_SPECS.items() if spec.advice is not None}
+HINTS: dict[Kind, str] = {kind: spec.hint for kind, spec in KIND_SPECS.items() if spec.hint is not None}
+"""The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
+COMMON_CAUSES: dict[Kind, str] = {kind: spec.common_causes for kind, spec in KIND_SPECS.items()
+                                  if spec.common_causes is not None}
+CAUSAL_ORDER: dict[Kind, int] = {kind: spec.causal_rank for kind, spec in KIND_SPECS.items()
+                                 if spec.causal_rank is not None}
+"""Within one step a NaN flows input batch -> activation -> loss -> gradient -> parameter: the report lists
+findings of the same step in this order, so the root cause comes before what follows from it."""
+
 
 ERROR_ADVICE: dict[ErrorCategory, str] = {
     ErrorCategory.SHAPE_MISMATCH: "Make the shapes agree where it failed: flatten (`x.view(x.size(0), -1)`), "
@@ -236,44 +365,6 @@ ERROR_ADVICE: dict[ErrorCategory, str] = {
                        "checkpointing.",
     ErrorCategory.OTHER: "The traceback and the module named here show where it happened.",
 }
-
-
-HINTS: dict[Kind, str] = {
-    Kind.NONFINITE_LOSS: "clamp or add an epsilon before log/div/sqrt; level=ADVANCED names the operation",
-    Kind.NONFINITE_GRAD: "the backward is at fault: epsilon inside sqrt/pow/norm, clip gradients",
-    Kind.NONFINITE_PARAM: "the weights are broken: restart from a checkpoint with a lower learning rate",
-    Kind.NONFINITE_ACTIVATION: "look at that module's inputs; clamp or add epsilons",
-    Kind.AMP_OVERFLOW_SKIPPED: "expected with fp16 unless it happens on most steps",
-    Kind.EXPLODING_GRAD: "clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate",
-    Kind.VANISHING_GRAD: "ReLU/GELU, a better initialisation, normalisation or residual connections",
-    Kind.MISSING_GRAD: "use the layer, remove it, or requires_grad_(False)",
-    Kind.FROZEN_PARAM: "add them to the optimizer, or check for a learning rate of 0",
-    Kind.MEMORY_GROWTH: "a tensor kept with its graph? keep loss.item() or loss.detach()",
-    Kind.MEMORY_HIGH: "smaller batch, gradient accumulation, mixed precision",
-    Kind.OOM: "see the post-mortem; smaller batch, mixed precision, checkpointing",
-    Kind.SLOW_STEP: "see the slow phase; profile_steps records a torch.profiler trace",
-    Kind.DATALOADER_BOTTLENECK: "raise num_workers; pin_memory and persistent_workers",
-    Kind.STRAGGLER_RANK: "check that rank's data shard, device and node",
-    Kind.HOST_SYNC: "keep values on the device inside the step (no .item())",
-    Kind.PROFILER_TRACE: "open it in https://ui.perfetto.dev",
-    Kind.NONFINITE_INPUT: "clean or drop those samples; check the normalisation (a zero std)",
-    Kind.NONFINITE_BUFFER: "restart from a checkpoint or reset_running_stats(); check every step with skip",
-    Kind.DEAD_ACTIVATION: "lower the learning rate, check the bias init, or use LeakyReLU/GELU",
-    Kind.SATURATED_ACTIVATION: "normalise the inputs, a better initialisation, or ReLU/GELU",
-    Kind.EVAL_MODE_IN_TRAINING: "call .train() on it, unless it is frozen on purpose",
-    Kind.GRAD_NOT_ZEROED: "call optimizer.zero_grad() once per optimizer step",
-    Kind.EXCEPTION: "see the explanation in report.md; your exception is raised unchanged",
-    Kind.LOSS_SPIKE: "lower the learning rate, add a warm-up, clip gradients",
-    Kind.LOSS_DIVERGENCE: "lower the learning rate, add a warm-up, clip gradients",
-    Kind.UPDATE_RATIO_HIGH: "the learning rate is far too high: lower it, add a warm-up",
-}
-"""The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
-
-
-CAUSAL_ORDER = {Kind.NONFINITE_INPUT: 0, Kind.NONFINITE_ACTIVATION: 1, Kind.NONFINITE_LOSS: 2,
-                Kind.NONFINITE_GRAD: 3, Kind.NONFINITE_PARAM: 4, Kind.NONFINITE_BUFFER: 4}
-"""Within one step a NaN flows input batch -> activation -> loss -> gradient -> parameter: the report lists
-findings of the same step in this order, so the root cause comes before what follows from it."""
 
 
 def causal_rank(kind: Any) -> int:

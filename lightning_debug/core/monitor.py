@@ -3,33 +3,32 @@
 A monitor holds one area's state (anomaly, gradients, memory, performance) and turns
 measurements into findings, scalars and a report section. It never sees Lightning or
 Accelerate: the run (:class:`lightning_debug.run.Run`) calls the same small set of events on
-every monitor that declares it needs them (:class:`Event`), with a :class:`RunContext` that the
-framework adapter filled in. So each check has one implementation, driven identically from a
-Lightning callback, an Accelerate loop or a hand-written loop.
+every monitor that declares it needs them (:class:`Event`), with a
+:class:`~lightning_debug.core.context.RunContext` (re-exported here) that the framework adapter
+filled in. So each check has one implementation, driven identically from a Lightning callback, an
+Accelerate loop or a hand-written loop.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.context import HistogramWriter as HistogramWriter  # re-exported
+from lightning_debug.core.context import Replay as Replay  # re-exported
+from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
 from lightning_debug.core.guard import notify
 from lightning_debug.core.kinds import Kind, Severity
-from lightning_debug.core.metrics import MetricsSink
+from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.session import Session, Where
-from lightning_debug.core.step_numerics import AllGather, AllReduce, NumericsQueue, StepNumerics
+from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
 
-HistogramWriter = Callable[[str, dict[str, Any], int], None]
-Replay = Callable[[Any], "torch.Tensor | None"]
 NumericsSource = Callable[[], StepNumerics]
 
 
@@ -57,102 +56,6 @@ class Decision(enum.IntEnum):
     STOP = 2
 
 
-class RunContext:
-    """What a training framework tells a run: where files go, who writes, how to reach the model.
-
-    The Lightning and Accelerate adapters each fill one in; the defaults describe a single process
-    that writes no files and logs nowhere, which is what a hand-written loop or a test starts from.
-    """
-
-    output_dir: Path | None = None
-    run_id: str | None = None
-    is_global_zero: bool = True
-    world_size: int = 1
-    rank: int = 0
-    # Plain (non-DTensor) parameters are per-rank shards: FSDP1 flat parameters, DeepSpeed ZeRO.
-    grads_sharded: bool = False
-    uses_grad_scaler: bool = False
-    log_every_n_steps: int | None = None
-    """The framework's logging cadence for scalars (None: every check step; 0: none)."""
-    optimizer_index: int | None = None
-    """With several optimizers, the position in :meth:`optimizers` of the one being stepped (set by the
-    run at ``before_optimizer_step``; events then carry it as ``optimizer``); None otherwise."""
-
-    def device(self) -> torch.device | None:
-        return None
-
-    def module(self) -> nn.Module | None:
-        return None
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        module = self.module()
-        return module.named_parameters() if module is not None else iter(())
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The param groups of every optimizer of the run."""
-        return []
-
-    def optimizers(self) -> list[Any]:
-        """The run's optimizers, in the user's order. With more than one, each optimizer step is judged
-        on the parameters that optimizer owns, and its checks count that optimizer's own steps."""
-        return []
-
-    def where(self) -> Where:
-        """The position events are labelled with (epoch, batch index)."""
-        return {"epoch": 0, "batch": 0}
-
-    def metrics_sink(self) -> MetricsSink | None:
-        return None
-
-    def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None] | None:
-        """Where ``DebugConfig.expose_callback_metrics`` puts a few debug values (Lightning: ``callback_metrics``)."""
-        return None
-
-    def artifact_stores(self) -> list[tuple[str, Any, str | None]]:
-        """The loggers' runs that take the report files: ``("wandb", run, None)``, ``("mlflow", client, run_id)``."""
-        return []
-
-    def all_gather(self) -> AllGather | None:
-        """Gathers a 1-d tensor from every rank (``[world, n]``); None on one process."""
-        return None
-
-    def all_reduce(self) -> AllReduce | None:
-        """Sums a tensor over every process in place (``torch.distributed``, the WORLD group); None on one
-        process. The shared gradient pass makes exactly one such call per check step, on every rank."""
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return lambda tensor: dist.all_reduce(tensor)
-        return None
-
-    def histogram_writer(self) -> tuple[HistogramWriter | None, str]:
-        """A writer of raw histograms (TensorBoard), or None and the names of the loggers that cannot."""
-        return None, "no logger"
-
-    def tensorboard_writers(self) -> list[tuple[Any, str | None]]:
-        """TensorBoard ``SummaryWriter`` objects to receive the layout and the events, with their log dirs."""
-        return []
-
-    def grad_scale(self) -> torch.Tensor | None:
-        """The loss scale the gradients still carry at the optimizer step (None once unscaled)."""
-        return None
-
-    def gradient_clipping(self) -> tuple[float, str] | None:
-        """The gradient clipping the loop applies after the checks saw the gradients: ``(value, "norm")`` or
-        ``(value, "value")``, None when it does not clip (or the framework does not say)."""
-        return None
-
-    def train_loader(self) -> Any:
-        return None
-
-    def replay(self) -> Replay | None:
-        """Recomputes the loss of a captured micro-batch (``level=ADVANCED`` localization), or None."""
-        return None
-
-    def replay_scope(self) -> str | None:
-        """What the last replay could not recompute, when the loss lies outside it (None: it recomputed the
-        loss). A replay that reproduces nothing then points there instead of at non-determinism."""
-        return None
-
-
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
 
@@ -164,15 +67,18 @@ class Monitor:
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
     events: ClassVar[frozenset[Event]] = frozenset()
-    frequency_field: ClassVar[str]
+    frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
+    """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
+    from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""
     max_warnings: ClassVar[int] = 10
     episode_grace: ClassVar[int] = 3
     max_episode_events: ClassVar[int] = 25
 
-    def __init__(self, config: DebugConfig, source: str) -> None:
+    def __init__(self, config: DebugConfig, source: str, frequency: int | None = None) -> None:
         self.config = config
         self.source = source
-        self.schedule = CheckSchedule(getattr(config, self.frequency_field))
+        self.frequency = frequency if frequency is not None else self.configured_frequency(config)
+        self.schedule = CheckSchedule(self.frequency)
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
         self._silenced_episodes: set[tuple[str, str]] = set()
@@ -181,16 +87,30 @@ class Monitor:
         self._session: Session | None = None
         self._context: RunContext | None = None
         self._numerics: NumericsQueue | None = None
+        self._ledger: RunLedger | None = None
+
+    @classmethod
+    def configured_frequency(cls, config: DebugConfig) -> int:
+        """How often this monitor checks (optimizer steps) under ``config``, through :attr:`frequency_of`."""
+        if cls.frequency_of is None:
+            raise TypeError(f"{cls.__name__} has no row in the table of areas (lightning_debug.monitors.areas) "
+                            "to read its check frequency from; pass frequency=")
+        return cls.frequency_of(config)
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _session=None, _context=None, _numerics=None)
+        return dict(self.__dict__, _session=None, _context=None, _numerics=None, _ledger=None)
 
     # --- binding --------------------------------------------------------------------------------
     def bind(self, session: Session, context: RunContext, numerics: NumericsQueue) -> None:
         self._session, self._context, self._numerics = session, context, numerics
 
+    def share(self, ledger: RunLedger) -> None:
+        """The run's ledger, where monitors leave facts for each other (bound with the session)."""
+        self._ledger = ledger
+
     def unbind(self) -> None:
         self._session = self._context = self._numerics = None
+        self._ledger = None
 
     @property
     def bound(self) -> bool:
@@ -207,6 +127,12 @@ class Monitor:
         if self._context is None:
             raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
         return self._context
+
+    @property
+    def ledger(self) -> RunLedger:
+        if self._ledger is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return self._ledger
 
     @property
     def numerics(self) -> NumericsQueue:
@@ -344,4 +270,4 @@ class Monitor:
     def report_section(self) -> dict[str, Any]:
         """This area's part of report.json: ``findings`` (the tally), ``stats`` and area data."""
         return {"findings": self.tally.state_dict(),
-                "check_frequency": getattr(self.config, self.frequency_field)}
+                "check_frequency": self.frequency}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import secrets
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,10 +108,6 @@ class Session:
                                      observer=self.timeline.observe_metrics if is_global_zero else None,
                                      exposed=exposed)
         self.document_writer: DocumentWriter | None = None
-        # recent steps a check added work to (activation hooks): their timing is not the user's
-        self.instrumented_steps: deque[int] = deque(maxlen=64)
-        # set by the performance monitor: whether it times a step (so added work can go to another)
-        self.timed_steps: Callable[[int], bool] | None = None
         # the run's own host time (checks, census, replays, logging): step timing leaves it out
         self.own_time = OwnTime()
 

@@ -4,7 +4,8 @@ through the same events in every framework.
 The four callback areas (anomaly, gradients, memory, performance) follow ``DebugConfig.mode``;
 activation statistics come with the gradients area when ``log_activations`` is on
 (:func:`companion_monitors`); the training loop's silent killers and the explained exception come
-once per run whatever areas are on (:func:`run_monitors`)."""
+once per run whatever areas are on (:func:`run_monitors`). Which monitor, settings, companions and
+callback each area has is the one table of areas, :data:`~lightning_debug.monitors.areas.AREA_SPECS`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from typing import Any
 
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.monitor import Monitor
+from lightning_debug.monitors.areas import AREA_SPECS, AreaSpec
+
+__all__ = ["AREA_SPECS", "AreaSpec", "companion_monitors", "monitors_for", "run_monitors"]
 
 
 def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any], int] | None = None,
@@ -24,19 +28,10 @@ def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any]
         >>> [type(m).__name__ for m in monitors_for(DebugConfig(mode="anomaly_detection"), "loop")]
         ['AnomalyMonitor', 'LoopMonitor', 'ErrorMonitor']
     """
-    from lightning_debug.monitors.anomaly import AnomalyMonitor
-    from lightning_debug.monitors.gradients import GradientMonitor
-    from lightning_debug.monitors.memory import MemoryMonitor
-    from lightning_debug.monitors.performance import PerformanceMonitor
-
-    makers: dict[Area, Callable[[], Monitor]] = {
-        Area.ANOMALY: lambda: AnomalyMonitor(config, source),
-        Area.GRADIENTS: lambda: GradientMonitor(config, source),
-        Area.MEMORY: lambda: MemoryMonitor(config, source),
-        Area.PERFORMANCE: lambda: PerformanceMonitor(config, source, batch_size_fn=batch_size_fn, tokens_fn=tokens_fn),
-    }
+    options: dict[Area, dict[str, Any]] = {Area.PERFORMANCE: {"batch_size_fn": batch_size_fn, "tokens_fn": tokens_fn}}
     monitors = [monitor for area in config.areas
-                for monitor in (makers[area](), *companion_monitors(area, config, source))]
+                for monitor in (AREA_SPECS[area].build(config, source, **options.get(area, {})),
+                                *companion_monitors(area, config, source))]
     return monitors + (run_monitors(config, source) if monitors else [])
 
 
@@ -48,16 +43,10 @@ def companion_monitors(area: Area, config: DebugConfig, source: str) -> list[Mon
         >>> [type(m).__name__ for m in companion_monitors(Area.GRADIENTS, DebugConfig(log_activations=True), "loop")]
         ['ActivationMonitor']
     """
-    if area is Area.GRADIENTS and config.log_activations:
-        from lightning_debug.monitors.activations import ActivationMonitor
-
-        return [ActivationMonitor(config, source)]
-    return []
+    companions = (AREA_SPECS[companion] for companion in AREA_SPECS[area].companions)
+    return [spec.build(config, source) for spec in companions if spec.enabled(config)]
 
 
 def run_monitors(config: DebugConfig, source: str) -> list[Monitor]:
     """The monitors a run has once, whatever its areas: the loop's silent killers and the explained exception."""
-    from lightning_debug.monitors.errors import ErrorMonitor
-    from lightning_debug.monitors.loop import LoopMonitor
-
-    return [LoopMonitor(config, source), ErrorMonitor(config, source)]
+    return [spec.build(config, source) for spec in AREA_SPECS.values() if spec.run_wide]

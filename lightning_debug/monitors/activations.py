@@ -108,7 +108,6 @@ class ActivationMonitor(Monitor):
     area = Area.ACTIVATIONS
     kinds = frozenset({Kind.DEAD_ACTIVATION, Kind.SATURATED_ACTIVATION})
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EXCEPTION})
-    frequency_field = "gradient_checking_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
         super().__init__(config, source)
@@ -148,9 +147,9 @@ class ActivationMonitor(Monitor):
             return True
         if not self.due(step):
             return False
-        timed = self.session.timed_steps
-        if timed is not None and timed(step):
-            if not timed(step + 1):
+        ledger = self.ledger
+        if ledger.is_timed(step):
+            if not ledger.is_timed(step + 1):
                 self._deferred = step
                 return False
             self._alternate = not self._alternate
@@ -166,7 +165,7 @@ class ActivationMonitor(Monitor):
             return
         self._instrumented_step, self._where = step, self.context.where()
         self._calls, self._outputs, self._rows, self._histogram_rows = {}, [], [], []
-        self.session.instrumented_steps.append(step)
+        self.ledger.instrument(step)
         for name, module in leaf_modules(model):
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
 

@@ -133,7 +133,6 @@ class ErrorMonitor(Monitor):
     area = Area.ERRORS
     kinds = frozenset({Kind.EXCEPTION})
     events = frozenset({Event.BATCH_START, Event.EXCEPTION})
-    frequency_field = "anomaly_check_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
         super().__init__(config, source)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries, suggest_clip_value
+from lightning_debug.checks.gradients import clip_advice, histogram_from_row, histogram_summaries, suggest_clip_value
 from lightning_debug.checks.numerics import user_name
 from lightning_debug.checks.trends import ABSURD_GRAD_NORM, NORM_JUMP_FACTOR, NormHistory
 from lightning_debug.config import Area, DebugConfig, DebugLevel
@@ -485,7 +485,7 @@ class GradientMonitor(Monitor):
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         high, low = config.gradient_explosion_threshold, config.gradient_vanishing_threshold
-        fixed_high = config.is_given("gradient_explosion_threshold")
+        fixed_high = high is not None
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
         jump_limit = self.recent_norms.limit()
@@ -580,9 +580,7 @@ class GradientMonitor(Monitor):
                    "look at the batch of this step.")
         else:
             clip, basis = suggest_clip_value(list(self.healthy_norms.values), threshold)
-            fix = (f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or "
-                   "torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
-                   "initialization.")
+            fix = clip_advice(clip, basis)
         self.clip_suggestion = {"value": clip, "basis": basis, "step": step}
         self.record(Finding(
             Kind.EXPLODING_GRAD, Severity.WARNING,

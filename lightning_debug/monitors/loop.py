@@ -104,7 +104,6 @@ class LoopMonitor(Monitor):
     kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED})
     events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
-    frequency_field = "gradient_checking_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
         super().__init__(config, source)

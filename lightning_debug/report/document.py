@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_debug._version import __version__
+from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import jsonable
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
@@ -49,7 +50,7 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 
 
-def build_report(*, status: str, step: int, sections: dict[str, dict[str, Any]], config: dict[str, Any],
+def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict[str, Any]], config: dict[str, Any],
                  error: str | None = None, failures: dict[str, Any] | None = None,
                  run_id: str | None = None) -> dict[str, Any]:
     """Merge the monitors' sections into one report.
@@ -75,7 +76,7 @@ def build_report(*, status: str, step: int, sections: dict[str, dict[str, Any]],
         "lightning_debug_version": __version__,
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "run": run_id,
-        "status": status,
+        "status": RunStatus.parse(status).value,
         "error": error,
         "last_step": step,
         "findings": sort_findings(findings),

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import EVENTS_FILENAME
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
@@ -58,7 +59,7 @@ Progress = Callable[[str], None]
 MAX_REPORT_BYTES = 64 << 20
 MAX_DEPTH = 32
 MAX_TEXT = 4000
-STATUSES = ("finished", "failed", "interrupted", "unknown")
+STATUSES = tuple(status.value for status in RunStatus)
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
     "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
@@ -327,7 +328,7 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     if tensorboard_findings:
         notes.append(f"from the TensorBoard scalars, not events.jsonl: {', '.join(tensorboard_findings)}")
     last_step = max(existing.get("last_step", -1), timeline.last_step)
-    report = build_report(status=existing.get("status", "unknown"), step=last_step, sections={},
+    report = build_report(status=existing.get("status", RunStatus.UNKNOWN), step=last_step, sections={},
                           config=existing.get("config") or {}, error=existing.get("error"),
                           run_id=existing.get("run") or scan.run)
     report["findings"] = _merge_findings(dict(timeline.findings(), **tensorboard_findings),

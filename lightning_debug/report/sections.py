@@ -151,7 +151,7 @@ def operators_markdown(rows: list[dict[str, Any]], by: str = "self_cpu_ms") -> s
 
 def performance_markdown(section: dict[str, Any]) -> dict[str, str]:
     stats = section.get("stats", {})
-    summaries = {name: stats.get(f"{name}_time_ms", {}) for name in ("step", *PHASES)}
+    summaries = {name: stats.get(f"{name}_time_ms", {}) for name in ("step", *(phase.value for phase in PHASES))}
     markdown: dict[str, str] = {}
     if summaries["step"].get("count"):
         markdown["Step time"] = (

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 from lightning_debug.config import DebugConfig
 from lightning_debug.core.events import EVENTS_FILENAME
 from lightning_debug.core.guard import notify
+from lightning_debug.core.context import RunStatus
 from lightning_debug.core.kinds import Severity, hint_for
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD
@@ -116,7 +117,8 @@ def _headline(report: dict[str, Any]) -> str:
         since = min(int(entry.get("first_step", 0)) for entry in failed.values())
         found += f"; {len(failed)} check(s) failed and did not run (since step {since})"
     status = report.get("status", "?")
-    outcome = f"run {status}" if status in ("finished", "failed", "interrupted") else f"run status {status}"
+    ended = status in (RunStatus.FINISHED, RunStatus.FAILED, RunStatus.INTERRUPTED)
+    outcome = f"run {status}" if ended else f"run status {status}"
     return f"lightning-debug: {outcome} at step {report.get('last_step', '?')}, {found}"
 
 

@@ -72,7 +72,6 @@ class MemoryMonitor(Monitor):
     kinds = frozenset({Kind.MEMORY_HIGH, Kind.MEMORY_GROWTH})  # an ``oom`` is one event, never an open episode
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
-    frequency_field = "memory_profiling_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "MemoryProfilerCallback") -> None:
         super().__init__(config, source)

@@ -1,0 +1,166 @@
+"""What a training framework tells a run: where files go, who writes, how to reach the model and loggers.
+
+The Lightning and Accelerate adapters each subclass :class:`RunContext`; a hand-written loop or a
+test overrides only what it has (usually :meth:`RunContext.module`). Its own module, so that reading
+what the run may ask of a framework does not mean reading the monitor protocol.
+
+Example::
+
+    >>> import torch
+    >>> class Loop(RunContext):
+    ...     def module(self): return torch.nn.Linear(2, 1)
+    >>> [name for name, _ in Loop().named_parameters()], RunContext().world_size, RunContext().all_reduce()
+    (['weight', 'bias'], 1, None)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_debug.core.metrics import MetricsSink
+from lightning_debug.core.session import Where
+from lightning_debug.core.step_numerics import AllGather, AllReduce
+
+HistogramWriter = Callable[[str, dict[str, Any], int], None]
+Replay = Callable[[Any], "torch.Tensor | None"]
+
+
+class RunStatus(str, enum.Enum):
+    """How a run ended (``status`` of report.json); a ``str`` enum, so ``status == "finished"`` keeps working.
+
+    ``UNKNOWN`` is only for a report rebuilt offline from a run that never wrote one.
+
+    Example::
+
+        >>> RunStatus.of(None), RunStatus.of(KeyboardInterrupt()), RunStatus.of(ValueError("x"))
+        (<RunStatus.FINISHED: 'finished'>, <RunStatus.INTERRUPTED: 'interrupted'>, <RunStatus.FAILED: 'failed'>)
+        >>> RunStatus.parse("failed") is RunStatus.FAILED, str(RunStatus.FINISHED)
+        (True, 'finished')
+    """
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    UNKNOWN = "unknown"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, error: BaseException | None) -> "RunStatus":
+        """The status of a run that ended with ``error`` (None: it finished)."""
+        if error is None:
+            return cls.FINISHED
+        return cls.INTERRUPTED if isinstance(error, KeyboardInterrupt) else cls.FAILED
+
+    @classmethod
+    def parse(cls, value: "RunStatus | str") -> "RunStatus":
+        """A status given as the enum or its string (``"finished"``, ``"failed"``, ``"interrupted"``)."""
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            allowed = ", ".join(status.value for status in cls)
+            raise ValueError(f"a run status is one of {allowed}, got {value!r}") from None
+
+
+class RunContext:
+    """What a training framework tells a run: where files go, who writes, how to reach the model.
+
+    The Lightning and Accelerate adapters each fill one in; the defaults describe a single process
+    that writes no files and logs nowhere, which is what a hand-written loop or a test starts from.
+    """
+
+    output_dir: Path | None = None
+    run_id: str | None = None
+    is_global_zero: bool = True
+    world_size: int = 1
+    rank: int = 0
+    # Plain (non-DTensor) parameters are per-rank shards: FSDP1 flat parameters, DeepSpeed ZeRO.
+    grads_sharded: bool = False
+    uses_grad_scaler: bool = False
+    log_every_n_steps: int | None = None
+    """The framework's logging cadence for scalars (None: every check step; 0: none)."""
+    optimizer_index: int | None = None
+    """With several optimizers, the position in :meth:`optimizers` of the one being stepped (set by the
+    run at ``before_optimizer_step``; events then carry it as ``optimizer``); None otherwise."""
+
+    def device(self) -> torch.device | None:
+        return None
+
+    def module(self) -> nn.Module | None:
+        return None
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        module = self.module()
+        return module.named_parameters() if module is not None else iter(())
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups of every optimizer of the run."""
+        return []
+
+    def optimizers(self) -> list[Any]:
+        """The run's optimizers, in the user's order. With more than one, each optimizer step is judged
+        on the parameters that optimizer owns, and its checks count that optimizer's own steps."""
+        return []
+
+    def where(self) -> Where:
+        """The position events are labelled with (epoch, batch index)."""
+        return {"epoch": 0, "batch": 0}
+
+    def metrics_sink(self) -> MetricsSink | None:
+        return None
+
+    def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None] | None:
+        """Where ``DebugConfig.expose_callback_metrics`` puts a few debug values (Lightning: ``callback_metrics``)."""
+        return None
+
+    def artifact_stores(self) -> list[tuple[str, Any, str | None]]:
+        """The loggers' runs that take the report files: ``("wandb", run, None)``, ``("mlflow", client, run_id)``."""
+        return []
+
+    def all_gather(self) -> AllGather | None:
+        """Gathers a 1-d tensor from every rank (``[world, n]``); None on one process."""
+        return None
+
+    def all_reduce(self) -> AllReduce | None:
+        """Sums a tensor over every process in place (``torch.distributed``, the WORLD group); None on one
+        process. The shared gradient pass makes exactly one such call per check step, on every rank."""
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return lambda tensor: dist.all_reduce(tensor)
+        return None
+
+    def histogram_writer(self) -> tuple[HistogramWriter | None, str]:
+        """A writer of raw histograms (TensorBoard), or None and the names of the loggers that cannot."""
+        return None, "no logger"
+
+    def tensorboard_writers(self) -> list[tuple[Any, str | None]]:
+        """TensorBoard ``SummaryWriter`` objects to receive the layout and the events, with their log dirs."""
+        return []
+
+    def grad_scale(self) -> torch.Tensor | None:
+        """The loss scale the gradients still carry at the optimizer step (None once unscaled)."""
+        return None
+
+    def gradient_clipping(self) -> tuple[float, str] | None:
+        """The gradient clipping the loop applies after the checks saw the gradients: ``(value, "norm")`` or
+        ``(value, "value")``, None when it does not clip (or the framework does not say)."""
+        return None
+
+    def train_loader(self) -> Any:
+        return None
+
+    def replay(self) -> Replay | None:
+        """Recomputes the loss of a captured micro-batch (``level=ADVANCED`` localization), or None."""
+        return None
+
+    def replay_scope(self) -> str | None:
+        """What the last replay could not recompute, when the loss lies outside it (None: it recomputed the
+        loss). A replay that reproduces nothing then points there instead of at non-determinism."""
+        return None

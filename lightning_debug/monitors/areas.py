@@ -1,0 +1,95 @@
+"""The one table of areas: for each :class:`~lightning_debug.config.Area`, its monitor, how often it checks,
+the settings that name its callback, the areas that come with it, and whether it is run-wide.
+
+Everything that needs one of these facts reads it here: :func:`lightning_debug.monitors.monitors_for`
+and the callbacks build their monitors from it, ``presets.CALLBACK_BY_AREA`` and the callbacks'
+``own_fields`` are derived from it, and each monitor reads its check frequency through its row's
+typed reader (``config.anomaly_check_frequency``), so following a setting leads here. Callbacks are
+named by string: monitors never import the framework adapters.
+
+Example::
+
+    >>> from lightning_debug import DebugConfig
+    >>> spec = AREA_SPECS[Area.ANOMALY]
+    >>> spec.monitor.__name__, spec.frequency(DebugConfig(anomaly_check_frequency=5)), spec.callback
+    ('AnomalyMonitor', 5, 'AnomalyDetectionCallback')
+    >>> [area.value for area, spec in AREA_SPECS.items() if spec.run_wide]
+    ['loop', 'errors']
+    >>> AREA_SPECS[Area.ANOMALY].build(DebugConfig(anomaly_check_frequency=5), "loop").frequency
+    5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.monitor import Monitor
+from lightning_debug.monitors.activations import ActivationMonitor
+from lightning_debug.monitors.anomaly import AnomalyMonitor
+from lightning_debug.monitors.errors import ErrorMonitor
+from lightning_debug.monitors.gradients import GradientMonitor
+from lightning_debug.monitors.loop import LoopMonitor
+from lightning_debug.monitors.memory import MemoryMonitor
+from lightning_debug.monitors.performance import PerformanceMonitor
+
+FrequencyReader = Callable[[DebugConfig], int]
+
+
+def _always(config: DebugConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class AreaSpec:
+    """One area's row.
+
+    Args:
+        area: The area.
+        monitor: Its monitor class.
+        frequency: Reads its check frequency (optimizer steps) from a config.
+        settings: The ``DebugConfig`` fields that tell two of its callbacks apart (the callback's state
+            key, ``own_fields``), its frequency field included.
+        companions: Areas whose monitors come with this one's when their ``enabled`` says so.
+        callback: The name of its Lightning callback; None for areas without one.
+        run_wide: Once per run whatever areas are on (the loop's silent killers, the explained exception).
+        enabled: For a companion: whether ``config`` turns it on.
+    """
+
+    area: Area
+    monitor: type[Monitor]
+    frequency: FrequencyReader
+    settings: tuple[str, ...] = ()
+    companions: tuple[Area, ...] = ()
+    callback: str | None = None
+    run_wide: bool = False
+    enabled: Callable[[DebugConfig], bool] = _always
+
+    def build(self, config: DebugConfig, source: str, **options: Any) -> Monitor:
+        """This area's monitor for ``config``, writing events as ``source``; ``options`` go to its constructor."""
+        return self.monitor(config, source, **options)
+
+
+AREA_SPECS: dict[Area, AreaSpec] = {spec.area: spec for spec in (
+    AreaSpec(Area.ANOMALY, AnomalyMonitor, lambda config: config.anomaly_check_frequency,
+             settings=("anomaly_detection_mode", "anomaly_check_frequency"), callback="AnomalyDetectionCallback"),
+    AreaSpec(Area.GRADIENTS, GradientMonitor, lambda config: config.gradient_checking_frequency,
+             settings=("gradient_checking_frequency",), companions=(Area.ACTIVATIONS,),
+             callback="GradientHealthCallback"),
+    AreaSpec(Area.ACTIVATIONS, ActivationMonitor, lambda config: config.gradient_checking_frequency,
+             enabled=lambda config: config.log_activations),
+    AreaSpec(Area.MEMORY, MemoryMonitor, lambda config: config.memory_profiling_frequency,
+             settings=("memory_profiling_frequency",), callback="MemoryProfilerCallback"),
+    AreaSpec(Area.PERFORMANCE, PerformanceMonitor, lambda config: config.performance_profiling_frequency,
+             settings=("performance_profiling_frequency",), callback="PerformanceProfilerCallback"),
+    AreaSpec(Area.LOOP, LoopMonitor, lambda config: config.gradient_checking_frequency, run_wide=True),
+    AreaSpec(Area.ERRORS, ErrorMonitor, lambda config: config.anomaly_check_frequency, run_wide=True),
+)}
+"""Every area, in :class:`~lightning_debug.config.Area` order (the order the run calls them in)."""
+
+for _spec in AREA_SPECS.values():
+    # A monitor built directly (``AnomalyMonitor(config, source)``, as tests and hand-written loops do) reads
+    # its frequency through the same row as one built from the table.
+    _spec.monitor.frequency_of = staticmethod(_spec.frequency)  # type: ignore[assignment]

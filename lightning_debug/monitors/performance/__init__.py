@@ -1,0 +1,24 @@
+"""The performance area: step-phase timing, slow steps, data-loader stalls, stragglers, torch.profiler.
+
+:mod:`.monitor` is the plumbing that the run's events drive; each rule is a module of its own
+(:mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers`, the profiler and sync-debug windows in
+:mod:`.profiler`, the DataLoader advice in :mod:`.loader`), with its settings in :mod:`.settings`.
+
+Example::
+
+    >>> from lightning_debug.monitors.performance import PerformanceMonitor, PerformanceSettings
+    >>> from lightning_debug import DebugConfig
+    >>> PerformanceMonitor(DebugConfig(slow_step_factor=4.0), "loop").settings.slow_step_factor
+    4.0
+"""
+
+from lightning_debug.monitors.performance.loader import loader_advice, loader_settings, usable_cpus
+from lightning_debug.monitors.performance.monitor import PERF_KINDS, PerformanceMonitor
+from lightning_debug.monitors.performance.settings import (
+    DEFAULT_PROFILE_WINDOW,
+    SYNC_DEBUG_WINDOW,
+    PerformanceSettings,
+)
+
+__all__ = ["DEFAULT_PROFILE_WINDOW", "PERF_KINDS", "SYNC_DEBUG_WINDOW", "PerformanceMonitor", "PerformanceSettings",
+           "loader_advice", "loader_settings", "usable_cpus"]

@@ -1,0 +1,91 @@
+"""The data-wait rule: the training loop waits for its DataLoader a sustained share of each step."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_debug.checks.robust import median
+from lightning_debug.checks.timing import Phase, StepTimes
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.performance.loader import loader_advice
+from lightning_debug.monitors.performance.settings import PerformanceSettings
+
+# The data wait is a bottleneck when its median share over DATA_WINDOW timed steps is above the
+# configured share, DATA_MIN_SHARE_OF_STEPS of those steps are above it too, and the median wait is
+# at least MIN_DATA_WAIT_MS (the loop's own overhead between batches is a millisecond or two, more
+# on a loaded machine).
+DATA_WINDOW = 10
+MIN_DATA_HISTORY = 6
+MIN_DATA_WAIT_MS = 5.0
+DATA_MIN_SHARE_OF_STEPS = 0.7
+
+
+@dataclass(frozen=True)
+class DataWait:
+    """A sustained data wait: medians over the window, and how many of its steps were above the share."""
+
+    data_ms: float
+    step_ms: float
+    share: float
+    window_check_steps: int
+    threshold_share: float
+    steps_above_share: int
+
+    def finding(self, loader: Mapping[str, Any] | None, uses_cuda: bool, cpus: int) -> Finding:
+        """The finding, quoting the loader's settings (None: unknown) and what to change in them."""
+        advice = loader_advice(loader, uses_cuda, cpus)
+        settings = loader or {}
+        return Finding(
+            Kind.DATALOADER_BOTTLENECK, Severity.WARNING,
+            f"The training loop waits for data {100 * self.share:.0f}% of the step time (medians over the last "
+            f"{self.window_check_steps} check steps: {self.data_ms:.1f} ms of {self.step_ms:.1f} ms per step). "
+            + " ".join(advice),
+            {"data_ms": self.data_ms, "step_ms": self.step_ms, "share": self.share,
+             "window_check_steps": self.window_check_steps, "threshold_share": self.threshold_share,
+             "steps_above_share": self.steps_above_share, "min_data_ms": MIN_DATA_WAIT_MS,
+             "num_workers": settings.get("num_workers"), "pin_memory": settings.get("pin_memory"),
+             "persistent_workers": settings.get("persistent_workers"),
+             "prefetch_factor": settings.get("prefetch_factor"), "cpus": cpus, "advice": advice})
+
+
+class DataWaitRule:
+    """Whether the loop waits for data over ``dataloader_bottleneck_share`` of the step, over the last timed steps.
+
+    What could make it fire on a healthy model: a single slow batch (a new shard, workers restarting
+    at an epoch), time outside training steps counted as waiting (the monitor restarts the clock
+    after validation and at epoch starts), or a tiny model whose steps are so short that a
+    millisecond of loop overhead is a large share. It fires only on the median share over
+    ``DATA_WINDOW`` timed steps, with ``DATA_MIN_SHARE_OF_STEPS`` of them above the share and a
+    median wait of at least ``MIN_DATA_WAIT_MS``; the wait for a CPU another program had is left out.
+
+    Example::
+
+        >>> def times(step, data):
+        ...     return StepTimes(step, {Phase.DATA: data, Phase.FORWARD: 10.0, Phase.BACKWARD: 10.0,
+        ...                             Phase.OPTIMIZER: 2.0})
+        >>> rule, settings = DataWaitRule(), PerformanceSettings()
+        >>> [rule.judge(times(step, 40.0), settings) is None for step in range(6)]
+        [True, True, True, True, True, False]
+        >>> round(rule.judge(times(6, 40.0), settings).share, 3)
+        0.645
+    """
+
+    def __init__(self) -> None:
+        self.window: deque[tuple[float, float]] = deque(maxlen=DATA_WINDOW)
+
+    def judge(self, times: StepTimes, settings: PerformanceSettings) -> DataWait | None:
+        self.window.append((times.judged(Phase.DATA), times.judged_step_ms))
+        if len(self.window) < MIN_DATA_HISTORY:
+            return None
+        data_median = median(d for d, _ in self.window)
+        shares = [d / s if s > 0 else 0.0 for d, s in self.window]
+        share = median(shares)
+        limit = settings.dataloader_bottleneck_share
+        above = sum(value >= limit for value in shares)
+        if share < limit or data_median < MIN_DATA_WAIT_MS or above < DATA_MIN_SHARE_OF_STEPS * len(shares):
+            return None
+        return DataWait(data_median, median(s for _, s in self.window), share, len(self.window), limit, above)

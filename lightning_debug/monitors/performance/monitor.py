@@ -1,0 +1,306 @@
+"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps.
+
+The monitor is driven by the run's events at phase boundaries (a batch starts, backward starts,
+the optimizer step starts, a batch ends), so a Lightning callback, an Accelerate loop and a plain
+training loop use it the same way. On a non-check step it does nothing but an integer comparison
+per boundary. This module is the plumbing (events, pending read-backs, scalars, state, recording);
+the rules live in :mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers` and :mod:`.profiler`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_debug.checks.timing import CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, infer_batch_size
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.kinds import Kind
+from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.session import Where
+from lightning_debug.monitors.performance.data_wait import DataWaitRule
+from lightning_debug.monitors.performance.loader import describe_loader, usable_cpus
+from lightning_debug.monitors.performance.profiler import StepWindows, host_sync_finding, trace_finding
+from lightning_debug.monitors.performance.settings import PerformanceSettings
+from lightning_debug.monitors.performance.slow_step import SlowStepRule
+from lightning_debug.monitors.performance.step_stats import StepStats, step_metrics
+from lightning_debug.monitors.performance.stragglers import StragglerRule, gather_row
+
+PERF_KINDS = {Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK}
+MAX_PENDING = 16
+SizeFn = Callable[[Any], int]
+
+
+class PerformanceMonitor(Monitor):
+    """Step-phase timing, throughput, slow steps, data-loader stalls, stragglers, torch.profiler.
+
+    See :class:`lightning_debug.PerformanceProfilerCallback` for the behaviour users rely on. A
+    plain training loop drives it through a run, with one call per phase boundary::
+
+        >>> import torch
+        >>> from lightning_debug import DebugConfig
+        >>> from lightning_debug.core.monitor import RunContext
+        >>> from lightning_debug.run import Run
+        >>> monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop")
+        >>> run = Run(DebugConfig(save_debug_info=False), RunContext(), [monitor])
+        >>> model = torch.nn.Linear(4, 1); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> run.start(0)
+        >>> for step in range(3):
+        ...     batch = torch.randn(8, 4)
+        ...     run.batch_start(step, batch)
+        ...     loss = model(batch).pow(2).mean()
+        ...     run.before_backward(step, loss); loss.backward()
+        ...     _ = run.before_optimizer_step(step, optimizer); optimizer.step(); optimizer.zero_grad()
+        ...     run.after_optimizer_step(step + 1); run.batch_end(batch)
+        >>> run.finalize(2)
+        >>> monitor.report_section()["stats"]["step_time_ms"]["count"]
+        3
+
+    Args:
+        config: The run's configuration (frequency, level, thresholds, profiler window).
+        source: The name written into events (``"callback"``).
+        batch_size_fn: ``batch -> number of samples``, when the first tensor's dimension 0 is not it.
+        tokens_fn: ``batch -> number of tokens``, to log ``debug/perf/tokens_per_sec``.
+
+    The device, the number of processes (samples/s is this process's times the world size), the
+    rank (names trace files) and the all-gather (per-rank step times compared on check steps)
+    come from the run's context at :meth:`start`.
+    """
+
+    area = Area.PERFORMANCE
+    kinds = frozenset({Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK, Kind.STRAGGLER_RANK})
+    events = frozenset({Event.START, Event.EPOCH_START, Event.BATCH_START, Event.BEFORE_BACKWARD,
+                        Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END, Event.EVALUATION})
+
+    def __init__(self, config: DebugConfig, source: str = "PerformanceProfilerCallback", *,
+                 batch_size_fn: SizeFn | None = None, tokens_fn: SizeFn | None = None) -> None:
+        super().__init__(config, source)
+        self.settings = PerformanceSettings.from_config(config)
+        self.batch_size_fn, self.tokens_fn = batch_size_fn, tokens_fn
+        self.stopwatch = Stopwatch(None)
+        self._cpu_wait = CpuWait()
+        self.world_size, self.rank = 1, 0
+        self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.loader: dict[str, Any] | None = None
+        self.step_stats = StepStats()
+        self.profile_window = self.settings.profile_window
+        self.profiler_traces: list[dict[str, Any]] = []
+        self.sync_sites: list[dict[str, Any]] | None = None
+        self.excluded_steps = self.dropped_measurements = 0
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._timer: PhaseTimer | None = None
+        self._next_start: tuple[int, Mark, float, float] | None = None
+        self._pending: list[PhaseTimer] = []
+        self._gathers: deque[Readback] = deque()
+        self._latest: StepTimes | None = None
+        self._where: Where = {"epoch": 0, "batch": 0}
+        self.slow_steps, self.data_wait, self.stragglers = SlowStepRule(), DataWaitRule(), StragglerRule()
+        output_dir = self.session.output_dir if self.bound else None
+        self.windows = StepWindows(self.settings, self.stopwatch.uses_cuda, self.rank, output_dir,
+                                   self._trace_written, self._sync_window_closed, self.warn)
+
+    # --- events ---------------------------------------------------------------------------------
+    def start(self, step: int) -> None:
+        """Start (or restart) timing a run on the context's device, processes and loader."""
+        context = self.context
+        self.ledger.timing = self.schedule
+        self.session.own_time.enabled = True  # the run counts its own time from now on, and phases leave it out
+        self.stopwatch.cpu_wait_ms = None
+        self._cpu_wait.close()
+        stopwatch = Stopwatch(context.device(), self.session.own_time.total_ms)
+        if not stopwatch.uses_cuda:  # a host thread's wait for a CPU says nothing of the GPU's timeline
+            stopwatch.cpu_wait_ms = self._cpu_wait
+        self.stopwatch = stopwatch
+        self.world_size, self.rank = context.world_size, context.rank
+        self.all_gather = context.all_gather()
+        loader = context.train_loader()
+        if loader is not None:
+            self.describe_loader(loader)
+        self._reset_run_state()
+
+    def epoch_start(self, step: int) -> None:
+        self.describe_loader(self.context.train_loader())
+        self.reset_data_clock(step)
+
+    def evaluation(self, step: int, started: bool) -> None:
+        if not started:
+            self.reset_data_clock(step)
+
+    def describe_loader(self, loader: Any) -> None:
+        """The training DataLoader (or its settings dict), quoted in ``dataloader_bottleneck`` advice."""
+        self.loader = describe_loader(loader)
+
+    def reset_data_clock(self, step: int) -> None:
+        """Time spent outside training steps (validation, epoch boundaries) is no data wait: restart the clock."""
+        timer = self._timer
+        if timer is not None and timer.current is Phase.DATA:
+            timer.restart()
+        elif self.due(step):
+            self._next_start = (step, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
+
+    # --- phase boundaries -----------------------------------------------------------------------
+    def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
+        """A batch of optimizer step ``step`` starts; the data wait ends here."""
+        if step <= self.windows.until and self.windows.boundary(step):
+            self.reset_data_clock(step)
+        if not self.schedule.is_due(step):
+            return
+        timer = self._timer
+        if timer is not None and timer.step != step:
+            self._complete(timer, gather=False)
+            timer = None
+        if timer is None:
+            start, start_own, start_wait = (self._next_start[1:] if self._next_start is not None and
+                                            self._next_start[0] == step else (None, None, None))
+            timer = self._timer = PhaseTimer(self.stopwatch, step, start, start_own, start_wait)
+            self._next_start = None
+        timer.enter(Phase.FORWARD)
+        timer.excluded = timer.excluded or self.windows.active
+        samples = self.batch_size_fn(batch) if self.batch_size_fn is not None else infer_batch_size(batch)
+        tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
+        timer.add_samples(None if samples is None else int(samples), None if tokens is None else int(tokens))
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        """The loss is computed; the forward phase ends."""
+        if self._timer is not None:
+            self._timer.enter(Phase.BACKWARD)
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        """Gradients are ready (before ``optimizer.step``); the backward phase ends."""
+        if self._timer is not None:
+            self._timer.enter(Phase.OPTIMIZER)
+        return Decision.CONTINUE
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
+        batch in which the optimizer step started (or when a batch of a later step starts)."""
+        where = self.context.where()
+        timer = self._timer
+        handed_over = False
+        if timer is not None:
+            if timer.step == step:
+                end = timer.stop()
+                timer.where = dict(where)
+                if timer.saw_optimizer:
+                    self._complete(timer, gather=True)
+                    if self.due(step + 1):
+                        self._next_start, handed_over = (step + 1, end, timer.since_own, timer.since_wait), True
+            else:
+                self._complete(timer, gather=False)
+        if self._timer is None and not handed_over and self.due(step + 1):
+            self._next_start = (step + 1, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
+        if self._pending or self._gathers:
+            self._where = dict(where)
+            self._poll()
+
+    def finalize(self, step: int) -> None:
+        """The end of the run (or an exception): read what is left, stop the profiler, close episodes."""
+        where = self._where = dict(self.context.where())
+        timer = self._timer
+        if timer is not None and timer.last_stop is not None and timer.saw_optimizer:
+            self._complete(timer, gather=False)
+        self._timer = None
+        for pending in self._pending:
+            try:
+                pending.wait()
+            except Exception:  # a failed CUDA context must not hide the run's own error
+                pending.excluded = True
+        self._poll(final=True)
+        self.windows.stop_profiler()
+        self._where = where  # the sync-debug window's finding, if still open, is placed where the run ended
+        self.windows.end_sync_window(step)
+        super().finalize(step)
+
+    def restore(self) -> None:
+        """Undo global changes (profiler running, sync debug mode) whatever happened."""
+        self._cpu_wait.close()
+        self.windows.restore()
+
+    # --- measurements -----------------------------------------------------------------------------
+    def _complete(self, timer: PhaseTimer, gather: bool) -> None:
+        if self._timer is timer:
+            self._timer = None
+        if timer.last_stop is not None:
+            self._pending.append(timer)
+            if len(self._pending) > MAX_PENDING:
+                self._pending.pop(0)
+                self.dropped_measurements += 1
+        self._where = dict(timer.where) or self._where
+        self._poll()
+        if gather and self.all_gather is not None and self.world_size > 1:
+            self._gather()
+
+    def _poll(self, final: bool = False) -> None:
+        while self._pending and self._pending[0].ready():
+            self._process(self._pending.pop(0))
+        if final:
+            self._pending.clear()
+        while self._gathers and (final or self._gathers[0].ready()):
+            readback = self._gathers.popleft()
+            try:
+                values = readback.values()
+            except Exception:
+                continue
+            gathered = self.stragglers.judge(values)
+            if gathered is None:
+                continue
+            if gathered.straggler is not None:
+                straggler = gathered.straggler
+                self.record(straggler.finding(), gathered.step, self._where, key=straggler.key)
+            self.close_episodes(gathered.step, self._where, {Kind.STRAGGLER_RANK})
+
+    def _gather(self) -> None:
+        host = torch.tensor(gather_row(self._latest), dtype=torch.float64)
+        local = host.pin_memory().to(self.stopwatch.device, non_blocking=True) if self.stopwatch.uses_cuda else host
+        gathered = self.all_gather(local)  # type: ignore[misc]
+        self._gathers.append(Readback(gathered.reshape(-1), blocking=False))
+        self._poll()
+
+    def _process(self, timer: PhaseTimer) -> None:
+        if timer.excluded or self.ledger.was_instrumented(timer.step):
+            self.excluded_steps += 1
+            return
+        times, where = timer.read(), timer.where or self._where
+        self.step_stats.add(times, self.world_size, cpu_waits_read=self.stopwatch.cpu_wait_ms is not None)
+        if self.settings.log_performance:
+            self.log_metrics(times.step, step_metrics(times, self.world_size))
+        slow = self.slow_steps.judge(times, self.settings)
+        if slow is not None:
+            self.record(slow.finding(), times.step, where, key=slow.key)
+        waiting = self.data_wait.judge(times, self.settings)
+        if waiting is not None:
+            self.record(waiting.finding(self.loader, self.stopwatch.uses_cuda, usable_cpus()), times.step, where)
+        self.close_episodes(times.step, where, PERF_KINDS)
+        self.slow_steps.remember(times)
+        self._latest = times
+
+    # --- what the windows found -------------------------------------------------------------------
+    def _trace_written(self, trace: dict[str, Any]) -> None:
+        self.profiler_traces.append(trace)
+        self.emit(trace_finding(trace), trace["last_step"], self._where)
+
+    def _sync_window_closed(self, sites: list[dict[str, Any]], total: int, step: int) -> None:
+        self.sync_sites = sites
+        finding = host_sync_finding(sites, total, self.settings.sync_window or (0, 0))
+        if finding is not None:
+            self.record(finding, step, self._where)
+
+    # --- resume and report ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), stats=self.step_stats.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.step_stats.load_state_dict(state_dict.get("stats", {}))
+
+    def report_section(self) -> dict[str, Any]:
+        clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
+        return dict(super().report_section(), stats=self.step_stats.summaries(), clock=clock, loader=self.loader,
+                    profiler_traces=list(self.profiler_traces), sync_sites=self.sync_sites,
+                    excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
+                    plugin_time_ms=self.step_stats.own.summary(), cpu_wait_ms=self.step_stats.cpu_wait.summary())

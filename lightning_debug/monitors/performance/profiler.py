@@ -1,0 +1,249 @@
+"""The torch.profiler window and the sync-debug window over a few steps, and what they found.
+
+Both windows change global state (a running profiler, ``torch.cuda.set_sync_debug_mode``), so
+:class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them whatever happened. What
+they found is summarised by pure functions (:func:`trace_summary`, :func:`sync_sites`) and turned
+into findings (:func:`trace_finding`, :func:`host_sync_finding`) that the monitor records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_debug.checks.timing import top_operators
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.performance.settings import PerformanceSettings
+
+TOP_OPERATORS = 15
+MAX_SYNC_SITES = 10
+PACKAGE_DIR = str(Path(__file__).resolve().parents[2])
+
+TraceSink = Callable[[dict[str, Any]], None]
+SyncSink = Callable[[list[dict[str, Any]], int, int], None]
+
+
+def trace_summary(averages: Any, path: Path, first: int, last: int, uses_cuda: bool) -> dict[str, Any]:
+    """The report's entry for one profiler trace: its file, steps and top operators by self time.
+
+    Example::
+
+        >>> from types import SimpleNamespace as Op
+        >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0)]
+        >>> trace_summary(ops, Path("t.json"), 10, 14, False)["top_cpu"]
+        ['aten::mm']
+    """
+    by_cpu = top_operators(averages, TOP_OPERATORS, by="self_cpu_ms")
+    by_device = top_operators(averages, TOP_OPERATORS, by="self_device_ms") if uses_cuda else []
+    return {"path": str(path), "first_step": first, "last_step": last,
+            "by_self_cpu": [dataclasses.asdict(row) for row in by_cpu],
+            "by_self_device": [dataclasses.asdict(row) for row in by_device],
+            "top_cpu": [row.name for row in by_cpu[:5]], "top_device": [row.name for row in by_device[:5]]}
+
+
+def trace_finding(trace: dict[str, Any]) -> Finding:
+    """The ``profiler_trace`` event: where the trace is and what took the most CPU time."""
+    return Finding(
+        Kind.PROFILER_TRACE, Severity.INFO,
+        f"torch.profiler trace of steps {trace['first_step']}-{trace['last_step']} written to {trace['path']} (open "
+        f"it in Perfetto, chrome://tracing or TensorBoard); top operators by self CPU time: "
+        f"{', '.join(trace['top_cpu'])}.",
+        {"path": trace["path"], "first_step": trace["first_step"], "last_step": trace["last_step"],
+         "top_cpu": trace["top_cpu"], "top_device": trace["top_device"]})
+
+
+def sync_sites(counts: Counter[tuple[str, int]], package_dir: str = PACKAGE_DIR) -> list[dict[str, Any]]:
+    """The lines that forced the most host-device synchronizations, each with whose code it is.
+
+    Example::
+
+        >>> sync_sites(Counter({("/site-packages/x.py", 3): 2, ("/home/me/train.py", 7): 5}))[0]["origin"]
+        'user code'
+    """
+    sites = []
+    for (filename, lineno), count in counts.most_common(MAX_SYNC_SITES):
+        origin = ("lightning-debug" if filename.startswith(package_dir) else
+                  "library" if "site-packages" in filename or "dist-packages" in filename else "user code")
+        sites.append({"file": filename, "line": lineno, "count": count, "origin": origin,
+                      "code": linecache.getline(filename, lineno).strip()})
+    return sites
+
+
+def host_sync_finding(sites: list[dict[str, Any]], total: int, window: tuple[int, int]) -> Finding | None:
+    """The ``host_sync`` finding: a warning when user code synchronizes, an info when only libraries do.
+
+    What could make it fire on a healthy model: synchronizations a library or this plugin makes; the
+    finding is a warning only when a site is in the user's own code, and names the sites.
+
+    Example::
+
+        >>> site = {"file": "/home/me/train.py", "line": 7, "count": 5, "origin": "user code", "code": "x.item()"}
+        >>> host_sync_finding([site], 5, (5, 3)).severity.value, host_sync_finding([], 0, (5, 3))
+        ('warning', None)
+    """
+    if not sites:
+        return None
+    start, length = window
+    user = [site for site in sites if site["origin"] == "user code"]
+    shown = (user or sites)[:3]
+    return Finding(
+        Kind.HOST_SYNC, Severity.WARNING if user else Severity.INFO,
+        f"{total} host-device synchronizations in steps {start}-{start + length - 1} "
+        f"(torch.cuda.set_sync_debug_mode('warn')); "
+        + "; ".join(f"{Path(s['file']).name}:{s['line']} `{s['code']}` x{s['count']}" for s in shown)
+        + ". Each one stalls the CPU until the GPU catches up: keep values on the GPU (log tensors, not "
+          ".item()), and avoid printing or branching on tensor values inside the step.",
+        {"sites": sites, "first_step": start, "last_step": start + length - 1})
+
+
+class StepWindows:
+    """Runs torch.profiler over ``settings.profile_window`` and the sync-debug mode over ``settings.sync_window``.
+
+    Args:
+        settings: The windows (None: that window does not run).
+        uses_cuda: Whether the run is on CUDA (the sync-debug window and device times need it).
+        rank: Names the trace files.
+        output_dir: Where ``profiler/`` goes (None: no profiler trace).
+        on_trace: Called with each trace's summary (:func:`trace_summary`) once it is written.
+        on_sync: Called with the sync sites, the number of synchronizations and the step when the
+            sync-debug window closes.
+        on_failure: Called with a message when a trace cannot be written (training goes on).
+
+    Example::
+
+        >>> windows = StepWindows(PerformanceSettings(profile_window=(0, 2), sync_window=(5, 3)), False, 0, None,
+        ...                       print, print, print)
+        >>> windows.until, windows.sync_window, [windows.boundary(step) for step in range(3)], windows.active
+        (2, None, [False, False, False], False)
+    """
+
+    def __init__(self, settings: PerformanceSettings, uses_cuda: bool, rank: int, output_dir: Path | None,
+                 on_trace: TraceSink, on_sync: SyncSink, on_failure: Callable[[str], None]) -> None:
+        self.profile_window = settings.profile_window
+        self.sync_window = settings.sync_window if uses_cuda else None
+        self.uses_cuda, self.rank, self.output_dir = uses_cuda, rank, output_dir
+        self.on_trace, self.on_sync, self.on_failure = on_trace, on_sync, on_failure
+        self.until = max((start + length for start, length in filter(None, (self.profile_window, self.sync_window))),
+                         default=-1)
+        self._profiler: Any = None
+        self._profiler_step = -1
+        self._profile_done = False
+        self._sync_catcher: Any = None
+        self._sync_records: list[warnings.WarningMessage] = []
+        self._sync_previous_mode = 0
+        self._sync_done = False
+
+    @property
+    def active(self) -> bool:
+        """A window is open: the step's times include the profiler's or the sync debugging's cost."""
+        return self._profiler is not None or self._sync_catcher is not None
+
+    def boundary(self, step: int) -> bool:
+        """Start or stop the windows as step ``step`` starts; True when one closed (its cost is no data wait)."""
+        closed = False
+        if self.profile_window is not None:
+            start, length = self.profile_window
+            end = start + length
+            if self._profiler is not None and step != self._profiler_step:
+                self._profiler_step = step
+                self._profiler.step()
+                if step >= end:
+                    self.stop_profiler()
+                    closed = True
+            elif self._profiler is None and not self._profile_done and max(start - 1, 0) <= step < end:
+                self._start_profiler(step, start, end)
+        if self.sync_window is not None and not self._sync_done:
+            start, length = self.sync_window
+            if self._sync_catcher is None and start <= step < start + length:
+                self._start_sync_window()
+            elif self._sync_catcher is not None and step >= start + length:
+                self.end_sync_window(step)
+                closed = True
+        return closed
+
+    def _start_profiler(self, step: int, start: int, end: int) -> None:
+        self._profile_done = True
+        if self.output_dir is None:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        warmup = 1 if step < start else 0
+        active = end - max(step + warmup, start)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.uses_cuda else [])
+        first, last = step + warmup, end - 1
+
+        def on_trace_ready(profiler: Any) -> None:
+            try:
+                self._trace_ready(profiler, first, last)
+            except Exception as failure:  # a full disk must not stop training
+                self.on_failure(f"the torch.profiler trace of steps {first}-{last} could not be written "
+                                f"({type(failure).__name__}: {failure}); training continues.")
+
+        self._profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=active,
+                                                                          repeat=1),
+                                 on_trace_ready=on_trace_ready)
+        self._profiler_step = step
+        self._profiler.start()
+
+    def _trace_ready(self, profiler: Any, first: int, last: int) -> None:
+        directory = self.output_dir / "profiler"  # type: ignore[operator]
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"rank{self.rank}.steps{first}-{last}.pt.trace.json"
+        profiler.export_chrome_trace(str(path))
+        self.on_trace(trace_summary(profiler.key_averages(), path, first, last, self.uses_cuda))
+
+    def stop_profiler(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.stop()
+
+    def _start_sync_window(self) -> None:
+        self._sync_previous_mode = torch.cuda.get_sync_debug_mode()
+        self._sync_catcher = warnings.catch_warnings(record=True)
+        self._sync_records = self._sync_catcher.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def end_sync_window(self, step: int) -> None:
+        """Close the sync-debug window (if open): re-issue other warnings, hand the sync sites on."""
+        if self._sync_catcher is None:
+            return
+        torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
+        self._sync_catcher.__exit__(None, None, None)
+        self._sync_catcher = None
+        self._sync_done = True
+        records, self._sync_records = self._sync_records, []
+        counts = count_sync_sites(records)
+        self.on_sync(sync_sites(counts), sum(counts.values()), step)
+
+    def restore(self) -> None:
+        """Undo global changes (profiler running, sync debug mode) whatever happened."""
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            try:
+                profiler.stop()
+            except Exception:
+                pass
+        if self._sync_catcher is not None:
+            torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
+            self._sync_catcher.__exit__(None, None, None)
+            self._sync_catcher = None
+
+
+def count_sync_sites(records: Iterable[warnings.WarningMessage]) -> Counter[tuple[str, int]]:
+    """Synchronization warnings counted by file and line; any other warning caught is issued again."""
+    sites: Counter[tuple[str, int]] = Counter()
+    for record in records:
+        if "synchroniz" in str(record.message):
+            sites[(record.filename, record.lineno)] += 1
+        else:
+            warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
+    return sites

@@ -1,0 +1,47 @@
+"""The performance area's settings, typed and frozen, made once from the user's flat ``DebugConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_debug.config import DebugConfig, DebugLevel
+
+# The torch.profiler window from level ADVANCED when ``profile_steps`` is not given: (start, length).
+DEFAULT_PROFILE_WINDOW = (10, 5)
+# The torch.cuda.set_sync_debug_mode("warn") window at level EXPERT on CUDA: (start, length).
+SYNC_DEBUG_WINDOW = (5, 3)
+
+
+@dataclass(frozen=True)
+class PerformanceSettings:
+    """What the performance rules and the monitor read, resolved from ``DebugConfig``.
+
+    ``profile_window`` and ``sync_window`` are ``(first step, length)`` or None when that window
+    does not run (a length of 0 turns the profiler off).
+
+    Example::
+
+        >>> settings = PerformanceSettings.from_config(DebugConfig(level="advanced"))
+        >>> settings.frequency, settings.slow_step_factor, settings.profile_window, settings.sync_window
+        (10, 3.0, (10, 5), None)
+        >>> PerformanceSettings.from_config(DebugConfig(level="advanced", profile_steps=(0, 0))).profile_window is None
+        True
+    """
+
+    frequency: int = 10
+    log_performance: bool = True
+    slow_step_factor: float = 3.0
+    dataloader_bottleneck_share: float = 0.3
+    profile_window: tuple[int, int] | None = None
+    sync_window: tuple[int, int] | None = None
+
+    @classmethod
+    def from_config(cls, config: DebugConfig) -> PerformanceSettings:
+        window = config.profile_steps
+        if window is None and config.level >= DebugLevel.ADVANCED:
+            window = DEFAULT_PROFILE_WINDOW
+        return cls(frequency=config.performance_profiling_frequency, log_performance=config.log_performance,
+                   slow_step_factor=config.slow_step_factor,
+                   dataloader_bottleneck_share=config.dataloader_bottleneck_share,
+                   profile_window=window if window is not None and window[1] > 0 else None,
+                   sync_window=SYNC_DEBUG_WINDOW if config.level >= DebugLevel.EXPERT else None)

@@ -1,0 +1,136 @@
+"""The straggler rule: one rank consistently slower than the others before the gradient all-reduce."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from lightning_debug.checks.robust import median
+from lightning_debug.checks.timing import PHASES, StepTimes
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+# A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
+# other ranks by STRAGGLER_MARGIN of theirs, by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS,
+# on STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered
+# check steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
+STRAGGLER_WARMUP = 5
+STRAGGLER_WINDOW = 8
+STRAGGLER_MIN_FLAGGED = 6
+STRAGGLER_MARGIN = 0.5
+STRAGGLER_STEP_SHARE = 0.2
+STRAGGLER_MIN_MS = 5.0
+# What each rank contributes to the all-gather of a check step, in this order (phases judged).
+GATHER_FIELDS = ("step", "step_ms", *(f"{phase.value}_ms" for phase in PHASES))
+
+
+def gather_row(times: StepTimes | None) -> list[float]:
+    """This rank's row of the all-gather: its latest timed step (NaN when it has none yet).
+
+    Example::
+
+        >>> gather_row(None)[:2], len(GATHER_FIELDS)
+        ([nan, nan], 6)
+    """
+    if times is None:
+        return [math.nan] * len(GATHER_FIELDS)
+    return [float(times.step), times.judged_step_ms] + [times.judged(phase) for phase in PHASES]
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The rank slowest before the all-reduce on most of the window's check steps, with every rank's times."""
+
+    rank: int
+    flagged_check_steps: int
+    mean_ms_by_rank: dict[str, list[float]]
+    median_before_sync_ms_by_rank: list[float]
+    world_size: int
+
+    @property
+    def key(self) -> str:
+        return f"rank{self.rank}"
+
+    def finding(self) -> Finding:
+        medians = self.median_before_sync_ms_by_rank
+        rest = sorted(medians[k] for k in range(len(medians)) if k != self.rank)
+        return Finding(
+            Kind.STRAGGLER_RANK, Severity.WARNING,
+            f"Rank {self.rank} is the slowest on {self.flagged_check_steps} of the last {STRAGGLER_WINDOW} check "
+            f"steps: its data wait + forward take {medians[self.rank]:.1f} ms (median) against "
+            f"{rest[len(rest) // 2]:.1f} ms on the other ranks, which wait for it in the gradient all-reduce (their "
+            "backward phase is longer). Check that rank's data (uneven sample sizes or a slow shard), its GPU "
+            "(clocks, temperature, other processes) and its CPU and data-loader workers.",
+            {"rank": self.rank, "flagged_check_steps": self.flagged_check_steps,
+             "window_check_steps": STRAGGLER_WINDOW, "mean_ms_by_rank": self.mean_ms_by_rank,
+             "median_before_sync_ms_by_rank": medians, "world_size": self.world_size})
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """One gathered check step that was judged (``straggler`` None: no rank stands out over the window)."""
+
+    step: int
+    straggler: Straggler | None
+
+
+class StragglerRule:
+    """Which rank, if any, the others keep waiting for, from the per-rank rows gathered on check steps.
+
+    What could make it fire on a healthy model: lazy initialisation that differs between ranks, rank
+    0's extra logging and checkpointing, or one noisy step. The first ``STRAGGLER_WARMUP`` gathered
+    steps are not judged, a rank must be slower than the median of the others by
+    ``STRAGGLER_MARGIN`` of theirs, by ``STRAGGLER_STEP_SHARE`` of the step and by
+    ``STRAGGLER_MIN_MS``, on ``STRAGGLER_MIN_FLAGGED`` of ``STRAGGLER_WINDOW`` check steps, and only
+    data wait + forward count (the phases before the all-reduce, where the others wait for it).
+
+    Example::
+
+        >>> rule = StragglerRule()
+        >>> def rows(step, slow):  # step, step_ms, data, forward, backward, optimizer for ranks 0 and 1
+        ...     return [step, 100.0, 5.0, 20.0, 70.0, 5.0, step, 100.0, 5.0, 20.0 + slow, 45.0, 5.0]
+        >>> [rule.judge(rows(step, 30.0)) for step in range(5)]
+        [None, None, None, None, None]
+        >>> results = [rule.judge(rows(step, 30.0)) for step in range(5, 13)]
+        >>> results[0].straggler, results[-1].straggler.rank, results[-1].straggler.key
+        (None, 1, 'rank1')
+    """
+
+    def __init__(self) -> None:
+        self.gathered = 0
+        self.window: deque[tuple[int | None, list[list[float]]]] = deque(maxlen=STRAGGLER_WINDOW)
+
+    def judge(self, values: list[float]) -> Gathered | None:
+        """Judge one all-gather's values (ranks' rows one after the other); None when it is not judged (a rank
+        had no timed step, the ranks timed different steps, or still in the warm-up)."""
+        width = len(GATHER_FIELDS)
+        rows = [values[i:i + width] for i in range(0, len(values) - width + 1, width)]
+        if len(rows) < 2 or any(not all(math.isfinite(v) for v in row) for row in rows):
+            return None
+        if len({row[0] for row in rows}) != 1:
+            return None
+        step = int(rows[0][0])
+        self.gathered += 1
+        if self.gathered <= STRAGGLER_WARMUP:
+            return None
+        before_sync = [row[2] + row[3] for row in rows]
+        slowest = max(range(len(rows)), key=lambda rank: before_sync[rank])
+        others = sorted(v for rank, v in enumerate(before_sync) if rank != slowest)
+        typical = others[len(others) // 2]
+        step_ms = median(row[1] for row in rows)
+        gap = before_sync[slowest] - typical
+        slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and gap >= max(
+            STRAGGLER_MIN_MS, STRAGGLER_STEP_SHARE * step_ms)
+        self.window.append((slowest if slow else None, rows))
+        flagged = Counter(rank for rank, _ in self.window if rank is not None)
+        if len(self.window) < STRAGGLER_WINDOW or not flagged:
+            return Gathered(step, None)
+        rank, count = flagged.most_common(1)[0]
+        if count < STRAGGLER_MIN_FLAGGED:
+            return Gathered(step, None)
+        window = [r for _, r in self.window]
+        means = {field: [sum(r[k][i] for r in window) / len(window) for k in range(len(rows))]
+                 for i, field in enumerate(GATHER_FIELDS) if field != "step"}
+        medians = [median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
+        return Gathered(step, Straggler(rank, count, means, medians, len(rows)))

@@ -1,0 +1,51 @@
+"""The one table of kinds: every kind has a spec, a docs row, and the derived views agree with it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_debug.core.kinds import (
+    ADVICE, CAUSAL_ORDER, COMMON_CAUSES, HINTS, KIND_SPECS, Kind, KindSpec, Severity, advice_for, causal_rank,
+    hint_for,
+)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_every_kind_has_a_spec() -> None:
+    assert set(KIND_SPECS) == set(Kind)
+    assert all(isinstance(spec, KindSpec) for spec in KIND_SPECS.values())
+
+
+def test_specs_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        KIND_SPECS[Kind.OOM].severity = Severity.INFO  # type: ignore[misc]
+
+
+def _documented_kinds() -> set[str]:
+    rows = set()
+    for page in DOCS.glob("*.md"):
+        rows |= set(re.findall(r"^\| `([a-z_]+)`", page.read_text(encoding="utf-8"), re.M))
+    return rows
+
+
+@pytest.mark.parametrize("kind", list(Kind), ids=str)
+def test_every_kind_has_a_row_in_the_docs(kind: Kind) -> None:
+    assert kind.value in _documented_kinds(), f"no docs/*.md table row starts with `{kind.value}`"
+
+
+def test_views_are_derived_from_the_table() -> None:
+    assert ADVICE == {kind: spec.advice for kind, spec in KIND_SPECS.items() if spec.advice}
+    assert HINTS == {kind: spec.hint for kind, spec in KIND_SPECS.items() if spec.hint}
+    assert COMMON_CAUSES[Kind.NONFINITE_LOSS] in ADVICE[Kind.NONFINITE_LOSS]
+    assert set(CAUSAL_ORDER) == {kind for kind, spec in KIND_SPECS.items() if spec.causal_rank is not None}
+
+
+def test_lookups_by_string() -> None:
+    assert causal_rank("nonfinite_input") < causal_rank("nonfinite_loss") < causal_rank("nonfinite_param")
+    assert causal_rank("exploding_grad") == causal_rank("not_a_kind") == len(CAUSAL_ORDER)
+    assert advice_for("oom") == KIND_SPECS[Kind.OOM].advice and advice_for("not_a_kind") is None
+    assert hint_for("requires_grad_false") is None

@@ -1,0 +1,356 @@
+"""The performance rules fed recorded step times directly: no Trainer, no run, milliseconds each."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_debug import DebugConfig
+from lightning_debug.checks.timing import PHASES, Phase, PhaseTimer, Stopwatch, StepTimes
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.ledger import INSTRUMENTED_STEPS_KEPT, RunLedger
+from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.monitors.performance import PerformanceMonitor, loader_advice, loader_settings
+from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule
+from lightning_debug.monitors.performance.loader import describe_loader
+from lightning_debug.monitors.performance.profiler import (
+    StepWindows,
+    host_sync_finding,
+    sync_sites,
+    trace_finding,
+    trace_summary,
+)
+from lightning_debug.monitors.performance.settings import (
+    DEFAULT_PROFILE_WINDOW,
+    SYNC_DEBUG_WINDOW,
+    PerformanceSettings,
+)
+from lightning_debug.monitors.performance.slow_step import MIN_HISTORY, RECENT_STEPS, SLOW_WINDOW, SlowStepRule
+from lightning_debug.monitors.performance.step_stats import StepStats, step_metrics
+from lightning_debug.monitors.performance.stragglers import (
+    GATHER_FIELDS,
+    STRAGGLER_WARMUP,
+    STRAGGLER_WINDOW,
+    StragglerRule,
+    gather_row,
+)
+
+SETTINGS = PerformanceSettings()
+
+
+def times(step: int, data: float = 1.0, forward: float = 10.0, backward: float = 20.0, optimizer: float = 5.0,
+          *, cpu_wait: dict[Phase, float] | None = None, samples: int | None = None) -> StepTimes:
+    """One recorded step, phase times in ms."""
+    return StepTimes(step, {Phase.DATA: data, Phase.FORWARD: forward, Phase.BACKWARD: backward,
+                            Phase.OPTIMIZER: optimizer}, samples=samples, cpu_waits=dict(cpu_wait or {}))
+
+
+def feed_slow(rule: SlowStepRule, recorded: list[StepTimes], settings: PerformanceSettings = SETTINGS) -> list[Any]:
+    """The verdicts of the slow-step rule over recorded steps, judged and remembered as the monitor does."""
+    verdicts = []
+    for step_times in recorded:
+        verdicts.append(rule.judge(step_times, settings))
+        rule.remember(step_times)
+    return verdicts
+
+
+# --- slow step ------------------------------------------------------------------------------------
+
+def test_slow_step_needs_history_before_judging() -> None:
+    rule = SlowStepRule()
+    assert feed_slow(rule, [times(step, forward=5000.0 if step == MIN_HISTORY - 1 else 10.0)
+                            for step in range(MIN_HISTORY)]) == [None] * MIN_HISTORY
+    assert rule.threshold_ms(SETTINGS) is not None
+
+
+def test_slow_step_ignores_ordinary_jitter() -> None:
+    jitter = [0.8, 1.2, 1.0, 1.3, 0.7, 1.1, 0.9, 1.25]
+    recorded = [times(step, forward=10.0 * jitter[step % len(jitter)]) for step in range(100)]
+    assert [v for v in feed_slow(SlowStepRule(), recorded) if v is not None] == []
+
+
+def test_slow_step_absolute_floor_spares_a_fast_model() -> None:
+    """1 ms steps; a 40 ms hiccup is 40x the median but under MIN_SLOW_EXCESS_MS: no outlier."""
+    recorded = [times(step, 0.1, 0.4, 0.4, 0.1) for step in range(10)] + [times(10, 0.1, 40.0, 0.4, 0.1)]
+    rule = SlowStepRule()
+    assert feed_slow(rule, recorded)[-1] is None
+    assert not any(rule.flags)
+
+
+def test_lone_moderate_outlier_is_flagged_but_not_reported() -> None:
+    rule = SlowStepRule()
+    feed_slow(rule, [times(step) for step in range(10)])
+    assert rule.judge(times(10, forward=200.0), SETTINGS) is None  # 6x the median, not 20x
+    assert list(rule.flags)[-1] is True
+
+
+def test_lone_far_outlier_is_an_info_naming_its_phase() -> None:
+    rule = SlowStepRule()
+    feed_slow(rule, [times(step) for step in range(10)])
+    verdict = rule.judge(times(10, optimizer=2000.0), SETTINGS)
+    assert verdict is not None and verdict.phase is Phase.OPTIMIZER and not verdict.recurring
+    assert verdict.key == "optimizer (once)"
+    finding = verdict.finding()
+    assert finding.kind is Kind.SLOW_STEP and finding.severity is Severity.INFO
+    assert finding.details["phase"] == "optimizer" and set(finding.details["phases_ms"]) == {p.value for p in Phase}
+    assert "the optimizer phase took 2000.0 ms" in finding.message
+
+
+def test_recurring_outliers_are_a_warning_keyed_by_phase() -> None:
+    rule = SlowStepRule()
+    recorded = [times(step) for step in range(10)]
+    recorded += [times(step, data=300.0 if step % 3 == 0 else 1.0) for step in range(10, 20)]
+    verdicts = [v for v in feed_slow(rule, recorded) if v is not None]
+    assert verdicts and verdicts[-1].recurring and verdicts[-1].phase is Phase.DATA
+    assert verdicts[-1].key == "data" and verdicts[-1].finding().severity is Severity.WARNING
+    assert verdicts[-1].slow_steps >= 3 and verdicts[-1].window_steps <= SLOW_WINDOW
+
+
+def test_slow_step_leaves_out_the_wait_for_a_cpu() -> None:
+    """A step slow only because another program had the CPU is judged without that wait."""
+    rule = SlowStepRule()
+    feed_slow(rule, [times(step) for step in range(10)])
+    assert rule.judge(times(10, forward=2000.0, cpu_wait={Phase.FORWARD: 1990.0}), SETTINGS) is None
+    assert list(rule.flags)[-1] is False
+
+
+def test_slow_step_factor_setting_raises_the_threshold() -> None:
+    history = [times(step, forward=100.0) for step in range(10)]
+    low, high = SlowStepRule(), SlowStepRule()
+    feed_slow(low, history)
+    feed_slow(high, history, PerformanceSettings(slow_step_factor=10.0))
+    assert high.threshold_ms(PerformanceSettings(slow_step_factor=10.0)) > low.threshold_ms(SETTINGS)
+
+
+def test_slow_step_history_is_bounded() -> None:
+    rule = SlowStepRule()
+    feed_slow(rule, [times(step) for step in range(3 * RECENT_STEPS)])
+    assert len(rule.steps) == RECENT_STEPS and all(len(w) == RECENT_STEPS for w in rule.phases.values())
+    assert len(rule.flags) == SLOW_WINDOW
+
+
+# --- data wait ------------------------------------------------------------------------------------
+
+def test_data_wait_needs_a_window_of_steps() -> None:
+    rule = DataWaitRule()
+    verdicts = [rule.judge(times(step, data=100.0), SETTINGS) for step in range(MIN_DATA_HISTORY)]
+    assert verdicts[:-1] == [None] * (MIN_DATA_HISTORY - 1) and verdicts[-1] is not None
+
+
+def test_sustained_data_wait_is_a_bottleneck_with_loader_advice() -> None:
+    rule = DataWaitRule()
+    verdict = None
+    for step in range(DATA_WINDOW):
+        verdict = rule.judge(times(step, data=60.0), SETTINGS)
+    assert verdict is not None and verdict.window_check_steps == DATA_WINDOW
+    assert verdict.share == pytest.approx(60.0 / 95.0) and verdict.steps_above_share == DATA_WINDOW
+    finding = verdict.finding({"num_workers": 0, "pin_memory": False, "persistent_workers": False}, True, 8)
+    assert finding.kind is Kind.DATALOADER_BOTTLENECK and finding.severity is Severity.WARNING
+    assert finding.details["num_workers"] == 0 and finding.details["cpus"] == 8
+    assert "pin_memory=True" in finding.message and "63%" in finding.message
+
+
+def test_unknown_loader_gets_generic_advice() -> None:
+    rule = DataWaitRule()
+    for step in range(DATA_WINDOW):
+        verdict = rule.judge(times(step, data=60.0), SETTINGS)
+    finding = verdict.finding(None, False, 4)  # type: ignore[union-attr]
+    assert finding.details["num_workers"] is None and "worker processes" in finding.message
+
+
+def test_tiny_model_with_loop_overhead_is_no_bottleneck() -> None:
+    """2 ms of loop overhead between 1 ms steps is a big share but under MIN_DATA_WAIT_MS."""
+    rule = DataWaitRule()
+    assert all(rule.judge(times(step, 2.0, 0.5, 0.4, 0.1), SETTINGS) is None for step in range(30))
+
+
+def test_a_few_slow_batches_are_no_bottleneck() -> None:
+    rule = DataWaitRule()
+    assert all(rule.judge(times(step, data=200.0 if step % 4 == 0 else 1.0), SETTINGS) is None for step in range(40))
+
+
+def test_data_wait_share_setting() -> None:
+    strict, lenient = DataWaitRule(), DataWaitRule()
+    for step in range(DATA_WINDOW):
+        loose_verdict = lenient.judge(times(step, data=20.0), PerformanceSettings(dataloader_bottleneck_share=0.5))
+        strict_verdict = strict.judge(times(step, data=20.0), PerformanceSettings(dataloader_bottleneck_share=0.2))
+    assert loose_verdict is None and strict_verdict is not None
+    assert strict_verdict.threshold_share == 0.2 and len(strict.window) == DATA_WINDOW
+
+
+# --- stragglers -----------------------------------------------------------------------------------
+
+def gathered(step: int, slow_ms: float, ranks: int = 2, slow_rank: int = 1) -> list[float]:
+    """One all-gather: every rank's row, ``slow_rank``'s forward ``slow_ms`` longer."""
+    values: list[float] = []
+    for rank in range(ranks):
+        forward = 20.0 + (slow_ms if rank == slow_rank else 0.0)
+        values += [float(step), 100.0, 5.0, forward, 70.0 - (slow_ms if rank == slow_rank else 0.0), 5.0]
+    return values
+
+
+def test_consistently_slower_rank_is_a_straggler_after_the_warm_up() -> None:
+    rule = StragglerRule()
+    results = [rule.judge(gathered(step, 30.0, ranks=4, slow_rank=2)) for step in range(STRAGGLER_WARMUP
+                                                                                        + STRAGGLER_WINDOW)]
+    assert results[:STRAGGLER_WARMUP] == [None] * STRAGGLER_WARMUP
+    assert all(r is not None and r.straggler is None for r in results[STRAGGLER_WARMUP:-1])
+    straggler = results[-1].straggler  # type: ignore[union-attr]
+    assert straggler is not None and straggler.rank == 2 and straggler.world_size == 4 and straggler.key == "rank2"
+    finding = straggler.finding()
+    assert finding.kind is Kind.STRAGGLER_RANK and "Rank 2 is the slowest on 8 of the last 8" in finding.message
+    assert set(finding.details["mean_ms_by_rank"]) == set(GATHER_FIELDS) - {"step"}
+
+
+def test_small_or_intermittent_gaps_are_no_straggler() -> None:
+    small, intermittent = StragglerRule(), StragglerRule()
+    for step in range(40):
+        small_result = small.judge(gathered(step, 3.0))  # under STRAGGLER_MIN_MS and the margin
+        intermittent_result = intermittent.judge(gathered(step, 30.0 if step % 2 else 0.0))
+        assert small_result is None or small_result.straggler is None
+        assert intermittent_result is None or intermittent_result.straggler is None
+
+
+def test_gathers_of_different_steps_or_missing_rows_are_not_judged() -> None:
+    rule = StragglerRule()
+    assert rule.judge(gathered(3, 30.0)[:6] + gathered(4, 30.0)[6:]) is None
+    assert rule.judge(gathered(3, 30.0)[:6] + gather_row(None)) is None
+    assert rule.judge(gathered(3, 30.0)[:6]) is None  # one rank
+    assert rule.gathered == 0
+
+
+def test_gather_row_is_the_judged_times() -> None:
+    row = gather_row(times(7, data=10.0, cpu_wait={Phase.DATA: 4.0}))
+    assert row == [7.0, 41.0, 6.0, 10.0, 20.0, 5.0]
+    assert all(math.isnan(v) for v in gather_row(None))
+
+
+# --- profiler and sync-debug windows --------------------------------------------------------------
+
+def test_sync_sites_name_whose_code_synchronizes() -> None:
+    counts = Counter({("/venv/site-packages/lib.py", 1): 9, ("/home/me/train.py", 2): 3,
+                      ("/pkg/lightning_debug/x.py", 3): 1})
+    sites = sync_sites(counts, package_dir="/pkg/lightning_debug")
+    assert [site["origin"] for site in sites] == ["library", "user code", "lightning-debug"]
+    finding = host_sync_finding(sites, 13, SYNC_DEBUG_WINDOW)
+    assert finding is not None and finding.severity is Severity.WARNING
+    assert finding.message.startswith("13 host-device synchronizations in steps 5-7") and "train.py:2" in finding.message
+    library_only = host_sync_finding(sites[:1], 9, SYNC_DEBUG_WINDOW)
+    assert library_only is not None and library_only.severity is Severity.INFO
+    assert host_sync_finding([], 0, SYNC_DEBUG_WINDOW) is None
+
+
+def test_trace_summary_and_finding() -> None:
+    ops = [SimpleNamespace(key="ProfilerStep#1", count=1, self_cpu_time_total=5e6, cpu_time_total=5e6),
+           SimpleNamespace(key="aten::mm", count=2, self_cpu_time_total=800.0, cpu_time_total=900.0,
+                           self_device_time_total=700.0)]
+    trace = trace_summary(ops, Path("/out/profiler/rank0.steps10-14.pt.trace.json"), 10, 14, uses_cuda=True)
+    assert trace["top_cpu"] == ["aten::mm"] and trace["top_device"] == ["aten::mm"]
+    finding = trace_finding(trace)
+    assert finding.kind is Kind.PROFILER_TRACE and "steps 10-14" in finding.message
+
+
+def test_profiler_window_on_cpu_writes_one_trace(tmp_path: Path) -> None:
+    traces: list[dict[str, Any]] = []
+    windows = StepWindows(PerformanceSettings(profile_window=(1, 2)), False, 0, tmp_path, traces.append,
+                          lambda *_: None, pytest.fail)
+    assert windows.until == 3
+    closed = []
+    for step in range(5):
+        closed.append(windows.boundary(step))
+        torch.ones(4).sum()
+    assert closed == [False, False, False, True, False] and not windows.active
+    assert [(t["first_step"], t["last_step"]) for t in traces] == [(1, 2)]
+    assert Path(traces[0]["path"]).exists()
+
+
+def test_sync_debug_window_reports_the_synchronizing_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA sync-debug mode is simulated: inside the window each synchronization is a warning."""
+    modes: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    closed: list[tuple[list[dict[str, Any]], int, int]] = []
+    windows = StepWindows(PerformanceSettings(sync_window=(2, 2)), True, 0, None, pytest.fail,
+                          lambda sites, total, step: closed.append((sites, total, step)), pytest.fail)
+    for step in range(6):
+        windows.boundary(step)
+        assert windows.active == (2 <= step < 4)
+        if windows.active:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+    assert modes == ["warn", 0] and len(closed) == 1
+    sites, total, step = closed[0]
+    assert (total, step, sites[0]["origin"], sites[0]["count"]) == (2, 4, "user code", 2)
+    assert sites[0]["code"].startswith("warnings.warn(")
+
+
+def test_windows_without_an_output_directory_or_cuda_do_nothing() -> None:
+    windows = StepWindows(PerformanceSettings(profile_window=(0, 2), sync_window=SYNC_DEBUG_WINDOW), False, 0,
+                          None, pytest.fail, pytest.fail, pytest.fail)
+    assert windows.sync_window is None  # the sync-debug window needs CUDA
+    assert [windows.boundary(step) for step in range(4)] == [False] * 4 and not windows.active
+    windows.restore()
+
+
+# --- loader advice, settings, scalars, the ledger, phases ---------------------------------------
+
+def test_loader_settings_and_advice() -> None:
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=0)
+    combined = SimpleNamespace(iterables={"train": [loader]})
+    assert loader_settings(combined)["batch_size"] == 4  # type: ignore[index]
+    assert loader_settings(object()) is None and describe_loader({"num_workers": 3}) == {"num_workers": 3}
+    advice = loader_advice({"num_workers": 2, "persistent_workers": False, "pin_memory": True}, True, 16)
+    assert advice[0].startswith("2 worker(s) cannot keep up") and "persistent_workers=True" in advice[1]
+    assert len(advice) == 2
+    assert "set num_workers to 1" in loader_advice({"num_workers": 0}, False, 2)[0]
+
+
+def test_settings_from_config() -> None:
+    assert PerformanceSettings.from_config(DebugConfig()).profile_window is None
+    advanced = PerformanceSettings.from_config(DebugConfig(level="advanced"))
+    assert advanced.profile_window == DEFAULT_PROFILE_WINDOW and advanced.sync_window is None
+    expert = PerformanceSettings.from_config(DebugConfig(level="expert", profile_steps=(3, 2),
+                                                         performance_profiling_frequency=4))
+    assert (expert.profile_window, expert.sync_window, expert.frequency) == ((3, 2), SYNC_DEBUG_WINDOW, 4)
+    with pytest.raises(AttributeError):
+        expert.frequency = 5  # type: ignore[misc]
+    assert PerformanceMonitor(DebugConfig(level="advanced"), "loop").profile_window == DEFAULT_PROFILE_WINDOW
+
+
+def test_step_metrics_and_stats_keep_the_output_names() -> None:
+    metrics = step_metrics(times(3, samples=8, cpu_wait={Phase.DATA: 0.5}), world_size=2)
+    assert list(metrics) == ["debug/perf/step_ms", "debug/perf/data_ms", "debug/perf/forward_ms",
+                             "debug/perf/backward_ms", "debug/perf/optimizer_ms", "debug/perf/samples_per_sec"]
+    stats = StepStats()
+    stats.add(times(3, samples=8), world_size=2, cpu_waits_read=True)
+    assert list(stats.summaries()) == ["step_time_ms", "data_time_ms", "forward_time_ms", "backward_time_ms",
+                                       "optimizer_time_ms", "samples_per_sec"]
+    restored = StepStats()
+    restored.load_state_dict(stats.state_dict())
+    assert {name: summary["mean"] for name, summary in restored.summaries().items()} == {
+        name: summary["mean"] for name, summary in stats.summaries().items()}
+
+
+def test_ledger_tells_timed_and_instrumented_steps() -> None:
+    ledger = RunLedger()
+    assert not ledger.is_timed(0)
+    ledger.timing = CheckSchedule(5)
+    assert [step for step in range(12) if ledger.is_timed(step)] == [0, 5, 10]
+    for step in range(2 * INSTRUMENTED_STEPS_KEPT):
+        ledger.instrument(step)
+    assert ledger.was_instrumented(2 * INSTRUMENTED_STEPS_KEPT - 1) and not ledger.was_instrumented(0)
+
+
+def test_phases_tile_the_step_in_order_and_accept_their_names() -> None:
+    assert [phase.value for phase in PHASES] == ["data", "forward", "backward", "optimizer"]
+    timer = PhaseTimer(Stopwatch(), step=1, start=0.0)
+    for name in ("forward", "backward", "optimizer"):
+        timer.enter(name)
+    timer.stop()
+    assert timer.saw_optimizer and timer.micro_batches == 1 and set(timer.read().phases) == set(Phase)
