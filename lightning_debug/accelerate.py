@@ -27,7 +27,7 @@ from lightning_debug.core.step_numerics import AllGather
 from lightning_debug.monitors import monitors_for
 from lightning_debug.report.attach import tracker_stores
 from lightning_debug.report.tensorboard import histogram_writer
-from lightning_debug.run import Run
+from lightning_debug.run import Run, load_monitor_states, monitor_states
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -330,15 +330,12 @@ class AccelerateDebugger:
     # --- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters and open episodes; ``accelerator.register_for_checkpointing(debugger)`` saves them."""
-        return {"step": self.step, "epoch": self.epoch,
-                **{monitor.area.value: monitor.state_dict() for monitor in self.run.monitors}}
+        return {"step": self.step, "epoch": self.epoch, **monitor_states(self.run.monitors)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict.get("step", self.step))
         self.epoch = int(state_dict.get("epoch", self.epoch))
-        for monitor in self.run.monitors:
-            if monitor.area.value in state_dict:
-                monitor.load_state_dict(state_dict[monitor.area.value])
+        load_monitor_states(self.run.monitors, state_dict)
 
     # --- hooks -> run events ---------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

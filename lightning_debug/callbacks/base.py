@@ -22,7 +22,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
-from lightning_debug.run import Run
+from lightning_debug.run import Run, load_monitor_states, monitor_states
 from lightning_debug.callbacks.context import LightningContext
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
@@ -200,15 +200,12 @@ class DebugCallback(Callback):
         if self._run is not None:
             self._run.deliver_pending()  # a checkpoint is a sync point anyway; include pending checks
         state = self.monitor.state_dict()
-        others = {monitor.area.value: monitor.state_dict() for monitor in (*self.companions, *self._run_monitors)}
+        others = monitor_states((*self.companions, *self._run_monitors))
         return dict(state, companions=others) if others else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict)
-        others = state_dict.get("companions", {})
-        for monitor in (*self.companions, *self._run_monitors):
-            if monitor.area.value in others:
-                monitor.load_state_dict(others[monitor.area.value])
+        load_monitor_states((*self.companions, *self._run_monitors), state_dict.get("companions", {}))
 
 
 def config_field_docs() -> dict[str, str]:
