@@ -116,8 +116,9 @@ class Run:
         self.config = config
         self.context = context
         self.failures = Failures()
-        self.numerics = NumericsQueue()
         self.ledger = RunLedger()
+        context.ledger = self.ledger
+        self.numerics = NumericsQueue(ledger=self.ledger)
         output_dir = context.output_dir if config.save_debug_info else None
         self.session = Session(
             output_dir, context.is_global_zero,
@@ -170,8 +171,7 @@ class Run:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
         several = self.failures.call("listing the optimizers", self._several_optimizers)
-        self.numerics.several_optimizers = bool(several)
-        self.numerics.steps_done = step
+        self.ledger.record = self.ledger.record.moved(step=step, steps_done=step, several_optimizers=bool(several))
         self._emit(Event.START, step)
 
     @_own_time
@@ -187,7 +187,7 @@ class Run:
         """
         self.failures.step = step
         self._batch, self._batch_step = batch, step
-        self.context.optimizer_index = None
+        self.ledger.record = self.ledger.record.moved(step=step, optimizer_index=None, optimizer_step=None)
         call = self.failures.call
         for name, poll in self._pollers:
             call(name, poll)
@@ -211,13 +211,15 @@ class Run:
         parameters, whose optimizers hold copies that are not the module's parameters."""
         context = self.context
         optimizers = context.optimizers()
-        self.numerics.several_optimizers = several = len(optimizers) > 1
+        several = len(optimizers) > 1
         if not several or optimizer is None or context.grads_sharded:
-            context.optimizer_index = None
+            self.ledger.record = self.ledger.record.moved(several_optimizers=several, optimizer_index=None,
+                                                          optimizer_step=None)
             return None
-        context.optimizer_index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
         own = self._optimizer_steps.get(id(optimizer), 0)
         self._optimizer_steps[id(optimizer)] = own + 1
+        index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+        self.ledger.record = self.ledger.record.moved(several_optimizers=True, optimizer_index=index, optimizer_step=own)
         return own
 
     @_own_time
@@ -225,13 +227,14 @@ class Run:
         """Gradients are final: run the checks due and return what happens to this optimizer step.
 
         With several optimizers the step is judged on the parameters ``optimizer`` owns, and the
-        checks' frequencies count its own steps (``NumericsQueue.optimizer_step``). On
+        checks' frequencies count its own steps (``StepRecord.optimizer_step``). On
         :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here; the
         adapter stops training on STOP.
         """
         context = self.context
         own = self.failures.call("listing the optimizers", self._own_step, optimizer)
-        self.numerics.optimizer_step = own
+        if own is None and self.ledger.record.optimizer_step is not None:  # listing failed
+            self.ledger.record = self.ledger.record.moved(optimizer_step=None)
         owner = optimizer if own is not None else None
 
         def numerics() -> StepNumerics:
@@ -251,7 +254,7 @@ class Run:
     @_own_time
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
-        self.numerics.steps_done = steps_done
+        self.ledger.record = self.ledger.record.moved(steps_done=steps_done)
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 
     @_own_time

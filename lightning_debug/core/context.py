@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.session import Where
 from lightning_debug.core.step_numerics import AllGather, AllReduce
@@ -87,9 +88,14 @@ class RunContext:
     uses_grad_scaler: bool = False
     log_every_n_steps: int | None = None
     """The framework's logging cadence for scalars (None: every check step; 0: none)."""
-    optimizer_index: int | None = None
-    """With several optimizers, the position in :meth:`optimizers` of the one being stepped (set by the
-    run at ``before_optimizer_step``; events then carry it as ``optimizer``); None otherwise."""
+    ledger: RunLedger | None = None
+    """The run's ledger (given by the run that uses this context): where the loop is."""
+
+    @property
+    def optimizer_index(self) -> int | None:
+        """With several optimizers, the position in :meth:`optimizers` of the one being stepped (the run's
+        :class:`StepRecord`; events then carry it as ``optimizer``); None otherwise."""
+        return self.ledger.record.optimizer_index if self.ledger is not None else None
 
     def device(self) -> torch.device | None:
         return None

@@ -1,4 +1,9 @@
-"""Facts one monitor establishes during a run and another one needs, kept by the run.
+"""State that travels: where the loop is, and facts one monitor establishes that another one needs,
+kept by the run.
+
+The run alone knows which optimizer is being stepped, how many steps it took and how many optimizer
+steps are done; it writes them into one :class:`StepRecord` that every monitor, the shared gradient
+pass and the adapter's ``where()`` read, instead of each keeping a copy the run must update.
 
 The performance monitor times some steps; the activation statistics add forward hooks to some
 steps. Hooked steps are slower for a reason that is not the user's, so the profiler leaves them
@@ -9,11 +14,41 @@ holds both facts; the run makes one and hands it to every monitor it binds.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_debug.core.schedule import CheckSchedule
 
 INSTRUMENTED_STEPS_KEPT = 64
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Where the training loop is, as the run last saw it.
+
+    Args:
+        step: The optimizer step the current micro-batch belongs to.
+        steps_done: Optimizer steps taken so far (which update a late parameter scan sees).
+        several_optimizers: Whether the loop steps more than one optimizer.
+        optimizer_index: With several optimizers, the position of the one being stepped; else None.
+        optimizer_step: With several optimizers, how many steps that optimizer took before this one
+            (what per-optimizer checks count their frequencies in); else None.
+
+    Example::
+
+        >>> record = StepRecord(step=3, steps_done=3)
+        >>> record.moved(optimizer_index=1).optimizer_index, record.optimizer_index
+        (1, None)
+    """
+
+    step: int = 0
+    steps_done: int = 0
+    several_optimizers: bool = False
+    optimizer_index: int | None = None
+    optimizer_step: int | None = None
+
+    def moved(self, **changes: object) -> "StepRecord":
+        """A copy with ``changes``: records are replaced, never edited, so a reader holds a consistent one."""
+        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -33,6 +68,7 @@ class RunLedger:
         (True, False)
     """
 
+    record: StepRecord = field(default_factory=StepRecord)
     timing: CheckSchedule | None = None
     instrumented: deque[int] = field(default_factory=lambda: deque(maxlen=INSTRUMENTED_STEPS_KEPT))
 

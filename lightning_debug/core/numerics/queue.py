@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.numerics.index import ParameterIndex
 from lightning_debug.core.numerics.observed import Observed
 from lightning_debug.core.numerics.registrations import registration_count, watch_registrations
@@ -39,21 +40,30 @@ class NumericsQueue:
     Deferred reads are bounded: past ``max_pending`` waiting steps the oldest is read with a sync.
     """
 
-    def __init__(self, max_pending: int = MAX_PENDING_READBACKS) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING_READBACKS, ledger: RunLedger | None = None) -> None:
         self.max_pending = max_pending
+        self.ledger = ledger if ledger is not None else RunLedger()
         # Checks that need every weight's norm on their steps (weight logging, update ratios).
         self.param_norms_wanted: list[Callable[[int], bool]] = []
-        # Optimizer steps taken so far (the run sets it after each step): which update a late parameter scan sees.
-        self.steps_done = 0
         self._observed: tuple[int, Observed] | None = None
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
         self._indexes: dict[Any, tuple[Any, ParameterIndex]] = {}
-        # With several optimizers (set by the run): how many steps the optimizer being stepped took before
-        # this one, which is what the per-optimizer-step checks count their frequencies in; else None.
-        self.optimizer_step: int | None = None
-        self.several_optimizers = False
         watch_registrations()
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken so far (the run's :class:`StepRecord`): which update a late parameter scan sees."""
+        return self.ledger.record.steps_done
+
+    @property
+    def optimizer_step(self) -> int | None:
+        """With several optimizers, how many steps the optimizer being stepped took before this one; else None."""
+        return self.ledger.record.optimizer_step
+
+    @property
+    def several_optimizers(self) -> bool:
+        return self.ledger.record.several_optimizers
 
     def observed(self, step: int) -> Observed:
         """What has been observed of optimizer step ``step`` so far (an earlier step's is dropped)."""
