@@ -8,13 +8,12 @@ every sentence, :mod:`.prose`; a loss that spikes or climbs, :mod:`.divergence`.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
+from lightning_debug.checks.batches import floating_tensors
 from lightning_debug.checks.localize import Cause, capture_rng
 from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.checks.trends import LossTrend
@@ -27,13 +26,13 @@ from lightning_debug.core.step_numerics import HostNumerics
 from lightning_debug.monitors.anomaly import policy, prose
 from lightning_debug.monitors.anomaly.divergence import loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
+from lightning_debug.monitors.anomaly.inputs import RecentInputs, nonfinite_rows
+from lightning_debug.monitors.anomaly.probe import WeightProbe
 from lightning_debug.monitors.anomaly.replay import replay_step, wants_replay
 from lightning_debug.monitors.anomaly.settings import AnomalySettings
 
-INPUT_STEPS_KEPT = 8
 BAD_BATCHES_KEPT = 20
 POSITIONS_KEPT = 64
-InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
 DECISIONS = {policy.Action.CONTINUE: Decision.CONTINUE, policy.Action.SKIP: Decision.SKIP,
              policy.Action.STOP: Decision.STOP}
 
@@ -63,9 +62,8 @@ class AnomalyMonitor(Monitor):
         self._positions: dict[int, Where] = {}
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._learning_rates: list[float] = []
-        self._inputs: dict[int, InputRows] = {}
-        self._largest_value: dict[int, float] = {}
-        self._weights_before: tuple[int, torch.Tensor | None] = (-1, None)
+        self._inputs = RecentInputs()
+        self._probe = WeightProbe()
         self._buffers = BufferSnapshot()
 
     @property
@@ -97,10 +95,12 @@ class AnomalyMonitor(Monitor):
         loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
         the micro-batch and the RNG state, for a replay. With several optimizers every batch is observed
         (cheap device work, no sync): which optimizer steps next, and whether its check is due, is not
-        known yet."""
+        known yet. After an update that may have overflowed the weights, also flag on the device whether
+        they are finite before this forward (:meth:`.WeightHistory.wants_measure_before`, rare)."""
         if not (self.due(step) or self.numerics.several_optimizers):
             return
-        self._measure_weights_before_forward(step)
+        if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
+            self._probe.measure(step, self._index())
         if policy.restores_buffers(self.mode) and self._buffers.step != step:
             model = self.context.module()
             if model is not None:  # before the step's first forward: what a skipped step restores
@@ -108,24 +108,18 @@ class AnomalyMonitor(Monitor):
         tensors = floating_tensors(batch)
         if tensors:
             self.numerics.observe_inputs(step, [t for _, t in tensors])
-            self._inputs.setdefault(step, []).append((self.context.where(), tensors))
-            while len(self._inputs) > INPUT_STEPS_KEPT:
-                self._inputs.pop(min(self._inputs))
+            self._inputs.add(step, self.context.where(), tensors)
         if not self.localizes:
             return
         if self._step_inputs[0] != step:
             self._step_inputs = (step, [])
         self._step_inputs[1].append((captured, capture_rng()))
 
-    def _measure_weights_before_forward(self, step: int) -> None:
-        """When the previous step's update may have overflowed the weights, flag on the device whether they
-        are finite before this step's forward (see :meth:`WeightHistory.wants_measure_before`; rare: one
-        pass over the weights, read only if this step turns out non-finite)."""
-        if not self.weights.wants_measure_before(step, self._weights_before[0], self._may_overflow):
-            return
-        index = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
-        if len(index):
-            self._weights_before = (step, (~torch.isfinite(index.plan.squares(index.local_params()))).any())
+    def _index(self) -> Any:
+        return self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
+
+    def _may_overflow(self, grad_norm: float) -> bool:
+        return update_may_overflow(grad_norm, self._learning_rates, lambda: self._probe.largest_value(self._index()))
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         if self.due(step) or self.numerics.several_optimizers:
@@ -201,7 +195,7 @@ class AnomalyMonitor(Monitor):
             restored, broken = False, []
         if not self._buffers.names:  # the same model on every rank: nothing to restore anywhere
             return decision
-        device = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded).device
+        device = self._index().device
         stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
         if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stop)
@@ -233,7 +227,7 @@ class AnomalyMonitor(Monitor):
         collective: each rank checks its own shards and rank 0 writes what it finds.
         """
         where = self.context.where()
-        index = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
+        index = self._index()
         if len(index):
             bad = nonfinite_named(index.names, index.plan.squares(index.local_params()).sqrt())
             if bad:
@@ -253,35 +247,20 @@ class AnomalyMonitor(Monitor):
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
         scan = bool(bad_loss_ranks or host.ranks_with_nonfinite_grads or host.params_measured)
-        inputs = self._inputs.pop(host.step, [])
-        for old in [s for s in self._inputs if s < host.step]:
-            del self._inputs[old]
+        inputs = self._inputs.take(host.step)
         bad_input_ranks = host.ranks_with_nonfinite_inputs
-        rows = self._input_rows(inputs, len(host.ranks), host.read_before_update) if bad_input_ranks else []
+        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update)
+                if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
                                  self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows)
         if verdict.bad_params:
-            measured_step, flag = self._weights_before
             verdict.params = self.weights.origin(host.step, host.params_seen_after, bool(bad_grads),
-                                                 flag if measured_step == host.step else None, self._may_overflow)
+                                                 self._probe.flag(host.step), self._may_overflow)
         anomalous = verdict.anomalous()
         if anomalous:
             self.anomaly_count += 1
         self.weights.after_check(host.step, verdict.params, bool(bad_grads), host.global_grad_norm, anomalous)
         return verdict
-
-    def _may_overflow(self, grad_norm: float) -> bool:
-        return update_may_overflow(grad_norm, self._learning_rates, self._largest_parameter_value)
-
-    def _largest_parameter_value(self) -> float:
-        """The largest finite value of the smallest floating dtype among the trainable parameters (rare path)."""
-        index = self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
-        cached = self._largest_value.get(id(index))
-        if cached is None:
-            dtypes = {p.dtype for p in index.params if p.is_floating_point()}
-            cached = min((torch.finfo(dtype).max for dtype in dtypes), default=torch.finfo(torch.float32).max)
-            self._largest_value = {id(index): cached}
-        return cached
 
     def _write_findings(self, host: HostNumerics, where: Where, cause: Cause | None, verdict: policy.Verdict) -> None:
         """Record the findings of a judged step, root first: events (global zero), episodes, scalars."""
@@ -315,26 +294,6 @@ class AnomalyMonitor(Monitor):
             metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
         self.log_metrics(step, metrics)
         self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
-
-    def _input_rows(self, inputs: InputRows, world_size: int, synchronous: bool) -> list[dict[str, Any]]:
-        """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
-
-        Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
-        rank are gathered; read a step late, each rank knows only its own and rank zero writes them.
-        """
-        found: list[dict[str, Any]] = []
-        for batch_where, tensors in inputs:
-            for name, tensor in tensors:
-                samples, count = nonfinite_samples(tensor)
-                if count:
-                    found.append({"tensor": name, "shape": list(tensor.shape), "samples": samples, "count": count,
-                                  "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
-        per_rank = {self.context.rank: found}
-        if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, found)
-            per_rank = {rank: rows or [] for rank, rows in enumerate(gathered)}
-        return [dict(row, rank=rank) for rank, rank_rows in sorted(per_rank.items()) for row in rank_rows]
 
     def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
                        world_size: int) -> None:
