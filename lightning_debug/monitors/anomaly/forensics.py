@@ -78,6 +78,9 @@ def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], large
 class WeightHistory:
     """What the earlier checks said about the weights (a few numbers), and the verdicts drawn from it.
 
+    Nothing here fires on a healthy model: :meth:`origin` runs only once a scan found non-finite
+    weights, and :meth:`wants_measure_before` only after an update that could overflow the dtype.
+
     Example::
 
         >>> history = WeightHistory()

@@ -64,7 +64,13 @@ def on_ranks(ranks: Sequence[int], world_size: int) -> str:
 
 
 def no_replay_on_sharded(sharded: Sequence[str]) -> str:
-    """Why level=ADVANCED names no cause on a model with sharded parameters."""
+    """Why level=ADVANCED names no cause on a model with sharded parameters.
+
+    Example::
+
+        >>> no_replay_on_sharded(["layer.weight"]).split(":")[0]
+        'level=ADVANCED cannot replay a step of a model with sharded parameters (FSDP, tensor parallel'
+    """
     return (f"level=ADVANCED cannot replay a step of a model with sharded parameters (FSDP, tensor parallel: "
             f"{names([(name, 0.0) for name in sharded])}): the replayed forward would re-run their "
             "collectives. Non-finite losses, gradients and parameters are still detected "
@@ -72,11 +78,24 @@ def no_replay_on_sharded(sharded: Sequence[str]) -> str:
 
 
 def replay_failed(error: Exception) -> str:
+    """The cause of a replay that raised.
+
+    Example::
+
+        >>> replay_failed(RuntimeError("shape mismatch"))
+        'the replay failed (RuntimeError: shape mismatch)'
+    """
     return f"the replay failed ({type(error).__name__}: {error})"
 
 
 def outside_the_replay(scope: str) -> str:
-    """The cause when the replayed model is finite and the step's loss computation lies outside the replay."""
+    """The cause when the replayed model is finite and the step's loss computation lies outside the replay.
+
+    Example::
+
+        >>> outside_the_replay("the loss function")[:89]
+        'the replayed forward of the model gave finite outputs, so the NaN/Inf comes from the loss'
+    """
     return (f"the replayed forward of the model gave finite outputs, so the NaN/Inf comes from {scope}, which the "
             "replay does not cover (a log or division of a value that reaches 0 in the loss function, or NaN/Inf in "
             "the targets)")
@@ -103,6 +122,13 @@ def anomaly_error(step: int, kinds: Sequence[Kind], verdict: Verdict, world_size
 
 
 def amp_overflow(step: int, bad_grads: Sequence[tuple[str, float]]) -> Finding:
+    """An fp16 overflow the GradScaler handles: an ``info``, as designed.
+
+    Example::
+
+        >>> amp_overflow(2, [("w", float("inf"))]).message
+        'fp16 gradients overflowed at step 2 (1 parameters); the GradScaler skips this step and lowers its scale, as designed.'
+    """
     return Finding(Kind.AMP_OVERFLOW_SKIPPED, Severity.INFO,
                    f"fp16 gradients overflowed at step {step} ({len(bad_grads)} parameters); the "
                    "GradScaler skips this step and lowers its scale, as designed.",
@@ -110,7 +136,14 @@ def amp_overflow(step: int, bad_grads: Sequence[tuple[str, float]]) -> Finding:
 
 
 def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding:
-    """The forward operation the replay caught producing NaN/Inf from finite inputs."""
+    """The forward operation the replay caught producing NaN/Inf from finite inputs, with the fix for it.
+
+    Example::
+
+        >>> cause = Cause(CauseSite.FORWARD, "`torch.log` in module `head` produced NaN/Inf", operation="torch.log")
+        >>> nonfinite_activation(3, cause, params_first=False).message
+        'At step 3, `torch.log` in module `head` produced NaN/Inf. Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)).'
+    """
     return Finding(Kind.NONFINITE_ACTIVATION, Severity.ERROR,
                    f"At step {step}, {cause.summary}. {advice_for_cause(cause.where, cause.operation)}".strip(),
                    dict(cause.to_dict(), **({"consequence_of": Kind.NONFINITE_PARAM.value} if params_first else {})))
@@ -149,7 +182,15 @@ def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | 
 
 def nonfinite_grad(step: int, verdict: Verdict, gradients: int, grad_ranks: list[int], cause: Cause | None,
                    mode: AnomalyMode, params_first: bool) -> Finding:
-    """The gradients: how many of ``gradients``, and whether the loss or weights explain them or the backward does."""
+    """The gradients: how many of ``gradients``, and whether the loss or weights explain them or the backward does.
+
+    Example::
+
+        >>> verdict = Verdict([0], [("w", float("nan"))], [], False, -1, [], [])
+        >>> finding = nonfinite_grad(5, verdict, 3, [0], None, AnomalyMode.WARN, False)
+        >>> finding.message.split(" Training")[0], finding.details["consequence_of"]
+        ('1 of 3 gradients are NaN/Inf at step 5: `w`; the loss is already non-finite.', 'nonfinite_loss')
+    """
     bad_grads = verdict.bad_grads
     origin_text = ("the parameters are already non-finite" if params_first else
                    "the loss is already non-finite" if verdict.bad_loss_ranks else
@@ -247,7 +288,13 @@ def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], wor
 
 
 def nonfinite_buffer(broken: list[str], step: int, restored: bool, world_size: int, mode: AnomalyMode) -> Finding:
-    """Buffers a dropped step could not put back: why, and that training stops."""
+    """Buffers a dropped step could not put back: why, and that training stops.
+
+    Example::
+
+        >>> nonfinite_buffer(["bn.running_var"], 6, False, 1, AnomalyMode.SKIP).message.split(":")[0]
+        'Buffers `bn.running_var` are NaN/Inf at step 6 and could not be restored'
+    """
     why = ("they were already non-finite before this step (a NaN batch on a step that was not checked: set "
            "anomaly_check_frequency=1 with skip)" if restored else
            "no copy of them was taken before this step's forward")

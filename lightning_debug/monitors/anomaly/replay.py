@@ -43,7 +43,15 @@ def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad
 
 def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, same_work: bool) -> list[Cause]:
     """Replay the step's micro-batches until one names a cause (all of them with ``same_work``, so
-    that every rank makes the same calls); a replay that raises becomes an ``error`` cause."""
+    that every rank makes the same calls); a replay that raises becomes an ``error`` cause.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> batch = torch.tensor([[1.0, float("nan")]])
+        >>> [cause.where.value for cause in replay_each(model, [(batch, None)], lambda b: model(b).sum(), False)]
+        ['inputs']
+    """
     causes: list[Cause] = []
     for captured, rng in inputs:
         try:
