@@ -201,7 +201,8 @@ def test_across_ranks_takes_the_first_rank_that_reproduced() -> None:
     cause = replay.across_ranks(Cause.from_dict(gathered[0]), gathered)
     assert cause.where is CauseSite.FORWARD and cause.summary.startswith("on rank 2: `torch.log`")
     assert cause.outputs["per_rank"] == {0: "boom", 1: "finite", 2: FORWARD.summary}
-    nobody = replay.across_ranks(Cause(CauseSite.NOT_REPRODUCED, "finite"), [Cause(CauseSite.NOT_REPRODUCED, "finite").to_dict()])
+    finite = Cause(CauseSite.NOT_REPRODUCED, "finite")
+    nobody = replay.across_ranks(finite, [finite.to_dict()])
     assert nobody.where is CauseSite.NOT_REPRODUCED and nobody.summary == "finite"
 
 
@@ -210,7 +211,8 @@ def test_a_replay_that_raises_is_an_error_cause(monkeypatch: pytest.MonkeyPatch)
         raise RuntimeError("no replay here")
 
     monkeypatch.setattr(replay, "localize", failing)
-    causes = replay.replay_each(None, [("batch", None), ("batch2", None)], lambda batch: None, same_work=False)  # type: ignore[arg-type]
+    inputs = [("batch", None), ("batch2", None)]
+    causes = replay.replay_each(None, inputs, lambda batch: None, same_work=False)  # type: ignore[arg-type]
     assert [c.where for c in causes] == [CauseSite.ERROR, CauseSite.ERROR]
     assert causes[0].summary == "the replay failed (RuntimeError: no replay here)"
 
@@ -269,7 +271,8 @@ def test_parameters_broken_by_the_optimizer_point_at_the_learning_rate() -> None
 
 def test_activation_input_buffer_and_overflow_findings() -> None:
     activation = prose.nonfinite_activation(2, FORWARD, params_first=True)
-    assert activation.message.startswith("At step 2, `torch.log`") and activation.details["consequence_of"] == "nonfinite_param"
+    assert activation.message.startswith("At step 2, `torch.log`")
+    assert activation.details["consequence_of"] == "nonfinite_param"
     assert prose.nonfinite_input(3, [], [1], 2).message.startswith(
         "Bad input at step 3 on rank 1: a batch tensor holds NaN/Inf (the samples are known on that rank only)")
     buffers = prose.nonfinite_buffer(["bn.running_mean"], 4, True, 1, AnomalyMode.SKIP)
@@ -281,7 +284,8 @@ def test_activation_input_buffer_and_overflow_findings() -> None:
 def test_the_raised_error_carries_kinds_parameters_and_cause() -> None:
     error = prose.anomaly_error(5, [Kind.NONFINITE_PARAM, Kind.NONFINITE_GRAD], verdict(grads=["a"], params=["w"]), 2,
                                 FORWARD)
-    assert str(error).startswith("lightning-debug: non-finite param, grad at step 5 (parameters: w). Cause: `torch.log`")
+    assert str(error).startswith("lightning-debug: non-finite param, grad at step 5 (parameters: w). "
+                                 "Cause: `torch.log`")
     assert error.step == 5 and error.kinds == ["nonfinite_param", "nonfinite_grad"]
     assert error.details["cause"]["where"] == "forward"
 
