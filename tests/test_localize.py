@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_debug.monitors.anomaly as anomaly_monitor
+import lightning_debug.monitors.anomaly.replay as anomaly_monitor
 from lightning_debug import AnomalyDetectionCallback
 from tests.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, regression_data
 

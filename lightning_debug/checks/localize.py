@@ -18,6 +18,7 @@ around the replays, so training continues exactly as it would have without them.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import re
 import time
@@ -126,11 +127,44 @@ def value_summary(tensors: list[torch.Tensor]) -> dict[str, Any]:
     return {"shapes": [list(t.shape) for t in checked][:4], "nonfinite_count": nonfinite, "max_abs": finite_max}
 
 
+class CauseSite(str, enum.Enum):
+    """Where a replay found the first non-finite value (a ``str`` enum: its value is what events.jsonl holds).
+
+    ``NOT_REPRODUCED`` and ``ERROR`` name no cause: the replay gave finite values, or it raised.
+
+    Example::
+
+        >>> CauseSite("forward") is CauseSite.FORWARD, CauseSite.ERROR.names_a_cause
+        (True, False)
+    """
+
+    INPUTS = "inputs"
+    PARAMETERS = "parameters"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    NOT_REPRODUCED = "not_reproduced"
+    ERROR = "error"
+
+    @property
+    def names_a_cause(self) -> bool:
+        """Whether the replay reproduced the NaN/Inf (it is neither ``not_reproduced`` nor ``error``)."""
+        return self not in (CauseSite.NOT_REPRODUCED, CauseSite.ERROR)
+
+
 @dataclass
 class Cause:
-    """What a replay found; ``where`` is ``inputs``, ``forward``, ``backward``, ``not_reproduced`` or ``error``."""
+    """What a replay found: ``where`` (a :class:`CauseSite`), a sentence, and the operation, module and values.
 
-    where: str
+    Example::
+
+        >>> cause = Cause(CauseSite.BACKWARD, "the backward of `sqrt` produced NaN", operation="SqrtBackward0")
+        >>> cause.to_dict()
+        {'where': 'backward', 'summary': 'the backward of `sqrt` produced NaN', 'operation': 'SqrtBackward0', 'replay_ms': 0.0}
+        >>> Cause.from_dict(cause.to_dict()) == cause
+        True
+    """
+
+    where: CauseSite
     summary: str
     module: str | None = None
     module_type: str | None = None
@@ -141,7 +175,14 @@ class Cause:
     replay_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v not in (None, {}, "")}
+        """The JSON form (``where`` as its string); fields that say nothing are left out."""
+        return {k: v.value if isinstance(v, CauseSite) else v for k, v in asdict(self).items()
+                if v not in (None, {}, "")}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cause:
+        """The cause :meth:`to_dict` wrote (as gathered from another rank)."""
+        return cls(**dict(data, where=CauseSite(data["where"])))
 
 
 class _FirstNonFinite(TorchFunctionMode):
@@ -249,7 +290,7 @@ def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.
                     source = user_source(frames)
             where = f" at {os.path.basename(source['file'])}:{source['line']} (`{source['code']}`)" if source else ""
             forward = backward.removesuffix("Backward0").removesuffix("Backward1").lower()
-            return Cause("backward", f"the backward of `{forward}` ({backward}) produced NaN; its forward call is{where}",
+            return Cause(CauseSite.BACKWARD, f"the backward of `{forward}` ({backward}) produced NaN; its forward call is{where}",
                          operation=backward, source=source)
     return None
 
@@ -294,14 +335,14 @@ def _before_the_forward(model: nn.Module, batch: Any) -> Cause | None:
     if _nonfinite(batch_tensors):
         bad = [(name, *nonfinite_samples(t)) for name, t in floating_tensors(batch) if _nonfinite([t])]
         samples = bad[0][1] if bad else []
-        return Cause("inputs", "the batch itself contains NaN/Inf (inputs)"
+        return Cause(CauseSite.INPUTS, "the batch itself contains NaN/Inf (inputs)"
                      + (f" in samples {samples}" if samples else "") + ": check the data pipeline "
                      "(missing values, division by a zero std in normalization, corrupt samples)",
                      inputs=dict(value_summary(batch_tensors), samples=samples,
                                  tensors=[{"tensor": name, "samples": rows, "count": count} for name, rows, count in bad]))
     bad_parameters = [user_name(name) for name, p in model.named_parameters() if _nonfinite([p])]
     if bad_parameters:
-        return Cause("parameters", f"parameters are already non-finite before the forward: {', '.join(bad_parameters[:5])}",
+        return Cause(CauseSite.PARAMETERS, f"parameters are already non-finite before the forward: {', '.join(bad_parameters[:5])}",
                      module=bad_parameters[0])
     return None
 
@@ -319,11 +360,11 @@ def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) 
                   else f"the forward of the top-level {found['module_type']}, outside its submodules")
         max_in = found["inputs"].get("max_abs")
         inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None else ""
-        return Cause("forward", f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
+        return Cause(CauseSite.FORWARD, f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
                      module=found["module"] or None, module_type=found["module_type"], operation=found["operation"],
                      source=where, inputs=found["inputs"], outputs=found["outputs"])
     if loss is not None and _nonfinite([loss]):
-        return Cause("forward", "the loss is non-finite but no single operation produced it from finite inputs")
+        return Cause(CauseSite.FORWARD, "the loss is non-finite but no single operation produced it from finite inputs")
     return None
 
 
@@ -343,5 +384,5 @@ def _localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | 
                 _set_rng(rng)
             backward = _backward_cause(replay, parameters)
     return early or forward or backward or Cause(
-        "not_reproduced", "replaying the step gave finite values: the NaN depends on state the replay cannot "
+        CauseSite.NOT_REPRODUCED, "replaying the step gave finite values: the NaN depends on state the replay cannot "
         "reproduce (non-deterministic kernels, data changed in place, Python/NumPy random numbers)")

@@ -8,6 +8,7 @@ insensitive to the outliers being looked for. Pure host-side arithmetic over Pyt
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -86,11 +87,24 @@ class NormHistory:
             self.add(float(value))
 
 
+class LossKind(str, enum.Enum):
+    """What a loss shows against the run's history (see :class:`LossTrend`): a sudden spike or a steady rise.
+
+    Example::
+
+        >>> LossKind("spike") is LossKind.SPIKE
+        True
+    """
+
+    SPIKE = "spike"
+    DIVERGENCE = "divergence"
+
+
 @dataclass
 class LossVerdict:
-    """What one check step's loss shows: a ``spike`` or a ``divergence`` (or nothing), with the numbers."""
+    """What one check step's loss shows: a :class:`LossKind` (or None for nothing), with the numbers."""
 
-    kind: str | None
+    kind: LossKind | None
     loss: float
     level: float = math.nan
     start: float = math.nan
@@ -126,7 +140,7 @@ class LossTrend:
 
         >>> trend = LossTrend()
         >>> [trend.judge(v).kind for v in (6.9, 7857.0)]
-        [None, 'spike']
+        [None, <LossKind.SPIKE: 'spike'>]
         >>> calm = LossTrend()
         >>> [calm.judge(v).kind for v in (0.7, 0.01, 0.02, 0.6)]
         [None, None, None, None]
@@ -164,7 +178,7 @@ class LossTrend:
             limit = max(limit, level + LOSS_SPIKE_SIGMAS * robust_sigma(self.recent))
         if loss <= limit:
             return None
-        return LossVerdict("spike", loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
+        return LossVerdict(LossKind.SPIKE, loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
 
     def _divergence(self, loss: float) -> LossVerdict | None:
         start = self.start_level
@@ -179,7 +193,7 @@ class LossTrend:
         steady = min(last) > max(first) and median(last) >= DIVERGENCE_FACTOR * median(first)
         if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0]:
             return None
-        return LossVerdict("divergence", loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
+        return LossVerdict(LossKind.DIVERGENCE, loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start)}

@@ -1,5 +1,5 @@
-"""Early divergence: the findings a loss that spikes or climbs and a weight update larger than the weights
-turn into, while everything is still finite (the arithmetic is in :mod:`lightning_debug.checks.trends`).
+"""Early divergence: the findings a loss that spikes or climbs turns into, while everything is still
+finite (the rule, :class:`~lightning_debug.checks.trends.LossTrend`, is in :mod:`lightning_debug.checks.trends`).
 
 The loss is judged by the anomaly check, which runs every step by default and already reads the
 loss's finiteness; its value travels in the same read-back (no extra sync). So a learning rate that
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lightning_debug.checks.trends import LossVerdict
+from lightning_debug.checks.trends import LossKind, LossVerdict
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 
@@ -25,11 +25,20 @@ def _learning_rates(learning_rates: Sequence[float]) -> str:
 
 
 def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
-    """``loss_spike`` or ``loss_divergence`` for a judged loss, None when it shows neither."""
+    """``loss_spike`` or ``loss_divergence`` for a judged loss, None when it shows neither.
+
+    Example::
+
+        >>> from lightning_debug.checks.trends import LossTrend
+        >>> trend = LossTrend()
+        >>> quiet, spike = (loss_finding(trend.judge(loss), step, [0.5]) for step, loss in enumerate((6.9, 7857.0)))
+        >>> quiet is None, spike.kind.value, spike.details["learning_rates"]
+        (True, 'loss_spike', [0.5])
+    """
     if verdict.kind is None:
         return None
     lr = _learning_rates(learning_rates)
-    if verdict.kind == "spike":
+    if verdict.kind is LossKind.SPIKE:
         return Finding(
             Kind.LOSS_SPIKE, Severity.WARNING,
             f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
@@ -37,7 +46,7 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"This is how a too-high learning rate starts. {FIX}; if it happens on single batches, look at "
             "those batches.",
             dict(verdict.details, learning_rates=list(learning_rates)))
-    if verdict.kind == "divergence":
+    if verdict.kind is LossKind.DIVERGENCE:
         window = verdict.window or []
         return Finding(
             Kind.LOSS_DIVERGENCE, Severity.WARNING,

@@ -1,0 +1,73 @@
+"""The batches of recent check steps, kept by reference to name the samples that hold NaN/Inf.
+
+Keeping a reference costs nothing on a healthy step (no copy, no read); the samples are read only
+when the step's fused input flag, read back with the loss, says a batch holds NaN/Inf.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_debug.checks.batches import nonfinite_samples
+from lightning_debug.core.session import Where
+
+INPUT_STEPS_KEPT = 8
+InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
+
+
+class RecentInputs:
+    """The floating tensors of the micro-batches of the last :data:`INPUT_STEPS_KEPT` observed steps.
+
+    Example::
+
+        >>> recent = RecentInputs(kept=2)
+        >>> for step in range(3): recent.add(step, {"epoch": 0, "batch": step}, [("x", torch.zeros(1))])
+        >>> sorted(recent.steps), len(recent.take(2)), recent.steps
+        ([1, 2], 1, {})
+    """
+
+    def __init__(self, kept: int = INPUT_STEPS_KEPT) -> None:
+        self.kept = kept
+        self.steps: dict[int, InputRows] = {}
+
+    def add(self, step: int, where: Where, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.steps.setdefault(step, []).append((where, tensors))
+        while len(self.steps) > self.kept:
+            self.steps.pop(min(self.steps))
+
+    def take(self, step: int) -> InputRows:
+        """The inputs of ``step``, forgetting them and those of every earlier step."""
+        inputs = self.steps.pop(step, [])
+        for old in [s for s in self.steps if s < step]:
+            del self.steps[old]
+        return inputs
+
+
+def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool) -> list[dict[str, Any]]:
+    """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
+
+    Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
+    rank are gathered; read a step late, each rank knows only its own and rank zero writes them.
+
+    Example::
+
+        >>> x = torch.tensor([[1.0], [float("nan")]])
+        >>> nonfinite_rows([({"epoch": 0, "batch": 3}, [("x", x)])], 0, 1, True)
+        [{'tensor': 'x', 'shape': [2, 1], 'samples': [1], 'count': 1, 'epoch': 0, 'batch': 3, 'rank': 0}]
+    """
+    found: list[dict[str, Any]] = []
+    for batch_where, tensors in inputs:
+        for name, tensor in tensors:
+            samples, count = nonfinite_samples(tensor)
+            if count:
+                found.append({"tensor": name, "shape": list(tensor.shape), "samples": samples, "count": count,
+                              "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
+    per_rank = {rank: found}
+    if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, found)
+        per_rank = {rank: rows or [] for rank, rows in enumerate(gathered)}
+    return [dict(row, rank=rank) for rank, rank_rows in sorted(per_rank.items()) for row in rank_rows]

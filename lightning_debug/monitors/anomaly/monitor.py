@@ -1,0 +1,323 @@
+"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check.
+
+Events in, findings out: which batches and read-backs a check step keeps, the state a resumed run
+carries, and recording. What a step shows and what the run does about it is :mod:`.policy`; which
+update broke the weights, :mod:`.forensics`; naming the cause by replaying the step, :mod:`.replay`;
+every sentence, :mod:`.prose`; a loss that spikes or climbs, :mod:`.divergence`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_debug.checks.batches import floating_tensors
+from lightning_debug.checks.localize import Cause, capture_rng
+from lightning_debug.checks.numerics import nonfinite_named
+from lightning_debug.checks.trends import LossTrend
+from lightning_debug.config import AnomalyMode, Area, DebugConfig
+from lightning_debug.core.buffers import BufferSnapshot
+from lightning_debug.core.kinds import Kind
+from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
+from lightning_debug.core.session import Where
+from lightning_debug.core.step_numerics import HostNumerics
+from lightning_debug.monitors.anomaly import policy, prose
+from lightning_debug.monitors.anomaly.divergence import loss_finding
+from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
+from lightning_debug.monitors.anomaly.inputs import RecentInputs, nonfinite_rows
+from lightning_debug.monitors.anomaly.probe import WeightProbe
+from lightning_debug.monitors.anomaly.replay import replay_step, wants_replay
+from lightning_debug.monitors.anomaly.settings import AnomalySettings
+
+BAD_BATCHES_KEPT = 20
+POSITIONS_KEPT = 64
+DECISIONS = {policy.Action.CONTINUE: Decision.CONTINUE, policy.Action.SKIP: Decision.SKIP,
+             policy.Action.STOP: Decision.STOP}
+
+
+class AnomalyMonitor(Monitor):
+    """See :class:`lightning_debug.AnomalyDetectionCallback` for the behaviour users rely on."""
+
+    area = Area.ANOMALY
+    kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
+                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER, Kind.LOSS_SPIKE,
+                       Kind.LOSS_DIVERGENCE})
+    deciding = policy.DECIDING
+    events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
+    frequency_field = "anomaly_check_frequency"
+
+    def __init__(self, config: DebugConfig, source: str = "AnomalyDetectionCallback") -> None:
+        super().__init__(config, source)
+        self.settings = AnomalySettings.from_config(config)
+        self.anomaly_count = 0
+        self.skipped_steps = 0
+        self.restored_buffer_steps = 0
+        self.localizes = self.settings.localizes
+        self.weights = WeightHistory()
+        self.loss_trend = LossTrend()
+        self.bad_batches: list[dict[str, Any]] = []
+        self._previous_detect_anomaly: tuple[bool, bool] | None = None
+        self._positions: dict[int, Where] = {}
+        self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
+        self._learning_rates: list[float] = []
+        self._inputs = RecentInputs()
+        self._probe = WeightProbe()
+        self._buffers = BufferSnapshot()
+
+    @property
+    def mode(self) -> AnomalyMode:
+        return self.settings.mode
+
+    @property
+    def last_finite_param_step(self) -> int:
+        return self.weights.last_finite_step
+
+    def start(self, step: int) -> None:
+        if self.settings.records_stacks and self._previous_detect_anomaly is None:
+            # check_nan=False: autograd must not raise inside the framework's backward (that would end a
+            # warn/skip/stop run); a NaN is named by the replay, which checks NaN inside its own try.
+            self._previous_detect_anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            self.warn(prose.EXPERT_STACKS)
+        if self.localizes and self.context.replay() is None:
+            self.warn(prose.NO_REPLAY_IN_LOOP)
+
+    def restore(self) -> None:
+        if self._previous_detect_anomaly is not None:
+            enabled, check_nan = self._previous_detect_anomaly
+            torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
+            self._previous_detect_anomaly = None
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        """On check steps, count the batch's floating tensors that hold NaN/Inf (fused, read back with the
+        loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
+        the micro-batch and the RNG state, for a replay. With several optimizers every batch is observed
+        (cheap device work, no sync): which optimizer steps next, and whether its check is due, is not
+        known yet. After an update that may have overflowed the weights, also flag on the device whether
+        they are finite before this forward (:meth:`.WeightHistory.wants_measure_before`, rare)."""
+        if not (self.due(step) or self.numerics.several_optimizers):
+            return
+        if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
+            self._probe.measure(step, self._index())
+        if policy.restores_buffers(self.mode) and self._buffers.step != step:
+            model = self.context.module()
+            if model is not None:  # before the step's first forward: what a skipped step restores
+                self._buffers.take(model, step)
+        tensors = floating_tensors(batch)
+        if tensors:
+            self.numerics.observe_inputs(step, [t for _, t in tensors])
+            self._inputs.add(step, self.context.where(), tensors)
+        if not self.localizes:
+            return
+        if self._step_inputs[0] != step:
+            self._step_inputs = (step, [])
+        self._step_inputs[1].append((captured, capture_rng()))
+
+    def _index(self) -> Any:
+        return self.numerics.index(self.context.named_parameters, plain_sharded=self.context.grads_sharded)
+
+    def _may_overflow(self, grad_norm: float) -> bool:
+        return update_may_overflow(grad_norm, self._learning_rates, lambda: self._probe.largest_value(self._index()))
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        if self.due(step) or self.numerics.several_optimizers:
+            self.numerics.observe_loss(step, loss)
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        """Check this step's numerics and decide what happens to the optimizer step.
+
+        In ``warn`` mode (below ADVANCED) the values are read later without a sync and the step
+        continues. Otherwise they are read now (one sync), the cause is named by replaying the step
+        when ``level >= ADVANCED`` and a replay is possible, and :func:`.policy.decide` says whether
+        to raise :class:`AnomalyError` or return the decision the run carries out (``skip``/``stop``
+        drop the optimizer step's gradients).
+
+        Decide first, write later: everything that decides (the gathered flags, the replay and the
+        parameter scan, both collectives) comes from values every rank shares and runs on every
+        rank; the findings are written afterwards, separately guarded, so a write that fails on one
+        rank cannot change what that rank decides. A measurement that failed on any rank is a
+        flag in the gathered rows, and every rank then continues this step without a decision.
+        """
+        if not self.optimizer_step_due(step):
+            return Decision.CONTINUE
+        current = numerics()
+        where = self.context.where()
+        self._learning_rates = [float(group.get("lr", float("nan"))) for group in optimizer.param_groups]
+        replay = self.context.replay() if self.localizes else None
+        if policy.reads_late(self.mode, replays=replay is not None):
+            self._positions[current.step] = where
+            if len(self._positions) > POSITIONS_KEPT:
+                self._positions.pop(min(self._positions))
+            current.subscribe(self._on_numerics)
+            return Decision.CONTINUE
+        host = current.read(blocking=True)
+        if host.failure is not None:
+            self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
+                                    host.step)
+            return Decision.CONTINUE
+        model = self.context.module()
+        if replay is not None and current.index.sharded:
+            replay = None
+            if self.localizes:  # said once: a replayed forward of sharded modules re-runs their collectives
+                self.localizes = False
+                self.warn(prose.no_replay_on_sharded(current.index.sharded_names))
+        cause = self._replay(host, model, replay) if model is not None and replay is not None else None
+        verdict = self._judge(host)
+        self.session.failures.call("writing the anomaly findings", self._write_findings, host, where, cause, verdict)
+        kinds = policy.deciding(verdict.kinds(cause))
+        action = policy.decide(self.mode, kinds)
+        if action is policy.Action.RAISE:
+            raise prose.anomaly_error(host.step, kinds, verdict, len(host.ranks), cause)
+        if action is policy.Action.CONTINUE:
+            return Decision.CONTINUE
+        self.skipped_steps += 1
+        return self._undo_forward(host, where, DECISIONS[action])
+
+    def _undo_forward(self, host: HostNumerics, where: Where, decision: Decision) -> Decision:
+        """A dropped step leaves no trace: put back the buffers its forward changed (BatchNorm running
+        statistics, copied before the forward), then check them; buffers that are still non-finite (no
+        copy of this step, or broken earlier, on an unchecked step) are named and training stops.
+
+        Runs on every rank (the decision is shared); the check's verdict is reduced across ranks, so
+        every rank stops together.
+        """
+        model = self.context.module()
+        if model is None:
+            return decision
+        try:
+            restored = self._buffers.restore(model, host.step)
+            broken = self._buffers.nonfinite(model)
+        except Exception as failure:  # still join the reduction below, so that no rank decides alone
+            self.session.failures.record("restoring the buffers of a skipped step", failure,
+                                         "the buffers are left as the forward changed them")
+            restored, broken = False, []
+        if not self._buffers.names:  # the same model on every rank: nothing to restore anywhere
+            return decision
+        device = self._index().device
+        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
+        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stop)
+        if restored:
+            self.restored_buffer_steps += 1
+        if not stop.item():
+            return decision
+        self.session.failures.call("writing the anomaly findings", self._record_buffers, broken, host.step, where,
+                                   restored, len(host.ranks))
+        return Decision.STOP
+
+    def _record_buffers(self, broken: list[str], step: int, where: Where, restored: bool, world_size: int) -> None:
+        self.record(prose.nonfinite_buffer(broken, step, restored, world_size, self.mode), step, where)
+
+    def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
+        """Localize the first step of an episode of non-finite loss or gradients (every rank at once, see
+        :func:`.replay.replay_step`); whether to replay depends only on values every rank shares."""
+        if not wants_replay(host.ranks_with_nonfinite_loss, host.ranks_with_nonfinite_grads,
+                            self.context.uses_grad_scaler, (kind for kind, _ in self.episodes.open)):
+            return None
+        distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
+        step, inputs = self._step_inputs
+        return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope)
+
+    def finalize(self, step: int) -> None:
+        """The last update has not been checked yet: check the parameters once more (one sync).
+
+        This can run on an exception path, where other ranks may not follow, so it issues no
+        collective: each rank checks its own shards and rank 0 writes what it finds.
+        """
+        where = self.context.where()
+        index = self._index()
+        if len(index):
+            bad = nonfinite_named(index.names, index.plan.squares(index.local_params()).sqrt())
+            if bad:
+                self._record_params(bad, where, 1, [0], self.weights.final_origin(step))
+        super().finalize(step)
+
+    def _on_numerics(self, host: HostNumerics) -> None:
+        if host.failure is not None:
+            self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
+                                    host.step)
+            return
+        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), None, self._judge(host))
+
+    def _judge(self, host: HostNumerics) -> policy.Verdict:
+        """What ``host`` shows, and the counts that follow from it; the same on every rank (the parameter
+        scan, a collective, runs on every rank when the gathered flags ask for it). Writes nothing."""
+        bad_loss_ranks = host.ranks_with_nonfinite_loss
+        bad_grads = host.nonfinite_grads()
+        scan = bool(bad_loss_ranks or host.ranks_with_nonfinite_grads or host.params_measured)
+        inputs = self._inputs.take(host.step)
+        bad_input_ranks = host.ranks_with_nonfinite_inputs
+        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update)
+                if bad_input_ranks else [])
+        verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
+                                 self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows)
+        if verdict.bad_params:
+            verdict.params = self.weights.origin(host.step, host.params_seen_after, bool(bad_grads),
+                                                 self._probe.flag(host.step), self._may_overflow)
+        anomalous = verdict.anomalous()
+        if anomalous:
+            self.anomaly_count += 1
+        self.weights.after_check(host.step, verdict.params, bool(bad_grads), host.global_grad_norm, anomalous)
+        return verdict
+
+    def _write_findings(self, host: HostNumerics, where: Where, cause: Cause | None, verdict: policy.Verdict) -> None:
+        """Record the findings of a judged step, root first: events (global zero), episodes, scalars."""
+        step, world, mode = host.step, len(host.ranks), self.mode
+        if verdict.bad_input_ranks:
+            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world)
+        if verdict.amp_overflow:
+            self.record(prose.amp_overflow(step, verdict.bad_grads), step, where)
+        else:
+            params_first, activation = verdict.params_first, policy.names_activation(cause)
+            param_ranks = host.ranks_with_nonfinite_params if host.params_measured else []
+            if params_first and verdict.params is not None:
+                self._record_params(verdict.bad_params, where, world, param_ranks, verdict.params)
+            if activation and cause is not None:
+                self.record(prose.nonfinite_activation(step, cause, params_first), step, where,
+                            key=cause.module or "", warn=False)
+            if verdict.bad_loss_ranks:
+                self.record(prose.nonfinite_loss(step, verdict, world, cause, mode, params_first, activation),
+                            step, where)
+            if verdict.bad_grads:
+                self.record(prose.nonfinite_grad(step, verdict, len(host.grad_names), host.ranks_with_nonfinite_grads,
+                                                 cause, mode, params_first), step, where)
+            if verdict.bad_params and not params_first:
+                self._record_params(verdict.bad_params, where, world, param_ranks,
+                                    verdict.params or ParamsOrigin.unknown(step))
+        trend = loss_finding(self.loss_trend.judge(host.loss_value), step, self._learning_rates)
+        if trend is not None:
+            self.record(trend, step, where)
+        metrics = {"debug/anomaly/count": float(self.anomaly_count)}
+        if host.loss_checked:
+            metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
+        self.log_metrics(step, metrics)
+        self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
+
+    def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
+                       world_size: int) -> None:
+        self.bad_batches = (self.bad_batches + [dict(row, step=step) for row in rows])[-BAD_BATCHES_KEPT:]
+        self.record(prose.nonfinite_input(step, rows, ranks, world_size), step, where)
+
+    def _record_params(self, bad_params: list[tuple[str, float]], where: Where, world_size: int,
+                       ranks: list[int], origin: ParamsOrigin) -> None:
+        context = prose.optimizer_context(self._learning_rates, self.weights.last_grad_norm)
+        self.record(prose.nonfinite_param(bad_params, origin, world_size, ranks, self.mode,
+                                          self.last_finite_param_step, context), origin.label, where)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
+                    last_finite_param_step=self.last_finite_param_step, loss_trend=self.loss_trend.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.anomaly_count = int(state_dict.get("anomaly_count", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.weights.last_finite_step = int(state_dict.get("last_finite_param_step", -1))
+        self.loss_trend.load_state_dict(state_dict.get("loss_trend", {}))
+
+    def report_section(self) -> dict[str, Any]:
+        return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
+                    restored_buffer_steps=self.restored_buffer_steps,
+                    mode=self.mode.value, nonfinite_inputs=list(self.bad_batches))

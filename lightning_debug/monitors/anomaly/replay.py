@@ -1,0 +1,122 @@
+"""The replay orchestration: when to replay a non-finite step, over which micro-batches, and which cause wins.
+
+:func:`~lightning_debug.checks.localize.localize` replays one micro-batch; this module decides
+whether a step is worth it (the first step of an episode of non-finite loss or gradients, never an
+fp16 overflow the GradScaler handles), replays each captured micro-batch, and merges the causes
+(of every rank, under distributed training) into the one the findings name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_debug.checks.localize import Cause, CauseSite, localize
+from lightning_debug.core.kinds import Kind
+from lightning_debug.core.monitor import Replay
+from lightning_debug.monitors.anomaly.prose import NO_BATCH_CAPTURED, outside_the_replay, replay_failed
+
+EPISODE_KINDS = (Kind.NONFINITE_LOSS.value, Kind.NONFINITE_GRAD.value)
+Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the RNG state at its start)
+
+
+def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad_scaler: bool,
+                 open_kinds: Iterable[str]) -> bool:
+    """Whether to replay this step: its loss or gradients are non-finite and no such episode is open yet.
+
+    Non-finite gradients under a GradScaler with a finite loss are its overflow (a healthy fp16 run
+    sees them while it finds its scale), so they are not replayed; one replay per episode keeps a
+    NaN that persists from costing a replay each step. Depends only on values every rank shares.
+
+    Example::
+
+        >>> wants_replay([0], [], False, []), wants_replay([], [0], True, []), wants_replay([0], [0], False, ["nonfinite_loss"])
+        (True, False, False)
+    """
+    if not (loss_ranks or grad_ranks) or (uses_grad_scaler and not loss_ranks):
+        return False
+    return not any(kind in EPISODE_KINDS for kind in open_kinds)
+
+
+def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, same_work: bool) -> list[Cause]:
+    """Replay the step's micro-batches until one names a cause (all of them with ``same_work``, so
+    that every rank makes the same calls); a replay that raises becomes an ``error`` cause.
+
+    Example::
+
+        >>> model = torch.nn.Linear(2, 1)
+        >>> batch = torch.tensor([[1.0, float("nan")]])
+        >>> [cause.where.value for cause in replay_each(model, [(batch, None)], lambda b: model(b).sum(), False)]
+        ['inputs']
+    """
+    causes: list[Cause] = []
+    for captured, rng in inputs:
+        try:
+            cause = localize(model, captured, lambda captured=captured: replay(captured), rng,
+                             check_backward=True, same_work=same_work)
+        except Exception as error:
+            cause = Cause(CauseSite.ERROR, replay_failed(error))
+        causes.append(cause)
+        if cause.where.names_a_cause and not same_work:
+            break
+    return causes
+
+
+def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
+    """This rank's cause: the first that names one, else the first; ``outside`` (what the replay does not
+    cover, e.g. the loss function) explains a NaN the replayed model did not reproduce.
+
+    Example::
+
+        >>> causes = [Cause(CauseSite.NOT_REPRODUCED, "finite", replay_ms=2.0), Cause(CauseSite.INPUTS, "bad", replay_ms=3.0)]
+        >>> own = own_cause(causes, None)
+        >>> own.where.value, own.replay_ms
+        ('inputs', 5.0)
+        >>> own_cause([], None).summary
+        'no batch was captured for this step'
+    """
+    found = [c for c in causes if c.where.names_a_cause]
+    own = (found or causes or [Cause(CauseSite.NOT_REPRODUCED, NO_BATCH_CAPTURED)])[0]
+    if outside and own.where is CauseSite.NOT_REPRODUCED:
+        own = Cause(CauseSite.NOT_REPRODUCED, outside_the_replay(outside), replay_ms=own.replay_ms)
+    own.replay_ms = sum(c.replay_ms for c in causes)
+    return own
+
+
+def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None]) -> Cause:
+    """The cause every rank names: the first rank's that reproduced the NaN, with each rank's summary.
+
+    Example::
+
+        >>> gathered = [Cause(CauseSite.NOT_REPRODUCED, "finite").to_dict(), Cause(CauseSite.INPUTS, "bad").to_dict()]
+        >>> cause = across_ranks(Cause.from_dict(gathered[0]), gathered)
+        >>> cause.where.value, cause.summary, cause.outputs["per_rank"]
+        ('inputs', 'on rank 1: bad', {0: 'finite', 1: 'bad'})
+    """
+    reproduced = [(rank, c) for rank, c in enumerate(gathered) if c and CauseSite(c["where"]).names_a_cause]
+    if reproduced:
+        rank, first = reproduced[0]
+        own = Cause.from_dict(first)
+        own.summary = f"on rank {rank}: {own.summary}"
+    own.outputs = dict(own.outputs, per_rank={rank: c.get("summary") for rank, c in enumerate(gathered)})
+    return own
+
+
+def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, distributed: bool,
+                replay_scope: Callable[[], str | None]) -> Cause:
+    """Localize a step (every rank at once): replay its micro-batches, then gather the causes.
+
+    Under distributed training every rank replays each of its micro-batches with the same number of
+    calls whatever it finds (``localize(same_work=True)``), so collectives inside ``training_step``
+    still match, and the causes are gathered on every rank.
+    """
+    causes = replay_each(model, inputs, replay, same_work=distributed)
+    own = own_cause(causes, replay_scope() if causes else None)
+    if distributed:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, own.to_dict())
+        own = across_ranks(own, gathered)
+    return own

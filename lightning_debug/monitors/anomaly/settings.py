@@ -1,0 +1,34 @@
+"""The anomaly check's settings: the few :class:`DebugConfig` fields it reads, typed and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel
+
+
+@dataclass(frozen=True)
+class AnomalySettings:
+    """What the anomaly check does, made once from the user's flat :class:`DebugConfig`.
+
+    ``mode``: what a non-finite loss, gradient or parameter does; ``check_frequency``: every how many
+    optimizer steps the numerics are checked; ``localizes``: name the cause of a NaN by replaying the
+    step (level ADVANCED and up); ``records_stacks``: record every forward operation's stack with
+    ``torch.autograd.set_detect_anomaly`` (level EXPERT).
+
+    Example::
+
+        >>> settings = AnomalySettings.from_config(DebugConfig(level="advanced", anomaly_detection_mode="skip"))
+        >>> settings.mode, settings.localizes, settings.records_stacks, settings.check_frequency
+        (<AnomalyMode.SKIP: 'skip'>, True, False, 1)
+    """
+
+    mode: AnomalyMode = AnomalyMode.WARN
+    check_frequency: int = 1
+    localizes: bool = False
+    records_stacks: bool = False
+
+    @classmethod
+    def from_config(cls, config: DebugConfig) -> AnomalySettings:
+        return cls(mode=AnomalyMode(config.anomaly_detection_mode), check_frequency=config.anomaly_check_frequency,
+                   localizes=config.level >= DebugLevel.ADVANCED, records_stacks=config.level >= DebugLevel.EXPERT)
