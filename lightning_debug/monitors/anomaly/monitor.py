@@ -46,7 +46,6 @@ class AnomalyMonitor(Monitor):
                        Kind.LOSS_DIVERGENCE})
     deciding = policy.DECIDING
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
-    frequency_field = "anomaly_check_frequency"
 
     def __init__(self, config: DebugConfig, source: str = "AnomalyDetectionCallback") -> None:
         super().__init__(config, source)
