@@ -54,7 +54,8 @@ def test_a_relu_that_outputs_only_zeros_is_dead() -> None:
     finding = found[0]
     assert finding.details == {"modules": ["act"], "module_type": "ReLU", "fed_by": "fc (Linear)", "shape": SHAPE,
                                "zero_fraction": 1.0, "max_abs": 0.0}
-    assert "`act` (ReLU, fed by `fc` (Linear))" in finding.message and "to `fc` (Linear) and the layers" in finding.message
+    assert "`act` (ReLU, fed by `fc` (Linear))" in finding.message
+    assert "to `fc` (Linear) and the layers" in finding.message
 
 
 @pytest.mark.parametrize("zero", [0.0, 0.5, 0.95, DEAD_FRACTION - 1e-6, math.nan])

@@ -73,7 +73,8 @@ def test_shape_mismatch_names_the_module_its_input_and_what_it_expects() -> None
     message = explained["message"]
     assert "in module `1`" in message and "[5, 2]" in message and "in_features=3" in message
     assert "`weight` [1, 3]" in message and message.endswith(f"PyTorch says: {str(error).splitlines()[0]}")
-    assert explained["details"]["modules"] == ["1"] and explained["advice"] == ERROR_ADVICE[ErrorCategory.SHAPE_MISMATCH]
+    assert explained["details"]["modules"] == ["1"]
+    assert explained["advice"] == ERROR_ADVICE[ErrorCategory.SHAPE_MISMATCH]
 
 
 def test_shape_mismatch_outside_a_module_names_the_innermost_tensors() -> None:
@@ -129,7 +130,8 @@ def test_inplace_with_a_replay_names_the_operation_module_and_line() -> None:
 
     explained = explain_error(4, RuntimeError(INPLACE), replay_inplace=replay)
     assert asked == [("ReluBackward0", [3, 2])]
-    assert explained["details"]["modules"] == ["block.act"] and explained["details"]["inplace"]["operation"] == "Tensor.add_"
+    assert explained["details"]["modules"] == ["block.act"]
+    assert explained["details"]["inplace"]["operation"] == "Tensor.add_"
     assert "`Tensor.add_` at model.py:12 (`h += 1`) in module `block.act` (ReLU)" in explained["message"]
 
 

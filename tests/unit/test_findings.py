@@ -146,17 +146,21 @@ def recorder() -> Iterator[tuple[Recorder, list[dict[str, Any]]]]:
         yield monitor, events
 
 
-def test_a_condition_that_persists_writes_one_start_and_one_end(recorder: tuple[Recorder, list[dict[str, Any]]]) -> None:
+Recording = tuple[Recorder, list[dict[str, Any]]]
+
+
+def test_a_condition_that_persists_writes_one_start_and_one_end(recorder: Recording) -> None:
     monitor, events = recorder
     for step in range(5):
         assert monitor.record(finding(severity=Severity.ERROR), step, {"epoch": 0}) is (step == 0)
         monitor.close_episodes(step, {}, monitor.kinds)
     monitor.close_episodes(5, {}, monitor.kinds)
-    assert [(e["step"], str(e["episode"])) for e in events] == [(0, "start"), (5, "end")]  # ends at the check without it
+    # the episode ends at the first check without it
+    assert [(e["step"], str(e["episode"])) for e in events] == [(0, "start"), (5, "end")]
     assert monitor.tally.kinds["nonfinite_loss"]["steps"] == 5
 
 
-def test_episodes_past_the_cap_are_counted_but_not_written(recorder: tuple[Recorder, list[dict[str, Any]]]) -> None:
+def test_episodes_past_the_cap_are_counted_but_not_written(recorder: Recording) -> None:
     monitor, events = recorder
     for step in range(0, 12, 2):  # six separate episodes
         monitor.record(finding(), step)
