@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,83 @@ class Output:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict[str, float]]:
+    """The stacked read-back of a forward's :data:`STATS` rows, as one dict per output (no
+    ``saturated_fraction`` for a module whose range is not bounded).
+
+    Example::
+
+        >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
+        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0], [out])
+        [{'mean': 0.1, 'std': 0.2, 'max_abs': 0.3, 'zero_fraction': 0.5, 'nonfinite_count': 0.0}]
+    """
+    width = len(STATS)
+    rows = []
+    for index, output in enumerate(outputs):
+        stats = dict(zip(STATS, values[index * width:(index + 1) * width]))
+        if not output.saturating:
+            stats.pop("saturated_fraction")
+        rows.append(stats)
+    return rows
+
+
+def describe(output: Output) -> str:
+    fed = f", fed by {_quoted(output.fed_by)}" if output.fed_by else ""
+    return f"`{output.label}` ({output.module_type}{fed})"
+
+
+def dead_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
+    fed = f"{_quoted(output.fed_by)} and " if output.fed_by else ""
+    return Finding(
+        Kind.DEAD_ACTIVATION, Severity.WARNING,
+        f"{describe(output)} outputs zero for {stats['zero_fraction']:.1%} of its {output.numel} values "
+        f"(shape {output.shape}) at step {step}: the layer is dead, no gradient flows back through it to "
+        f"{fed}the layers before. Usually a large negative bias or a too-large step pushed every "
+        "pre-activation below zero: Kaiming initialisation, normalisation before the activation, a lower "
+        "learning rate, or LeakyReLU/GELU.",
+        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+         "shape": output.shape, "zero_fraction": stats["zero_fraction"], "max_abs": stats["max_abs"]})
+
+
+def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
+    return Finding(
+        Kind.SATURATED_ACTIVATION, Severity.WARNING,
+        f"{describe(output)} is saturated at step {step}: {stats['saturated_fraction']:.1%} of its "
+        f"{output.numel} outputs sit at the ends of its range, where its derivative is ~0, so gradients vanish "
+        "through it. Normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, a lower "
+        "learning rate, or ReLU/GELU in hidden layers.",
+        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+         "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"]})
+
+
+def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]]) -> list[Finding]:
+    """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
+
+    Dead: a ReLU-like output with at least :data:`DEAD_FRACTION` exact zeros. Saturated: a sigmoid/tanh-like
+    output with at least :data:`SATURATED_FRACTION` of its values at the ends of its range. On a healthy
+    model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its range; what
+    could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a handful of
+    units is noise), the model's last output (a classifier's confident sigmoid is its job), and a NaN
+    statistic (compares false).
+
+    Example::
+
+        >>> relu = Output("act", "ReLU", [8, 16], relu_like=True, saturating=False, fed_by="fc (Linear)")
+        >>> [f.kind.value for f in activation_findings(3, [relu], [{"zero_fraction": 1.0, "max_abs": 0.0}])]
+        ['dead_activation']
+    """
+    found = []
+    for index, (output, stats) in enumerate(zip(outputs, rows)):
+        if output.numel < MIN_ELEMENTS:
+            continue
+        if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
+            found.append(dead_finding(step, output, stats))
+        last = index == len(outputs) - 1
+        if output.saturating and not last and stats["saturated_fraction"] >= SATURATED_FRACTION:
+            found.append(saturated_finding(step, output, stats))
+    return found
 
 
 @dataclass
@@ -222,67 +300,30 @@ class ActivationMonitor(Monitor):
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingStats) -> None:
-        values = pending.stats.values()
-        width = len(STATS)
         step, where, outputs = pending.step, pending.where, pending.outputs
         names = metric_names([output.label for output in outputs])
+        rows = split_stats(pending.stats.values(), outputs)
         metrics: dict[str, float] = {}
         self.latest, self.latest_step = {}, step
-        for index, (output, name) in enumerate(zip(outputs, names)):
-            stats = dict(zip(STATS, values[index * width:(index + 1) * width]))
-            if not output.saturating:
-                stats.pop("saturated_fraction")
+        for output, name, stats in zip(outputs, names, rows):
             metrics.update({f"debug/activation/{name}/{stat}": value for stat, value in stats.items()})
             if len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
-            if output.numel < MIN_ELEMENTS:
-                continue
-            if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
-                self._record_dead(step, where, output, stats)
-            last = index == len(outputs) - 1
-            if output.saturating and not last and stats["saturated_fraction"] >= SATURATED_FRACTION:
-                self._record_saturated(step, where, output, stats)
+        for finding in activation_findings(step, outputs, rows):
+            label = finding.details["modules"][0]
+            counts = self.flagged[finding.kind.value]
+            counts[label] = counts.get(label, 0) + 1
+            self.record(finding, step, where, key=label)
         self.checks += 1
         self.log_metrics(step, metrics)
         if pending.histograms is not None and self._histogram_writer is not None:
-            rows = pending.histograms.values()
+            histograms = pending.histograms.values()
             size = 5 + HISTOGRAM_BINS
             for index, name in enumerate(names):
                 self._histogram_writer(f"debug/activation_hist/{name}",
-                                       histogram_from_row(rows[index * size:(index + 1) * size], HISTOGRAM_BINS), step)
+                                       histogram_from_row(histograms[index * size:(index + 1) * size], HISTOGRAM_BINS),
+                                       step)
         self.close_episodes(step, where, self.kinds)
-
-    def _describe(self, output: Output) -> str:
-        fed = f", fed by {_quoted(output.fed_by)}" if output.fed_by else ""
-        return f"`{output.label}` ({output.module_type}{fed})"
-
-    def _record_dead(self, step: int, where: Where, output: Output, stats: dict[str, float]) -> None:
-        counts = self.flagged[Kind.DEAD_ACTIVATION.value]
-        counts[output.label] = counts.get(output.label, 0) + 1
-        fed = f"{_quoted(output.fed_by)} and " if output.fed_by else ""
-        self.record(Finding(
-            Kind.DEAD_ACTIVATION, Severity.WARNING,
-            f"{self._describe(output)} outputs zero for {stats['zero_fraction']:.1%} of its {output.numel} values "
-            f"(shape {output.shape}) at step {step}: the layer is dead, no gradient flows back through it to "
-            f"{fed}the layers before. Usually a large negative bias or a too-large step pushed every "
-            "pre-activation below zero: Kaiming initialisation, normalisation before the activation, a lower "
-            "learning rate, or LeakyReLU/GELU.",
-            {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-             "shape": output.shape, "zero_fraction": stats["zero_fraction"], "max_abs": stats["max_abs"]}),
-            step, where, key=output.label)
-
-    def _record_saturated(self, step: int, where: Where, output: Output, stats: dict[str, float]) -> None:
-        counts = self.flagged[Kind.SATURATED_ACTIVATION.value]
-        counts[output.label] = counts.get(output.label, 0) + 1
-        self.record(Finding(
-            Kind.SATURATED_ACTIVATION, Severity.WARNING,
-            f"{self._describe(output)} is saturated at step {step}: {stats['saturated_fraction']:.1%} of its "
-            f"{output.numel} outputs sit at the ends of its range, where its derivative is ~0, so gradients vanish "
-            "through it. Normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, a lower "
-            "learning rate, or ReLU/GELU in hidden layers.",
-            {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-             "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"]}),
-            step, where, key=output.label)
 
     # --- the end ----------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:

@@ -81,15 +81,26 @@ def _tensors(summaries: dict[str, dict[str, Any]], field: str = "shape") -> str:
     return ", ".join(f"`{name}` {summary[field]}" for name, summary in summaries.items())
 
 
+InplaceReplay = Callable[[str, list[int]], "dict[str, Any] | None"]
+
+
+def _no_replay(node: str, shape: list[int]) -> dict[str, Any] | None:
+    return None
+
+
 @dataclass
 class Failure:
-    """What the traceback shows about one error, and the event details being built for it."""
+    """What the traceback shows about one error, the event details being built for it, and how to look
+    further: ``replay_inplace(node, shape)`` finds the in-place operation by replaying the forward (None:
+    no replay), ``trainable_names()`` lists the trainable parameters in DDP's order."""
 
     error: BaseException
     details: dict[str, Any]
     module: dict[str, Any] | None
     source: dict[str, Any] | None
     innermost: dict[str, dict[str, Any]]
+    replay_inplace: InplaceReplay = _no_replay
+    trainable_names: Callable[[], list[str]] = list
 
     @property
     def text(self) -> str:
@@ -127,6 +138,135 @@ SENTENCES = {
 }
 
 
+# --- what each category can name -------------------------------------------------------------------
+def explain_shapes(failure: Failure) -> str:
+    """The operands' shapes and the sizes the failing module expects (``in_features``, ...)."""
+    expects = failure.module["expects"] if failure.module is not None else {}
+    wants = f" but expects {', '.join(f'{k}={v}' for k, v in expects.items())}" if expects else ""
+    return failure.operands("shape", wants)
+
+
+def explain_dtypes(failure: Failure) -> str:
+    return failure.operands("dtype")
+
+
+def explain_devices(failure: Failure) -> str:
+    """The operands' devices; the two devices the message names go to ``details.devices``."""
+    match = _DEVICES.search(failure.text)
+    if match:
+        failure.details["devices"] = [device for device in match.groups() if device]
+    return failure.operands("device")
+
+
+def explain_index(failure: Failure) -> str:
+    """A class label against the logits' class count, or an index against ``num_embeddings``."""
+    target = re.search(r"Target (-?\d+) is out of bounds", failure.text)
+    logits = failure.innermost.get("input")
+    if target and logits is not None and len(logits["shape"]) > 1:
+        classes = logits["shape"][1]
+        failure.details.update(label=int(target.group(1)), num_classes=classes)
+        return (f"a class label is {target.group(1)} but the model's output has {classes} classes "
+                f"(labels must be in [0, {classes})).")
+    if failure.module is not None and "num_embeddings" in failure.module["expects"]:
+        return f"an index is outside [0, {failure.module['expects']['num_embeddings']}) (num_embeddings)."
+    return ""
+
+
+def explain_inplace(failure: Failure) -> str:
+    """The modified tensor read from the message (``details.modified``) and, when the replay finds it,
+    the in-place operation, its module and line (``details.inplace``)."""
+    details = failure.details
+    match = _INPLACE.search(failure.text)
+    if match is None:
+        details["leaf"] = "leaf Variable" in failure.text
+        return ("a parameter (a leaf tensor that requires grad) is modified in place: change it under "
+                "`torch.no_grad()`, or use `x = x + y`." if details["leaf"] else "")
+    shape = [int(v) for v in match["shape"].replace(" ", "").split(",") if v]
+    details["modified"] = {"node": match["node"], "output": int(match["output"]), "shape": shape,
+                           "saved_version": int(match["saved"]), "version": int(match["now"])}
+    found = failure.replay_inplace(match["node"], shape)
+    subject = f"the output of `{match['node']}` (a {shape} tensor) that the backward needs"
+    if found is None:
+        return (f"an in-place operation modified {subject} after the forward saved it (version "
+                f"{match['saved']} -> {match['now']}); look for `x += y`, `x[i] = v`, `.add_()` or "
+                "`inplace=True` applied to it and use `x = x + y`.")
+    details["inplace"] = found
+    if found["module"]:
+        details["modules"] = [found["module"]]
+    place = found["source"]
+    line = f" at {place['file'].rsplit('/', 1)[-1]}:{place['line']} (`{place['code']}`)" if place else ""
+    owner = f"module `{found['module']}` ({found['module_type']})" if found["module"] else "the model's forward"
+    return (f"`{found['operation']}`{line} in {owner} modified {subject}, found by replaying the forward; use "
+            "the out-of-place form (`x = x + y` instead of `x += y`) or `.clone()` first.")
+
+
+def explain_unused_parameters(failure: Failure) -> str:
+    """The parameters DDP names (or numbers, mapped through ``trainable_names()``) as unused."""
+    named = _DDP_NAMES.search(failure.text)
+    indexed = _DDP_INDICES.search(failure.text)
+    names: list[str] = []
+    if named:
+        names = [name.strip() for name in named.group(2).split(",") if name.strip()]
+    elif indexed:
+        indices = [int(v) for v in indexed.group(2).split()]
+        trainable = failure.trainable_names()
+        names = [trainable[i] for i in indices if i < len(trainable)]
+        failure.details["indices"] = indices
+    failure.details["parameters"] = names[:NAMES_SHOWN]
+    if not names:
+        return "some parameters received no gradient in the previous step."
+    shown = ", ".join(f"`{name}`" for name in names[:NAMES_SHOWN])
+    return (f"{len(names)} parameter(s) received no gradient in the previous step, so DDP could not finish "
+            f"its reduction: {shown}. Use them in forward, remove or freeze them, or let DDP find unused "
+            "parameters (`find_unused_parameters=True`).")
+
+
+EXPLAINERS: dict[ErrorCategory, Callable[[Failure], str]] = {
+    ErrorCategory.SHAPE_MISMATCH: explain_shapes, ErrorCategory.DEVICE_MISMATCH: explain_devices,
+    ErrorCategory.DTYPE_MISMATCH: explain_dtypes, ErrorCategory.INDEX_OUT_OF_RANGE: explain_index,
+    ErrorCategory.INPLACE_OPERATION: explain_inplace,
+    ErrorCategory.DDP_UNUSED_PARAMETERS: explain_unused_parameters,
+}
+
+
+def explain_error(step: int, error: BaseException, module: dict[str, Any] | None = None,
+                  source: dict[str, Any] | None = None, innermost: dict[str, dict[str, Any]] | None = None,
+                  replay_inplace: InplaceReplay = _no_replay,
+                  trainable_names: Callable[[], list[str]] = list) -> dict[str, Any]:
+    """The explanation of a training-step error: ``step``, ``category``, ``message``, ``advice`` and
+    ``details`` (the ``exception`` event's), from the error and what its traceback showed (``module``:
+    :func:`~lightning_debug.checks.errors.failing_module`, ``source``, ``innermost`` tensors).
+
+    It only explains an error that already happened, so it cannot fire on a healthy model; what it names
+    comes from the message and the traceback, never guessed: with nothing to read, it says only what
+    PyTorch said and the category's advice.
+
+    Example::
+
+        >>> explained = explain_error(3, RuntimeError(
+        ...     "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"))
+        >>> explained["category"], explained["details"]["devices"]
+        ('device_mismatch', ['cuda:0', 'cpu'])
+    """
+    category = classify(error)
+    innermost = innermost or {}
+    text = str(error).strip()
+    first_line = text.splitlines()[0][:300] if text else type(error).__name__
+    details: dict[str, Any] = {"category": category.value, "error_type": type(error).__name__,
+                               "error": text[:2000], "module": module, "source": source}
+    if module is not None:
+        details["modules"] = [module["name"]]
+    if innermost:
+        details["tensors"] = innermost
+    failure = Failure(error, details, module, source, innermost, replay_inplace, trainable_names)
+    explain = EXPLAINERS.get(category)
+    what = explain(failure) if explain is not None else SENTENCES.get(category, "")
+    message = (f"{type(error).__name__} at step {step} ({category.value}){failure.located()}: "
+               + (f"{what} " if what else "") + f"PyTorch says: {first_line}")
+    return {"step": step, "category": category.value, "message": message, "advice": ERROR_ADVICE[category],
+            "details": details}
+
+
 class ErrorMonitor(Monitor):
     """Explains the exception that ends a run (see the module docstring); one per run, whatever the callbacks."""
 
@@ -148,81 +288,15 @@ class ErrorMonitor(Monitor):
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         if not isinstance(error, Exception) or isinstance(error, AnomalyError):
             return  # an interrupt is no error to explain; AnomalyError is this package's own report
-        category = classify(error)
         module = failing_module(error, self.context.module())
-        source = failing_source(error)
-        innermost = innermost_tensors(error) if module is None else {}
-        text = str(error).strip()
-        first_line = text.splitlines()[0][:300] if text else type(error).__name__
-        details: dict[str, Any] = {"category": category.value, "error_type": type(error).__name__,
-                                   "error": text[:2000], "module": module, "source": source}
-        if module is not None:
-            details["modules"] = [module["name"]]
-        if innermost:
-            details["tensors"] = innermost
-        failure = Failure(error, details, module, source, innermost)
-        explain = EXPLAINERS.get(category)
-        what = explain(self, failure) if explain is not None else SENTENCES.get(category, "")
-        message = (f"{type(error).__name__} at step {step} ({category.value}){failure.located()}: "
-                   + (f"{what} " if what else "") + f"PyTorch says: {first_line}")
-        explanation = {"step": step, "category": category.value, "message": message,
-                       "advice": ERROR_ADVICE[category], "details": details}
+        explanation = explain_error(
+            step, error, module, failing_source(error), innermost_tensors(error) if module is None else {},
+            self._replay_inplace,
+            lambda: [name for name, p in self.context.named_parameters() if p.requires_grad])
         self.explanations = (self.explanations + [explanation])[-EXPLANATIONS_KEPT:]
-        self.emit(Finding(Kind.EXCEPTION, Severity.ERROR, message, details), step)
+        self.emit(Finding(Kind.EXCEPTION, Severity.ERROR, explanation["message"], explanation["details"]), step)
         if not self.session.is_global_zero:
             self.session.write_document("exception", step, dict(explanation, document="exception"))
-
-    # --- what each category can name ---------------------------------------------------------------
-    def _shapes(self, failure: Failure) -> str:
-        expects = failure.module["expects"] if failure.module is not None else {}
-        wants = f" but expects {', '.join(f'{k}={v}' for k, v in expects.items())}" if expects else ""
-        return failure.operands("shape", wants)
-
-    def _dtypes(self, failure: Failure) -> str:
-        return failure.operands("dtype")
-
-    def _devices(self, failure: Failure) -> str:
-        match = _DEVICES.search(failure.text)
-        if match:
-            failure.details["devices"] = [device for device in match.groups() if device]
-        return failure.operands("device")
-
-    def _index(self, failure: Failure) -> str:
-        target = re.search(r"Target (-?\d+) is out of bounds", failure.text)
-        logits = failure.innermost.get("input")
-        if target and logits is not None and len(logits["shape"]) > 1:
-            classes = logits["shape"][1]
-            failure.details.update(label=int(target.group(1)), num_classes=classes)
-            return (f"a class label is {target.group(1)} but the model's output has {classes} classes "
-                    f"(labels must be in [0, {classes})).")
-        if failure.module is not None and "num_embeddings" in failure.module["expects"]:
-            return f"an index is outside [0, {failure.module['expects']['num_embeddings']}) (num_embeddings)."
-        return ""
-
-    def _inplace(self, failure: Failure) -> str:
-        details = failure.details
-        match = _INPLACE.search(failure.text)
-        if match is None:
-            details["leaf"] = "leaf Variable" in failure.text
-            return ("a parameter (a leaf tensor that requires grad) is modified in place: change it under "
-                    "`torch.no_grad()`, or use `x = x + y`." if details["leaf"] else "")
-        shape = [int(v) for v in match["shape"].replace(" ", "").split(",") if v]
-        details["modified"] = {"node": match["node"], "output": int(match["output"]), "shape": shape,
-                               "saved_version": int(match["saved"]), "version": int(match["now"])}
-        found = self._replay_inplace(match["node"], shape)
-        subject = f"the output of `{match['node']}` (a {shape} tensor) that the backward needs"
-        if found is None:
-            return (f"an in-place operation modified {subject} after the forward saved it (version "
-                    f"{match['saved']} -> {match['now']}); look for `x += y`, `x[i] = v`, `.add_()` or "
-                    "`inplace=True` applied to it and use `x = x + y`.")
-        details["inplace"] = found
-        if found["module"]:
-            details["modules"] = [found["module"]]
-        place = found["source"]
-        line = f" at {place['file'].rsplit('/', 1)[-1]}:{place['line']} (`{place['code']}`)" if place else ""
-        owner = f"module `{found['module']}` ({found['module_type']})" if found["module"] else "the model's forward"
-        return (f"`{found['operation']}`{line} in {owner} modified {subject}, found by replaying the forward; use "
-                "the out-of-place form (`x = x + y` instead of `x += y`) or `.clone()` first.")
 
     def _replay_inplace(self, node: str, shape: list[int]) -> dict[str, Any] | None:
         context = self.context
@@ -234,32 +308,6 @@ class ErrorMonitor(Monitor):
         except Exception:  # the replay is a best effort on a run that already failed
             return None
 
-    def _unused_parameters(self, failure: Failure) -> str:
-        named = _DDP_NAMES.search(failure.text)
-        indexed = _DDP_INDICES.search(failure.text)
-        names: list[str] = []
-        if named:
-            names = [name.strip() for name in named.group(2).split(",") if name.strip()]
-        elif indexed:
-            indices = [int(v) for v in indexed.group(2).split()]
-            trainable = [name for name, p in self.context.named_parameters() if p.requires_grad]
-            names = [trainable[i] for i in indices if i < len(trainable)]
-            failure.details["indices"] = indices
-        failure.details["parameters"] = names[:NAMES_SHOWN]
-        if not names:
-            return "some parameters received no gradient in the previous step."
-        shown = ", ".join(f"`{name}`" for name in names[:NAMES_SHOWN])
-        return (f"{len(names)} parameter(s) received no gradient in the previous step, so DDP could not finish "
-                f"its reduction: {shown}. Use them in forward, remove or freeze them, or let DDP find unused "
-                "parameters (`find_unused_parameters=True`).")
-
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), explanations=list(self.explanations))
 
-
-EXPLAINERS: dict[ErrorCategory, Callable[[ErrorMonitor, Failure], str]] = {
-    ErrorCategory.SHAPE_MISMATCH: ErrorMonitor._shapes, ErrorCategory.DEVICE_MISMATCH: ErrorMonitor._devices,
-    ErrorCategory.DTYPE_MISMATCH: ErrorMonitor._dtypes, ErrorCategory.INDEX_OUT_OF_RANGE: ErrorMonitor._index,
-    ErrorCategory.INPLACE_OPERATION: ErrorMonitor._inplace,
-    ErrorCategory.DDP_UNUSED_PARAMETERS: ErrorMonitor._unused_parameters,
-}

@@ -24,6 +24,7 @@ Neither raises an error; both make a run train worse without a trace in the loss
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +84,98 @@ def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
     return found
 
 
+def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
+    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected``
+    Dropout/BatchNorm layers run as in inference.
+
+    On a healthy model it cannot fire where it matters not: :func:`modules_left_in_eval` only names
+    modules whose mode changes their output and that are trained (a frozen backbone kept in eval mode
+    on purpose has no trainable parameter).
+
+    Example::
+
+        >>> finding = eval_mode_finding(4, "encoder", ["encoder.drop"])
+        >>> finding.kind.value, finding.details
+        ('eval_mode_in_training', {'modules': ['encoder'], 'affected': ['encoder.drop'], 'count': 1})
+    """
+    subject = f"`{name}`" if name else "The whole model"
+    layers = ", ".join(f"`{layer}`" for layer in affected[:NAMES_SHOWN])
+    more = f" and {len(affected) - NAMES_SHOWN} more" if len(affected) > NAMES_SHOWN else ""
+    return Finding(
+        Kind.EVAL_MODE_IN_TRAINING, Severity.WARNING,
+        f"{subject} is in eval mode while the model trains (step {step}): its Dropout/BatchNorm layers "
+        f"{layers}{more} behave as in inference (no dropout, running statistics frozen) although it has "
+        "trainable parameters. Call `.train()` on it (or on the model after evaluating); if frozen statistics "
+        "are intended, freeze its parameters too.",
+        {"modules": [name], "affected": affected[:NAMES_IN_DETAILS], "count": len(affected)})
+
+
+def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set[int],
+                   fresh: set[int]) -> tuple[list[tuple[str, torch.nn.Parameter]], set[int]]:
+    """The parameters a backward is about to add to while they hold an older gradient, and the ids of
+    those that hold none (their next gradient is this step's own).
+
+    Only parameters an optimizer steps count (``stepped``, ids; empty: all of them). A parameter in
+    ``fresh`` already received this step's gradient from an earlier backward (two losses, two backward
+    calls): adding to it is no accumulation across steps.
+
+    Example::
+
+        >>> a, b, c = (torch.nn.Parameter(torch.ones(1)) for _ in range(3))
+        >>> a.grad, b.grad = torch.ones(1), torch.ones(1)
+        >>> held, empty = held_gradients([("a", a), ("b", b), ("c", c)], stepped=set(), fresh={id(b)})
+        >>> [name for name, _ in held], empty == {id(c)}
+        (['a'], True)
+    """
+    held: list[tuple[str, torch.nn.Parameter]] = []
+    empty: set[int] = set()
+    for name, parameter in named:
+        if stepped and id(parameter) not in stepped:
+            continue
+        if parameter.grad is None:
+            empty.add(id(parameter))
+        elif id(parameter) not in fresh:
+            held.append((name, parameter))
+    return held, empty
+
+
+def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[str]:
+    """The parameters a backward reached while they still held a non-zero gradient of an earlier step.
+
+    ``optimizer.zero_grad(set_to_none=False)`` leaves zeros, which are no accumulation, hence the
+    strict ``> 0``.
+
+    Example::
+
+        >>> stale_gradients(["a", "b", "c"], [0.0, 2.5, 0.0])
+        ['b']
+    """
+    return [name for name, norm in zip(names, old_norms) if norm > 0]
+
+
+def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Finding:
+    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters the backward added to held the previous
+    step's gradient.
+
+    Intentional accumulation over micro-batches happens between optimizer steps and a second backward of
+    one step adds to gradients of this step, so neither reaches this rule (see :func:`held_gradients`).
+
+    Example::
+
+        >>> grad_not_zeroed_finding(3, ["w"], 2).message[:60]
+        'Gradients are not zeroed between optimizer steps: at step 3 '
+    """
+    shown = ", ".join(f"`{name}`" for name in stale[:NAMES_SHOWN])
+    more = f" and {len(stale) - NAMES_SHOWN} more" if len(stale) > NAMES_SHOWN else ""
+    return Finding(
+        Kind.GRAD_NOT_ZEROED, Severity.ERROR,
+        f"Gradients are not zeroed between optimizer steps: at step {step} the backward added to {len(stale)} "
+        f"of {reached} parameters that still held the previous step's gradient ({shown}{more}), so every "
+        "update uses the sum of all past gradients and the effective step size keeps growing. Call "
+        "`optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
+        {"parameters": stale[:NAMES_IN_DETAILS], "count": len(stale)})
+
+
 @dataclass
 class Window:
     """The parameters hooked during one backward, with the norms of the gradients they held before it."""
@@ -95,6 +188,19 @@ class Window:
     handles: list[Any] = field(default_factory=list)
     touched: set[int] = field(default_factory=set)
     owned: set[int] | None = None  # with several optimizers: the parameters of the one that steps next
+
+    def judged(self) -> list[int]:
+        """The positions judged: those the backward reached, of the optimizer that steps next when known.
+
+        Example::
+
+            >>> window = Window(0, {}, ["a", "b", "c"], [10, 11, 12], torch.zeros(3), touched={2, 0}, owned={12})
+            >>> window.judged()
+            [2]
+        """
+        if self.owned is None:
+            return sorted(self.touched)
+        return sorted(i for i in self.touched if self.ids[i] in self.owned)
 
 
 class LoopMonitor(Monitor):
@@ -145,17 +251,7 @@ class LoopMonitor(Monitor):
 
     def _record_eval(self, step: int, where: Where, name: str, affected: list[str]) -> None:
         self.eval_modules[name] = affected[:NAMES_IN_DETAILS]
-        subject = f"`{name}`" if name else "The whole model"
-        layers = ", ".join(f"`{layer}`" for layer in affected[:NAMES_SHOWN])
-        more = f" and {len(affected) - NAMES_SHOWN} more" if len(affected) > NAMES_SHOWN else ""
-        self.record(Finding(
-            Kind.EVAL_MODE_IN_TRAINING, Severity.WARNING,
-            f"{subject} is in eval mode while the model trains (step {step}): its Dropout/BatchNorm layers "
-            f"{layers}{more} behave as in inference (no dropout, running statistics frozen) although it has "
-            "trainable parameters. Call `.train()` on it (or on the model after evaluating); if frozen statistics "
-            "are intended, freeze its parameters too.",
-            {"modules": [name], "affected": affected[:NAMES_IN_DETAILS], "count": len(affected)}),
-            step, where, key=name)
+        self.record(eval_mode_finding(step, name, affected), step, where, key=name)
 
     # --- gradients accumulated across steps ------------------------------------------------------
     def after_optimizer_step(self, steps_done: int) -> None:
@@ -187,14 +283,8 @@ class LoopMonitor(Monitor):
             return
         parameters = self.numerics.index(self.context.named_parameters)
         stepped = {id(p) for group in self.context.param_groups() for p in group.get("params", [])}
-        held: list[tuple[str, torch.nn.Parameter]] = []
-        for name, parameter in zip(parameters.names, parameters.params):
-            if stepped and id(parameter) not in stepped:
-                continue
-            if parameter.grad is None:
-                self._fresh.add(id(parameter))
-            elif id(parameter) not in self._fresh:
-                held.append((name, parameter))
+        held, empty = held_gradients(zip(parameters.names, parameters.params), stepped, self._fresh)
+        self._fresh.update(empty)
         if not held:
             return
         window = self._window = Window(step, self.context.where(), [name for name, _ in held],
@@ -241,10 +331,8 @@ class LoopMonitor(Monitor):
         for handle in window.handles:
             handle.remove()
         self._fresh.update(window.ids[i] for i in window.touched)
-        judged = window.touched if window.owned is None else {
-            i for i in window.touched if window.ids[i] in window.owned}
-        if evaluate and judged:
-            touched = sorted(judged)
+        touched = window.judged()
+        if evaluate and touched:
             norms = window.norms[torch.tensor(touched, device=window.norms.device)]
             self._pending.append((window.step, window.where, [window.names[i] for i in touched],
                                   Readback(norms, blocking=False)))
@@ -252,22 +340,11 @@ class LoopMonitor(Monitor):
     def poll(self, final: bool = False) -> None:
         while self._pending and (final or self._pending[0][3].ready()):
             step, where, names, readback = self._pending.pop(0)
-            stale = [name for name, norm in zip(names, readback.values()) if norm > 0]
+            stale = stale_gradients(names, readback.values())
             if stale:
-                self._record_accumulating(step, where, stale, len(names))
+                self.accumulating = stale[:NAMES_IN_DETAILS]
+                self.record(grad_not_zeroed_finding(step, stale, len(names)), step, where)
             self.close_episodes(step, where, {Kind.GRAD_NOT_ZEROED})
-
-    def _record_accumulating(self, step: int, where: Where, stale: list[str], reached: int) -> None:
-        self.accumulating = stale[:NAMES_IN_DETAILS]
-        shown = ", ".join(f"`{name}`" for name in stale[:NAMES_SHOWN])
-        more = f" and {len(stale) - NAMES_SHOWN} more" if len(stale) > NAMES_SHOWN else ""
-        self.record(Finding(
-            Kind.GRAD_NOT_ZEROED, Severity.ERROR,
-            f"Gradients are not zeroed between optimizer steps: at step {step} the backward added to {len(stale)} "
-            f"of {reached} parameters that still held the previous step's gradient ({shown}{more}), so every "
-            "update uses the sum of all past gradients and the effective step size keeps growing. Call "
-            "`optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
-            {"parameters": stale[:NAMES_IN_DETAILS], "count": len(stale)}), step, where)
 
     # --- the end ---------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:

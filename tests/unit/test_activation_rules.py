@@ -1,0 +1,156 @@
+"""Dead ReLUs and saturated sigmoid/tanh layers, fed recorded output statistics: no Trainer, milliseconds."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_debug import DebugConfig
+from lightning_debug.checks.activations import STATS, output_stats, saturation_range
+from lightning_debug.core.context import RunContext
+from lightning_debug.core.kinds import Kind
+from lightning_debug.monitors.activations import (
+    DEAD_FRACTION,
+    MIN_ELEMENTS,
+    SATURATED_FRACTION,
+    ActivationMonitor,
+    Output,
+    activation_findings,
+    split_stats,
+)
+from lightning_debug.run import Run
+
+SHAPE = [8, 16]  # 128 values, above MIN_ELEMENTS
+
+
+def relu(label: str = "act", shape: list[int] | None = None, fed_by: str | None = "fc (Linear)") -> Output:
+    return Output(label, "ReLU", shape or SHAPE, relu_like=True, saturating=False, fed_by=fed_by)
+
+
+def sigmoid(label: str = "gate", shape: list[int] | None = None) -> Output:
+    return Output(label, "Sigmoid", shape or SHAPE, relu_like=False, saturating=True, fed_by=None)
+
+
+def linear(label: str = "head") -> Output:
+    return Output(label, "Linear", SHAPE, relu_like=False, saturating=False, fed_by=None)
+
+
+def stats(zero: float = 0.5, saturated: float = math.nan, mean: float = 0.3, max_abs: float = 2.0) -> dict[str, float]:
+    return {"mean": mean, "std": 1.0, "max_abs": max_abs, "zero_fraction": zero, "saturated_fraction": saturated,
+            "nonfinite_count": 0.0}
+
+
+def kinds(outputs: list[Output], rows: list[dict[str, float]]) -> list[tuple[Kind, str]]:
+    return [(f.kind, f.details["modules"][0]) for f in activation_findings(4, outputs, rows)]
+
+
+def test_a_relu_that_outputs_only_zeros_is_dead() -> None:
+    found = activation_findings(4, [relu(), linear()], [stats(zero=1.0, max_abs=0.0), stats()])
+    assert [f.kind for f in found] == [Kind.DEAD_ACTIVATION]
+    finding = found[0]
+    assert finding.details == {"modules": ["act"], "module_type": "ReLU", "fed_by": "fc (Linear)", "shape": SHAPE,
+                               "zero_fraction": 1.0, "max_abs": 0.0}
+    assert "`act` (ReLU, fed by `fc` (Linear))" in finding.message
+    assert "to `fc` (Linear) and the layers" in finding.message
+
+
+@pytest.mark.parametrize("zero", [0.0, 0.5, 0.95, DEAD_FRACTION - 1e-6, math.nan])
+def test_a_sparse_but_living_relu_is_not_dead(zero: float) -> None:
+    assert kinds([relu(), linear()], [stats(zero=zero), stats()]) == []
+
+
+def test_the_dead_threshold_is_inclusive() -> None:
+    assert kinds([relu(), linear()], [stats(zero=DEAD_FRACTION), stats()]) == [(Kind.DEAD_ACTIVATION, "act")]
+
+
+def test_zeros_of_a_module_that_is_no_relu_are_not_dead() -> None:
+    assert kinds([linear("fc"), linear()], [stats(zero=1.0), stats()]) == []
+
+
+def test_tiny_outputs_are_not_judged() -> None:
+    tiny = [1, MIN_ELEMENTS - 1]
+    assert kinds([relu(shape=tiny), sigmoid(shape=tiny), linear()],
+                 [stats(zero=1.0), stats(saturated=1.0), stats()]) == []
+
+
+def test_a_hidden_sigmoid_stuck_at_its_ends_is_saturated() -> None:
+    found = activation_findings(2, [sigmoid(), linear()], [stats(saturated=0.97, mean=0.99), stats()])
+    assert [f.kind for f in found] == [Kind.SATURATED_ACTIVATION]
+    assert found[0].details["saturated_fraction"] == 0.97 and found[0].details["mean"] == 0.99
+    assert "97.0% of its 128 outputs" in found[0].message
+
+
+@pytest.mark.parametrize("saturated", [0.0, 0.5, SATURATED_FRACTION - 1e-6, math.nan])
+def test_a_sigmoid_inside_its_range_is_not_saturated(saturated: float) -> None:
+    assert kinds([sigmoid(), linear()], [stats(saturated=saturated), stats()]) == []
+
+
+def test_the_models_last_output_may_be_saturated() -> None:
+    """A confident classifier's final sigmoid sits at 0 or 1 by design."""
+    assert kinds([linear(), sigmoid()], [stats(), stats(saturated=1.0)]) == []
+
+
+def test_findings_come_in_forward_order() -> None:
+    outputs = [relu("a"), sigmoid("b"), relu("c"), linear()]
+    rows = [stats(zero=1.0), stats(saturated=1.0), stats(zero=1.0), stats()]
+    assert kinds(outputs, rows) == [(Kind.DEAD_ACTIVATION, "a"), (Kind.SATURATED_ACTIVATION, "b"),
+                                    (Kind.DEAD_ACTIVATION, "c")]
+
+
+def test_split_stats_keeps_the_saturated_fraction_of_bounded_modules_only() -> None:
+    values = list(range(2 * len(STATS)))
+    rows = split_stats([float(v) for v in values], [relu(), sigmoid()])
+    assert "saturated_fraction" not in rows[0] and rows[1]["saturated_fraction"] == float(len(STATS) + 4)
+    assert rows[1]["mean"] == float(len(STATS))
+
+
+def test_measured_outputs_of_a_dead_and_a_saturated_layer() -> None:
+    """From real tensors through output_stats, as the monitor reads them back."""
+    dead = torch.relu(torch.full((8, 16), -3.0))
+    saturated = torch.sigmoid(torch.full((8, 16), 20.0))
+    values = torch.cat([output_stats(dead), output_stats(saturated, saturation_range(nn.Sigmoid())),
+                        output_stats(torch.randn(8, 16))]).tolist()
+    outputs = [relu(), sigmoid(), linear()]
+    assert kinds(outputs, split_stats(values, outputs)) == [(Kind.DEAD_ACTIVATION, "act"),
+                                                           (Kind.SATURATED_ACTIVATION, "gate")]
+
+
+# --- the monitor in a hand-written loop -----------------------------------------------------------
+
+
+class Loop(RunContext):
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def module(self) -> nn.Module:
+        return self.model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_monitor_counts_flagged_modules_and_resumes_them() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)
+    config = DebugConfig(log_activations=True, gradient_checking_frequency=1, save_debug_info=False,
+                         print_summary=False, save_plots=False)
+    monitor = ActivationMonitor(config, "test")
+    run = Run(config, Loop(model), [monitor])
+    run.start(0)
+    for step in range(3):
+        run.batch_start(step, None)
+        run.before_backward(step, model(torch.randn(8, 4)).sum())
+        run.batch_end()
+        run.after_optimizer_step(step + 1)
+    report = run.finish("finished", 3)
+    assert report is not None and report["findings"]["dead_activation"]["episodes"] == 1
+    section: dict[str, Any] = report["sections"]["activations"]
+    assert section["checks"] == 3 and section["flagged"] == {"dead_activation": {"1": 3}}
+    assert set(section["latest"]) == {"0", "1", "2"} and "saturated_fraction" not in section["latest"]["1"]
+    restored = ActivationMonitor(config, "test")
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.checks == 3 and restored.flagged["dead_activation"] == {"1": 3}

@@ -1,0 +1,168 @@
+"""Judging a value against the run's own history (checks/trends.py), fed recorded norms and losses.
+
+What the doctests, tests/unit/test_anomaly_rules.py (spike at step 1, a steady rise, a noisy descent)
+and tests/test_divergence.py (robust levels) already show is not repeated here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_debug.checks.trends import (
+    DIVERGENCE_FACTOR,
+    DIVERGENCE_WINDOW,
+    LOSS_SPIKE_FACTOR,
+    LOSS_START_VALUES,
+    NORM_JUMP_FACTOR,
+    NORM_WINDOW,
+    LossKind,
+    LossTrend,
+    LossVerdict,
+    NormHistory,
+    jump_limit,
+)
+
+NAN, INF = math.nan, math.inf
+
+
+# --- jump_limit and NormHistory -------------------------------------------------------------------
+
+def test_a_noisy_history_raises_the_limit_above_the_factor() -> None:
+    """The spread, not only the level: a history that swings from 1 to 30 tolerates more than twice its median.
+
+    (With positive values the median absolute deviation cannot exceed the median, so at the defaults,
+    10x and 6 sigmas, the factor is the one that binds; the sigmas matter for a smaller factor.)
+    """
+    history = [1.0, 30.0, 2.0, 25.0, 3.0, 28.0, 4.0]
+    limit = jump_limit(history, factor=2, sigmas=6, minimum=3)
+    assert limit is not None and limit > 2 * 4.0 * 3
+
+
+def test_non_finite_values_do_not_count_as_history() -> None:
+    assert jump_limit([1.0, NAN, INF], factor=10, sigmas=6, minimum=3) is None
+    assert jump_limit([1.0, NAN, 1.0, INF, 1.0], factor=10, sigmas=6, minimum=3) == 10.0
+
+
+def test_norm_history_is_bounded_and_follows_a_new_normal() -> None:
+    history = NormHistory()
+    for _ in range(NORM_WINDOW):
+        history.add(1.0)
+    for _ in range(NORM_WINDOW):
+        history.add(100.0)  # a level that stays becomes the run's normal, not an endless explosion
+    assert len(history.values) == NORM_WINDOW and history.level() == 100.0
+    assert history.limit() == NORM_JUMP_FACTOR * 100.0
+
+
+def test_norm_history_needs_three_values_to_judge() -> None:
+    history = NormHistory()
+    history.add(1.0)
+    history.add(1.0)
+    assert history.limit() is None
+
+
+def test_norm_history_load_replaces_and_drops_non_finite_values() -> None:
+    history = NormHistory()
+    history.add(5.0)
+    history.load([1.0, NAN, 2.0, INF, 3.0])
+    assert list(history.values) == [1.0, 2.0, 3.0]
+
+
+# --- LossTrend: spike -----------------------------------------------------------------------------
+
+def judge_all(trend: LossTrend, losses: list[float]) -> list[LossKind | None]:
+    return [trend.judge(loss).kind for loss in losses]
+
+
+def test_a_spike_must_also_be_far_above_where_the_run_started() -> None:
+    """The loss fell to 0.01; a jump back to 5 is 500x the recent level but under 10x the start (6.9)."""
+    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 5.0]) == [None] * 6
+    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 70.0])[-1] is LossKind.SPIKE
+
+
+def test_the_spike_verdict_carries_its_numbers() -> None:
+    trend = LossTrend()
+    judge_all(trend, [2.0, 1.9, 1.8, 1.7, 1.6, 1.5])
+    verdict = trend.judge(500.0)
+    assert verdict.kind is LossKind.SPIKE and verdict.start == 2.0
+    assert verdict.limit >= LOSS_SPIKE_FACTOR * 2.0 and verdict.window == [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
+    assert set(verdict.details) == {"loss", "recent_level", "start_level", "limit", "recent_losses"}
+
+
+def test_a_verdict_without_a_limit_leaves_it_out_of_the_details() -> None:
+    assert set(LossVerdict(None, 1.0).details) == {"loss", "recent_level", "start_level"}
+
+
+def test_non_finite_losses_are_not_judged_and_not_remembered() -> None:
+    trend = LossTrend()
+    assert judge_all(trend, [1.0, NAN, INF, -INF]) == [None] * 4
+    assert list(trend.recent) == [1.0] and trend.start == [1.0]
+
+
+def test_a_loss_at_or_below_zero_is_never_a_spike() -> None:
+    assert judge_all(LossTrend(), [0.0, 0.0, 5.0]) == [None] * 3
+    assert judge_all(LossTrend(), [-3.0, -2.0, 100.0]) == [None] * 3
+
+
+def test_the_start_level_is_the_highest_of_the_first_losses() -> None:
+    trend = LossTrend()
+    assert math.isnan(trend.start_level)
+    judge_all(trend, [2.0, 3.0, 1.0, 0.5, 0.4, 9.0, 0.3])
+    assert trend.start == [2.0, 3.0, 1.0, 0.5, 0.4] and trend.start_level == 3.0
+
+
+# --- LossTrend: divergence ------------------------------------------------------------------------
+
+def rise(start: float = 10.0, low: float = 1.0, steps: int = DIVERGENCE_WINDOW + 4, factor: float = 1.5) -> list[float]:
+    """A loss that starts at ``start``, falls to ``low`` and then rises by ``factor`` per check."""
+    return [start, low] + [low * factor ** i for i in range(1, steps)]
+
+
+def test_a_rise_that_stays_below_the_start_is_no_divergence() -> None:
+    """A loss climbing back from 1 toward where it began (1000) is a recovery from a bad minimum, not divergence."""
+    kinds = judge_all(LossTrend(), rise(start=1000.0, steps=DIVERGENCE_WINDOW + 2))
+    assert LossKind.DIVERGENCE not in kinds
+
+
+def test_a_rise_past_the_start_diverges() -> None:
+    losses = rise()
+    kinds = judge_all(LossTrend(), losses)
+    first = kinds.index(LossKind.DIVERGENCE)
+    assert losses[first] > losses[0] and all(k is None for k in kinds[:first])
+
+
+def test_one_dip_inside_a_steady_rise_still_diverges() -> None:
+    losses = [10.0, 1.0, 1.5, 2.2, 3.4, 3.0, 5.0, 7.5, 11.0, 16.0, 24.0]
+    assert LossKind.DIVERGENCE in judge_all(LossTrend(), losses)
+
+
+def test_an_oscillation_above_the_start_is_no_divergence() -> None:
+    """High but going nowhere: every second loss falls back, the second half is not above the first."""
+    losses = [1.0] + [20.0, 30.0] * 6
+    assert LossKind.DIVERGENCE not in judge_all(LossTrend(), losses)
+
+
+def test_a_slow_rise_that_does_not_double_is_no_divergence() -> None:
+    losses = [1.0] + [1.1 + 0.01 * i for i in range(DIVERGENCE_WINDOW + 4)]
+    assert losses[-1] < DIVERGENCE_FACTOR * losses[-DIVERGENCE_WINDOW]
+    assert LossKind.DIVERGENCE not in judge_all(LossTrend(), losses)
+
+
+# --- resume ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cut", [0, 3, 7])
+def test_a_resumed_trend_judges_the_rest_of_the_run_the_same(cut: int) -> None:
+    losses = rise() + [1e5]
+    whole = judge_all(LossTrend(), losses)
+    before = LossTrend()
+    judge_all(before, losses[:cut])
+    after = LossTrend()
+    after.load_state_dict(before.state_dict())
+    assert judge_all(after, losses[cut:]) == whole[cut:]
+
+
+def test_loading_keeps_only_the_first_start_values() -> None:
+    trend = LossTrend()
+    trend.load_state_dict({"recent": [1, 2], "start": list(range(1, 10))})
+    assert trend.start == [float(v) for v in range(1, LOSS_START_VALUES + 1)] and list(trend.recent) == [1.0, 2.0]
