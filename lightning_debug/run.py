@@ -317,9 +317,15 @@ class Run:
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
         sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
+        def render_failed(area: str, failure: Exception) -> None:
+            self.failures.record(f"rendering the {area} section", failure,
+                                 f"report.md has no {area} section; the area's findings are still in the report")
+
         report = self.failures.call("building the report", build_report, status=status, step=step, sections=sections,
                                     config=self.config.to_dict(), error=error, failures=self.failures.summary(),
-                                    run_id=self.context.run_id)
+                                    run_id=self.context.run_id, on_render_failure=render_failed)
+        if report is not None:
+            report["failed_checks"] = self.failures.summary()
         self._report = report
         written = False
         if report is not None and self.session.output_dir is not None:

@@ -52,12 +52,15 @@ REPORT_MD = "report.md"
 
 def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict[str, Any]], config: dict[str, Any],
                  error: str | None = None, failures: dict[str, Any] | None = None,
-                 run_id: str | None = None) -> dict[str, Any]:
+                 run_id: str | None = None,
+                 on_render_failure: Callable[[str, Exception], None] | None = None) -> dict[str, Any]:
     """Merge the monitors' sections into one report.
 
     Each section may hold ``findings`` (a :class:`~lightning_debug.core.findings.Tally` state) and
     ``stats`` (area name -> summary dict); everything else stays under ``sections``, with the
-    Markdown of the area's report.md sections added as ``markdown``.
+    Markdown of the area's report.md sections added as ``markdown``. A section whose Markdown cannot be
+    rendered is left without it and given to ``on_render_failure`` (the run records a failed check), so one
+    area's odd section never costs the whole report.
     """
     findings: dict[str, dict[str, Any]] = {}
     stats: dict[str, Any] = {}
@@ -70,7 +73,12 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
     for name, section in kept.items():
         render = SECTION_MARKDOWN.get(name)
         if render is not None and "error" not in section:
-            section["markdown"] = render(dict(section, stats=sections[name].get("stats", {})))
+            try:
+                section["markdown"] = render(dict(section, stats=sections[name].get("stats", {})))
+            except Exception as failure:
+                if on_render_failure is None:
+                    raise
+                on_render_failure(name, failure)
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "lightning_debug_version": __version__,

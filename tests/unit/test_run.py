@@ -156,6 +156,21 @@ def test_a_failing_report_section_is_listed_and_keeps_the_areas_findings() -> No
     assert "loop" in report["sections"]  # the other sections are built
 
 
+class OddSection(Stub):
+    """A section the gradients area's Markdown cannot render (it has none of the keys it expects)."""
+
+    def report_section(self) -> dict[str, Any]:
+        return {"unexpected": True}
+
+
+def test_a_section_that_cannot_be_rendered_is_a_failed_check_not_a_lost_report() -> None:
+    run = started(OddSection(area=Area.GRADIENTS), Stub(area=Area.LOOP))
+    report = run.finish("finished", 1)
+    assert report is not None
+    assert report["failed_checks"]["rendering the gradients section"]["count"] == 1
+    assert "markdown" not in report["sections"]["gradients"]
+
+
 def test_the_summary_never_says_nothing_wrong_over_a_failed_section() -> None:
     run = started(BrokenSection())
     report = run.finish("finished", 1)
