@@ -211,16 +211,35 @@ def write_table(out: Path) -> str:
     return text
 
 
+def findings_by_kind(out: Path) -> str:
+    """The findings of warning and above grouped by kind: case, setting, step, message head."""
+    by_kind: dict[str, list[str]] = {}
+    for record in read_results(out):
+        for finding in record.get("findings", []):
+            message = " ".join(str(finding.get("message", "")).split())[:230].replace("|", "/")
+            by_kind.setdefault(str(finding["kind"]), []).append(
+                f"| {record['name']} | {record['setting']} | {finding.get('step')} | {message} |")
+    lines: list[str] = []
+    for kind, rows in sorted(by_kind.items(), key=lambda item: -len(item[1])):
+        cases = {row.split(" | ")[0][2:] for row in rows}
+        lines += [f"### {kind} ({len(rows)} findings, {len(cases)} cases)", "",
+                  "| case | setting | step | message |", "|---|---|---|---|", *rows, ""]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for results.jsonl and table.md")
     parser.add_argument("--only", nargs="+", help="case names (model_type for the auto-mapped ones)")
     parser.add_argument("--limit", type=int, help="at most this many cases (in order: hand-added, then auto)")
     parser.add_argument("--resume", action="store_true", help="keep results.jsonl and skip the cases it has")
+    parser.add_argument("--redo", action="store_true",
+                        help="with --resume: run again the cases results.jsonl has as not trained")
     parser.add_argument("--case-limit", type=int, default=120, help="seconds per case and setting")
     parser.add_argument("--memory-gb", type=float, default=4.0, help="memory limit of the worker")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--table-only", action="store_true", help="only rewrite table.md from results.jsonl")
+    parser.add_argument("--findings", type=Path, help="also write the findings grouped by kind to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -229,9 +248,16 @@ def main() -> None:
         return
     if args.table_only:
         print(write_table(args.out))
+        if args.findings:
+            args.findings.write_text(findings_by_kind(args.out))
         return
     if not args.resume and (args.out / "results.jsonl").exists():
         (args.out / "results.jsonl").unlink()
+    if args.resume and args.redo:
+        records = read_results(args.out)
+        again = {r["name"] for r in records if r["status"] != "trained"}
+        kept = [r for r in records if r["name"] not in again]
+        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     names = args.only
     if names is None:
         from tests.sweep_models import all_cases
@@ -241,6 +267,8 @@ def main() -> None:
         names = names[:args.limit]
     supervise(args.out, names, args.case_limit, args.memory_gb, args.steps)
     print(write_table(args.out))
+    if args.findings:
+        args.findings.write_text(findings_by_kind(args.out))
 
 
 if __name__ == "__main__":

@@ -106,11 +106,14 @@ SMALL: dict[str, int] = {
 SMALL_AT_MOST: dict[str, int] = {"num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
                                  "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1,
                                  "num_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
-                                 "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+                                 "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                 "n_group": 1, "topk_group": 1, "rotary_dim": 8, "rope_dim": 8}
 # Lists of sizes (stages of a vision model, convolutions of an audio encoder) shrink element-wise.
 SMALL_LISTS: dict[str, int] = {"hidden_sizes": 32, "conv_dim": 32, "embed_dims": 32, "dims": 32, "channels": 32,
                                "neck_hidden_sizes": 32, "embedding_dims": 32}
 SMALL_DEPTHS = ("depths", "num_layers_per_stage", "depth", "layers")
+# Lists of heads per stage become 2 per stage (the stage widths above stay multiples of 2).
+SMALL_HEAD_LISTS = ("num_heads", "num_attention_heads", "heads")
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id",
              "mask_token_id", "unk_token_id")
 SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder", "backbone_config")
@@ -154,6 +157,10 @@ def shrink(config: Any) -> Any:
         current = _get(config, name)
         if isinstance(current, (list, tuple)) and current and all(_is_int(v) for v in current):
             _set(config, name, [1] * len(current))
+    for name in SMALL_HEAD_LISTS:
+        current = _get(config, name)
+        if isinstance(current, (list, tuple)) and current and all(_is_int(v) for v in current):
+            _set(config, name, [2] * len(current))
     for name in TOKEN_IDS:
         current = _get(config, name)
         if _is_int(current) and current >= VOCAB:
@@ -164,12 +171,23 @@ def shrink(config: Any) -> Any:
         sub = _get(config, name)
         if sub is not None and hasattr(sub, "to_dict"):
             shrink(sub)
-    layer_types = _get(config, "layer_types")
-    if isinstance(layer_types, list):
-        layers = next((_get(config, n) for n in ("num_hidden_layers", "num_layers") if _is_int(_get(config, n))), None)
-        if layers is not None:
-            _set(config, "layer_types", layer_types[:layers])
+    _shrink_layer_types(config)
+    if _is_int(_get(config, "kv_lora_rank")) and _is_int(_get(config, "num_attention_heads")):
+        _set(config, "num_key_value_heads", config.num_attention_heads)  # latent attention (MLA) has no GQA
     return config
+
+
+def _shrink_layer_types(config: Any) -> None:
+    """A per-layer list of kinds (attention, linear attention, sliding window) cut to the small depth, with
+    every kind it had kept once: a hybrid model whose first layers are all of one kind breaks otherwise."""
+    layer_types = _get(config, "layer_types")
+    field = next((n for n in ("num_hidden_layers", "num_layers") if _is_int(_get(config, n))), None)
+    if not isinstance(layer_types, list) or not layer_types or field is None:
+        return
+    kinds = list(dict.fromkeys(layer_types))
+    layers = max(_get(config, field), len(kinds))
+    _set(config, field, layers)
+    _set(config, "layer_types", (kinds * layers)[:layers])
 
 
 # Per-family settings a small model needs to construct (not about the debugger): model_type -> fields.
@@ -257,12 +275,14 @@ def audio_data(model: nn.Module, config: Any, seed: int = 0) -> DictDataset:
 
 # --- the auto mappings --------------------------------------------------------------------------------------------
 
+# In this order: an encoder-decoder family is trained as seq2seq (its decoder alone, as a causal LM,
+# leaves the cross-attention unused), then a decoder as a causal LM, an encoder as a masked LM.
 HEADS: dict[str, tuple[str, str]] = {
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
     "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
     "masked_lm": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
     "sequence_classification": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
                                 "AutoModelForSequenceClassification"),
-    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
     "image_classification": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
     "audio_classification": ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "AutoModelForAudioClassification"),
 }
