@@ -35,6 +35,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SETTING_NAMES = ("defaults", "every_step")
+# After a failed allocation under the memory limit, oneDNN and the allocator may be left broken ("could not
+# create a primitive" on every later model): the worker then exits and the parent starts a fresh one.
+BROKEN_PROCESS = ("alloc_cpu", "MemoryError", "could not create a primitive", "can't allocate memory")
 
 
 def read_results(out: Path) -> list[dict[str, Any]]:
@@ -55,8 +58,8 @@ def done_keys(out: Path) -> set[tuple[str, str]]:
     return {(r["name"], r["setting"]) for r in read_results(out)}
 
 
-class CaseTimeout(Exception):
-    pass
+class CaseTimeout(BaseException):
+    """Raised by the alarm; a BaseException so that no ``except Exception`` on the way swallows it."""
 
 
 def _alarm(signum: int, frame: Any) -> None:
@@ -103,14 +106,22 @@ def worker(out: Path, names: list[str], case_limit: int, memory_gb: float, steps
             except CaseTimeout:
                 record.update(status="timeout", steps=0, seconds=round(time.perf_counter() - started, 2),
                               reason=f"ran past {case_limit} s", findings=[])
-            except (MemoryError, Exception) as error:  # noqa: BLE001 - recorded, the sweep goes on
+            except Exception as error:  # noqa: BLE001 - recorded, the sweep goes on
                 record.update(status="train_failed", steps=0, seconds=round(time.perf_counter() - started, 2),
                               reason=f"{type(error).__name__}: {str(error)[:200]}", findings=[])
             finally:
                 signal.alarm(0)
             append(out, record)
-            if record["status"] == "skipped":  # a case that cannot be built is skipped under both settings
-                append(out, dict(record, setting="every_step" if setting == "defaults" else "defaults"))
+            done.add((name, setting))
+            if record["status"] in ("skipped", "timeout"):  # not built, or too slow: the same under both settings
+                for other in SETTING_NAMES:
+                    if (name, other) not in done:
+                        append(out, dict(record, setting=other))
+                        done.add((name, other))
+            if any(marker in record["reason"] + json.dumps(record["findings"]) for marker in BROKEN_PROCESS):
+                (out / "current").unlink(missing_ok=True)
+                sys.exit(3)
+            if record["status"] in ("skipped", "timeout"):
                 break
     (out / "current").unlink(missing_ok=True)
 

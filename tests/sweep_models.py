@@ -99,15 +99,16 @@ SMALL: dict[str, int] = {
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
     "d_inner": 64, "d_kv": 8, "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "max_seq_len": 64,
-    "max_sequence_length": 64, "seq_length": 64, "image_size": IMAGE, "num_labels": 2,
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
+    "max_seq_len": 64, "max_sequence_length": 64, "seq_length": 64, "image_size": IMAGE, "num_labels": 2,
 }
 # Key/value heads divide the attention heads (4); routed experts per token stay below the experts (4).
-SMALL_AT_MOST: dict[str, int] = {"num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
-                                 "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1,
-                                 "num_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16,
-                                 "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                                 "n_group": 1, "topk_group": 1, "rotary_dim": 8, "rope_dim": 8}
+SMALL_AT_MOST: dict[str, int] = {
+    "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "multi_query_group_num": 2,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_shared_experts": 1, "num_shared_experts": 1,
+    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 8, "n_group": 1, "topk_group": 1, "rotary_dim": 8, "rope_dim": 8,
+}
 # Lists of sizes (stages of a vision model, convolutions of an audio encoder) shrink element-wise.
 SMALL_LISTS: dict[str, int] = {"hidden_sizes": 32, "conv_dim": 32, "embed_dims": 32, "dims": 32, "channels": 32,
                                "neck_hidden_sizes": 32, "embedding_dims": 32}
