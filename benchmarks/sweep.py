@@ -170,6 +170,10 @@ def _current(out: Path) -> dict[str, Any] | None:
 # --- the table -----------------------------------------------------------------------------------------------------
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split()).replace("|", "/")
+
+
 def verdict(record: dict[str, Any] | None) -> str:
     if record is None:
         return "not run"
@@ -177,10 +181,13 @@ def verdict(record: dict[str, Any] | None) -> str:
         return record["status"]
     if not record["findings"]:
         return "quiet"
-    kinds: dict[str, int] = {}
+    kinds: dict[str, list[str]] = {}
     for finding in record["findings"]:
-        kinds.setdefault(str(finding["kind"]), finding.get("step"))
-    return ", ".join(f"**{kind}**@{step}" for kind, step in kinds.items())
+        steps = kinds.setdefault(str(finding["kind"]), [])
+        if str(finding.get("step")) not in steps:
+            steps.append(str(finding.get("step")))
+    return ", ".join(f"**{kind}**@{','.join(steps[:5])}{',...' if len(steps) > 5 else ''}"
+                     for kind, steps in kinds.items())
 
 
 def write_table(out: Path) -> str:
@@ -211,12 +218,12 @@ def write_table(out: Path) -> str:
                      f"{verdict(records.get('every_step'))} | {steps} | {seconds:.0f} |")
     if failed:
         lines += ["", "Failed to train or timed out:", ""]
-        lines += [f"- `{n}`: " + "; ".join(f"{s}: {r.get('reason', '')[:160]}" for s, r in by_case[n].items()
+        lines += [f"- `{n}`: " + "; ".join(f"{s}: {_one_line(r.get('reason', ''))[:160]}" for s, r in by_case[n].items()
                                           if r["status"] != "trained") for n in failed]
     if skipped:
         lines += ["", "Skipped (cannot be built from a small config without files here):", ""]
         lines += [f"- `{n}` ({next(iter(by_case[n].values()))['what']}): "
-                  f"{next(iter(by_case[n].values())).get('reason', '')[:200]}" for n in skipped]
+                  f"{_one_line(next(iter(by_case[n].values())).get('reason', ''))[:200]}" for n in skipped]
     text = "\n".join(lines) + "\n"
     (out / "table.md").write_text(text)
     return text

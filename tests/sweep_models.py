@@ -574,7 +574,7 @@ HAND_CASES: list[Case] = [
     Case("bf16_mixed_llama", "hand", "tiny Llama, precision bf16-mixed", bf16_mixed),
     Case("grad_accum_clip_gpt2", "hand", "GPT-2, accumulate_grad_batches=4, gradient_clip_val=1", grad_accumulation),
     Case("grad_ckpt_llama", "hand", "tiny Llama, gradient checkpointing", grad_checkpointing),
-    Case("convnext", "hand", "ConvNeXt, layer scale 1e-6", convnext),
+    Case("convnext_layer_scale", "hand", "ConvNeXt, layer scale 1e-6", convnext),
     Case("wav2vec2_layerdrop", "hand", "wav2vec2 audio classification, layerdrop 0.1", wav2vec2_layerdrop),
     Case("mobilenet_v2_advanced", "hand", "MobileNetV2, SGD 0.002, level=advanced", mobilenet_v2_advanced),
 ]

@@ -26,7 +26,7 @@ _GRAD = "issue 24: gradient rules judge from fixed numbers at step 0"
 # Test id -> the false alarm it raises on the current code.
 KNOWN: dict[str, str] = {
     "lora_llama-defaults": f"{_GRAD} (vanishing_grad on lora_A while lora_B is zero-initialised)",
-    "convnext-defaults": f"{_GRAD} (vanishing_grad under layer scale 1e-6)",
+    "convnext_layer_scale-defaults": f"{_GRAD} (vanishing_grad under layer scale 1e-6)",
     "switch_top1-defaults": f"{_GRAD} (missing_grad on an expert no token was routed to)",
     "wav2vec2_layerdrop-every_step": f"{_GRAD} (missing_grad on the layers LayerDrop skipped)",
     "mobilenet_v2_advanced-defaults": f"{_GRAD} (update_ratio_high for one check step on BatchNorm'd convolutions)",
@@ -42,7 +42,7 @@ def case(name: str, setting: str, needs: str | None = None) -> Any:
 
 CASES = [
     case("lora_llama", "defaults", needs="peft"),
-    case("convnext", "defaults"),
+    case("convnext_layer_scale", "defaults"),
     case("switch_top1", "defaults"),
     case("wav2vec2_layerdrop", "every_step"),
     case("mobilenet_v2_advanced", "defaults"),
