@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from lightning_debug import DebugConfig, debug_callbacks
 from tests.toolkit import debug_dir, make_trainer, read_events, read_report
-from tests.zoo import SERIOUS, DictDataset, HFModule, Result
+from tests.zoo import HEALTHY, SERIOUS, DictDataset, HFModule, Plant, Result
 
 STEPS = 30
 BATCH = 4
@@ -490,8 +490,9 @@ def qwen2_moe() -> Built:
     return Built(_causal(Qwen2MoeForCausalLM(config)))
 
 
-def switch() -> Built:
-    """Switch Transformers, 8 experts, top-1 routing: some experts get no token on some steps."""
+def switch(plant: Plant = HEALTHY) -> Built:
+    """Switch Transformers, 8 experts, top-1 routing: some experts get no token on some steps (``plant``:
+    a zoo plant, e.g. ``Plant(unused_layer=True)`` for a layer that is never used, which must still be named)."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
     torch.manual_seed(0)
@@ -501,7 +502,8 @@ def switch() -> Built:
                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     model = SwitchTransformersForConditionalGeneration(config)
     ids = torch.randint(3, VOCAB, (SAMPLES, SEQ), generator=_generator(4))
-    return Built(HFModule(model, DictDataset({"input_ids": ids, "labels": ids.flip(1)}), lr=1e-3, batch_size=BATCH))
+    return Built(HFModule(model, DictDataset({"input_ids": ids, "labels": ids.flip(1)}), lr=1e-3, batch_size=BATCH,
+                          plant=plant))
 
 
 def tiny_gpt2() -> Any:
@@ -570,7 +572,7 @@ HAND_CASES: list[Case] = [
     Case("adaln_zero_dit", "hand", "DiT-style adaLN-zero + ReZero, zero-init output", adaln_zero),
     Case("mixtral_top2", "hand", "Mixtral 4 experts top-2", mixtral),
     Case("qwen2_moe_top2", "hand", "Qwen2-MoE 8 experts top-2 + shared expert", qwen2_moe),
-    Case("switch_top1", "hand", "Switch Transformers 8 experts top-1", switch),
+    Case("switch_top1", "hand", "Switch Transformers 8 experts top-1", lambda: switch()),
     Case("bf16_mixed_llama", "hand", "tiny Llama, precision bf16-mixed", bf16_mixed),
     Case("grad_accum_clip_gpt2", "hand", "GPT-2, accumulate_grad_batches=4, gradient_clip_val=1", grad_accumulation),
     Case("grad_ckpt_llama", "hand", "tiny Llama, gradient checkpointing", grad_checkpointing),

@@ -18,7 +18,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.sweep_models import case_named, fit_case  # noqa: E402
+from tests.sweep_models import Case, case_named, fit_case, switch  # noqa: E402
+from tests.zoo import Plant  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,3 +70,12 @@ def test_healthy_case_is_quiet(name: str, setting: str, needs: str | None, tmp_p
     assert outcome.status == "trained", outcome.reason
     assert outcome.steps == 30
     assert outcome.quiet, f"findings of severity warning or above on a healthy run:\n{outcome.alarms()}"
+
+
+def test_unused_layer_in_moe_is_still_missing_grad(tmp_path: Path) -> None:
+    """Routing must not excuse everything: a layer of the MoE model that no forward ever uses is named."""
+    planted = Case("switch_top1_unused", "hand", "Switch, an unused layer", lambda: switch(Plant(unused_layer=True)))
+    outcome = fit_case(planted, "defaults", tmp_path)
+    assert outcome.status == "trained", outcome.reason
+    missing = [f for f in outcome.findings if f["kind"] == "missing_grad"]
+    assert any("unused_layer.weight" in f["message"] for f in missing), outcome.alarms()
