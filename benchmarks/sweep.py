@@ -13,7 +13,7 @@ With ``--resume`` the cases already in results.jsonl are not run again.
 
 The cases run in a worker subprocess (one torch thread, a memory limit, a time limit per case); the
 parent restarts it after a crash or a case that ran past the limit and records that case as such.
-The models live in ``tests/sweep_models.py`` so the suite's fast subset (tests/test_sweep.py) builds
+The models live in ``tests/harness/sweep_models.py`` so the suite's fast subset (tests/integration/test_sweep.py) builds
 the same ones.
 """
 
@@ -84,7 +84,7 @@ def worker(out: Path, names: list[str], case_limit: int, memory_gb: float, steps
         transformers.logging.set_verbosity_error()
     except ImportError:
         pass
-    from tests.sweep_models import case_named, fit_case
+    from tests.harness.sweep_models import case_named, fit_case
 
     signal.signal(signal.SIGALRM, _alarm)
     done = done_keys(out)
@@ -278,7 +278,7 @@ def main() -> None:
         (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     names = args.only
     if names is None:
-        from tests.sweep_models import all_cases
+        from tests.harness.sweep_models import all_cases
 
         names = [case.name for case in all_cases()]
     if args.limit is not None:

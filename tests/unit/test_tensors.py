@@ -1,4 +1,4 @@
-"""One-tensor analysis and label checks (checks/tensors.py) beyond the doctests and tests/test_foundation.py."""
+"""One-tensor analysis and label checks (checks/tensors.py) beyond the doctests and tests/integration/test_foundation.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Judging a value against the run's own history (checks/trends.py), fed recorded norms and losses.
 
 What the doctests, tests/unit/test_anomaly_rules.py (spike at step 1, a steady rise, a noisy descent)
-and tests/test_divergence.py (robust levels) already show is not repeated here.
+and tests/integration/test_divergence.py (robust levels) already show is not repeated here.
 """
 
 from __future__ import annotations

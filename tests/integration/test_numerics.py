@@ -1,0 +1,72 @@
+"""The shared gradient pass is built once per model: what makes it rebuild, and what it measures."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_debug import DebugConfig, GradientHealthCallback
+from lightning_debug.core.step_numerics import REQUIRES_GRAD_RECHECK, NumericsQueue, ParameterIndex
+from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_scalars
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_index_is_reused_until_a_parameter_or_module_is_registered() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    queue = NumericsQueue()
+    first = queue.index(model.named_parameters)
+    assert queue.index(model.named_parameters) is first
+    model.append(nn.Linear(1, 1))
+    rebuilt = queue.index(model.named_parameters)
+    assert rebuilt is not first and rebuilt.names[-2:] == ["2.weight", "2.bias"]
+    model[0].weight = nn.Parameter(torch.zeros(2, 2))
+    assert queue.index(model.named_parameters) is not rebuilt
+
+
+def test_an_optimizers_parameters_have_their_own_index_in_its_order() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    queue = NumericsQueue()
+    optimizer = torch.optim.SGD([model[1].bias, model[0].weight], lr=0.1)
+    index = queue.index(model.named_parameters, optimizer)
+    assert index.names == ["1.bias", "0.weight"] and queue.index(model.named_parameters, optimizer) is index
+    assert queue.index(model.named_parameters) is not index
+    optimizer.add_param_group({"params": [model[1].weight]})
+    grown = queue.index(model.named_parameters, optimizer)
+    assert grown is not index and grown.names == ["1.bias", "0.weight", "1.weight"]
+
+
+def test_plain_shards_count_on_every_rank_and_keep_empty_slots() -> None:
+    named = [("a", nn.Parameter(torch.ones(3))), ("b", nn.Parameter(torch.zeros(0)))]
+    replicated, sharded = ParameterIndex(named, rank=1), ParameterIndex(named, rank=1, plain_sharded=True)
+    assert replicated.names == ["a"] and replicated.param_owner.mask.tolist() == [False]
+    assert sharded.names == ["a", "b"] and sharded.param_owner.mask.tolist() == [True, True]
+
+
+class FreezesThenUnfreezes(TinyRegressor):
+    """Freezes the input layer at step 4 (its gradients stop) and trains it again from step 8."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        step = self.trainer.global_step
+        if step in (4, 8):
+            self.inp.requires_grad_(step == 8)
+        return super().training_step(batch, batch_idx)
+
+
+def test_freezing_and_unfreezing_mid_run_is_followed_without_a_false_alarm(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [GradientHealthCallback(DebugConfig(gradient_checking_frequency=1,
+                                                                         log_gradients=True))],
+                           max_steps=8 + REQUIRES_GRAD_RECHECK + 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(FreezesThenUnfreezes())
+    assert not [e for e in read_events(debug_dir(trainer)) if e["kind"] == "missing_grad"]
+    steps = [step for step, _ in read_scalars(trainer.logger.log_dir)["debug/grad/norm/inp.weight"]]
+    assert steps[:4] == [0, 1, 2, 3] and not [s for s in steps if 4 <= s < 8]
+    assert steps[-1] == trainer.global_step - 1, "measured again once the change is seen"
+    assert steps[4] <= 8 + REQUIRES_GRAD_RECHECK

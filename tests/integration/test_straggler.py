@@ -1,0 +1,47 @@
+"""Two CPU processes (gloo), all four callbacks, TensorBoard, every check every step: rank 0 does all
+the logging and writing and is no straggler; a rank that sleeps in every step is named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness.toolkit import read_events
+
+WORKER = Path(__file__).resolve().parents[1] / "workers" / "straggler_worker.py"
+TIMEOUT_S = 150
+
+
+def run_two_ranks(tmp_path: Path, sleep_rank: int, sleep_ms: float) -> list[dict[str, Any]]:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    completed = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(sleep_rank), str(sleep_ms)],
+                               capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    log_dir = tmp_path / "log_dir.txt"
+    assert completed.returncode == 0 and log_dir.exists(), completed.stderr[-3000:]
+    return read_events(Path(log_dir.read_text()) / "debug_outputs")
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_healthy_ddp_run_with_all_four_and_tensorboard_names_no_straggler(tmp_path: Path) -> None:
+    events = run_two_ranks(tmp_path, sleep_rank=-1, sleep_ms=0)
+    assert [e["message"] for e in events if e["kind"] == "straggler_rank"] == []
+    timing = {"slow_step", "dataloader_bottleneck", "straggler_rank"}  # other areas are judged in their own tests
+    loud = [e for e in events if e["kind"] in timing and e["severity"] in ("warning", "error", "critical")]
+    assert loud == [], [e["message"] for e in loud]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_rank_that_sleeps_every_step_is_the_straggler(tmp_path: Path) -> None:
+    events = run_two_ranks(tmp_path, sleep_rank=1, sleep_ms=60)
+    stragglers = [e for e in events if e["kind"] == "straggler_rank" and e.get("episode") == "start"]
+    assert stragglers, [(e["kind"], e["message"][:200]) for e in events]
+    assert stragglers[0]["details"]["rank"] == 1 and "Rank 1" in stragglers[0]["message"]
+    mine, other = stragglers[0]["details"]["median_before_sync_ms_by_rank"][1], \
+        stragglers[0]["details"]["median_before_sync_ms_by_rank"][0]
+    assert mine - other >= 50

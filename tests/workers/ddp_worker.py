@@ -1,0 +1,195 @@
+"""Two-process CPU DDP run used by test_distributed.py: a NaN loss on one rank only.
+
+Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four] [--level LEVEL]
+                                  [--unused-layer] [--fail-writes-rank0] [--fail-check-rank1-step STEP]
+                                  [--gather-in-step] [--nan-sample-batchnorm]
+
+``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
+only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
+forward never uses, which DDP (without ``find_unused_parameters``) rejects at the second step. Faults:
+``--fail-writes-rank0`` makes every write of rank 0 fail (events, the logger, TensorBoard text, warnings
+turned into errors); ``--fail-check-rank1-step`` makes rank 1's own measurement raise at that step;
+``--gather-in-step`` calls ``self.all_gather`` inside ``training_step`` (as contrastive losses do),
+a collective that a replay of the step must not desynchronise. ``--nan-sample-batchnorm`` puts a
+BatchNorm1d after ``inp`` and, instead of the NaN loss, one NaN sample in the batch of NAN_STEP on
+NAN_RANK only (its forward poisons that rank's running statistics). Each rank writes
+OUT_DIR/result_<rank>.json with how its training ended, the decision it took at each optimizer
+step, the steps at which it entered the plugin's collectives, a checksum of its weights and where
+its debug session writes (None on the ranks that must not write). Under ``ddp_spawn`` the ranks
+write it from inside the spawned processes (the launching process only starts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, debug_callbacks  # noqa: E402
+from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, end_distributed, make_trainer  # noqa: E402
+
+MAX_STEPS = 12
+
+
+class NaNOnOneRank(TinyRegressor):
+    """A NaN/Inf loss on ``nan_rank`` from ``nan_step`` on; records each step's decision on this rank."""
+
+    def __init__(self, nan_rank: int, nan_step: int, out_dir: str = "", write_in_fit_end: bool = False,
+                 unused_layer: bool = False, fail_writes_rank0: bool = False,
+                 fail_check_rank1_step: int | None = None, gather_in_step: bool = False,
+                 nan_sample_batchnorm: bool = False) -> None:
+        super().__init__(unused_layer=unused_layer)
+        self.norm = torch.nn.BatchNorm1d(16) if nan_sample_batchnorm else None
+        self.nan_rank, self.nan_step = nan_rank, nan_step
+        self.out_dir, self.write_in_fit_end = out_dir, write_in_fit_end
+        self.fail_writes_rank0, self.fail_check_rank1_step = fail_writes_rank0, fail_check_rank1_step
+        self.gather_in_step = gather_in_step
+        self.decisions: list[list[Any]] = []
+        self.gather_steps: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:
+            return super().forward(x)
+        return self.head(torch.relu(self.hidden(torch.relu(self.norm(self.inp(x))))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.norm is not None:
+            x, y = batch
+            if self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_step:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            return torch.nn.functional.mse_loss(self(x), y)
+        loss = super().training_step(batch, batch_idx)
+        if self.gather_in_step:  # every rank's features, as a contrastive loss gathers them
+            features = self.all_gather(torch.relu(self.inp(batch[0])).detach())
+            loss = loss + 0.0 * features.mean()
+        if self.global_rank == self.nan_rank and self.trainer.global_step >= self.nan_step:
+            loss = loss + torch.log(torch.zeros(()))
+        return loss
+
+    def on_train_start(self) -> None:
+        """Count the plugin's collectives (every rank must enter them at the same steps); plant the faults."""
+        strategy = self.trainer.strategy
+        strategy.all_gather = self._counted(strategy.all_gather)  # type: ignore[method-assign]
+        torch.distributed.all_reduce = self._counted(torch.distributed.all_reduce)
+
+    def _counted(self, collective: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.gather_steps.append(self.trainer.global_step)
+            return collective(*args, **kwargs)
+
+        return counted
+
+    def on_fit_start(self) -> None:
+        run = getattr(self.trainer, RUN_ATTRIBUTE)
+        if self.fail_writes_rank0 and self.global_rank == 0:
+            def disk_full(*args: Any, **kwargs: Any) -> None:
+                raise OSError(28, "No space left on device")
+
+            run.session.emit = disk_full  # every event write
+            for logger in self.trainer.loggers:
+                logger.log_metrics = disk_full  # the scalars
+                logger.experiment.add_text = disk_full  # TensorBoard text
+            warnings.filterwarnings("error", message="lightning-debug")  # a user's -W error
+        if self.fail_check_rank1_step is not None and self.global_rank == 1:
+            from lightning_debug.core.step_numerics import ParameterIndex
+
+            local_grads, at, trainer = ParameterIndex.local_grads, self.fail_check_rank1_step, self.trainer
+
+            def failing(index: ParameterIndex) -> Any:
+                if trainer.global_step == at:
+                    raise RuntimeError("planted failure of this rank's measurement")
+                return local_grads(index)
+
+            ParameterIndex.local_grads = failing  # type: ignore[method-assign]
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Runs after the callbacks' hook of the same name: a skipped step has no gradients left.
+        skipped = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+        decision = "skip" if skipped else "step"
+        if self.trainer.should_stop:
+            decision += "+stop"
+        self.decisions.append([self.trainer.global_step, decision])
+
+    def on_fit_end(self) -> None:
+        if self.write_in_fit_end:
+            write_outcome(self.trainer, self, Path(self.out_dir), {"exception": None})
+
+
+def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outcome: dict[str, Any]) -> None:
+    session = getattr(getattr(trainer, RUN_ATTRIBUTE, None), "session", None)
+    output_dir = getattr(session, "output_dir", None)
+    events_path = getattr(getattr(session, "events", None), "path", None)
+    anomaly = next((c for c in trainer.callbacks if isinstance(c, AnomalyDetectionCallback)), None)
+    report = getattr(getattr(trainer, RUN_ATTRIBUTE, None), "_report", None) or {}
+    outcome.update(
+        failed_checks=sorted(report.get("failed_checks", {})),
+        rank=trainer.global_rank, world_size=trainer.world_size, global_step=trainer.global_step,
+        should_stop=trainer.should_stop,
+        params_finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        buffers_finite=all(bool(torch.isfinite(b.float()).all()) for b in model.buffers()),
+        batches_tracked=int(model.norm.num_batches_tracked) if model.norm is not None else None,
+        param_checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
+        decisions=model.decisions, gather_steps=model.gather_steps,
+        skipped_steps=anomaly.monitor.skipped_steps if anomaly is not None else None,
+        output_dir=str(output_dir) if output_dir is not None else None,
+        events_path=str(events_path) if events_path is not None else None,
+        is_global_zero=trainer.is_global_zero,
+    )
+    (out_dir / f"result_{trainer.global_rank}.json").write_text(json.dumps(outcome))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("nan_rank", type=int)
+    parser.add_argument("nan_step", type=int)
+    parser.add_argument("strategy", nargs="?", default="ddp")
+    parser.add_argument("--all-four", action="store_true")
+    parser.add_argument("--level", default="basic")
+    parser.add_argument("--unused-layer", action="store_true", help="a layer forward never uses (DDP fails at step 1)")
+    parser.add_argument("--fail-writes-rank0", action="store_true")
+    parser.add_argument("--fail-check-rank1-step", type=int, default=None)
+    parser.add_argument("--gather-in-step", action="store_true")
+    parser.add_argument("--nan-sample-batchnorm", action="store_true")
+    args = parser.parse_args()
+    if args.all_four:
+        config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
+                             memory_profiling_frequency=1, performance_profiling_frequency=1, log_gradients=True,
+                             log_weights=True, level=args.level)
+        callbacks = debug_callbacks(config)
+    else:
+        callbacks = [AnomalyDetectionCallback(anomaly_detection_mode=args.mode, level=args.level)]
+    spawned = args.strategy == "ddp_spawn"
+    trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=MAX_STEPS, devices=2, strategy=args.strategy)
+    model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_fit_end=spawned,
+                         unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
+                         fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
+                         nan_sample_batchnorm=args.nan_sample_batchnorm)
+    outcome: dict[str, Any] = {"exception": None}
+    try:
+        trainer.fit(model)
+    except Exception as error:  # recorded for the test to compare across ranks
+        outcome["exception"] = type(error).__name__
+        outcome["exception_step"] = getattr(error, "step", None)
+        outcome["exception_message"] = str(error)
+    if spawned:
+        return  # the spawned ranks wrote their results; this process only launched them
+    # trainer.log_dir broadcasts (a collective), so it is read only after a clean end
+    outcome["log_dir"] = trainer.log_dir if outcome["exception"] is None else None
+    write_outcome(trainer, model, args.out_dir, outcome)
+    end_distributed()
+
+
+if __name__ == "__main__":
+    main()
