@@ -1,0 +1,80 @@
+"""A check step between its measurement on the device and the moment its values are on the host.
+
+Nothing here syncs: snapshots, weight distances and histograms are device work wrapped in
+non-blocking :class:`~lightning_debug.core.readback.Readback` objects, read once they are ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
+from lightning_debug.core.metrics import metric_part
+from lightning_debug.core.monitor import HistogramWriter
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.session import Where
+from lightning_debug.core.step_numerics import HostNumerics, ParameterIndex
+from lightning_debug.monitors.gradients.layout import ModuleLayout
+
+HISTOGRAM_BINS = 30
+
+
+@dataclass
+class PendingCheck:
+    """One check step between its measurement and the moment all its values are on the host.
+
+    Example::
+
+        >>> pending = PendingCheck(4, {"epoch": 0, "batch": 4})
+        >>> pending.ready()
+        False
+    """
+
+    step: int
+    where: Where
+    host: HostNumerics | None = None
+    snapshot: list[torch.Tensor] = field(default_factory=list)
+    index: ParameterIndex | None = None
+    update_expected: bool = False
+    update: Readback | None = None
+    had_grad: list[bool] = field(default_factory=list)
+    lr_zero_now: list[bool] = field(default_factory=list)
+    layout: ModuleLayout | None = None
+    histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return (self.host is not None and not (self.update_expected and self.update is None)
+                and (self.update is None or self.update.ready())
+                and all(readback.ready() for _, _, readback in self.histograms))
+
+    def measure_update(self) -> None:
+        """``||Δw||`` of the parameters since the snapshot, read back later (no sync)."""
+        index = self.index
+        assert index is not None
+        self.had_grad = [p.grad is not None for p in index.params]
+        self.update = Readback(index.plan.distance_squares(self.snapshot, index.params).sqrt(), blocking=False)
+        self.snapshot, self.index = [], None
+
+    def capture_histograms(self, index: ParameterIndex, gradients: bool, weights: bool) -> None:
+        """Gradient and weight histograms of every parameter, in fused operations, read back later."""
+        if gradients:
+            grads = [p.grad for p in index.params]
+            names = [name for name, grad in zip(index.names, grads) if grad is not None]
+            if names:
+                self.histograms.append(("debug/grad_hist/", names, Readback(histogram_summaries(
+                    [grad for grad in grads if grad is not None], HISTOGRAM_BINS).reshape(-1), blocking=False)))
+        if weights and len(index):
+            self.histograms.append(("debug/weight_hist/", index.names, Readback(
+                histogram_summaries(index.params, HISTOGRAM_BINS).reshape(-1), blocking=False)))
+
+    def write_histograms(self, writer: HistogramWriter | None) -> None:
+        if writer is None or not self.histograms:
+            return
+        width = 5 + HISTOGRAM_BINS
+        for prefix, names, readback in self.histograms:
+            values = readback.values()
+            for index, name in enumerate(names):
+                writer(prefix + metric_part(name), histogram_from_row(values[index * width:(index + 1) * width],
+                                                                      HISTOGRAM_BINS), self.step)
