@@ -92,6 +92,7 @@ class Kind(str, enum.Enum):
     LOSS_SPIKE = "loss_spike"
     LOSS_DIVERGENCE = "loss_divergence"
     UPDATE_RATIO_HIGH = "update_ratio_high"
+    INTERMITTENT_GRAD = "intermittent_grad"
 
     def __str__(self) -> str:
         return self.value
@@ -141,9 +142,11 @@ ADVICE: dict[Kind, str] = {
     Kind.VANISHING_GRAD: "Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
                          "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                          "the loss is not detached or scaled to nothing.",
-    Kind.MISSING_GRAD: "A trainable parameter got no gradient: a layer defined but not used in forward, a branch cut "
-                       "by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of the loss. Use it, remove "
-                       "it, or set `requires_grad=False` (under DDP it also needs `find_unused_parameters`).",
+    Kind.MISSING_GRAD: "A trainable parameter never got a gradient on any step observed (a confirmation window, "
+                       "so experts and dropped layers that skip some steps are not it): a layer defined but not used "
+                       "in forward, a branch cut by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of "
+                       "the loss. Use it, remove it, or set `requires_grad=False` (under DDP it also needs "
+                       "`find_unused_parameters`).",
     Kind.FROZEN_PARAM: "The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
                        "for a learning rate of 0, or set `requires_grad=False` if they are frozen on purpose.",
     Kind.MEMORY_GROWTH: "Memory grows step after step: a tensor kept across steps together with its graph "
@@ -194,6 +197,10 @@ ADVICE: dict[Kind, str] = {
     Kind.UPDATE_RATIO_HIGH: "One optimizer step changes these weights by more than their own size (a healthy ratio "
                             "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
                             "it, add a warm-up, clip gradients.",
+    Kind.INTERMITTENT_GRAD: "Parameters that had gradients on earlier steps got none on this one: conditional "
+                            "computation (experts a router did not pick, layers LayerDrop skipped, branches taken "
+                            "on some inputs only). Expected for such models; under DDP they need "
+                            "`find_unused_parameters`. A parameter that never gets a gradient is `missing_grad`.",
 }
 
 ERROR_ADVICE: dict[ErrorCategory, str] = {
@@ -266,6 +273,7 @@ HINTS: dict[Kind, str] = {
     Kind.LOSS_SPIKE: "lower the learning rate, add a warm-up, clip gradients",
     Kind.LOSS_DIVERGENCE: "lower the learning rate, add a warm-up, clip gradients",
     Kind.UPDATE_RATIO_HIGH: "the learning rate is far too high: lower it, add a warm-up",
+    Kind.INTERMITTENT_GRAD: "conditional computation (routing, LayerDrop): expected; DDP needs find_unused_parameters",
 }
 """The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
 

@@ -17,7 +17,12 @@ from lightning_debug.monitors.gradients.exploding import (
 )
 from lightning_debug.monitors.gradients.flags import FlagCounter
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
-from lightning_debug.monitors.gradients.missing import judge_missing
+from lightning_debug.monitors.gradients.missing import (
+    MISSING_CONFIRM_STEPS,
+    MissingHistory,
+    judge_intermittent,
+    judge_missing,
+)
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.trainability import (
     FrozenCause,
@@ -29,11 +34,14 @@ from lightning_debug.monitors.gradients.trainability import (
 )
 from lightning_debug.monitors.gradients.update_ratio import (
     UPDATE_RATIO_LIMIT,
+    UpdateRatioHistory,
+    confirm_update_ratios,
     judge_update_ratios,
     learning_rates,
     overall_ratio,
 )
-from lightning_debug.monitors.gradients.vanishing import judge_vanishing
+from lightning_debug.monitors.gradients.verdict import Verdict
+from lightning_debug.monitors.gradients.vanishing import VANISHING_CONFIRM_CHECKS, VanishingHistory, judge_vanishing
 
 
 def history_of(*norms: float) -> NormHistory:
@@ -100,26 +108,197 @@ def test_clip_algorithm_is_a_string_only_at_the_boundary() -> None:
 # --- vanishing --------------------------------------------------------------------------------------------------
 def test_a_zero_parameter_inside_a_learning_module_is_structural() -> None:
     grads = [("attn.key.weight", 0.3), ("attn.key.bias", 0.0)]
-    assert judge_vanishing(0, grads, GradientSettings(), {}, "registration order") is None
+    history = VanishingHistory()
+    assert all(judge_vanishing(s, grads, GradientSettings(), {}, "registration order", history) is None
+               for s in range(5))
 
 
 def test_vanishing_layers_are_named_input_side_first_with_their_neighbours() -> None:
     grads = [("late.weight", 1e-8), ("early.weight", 0.0), ("head.weight", 0.4)]
     positions = {"early.weight": (1, 1), "late.weight": (2, 0), "head.weight": (3, 2)}
-    verdict = judge_vanishing(5, grads, GradientSettings(), positions, "forward")
-    assert verdict is not None
+    history = VanishingHistory()
+    verdicts = [judge_vanishing(s, grads, GradientSettings(), positions, "forward", history) for s in (0, 5, 10)]
+    assert verdicts[:2] == [None, None]
+    verdict = verdicts[2]
+    assert verdict is not None and verdict.steps == [0, 5, 10], "confirmed on the third check, counted on all three"
     details = verdict.finding.details
     assert details["layers"] == ["early", "late"] and details["dead_layers"] == ["early"]
     assert details["healthy_from"] == "head.weight" and details["neighbours"]["late"] == [["head", 0.4]]
+    assert details["since_step"] == 0 and "since step 0" in verdict.finding.message
+    again = judge_vanishing(15, grads, GradientSettings(), positions, "forward", history)
+    assert again is not None and again.steps == [], "an ongoing condition is recorded at its own step"
+
+
+def layer_grads(**norms: float) -> list[tuple[str, float]]:
+    return [(f"{layer}.weight", norm) for layer, norm in norms.items()]
+
+
+# Recorded from ConvNeXt (layer scale 1e-6, AdamW 1e-3), every check every step: the layers behind the scale start
+# a million times below their neighbours and grow by orders of magnitude once the scale learns.
+CONVNEXT_LAYERNORM = [1e-10, 1e-7, 2e-7, 3e-7, 5e-7, 3e-7, 6e-7, 8e-7, 5e-7, 8e-7, 1e-6, 1e-6, 2e-6, 2e-6, 8e-7]
+
+
+def test_layers_behind_a_tiny_learnt_scale_wake_up_and_are_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step, norm in enumerate(CONVNEXT_LAYERNORM):
+        grads = layer_grads(dwconv=norm * 40, layernorm=norm, pwconv1=norm * 30, classifier=0.2)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
+# Recorded from a LoRA adapter on a tiny Llama: lora_A's gradient is exactly zero at step 0 (lora_B = 0).
+def test_the_partner_of_a_zero_initialised_layer_is_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step, norm in enumerate([0.0, 2e-3, 3e-3, 2e-3, 4e-3]):
+        grads = layer_grads(lora_A=norm, lora_B=0.05, lm_head=0.8)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+
+
+# Recorded from a chain of sigmoids with tiny weights (tests/test_gradients.py): flat, noisy, far below the head.
+def test_a_sigmoid_chain_vanishes_once_confirmed() -> None:
+    history = VanishingHistory()
+    chain = [(6e-16, 7e-14), (6e-16, 7e-14), (3e-15, 4e-13), (5e-15, 5e-13)]
+    verdicts = [judge_vanishing(step, layer_grads(stem=a, block=b, head=0.1), GradientSettings(), {}, "forward",
+                                history) for step, (a, b) in enumerate(chain)]
+    assert verdicts[:2] == [None, None] and verdicts[2] is not None and verdicts[3] is not None
+    assert verdicts[2].finding.details["layers"] == ["stem", "block"] and verdicts[2].steps == [0, 1, 2]
+
+
+def test_a_model_whose_gradients_are_all_small_is_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step in range(5):
+        grads = layer_grads(a=3e-7, b=5e-7, c=8e-7)  # a loss scaled down: the same ratios for the optimizer
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+
+
+def test_a_streak_broken_by_one_healthy_check_starts_again() -> None:
+    history = VanishingHistory()
+    norms = [1e-9, 1e-9, 1e-3, 1e-9, 1e-9]
+    verdicts = [judge_vanishing(s, layer_grads(a=n, head=0.1), GradientSettings(), {}, "", history)
+                for s, n in enumerate(norms)]
+    assert verdicts == [None] * 5 and history.streaks == {"a": [3, 4]}
+    restored = VanishingHistory()
+    restored.load_state_dict(history.state_dict())
+    assert restored.streaks == history.streaks and restored.first == history.first
+
+
+# --- update ratio persistence -----------------------------------------------------------------------------------
+def high_at(step: int, ratio: float) -> Verdict:
+    layout = ModuleLayout.of(["conv.weight"], [torch.ones(4)])
+    weights = torch.tensor([2.0], dtype=torch.float64)
+    verdict = judge_update_ratios(step, layout, torch.tensor([2.0 * ratio], dtype=torch.float64), weights, [0.002])
+    assert verdict is not None
+    return verdict
+
+
+# Recorded from MobileNetV2 (SGD 0.002, momentum 0.9), seeds 0-3: ratios 8-14 at step 0, 0.90 at step 1 (momentum
+# carries 90% of the first update over weights that grew by it), the loss from 1.53 to 2.16 on one seed.
+def test_one_high_step_with_a_loss_that_moves_by_batch_noise_is_not_reported() -> None:
+    for loss_0, loss_1 in ((1.8483, 1.8228), (2.1066, 1.2445), (1.5303, 2.1571), (1.4456, 1.2263)):
+        history = UpdateRatioHistory()
+        assert confirm_update_ratios(0, None, high_at(0, 8.55), loss_0, history) is None
+        assert confirm_update_ratios(1, None, None, loss_1, history) is None
+        assert confirm_update_ratios(2, None, None, 1.35, history) is None and history.held == {}
+
+
+# AdamW at lr 10 (the zoo's lr_10 plant): ratios far above 1 on consecutive steps, the loss 6.9 -> 1000s.
+def test_high_ratios_that_persist_or_blow_the_loss_up_are_reported_at_the_first_high_step() -> None:
+    history = UpdateRatioHistory()
+    assert confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history) is None
+    verdict = confirm_update_ratios(1, None, high_at(1, 12.0), 2900.0, history)
+    assert verdict is not None and verdict.steps == [0, 1] and verdict.finding.details["confirmed_by"] == "persisted"
+    ongoing = confirm_update_ratios(2, None, high_at(2, 5.0), math.inf, history)
+    assert ongoing is not None and ongoing.steps == []
+    history = UpdateRatioHistory()
+    confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history)
+    verdict = confirm_update_ratios(1, None, None, math.inf, history)
+    assert verdict is not None and verdict.steps == [0] and verdict.finding.details["confirmed_by"] == "loss rose"
+    assert "learning rate" in verdict.finding.message
+
+
+def test_each_optimizer_has_its_own_held_step() -> None:
+    history = UpdateRatioHistory()
+    assert confirm_update_ratios(0, 0, high_at(0, 3.0), 1.0, history) is None
+    assert confirm_update_ratios(1, 1, None, 5.0, history) is None
+    assert confirm_update_ratios(2, 0, high_at(2, 3.0), 1.0, history) is not None
 
 
 # --- missing ----------------------------------------------------------------------------------------------------
 def test_missing_names_the_layers_input_side_first() -> None:
-    assert judge_missing(0, [], 4, {}) is None
-    verdict = judge_missing(3, ["b.weight", "a.weight"], 4, {"a.weight": (0, 0), "b.weight": (1, 1)})
-    assert verdict is not None
+    history = MissingHistory()
+    assert judge_missing(0, [], 4, {}, history) is None
+    history.observe_check(0, None, ["b.weight", "a.weight"], ["a.weight", "b.weight", "c.weight"])
+    verdict = judge_missing(3, ["b.weight", "a.weight"], 4, {"a.weight": (0, 0), "b.weight": (1, 1)}, history, [0])
+    assert verdict is not None and verdict.steps == [0]
     assert verdict.finding.details["parameters"] == ["a.weight", "b.weight"]
-    assert verdict.finding.details["layers"] == ["a", "b"]
+    assert verdict.finding.details["layers"] == ["a", "b"] and verdict.finding.details["since_step"] == 0
+    assert "received no gradient on any of the" in verdict.finding.message
+
+
+def test_an_unused_layer_is_confirmed_after_the_window_and_labelled_where_it_began() -> None:
+    history = MissingHistory()
+    everything = ["unused.weight", "head.weight"]
+    assert history.observe_check(0, None, ["unused.weight"], everything).newly_confirmed == []
+    confirmed = [history.observe_step(step, [], ["unused.weight"]) for step in range(1, MISSING_CONFIRM_STEPS)]
+    assert confirmed[:-1] == [[]] * (MISSING_CONFIRM_STEPS - 2) and confirmed[-1] == ["unused.weight"]
+    assert history.candidates["unused.weight"].check_steps == [0]
+    later = history.observe_check(10, None, ["unused.weight"], everything)
+    assert later.confirmed == ["unused.weight"] and later.intermittent == []
+
+
+def test_checks_every_step_confirm_through_the_checks_themselves() -> None:
+    history = MissingHistory()
+    seen = [history.observe_check(step, None, ["unused.weight"], ["unused.weight", "head.weight"])
+            for step in range(MISSING_CONFIRM_STEPS)]
+    assert [bool(s.newly_confirmed) for s in seen] == [False] * (MISSING_CONFIRM_STEPS - 1) + [True]
+    assert history.candidates["unused.weight"].check_steps == list(range(MISSING_CONFIRM_STEPS))
+
+
+# Recorded from a healthy Switch Transformers run (8 experts, top-1, every check every step): the expert no
+# token was routed to at step 0 is routed at step 1, and skipped again at steps 14 and 19.
+def test_an_expert_skipped_on_some_steps_is_intermittent_with_its_fraction() -> None:
+    history = MissingHistory()
+    names = ["experts.expert_4.wi.weight", "experts.expert_2.wi.weight", "router.weight"]
+    for step in range(20):
+        missing = {0: [names[0]], 14: [names[0]], 19: [names[0], names[1]]}.get(step, [])
+        seen = history.observe_check(step, None, missing, names)
+        assert not seen.newly_confirmed and not seen.confirmed
+        if step == 14:
+            assert seen.intermittent == [names[0]]
+    assert seen.intermittent == [names[0], names[1]] and seen.candidates == []
+    assert history.received_fraction(names[0], None) == 17 / 20
+    verdict = judge_intermittent(seen.intermittent, None, {}, history)
+    assert verdict is not None and verdict.finding.severity == "info"
+    assert verdict.finding.details["received_fraction"][names[1]] == 0.95
+    assert history.confirm_the_rest() == []
+
+
+# Recorded from wav2vec2 with LayerDrop 0.1: layers 0-2 dropped at step 2 after gradients at steps 0 and 1.
+def test_a_layer_dropped_on_a_step_is_intermittent() -> None:
+    history = MissingHistory()
+    names = ["layers.0.q.weight", "layers.3.q.weight"]
+    history.observe_check(0, None, [], names)
+    history.observe_check(1, None, [], names)
+    seen = history.observe_check(2, None, ["layers.0.q.weight"], names)
+    assert seen.intermittent == ["layers.0.q.weight"] and seen.candidates == []
+    assert round(history.received_fraction("layers.0.q.weight", None), 3) == 0.667
+
+
+def test_an_expert_unrouted_at_the_first_step_then_routed_is_never_a_candidate_again() -> None:
+    history = MissingHistory()
+    history.observe_check(0, None, ["expert.w"], ["expert.w", "head.w"])
+    assert history.observe_step(1, ["expert.w"], []) == []
+    assert "expert.w" not in history.candidates and history.confirm_the_rest() == []
+    assert history.observe_check(5, None, ["expert.w"], ["expert.w", "head.w"]).intermittent == ["expert.w"]
+
+
+def test_missing_history_survives_a_checkpoint() -> None:
+    history = MissingHistory()
+    history.observe_check(0, None, ["unused.w", "expert.w"], ["unused.w", "expert.w", "head.w"])
+    history.observe_step(1, ["expert.w"], ["unused.w"])
+    restored = MissingHistory()
+    restored.load_state_dict(history.state_dict())
+    assert restored.state_dict() == history.state_dict()
+    assert restored.candidates["unused.w"].steps_without == 2
 
 
 # --- trainability -----------------------------------------------------------------------------------------------

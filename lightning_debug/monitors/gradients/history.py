@@ -20,6 +20,9 @@ from typing import Any
 from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.stats import RunningStats, Window
 from lightning_debug.monitors.gradients.flags import FlagCounter
+from lightning_debug.monitors.gradients.missing import MissingHistory
+from lightning_debug.monitors.gradients.update_ratio import UpdateRatioHistory
+from lightning_debug.monitors.gradients.vanishing import VanishingHistory
 
 HEALTHY_NORMS_KEPT = 256
 
@@ -41,6 +44,9 @@ class GradientHistory:
         self.parameter_update_ratios: dict[str, RunningStats] = {}
         self.flagged = {kind: FlagCounter() for kind in sorted(kinds)}
         self.clip_suggestion: dict[str, Any] | None = None
+        self.vanishing = VanishingHistory()
+        self.missing = MissingHistory()
+        self.update_ratio_high = UpdateRatioHistory()
 
     def norms_for(self, optimizer: Any) -> NormHistory:
         """The recent global norms of ``optimizer``'s check steps (None with one optimizer), made current."""
@@ -55,7 +61,8 @@ class GradientHistory:
             parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
-            clip_suggestion=self.clip_suggestion,
+            clip_suggestion=self.clip_suggestion, vanishing=self.vanishing.state_dict(),
+            missing=self.missing.state_dict(),
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -79,6 +86,8 @@ class GradientHistory:
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged.setdefault(kind, FlagCounter()).counts = {name: int(c) for name, c in counts.items()}
         self.clip_suggestion = state_dict.get("clip_suggestion")
+        self.vanishing.load_state_dict(state_dict.get("vanishing", {}))
+        self.missing.load_state_dict(state_dict.get("missing", {}))
 
     def report_section(self, trainability: dict[str, Any], order: str, parameter_norms: bool) -> dict[str, Any]:
         """The gradients section of report.json after the base monitor's (findings, check frequency)."""

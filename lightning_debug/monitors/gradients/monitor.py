@@ -25,18 +25,19 @@ from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, Para
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
-from lightning_debug.monitors.gradients.missing import judge_missing
+from lightning_debug.monitors.gradients.missing import judge_intermittent, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, judge_not_updated,
                                                              resting_slots, static_frozen_verdicts, trainability)
-from lightning_debug.monitors.gradients.update_ratio import (judge_update_ratios, learning_rates, overall_ratio,
-                                                             update_ratios)
+from lightning_debug.monitors.gradients.update_ratio import (confirm_update_ratios, judge_update_ratios,
+                                                             learning_rates, overall_ratio, update_ratios)
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 
 MAX_PENDING_CHECKS = 4
+WHERES_KEPT = 64
 
 
 class GradientMonitor(Monitor):
@@ -55,7 +56,7 @@ class GradientMonitor(Monitor):
 
     area = Area.GRADIENTS
     kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
-                       Kind.UPDATE_RATIO_HIGH})
+                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
     frequency_field = "gradient_checking_frequency"
@@ -76,6 +77,13 @@ class GradientMonitor(Monitor):
         self._histogram_writer: HistogramWriter | None = None
         self._said_sharded = False
         self._layout: tuple[ParameterIndex | None, ModuleLayout | None] = (None, None)
+        self._wheres: dict[int, Where] = {}
+        self._last_recorded: dict[str, int] = {}
+        self._norms_read: set[Any] = set()
+        # parameters that never had a gradient, looked at on every optimizer step until confirmed or seen with one
+        self._tracked: list[tuple[str, torch.Tensor, Any]] = []
+        self._anchors: dict[Any, torch.Tensor] = {}
+        self._trainable = 0
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -89,12 +97,19 @@ class GradientMonitor(Monitor):
         return checks % self.settings.histogram_every_checks == 0
 
     def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
+        """Record a rule's verdict at ``step``, or at each of its ``steps`` not recorded yet (a condition
+        confirmed over several check steps is counted on each of them, labelled where it began)."""
         if verdict is None:
             return False
-        if count is not None:
-            self.history.counts[count] += 1
-        self.history.flagged[verdict.finding.kind.value].add(verdict.flagged)
-        self.record(verdict.finding, step, where, key=verdict.key)
+        kind = verdict.finding.kind.value
+        for at in verdict.steps or [step]:
+            if verdict.steps and at <= self._last_recorded.get(kind, -1):
+                continue
+            self._last_recorded[kind] = max(at, self._last_recorded.get(kind, -1))
+            if count is not None:
+                self.history.counts[count] += 1
+            self.history.flagged[kind].add(verdict.flagged)
+            self.record(verdict.finding, at, self._wheres.get(at, where), key=verdict.key)
         return True
 
     # --- fit start and forward order -----------------------------------------------------------
@@ -155,11 +170,16 @@ class GradientMonitor(Monitor):
         Weight snapshots (update ratios) and histograms are taken here, only on check steps and
         only on the global-zero process, the one that reports them.
         """
+        if self._tracked:
+            self._observe_candidates(step)
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
         current = numerics()
         index = current.index
-        pending = PendingCheck(step, self.context.where())
+        pending = PendingCheck(step, self.context.where(), judged=index)
+        self._wheres[step] = pending.where
+        while len(self._wheres) > WHERES_KEPT:
+            del self._wheres[min(self._wheres)]
         awaiting, self._awaiting_update = self._awaiting_update, None
         if awaiting is not None:
             if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
@@ -243,7 +263,8 @@ class GradientMonitor(Monitor):
             self.history.steps_without_gradients += 1
             return
         self.history.checks += 1
-        norms = self.history.norms_for(where.get("optimizer"))
+        optimizer = where.get("optimizer")
+        norms = self.history.norms_for(optimizer)
         global_norm = host.global_grad_norm
         self.history.global_norms.add(global_norm)
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
@@ -252,8 +273,10 @@ class GradientMonitor(Monitor):
         largest, smallest = host.grad_norm_extremes()
         suspicion = suspect_explosion(global_norm, largest, norms, settings)
         suspect_low = not smallest >= settings.vanishing_threshold
+        first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
+        self._norms_read.add(optimizer)
         grads = (list(zip(host.grad_names, host.grad_norms))
-                 if suspicion.any or suspect_low or settings.per_parameter_always else [])
+                 if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
                                     list(self.history.healthy_norms.values), self._clipping())
         if self._record(exploding, step, where, "exploding"):
@@ -264,16 +287,14 @@ class GradientMonitor(Monitor):
         elif math.isfinite(global_norm):
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm)
-        if suspect_low:
-            self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source), step, where,
-                         "vanishing")
-        self._record(judge_missing(step, host.missing, len(host.param_names), self._positions), step, where,
-                     "missing")
+        self._record(judge_vanishing(step, grads if suspect_low else [], settings, self._positions, self.order_source,
+                                     self.history.vanishing), step, where, "vanishing")
+        self._judge_missing(pending, host, optimizer)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)
         not_updated = False
         if pending.update is not None:
-            not_updated = self._updates(pending, host, metrics)
+            not_updated = self._updates(pending, host, metrics, optimizer)
         if self.static_frozen or not_updated:
             self.history.counts["frozen"] += 1
 
@@ -295,7 +316,7 @@ class GradientMonitor(Monitor):
         clipping = self.context.gradient_clipping()
         return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
 
-    def _updates(self, pending: PendingCheck, host: HostNumerics, metrics: dict[str, float]) -> bool:
+    def _updates(self, pending: PendingCheck, host: HostNumerics, metrics: dict[str, float], optimizer: Any) -> bool:
         """Update ratios ``||Δw|| / ||w||`` and the parameters a step left unchanged, in tensor operations
         over every parameter at once; names are paired with values only for logging and findings.
         Returns whether a parameter with a gradient was left unchanged."""
@@ -313,21 +334,69 @@ class GradientMonitor(Monitor):
             self.history.update_ratios.add(overall)
             metrics["debug/weight/update_ratio_global"] = overall
         layout = pending.layout
-        if layout is not None and layout.slot_module.numel() == len(names):
-            self._record(judge_update_ratios(pending.step, layout, deltas, weights, learning_rates(self._param_groups)),
-                         pending.step, pending.where)
+        high = (judge_update_ratios(pending.step, layout, deltas, weights, learning_rates(self._param_groups))
+                if layout is not None and layout.slot_module.numel() == len(names) else None)
+        loss = math.inf if host.ranks_with_nonfinite_loss else host.loss_value if host.loss_checked else math.nan
+        self._record(confirm_update_ratios(pending.step, optimizer, high, loss, self.history.update_ratio_high),
+                     pending.step, pending.where)
         already = {name for names_ in self.static_frozen.values() for name in names_}
         return self._record(judge_not_updated(pending.step, names, deltas, host.grad_norms_by_slot(), pending.had_grad,
                                               pending.lr_zero_now, already, self._positions),
                             pending.step, pending.where)
 
+    # --- missing gradients: checked on check steps, candidates watched on every step --------------
+    def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:
+        missing = self.history.missing
+        seen = missing.observe_check(pending.step, optimizer, host.missing, host.param_names)
+        self._trainable = len(host.param_names)
+        if seen.candidates:
+            self.history.counts["missing"] += 1
+        newly = seen.newly_confirmed
+        steps = sorted({s for name in newly for s in missing.candidates[name].check_steps}) if newly else []
+        self._record(judge_missing(pending.step, seen.confirmed + newly, self._trainable, self._positions, missing,
+                                   steps), pending.step, pending.where)
+        self._record(judge_intermittent(seen.intermittent, optimizer, self._positions, missing), pending.step,
+                     pending.where)
+        self._tracked = [entry for entry in self._tracked if entry[2] != optimizer]
+        watched = [name for name in seen.candidates if not missing.candidates[name].confirmed]
+        index = pending.judged
+        if watched and index is not None:
+            position = {name: i for i, name in enumerate(index.names)}
+            self._tracked += [(name, index.params[position[name]], optimizer) for name in watched if name in position]
+            if host.grad_names and host.grad_names[-1] in position:  # a gradient of None there: no backward ran
+                self._anchors[optimizer] = index.params[position[host.grad_names[-1]]]
+
+    def _observe_candidates(self, step: int) -> None:
+        """``.grad is None`` of the parameters that never had a gradient, on this optimizer's step (no device work)."""
+        optimizer = self.context.optimizer_index
+        mine = [(name, param) for name, param, owner in self._tracked if owner == optimizer]
+        anchor = self._anchors.get(optimizer)
+        if not mine or (anchor is not None and anchor.grad is None):
+            return
+        with_gradient = [name for name, param in mine if param.grad is not None]
+        confirmed = self.history.missing.observe_step(step, with_gradient, [n for n, p in mine if p.grad is None])
+        if with_gradient or confirmed:
+            done = set(with_gradient) | set(confirmed)
+            self._tracked = [entry for entry in self._tracked if entry[0] not in done]
+        self._record_confirmed(confirmed, step)
+
+    def _record_confirmed(self, names: list[str], step: int) -> None:
+        if not names:
+            return
+        missing = self.history.missing
+        steps = sorted({s for name in names for s in missing.candidates[name].check_steps})
+        self._record(judge_missing(step, names, self._trainable, self._positions, missing, steps), step,
+                     self.context.where())
+
     # --- the end, resume and report -------------------------------------------------------------
     def finalize(self, step: int) -> None:
-        """Evaluate every check step still waiting and close the open episodes."""
+        """Evaluate every check step still waiting, confirm what never had a gradient, close the open episodes."""
         self.order.stop()
         self.poll(final=True)
         self._awaiting_update = None
         self._pending = {}
+        self._record_confirmed(self.history.missing.confirm_the_rest(), step)
+        self._tracked = []
         super().finalize(step)
 
     def restore(self) -> None:

@@ -42,6 +42,7 @@ class PendingCheck:
     had_grad: list[bool] = field(default_factory=list)
     lr_zero_now: list[bool] = field(default_factory=list)
     layout: ModuleLayout | None = None
+    judged: ParameterIndex | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
 
     def ready(self) -> bool:

@@ -1,11 +1,30 @@
-"""``vanishing_grad``: layers whose gradients have (nearly) stopped flowing back.
+"""``vanishing_grad``: layers whose gradients have (nearly) stopped flowing back, and stay so.
+
+A fixed number read on one step fires on healthy models: a parameter whose partner starts at zero
+gets an exactly zero gradient on the first step (a low-rank adapter's A while B = 0, the layers behind
+a zero-initialised gate or adaLN-zero modulation) and a layer scaled by a learnt 1e-6 (ConvNeXt's layer
+scale) gets gradients a million times smaller than its neighbours until the scale grows. So a layer
+(module) vanishes only when, on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row, its gradient norm is
+
+- below ``gradient_vanishing_threshold`` (the user's floor),
+- at most :data:`VANISHING_BELOW_LARGEST` times the model's largest layer norm that step (a model whose
+  gradients are all small, from a small loss scale, is not vanishing: its optimizer sees the same ratios),
+- and not grown over :data:`VANISHING_GROWTH` times the layer's own first gradient norm (a layer behind a
+  zero-initialised partner or a small learnt scale wakes up, by orders of magnitude within a step or two;
+  one that is dead or saturated does not, and batch-to-batch noise of tiny norms stays within ~20x).
 
 Example::
 
-    >>> grads = [("a.weight", 1e-9), ("a.bias", 0.0), ("b.weight", 0.5)]
-    >>> verdict = judge_vanishing(3, grads, GradientSettings(), {}, "registration order")
-    >>> verdict.finding.details["layers"], verdict.finding.details["layer_norms"]
-    (['a'], {'a': 1e-09})
+    >>> history = VanishingHistory()
+    >>> grads = [("a.weight", 1e-9), ("b.weight", 0.5)]
+    >>> [judge_vanishing(s, grads, GradientSettings(), {}, "registration", history) is None for s in (0, 1, 2)]
+    [True, True, False]
+    >>> history = VanishingHistory()
+    >>> waking = [[("a.weight", 0.0), ("b.weight", 0.5)], [("a.weight", 1e-7), ("b.weight", 0.5)]]
+    >>> judge_vanishing(0, waking[0], GradientSettings(), {}, "", history), history.streaks
+    (None, {'a': [0]})
+    >>> judge_vanishing(1, waking[1], GradientSettings(), {}, "", history), history.streaks
+    (None, {})
 """
 
 from __future__ import annotations
@@ -20,35 +39,82 @@ from lightning_debug.monitors.gradients.layout import Positions, input_to_output
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
+VANISHING_CONFIRM_CHECKS = 3
+VANISHING_BELOW_LARGEST = 1e-3
+VANISHING_GROWTH = 100.0
 
-def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
-                    positions: Positions, order_source: str) -> Verdict | None:
-    """Vanishing gradients, judged per layer (module): the norm of all of a module's gradients below
-    ``gradient_vanishing_threshold``.
 
-    A parameter whose gradient is exactly zero while the rest of its module learns is structural
-    (the key bias of attention: softmax ignores a shift shared by every key), which would make a
-    per-parameter rule fire on a healthy model: judging the module's norm rules it out; a whole
-    module at zero is a dead layer.
-    """
-    low = settings.vanishing_threshold
+class VanishingHistory:
+    """Each layer's first gradient norm and, for layers low now, the check steps of their current streak
+    (bounded: one float per layer, at most :data:`VANISHING_CONFIRM_CHECKS` steps per low layer)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.streaks: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": dict(self.first), "streaks": {k: list(v) for k, v in self.streaks.items()},
+                "lengths": dict(self.lengths)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first = {k: float(v) for k, v in state.get("first", {}).items()}
+        self.streaks = {k: [int(s) for s in v] for k, v in state.get("streaks", {}).items()}
+        self.lengths = {k: int(v) for k, v in state.get("lengths", {}).items()}
+
+
+def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The gradient norm of each layer (module: the parameters it owns directly) and its parameters."""
     members: dict[str, list[str]] = {}
     squares: dict[str, float] = {}
     for name, norm in grads:
         module = module_of(name)
         members.setdefault(module, []).append(name)
         squares[module] = squares.get(module, 0.0) + norm * norm
-    module_norms = {module: math.sqrt(value) for module, value in squares.items()}
-    dying = [module for module, norm in module_norms.items() if math.isfinite(norm) and norm < low]
-    if not dying:
+    return {module: math.sqrt(value) for module, value in squares.items()}, members
+
+
+def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
+                    positions: Positions, order_source: str, history: VanishingHistory) -> Verdict | None:
+    """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
+
+    ``grads`` holds every parameter's norm, or nothing when no norm was below the threshold (then no
+    layer is low and every streak ends). A parameter whose gradient is exactly zero while the rest of its
+    module learns is structural (the key bias of attention: softmax ignores a shift shared by every key):
+    judging the module's norm rules it out; a whole module at zero is a dead layer.
+    """
+    low = settings.vanishing_threshold
+    module_norms, members = layer_norms(grads)
+    for module, norm in module_norms.items():
+        if math.isfinite(norm):
+            history.first.setdefault(module, norm)
+    largest = max((norm for norm in module_norms.values() if math.isfinite(norm)), default=0.0)
+    dying = [module for module, norm in module_norms.items()
+             if math.isfinite(norm) and norm < low and norm <= VANISHING_BELOW_LARGEST * largest
+             and norm <= VANISHING_GROWTH * history.first.get(module, norm)]
+    for module in [m for m in history.streaks if m not in dying]:
+        del history.streaks[module], history.lengths[module]
+    confirmed, earlier = [], set()
+    for module in dying:
+        steps = history.streaks.setdefault(module, [])
+        length = history.lengths[module] = history.lengths.get(module, 0) + 1
+        if length == VANISHING_CONFIRM_CHECKS:
+            earlier.update(steps)
+        history.streaks[module] = (steps + [step])[-VANISHING_CONFIRM_CHECKS:]
+        if length >= VANISHING_CONFIRM_CHECKS:
+            confirmed.append(module)
+    if not confirmed:
         return None
-    below = [n for m in dying for n in members[m]]
-    return Verdict(vanishing_finding(step, grads, below, module_norms, low, positions, order_source), below)
+    below = [n for m in confirmed for n in members[m]]
+    since = min(history.streaks[m][0] for m in confirmed)
+    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since)
+    finding.details.update(since_step=since, largest_layer_norm=largest, confirm_checks=VANISHING_CONFIRM_CHECKS)
+    return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
 
 
 def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],
                       module_norms: dict[str, float], low: float, positions: Positions,
-                      order_source: str) -> Finding:
+                      order_source: str, since: int | None = None) -> Finding:
     """The finding for the parameters ``below`` (of vanishing layers), input side first, compared with
     their neighbouring layers, with advice that fits whether they are exactly zero."""
     norms = dict(grads)
@@ -71,6 +137,8 @@ def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list
 
     first = layers[0]
     around = neighbours(first)
+    streak = (f", as on every check step since step {since}, far below the model's largest layers and not "
+              "growing" if since is not None and since != step else "")
     compared = (f" (neighbouring layers: {', '.join(f'{label(n)} {v:.3g}' for n, v in around)})"
                 if around else "")
     where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
@@ -87,7 +155,7 @@ def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list
     return Finding(
         Kind.VANISHING_GRAD, Severity.WARNING,
         f"{len(layers)} of {len(all_layers)} layers have a gradient norm below gradient_vanishing_threshold "
-        f"{low:g} at step {step}, input side first: {', '.join(label(n) for n in layers[:WORST_SHOWN])}"
+        f"{low:g} at step {step}{streak}, input side first: {', '.join(label(n) for n in layers[:WORST_SHOWN])}"
         f"{f' and {len(layers) - WORST_SHOWN} more' if len(layers) > WORST_SHOWN else ''}; {label(first)} "
         f"{module_norms[first]:.3g}{compared}{where_it_dies}. {cause}",
         {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(below), "layers": layers[:NAMES_IN_DETAILS],

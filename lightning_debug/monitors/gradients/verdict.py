@@ -25,11 +25,16 @@ WORST_SHOWN = 5
 
 @dataclass
 class Verdict:
-    """One finding of a rule, the names it counts in ``most_flagged`` and the key of its episode."""
+    """One finding of a rule, the names it counts in ``most_flagged`` and the key of its episode.
+
+    ``steps``: the check steps it is recorded at, in order, when a rule confirms over several check steps
+    a condition that began before this one (empty: the step being judged).
+    """
 
     finding: Finding
     flagged: list[str] = field(default_factory=list)
     key: str = ""
+    steps: list[int] = field(default_factory=list)
 
 
 def quoted(names: Sequence[str], shown: int = WORST_SHOWN) -> str:
