@@ -41,7 +41,7 @@ from lightning_debug.monitors.gradients.update_ratio import (
     overall_ratio,
 )
 from lightning_debug.monitors.gradients.verdict import Verdict
-from lightning_debug.monitors.gradients.vanishing import VANISHING_CONFIRM_CHECKS, VanishingHistory, judge_vanishing
+from lightning_debug.monitors.gradients.vanishing import VanishingHistory, judge_vanishing
 
 
 def history_of(*norms: float) -> NormHistory:
@@ -227,7 +227,8 @@ def test_missing_names_the_layers_input_side_first() -> None:
     history = MissingHistory()
     assert judge_missing(0, [], 4, {}, history) is None
     history.observe_check(0, None, ["b.weight", "a.weight"], ["a.weight", "b.weight", "c.weight"])
-    verdict = judge_missing(3, ["b.weight", "a.weight"], 4, {"a.weight": (0, 0), "b.weight": (1, 1)}, history, [0])
+    verdict = judge_missing(3, ["b.weight", "a.weight"], 4, {"a.weight": (0, 0), "b.weight": (1, 1)}, history,
+                            newly=["a.weight"])
     assert verdict is not None and verdict.steps == [0]
     assert verdict.finding.details["parameters"] == ["a.weight", "b.weight"]
     assert verdict.finding.details["layers"] == ["a", "b"] and verdict.finding.details["since_step"] == 0

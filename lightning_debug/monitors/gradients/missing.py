@@ -159,11 +159,13 @@ class MissingHistory:
 
 
 def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Positions,
-                  history: MissingHistory, steps: Sequence[int] = ()) -> Verdict | None:
+                  history: MissingHistory, newly: Collection[str] = ()) -> Verdict | None:
     """The ``missing_grad`` finding for the confirmed parameters ``names`` (never a gradient since their
-    candidate's first check step), recorded at ``steps`` (the check steps it held on before this one)."""
+    candidate's first check step); those ``newly`` confirmed are recorded at every check step they were
+    seen without a gradient, labelled where that began."""
     if not names:
         return None
+    steps = sorted({s for name in newly if name in history.candidates for s in history.candidates[name].check_steps})
     ordered = input_to_output(names, positions)
     first = [history.candidates[name] for name in ordered if name in history.candidates]
     since = min((candidate.first_step for candidate in first), default=step)
@@ -178,7 +180,16 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "since_step": since, "steps_without_gradient": observed,
          "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
-        list(names), steps=list(steps))
+        list(names), steps=steps)
+
+
+def check_verdicts(step: int, seen: MissingCheck, optimizer: Any, trainable: int, positions: Positions,
+                   history: MissingHistory) -> list[Verdict]:
+    """The verdicts of one check step: confirmed parameters still without a gradient, and intermittent ones."""
+    verdicts = [judge_missing(step, seen.confirmed + seen.newly_confirmed, trainable, positions, history,
+                              seen.newly_confirmed),
+                judge_intermittent(seen.intermittent, optimizer, positions, history)]
+    return [verdict for verdict in verdicts if verdict is not None]
 
 
 def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Positions,

@@ -25,16 +25,16 @@ from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, Para
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
-from lightning_debug.monitors.gradients.missing import judge_intermittent, judge_missing
+from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck
 from lightning_debug.monitors.gradients.settings import GradientSettings
-from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, judge_not_updated,
-                                                             resting_slots, static_frozen_verdicts, trainability)
-from lightning_debug.monitors.gradients.update_ratio import (confirm_update_ratios, judge_update_ratios,
-                                                             learning_rates, overall_ratio, update_ratios)
+from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, resting_slots,
+                                                             static_frozen_verdicts, trainability)
+from lightning_debug.monitors.gradients.updates import read_updates
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
+from lightning_debug.monitors.gradients.watch import CandidateWatch
 
 MAX_PENDING_CHECKS = 4
 WHERES_KEPT = 64
@@ -80,9 +80,7 @@ class GradientMonitor(Monitor):
         self._wheres: dict[int, Where] = {}
         self._last_recorded: dict[str, int] = {}
         self._norms_read: set[Any] = set()
-        # parameters that never had a gradient, looked at on every optimizer step until confirmed or seen with one
-        self._tracked: list[tuple[str, torch.Tensor, Any]] = []
-        self._anchors: dict[Any, torch.Tensor] = {}
+        self._watch = CandidateWatch()
         self._trainable = 0
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
@@ -170,7 +168,7 @@ class GradientMonitor(Monitor):
         Weight snapshots (update ratios) and histograms are taken here, only on check steps and
         only on the global-zero process, the one that reports them.
         """
-        if self._tracked:
+        if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
@@ -294,7 +292,14 @@ class GradientMonitor(Monitor):
             self._record_static_frozen(step, where)
         not_updated = False
         if pending.update is not None:
-            not_updated = self._updates(pending, host, metrics, optimizer)
+            update_metrics, verdicts = read_updates(
+                step, optimizer, pending.update.tensor(), host, pending.layout, pending.had_grad, pending.lr_zero_now,
+                settings, self.history, self._param_groups,
+                {name for names in self.static_frozen.values() for name in names}, self._positions)
+            metrics.update(update_metrics)
+            for verdict in verdicts:
+                self._record(verdict, step, where)
+                not_updated = not_updated or verdict.finding.kind is Kind.FROZEN_PARAM
         if self.static_frozen or not_updated:
             self.history.counts["frozen"] += 1
 
@@ -316,34 +321,6 @@ class GradientMonitor(Monitor):
         clipping = self.context.gradient_clipping()
         return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
 
-    def _updates(self, pending: PendingCheck, host: HostNumerics, metrics: dict[str, float], optimizer: Any) -> bool:
-        """Update ratios ``||Δw|| / ||w||`` and the parameters a step left unchanged, in tensor operations
-        over every parameter at once; names are paired with values only for logging and findings.
-        Returns whether a parameter with a gradient was left unchanged."""
-        assert pending.update is not None
-        deltas = pending.update.tensor().double()
-        weights, names = host.param_norms_by_slot(), host.param_names
-        ratios = update_ratios(deltas, weights)
-        if self.settings.log_weights:
-            metrics.update(zip(host.tags("debug/weight/update_ratio/"), ratios.tolist()))
-        if self.settings.keeps_update_ratios:
-            for name, ratio in zip(names, ratios.tolist()):
-                self.history.parameter_update_ratios.setdefault(name, RunningStats()).add(ratio)
-        overall = overall_ratio(deltas, weights)
-        if overall is not None:
-            self.history.update_ratios.add(overall)
-            metrics["debug/weight/update_ratio_global"] = overall
-        layout = pending.layout
-        high = (judge_update_ratios(pending.step, layout, deltas, weights, learning_rates(self._param_groups))
-                if layout is not None and layout.slot_module.numel() == len(names) else None)
-        loss = math.inf if host.ranks_with_nonfinite_loss else host.loss_value if host.loss_checked else math.nan
-        self._record(confirm_update_ratios(pending.step, optimizer, high, loss, self.history.update_ratio_high),
-                     pending.step, pending.where)
-        already = {name for names_ in self.static_frozen.values() for name in names_}
-        return self._record(judge_not_updated(pending.step, names, deltas, host.grad_norms_by_slot(), pending.had_grad,
-                                              pending.lr_zero_now, already, self._positions),
-                            pending.step, pending.where)
-
     # --- missing gradients: checked on check steps, candidates watched on every step --------------
     def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:
         missing = self.history.missing
@@ -351,41 +328,24 @@ class GradientMonitor(Monitor):
         self._trainable = len(host.param_names)
         if seen.candidates:
             self.history.counts["missing"] += 1
-        newly = seen.newly_confirmed
-        steps = sorted({s for name in newly for s in missing.candidates[name].check_steps}) if newly else []
-        self._record(judge_missing(pending.step, seen.confirmed + newly, self._trainable, self._positions, missing,
-                                   steps), pending.step, pending.where)
-        self._record(judge_intermittent(seen.intermittent, optimizer, self._positions, missing), pending.step,
-                     pending.where)
-        self._tracked = [entry for entry in self._tracked if entry[2] != optimizer]
-        watched = [name for name in seen.candidates if not missing.candidates[name].confirmed]
-        index = pending.judged
-        if watched and index is not None:
-            position = {name: i for i, name in enumerate(index.names)}
-            self._tracked += [(name, index.params[position[name]], optimizer) for name in watched if name in position]
-            if host.grad_names and host.grad_names[-1] in position:  # a gradient of None there: no backward ran
-                self._anchors[optimizer] = index.params[position[host.grad_names[-1]]]
+        for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
+            self._record(verdict, pending.step, pending.where)
+        if pending.judged is not None:
+            self._watch.replace(optimizer, [n for n in seen.candidates if not missing.candidates[n].confirmed],
+                                host.grad_names[-1] if host.grad_names else None, pending.judged.names,
+                                pending.judged.params)
 
     def _observe_candidates(self, step: int) -> None:
-        """``.grad is None`` of the parameters that never had a gradient, on this optimizer's step (no device work)."""
-        optimizer = self.context.optimizer_index
-        mine = [(name, param) for name, param, owner in self._tracked if owner == optimizer]
-        anchor = self._anchors.get(optimizer)
-        if not mine or (anchor is not None and anchor.grad is None):
+        """The parameters that never had a gradient, looked at on this optimizer's step (no device work)."""
+        looked = self._watch.look(self.context.optimizer_index)
+        if looked is None:
             return
-        with_gradient = [name for name, param in mine if param.grad is not None]
-        confirmed = self.history.missing.observe_step(step, with_gradient, [n for n, p in mine if p.grad is None])
-        if with_gradient or confirmed:
-            done = set(with_gradient) | set(confirmed)
-            self._tracked = [entry for entry in self._tracked if entry[0] not in done]
+        confirmed = self.history.missing.observe_step(step, *looked)
+        self._watch.drop(looked[0] + confirmed)
         self._record_confirmed(confirmed, step)
 
     def _record_confirmed(self, names: list[str], step: int) -> None:
-        if not names:
-            return
-        missing = self.history.missing
-        steps = sorted({s for name in names for s in missing.candidates[name].check_steps})
-        self._record(judge_missing(step, names, self._trainable, self._positions, missing, steps), step,
+        self._record(judge_missing(step, names, self._trainable, self._positions, self.history.missing, names), step,
                      self.context.where())
 
     # --- the end, resume and report -------------------------------------------------------------
@@ -396,7 +356,7 @@ class GradientMonitor(Monitor):
         self._awaiting_update = None
         self._pending = {}
         self._record_confirmed(self.history.missing.confirm_the_rest(), step)
-        self._tracked = []
+        self._watch.clear()
         super().finalize(step)
 
     def restore(self) -> None:

@@ -1,17 +1,23 @@
-"""``vanishing_grad``: layers whose gradients have (nearly) stopped flowing back, and stay so.
+"""``vanishing_grad``: the gradient signal dies on its way back toward the input, and stays so.
 
 A fixed number read on one step fires on healthy models: a parameter whose partner starts at zero
 gets an exactly zero gradient on the first step (a low-rank adapter's A while B = 0, the layers behind
-a zero-initialised gate or adaLN-zero modulation) and a layer scaled by a learnt 1e-6 (ConvNeXt's layer
-scale) gets gradients a million times smaller than its neighbours until the scale grows. So a layer
-(module) vanishes only when, on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row, its gradient norm is
+a zero-initialised gate or adaLN-zero modulation); a layer scaled by a learnt 1e-6 (ConvNeXt's layer
+scale) gets gradients a million times smaller than its neighbours until the scale grows; attention's
+query and key projections get gradients about 1e-3 of their neighbours' while attention is still
+uniform; a model trained with a small loss scale has small gradients everywhere. What these have
+in common is that the gradient is healthy again on the input side of them (residual connections
+carry it around) or grows by orders of magnitude within a step or two. So, per layer (module, in
+forward execution order), a layer is *low* when its gradient norm is below
+``gradient_vanishing_threshold`` and has not grown over :data:`VANISHING_GROWTH` times the layer's own
+first norm (batch-to-batch noise of tiny norms stays within ~20x); and a run of consecutive low
+layers *vanishes* when
 
-- below ``gradient_vanishing_threshold`` (the user's floor),
-- at most :data:`VANISHING_BELOW_LARGEST` times the model's largest layer norm that step (a model whose
-  gradients are all small, from a small loss scale, is not vanishing: its optimizer sees the same ratios),
-- and not grown over :data:`VANISHING_GROWTH` times the layer's own first gradient norm (a layer behind a
-  zero-initialised partner or a small learnt scale wakes up, by orders of magnitude within a step or two;
-  one that is dead or saturated does not, and batch-to-batch noise of tiny norms stays within ~20x).
+- it reaches the input side (no healthy layer runs before it) and the healthy layer right after it
+  has a gradient at least :data:`VANISHING_DROP` times larger: the signal fades toward the input;
+- or all its gradients are exactly zero: a dead part of the model (a mask, a detach, dead ReLUs).
+
+A layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
 
 Example::
 
@@ -40,7 +46,7 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
 VANISHING_CONFIRM_CHECKS = 3
-VANISHING_BELOW_LARGEST = 1e-3
+VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
 
 
@@ -74,6 +80,38 @@ def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], d
     return {module: math.sqrt(value) for module, value in squares.items()}, members
 
 
+def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
+                     positions: Positions, first: dict[str, float]) -> list[str]:
+    """The layers of this check step in vanishing runs (see the module's docstring), input side first.
+
+    Example::
+
+        >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5}
+        >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})
+        ['stem', 'block']
+    """
+    fallback = (len(positions) + 1, 0)
+    order = sorted(module_norms, key=lambda m: min(positions.get(name, fallback) for name in members[m]))
+    is_low = [math.isfinite(module_norms[m]) and module_norms[m] < low
+              and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m]) for m in order]
+    found: list[str] = []
+    start = 0
+    while start < len(order):
+        if not is_low[start]:
+            start += 1
+            continue
+        end = start
+        while end < len(order) and is_low[end]:
+            end += 1
+        run = order[start:end]
+        after = module_norms[order[end]] if end < len(order) else math.nan
+        smallest = min(module_norms[m] for m in run)
+        if all(module_norms[m] == 0 for m in run) or (start == 0 and smallest * VANISHING_DROP <= after):
+            found += run
+        start = end
+    return found
+
+
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
                     positions: Positions, order_source: str, history: VanishingHistory) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
@@ -88,10 +126,7 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     for module, norm in module_norms.items():
         if math.isfinite(norm):
             history.first.setdefault(module, norm)
-    largest = max((norm for norm in module_norms.values() if math.isfinite(norm)), default=0.0)
-    dying = [module for module, norm in module_norms.items()
-             if math.isfinite(norm) and norm < low and norm <= VANISHING_BELOW_LARGEST * largest
-             and norm <= VANISHING_GROWTH * history.first.get(module, norm)]
+    dying = vanishing_layers(module_norms, members, low, positions, history.first)
     for module in [m for m in history.streaks if m not in dying]:
         del history.streaks[module], history.lengths[module]
     confirmed, earlier = [], set()
@@ -108,7 +143,7 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     below = [n for m in confirmed for n in members[m]]
     since = min(history.streaks[m][0] for m in confirmed)
     finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since)
-    finding.details.update(since_step=since, largest_layer_norm=largest, confirm_checks=VANISHING_CONFIRM_CHECKS)
+    finding.details.update(since_step=since, confirm_checks=VANISHING_CONFIRM_CHECKS)
     return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
 
 
