@@ -9,7 +9,7 @@ verdicts are the rules' (one module each): this module only feeds them and recor
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.history import GradientHistory
-from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
+from lightning_debug.monitors.gradients.layout import ModuleLayout
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck
@@ -156,10 +156,6 @@ class GradientMonitor(Monitor):
             self._positions = self.order.positions([user_name(name) for name, _ in self.context.named_parameters()])
             self.order_source = "forward execution order (module pre-hooks on the first training batch)"
 
-    def input_to_output(self, names: Iterable[str]) -> list[str]:
-        """``names`` sorted from the input side of the model to the output side."""
-        return input_to_output(names, self._positions)
-
     # --- check step -----------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Register a check step before the optimizer step: no host sync, no norm computed twice.
@@ -187,13 +183,9 @@ class GradientMonitor(Monitor):
                 awaiting.snapshot, awaiting.index = [], None
         on_shards = index.sharded and self._sharded_outputs_off(index)
         if self.settings.measures_updates and self.session.is_global_zero and not on_shards and len(index):
-            pending.lr_zero_now = resting_slots(self._param_groups, index.params)
-            pending.index = index
             if self._layout[0] is not index:
                 self._layout = (index, ModuleLayout.of(index.names, index.params))
-            pending.layout = self._layout[1]
-            pending.snapshot = index.plan.snapshot(index.params)
-            pending.update_expected = True
+            pending.snapshot_weights(index, self._layout[1], resting_slots(self._param_groups, index.params))
             self._awaiting_update = pending
         if self.histograms_due(step) and not on_shards:
             pending.capture_histograms(index, self.settings.log_gradients, self.settings.log_weights)
@@ -281,12 +273,12 @@ class GradientMonitor(Monitor):
             assert exploding is not None
             details = exploding.finding.details
             self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
-                                    "step": step}
+                                            "step": step}
         elif math.isfinite(global_norm):
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm)
-        self._record(judge_vanishing(step, grads if suspect_low else [], settings, self._positions, self.order_source,
-                                     self.history.vanishing), step, where, "vanishing")
+        self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing),
+                     step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)

@@ -50,6 +50,12 @@ class PendingCheck:
                 and (self.update is None or self.update.ready())
                 and all(readback.ready() for _, _, readback in self.histograms))
 
+    def snapshot_weights(self, index: ParameterIndex, layout: ModuleLayout | None, lr_zero_now: list[bool]) -> None:
+        """Copy the weights before the optimizer step (fused, on the device) to measure its update after it."""
+        self.index, self.layout, self.lr_zero_now = index, layout, lr_zero_now
+        self.snapshot = index.plan.snapshot(index.params)
+        self.update_expected = True
+
     def measure_update(self) -> None:
         """``||Δw||`` of the parameters since the snapshot, read back later (no sync)."""
         index = self.index

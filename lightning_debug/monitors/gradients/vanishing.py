@@ -116,8 +116,9 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
                     positions: Positions, order_source: str, history: VanishingHistory) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
 
-    ``grads`` holds every parameter's norm, or nothing when no norm was below the threshold (then no
-    layer is low and every streak ends). A parameter whose gradient is exactly zero while the rest of its
+    ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
+    threshold: no layer is low and every streak ends); each layer's first norm is kept from the
+    first check step that read them. A parameter whose gradient is exactly zero while the rest of its
     module learns is structural (the key bias of attention: softmax ignores a shift shared by every key):
     judging the module's norm rules it out; a whole module at zero is a dead layer.
     """
