@@ -41,7 +41,7 @@ from lightning_debug.monitors.gradients.update_ratio import (
     overall_ratio,
 )
 from lightning_debug.monitors.gradients.verdict import Verdict
-from lightning_debug.monitors.gradients.vanishing import VanishingHistory, judge_vanishing
+from lightning_debug.monitors.gradients.vanishing import VANISHING_DEAD_CHECKS, VanishingHistory, judge_vanishing
 
 
 def history_of(*norms: float) -> NormHistory:
@@ -175,10 +175,29 @@ def test_a_streak_broken_by_one_healthy_check_starts_again() -> None:
     norms = [1e-9, 1e-9, 1e-3, 1e-9, 1e-9]
     verdicts = [judge_vanishing(s, layer_grads(a=n, head=0.1), GradientSettings(), {}, "", history)
                 for s, n in enumerate(norms)]
-    assert verdicts == [None] * 5 and history.streaks == {"a": [3, 4]}
+    assert verdicts == [None] * 5 and history.streaks == {"a": [3, 4]} and history.began == {"a": 3}
     restored = VanishingHistory()
     restored.load_state_dict(history.state_dict())
-    assert restored.streaks == history.streaks and restored.first == history.first
+    assert restored.state_dict() == history.state_dict()
+
+
+# Recorded from PhiMoE (sparsemixer's straight-through router): the router's gradient is exactly zero on some
+# steps (0-2, 7-8) and healthy on the others, between healthy layers.
+def test_a_layer_zero_on_a_few_steps_between_healthy_layers_is_not_dead() -> None:
+    history = VanishingHistory()
+    router = [0.0, 0.0, 0.0, 2e-5, 2e-4, 2e-4, 1e-4, 0.0, 0.0, 4e-4, 5e-5]
+    for step, norm in enumerate(router):
+        grads = layer_grads(norm_before=2e-3, router=norm, experts=9e-2)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
+def test_a_layer_dead_between_healthy_layers_is_reported_after_the_longer_window() -> None:
+    history = VanishingHistory()
+    verdicts = [judge_vanishing(step, layer_grads(before=2e-3, dead=0.0, after=9e-2), GradientSettings(), {}, "",
+                                history) for step in range(VANISHING_DEAD_CHECKS)]
+    assert verdicts[:-1] == [None] * (VANISHING_DEAD_CHECKS - 1) and verdicts[-1] is not None
+    assert verdicts[-1].finding.details["dead_layers"] == ["dead"]
+    assert verdicts[-1].steps == list(range(VANISHING_DEAD_CHECKS))
 
 
 # --- update ratio persistence -----------------------------------------------------------------------------------

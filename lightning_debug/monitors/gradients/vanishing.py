@@ -15,9 +15,11 @@ layers *vanishes* when
 
 - it reaches the input side (no healthy layer runs before it) and the healthy layer right after it
   has a gradient at least :data:`VANISHING_DROP` times larger: the signal fades toward the input;
-- or all its gradients are exactly zero: a dead part of the model (a mask, a detach, dead ReLUs).
+- or all its gradients are exactly zero on :data:`VANISHING_DEAD_CHECKS` check steps in a row: a dead
+  part of the model (a mask, dead ReLUs) wherever it is. A shorter streak of zeros between healthy
+  layers is how a stochastic router's straight-through estimator looks (zero on some steps).
 
-A layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
+A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
 
 Example::
 
@@ -46,6 +48,7 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
 VANISHING_CONFIRM_CHECKS = 3
+VANISHING_DEAD_CHECKS = 8
 VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
 
@@ -58,15 +61,17 @@ class VanishingHistory:
         self.first: dict[str, float] = {}
         self.streaks: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}
+        self.began: dict[str, int] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"first": dict(self.first), "streaks": {k: list(v) for k, v in self.streaks.items()},
-                "lengths": dict(self.lengths)}
+                "lengths": dict(self.lengths), "began": dict(self.began)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first = {k: float(v) for k, v in state.get("first", {}).items()}
         self.streaks = {k: [int(s) for s in v] for k, v in state.get("streaks", {}).items()}
         self.lengths = {k: int(v) for k, v in state.get("lengths", {}).items()}
+        self.began = {k: int(v) for k, v in state.get("began", {}).items()}
 
 
 def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
@@ -81,20 +86,21 @@ def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], d
 
 
 def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
-                     positions: Positions, first: dict[str, float]) -> list[str]:
-    """The layers of this check step in vanishing runs (see the module's docstring), input side first.
+                     positions: Positions, first: dict[str, float]) -> dict[str, int]:
+    """The layers of this check step in vanishing runs (see the module's docstring), input side first,
+    with the number of check steps in a row that confirm each.
 
     Example::
 
-        >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5}
+        >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5, "gate": 0.0, "out": 0.1}
         >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})
-        ['stem', 'block']
+        {'stem': 3, 'block': 3, 'gate': 8}
     """
     fallback = (len(positions) + 1, 0)
     order = sorted(module_norms, key=lambda m: min(positions.get(name, fallback) for name in members[m]))
     is_low = [math.isfinite(module_norms[m]) and module_norms[m] < low
               and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m]) for m in order]
-    found: list[str] = []
+    found: dict[str, int] = {}
     start = 0
     while start < len(order):
         if not is_low[start]:
@@ -106,8 +112,10 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
         run = order[start:end]
         after = module_norms[order[end]] if end < len(order) else math.nan
         smallest = min(module_norms[m] for m in run)
-        if all(module_norms[m] == 0 for m in run) or (start == 0 and smallest * VANISHING_DROP <= after):
-            found += run
+        if start == 0 and smallest * VANISHING_DROP <= after:
+            found.update(dict.fromkeys(run, VANISHING_CONFIRM_CHECKS))
+        elif all(module_norms[m] == 0 for m in run):
+            found.update(dict.fromkeys(run, VANISHING_DEAD_CHECKS))
         start = end
     return found
 
@@ -129,22 +137,23 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
             history.first.setdefault(module, norm)
     dying = vanishing_layers(module_norms, members, low, positions, history.first)
     for module in [m for m in history.streaks if m not in dying]:
-        del history.streaks[module], history.lengths[module]
+        del history.streaks[module], history.lengths[module], history.began[module]
     confirmed, earlier = [], set()
-    for module in dying:
+    for module, needed in dying.items():
         steps = history.streaks.setdefault(module, [])
+        history.began.setdefault(module, step)
         length = history.lengths[module] = history.lengths.get(module, 0) + 1
-        if length == VANISHING_CONFIRM_CHECKS:
+        if length == needed:
             earlier.update(steps)
-        history.streaks[module] = (steps + [step])[-VANISHING_CONFIRM_CHECKS:]
-        if length >= VANISHING_CONFIRM_CHECKS:
+        history.streaks[module] = (steps + [step])[-VANISHING_DEAD_CHECKS:]
+        if length >= needed:
             confirmed.append(module)
     if not confirmed:
         return None
     below = [n for m in confirmed for n in members[m]]
-    since = min(history.streaks[m][0] for m in confirmed)
+    since = min(history.began[m] for m in confirmed)
     finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since)
-    finding.details.update(since_step=since, confirm_checks=VANISHING_CONFIRM_CHECKS)
+    finding.details.update(since_step=since, confirm_checks=max(dying[m] for m in confirmed))
     return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
 
 
@@ -173,8 +182,8 @@ def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list
 
     first = layers[0]
     around = neighbours(first)
-    streak = (f", as on every check step since step {since}, far below the model's largest layers and not "
-              "growing" if since is not None and since != step else "")
+    streak = (f", as on every check step since step {since}, without growing" if since is not None and since != step
+              else "")
     compared = (f" (neighbouring layers: {', '.join(f'{label(n)} {v:.3g}' for n, v in around)})"
                 if around else "")
     where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
