@@ -163,6 +163,19 @@ def test_a_sigmoid_chain_vanishes_once_confirmed() -> None:
     assert verdicts[2].finding.details["layers"] == ["stem", "block"] and verdicts[2].steps == [0, 1, 2]
 
 
+# Recorded from BART (tiny config, AdamW 1e-3), every check every step: the encoder's query and key projections
+# get gradients ~1e-3 of their neighbours' while attention is still uniform, and grow only slowly.
+BART_Q = [2e-7, 2e-7, 1e-7, 1e-7, 3e-7, 3e-7, 2e-7, 3e-7, 3e-7, 4e-7, 3e-7, 4e-7]
+
+
+def test_attention_query_and_key_between_healthy_layers_are_a_local_dip() -> None:
+    history = VanishingHistory()
+    for step, q in enumerate(BART_Q):
+        grads = layer_grads(embed_tokens=2e-2, layernorm_embedding=3e-4, q_proj=q, k_proj=q * 0.8, v_proj=4e-5,
+                            final_layer_norm=3e-4)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
 def test_a_model_whose_gradients_are_all_small_is_not_vanishing() -> None:
     history = VanishingHistory()
     for step in range(5):

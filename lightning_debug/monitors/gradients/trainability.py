@@ -72,8 +72,12 @@ def trainability(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict[str, A
 def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]]
                         ) -> tuple[dict[FrozenCause, list[str]], str | None]:
     """Trainable parameters in no param group, or in one whose base learning rate is 0, and how the
-    check went (None: not done, no optimizer or nothing trainable). An optimizer that holds none of
-    the module's parameters holds wrapped or flattened copies (FSDP, DeepSpeed): nothing is said."""
+    check went (None: not done, no optimizer or nothing trainable).
+
+    Two healthy setups would make it fire: a warm-up schedule that starts at lr 0 (the group's
+    ``initial_lr``, its base, is read, not the current ``lr``), and an optimizer that holds wrapped or
+    flattened copies of the parameters (FSDP, DeepSpeed): when it holds none of the module's
+    parameters, nothing is said."""
     if not param_groups or not trainable:
         return {}, None
     names = {id(p): name for name, p in trainable}
