@@ -27,7 +27,7 @@ from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
-from lightning_debug.monitors.gradients.pending import PendingCheck
+from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, resting_slots,
                                                              static_frozen_verdicts, trainability)
@@ -36,7 +36,6 @@ from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 from lightning_debug.monitors.gradients.watch import CandidateWatch
 
-MAX_PENDING_CHECKS = 4
 WHERES_KEPT = 64
 
 
@@ -72,8 +71,7 @@ class GradientMonitor(Monitor):
         self.order_source = "registration order (named_parameters)"
         self._positions: dict[str, tuple[int, int]] = {}
         self._static_recorded_step = -1
-        self._pending: dict[int, PendingCheck] = {}
-        self._awaiting_update: PendingCheck | None = None
+        self._checks = PendingChecks()
         self._histogram_writer: HistogramWriter | None = None
         self._said_sharded = False
         self._layout: tuple[ParameterIndex | None, ModuleLayout | None] = (None, None)
@@ -174,7 +172,7 @@ class GradientMonitor(Monitor):
         self._wheres[step] = pending.where
         while len(self._wheres) > WHERES_KEPT:
             del self._wheres[min(self._wheres)]
-        awaiting, self._awaiting_update = self._awaiting_update, None
+        awaiting, self._checks.awaiting_update = self._checks.awaiting_update, None
         if awaiting is not None:
             if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
                 awaiting.measure_update()
@@ -186,19 +184,19 @@ class GradientMonitor(Monitor):
             if self._layout[0] is not index:
                 self._layout = (index, ModuleLayout.of(index.names, index.params))
             pending.snapshot_weights(index, self._layout[1], resting_slots(self._param_groups, index.params))
-            self._awaiting_update = pending
+            self._checks.awaiting_update = pending
         if self.histograms_due(step) and not on_shards:
             pending.capture_histograms(index, self.settings.log_gradients, self.settings.log_weights)
-        self._pending[step] = pending
+        self._checks.add(pending)
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
-        pending = self._awaiting_update
+        pending = self._checks.awaiting_update
         if pending is None or steps_done <= pending.step:
             return
-        self._awaiting_update = None
+        self._checks.awaiting_update = None
         pending.measure_update()
 
     def _sharded_outputs_off(self, index: ParameterIndex) -> bool:
@@ -215,13 +213,11 @@ class GradientMonitor(Monitor):
         return True
 
     def _on_numerics(self, host: HostNumerics) -> None:
-        pending = self._pending.get(host.step)
+        pending = self._checks.waiting.get(host.step)
         if pending is None:
             return
         if host.failure is not None:
-            del self._pending[host.step]
-            if pending is self._awaiting_update:
-                self._awaiting_update = None
+            self._checks.drop(host.step)
             self.measurement_failed(host.failure, "this check step has no gradient verdict", host.step)
             return
         pending.host = host
@@ -229,19 +225,7 @@ class GradientMonitor(Monitor):
 
     def poll(self, final: bool = False) -> None:
         """Turn every check step whose values have all arrived into findings and scalars, in order."""
-        while self._pending:
-            step = min(self._pending)
-            pending = self._pending[step]
-            if pending.host is None:
-                if final:
-                    del self._pending[step]
-                    continue
-                break
-            if not (final or pending.ready() or len(self._pending) > MAX_PENDING_CHECKS):
-                break
-            del self._pending[step]
-            if pending is self._awaiting_update:
-                self._awaiting_update = None
+        for pending in self._checks.ready(final):
             self._complete(pending)
 
     # --- verdicts -------------------------------------------------------------------------------
@@ -345,8 +329,7 @@ class GradientMonitor(Monitor):
         """Evaluate every check step still waiting, confirm what never had a gradient, close the open episodes."""
         self.order.stop()
         self.poll(final=True)
-        self._awaiting_update = None
-        self._pending = {}
+        self._checks.clear()
         self._record_confirmed(self.history.missing.confirm_the_rest(), step)
         self._watch.clear()
         super().finalize(step)

@@ -6,6 +6,7 @@ non-blocking :class:`~lightning_debug.core.readback.Readback` objects, read once
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from lightning_debug.core.step_numerics import HostNumerics, ParameterIndex
 from lightning_debug.monitors.gradients.layout import ModuleLayout
 
 HISTOGRAM_BINS = 30
+MAX_PENDING_CHECKS = 4
 
 
 @dataclass
@@ -85,3 +87,46 @@ class PendingCheck:
             for index, name in enumerate(names):
                 writer(prefix + metric_part(name), histogram_from_row(values[index * width:(index + 1) * width],
                                                                       HISTOGRAM_BINS), self.step)
+
+
+class PendingChecks:
+    """The check steps waiting for their values, in step order, and the one whose weight update is still
+    to be measured (its optimizer step not taken yet).
+
+    Example::
+
+        >>> checks = PendingChecks()
+        >>> checks.add(PendingCheck(0, {})); checks.add(PendingCheck(1, {}))
+        >>> [p.step for p in checks.ready(final=True)], checks.waiting
+        ([], {})
+    """
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, PendingCheck] = {}
+        self.awaiting_update: PendingCheck | None = None
+
+    def add(self, pending: PendingCheck) -> None:
+        self.waiting[pending.step] = pending
+
+    def drop(self, step: int) -> None:
+        pending = self.waiting.pop(step, None)
+        if pending is not None and pending is self.awaiting_update:
+            self.awaiting_update = None
+
+    def ready(self, final: bool = False) -> Iterator[PendingCheck]:
+        """Each check step whose values have all arrived, in order, taken out as it is yielded: a step waits
+        for its update and histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending; ``final``
+        yields every step that has its gradient values and drops those that never got them."""
+        while self.waiting:
+            step = min(self.waiting)
+            pending = self.waiting[step]
+            if pending.host is None and not final:
+                return
+            if pending.host is not None and not (final or pending.ready() or len(self.waiting) > MAX_PENDING_CHECKS):
+                return
+            self.drop(step)
+            if pending.host is not None:
+                yield pending
+
+    def clear(self) -> None:
+        self.waiting, self.awaiting_update = {}, None
