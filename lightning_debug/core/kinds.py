@@ -95,6 +95,8 @@ class Kind(str, enum.Enum):
     LOSS_SPIKE = "loss_spike"
     LOSS_DIVERGENCE = "loss_divergence"
     UPDATE_RATIO_HIGH = "update_ratio_high"
+    INTERMITTENT_GRAD = "intermittent_grad"
+    WEIGHT_DECAY_ON_NORM = "weight_decay_on_norm"
 
     def __str__(self) -> str:
         return self.value
@@ -203,9 +205,11 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="ReLU/GELU, a better initialisation, normalisation or residual connections"),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
-        advice="A trainable parameter got no gradient: a layer defined but not used in forward, a branch cut "
-               "by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of the loss. Use it, remove "
-               "it, or set `requires_grad=False` (under DDP it also needs `find_unused_parameters`).",
+        advice="A trainable parameter never got a gradient on any step observed (a confirmation window, "
+               "so experts and dropped layers that skip some steps are not it): a layer defined but not used "
+               "in forward, a branch cut by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of "
+               "the loss. Use it, remove it, or set `requires_grad=False` (under DDP it also needs "
+               "`find_unused_parameters`).",
         hint="use the layer, remove it, or requires_grad_(False)"),
     Kind.FROZEN_PARAM: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
@@ -310,6 +314,21 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
                "it, add a warm-up, clip gradients.",
         hint="the learning rate is far too high: lower it, add a warm-up"),
+    Kind.INTERMITTENT_GRAD: KindSpec(
+        Area.GRADIENTS, Severity.INFO,
+        advice="Parameters that had gradients on earlier steps got none on this one: conditional "
+               "computation (experts a router did not pick, layers LayerDrop skipped, branches taken "
+               "on some inputs only). Expected for such models; under DDP they need "
+               "`find_unused_parameters`. A parameter that never gets a gradient is `missing_grad`.",
+        hint="conditional computation (routing, LayerDrop): expected; DDP needs find_unused_parameters"),
+    Kind.WEIGHT_DECAY_ON_NORM: KindSpec(
+        Area.GRADIENTS, Severity.INFO,
+        advice="Weight decay pulls these biases, normalization weights or embedding rows toward 0, which "
+               "shrinks the scale a LayerNorm/BatchNorm restores and erodes rare tokens' embeddings between "
+               "their updates. Give them a param group of their own with `weight_decay=0.0`: "
+               "`[{'params': decayed, 'weight_decay': 0.01}, {'params': biases_norms_embeddings, "
+               "'weight_decay': 0.0}]`. If you decay them on purpose, ignore this.",
+        hint="put biases, norm weights and embeddings in a param group with weight_decay=0"),
 }
 """The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
 views of it."""

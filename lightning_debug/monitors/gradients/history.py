@@ -1,0 +1,107 @@
+"""What the gradient area keeps across check steps: counts, norm histories and flagged names.
+
+Everything is bounded (windows, capped counters) and travels in the monitor's ``state_dict``, so a
+resumed run judges against the history it had.
+
+Example::
+
+    >>> history = GradientHistory(["exploding_grad"])
+    >>> history.norms_for(None).add(2.0); history.counts["exploding"] += 1
+    >>> restored = GradientHistory(["exploding_grad"]); restored.load_state_dict(history.state_dict())
+    >>> list(restored.recent_norms.values), restored.counts["exploding"]
+    ([2.0], 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from lightning_debug.checks.trends import NormHistory
+from lightning_debug.core.stats import RunningStats, Window
+from lightning_debug.monitors.gradients.flags import FlagCounter
+from lightning_debug.monitors.gradients.missing import MissingHistory
+from lightning_debug.monitors.gradients.update_ratio import UpdateRatioHistory
+from lightning_debug.monitors.gradients.vanishing import VanishingHistory
+
+HEALTHY_NORMS_KEPT = 256
+
+
+class GradientHistory:
+    """The gradient area's own history, for the rules and the report."""
+
+    def __init__(self, kinds: Iterable[str]) -> None:
+        self.counts = {"exploding": 0, "vanishing": 0, "missing": 0, "frozen": 0}
+        self.checks = 0
+        self.steps_without_gradients = 0
+        self.global_norms = RunningStats()
+        self.update_ratios = RunningStats()
+        self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
+        self.recent_norms = NormHistory()
+        # With several optimizers each one's gradients have their own scale (a GAN's D and G): one history each.
+        self._norm_histories: dict[Any, NormHistory] = {None: self.recent_norms}
+        self.parameter_norms: dict[str, RunningStats] = {}
+        self.parameter_update_ratios: dict[str, RunningStats] = {}
+        self.flagged = {kind: FlagCounter() for kind in sorted(kinds)}
+        self.clip_suggestion: dict[str, Any] | None = None
+        self.vanishing = VanishingHistory()
+        self.missing = MissingHistory()
+        self.update_ratio_high = UpdateRatioHistory()
+
+    def norms_for(self, optimizer: Any) -> NormHistory:
+        """The recent global norms of ``optimizer``'s check steps (None with one optimizer), made current."""
+        self.recent_norms = self._norm_histories.setdefault(optimizer, NormHistory())
+        return self.recent_norms
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(
+            counts=dict(self.counts), checks=self.checks, steps_without_gradients=self.steps_without_gradients,
+            global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
+            healthy_norms=list(self.healthy_norms.values), recent_norms=list(self.recent_norms.values),
+            parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
+            parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
+            flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
+            clip_suggestion=self.clip_suggestion, vanishing=self.vanishing.state_dict(),
+            missing=self.missing.state_dict(),
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.counts.update({k: int(v) for k, v in state_dict.get("counts", {}).items()})
+        self.checks = int(state_dict.get("checks", 0))
+        self.steps_without_gradients = int(state_dict.get("steps_without_gradients", 0))
+        if "global_norms" in state_dict:
+            self.global_norms.load_state_dict(state_dict["global_norms"])
+        if "update_ratios" in state_dict:
+            self.update_ratios.load_state_dict(state_dict["update_ratios"])
+        self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
+        for value in state_dict.get("healthy_norms", []):
+            self.healthy_norms.add(float(value))
+        self.recent_norms.load(state_dict.get("recent_norms", []))
+        for target, key in ((self.parameter_norms, "parameter_norms"),
+                            (self.parameter_update_ratios, "parameter_update_ratios")):
+            target.clear()
+            for name, stats_state in state_dict.get(key, {}).items():
+                target[name] = RunningStats()
+                target[name].load_state_dict(stats_state)
+        for kind, counts in state_dict.get("flagged", {}).items():
+            self.flagged.setdefault(kind, FlagCounter()).counts = {name: int(c) for name, c in counts.items()}
+        self.clip_suggestion = state_dict.get("clip_suggestion")
+        self.vanishing.load_state_dict(state_dict.get("vanishing", {}))
+        self.missing.load_state_dict(state_dict.get("missing", {}))
+
+    def report_section(self, trainability: dict[str, Any], order: str, parameter_norms: bool) -> dict[str, Any]:
+        """The gradients section of report.json after the base monitor's (findings, check frequency)."""
+        stats: dict[str, Any] = {"gradient_norm": self.global_norms.summary()}
+        if self.update_ratios.count:
+            stats["update_ratio"] = self.update_ratios.summary()
+        section: dict[str, Any] = dict(
+            stats=stats, checks=self.checks, steps_without_gradients=self.steps_without_gradients,
+            counts={f"{kind}_checks": count for kind, count in self.counts.items()},
+            most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
+            trainability=trainability, clip_suggestion=self.clip_suggestion, order=order,
+        )
+        if parameter_norms:
+            section["parameter_norms"] = {name: s.summary() for name, s in self.parameter_norms.items()}
+        if self.parameter_update_ratios:
+            section["parameter_update_ratios"] = {name: s.summary() for name, s in self.parameter_update_ratios.items()}
+        return section

@@ -1,0 +1,212 @@
+"""``missing_grad`` and ``intermittent_grad``: parameters that never receive a gradient, and those that
+receive one on some steps only.
+
+A healthy model can leave a parameter without a gradient on a step: a mixture of experts routes no
+token to some experts, LayerDrop skips whole layers, a branch runs on some inputs only. What tells
+that apart from a layer that is never used is the run's history, so the rule keeps, per parameter
+that was ever without a gradient, whether it ever had one: one that had a gradient before is
+conditional computation (``intermittent_grad``, info, with the fraction of check steps it got one);
+one that never had any is a candidate, confirmed as ``missing_grad`` only once it went without a
+gradient on :data:`MISSING_CONFIRM_STEPS` optimizer steps in a row (watched between check steps too,
+by ``.grad is None``, which costs no device work), or on every step of a shorter run. The finding is
+labelled with the check step that first saw it. Parameters are assumed to exist from their
+optimizer's first check step (one created later and left without a gradient reads as intermittent).
+
+Example::
+
+    >>> history = MissingHistory()
+    >>> seen = history.observe_check(0, None, ["expert.w", "unused.w"], ["expert.w", "unused.w", "head.w"])
+    >>> seen.candidates, seen.intermittent
+    (['expert.w', 'unused.w'], [])
+    >>> history.observe_step(1, with_gradient=["expert.w"], without=["unused.w"])
+    []
+    >>> history.observe_check(2, None, ["expert.w", "unused.w"], ["expert.w", "unused.w", "head.w"]).intermittent
+    ['expert.w']
+    >>> history.confirm_the_rest()
+    ['unused.w']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.layout import Positions, input_to_output, module_of
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict, quoted
+
+MISSING_CONFIRM_STEPS = 8
+"""Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
+parameter never gets one: long enough for a router to pick an expert or LayerDrop to keep a layer."""
+
+DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
+            "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
+            "removing the parameter or freezing it with requires_grad_(False) is cheaper.")
+
+
+@dataclass
+class Candidate:
+    """A parameter that has never had a gradient since the check step ``first_step`` first saw it without."""
+
+    first_step: int
+    last_step: int
+    steps_without: int = 1
+    check_steps: list[int] = field(default_factory=list)
+    confirmed: bool = False
+
+
+@dataclass
+class MissingCheck:
+    """What one check step showed: ``candidates`` never had a gradient (``confirmed`` of them: for long
+    enough, ``newly_confirmed``: from this check on), ``intermittent`` had one on earlier steps."""
+
+    candidates: list[str] = field(default_factory=list)
+    confirmed: list[str] = field(default_factory=list)
+    newly_confirmed: list[str] = field(default_factory=list)
+    intermittent: list[str] = field(default_factory=list)
+
+
+class MissingHistory:
+    """Per parameter ever seen without a gradient: on how many check steps, and whether it ever had one.
+
+    Bounded by the model's parameters; only parameters that were once without a gradient are kept.
+    """
+
+    def __init__(self, confirm_steps: int = MISSING_CONFIRM_STEPS) -> None:
+        self.confirm_steps = confirm_steps
+        self.checks: dict[Any, int] = {}
+        self.absent: dict[str, int] = {}
+        self.had_gradient: set[str] = set()
+        self.candidates: dict[str, Candidate] = {}
+
+    def observe_check(self, step: int, optimizer: Any, missing: Sequence[str], judged: Collection[str]) -> MissingCheck:
+        """A check step of ``optimizer`` judged the parameters ``judged``; ``missing`` of them had no gradient."""
+        earlier = self.checks.get(optimizer, 0)
+        self.checks[optimizer] = earlier + 1
+        without = set(missing)
+        if self.absent:
+            judged_set = judged if isinstance(judged, (set, frozenset)) else set(judged)
+            self._had_gradient(name for name in self.absent if name in judged_set and name not in without)
+        seen = MissingCheck()
+        for name in missing:
+            candidate = self.candidates.get(name)
+            if candidate is None and name not in self.had_gradient:
+                if earlier and name not in self.absent:  # judged on earlier check steps, with a gradient then
+                    self.had_gradient.add(name)
+                else:
+                    candidate = self.candidates[name] = Candidate(step, step, check_steps=[step])
+            self.absent[name] = self.absent.get(name, 0) + 1
+            if candidate is None:
+                seen.intermittent.append(name)
+                continue
+            if step > candidate.last_step:
+                candidate.last_step = step
+                candidate.steps_without += 1
+            if candidate.check_steps[-1:] != [step]:
+                candidate.check_steps = (candidate.check_steps + [step])[-self.confirm_steps:]
+            seen.candidates.append(name)
+            if candidate.confirmed:
+                seen.confirmed.append(name)
+            elif candidate.steps_without >= self.confirm_steps:
+                candidate.confirmed = True
+                seen.newly_confirmed.append(name)
+        return seen
+
+    def observe_step(self, step: int, with_gradient: Iterable[str], without: Iterable[str]) -> list[str]:
+        """Candidates looked at on an optimizer step (``.grad is None`` or not); returns those it confirms."""
+        self._had_gradient(with_gradient)
+        confirmed = []
+        for name in without:
+            candidate = self.candidates.get(name)
+            if candidate is None or step <= candidate.last_step:
+                continue
+            candidate.last_step = step
+            candidate.steps_without += 1
+            if not candidate.confirmed and candidate.steps_without >= self.confirm_steps:
+                candidate.confirmed = True
+                confirmed.append(name)
+        return confirmed
+
+    def confirm_the_rest(self) -> list[str]:
+        """At the end of a run: candidates that never had a gradient on any step observed are confirmed."""
+        rest = [name for name, candidate in self.candidates.items() if not candidate.confirmed]
+        for name in rest:
+            self.candidates[name].confirmed = True
+        return rest
+
+    def received_fraction(self, name: str, optimizer: Any) -> float:
+        """The fraction of ``optimizer``'s check steps on which ``name`` had a gradient."""
+        checks = max(self.checks.get(optimizer, 1), 1)
+        return max(0.0, (checks - self.absent.get(name, 0)) / checks)
+
+    def _had_gradient(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.had_gradient.add(name)
+            self.candidates.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"checks": [[optimizer, count] for optimizer, count in self.checks.items()],
+                "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient),
+                "candidates": {name: vars(candidate).copy() for name, candidate in self.candidates.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.checks = {optimizer: int(count) for optimizer, count in state.get("checks", [])}
+        self.absent = {name: int(count) for name, count in state.get("absent", {}).items()}
+        self.had_gradient = set(state.get("had_gradient", []))
+        self.candidates = {name: Candidate(**fields) for name, fields in state.get("candidates", {}).items()}
+
+
+def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Positions,
+                  history: MissingHistory, newly: Collection[str] = ()) -> Verdict | None:
+    """The ``missing_grad`` finding for the confirmed parameters ``names`` (never a gradient since their
+    candidate's first check step); those ``newly`` confirmed are recorded at every check step they were
+    seen without a gradient, labelled where that began."""
+    if not names:
+        return None
+    steps = sorted({s for name in newly if name in history.candidates for s in history.candidates[name].check_steps})
+    ordered = input_to_output(names, positions)
+    first = [history.candidates[name] for name in ordered if name in history.candidates]
+    since = min((candidate.first_step for candidate in first), default=step)
+    observed = max((candidate.steps_without for candidate in first), default=1)
+    return Verdict(Finding(
+        Kind.MISSING_GRAD, Severity.WARNING,
+        f"{len(names)} of {trainable} trainable parameters received no gradient on any of the {observed} "
+        f"optimizer step(s) observed since step {since}: {quoted(ordered)}. A layer that is never used in the "
+        f"forward, or a branch cut off by detach(), no_grad(), .data or .item(). Use it, remove it, or call "
+        f"requires_grad_(False). {DDP_NOTE}",
+        {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(names),
+         "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
+         "since_step": since, "steps_without_gradient": observed,
+         "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
+        list(names), steps=steps)
+
+
+def check_verdicts(step: int, seen: MissingCheck, optimizer: Any, trainable: int, positions: Positions,
+                   history: MissingHistory) -> list[Verdict]:
+    """The verdicts of one check step: confirmed parameters still without a gradient, and intermittent ones."""
+    verdicts = [judge_missing(step, seen.confirmed + seen.newly_confirmed, trainable, positions, history,
+                              seen.newly_confirmed),
+                judge_intermittent(seen.intermittent, optimizer, positions, history)]
+    return [verdict for verdict in verdicts if verdict is not None]
+
+
+def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Positions,
+                       history: MissingHistory) -> Verdict | None:
+    """``intermittent_grad`` (info): parameters without a gradient now that had one on earlier steps."""
+    if not names:
+        return None
+    ordered = input_to_output(names, positions)
+    fractions = {name: round(history.received_fraction(name, optimizer), 3) for name in ordered[:NAMES_IN_DETAILS]}
+    shown = ", ".join(f"`{name}` {fractions[name]:.0%}" for name in ordered[:3])
+    return Verdict(Finding(
+        Kind.INTERMITTENT_GRAD, Severity.INFO,
+        f"{len(names)} trainable parameter(s) that had gradients on earlier steps got none on this one "
+        f"(fraction of check steps with a gradient: {shown}{' ...' if len(names) > 3 else ''}): conditional "
+        "computation such as routing to experts, LayerDrop or branches taken on some inputs only. Expected for "
+        "such models; under DDP they need find_unused_parameters.",
+        {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(names),
+         "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
+         "received_fraction": fractions}),
+        list(names))

@@ -1,0 +1,348 @@
+"""The gradient monitor's plumbing: events, pending read-backs, scalars, state and recording.
+
+The monitor reads the shared :class:`~lightning_debug.core.step_numerics.StepNumerics` of a check
+step (computed once for every callback), so gradient norms are never computed twice. Everything it
+measures itself (weight updates, histograms) is fused device work read back without a sync. The
+verdicts are the rules' (one module each): this module only feeds them and records what they return.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_debug.checks.numerics import user_name
+from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.kinds import Kind
+from lightning_debug.core.metrics import metric_part
+from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
+from lightning_debug.core.session import Where
+from lightning_debug.core.stats import RunningStats
+from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, ParameterIndex
+from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
+from lightning_debug.monitors.gradients.history import GradientHistory
+from lightning_debug.monitors.gradients.layout import ModuleLayout
+from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
+from lightning_debug.monitors.gradients.order import ForwardOrder
+from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
+from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, resting_slots,
+                                                             static_frozen_verdicts, trainability)
+from lightning_debug.monitors.gradients.updates import read_updates
+from lightning_debug.monitors.gradients.vanishing import judge_vanishing
+from lightning_debug.monitors.gradients.verdict import Verdict, quoted
+from lightning_debug.monitors.gradients.watch import CandidateWatch
+
+WHERES_KEPT = 64
+
+
+class GradientMonitor(Monitor):
+    """See :class:`lightning_debug.GradientHealthCallback` for the behaviour users rely on.
+
+    Per check step: :meth:`before_optimizer_step` registers it (gradients are final, not yet
+    clipped), :meth:`after_optimizer_step` measures the weight update once the step is taken, and
+    :meth:`poll` turns the values into findings and scalars once they have reached the host.
+
+    Example::
+
+        >>> monitor = GradientMonitor(DebugConfig(gradient_checking_frequency=10))
+        >>> [step for step in range(25) if monitor.due(step)]
+        [0, 10, 20]
+    """
+
+    area = Area.GRADIENTS
+    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
+                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD})
+    events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
+                        Event.BATCH_END})
+
+    def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
+        super().__init__(config, source)
+        self.settings = GradientSettings.from_config(config)
+        self.history = GradientHistory(kind.value for kind in self.kinds)
+        self.trainability: dict[str, Any] = {}
+        self.static_frozen: dict[FrozenCause, list[str]] = {}
+        self._param_groups: Sequence[dict[str, Any]] = []
+        self.order = ForwardOrder()
+        self.order_source = "registration order (named_parameters)"
+        self._positions: dict[str, tuple[int, int]] = {}
+        self._static_recorded_step = -1
+        self._checks = PendingChecks()
+        self._histogram_writer: HistogramWriter | None = None
+        self._said_sharded = False
+        self._layout: tuple[ParameterIndex | None, ModuleLayout | None] = (None, None)
+        self._wheres: dict[int, Where] = {}
+        self._last_recorded: dict[str, int] = {}
+        self._norms_read: set[Any] = set()
+        self._watch = CandidateWatch()
+        self._trainable = 0
+
+    def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
+        super().bind(session, context, numerics)
+        if self.settings.measures_updates:  # weight norms and update ratios need every weight's norm on check steps
+            numerics.param_norms_wanted.append(self.optimizer_step_due)
+
+    def histograms_due(self, step: int) -> bool:
+        if self._histogram_writer is None or not self.settings.wants_histograms:
+            return False
+        checks = self.numerics.scheduled_step(step) // self.config.gradient_checking_frequency
+        return checks % self.settings.histogram_every_checks == 0
+
+    def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
+        """Record a rule's verdict at ``step``, or at each of its ``steps`` not recorded yet (a condition
+        confirmed over several check steps is counted on each of them, labelled where it began)."""
+        if verdict is None:
+            return False
+        kind = verdict.finding.kind.value
+        for at in verdict.steps or [step]:
+            if verdict.steps and at <= self._last_recorded.get(kind, -1):
+                continue
+            self._last_recorded[kind] = max(at, self._last_recorded.get(kind, -1))
+            if count is not None:
+                self.history.counts[count] += 1
+            self.history.flagged[kind].add(verdict.flagged)
+            self.record(verdict.finding, at, self._wheres.get(at, where), key=verdict.key)
+        return True
+
+    # --- fit start and forward order -----------------------------------------------------------
+    def start(self, step: int) -> None:
+        """What is known before any tensor work: trainability and what the optimizer holds; then the
+        module execution order is recorded during the first forward pass."""
+        context, where = self.context, self.context.where()
+        named = [(user_name(name), p) for name, p in context.named_parameters()]
+        self._positions = {name: (0, index) for index, (name, _) in enumerate(named)}
+        if self.session.is_global_zero:
+            self._histogram_writer, histogram_logger = context.histogram_writer()
+            if self.settings.wants_histograms and self._histogram_writer is None:
+                self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
+                          f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
+                          "logged.")
+        self.trainability, untrainable = trainability(named)
+        if untrainable is not None:
+            self.session.emit(untrainable, step=step, where=where, callback=self.source)
+        self._param_groups = context.param_groups()
+        self.static_frozen, optimizer_check = frozen_by_optimizer([(n, p) for n, p in named if p.requires_grad],
+                                                                  self._param_groups)
+        if optimizer_check is not None:
+            self.trainability["optimizer_check"] = optimizer_check
+        self._record_static_frozen(step, where)
+        self._static_recorded_step = step
+        module = context.module()
+        if module is not None:
+            self.order.watch(module)
+
+    def _record_static_frozen(self, step: int, where: Where) -> None:
+        for verdict in static_frozen_verdicts(self.static_frozen):
+            self._record(verdict, step, where)
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self._stop_watching_forward()
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self._stop_watching_forward()
+
+    def _stop_watching_forward(self) -> None:
+        """The first forward pass is over: keep the module execution order (see :class:`ForwardOrder`)."""
+        if not self.order.watching:
+            return
+        self.order.stop()
+        if self.order.module_names:
+            self._positions = self.order.positions([user_name(name) for name, _ in self.context.named_parameters()])
+            self.order_source = "forward execution order (module pre-hooks on the first training batch)"
+
+    # --- check step -----------------------------------------------------------------------------
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        """Register a check step before the optimizer step: no host sync, no norm computed twice.
+
+        The verdicts come when the shared numerics are read back (a step later, or at fit end).
+        Weight snapshots (update ratios) and histograms are taken here, only on check steps and
+        only on the global-zero process, the one that reports them.
+        """
+        if self._watch:
+            self._observe_candidates(step)
+        if not self.optimizer_step_due(step):
+            return Decision.CONTINUE
+        current = numerics()
+        index = current.index
+        pending = PendingCheck(step, self.context.where(), judged=index)
+        self._wheres[step] = pending.where
+        while len(self._wheres) > WHERES_KEPT:
+            del self._wheres[min(self._wheres)]
+        awaiting, self._checks.awaiting_update = self._checks.awaiting_update, None
+        if awaiting is not None:
+            if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
+                awaiting.measure_update()
+            else:
+                awaiting.update_expected = False
+                awaiting.snapshot, awaiting.index = [], None
+        on_shards = index.sharded and self._sharded_outputs_off(index)
+        if self.settings.measures_updates and self.session.is_global_zero and not on_shards and len(index):
+            if self._layout[0] is not index:
+                self._layout = (index, ModuleLayout.of(index.names, index.params))
+            pending.snapshot_weights(index, self._layout[1], resting_slots(self._param_groups, index.params))
+            self._checks.awaiting_update = pending
+        if self.histograms_due(step) and not on_shards:
+            pending.capture_histograms(index, self.settings.log_gradients, self.settings.log_weights)
+        self._checks.add(pending)
+        current.subscribe(self._on_numerics)
+        return Decision.CONTINUE
+
+    def after_optimizer_step(self, steps_done: int) -> None:
+        """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
+        pending = self._checks.awaiting_update
+        if pending is None or steps_done <= pending.step:
+            return
+        self._checks.awaiting_update = None
+        pending.measure_update()
+
+    def _sharded_outputs_off(self, index: ParameterIndex) -> bool:
+        """Weight updates and histograms are measured on rank zero's tensors, which for sharded parameters
+        (DTensor, FSDP1 flat parameters) are one shard: they are switched off, saying so once. Returns True."""
+        wanted = [what for what, on in (("update ratios and the frozen-parameter update check",
+                                         self.settings.measures_updates),
+                                        ("histograms", self.settings.wants_histograms)) if on]
+        if wanted and not self._said_sharded:
+            self._said_sharded = True
+            self.warn(f"{' and '.join(wanted)} are not available for sharded parameters "
+                      f"({quoted(index.sharded_names)}), of which every rank holds only a shard; gradient and "
+                      "weight norms, and the findings from them, are exact.")
+        return True
+
+    def _on_numerics(self, host: HostNumerics) -> None:
+        pending = self._checks.waiting.get(host.step)
+        if pending is None:
+            return
+        if host.failure is not None:
+            self._checks.drop(host.step)
+            self.measurement_failed(host.failure, "this check step has no gradient verdict", host.step)
+            return
+        pending.host = host
+        self.poll()
+
+    def poll(self, final: bool = False) -> None:
+        """Turn every check step whose values have all arrived into findings and scalars, in order."""
+        for pending in self._checks.ready(final):
+            self._complete(pending)
+
+    # --- verdicts -------------------------------------------------------------------------------
+    def _complete(self, pending: PendingCheck) -> None:
+        host = pending.host
+        assert host is not None
+        step, where, settings = pending.step, pending.where, self.settings
+        if host.without_gradients:  # no backward ran (a training_step that returned None): nothing to judge
+            self.history.steps_without_gradients += 1
+            return
+        self.history.checks += 1
+        optimizer = where.get("optimizer")
+        norms = self.history.norms_for(optimizer)
+        global_norm = host.global_grad_norm
+        self.history.global_norms.add(global_norm)
+        metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
+
+        # one max and one min over the norms; names are paired with norms only when one is out of range
+        largest, smallest = host.grad_norm_extremes()
+        suspicion = suspect_explosion(global_norm, largest, norms, settings)
+        suspect_low = not smallest >= settings.vanishing_threshold
+        first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
+        self._norms_read.add(optimizer)
+        grads = (list(zip(host.grad_names, host.grad_norms))
+                 if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
+        exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
+                                    list(self.history.healthy_norms.values), self._clipping())
+        if self._record(exploding, step, where, "exploding"):
+            assert exploding is not None
+            details = exploding.finding.details
+            self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
+                                            "step": step}
+        elif math.isfinite(global_norm):
+            self.history.healthy_norms.add(global_norm)
+        norms.add(global_norm)
+        self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing),
+                     step, where, "vanishing")
+        self._judge_missing(pending, host, optimizer)
+        if step != self._static_recorded_step:
+            self._record_static_frozen(step, where)
+        not_updated = False
+        if pending.update is not None:
+            update_metrics, verdicts = read_updates(
+                step, optimizer, pending.update.tensor(), host, pending.layout, pending.had_grad, pending.lr_zero_now,
+                settings, self.history, self._param_groups,
+                {name for names in self.static_frozen.values() for name in names}, self._positions)
+            metrics.update(update_metrics)
+            for verdict in verdicts:
+                self._record(verdict, step, where)
+                not_updated = not_updated or verdict.finding.kind is Kind.FROZEN_PARAM
+        if self.static_frozen or not_updated:
+            self.history.counts["frozen"] += 1
+
+        metrics.update({f"debug/grad/{count}_count": float(self.history.counts[count])
+                        for count in ("exploding", "vanishing", "missing")})
+        if settings.log_gradients:
+            metrics.update(zip([f"debug/grad/norm/{metric_part(name)}" for name in host.grad_names] if host.missing
+                               else host.tags("debug/grad/norm/"), host.grad_norms))
+        if settings.log_weights:
+            metrics.update(zip(host.tags("debug/weight/norm/"), host.param_norms))
+        if settings.keeps_parameter_norms:
+            for name, norm in grads:
+                self.history.parameter_norms.setdefault(name, RunningStats()).add(norm)
+        pending.write_histograms(self._histogram_writer)
+        self.log_metrics(step, metrics)
+        self.close_episodes(step, where, self.kinds)
+
+    def _clipping(self) -> Clipping | None:
+        clipping = self.context.gradient_clipping()
+        return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
+
+    # --- missing gradients: checked on check steps, candidates watched on every step --------------
+    def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:
+        missing = self.history.missing
+        seen = missing.observe_check(pending.step, optimizer, host.missing, host.param_names)
+        self._trainable = len(host.param_names)
+        if seen.candidates:
+            self.history.counts["missing"] += 1
+        for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
+            self._record(verdict, pending.step, pending.where)
+        if pending.judged is not None:
+            self._watch.replace(optimizer, [n for n in seen.candidates if not missing.candidates[n].confirmed],
+                                host.grad_names[-1] if host.grad_names else None, pending.judged.names,
+                                pending.judged.params)
+
+    def _observe_candidates(self, step: int) -> None:
+        """The parameters that never had a gradient, looked at on this optimizer's step (no device work)."""
+        looked = self._watch.look(self.context.optimizer_index)
+        if looked is None:
+            return
+        confirmed = self.history.missing.observe_step(step, *looked)
+        self._watch.drop(looked[0] + confirmed)
+        self._record_confirmed(confirmed, step)
+
+    def _record_confirmed(self, names: list[str], step: int) -> None:
+        self._record(judge_missing(step, names, self._trainable, self._positions, self.history.missing, names), step,
+                     self.context.where())
+
+    # --- the end, resume and report -------------------------------------------------------------
+    def finalize(self, step: int) -> None:
+        """Evaluate every check step still waiting, confirm what never had a gradient, close the open episodes."""
+        self.order.stop()
+        self.poll(final=True)
+        self._checks.clear()
+        self._record_confirmed(self.history.missing.confirm_the_rest(), step)
+        self._watch.clear()
+        super().finalize(step)
+
+    def restore(self) -> None:
+        self.order.stop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(super().state_dict(), **self.history.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.history.load_state_dict(state_dict)
+
+    def report_section(self) -> dict[str, Any]:
+        return dict(super().report_section(), **self.history.report_section(
+            self.trainability, self.order_source, self.settings.keeps_parameter_norms))

@@ -1,0 +1,76 @@
+"""The order in which modules run, watched once, so findings name layers from the input side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from lightning_debug.checks.numerics import user_name
+from lightning_debug.monitors.gradients.layout import module_of
+
+
+class ForwardOrder:
+    """The order in which modules first run in a forward pass, recorded once with pre-hooks.
+
+    Registration order (``named_parameters``) often differs from execution order, so "the earliest
+    layers" are found by watching one forward pass and then removing the hooks: a one-time cost
+    on the first training batch, nothing afterwards. A parameter owned directly by a container
+    module takes the position where that module is entered; parameters of modules never entered
+    (used functionally by a parent) come last, in registration order. Inside a ``torch.compile``d
+    module no hook is registered (Dynamo would trace it and recompile once it is removed): its
+    parameters take the compiled module's position, in registration order.
+
+    Example::
+
+        >>> import torch
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> order = ForwardOrder(); order.watch(model); _ = model(torch.ones(1, 2)); order.stop()
+        >>> order.module_names
+        ['', '0', '1']
+    """
+
+    def __init__(self) -> None:
+        self.module_names: list[str] = []
+        self._seen: set[str] = set()
+        self._handles: list[Any] = []
+        self._compiled: list[str] = []
+
+    @property
+    def watching(self) -> bool:
+        return bool(self._handles)
+
+    def watch(self, root: nn.Module) -> None:
+        self.stop()
+        self.module_names, self._seen, self._compiled = [], set(), []
+        for name, module in root.named_modules():
+            name = user_name(name)
+            if any(name == c or name.startswith(c + ".") for c in self._compiled):
+                continue
+            if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+                self._compiled.append(name)
+            self._handles.append(module.register_forward_pre_hook(self._hook_for(name)))
+
+    def _hook_for(self, name: str) -> Callable[..., None]:
+        def seen(module: nn.Module, args: Any) -> None:
+            if name not in self._seen:
+                self._seen.add(name)
+                self.module_names.append(name)
+        return seen
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def positions(self, parameter_names: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Sort keys (module position, registration index) for each parameter name."""
+        rank = {name: index for index, name in enumerate(self.module_names)}
+        unseen = len(rank)
+
+        def module_position(module: str) -> int:
+            inside = next((c for c in self._compiled if module == c or module.startswith(c + ".")), None)
+            return rank.get(inside if inside is not None else module, unseen)
+
+        return {name: (module_position(module_of(name)), index) for index, name in enumerate(parameter_names)}

@@ -1,0 +1,70 @@
+"""The settings the gradient rules read, typed and frozen, made once from :class:`DebugConfig`.
+
+A rule takes a :class:`GradientSettings` instead of the whole configuration, so a unit test builds
+one in a line and a rule shows in its signature exactly what it depends on.
+
+Example::
+
+    >>> from lightning_debug import DebugConfig
+    >>> settings = GradientSettings.from_config(DebugConfig(level="advanced"))
+    >>> settings.explosion_threshold is None, settings.measures_updates, settings.per_parameter_always
+    (True, True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_debug.config import DebugConfig, DebugLevel
+
+@dataclass(frozen=True)
+class GradientSettings:
+    """What the gradient rules read from the configuration.
+
+    ``explosion_threshold`` is the user's fixed limit, None when not set (the run's own history
+    judges alone), which is also the clip value suggested before the run has healthy norms of its own.
+    """
+
+    check_every: int = 100
+    explosion_threshold: float | None = None
+    vanishing_threshold: float = 1e-6
+    log_gradients: bool = False
+    log_weights: bool = False
+    level: DebugLevel = DebugLevel.BASIC
+
+    @classmethod
+    def from_config(cls, config: DebugConfig) -> "GradientSettings":
+        return cls(
+            check_every=config.gradient_checking_frequency,
+            explosion_threshold=config.gradient_explosion_threshold,
+            vanishing_threshold=config.gradient_vanishing_threshold,
+            log_gradients=config.log_gradients,
+            log_weights=config.log_weights,
+            level=config.level,
+        )
+
+    @property
+    def measures_updates(self) -> bool:
+        """Weight updates (update ratios, parameters left unchanged) are measured on check steps."""
+        return self.log_weights or self.level >= DebugLevel.ADVANCED
+
+    @property
+    def keeps_update_ratios(self) -> bool:
+        return self.level >= DebugLevel.ADVANCED
+
+    @property
+    def per_parameter_always(self) -> bool:
+        """Per-parameter norms are read on every check step, not only when something is suspect."""
+        return self.log_gradients or self.level >= DebugLevel.INTERMEDIATE
+
+    @property
+    def keeps_parameter_norms(self) -> bool:
+        return self.level >= DebugLevel.INTERMEDIATE
+
+    @property
+    def wants_histograms(self) -> bool:
+        return self.log_gradients or self.log_weights
+
+    @property
+    def histogram_every_checks(self) -> int:
+        return 1 if self.level >= DebugLevel.EXPERT else 10

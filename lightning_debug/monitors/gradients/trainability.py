@@ -1,0 +1,135 @@
+"""``frozen_param`` and ``requires_grad_false``: parameters that are trainable but never move, and those
+frozen on purpose.
+
+Example::
+
+    >>> import torch
+    >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    >>> frozen, check = frozen_by_optimizer([("a", a), ("b", b)], [{"params": [a], "lr": 0.0}])
+    >>> {cause.value: names for cause, names in frozen.items()}, check
+    ({'not_in_optimizer': ['b'], 'lr_zero': ['a']}, 'done')
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.layout import Positions, input_to_output
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict, quoted
+
+
+class FrozenCause(enum.StrEnum):
+    """Why a trainable parameter does not move (the ``cause`` of a ``frozen_param`` finding)."""
+
+    NOT_IN_OPTIMIZER = "not_in_optimizer"
+    LR_ZERO = "lr_zero"
+    NO_UPDATE = "no_update"
+
+
+STATIC_ADVICE = {
+    FrozenCause.NOT_IN_OPTIMIZER: ("are in no optimizer param group, so the optimizer never changes them. Pass them "
+                                   "to the optimizer in configure_optimizers (e.g. self.parameters()), or call "
+                                   "requires_grad_(False) if they are meant to stay fixed."),
+    FrozenCause.LR_ZERO: ("are in a param group whose base learning rate is 0, so no scheduler can make them move. "
+                          "Set a learning rate, or call requires_grad_(False) if they are meant to stay fixed."),
+}
+
+
+def number_equals_zero(value: Any) -> bool:
+    """A plain-number learning rate of 0; tensor learning rates are not read (that would sync)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def trainability(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict[str, Any], Finding | None]:
+    """How many parameters (and elements) are trainable, and the ``requires_grad_false`` info finding
+    naming those that are not (None when every parameter is trainable)."""
+    trainable = [(name, p) for name, p in named if p.requires_grad]
+    untrainable = [(name, p) for name, p in named if not p.requires_grad]
+    summary: dict[str, Any] = {
+        "trainable_parameters": len(trainable),
+        "trainable_elements": sum(p.numel() for _, p in trainable),
+        "requires_grad_false_parameters": len(untrainable),
+        "requires_grad_false_elements": sum(p.numel() for _, p in untrainable),
+        "requires_grad_false_names": [name for name, _ in untrainable[:NAMES_IN_DETAILS]],
+    }
+    if not untrainable:
+        return summary, None
+    return summary, Finding(
+        Kind.REQUIRES_GRAD_FALSE, Severity.INFO,
+        f"{len(untrainable)} of {len(named)} parameters ({summary['requires_grad_false_elements']:,} "
+        f"elements) have requires_grad=False and are not trained by design: "
+        f"{quoted(summary['requires_grad_false_names'])}.",
+        {"count": len(untrainable), "elements": summary["requires_grad_false_elements"],
+         "parameters": summary["requires_grad_false_names"]})
+
+
+def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]]
+                        ) -> tuple[dict[FrozenCause, list[str]], str | None]:
+    """Trainable parameters in no param group, or in one whose base learning rate is 0, and how the
+    check went (None: not done, no optimizer or nothing trainable).
+
+    Two healthy setups would make it fire: a warm-up schedule that starts at lr 0 (the group's
+    ``initial_lr``, its base, is read, not the current ``lr``), and an optimizer that holds wrapped or
+    flattened copies of the parameters (FSDP, DeepSpeed): when it holds none of the module's
+    parameters, nothing is said."""
+    if not param_groups or not trainable:
+        return {}, None
+    names = {id(p): name for name, p in trainable}
+    in_optimizer: set[int] = set()
+    zero_lr: set[int] = set()
+    for group in param_groups:
+        ids = {id(p) for p in group.get("params", [])}
+        in_optimizer |= ids
+        if number_equals_zero(group.get("initial_lr", group.get("lr"))):
+            zero_lr |= ids
+    if not in_optimizer & set(names):
+        return {}, ("skipped: the optimizer holds none of the module's parameters "
+                    "(wrapped or flattened copies, e.g. FSDP/DeepSpeed)")
+    found = {FrozenCause.NOT_IN_OPTIMIZER: [n for i, n in names.items() if i not in in_optimizer],
+             FrozenCause.LR_ZERO: [n for i, n in names.items() if i in zero_lr]}
+    return {cause: found_names for cause, found_names in found.items() if found_names}, "done"
+
+
+def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict]:
+    """One ``frozen_param`` verdict per cause known before any step (repeated on every check step)."""
+    return [Verdict(Finding(
+        Kind.FROZEN_PARAM, Severity.WARNING,
+        f"{len(names)} trainable parameter(s) {quoted(names)} {STATIC_ADVICE[cause]}",
+        {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "cause": cause.value}), names, cause.value)
+        for cause, names in frozen.items()]
+
+
+def resting_slots(param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor]) -> list[bool]:
+    """For each of ``params``, whether its group's current learning rate is 0 (empty when none is)."""
+    resting = {id(p) for group in param_groups if number_equals_zero(group.get("lr"))
+               for p in group.get("params", [])}
+    return [id(p) in resting for p in params] if resting else []
+
+
+def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gradients: torch.Tensor,
+                      had_grad: Sequence[bool], lr_zero_now: Sequence[bool], already_frozen: Collection[str],
+                      positions: Positions) -> Verdict | None:
+    """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step
+    left exactly unchanged (``||Δw|| = 0``). A healthy model does this only with a learning rate of 0
+    right now (a warm-up or schedule at 0, ``lr_zero_now``), which is not flagged, nor are parameters
+    already reported as frozen before the run."""
+    unchanged = ((deltas == 0) & (gradients > 0) & torch.isfinite(gradients)).nonzero().flatten().tolist()
+    not_updated = [names[i] for i in unchanged if had_grad[i] and names[i] not in already_frozen
+                   and not (lr_zero_now and lr_zero_now[i])]
+    if not not_updated:
+        return None
+    ordered = input_to_output(not_updated, positions)
+    return Verdict(Finding(
+        Kind.FROZEN_PARAM, Severity.WARNING,
+        f"{len(not_updated)} trainable parameter(s) had a non-zero gradient but the optimizer step at step "
+        f"{step} left them exactly unchanged: {quoted(ordered)}. Look for a learning rate of 0 or "
+        "too small for the weights' precision (bf16/fp16 weights), a param group of an optimizer that is "
+        "never stepped, or code that restores the weights.",
+        {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(not_updated),
+         "cause": FrozenCause.NO_UPDATE.value}), not_updated, FrozenCause.NO_UPDATE.value)

@@ -1,0 +1,169 @@
+"""``update_ratio_high``: optimizer steps that move a layer's weights by more than their own norm.
+
+One such step happens in healthy training: the first steps of a network whose convolutions are
+initialised small (std 0.02) under BatchNorm, which makes them scale-invariant, move them by several
+times their norm and the loss still falls; on the next step the ratio is below 1 (momentum 0.9 carries
+90% of the first update over weights that grew by it) and falls toward 1e-3. A learning
+rate far too high keeps the ratios high or blows the loss up. So a high step is held back
+(:func:`confirm_update_ratios`) and reported only when the next check step of the same optimizer is
+high too, or its loss rose by more than :data:`UPDATE_RATIO_LOSS_RISE` of this step's (or is not
+finite); it is then labelled with the first high step.
+
+Example::
+
+    >>> import torch
+    >>> layout = ModuleLayout.of(["a.weight", "b.weight"], [torch.ones(4), torch.ones(4)])
+    >>> deltas, weights = torch.tensor([5.0, 0.002]), torch.tensor([2.0, 2.0])
+    >>> judge_update_ratios(3, layout, deltas, weights, [0.1]).finding.details["ratios"]
+    {'a': 2.5}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.layout import ModuleLayout
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
+
+# A module whose update moves its weights by more than their own norm in one step (healthy: ~1e-3)...
+UPDATE_RATIO_LIMIT = 1.0
+# ...unless its weights are (near) zero, as zero-initialised biases and tokens are at first.
+UPDATE_RATIO_MIN_WEIGHT_RMS = 1e-3
+# A high step is confirmed by the next check's loss when it rose by more than this fraction of the step's
+# (more than doubled: a small batch's loss varies by +-40% from one batch to the next).
+UPDATE_RATIO_LOSS_RISE = 1.0
+
+
+def update_ratios(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``||Δw|| / ||w||`` per parameter: infinite for a zero weight that moved, 0 for one that did not.
+
+    Example::
+
+        >>> update_ratios(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([2.0, 0.0, 0.0])).tolist()
+        [0.5, inf, 0.0]
+    """
+    return torch.where(weights > 0, deltas / weights.clamp_min(torch.finfo(torch.float64).tiny),
+                       torch.where(deltas > 0, math.inf, 0.0))
+
+
+def overall_ratio(deltas: torch.Tensor, weights: torch.Tensor) -> float | None:
+    """The ratio of the whole model's update to its weights (None without weights or with a non-finite update)."""
+    delta_squares, weight_squares = float(deltas.square().sum()), float(weights.square().sum())
+    if weight_squares > 0 and math.isfinite(delta_squares):
+        return math.sqrt(delta_squares / weight_squares)
+    return None
+
+
+def learning_rates(param_groups: Sequence[dict[str, Any]]) -> list[float]:
+    """The distinct plain-number learning rates of the param groups, sorted."""
+    return sorted({float(g["lr"]) for g in param_groups if isinstance(g.get("lr"), (int, float))})
+
+
+def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, weights: torch.Tensor,
+                        lrs: Sequence[float]) -> Verdict | None:
+    """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm.
+
+    Judged per module, so a zero-initialised bias next to its weight does not count, and only for
+    modules whose weights are not (near) zero: a parameter that starts at 0 has an infinite ratio
+    on its first step by construction, which would fire on every healthy model.
+    """
+    moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
+    ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+    over = (torch.isfinite(moved) & torch.isfinite(size) & (size > 0) & (ratio > UPDATE_RATIO_LIMIT)
+            & ((size / layout.elements.clamp_min(1.0)).sqrt() >= UPDATE_RATIO_MIN_WEIGHT_RMS))
+    if not bool(over.any()):
+        return None
+    high = [(layout.modules[i], float(ratio[i])) for i in over.nonzero().flatten().tolist()]
+    high.sort(key=lambda item: -item[1])
+    lr_text = f" (learning rate {', '.join(f'{lr:.3g}' for lr in lrs)})" if lrs else ""
+    shown = ", ".join(f"`{module or '(root)'}` {ratio:.3g}" for module, ratio in high[:WORST_SHOWN])
+    return Verdict(Finding(
+        Kind.UPDATE_RATIO_HIGH, Severity.WARNING,
+        f"The optimizer step at step {step} changed {len(high)} layer(s) by more than their own weight "
+        f"norm (||update|| / ||weight||, healthy around 1e-3): {shown}{lr_text}. The learning rate is far too "
+        "high for them: lower it, add a learning-rate warm-up, clip gradients.",
+        {"layers": [module for module, _ in high[:NAMES_IN_DETAILS]],
+         "ratios": {module: ratio for module, ratio in high[:NAMES_IN_DETAILS]}, "limit": UPDATE_RATIO_LIMIT,
+         "learning_rates": list(lrs)}),
+        [module or "(root)" for module, _ in high])
+
+
+@dataclass
+class HeldRatios:
+    """A check step with high ratios, waiting for the next check step of its optimizer to confirm it."""
+
+    step: int
+    verdict: Verdict
+    loss: float
+    recorded: bool = False
+
+
+@dataclass
+class UpdateRatioHistory:
+    """The last high check step of each optimizer (one at most: bounded)."""
+
+    held: dict[Any, HeldRatios] = field(default_factory=dict)
+
+
+def loss_rose(before: float, after: float) -> bool:
+    """Whether the loss went from ``before`` to ``after`` up by more than batch-to-batch noise, or to a
+    non-finite value (``after`` is NaN when no loss was observed: then it says nothing).
+
+    Example::
+
+        >>> loss_rose(1.0, 1.5), loss_rose(1.0, 300.0), loss_rose(1.0, math.inf), loss_rose(1.0, math.nan)
+        (False, True, True, False)
+    """
+    if not math.isfinite(before) or math.isnan(after):
+        return False
+    return after == math.inf or after - before > UPDATE_RATIO_LOSS_RISE * abs(before)
+
+
+def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
+                          history: UpdateRatioHistory) -> Verdict | None:
+    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any.
+
+    ``high`` is this step's :func:`judge_update_ratios`, ``loss`` its loss (``inf`` when not finite, NaN
+    when not observed). A high step alone is held; it is reported when the next check step is high too
+    (recorded at both steps, then on every step the condition lasts) or the loss rose after it.
+
+    Example::
+
+        >>> from lightning_debug.core.kinds import Kind, Severity
+        >>> history = UpdateRatioHistory()
+        >>> high = lambda: Verdict(Finding(Kind.UPDATE_RATIO_HIGH, Severity.WARNING, "high.", {}))
+        >>> confirm_update_ratios(0, None, high(), 1.4, history) is None
+        True
+        >>> confirm_update_ratios(1, None, None, 1.3, history) is None  # one step, the loss fell: healthy
+        True
+        >>> confirm_update_ratios(2, None, high(), 6.9, history) is None
+        True
+        >>> confirm_update_ratios(3, None, high(), 900.0, history).steps
+        [2, 3]
+    """
+    previous = history.held.pop(optimizer, None)
+    if high is not None:
+        if previous is None:
+            history.held[optimizer] = HeldRatios(step, high, loss)
+            return None
+        history.held[optimizer] = HeldRatios(step, high, loss, recorded=True)
+        if not previous.recorded:
+            high.steps = [previous.step, step]
+            high.finding.message += f" The ratios were above {UPDATE_RATIO_LIMIT:g} at step {previous.step} too."
+        high.finding.details["confirmed_by"] = "persisted"
+        return high
+    if previous is None or previous.recorded or not loss_rose(previous.loss, loss):
+        return None
+    verdict = previous.verdict
+    verdict.steps = [previous.step]
+    verdict.finding.message += (f" The loss rose from {previous.loss:.4g} at that step to {loss:.4g} at the next "
+                                f"check step ({step}).")
+    verdict.finding.details.update(confirmed_by="loss rose", loss=previous.loss, next_loss=loss)
+    return verdict

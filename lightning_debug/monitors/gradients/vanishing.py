@@ -1,0 +1,212 @@
+"""``vanishing_grad``: the gradient signal dies on its way back toward the input, and stays so.
+
+A fixed number read on one step fires on healthy models: a parameter whose partner starts at zero
+gets an exactly zero gradient on the first step (a low-rank adapter's A while B = 0, the layers behind
+a zero-initialised gate or adaLN-zero modulation); a layer scaled by a learnt 1e-6 (ConvNeXt's layer
+scale) gets gradients a million times smaller than its neighbours until the scale grows; attention's
+query and key projections get gradients about 1e-3 of their neighbours' while attention is still
+uniform; a model trained with a small loss scale has small gradients everywhere. What these have
+in common is that the gradient is healthy again on the input side of them (residual connections
+carry it around) or grows by orders of magnitude within a step or two. So, per layer (module, in
+forward execution order), a layer is *low* when its gradient norm is below
+``gradient_vanishing_threshold`` and has not grown over :data:`VANISHING_GROWTH` times the layer's own
+first norm (batch-to-batch noise of tiny norms stays within ~20x); and a run of consecutive low
+layers *vanishes* when
+
+- it reaches the input side (no healthy layer runs before it) and the healthy layer right after it
+  has a gradient at least :data:`VANISHING_DROP` times larger: the signal fades toward the input;
+- or all its gradients are exactly zero on :data:`VANISHING_DEAD_CHECKS` check steps in a row: a dead
+  part of the model (a mask, dead ReLUs) wherever it is. A shorter streak of zeros between healthy
+  layers is how a stochastic router's straight-through estimator looks (zero on some steps).
+
+A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
+
+Example::
+
+    >>> history = VanishingHistory()
+    >>> grads = [("a.weight", 1e-9), ("b.weight", 0.5)]
+    >>> [judge_vanishing(s, grads, GradientSettings(), {}, "registration", history) is None for s in (0, 1, 2)]
+    [True, True, False]
+    >>> history = VanishingHistory()
+    >>> waking = [[("a.weight", 0.0), ("b.weight", 0.5)], [("a.weight", 1e-7), ("b.weight", 0.5)]]
+    >>> judge_vanishing(0, waking[0], GradientSettings(), {}, "", history), history.streaks
+    (None, {'a': [0]})
+    >>> judge_vanishing(1, waking[1], GradientSettings(), {}, "", history), history.streaks
+    (None, {})
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.layout import Positions, input_to_output, module_of
+from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
+
+VANISHING_CONFIRM_CHECKS = 3
+VANISHING_DEAD_CHECKS = 8
+VANISHING_DROP = 1e3
+VANISHING_GROWTH = 100.0
+
+
+class VanishingHistory:
+    """Each layer's first gradient norm and, for layers low now, the check steps of their current streak
+    (bounded: one float per layer, at most :data:`VANISHING_CONFIRM_CHECKS` steps per low layer)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.streaks: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}
+        self.began: dict[str, int] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": dict(self.first), "streaks": {k: list(v) for k, v in self.streaks.items()},
+                "lengths": dict(self.lengths), "began": dict(self.began)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first = {k: float(v) for k, v in state.get("first", {}).items()}
+        self.streaks = {k: [int(s) for s in v] for k, v in state.get("streaks", {}).items()}
+        self.lengths = {k: int(v) for k, v in state.get("lengths", {}).items()}
+        self.began = {k: int(v) for k, v in state.get("began", {}).items()}
+
+
+def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
+    """The gradient norm of each layer (module: the parameters it owns directly) and its parameters."""
+    members: dict[str, list[str]] = {}
+    squares: dict[str, float] = {}
+    for name, norm in grads:
+        module = module_of(name)
+        members.setdefault(module, []).append(name)
+        squares[module] = squares.get(module, 0.0) + norm * norm
+    return {module: math.sqrt(value) for module, value in squares.items()}, members
+
+
+def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
+                     positions: Positions, first: dict[str, float]) -> dict[str, int]:
+    """The layers of this check step in vanishing runs (see the module's docstring), input side first,
+    with the number of check steps in a row that confirm each.
+
+    Example::
+
+        >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5, "gate": 0.0, "out": 0.1}
+        >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})
+        {'stem': 3, 'block': 3, 'gate': 8}
+    """
+    fallback = (len(positions) + 1, 0)
+    order = sorted(module_norms, key=lambda m: min(positions.get(name, fallback) for name in members[m]))
+    is_low = [math.isfinite(module_norms[m]) and module_norms[m] < low
+              and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m]) for m in order]
+    found: dict[str, int] = {}
+    start = 0
+    while start < len(order):
+        if not is_low[start]:
+            start += 1
+            continue
+        end = start
+        while end < len(order) and is_low[end]:
+            end += 1
+        run = order[start:end]
+        after = module_norms[order[end]] if end < len(order) else math.nan
+        smallest = min(module_norms[m] for m in run)
+        if start == 0 and smallest * VANISHING_DROP <= after:
+            found.update(dict.fromkeys(run, VANISHING_CONFIRM_CHECKS))
+        elif all(module_norms[m] == 0 for m in run):
+            found.update(dict.fromkeys(run, VANISHING_DEAD_CHECKS))
+        start = end
+    return found
+
+
+def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
+                    positions: Positions, order_source: str, history: VanishingHistory) -> Verdict | None:
+    """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
+
+    ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
+    threshold: no layer is low and every streak ends); each layer's first norm is kept from the
+    first check step that read them. A parameter whose gradient is exactly zero while the rest of its
+    module learns is structural (the key bias of attention: softmax ignores a shift shared by every key):
+    judging the module's norm rules it out; a whole module at zero is a dead layer.
+    """
+    low = settings.vanishing_threshold
+    module_norms, members = layer_norms(grads)
+    for module, norm in module_norms.items():
+        if math.isfinite(norm):
+            history.first.setdefault(module, norm)
+    dying = vanishing_layers(module_norms, members, low, positions, history.first)
+    for module in [m for m in history.streaks if m not in dying]:
+        del history.streaks[module], history.lengths[module], history.began[module]
+    confirmed, earlier = [], set()
+    for module, needed in dying.items():
+        steps = history.streaks.setdefault(module, [])
+        history.began.setdefault(module, step)
+        length = history.lengths[module] = history.lengths.get(module, 0) + 1
+        if length == needed:
+            earlier.update(steps)
+        history.streaks[module] = (steps + [step])[-VANISHING_DEAD_CHECKS:]
+        if length >= needed:
+            confirmed.append(module)
+    if not confirmed:
+        return None
+    below = [n for m in confirmed for n in members[m]]
+    since = min(history.began[m] for m in confirmed)
+    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since)
+    finding.details.update(since_step=since, confirm_checks=max(dying[m] for m in confirmed))
+    return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
+
+
+def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],
+                      module_norms: dict[str, float], low: float, positions: Positions,
+                      order_source: str, since: int | None = None) -> Finding:
+    """The finding for the parameters ``below`` (of vanishing layers), input side first, compared with
+    their neighbouring layers, with advice that fits whether they are exactly zero."""
+    norms = dict(grads)
+    ordered = input_to_output(below, positions)
+    everything = input_to_output((name for name, _ in grads), positions)
+    position = {name: index for index, name in enumerate(everything)}
+    last_vanishing = max(position[name] for name in below)
+    healthy_after = everything[last_vanishing + 1] if last_vanishing + 1 < len(everything) else None
+    layers = list(dict.fromkeys(module_of(name) for name in ordered))
+    all_layers = list(dict.fromkeys(module_of(name) for name in everything))
+    dead = [layer for layer in layers if module_norms[layer] == 0]
+
+    def label(layer: str) -> str:
+        return f"`{layer or '(root)'}`"
+
+    def neighbours(layer: str) -> list[list[Any]]:
+        index = all_layers.index(layer)
+        near = [all_layers[i] for i in (index - 1, index + 1) if 0 <= i < len(all_layers)]
+        return [[other, module_norms[other]] for other in near if not module_norms[other] < low]
+
+    first = layers[0]
+    around = neighbours(first)
+    streak = (f", as on every check step since step {since}, without growing" if since is not None and since != step
+              else "")
+    compared = (f" (neighbouring layers: {', '.join(f'{label(n)} {v:.3g}' for n, v in around)})"
+                if around else "")
+    where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
+                     "toward the input" if healthy_after else "")
+    if dead and len(dead) == len(layers):
+        cause = ("Their gradients are exactly zero: nothing flows back into them. Look for a layer downstream "
+                 "whose weights are all zero, dead ReLUs (pre-activations all negative, often after a too-large "
+                 "step), a mask or a detach()/no_grad() on the path, or a constant output.")
+    else:
+        cause = ("Use ReLU/GELU instead of saturating sigmoid/tanh, a better initialization (Kaiming/Xavier), "
+                 "normalization layers or residual connections, and look for a detach() or no_grad() on the path."
+                 + (f" {len(dead)} of these layers are exactly zero (dead ReLUs, a masked path or zero weights "
+                    "downstream)." if dead else ""))
+    return Finding(
+        Kind.VANISHING_GRAD, Severity.WARNING,
+        f"{len(layers)} of {len(all_layers)} layers have a gradient norm below gradient_vanishing_threshold "
+        f"{low:g} at step {step}{streak}, input side first: {', '.join(label(n) for n in layers[:WORST_SHOWN])}"
+        f"{f' and {len(layers) - WORST_SHOWN} more' if len(layers) > WORST_SHOWN else ''}; {label(first)} "
+        f"{module_norms[first]:.3g}{compared}{where_it_dies}. {cause}",
+        {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(below), "layers": layers[:NAMES_IN_DETAILS],
+         "layer_norms": {layer: module_norms[layer] for layer in layers[:NAMES_IN_DETAILS]},
+         "neighbours": {layer: neighbours(layer) for layer in layers[:NAMES_IN_DETAILS]},
+         "norms": {name: norms[name] for name in ordered[:NAMES_IN_DETAILS]},
+         "threshold": low, "healthy_from": healthy_after,
+         "exactly_zero": [name for name in ordered if norms[name] == 0][:NAMES_IN_DETAILS],
+         "dead_layers": dead[:NAMES_IN_DETAILS], "order": order_source})

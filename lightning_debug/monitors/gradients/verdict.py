@@ -1,0 +1,42 @@
+"""What a gradient rule returns: a finding, the names it flags and its episode key.
+
+Rules build their findings (message and details) themselves; the monitor only records them, so the
+same verdict reads the same in a unit test and in a run.
+
+Example::
+
+    >>> from lightning_debug.core.kinds import Kind, Severity
+    >>> Verdict(Finding(Kind.MISSING_GRAD, Severity.WARNING, "m"), ["a"]).finding.kind
+    <Kind.MISSING_GRAD: 'missing_grad'>
+    >>> quoted(["a", "b", "c"], shown=2)
+    '`a`, `b` and 1 more'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_debug.core.findings import Finding
+
+NAMES_IN_DETAILS = 20
+WORST_SHOWN = 5
+
+
+@dataclass
+class Verdict:
+    """One finding of a rule, the names it counts in ``most_flagged`` and the key of its episode.
+
+    ``steps``: the check steps it is recorded at, in order, when a rule confirms over several check steps
+    a condition that began before this one (empty: the step being judged).
+    """
+
+    finding: Finding
+    flagged: list[str] = field(default_factory=list)
+    key: str = ""
+    steps: list[int] = field(default_factory=list)
+
+
+def quoted(names: Sequence[str], shown: int = WORST_SHOWN) -> str:
+    text = ", ".join(f"`{name}`" for name in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")

@@ -1,0 +1,388 @@
+"""The gradient rules fed recorded observations directly: no Trainer, milliseconds each."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_debug import DebugConfig
+from lightning_debug.checks.trends import NormHistory
+from lightning_debug.monitors.gradients.exploding import (
+    ClipAlgorithm,
+    Clipping,
+    clipping_note,
+    judge_exploding,
+    suspect_explosion,
+)
+from lightning_debug.monitors.gradients.flags import FlagCounter
+from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
+from lightning_debug.monitors.gradients.missing import (
+    MISSING_CONFIRM_STEPS,
+    MissingHistory,
+    judge_intermittent,
+    judge_missing,
+)
+from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.trainability import (
+    FrozenCause,
+    frozen_by_optimizer,
+    judge_not_updated,
+    resting_slots,
+    static_frozen_verdicts,
+    trainability,
+)
+from lightning_debug.monitors.gradients.update_ratio import (
+    UPDATE_RATIO_LIMIT,
+    UpdateRatioHistory,
+    confirm_update_ratios,
+    judge_update_ratios,
+    learning_rates,
+    overall_ratio,
+)
+from lightning_debug.monitors.gradients.verdict import Verdict
+from lightning_debug.monitors.gradients.vanishing import VANISHING_DEAD_CHECKS, VanishingHistory, judge_vanishing
+
+
+def history_of(*norms: float) -> NormHistory:
+    history = NormHistory()
+    for norm in norms:
+        history.add(norm)
+    return history
+
+
+# --- settings ---------------------------------------------------------------------------------------------------
+def test_settings_read_the_threshold_only_when_given() -> None:
+    assert GradientSettings.from_config(DebugConfig()).explosion_threshold is None
+    given = GradientSettings.from_config(DebugConfig(gradient_explosion_threshold=10.0))
+    assert given.explosion_threshold == 10.0
+    assert not GradientSettings.from_config(DebugConfig()).measures_updates
+    assert GradientSettings.from_config(DebugConfig(log_weights=True)).measures_updates
+
+
+# --- exploding --------------------------------------------------------------------------------------------------
+def test_a_norm_in_line_with_the_history_is_not_exploding() -> None:
+    history = history_of(60.0, 58.0, 61.0)
+    suspicion = suspect_explosion(65.0, 30.0, history, GradientSettings())
+    assert not suspicion.any
+    assert judge_exploding(3, 65.0, [], suspicion, GradientSettings(), history, [], None) is None
+
+
+def test_a_jump_over_the_history_is_exploding_with_a_clip_from_healthy_norms() -> None:
+    history = history_of(1.0, 1.2, 0.8)
+    suspicion = suspect_explosion(40.0, 35.0, history, GradientSettings())
+    verdict = judge_exploding(4, 40.0, [("a", 35.0), ("b", 1.0)], suspicion, GradientSettings(), history,
+                              [1.0, 1.2, 0.8, 1.1], None)
+    assert verdict is not None
+    details = verdict.finding.details
+    assert details["judged_by"] == "jump over recent norms" and details["limit"] == 10.0
+    assert details["suggested_clip_val"] == 1.2 and details["parameters"] == ["a", "b"]
+
+
+def test_an_absurd_norm_without_history_is_exploding() -> None:
+    suspicion = suspect_explosion(1e5, 1e5, NormHistory(), GradientSettings())
+    verdict = judge_exploding(0, 1e5, [("w", 1e5)], suspicion, GradientSettings(), NormHistory(), [], None)
+    assert verdict is not None and verdict.finding.details["judged_by"] == "absurd norm"
+    assert verdict.finding.details["suggested_clip_val"] == 10.0  # the fallback, no healthy norms yet
+
+
+def test_the_users_threshold_names_the_parameters_above_it_and_what_clipping_did() -> None:
+    settings = GradientSettings(explosion_threshold=5.0)
+    suspicion = suspect_explosion(7.0, 6.0, NormHistory(), settings)
+    assert suspicion.high and not suspicion.jump
+    verdict = judge_exploding(2, 7.0, [("a", 6.0), ("b", 1.0)], suspicion, settings, NormHistory(), [],
+                              Clipping(1.0, ClipAlgorithm.NORM))
+    assert verdict is not None and verdict.flagged == ["a"]
+    details = verdict.finding.details
+    assert details["threshold"] == 5.0 and details["suggested_clip_val"] is None
+    assert details["clip_algorithm"] == "norm" and details["clip_factor"] == 7.0
+
+
+def test_clip_algorithm_is_a_string_only_at_the_boundary() -> None:
+    assert ClipAlgorithm.parse("value") is ClipAlgorithm.VALUE and ClipAlgorithm.parse("norm") is ClipAlgorithm.NORM
+    assert clipping_note(3.0, Clipping(0.5, ClipAlgorithm.VALUE))[1] == {"clip_val": 0.5, "clip_algorithm": "value"}
+    assert "did not act" in clipping_note(0.1, Clipping(1.0, ClipAlgorithm.NORM))[0]
+
+
+# --- vanishing --------------------------------------------------------------------------------------------------
+def test_a_zero_parameter_inside_a_learning_module_is_structural() -> None:
+    grads = [("attn.key.weight", 0.3), ("attn.key.bias", 0.0)]
+    history = VanishingHistory()
+    assert all(judge_vanishing(s, grads, GradientSettings(), {}, "registration order", history) is None
+               for s in range(5))
+
+
+def test_vanishing_layers_are_named_input_side_first_with_their_neighbours() -> None:
+    grads = [("late.weight", 1e-8), ("early.weight", 0.0), ("head.weight", 0.4)]
+    positions = {"early.weight": (1, 1), "late.weight": (2, 0), "head.weight": (3, 2)}
+    history = VanishingHistory()
+    verdicts = [judge_vanishing(s, grads, GradientSettings(), positions, "forward", history) for s in (0, 5, 10)]
+    assert verdicts[:2] == [None, None]
+    verdict = verdicts[2]
+    assert verdict is not None and verdict.steps == [0, 5, 10], "confirmed on the third check, counted on all three"
+    details = verdict.finding.details
+    assert details["layers"] == ["early", "late"] and details["dead_layers"] == ["early"]
+    assert details["healthy_from"] == "head.weight" and details["neighbours"]["late"] == [["head", 0.4]]
+    assert details["since_step"] == 0 and "since step 0" in verdict.finding.message
+    again = judge_vanishing(15, grads, GradientSettings(), positions, "forward", history)
+    assert again is not None and again.steps == [], "an ongoing condition is recorded at its own step"
+
+
+def layer_grads(**norms: float) -> list[tuple[str, float]]:
+    return [(f"{layer}.weight", norm) for layer, norm in norms.items()]
+
+
+# Recorded from ConvNeXt (layer scale 1e-6, AdamW 1e-3), every check every step: the layers behind the scale start
+# a million times below their neighbours and grow by orders of magnitude once the scale learns.
+CONVNEXT_LAYERNORM = [1e-10, 1e-7, 2e-7, 3e-7, 5e-7, 3e-7, 6e-7, 8e-7, 5e-7, 8e-7, 1e-6, 1e-6, 2e-6, 2e-6, 8e-7]
+
+
+def test_layers_behind_a_tiny_learnt_scale_wake_up_and_are_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step, norm in enumerate(CONVNEXT_LAYERNORM):
+        grads = layer_grads(dwconv=norm * 40, layernorm=norm, pwconv1=norm * 30, classifier=0.2)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
+# Recorded from a LoRA adapter on a tiny Llama: lora_A's gradient is exactly zero at step 0 (lora_B = 0).
+def test_the_partner_of_a_zero_initialised_layer_is_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step, norm in enumerate([0.0, 2e-3, 3e-3, 2e-3, 4e-3]):
+        grads = layer_grads(lora_A=norm, lora_B=0.05, lm_head=0.8)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+
+
+# Recorded from a chain of sigmoids with tiny weights (tests/test_gradients.py): flat, noisy, far below the head.
+def test_a_sigmoid_chain_vanishes_once_confirmed() -> None:
+    history = VanishingHistory()
+    chain = [(6e-16, 7e-14), (6e-16, 7e-14), (3e-15, 4e-13), (5e-15, 5e-13)]
+    verdicts = [judge_vanishing(step, layer_grads(stem=a, block=b, head=0.1), GradientSettings(), {}, "forward",
+                                history) for step, (a, b) in enumerate(chain)]
+    assert verdicts[:2] == [None, None] and verdicts[2] is not None and verdicts[3] is not None
+    assert verdicts[2].finding.details["layers"] == ["stem", "block"] and verdicts[2].steps == [0, 1, 2]
+
+
+# Recorded from BART (tiny config, AdamW 1e-3), every check every step: the encoder's query and key projections
+# get gradients ~1e-3 of their neighbours' while attention is still uniform, and grow only slowly.
+BART_Q = [2e-7, 2e-7, 1e-7, 1e-7, 3e-7, 3e-7, 2e-7, 3e-7, 3e-7, 4e-7, 3e-7, 4e-7]
+
+
+def test_attention_query_and_key_between_healthy_layers_are_a_local_dip() -> None:
+    history = VanishingHistory()
+    for step, q in enumerate(BART_Q):
+        grads = layer_grads(embed_tokens=2e-2, layernorm_embedding=3e-4, q_proj=q, k_proj=q * 0.8, v_proj=4e-5,
+                            final_layer_norm=3e-4)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
+def test_a_model_whose_gradients_are_all_small_is_not_vanishing() -> None:
+    history = VanishingHistory()
+    for step in range(5):
+        grads = layer_grads(a=3e-7, b=5e-7, c=8e-7)  # a loss scaled down: the same ratios for the optimizer
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+
+
+def test_a_streak_broken_by_one_healthy_check_starts_again() -> None:
+    history = VanishingHistory()
+    norms = [1e-9, 1e-9, 1e-3, 1e-9, 1e-9]
+    verdicts = [judge_vanishing(s, layer_grads(a=n, head=0.1), GradientSettings(), {}, "", history)
+                for s, n in enumerate(norms)]
+    assert verdicts == [None] * 5 and history.streaks == {"a": [3, 4]} and history.began == {"a": 3}
+    restored = VanishingHistory()
+    restored.load_state_dict(history.state_dict())
+    assert restored.state_dict() == history.state_dict()
+
+
+# Recorded from PhiMoE (sparsemixer's straight-through router): the router's gradient is exactly zero on some
+# steps (0-2, 7-8) and healthy on the others, between healthy layers.
+def test_a_layer_zero_on_a_few_steps_between_healthy_layers_is_not_dead() -> None:
+    history = VanishingHistory()
+    router = [0.0, 0.0, 0.0, 2e-5, 2e-4, 2e-4, 1e-4, 0.0, 0.0, 4e-4, 5e-5]
+    for step, norm in enumerate(router):
+        grads = layer_grads(norm_before=2e-3, router=norm, experts=9e-2)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+
+
+def test_a_layer_dead_between_healthy_layers_is_reported_after_the_longer_window() -> None:
+    history = VanishingHistory()
+    verdicts = [judge_vanishing(step, layer_grads(before=2e-3, dead=0.0, after=9e-2), GradientSettings(), {}, "",
+                                history) for step in range(VANISHING_DEAD_CHECKS)]
+    assert verdicts[:-1] == [None] * (VANISHING_DEAD_CHECKS - 1) and verdicts[-1] is not None
+    assert verdicts[-1].finding.details["dead_layers"] == ["dead"]
+    assert verdicts[-1].steps == list(range(VANISHING_DEAD_CHECKS))
+
+
+# --- update ratio persistence -----------------------------------------------------------------------------------
+def high_at(step: int, ratio: float) -> Verdict:
+    layout = ModuleLayout.of(["conv.weight"], [torch.ones(4)])
+    weights = torch.tensor([2.0], dtype=torch.float64)
+    verdict = judge_update_ratios(step, layout, torch.tensor([2.0 * ratio], dtype=torch.float64), weights, [0.002])
+    assert verdict is not None
+    return verdict
+
+
+# Recorded from MobileNetV2 (SGD 0.002, momentum 0.9), seeds 0-3: ratios 8-14 at step 0, 0.90 at step 1 (momentum
+# carries 90% of the first update over weights that grew by it), the loss from 1.53 to 2.16 on one seed.
+def test_one_high_step_with_a_loss_that_moves_by_batch_noise_is_not_reported() -> None:
+    for loss_0, loss_1 in ((1.8483, 1.8228), (2.1066, 1.2445), (1.5303, 2.1571), (1.4456, 1.2263)):
+        history = UpdateRatioHistory()
+        assert confirm_update_ratios(0, None, high_at(0, 8.55), loss_0, history) is None
+        assert confirm_update_ratios(1, None, None, loss_1, history) is None
+        assert confirm_update_ratios(2, None, None, 1.35, history) is None and history.held == {}
+
+
+# AdamW at lr 10 (the zoo's lr_10 plant): ratios far above 1 on consecutive steps, the loss 6.9 -> 1000s.
+def test_high_ratios_that_persist_or_blow_the_loss_up_are_reported_at_the_first_high_step() -> None:
+    history = UpdateRatioHistory()
+    assert confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history) is None
+    verdict = confirm_update_ratios(1, None, high_at(1, 12.0), 2900.0, history)
+    assert verdict is not None and verdict.steps == [0, 1] and verdict.finding.details["confirmed_by"] == "persisted"
+    ongoing = confirm_update_ratios(2, None, high_at(2, 5.0), math.inf, history)
+    assert ongoing is not None and ongoing.steps == []
+    history = UpdateRatioHistory()
+    confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history)
+    verdict = confirm_update_ratios(1, None, None, math.inf, history)
+    assert verdict is not None and verdict.steps == [0] and verdict.finding.details["confirmed_by"] == "loss rose"
+    assert "learning rate" in verdict.finding.message
+
+
+def test_each_optimizer_has_its_own_held_step() -> None:
+    history = UpdateRatioHistory()
+    assert confirm_update_ratios(0, 0, high_at(0, 3.0), 1.0, history) is None
+    assert confirm_update_ratios(1, 1, None, 5.0, history) is None
+    assert confirm_update_ratios(2, 0, high_at(2, 3.0), 1.0, history) is not None
+
+
+# --- missing ----------------------------------------------------------------------------------------------------
+def test_missing_names_the_layers_input_side_first() -> None:
+    history = MissingHistory()
+    assert judge_missing(0, [], 4, {}, history) is None
+    history.observe_check(0, None, ["b.weight", "a.weight"], ["a.weight", "b.weight", "c.weight"])
+    verdict = judge_missing(3, ["b.weight", "a.weight"], 4, {"a.weight": (0, 0), "b.weight": (1, 1)}, history,
+                            newly=["a.weight"])
+    assert verdict is not None and verdict.steps == [0]
+    assert verdict.finding.details["parameters"] == ["a.weight", "b.weight"]
+    assert verdict.finding.details["layers"] == ["a", "b"] and verdict.finding.details["since_step"] == 0
+    assert "received no gradient on any of the" in verdict.finding.message
+
+
+def test_an_unused_layer_is_confirmed_after_the_window_and_labelled_where_it_began() -> None:
+    history = MissingHistory()
+    everything = ["unused.weight", "head.weight"]
+    assert history.observe_check(0, None, ["unused.weight"], everything).newly_confirmed == []
+    confirmed = [history.observe_step(step, [], ["unused.weight"]) for step in range(1, MISSING_CONFIRM_STEPS)]
+    assert confirmed[:-1] == [[]] * (MISSING_CONFIRM_STEPS - 2) and confirmed[-1] == ["unused.weight"]
+    assert history.candidates["unused.weight"].check_steps == [0]
+    later = history.observe_check(10, None, ["unused.weight"], everything)
+    assert later.confirmed == ["unused.weight"] and later.intermittent == []
+
+
+def test_checks_every_step_confirm_through_the_checks_themselves() -> None:
+    history = MissingHistory()
+    seen = [history.observe_check(step, None, ["unused.weight"], ["unused.weight", "head.weight"])
+            for step in range(MISSING_CONFIRM_STEPS)]
+    assert [bool(s.newly_confirmed) for s in seen] == [False] * (MISSING_CONFIRM_STEPS - 1) + [True]
+    assert history.candidates["unused.weight"].check_steps == list(range(MISSING_CONFIRM_STEPS))
+
+
+# Recorded from a healthy Switch Transformers run (8 experts, top-1, every check every step): the expert no
+# token was routed to at step 0 is routed at step 1, and skipped again at steps 14 and 19.
+def test_an_expert_skipped_on_some_steps_is_intermittent_with_its_fraction() -> None:
+    history = MissingHistory()
+    names = ["experts.expert_4.wi.weight", "experts.expert_2.wi.weight", "router.weight"]
+    for step in range(20):
+        missing = {0: [names[0]], 14: [names[0]], 19: [names[0], names[1]]}.get(step, [])
+        seen = history.observe_check(step, None, missing, names)
+        assert not seen.newly_confirmed and not seen.confirmed
+        if step == 14:
+            assert seen.intermittent == [names[0]]
+    assert seen.intermittent == [names[0], names[1]] and seen.candidates == []
+    assert history.received_fraction(names[0], None) == 17 / 20
+    verdict = judge_intermittent(seen.intermittent, None, {}, history)
+    assert verdict is not None and verdict.finding.severity == "info"
+    assert verdict.finding.details["received_fraction"][names[1]] == 0.95
+    assert history.confirm_the_rest() == []
+
+
+# Recorded from wav2vec2 with LayerDrop 0.1: layers 0-2 dropped at step 2 after gradients at steps 0 and 1.
+def test_a_layer_dropped_on_a_step_is_intermittent() -> None:
+    history = MissingHistory()
+    names = ["layers.0.q.weight", "layers.3.q.weight"]
+    history.observe_check(0, None, [], names)
+    history.observe_check(1, None, [], names)
+    seen = history.observe_check(2, None, ["layers.0.q.weight"], names)
+    assert seen.intermittent == ["layers.0.q.weight"] and seen.candidates == []
+    assert round(history.received_fraction("layers.0.q.weight", None), 3) == 0.667
+
+
+def test_an_expert_unrouted_at_the_first_step_then_routed_is_never_a_candidate_again() -> None:
+    history = MissingHistory()
+    history.observe_check(0, None, ["expert.w"], ["expert.w", "head.w"])
+    assert history.observe_step(1, ["expert.w"], []) == []
+    assert "expert.w" not in history.candidates and history.confirm_the_rest() == []
+    assert history.observe_check(5, None, ["expert.w"], ["expert.w", "head.w"]).intermittent == ["expert.w"]
+
+
+def test_missing_history_survives_a_checkpoint() -> None:
+    history = MissingHistory()
+    history.observe_check(0, None, ["unused.w", "expert.w"], ["unused.w", "expert.w", "head.w"])
+    history.observe_step(1, ["expert.w"], ["unused.w"])
+    restored = MissingHistory()
+    restored.load_state_dict(history.state_dict())
+    assert restored.state_dict() == history.state_dict()
+    assert restored.candidates["unused.w"].steps_without == 2
+
+
+# --- trainability -----------------------------------------------------------------------------------------------
+def test_trainability_counts_and_names_the_parameters_frozen_on_purpose() -> None:
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    summary, finding = trainability([("a", torch.nn.Parameter(torch.ones(2))), ("b", frozen)])
+    assert summary["trainable_elements"] == 2 and summary["requires_grad_false_names"] == ["b"]
+    assert finding is not None and finding.details["elements"] == 3
+
+
+def test_frozen_by_optimizer_skips_an_optimizer_of_flattened_copies() -> None:
+    a = torch.nn.Parameter(torch.ones(1))
+    found, check = frozen_by_optimizer([("a", a)], [{"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.1}])
+    assert found == {} and check is not None and check.startswith("skipped")
+    found, check = frozen_by_optimizer([("a", a)], [{"params": [a], "lr": 0.0, "initial_lr": 0.1}])
+    assert found == {} and check == "done"  # a schedule that starts at 0 is not frozen
+    verdicts = static_frozen_verdicts({FrozenCause.LR_ZERO: ["a"]})
+    assert verdicts[0].key == "lr_zero" and verdicts[0].finding.details["cause"] == "lr_zero"
+
+
+def test_not_updated_ignores_parameters_resting_at_lr_zero_and_without_gradient() -> None:
+    names = ["a", "b", "c", "d"]
+    deltas = torch.tensor([0.0, 0.0, 0.0, 0.1], dtype=torch.float64)
+    gradients = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    verdict = judge_not_updated(7, names, deltas, gradients, [True] * 4, [False, True, False, False], set(), {})
+    assert verdict is not None and verdict.flagged == ["a"] and verdict.key == "no_update"
+    assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], {"a", "b"}, {}) is None
+    a, b = torch.ones(1), torch.ones(1)
+    assert resting_slots([{"params": [a], "lr": 0}, {"params": [b], "lr": 0.1}], [a, b]) == [True, False]
+
+
+# --- update ratio -----------------------------------------------------------------------------------------------
+def test_update_ratio_is_judged_per_layer_and_not_for_zero_initialised_weights() -> None:
+    layout = ModuleLayout.of(["a.weight", "a.bias", "z.weight"], [torch.ones(4), torch.ones(2), torch.ones(4)])
+    deltas = torch.tensor([0.01, 0.05, 1.0], dtype=torch.float64)
+    weights = torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64)
+    assert judge_update_ratios(0, layout, deltas, weights, [0.1]) is None  # the bias at 0 moves with its weight; z is at 0
+    verdict = judge_update_ratios(1, layout, torch.tensor([4.0, 0.0, 0.0], dtype=torch.float64), weights, [10.0])
+    assert verdict is not None and verdict.finding.details["ratios"] == {"a": 2.0}
+    assert verdict.finding.details["limit"] == UPDATE_RATIO_LIMIT and verdict.flagged == ["a"]
+
+
+def test_overall_ratio_and_learning_rates() -> None:
+    assert overall_ratio(torch.tensor([3.0]), torch.tensor([4.0])) == 0.75
+    assert overall_ratio(torch.tensor([math.inf]), torch.tensor([4.0])) is None
+    assert learning_rates([{"lr": 0.1}, {"lr": 0.1}, {"lr": torch.tensor(0.2)}]) == [0.1]
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+def test_flag_counter_and_order_helpers() -> None:
+    counter = FlagCounter(limit=2)
+    counter.add(["a", "b", "c"])
+    counter.add(["a"])
+    assert counter.top(1) == [["a", 2]] and len(counter.counts) <= 2
+    assert input_to_output(["x", "y"], {"y": (0, 0)}) == ["y", "x"]
