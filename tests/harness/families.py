@@ -18,7 +18,7 @@ import torch
 
 from lightning_debug import DebugConfig, debug_callbacks
 from tests.harness.toolkit import debug_dir, make_trainer, read_events, read_report
-from tests.zoo import HEALTHY, DictDataset, HFModule, Plant, Result, _tokens
+from tests.harness.zoo import HEALTHY, DictDataset, HFModule, Plant, Result, _tokens
 
 
 def lora_llama(seed: int = 0) -> HFModule:

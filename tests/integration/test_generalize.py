@@ -14,7 +14,7 @@ import torch
 
 from lightning_debug import DebugConfig
 from tests.harness.families import FAMILIES, LEVEL, every_step, switch_moe, train
-from tests.zoo import Plant
+from tests.harness.zoo import Plant
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")]
