@@ -80,3 +80,62 @@ def test_the_check_catches_an_upward_import_even_inside_a_function() -> None:
 def test_every_module_is_in_a_known_layer() -> None:
     known = {*FORBIDDEN, *FRAMEWORK_FREE, *ADAPTERS_AND_ENTRY_POINTS, "_version", "__init__"}
     assert {layer_of(path) for path in MODULES} <= known
+
+
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 350
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports (``from pkg import module`` counted as the module), leaving out
+    imports under ``if TYPE_CHECKING:``, which never run."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    known = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name in known and name.startswith("lightning_debug")}
+
+
+def test_no_import_circle() -> None:
+    """Within a layer too: a circle makes import order matter and hides which module depends on which."""
+    graph = {module_name(path): package_imports(path) - {module_name(path)} for path in PACKAGE.rglob("*.py")}
+    graph = {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                circles.append(trail[trail.index(target):] + [target] if target in trail else [name, target])
+            elif target not in state:
+                visit(target, trail + [target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_modules_and_classes_stay_small(path: Path) -> None:
+    """A module over 450 lines or a class over 350 is several concerns glued together: split it."""
+    source = path.read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= MAX_MODULE_LINES
+    big = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+           if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert big == []

@@ -17,7 +17,7 @@ class GradientHealthCallback(DebugCallback):
     cost nothing. It finds:
 
     - ``exploding_grad``: the global norm jumps over 10x the median of this run's recent check steps
-      (or is absurd, above 1e4, before there is history), or, when you set it, exceeds
+      (judged once there are 3 of them), or, when you set it, exceeds
       ``gradient_explosion_threshold``; names the largest, says what a configured gradient clipping
       did, else suggests a ``gradient_clip_val`` from this run's own healthy norms.
     - ``vanishing_grad``: layers (modules) whose gradient norm is below ``gradient_vanishing_threshold``,

@@ -22,8 +22,6 @@ NORM_JUMP_FACTOR = 10.0
 NORM_JUMP_SIGMAS = 6.0
 NORM_WINDOW = 16
 NORM_MIN_HISTORY = 3
-# Without enough history a global norm above this is absurd for any model trained with a mean loss.
-ABSURD_GRAD_NORM = 1e4
 # Loss: a spike is this many times the recent level and the level the run started from.
 LOSS_SPIKE_FACTOR = 10.0
 LOSS_SPIKE_SIGMAS = 6.0

@@ -79,11 +79,21 @@ def test_a_jump_over_the_history_is_exploding_with_a_clip_from_healthy_norms() -
     assert details["suggested_clip_val"] == 1.2 and details["parameters"] == ["a", "b"]
 
 
-def test_an_absurd_norm_without_history_is_exploding() -> None:
-    suspicion = suspect_explosion(1e5, 1e5, NormHistory(), GradientSettings())
-    verdict = judge_exploding(0, 1e5, [("w", 1e5)], suspicion, GradientSettings(), NormHistory(), [], None)
-    assert verdict is not None and verdict.finding.details["judged_by"] == "absurd norm"
-    assert verdict.finding.details["suggested_clip_val"] == 10.0  # the fallback, no healthy norms yet
+def test_without_history_no_norm_is_exploding() -> None:
+    """MobileNetV2's first check steps (recorded by the sweep): 1.78e4, its BatchNorm'd convolutions
+    initialised small are scale-invariant; the loss falls normally."""
+    suspicion = suspect_explosion(1.782e4, 9.13e3, NormHistory(), GradientSettings())
+    assert not suspicion.any
+    assert judge_exploding(1, 1.782e4, [("w", 9.13e3)], suspicion, GradientSettings(), NormHistory(), [],
+                           None) is None
+
+
+def test_without_history_the_users_threshold_still_counts_and_is_the_clip_suggested() -> None:
+    settings = GradientSettings(explosion_threshold=10.0)
+    suspicion = suspect_explosion(1e5, 1e5, NormHistory(), settings)
+    verdict = judge_exploding(0, 1e5, [("w", 1e5)], suspicion, settings, NormHistory(), [], None)
+    assert verdict is not None and verdict.finding.details["judged_by"] == "gradient_explosion_threshold"
+    assert verdict.finding.details["suggested_clip_val"] == 10.0
 
 
 def test_the_users_threshold_names_the_parameters_above_it_and_what_clipping_did() -> None:
@@ -386,3 +396,30 @@ def test_flag_counter_and_order_helpers() -> None:
     counter.add(["a"])
     assert counter.top(1) == [["a", 2]] and len(counter.counts) <= 2
     assert input_to_output(["x", "y"], {"y": (0, 0)}) == ["y", "x"]
+
+
+# --- weight decay on biases, norms and embeddings ---------------------------------------------------------------
+def test_weight_decay_names_biases_norm_gains_and_embeddings_by_structure() -> None:
+    from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
+
+    embedding, linear, norm = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    scale = torch.nn.Parameter(torch.ones(4))  # a custom norm's gain: one dimension, any module
+    named = [("emb.weight", embedding.weight, embedding), ("fc.weight", linear.weight, linear),
+             ("fc.bias", linear.bias, linear), ("ln.weight", norm.weight, norm), ("rms.scale", scale, None)]
+    everything = [p for _, p, _ in named]
+    finding = judge_weight_decay(named, [{"params": everything, "weight_decay": 0.1}])
+    assert finding is not None and finding.severity.value == "info"
+    assert finding.details["parameters"] == ["emb.weight", "fc.bias", "ln.weight", "rms.scale"]
+    assert finding.details["roles"] == {"embedding": 1, "bias or normalization": 3}
+
+
+def test_weight_decay_of_zero_frozen_parameters_and_foreign_copies_are_not_judged() -> None:
+    from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
+
+    linear = torch.nn.Linear(4, 4)
+    linear.bias.requires_grad_(False)
+    flat = torch.nn.Parameter(torch.zeros(20))  # a flattened copy the module does not name
+    named = [("fc.weight", linear.weight, linear), ("fc.bias", linear.bias, linear)]
+    assert judge_weight_decay(named, [{"params": [linear.weight, linear.bias, flat], "weight_decay": 0.1}]) is None
+    assert judge_weight_decay(named, [{"params": [linear.weight, linear.bias], "weight_decay": 0}]) is None
+    assert judge_weight_decay(named, []) is None

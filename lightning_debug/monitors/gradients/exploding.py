@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.checks.gradients import clip_advice, suggest_clip_value
-from lightning_debug.checks.trends import ABSURD_GRAD_NORM, NORM_JUMP_FACTOR, NormHistory
+from lightning_debug.checks.trends import NORM_JUMP_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.gradients.settings import GradientSettings
@@ -55,7 +55,7 @@ class ExplosionSuspicion:
     """What the global norm and the largest norm suggest before per-parameter norms are read.
 
     ``jump``: the global norm is above the limit learnt from the run's recent norms (``limit``; None
-    without enough history, when only an absurd norm counts); ``high``: the user's threshold is set
+    without enough history, when no jump is judged); ``high``: the user's threshold is set
     and a norm is above it (or not finite).
     """
 
@@ -72,7 +72,7 @@ def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
                       settings: GradientSettings) -> ExplosionSuspicion:
     """Whether this check step may be exploding, from its global and largest norms alone."""
     limit = history.limit()
-    jump = math.isfinite(global_norm) and global_norm > (limit if limit is not None else ABSURD_GRAD_NORM)
+    jump = limit is not None and math.isfinite(global_norm) and global_norm > limit
     high = settings.explosion_threshold
     suspect_high = high is not None and not (largest <= high and global_norm <= high)  # NaN is suspect too
     return ExplosionSuspicion(jump, suspect_high, limit)
@@ -111,8 +111,11 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     parameter's norm (read only when the step is suspect). A healthy model's gradient norm varies by
     orders of magnitude between architectures (a ResNet starts near 60, a small MLP near 0.5), so no
     fixed number is used unless the user sets one: the norm must jump 10x over the median of this
-    run's recent norms (and 6 robust sigmas), and without history only a norm no model trained with
-    a mean loss starts with (1e4) counts.
+    run's recent norms (and 6 robust sigmas). Before the run has that history (3 check steps) nothing
+    is judged: a BatchNorm'd convolution initialised small has a gradient norm above 1e4 at its first
+    steps because normalisation makes it scale-invariant (MobileNet), harmless, so no absolute level
+    from step 0 can tell an explosion from a healthy start. A first-step explosion that matters shows
+    as a non-finite loss or gradient (``AnomalyDetectionCallback``) or in the steps after.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -120,19 +123,16 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     crossed = suspicion.high and high is not None and math.isfinite(global_norm) and global_norm > high
     if not (above or suspicion.jump or crossed):
         return None
-    jump_limit = None if not suspicion.jump else suspicion.limit if suspicion.limit is not None else math.inf
+    jump_limit = suspicion.limit if suspicion.jump else None
     worst = sorted((item for item in grads if math.isfinite(item[1])), key=lambda item: -item[1])[:WORST_SHOWN]
     named = above or worst
     shown = ", ".join(f"`{name}` {norm:.3g}" for name, norm in worst)
     level = history.level()
     if jump_limit is None:
         what = f"global norm {global_norm:.4g} > gradient_explosion_threshold {high:g}"
-    elif math.isfinite(jump_limit):
+    else:
         what = (f"global norm {global_norm:.4g}, {global_norm / level:.3g}x its median {level:.4g} over the last "
                 f"{len(history.values)} check steps (a jump of over {NORM_JUMP_FACTOR:g}x)")
-    else:
-        what = (f"global norm {global_norm:.4g} at the first check steps, above {ABSURD_GRAD_NORM:g}, which no "
-                "model trained with a mean loss starts with")
     clip_note, clip_details = clipping_note(global_norm, clipping)
     clip: float | None
     if clip_details:
@@ -146,10 +146,9 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
         Kind.EXPLODING_GRAD, Severity.WARNING,
         f"Gradients are exploding at step {step}: {what}; largest: {shown}.{clip_note} {fix}",
         {"global_norm": global_norm, "threshold": high if jump_limit is None else None,
-         "judged_by": ("gradient_explosion_threshold" if jump_limit is None else
-                       "jump over recent norms" if math.isfinite(jump_limit) else "absurd norm"),
+         "judged_by": "gradient_explosion_threshold" if jump_limit is None else "jump over recent norms",
          "recent_median": level if math.isfinite(level) else None,
-         "limit": jump_limit if jump_limit is not None and math.isfinite(jump_limit) else None,
+         "limit": jump_limit,
          "parameters": [name for name, _ in named[:NAMES_IN_DETAILS]],
          "worst": [[name, norm] for name, norm in worst], "count": len(named),
          "suggested_clip_val": clip, "clip_basis": basis, **clip_details}),

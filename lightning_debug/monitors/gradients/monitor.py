@@ -35,6 +35,7 @@ from lightning_debug.monitors.gradients.updates import read_updates
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 from lightning_debug.monitors.gradients.watch import CandidateWatch
+from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
 
 WHERES_KEPT = 64
 
@@ -55,7 +56,7 @@ class GradientMonitor(Monitor):
 
     area = Area.GRADIENTS
     kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
-                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD})
+                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
 
@@ -131,6 +132,11 @@ class GradientMonitor(Monitor):
         self._record_static_frozen(step, where)
         self._static_recorded_step = step
         module = context.module()
+        if module is not None and step == 0:
+            owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
+            decayed = judge_weight_decay([(name, p, owners.get(id(p))) for name, p in named], self._param_groups)
+            if decayed is not None:
+                self.emit(decayed, step, where)
         if module is not None:
             self.order.watch(module)
 

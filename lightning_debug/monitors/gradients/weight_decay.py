@@ -1,0 +1,93 @@
+"""``weight_decay_on_norm``: weight decay on parameters that are not meant to be decayed.
+
+Weight decay pulls every parameter of its param group toward zero. On a weight matrix that is the
+regulariser people want; on a bias, a normalisation layer's gain or shift, or an embedding table it
+fights the model: a LayerNorm gain decayed toward 0 shrinks the scale the layer is there to restore,
+and the rows of rare tokens are pulled toward zero between their updates. The usual recipes (BERT,
+GPT-2, timm, nanoGPT) keep them in a param group with ``weight_decay=0``; passing
+``model.parameters()`` to ``AdamW(weight_decay=0.01)`` decays them all, silently.
+
+The rule judges from structure only: a parameter with at most one dimension is a bias or a
+normalisation gain or shift, whatever its module is called (LayerNorm, BatchNorm, RMSNorm, a custom
+norm); a two-dimensional parameter of a module that looks rows up by index (``nn.Embedding``,
+``nn.EmbeddingBag``) is an embedding table. What could make it fire on a healthy run: a recipe that
+decays biases on purpose, which is why the finding is info and said once per run; and an optimizer
+holding flattened or sharded copies that are one-dimensional by construction (FSDP1's flat
+parameters), which the rule never sees, because it judges only parameters that the module itself
+names and a param group holds by identity.
+
+Example::
+
+    >>> import torch
+    >>> layer, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    >>> named = [("layer.weight", layer.weight, layer), ("layer.bias", layer.bias, layer),
+    ...          ("norm.weight", norm.weight, norm)]
+    >>> finding = judge_weight_decay(named, [{"params": [layer.weight, layer.bias, norm.weight],
+    ...                                        "weight_decay": 0.01}])
+    >>> finding.kind.value, finding.details["parameters"], finding.details["roles"]
+    ('weight_decay_on_norm', ['layer.bias', 'norm.weight'], {'bias or normalization': 2})
+    >>> judge_weight_decay(named, [{"params": [layer.weight], "weight_decay": 0.01},
+    ...                            {"params": [layer.bias, norm.weight], "weight_decay": 0.0}]) is None
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, quoted
+
+LOOKUP_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+class ParameterRole(enum.Enum):
+    """Why a parameter is usually kept out of weight decay."""
+
+    BIAS_OR_NORM = "bias or normalization"
+    EMBEDDING = "embedding"
+
+
+def role_of(parameter: torch.Tensor, owner: nn.Module | None) -> ParameterRole | None:
+    """The role that makes decaying ``parameter`` a mistake, or None for an ordinary weight."""
+    if isinstance(owner, LOOKUP_MODULES) and parameter.dim() == 2:
+        return ParameterRole.EMBEDDING
+    if parameter.dim() <= 1:
+        return ParameterRole.BIAS_OR_NORM
+    return None
+
+
+def judge_weight_decay(named: Iterable[tuple[str, torch.Tensor, nn.Module | None]],
+                       param_groups: Sequence[Mapping[str, Any]]) -> Finding | None:
+    """The ``weight_decay_on_norm`` finding for ``named`` (name, parameter, the module that owns it) and
+    the optimizers' ``param_groups``, or None when no such parameter is decayed."""
+    decay: dict[int, float] = {}
+    for group in param_groups:
+        rate = group.get("weight_decay", 0.0)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+            decay.update((id(parameter), float(rate)) for parameter in group.get("params", []))
+    found: list[tuple[str, ParameterRole, float]] = []
+    for name, parameter, owner in named:
+        rate = decay.get(id(parameter))
+        role = role_of(parameter, owner) if rate is not None and parameter.requires_grad else None
+        if role is not None and rate is not None:
+            found.append((name, role, rate))
+    if not found:
+        return None
+    names = [name for name, _, _ in found]
+    roles = Counter(role.value for _, role, _ in found)
+    rates = sorted({rate for _, _, rate in found})
+    return Finding(
+        Kind.WEIGHT_DECAY_ON_NORM, Severity.INFO,
+        f"{len(found)} parameter(s) that are biases, normalization weights or embeddings are in a param group "
+        f"with weight_decay {', '.join(f'{rate:g}' for rate in rates)}: {quoted(names)}. Decay pulls them toward "
+        "0; the usual recipe gives them a param group with weight_decay=0.0.",
+        {"parameters": names[:NAMES_IN_DETAILS], "count": len(found), "roles": dict(roles),
+         "weight_decay": rates})
