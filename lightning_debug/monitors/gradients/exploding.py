@@ -55,13 +55,14 @@ class ExplosionSuspicion:
     """What the global norm and the largest norm suggest before per-parameter norms are read.
 
     ``jump``: the global norm is above the limit learnt from the run's recent norms (``limit``; None
-    without enough history, when only an absurd norm counts); ``high``: the user's threshold is set
-    and a norm is above it (or not finite).
+    without enough history, when only an absurd norm counts: above ``absurd``); ``high``: the user's
+    threshold is set and a norm is above it (or not finite).
     """
 
     jump: bool
     high: bool
     limit: float | None
+    absurd: float = ABSURD_GRAD_NORM
 
     @property
     def any(self) -> bool:
@@ -70,12 +71,26 @@ class ExplosionSuspicion:
 
 def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
                       settings: GradientSettings) -> ExplosionSuspicion:
-    """Whether this check step may be exploding, from its global and largest norms alone."""
+    """Whether this check step may be exploding, from its global and largest norms alone.
+
+    Before the history is long enough, a norm is absurd above :data:`ABSURD_GRAD_NORM` and, when the
+    run has a norm or two already, :data:`NORM_JUMP_FACTOR` times the largest of them: a network whose
+    convolutions start small under BatchNorm (scale-invariant, so their gradients scale as 1 / ||w||)
+    starts near 1e4 and healthy, and a second such norm is no jump.
+
+    Example::
+
+        >>> history = NormHistory(); history.add(6741.0)
+        >>> suspect_explosion(1.78e4, 9e3, history, GradientSettings()).jump
+        False
+    """
     limit = history.limit()
-    jump = math.isfinite(global_norm) and global_norm > (limit if limit is not None else ABSURD_GRAD_NORM)
+    earlier = [value for value in history.values if math.isfinite(value)]
+    absurd = max([ABSURD_GRAD_NORM] + [NORM_JUMP_FACTOR * value for value in earlier])
+    jump = math.isfinite(global_norm) and global_norm > (limit if limit is not None else absurd)
     high = settings.explosion_threshold
     suspect_high = high is not None and not (largest <= high and global_norm <= high)  # NaN is suspect too
-    return ExplosionSuspicion(jump, suspect_high, limit)
+    return ExplosionSuspicion(jump, suspect_high, limit, absurd)
 
 
 def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, dict[str, Any]]:
@@ -132,7 +147,8 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
                 f"{len(history.values)} check steps (a jump of over {NORM_JUMP_FACTOR:g}x)")
     else:
         what = (f"global norm {global_norm:.4g} at the first check steps, above {ABSURD_GRAD_NORM:g}, which no "
-                "model trained with a mean loss starts with")
+                "model trained with a mean loss starts with" + (
+                    f", and over {NORM_JUMP_FACTOR:g}x its earlier norms" if history.values else ""))
     clip_note, clip_details = clipping_note(global_norm, clipping)
     clip: float | None
     if clip_details:
