@@ -17,8 +17,9 @@ class ForwardOrder:
     Registration order (``named_parameters``) often differs from execution order, so "the earliest
     layers" are found by watching one forward pass and then removing the hooks: a one-time cost
     on the first training batch, nothing afterwards. A parameter owned directly by a container
-    module takes the position where that module is entered; parameters of modules never entered
-    (used functionally by a parent) come last, in registration order. Inside a ``torch.compile``d
+    module takes the position where that module is entered; a parameter shared by several modules
+    (tied embeddings: named once, after the first module that registered it) takes the position of
+    the first of them that runs; parameters of modules never entered come last, in registration order. Inside a ``torch.compile``d
     module no hook is registered (Dynamo would trace it and recompile once it is removed): its
     parameters take the compiled module's position, in registration order.
 
@@ -29,6 +30,11 @@ class ForwardOrder:
         >>> order = ForwardOrder(); order.watch(model); _ = model(torch.ones(1, 2)); order.stop()
         >>> order.module_names
         ['', '0', '1']
+        >>> tied = nn.ModuleDict({"head": nn.Linear(2, 2), "embed": nn.Linear(2, 2)})
+        >>> tied.head.weight = tied.embed.weight
+        >>> order.watch(tied); _ = tied.head(tied.embed(torch.ones(1, 2))); order.stop()
+        >>> order.positions(["head.weight", "head.bias", "embed.bias"])
+        {'head.weight': (0, 0), 'head.bias': (1, 1), 'embed.bias': (0, 2)}
     """
 
     def __init__(self) -> None:
@@ -36,6 +42,7 @@ class ForwardOrder:
         self._seen: set[str] = set()
         self._handles: list[Any] = []
         self._compiled: list[str] = []
+        self._holders: dict[str, list[str]] = {}
 
     @property
     def watching(self) -> bool:
@@ -44,6 +51,12 @@ class ForwardOrder:
     def watch(self, root: nn.Module) -> None:
         self.stop()
         self.module_names, self._seen, self._compiled = [], set(), []
+        first_name: dict[int, str] = {}
+        self._holders = {}
+        for module_name, module in root.named_modules():
+            for local, param in module.named_parameters(recurse=False):
+                owner = user_name(f"{module_name}.{local}" if module_name else local)
+                self._holders.setdefault(first_name.setdefault(id(param), owner), []).append(user_name(module_name))
         for name, module in root.named_modules():
             name = user_name(name)
             if any(name == c or name.startswith(c + ".") for c in self._compiled):
@@ -73,4 +86,8 @@ class ForwardOrder:
             inside = next((c for c in self._compiled if module == c or module.startswith(c + ".")), None)
             return rank.get(inside if inside is not None else module, unseen)
 
-        return {name: (module_position(module_of(name)), index) for index, name in enumerate(parameter_names)}
+        def parameter_position(name: str) -> int:
+            holders = self._holders.get(name) or [module_of(name)]
+            return min(module_position(holder) for holder in holders)
+
+        return {name: (parameter_position(name), index) for index, name in enumerate(parameter_names)}
