@@ -215,7 +215,8 @@ class PhaseTimer:
         self.where: dict[str, int] = {}
 
     def enter(self, phase: Phase | str) -> Mark:
-        phase = Phase(phase)
+        if type(phase) is not Phase:
+            phase = Phase(phase)
         mark = self.stopwatch.mark()
         own, wait = self.stopwatch.own(), self.stopwatch.cpu_wait()
         if self.current is not None and self.since is not None:

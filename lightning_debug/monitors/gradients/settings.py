@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from lightning_debug.config import DebugConfig, DebugLevel
 
@@ -43,28 +44,28 @@ class GradientSettings:
             level=config.level,
         )
 
-    @property
+    @cached_property
     def measures_updates(self) -> bool:
         """Weight updates (update ratios, parameters left unchanged) are measured on check steps."""
         return self.log_weights or self.level >= DebugLevel.ADVANCED
 
-    @property
+    @cached_property
     def keeps_update_ratios(self) -> bool:
         return self.level >= DebugLevel.ADVANCED
 
-    @property
+    @cached_property
     def per_parameter_always(self) -> bool:
         """Per-parameter norms are read on every check step, not only when something is suspect."""
         return self.log_gradients or self.level >= DebugLevel.INTERMEDIATE
 
-    @property
+    @cached_property
     def keeps_parameter_norms(self) -> bool:
         return self.level >= DebugLevel.INTERMEDIATE
 
-    @property
+    @cached_property
     def wants_histograms(self) -> bool:
         return self.log_gradients or self.log_weights
 
-    @property
+    @cached_property
     def histogram_every_checks(self) -> int:
         return 1 if self.level >= DebugLevel.EXPERT else 10
