@@ -23,7 +23,7 @@ from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus
 from lightning_debug.core.monitor import Decision
 from lightning_debug.core.session import Where, new_run_id, run_directory
-from lightning_debug.core.step_numerics import AllGather
+from lightning_debug.core.numerics import AllGather
 from lightning_debug.monitors import monitors_for
 from lightning_debug.report.attach import tracker_stores
 from lightning_debug.report.tensorboard import histogram_writer

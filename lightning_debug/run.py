@@ -50,7 +50,7 @@ from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import Decision, Event, Monitor
 from lightning_debug.core.session import Session
-from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
+from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
 from lightning_debug.report.document import build_report, write_document, write_report
 from lightning_debug.report.summary import FindingWarnings, conclude_run

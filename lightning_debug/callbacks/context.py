@@ -17,7 +17,7 @@ from lightning_debug.config import DebugConfig
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.context import HistogramWriter, Replay, RunContext
 from lightning_debug.core.session import Where, new_run_id, run_directory
-from lightning_debug.core.step_numerics import AllGather
+from lightning_debug.core.numerics import AllGather
 from lightning_debug.report.tensorboard import histogram_writer
 
 # Strategies whose parameters are plain tensors holding one rank's shard (DTensor shards need no flag).

@@ -27,7 +27,7 @@ from torch import nn
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.session import Where
-from lightning_debug.core.step_numerics import AllGather, AllReduce
+from lightning_debug.core.numerics import AllGather, AllReduce
 
 HistogramWriter = Callable[[str, dict[str, Any], int], None]
 Replay = Callable[[Any], "torch.Tensor | None"]

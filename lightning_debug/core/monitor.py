@@ -27,7 +27,7 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.session import Session, Where
-from lightning_debug.core.step_numerics import NumericsQueue, StepNumerics
+from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 
 NumericsSource = Callable[[], StepNumerics]
 

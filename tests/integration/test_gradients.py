@@ -25,7 +25,7 @@ from lightning_debug.checks.gradients import (
 )
 from lightning_debug.checks.numerics import NormPlan
 from lightning_debug.checks.trends import jump_limit
-from lightning_debug.core.step_numerics import StepNumerics
+from lightning_debug.core.numerics import StepNumerics
 from tests.harness.toolkit import (
     TinyRegressor,
     debug_dir,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_debug import DebugConfig, GradientHealthCallback
-from lightning_debug.core.step_numerics import REQUIRES_GRAD_RECHECK, NumericsQueue, ParameterIndex
+from lightning_debug.core.numerics import REQUIRES_GRAD_RECHECK, NumericsQueue, ParameterIndex
 from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_scalars
 
 pytestmark = pytest.mark.timeout(120)

@@ -101,7 +101,7 @@ class NaNOnOneRank(TinyRegressor):
                 logger.experiment.add_text = disk_full  # TensorBoard text
             warnings.filterwarnings("error", message="lightning-debug")  # a user's -W error
         if self.fail_check_rank1_step is not None and self.global_rank == 1:
-            from lightning_debug.core.step_numerics import ParameterIndex
+            from lightning_debug.core.numerics import ParameterIndex
 
             local_grads, at, trainer = ParameterIndex.local_grads, self.fail_check_rank1_step, self.trainer
 

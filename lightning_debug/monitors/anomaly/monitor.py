@@ -22,7 +22,7 @@ from lightning_debug.core.buffers import BufferSnapshot
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
 from lightning_debug.core.session import Where
-from lightning_debug.core.step_numerics import HostNumerics
+from lightning_debug.core.numerics import HostNumerics
 from lightning_debug.monitors.anomaly import policy, prose
 from lightning_debug.monitors.anomaly.divergence import loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow

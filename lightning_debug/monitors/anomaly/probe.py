@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_debug.core.step_numerics import ParameterIndex
+    from lightning_debug.core.numerics import ParameterIndex
 
 
 class WeightProbe:

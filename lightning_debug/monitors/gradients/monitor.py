@@ -1,6 +1,6 @@
 """The gradient monitor's plumbing: events, pending read-backs, scalars, state and recording.
 
-The monitor reads the shared :class:`~lightning_debug.core.step_numerics.StepNumerics` of a check
+The monitor reads the shared :class:`~lightning_debug.core.numerics.StepNumerics` of a check
 step (computed once for every callback), so gradient norms are never computed twice. Everything it
 measures itself (weight updates, histograms) is fused device work read back without a sync. The
 verdicts are the rules' (one module each): this module only feeds them and records what they return.
@@ -21,7 +21,7 @@ from lightning_debug.core.metrics import metric_part
 from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
-from lightning_debug.core.step_numerics import HostNumerics, NumericsQueue, ParameterIndex
+from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout

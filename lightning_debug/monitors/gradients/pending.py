@@ -16,7 +16,7 @@ from lightning_debug.core.metrics import metric_part
 from lightning_debug.core.monitor import HistogramWriter
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
-from lightning_debug.core.step_numerics import HostNumerics, ParameterIndex
+from lightning_debug.core.numerics import HostNumerics, ParameterIndex
 from lightning_debug.monitors.gradients.layout import ModuleLayout
 
 HISTOGRAM_BINS = 30

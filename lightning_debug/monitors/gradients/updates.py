@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_debug.core.stats import RunningStats
-from lightning_debug.core.step_numerics import HostNumerics
+from lightning_debug.core.numerics import HostNumerics
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout, Positions
 from lightning_debug.monitors.gradients.settings import GradientSettings
