@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,18 @@ class LightningContext(RunContext):
             return None
         algorithm = self.trainer.gradient_clip_algorithm
         return float(value), str(getattr(algorithm, "value", algorithm) or "norm")
+
+    def schedule(self) -> tuple[int | None, list[str]]:
+        """``max_steps``, else Lightning's estimate of the optimizer steps of the fit (None when unbounded), and
+        the configured schedulers."""
+        trainer = self.trainer
+        total: float | None = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if total is None:
+            with contextlib.suppress(Exception):
+                total = trainer.estimated_stepping_batches
+        known = isinstance(total, (int, float)) and not isinstance(total, bool) and math.isfinite(total)
+        names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+        return (int(total) if known and total is not None else None), names
 
     def module(self) -> nn.Module:
         return self.pl_module

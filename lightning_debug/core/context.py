@@ -159,6 +159,11 @@ class RunContext:
         ``(value, "value")``, None when it does not clip (or the framework does not say)."""
         return None
 
+    def schedule(self) -> tuple[int | None, list[str]]:
+        """How many optimizer steps the run will take (None: not known) and the class names of its
+        learning-rate schedulers: what tells a schedule that ends at 0 from one that stops training early."""
+        return None, []
+
     def train_loader(self) -> Any:
         return None
 

@@ -97,6 +97,7 @@ class Kind(str, enum.Enum):
     UPDATE_RATIO_HIGH = "update_ratio_high"
     INTERMITTENT_GRAD = "intermittent_grad"
     WEIGHT_DECAY_ON_NORM = "weight_decay_on_norm"
+    LEARNING_STALLED = "learning_stalled"
 
     def __str__(self) -> str:
         return self.value
@@ -329,6 +330,12 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "`[{'params': decayed, 'weight_decay': 0.01}, {'params': biases_norms_embeddings, "
                "'weight_decay': 0.0}]`. If you decay them on purpose, ignore this.",
         hint="put biases, norm weights and embeddings in a param group with weight_decay=0"),
+    Kind.LEARNING_STALLED: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        advice="Every param group's learning rate is 0 far from the end of the run, so the weights no longer "
+               "change: a scheduler that reaches 0 early (a LambdaLR factor, a step schedule with gamma 0, a "
+               "decay written for fewer steps). Print scheduler.get_last_lr() around that step and fix it.",
+        hint="the learning rate is 0 mid-run: check the scheduler"),
 }
 """The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
 views of it."""

@@ -423,3 +423,32 @@ def test_weight_decay_of_zero_frozen_parameters_and_foreign_copies_are_not_judge
     assert judge_weight_decay(named, [{"params": [linear.weight, linear.bias, flat], "weight_decay": 0.1}]) is None
     assert judge_weight_decay(named, [{"params": [linear.weight, linear.bias], "weight_decay": 0}]) is None
     assert judge_weight_decay(named, []) is None
+
+
+# --- learning stalled ---------------------------------------------------------------------------------------------
+def test_a_learning_rate_at_zero_mid_run_is_a_stall_after_three_checks() -> None:
+    from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
+
+    history, groups = StallHistory(), [{"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.1}]
+    verdicts = [judge_stalled(step, groups, history, 60, ["LambdaLR"]) for step in (10, 11, 12)]
+    assert verdicts[:2] == [None, None] and verdicts[2] is not None
+    details = verdicts[2].finding.details
+    assert details["since_step"] == 10 and details["initial_lr"] == [0.1] and details["schedulers"] == ["LambdaLR"]
+    groups[0]["lr"] = 0.05  # the schedule comes back: the streak ends
+    assert judge_stalled(13, groups, history, 60, []) is None and history.since is None
+
+
+def test_what_a_stall_is_not() -> None:
+    from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
+
+    zero = {"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.1}
+    learning = {"params": [torch.zeros(1)], "lr": 0.01, "initial_lr": 0.1}
+    ending = StallHistory(since=54, checks=5)  # a cosine schedule reaching 0 in its last steps
+    assert judge_stalled(57, [zero], ending, 60, []) is None
+    unknown = StallHistory(since=10, checks=5)  # no known end: a stall cannot be told from an ending
+    assert judge_stalled(15, [zero], unknown, None, []) is None
+    frozen_on_purpose = StallHistory()
+    assert all(judge_stalled(step, [zero, learning], frozen_on_purpose, 60, []) is None for step in range(10))
+    never = StallHistory()  # a base lr of 0 from the start is frozen_param, said at fit start
+    base_zero = {"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.0}
+    assert all(judge_stalled(step, [base_zero], never, 60, []) is None for step in range(10))

@@ -29,6 +29,7 @@ from lightning_debug.monitors.gradients.missing import check_verdicts, judge_mis
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, resting_slots,
                                                              static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.updates import read_updates
@@ -56,7 +57,8 @@ class GradientMonitor(Monitor):
 
     area = Area.GRADIENTS
     kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
-                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM})
+                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM,
+                       Kind.LEARNING_STALLED})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
 
@@ -79,6 +81,7 @@ class GradientMonitor(Monitor):
         self._last_recorded: dict[str, int] = {}
         self._norms_read: set[Any] = set()
         self._watch = CandidateWatch()
+        self._stall = StallHistory()
         self._trainable = 0
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
@@ -171,6 +174,7 @@ class GradientMonitor(Monitor):
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
+        self._judge_stalled(step)
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
@@ -195,6 +199,11 @@ class GradientMonitor(Monitor):
         self._checks.add(pending)
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
+
+    def _judge_stalled(self, step: int) -> None:
+        total, schedulers = self.context.schedule()
+        self._record(judge_stalled(step, self._param_groups, self._stall, total, schedulers), step,
+                     self.context.where())
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""

@@ -1,0 +1,60 @@
+"""``learning_stalled`` in a real Trainer: a ``LambdaLR`` whose factor drops to 0 after step 10 of 60 (a common
+scheduler bug: training silently stops learning) is named at step 10 with the scheduler; a cosine schedule that
+reaches 0 at the end of the run and a linear warm-up from 0 are quiet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_debug import DebugConfig, debug_callbacks
+from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events
+
+EVERY_STEP = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
+                         performance_profiling_frequency=1)
+
+
+class Scheduled(TinyRegressor):
+    def __init__(self, schedule: str) -> None:
+        super().__init__(lr=0.01)
+        self.schedule = schedule
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.schedule == "zero_after_10":
+            scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 10 else 0.0)
+        elif self.schedule == "cosine_to_zero":
+            scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=60, eta_min=0.0)
+        else:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 5))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def serious_kinds(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    return [(e["kind"], e["step"]) for e in events
+            if e.get("severity") in ("warning", "error", "critical") and e.get("episode") != "end"]
+
+
+def run(root: Path, schedule: str) -> list[dict[str, Any]]:
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(root, debug_callbacks(EVERY_STEP), max_steps=60)
+    trainer.fit(Scheduled(schedule))
+    return read_events(debug_dir(trainer))
+
+
+def test_a_scheduler_that_drops_the_learning_rate_to_zero_mid_run_is_named(tmp_path: Path) -> None:
+    events = run(tmp_path, "zero_after_10")
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e.get("episode") != "end"]
+    assert [e["step"] for e in stalled] == [12]  # confirmed on the third check step at lr 0
+    details = stalled[0]["details"]
+    assert details["since_step"] == 10 and details["schedulers"] == ["LambdaLR"] and details["total_steps"] == 60
+    assert "at step 10" in stalled[0]["message"] and "LambdaLR" in stalled[0]["message"]
+    assert serious_kinds(events) == [("learning_stalled", 12)]
+
+
+def test_a_schedule_that_ends_at_zero_and_a_warm_up_from_zero_are_quiet(tmp_path: Path) -> None:
+    assert serious_kinds(run(tmp_path / "cosine", "cosine_to_zero")) == []
+    assert serious_kinds(run(tmp_path / "warmup", "warmup_from_zero")) == []
