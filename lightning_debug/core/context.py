@@ -33,7 +33,7 @@ HistogramWriter = Callable[[str, dict[str, Any], int], None]
 Replay = Callable[[Any], "torch.Tensor | None"]
 
 
-class RunStatus(str, enum.Enum):
+class RunStatus(enum.StrEnum):
     """How a run ended (``status`` of report.json); a ``str`` enum, so ``status == "finished"`` keeps working.
 
     ``UNKNOWN`` is only for a report rebuilt offline from a run that never wrote one.
@@ -50,9 +50,6 @@ class RunStatus(str, enum.Enum):
     FAILED = "failed"
     INTERRUPTED = "interrupted"
     UNKNOWN = "unknown"
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def of(cls, error: BaseException | None) -> "RunStatus":

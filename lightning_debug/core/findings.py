@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,18 @@ class Finding:
     severity: Severity
     message: str
     details: dict[str, Any] = field(default_factory=dict)
+
+
+def quoted(names: Sequence[str], shown: int = 5) -> str:
+    """The first ``shown`` names in backquotes, and how many more: how every finding lists names.
+
+    Example::
+
+        >>> quoted(["a", "b", "c"], shown=2)
+        '`a`, `b` and 1 more'
+    """
+    text = ", ".join(f"`{name}`" for name in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 class EpisodePhase(str, enum.Enum):

@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_debug.checks.numerics import fused_norms
 from lightning_debug.config import Area, DebugConfig
-from lightning_debug.core.findings import Finding
+from lightning_debug.core.findings import Finding, quoted
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, Monitor
 from lightning_debug.core.readback import Readback
@@ -99,12 +99,11 @@ def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
         ('eval_mode_in_training', {'modules': ['encoder'], 'affected': ['encoder.drop'], 'count': 1})
     """
     subject = f"`{name}`" if name else "The whole model"
-    layers = ", ".join(f"`{layer}`" for layer in affected[:NAMES_SHOWN])
-    more = f" and {len(affected) - NAMES_SHOWN} more" if len(affected) > NAMES_SHOWN else ""
+    layers = quoted(affected, NAMES_SHOWN)
     return Finding(
         Kind.EVAL_MODE_IN_TRAINING, Severity.WARNING,
         f"{subject} is in eval mode while the model trains (step {step}): its Dropout/BatchNorm layers "
-        f"{layers}{more} behave as in inference (no dropout, running statistics frozen) although it has "
+        f"{layers} behave as in inference (no dropout, running statistics frozen) although it has "
         "trainable parameters. Call `.train()` on it (or on the model after evaluating); if frozen statistics "
         "are intended, freeze its parameters too.",
         {"modules": [name], "affected": affected[:NAMES_IN_DETAILS], "count": len(affected)})
@@ -165,12 +164,11 @@ def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Findin
         >>> grad_not_zeroed_finding(3, ["w"], 2).message[:60]
         'Gradients are not zeroed between optimizer steps: at step 3 '
     """
-    shown = ", ".join(f"`{name}`" for name in stale[:NAMES_SHOWN])
-    more = f" and {len(stale) - NAMES_SHOWN} more" if len(stale) > NAMES_SHOWN else ""
+    shown = quoted(stale, NAMES_SHOWN)
     return Finding(
         Kind.GRAD_NOT_ZEROED, Severity.ERROR,
         f"Gradients are not zeroed between optimizer steps: at step {step} the backward added to {len(stale)} "
-        f"of {reached} parameters that still held the previous step's gradient ({shown}{more}), so every "
+        f"of {reached} parameters that still held the previous step's gradient ({shown}), so every "
         "update uses the sum of all past gradients and the effective step size keeps growing. Call "
         "`optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
         {"parameters": stale[:NAMES_IN_DETAILS], "count": len(stale)})

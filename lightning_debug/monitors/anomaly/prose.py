@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_debug.checks.localize import Cause, CauseSite
 from lightning_debug.config import AnomalyMode
-from lightning_debug.core.findings import Finding
+from lightning_debug.core.findings import Finding, quoted
 from lightning_debug.core.kinds import COMMON_CAUSES, Kind, Severity, advice_for_cause
 from lightning_debug.errors import AnomalyError
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin
@@ -48,8 +48,7 @@ def names(items: Sequence[tuple[str, float]]) -> str:
         >>> names([(f"w{i}", 0.0) for i in range(7)])
         '`w0`, `w1`, `w2`, `w3`, `w4` and 2 more'
     """
-    shown = ", ".join(f"`{name}`" for name, _ in items[:5])
-    return shown + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+    return quoted([name for name, _ in items], 5)
 
 
 def on_ranks(ranks: Sequence[int], world_size: int) -> str:

@@ -82,6 +82,7 @@ class GradientMonitor(Monitor):
         self._norms_read: set[Any] = set()
         self._watch = CandidateWatch()
         self._stall = StallHistory()
+        self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
@@ -128,6 +129,7 @@ class GradientMonitor(Monitor):
         if untrainable is not None:
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
         self._param_groups = context.param_groups()
+        self._schedule = context.schedule()
         self.static_frozen, optimizer_check = frozen_by_optimizer([(n, p) for n, p in named if p.requires_grad],
                                                                   self._param_groups)
         if optimizer_check is not None:
@@ -201,7 +203,7 @@ class GradientMonitor(Monitor):
         return Decision.CONTINUE
 
     def _judge_stalled(self, step: int) -> None:
-        total, schedulers = self.context.schedule()
+        total, schedulers = self._schedule
         self._record(judge_stalled(step, self._param_groups, self._stall, total, schedulers), step,
                      self.context.where())
 

@@ -8,16 +8,13 @@ Example::
     >>> from lightning_debug.core.kinds import Kind, Severity
     >>> Verdict(Finding(Kind.MISSING_GRAD, Severity.WARNING, "m"), ["a"]).finding.kind
     <Kind.MISSING_GRAD: 'missing_grad'>
-    >>> quoted(["a", "b", "c"], shown=2)
-    '`a`, `b` and 1 more'
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from lightning_debug.core.findings import Finding
+from lightning_debug.core.findings import Finding, quoted
 
 NAMES_IN_DETAILS = 20
 WORST_SHOWN = 5
@@ -37,6 +34,4 @@ class Verdict:
     steps: list[int] = field(default_factory=list)
 
 
-def quoted(names: Sequence[str], shown: int = WORST_SHOWN) -> str:
-    text = ", ".join(f"`{name}`" for name in names[:shown])
-    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+__all__ = ["NAMES_IN_DETAILS", "WORST_SHOWN", "Verdict", "quoted"]

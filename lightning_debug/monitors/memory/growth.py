@@ -53,16 +53,13 @@ from lightning_debug.core.kinds import Kind, Severity
 GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
 
 
-class GrowthStatus(str, enum.Enum):
+class GrowthStatus(enum.StrEnum):
     """The leak verdict in the report (``growth.status``)."""
 
     NOT_ENOUGH = "not enough readings"
     NONE = "no steady growth"
     SUSPECTED = "suspected"
     GROWING = "growing"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class LeakStep(str, enum.Enum):
