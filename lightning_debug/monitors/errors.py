@@ -23,7 +23,8 @@ import torch
 from lightning_debug.checks.errors import failing_module, failing_source, find_inplace, innermost_tensors
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.kinds import ERROR_ADVICE, ErrorCategory, Kind, Severity
+from lightning_debug.core.error_categories import ERROR_ADVICE, ErrorCategory
+from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, Monitor
 from lightning_debug.errors import AnomalyError
 
