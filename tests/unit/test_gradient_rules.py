@@ -5,17 +5,23 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from lightning_debug import DebugConfig
 from lightning_debug.checks.trends import NormHistory
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.numerics import ParameterIndex
 from lightning_debug.monitors.gradients.exploding import (
     ClipAlgorithm,
+    ExplosionWatch,
     Clipping,
     clipping_note,
     judge_exploding,
     suspect_explosion,
 )
 from lightning_debug.monitors.gradients.flags import FlagCounter
+from lightning_debug.monitors.gradients.follow_up import Explosions
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
 from lightning_debug.monitors.gradients.missing import (
     MISSING_CONFIRM_STEPS,
@@ -452,3 +458,35 @@ def test_what_a_stall_is_not() -> None:
     never = StallHistory()  # a base lr of 0 from the start is frozen_param, said at fit start
     base_zero = {"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.0}
     assert all(judge_stalled(step, [base_zero], never, 60, []) is None for step in range(10))
+
+
+def test_a_jump_waiting_at_a_checkpoint_is_decided_after_the_resume() -> None:
+    """The watch's state travels with the checkpoint; the resumed run measures the steps after the jump
+    over the index it builds again, and confirms the explosion where it began."""
+    layer = nn.Linear(3, 1)
+    (layer(torch.ones(2, 3)).sum() * 100).backward()
+    index = ParameterIndex(list(layer.named_parameters()))
+    before = Explosions()
+    jump = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "jump", {"limit": 10.0}), ["weight"])
+    assert before.judge(12, None, 400.0, jump, True, {"step": 12}, index) == []
+    state = before.state_dict()
+    assert [entry["step"] for entry in state[None]] == [12]
+
+    after = Explosions()
+    after.load_state_dict(state)
+    assert after.measuring
+    for step in (13, 14):
+        after.measure(step, None, lambda: None, lambda optimizer: index)
+    decided = after.read()
+    assert [(step, verdict.finding.message, where) for step, verdict, where in decided] == [(12, "jump", {"step": 12})]
+    assert not after.measuring
+
+
+def test_a_spike_that_falls_back_at_once_is_dismissed() -> None:
+    watch = ExplosionWatch()
+    jump = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "", {}))
+    watch.suspect(17, jump, None, limit=16.6)
+    # SwiftFormer's norms after its step-17 spike (37.8): back to 1.8, then two spikes in a row
+    assert [watch.observe(step, norm) for step, norm in ((18, 1.81), (19, 25.5), (20, 42.9))] == [[], [], []]
+    assert watch.dismissed == 1 and not watch
+    assert watch.flush() == []

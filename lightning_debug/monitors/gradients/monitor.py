@@ -23,6 +23,7 @@ from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
+from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
@@ -84,6 +85,7 @@ class GradientMonitor(Monitor):
         self._stall = StallHistory()
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
+        self._explosions = Explosions()
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -175,6 +177,9 @@ class GradientMonitor(Monitor):
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
+            if self._explosions.measuring:
+                self._explosions.measure(step, self.context.where().get("optimizer"), self.context.grad_scale,
+                                         self._index_of)
             return Decision.CONTINUE
         self._judge_stalled(step)
         current = numerics()
@@ -243,6 +248,8 @@ class GradientMonitor(Monitor):
         """Turn every check step whose values have all arrived into findings and scalars, in order."""
         for pending in self._checks.ready(final):
             self._complete(pending)
+        if self._explosions.measuring or final:
+            self._record_explosions(self._explosions.read(final))
 
     # --- verdicts -------------------------------------------------------------------------------
     def _complete(self, pending: PendingCheck) -> None:
@@ -269,12 +276,9 @@ class GradientMonitor(Monitor):
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
                                     list(self.history.healthy_norms.values), self._clipping())
-        if self._record(exploding, step, where, "exploding"):
-            assert exploding is not None
-            details = exploding.finding.details
-            self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
-                                            "step": step}
-        elif math.isfinite(global_norm):
+        self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding,
+                                                       suspicion.jump and not suspicion.high, where, pending.judged))
+        if exploding is None and math.isfinite(global_norm):
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm)
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing),
@@ -308,6 +312,16 @@ class GradientMonitor(Monitor):
         pending.write_histograms(self._histogram_writer)
         self.log_metrics(step, metrics)
         self.close_episodes(step, where, self.kinds)
+
+    def _record_explosions(self, decided: Decided) -> None:
+        for step, verdict, where in decided:
+            self._record(verdict, step, where, "exploding")
+            details = verdict.finding.details
+            self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
+                                            "step": step}
+
+    def _index_of(self, optimizer: Any) -> ParameterIndex:
+        return self.numerics.index(self.context.named_parameters)
 
     def _clipping(self) -> Clipping | None:
         clipping = self.context.gradient_clipping()
@@ -354,11 +368,13 @@ class GradientMonitor(Monitor):
         self.order.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), **self.history.state_dict())
+        return dict(super().state_dict(), **self.history.state_dict(),
+                    explosions_waiting=self._explosions.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.history.load_state_dict(state_dict)
+        self._explosions.load_state_dict(state_dict.get("explosions_waiting", {}))
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), **self.history.report_section(
