@@ -53,6 +53,8 @@ class Plant:
         data_sleep_s: The dataset sleeps this long per sample in ``__getitem__`` (``num_workers=0``).
         return_none_every: ``training_step`` returns ``None`` (Lightning skips the step) on every
             N-th batch; not a bug, a documented Lightning feature.
+        lr_zero_after: A ``LambdaLR`` (stepped every optimizer step) keeps the learning rate until this
+            step and sets it to 0 from then on: the common schedule bug that silently stops learning.
     """
 
     log_zero_at: int | None = None
@@ -63,6 +65,7 @@ class Plant:
     keep_graph: bool = False
     data_sleep_s: float = 0.0
     return_none_every: int | None = None
+    lr_zero_after: int | None = None
 
 
 HEALTHY = Plant()
@@ -157,9 +160,15 @@ class Planted:
         return self.planted_loss(out)
 
     def planted_optimizer(self, default: Callable[[], Any]) -> Any:
-        if self.plant.lr is not None:
-            return torch.optim.AdamW(self.parameters(), lr=self.plant.lr)  # type: ignore[attr-defined]
-        return default()
+        optimizer = (torch.optim.AdamW(self.parameters(), lr=self.plant.lr)  # type: ignore[attr-defined]
+                     if self.plant.lr is not None else default())
+        after = self.plant.lr_zero_after
+        if after is not None and isinstance(optimizer, (tuple, list)):  # ([optimizers], [schedulers])
+            optimizer = optimizer[0][0]
+        if after is None or not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < after else 0.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def configure_optimizers(self) -> Any:
         return self.planted_optimizer(super().configure_optimizers)  # type: ignore[misc]
