@@ -78,6 +78,37 @@ def _names_schedule(event: dict[str, Any], result: Any, level: str) -> bool:
     return "LambdaLR" in event["message"] and event["details"].get("since_step") == 10
 
 
+def _names_inplace(event: dict[str, Any], result: Any, level: str) -> bool:
+    if level == "advanced":
+        return bool(re.search(r"Cause: `[^`]*(div_|/=|__itruediv__)", event["message"]))
+    return result.findings_order()[0] == "nonfinite_loss"
+
+
+def _names_masked_softmax(event: dict[str, Any], result: Any, level: str) -> bool:
+    if level == "advanced":
+        return bool(re.search(r"Cause: `[^`]*softmax", event["message"])) and "-inf" in event["message"]
+    return result.findings_order()[0] == "nonfinite_loss"
+
+
+def _names_sqrt(event: dict[str, Any], result: Any, level: str) -> bool:
+    order = result.findings_order()
+    chain = [kind for kind in order if kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param")]
+    in_order = chain == sorted(chain, key=("nonfinite_loss", "nonfinite_grad", "nonfinite_param").index)
+    if level == "advanced":
+        return in_order and bool(re.search(r"`[^`]*sqrt", event["message"]))
+    return in_order and chain[:1] == ["nonfinite_grad"]
+
+
+def _names_period(event: dict[str, Any], result: Any, level: str) -> bool:
+    return bool(re.search(r"every 5(th)? (optimizer )?step", event["message"]))
+
+
+def _names_label(event: dict[str, Any], result: Any, level: str) -> bool:
+    message = event["message"]
+    return bool(re.search(r"label|target", message, re.I)) and bool(re.search(r"sample 0|samples? \[?0", message)) \
+        and bool(re.search(r"\b(2|4|128)\b", message))
+
+
 ALL = ("mlp24", "bert", "gpt2", "resnet", "t5", "demo_transformer", "boring", "lstm")
 PLANTS: tuple[PlantCase, ...] = (
     PlantCase("log_zero", {"log_zero_at": 5}, ALL, 7, ("nonfinite_loss",), lambda step: step == 5, _names_log,
@@ -95,15 +126,44 @@ PLANTS: tuple[PlantCase, ...] = (
               ("learning_stalled",), lambda step: 10 <= step <= 16, _names_schedule,
               overrides={"gradient_checking_frequency": 2},
               what="a LambdaLR that sets the learning rate to 0 after step 10 of 40"),
+    PlantCase("inplace_nan", {"inplace_nan_at": 5}, ALL, 7, ("nonfinite_loss",), lambda step: step == 5,
+              _names_inplace, what="`z /= z.std()` of a constant vector at step 5 (an in-place 0/0)"),
+    PlantCase("masked_softmax", {"masked_softmax_at": 5}, ALL, 7, ("nonfinite_loss",), lambda step: step == 5,
+              _names_masked_softmax, what="softmax over a row masked_fill(-inf) entirely, at step 5"),
+    PlantCase("sqrt_zero", {"sqrt_zero_at": 5}, ALL, 7, ("nonfinite_grad",), lambda step: step == 5, _names_sqrt,
+              what="sqrt of a zero squared distance at step 5 (NaN only in the backward)"),
+    PlantCase("periodic_sleep", {"sleep_every": 5}, ("mlp24", "bert", "gpt2", "resnet", "boring"), 30,
+              ("slow_step",), lambda step: step <= 29, _names_period,
+              overrides={"performance_profiling_frequency": 1}, what="time.sleep(0.2) on every 5th step"),
+    PlantCase("bad_label", {"bad_label_at": 3}, ("bert", "gpt2", "resnet", "t5"), 5, ("exception",),
+              lambda step: step == 3, _names_label, what="a label out of range passed to the model's own loss"),
 )
 
 
+def _fit(model: str, plant: Any, config: Any, root: Path, steps: int) -> Any:
+    """The zoo's fit, keeping what the run wrote when the planted bug raises (a bad label stops training)."""
+    from lightning_debug import debug_callbacks
+    from tests.harness.toolkit import debug_dir, make_trainer, read_events, read_report
+    from tests.harness.zoo import TRAINER_OPTIONS, Result, build
+
+    module = build(model, plant)
+    trainer = make_trainer(root, debug_callbacks(config), max_steps=steps,
+                           **dict(TRAINER_OPTIONS.get(model, {}), limit_val_batches=0))
+    started = time.perf_counter()
+    try:
+        trainer.fit(module)
+    except Exception:  # noqa: BLE001 - the user's error; the plugin's findings are what is judged
+        pass
+    directory = debug_dir(trainer)
+    return Result(read_events(directory), read_report(directory), time.perf_counter() - started, module)
+
+
 def run_one(case: PlantCase, model: str, level: str, root: Path) -> dict[str, Any]:
-    from tests.harness.zoo import Plant, defaults, fit
+    from tests.harness.zoo import Plant, defaults
 
     config = defaults(**dict(case.overrides, **({"level": "advanced"} if level == "advanced" else {})))
     started = time.perf_counter()
-    result = fit(model, Plant(**case.plant), config, root, max_steps=case.steps)
+    result = _fit(model, Plant(**case.plant), config, root, case.steps)
     found = [e for e in result.serious() if e["kind"] in case.kinds]
     hits = [e for e in found if e.get("step") is not None and case.steps_ok(int(e["step"]))]
     first = min(hits, key=lambda e: e["step"]) if hits else None

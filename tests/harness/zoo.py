@@ -55,6 +55,16 @@ class Plant:
             N-th batch; not a bug, a documented Lightning feature.
         lr_zero_after: A ``LambdaLR`` (stepped every optimizer step) keeps the learning rate until this
             step and sets it to 0 from then on: the common schedule bug that silently stops learning.
+        sleep_every: ``training_step`` sleeps ``sleep_s`` on every N-th step (the shape of a synchronous
+            checkpoint save, a logging flush or a GC pause).
+        inplace_nan_at: At this step the loss adds ``z /= z.std()`` of a constant feature (no gradient, like
+            an input normalised in place in ``training_step``): an in-place division 0/0 that makes the NaN.
+        masked_softmax_at: At this step the loss adds ``softmax`` of a row that ``masked_fill(-inf)``
+            masked entirely (a fully masked attention row): the softmax makes the NaN.
+        sqrt_zero_at: At this step the loss adds ``sqrt`` of a squared distance that is 0 (a triplet loss
+            of identical embeddings): finite forward, NaN gradient.
+        bad_label_at: The batch of this step gets a label out of range in sample 0 (the number of
+            classes, or the vocabulary size for token labels), passed to the model's own loss.
     """
 
     log_zero_at: int | None = None
@@ -66,6 +76,12 @@ class Plant:
     data_sleep_s: float = 0.0
     return_none_every: int | None = None
     lr_zero_after: int | None = None
+    sleep_every: int | None = None
+    sleep_s: float = 0.2
+    inplace_nan_at: int | None = None
+    masked_softmax_at: int | None = None
+    sqrt_zero_at: int | None = None
+    bad_label_at: int | None = None
 
 
 HEALTHY = Plant()
@@ -141,8 +157,22 @@ class Planted:
 
     def planted_loss(self, loss: torch.Tensor) -> torch.Tensor:
         step = self.trainer.global_step  # type: ignore[attr-defined]
-        if self.plant.log_zero_at is not None and step == self.plant.log_zero_at:
+        plant = self.plant
+        if plant.log_zero_at is not None and step == plant.log_zero_at:
             loss = loss + torch.log(loss * 0.0)
+        if plant.inplace_nan_at == step:
+            z = (loss.detach() * 0.0).expand(4).clone()  # a constant feature, normalised in place: 0/0
+            z /= z.std()
+            loss = loss + z.sum()
+        if plant.masked_softmax_at == step:
+            scores = torch.stack([loss, loss, loss]).unsqueeze(0)
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), float("-inf"))
+            loss = loss + scores.softmax(dim=-1).sum()
+        if plant.sqrt_zero_at == step:
+            anchor = loss.expand(4)
+            loss = loss + (anchor - anchor).pow(2).sum().sqrt()
+        if plant.sleep_every is not None and step % plant.sleep_every == plant.sleep_every - 1:
+            time.sleep(plant.sleep_s)
         if self.plant.keep_graph:
             self.kept_losses.append(loss)
         return loss
@@ -189,6 +219,14 @@ class HFModule(Planted, pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
         if self.skips(batch_idx):
             return None
+        if self.plant.bad_label_at == self.trainer.global_step and "labels" in batch:
+            labels = batch["labels"].clone()
+            config = self.model.config
+            if labels.dim() > 1:  # token labels (a causal LM shifts them: the last position is always used)
+                labels[0, -1] = config.vocab_size
+            else:
+                labels[0] = config.num_labels
+            batch = dict(batch, labels=labels)
         return self.planted_loss(self.model(**batch).loss)
 
     def configure_optimizers(self) -> Any:
