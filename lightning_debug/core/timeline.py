@@ -21,6 +21,9 @@ PLOTTED_TAGS = (
     "debug/memory/cuda_peak_mb",
     "debug/grad/global_norm", "debug/anomaly/count", "debug/loss_finite",
 )
+LOSS_SERIES = "loss"
+"""The series of the training loss: what the anomaly check read on its check steps, or, rebuilt offline,
+the first logged tag outside ``debug/`` whose name holds ``loss`` (``train_loss``)."""
 MAX_POINTS = 2048
 MAX_EVENTS = 4096
 MAX_TAGS = 10_000
@@ -100,6 +103,7 @@ class Timeline:
     events_dropped: int = 0
     last_step: int = -1
     tags: set[str] = field(default_factory=set)
+    loss_source: str = ""
     _open: dict[tuple[str, int], list[Episode]] = field(default_factory=dict, repr=False)
 
     def observe_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -109,7 +113,29 @@ class Timeline:
                 self.tags.add(tag)
             if tag in PLOTTED_TAGS:
                 self.series.setdefault(tag, Series()).add(int(step), float(value))
+            elif not tag.startswith("debug/") and "loss" in tag.lower() and self.loss_source in ("", tag):
+                self.loss_source = tag
+                self.series.setdefault(LOSS_SERIES, Series()).add(int(step), float(value))
         self.last_step = max(self.last_step, int(step))
+
+    def observe_loss(self, step: int, value: float) -> None:
+        """The training loss of optimizer step ``step``, as the anomaly check read it (host float); it
+        replaces a loss taken from logged tags, and a NaN/Inf loss leaves a gap.
+
+        Example::
+
+            >>> timeline = Timeline()
+            >>> timeline.observe_metrics({"train_loss": 2.5, "debug/grad/global_norm": 1.0}, 0)
+            >>> timeline.loss_source, timeline.values(LOSS_SERIES)
+            ('train_loss', ([0], [2.5]))
+            >>> for step, loss in ((0, 2.4), (1, float("nan")), (2, 2.2)): timeline.observe_loss(step, loss)
+            >>> timeline.loss_source, timeline.values(LOSS_SERIES)
+            ('training loss', ([0, 2], [2.4, 2.2]))
+        """
+        if self.loss_source != "training loss":
+            self.loss_source = "training loss"
+            self.series.pop(LOSS_SERIES, None)
+        self.series.setdefault(LOSS_SERIES, Series()).add(int(step), float(value))
 
     def observe_event(self, record: dict[str, Any]) -> None:
         """An event listener: a start (or one-off) event opens an episode, an end event closes it."""

@@ -1,4 +1,11 @@
-"""``debug_analysis.png``: step time, memory, gradient norm and findings over the steps of one run.
+"""``debug_analysis.png``: the loss, step time, memory, gradient norm and findings over the steps of one run.
+
+The loss comes first: it is the curve a person debugging a NaN or a divergence looks at, and every
+other panel shares its step axis. Findings are markers at the step they started; a bar is drawn only
+for an episode seen on more than one check step. A line is drawn only for a threshold in effect (the
+user's ``gradient_explosion_threshold``, when set). Memory readings differ by hundreds of MB (process
+RSS and the C heap), so each is drawn as its change since its first reading, labelled with where it
+started.
 
 Drawn at the end of fit (``DebugConfig.save_plots``) and by ``lightning-debug report DIR``, from
 a :class:`~lightning_debug.core.timeline.Timeline`. matplotlib is an optional extra
@@ -25,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_debug.core.kinds import severity_rank
-from lightning_debug.core.timeline import Timeline
+from lightning_debug.core.timeline import LOSS_SERIES, Timeline
 from lightning_debug.report.document import write_atomic
 
 PLOT_FILENAME = "debug_analysis.png"
@@ -65,6 +72,24 @@ def _lines(axis: Any, timeline: Timeline, curves: list[tuple[str, str]]) -> bool
     return drawn
 
 
+def _memory_changes(axis: Any, timeline: Timeline) -> bool:
+    drawn = False
+    for tag, label in (("debug/memory/cpu_rss_mb", "process RSS"), ("debug/memory/cpu_heap_mb", "C heap in use"),
+                       ("debug/memory/cuda_allocated_mb", "CUDA allocated"),
+                       ("debug/memory/cuda_reserved_mb", "CUDA reserved")):
+        steps, values = timeline.values(tag)
+        if steps:
+            start = values[0]
+            axis.plot(steps, [value - start for value in values], label=f"{label} (from {start:,.0f} MB)",
+                      linewidth=1.2, marker="." if len(steps) < 60 else None)
+            drawn = True
+    if drawn:
+        axis.axhline(0, color="#bbbbbb", linewidth=0.8)
+        axis.legend(loc="upper left", fontsize=8, frameon=False)
+        axis.grid(alpha=0.3)
+    return drawn
+
+
 def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
     by_kind: dict[str, str] = {}
     for episode in timeline.episodes:
@@ -79,8 +104,9 @@ def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
         row = rows[episode.kind]
         color = SEVERITY_COLORS.get(episode.severity, "#1f77b4")
         end = episode.last_step if episode.last_step is not None else max(last_step, episode.first_step)
-        axis.broken_barh([(episode.first_step - 0.4, end - episode.first_step + 0.8)], (row - 0.3, 0.6),
-                         facecolors=color, alpha=0.45)
+        if episode.last_step is None or (episode.check_steps > 1 and end > episode.first_step):
+            axis.broken_barh([(episode.first_step - 0.4, end - episode.first_step + 0.8)], (row - 0.3, 0.6),
+                             facecolors=color, alpha=0.45, hatch="//" if episode.last_step is None else None)
         axis.plot([episode.first_step], [row], marker="v", color=color, markersize=7)
     axis.set_yticks(range(len(kinds)), [f"{kind} ({by_kind[kind]})" for kind in kinds], fontsize=8)
     axis.set_ylim(-0.7, len(kinds) - 0.3)
@@ -88,29 +114,43 @@ def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
     return True
 
 
+def _loss(axis: Any, timeline: Timeline) -> bool:
+    steps, values = timeline.values(LOSS_SERIES)
+    if not steps:
+        return False
+    axis.plot(steps, values, label=timeline.loss_source or "loss", linewidth=1.2, color="#222222",
+              marker="." if len(steps) < 60 else None)
+    positive = [value for value in values if value > 0]
+    if positive and len(positive) == len(values) and max(positive) / min(positive) > 100:
+        axis.set_yscale("log")
+    axis.legend(loc="upper right", fontsize=8, frameon=False)
+    axis.grid(alpha=0.3)
+    return True
+
+
 def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightning-debug",
-                        explosion_threshold: float | None = None,
-                        vanishing_threshold: float | None = None) -> Path:
-    """Draw the four panels into ``path`` (PNG); raises :class:`PlotsUnavailable` without matplotlib."""
+                        explosion_threshold: float | None = None) -> Path:
+    """Draw the five panels into ``path`` (PNG); raises :class:`PlotsUnavailable` without matplotlib."""
     figure_type, canvas_type = _matplotlib()
-    figure = figure_type(figsize=(11, 10), dpi=100, layout="constrained")
+    figure = figure_type(figsize=(11, 12), dpi=100, layout="constrained")
     canvas_type(figure)
-    step_axis, memory_axis, grad_axis, findings_axis = figure.subplots(4, 1, sharex=True,
-                                                                        height_ratios=[1, 1, 1, 1.1])
+    loss_axis, step_axis, memory_axis, grad_axis, findings_axis = figure.subplots(
+        5, 1, sharex=True, height_ratios=[1.2, 1, 1, 1, 1.1])
     figure.suptitle(title, fontsize=12)
     last_step = max(timeline.last_step, 0)
+
+    loss_axis.set_title("Loss (gaps: steps where it was NaN/Inf)", loc="left", fontsize=10)
+    if not _loss(loss_axis, timeline):
+        _nothing(loss_axis, "no loss: add AnomalyDetectionCallback (it reads the loss on its check steps)")
 
     step_axis.set_title("Step time", loc="left", fontsize=10)
     step_axis.set_ylabel("ms")
     if not _lines(step_axis, timeline, [("debug/perf/step_ms", "step"), ("debug/perf/data_ms", "data wait")]):
         _nothing(step_axis, "no step times: add PerformanceProfilerCallback (log_performance: true)")
 
-    memory_axis.set_title("Memory", loc="left", fontsize=10)
+    memory_axis.set_title("Memory: change since the first reading", loc="left", fontsize=10)
     memory_axis.set_ylabel("MB")
-    if not _lines(memory_axis, timeline, [("debug/memory/cpu_rss_mb", "process RSS"),
-                                          ("debug/memory/cpu_heap_mb", "C heap in use"),
-                                          ("debug/memory/cuda_allocated_mb", "CUDA allocated"),
-                                          ("debug/memory/cuda_reserved_mb", "CUDA reserved")]):
+    if not _memory_changes(memory_axis, timeline):
         _nothing(memory_axis, "no memory readings: add MemoryProfilerCallback (log_memory: true)")
 
     grad_axis.set_title("Global gradient norm", loc="left", fontsize=10)
@@ -119,16 +159,16 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
         positive = [value for value in norms if value > 0]
         if positive and max(positive) / min(positive) > 100:
             grad_axis.set_yscale("log")
-        for threshold, label in ((explosion_threshold, "explosion threshold"),
-                                 (vanishing_threshold, "vanishing threshold")):
-            if threshold and positive and threshold / 100 <= max(positive) and threshold * 100 >= min(positive):
-                grad_axis.axhline(threshold, color="#999999", linestyle=":", linewidth=1)
-                grad_axis.annotate(label, (0, threshold), xycoords=("axes fraction", "data"), fontsize=7,
-                                   color="#666666", va="bottom")
+        threshold = explosion_threshold
+        if threshold and positive and threshold / 100 <= max(positive) and threshold * 100 >= min(positive):
+            grad_axis.axhline(threshold, color="#999999", linestyle=":", linewidth=1)
+            grad_axis.annotate("gradient_explosion_threshold", (0, threshold), xycoords=("axes fraction", "data"),
+                               fontsize=7, color="#666666", va="bottom")
     else:
         _nothing(grad_axis, "no gradient norms: add GradientHealthCallback")
 
-    findings_axis.set_title("Findings (bar: episode; marker: where it started)", loc="left", fontsize=10)
+    findings_axis.set_title("Findings (marker: where it started; bar: an episode over several check steps, "
+                            "hatched while still open)", loc="left", fontsize=10)
     findings_axis.set_xlabel("optimizer step")
     if not _findings_panel(findings_axis, timeline, last_step):
         findings_axis.set_yticks([])
@@ -136,7 +176,7 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
 
     serious = sorted({e.first_step for e in timeline.episodes if severity_rank(e.severity) <= 1})
     for step in serious[:MAX_MARKED_STEPS]:
-        for axis in (step_axis, memory_axis, grad_axis):
+        for axis in (loss_axis, step_axis, memory_axis, grad_axis):
             axis.axvline(step, color=SEVERITY_COLORS["error"], linestyle="--", linewidth=0.8, alpha=0.6)
     findings_axis.set_xlim(-0.5, max(last_step, 1) + 0.5)
     image = io.BytesIO()
@@ -148,9 +188,10 @@ def write_debug_analysis(directory: Path, timeline: Timeline, report: dict[str, 
     """``directory/debug_analysis.png`` for ``report``'s run, titled with its status and findings."""
     config = report.get("config") or {}
     findings = report.get("findings") or {}
-    title = (f"lightning-debug: {report.get('status', '?')} at step {report.get('last_step', '?')}, "
-             + (f"{len(findings)} kind(s) of finding: " + ", ".join(list(findings)[:4]) if findings
-                else "no findings"))
+    serious = [kind for kind, entry in findings.items()
+               if isinstance(entry, dict) and severity_rank(entry.get("severity")) <= severity_rank("warning")]
+    title = (f"lightning-debug: {report.get('status', '?')} at step {report.get('last_step', '?')}\n"
+             + (f"{len(serious)} kind(s) of finding of severity warning or above: " + ", ".join(serious[:5])
+                + (" ..." if len(serious) > 5 else "") if serious else "nothing of severity warning or above"))
     return draw_debug_analysis(timeline, directory / PLOT_FILENAME, title=title,
-                               explosion_threshold=config.get("gradient_explosion_threshold"),
-                               vanishing_threshold=config.get("gradient_vanishing_threshold"))
+                               explosion_threshold=config.get("gradient_explosion_threshold"))

@@ -141,12 +141,12 @@ def test_full_config_runs_all_four_areas_and_names_the_planted_nan(full_run: dic
     assert "**Where**: steps 30-" in markdown[first:] and "**What to do**" in markdown[first:]
 
 
-def test_the_plot_is_a_png_with_four_panels_worth_of_data(full_run: dict[str, Any]) -> None:
+def test_the_plot_is_a_png_with_five_panels_worth_of_data(full_run: dict[str, Any]) -> None:
     png = full_run["debug_dir"] / "debug_analysis.png"
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 20_000
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    assert (width, height) == (1100, 1000)
+    assert (width, height) == (1100, 1200)
 
 
 def test_console_summary_is_printed_once_with_the_findings_and_files(full_run: dict[str, Any]) -> None:

@@ -291,6 +291,8 @@ class AnomalyMonitor(Monitor):
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
+            if self.session.is_global_zero:
+                self.session.timeline.observe_loss(step, host.loss_value)
         self.log_metrics(step, metrics)
         self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
 
