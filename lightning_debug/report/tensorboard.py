@@ -1,5 +1,5 @@
 """TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text
-at their step, and at the end the report (Text tab) and the analysis plot (Images tab).
+at their step, and at the end the report (Text tab).
 
 Every TensorBoard tab groups tags into sections by the text before the first ``/``, so all
 ``debug/...`` charts share one "debug" section there (names are kept: dashboards depend on them).
@@ -7,8 +7,9 @@ The grouping by area lives in the Custom Scalars tab: when the run logs to Tenso
 when it is created on the global-zero process, a layout with five groups (anomalies, gradients,
 activations, memory, performance); the first chart of the anomalies group is the user's own loss tags, so the
 loss sits next to ``debug/loss_finite``. At the end of the run the layout is written again
-without the debug charts that received no data (TensorBoard shows the latest), the report as text
-``debug/report`` and ``debug_analysis.png`` as the image ``debug/analysis``. Every event written
+without the debug charts that received no data (TensorBoard shows the latest), and the report as
+text ``debug/report`` (debug_analysis.png stays a file: as an image it would open the Time Series tab
+above the user's own loss). Every event written
 to events.jsonl also becomes a text entry ``debug/events/<kind>`` at its step (Text tab), so a
 spike in a chart can be matched with what was found there. docs/tensorboard.md shows what each
 tab looks like.
@@ -43,7 +44,6 @@ LAYOUT_CATEGORIES = ("lightning-debug: anomalies", "lightning-debug: gradients",
 EVENT_TAG_PREFIX = "debug/events/"
 FAILED_CHECKS_TAG = "debug/failed_checks"
 REPORT_TAG = "debug/report"
-PLOT_TAG = "debug/analysis"
 USER_LOSS_PATTERN = r"(?!debug/)(?i:.*loss.*)"
 MAX_TEXT_ENTRIES = 500
 _ATTACHED = "_lightning_debug_layout_written"
@@ -124,7 +124,8 @@ def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 class EventText:
     """Session event listener writing each event as a text entry at its step (bounded per run); at the
     end of the run it rewrites the layout with only the charts that have data and adds the report
-    (text) and the analysis plot (image)."""
+    (text). The analysis plot stays a file: as an image it would be the first card of the Time Series tab,
+    above the user's own loss, and the Custom Scalars and Text tabs already tell its story."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
@@ -138,10 +139,6 @@ class EventText:
         for path in files:
             if path.suffix == ".md":
                 self.writer.add_text(REPORT_TAG, path.read_text(encoding="utf-8"), global_step=step)
-            elif path.suffix == ".png":
-                from matplotlib.image import imread  # the plot exists, so matplotlib is installed
-
-                self.writer.add_image(PLOT_TAG, imread(str(path))[..., :3], global_step=step, dataformats="HWC")
         failed = session.failures.summary()
         if failed:
             last = max(int(entry["last_step"]) for entry in failed.values())
