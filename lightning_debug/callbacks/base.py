@@ -175,7 +175,7 @@ class DebugCallback(Callback):
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:
             self._run.evaluation(trainer.global_step, False)  # type: ignore[union-attr]
-            if trainer.training:  # the time the loop lost: what the performance monitor quotes for a slow step
+            if not trainer.sanity_checking:  # what the performance monitor quotes for a slow step
                 self._run.ledger.note(trainer.global_step, "validation")  # type: ignore[union-attr]
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",

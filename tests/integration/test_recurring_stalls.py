@@ -88,6 +88,29 @@ def test_a_slow_checkpoint_every_5_steps_is_named_with_the_hook_that_ran(tmp_pat
     assert "checkpoint saving (steps" in found[0]["message"]
 
 
+def test_a_slow_checkpoint_after_validation_every_5_steps_names_both(tmp_path: Path) -> None:
+    """Validation every 5 batches and ModelCheckpoint saving when it ends (its default): the validation's own time
+    is left out of the steps, the blocking save is not, and both are named."""
+    class Validated(SlowCheckpoint):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", super().training_step(batch, batch_idx))
+
+        def val_dataloader(self) -> Any:
+            return super().train_dataloader()
+
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, Validated(), [PerformanceProfilerCallback(config),
+                                          ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)], 30,
+                  enable_checkpointing=True, val_check_interval=5, limit_val_batches=2, num_sanity_val_steps=0)
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    details = found[0]["details"]
+    # 16 batches an epoch, validation every 5: steps 5, 10, 15, then 21, 26: no fixed period, a share of steps
+    assert details["recurring"] and details["period"] is None and details["outliers"] >= 5, details
+    assert details["hooks"] == {"validation": details["outlier_steps"], "checkpoint saving": details["outlier_steps"]}
+    assert "validation (steps 5, 10, 15" in found[0]["message"]
+
+
 def test_at_the_defaults_a_stall_is_seen_through_the_timed_steps_with_the_advice_to_time_every_step(
         tmp_path: Path) -> None:
     """Only every 10th step is timed by default: a stall every 15th step shows on every 30th (0, 30, 60...);
