@@ -48,6 +48,18 @@ PHASE_HINTS = {
 }
 
 
+def ordinal(number: int) -> str:
+    """``5`` -> ``"5th"``, ``2`` -> ``"2nd"``, ``23`` -> ``"23rd"``: every k-th step, in words.
+
+    Example::
+
+        >>> [ordinal(k) for k in (2, 3, 5, 11, 12, 21, 30)]
+        ['2nd', '3rd', '5th', '11th', '12th', '21st', '30th']
+    """
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
 @dataclass(frozen=True)
 class SlowStep:
     """A slow step found: its times, the run's recent medians, and the phase that grew the most."""
@@ -89,10 +101,10 @@ class SlowStep:
     def _how_often(self) -> str:
         share = f"{self.outliers} of the last {self.timed_steps} timed steps"
         if self.period is not None:
-            text = (f"it recurs every {self.period}th step, {self.fraction:.0%} of steps ({share}; steps "
+            text = (f"it recurs every {ordinal(self.period)} step, {self.fraction:.0%} of steps ({share}; steps "
                     f"{', '.join(map(str, self.outlier_steps))})")
             if self.timing_frequency > 1:
-                text += (f"; only every {self.timing_frequency}th step is timed, so it may recur more often: "
+                text += (f"; only every {ordinal(self.timing_frequency)} step is timed, so it may recur more often: "
                          "performance_profiling_frequency=1 times every step")
             return text
         if self.recurring and self.slow_steps < SLOW_MIN_FLAGGED:
