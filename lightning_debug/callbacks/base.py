@@ -103,6 +103,7 @@ class DebugCallback(Callback):
             setattr(trainer, RUN_ATTRIBUTE, run)
         for monitor in (self.monitor, *self.companions):
             run.add(monitor)
+        run.ledger.notes_hooks = True
         self._run = run
         self._unsubscribe_idle_hooks()
 
@@ -174,6 +175,13 @@ class DebugCallback(Callback):
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:
             self._run.evaluation(trainer.global_step, False)  # type: ignore[union-attr]
+            if not trainer.sanity_checking:  # what the performance monitor quotes for a slow step
+                self._run.ledger.note(trainer.global_step, "validation")  # type: ignore[union-attr]
+
+    def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                           checkpoint: dict[str, Any]) -> None:
+        if self._leads and self._run is not None:
+            self._run.ledger.note(trainer.global_step, "checkpoint saving")
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:

@@ -106,9 +106,70 @@ def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, A
         buffers = {name: tensor_summary(b) for name, b in list(module.named_buffers(recurse=False))[:TENSORS_SHOWN]}
         expects = {attribute: getattr(module, attribute) for attribute in _SIZE_ATTRIBUTES
                    if isinstance(getattr(module, attribute, None), (int, tuple, list))}
-        return {"name": names[id(module)], "type": type(module).__name__, "repr": _short_repr(module),
-                "inputs": inputs, "parameters": parameters, "buffers": buffers,
-                "expects": {k: list(v) if isinstance(v, tuple) else v for k, v in expects.items()}}
+        found = {"name": names[id(module)], "type": type(module).__name__, "repr": _short_repr(module),
+                 "inputs": inputs, "parameters": parameters, "buffers": buffers,
+                 "expects": {k: list(v) if isinstance(v, tuple) else v for k, v in expects.items()}}
+        labels = declared_labels(module)
+        if labels is not None:
+            found["num_labels"] = labels
+        return found
+    return None
+
+
+def declared_labels(module: Any) -> dict[str, Any] | None:
+    """The number of classes a module declares, where it has one: a ``num_labels`` (or ``num_classes``) on
+    its ``config`` object or on itself, read as structure (an int attribute), never from its class.
+
+    Example::
+
+        >>> class Config: num_labels = 3
+        >>> head = nn.Linear(4, 3); head.config = Config()
+        >>> declared_labels(head), declared_labels(nn.Linear(4, 3))
+        ({'value': 3, 'attribute': 'config.num_labels'}, None)
+    """
+    for owner, prefix in ((getattr(module, "config", None), "config."), (module, "")):
+        for attribute in ("num_labels", "num_classes"):
+            value = getattr(owner, attribute, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return {"value": value, "attribute": prefix + attribute}
+    return None
+
+
+def out_of_range_labels(error: BaseException) -> dict[str, Any] | None:
+    """The labels a loss was given against the class count of its scores, from the innermost frame of the
+    traceback that holds both (``cross_entropy``'s ``input`` and ``target``, or a loss module's): a floating
+    tensor of two dimensions or more (classes on dimension 1) and an integer one. Names the first label
+    outside ``[0, classes)`` (other than ``ignore_index``), its index in the labels, and how many there are.
+    Reads the labels' values: it runs only after the error.
+
+    Example::
+
+        >>> try:
+        ...     nn.functional.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, 3, 1]))
+        ... except IndexError as error:
+        ...     found = out_of_range_labels(error)
+        >>> found["label"], found["index"], found["num_classes"], found["logits_shape"], found["count"]
+        (3, 2, 3, [4, 3], 1)
+    """
+    for frame, _ in reversed(frames_of(error)):
+        local = frame.f_locals
+        tensors = [value for value in list(local.values()) if isinstance(value, torch.Tensor)]
+        scores = next((t for t in tensors if t.is_floating_point() and t.dim() >= 2), None)
+        labels = next((t for t in tensors if not t.is_floating_point() and not t.is_complex()
+                       and t.dtype is not torch.bool), None)
+        if scores is None or labels is None:
+            continue
+        classes = int(scores.shape[1])
+        ignore = local.get("ignore_index")
+        flat = labels.detach().reshape(-1).to("cpu", torch.int64)
+        bad = (flat >= classes) | ((flat < 0) & (flat != (ignore if isinstance(ignore, int) else -100)))
+        positions = bad.nonzero().reshape(-1)
+        if not len(positions):
+            return None
+        first = int(positions[0])
+        return {"label": int(flat[first]), "index": first, "count": len(positions), "num_classes": classes,
+                "logits_shape": list(scores.shape), "labels_shape": list(labels.shape),
+                "labels_range": [int(flat.min()), int(flat.max())]}
     return None
 
 

@@ -31,6 +31,11 @@ LOSS_START_VALUES = 5
 DIVERGENCE_WINDOW = 8
 DIVERGENCE_RISES = 6
 DIVERGENCE_FACTOR = 2.0
+# Loss: a noisy climb. The level is the median of the last CLIMB_LEVEL_WINDOW checks; it climbs when it is at
+# least CLIMB_FACTOR times the best level of the run and above the start, on CLIMB_CONFIRM checks in a row.
+CLIMB_LEVEL_WINDOW = 8
+CLIMB_FACTOR = 2.0
+CLIMB_CONFIRM = 4
 
 
 def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
@@ -96,6 +101,7 @@ class LossKind(str, enum.Enum):
 
     SPIKE = "spike"
     DIVERGENCE = "divergence"
+    CLIMB = "climb"
 
 
 @dataclass
@@ -108,6 +114,7 @@ class LossVerdict:
     start: float = math.nan
     limit: float = math.nan
     window: list[float] | None = None
+    best: float = math.nan
 
     @property
     def details(self) -> dict[str, Any]:
@@ -116,6 +123,8 @@ class LossVerdict:
             out["limit"] = self.limit
         if self.window:
             out["recent_losses"] = self.window
+        if math.isfinite(self.best):
+            out["best_level"] = self.best
         return out
 
 
@@ -130,7 +139,20 @@ class LossTrend:
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
     :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
-    is above the start level. Both need a
+    is above the start level. ``climb``: the same overshoot seen through noise, where single losses fall
+    as often as they rise; the level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at
+    least :data:`CLIMB_FACTOR` times the best level the run has reached and above the start level, on
+    :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
+
+    What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
+    hard batch, a short batch at the end of an epoch) move single losses, not the median of eight;
+    a loss that rises for a few steps and comes back (a warm-up overshoot) is not confirmed over
+    :data:`CLIMB_CONFIRM` checks at twice the best level; a loss that trains down to near zero and
+    drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
+    :data:`CLIMB_LEVEL_WINDOW` losses (the warm-up, where the loss moves fastest) only make the first
+    level, never a judged one. Losses that rise by design (an adversarial generator's loss as its
+    discriminator learns, with several optimizers) are not judged: the monitor gives this rule the
+    loss of single-optimizer runs only. Both need a
     positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
     anomaly check names them).
 
@@ -147,20 +169,46 @@ class LossTrend:
     def __init__(self, window: int = LOSS_WINDOW) -> None:
         self.recent: deque[float] = deque(maxlen=window)
         self.start: list[float] = []
+        self.best_level = math.inf
+        self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
 
     @property
     def start_level(self) -> float:
         """Where the run started: the highest of its first losses (NaN before any)."""
         return max(self.start) if self.start else math.nan
 
-    def judge(self, loss: float) -> LossVerdict:
+    def judge(self, loss: float, climb: bool = True) -> LossVerdict:
+        """The verdict on ``loss``; ``climb=False`` leaves out the noisy-climb judgement (several optimizers)."""
         if not math.isfinite(loss):
             return LossVerdict(None, loss)
-        verdict = self._divergence(loss) or self._spike(loss) or LossVerdict(None, loss)
+        verdict = self._divergence(loss) or self._spike(loss)
         self.recent.append(loss)
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
-        return verdict
+        level = self._level()
+        climbing = self._climb(loss, level) if climb else None
+        if math.isfinite(level) and level < self.best_level:
+            self.best_level = level
+        return verdict or climbing or LossVerdict(None, loss)
+
+    def _level(self) -> float:
+        if len(self.recent) < CLIMB_LEVEL_WINDOW:
+            return math.nan
+        return median(list(self.recent)[-CLIMB_LEVEL_WINDOW:])
+
+    def _climb(self, loss: float, level: float) -> LossVerdict | None:
+        start = self.start_level
+        above = (math.isfinite(level) and 0 < self.best_level < math.inf and level > start > 0
+                 and level >= CLIMB_FACTOR * self.best_level)
+        if not above:
+            self.climb_levels.clear()
+            return None
+        self.climb_levels.append(level)
+        levels = list(self.climb_levels)
+        if len(levels) < CLIMB_CONFIRM or levels[-1] <= levels[0]:
+            return None
+        return LossVerdict(LossKind.CLIMB, loss, level, start, CLIMB_FACTOR * self.best_level,
+                           list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level)
 
     def _spike(self, loss: float) -> LossVerdict | None:
         if not self.recent or loss <= 0:
@@ -194,9 +242,13 @@ class LossTrend:
         return LossVerdict(LossKind.DIVERGENCE, loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"recent": list(self.recent), "start": list(self.start)}
+        return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
+                "climb_levels": list(self.climb_levels)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
         self.recent.extend(float(v) for v in state.get("recent", []))
         self.start = [float(v) for v in state.get("start", [])][:LOSS_START_VALUES]
+        self.best_level = float(state.get("best_level", math.inf))
+        self.climb_levels.clear()
+        self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))

@@ -140,7 +140,9 @@ def root_of(kind: str, findings: Mapping[str, dict[str, Any]]) -> str:
 def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Root causes first: most severe first, then by first step, then in causal order within a step
     (input batch -> activation -> loss -> gradient -> parameter); a consequence (``consequence_of``)
-    comes right after the finding it follows from, whatever its own severity.
+    comes right after the finding it follows from, whatever its own severity or step: within a root's
+    group the findings follow the chain of causes (a loss that is a consequence of the parameters that
+    are a consequence of the gradients comes after both, even when it was seen at an earlier step).
 
     Example::
 
@@ -149,12 +151,24 @@ def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str
         ...                     "nonfinite_grad": {"severity": "error", "first_step": 5},
         ...                     "nonfinite_loss": {"severity": "error", "first_step": 5}}))
         ['nonfinite_loss', 'nonfinite_grad', 'nonfinite_param']
+        >>> list(order_findings({"nonfinite_grad": {"severity": "error", "first_step": 3},
+        ...                     "nonfinite_loss": {"severity": "error", "first_step": 3,
+        ...                                        "consequence_of": "nonfinite_param"},
+        ...                     "nonfinite_param": {"severity": "critical", "first_step": 4,
+        ...                                         "consequence_of": "nonfinite_grad"}}))
+        ['nonfinite_grad', 'nonfinite_param', 'nonfinite_loss']
     """
+    def chain(kind: str) -> list[str]:  # the kinds from the root down to ``kind``, as root_of walks up
+        up = [kind]
+        while up[-1] != (root := root_of(kind, findings)):
+            up.append(findings[up[-1]]["consequence_of"])
+        return up[::-1]
+
     def key(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
-        kind, entry = item
-        root = root_of(kind, findings)
-        anchor = findings[root]
+        path = chain(item[0])
+        root, anchor = path[0], findings[path[0]]
+        # within a root's group a consequence sorts by its whole chain of causes, so each follows its own cause
         return (severity_rank(anchor.get("severity")), anchor.get("first_step", 0), causal_rank(root), root,
-                root != kind, entry.get("first_step", 0), causal_rank(kind), kind)
+                tuple((findings[link].get("first_step", 0), causal_rank(link), link) for link in path[1:]))
 
     return dict(sorted(findings.items(), key=key))

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from lightning_debug.core.schedule import CheckSchedule
 
 INSTRUMENTED_STEPS_KEPT = 64
+NOTES_KEPT = 64
 
 
 class StepRecord(NamedTuple):
@@ -67,11 +68,17 @@ class RunLedger:
         >>> ledger.instrument(10)
         >>> ledger.was_instrumented(10), ledger.was_instrumented(20)
         (True, False)
+        >>> ledger.note(5, "checkpoint saving"); ledger.note(10, "checkpoint saving")
+        >>> ledger.noted([5, 10, 15])
+        {'checkpoint saving': [5, 10]}
     """
 
     record: StepRecord = field(default_factory=StepRecord)
     timing: CheckSchedule | None = None
     instrumented: deque[int] = field(default_factory=lambda: deque(maxlen=INSTRUMENTED_STEPS_KEPT))
+    notes: deque[tuple[int, str]] = field(default_factory=lambda: deque(maxlen=NOTES_KEPT))
+    notes_hooks: bool = False
+    """Whether the adapter notes the framework's work between steps (validation, checkpoint saving)."""
 
     def is_timed(self, step: int) -> bool:
         """Whether the performance monitor times optimizer step ``step``."""
@@ -83,3 +90,17 @@ class RunLedger:
 
     def was_instrumented(self, step: int) -> bool:
         return step in self.instrumented
+
+    def note(self, step: int, what: str) -> None:
+        """The framework ran ``what`` (validation, checkpoint saving) in the time of optimizer step ``step``."""
+        if not self.notes or self.notes[-1] != (step, what):
+            self.notes.append((step, what))
+
+    def noted(self, steps: Any) -> dict[str, list[int]]:
+        """What the framework ran in ``steps``, by what it was, with the steps it ran in."""
+        wanted = set(steps)
+        out: dict[str, list[int]] = {}
+        for step, what in self.notes:
+            if step in wanted and step not in out.setdefault(what, []):
+                out[what].append(step)
+        return {what: found for what, found in out.items() if found}

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.errors import failing_module, failing_source, find_inplace, innermost_tensors
+from lightning_debug.checks.errors import (failing_module, failing_source, find_inplace, innermost_tensors,
+                                           out_of_range_labels)
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.error_categories import ERROR_ADVICE, ErrorCategory
@@ -102,6 +103,7 @@ class Failure:
     innermost: dict[str, dict[str, Any]]
     replay_inplace: InplaceReplay = _no_replay
     trainable_names: Callable[[], list[str]] = list
+    labels: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
@@ -159,8 +161,30 @@ def explain_devices(failure: Failure) -> str:
     return failure.operands("device")
 
 
+def _labels_out_of_range(failure: Failure) -> str:
+    found = failure.labels or {}
+    declared = (failure.module or {}).get("num_labels")
+    classes = found["num_classes"]
+    failure.details.update(label=found["label"], num_classes=classes, label_index=found["index"],
+                           labels_out_of_range=found["count"], logits_shape=found["logits_shape"],
+                           labels_shape=found["labels_shape"])
+    said = ""
+    if declared is not None:
+        failure.details["num_labels"] = declared["value"]
+        said = f"; the model's `{declared['attribute']}` is {declared['value']}"
+    others = f" ({found['count']} are out of range)" if found["count"] > 1 else ""
+    low, high = found["labels_range"]
+    return (f"a class label is {found['label']} but the model's output has {classes} classes (labels must be in "
+            f"[0, {classes})): the logits have shape {found['logits_shape']}{said}; the labels the loss got have "
+            f"shape {found['labels_shape']} and values {low}..{high}, the first out of range at index "
+            f"{found['index']}{others}.")
+
+
 def explain_index(failure: Failure) -> str:
-    """A class label against the logits' class count, or an index against ``num_embeddings``."""
+    """A class label against the logits' class count (with the label's index and the model's declared
+    ``num_labels`` where there is one), or an index against ``num_embeddings``."""
+    if failure.labels:
+        return _labels_out_of_range(failure)
     target = re.search(r"Target (-?\d+) is out of bounds", failure.text)
     logits = failure.innermost.get("input")
     if target and logits is not None and len(logits["shape"]) > 1:
@@ -233,10 +257,12 @@ EXPLAINERS: dict[ErrorCategory, Callable[[Failure], str]] = {
 def explain_error(step: int, error: BaseException, module: dict[str, Any] | None = None,
                   source: dict[str, Any] | None = None, innermost: dict[str, dict[str, Any]] | None = None,
                   replay_inplace: InplaceReplay = _no_replay,
-                  trainable_names: Callable[[], list[str]] = list) -> dict[str, Any]:
+                  trainable_names: Callable[[], list[str]] = list,
+                  labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """The explanation of a training-step error: ``step``, ``category``, ``message``, ``advice`` and
     ``details`` (the ``exception`` event's), from the error and what its traceback showed (``module``:
-    :func:`~lightning_debug.checks.errors.failing_module`, ``source``, ``innermost`` tensors).
+    :func:`~lightning_debug.checks.errors.failing_module`, ``source``, ``innermost`` tensors, and for a
+    label out of range the ``labels`` :func:`~lightning_debug.checks.errors.out_of_range_labels` found).
 
     It only explains an error that already happened, so it cannot fire on a healthy model; what it names
     comes from the message and the traceback, never guessed: with nothing to read, it says only what
@@ -259,7 +285,7 @@ def explain_error(step: int, error: BaseException, module: dict[str, Any] | None
         details["modules"] = [module["name"]]
     if innermost:
         details["tensors"] = innermost
-    failure = Failure(error, details, module, source, innermost, replay_inplace, trainable_names)
+    failure = Failure(error, details, module, source, innermost, replay_inplace, trainable_names, labels)
     explain = EXPLAINERS.get(category)
     what = explain(failure) if explain is not None else SENTENCES.get(category, "")
     message = (f"{type(error).__name__} at step {step} ({category.value}){failure.located()}: "
@@ -290,14 +316,24 @@ class ErrorMonitor(Monitor):
         if not isinstance(error, Exception) or isinstance(error, AnomalyError):
             return  # an interrupt is no error to explain; AnomalyError is this package's own report
         module = failing_module(error, self.context.module())
+        labels = self._labels(error)
         explanation = explain_error(
             step, error, module, failing_source(error), innermost_tensors(error) if module is None else {},
             self._replay_inplace,
-            lambda: [name for name, p in self.context.named_parameters() if p.requires_grad])
+            lambda: [name for name, p in self.context.named_parameters() if p.requires_grad], labels)
         self.explanations = (self.explanations + [explanation])[-EXPLANATIONS_KEPT:]
         self.emit(Finding(Kind.EXCEPTION, Severity.ERROR, explanation["message"], explanation["details"]), step)
         if not self.session.is_global_zero:
             self.session.write_document("exception", step, dict(explanation, document="exception"))
+
+    @staticmethod
+    def _labels(error: BaseException) -> dict[str, Any] | None:
+        if classify(error) is not ErrorCategory.INDEX_OUT_OF_RANGE:
+            return None
+        try:
+            return out_of_range_labels(error)
+        except Exception:  # reading the labels is a best effort on a run that already failed
+            return None
 
     def _replay_inplace(self, node: str, shape: list[int]) -> dict[str, Any] | None:
         context = self.context

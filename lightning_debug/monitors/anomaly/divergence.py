@@ -54,4 +54,12 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"checked steps, up to step {step}, above where the run started ({verdict.start:.4g}){lr}. The "
             f"optimizer overshoots. {FIX}; check the sign of the loss and that zero_grad() runs every step.",
             dict(verdict.details, learning_rates=list(learning_rates)))
+    if verdict.kind is LossKind.CLIMB:
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss is climbing through its noise: its level (the median of the last {len(verdict.window or [])} "
+            f"checked losses) is {verdict.level:.4g} at step {step}, {verdict.level / verdict.best:.3g}x the best "
+            f"level of the run ({verdict.best:.4g}) and above where the run started ({verdict.start:.4g}), and it "
+            f"kept rising over the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
+            dict(verdict.details, learning_rates=list(learning_rates), judged_by="smoothed_level"))
     return None

@@ -285,7 +285,8 @@ class AnomalyMonitor(Monitor):
             if verdict.bad_params and not params_first:
                 self._record_params(verdict.bad_params, where, world, param_ranks,
                                     verdict.params or ParamsOrigin.unknown(step))
-        trend = loss_finding(self.loss_trend.judge(host.loss_value), step, self._learning_rates)
+        trend = loss_finding(self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers),
+                             step, self._learning_rates)
         if trend is not None:
             self.record(trend, step, where)
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}

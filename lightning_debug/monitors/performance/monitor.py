@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -271,11 +272,14 @@ class PerformanceMonitor(Monitor):
             self.log_metrics(times.step, step_metrics(times, self.world_size))
         slow = self.slow_steps.judge(times, self.settings)
         if slow is not None:
+            if self.ledger.notes_hooks and slow.recurring:
+                slow = replace(slow, hooks=self.ledger.noted(self.slow_steps.recent_outliers()))
             self.record(slow.finding(), times.step, where, key=slow.key)
         waiting = self.data_wait.judge(times, self.settings)
         if waiting is not None:
             self.record(waiting.finding(self.loader, self.stopwatch.uses_cuda, usable_cpus()), times.step, where)
-        self.close_episodes(times.step, where, PERF_KINDS)
+        ongoing = self.slow_steps.ongoing(times.step)  # a periodic stall between two recurrences: one episode
+        self.close_episodes(times.step, where, PERF_KINDS - {Kind.SLOW_STEP} if ongoing else PERF_KINDS)
         self.slow_steps.remember(times)
         self._latest = times
 

@@ -27,6 +27,14 @@ SLOW_WINDOW = 10
 SLOW_MIN_FLAGGED = 3
 SLOW_LONE_FACTOR = 20.0
 SLOW_LONE_MS = 250.0
+# A stall that recurs: the last PERIOD_MIN_OUTLIERS outliers at one fixed distance k >= 2 (every k-th step), or
+# FAR_MIN_OUTLIERS far outliers (SLOW_LONE_FACTOR x the median and FAR_MS more) in the last RECENT_STEPS timed
+# steps, at least FAR_MIN_FRACTION of them. Both are read from bounded histories of the timed steps.
+PERIOD_MIN_OUTLIERS = 4
+PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from three equidistant outliers
+FAR_MS = 100.0
+FAR_MIN_OUTLIERS = 5
+FAR_MIN_FRACTION = 0.1
 
 PHASE_HINTS = {
     Phase.DATA: "the data wait grew: a slow sample or shard, data-loader workers restarting at an epoch boundary, "
@@ -38,6 +46,18 @@ PHASE_HINTS = {
     Phase.OPTIMIZER: "the optimizer step was slow: optimizer state allocated lazily on the first step, a hook or "
                      "an LR scheduler doing extra work",
 }
+
+
+def ordinal(number: int) -> str:
+    """``5`` -> ``"5th"``, ``2`` -> ``"2nd"``, ``23`` -> ``"23rd"``: every k-th step, in words.
+
+    Example::
+
+        >>> [ordinal(k) for k in (2, 3, 5, 11, 12, 21, 30)]
+        ['2nd', '3rd', '5th', '11th', '12th', '21st', '30th']
+    """
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -58,27 +78,66 @@ class SlowStep:
     plugin_ms: float
     cpu_wait_ms: float
     threshold_factor: float
+    period: int | None = None
+    outliers: int = 0
+    timed_steps: int = 0
+    outlier_steps: tuple[int, ...] = ()
+    timing_frequency: int = 1
+    hooks: dict[str, list[int]] | None = None
 
     @property
     def key(self) -> str:
         """Episodes by phase; a lone outlier is an episode of its own."""
         return self.phase.value if self.recurring else f"{self.phase.value} (once)"
 
+    @property
+    def fraction(self) -> float:
+        """The share of steps the stall costs: one in ``period`` for a periodic one, else the share of the recent
+        timed steps that were outliers."""
+        if self.period:
+            return 1.0 / self.period
+        return self.outliers / self.timed_steps if self.timed_steps else 0.0
+
+    def _how_often(self) -> str:
+        share = f"{self.outliers} of the last {self.timed_steps} timed steps"
+        if self.period is not None:
+            text = (f"it recurs every {ordinal(self.period)} step, {self.fraction:.0%} of steps ({share}; steps "
+                    f"{', '.join(map(str, self.outlier_steps))})")
+            if self.timing_frequency > 1:
+                text += (f"; only every {ordinal(self.timing_frequency)} step is timed, so it may recur more often: "
+                         "performance_profiling_frequency=1 times every step")
+            return text
+        if self.recurring and self.slow_steps < SLOW_MIN_FLAGGED:
+            return f"steps far above the median recur, {self.fraction:.0%} of steps ({share})"
+        if self.recurring:
+            return f"{self.slow_steps} of the last {self.window_steps} timed steps were this slow"
+        return "a single step so far (it becomes a warning if it recurs)"
+
+    def _hooks(self) -> str:
+        if self.hooks is None:
+            return ""
+        if not self.hooks:
+            return (" No validation or checkpoint saving ran in those steps: the time is the loop's own or the "
+                    "step's (a logging flush, a garbage collection, I/O or a sleep in training_step).")
+        ran = "; ".join(f"{name} (steps {', '.join(map(str, steps))})" for name, steps in self.hooks.items())
+        return f" In those steps Lightning also ran: {ran}: a likely cause."
+
     def finding(self) -> Finding:
-        how_often = (f"{self.slow_steps} of the last {self.window_steps} timed steps were this slow" if self.recurring
-                     else "a single step so far (it becomes a warning if it recurs)")
+        how_often = self._how_often()
         factor = self.step_ms / self.median_step_ms
         details: dict[str, Any] = {
             "phase": self.phase.value, "step_ms": self.step_ms, "median_step_ms": self.median_step_ms,
             "factor": factor, "phase_ms": self.phase_ms, "median_phase_ms": self.median_phase_ms,
             "threshold_ms": self.threshold_ms, "slow_steps": self.slow_steps, "window_steps": self.window_steps,
             "recurring": self.recurring, "phases_ms": {phase.value: ms for phase, ms in self.phases_ms.items()},
-            "plugin_ms": self.plugin_ms, "cpu_wait_ms": self.cpu_wait_ms, "threshold_factor": self.threshold_factor}
+            "plugin_ms": self.plugin_ms, "cpu_wait_ms": self.cpu_wait_ms, "threshold_factor": self.threshold_factor,
+            "period": self.period, "outliers": self.outliers, "timed_steps": self.timed_steps,
+            "fraction": self.fraction, "outlier_steps": list(self.outlier_steps), "hooks": self.hooks}
         return Finding(
             Kind.SLOW_STEP, Severity.WARNING if self.recurring else Severity.INFO,
             f"Step {self.step} took {self.step_ms:.1f} ms, {factor:.1f}x the recent median of "
-            f"{self.median_step_ms:.1f} ms ({how_often}); the {self.phase.value} phase took {self.phase_ms:.1f} ms "
-            f"(median {self.median_phase_ms:.1f} ms), so {PHASE_HINTS[self.phase]}.", details)
+            f"{self.median_step_ms:.1f} ms; {how_often}; the {self.phase.value} phase took {self.phase_ms:.1f} ms "
+            f"(median {self.median_phase_ms:.1f} ms), so {PHASE_HINTS[self.phase]}.{self._hooks()}", details)
 
 
 class SlowStepRule:
@@ -90,7 +149,16 @@ class SlowStepRule:
     ``SLOW_MAD_Z`` robust standard deviations of the run's own spread and by ``MIN_SLOW_EXCESS_MS``;
     times are judged without the plugin's own time and the measured wait for a CPU. It warns only
     when outliers recur; a lone outlier is an info, and only when it is far out. The history is
-    bounded (``RECENT_STEPS`` times per phase, ``SLOW_WINDOW`` flags).
+    bounded (``RECENT_STEPS`` times per phase, ``SLOW_WINDOW`` flags, the last ``RECENT_STEPS``
+    timed steps and outliers by step).
+
+    Outliers recur in three ways: clustered (``SLOW_MIN_FLAGGED`` of the last ``SLOW_WINDOW`` timed
+    steps); with a period (the last ``PERIOD_MIN_OUTLIERS`` outliers at one fixed distance of two
+    steps or more: a checkpoint, a flush or a collection every k-th step); or as a share of steps
+    far above the median (``FAR_MIN_OUTLIERS`` of the last ``RECENT_STEPS`` timed steps, and at least
+    ``FAR_MIN_FRACTION`` of them, each ``SLOW_LONE_FACTOR`` times the median and ``FAR_MS`` above it).
+    A busy machine's hiccups are irregular and rarely that far out: four of them exactly
+    equidistant, or five 20x-and-100-ms stalls in fifty steps, are not what jitter looks like.
 
     Example::
 
@@ -110,6 +178,30 @@ class SlowStepRule:
         self.steps = Window(RECENT_STEPS)
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
         self.flags: deque[bool] = deque(maxlen=SLOW_WINDOW)
+        self.timed: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.outlier_steps: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
+
+    def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
+        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one."""
+        last = list(self.outlier_steps)[-minimum:]
+        if len(last) < minimum:
+            return None
+        gaps = {later - earlier for earlier, later in zip(last, last[1:])}
+        return gaps.pop() if len(gaps) == 1 and min(gaps) >= 2 else None
+
+    def recent_outliers(self) -> list[int]:
+        """The outlier steps among the recent timed steps."""
+        return self._recent(self.outlier_steps)
+
+    def ongoing(self, step: int) -> bool:
+        """Whether ``step`` lies between two recurrences of a periodic stall (its episode stays open)."""
+        period = self.period()
+        return period is not None and bool(self.outlier_steps) and step - self.outlier_steps[-1] < 2 * period
+
+    def _recent(self, steps: deque[int]) -> list[int]:
+        oldest = self.timed[0] if self.timed else 0
+        return [step for step in steps if step >= oldest]
 
     def threshold_ms(self, settings: PerformanceSettings) -> float | None:
         """The step time above which a step is an outlier of this run (None until enough history)."""
@@ -128,17 +220,29 @@ class SlowStepRule:
         judged = times.judged_step_ms
         outlier = judged > threshold
         self.flags.append(outlier)
+        self.timed.append(times.step)
         if not outlier:
             return None
+        self.outlier_steps.append(times.step)
+        far = judged >= SLOW_LONE_FACTOR * median and judged - median >= FAR_MS
+        if far:
+            self.far_steps.append(times.step)
         flagged = sum(self.flags)
-        recurring = flagged >= SLOW_MIN_FLAGGED
-        if not recurring and not (judged >= SLOW_LONE_FACTOR * median and judged - median >= SLOW_LONE_MS):
+        period = self.period()
+        outliers, far_recent = self._recent(self.outlier_steps), self._recent(self.far_steps)
+        frequent = len(far_recent) >= FAR_MIN_OUTLIERS and len(far_recent) >= FAR_MIN_FRACTION * len(self.timed)
+        recurring = flagged >= SLOW_MIN_FLAGGED or period is not None or frequent
+        if recurring and period is None:
+            period = self.period(PERIOD_NAMED_OUTLIERS)
+        if not recurring and not (far and judged - median >= SLOW_LONE_MS):
             return None
         excess = {phase: times.judged(phase) - self.phases[phase].median() for phase in PHASES}
         phase = max(excess, key=lambda name: excess[name])
         return SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
                         threshold, flagged, len(self.flags), recurring, dict(times.phases), times.own_ms,
-                        sum(times.cpu_waits.values()), settings.slow_step_factor)
+                        sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
+                        len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
+                        settings.frequency)
 
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history (after it was judged)."""

@@ -1,0 +1,129 @@
+"""A loss that climbs through its noise (issue 25): no single jump, no steady rise step after step, but
+its level goes from 2.8 to tens over a few dozen steps; and healthy noisy losses that must stay quiet.
+Real Trainer runs on CPU."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
+from tests.harness.toolkit import debug_dir, make_trainer, read_events
+
+pytestmark = pytest.mark.timeout(120)
+
+LOUD = {"warning", "error", "critical"}
+
+
+class NoisyClassifier(pl.LightningModule):
+    """An MLP over 16 classes (loss ~2.8 at the start), SGD with momentum; ``lr=1.5`` is far too high:
+    the loss climbs, falling back on many steps, without a NaN. ``warmup`` steps of linear lr warm-up."""
+
+    def __init__(self, lr: float = 1.5, momentum: float = 0.9, optimizer: str = "sgd", warmup: int = 0,
+                 label_noise: float = 0.0) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.lr, self.momentum, self.optimizer_name, self.warmup = lr, momentum, optimizer, warmup
+        self.label_noise = label_noise
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        if not self.warmup:
+            return optimizer
+        warmup = self.warmup
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn(512, 32, generator=generator)
+        targets = torch.randint(0, 16, (512,), generator=generator)
+        if self.label_noise:  # learnable labels, a share of them replaced by noise: a noisy, falling loss
+            targets = inputs[:, :16].argmax(dim=1)
+            noisy = torch.rand(512, generator=generator) < self.label_noise
+            targets[noisy] = torch.randint(0, 16, (int(noisy.sum()),), generator=generator)
+        return DataLoader(TensorDataset(inputs, targets), batch_size=32)
+
+
+def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(root, callbacks, max_steps=max_steps)
+        trainer.fit(model)
+    return trainer
+
+
+def loud(trainer: pl.Trainer) -> list[tuple[int, str]]:
+    return [(e["step"], e["kind"]) for e in read_events(debug_dir(trainer))
+            if e["severity"] in LOUD and e.get("episode") != "end"]
+
+
+def every_check_every_step() -> list[pl.Callback]:
+    config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1)
+    return [AnomalyDetectionCallback(config), GradientHealthCallback(config)]
+
+
+def test_a_noisy_climb_from_sgd_at_a_far_too_high_lr_is_loss_divergence_with_lr_advice(tmp_path: Path) -> None:
+    model = NoisyClassifier()
+    trainer = fit(tmp_path, model, [AnomalyDetectionCallback()], 40)
+    losses = model.losses
+    assert losses[0] < 3.0 and max(losses[-5:]) > 10 * losses[0], "the plant: the loss climbs from ~2.8 to tens"
+    falls = sum(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert falls >= 10, "the plant: a noisy climb, the loss falls on many steps"
+    assert all(math.isfinite(loss) for loss in losses), "the plant: no NaN"
+    events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "loss_divergence"
+              and e.get("episode") == "start"]
+    assert events, "the noisy climb is named"
+    first = events[0]
+    crossed = next(step for step, loss in enumerate(losses) if loss > 2 * losses[0])  # the raw loss doubled
+    assert crossed <= first["step"] <= crossed + 12, (crossed, first["step"], losses)
+    assert "climbing" in first["message"] and "learning rate 1.5" in first["message"]
+    assert "Lower the learning rate" in first["message"]
+    assert first["details"]["best_level"] < 3.5 and first["details"]["recent_level"] > 2 * first["details"]["best_level"]
+
+
+def test_a_noisy_climb_is_named_with_every_check_every_step(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, NoisyClassifier(), every_check_every_step(), 40)
+    assert "loss_divergence" in {kind for _, kind in loud(trainer)}
+
+
+@pytest.mark.parametrize("label_noise,lr,warmup", [(0.5, 3e-3, 10), (0.8, 1e-2, 0)])
+def test_a_healthy_noisy_loss_with_a_warmup_is_quiet(tmp_path: Path, label_noise: float, lr: float,
+                                                        warmup: int) -> None:
+    model = NoisyClassifier(lr=lr, optimizer="adam", warmup=warmup, label_noise=label_noise)
+    trainer = fit(tmp_path, model, every_check_every_step(), 48)
+    losses = model.losses
+    falls = sum(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert falls >= 10 and max(losses[1:]) > losses[0] * 0.95, "the plant: a noisy loss"
+    assert loud(trainer) == []
+
+
+def test_a_loss_that_rises_for_a_few_steps_then_falls_is_quiet(tmp_path: Path) -> None:
+    """SGD at a learning rate on the edge: the loss rises for some steps and comes back by itself."""
+    model = NoisyClassifier(lr=5.0, momentum=0.0)
+    trainer = fit(tmp_path, model, [AnomalyDetectionCallback()], 48)
+    losses = model.losses
+    peak = max(range(len(losses)), key=losses.__getitem__)
+    assert losses[peak] > 1.3 * losses[0] and min(losses[peak:]) < 1.1 * losses[0], "the plant: up, then back"
+    assert "loss_divergence" not in {kind for _, kind in loud(trainer)}

@@ -1,0 +1,129 @@
+"""Stalls that recur (issue 25): a blocking call every k-th step is a ``slow_step`` warning naming the
+period, the share of steps it costs and what Lightning ran in those steps. Real Trainer runs on CPU."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, PerformanceProfilerCallback
+from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class SleepsEveryKthStep(TinyRegressor):
+    """``training_step`` sleeps on every ``period``-th optimizer step: a synchronous save or flush in user code."""
+
+    def __init__(self, period: int, seconds: float = 0.2) -> None:
+        super().__init__()
+        self.period, self.seconds = period, seconds
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step % self.period == 0:
+            time.sleep(self.seconds)
+        return super().training_step(batch, batch_idx)
+
+
+class SlowCheckpoint(TinyRegressor):
+    """Saving a checkpoint blocks for 0.2 s (a synchronous write to slow storage)."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        time.sleep(0.2)
+
+
+def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int, **kwargs: Any) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(root, callbacks, max_steps=max_steps, **kwargs)
+        trainer.fit(model)
+    return trainer
+
+
+def slow_warnings(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    return [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step" and e["severity"] == "warning"
+            and e.get("episode") == "start"]
+
+
+def every_check_every_step() -> list[pl.Callback]:
+    config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, performance_profiling_frequency=1)
+    return [AnomalyDetectionCallback(config), GradientHealthCallback(config), PerformanceProfilerCallback(config)]
+
+
+def test_a_sleep_every_5th_step_is_a_slow_step_warning_naming_the_period(tmp_path: Path) -> None:
+    model = SleepsEveryKthStep(period=5)
+    trainer = fit(tmp_path, model, every_check_every_step(), 30)
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    first = found[0]
+    details = first["details"]
+    assert first["step"] % 5 == 0 and first["step"] <= 20, first
+    assert details["period"] == 5 and details["phase"] == "forward"
+    assert details["step_ms"] > 20 * details["median_step_ms"], "the plant: a stall far above the median"
+    assert 0.1 < details["fraction"] <= 0.25, details
+    assert "recurs every 5th step" in first["message"] and "of steps" in first["message"]
+    assert "No validation or checkpoint saving ran" in first["message"]
+    assert len(found) == 1, "one episode for one periodic stall"
+
+
+def test_a_slow_checkpoint_every_5_steps_is_named_with_the_hook_that_ran(tmp_path: Path) -> None:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, SlowCheckpoint(), [PerformanceProfilerCallback(config), checkpoints], 30,
+                  enable_checkpointing=True)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) >= 5, "the plant: a checkpoint every 5 steps"
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    details = found[0]["details"]
+    assert details["period"] == 5 and details["phase"] == "data", details
+    assert details["hooks"]["checkpoint saving"] == details["outlier_steps"], details
+    assert "checkpoint saving (steps" in found[0]["message"]
+
+
+def test_a_slow_checkpoint_after_validation_every_5_steps_names_both(tmp_path: Path) -> None:
+    """Validation every 5 batches and ModelCheckpoint saving when it ends (its default): the validation's own time
+    is left out of the steps, the blocking save is not, and both are named."""
+    class Validated(SlowCheckpoint):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", super().training_step(batch, batch_idx))
+
+        def val_dataloader(self) -> Any:
+            return super().train_dataloader()
+
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, Validated(), [PerformanceProfilerCallback(config),
+                                          ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)], 30,
+                  enable_checkpointing=True, val_check_interval=5, limit_val_batches=2, num_sanity_val_steps=0)
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    details = found[0]["details"]
+    # 16 batches an epoch, validation every 5: steps 5, 10, 15, then 21, 26: no fixed period, a share of steps
+    assert details["recurring"] and details["period"] is None and details["outliers"] >= 5, details
+    assert details["hooks"] == {"validation": details["outlier_steps"], "checkpoint saving": details["outlier_steps"]}
+    assert "validation (steps 5, 10, 15" in found[0]["message"]
+
+
+def test_at_the_defaults_a_stall_is_seen_through_the_timed_steps_with_the_advice_to_time_every_step(
+        tmp_path: Path) -> None:
+    """Only every 10th step is timed by default: a stall every 15th step shows on every 30th (0, 30, 60...);
+    a stall whose period divides 10 would be on every timed step or on none (the docs say so)."""
+    trainer = fit(tmp_path, SleepsEveryKthStep(period=15), [PerformanceProfilerCallback()], 160)
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    details = found[0]["details"]
+    assert found[0]["step"] == 120 and details["period"] == 30, details
+    assert details["outlier_steps"][-3:] == [60, 90, 120], details
+    assert "performance_profiling_frequency=1" in found[0]["message"]
+
+
+def test_a_healthy_run_timed_every_step_has_no_slow_step_warning(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, TinyRegressor(), every_check_every_step(), 60)
+    assert slow_warnings(trainer) == []
