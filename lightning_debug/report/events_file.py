@@ -69,12 +69,12 @@ def event_problem(record: Any) -> str | None:
     for key in ("epoch", "batch"):
         if key in record and not is_int(record[key]):
             return f"'{key}' is not an integer"
-    if record.get("episode") not in (None, "start", "end"):
-        return "'episode' is neither 'start' nor 'end'"
+    if record.get("episode") not in (None, "start", "end", "summary"):
+        return "'episode' is not 'start', 'end' or 'summary'"
     details = record.get("details")
     if details is not None and not isinstance(details, dict):
         return "'details' is not an object"
-    for key in ("first_step", "last_step", "steps"):
+    for key in ("first_step", "last_step", "steps", "episodes"):
         if details and key in details and not is_int(details[key]):
             return f"'details.{key}' is not an integer"
     if details and "key" in details and not isinstance(details["key"], (str, type(None))):
