@@ -212,7 +212,8 @@ def write_atomic(path: Path, data: bytes | str) -> Path:
         >>> write_atomic(target, "{}").read_text(), sorted(p.name for p in target.parent.iterdir())
         ('{}', ['report.json'])
     """
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+    # a lone surrogate (a path that is not UTF-8, a hostile file's "\udcff") is written as its escape
+    payload = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -43,6 +43,7 @@ from typing import Any
 
 from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import EVENTS_FILENAME
+from lightning_debug.core.guard import describe
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
 from lightning_debug.report.scalars_file import (  # tensorboard_files: re-exported for tools and tests
@@ -52,11 +53,13 @@ from lightning_debug.report.scalars_file import (  # tensorboard_files: re-expor
     tensorboard_files,
 )
 from lightning_debug.report.events_file import (  # read_events_file: re-exported for tools and tests
+    MAX_MESSAGE,
     EventsFile,
     EventsScan,
     is_int,
     iter_events,
     last_run,
+    printable,
     read_events_file,
 )
 
@@ -180,6 +183,9 @@ def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
         good = {str(name): entry for name, entry in value.items() if valid(entry)}
         if len(good) < len(value):
             notes.append(f"ignored {len(value) - len(good)} malformed entr(y/ies) of {path.name}'s '{key}'")
+        if key == "findings":  # what a person reads is cut and escaped, as the events' messages are
+            good = {name: dict(entry, first_message=printable(entry["first_message"][:MAX_MESSAGE]))
+                    for name, entry in good.items()}
         kept[key] = good
     if isinstance(raw.get("config"), dict) and _shallow(raw["config"]):
         kept["config"] = raw["config"]
@@ -276,14 +282,14 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     report["sections"] = existing.get("sections") or {}
     report["failed_checks"] = existing.get("failed_checks") or {}
     report["rebuilt"] = {
-        "events": str(events_path) if has_events else None,
+        "events": printable(str(events_path)) if has_events else None,
         "events_read": scan.read,
         "bad_lines": scan.bad,
         "truncated_last_line": scan.truncated_last_line,
-        "tensorboard": [str(path) for path in tensorboard],
+        "tensorboard": [printable(str(path)) for path in tensorboard],
         "findings_from_tensorboard": sorted(tensorboard_findings),
         "findings_completed_from_tensorboard": completed,
-        "notes": notes,
+        "notes": [printable(note) for note in notes],  # a path that is not UTF-8 is written as its escapes
     }
     write_report(directory, report)
     result = RebuildResult(directory, report, [directory / REPORT_JSON, directory / REPORT_MD], notes, scan.read,
@@ -295,4 +301,6 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
             result.written.append(write_debug_analysis(directory, timeline, report))
         except PlotsUnavailable as missing:
             notes.append(str(missing))
+        except Exception as error:  # the report files are written: a plot that fails is a note, not a failure
+            notes.append(f"debug_analysis.png was not drawn ({type(error).__name__}: {describe(error)[:300]})")
     return result

@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -160,3 +162,143 @@ def test_a_write_that_fails_for_a_while_is_retried_and_nothing_is_lost(tmp_path:
     assert report["findings"]["nonfinite_loss"]["episodes"] == 3
     assert [name for name in report["failed_checks"] if name.startswith("writing")] == [
         f"writing {debug_dir(trainer) / 'events.jsonl'}"]
+
+
+KILLED_WORKER = Path(__file__).resolve().parents[1] / "workers" / "killed_worker.py"
+KILL_TIMEOUT_S = 240
+
+
+@pytest.mark.timeout(KILL_TIMEOUT_S + 60)
+def test_a_sigkilled_run_rebuilt_offline_counts_every_episode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NaN on every 5th step (4, 9, ..., 294), SIGKILL at step 298. events.jsonl holds the first 25
+    episodes one by one and a summary line at 50; the TensorBoard scalars hold the rest. Before: the
+    writer stopped after 25 episodes and the rebuild ignored the scalars for a kind the events had,
+    so the issue's 2,500-step run was "25 episodes, steps 4-124" instead of 500 up to step 2,494."""
+    from lightning_debug.cli import main
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    completed = subprocess.run([sys.executable, str(KILLED_WORKER), str(tmp_path), "298"], capture_output=True,
+                               text=True, timeout=KILL_TIMEOUT_S, env=env)
+    assert completed.returncode == -signal.SIGKILL, completed.stderr[-3000:]
+    directory = tmp_path / "tb" / "version_0" / "debug_outputs"
+    assert not (directory / "report.json").exists()
+    lines = [e for e in read_events(directory) if e["kind"] == "nonfinite_loss"]
+    assert len([e for e in lines if e["episode"] == "start"]) == 25
+    assert [e["details"]["episodes"] for e in lines if e["episode"] == "summary"] == [50]
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    finding = read_report(directory)["findings"]["nonfinite_loss"]
+    assert (finding["episodes"], finding["steps"], finding["first_step"], finding["last_step"]) == (59, 59, 4, 294)
+    assert finding["source"] == "events.jsonl and tensorboard"
+    out = capsys.readouterr().out
+    assert "steps 4-294" in out and "completed from the TensorBoard scalars" in out
+
+
+# --- the offline report on large or odd files -----------------------------------------------------------
+def write_hostile_events(path: Path, megabytes: int = 50) -> int:
+    """20,000 events of as many runs, then events of one last run with 100 KB messages and details: what
+    the rebuild keeps of them is bounded, so its memory must not follow the file's size."""
+    with open(path, "w", encoding="utf-8") as stream:
+        for number in range(20_000):
+            stream.write(json.dumps({"step": number, "kind": "slow_step", "severity": "warning", "message": "m",
+                                     "run": f"run-{number:08d}-" + "r" * 60}) + "\n")
+        blob = "x" * 100_000
+        for number in range(megabytes * 1_000_000 // 220_000):
+            stream.write(json.dumps({"step": number, "kind": f"kind_{number % 40}", "severity": "warning",
+                                     "message": blob, "episode": "start", "run": "last",
+                                     "details": {"first_step": number, "blob": blob}}) + "\n")
+    return path.stat().st_size
+
+
+MEASURE_REBUILD = """
+import resource, sys
+from pathlib import Path
+from lightning_debug.report.offline import rebuild
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+result = rebuild(Path(sys.argv[1]), plots=False)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024, result.events, len(result.report["findings"]))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_the_offline_report_keeps_its_memory_bounded_whatever_the_file(tmp_path: Path) -> None:
+    """The issue measured 431 MB for 200 MB of events of distinct runs and 711 MB with 1 MiB messages.
+    On this file (about 50 MB) main 82aa5ef grew by 47 MB (it kept every message whole); now the
+    messages are cut to 2,000 characters on read and at most 1,000 run ids are remembered."""
+    size = write_hostile_events(tmp_path / "events.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    completed = subprocess.run([sys.executable, "-c", MEASURE_REBUILD, str(tmp_path)], capture_output=True, text=True,
+                               timeout=150, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    grown, events, kinds = (int(value) for value in completed.stdout.split())
+    assert events > 20_000 and kinds == 40
+    assert grown < size // 10, f"peak RSS grew by {grown >> 20} MB reading {size >> 20} MB"
+    report = read_report(tmp_path)
+    assert max(len(entry["first_message"]) for entry in report["findings"].values()) <= 2000
+    assert (tmp_path / "report.json").stat().st_size < 1_000_000 and (tmp_path / "report.md").stat().st_size < 1_000_000
+
+
+def write_events(directory: Path, *records: dict[str, Any]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "events.jsonl", "w", encoding="utf-8") as stream:
+        for record in records:
+            stream.write(json.dumps(record) + "\n")
+
+
+NAN_AT_3 = {"step": 3, "kind": "nonfinite_loss", "severity": "error", "message": "The loss is NaN at step 3.",
+            "episode": "start"}
+
+
+@pytest.mark.timeout(180)
+def test_report_piped_into_head_ends_quietly_and_rebuilds_every_run(tmp_path: Path) -> None:
+    """Before: a BrokenPipeError traceback, and the runs after the pipe closed were not rebuilt."""
+    for number in range(12):
+        write_events(tmp_path / f"run{number:02d}", NAN_AT_3)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    script = (f"{sys.executable} -m lightning_debug.cli report {tmp_path} --no-plots | head -n 2; "
+              "echo \"exit=${PIPESTATUS[0]}\" >&2")
+    completed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=150, env=env)
+    assert len(completed.stdout.splitlines()) == 2
+    assert "Traceback" not in completed.stderr and "BrokenPipe" not in completed.stderr, completed.stderr[-2000:]
+    assert "exit=0" in completed.stderr
+    assert all((tmp_path / f"run{number:02d}" / "report.json").is_file() for number in range(12))
+
+
+def test_terminal_escapes_from_events_are_printed_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_debug.cli import main
+
+    hostile = dict(NAN_AT_3, message="NaN \x1b[2J\x1b]0;owned\x07 at \u202eevil\r", callback="\x1b[31mred")
+    write_events(tmp_path, hostile, {"step": 5, "kind": "odd\x1bkind", "severity": "warning", "message": "x"})
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out and "\u202e" not in out
+    assert "NaN \\x1b[2J\\x1b]0;owned\\x07 at \\u202eevil" in out and "odd\\x1bkind" in out
+    markdown = (tmp_path / "report.md").read_text(encoding="utf-8")
+    assert "\x1b" not in markdown and "\\x1b[2J" in markdown
+
+
+def test_any_kind_string_is_plotted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a `$` in a kind made matplotlib's mathtext fail, and the command exited 2."""
+    pytest.importorskip("matplotlib")
+    from lightning_debug.cli import main
+
+    write_events(tmp_path, NAN_AT_3, {"step": 5, "kind": "cost$x^{2", "severity": "warning", "message": "x"},
+                 {"step": 6, "kind": "$\\frac{a}{", "severity": "info", "message": "y"})
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not drawn" not in out
+    assert (tmp_path / "debug_analysis.png").stat().st_size > 1000
+
+
+def test_a_run_under_a_directory_whose_name_is_not_utf8_is_rebuilt(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_debug.cli import main
+
+    directory = Path(os.fsdecode(os.fsencode(tmp_path) + b"/run-\xff\xfe"))
+    write_events(directory, NAN_AT_3)
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    report = read_report(directory)
+    assert report["findings"]["nonfinite_loss"]["first_step"] == 3
+    assert "run-\\udcff\\udcfe" in report["rebuilt"]["events"]
+    assert "run-\\udcff\\udcfe" in (directory / "report.md").read_text(encoding="utf-8")
+    assert "run-\\udcff\\udcfe" in capsys.readouterr().out
