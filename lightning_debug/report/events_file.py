@@ -137,9 +137,10 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
             yield number, line, line.endswith(b"\n")
 
 
-def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
+def iter_events(path: Path, scan: EventsScan, trim: bool = True) -> Iterator[dict[str, Any]]:
     """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
-    the trace of a crash in the middle of a write, is noted as such, not as bad)."""
+    the trace of a crash in the middle of a write, is noted as such, not as bad). With ``trim`` (the
+    report's reading) each event is cut to what the report uses, its texts escaped (:func:`_kept`)."""
     for number, line, complete in _lines(path):
         where = f"{path.name}:{number}"
         if line is None:
@@ -166,12 +167,13 @@ def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
             scan.reject(where, problem)
             continue
         scan.read += 1
-        yield _kept(record)
+        yield _kept(record) if trim else record
 
 
 @dataclass
 class EventsFile:
-    """All valid events of a (small) events.jsonl, for tests and tools; :func:`rebuild` streams instead."""
+    """All valid events of a (small) events.jsonl, whole, for tests and tools; :func:`rebuild` streams them
+    instead, each cut to what the report uses."""
 
     records: list[dict[str, Any]]
     truncated_last_line: bool
@@ -180,7 +182,7 @@ class EventsFile:
 
 def read_events_file(path: Path) -> EventsFile:
     scan = EventsScan()
-    records = list(iter_events(path, scan))
+    records = list(iter_events(path, scan, trim=False))
     return EventsFile(records, scan.truncated_last_line, scan.bad)
 
 
