@@ -34,8 +34,9 @@ class EventLog:
     ``failures`` (one warning) and its line is kept: the next event tries again and writes the kept
     lines first, so a disk full for a few minutes loses nothing. At most :attr:`max_pending` lines are
     kept; past that the oldest are dropped and counted, and a line saying how many were lost is
-    written once writing works again. A line a failed write may have cut off is ended first, so it is
-    one bad line, not the start of the next event. Monitoring never stops training.
+    written once writing works again. A line a failed write (or a crash before this run) may have cut
+    off is ended first, so it is one bad line, not the start of the next event. Monitoring never stops
+    training.
 
     Example::
 
@@ -54,6 +55,7 @@ class EventLog:
         self._lost = 0
         self._lost_from = 0
         self._failed = False
+        self._check_end = True  # the first write, and the first after a failure, ends a line left cut
 
     @property
     def pending(self) -> int:
@@ -84,7 +86,7 @@ class EventLog:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a+b") as handle:
-                if self._failed and handle.tell() > 0:
+                if self._check_end and handle.tell() > 0:
                     handle.seek(-1, os.SEEK_END)
                     if handle.read(1) != b"\n":
                         handle.write(b"\n")
@@ -95,13 +97,13 @@ class EventLog:
                 if sync or self._failed:
                     os.fsync(handle.fileno())
         except Exception as error:
-            self._failed = True
+            self._failed = self._check_end = True
             self.failures.record(f"writing {self.path}", error,
                                  "the events are kept and written with the next one that can be")
             return
         self._pending.clear()
         self._lost = 0
-        self._failed = False
+        self._failed = self._check_end = False
 
     def _lost_line(self) -> str:
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")

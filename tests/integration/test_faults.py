@@ -302,3 +302,31 @@ def test_a_run_under_a_directory_whose_name_is_not_utf8_is_rebuilt(tmp_path: Pat
     assert "run-\\udcff\\udcfe" in report["rebuilt"]["events"]
     assert "run-\\udcff\\udcfe" in (directory / "report.md").read_text(encoding="utf-8")
     assert "run-\\udcff\\udcfe" in capsys.readouterr().out
+
+
+def test_events_kept_while_writing_fails_are_bounded_and_a_cut_line_stays_one_bad_line(tmp_path: Path) -> None:
+    from lightning_debug.core.events import EventLog
+    from lightning_debug.core.guard import Failures
+    from lightning_debug.report.events_file import read_events_file
+
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"step": 0, "kind": "slow_step"}\n{"step": 1, "ki')  # a crash in the middle of a write
+    log = EventLog(tmp_path, Failures())
+    log.max_pending = 3
+    saved = tmp_path / "saved.jsonl"
+    path.rename(saved)
+    path.mkdir()  # unwritable from here on
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2, 7):
+            log.write({"step": step, "kind": "nonfinite_loss", "severity": "error", "message": f"NaN at {step}"})
+    assert log.pending == 3
+    path.rmdir()
+    saved.rename(path)
+    log.write({"step": 7, "kind": "nonfinite_loss", "severity": "error", "message": "NaN at 7"})
+    events = read_events_file(path)
+    assert events.bad_lines == 1 and not events.truncated_last_line
+    assert [(e["kind"], e["step"]) for e in events.records] == [
+        ("slow_step", 0), ("events_lost", 2), ("nonfinite_loss", 5), ("nonfinite_loss", 6), ("nonfinite_loss", 7)]
+    assert events.records[1]["details"] == {"lost": 3}
+    assert log.failures.summary()[f"writing {path}"]["count"] == 5
