@@ -10,11 +10,13 @@ per-callback sections); findings and statistics come from the files.
 Files from a crash, a full disk or someone else are read defensively: events.jsonl is streamed
 (bounded memory whatever its length), every line is checked against the event schema and a bad
 one is skipped and counted (a line over 1 MiB, JSON nested too deep, a ``step`` that is not an
-integer, ``details`` that is not an object); report.json is used only in the parts that have the
-types the report needs. When an events.jsonl holds several runs (written before runs had their own
-directories), the report is of the last run only. When events are missing or cut off, findings the
-TensorBoard scalars show (``debug/loss_finite`` at 0, a rising ``debug/grad/exploding_count``) are
-reported from there, marked with their source. The rebuilt files are written atomically and never
+integer, ``details`` that is not an object), and what is kept of a good one is cut (messages to
+2,000 characters) and escaped, so memory follows what is kept, not the file; report.json is used
+only in the parts that have the types the report needs. When an events.jsonl holds several runs
+(written before runs had their own directories), the report is of the last run only. When events
+are missing or stop early (a killed run), findings the TensorBoard scalars show (``debug/loss_finite``
+at 0, a rising ``debug/grad/exploding_count``) are reported or completed from there
+(:mod:`~lightning_debug.report.scalars_file`), marked with their source. The rebuilt files are written atomically and never
 through a symlink. Input with nothing usable in it is a :class:`RunDirectoryError` with a one-line
 message.
 
