@@ -2,12 +2,15 @@
 
 Exit codes: 0 done (malformed lines of events.jsonl are skipped, counted and named in a note), 2
 unusable input (a missing directory, no run files, nothing valid in them, a report that cannot be
-written), with one line on stderr per run that failed.
+written), with one line on stderr per run that failed. Everything printed from a run's files has its
+control characters and terminal escapes escaped; a reader that goes away (``| head``) ends the
+printing quietly while the remaining runs are still rebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,15 +46,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _printable(text: str) -> str:
+    from lightning_debug.report.events_file import printable
+
+    return printable(text)
+
+
+def _write(stream_name: str, line: str) -> None:
+    """One line on stdout or stderr, escaped; a closed pipe (``| head`` has read enough) is sent to
+    /dev/null instead, so nothing after it fails and no traceback is printed at exit."""
+    stream = getattr(sys, stream_name)
+    try:
+        stream.write(_printable(line) + "\n")
+        stream.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _say(line: str) -> None:
+    _write("stdout", line)
+
+
 def _fail(message: str) -> int:
     one_line = " ".join(str(message).split())
-    sys.stderr.write(f"{PROG}: error: {one_line[:2000]}\n")
+    _write("stderr", f"{PROG}: error: {one_line[:2000]}")
     return 2
 
 
 def _progress(message: str) -> None:
-    sys.stderr.write(f"{PROG}: {message}\n")
-    sys.stderr.flush()
+    _write("stderr", f"{PROG}: {message}")
 
 
 def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
@@ -85,15 +110,16 @@ def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
         if quiet:
             continue
         prefix = f"[{number}/{len(runs)}] " if len(runs) > 1 else ""
-        print(f"{prefix}rebuilt {run} in {time.monotonic() - started:.1f} s from {result.events} event(s) and "
-              f"{len(result.tensorboard)} TensorBoard file(s)")
+        _say(f"{prefix}rebuilt {run} in {time.monotonic() - started:.1f} s from {result.events} event(s) and "
+             f"{len(result.tensorboard)} TensorBoard file(s)")
         if result.truncated_last_line:
-            print("  note: the last line of events.jsonl was cut off (the run probably stopped while writing it); "
-                  "it was skipped")
+            _say("  note: the last line of events.jsonl was cut off (the run probably stopped while writing it); "
+                 "it was skipped")
         for note in result.notes:
-            print(f"  note: {note}")
+            _say(f"  note: {note}")
         files = {"wrote": ", ".join(str(path) for path in result.written)}
-        print("\n".join(summary_lines(result.report, files)))
+        for line in "\n".join(summary_lines(result.report, files)).splitlines():
+            _say(line)
     return 2 if failures else 0
 
 

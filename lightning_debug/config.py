@@ -219,12 +219,17 @@ def _check_bool(field_name: str, value: Any) -> bool:
 
 
 def _check_output_dir(value: Any) -> str:
-    """A non-empty path (``str`` or ``os.PathLike``) without NUL bytes that is not an existing file."""
+    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold that is not an existing file."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {value!r}")
     if "\0" in path:
         raise ValueError(f"DebugConfig.debug_output_dir must not contain a NUL byte, got {value!r}")
+    longest = max(map(len, (encoded := os.fsencode(path)).split(b"/")))
+    if longest > 255 or len(encoded) > 4095:  # NAME_MAX, and PATH_MAX less its terminating NUL
+        raise ValueError("DebugConfig.debug_output_dir must have path components of at most 255 bytes "
+                         f"and at most 4095 bytes in all (file system limits), got {len(encoded)} bytes "
+                         f"with a longest component of {longest}")
     resolved = Path(path).expanduser()
     if resolved.is_absolute() and resolved.exists() and not resolved.is_dir():
         raise ValueError(f"DebugConfig.debug_output_dir must be a directory, but {path!r} is an existing file")

@@ -120,6 +120,9 @@ class Run:
         context.ledger = self.ledger
         self.numerics = NumericsQueue(ledger=self.ledger)
         output_dir = context.output_dir if config.save_debug_info else None
+        if config.save_debug_info and context.output_problem and context.is_global_zero:
+            self.failures.record("choosing the output directory", OSError(context.output_problem),
+                                 "this run writes no files (events.jsonl, report); the checks and the console go on")
         self.session = Session(
             output_dir, context.is_global_zero,
             self.failures.call("logger", context.metrics_sink) if context.is_global_zero else None,

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_debug.config import Area, DebugConfig, rejects_unknown_keywords, resolve_config
 from lightning_debug.core.context import RunStatus
-from lightning_debug.core.guard import Failures, guarded
+from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.run import Run, load_monitor_states, monitor_states
@@ -95,16 +95,17 @@ class DebugCallback(Callback):
         self.monitor = self.make_monitor()
         source = type(self).__name__
         self.companions = companion_monitors(self.monitor.area, self.config, source)
+        self._leave()  # a setup that fails below leaves this callback out of the fit, not half in it
         run = getattr(trainer, RUN_ATTRIBUTE, None)
-        self._leads = run is None or run.finished
-        self._run_monitors = run_monitors(self.config, source) if self._leads else []
-        if self._leads:
-            run = Run(self.config, LightningContext(trainer, pl_module, self.config), self._run_monitors)
+        leads = run is None or run.finished
+        run_wide = run_monitors(self.config, source) if leads else []
+        if leads:
+            run = Run(self.config, LightningContext(trainer, pl_module, self.config), run_wide)
             setattr(trainer, RUN_ATTRIBUTE, run)
         for monitor in (self.monitor, *self.companions):
             run.add(monitor)
         run.ledger.notes_hooks = True
-        self._run = run
+        self._run, self._leads, self._run_monitors = run, leads, run_wide
         self._unsubscribe_idle_hooks()
 
     def _unsubscribe_idle_hooks(self) -> None:
@@ -198,7 +199,7 @@ class DebugCallback(Callback):
             return
         if self._leads:
             self._run.exception(trainer.global_step, exception)
-            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {exception}")
+            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}")
         self._leave()
 
     # --- resume ---------------------------------------------------------------------------------

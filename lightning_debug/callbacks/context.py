@@ -17,6 +17,7 @@ from torch import nn
 from lightning_debug.config import DebugConfig
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.context import HistogramWriter, Replay, RunContext
+from lightning_debug.core.guard import describe
 from lightning_debug.core.session import Where, new_run_id, run_directory
 from lightning_debug.core.numerics import AllGather
 from lightning_debug.report.tensorboard import histogram_writer
@@ -24,24 +25,32 @@ from lightning_debug.report.tensorboard import histogram_writer
 # Strategies whose parameters are plain tensors holding one rank's shard (DTensor shards need no flag).
 PLAIN_SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
-def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str]:
+def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str, str | None]:
     """This run's directory and id, decided on global zero and shared with every rank (call on every rank).
 
     A relative ``debug_output_dir`` goes into the first logger's version directory when it has one
     (TensorBoard, CSV: ``version_N/debug_outputs``), else under ``default_root_dir`` with the run id
     below it (``debug_outputs/<run id>``); an absolute one always gets the run id below it. So two
     runs never share a directory, whatever the logger (W&B, MLflow, none, ``fast_dev_run``).
+
+    A directory that cannot be used (a path the file system cannot hold once joined to the logger's)
+    is None with the reason as the third value: the run then writes no files, and the broadcast
+    still happens on every rank.
     """
     run_id = new_run_id()
     directory: str | None = None
+    problem: str | None = None
     if config.save_debug_info and trainer.is_global_zero:
-        logger = trainer.loggers[0] if trainer.loggers else None
-        versioned = isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger.log_dir is not None
-        base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
-        directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
+        try:
+            logger = trainer.loggers[0] if trainer.loggers else None
+            versioned = isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger.log_dir is not None
+            base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
+            directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
+        except Exception as error:
+            problem = describe(error)
     if trainer.world_size > 1:
-        run_id, directory = trainer.strategy.broadcast((run_id, directory))
-    return (Path(directory) if directory is not None else None), run_id
+        run_id, directory, problem = trainer.strategy.broadcast((run_id, directory, problem))
+    return (Path(directory) if directory is not None else None), run_id, problem
 
 
 @contextlib.contextmanager
@@ -70,7 +79,7 @@ class LightningContext(RunContext):
     def __init__(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", config: DebugConfig) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
-        self.output_dir, self.run_id = resolve_output_dir(trainer, config)
+        self.output_dir, self.run_id, self.output_problem = resolve_output_dir(trainer, config)
         self.log_every_n_steps = trainer.log_every_n_steps
         self.is_global_zero = trainer.is_global_zero
         self.world_size = trainer.world_size

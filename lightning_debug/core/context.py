@@ -42,6 +42,8 @@ class RunStatus(enum.StrEnum):
 
         >>> RunStatus.of(None), RunStatus.of(KeyboardInterrupt()), RunStatus.of(ValueError("x"))
         (<RunStatus.FINISHED: 'finished'>, <RunStatus.INTERRUPTED: 'interrupted'>, <RunStatus.FAILED: 'failed'>)
+        >>> RunStatus.of(SystemExit(143))
+        <RunStatus.INTERRUPTED: 'interrupted'>
         >>> RunStatus.parse("failed") is RunStatus.FAILED, str(RunStatus.FINISHED)
         (True, 'finished')
     """
@@ -53,10 +55,11 @@ class RunStatus(enum.StrEnum):
 
     @classmethod
     def of(cls, error: BaseException | None) -> "RunStatus":
-        """The status of a run that ended with ``error`` (None: it finished)."""
+        """The status of a run that ended with ``error`` (None: it finished): Ctrl-C and an exit asked from
+        outside (Lightning turns SIGTERM into ``SIGTERMException``, a ``SystemExit``) are interruptions."""
         if error is None:
             return cls.FINISHED
-        return cls.INTERRUPTED if isinstance(error, KeyboardInterrupt) else cls.FAILED
+        return cls.INTERRUPTED if isinstance(error, (KeyboardInterrupt, SystemExit)) else cls.FAILED
 
     @classmethod
     def parse(cls, value: "RunStatus | str") -> "RunStatus":
@@ -76,6 +79,7 @@ class RunContext:
     """
 
     output_dir: Path | None = None
+    output_problem: str | None = None  # why output_dir is None although files were asked for
     run_id: str | None = None
     is_global_zero: bool = True
     world_size: int = 1

@@ -38,6 +38,7 @@ class EpisodePhase(str, enum.Enum):
     START = "start"
     CONTINUE = "continue"
     END = "end"
+    SUMMARY = "summary"  # a kind's totals, for the episodes past the ones written one by one
 
     def __str__(self) -> str:
         return self.value

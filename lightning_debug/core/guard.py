@@ -60,7 +60,7 @@ class Failures:
         """Count ``failure`` of check ``name`` at ``step`` (default: the run's current step); the first one of
         each check becomes a warning."""
         step = self.step if step is None else step
-        reason = f"{type(failure).__name__}: {failure}"
+        reason = f"{type(failure).__name__}: {describe(failure)}"
         entry = self.failed.get(name)
         if entry is None:
             entry = self.failed[name] = {"count": 0, "first_step": step, "last_step": step, "reasons": {}}
@@ -83,6 +83,23 @@ class Failures:
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per failed check: how often, first and last step, and the reasons with their counts."""
         return {name: {**entry, "reasons": dict(entry["reasons"])} for name, entry in self.failed.items()}
+
+
+def describe(error: BaseException) -> str:
+    """``str(error)``, or a note saying that it raised: a user's exception whose ``__str__`` is broken
+    must still propagate untouched, so nothing that reports it may call ``str`` unguarded.
+
+    Example::
+
+        >>> class Broken(Exception):
+        ...     def __str__(self): raise RuntimeError("no")
+        >>> describe(ValueError("bad value")), describe(Broken())
+        ('bad value', '<str() of this Broken raised RuntimeError>')
+    """
+    try:
+        return str(error)
+    except Exception as failure:
+        return f"<str() of this {type(error).__name__} raised {type(failure).__name__}>"
 
 
 def notify(message: str, category: type[Warning] = UserWarning) -> None:

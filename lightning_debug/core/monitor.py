@@ -82,6 +82,7 @@ class Monitor:
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
         self._silenced_episodes: set[tuple[str, str]] = set()
+        self._summarized: dict[str, int] = {}
         self._seen_this_check: set[tuple[str, str]] = set()
         self._warnings_left = self.max_warnings
         self._session: Session | None = None
@@ -194,8 +195,11 @@ class Monitor:
         """Count a finding; write an event (and a one-line warning) when it starts a new episode.
 
         An episode ends after ``episode_grace`` check steps without the finding. Past
-        ``max_episode_events`` episodes of one kind, further episodes are counted in the report but
-        not written to events.jsonl, so a condition that keeps coming back cannot flood the file.
+        ``max_episode_events`` (N) episodes of one kind, further episodes are not written one by one, so
+        a condition that keeps coming back cannot flood the file; instead a ``summary`` line with the
+        kind's totals so far (episodes, check steps, first and last step) is written when the count
+        reaches 2N, 4N, 8N, ... episodes and once more at the end of the run: a log-bounded number of
+        lines, and a run killed at any point leaves at least half its episodes counted in the file.
         Returns True for a new episode.
         """
         episode_key = (finding.kind.value, key)
@@ -206,13 +210,35 @@ class Monitor:
             episodes = self.tally.kinds[finding.kind.value]["episodes"]
             if episodes > self.max_episode_events:
                 self._silenced_episodes.add(episode_key)
+                if episodes % self.max_episode_events == 0 and (episodes // self.max_episode_events) & (
+                        episodes // self.max_episode_events - 1) == 0:  # 2N, 4N, 8N, ...
+                    self._write_summary(finding.kind.value, where)
                 return new
             if episodes == self.max_episode_events:
                 finding = Finding(finding.kind, finding.severity, finding.message + (
-                    f" (episode {episodes} of {finding.kind}: later ones are counted in report.json, not written "
-                    "here)"), finding.details)
+                    f" (episode {episodes} of {finding.kind}: later ones are counted in summary lines here and in "
+                    "report.json, not written one by one)"), finding.details)
             self._write_event(finding, step, where, episode=EpisodePhase.START, console=warn)
         return new
+
+    def _write_summary(self, kind: str, where: Where | None) -> None:
+        """A ``summary`` line: the totals of ``kind`` so far, for the episodes no longer written one by one."""
+        entry = self.tally.kinds[kind]
+        if self._summarized.get(kind) == entry["episodes"]:
+            return
+        self._summarized[kind] = entry["episodes"]
+        totals = {name: entry[name] for name in ("episodes", "steps", "first_step", "last_step")}
+        message = (f"{kind}: {entry['episodes']} episodes so far over {entry['steps']} check step(s), steps "
+                   f"{entry['first_step']}-{entry['last_step']}; only the first {self.max_episode_events} are written "
+                   "one by one")
+        self._write_event(Finding(Kind(kind), Severity.parse(entry["severity"]), message,
+                                  dict(totals, written=self.max_episode_events)),
+                          entry["last_step"], where, episode=EpisodePhase.SUMMARY, console=False)
+
+    def _close_summaries(self, kinds: set[str], where: Where | None) -> None:
+        for kind in sorted(kinds):
+            if self.tally.kinds.get(kind, {}).get("episodes", 0) > self.max_episode_events:
+                self._write_summary(kind, where)
 
     def emit(self, finding: Finding, step: int, where: Where | None = None) -> None:
         """Write a one-off event that is counted but opens no episode (a profiler trace, a fit-start fact)."""
@@ -230,9 +256,11 @@ class Monitor:
 
     def close_episodes(self, step: int, where: Where, kinds: Iterable[str], final: bool = False) -> None:
         """End the episodes of ``kinds`` not observed for a while (all of them when ``final``)."""
+        kinds = {str(kind) for kind in kinds}
+        if final:
+            self._close_summaries(kinds, where)
         if not self.episodes.open and not self._seen_this_check:  # a healthy check: nothing open, nothing seen
             return
-        kinds = {str(kind) for kind in kinds}
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
             if (kind, key) in self._silenced_episodes:
                 self._silenced_episodes.discard((kind, key))

@@ -27,6 +27,7 @@ the first logged tag outside ``debug/`` whose name holds ``loss`` (``train_loss`
 MAX_POINTS = 2048
 MAX_EVENTS = 4096
 MAX_TAGS = 10_000
+MAX_KINDS = 1000
 
 
 class Series:
@@ -104,6 +105,7 @@ class Timeline:
     last_step: int = -1
     tags: set[str] = field(default_factory=set)
     loss_source: str = ""
+    summaries: dict[str, dict[str, int]] = field(default_factory=dict)
     _open: dict[tuple[str, int], list[Episode]] = field(default_factory=dict, repr=False)
 
     def observe_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -144,6 +146,13 @@ class Timeline:
         self.last_step = max(self.last_step, step)
         details = record.get("details") or {}
         kind = str(record.get("kind", "unknown"))
+        if record.get("episode") == "summary":  # a kind's totals past the episodes written one by one
+            if kind in self.summaries or len(self.summaries) < MAX_KINDS:
+                totals = {name: int(details.get(name, 0)) for name in ("episodes", "steps", "first_step", "last_step")}
+                kept = self.summaries.setdefault(kind, totals)
+                if totals["episodes"] >= kept["episodes"]:
+                    self.summaries[kind] = totals
+            return
         if record.get("episode") == "end":  # the open episode it ends, found by kind and first step
             waiting = self._open.get((kind, int(details.get("first_step", step))))
             if waiting:
@@ -183,6 +192,14 @@ class Timeline:
             entry["last_step"] = max(entry["last_step"], last)
             if severity_rank(episode.severity) < severity_rank(entry["severity"]):
                 entry["severity"] = episode.severity
+        for kind, totals in self.summaries.items():
+            entry = out.get(kind)
+            if entry is None:
+                continue
+            entry["episodes"] = max(entry["episodes"], totals["episodes"])
+            entry["steps"] = max(entry["steps"], totals["steps"])
+            entry["first_step"] = min(entry["first_step"], totals["first_step"])
+            entry["last_step"] = max(entry["last_step"], totals["last_step"])
         return order_findings(out)
 
     def stats(self) -> dict[str, dict[str, Any]]:

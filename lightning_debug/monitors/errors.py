@@ -24,6 +24,7 @@ from lightning_debug.checks.errors import (failing_module, failing_source, find_
                                            out_of_range_labels)
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.guard import describe
 from lightning_debug.core.error_categories import ERROR_ADVICE, ErrorCategory
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, Monitor
@@ -61,7 +62,7 @@ def classify(error: BaseException) -> ErrorCategory:
         >>> classify(RuntimeError("Trying to backward through the graph a second time (or directly access ...)"))
         <ErrorCategory.BACKWARD_TWICE: 'backward_twice'>
     """
-    message = str(error)
+    message = describe(error)
     if isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower():
         return ErrorCategory.OOM
     checks = [
@@ -277,7 +278,7 @@ def explain_error(step: int, error: BaseException, module: dict[str, Any] | None
     """
     category = classify(error)
     innermost = innermost or {}
-    text = str(error).strip()
+    text = describe(error).strip()
     first_line = text.splitlines()[0][:300] if text else type(error).__name__
     details: dict[str, Any] = {"category": category.value, "error_type": type(error).__name__,
                                "error": text[:2000], "module": module, "source": source}

@@ -186,6 +186,20 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 # --- files ----------------------------------------------------------------------------------------
+def current_umask() -> int:
+    """The process's umask (read from /proc where it can be, so no other thread sees it changed)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path, data: bytes | str) -> Path:
     """Write ``path`` whole or not at all: into a temporary file in the same directory, flushed to disk,
     then renamed over ``path``. A full disk leaves the previous complete version (and no temporary
@@ -198,10 +212,12 @@ def write_atomic(path: Path, data: bytes | str) -> Path:
         >>> write_atomic(target, "{}").read_text(), sorted(p.name for p in target.parent.iterdir())
         ('{}', ['report.json'])
     """
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+    # a lone surrogate (a path that is not UTF-8, a hostile file's "\udcff") is written as its escape
+    payload = data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(handle, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() gives events.jsonl
         with os.fdopen(handle, "wb") as stream:
             stream.write(payload)
             stream.flush()

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,42 @@ from typing import Any
 
 MAX_LINE_BYTES = 1 << 20
 BAD_LINES_SHOWN = 3
+MAX_MESSAGE = 2000  # characters of a message kept (the rest is cut on read, whatever the line's length)
+MAX_NAME = 200  # characters of a kind, severity, callback, run id or key kept
+MAX_RUN_IDS = 1000  # run ids remembered to tell an earlier run's events; more are counted, not kept
+KEPT_DETAILS = ("first_step", "last_step", "steps", "episodes", "key", "consequence_of")
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters, terminal escapes, bidirectional overrides and lone surrogates
+    written as escapes (``\\x1b``), so a hostile events.jsonl cannot drive the terminal it is printed on
+    or make the report unwritable as UTF-8.
+
+    Example::
+
+        >>> printable("red \\x1b[31mNaN\\x1b[0m\\n"), printable("plain")
+        ('red \\\\x1b[31mNaN\\\\x1b[0m\\\\x0a', 'plain')
+    """
+    if not _UNPRINTABLE.search(text):
+        return text
+    return _UNPRINTABLE.sub(lambda match: (f"\\x{ord(match.group()):02x}" if ord(match.group()) < 0x100
+                                           else f"\\u{ord(match.group()):04x}"), text)
+
+
+def _kept(record: dict[str, Any]) -> dict[str, Any]:
+    """What the report uses of a valid event, with its texts cut and made printable: memory is bounded by
+    what is kept, not by the length of the line."""
+    kept: dict[str, Any] = {}
+    for key, value in record.items():
+        if key == "details" and isinstance(value, dict):
+            kept[key] = {name: (printable(value[name][:MAX_NAME]) if isinstance(value[name], str) else value[name])
+                         for name in KEPT_DETAILS if name in value and isinstance(value[name], (int, str))}
+        elif isinstance(value, str):
+            kept[key] = printable(value[:MAX_MESSAGE if key == "message" else MAX_NAME])
+        elif isinstance(value, (int, float, bool)) or value is None:
+            kept[key] = value
+    return kept
 
 
 @dataclass
@@ -69,12 +106,12 @@ def event_problem(record: Any) -> str | None:
     for key in ("epoch", "batch"):
         if key in record and not is_int(record[key]):
             return f"'{key}' is not an integer"
-    if record.get("episode") not in (None, "start", "end"):
-        return "'episode' is neither 'start' nor 'end'"
+    if record.get("episode") not in (None, "start", "end", "summary"):
+        return "'episode' is not 'start', 'end' or 'summary'"
     details = record.get("details")
     if details is not None and not isinstance(details, dict):
         return "'details' is not an object"
-    for key in ("first_step", "last_step", "steps"):
+    for key in ("first_step", "last_step", "steps", "episodes"):
         if details and key in details and not is_int(details[key]):
             return f"'details.{key}' is not an integer"
     if details and "key" in details and not isinstance(details["key"], (str, type(None))):
@@ -100,9 +137,10 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
             yield number, line, line.endswith(b"\n")
 
 
-def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
+def iter_events(path: Path, scan: EventsScan, trim: bool = True) -> Iterator[dict[str, Any]]:
     """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
-    the trace of a crash in the middle of a write, is noted as such, not as bad)."""
+    the trace of a crash in the middle of a write, is noted as such, not as bad). With ``trim`` (the
+    report's reading) each event is cut to what the report uses, its texts escaped (:func:`_kept`)."""
     for number, line, complete in _lines(path):
         where = f"{path.name}:{number}"
         if line is None:
@@ -129,12 +167,13 @@ def iter_events(path: Path, scan: EventsScan) -> Iterator[dict[str, Any]]:
             scan.reject(where, problem)
             continue
         scan.read += 1
-        yield record
+        yield _kept(record) if trim else record
 
 
 @dataclass
 class EventsFile:
-    """All valid events of a (small) events.jsonl, for tests and tools; :func:`rebuild` streams instead."""
+    """All valid events of a (small) events.jsonl, whole, for tests and tools; :func:`rebuild` streams them
+    instead, each cut to what the report uses."""
 
     records: list[dict[str, Any]]
     truncated_last_line: bool
@@ -143,21 +182,26 @@ class EventsFile:
 
 def read_events_file(path: Path) -> EventsFile:
     scan = EventsScan()
-    records = list(iter_events(path, scan))
+    records = list(iter_events(path, scan, trim=False))
     return EventsFile(records, scan.truncated_last_line, scan.bad)
 
 
 def last_run(records: Iterable[dict[str, Any]], scan: EventsScan) -> Iterator[dict[str, Any]]:
     """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the
-    consumer starts afresh); events of a run seen earlier are counted, not used."""
+    consumer starts afresh); events of a run seen earlier are counted, not used. At most
+    :data:`MAX_RUN_IDS` ids are remembered, so a file of a million runs costs no more memory than one
+    of a thousand (an event of a forgotten earlier run then starts a run afresh, counted like one)."""
     seen: set[Any] = set()
+    started = False
     for record in records:
         run = record.get("run")
-        if run not in seen:
-            if seen:
+        if not started or (run != scan.run and run not in seen):
+            if started:
                 scan.earlier_runs += 1
                 yield {}
-            seen.add(run)
+            started = True
+            if len(seen) < MAX_RUN_IDS:
+                seen.add(run)
             scan.run = run
         elif run != scan.run:
             scan.other_run_events += 1

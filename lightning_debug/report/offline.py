@@ -10,11 +10,13 @@ per-callback sections); findings and statistics come from the files.
 Files from a crash, a full disk or someone else are read defensively: events.jsonl is streamed
 (bounded memory whatever its length), every line is checked against the event schema and a bad
 one is skipped and counted (a line over 1 MiB, JSON nested too deep, a ``step`` that is not an
-integer, ``details`` that is not an object); report.json is used only in the parts that have the
-types the report needs. When an events.jsonl holds several runs (written before runs had their own
-directories), the report is of the last run only. When events are missing or cut off, findings the
-TensorBoard scalars show (``debug/loss_finite`` at 0, a rising ``debug/grad/exploding_count``) are
-reported from there, marked with their source. The rebuilt files are written atomically and never
+integer, ``details`` that is not an object), and what is kept of a good one is cut (messages to
+2,000 characters) and escaped, so memory follows what is kept, not the file; report.json is used
+only in the parts that have the types the report needs. When an events.jsonl holds several runs
+(written before runs had their own directories), the report is of the last run only. When events
+are missing or stop early (a killed run), findings the TensorBoard scalars show (``debug/loss_finite``
+at 0, a rising ``debug/grad/exploding_count``) are reported or completed from there
+(:mod:`~lightning_debug.report.scalars_file`), marked with their source. The rebuilt files are written atomically and never
 through a symlink. Input with nothing usable in it is a :class:`RunDirectoryError` with a one-line
 message.
 
@@ -43,14 +45,23 @@ from typing import Any
 
 from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import EVENTS_FILENAME
+from lightning_debug.core.guard import describe
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
+from lightning_debug.report.scalars_file import (  # tensorboard_files: re-exported for tools and tests
+    ScalarFindings,
+    merge_scalar_findings,
+    scalar_values,
+    tensorboard_files,
+)
 from lightning_debug.report.events_file import (  # read_events_file: re-exported for tools and tests
+    MAX_MESSAGE,
     EventsFile,
     EventsScan,
     is_int,
     iter_events,
     last_run,
+    printable,
     read_events_file,
 )
 
@@ -60,83 +71,10 @@ MAX_REPORT_BYTES = 64 << 20
 MAX_DEPTH = 32
 MAX_TEXT = 4000
 STATUSES = tuple(status.value for status in RunStatus)
-TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
-    "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
-    "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
-    "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
-}
 
 
 class RunDirectoryError(ValueError):
     """A directory that does not hold what a lightning-debug run leaves behind; the message is one line."""
-
-
-# --- TensorBoard ---------------------------------------------------------------------------------
-def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
-    """The TensorBoard event files directly in each directory, oldest first."""
-    found: list[Path] = []
-    for directory in directories:
-        if directory.is_dir():
-            found += sorted((p for p in directory.glob("events.out.tfevents.*") if p.is_file()),
-                            key=lambda p: (p.stat().st_mtime, p.name))
-    return found
-
-
-def _scalar_values(path: Path) -> Iterator[tuple[str, int, float]]:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    for event in EventFileLoader(str(path)).Load():
-        if not event.HasField("summary"):
-            continue
-        for value in event.summary.value:
-            if not value.tag.startswith("debug/"):
-                continue
-            if value.HasField("simple_value"):
-                yield value.tag, int(event.step), float(value.simple_value)
-            elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
-                yield value.tag, int(event.step), float(tensor_util.make_ndarray(value.tensor).item())
-
-
-class ScalarFindings:
-    """What the debug scalars alone show, for runs whose events are missing or cut off: the steps where
-    ``debug/loss_finite`` was 0 and where a cumulative count rose (bounded: first and last step, count)."""
-
-    def __init__(self) -> None:
-        self.spans: dict[str, list[int]] = {}
-        self._last: dict[str, float] = {}
-
-    def observe(self, tag: str, step: int, value: float) -> None:
-        if tag == "debug/loss_finite":
-            hit = value == 0.0
-        elif tag in TENSORBOARD_COUNTS or tag == "debug/anomaly/count":
-            hit = math.isfinite(value) and value > self._last.get(tag, 0.0)
-            self._last[tag] = value
-        else:
-            return
-        if hit:
-            span = self.spans.setdefault(tag, [step, step, 0])
-            span[0], span[1], span[2] = min(span[0], step), max(span[1], step), span[2] + 1
-
-    def findings(self) -> dict[str, dict[str, Any]]:
-        """Findings in report.json's form, each with ``source: tensorboard``."""
-        out: dict[str, dict[str, Any]] = {}
-
-        def add(kind: str, severity: str, tag: str, what: str) -> None:
-            first, last, points = self.spans[tag]
-            out[kind] = {"episodes": 1, "steps": points, "first_step": first, "last_step": last,
-                         "severity": severity, "callback": "TensorBoard", "source": "tensorboard",
-                         "first_message": f"TensorBoard's {tag} shows {what} at steps {first}-{last} "
-                                          f"({points} logged point(s)); events.jsonl has no event for it."}
-
-        if "debug/loss_finite" in self.spans:
-            add("nonfinite_loss", "error", "debug/loss_finite", "a NaN/Inf loss (0)")
-        elif "debug/anomaly/count" in self.spans:
-            add("nonfinite_grad", "error", "debug/anomaly/count", "check steps with NaN/Inf gradients or weights")
-        for tag, (kind, severity, what) in TENSORBOARD_COUNTS.items():
-            if tag in self.spans:
-                add(kind, severity, tag, what)
-        return out
 
 
 def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorboard: list[Path],
@@ -155,7 +93,7 @@ def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorbo
         started = last_said = time.monotonic()
         points = 0
         try:
-            for tag, step, value in _scalar_values(path):
+            for tag, step, value in scalar_values(path):
                 timeline.observe_metrics({tag: value}, step)
                 if scalars is not None:
                     scalars.observe(tag, step, value)
@@ -247,6 +185,9 @@ def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
         good = {str(name): entry for name, entry in value.items() if valid(entry)}
         if len(good) < len(value):
             notes.append(f"ignored {len(value) - len(good)} malformed entr(y/ies) of {path.name}'s '{key}'")
+        if key == "findings":  # what a person reads is cut and escaped, as the events' messages are
+            good = {name: dict(entry, first_message=printable(entry["first_message"][:MAX_MESSAGE]))
+                    for name, entry in good.items()}
         kept[key] = good
     if isinstance(raw.get("config"), dict) and _shallow(raw["config"]):
         kept["config"] = raw["config"]
@@ -316,8 +257,13 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     if scan.earlier_runs or scan.other_run_events:
         notes.append(f"events.jsonl holds events of {scan.earlier_runs} earlier run(s); this report is of the last "
                      f"one ({scan.run or 'no run id'}) only")
+    from_events = timeline.findings()
     tensorboard_findings = {kind: entry for kind, entry in scalars.findings().items()
-                            if kind not in timeline.findings() and kind not in existing.get("findings", {})}
+                            if kind not in existing.get("findings", {})}
+    completed = sorted(kind for kind in tensorboard_findings if kind in from_events)
+    merged = merge_scalar_findings(from_events, tensorboard_findings)
+    completed = [kind for kind in completed if merged[kind].get("source")]
+    tensorboard_findings = {kind: entry for kind, entry in tensorboard_findings.items() if kind not in from_events}
     if not (scan.read or existing or timeline.last_step >= 0):
         reason = (f"{scan.bad} malformed line(s), e.g. {scan.bad_examples[0]}" if scan.bad_examples
                   else "no events")
@@ -327,23 +273,25 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
         notes.append("no TensorBoard event files next to it: the plots show the findings only")
     if tensorboard_findings:
         notes.append(f"from the TensorBoard scalars, not events.jsonl: {', '.join(tensorboard_findings)}")
+    if completed:
+        notes.append(f"completed from the TensorBoard scalars (they go on past events.jsonl): {', '.join(completed)}")
     last_step = max(existing.get("last_step", -1), timeline.last_step)
     report = build_report(status=existing.get("status", RunStatus.UNKNOWN), step=last_step, sections={},
                           config=existing.get("config") or {}, error=existing.get("error"),
                           run_id=existing.get("run") or scan.run)
-    report["findings"] = _merge_findings(dict(timeline.findings(), **tensorboard_findings),
-                                         existing.get("findings") or {})
+    report["findings"] = _merge_findings(merged, existing.get("findings") or {})
     report["stats"] = dict(timeline.stats(), **(existing.get("stats") or {}))
     report["sections"] = existing.get("sections") or {}
     report["failed_checks"] = existing.get("failed_checks") or {}
     report["rebuilt"] = {
-        "events": str(events_path) if has_events else None,
+        "events": printable(str(events_path)) if has_events else None,
         "events_read": scan.read,
         "bad_lines": scan.bad,
         "truncated_last_line": scan.truncated_last_line,
-        "tensorboard": [str(path) for path in tensorboard],
+        "tensorboard": [printable(str(path)) for path in tensorboard],
         "findings_from_tensorboard": sorted(tensorboard_findings),
-        "notes": notes,
+        "findings_completed_from_tensorboard": completed,
+        "notes": [printable(note) for note in notes],  # a path that is not UTF-8 is written as its escapes
     }
     write_report(directory, report)
     result = RebuildResult(directory, report, [directory / REPORT_JSON, directory / REPORT_MD], notes, scan.read,
@@ -355,4 +303,6 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
             result.written.append(write_debug_analysis(directory, timeline, report))
         except PlotsUnavailable as missing:
             notes.append(str(missing))
+        except Exception as error:  # the report files are written: a plot that fails is a note, not a failure
+            notes.append(f"debug_analysis.png was not drawn ({type(error).__name__}: {describe(error)[:300]})")
     return result

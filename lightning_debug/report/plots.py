@@ -90,6 +90,18 @@ def _memory_changes(axis: Any, timeline: Timeline) -> bool:
     return drawn
 
 
+def plain(text: str) -> str:
+    """``text`` drawn as it is: a ``$`` (from an event's kind, a run's title) would start matplotlib's
+    mathtext, and an unbalanced or odd one makes the whole figure fail.
+
+    Example::
+
+        >>> plain("cost$x$_{a}")
+        'cost\\\\$x\\\\$_{a}'
+    """
+    return text.replace("$", r"\$")
+
+
 def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
     by_kind: dict[str, str] = {}
     for episode in timeline.episodes:
@@ -108,7 +120,7 @@ def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
             axis.broken_barh([(episode.first_step - 0.4, end - episode.first_step + 0.8)], (row - 0.3, 0.6),
                              facecolors=color, alpha=0.45, hatch="//" if episode.last_step is None else None)
         axis.plot([episode.first_step], [row], marker="v", color=color, markersize=7)
-    axis.set_yticks(range(len(kinds)), [f"{kind} ({by_kind[kind]})" for kind in kinds], fontsize=8)
+    axis.set_yticks(range(len(kinds)), [plain(f"{kind} ({by_kind[kind]})") for kind in kinds], fontsize=8)
     axis.set_ylim(-0.7, len(kinds) - 0.3)
     axis.grid(axis="x", alpha=0.3)
     return True
@@ -136,7 +148,7 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
     canvas_type(figure)
     loss_axis, step_axis, memory_axis, grad_axis, findings_axis = figure.subplots(
         5, 1, sharex=True, height_ratios=[1.2, 1, 1, 1, 1.1])
-    figure.suptitle(title, fontsize=12)
+    figure.suptitle(plain(title), fontsize=12)
     last_step = max(timeline.last_step, 0)
 
     loss_axis.set_title("Loss (gaps: steps where it was NaN/Inf)", loc="left", fontsize=10)

@@ -294,6 +294,9 @@ def test_path_like_and_numpy_values_are_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("value", "message"), [
     ("runs/\0debug", "must not contain a NUL byte"),
     (Path("/etc/hostname"), "is an existing file"),
+    ("runs/" + "x" * 256 + "/debug", "path components of at most 255 bytes"),
+    ("runs/" + "é" * 128, "path components of at most 255 bytes"),  # 256 bytes in UTF-8
+    ("/".join(["d" * 200] * 21), "at most 4095 bytes in all"),
 ])
 def test_output_paths_that_cannot_work_are_rejected_at_construction(value: Any, message: str) -> None:
     if not Path("/etc/hostname").is_file() and "existing" in message:

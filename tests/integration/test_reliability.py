@@ -148,10 +148,13 @@ def test_a_condition_that_keeps_coming_back_cannot_flood_the_events_file(tmp_pat
     events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "nonfinite_loss"]
     starts = [e for e in events if e["episode"] == "start"]
     assert starts[0]["step"] == 0 and starts[1]["step"] == 45, "the flapping first 40 steps are one episode"
-    assert len(starts) == 25 and "later ones are counted in report.json" in starts[-1]["message"]
+    assert len(starts) == 25 and "later ones are counted in summary lines" in starts[-1]["message"]
     assert len([e for e in events if e["episode"] == "end"]) == 25
     finding = read_report(debug_dir(trainer))["findings"]["nonfinite_loss"]
     assert finding["episodes"] == 32 and finding["steps"] == 20 + 32
+    summaries = [e for e in events if e["episode"] == "summary"]  # the end of the run: the totals, once
+    assert [(s["details"]["episodes"], s["details"]["steps"], s["details"]["last_step"]) for s in summaries] == [
+        (32, 52, finding["last_step"])]
 
 
 class UnreducibleParameter(nn.Parameter):

@@ -170,6 +170,21 @@ def test_episodes_past_the_cap_are_counted_but_not_written(recorder: Recording) 
     assert len(starts) == Recorder.max_episode_events and "later ones are counted" in starts[-1]["message"]
     assert len([e for e in events if str(e["episode"]) == "end"]) == Recorder.max_episode_events
     assert monitor.tally.kinds["nonfinite_loss"]["episodes"] == 6
+    summaries = [e for e in events if str(e["episode"]) == "summary"]  # at 2N = 6 episodes
+    assert [(e["details"]["episodes"], e["details"]["first_step"], e["details"]["last_step"]) for e in summaries] == [
+        (6, 0, 10)]
+
+
+def test_summary_lines_come_at_2n_4n_8n_episodes_and_at_the_end(recorder: Recording) -> None:
+    monitor, events = recorder
+    for step in range(0, 2 * 29, 2):  # 29 separate episodes, N = 3
+        monitor.record(finding(), step)
+        monitor.close_episodes(step, {}, monitor.kinds)
+        monitor.close_episodes(step + 1, {}, monitor.kinds)
+    monitor.finalize(58)
+    summaries = [e["details"]["episodes"] for e in events if str(e["episode"]) == "summary"]
+    assert summaries == [6, 12, 24, 29]
+    assert len([e for e in events if str(e["episode"]) == "start"]) == 3
 
 
 # --- the schedule ---------------------------------------------------------------------------------

@@ -24,7 +24,13 @@ def is_out_of_memory(error: BaseException) -> bool:
     RuntimeError whose message says an allocation failed (CPU allocator, MPS)."""
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
-    return isinstance(error, RuntimeError) and any(pattern in str(error).lower() for pattern in OOM_PATTERNS)
+    if not isinstance(error, RuntimeError):
+        return False
+    try:
+        message = str(error).lower()
+    except Exception:  # a user's exception whose __str__ raises is not an allocator's
+        return False
+    return any(pattern in message for pattern in OOM_PATTERNS)
 
 
 def describe_batch(batch: Any, limit: int = 20) -> list[str]:

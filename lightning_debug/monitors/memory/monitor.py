@@ -35,6 +35,7 @@ from lightning_debug.checks.memory import (
 )
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.guard import describe
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.session import Where
@@ -263,7 +264,7 @@ class MemoryMonitor(Monitor):
         if index is None and torch.cuda.is_available() and torch.cuda.is_initialized():
             index = torch.cuda.current_device()
         reading = read_memory(torch.device("cuda", index) if index is not None else None, reset_peak=False)
-        error = f"{type(exception).__name__}: {exception}"
+        error = f"{type(exception).__name__}: {describe(exception)}"
         batch_lines = describe_batch(batch) if batch is not None else []
         largest = self._census().largest(10)
         fixes = oom_fixes(self.current_phase, fragmentation_share(reading))

@@ -1,0 +1,141 @@
+"""The debug scalars of the TensorBoard event files next to a run, for ``lightning-debug report``.
+
+What they show completes events.jsonl: a run killed after its last event, or one past the episodes
+written one by one, has the rest of its NaN steps and rising counts only here. Read one point at a
+time; what is kept is a few numbers per tag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
+TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
+    "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
+    "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
+    "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
+}
+
+
+def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
+    """The TensorBoard event files directly in each directory, oldest first."""
+    found: list[Path] = []
+    for directory in directories:
+        if directory.is_dir():
+            found += sorted((p for p in directory.glob("events.out.tfevents.*") if p.is_file()),
+                            key=lambda p: (p.stat().st_mtime, p.name))
+    return found
+
+
+def scalar_values(path: Path) -> Iterator[tuple[str, int, float]]:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    for event in EventFileLoader(str(path)).Load():
+        if not event.HasField("summary"):
+            continue
+        for value in event.summary.value:
+            if not value.tag.startswith("debug/"):
+                continue
+            if value.HasField("simple_value"):
+                yield value.tag, int(event.step), float(value.simple_value)
+            elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
+                yield value.tag, int(event.step), float(tensor_util.make_ndarray(value.tensor).item())
+
+
+class ScalarFindings:
+    """What the debug scalars show, for runs whose events are missing or cut off (killed): the steps where
+    ``debug/loss_finite`` was 0 and where a cumulative count rose, as episodes counted the way a live
+    run counts them (one ends after ``grace`` logged points without it). Bounded: a few numbers per tag.
+
+    Example::
+
+        >>> scalars = ScalarFindings()
+        >>> for step in range(20):
+        ...     scalars.observe("debug/loss_finite", step, 0.0 if step % 5 == 4 else 1.0)
+        >>> {k: v for k, v in scalars.findings()["nonfinite_loss"].items()
+        ...  if k in ("episodes", "steps", "first_step", "last_step")}
+        {'episodes': 4, 'steps': 4, 'first_step': 4, 'last_step': 19}
+    """
+
+    def __init__(self, grace: int = EPISODE_GRACE) -> None:
+        self.grace = grace
+        self.spans: dict[str, list[int]] = {}  # tag -> [first, last, points, episodes, open, missed]
+        self._last: dict[str, float] = {}
+
+    def observe(self, tag: str, step: int, value: float) -> None:
+        if tag == "debug/loss_finite":
+            if value < 0:  # no loss seen at that check
+                return
+            hit = value == 0.0
+        elif tag in TENSORBOARD_COUNTS or tag == "debug/anomaly/count":
+            hit = math.isfinite(value) and value > self._last.get(tag, 0.0)
+            self._last[tag] = value
+        else:
+            return
+        span = self.spans.get(tag)
+        if span is None:
+            if not hit:
+                return
+            span = self.spans[tag] = [step, step, 0, 0, 0, 0]
+        if hit:
+            span[0], span[1], span[2] = min(span[0], step), max(span[1], step), span[2] + 1
+            if not span[4]:
+                span[3] += 1
+            span[4], span[5] = 1, 0
+        elif span[4]:
+            span[5] += 1
+            if span[5] >= self.grace:
+                span[4] = 0
+
+    def findings(self) -> dict[str, dict[str, Any]]:
+        """Findings in report.json's form, each with ``source: tensorboard``."""
+        out: dict[str, dict[str, Any]] = {}
+
+        def add(kind: str, severity: str, tag: str, what: str) -> None:
+            first, last, points, episodes = self.spans[tag][:4]
+            out[kind] = {"episodes": episodes, "steps": points, "first_step": first, "last_step": last,
+                         "severity": severity, "callback": "TensorBoard", "source": "tensorboard",
+                         "first_message": f"TensorBoard's {tag} shows {what} at steps {first}-{last} "
+                                          f"({points} logged point(s)); events.jsonl has no event for it."}
+
+        if "debug/loss_finite" in self.spans:
+            add("nonfinite_loss", "error", "debug/loss_finite", "a NaN/Inf loss (0)")
+        elif "debug/anomaly/count" in self.spans:
+            add("nonfinite_grad", "error", "debug/anomaly/count", "check steps with NaN/Inf gradients or weights")
+        for tag, (kind, severity, what) in TENSORBOARD_COUNTS.items():
+            if tag in self.spans:
+                add(kind, severity, tag, what)
+        return out
+
+
+def merge_scalar_findings(from_events: dict[str, Any], from_scalars: dict[str, Any]) -> dict[str, Any]:
+    """The findings of events.jsonl completed by what the scalars show: a run killed after its last
+    event (or past the episodes written one by one) has its later episodes only in TensorBoard. Both are
+    lower bounds, so per kind the larger counts and the wider span win.
+
+    Example::
+
+        >>> events = {"nonfinite_loss": {"episodes": 25, "steps": 25, "first_step": 4, "last_step": 124}}
+        >>> scalars = {"nonfinite_loss": {"episodes": 99, "steps": 99, "first_step": 4, "last_step": 494}}
+        >>> merged = merge_scalar_findings(events, scalars)["nonfinite_loss"]
+        >>> merged["episodes"], merged["last_step"], merged["source"]
+        (99, 494, 'events.jsonl and tensorboard')
+    """
+    merged = {kind: dict(entry) for kind, entry in from_events.items()}
+    for kind, entry in from_scalars.items():
+        mine = merged.get(kind)
+        if mine is None:
+            merged[kind] = dict(entry)
+            continue
+        if entry["last_step"] <= mine["last_step"] and entry["episodes"] <= mine["episodes"]:
+            continue
+        mine["episodes"] = max(mine["episodes"], entry["episodes"])
+        mine["steps"] = max(mine["steps"], entry["steps"])
+        mine["first_step"] = min(mine["first_step"], entry["first_step"])
+        mine["last_step"] = max(mine["last_step"], entry["last_step"])
+        mine["source"] = "events.jsonl and tensorboard"
+    return merged
