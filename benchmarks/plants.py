@@ -91,12 +91,15 @@ def _names_masked_softmax(event: dict[str, Any], result: Any, level: str, model:
 
 
 def _names_sqrt(event: dict[str, Any], result: Any, level: str, model: str) -> bool:
-    order = result.findings_order()
-    chain = [kind for kind in order if kind in ("nonfinite_loss", "nonfinite_grad", "nonfinite_param")]
-    in_order = chain == sorted(chain, key=("nonfinite_loss", "nonfinite_grad", "nonfinite_param").index)
-    if level == "advanced":
-        return in_order and bool(re.search(r"`[^`]*sqrt", event["message"]))
-    return in_order and chain[:1] == ["nonfinite_grad"]
+    """The gradient comes first and every consequence after what it follows from (grad, param, loss)."""
+    findings = result.report.get("findings", {})
+    order = list(findings)
+    follows = all(order.index(entry["consequence_of"]) < order.index(kind) for kind, entry in findings.items()
+                  if entry.get("consequence_of") in order)
+    chain = [kind for kind in order if kind.startswith("nonfinite_")]
+    if not (follows and chain[:1] == ["nonfinite_grad"]):
+        return False
+    return level != "advanced" or bool(re.search(r"`[^`]*sqrt", event["message"]))
 
 
 def _names_period(event: dict[str, Any], result: Any, level: str, model: str) -> bool:

@@ -354,3 +354,20 @@ def test_phases_tile_the_step_in_order_and_accept_their_names() -> None:
         timer.enter(name)
     timer.stop()
     assert timer.saw_optimizer and timer.micro_batches == 1 and set(timer.read().phases) == set(Phase)
+
+
+@pytest.mark.parametrize(("timed_14", "expected"), [(False, 5), (True, None)])
+def test_a_period_holds_across_a_step_that_was_not_timed_but_not_one_timed_healthy(timed_14: bool,
+                                                                                   expected: int | None) -> None:
+    """A stall every 5th step whose step 14 fell in an untimed window (ADVANCED's profiler window) is still
+    periodic; the same outliers with step 14 timed and fast are not."""
+    rule = SlowStepRule()
+    for step in range(30):
+        if step in (10, 11, 12, 13) or (step == 14 and not timed_14):
+            continue
+        forward = 500.0 if step % 5 == 4 and step != 14 else 10.0
+        times = StepTimes(step, {Phase.DATA: 1.0, Phase.FORWARD: forward, Phase.BACKWARD: 20.0, Phase.OPTIMIZER: 5.0})
+        rule.judge(times, SETTINGS)
+        rule.remember(times)
+    assert list(rule.outlier_steps)[-4:] == [9, 19, 24, 29]
+    assert rule.period() == expected

@@ -183,12 +183,19 @@ class SlowStepRule:
         self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
-        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one."""
+        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a
+        multiple of k counts when every step where the stall was due in between was not timed (a profiler
+        window, steps between sparse timed steps): a timed step there that was not slow breaks the period."""
         last = list(self.outlier_steps)[-minimum:]
         if len(last) < minimum:
             return None
-        gaps = {later - earlier for earlier, later in zip(last, last[1:])}
-        return gaps.pop() if len(gaps) == 1 and min(gaps) >= 2 else None
+        gaps = [later - earlier for earlier, later in zip(last, last[1:])]
+        period = min(gaps)
+        if period < 2 or any(gap % period for gap in gaps):
+            return None
+        timed = set(self.timed)
+        due = (earlier + period * j for earlier, gap in zip(last, gaps) for j in range(1, gap // period))
+        return None if any(step in timed for step in due) else period
 
     def recent_outliers(self) -> list[int]:
         """The outlier steps among the recent timed steps."""
