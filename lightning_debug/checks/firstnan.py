@@ -185,22 +185,32 @@ class OpWatch(TorchDispatchMode):
             return func(*args, **kwargs)  # a view: it cannot make a new value
         inputs = tree_leaves((args, kwargs))
         self._kernels += 1
-        before = nonfinite_flags(inputs) if in_place else None
+        try:
+            before = nonfinite_flags(inputs) if in_place else None
+        except (RuntimeError, NotImplementedError):  # a tensor these checks cannot read (nested): not judged
+            return func(*args, **kwargs)
         result = func(*args, **kwargs)
+        try:
+            self._judge(func, args, inputs, result, in_place, before)
+        except (RuntimeError, NotImplementedError):
+            pass
+        return result
+
+    def _judge(self, func: Any, args: tuple, inputs: list[Any], result: Any, in_place: bool,
+               before: tuple[bool, bool] | None) -> None:
         outputs = [t for t in tree_leaves(result) if _numeric(t)]
         if not outputs or all(bool(torch.isfinite(t.detach()).all()) for t in outputs):
-            return result
+            return
         nan_in, inf_in = before if before is not None else nonfinite_flags(inputs)
         made_nan = not nan_in and nonfinite_flags(outputs)[0]
         from_finite = not (nan_in or inf_in)
         if not (from_finite and self.first_nonfinite is None or made_nan and self.first_nan is None):
-            return result
+            return
         event = self._event(func, args, inputs, outputs, in_place, from_finite, made_nan)
         if from_finite and self.first_nonfinite is None:
             self.first_nonfinite = event
         if made_nan and self.first_nan is None:
             self.first_nan = event
-        return result
 
     def _event(self, func: Any, args: tuple, inputs: list[Any], outputs: list[torch.Tensor], in_place: bool,
                from_finite: bool, made_nan: bool) -> OpEvent:

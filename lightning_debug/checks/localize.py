@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import random
 import re
+import sys
 import time
 import traceback
 import warnings
@@ -244,13 +246,20 @@ def module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore torch's RNG streams (CPU and CUDA) and every buffer of ``model`` on exit."""
+    """Restore torch's RNG streams (CPU and CUDA), Python's and NumPy's global generators and every
+    buffer of ``model`` on exit: a ``training_step`` that draws ``random.random()`` draws the same
+    numbers after a replay as without it."""
+    numpy = sys.modules.get("numpy")
+    host_rng = random.getstate(), numpy.random.get_state() if numpy is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         yield
     finally:
+        random.setstate(host_rng[0])
+        if numpy is not None:
+            numpy.random.set_state(host_rng[1])
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -103,28 +104,37 @@ def test_hand_written_attention_names_the_softmax_not_the_masked_fill(tmp_path: 
 
 
 class CountingLosses(TinyRegressor):
-    """Keeps its own list of losses, one guarded by ``is_replaying`` and one not; NaN from step 4."""
+    """Keeps its own lists of losses, one guarded by ``is_replaying`` and one not, and draws a Python
+    random number each step (a random augmentation); NaN from step 4."""
 
     def __init__(self) -> None:
         super().__init__(log_zero_from_step=4)
         self.guarded: list[float] = []
         self.unguarded: list[float] = []
+        self.draws: list[float] = []
         self.seen_replaying = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
+        draw = random.random()
         self.unguarded.append(float(loss))
         self.seen_replaying = self.seen_replaying or lightning_debug.is_replaying()
         if not lightning_debug.is_replaying():
             self.guarded.append(float(loss))
+            self.draws.append(draw)
         return loss
 
 
 def test_a_list_guarded_by_is_replaying_gets_one_entry_per_step(tmp_path: Path) -> None:
-    model = CountingLosses()
-    events = fit(tmp_path, model, steps=8)
-    assert cause_of(events)["operation"] == "torch.log"
-    assert model.seen_replaying and not lightning_debug.is_replaying()
-    assert len(model.guarded) == 8
-    assert len(model.unguarded) == 9, "the replay runs training_step once more (forward; the backward replay is "\
-        "not needed when the forward names the cause)"
+    runs, events = {}, {}
+    for level in ("advanced", "basic"):
+        random.seed(0)
+        runs[level] = CountingLosses()
+        events[level] = fit(tmp_path / level, runs[level], level=level, steps=8)
+    assert cause_of(events["advanced"])["operation"] == "torch.log"
+    replayed, plain = runs["advanced"], runs["basic"]
+    assert replayed.seen_replaying and not plain.seen_replaying and not lightning_debug.is_replaying()
+    assert len(replayed.guarded) == 8
+    assert len(replayed.unguarded) == 9, "the replay runs training_step once more (the forward names the cause, "\
+        "so the backward is not replayed)"
+    assert replayed.draws == plain.draws, "Python's random generator is restored after the replay"
