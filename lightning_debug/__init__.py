@@ -25,6 +25,7 @@ _EXPORTS = {
     "PerformanceProfilerCallback": "lightning_debug.callbacks.performance",
     "TensorStats": "lightning_debug.checks.tensors",
     "check_labels": "lightning_debug.checks.tensors",
+    "is_replaying": "lightning_debug.checks.localize",
     "inspect_tensor": "lightning_debug.checks.tensors",
     "AnomalyMode": "lightning_debug.config",
     "DebugConfig": "lightning_debug.config",
@@ -49,6 +50,7 @@ __all__ = [
     "check_labels",
     "debug_callbacks",
     "inspect_tensor",
+    "is_replaying",
 ]
 
 if TYPE_CHECKING:
@@ -56,6 +58,7 @@ if TYPE_CHECKING:
     from lightning_debug.callbacks.gradients import GradientHealthCallback
     from lightning_debug.callbacks.memory import MemoryProfilerCallback
     from lightning_debug.callbacks.performance import PerformanceProfilerCallback
+    from lightning_debug.checks.localize import is_replaying
     from lightning_debug.checks.tensors import TensorStats, check_labels, inspect_tensor
     from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel, DebugMode
     from lightning_debug.errors import AnomalyError

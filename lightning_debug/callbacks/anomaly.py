@@ -35,7 +35,10 @@ class AnomalyDetectionCallback(DebugCallback):
     From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, same
     RNG state, parameters as they were, BatchNorm statistics and RNG restored afterwards) to name
     the cause: the batch itself, the first module and operation that produced a NaN/Inf from finite
-    inputs with its source line, or the backward operation for a backward-only NaN. This costs
+    inputs (an in-place one judged before it overwrote them; for a NaN loss the first that made NaN,
+    such as a softmax over a fully masked row) with its source line, or the backward operation for a
+    backward-only NaN. The replay calls ``training_step`` again (``self.log`` muted): guard your own
+    lists, counters and metric updates with ``lightning_debug.is_replaying()``. This costs
     nothing on healthy steps beyond keeping a reference to the batch, but reads the flags with one
     sync per check step even in ``warn`` mode, since the replay needs the pre-update parameters.
     Manual optimization is not replayed (its ``training_step`` steps the optimizer).

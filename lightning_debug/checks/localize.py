@@ -5,14 +5,18 @@ adapter hands over a ``replay`` callable that recomputes that step's loss from t
 the parameters as they were; :func:`localize` replays it:
 
 1. the batch itself: are the inputs already non-finite?
-2. the forward, under a ``TorchFunctionMode`` and module hooks: the first operation that produced a
-   non-finite value from finite inputs, the module it ran in, and the user's source line;
+2. the forward, kernel by kernel (:mod:`.firstnan`) and under module hooks: the first operation that
+   produced a non-finite value from finite inputs (an in-place one judged by its inputs before it
+   overwrote them), or, for a NaN loss, the first that produced NaN (a softmax over a fully masked
+   row), the module it ran in, and the user's source line;
 3. if the forward is clean, the backward under ``torch.autograd.detect_anomaly(check_nan=True)``
    through ``torch.autograd.grad`` (``.grad`` untouched): the backward function that produced NaN and
    the forward source line that created it.
 
 :func:`preserved_state` restores the RNG streams and module buffers (BatchNorm running statistics)
-around the replays, so training continues exactly as it would have without them.
+around the replays, so the model and its randomness continue exactly as without them. The replay
+does run the user's code again (``training_step``): :func:`is_replaying` is true meanwhile, so that
+code can leave its own lists, counters and metrics alone.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import random
 import re
+import sys
 import time
 import traceback
 import warnings
@@ -30,9 +36,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
+from lightning_debug.checks.firstnan import OpEvent, OpWatch
 from lightning_debug.checks.numerics import user_name
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
@@ -102,6 +108,34 @@ def output_scalar(output: Any) -> torch.Tensor | None:
     return torch.stack([t.float().sum() for t in floating]).sum() if floating else None
 
 
+class _Replays:
+    running = 0
+
+
+def is_replaying() -> bool:
+    """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``).
+
+    The replay calls ``training_step`` (or, under Accelerate, the model's forward) once more on the
+    step's batch; ``self.log`` is muted, but the user's own lists, counters and metric updates would see
+    the batch twice. Guard them with ``if not lightning_debug.is_replaying(): ...``.
+
+    Example::
+
+        >>> is_replaying()
+        False
+    """
+    return _Replays.running > 0
+
+
+@contextlib.contextmanager
+def _replaying() -> Iterator[None]:
+    _Replays.running += 1
+    try:
+        yield
+    finally:
+        _Replays.running -= 1
+
+
 def _numeric(tensor: torch.Tensor) -> bool:
     return (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() > 0 and not tensor.is_sparse
 
@@ -169,6 +203,7 @@ class Cause:
     module: str | None = None
     module_type: str | None = None
     operation: str | None = None
+    kernel: str | None = None
     source: dict[str, Any] | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
@@ -183,32 +218,6 @@ class Cause:
     def from_dict(cls, data: dict[str, Any]) -> Cause:
         """The cause :meth:`to_dict` wrote (as gathered from another rank)."""
         return cls(**dict(data, where=CauseSite(data["where"])))
-
-
-class _FirstNonFinite(TorchFunctionMode):
-    """Records the first operation whose result is non-finite while its inputs are finite."""
-
-    def __init__(self, module_stack: list[tuple[str, nn.Module, Any]]) -> None:
-        super().__init__()
-        self.module_stack = module_stack
-        self.found: dict[str, Any] | None = None
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if self.found is None:
-            outputs = tensors_in(result)
-            if outputs and _nonfinite(outputs):
-                inputs = tensors_in(args) + tensors_in(kwargs or {})
-                if not _nonfinite(inputs):
-                    name, module, module_inputs = self.module_stack[-1] if self.module_stack else ("", None, ())
-                    self.found = {
-                        "operation": operation_name(func),
-                        "source": user_source(traceback.extract_stack()[:-1]),
-                        "module": name, "module_type": type(module).__name__ if module is not None else None,
-                        "inputs": value_summary(inputs), "outputs": value_summary(outputs),
-                        "module_inputs": value_summary(tensors_in(module_inputs)),
-                    }
-        return result
 
 
 @contextlib.contextmanager
@@ -237,13 +246,20 @@ def module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore torch's RNG streams (CPU and CUDA) and every buffer of ``model`` on exit."""
+    """Restore torch's RNG streams (CPU and CUDA), Python's and NumPy's global generators and every
+    buffer of ``model`` on exit: a ``training_step`` that draws ``random.random()`` draws the same
+    numbers after a replay as without it."""
+    numpy = sys.modules.get("numpy")
+    host_rng = random.getstate(), numpy.random.get_state() if numpy is not None else None
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         yield
     finally:
+        random.setstate(host_rng[0])
+        if numpy is not None:
+            numpy.random.set_state(host_rng[1])
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -312,7 +328,7 @@ def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | N
     """
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    with _eager():
+    with _eager(), _replaying():
         cause = _localize(model, batch, replay, rng, check_backward, parameters, same_work)
     cause.replay_ms = (time.perf_counter() - started) * 1e3
     return cause
@@ -347,22 +363,51 @@ def _before_the_forward(model: nn.Module, batch: Any) -> Cause | None:
     return None
 
 
+def _place(event: OpEvent) -> tuple[str, str]:
+    """`` at model.py:22 (`code`)`` and the module text (the top-level model, or the loss outside it)."""
+    where = event.source
+    line = f" at {os.path.basename(where['file'])}:{where['line']} (`{where['code']}`)" if where else ""
+    function = f"`{where['function']}`" if where else "the training step"
+    module = (f"module `{event.module}` ({event.module_type})" if event.module
+              else f"{function}, outside the model's modules (the loss computation)" if not event.module_type
+              else f"the forward of the top-level {event.module_type}, outside its submodules")
+    return line, module
+
+
+def forward_summary(event: OpEvent, other: OpEvent | None) -> str:
+    """The sentence for a forward cause (see :meth:`OpWatch.verdict` for ``other``)."""
+    line, module = _place(event)
+    if event.masked_rows:
+        count, rows = event.masked_rows
+        came = f"; the -inf came from {other.label}{_place(other)[0]}" if other is not None else ""
+        return (f"{event.label}{line} in {module} produced NaN: softmax over a row that is entirely -inf "
+                f"(a fully masked row; {count} of {rows} rows){came}")
+    if not event.inputs_finite:
+        return (f"{event.label}{line} in {module} produced NaN from inputs that held Inf but no NaN (an infinity "
+                "put there on purpose, such as a -inf mask, that this operation cannot absorb)")
+    max_in = event.inputs.get("max_abs")
+    before = " (read before it overwrote them)" if event.in_place else ""
+    inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None and not event.in_place else ""
+    then = f"; {other.label}{_place(other)[0]} then turned the Inf into NaN" if other is not None else ""
+    return f"{event.label}{line} in {module} produced NaN/Inf from finite inputs{before}{inputs}{then}"
+
+
 def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) -> Cause | None:
-    with torch.no_grad(), module_stack(model) as stack, _FirstNonFinite(stack) as mode:
-        loss = replay()
-    if mode.found is not None:
-        found = mode.found
-        where = found["source"]
-        line = f" at {os.path.basename(where['file'])}:{where['line']} (`{where['code']}`)" if where else ""
-        function = f"`{where['function']}`" if where else "the training step"
-        module = (f"module `{found['module']}` ({found['module_type']})" if found["module"]
-                  else f"{function}, outside the model's modules (the loss computation)" if not found["module_type"]
-                  else f"the forward of the top-level {found['module_type']}, outside its submodules")
-        max_in = found["inputs"].get("max_abs")
-        inputs = f"; its inputs had max |x| = {max_in:.3g}" if max_in is not None else ""
-        return Cause(CauseSite.FORWARD, f"`{found['operation']}`{line} in {module} produced NaN/Inf from finite inputs{inputs}",
-                     module=found["module"] or None, module_type=found["module_type"], operation=found["operation"],
-                     source=where, inputs=found["inputs"], outputs=found["outputs"])
+    with torch.no_grad(), module_stack(model) as stack:
+        def running() -> tuple[str, str | None]:
+            return (stack[-1][0], type(stack[-1][1]).__name__) if stack else ("", None)
+
+        with OpWatch(running, operation_name, value_summary, user_source) as watch:
+            loss = replay()
+    loss_nan = not isinstance(loss, torch.Tensor) or bool(torch.isnan(loss.detach()).any())
+    verdict = watch.verdict(loss_has_nan=loss_nan)
+    if verdict is not None:
+        event, other = verdict
+        inputs = dict(event.inputs, **({"fully_masked_rows": event.masked_rows[0], "rows": event.masked_rows[1]}
+                                       if event.masked_rows else {}))
+        return Cause(CauseSite.FORWARD, forward_summary(event, other), module=event.module or None,
+                     module_type=event.module_type, operation=event.operation, kernel=event.kernel,
+                     source=event.source, inputs=inputs, outputs=event.outputs)
     if loss is not None and _nonfinite([loss]):
         return Cause(CauseSite.FORWARD, "the loss is non-finite but no single operation produced it from finite inputs")
     return None

@@ -100,6 +100,25 @@ def outside_the_replay(scope: str) -> str:
             "the targets)")
 
 
+MASKED_ROW_ADVICE = ("Every key of that row is masked: keep at least one unmasked key per row (or drop fully padded "
+                     "samples), or mask with a large finite negative (torch.finfo(dtype).min) instead of -inf. ")
+
+
+def cause_advice(cause: Cause) -> str:
+    """The fix for what a replay found: a fully masked softmax row has its own, else the operation's.
+
+    Example::
+
+        >>> masked = Cause(CauseSite.FORWARD, "softmax over a row that is entirely -inf", operation="torch.softmax",
+        ...                inputs={"fully_masked_rows": 1})
+        >>> cause_advice(masked).startswith("Every key of that row is masked")
+        True
+    """
+    if cause.inputs.get("fully_masked_rows"):
+        return MASKED_ROW_ADVICE
+    return advice_for_cause(cause.where, cause.operation)
+
+
 def anomaly_error(step: int, kinds: Sequence[Kind], verdict: Verdict, world_size: int,
                   cause: Cause | None) -> AnomalyError:
     """What ``anomaly_detection_mode='raise'`` raises: the kinds, the parameters and the cause.
@@ -144,7 +163,7 @@ def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding
         'At step 3, `torch.log` in module `head` produced NaN/Inf. Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)).'
     """
     return Finding(Kind.NONFINITE_ACTIVATION, Severity.ERROR,
-                   f"At step {step}, {cause.summary}. {advice_for_cause(cause.where, cause.operation)}".strip(),
+                   f"At step {step}, {cause.summary}. {cause_advice(cause)}".strip(),
                    dict(cause.to_dict(), **({"consequence_of": Kind.NONFINITE_PARAM.value} if params_first else {})))
 
 
@@ -170,7 +189,7 @@ def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | 
     return Finding(
         Kind.NONFINITE_LOSS, Severity.ERROR,
         f"The loss is NaN/Inf at step {step}{on_ranks(verdict.bad_loss_ranks, world_size)}{because}.{found} "
-        + (advice_for_cause(cause.where, cause.operation) if cause is not None
+        + (cause_advice(cause) if cause is not None
            and cause.where is not CauseSite.NOT_REPRODUCED else
            "" if params_first else f"Common causes: {COMMON_CAUSES[Kind.NONFINITE_LOSS]}. ")
         + ACTIONS[mode],

@@ -1,0 +1,249 @@
+"""Which operation of a replayed forward first made a value non-finite, judged kernel by kernel.
+
+A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``,
+``torch.nn.functional.multi_head_attention_forward``); a ``TorchDispatchMode`` sees every kernel that
+call runs. A kernel that writes into its arguments (``x /= x.std(0)``, the ``masked_fill_`` inside
+``nn.MultiheadAttention``) is judged by its inputs *before* it ran, since afterwards they hold its own
+result; any other kernel by its inputs after it ran. Two firsts are kept:
+
+- the first kernel whose output is non-finite while its inputs were finite (an overflow, log(0), 0/0).
+  A non-finite number among its arguments (``masked_fill(mask, float("-inf"))``) is a non-finite
+  input: an infinity put there on purpose is never a cause by itself;
+- the first kernel whose output holds NaN while its inputs held none (a softmax over a row that is
+  entirely -inf, 0 x inf).
+
+:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN; when that
+kernel only passed on an infinity that an earlier kernel made from finite values (exp overflowed,
+then inf - inf), the earlier one is the cause, unless the NaN is a softmax over a row that is entirely
+-inf (a fully masked row: the mask, not the -inf, is the bug). An infinity that a later kernel absorbs
+(``exp(-inf) = 0``) is no cause. Runs only inside a replay, never on a training step.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+SOFTMAX_KERNELS = ("aten::_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax")
+# Kernels not judged: their output is no value yet (uninitialised memory, a collective's buffer before its
+# wait), or they cannot make a non-finite value from finite ones (copies, random fills).
+UNJUDGED_PREFIXES = ("aten::empty", "aten::new_empty", "c10d::", "_c10d_functional::", "c10d_functional::",
+                     "aten::clone", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::lift_fresh",
+                     "aten::bernoulli", "aten::uniform_", "aten::normal_", "aten::random_")
+
+
+@dataclass
+class OpEvent:
+    """One kernel that made a non-finite value: the call the user wrote (``operation``), the kernel,
+    where it ran, and what its inputs and outputs held (``inputs_finite``: before it ran)."""
+
+    operation: str
+    kernel: str
+    in_place: bool
+    inputs_finite: bool
+    made_nan: bool
+    source: dict[str, Any] | None = None
+    module: str = ""
+    module_type: str | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    masked_rows: tuple[int, int] | None = None
+    order: int = 0
+
+    @property
+    def label(self) -> str:
+        """The call, and the kernel inside it when its name does not say it: ```Tensor.div_`` (in place)``.
+
+        Example::
+
+            >>> OpEvent("Tensor.div_", "aten::div_", True, True, True).label
+            '`Tensor.div_` (in place)'
+            >>> OpEvent("torch.relu_", "aten::clamp_min_", True, True, True).label
+            '`torch.relu_` (in place: `clamp_min_`)'
+            >>> OpEvent("torch.nn.functional.multi_head_attention_forward", "aten::_softmax", False, False, True).label
+            '`torch.nn.functional.multi_head_attention_forward` (its `softmax`)'
+        """
+        short = self.kernel.split("::")[-1].lstrip("_")
+        inside = short.rstrip("_") not in self.operation.lower()
+        if self.in_place:
+            return f"`{self.operation}` (in place" + (f": `{short}`)" if inside else ")")
+        return f"`{self.operation}`" + (f" (its `{short}`)" if inside and short else "")
+
+
+def _numeric(value: Any) -> bool:
+    return (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+            and value.numel() > 0 and not value.is_sparse and value.device.type != "meta")
+
+
+def nonfinite_flags(values: list[Any]) -> tuple[bool, bool]:
+    """Whether ``values`` (tensors and Python numbers) hold NaN, and whether they hold +-Inf (one pass
+    over each tensor that is finite, the usual case).
+
+    Example::
+
+        >>> nonfinite_flags([torch.tensor([1.0, float("inf")]), 2.0]), nonfinite_flags([float("nan")])
+        ((False, True), (True, False))
+    """
+    numbers = [value for value in values if isinstance(value, float)]
+    nan, inf = any(math.isnan(v) for v in numbers), any(math.isinf(v) for v in numbers)
+    for value in values:
+        if _numeric(value) and not bool(torch.isfinite(value.detach()).all()):
+            nan = nan or bool(torch.isnan(value.detach()).any())
+            inf = inf or bool(torch.isinf(value.detach()).any())
+    return nan, inf
+
+
+def fully_masked_rows(x: torch.Tensor, dim: int) -> tuple[int, int]:
+    """How many rows of ``x`` along ``dim`` are entirely -inf (a softmax over them is NaN), of how many.
+
+    Example::
+
+        >>> fully_masked_rows(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]), -1)
+        (1, 2)
+    """
+    if x.dim() == 0 or x.numel() == 0:
+        return 0, 0
+    rows = torch.isneginf(x.detach()).all(dim)
+    return int(rows.sum()), rows.numel()
+
+
+class _Naming(TorchFunctionMode):
+    """The stack of the torch-level calls now running (the outermost is what the user wrote)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls.append(func)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.calls.pop()
+
+
+class OpWatch(TorchDispatchMode):
+    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs
+    (``first_nonfinite``) and the first that made NaN from inputs without NaN (``first_nan``).
+
+    ``context`` gives the module now running as ``(name, type name)``; ``naming`` turns a
+    torch-level callable into its public name; ``summary`` describes tensors (rare path); ``source``
+    picks the user's frame from a stack.
+
+    Example::
+
+        >>> from lightning_debug.checks.localize import operation_name, user_source, value_summary
+        >>> x = torch.zeros(3)
+        >>> with torch.no_grad(), OpWatch(lambda: ("", None), operation_name, value_summary, user_source) as watch:
+        ...     y = x.masked_fill(x == 0, float("-inf")).softmax(0)
+        >>> event, _ = watch.verdict(loss_has_nan=True)
+        >>> event.operation, event.masked_rows
+        ('Tensor.softmax', (1, 1))
+    """
+
+    def __init__(self, context: Callable[[], tuple[str, str | None]], naming: Callable[[Any], str],
+                 summary: Callable[[list[torch.Tensor]], dict[str, Any]],
+                 source: Callable[[list[traceback.FrameSummary]], dict[str, Any] | None]) -> None:
+        super().__init__()
+        self.context, self.naming, self.summary, self.source = context, naming, summary, source
+        self.first_nonfinite: OpEvent | None = None
+        self.first_nan: OpEvent | None = None
+        self._names = _Naming()
+        self._kernels = 0
+
+    def __enter__(self) -> OpWatch:
+        self._names.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._names.__exit__(*exc)
+
+    @property
+    def done(self) -> bool:
+        return self.first_nonfinite is not None and self.first_nan is not None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.done:
+            return func(*args, **kwargs)
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.name.startswith(UNJUDGED_PREFIXES):
+            return func(*args, **kwargs)
+        in_place = schema.is_mutable
+        if not in_place and schema.returns and all(r.alias_info is not None for r in schema.returns):
+            return func(*args, **kwargs)  # a view: it cannot make a new value
+        inputs = tree_leaves((args, kwargs))
+        self._kernels += 1
+        try:
+            before = nonfinite_flags(inputs) if in_place else None
+        except (RuntimeError, NotImplementedError):  # a tensor these checks cannot read (nested): not judged
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        try:
+            self._judge(func, args, inputs, result, in_place, before)
+        except (RuntimeError, NotImplementedError):
+            pass
+        return result
+
+    def _judge(self, func: Any, args: tuple, inputs: list[Any], result: Any, in_place: bool,
+               before: tuple[bool, bool] | None) -> None:
+        outputs = [t for t in tree_leaves(result) if _numeric(t)]
+        if not outputs or all(bool(torch.isfinite(t.detach()).all()) for t in outputs):
+            return
+        nan_in, inf_in = before if before is not None else nonfinite_flags(inputs)
+        made_nan = not nan_in and nonfinite_flags(outputs)[0]
+        from_finite = not (nan_in or inf_in)
+        if not (from_finite and self.first_nonfinite is None or made_nan and self.first_nan is None):
+            return
+        event = self._event(func, args, inputs, outputs, in_place, from_finite, made_nan)
+        if from_finite and self.first_nonfinite is None:
+            self.first_nonfinite = event
+        if made_nan and self.first_nan is None:
+            self.first_nan = event
+
+    def _event(self, func: Any, args: tuple, inputs: list[Any], outputs: list[torch.Tensor], in_place: bool,
+               from_finite: bool, made_nan: bool) -> OpEvent:
+        kernel = func._schema.name
+        calls = self._names.calls
+        module, module_type = self.context()
+        event = OpEvent(
+            operation=self.naming(calls[0]) if calls else str(func), kernel=kernel, in_place=in_place,
+            inputs_finite=from_finite, made_nan=made_nan, source=self.source(traceback.extract_stack()),
+            module=module, module_type=module_type,
+            inputs=self.summary([t for t in inputs if isinstance(t, torch.Tensor)  # an overwritten one is no input now
+                                 and not any(t is out for out in outputs)]),
+            outputs=self.summary(outputs), order=self._kernels)
+        if kernel in SOFTMAX_KERNELS and args and isinstance(args[0], torch.Tensor):
+            dim = args[1] if len(args) > 1 and isinstance(args[1], int) else -1
+            masked = fully_masked_rows(args[0], dim)
+            event.masked_rows = masked if masked[0] else None
+        return event
+
+    def verdict(self, loss_has_nan: bool) -> tuple[OpEvent, OpEvent | None] | None:
+        """The cause, and the event that tells the rest of the story (None: nothing to add):
+
+        - a NaN loss: the first kernel that made NaN, when its inputs were finite, when it is a softmax
+          over a fully masked row (then the second event, if any, is an earlier kernel that made an
+          infinity from finite values) or when no earlier kernel made one (the infinity it met was
+          put there on purpose); when it only turned such an earlier kernel's infinity into NaN,
+          that earlier kernel (and the second event is the one that made NaN);
+        - otherwise the first kernel that made NaN/Inf from finite inputs.
+        """
+        first, nan = self.first_nonfinite, self.first_nan
+        if nan is not None and (loss_has_nan or first is None):
+            earlier = first if first is not None and first.order < nan.order else None
+            if nan.inputs_finite or nan.masked_rows or earlier is None:
+                return nan, earlier if nan.masked_rows else None
+            return earlier, nan
+        return (first, None) if first is not None else None
