@@ -29,7 +29,6 @@ import re
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_debug.checks.backward import first_nonfinite_backward
 from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
 from lightning_debug.checks.firstnan import OpEvent, OpWatch
 from lightning_debug.checks.numerics import user_name
@@ -280,35 +280,20 @@ def capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     return torch.get_rng_state(), cuda
 
 
-_BACKWARD_ERROR = re.compile(r"Function '(\w+)' returned nan values in its (\d+)(?:st|nd|rd|th) output")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
 def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.Parameter]) -> Cause | None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            with torch.autograd.detect_anomaly(check_nan=True):
-                loss = run()
-                if loss is None or not loss.requires_grad:
-                    return None
-                torch.autograd.grad(loss, parameters, allow_unused=True)
-        except RuntimeError as error:
-            match = _BACKWARD_ERROR.search(str(error))
-            if match is None:
-                raise
-            backward = match.group(1)
-            source = None
-            for warning in caught:
-                text = str(warning.message)
-                if f"Error detected in {backward}" in text:
-                    frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in _FRAME.findall(text)]
-                    source = user_source(frames)
-            where = f" at {os.path.basename(source['file'])}:{source['line']} (`{source['code']}`)" if source else ""
-            forward = backward.removesuffix("Backward0").removesuffix("Backward1").lower()
-            return Cause(CauseSite.BACKWARD, f"the backward of `{forward}` ({backward}) produced NaN; its forward call is{where}",
-                         operation=backward, source=source)
-    return None
+    found = first_nonfinite_backward(run, parameters)
+    if found is None:
+        return None
+    backward, what, trace = found
+    frames = [traceback.FrameSummary(f, int(n), fn, line=code) for f, n, fn, code in _FRAME.findall(trace)]
+    source = user_source(frames) if frames else None
+    where = f" at {os.path.basename(source['file'])}:{source['line']} (`{source['code']}`)" if source else ""
+    forward = backward.removesuffix("Backward0").removesuffix("Backward1").lower()
+    return Cause(CauseSite.BACKWARD, f"the backward of `{forward}` ({backward}) produced {what} from finite "
+                 f"gradients; its forward call is{where}", operation=backward, source=source)
 
 
 def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
