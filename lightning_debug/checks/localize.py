@@ -386,6 +386,8 @@ def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) 
             loss = replay()
     loss_nan = not isinstance(loss, torch.Tensor) or bool(torch.isnan(loss.detach()).any())
     verdict = watch.verdict(loss_has_nan=loss_nan)
+    if verdict is not None and watch.first_nan is None and isinstance(loss, torch.Tensor) and not _nonfinite([loss]):
+        verdict = None  # only infinities the forward absorbed (a -inf mask, T5's log(0) bucket): the NaN is not here
     if verdict is not None:
         event, other = verdict
         inputs = dict(event.inputs, **({"fully_masked_rows": event.masked_rows[0], "rows": event.masked_rows[1]}
