@@ -95,11 +95,17 @@ class ParameterIndex:
         return Owned([owned(t) for t in tensors], self.device)
 
     def recheck_due(self) -> bool:
-        """Whether this use should compare the model against :attr:`signature` (every
-        ``REQUIRES_GRAD_RECHECK`` uses: what no registration tells, such as ``requires_grad``, a
-        parameter's ``.data`` replaced or a module cast in place, is followed without a walk per use)."""
+        """Whether this use should compare the model against :attr:`signature`, which a registration
+        does not announce: a parameter's ``requires_grad`` (compared every ``REQUIRES_GRAD_RECHECK``
+        uses, a list of booleans) and, every ``REQUIRES_GRAD_RECHECK ** 2`` uses, everything else
+        (``.data`` replaced, a module cast in place, a parameter swapped into ``_parameters``).
+        Until then a changed shape, dtype or device costs speed, not correctness: the plan falls
+        back to measuring one tensor at a time."""
         self._uses += 1
-        return self._uses % REQUIRES_GRAD_RECHECK == 0
+        if self._uses % REQUIRES_GRAD_RECHECK:
+            return False
+        return (self._uses % (REQUIRES_GRAD_RECHECK * REQUIRES_GRAD_RECHECK) == 0
+                or [p.requires_grad for p in self.watched] != self.trainable_mask)
 
     def tags(self, prefix: str) -> list[str]:
         """``prefix + name`` for every parameter, built once (per-parameter scalar names)."""
