@@ -57,12 +57,19 @@ def main() -> None:
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     for round_index in range(args.rounds):
         for model in models:
-            for label, checkout in checkouts.items():
+            order = list(checkouts.items())
+            for label, checkout in order[::-1] if round_index % 2 else order:  # who goes first alternates
                 results.setdefault((model, label), []).append(
                     run(checkout, model, args.only, args.steps, args.warmup, args.tensors))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
-    print(f"\nSide by side; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; one thread; "
-          f"{args.rounds} interleaved rounds of {args.steps} steps ({args.warmup} warm-up); median per-step "
+        table(args, checkouts, models, names, results, round_index + 1)
+
+
+def table(args: argparse.Namespace, checkouts: dict[str, Path], models: list[str], names: list[str],
+          results: dict[tuple[str, str], list[dict[str, float]]], rounds: int) -> None:
+    """The table over the rounds done so far (printed after every round: a long run can be stopped)."""
+    print(f"\nSide by side after {rounds} round(s); {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores; one thread; interleaved rounds of {args.steps} steps ({args.warmup} warm-up); median per-step "
           "main-thread CPU time of each run; ratio: to the plain run of the same process, median over rounds\n")
     print("| model | checkout | plain ms (median step) | " + " | ".join(names) + " | "
           + " | ".join(f"{n} (mean step: rare checks counted)" for n in names) + " |")
@@ -77,8 +84,9 @@ def main() -> None:
     print("\nEvery round's ratios:\n")
     for model in models:
         for label in checkouts:
-            rounds = [" / ".join(f"{r[n] / r['plain']:.3f}" for n in names) for r in results[(model, label)]]
-            print(f"- {model}, {label} ({' / '.join(names)}): " + ", ".join(rounds))
+            ratios = [" / ".join(f"{r[n] / r['plain']:.3f}" for n in names) for r in results[(model, label)]]
+            print(f"- {model}, {label} ({' / '.join(names)}): " + ", ".join(ratios))
+    print(flush=True)
 
 
 if __name__ == "__main__":
