@@ -15,7 +15,16 @@ ratio to its plain loop. Models (``--model``):
   (each run against the plain run of its round), from the time inside the hooks, and from the hooks plus the
   optimizer's update (where the cost of reading the gradients lands: the optimizer finds their Python objects
   made); ``anchor_read_gradients`` reads every ``.grad`` and nothing more, the floor of any such check;
+- ``llama24``: a ``transformers`` Llama with 24 tiny layers (width 32; 219 parameter tensors), whose decoder
+  slices its ``ModuleList`` in every forward (issue 28: the plan must not be rebuilt for it);
+- ``switch``: a ``transformers`` Switch-Transformers MoE (8 experts; its router reassigns ``self.classifier``
+  every forward); ``mixtral``: a ``transformers`` Mixtral MoE (4 experts, top-2);
+- ``many``: the sweep's model at the first size of ``--tensors`` only (``--tensors 100``: 100 parameter
+  tensors, a launch-bound ~2 ms step), in the ordinary table;
 - ``gpt``: with CUDA, a ~134M-parameter GPT-like model in bf16.
+
+``--json PATH`` also writes every run's per-step time, so that ``benchmarks/side_by_side.py`` can
+compare two checkouts round by round.
 
     python benchmarks/overhead.py                 # CPU MLP, 5 rounds
     python benchmarks/overhead.py --rounds 7 --steps 300 --only plain,anomaly_warn
@@ -41,7 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_debug import (AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, MemoryProfilerCallback,
-                             PerformanceProfilerCallback)
+                             PerformanceProfilerCallback, debug_callbacks)
 
 
 def per_step_median(stamps: list[float]) -> float:
@@ -191,6 +200,40 @@ class TransformersGPT2(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
+class TransformersLM(pl.LightningModule):
+    """A ``transformers`` model from a tiny config, trained as its docs show (``model(**batch).loss``)."""
+
+    def __init__(self, kind: str, vocab: int = 256) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "llama24":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            self.model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                      num_hidden_layers=24, num_attention_heads=4,
+                                                      num_key_value_heads=2, max_position_embeddings=64))
+        elif kind == "mixtral":
+            from transformers import MixtralConfig, MixtralForCausalLM
+
+            self.model = MixtralForCausalLM(MixtralConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          num_key_value_heads=2, num_local_experts=4,
+                                                          num_experts_per_tok=2, max_position_embeddings=64))
+        else:
+            from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+            self.model = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(
+                vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+                num_experts=8, expert_capacity=64, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
 class TokenData(Dataset):
     def __init__(self, vocab: int, length: int, size: int) -> None:
         self.vocab, self.length, self.size = vocab, length, size
@@ -261,6 +304,7 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
             performance_profiling_frequency=10**9, save_debug_info=False, print_summary=False, save_plots=False))
             for cls in (AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
                         PerformanceProfilerCallback)]},
+        "plugin_defaults": lambda: {"callbacks": debug_callbacks(DebugConfig(print_summary=False))},
         "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
         "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
         "anchor_read_gradients": lambda: {"callbacks": [ReadGradients()]},
@@ -357,9 +401,11 @@ def make_model(model_name: str, steps: int, tensors: int) -> tuple[pl.LightningM
     if model_name == "gpt":
         loader = DataLoader(TokenData(32000, 512, 8 * (steps + 1)), batch_size=8, num_workers=2, pin_memory=True)
         return GPT(), loader, {"accelerator": "gpu", "precision": "bf16-mixed"}
+    if model_name in ("llama24", "switch", "mixtral"):
+        return TransformersLM(model_name), DataLoader(TokenData(256, 31, 4 * (steps + 1)), batch_size=4), cpu
     if model_name == "gpt2":
         return TransformersGPT2(), DataLoader(TokenData(2048, 63, 4 * (steps + 1)), batch_size=4), cpu
-    if model_name == "sweep":
+    if model_name in ("sweep", "many"):
         data = TensorDataset(torch.randn(8 * (steps + 1), 8), torch.randn(8 * (steps + 1)))
         return ManyTensors(tensors), DataLoader(data, batch_size=8), cpu
     if model_name == "tiny":
@@ -477,7 +523,8 @@ def sweep(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "tiny", "gpt2", "sweep", "gpt"],
+    parser.add_argument("--model", choices=["mlp", "tiny", "gpt2", "llama24", "switch", "mixtral", "many", "sweep",
+                                                      "gpt"],
                         default="gpt" if torch.cuda.is_available() else "mlp")
     parser.add_argument("--tensors", default="10,100,1000,2000,5000", help="sweep: numbers of parameter tensors")
     parser.add_argument("--rounds", type=int, default=5)
@@ -485,6 +532,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: stabler)")
+    parser.add_argument("--json", default="", help="also write every run's seconds per step here (JSON)")
     args = parser.parse_args()
     if args.model != "gpt":
         torch.set_num_threads(args.threads)
@@ -503,8 +551,17 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         for name in names:
-            times[name].append(run_once(args.model, name, args.steps, args.warmup))
+            times[name].append(run_once(args.model, name, args.steps, args.warmup,
+                                        int(args.tensors.split(",")[0]) if args.model == "many" else 0))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as handle:
+            means = {name: MEAN_TIMES.get((name, int(args.tensors.split(",")[0]) if args.model == "many" else 0), [])
+                     for name in names}
+            json.dump({"model": args.model, "steps": args.steps, "seconds_per_step": times,
+                       "mean_seconds_per_step": means}, handle)
     device = torch.cuda.get_device_name() if args.model == "gpt" else \
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     print(f"\nModel: {args.model}; device: {device}; torch {torch.__version__}; lightning {pl.__version__}; "

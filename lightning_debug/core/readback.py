@@ -23,8 +23,14 @@ class Readback:
     """
 
     def __init__(self, tensor: torch.Tensor, blocking: bool) -> None:
-        tensor = tensor.detach().reshape(-1)
         self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cpu":  # already on the host: no copy, no operation
+            self._host = tensor.detach() if tensor.requires_grad else tensor
+            if self._host.dim() != 1:
+                self._host = self._host.reshape(-1)
+            self._values: list[float] | None = None
+            return
+        tensor = tensor.detach().reshape(-1)
         if tensor.device.type == "cuda" and not blocking:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)

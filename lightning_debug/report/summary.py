@@ -193,8 +193,12 @@ def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
     failures = session.failures
     directory = session.output_dir
     if directory is not None:
-        if config.save_plots:
+        if config.save_plots and plot_worth_drawing(report):
             files.update(failures.call("drawing debug_analysis.png", _draw, directory, session, report) or {})
+        elif config.save_plots:
+            files["debug_analysis.png"] = (f"not drawn (a healthy run of {report.get('last_step', 0)} steps; drawn "
+                                           f"with a finding or from {PLOT_MIN_STEPS} steps): "
+                                           f"lightning-debug report {directory}")
         documents = (("report", REPORT_MD), ("json", REPORT_JSON)) if report_written else ()
         for label, name in (*documents, ("events", EVENTS_FILENAME)):
             if (directory / name).is_file():
@@ -211,6 +215,33 @@ def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
     if config.print_summary:
         failures.call("printing the summary", print_summary, report, files)
     return files
+
+
+PLOT_MIN_STEPS = 200
+"""From this many optimizer steps a healthy run's debug_analysis.png is drawn at the end of fit."""
+WORTH_A_PLOT = ("warning", "error", "critical")
+
+
+def plot_worth_drawing(report: dict[str, Any]) -> bool:
+    """Whether the end of fit draws debug_analysis.png (``save_plots``): drawing costs about half a
+    second, so a short healthy fit (a test, a smoke run) skips it. It is drawn when the run has a
+    finding of severity warning or above, when it did not finish normally, or when it is at least
+    ``PLOT_MIN_STEPS`` steps long (a chart worth reading); ``lightning-debug report DIR`` draws it
+    from the run's files at any time.
+
+    Example::
+
+        >>> plot_worth_drawing({"status": "finished", "last_step": 20, "findings": {}})
+        False
+        >>> plot_worth_drawing({"status": "finished", "last_step": 20, "findings": {"loss_spike": {"severity": "warning"}}})
+        True
+        >>> plot_worth_drawing({"status": "finished", "last_step": PLOT_MIN_STEPS, "findings": {}})
+        True
+    """
+    findings = report.get("findings") or {}
+    if any(str(entry.get("severity")) in WORTH_A_PLOT for entry in findings.values() if isinstance(entry, dict)):
+        return True
+    return str(report.get("status", "finished")) != "finished" or int(report.get("last_step") or 0) >= PLOT_MIN_STEPS
 
 
 def _draw(directory: Path, session: Session, report: dict[str, Any]) -> dict[str, str]:

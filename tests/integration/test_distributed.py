@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from lightning_debug.report.summary import plot_worth_drawing
 from tests.harness.toolkit import read_events, read_report
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "ddp_worker.py"
@@ -94,8 +95,9 @@ def assert_written_once_by_rank_zero(tmp_path: Path, results: list[dict[str, Any
     assert files_named(tmp_path, "events.jsonl") == [debug_dir / "events.jsonl"]
     assert files_named(tmp_path, "report.json") == [debug_dir / "report.json"]
     assert len(files_named(tmp_path, "events.out.tfevents*")) == 1, "scalars from rank zero only"
-    if importlib.util.find_spec("matplotlib") is not None:
-        assert len(files_named(tmp_path, "debug_analysis.png")) == 1
+    if importlib.util.find_spec("matplotlib") is not None:  # drawn only when worth it (a finding or a long run)
+        drawn = plot_worth_drawing(read_report(debug_dir))
+        assert files_named(tmp_path, "debug_analysis.png") == ([debug_dir / "debug_analysis.png"] if drawn else [])
     return debug_dir
 
 

@@ -164,7 +164,7 @@ def test_invalid_performance_settings_raise_naming_the_field() -> None:
         PerformanceProfilerCallback(profile_steps=(3,))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="dataloader_bottleneck_share"):
         DebugConfig(dataloader_bottleneck_share=1.5)
-    assert PerformanceProfilerCallback(level="advanced").monitor.profile_window == (10, 5)
+    assert PerformanceProfilerCallback(level="advanced").monitor.profile_window == (10, 2)
     assert PerformanceProfilerCallback(level="advanced", profile_steps=(0, 0)).monitor.profile_window is None
 
 

@@ -28,6 +28,7 @@ from lightning_debug.callbacks.base import config_field_docs
 from lightning_debug.cli import main as cli
 from lightning_debug.core.timeline import Series, Timeline
 from lightning_debug.report.offline import read_events_file, read_timeline, tensorboard_files
+from lightning_debug.report.summary import PLOT_MIN_STEPS
 from lightning_debug.report.tensorboard import LAYOUT_CATEGORIES
 from lightning_debug.run import Run
 from tests.harness.toolkit import LoopContext, read_report, read_scalars
@@ -433,10 +434,20 @@ def test_only_global_zero_prints_and_draws(tmp_path: Path, capsys: pytest.Captur
         directory = tmp_path / str(rank_zero)
         run = Run(DebugConfig(), LoopContext(directory, is_global_zero=rank_zero))
         run.session.metrics.add(0, "debug/perf/step_ms", 5.0)
-        run.finish("finished", 1)
-        run.finish("finished", 1)  # later calls of the same run print nothing more
+        run.finish("finished", PLOT_MIN_STEPS)  # long enough to chart
+        run.finish("finished", PLOT_MIN_STEPS)  # later calls of the same run print nothing more
         assert (directory / "debug_analysis.png").exists() is rank_zero
     assert capsys.readouterr().out.count("lightning-debug: run finished") == 1
+
+
+def test_a_short_healthy_fit_draws_no_plot_and_says_how_to_draw_it(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    run = Run(DebugConfig(), LoopContext(tmp_path))
+    run.session.metrics.add(0, "debug/perf/step_ms", 5.0)
+    run.finish("finished", 20)
+    assert (tmp_path / "report.json").exists() and not (tmp_path / "debug_analysis.png").exists()
+    assert "not drawn (a healthy run of 20 steps" in capsys.readouterr().out
+    assert cli(["report", str(tmp_path)]) == 0 and (tmp_path / "debug_analysis.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_plot_settings_turn_the_end_of_run_output_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -257,7 +257,7 @@ def test_trace_summary_and_finding() -> None:
     assert finding.kind is Kind.PROFILER_TRACE and "steps 10-14" in finding.message
 
 
-def test_profiler_window_on_cpu_writes_one_trace(tmp_path: Path) -> None:
+def test_profiler_window_on_cpu_writes_one_trace(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     traces: list[dict[str, Any]] = []
     windows = StepWindows(PerformanceSettings(profile_window=(1, 2)), False, 0, tmp_path, traces.append,
                           lambda *_: None, pytest.fail)
@@ -269,6 +269,8 @@ def test_profiler_window_on_cpu_writes_one_trace(tmp_path: Path) -> None:
     assert closed == [False, False, False, True, False] and not windows.active
     assert [(t["first_step"], t["last_step"]) for t in traces] == [(1, 2)]
     assert Path(traces[0]["path"]).exists()
+    printed = capfd.readouterr()
+    assert "profiler_start" not in printed.err + printed.out, "kineto's start/stop lines are silenced"
 
 
 def test_sync_debug_window_reports_the_synchronizing_lines(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,9 +6,11 @@ one device vector, reduces it across processes with one collective, and reads it
 at most once, now or a step later.
 
 What does not change from step to step is worked out once: :class:`ParameterIndex` holds the
-trainable parameters, their names and the fused-norm plan, and is rebuilt only when a parameter
-or module is registered anywhere (global registration hooks bump a counter) or when a
-parameter's ``requires_grad`` changes. So a healthy check step does no Python work per parameter
+trainable parameters, their names and the fused-norm plan, and is valid by identity: it is
+compared with the model (parameter names, identities, ``requires_grad``, shapes, dtypes, devices)
+only when a registration may have changed a watched model (global registration hooks bump a
+counter, ignoring re-registrations of the same object and fresh containers) and every few uses,
+and rebuilt only when that comparison differs. So a healthy check step does no Python work per parameter
 beyond collecting the gradients, and names are looked up only when something is found.
 
 Sharded parameters (``DTensor``: FSDP2, tensor parallel) are measured on their local shards; each
@@ -34,11 +36,11 @@ Example::
 from __future__ import annotations
 
 from lightning_debug.core.numerics.host import HostNumerics
-from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, ParameterIndex
+from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, ParameterIndex, signature
 from lightning_debug.core.numerics.observed import Observed
 from lightning_debug.core.numerics.owned import Owned
 from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
-from lightning_debug.core.numerics.registrations import registration_count, watch_registrations
+from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
 from lightning_debug.core.numerics.rows import (
     DEVICE_FIELDS,
     HOST_FIELDS,
@@ -54,5 +56,6 @@ from lightning_debug.core.numerics.step import StepNumerics
 __all__ = [
     "DEVICE_FIELDS", "HOST_FIELDS", "MAX_PENDING_READBACKS", "RANK_FIELDS", "REQUIRES_GRAD_RECHECK", "AllGather",
     "AllReduce", "HostNumerics", "NumericsQueue", "Observed", "Owned", "ParameterIndex", "StepNumerics",
-    "constant", "rank_flags", "registration_count", "watch_registrations", "world_position",
+    "constant", "rank_flags", "registration_count", "signature", "watch_model", "watch_registrations",
+    "world_position",
 ]

@@ -32,6 +32,12 @@ from lightning_debug.core.numerics.owned import Owned
 REQUIRES_GRAD_RECHECK = 16
 
 
+def signature(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[object, ...]]:
+    """What an index depends on, parameter by parameter: name, identity, ``requires_grad``, shape,
+    dtype and device. Two walks of a model with equal signatures give the same index."""
+    return [(name, id(p), p.requires_grad, p.shape, p.dtype, p.device) for name, p in named]
+
+
 class ParameterIndex:
     """The trainable parameters of a model (or of one optimizer), built once and reused every step.
 
@@ -53,7 +59,12 @@ class ParameterIndex:
         ['0.weight', '1.weight', '1.bias']
     """
 
+    builds = 0
+    """Indexes built in this process (tests and benchmarks count re-planning with it)."""
+
     def __init__(self, named: Sequence[tuple[str, nn.Parameter]], rank: int = 0, plain_sharded: bool = False) -> None:
+        ParameterIndex.builds += 1
+        self.signature = signature(named)
         everything = [(name, p) for name, p in named if plain_sharded or p.numel() > 0]
         self.watched = [p for _, p in everything]
         self.trainable_mask = [p.requires_grad for p in self.watched]
@@ -83,12 +94,18 @@ class ParameterIndex:
 
         return Owned([owned(t) for t in tensors], self.device)
 
-    def current(self) -> bool:
-        """Whether no parameter's ``requires_grad`` changed (checked every few uses: cheap, not free)."""
+    def recheck_due(self) -> bool:
+        """Whether this use should compare the model against :attr:`signature`, which a registration
+        does not announce: a parameter's ``requires_grad`` (compared every ``REQUIRES_GRAD_RECHECK``
+        uses, a list of booleans) and, every ``REQUIRES_GRAD_RECHECK ** 2`` uses, everything else
+        (``.data`` replaced, a module cast in place, a parameter swapped into ``_parameters``).
+        Until then a changed shape, dtype or device costs speed, not correctness: the plan falls
+        back to measuring one tensor at a time."""
         self._uses += 1
         if self._uses % REQUIRES_GRAD_RECHECK:
-            return True
-        return [p.requires_grad for p in self.watched] == self.trainable_mask
+            return False
+        return (self._uses % (REQUIRES_GRAD_RECHECK * REQUIRES_GRAD_RECHECK) == 0
+                or [p.requires_grad for p in self.watched] != self.trainable_mask)
 
     def tags(self, prefix: str) -> list[str]:
         """``prefix + name`` for every parameter, built once (per-parameter scalar names)."""

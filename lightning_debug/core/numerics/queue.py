@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.numerics.index import ParameterIndex
+from lightning_debug.core.numerics.index import ParameterIndex, signature
 from lightning_debug.core.numerics.observed import Observed
-from lightning_debug.core.numerics.registrations import registration_count, watch_registrations
+from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
 from lightning_debug.core.numerics.rows import AllReduce, world_position
 from lightning_debug.core.numerics.step import StepNumerics
 
@@ -48,7 +48,7 @@ class NumericsQueue:
         self._observed: tuple[int, Observed] | None = None
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
-        self._indexes: dict[Any, tuple[Any, ParameterIndex]] = {}
+        self._indexes: dict[Any, tuple[int, Any, ParameterIndex]] = {}
         watch_registrations()
 
     @property
@@ -84,30 +84,45 @@ class NumericsQueue:
         """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its
         param groups, in their order) when given; cached, and rebuilt only when they changed.
 
-        The model's index is keyed by the process-wide count of parameter and module
-        registrations; an optimizer's by the optimizer itself, that count and the sizes of its
-        param groups (``add_param_group`` rebuilds it), so a check step does no work per parameter
-        to find it.
+        Valid by identity: a use costs an integer comparison (the count of registrations that may
+        have changed a watched model, see :mod:`.registrations`) and, for an optimizer's index, the
+        sizes of its param groups (``add_param_group``). When either moved, and every
+        ``REQUIRES_GRAD_RECHECK`` uses, the model is walked once and compared with the index's
+        :func:`~lightning_debug.core.numerics.index.signature`; only a real change rebuilds it.
         """
-        generation: Any = registration_count()
+        count = registration_count()
         if optimizer is None:
             key: Any = ("model", plain_sharded)
+            layout: Any = None
         else:
             key = ("optimizer", id(optimizer), plain_sharded)
-            generation = (generation, optimizer, tuple(len(group["params"]) for group in optimizer.param_groups))
+            layout = (optimizer, tuple(len(group["params"]) for group in optimizer.param_groups))
         cached = self._indexes.get(key)
-        if not rebuild and cached is not None and cached[0] == generation and cached[1].current():
-            return cached[1]
+        if not rebuild and cached is not None:
+            if cached[0] == count and cached[1] == layout and not cached[2].recheck_due():
+                return cached[2]
+            named = self._named(named_parameters, optimizer)
+            if signature(named) == cached[2].signature:
+                self._indexes[key] = (count, layout, cached[2])
+                return cached[2]
+        else:
+            named = self._named(named_parameters, optimizer)
+        if len(self._indexes) > 8:
+            self._indexes.clear()
+        index = ParameterIndex(named, world_position()[0], plain_sharded)
+        watch_model(_model_of(named_parameters))
+        self._indexes[key] = (count, layout, index)
+        return index
+
+    @staticmethod
+    def _named(named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
+               optimizer: Any) -> list[tuple[str, nn.Parameter]]:
         named = list(named_parameters())
         if optimizer is not None:
             position = {id(p): name for name, p in named}
             owned = [p for group in optimizer.param_groups for p in group["params"]]
             named = [(position.get(id(p), f"parameter {i}"), p) for i, p in enumerate(owned)]
-        if len(self._indexes) > 8:
-            self._indexes.clear()
-        index = ParameterIndex(named, world_position()[0], plain_sharded)
-        self._indexes[key] = (generation, index)
-        return index
+        return named
 
     def scheduled_step(self, step: int) -> int:
         """The step a per-optimizer-step check's frequency counts: ``step`` itself, or, with several
@@ -156,3 +171,14 @@ class NumericsQueue:
     @property
     def oldest_pending_step(self) -> int | None:
         return self._pending[0].step if self._pending else None
+
+
+def _model_of(named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]]) -> nn.Module | None:
+    """The module whose ``named_parameters`` this is (a module's bound method, or a run context's with
+    a ``module()``), so only registrations into it count; None when it cannot be told."""
+    owner = getattr(named_parameters, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return owner
+    module = getattr(owner, "module", None)
+    found = module() if callable(module) else None
+    return found if isinstance(found, nn.Module) else None

@@ -8,8 +8,11 @@ into findings (:func:`trace_finding`, :func:`host_sync_finding`) that the monito
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import linecache
+import os
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -28,6 +31,27 @@ MAX_SYNC_SITES = 10
 PACKAGE_DIR = str(Path(__file__).resolve().parents[2])
 
 TraceSink = Callable[[dict[str, Any]], None]
+
+
+@contextlib.contextmanager
+def native_stderr_quiet() -> Any:
+    """Silence what native code writes to file descriptor 2 inside the block: the profiler's kineto
+    prints ``profiler_start`` / ``profiler_stop`` lines on every start and stop, which no setting
+    turns off. Python's own ``sys.stderr`` is flushed first and restored after, so only those
+    native lines, written within these few calls on the main thread, are lost."""
+    try:
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no real descriptor 2 (an embedded interpreter)
+        yield
+        return
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 SyncSink = Callable[[list[dict[str, Any]], int, int], None]
 
 
@@ -154,7 +178,8 @@ class StepWindows:
             end = start + length
             if self._profiler is not None and step != self._profiler_step:
                 self._profiler_step = step
-                self._profiler.step()
+                with native_stderr_quiet():
+                    self._profiler.step()
                 if step >= end:
                     self.stop_profiler()
                     closed = True
@@ -191,7 +216,8 @@ class StepWindows:
                                                                           repeat=1),
                                  on_trace_ready=on_trace_ready)
         self._profiler_step = step
-        self._profiler.start()
+        with native_stderr_quiet():
+            self._profiler.start()
 
     def _trace_ready(self, profiler: Any, first: int, last: int) -> None:
         directory = self.output_dir / "profiler"  # type: ignore[operator]
@@ -203,7 +229,8 @@ class StepWindows:
     def stop_profiler(self) -> None:
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
-            profiler.stop()
+            with native_stderr_quiet():
+                profiler.stop()
 
     def _start_sync_window(self) -> None:
         self._sync_previous_mode = torch.cuda.get_sync_debug_mode()

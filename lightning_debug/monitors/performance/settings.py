@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from lightning_debug.config import DebugConfig, DebugLevel
 
 # The torch.profiler window from level ADVANCED when ``profile_steps`` is not given: (start, length).
-DEFAULT_PROFILE_WINDOW = (10, 5)
+# Two recorded steps (after one warm-up step) are enough for the operator table and keep the trace
+# small and the end of a short fit light; ``profile_steps`` records more.
+DEFAULT_PROFILE_WINDOW = (10, 2)
 # The torch.cuda.set_sync_debug_mode("warn") window at level EXPERT on CUDA: (start, length).
 SYNC_DEBUG_WINDOW = (5, 3)
 
@@ -23,7 +25,7 @@ class PerformanceSettings:
 
         >>> settings = PerformanceSettings.from_config(DebugConfig(level="advanced"))
         >>> settings.frequency, settings.slow_step_factor, settings.profile_window, settings.sync_window
-        (10, 3.0, (10, 5), None)
+        (10, 3.0, (10, 2), None)
         >>> PerformanceSettings.from_config(DebugConfig(level="advanced", profile_steps=(0, 0))).profile_window is None
         True
     """
