@@ -326,11 +326,10 @@ class DebugConfig:
         profile_steps: ``(start, length)``: run torch.profiler over optimizer steps ``start`` to
             ``start + length - 1``; ``None`` means off below ADVANCED and a default window from
             ADVANCED on; a length of 0 turns it off.
-        save_plots: At the end of fit, draw ``debug_analysis.png`` (step time, memory, gradient
-            norm, findings over steps) next to the report when the run has a finding of warning or
-            above, did not finish normally, or is at least 200 steps long (a short healthy fit
-            skips the half second it costs; ``lightning-debug report DIR`` draws it any time);
-            needs matplotlib (``pip install "lightning-debug[plots]"``), skipped with a note without it.
+        save_plots: At the end of fit, draw ``debug_analysis.png`` (loss, step time, memory, gradient
+            norm, findings) next to the report with a finding of warning or above, a run that did not
+            finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib
+            (``pip install "lightning-debug[plots]"``), skipped with a note without it.
         print_summary: At the end of fit, print a short summary of the findings and where the
             files are, once, on the global-zero process (with rich when it is installed).
         follow_log_cadence: Send scalars to the loggers at the trainer's logging cadence
