@@ -79,3 +79,19 @@ def test_consequences_follow_the_chain_of_causes_in_report_json_and_md(tmp_path:
     markdown = (debug_dir(trainer) / "report.md").read_text()
     headings = [line.split("`")[1] for line in markdown.splitlines() if line.startswith("### ")]
     assert headings == order
+
+
+def test_the_healthy_triplet_embedder_is_quiet_at_advanced(tmp_path: Path) -> None:
+    """Its last bias drops out of every distance, so its gradient is float32 rounding noise and SGD's update
+    of it is below what the weights can hold: not a frozen parameter (it was ``frozen_param`` at step 0)."""
+    pl.seed_everything(0, verbose=False)
+    model = TripletEmbedder(zero_from=10**9)
+    trainer = make_trainer(tmp_path, [AnomalyDetectionCallback(level="advanced"), GradientHealthCallback(level="advanced")],
+                           max_steps=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model)
+    loud = [(e["kind"], e["step"]) for e in read_events(debug_dir(trainer))
+            if e["severity"] in ("warning", "error", "critical")]
+    assert loud == []
+    assert len(model.losses) == 8
