@@ -23,7 +23,7 @@ from lightning_debug.core.guard import Failures, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.run import Run, load_monitor_states, monitor_states
-from lightning_debug.callbacks.context import LightningContext
+from lightning_debug.callbacks.context import LightningContext, RowLogger, lightning_logs_now
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
@@ -60,6 +60,7 @@ class DebugCallback(Callback):
         self._run: Run | None = None
         self._leads = False
         self._failures = Failures()
+        self._rows = RowLogger()
 
     def make_monitor(self) -> Monitor:
         """A fresh monitor of this callback's area (its row in the table of areas)."""
@@ -104,6 +105,7 @@ class DebugCallback(Callback):
         for monitor in (self.monitor, *self.companions):
             run.add(monitor)
         self._run = run
+        self._rows = RowLogger()
         self._unsubscribe_idle_hooks()
 
     def _unsubscribe_idle_hooks(self) -> None:
@@ -143,6 +145,7 @@ class DebugCallback(Callback):
         if self._leads:
             run = self._run
             run.context.batch_idx = batch_idx  # type: ignore[union-attr]
+            run.context.epoch = trainer.current_epoch  # type: ignore[union-attr]
             run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
@@ -158,8 +161,11 @@ class DebugCallback(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._leads:
-            self._run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
-            self._run.batch_end(batch)  # type: ignore[union-attr]
+            run = self._run
+            run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
+            run.batch_end(batch)  # type: ignore[union-attr]
+            if run.session.metrics.rows and lightning_logs_now(trainer, pl_module):  # type: ignore[union-attr]
+                run.logging_row(lambda values: self._rows.log(trainer, pl_module, values))  # type: ignore[union-attr]
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
