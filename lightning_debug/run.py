@@ -130,6 +130,7 @@ class Run:
             if config.expose_callback_metrics else None,
             rows=context.logs_rows and config.follow_log_cadence)
         self.session.document_writer = write_document
+        self.logs_on_rows = context.logs_rows and config.follow_log_cadence
         printer = self.failures.call("console", context.console_printer)
         self._unroute = route(printer) if printer is not None else None
         if context.is_global_zero:
@@ -285,21 +286,23 @@ class Run:
     @_own_time
     @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
-        """The framework writes one of its logging rows now: ``log`` gets the scalars measured since its last row
-        (the plugin's own time, as every event: never part of the user's step or data wait).
+        """The framework writes one of its logging rows now (call it on every rank): on rank zero ``log`` gets the
+        scalars measured since the last row (the plugin's own time, never part of the user's step or data wait).
 
-        Measurements still on their way from the device are read first (the framework synchronizes on its
-        logging steps anyway), so the values of a check on this very step land on this row.
+        Measurements still on their way from the device are read first, on every rank at the same moment (the
+        framework synchronizes on its logging steps anyway), so the values of a check on this very step land on
+        this row; values known only later (a step's timings, when the next one starts) are on the next row.
         """
-        metrics = self.session.metrics
-        if not metrics.rows:
+        if not self.logs_on_rows:
             return
         call = self.failures.call
         if self.numerics.pending:
             call("reading back measurements", self.numerics.poll, True)
         for name, poll in self._pollers:
             call(name, poll)
-        call("logging debug scalars", log, metrics.take())
+        metrics = self.session.metrics
+        if metrics.rows:
+            call("logging debug scalars", log, metrics.take())
 
     def deliver_pending(self) -> None:
         """Read every pending measurement now (a sync on CUDA): before a checkpoint or the report."""

@@ -208,7 +208,7 @@ class DebugCallback(Callback):
             run = self._run
             run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
             run.batch_end(batch)  # type: ignore[union-attr]
-            if run.session.metrics.rows and lightning_logs_now(trainer, pl_module):  # type: ignore[union-attr]
+            if run.logs_on_rows and lightning_logs_now(trainer, pl_module):  # type: ignore[union-attr]
                 run.logging_row(lambda values: self._rows.log(trainer, pl_module, values))  # type: ignore[union-attr]
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
