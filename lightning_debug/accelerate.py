@@ -85,14 +85,26 @@ class AccelerateContext(RunContext):
         return where
 
     def metrics_sink(self) -> MetricsSink:
-        """Scalars to every tracker the user configured (looked up per write); nothing while there is none."""
-        accelerator = self.accelerator
+        """Scalars to every tracker the user configured (looked up per write); nothing while there is none.
+
+        A tracker such as W&B drops every value logged at a step below the last one it saw. A check's values are
+        logged at the optimizer step they describe (0-based, as :attr:`AccelerateDebugger.step` counts), or at the
+        highest step the loop itself passed to ``accelerator.log`` when that is higher: a loop that logs after
+        ``optimizer.step()`` at the number of steps done (one more), or counts micro-batches, never sees a debug
+        value dropped, and the values share its step axis.
+        """
+        accelerator, debugger = self.accelerator, self.debugger
 
         def sink(metrics: dict[str, float], step: int) -> None:
             if accelerator.trackers:
-                accelerator.log(metrics, step=step)
+                log = accelerator.__dict__.get("_lightning_debug_log", accelerator.log)
+                log(metrics, step=max(step, debugger.logged_step))
 
         return sink
+
+    def console_printer(self) -> Callable[[str], None]:
+        """``accelerator.print``: console lines from the main process only."""
+        return self.accelerator.print
 
     def all_gather(self) -> AllGather | None:
         return self.accelerator.gather if self.world_size > 1 else None
@@ -201,7 +213,10 @@ class AccelerateDebugger:
         self.step = self.epoch = self.batch = 0
         self.should_stop = False
         self.clipping: tuple[float, str] | None = None
+        self.logged_step = 0
+        """The highest ``step`` the loop passed to ``accelerator.log``: debug values are never logged below it."""
         self._watch_clipping()
+        self._watch_logging()
         self._batch_open = self._awaiting_step_end = self._replaying = False
         self._replayed_loss = False
         self._batch_where: Where = self.where
@@ -244,6 +259,22 @@ class AccelerateDebugger:
                 return _original(parameters, *args, **kwargs)
 
             setattr(accelerator, name, clipping)
+
+    def _watch_logging(self) -> None:
+        """Wrap ``accelerator.log`` (on this instance only, undone by :meth:`finish`) to learn the steps the loop
+        logs at, so that the debug values never land below them (a tracker would drop them)."""
+        accelerator = self.accelerator
+        if "log" in accelerator.__dict__:
+            return
+        original = accelerator.log
+
+        def log(values: dict, step: int | None = None, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(step, int) and not isinstance(step, bool):
+                self.logged_step = max(self.logged_step, step)
+            return original(values, step, *args, **kwargs)
+
+        accelerator.__dict__["_lightning_debug_log"] = original
+        accelerator.log = log  # type: ignore[method-assign]
 
     # --- what the loop calls ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
@@ -299,7 +330,7 @@ class AccelerateDebugger:
         self._end_pending_batch()
         for handle in self._hooks:
             handle.remove()
-        for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for name in ("clip_grad_norm_", "clip_grad_value_", "log", "_lightning_debug_log"):
             self.accelerator.__dict__.pop(name, None)
         return self.run.finish(status, self.step, None if error is None else f"{type(error).__name__}: {describe(error)}")
 

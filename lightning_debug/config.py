@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, FiniteNonNegativeFloat, NonNegativeInt,
+                                          NotEmptyStr, PositiveInt, ProfileLength, UnitFraction)
+
 
 class _AnyCaseNames(enum.EnumMeta):
     """``DebugMode["full_debug"]`` is ``DebugMode.FULL_DEBUG``.
@@ -98,12 +101,6 @@ case) and prints the member name (``SKIP``) in ``--print_config``."""
 
 DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
 """The values of :class:`DebugLevel`, for keyword overrides typed ``DebugLevel | DebugLevelName``."""
-
-MAX_PROFILE_STEPS = 50
-"""The longest torch.profiler window: the profiler keeps every recorded operator event in memory until
-the window ends and writes them all to one trace (measured: 145 MB of trace and +100 MB RSS over 1,500
-steps of a small model), so a window of a few steps is what a trace is for."""
-
 
 class Area(enum.Enum):
     """The areas of checks, in the order the run calls them.
@@ -351,23 +348,23 @@ class DebugConfig:
     mode: DebugMode = DebugMode.FULL_DEBUG
     level: DebugLevel = DebugLevel.BASIC
     anomaly_detection_mode: AnomalyMode | AnomalyModeName = "warn"
-    anomaly_check_frequency: int = 1
-    gradient_checking_frequency: int = 100
-    memory_profiling_frequency: int = 50
-    performance_profiling_frequency: int = 10
-    gradient_explosion_threshold: float | None = None
-    gradient_vanishing_threshold: float = 1e-6
+    anomaly_check_frequency: PositiveInt = 1
+    gradient_checking_frequency: PositiveInt = 100
+    memory_profiling_frequency: PositiveInt = 50
+    performance_profiling_frequency: PositiveInt = 10
+    gradient_explosion_threshold: FiniteNonNegativeFloat | None = None
+    gradient_vanishing_threshold: FiniteNonNegativeFloat = 1e-6
     save_debug_info: bool = True
-    debug_output_dir: str = "debug_outputs"  # an os.PathLike is accepted too (stored as str)
+    debug_output_dir: NotEmptyStr = "debug_outputs"  # an os.PathLike is accepted too (stored as str)
     log_gradients: bool = False
     log_activations: bool = False
     log_weights: bool = False
     log_memory: bool = True
     log_performance: bool = True
-    memory_high_fraction: float = 0.9
-    slow_step_factor: float = 3.0
-    dataloader_bottleneck_share: float = 0.3
-    profile_steps: tuple[int, int] | None = None
+    memory_high_fraction: UnitFraction = 0.9
+    slow_step_factor: AboveOne = 3.0
+    dataloader_bottleneck_share: UnitFraction = 0.3
+    profile_steps: tuple[NonNegativeInt, ProfileLength] | None = None
     save_plots: bool = True
     print_summary: bool = True
     follow_log_cadence: bool = True

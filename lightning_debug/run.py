@@ -53,6 +53,7 @@ from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
 from lightning_debug.report.document import build_report, write_document, write_report
+from lightning_debug.core.console import route
 from lightning_debug.report.summary import FindingWarnings, conclude_run
 from lightning_debug.report.tensorboard import attach_to_writer
 
@@ -129,8 +130,12 @@ class Run:
             self.failures, context.rank, run_id=context.run_id,
             log_every_n_steps=context.log_every_n_steps if config.follow_log_cadence else None,
             exposed=self.failures.call("callback metrics", context.exposed_metrics_sink)
-            if config.expose_callback_metrics else None)
+            if config.expose_callback_metrics else None,
+            rows=context.logs_rows and config.follow_log_cadence)
         self.session.document_writer = write_document
+        self.logs_on_rows = context.logs_rows and config.follow_log_cadence
+        printer = self.failures.call("console", context.console_printer)
+        self._unroute = route(printer) if printer is not None else None
         if context.is_global_zero:
             self.session.event_listeners.append(FindingWarnings())
         self.monitors: list[Monitor] = []
@@ -282,6 +287,26 @@ class Run:
 
     # --- the end --------------------------------------------------------------------------------
     @_own_time
+    @_own_time
+    def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
+        """The framework writes one of its logging rows now (call it on every rank): on rank zero ``log`` gets the
+        scalars measured since the last row (the plugin's own time, never part of the user's step or data wait).
+
+        Measurements still on their way from the device are read first, on every rank at the same moment (the
+        framework synchronizes on its logging steps anyway), so the values of a check on this very step land on
+        this row; values known only later (a step's timings, when the next one starts) are on the next row.
+        """
+        if not self.logs_on_rows:
+            return
+        call = self.failures.call
+        if self.numerics.pending:
+            call("reading back measurements", self.numerics.poll, True)
+        for name, poll in self._pollers:
+            call(name, poll)
+        metrics = self.session.metrics
+        if metrics.rows:
+            call("logging debug scalars", log, metrics.take())
+
     def deliver_pending(self) -> None:
         """Read every pending measurement now (a sync on CUDA): before a checkpoint or the report."""
         self.failures.call("reading back measurements", self.numerics.poll, True)
@@ -348,4 +373,6 @@ class Run:
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()
+        if self._unroute is not None:
+            self._unroute()
         return report

@@ -25,8 +25,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "accelerate": ("callbacks", "presets", "cli", "demo"),
     "config": ("checks", "core", "monitors", "report", "run", *ADAPTERS_AND_ENTRY_POINTS),
     "errors": ("checks", "core", "config", "monitors", "report", "run", *ADAPTERS_AND_ENTRY_POINTS),
+    "config_types": ("checks", "core", "config", "errors", "monitors", "report", "run", *ADAPTERS_AND_ENTRY_POINTS),
 }
-FRAMEWORK_FREE = ("checks", "core", "monitors", "report", "run", "config", "errors")
+FRAMEWORK_FREE = ("checks", "core", "monitors", "report", "run", "config", "config_types", "errors")
 
 
 def imported_modules(source: str) -> set[str]:

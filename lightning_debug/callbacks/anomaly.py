@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config_types import NotEmptyStr, PositiveInt
 from lightning_debug.config import AnomalyMode, AnomalyModeName, Area, DebugConfig, DebugLevel, DebugLevelName
 
 
@@ -58,10 +59,10 @@ class AnomalyDetectionCallback(DebugCallback):
         config: DebugConfig | None = None,
         *,
         anomaly_detection_mode: AnomalyMode | AnomalyModeName | None = None,
-        anomaly_check_frequency: int | None = None,
+        anomaly_check_frequency: PositiveInt | None = None,
         level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
-        debug_output_dir: str | None = None,
+        debug_output_dir: NotEmptyStr | None = None,
     ) -> None:
         super().__init__(config, anomaly_detection_mode=anomaly_detection_mode,
                          anomaly_check_frequency=anomaly_check_frequency, level=level,

@@ -23,12 +23,47 @@ from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.run import Run, load_monitor_states, monitor_states
-from lightning_debug.callbacks.context import LightningContext
+from lightning_debug.callbacks.context import LightningContext, RowLogger, lightning_logs_now
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
 BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
                "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
+
+
+RUN_WIDE_FIELDS = ("save_debug_info", "debug_output_dir", "save_plots", "print_summary", "follow_log_cadence",
+                   "expose_callback_metrics")
+"""Settings of the whole run (its files, console summary, plots, logging), not of one area's checks."""
+
+
+def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
+    """One config for the run from its callbacks' configs (by callback name, the leading one first): each run-wide
+    field takes the value any of them set away from its default; two different such values are a ``ValueError``
+    naming the field and both callbacks.
+
+    Example::
+
+        >>> run_wide_config({"A": DebugConfig(), "B": DebugConfig(print_summary=False)}).print_summary
+        False
+        >>> run_wide_config({"A": DebugConfig(debug_output_dir="a"), "B": DebugConfig(debug_output_dir="b")})
+        Traceback (most recent call last):
+        ...
+        ValueError: DebugConfig.debug_output_dir is a setting of the whole run, but A sets 'a' and B 'b': set it on one callback, or the same on all
+    """
+    defaults = DebugConfig()
+    names = list(configs)
+    merged: dict[str, Any] = {}
+    chosen: dict[str, str] = {}
+    for field in RUN_WIDE_FIELDS:
+        for name in names:
+            value = getattr(configs[name], field)
+            if value == getattr(defaults, field):
+                continue
+            if field in merged and merged[field] != value:
+                raise ValueError(f"DebugConfig.{field} is a setting of the whole run, but {chosen[field]} sets "
+                                 f"{merged[field]!r} and {name} {value!r}: set it on one callback, or the same on all")
+            merged[field], chosen[field] = value, name
+    return dataclasses.replace(configs[names[0]], **merged) if merged else configs[names[0]]
 
 
 class DebugCallback(Callback):
@@ -60,6 +95,7 @@ class DebugCallback(Callback):
         self._run: Run | None = None
         self._leads = False
         self._failures = Failures()
+        self._rows = RowLogger()
 
     def make_monitor(self) -> Monitor:
         """A fresh monitor of this callback's area (its row in the table of areas)."""
@@ -88,10 +124,18 @@ class DebugCallback(Callback):
         return key
 
     # --- joining and leaving the run ------------------------------------------------------------
-    @guarded
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        run = getattr(trainer, RUN_ATTRIBUTE, None)
+        run_config = None
+        if run is None or run.finished:  # this callback leads: the run's settings from every debug callback
+            ours = [c for c in trainer.callbacks if isinstance(c, DebugCallback)]
+            run_config = run_wide_config(_configs_leader_first(self, ours))
+        self._join(trainer, pl_module, run_config)
+
+    @guarded
+    def _join(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", run_config: DebugConfig | None) -> None:
         self.monitor = self.make_monitor()
         source = type(self).__name__
         self.companions = companion_monitors(self.monitor.area, self.config, source)
@@ -100,12 +144,14 @@ class DebugCallback(Callback):
         leads = run is None or run.finished
         run_wide = run_monitors(self.config, source) if leads else []
         if leads:
-            run = Run(self.config, LightningContext(trainer, pl_module, self.config), run_wide)
+            config = run_config or self.config
+            run = Run(config, LightningContext(trainer, pl_module, config), run_wide)
             setattr(trainer, RUN_ATTRIBUTE, run)
         for monitor in (self.monitor, *self.companions):
             run.add(monitor)
         run.ledger.notes_hooks = True
         self._run, self._leads, self._run_monitors = run, leads, run_wide
+        self._rows = RowLogger()
         self._unsubscribe_idle_hooks()
 
     def _unsubscribe_idle_hooks(self) -> None:
@@ -145,6 +191,7 @@ class DebugCallback(Callback):
         if self._leads:
             run = self._run
             run.context.batch_idx = batch_idx  # type: ignore[union-attr]
+            run.context.epoch = trainer.current_epoch  # type: ignore[union-attr]
             run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]
 
     def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: torch.Tensor) -> None:
@@ -160,8 +207,11 @@ class DebugCallback(Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._leads:
-            self._run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
-            self._run.batch_end(batch)  # type: ignore[union-attr]
+            run = self._run
+            run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
+            run.batch_end(batch)  # type: ignore[union-attr]
+            if run.logs_on_rows and lightning_logs_now(trainer, pl_module):  # type: ignore[union-attr]
+                run.logging_row(lambda values: self._rows.log(trainer, pl_module, values))  # type: ignore[union-attr]
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -215,6 +265,14 @@ class DebugCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.monitor.load_state_dict(state_dict)
         load_monitor_states((*self.companions, *self._run_monitors), state_dict.get("companions", {}))
+
+
+def _configs_leader_first(leader: DebugCallback, callbacks: list[DebugCallback]) -> dict[str, DebugConfig]:
+    """The callbacks' configs by a readable name (class, and position when a class repeats), the leader first."""
+    ordered = [leader, *(c for c in callbacks if c is not leader)]
+    names = [type(c).__name__ for c in ordered]
+    return {(name if names.count(name) == 1 else f"{name} #{i}"): c.config
+            for i, (name, c) in enumerate(zip(names, ordered), 1)}
 
 
 def config_field_docs() -> dict[str, str]:

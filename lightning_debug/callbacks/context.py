@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.callbacks.progress.tqdm_progress import TQDMProgressBar, Tqdm
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
 from torch import nn
 
@@ -64,6 +66,43 @@ def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
         del pl_module.log, pl_module.log_dict
 
 
+def lightning_logs_now(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
+    """Whether Lightning writes a row of step metrics at the end of this training batch (the cadence that
+    ``LearningRateMonitor`` follows: every ``log_every_n_steps`` batches that stepped, and when training stops)."""
+    connector = trainer._logger_connector
+    if not (connector.should_update_logs or trainer.fast_dev_run):
+        return False
+    return not (pl_module.automatic_optimization and trainer.fit_loop._should_accumulate())
+
+
+class RowLogger:
+    """Debug scalars on Lightning's own rows, through ``LightningModule.log`` from ``on_train_batch_end``.
+
+    Lightning keeps a value logged on an earlier row in its result collection and writes it again on
+    every later row of the epoch; a debug value measured once (a check every 50 steps) would then repeat
+    on rows where nothing was measured, so the names this logger wrote before and not now are reset.
+    Values are CPU tensors: logging them moves nothing to the device.
+    """
+
+    HOOK = "on_train_batch_end"
+
+    def __init__(self) -> None:
+        self._logged: set[str] = set()
+
+    def log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", values: dict[str, float]) -> None:
+        results = getattr(trainer, "_results", None)
+        for name in self._logged - values.keys():
+            result = results.get(f"{self.HOOK}.{name}") if results is not None else None
+            if result is not None:
+                result.reset()
+        self._logged = set(values)
+        if not values:
+            return
+        scalars = torch.tensor(list(values.values()), dtype=torch.float64).unbind()
+        pl_module.log_dict(dict(zip(values, scalars)), on_step=True, on_epoch=False, prog_bar=False, logger=True,
+                           batch_size=1, rank_zero_only=True)
+
+
 class LightningContext(RunContext):
     """The trainer's loggers, strategy, model and position, as the run sees them.
 
@@ -81,11 +120,15 @@ class LightningContext(RunContext):
         self.pl_module = pl_module
         self.output_dir, self.run_id, self.output_problem = resolve_output_dir(trainer, config)
         self.log_every_n_steps = trainer.log_every_n_steps
+        self.logs_rows = bool(trainer.loggers) and bool(trainer.log_every_n_steps)
         self.is_global_zero = trainer.is_global_zero
         self.world_size = trainer.world_size
         self.rank = trainer.global_rank
         self.grads_sharded = type(trainer.strategy).__name__ in PLAIN_SHARDING_STRATEGIES
         self.batch_idx = 0
+        self.epoch: int | None = None
+        """The epoch of the last training batch: Lightning advances ``current_epoch`` when an epoch ends, before
+        ``on_fit_end``, so the end of a run that stopped inside an epoch would name the next one."""
 
     @property  # type: ignore[override]
     def uses_grad_scaler(self) -> bool:
@@ -128,7 +171,7 @@ class LightningContext(RunContext):
         return self.trainer.optimizers
 
     def where(self) -> Where:
-        where = {"epoch": self.trainer.current_epoch, "batch": self.batch_idx}
+        where = {"epoch": self.trainer.current_epoch if self.epoch is None else self.epoch, "batch": self.batch_idx}
         if self.optimizer_index is not None:
             where["optimizer"] = self.optimizer_index
         return where
@@ -143,6 +186,17 @@ class LightningContext(RunContext):
                 logger.log_metrics(metrics, step=step)
 
         return sink
+
+    def console_printer(self) -> Callable[[str], None] | None:
+        """Lines that respect the progress bar: TQDM's ``write`` on the bars' stream (it clears the bars, prints the
+        line and redraws them; Lightning's own ``print`` writes nothing while no bar is open), else the bar's
+        ``print`` (rich: its console); None without a bar (``stderr``)."""
+        bar = self.trainer.progress_bar_callback
+        if bar is None or not self.is_global_zero:
+            return None
+        if isinstance(bar, TQDMProgressBar):
+            return lambda line: Tqdm.write(line, file=sys.stdout)
+        return lambda line: bar.print(line)
 
     def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None]:
         trainer = self.trainer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config_types import FiniteNonNegativeFloat, NotEmptyStr, PositiveInt
 from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
 
 
@@ -57,15 +58,15 @@ class GradientHealthCallback(DebugCallback):
         self,
         config: DebugConfig | None = None,
         *,
-        gradient_checking_frequency: int | None = None,
-        gradient_explosion_threshold: float | None = None,
-        gradient_vanishing_threshold: float | None = None,
+        gradient_checking_frequency: PositiveInt | None = None,
+        gradient_explosion_threshold: FiniteNonNegativeFloat | None = None,
+        gradient_vanishing_threshold: FiniteNonNegativeFloat | None = None,
         log_gradients: bool | None = None,
         log_activations: bool | None = None,
         log_weights: bool | None = None,
         level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
-        debug_output_dir: str | None = None,
+        debug_output_dir: NotEmptyStr | None = None,
     ) -> None:
         super().__init__(config, gradient_checking_frequency=gradient_checking_frequency,
                          gradient_explosion_threshold=gradient_explosion_threshold,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config_types import NotEmptyStr, PositiveInt, UnitFraction
 from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
 
 
@@ -45,12 +46,12 @@ class MemoryProfilerCallback(DebugCallback):
         self,
         config: DebugConfig | None = None,
         *,
-        memory_profiling_frequency: int | None = None,
+        memory_profiling_frequency: PositiveInt | None = None,
         log_memory: bool | None = None,
         level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
-        debug_output_dir: str | None = None,
-        memory_high_fraction: float | None = None,
+        debug_output_dir: NotEmptyStr | None = None,
+        memory_high_fraction: UnitFraction | None = None,
     ) -> None:
         super().__init__(config, memory_profiling_frequency=memory_profiling_frequency, log_memory=log_memory,
                          level=level, save_debug_info=save_debug_info, debug_output_dir=debug_output_dir,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_debug.callbacks.base import DebugCallback
+from lightning_debug.config_types import AboveOne, NonNegativeInt, NotEmptyStr, PositiveInt, ProfileLength, UnitFraction
 from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
 from lightning_debug.core.monitor import Monitor
 from lightning_debug.monitors import AREA_SPECS
@@ -57,14 +58,14 @@ class PerformanceProfilerCallback(DebugCallback):
         self,
         config: DebugConfig | None = None,
         *,
-        performance_profiling_frequency: int | None = None,
+        performance_profiling_frequency: PositiveInt | None = None,
         log_performance: bool | None = None,
         level: DebugLevel | DebugLevelName | None = None,
         save_debug_info: bool | None = None,
-        debug_output_dir: str | None = None,
-        slow_step_factor: float | None = None,
-        dataloader_bottleneck_share: float | None = None,
-        profile_steps: tuple[int, int] | None = None,
+        debug_output_dir: NotEmptyStr | None = None,
+        slow_step_factor: AboveOne | None = None,
+        dataloader_bottleneck_share: UnitFraction | None = None,
+        profile_steps: tuple[NonNegativeInt, ProfileLength] | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
         tokens_fn: Callable[[Any], int] | None = None,
     ) -> None:

@@ -89,6 +89,9 @@ class RunContext:
     uses_grad_scaler: bool = False
     log_every_n_steps: int | None = None
     """The framework's logging cadence for scalars (None: every check step; 0: none)."""
+    logs_rows: bool = False
+    """Whether the adapter takes the scalars (``MetricsWriter.take``) and logs them on the framework's own rows
+    (Lightning: through ``LightningModule.log``) rather than through :meth:`metrics_sink`."""
     ledger: RunLedger | None = None
     """The run's ledger (given by the run that uses this context): where the loop is."""
 
@@ -122,6 +125,11 @@ class RunContext:
         return {"epoch": 0, "batch": 0}
 
     def metrics_sink(self) -> MetricsSink | None:
+        return None
+
+    def console_printer(self) -> Callable[[str], None] | None:
+        """Where the run's console lines go while it is live (Lightning: the active progress bar's ``print``;
+        Accelerate: ``accelerator.print``, the main process only); None: ``stderr``."""
         return None
 
     def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None] | None:

@@ -1,34 +1,39 @@
 """Monitoring never breaks training: the one failure policy of the whole package.
 
 Every check, every write and every hook goes through :class:`Failures`. A failure becomes one
-warning per check (in one wording), is counted by check and by reason for the report, and the run
+console line per check (in one wording), is counted by check and by reason for the report, and the run
 goes on. :class:`~lightning_debug.AnomalyError`, which the user asked for with
 ``anomaly_detection_mode="raise"``, passes through untouched, as does anything that is not an
 ``Exception`` (``KeyboardInterrupt``).
 
 Example::
 
-    >>> import warnings
+    >>> import logging
+    >>> seen = []
+    >>> listener = logging.Handler()
+    >>> listener.emit = lambda record: seen.append(record.getMessage())
+    >>> LOGGER.addHandler(listener)
     >>> failures = Failures()
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     for step in range(3):
-    ...         failures.step = step
-    ...         failures.call("gradients.check", lambda: 1 / 0)
-    >>> len(caught), failures.summary()["gradients.check"]["count"]
+    >>> for step in range(3):
+    ...     failures.step = step
+    ...     failures.call("gradients.check", lambda: 1 / 0)
+    >>> LOGGER.removeHandler(listener)
+    >>> len(seen), failures.summary()["gradients.check"]["count"]
     (1, 3)
-    >>> str(caught[0].message)
+    >>> seen[0]
     'lightning-debug: gradients.check failed at step 0 (ZeroDivisionError: division by zero); this check is skipped, training continues.'
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lightning_debug.core.console import LOGGER, notify
 from lightning_debug.errors import AnomalyError
+
+__all__ = ["Failures", "LOGGER", "guarded", "notify"]
 
 CallableT = TypeVar("CallableT", bound=Callable[..., Any])
 MAX_REASONS = 5
@@ -65,7 +70,7 @@ class Failures:
         if entry is None:
             entry = self.failed[name] = {"count": 0, "first_step": step, "last_step": step, "reasons": {}}
             notify(f"lightning-debug: {name} failed{self._at(step)} ({reason}); {consequence}, training "
-                   "continues.", RuntimeWarning)
+                   "continues.")
         entry["count"] += 1
         entry["first_step"] = min(entry["first_step"], step)
         entry["last_step"] = max(entry["last_step"], step)
@@ -100,19 +105,6 @@ def describe(error: BaseException) -> str:
         return str(error)
     except Exception as failure:
         return f"<str() of this {type(error).__name__} raised {type(failure).__name__}>"
-
-
-def notify(message: str, category: type[Warning] = UserWarning) -> None:
-    """Show ``message`` to the user as one line (a warning without the source line under it); never raises.
-
-    A user's ``-W error`` (or a filter that turns these warnings into exceptions) must not make a
-    write fail on one rank and keep it from what every rank does next, so a warning that raises is
-    dropped: what it said is in events.jsonl and the report.
-    """
-    try:
-        warnings.warn_explicit(message, category, filename="lightning-debug", lineno=0, module="lightning_debug")
-    except Exception:
-        pass
 
 
 def guarded(method: CallableT) -> CallableT:

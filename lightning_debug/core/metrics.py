@@ -13,6 +13,11 @@ same for the debug scalars: steps fall into windows of ``log_every_n_steps`` (th
 the step where Lightning writes its own row), and of each window it writes, per name, the value of
 the last check step that measured it, at that step; ``debug/loss_finite`` keeps the lowest value
 (at the last step that had it) instead, so a single NaN step is never hidden by a finite one after it.
+
+Rows. Under a Trainer the scalars are no separate writes at all: the adapter asks for them (:meth:`MetricsWriter.take`)
+when Lightning writes one of its own rows and logs them through ``LightningModule.log``, so they share the user's
+rows and step axis and reach every logger the trainer has. Each row carries, per name, the last value measured
+since the previous row (the lowest for ``debug/loss_finite``).
 """
 
 from __future__ import annotations
@@ -68,6 +73,28 @@ def safe_metric_name(name: str) -> str:
     return cleaned
 
 
+PER_OPTIMIZER = frozenset({"debug/grad/global_norm", "debug/weight/update_ratio_global"})
+"""Whole-model numbers that mean something else for each optimizer: one series per optimizer when several step."""
+
+
+def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str, float]:
+    """``metrics`` of a check of optimizer ``optimizer`` (None: the model has one): the names of
+    :data:`PER_OPTIMIZER` get the suffix ``_optimizer_<index>``, so a GAN's generator and discriminator
+    norms are two series, not one that zig-zags between them.
+
+    Example::
+
+        >>> per_optimizer({"debug/grad/global_norm": 2.0, "debug/grad/missing_count": 0.0}, 1)
+        {'debug/grad/global_norm_optimizer_1': 2.0, 'debug/grad/missing_count': 0.0}
+        >>> per_optimizer({"debug/grad/global_norm": 2.0}, None)
+        {'debug/grad/global_norm': 2.0}
+    """
+    if optimizer is None:
+        return metrics
+    return {f"{name}_optimizer_{optimizer}" if name in PER_OPTIMIZER else name: value
+            for name, value in metrics.items()}
+
+
 class MetricsWriter:
     """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
 
@@ -78,6 +105,8 @@ class MetricsWriter:
             (as Lightning with ``log_every_n_steps=0``).
         observer: Sees every value as it is measured, before any thinning (the run's timeline).
         exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
+        rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
+            writing them to ``sink``.
 
     Steps are written in order once the caller says no more values for them will come
     (:meth:`flush_before`), so values read back a step late still land at the step they describe.
@@ -92,11 +121,22 @@ class MetricsWriter:
         ...     writer.add(step, "debug/perf/step_ms", 10.0 + step)
         >>> writer.flush_before(10); written
         [(2, {'debug/loss_finite': 0.0}), (4, {'debug/perf/step_ms': 14.0}), (9, {'debug/loss_finite': 1.0, 'debug/perf/step_ms': 19.0})]
+
+    With ``rows=True`` the caller takes what was measured since its last row::
+
+        >>> rows = MetricsWriter(None, Failures(), rows=True)
+        >>> for step in range(3):
+        ...     rows.add_many(step, {"debug/loss_finite": 0.0 if step == 1 else 1.0, "debug/perf/step_ms": 10.0 + step})
+        >>> rows.take(), rows.take()
+        ({'debug/loss_finite': 0.0, 'debug/perf/step_ms': 12.0}, {})
     """
 
     def __init__(self, sink: MetricsSink | None, failures: Failures, log_every_n_steps: int | None = None,
-                 observer: MetricsSink | None = None, exposed: Callable[[dict[str, float]], None] | None = None) -> None:
-        self._sink = sink if log_every_n_steps != 0 else None
+                 observer: MetricsSink | None = None, exposed: Callable[[dict[str, float]], None] | None = None,
+                 rows: bool = False) -> None:
+        self.rows = rows
+        self._row: dict[str, tuple[int, float]] = {}
+        self._sink = sink if log_every_n_steps != 0 and not rows else None
         self._failures = failures
         self._window = max(1, log_every_n_steps or 1)
         self._observer = observer
@@ -118,14 +158,22 @@ class MetricsWriter:
             exposed = {name: value for name, value in measured.items() if name in EXPOSED_METRICS}
             if exposed:
                 self._failures.call("exposing debug scalars to callback_metrics", self._exposed, exposed)
-        if self._sink is None:
+        if self.rows:
+            window = self._row
+        elif self._sink is None:
             return
-        window = self._pending.setdefault(step // self._window, {})
+        else:
+            window = self._pending.setdefault(step // self._window, {})
         for name, value in measured.items():
             kept = window.get(name)
             if kept is None or (value < kept[1] or (value == kept[1] and step >= kept[0])
                                 if name in LOWEST_IN_WINDOW else step >= kept[0]):
                 window[name] = (step, value)
+
+    def take(self) -> dict[str, float]:
+        """The values of a row the framework writes now (``rows=True``), each measured since the last row."""
+        row, self._row = self._row, {}
+        return {name: value for name, (_, value) in row.items()}
 
     def flush_before(self, step: int | None = None) -> None:
         """Write every logging window that ends below ``step`` (all of them when ``step`` is None)."""

@@ -93,7 +93,7 @@ class Session:
     def __init__(self, output_dir: Path | None, is_global_zero: bool, sink: MetricsSink | None,
                  failures: Failures, rank: int = 0, *, run_id: str | None = None,
                  log_every_n_steps: int | None = None,
-                 exposed: Callable[[dict[str, float]], None] | None = None) -> None:
+                 exposed: Callable[[dict[str, float]], None] | None = None, rows: bool = False) -> None:
         self.is_global_zero = is_global_zero
         self.files_dir = output_dir
         self.output_dir = output_dir if is_global_zero else None
@@ -106,7 +106,7 @@ class Session:
         self.links: dict[str, str] = {}
         self.metrics = MetricsWriter(sink if is_global_zero else None, failures, log_every_n_steps,
                                      observer=self.timeline.observe_metrics if is_global_zero else None,
-                                     exposed=exposed)
+                                     exposed=exposed, rows=rows and is_global_zero)
         self.document_writer: DocumentWriter | None = None
         # the run's own host time (checks, census, replays, logging): step timing leaves it out
         self.own_time = OwnTime()

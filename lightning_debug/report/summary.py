@@ -111,8 +111,13 @@ class FindingWarnings:
 def _headline(report: dict[str, Any]) -> str:
     findings = report.get("findings") or {}
     failed = report.get("failed_checks") or {}
-    found = f"{len(findings)} kind(s) of finding" if findings else (
+    serious = [kind for kind, entry in findings.items()
+               if Severity.parse(entry.get("severity")).at_least(Severity.WARNING)]
+    notes = len(findings) - len(serious)
+    found = f"{len(serious)} kind(s) of finding" if serious else (
         "nothing wrong found" if not failed else "nothing found by the checks that ran")
+    if notes:  # info-level findings (a profiler trace written, weight decay on norms): listed, not counted as wrong
+        found += f" ({notes} note(s))" if not serious else f" and {notes} note(s)"
     if failed:
         since = min(int(entry.get("first_step", 0)) for entry in failed.values())
         found += f"; {len(failed)} check(s) failed and did not run (since step {since})"

@@ -5,8 +5,11 @@ Shared by every test module; everything runs on CPU in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import logging
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +175,23 @@ def plain_run(monitors: list[Monitor], output_dir: Path | None = None, config: D
     run = Run(config, LoopContext(output_dir, **context), monitors)
     run.start(0)
     return run
+
+
+@contextlib.contextmanager
+def console_lines(match: str | None = None) -> Iterator[list[str]]:
+    """The lines the plugin shows on the console (records of the ``lightning_debug`` logger) while the block runs.
+
+    With ``match``, at least one line must match it (``re.search``), as ``pytest.warns(match=...)`` checked when
+    findings were Python warnings.
+    """
+    lines: list[str] = []
+    listener = logging.Handler(logging.DEBUG)
+    listener.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning_debug")
+    logger.addHandler(listener)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(listener)
+    if match is not None:
+        assert any(re.search(match, line) for line in lines), f"no console line matches {match!r}: {lines}"

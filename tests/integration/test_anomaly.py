@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_debug import AnomalyDetectionCallback, AnomalyError, DebugConfig
-from tests.harness.toolkit import (
+from tests.harness.toolkit import (console_lines, 
     TinyRegressor,
     debug_dir,
     make_trainer,
@@ -29,12 +29,12 @@ def starts(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def lightning_debug_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if "lightning-debug" in str(w.message)]
+    return [line for line in caught if "lightning-debug" in line]
 
 
 def test_log_of_zero_is_found_at_its_step_with_scalars(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=20)
-    with pytest.warns(UserWarning, match=r"\[step 7\] The loss is NaN/Inf"):
+    with console_lines(r"\[step 7\] The loss is NaN/Inf"):
         trainer.fit(TinyRegressor(log_zero_from_step=7))
     events = read_events(debug_dir(trainer))
     loss_events = starts(events, "nonfinite_loss")
@@ -58,7 +58,7 @@ def test_log_of_zero_is_found_at_its_step_with_scalars(tmp_path: Path) -> None:
 
 def test_nan_in_one_layer_names_the_gradients(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6)
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(TinyRegressor(nan_layer_from_step=3))
     grad_events = starts(read_events(debug_dir(trainer)), "nonfinite_grad")
     assert [e["step"] for e in grad_events] == [3]
@@ -69,7 +69,7 @@ def test_nan_in_one_layer_names_the_gradients(tmp_path: Path) -> None:
 
 def test_learning_rate_that_overflows_weights_names_the_parameters(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback(anomaly_detection_mode="stop")], max_steps=10)
-    with pytest.warns(UserWarning, match=r"\[step 1\] Parameter .*\(nonfinite_param"):
+    with console_lines(r"\[step 1\] Parameter .*\(nonfinite_param"):
         trainer.fit(TinyRegressor(lr=3e38))
     events = read_events(debug_dir(trainer))
     param_events = starts(events, "nonfinite_param")
@@ -108,7 +108,7 @@ def test_skip_mode_drops_the_bad_steps_without_touching_the_weights(tmp_path: Pa
     callback = AnomalyDetectionCallback(anomaly_detection_mode="skip")
     trainer = make_trainer(tmp_path, [callback, snapshot], max_steps=12)
     model = TinyRegressor(nan_layer_from_step=4, optimizer=optimizer)
-    with pytest.warns(UserWarning, match=r"\[step 4\] .*\(nonfinite_grad"):
+    with console_lines(r"\[step 4\] .*\(nonfinite_grad"):
         trainer.fit(model)
     assert trainer.global_step == 12, "skip mode keeps training"
     for before, after in zip(snapshot.parameters, model.parameters()):
@@ -120,7 +120,7 @@ def test_skip_mode_drops_the_bad_steps_without_touching_the_weights(tmp_path: Pa
 def test_stop_mode_stops_cleanly_after_the_step(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback(anomaly_detection_mode="stop")], max_steps=30)
     model = TinyRegressor(nan_layer_from_step=6)
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(model)
     assert trainer.global_step == 7 and trainer.should_stop
     assert all(torch.isfinite(p).all() for p in model.parameters()), "the non-finite update was dropped"
@@ -129,8 +129,7 @@ def test_stop_mode_stops_cleanly_after_the_step(tmp_path: Path) -> None:
 
 def test_healthy_run_reports_nothing(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=200)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as caught:
         trainer.fit(TinyRegressor())
     assert lightning_debug_warnings(caught) == []
     events = read_events(debug_dir(trainer))
@@ -152,7 +151,7 @@ def test_frequency_counts_optimizer_steps_under_accumulation(tmp_path: Path) -> 
 
     callback = AnomalyDetectionCallback(anomaly_check_frequency=3)
     trainer = make_trainer(tmp_path, [callback], max_steps=10, accumulate_grad_batches=2)
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(OddBatchNaN())
     steps = [s for s, _ in read_scalars(trainer.log_dir)["debug/anomaly/count"]]
     assert steps == [0, 3, 6, 9]
@@ -173,14 +172,14 @@ def test_manual_optimization_is_checked(tmp_path: Path) -> None:
             optimizer.step()
 
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6)
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(Manual())
     assert [e["step"] for e in starts(read_events(debug_dir(trainer)), "nonfinite_loss")] == [3]
 
 
 def test_bf16_mixed_precision_is_checked_normally(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6, precision="bf16-mixed")
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(TinyRegressor(nan_layer_from_step=2))
     events = read_events(debug_dir(trainer))
     assert [e["step"] for e in starts(events, "nonfinite_grad")] == [2]
@@ -195,7 +194,7 @@ def test_expert_level_turns_autograd_anomaly_mode_on_and_off(tmp_path: Path) -> 
             seen.append(torch.is_anomaly_enabled())
 
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback(level="expert"), Probe()], max_steps=2)
-    with pytest.warns(UserWarning, match="set_detect_anomaly"):
+    with console_lines("set_detect_anomaly"):
         trainer.fit(TinyRegressor())
     assert seen == [True, True] and not torch.is_anomaly_enabled()
 
@@ -205,7 +204,7 @@ def test_resume_keeps_counting(tmp_path: Path) -> None:
 
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
     first = make_trainer(tmp_path / "a", [AnomalyDetectionCallback(), saver], max_steps=8, enable_checkpointing=True)
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         first.fit(TinyRegressor(log_zero_from_step=5))
     checkpoint = next((tmp_path / "ckpt").glob("*.ckpt"))
     resumed_callback = AnomalyDetectionCallback()
@@ -224,11 +223,10 @@ def test_unwritable_output_dir_is_one_warning_and_training_goes_on(tmp_path: Pat
     blocker.write_text("a file where the directory should be")
     callback = AnomalyDetectionCallback(debug_output_dir=str(blocker / "debug"))
     trainer = make_trainer(tmp_path, [callback], max_steps=10)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as caught:
         trainer.fit(TinyRegressor(log_zero_from_step=3))
     assert trainer.global_step == 10
-    could_not = [m for m in (str(w.message) for w in caught) if m.startswith("lightning-debug: writing")]
+    could_not = [m for m in caught if m.startswith("lightning-debug: writing")]
     assert len(could_not) == 2, could_not  # one for events.jsonl, one for the report
     assert "events.jsonl failed" in could_not[0] and "writing the report failed" in could_not[1]
 
@@ -276,7 +274,7 @@ class LogOfZeroInGraph(TinyRegressor):
 
 def test_warn_mode_names_the_loss_first_and_the_parameters_as_its_consequence(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=9)
-    with pytest.warns(UserWarning, match=r"\[step 5\] The loss is NaN/Inf"):
+    with console_lines(r"\[step 5\] The loss is NaN/Inf"):
         trainer.fit(LogOfZeroInGraph(from_step=5))
     events = read_events(debug_dir(trainer))
     report = read_report(debug_dir(trainer))
@@ -299,7 +297,7 @@ def test_warn_mode_names_the_loss_first_and_the_parameters_as_its_consequence(tm
 def test_an_overflowing_learning_rate_is_still_blamed_with_finite_gradients(tmp_path: Path) -> None:
     torch.manual_seed(0)
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=6)
-    with pytest.warns(UserWarning, match=r"\[step 0\] Parameter"):
+    with console_lines(r"\[step 0\] Parameter"):
         trainer.fit(TinyRegressor(lr=3e38))
     events = read_events(debug_dir(trainer))
     param = starts(events, "nonfinite_param")[0]
@@ -322,7 +320,7 @@ class Fp16Overflow(TinyRegressor):
 def test_pure_fp16_overflow_is_labelled_with_the_step_that_broke_the_weights(tmp_path: Path) -> None:
     torch.manual_seed(0)
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=3, precision="16-true")
-    with pytest.warns(UserWarning):
+    with console_lines(r"lightning-debug: "):
         trainer.fit(Fp16Overflow())
     events = read_events(debug_dir(trainer))
     grads = starts(events, "nonfinite_grad")
@@ -373,7 +371,7 @@ def test_a_dropped_step_restores_the_batchnorm_statistics_its_forward_broke(tmp_
     callback = AnomalyDetectionCallback(anomaly_detection_mode=mode)
     trainer = make_trainer(tmp_path, [callback], max_steps=16, val_check_interval=8, num_sanity_val_steps=0)
     model = BatchNormNet(nan_sample=37)  # batch 2 of the one epoch
-    with pytest.warns(UserWarning, match=r"\[step 2\] .*nonfinite_input"):
+    with console_lines(r"\[step 2\] .*nonfinite_input"):
         trainer.fit(model)
     assert callback.monitor.skipped_steps == 1 and callback.monitor.restored_buffer_steps == 1
     assert trainer.global_step == (16 if mode == "skip" else 3)
@@ -403,7 +401,7 @@ def test_skip_stops_with_the_buffer_names_when_they_cannot_be_restored(tmp_path:
 
     trainer = make_trainer(tmp_path, [callback], max_steps=24, limit_val_batches=0)
     model = LateNaN(nan_sample=None)
-    with pytest.warns(UserWarning, match=r"nonfinite_buffer"):
+    with console_lines(r"nonfinite_buffer"):
         trainer.fit(model)
     assert trainer.global_step == 5, "training stops instead of continuing over broken statistics"
     assert all(torch.isfinite(p).all() for p in model.parameters())

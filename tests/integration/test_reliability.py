@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_debug import DebugConfig, debug_callbacks
-from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, regression_data
+from tests.harness.toolkit import console_lines, TinyRegressor, debug_dir, make_trainer, read_events, read_report, regression_data
 
 
 def all_four(**overrides: Any) -> list[pl.Callback]:
@@ -26,14 +26,13 @@ def all_four(**overrides: Any) -> list[pl.Callback]:
     return debug_callbacks(config)
 
 
-def plugin_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if "lightning-debug" in str(w.message)]
+def plugin_warnings(caught: list[str]) -> list[str]:
+    return [line for line in caught if "lightning-debug" in line]
 
 
 def fit_all_four(tmp_path: Path, model: pl.LightningModule, steps: int = 12, **kwargs: Any) -> tuple[pl.Trainer, list[str]]:
     trainer = make_trainer(tmp_path, kwargs.pop("callbacks", all_four()), max_steps=steps, **kwargs)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as caught:
         trainer.fit(model)
     return trainer, plugin_warnings(caught)
 

@@ -31,7 +31,7 @@ from lightning_debug.core.session import Session
 from lightning_debug.monitors.anomaly import AnomalyMonitor
 from lightning_debug.report import document
 from lightning_debug.run import Run
-from tests.harness.toolkit import LoopContext, TinyRegressor, debug_dir, make_trainer, read_report
+from tests.harness.toolkit import console_lines, LoopContext, TinyRegressor, debug_dir, make_trainer, read_report
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -73,8 +73,7 @@ def finish_a_run(directory: Path, nan_step: int | None) -> tuple[dict[str, Any] 
     run = Run(config, Loop(directory, module=model), [AnomalyMonitor(config, "loop")])
     run.start(0)
     output = io.StringIO()
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(output):
-        warnings.simplefilter("always")
+    with console_lines() as caught, contextlib.redirect_stdout(output):
         for step in range(4):
             run.batch_start(step, None)
             loss = model(torch.ones(4, 2)).pow(2).mean() + (torch.log(torch.zeros(())) if step == nan_step else 0)
@@ -86,7 +85,7 @@ def finish_a_run(directory: Path, nan_step: int | None) -> tuple[dict[str, Any] 
             run.after_optimizer_step(step + 1)
             run.batch_end()
         report = run.finish("finished", 4)
-    return report, [str(w.message) for w in caught if "lightning-debug" in str(w.message)] + [output.getvalue()]
+    return report, [line for line in caught if "lightning-debug" in line] + [output.getvalue()]
 
 
 def test_a_full_disk_leaves_the_previous_report_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

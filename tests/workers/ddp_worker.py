@@ -96,8 +96,8 @@ class NaNOnOneRank(TinyRegressor):
                 raise OSError(28, "No space left on device")
 
             run.session.emit = disk_full  # every event write
+            self.log_dict = disk_full  # the debug scalars, which go through Lightning's logging on its rows
             for logger in self.trainer.loggers:
-                logger.log_metrics = disk_full  # the scalars
                 logger.experiment.add_text = disk_full  # TensorBoard text
             warnings.filterwarnings("error", message="lightning-debug")  # a user's -W error
         if self.fail_check_rank1_step is not None and self.global_rank == 1:

@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 from lightning_debug import DebugConfig, debug_callbacks  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import end_distributed, make_trainer, regression_data  # noqa: E402
+from tests.harness.toolkit import console_lines, end_distributed, make_trainer, regression_data  # noqa: E402
 
 MAX_STEPS = 12
 
@@ -180,8 +179,7 @@ def main() -> None:
                            devices=args.dp * args.tp,
                            strategy=ModelParallelStrategy(data_parallel_size=args.dp, tensor_parallel_size=args.tp))
     model = Sharded(args.nan_rank, args.nan_step)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as caught:
         trainer.fit(model)
     run = getattr(trainer, RUN_ATTRIBUTE)
     full_checksum = float(sum(full(p).detach().double().sum() for p in model.parameters()))
@@ -191,7 +189,7 @@ def main() -> None:
         "skipped_keys": len(observer.before), "reduce_steps": observer.reduce_steps,
         "params_finite": all(bool(torch.isfinite(full(p)).all()) for p in model.parameters()),
         "full_checksum": full_checksum, "failed_checks": run.failures.summary(),
-        "warnings": [str(w.message) for w in caught if "lightning-debug" in str(w.message)],
+        "warnings": [line for line in caught if "lightning-debug" in line],
         "output_dir": str(run.session.output_dir) if run.session.output_dir is not None else None,
         "log_dir": trainer.log_dir,
     }

@@ -17,7 +17,7 @@ import torch
 from lightning_debug.checks.numerics import user_name
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
-from lightning_debug.core.metrics import metric_part
+from lightning_debug.core.metrics import metric_part, per_optimizer
 from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
@@ -310,7 +310,7 @@ class GradientMonitor(Monitor):
             for name, norm in grads:
                 self.history.parameter_norms.setdefault(name, RunningStats()).add(norm)
         pending.write_histograms(self._histogram_writer)
-        self.log_metrics(step, metrics)
+        self.log_metrics(step, per_optimizer(metrics, optimizer))
         self.close_episodes(step, where, self.kinds)
 
     def _record_explosions(self, decided: Decided) -> None:
