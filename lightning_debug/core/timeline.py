@@ -21,6 +21,9 @@ PLOTTED_TAGS = (
     "debug/memory/cuda_peak_mb",
     "debug/grad/global_norm", "debug/anomaly/count", "debug/loss_finite",
 )
+PER_OPTIMIZER_NORM = "debug/grad/global_norm_optimizer_"
+"""With several optimizers the global norm is one series per optimizer (``..._optimizer_<i>``), plotted too."""
+MAX_OPTIMIZER_SERIES = 8
 LOSS_SERIES = "loss"
 """The series of the training loss: what the anomaly check read on its check steps, or, rebuilt offline,
 the first logged tag outside ``debug/`` whose name holds ``loss`` (``train_loss``)."""
@@ -113,12 +116,27 @@ class Timeline:
         for tag, value in metrics.items():
             if len(self.tags) < MAX_TAGS:
                 self.tags.add(tag)
-            if tag in PLOTTED_TAGS:
+            if tag in PLOTTED_TAGS or (tag.startswith(PER_OPTIMIZER_NORM) and (
+                    tag in self.series or len(self.optimizer_norms()) < MAX_OPTIMIZER_SERIES)):
                 self.series.setdefault(tag, Series()).add(int(step), float(value))
             elif not tag.startswith("debug/") and "loss" in tag.lower() and self.loss_source in ("", tag):
                 self.loss_source = tag
                 self.series.setdefault(LOSS_SERIES, Series()).add(int(step), float(value))
         self.last_step = max(self.last_step, int(step))
+
+    def optimizer_norms(self) -> list[str]:
+        """The per-optimizer global norm series held, in the optimizers' order.
+
+        Example::
+
+            >>> timeline = Timeline()
+            >>> timeline.observe_metrics({"debug/grad/global_norm_optimizer_1": 2.0,
+            ...                           "debug/grad/global_norm_optimizer_0": 1.0}, 3)
+            >>> timeline.optimizer_norms()
+            ['debug/grad/global_norm_optimizer_0', 'debug/grad/global_norm_optimizer_1']
+        """
+        return sorted((tag for tag in self.series if tag.startswith(PER_OPTIMIZER_NORM)),
+                      key=lambda tag: (len(tag), tag))
 
     def observe_loss(self, step: int, value: float) -> None:
         """The training loss of optimizer step ``step``, as the anomaly check read it (host float); it

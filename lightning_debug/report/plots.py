@@ -166,8 +166,10 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
         _nothing(memory_axis, "no memory readings: add MemoryProfilerCallback (log_memory: true)")
 
     grad_axis.set_title("Global gradient norm", loc="left", fontsize=10)
-    if _lines(grad_axis, timeline, [("debug/grad/global_norm", "global norm")]):
-        _, norms = timeline.values("debug/grad/global_norm")
+    curves = [("debug/grad/global_norm", "global norm")] + [
+        (tag, f"optimizer {tag.rsplit('_', 1)[-1]}") for tag in timeline.optimizer_norms()]
+    if _lines(grad_axis, timeline, curves):
+        norms = [value for tag, _ in curves for value in timeline.values(tag)[1]]
         positive = [value for value in norms if value > 0]
         if positive and max(positive) / min(positive) > 100:
             grad_axis.set_yscale("log")

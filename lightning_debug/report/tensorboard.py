@@ -62,7 +62,7 @@ def debug_layout() -> dict[str, dict[str, list[Any]]]:
             "check steps with NaN/Inf (cumulative)": ["Multiline", [r"debug/anomaly/.*"]],
         },
         "lightning-debug: gradients": {
-            "global gradient norm": ["Multiline", [r"debug/grad/global_norm$"]],
+            "global gradient norm": ["Multiline", [r"debug/grad/global_norm(_optimizer_\d+)?$"]],
             "check steps flagged exploding / vanishing / missing (cumulative)": [
                 "Multiline", [r"debug/grad/(exploding|vanishing|missing)_count$"]],
             "per-parameter gradient norms": ["Multiline", [r"debug/grad/norm/.*"]],
