@@ -19,11 +19,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_debug import DebugConfig, debug_callbacks
-from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report
-
-
-def plugin_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if "lightning-debug" in str(w.message)]
+from tests.harness.toolkit import TinyRegressor, console_lines, debug_dir, make_trainer, read_events, read_report
 
 
 class NanAt(TinyRegressor):
@@ -50,10 +46,9 @@ def test_an_output_directory_the_file_system_cannot_hold_degrades_to_no_files(tm
     made = TensorBoardLogger(str(tmp_path)) if logger == "tensorboard" else CSVLogger(str(tmp_path))
     trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig(debug_output_dir=relative)), max_steps=8,
                            logger=made)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as lines:
         trainer.fit(TinyRegressor(log_zero_from_step=3))
-    messages = plugin_warnings(caught)
+    messages = [line for line in lines if "lightning-debug" in line]
     assert trainer.global_step == 8
     failed = [m for m in messages if " failed " in m]
     assert len(failed) == 1 and "choosing the output directory failed" in failed[0]
@@ -150,10 +145,9 @@ def test_a_write_that_fails_for_a_while_is_retried_and_nothing_is_lost(tmp_path:
     """Before, one failed write turned events.jsonl off for the rest of the run."""
     callbacks = [*debug_callbacks(DebugConfig()), EventsFileBlocked(block=5, unblock=13)]
     trainer = make_trainer(tmp_path, callbacks, max_steps=24)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with console_lines() as lines:
         trainer.fit(NanAt({1, 6, 16}))
-    failed = [m for m in plugin_warnings(caught) if " failed " in m]
+    failed = [m for m in lines if "lightning-debug" in m and " failed " in m]
     assert len(failed) == 1 and "events.jsonl failed at step" in failed[0] and "kept and written" in failed[0]
     events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "nonfinite_loss"]
     assert [(e["episode"], e["step"]) for e in events] == [
