@@ -14,41 +14,37 @@ otherwise name as the operation that produced NaN from finite inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
-UNINITIALIZED = frozenset({torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty,
-                           torch.Tensor.new_empty_strided})
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
-class _Watch(TorchDispatchMode):
+class _ReplayMode(TorchDispatchMode):
+    """Notes the collectives dispatched while ``watching``; zero-fills uninitialized floating allocations.
+
+    Entered before (below) the localizer's own modes, function or dispatch ones, so that they see the
+    filled allocation."""
+
     def __init__(self, seen: list[str]) -> None:
         super().__init__()
         self.seen = seen
+        self.watching = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if getattr(func, "namespace", "") in COLLECTIVE_NAMESPACES:
-            name = f"{func.namespace}.{func.__name__.split('.')[0]}"
+        namespace = getattr(func, "namespace", "")
+        if self.watching and namespace in COLLECTIVE_NAMESPACES:
+            name = f"{namespace}.{func.__name__.split('.')[0]}"
             if name not in self.seen:
                 self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-class _Defined(TorchFunctionMode):
-    """Uninitialized floating-point allocations come back zero-filled (only while a replay runs)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        if func in UNINITIALIZED and isinstance(result, torch.Tensor) and (result.is_floating_point()
-                                                                           or result.is_complex()):
-            with torch.no_grad():
-                result.zero_()
+        if namespace == "aten" and func.__name__.split(".")[0] in UNINITIALIZED and isinstance(result, torch.Tensor) \
+                and (result.is_floating_point() or result.is_complex()):
+            result.zero_()
         return result
 
 
@@ -58,6 +54,7 @@ class ReplayCollectives:
     Enter it around :func:`~lightning_debug.checks.localize.localize` and give ``localize`` the
     replay through :meth:`wrap`: the first call (the forward replay) runs and is watched; a later call
     with gradients enabled (the backward replay) is left out when the first dispatched a collective.
+    While entered, uninitialized floating-point allocations come back zero-filled.
 
     Example::
 
@@ -75,18 +72,17 @@ class ReplayCollectives:
         self.seen: list[str] = []
         self.calls = 0
         self.backward_left_out = False
-        self._defined: _Defined | None = None
+        self._mode: _ReplayMode | None = None
 
     def __enter__(self) -> ReplayCollectives:
-        # entered before localize's own modes, so they see the zero-filled allocations
-        self._defined = _Defined()
-        self._defined.__enter__()
+        self._mode = _ReplayMode(self.seen)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._defined is not None:
-            self._defined.__exit__(*exc)
-            self._defined = None
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
 
     def wrap(self, replay: Callable[[], Any]) -> Callable[[], Any]:
         def watched() -> Any:
@@ -94,12 +90,13 @@ class ReplayCollectives:
             if self.calls > 1 and self.seen and torch.is_grad_enabled():
                 self.backward_left_out = True
                 return None
-            with self._watching():
+            mode = self._mode
+            if mode is None or self.calls > 1:
                 return replay()
+            mode.watching = True
+            try:
+                return replay()
+            finally:
+                mode.watching = False
 
         return watched
-
-    @contextmanager
-    def _watching(self) -> Iterator[None]:
-        with _Watch(self.seen):
-            yield
