@@ -34,13 +34,21 @@ def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path
     """
     run_id = new_run_id()
     directory: str | None = None
+    failure: str | None = None
     if config.save_debug_info and trainer.is_global_zero:
-        logger = trainer.loggers[0] if trainer.loggers else None
-        versioned = isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger.log_dir is not None
-        base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
-        directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
+        try:  # a failure still joins the broadcast below, so that no rank waits in it alone
+            logger = trainer.loggers[0] if trainer.loggers else None
+            versioned = isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger.log_dir is not None
+            base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
+            directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
+        except Exception as error:
+            failure = f"{type(error).__name__}: {error}"
+            if trainer.world_size <= 1:
+                raise
     if trainer.world_size > 1:
-        run_id, directory = trainer.strategy.broadcast((run_id, directory))
+        run_id, directory, failure = trainer.strategy.broadcast((run_id, directory, failure))
+    if failure is not None:  # on every rank alike
+        raise RuntimeError(f"the debug output directory could not be made on rank 0 ({failure})")
     return (Path(directory) if directory is not None else None), run_id
 
 

@@ -192,12 +192,11 @@ class AnomalyMonitor(Monitor):
             self.session.failures.record("restoring the buffers of a skipped step", failure,
                                          "the buffers are left as the forward changed them")
             restored, broken = False, []
-        distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
-        if not self._buffers.names and not distributed:
+        if not self._buffers.names:  # the same model on every rank (names come from its structure): none anywhere
             return decision
         device = self.session.failures.call("restoring the buffers of a skipped step", lambda: self._index().device)
         stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device or "cpu")
-        if distributed:  # on every rank of a skipped step, whatever this rank's buffers (the decision is shared)
+        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stop)
         if restored:
             self.restored_buffer_steps += 1
