@@ -49,6 +49,7 @@ from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import Decision, Event, Monitor
+from lightning_debug.core.ranks import gather_failures, merge_failures
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
@@ -147,6 +148,7 @@ class Run:
         self._report: dict[str, Any] | None = None
         self._exceptions_seen: set[int] = set()
         self._optimizer_steps: dict[int, int] = {}
+        self._other_ranks_failures: list[Any] | None = None
         self.finished = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
@@ -331,6 +333,22 @@ class Run:
             findings = self.failures.call(f"{type(monitor).__name__}.report_section", monitor.tally.state_dict)
             return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
 
+    def _gather_failures(self) -> None:
+        """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
+        run that finished: see :mod:`lightning_debug.core.ranks`)."""
+        try:
+            self._other_ranks_failures = gather_failures(self.failures.summary())
+        except Exception as failure:
+            self.failures.record("gathering every rank's failed checks", failure,
+                                 "this report lists this rank's failed checks only")
+
+    def failed_checks(self) -> dict[str, dict[str, Any]]:
+        """The failed checks of this run, with those of every rank on rank zero once they are gathered."""
+        own = self.failures.summary()
+        if self._other_ranks_failures is None or not self.session.is_global_zero:
+            return own
+        return merge_failures(own, self._other_ranks_failures, self.context.rank)
+
     def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
@@ -344,16 +362,18 @@ class Run:
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
+        if status is RunStatus.FINISHED and self.context.world_size > 1:
+            self._gather_failures()
         sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
         def render_failed(area: str, failure: Exception) -> None:
             self.failures.record(f"rendering the {area} section", failure,
                                  f"report.md has no {area} section; the area's findings are still in the report")
 
         report = self.failures.call("building the report", build_report, status=status, step=step, sections=sections,
-                                    config=self.config.to_dict(), error=error, failures=self.failures.summary(),
+                                    config=self.config.to_dict(), error=error, failures=self.failed_checks(),
                                     run_id=self.context.run_id, on_render_failure=render_failed)
         if report is not None:
-            report["failed_checks"] = self.failures.summary()
+            report["failed_checks"] = self.failed_checks()
         self._report = report
         written = False
         if report is not None and self.session.output_dir is not None:
@@ -364,7 +384,7 @@ class Run:
                 self.failures.record("writing the report", failure,
                                      "report.json and report.md of this run are not written (a previous complete "
                                      "version, if any, is left as it was)")
-                report["failed_checks"] = self.failures.summary()  # what the summary and the caller see
+                report["failed_checks"] = self.failed_checks()  # what the summary and the caller see
         if report is not None and self.session.is_global_zero:
             def attach(files: list) -> list[str]:
                 return attach_files(self.context.artifact_stores(), files)

@@ -213,10 +213,15 @@ def test_writes_failing_on_rank_zero_only_change_no_decision(tmp_path: Path, mod
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_advanced_replay_with_a_collective_in_training_step_keeps_the_ranks_together(tmp_path: Path) -> None:
-    """A contrastive-style ``self.all_gather`` inside ``training_step`` and a NaN on rank 1 only, at ADVANCED
-    in warn mode: every rank replays its own step the same number of times, so the gathers match."""
-    results = run_two_ranks(tmp_path, "warn", 1, 4, "ddp", False, "advanced", "--gather-in-step")
+@pytest.mark.parametrize("sync_grads", [False, True], ids=["detached", "sync_grads"])
+def test_advanced_replay_with_a_collective_in_training_step_keeps_the_ranks_together(tmp_path: Path,
+                                                                                      sync_grads: bool) -> None:
+    """A contrastive-style ``self.all_gather`` inside ``training_step`` (detached, or ``sync_grads=True``) and a
+    NaN on rank 1 only, at ADVANCED in warn mode: every rank replays its own forward the same number of times,
+    so the gathers match, and none replays the backward (the forward saw the collective). The cause is rank
+    1's, never an uninitialized buffer of the gather on rank 0 (issue 25)."""
+    flags = ["--gather-in-step"] + (["--sync-grads"] if sync_grads else [])
+    results = run_two_ranks(tmp_path, "warn", 1, 4, "ddp", False, "advanced", *flags)
     zero, one = results
     assert zero["exception"] is None and one["exception"] is None
     assert zero["global_step"] == one["global_step"] == 12

@@ -322,3 +322,36 @@ def test_the_divergence_finding_names_the_window() -> None:
 
 def test_forensics_constants_are_what_the_docs_say() -> None:
     assert (forensics.UPDATE_GROWTH, forensics.OVERFLOW_MARGIN) == (10.0, 0.5)
+
+
+
+def test_a_replay_never_names_an_uninitialized_allocation_as_the_cause() -> None:
+    """``torch.empty_like`` (the buffers a gather fills) may hand back memory that held NaN; the replay
+    zero-fills such allocations, so it is not named as the operation that made NaN from finite inputs
+    (issue 25: "on rank 0: `torch.empty_like`" for a NaN planted on rank 1)."""
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        freed = torch.empty(4096)
+        freed.fill_(float("nan"))
+        del freed
+        gathered = torch.empty_like(torch.ones(4096))  # often the memory just freed, full of NaN
+        return model(batch).sum() + 0.0 * gathered.sum()
+
+    for _ in range(5):
+        causes = replay.replay_each(model, [(torch.ones(1, 2), None)], step, same_work=True)
+        assert [cause.where for cause in causes] == [CauseSite.NOT_REPRODUCED], causes[0].summary
+
+
+def test_the_cause_named_across_ranks_is_that_of_a_rank_that_had_the_nan() -> None:
+    """Rank 0 "reproduces" a NaN it never had (a kernel's accident); rank 1, whose loss was NaN, does not:
+    the cause quoted is rank 1's, never rank 0's (issue 25)."""
+    gathered = [Cause(CauseSite.FORWARD, "`torch.empty_like` produced NaN").to_dict(),
+                Cause(CauseSite.NOT_REPRODUCED, "finite").to_dict()]
+    cause = replay.across_ranks(Cause.from_dict(gathered[0]), gathered, origin=[1])
+    assert cause.where is CauseSite.NOT_REPRODUCED and cause.summary == "on rank 1: finite"
+    found = [gathered[0], Cause(CauseSite.FORWARD, "`torch.log` produced NaN").to_dict()]
+    assert replay.across_ranks(Cause.from_dict(found[0]), found, origin=[1]).summary == \
+        "on rank 1: `torch.log` produced NaN"

@@ -2,7 +2,9 @@
 
 Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four] [--level LEVEL]
                                   [--unused-layer] [--fail-writes-rank0] [--fail-check-rank1-step STEP]
-                                  [--gather-in-step] [--nan-sample-batchnorm]
+                                  [--gather-in-step [--sync-grads]] [--nan-in-backward] [--nan-batch]
+                                  [--nan-sample-batchnorm]
+                                  [--fail-rank1 {replay,rows,origin,performance}]
 
 ``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
 only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
@@ -46,8 +48,12 @@ class NaNOnOneRank(TinyRegressor):
     def __init__(self, nan_rank: int, nan_step: int, out_dir: str = "", write_in_fit_end: bool = False,
                  unused_layer: bool = False, fail_writes_rank0: bool = False,
                  fail_check_rank1_step: int | None = None, gather_in_step: bool = False,
-                 nan_sample_batchnorm: bool = False) -> None:
+                 nan_sample_batchnorm: bool = False, sync_grads: bool = False,
+                 nan_in_backward: bool = False, fail_rank1: str | None = None,
+                 nan_batch: bool = False) -> None:
         super().__init__(unused_layer=unused_layer)
+        self.sync_grads, self.nan_in_backward, self.fail_rank1 = sync_grads, nan_in_backward, fail_rank1
+        self.nan_batch = nan_batch
         self.norm = torch.nn.BatchNorm1d(16) if nan_sample_batchnorm else None
         self.nan_rank, self.nan_step = nan_rank, nan_step
         self.out_dir, self.write_in_fit_end = out_dir, write_in_fit_end
@@ -70,8 +76,16 @@ class NaNOnOneRank(TinyRegressor):
             return torch.nn.functional.mse_loss(self(x), y)
         loss = super().training_step(batch, batch_idx)
         if self.gather_in_step:  # every rank's features, as a contrastive loss gathers them
-            features = self.all_gather(torch.relu(self.inp(batch[0])).detach())
+            features = torch.relu(self.inp(batch[0]))
+            features = self.all_gather(features, sync_grads=True) if self.sync_grads else self.all_gather(
+                features.detach())
             loss = loss + 0.0 * features.mean()
+        if self.nan_in_backward and self.global_rank == self.nan_rank and self.trainer.global_step >= self.nan_step:
+            # finite forward (sqrt(0) = 0), NaN backward (inf * 0), upstream of the gather's own backward if any
+            z = features if self.gather_in_step else self.inp.weight
+            return loss + torch.sqrt((z - z.detach()).pow(2).sum())
+        if self.nan_batch:
+            return loss
         if self.global_rank == self.nan_rank and self.trainer.global_step >= self.nan_step:
             loss = loss + torch.log(torch.zeros(()))
         return loss
@@ -111,6 +125,37 @@ class NaNOnOneRank(TinyRegressor):
                 return local_grads(index)
 
             ParameterIndex.local_grads = failing  # type: ignore[method-assign]
+        if self.fail_rank1 is not None:
+            self.plant_failure_on_rank1(self.fail_rank1)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.nan_batch and self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_step:
+            x, y = batch
+            x = x.clone()
+            x[0, 0] = float("nan")
+            return x, y
+        return batch
+
+    def plant_failure_on_rank1(self, place: str) -> None:
+        """Make one part of the plugin raise on rank 1 only (issue 27): its collectives must still match."""
+        if self.global_rank != 1:
+            return
+        from lightning_debug.monitors.anomaly import forensics, inputs, replay
+        from lightning_debug.monitors.performance.slow_step import SlowStepRule
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"planted failure in {place} on rank 1")
+
+        if place == "replay":
+            replay.replay_each = failing  # type: ignore[assignment]
+        elif place == "rows":
+            inputs.nonfinite_samples = failing  # type: ignore[assignment]
+        elif place == "origin":
+            forensics.WeightHistory.origin = failing  # type: ignore[method-assign]
+        elif place == "performance":
+            SlowStepRule.judge = failing  # type: ignore[method-assign]
+        else:
+            raise ValueError(place)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Runs after the callbacks' hook of the same name: a skipped step has no gradients left.
@@ -162,6 +207,12 @@ def main() -> None:
     parser.add_argument("--fail-check-rank1-step", type=int, default=None)
     parser.add_argument("--gather-in-step", action="store_true")
     parser.add_argument("--nan-sample-batchnorm", action="store_true")
+    parser.add_argument("--sync-grads", action="store_true", help="with --gather-in-step: all_gather(sync_grads=True)")
+    parser.add_argument("--nan-in-backward", action="store_true",
+                        help="a NaN only in the backward (before the gather's backward with --gather-in-step)")
+    parser.add_argument("--nan-batch", action="store_true", help="a NaN in the batch itself, at NAN_STEP only")
+    parser.add_argument("--fail-rank1", default=None, choices=["replay", "rows", "origin", "performance"],
+                        help="make that part of the plugin raise on rank 1 only")
     args = parser.parse_args()
     if args.all_four:
         config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
@@ -175,7 +226,9 @@ def main() -> None:
     model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_fit_end=spawned,
                          unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
                          fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
-                         nan_sample_batchnorm=args.nan_sample_batchnorm)
+                         nan_sample_batchnorm=args.nan_sample_batchnorm, sync_grads=args.sync_grads,
+                         nan_in_backward=args.nan_in_backward, fail_rank1=args.fail_rank1,
+                         nan_batch=args.nan_batch)
     outcome: dict[str, Any] = {"exception": None}
     try:
         trainer.fit(model)

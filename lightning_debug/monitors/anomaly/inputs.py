@@ -6,6 +6,7 @@ when the step's fused input flag, read back with the loss, says a batch holds Na
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,11 +47,13 @@ class RecentInputs:
         return inputs
 
 
-def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool) -> list[dict[str, Any]]:
+def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool,
+                   on_failure: Callable[[Exception], None] | None = None) -> list[dict[str, Any]]:
     """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
 
     Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
-    rank are gathered; read a step late, each rank knows only its own and rank zero writes them.
+    rank are gathered, whatever failed on this rank (``on_failure`` is told, and the rank's rows
+    are then empty); read a step late, each rank knows only its own and rank zero writes them.
 
     Example::
 
@@ -59,12 +62,18 @@ def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: b
         [{'tensor': 'x', 'shape': [2, 1], 'samples': [1], 'count': 1, 'epoch': 0, 'batch': 3, 'rank': 0}]
     """
     found: list[dict[str, Any]] = []
-    for batch_where, tensors in inputs:
-        for name, tensor in tensors:
-            samples, count = nonfinite_samples(tensor)
-            if count:
-                found.append({"tensor": name, "shape": list(tensor.shape), "samples": samples, "count": count,
-                              "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
+    try:
+        for batch_where, tensors in inputs:
+            for name, tensor in tensors:
+                samples, count = nonfinite_samples(tensor)
+                if count:
+                    found.append({"tensor": name, "shape": list(tensor.shape), "samples": samples, "count": count,
+                                  "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
+    except Exception as error:  # still join the gather below
+        found = []
+        if on_failure is None:
+            raise
+        on_failure(error)
     per_rank = {rank: found}
     if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
         gathered: list[Any] = [None] * dist.get_world_size()

@@ -192,10 +192,10 @@ class AnomalyMonitor(Monitor):
             self.session.failures.record("restoring the buffers of a skipped step", failure,
                                          "the buffers are left as the forward changed them")
             restored, broken = False, []
-        if not self._buffers.names:  # the same model on every rank: nothing to restore anywhere
+        if not self._buffers.names:  # the same model on every rank (names come from its structure): none anywhere
             return decision
-        device = self._index().device
-        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device)
+        device = self.session.failures.call("restoring the buffers of a skipped step", lambda: self._index().device)
+        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device or "cpu")
         if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(stop)
         if restored:
@@ -217,7 +217,15 @@ class AnomalyMonitor(Monitor):
             return None
         distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
         step, inputs = self._step_inputs
-        return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope)
+        origin = host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads
+        return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope,
+                           origin, self._failed("replaying the step", "the cause is not named"))
+
+    def _failed(self, check: str, consequence: str) -> Any:
+        """A callback that records a failure of ``check`` on this rank (a part that still joins its collective)."""
+        def record(error: Exception) -> None:
+            self.session.failures.record(check, error, consequence)
+        return record
 
     def finalize(self, step: int) -> None:
         """The last update has not been checked yet: check the parameters once more (one sync).
@@ -246,19 +254,24 @@ class AnomalyMonitor(Monitor):
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
         scan = bool(bad_loss_ranks or host.ranks_with_nonfinite_grads or host.params_measured)
-        inputs = self._inputs.take(host.step)
+        call = self.session.failures.call
+        inputs = call("naming the non-finite samples", self._inputs.take, host.step) or []
         bad_input_ranks = host.ranks_with_nonfinite_inputs
-        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update)
+        # every collective below runs on every rank whatever failed on this one (the conditions are shared)
+        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update,
+                               self._failed("naming the non-finite samples", "the samples are not named"))
                 if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
                                  self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows)
         if verdict.bad_params:
-            verdict.params = self.weights.origin(host.step, host.params_seen_after, bool(bad_grads),
-                                                 self._probe.flag(host.step), self._may_overflow)
+            verdict.params = call("tracing the non-finite weights", self.weights.origin, host.step,
+                                  host.params_seen_after, bool(bad_grads), self._probe.flag(host.step),
+                                  self._may_overflow)
         anomalous = verdict.anomalous()
         if anomalous:
             self.anomaly_count += 1
-        self.weights.after_check(host.step, verdict.params, bool(bad_grads), host.global_grad_norm, anomalous)
+        call("tracing the non-finite weights", self.weights.after_check, host.step, verdict.params, bool(bad_grads),
+             host.global_grad_norm, anomalous)
         return verdict
 
     def _write_findings(self, host: HostNumerics, where: Where, cause: Cause | None, verdict: policy.Verdict) -> None:

@@ -119,6 +119,21 @@ def cause_advice(cause: Cause) -> str:
     return advice_for_cause(cause.where, cause.operation)
 
 
+def backward_left_out(collectives: Sequence[str]) -> str:
+    """The cause when the forward replay is finite and its backward was left out for the step's own collectives.
+
+    Example::
+
+        >>> backward_left_out(["c10d.allgather_"])[:72]
+        'the replayed forward gave finite values; the backward was not replayed: '
+    """
+    return ("the replayed forward gave finite values; the backward was not replayed: the training step calls "
+            f"collectives of its own ({', '.join(f'`{name}`' for name in collectives)}), and a backward replay "
+            "stops at the first NaN on the rank that has it, so the other ranks would wait in the collective's "
+            "backward. The NaN/Inf most likely arises in the backward (a sqrt, norm or division at 0): run one "
+            "process with `level='advanced'` to name the operation")
+
+
 def anomaly_error(step: int, kinds: Sequence[Kind], verdict: Verdict, world_size: int,
                   cause: Cause | None) -> AnomalyError:
     """What ``anomaly_detection_mode='raise'`` raises: the kinds, the parameters and the cause.

@@ -17,7 +17,13 @@ import torch.distributed as dist
 from lightning_debug.checks.localize import Cause, CauseSite, localize
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Replay
-from lightning_debug.monitors.anomaly.prose import NO_BATCH_CAPTURED, outside_the_replay, replay_failed
+from lightning_debug.monitors.anomaly.collectives import ReplayCollectives
+from lightning_debug.monitors.anomaly.prose import (
+    NO_BATCH_CAPTURED,
+    backward_left_out,
+    outside_the_replay,
+    replay_failed,
+)
 
 EPISODE_KINDS = (Kind.NONFINITE_LOSS.value, Kind.NONFINITE_GRAD.value)
 Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the RNG state at its start)
@@ -45,6 +51,10 @@ def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
     """Replay the step's micro-batches until one names a cause (all of them with ``same_work``, so
     that every rank makes the same calls); a replay that raises becomes an ``error`` cause.
 
+    A micro-batch whose forward replay dispatched a collective of its own (the user's
+    ``all_gather`` in ``training_step``) gets no backward replay (:class:`.ReplayCollectives`):
+    that backward could enter a collective on one rank only. Its cause then says so.
+
     Example::
 
         >>> model = torch.nn.Linear(2, 1)
@@ -54,11 +64,16 @@ def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
     """
     causes: list[Cause] = []
     for captured, rng in inputs:
+        watch = ReplayCollectives()
         try:
-            cause = localize(model, captured, lambda captured=captured: replay(captured), rng,
-                             check_backward=True, same_work=same_work)
+            with watch:
+                cause = localize(model, captured, watch.wrap(lambda captured=captured: replay(captured)), rng,
+                                 check_backward=True, same_work=same_work)
         except Exception as error:
             cause = Cause(CauseSite.ERROR, replay_failed(error))
+        if watch.backward_left_out and not cause.where.names_a_cause:
+            cause = Cause(CauseSite.NOT_REPRODUCED, backward_left_out(watch.seen), replay_ms=cause.replay_ms,
+                          outputs={"collectives": list(watch.seen)})
         causes.append(cause)
         if cause.where.names_a_cause and not same_work:
             break
@@ -86,8 +101,11 @@ def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
     return own
 
 
-def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None]) -> Cause:
-    """The cause every rank names: the first rank's that reproduced the NaN, with each rank's summary.
+def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: Sequence[int] = ()) -> Cause:
+    """The cause every rank names: that of the first rank in ``origin`` (the ranks whose own loss or
+    gradients were non-finite) that reproduced the NaN, else that rank's replay as it ended, with
+    each rank's summary. A rank that had no NaN can "reproduce" one only by accident (a kernel's
+    non-determinism), so its cause is never the one named; without ``origin`` every rank counts.
 
     Example::
 
@@ -95,28 +113,40 @@ def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None]) -> Cause
         >>> cause = across_ranks(Cause.from_dict(gathered[0]), gathered)
         >>> cause.where.value, cause.summary, cause.outputs["per_rank"]
         ('inputs', 'on rank 1: bad', {0: 'finite', 1: 'bad'})
+        >>> across_ranks(Cause.from_dict(gathered[1]), gathered, origin=[0]).summary
+        'on rank 0: finite'
     """
-    reproduced = [(rank, c) for rank, c in enumerate(gathered) if c and CauseSite(c["where"]).names_a_cause]
-    if reproduced:
-        rank, first = reproduced[0]
-        own = Cause.from_dict(first)
-        own.summary = f"on rank {rank}: {own.summary}"
-    own.outputs = dict(own.outputs, per_rank={rank: c.get("summary") for rank, c in enumerate(gathered)})
+    ranks = [rank for rank in origin if 0 <= rank < len(gathered) and gathered[rank]] or \
+        [rank for rank, c in enumerate(gathered) if c]
+    reproduced = [rank for rank in ranks if CauseSite(gathered[rank]["where"]).names_a_cause]  # type: ignore[index]
+    chosen = reproduced[0] if reproduced else ranks[0] if ranks and origin else None
+    if chosen is not None:
+        own = Cause.from_dict(gathered[chosen])  # type: ignore[arg-type]
+        own.summary = f"on rank {chosen}: {own.summary}"
+    own.outputs = dict(own.outputs, per_rank={rank: (c or {}).get("summary") for rank, c in enumerate(gathered)})
     return own
 
 
 def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, distributed: bool,
-                replay_scope: Callable[[], str | None]) -> Cause:
+                replay_scope: Callable[[], str | None], origin: Sequence[int] = (),
+                on_failure: Callable[[Exception], None] | None = None) -> Cause:
     """Localize a step (every rank at once): replay its micro-batches, then gather the causes.
 
     Under distributed training every rank replays each of its micro-batches with the same number of
     calls whatever it finds (``localize(same_work=True)``), so collectives inside ``training_step``
-    still match, and the causes are gathered on every rank.
+    still match, and the causes are gathered on every rank, whatever failed on this one (a failure
+    is an ``error`` cause in the gather). The cause named is that of a rank in ``origin``, the
+    ranks whose loss or gradients were non-finite (:func:`across_ranks`).
     """
-    causes = replay_each(model, inputs, replay, same_work=distributed)
-    own = own_cause(causes, replay_scope() if causes else None)
+    try:
+        causes = replay_each(model, inputs, replay, same_work=distributed)
+        own = own_cause(causes, replay_scope() if causes else None)
+    except Exception as error:  # still join the gather below
+        own = Cause(CauseSite.ERROR, replay_failed(error))
+        if on_failure is not None:
+            on_failure(error)
     if distributed:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, own.to_dict())
-        own = across_ranks(own, gathered)
+        own = across_ranks(own, gathered, origin)
     return own

@@ -95,6 +95,7 @@ class PerformanceMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         self._timer: PhaseTimer | None = None
+        self._stepped = -1
         self._next_start: tuple[int, Mark, float, float] | None = None
         self._pending: list[PhaseTimer] = []
         self._gathers: deque[Readback] = deque()
@@ -153,7 +154,7 @@ class PerformanceMonitor(Monitor):
             return
         timer = self._timer
         if timer is not None and timer.step != step:
-            self._complete(timer, gather=False)
+            self._complete(timer)
             timer = None
         if timer is None:
             start, start_own, start_wait = (self._next_start[1:] if self._next_start is not None and
@@ -173,13 +174,31 @@ class PerformanceMonitor(Monitor):
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Gradients are ready (before ``optimizer.step``); the backward phase ends."""
+        self._stepped = step
         if self._timer is not None:
             self._timer.enter(Phase.OPTIMIZER)
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
         """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
-        batch in which the optimizer step started (or when a batch of a later step starts)."""
+        batch in which the optimizer step started (or when a batch of a later step starts).
+
+        On a check step that took an optimizer step (the same on every rank) the ranks gather their
+        step times, whatever failed on this rank before: a failure sends a row of NaN (a step no rank
+        judges), then is raised for the run to record.
+        """
+        gather = self.schedule.is_due(step) and self._stepped == step
+        failure: Exception | None = None
+        try:
+            self._end_batch(step)
+        except Exception as error:
+            failure = error
+        if gather and self.all_gather is not None and self.world_size > 1:
+            self._gather(failed=failure is not None)
+        if failure is not None:
+            raise failure
+
+    def _end_batch(self, step: int) -> None:
         where = self.context.where()
         timer = self._timer
         handed_over = False
@@ -188,11 +207,11 @@ class PerformanceMonitor(Monitor):
                 end = timer.stop()
                 timer.where = dict(where)
                 if timer.saw_optimizer:
-                    self._complete(timer, gather=True)
+                    self._complete(timer)
                     if self.due(step + 1):
                         self._next_start, handed_over = (step + 1, end, timer.since_own, timer.since_wait), True
             else:
-                self._complete(timer, gather=False)
+                self._complete(timer)
         if self._timer is None and not handed_over and self.due(step + 1):
             self._next_start = (step + 1, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
         if self._pending or self._gathers:
@@ -204,7 +223,7 @@ class PerformanceMonitor(Monitor):
         where = self._where = dict(self.context.where())
         timer = self._timer
         if timer is not None and timer.last_stop is not None and timer.saw_optimizer:
-            self._complete(timer, gather=False)
+            self._complete(timer)
         self._timer = None
         for pending in self._pending:
             try:
@@ -223,7 +242,7 @@ class PerformanceMonitor(Monitor):
         self.windows.restore()
 
     # --- measurements -----------------------------------------------------------------------------
-    def _complete(self, timer: PhaseTimer, gather: bool) -> None:
+    def _complete(self, timer: PhaseTimer) -> None:
         if self._timer is timer:
             self._timer = None
         if timer.last_stop is not None:
@@ -233,8 +252,6 @@ class PerformanceMonitor(Monitor):
                 self.dropped_measurements += 1
         self._where = dict(timer.where) or self._where
         self._poll()
-        if gather and self.all_gather is not None and self.world_size > 1:
-            self._gather()
 
     def _poll(self, final: bool = False) -> None:
         while self._pending and self._pending[0].ready():
@@ -255,9 +272,12 @@ class PerformanceMonitor(Monitor):
                 self.record(straggler.finding(), gathered.step, self._where, key=straggler.key)
             self.close_episodes(gathered.step, self._where, {Kind.STRAGGLER_RANK})
 
-    def _gather(self) -> None:
-        host = torch.tensor(gather_row(self._latest), dtype=torch.float64)
-        local = host.pin_memory().to(self.stopwatch.device, non_blocking=True) if self.stopwatch.uses_cuda else host
+    def _gather(self, failed: bool = False) -> None:
+        try:
+            host = torch.tensor(gather_row(None if failed else self._latest), dtype=torch.float64)
+            local = host.pin_memory().to(self.stopwatch.device, non_blocking=True) if self.stopwatch.uses_cuda else host
+        except Exception:  # a row of NaN still joins the gather: no rank judges this step
+            local = torch.tensor(gather_row(None), dtype=torch.float64, device=self.stopwatch.device)
         gathered = self.all_gather(local)  # type: ignore[misc]
         self._gathers.append(Readback(gathered.reshape(-1), blocking=False))
         self._poll()

@@ -1,0 +1,102 @@
+"""What a replay must not do under distributed training: run a user's collective on one rank only.
+
+A replayed ``training_step`` may call collectives of its own (``self.all_gather(z, sync_grads=True)``
+in a contrastive loss). Its forward replay runs on every rank with the same calls, so those match;
+but the backward replay stops at the first NaN on the rank that has it, so a collective in the
+backward (the gather's own backward) would be entered on the other ranks only, and every rank would
+wait forever. :class:`ReplayCollectives` notices the collectives of the forward replay (the c10d
+operations it dispatches) and then leaves the backward replay out, saying so.
+
+It also makes the replay's uninitialized allocations defined: ``torch.empty_like`` (the buffers a
+gather fills) returns whatever the memory held, sometimes a NaN bit pattern, which the replay would
+otherwise name as the operation that produced NaN from finite inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+class _ReplayMode(TorchDispatchMode):
+    """Notes the collectives dispatched while ``watching``; zero-fills uninitialized floating allocations.
+
+    Entered before (below) the localizer's own modes, function or dispatch ones, so that they see the
+    filled allocation."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+        self.watching = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        namespace = getattr(func, "namespace", "")
+        if self.watching and namespace in COLLECTIVE_NAMESPACES:
+            name = f"{namespace}.{func.__name__.split('.')[0]}"
+            if name not in self.seen:
+                self.seen.append(name)
+        result = func(*args, **(kwargs or {}))
+        if namespace == "aten" and func.__name__.split(".")[0] in UNINITIALIZED and isinstance(result, torch.Tensor) \
+                and (result.is_floating_point() or result.is_complex()):
+            result.zero_()
+        return result
+
+
+class ReplayCollectives:
+    """The collectives one micro-batch's replay dispatched, and whether its backward was left out.
+
+    Enter it around :func:`~lightning_debug.checks.localize.localize` and give ``localize`` the
+    replay through :meth:`wrap`: the first call (the forward replay) runs and is watched; a later call
+    with gradients enabled (the backward replay) is left out when the first dispatched a collective.
+    While entered, uninitialized floating-point allocations come back zero-filled.
+
+    Example::
+
+        >>> watch = ReplayCollectives()
+        >>> with watch:
+        ...     replay = watch.wrap(lambda: torch.empty_like(torch.ones(2)).sum())
+        ...     with torch.no_grad():
+        ...         forward = replay()
+        ...     backward = replay()
+        >>> forward.item(), backward is None, watch.seen, watch.backward_left_out
+        (0.0, False, [], False)
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.calls = 0
+        self.backward_left_out = False
+        self._mode: _ReplayMode | None = None
+
+    def __enter__(self) -> ReplayCollectives:
+        self._mode = _ReplayMode(self.seen)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+
+    def wrap(self, replay: Callable[[], Any]) -> Callable[[], Any]:
+        def watched() -> Any:
+            self.calls += 1
+            if self.calls > 1 and self.seen and torch.is_grad_enabled():
+                self.backward_left_out = True
+                return None
+            mode = self._mode
+            if mode is None or self.calls > 1:
+                return replay()
+            mode.watching = True
+            try:
+                return replay()
+            finally:
+                mode.watching = False
+
+        return watched
