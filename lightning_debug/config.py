@@ -182,7 +182,10 @@ def _is_bool(value: Any) -> bool:
 
 
 def _integer(value: Any) -> int | None:
-    """An int from an ``int`` or a numpy integer (``np.int64``); None for anything else (bools, floats)."""
+    """An int from an ``int``, a numpy integer (``np.int64``) or a whole float (``1.0``, as a YAML file
+    through LightningCLI reads it); None for anything else (bools, ``2.5``)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         return None
     return int(value)

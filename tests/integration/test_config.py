@@ -285,8 +285,10 @@ def test_path_like_and_numpy_values_are_accepted(tmp_path: Path) -> None:
     assert config.log_weights is True and config.profile_steps == (2, 3)
     assert config.memory_high_fraction == pytest.approx(0.5)
     assert DebugConfig(**config.to_dict()) == config
+    assert DebugConfig(anomaly_check_frequency=np.float64(3.0)).anomaly_check_frequency == 3, \
+        "a whole float is the integer it spells, as LightningCLI reads a YAML 3.0"
     with pytest.raises(ValueError, match="DebugConfig.anomaly_check_frequency"):
-        DebugConfig(anomaly_check_frequency=np.float64(3.0))
+        DebugConfig(anomaly_check_frequency=np.float64(2.5))
     with pytest.raises(ValueError, match="DebugConfig.log_weights"):
         DebugConfig(log_weights=np.int64(1))
 
