@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import re
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,17 +213,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="model names")
     parser.add_argument("--levels", nargs="*", default=list(LEVELS), choices=LEVELS)
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    import torch
+    from tests.harness.quiet import quiet_process
 
-    torch.set_num_threads(1)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-    except ImportError:
-        pass
+    quiet_process()
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for case in PLANTS:

@@ -68,23 +68,13 @@ def _alarm(signum: int, frame: Any) -> None:
 
 def worker(out: Path, names: list[str], case_limit: int, memory_gb: float, steps: int) -> None:
     """Run the named cases (both settings) in this process, appending each outcome as it ends."""
-    import logging
     import resource
-    import warnings
 
     resource.setrlimit(resource.RLIMIT_DATA, (int(memory_gb * 2**30), int(memory_gb * 2**30)))
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-    except ImportError:
-        pass
+    from tests.harness.quiet import quiet_process
     from tests.harness.sweep_models import case_named, fit_case
+
+    quiet_process()
 
     signal.signal(signal.SIGALRM, _alarm)
     done = done_keys(out)
