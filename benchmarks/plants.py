@@ -116,6 +116,13 @@ def _names_label(event: dict[str, Any], result: Any, level: str, model: str) -> 
         and str(classes) in numbers and "classes" in message
 
 
+def _names_graph(event: dict[str, Any], result: Any, level: str, model: str) -> bool:
+    from tests.harness.zoo import LOSS_GRAD_FN
+
+    tensors = event["details"].get("tensors") or [{}]
+    return tensors[0].get("grad_fn") == LOSS_GRAD_FN.get(model) and event["severity"] == "warning"
+
+
 ALL = ("mlp24", "bert", "gpt2", "resnet", "t5", "demo_transformer", "boring", "lstm")
 PLANTS: tuple[PlantCase, ...] = (
     PlantCase("log_zero", {"log_zero_at": 5}, ALL, 7, ("nonfinite_loss",), lambda step: step == 5, _names_log,
@@ -126,6 +133,11 @@ PLANTS: tuple[PlantCase, ...] = (
               lambda step: step <= 3, _names_lr, what="AdamW lr=10"),
     PlantCase("unused_layer", {"unused_layer": True}, ("mlp24", "bert", "lstm", "gpt2", "resnet"), 3,
               ("missing_grad",), lambda step: step == 0, _names_unused, what="a layer forward never calls"),
+    PlantCase("kept_graph", {"keep_graph": True}, ("mlp24", "gpt2", "bert", "demo_transformer", "boring", "lstm"),
+              96,
+              ("memory_growth",), lambda step: step <= 95, _names_graph,
+              overrides={"memory_profiling_frequency": 8, "performance_profiling_frequency": 1},
+              what="`losses.append(loss)` every step: a leak through the loss's graph"),
     PlantCase("slow_data", {"data_sleep_s": 0.004}, ("resnet", "gpt2", "mlp24", "bert", "boring"), 12,
               ("dataloader_bottleneck",), lambda step: step <= 11, _names_workers,
               overrides={"performance_profiling_frequency": 1}, what="4 ms per sample in __getitem__"),
