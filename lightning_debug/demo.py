@@ -134,7 +134,8 @@ def print_summary(debug_dir: Path, log_dir: Path) -> None:
     print("\nNext:")
     if first is not None:
         print(f"  - read {debug_dir / 'report.md'}: `{first}` comes first, with where it happened and what to do")
-    print(f"  - look at {debug_dir / 'debug_analysis.png'} (step time, memory, gradient norm, findings over steps)")
+    print(f"  - look at {debug_dir / 'debug_analysis.png'} (the loss, step time, memory, gradient norm, findings "
+          "over steps)")
     print(f"  - tensorboard --logdir {log_dir}  then open CUSTOM SCALARS (your loss next to the debug charts, by "
-          "area), TEXT (this report, and each finding at its step) and IMAGES (the plot)")
+          "area) and TEXT (this report, and each finding at its step)")
     print(f"  - programs: {report_path} and {debug_dir / 'events.jsonl'}")

@@ -181,7 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"Rebuilt offline by `lightning-debug report` from {rebuilt.get('events') or 'no events file'}"
                   f"{skipped} and {len(rebuilt.get('tensorboard', []))} TensorBoard file(s).", ""]
     lines += ["Beside this file: `events.jsonl` (one event per line) and, with matplotlib installed, "
-              "`debug_analysis.png` (step time, memory, gradient norm and findings over steps).", ""]
+              "`debug_analysis.png` (the loss, step time, memory, gradient norm and findings over steps).", ""]
     return "\n".join(lines)
 
 

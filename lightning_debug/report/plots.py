@@ -102,7 +102,7 @@ def plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
+def _findings_panel(axis: Any, timeline: Timeline, last_step: int, steps_by_kind: dict[str, int]) -> bool:
     by_kind: dict[str, str] = {}
     for episode in timeline.episodes:
         current = by_kind.get(episode.kind)
@@ -116,9 +116,10 @@ def _findings_panel(axis: Any, timeline: Timeline, last_step: int) -> bool:
         row = rows[episode.kind]
         color = SEVERITY_COLORS.get(episode.severity, "#1f77b4")
         end = episode.last_step if episode.last_step is not None else max(last_step, episode.first_step)
-        if episode.last_step is None or (episode.check_steps > 1 and end > episode.first_step):
+        still_open = episode.last_step is None and steps_by_kind.get(episode.kind, 2) > 1  # a one-off has no end
+        if still_open or (episode.check_steps > 1 and end > episode.first_step):
             axis.broken_barh([(episode.first_step - 0.4, end - episode.first_step + 0.8)], (row - 0.3, 0.6),
-                             facecolors=color, alpha=0.45, hatch="//" if episode.last_step is None else None)
+                             facecolors=color, alpha=0.45, hatch="//" if still_open else None)
         axis.plot([episode.first_step], [row], marker="v", color=color, markersize=7)
     axis.set_yticks(range(len(kinds)), [plain(f"{kind} ({by_kind[kind]})") for kind in kinds], fontsize=8)
     axis.set_ylim(-0.7, len(kinds) - 0.3)
@@ -141,7 +142,7 @@ def _loss(axis: Any, timeline: Timeline) -> bool:
 
 
 def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightning-debug",
-                        explosion_threshold: float | None = None) -> Path:
+                        explosion_threshold: float | None = None, steps_by_kind: dict[str, int] | None = None) -> Path:
     """Draw the five panels into ``path`` (PNG); raises :class:`PlotsUnavailable` without matplotlib."""
     figure_type, canvas_type = _matplotlib()
     figure = figure_type(figsize=(11, 12), dpi=100, layout="constrained")
@@ -184,7 +185,7 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
     findings_axis.set_title("Findings (marker: where it started; bar: an episode over several check steps, "
                             "hatched while still open)", loc="left", fontsize=10)
     findings_axis.set_xlabel("optimizer step")
-    if not _findings_panel(findings_axis, timeline, last_step):
+    if not _findings_panel(findings_axis, timeline, last_step, steps_by_kind or {}):
         findings_axis.set_yticks([])
         _nothing(findings_axis, "no findings")
 
@@ -207,5 +208,6 @@ def write_debug_analysis(directory: Path, timeline: Timeline, report: dict[str, 
     title = (f"lightning-debug: {report.get('status', '?')} at step {report.get('last_step', '?')}\n"
              + (f"{len(serious)} kind(s) of finding of severity warning or above: " + ", ".join(serious[:5])
                 + (" ..." if len(serious) > 5 else "") if serious else "nothing of severity warning or above"))
+    steps = {kind: int(entry.get("steps") or 1) for kind, entry in findings.items() if isinstance(entry, dict)}
     return draw_debug_analysis(timeline, directory / PLOT_FILENAME, title=title,
-                               explosion_threshold=config.get("gradient_explosion_threshold"))
+                               explosion_threshold=config.get("gradient_explosion_threshold"), steps_by_kind=steps)
