@@ -91,6 +91,19 @@ def make_trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 20, 
     return pl.Trainer(callbacks=callbacks, **options)
 
 
+def fit_seeded(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int,
+               **kwargs: Any) -> pl.Trainer:
+    """:func:`make_trainer` and ``fit`` after ``seed_everything(0)``, Python warnings silenced (Lightning's own)."""
+    import warnings
+
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(root, callbacks, max_steps=max_steps, **kwargs)
+        trainer.fit(model)
+    return trainer
+
+
 def end_distributed() -> None:
     """Destroy the default process group before a worker process exits.
 

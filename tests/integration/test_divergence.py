@@ -5,7 +5,6 @@ named before anything is NaN. Real Trainer runs on CPU, a few dozen steps each."
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
 from lightning_debug.checks.trends import LossTrend, NormHistory, jump_limit, median
-from tests.harness.toolkit import debug_dir, make_trainer, read_events, read_scalars, regression_data
+from tests.harness.toolkit import debug_dir, fit_seeded, make_trainer, read_events, read_scalars, regression_data
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,14 +32,7 @@ def one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int,
-        **kwargs: Any) -> pl.Trainer:
-    pl.seed_everything(0, verbose=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = make_trainer(root, callbacks, max_steps=max_steps, **kwargs)
-        trainer.fit(model)
-    return trainer
+fit = fit_seeded
 
 
 def loud(trainer: pl.Trainer) -> list[tuple[int, str, str]]:

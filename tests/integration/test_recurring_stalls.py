@@ -4,7 +4,6 @@ period, the share of steps it costs and what Lightning ran in those steps. Real 
 from __future__ import annotations
 
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, PerformanceProfilerCallback
-from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events
+from tests.harness.toolkit import TinyRegressor, debug_dir, fit_seeded, make_trainer, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -39,13 +38,7 @@ class SlowCheckpoint(TinyRegressor):
         time.sleep(0.2)
 
 
-def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int, **kwargs: Any) -> pl.Trainer:
-    pl.seed_everything(0, verbose=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = make_trainer(root, callbacks, max_steps=max_steps, **kwargs)
-        trainer.fit(model)
-    return trainer
+fit = fit_seeded
 
 
 def slow_warnings(trainer: pl.Trainer) -> list[dict[str, Any]]:
