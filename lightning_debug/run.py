@@ -122,6 +122,7 @@ class Run:
         context.ledger = self.ledger
         self.numerics = NumericsQueue(ledger=self.ledger)
         output_dir = context.output_dir if config.save_debug_info else None
+        self.logs_on_rows = context.logs_rows and config.follow_log_cadence
         if config.save_debug_info and context.output_problem and context.is_global_zero:
             self.failures.record("choosing the output directory", OSError(context.output_problem),
                                  "this run writes no files (events.jsonl, report); the checks and the console go on")
@@ -132,9 +133,8 @@ class Run:
             log_every_n_steps=context.log_every_n_steps if config.follow_log_cadence else None,
             exposed=self.failures.call("callback metrics", context.exposed_metrics_sink)
             if config.expose_callback_metrics else None,
-            rows=context.logs_rows and config.follow_log_cadence)
+            rows=self.logs_on_rows)
         self.session.document_writer = write_document
-        self.logs_on_rows = context.logs_rows and config.follow_log_cadence
         printer = self.failures.call("console", context.console_printer)
         self._unroute = route(printer) if printer is not None else None
         if context.is_global_zero:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 
 
-class ErrorCategory(str, enum.Enum):
+class ErrorCategory(enum.StrEnum):
     """What kind of runtime error the user's step raised (``details.category`` of an ``exception`` event)."""
 
     SHAPE_MISMATCH = "shape_mismatch"
@@ -31,9 +31,6 @@ class ErrorCategory(str, enum.Enum):
     DEVICE_ASSERT = "device_assert"
     OOM = "oom"
     OTHER = "other"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 ERROR_ADVICE: dict[ErrorCategory, str] = {
