@@ -81,7 +81,10 @@ def test_debug_scalars_are_on_the_trainers_own_rows_and_add_none(tmp_path: Path,
             "debug/memory/cpu_rss_mb"} <= set(columns), columns
     for row in rows:
         assert row["train_loss"], "every row is one of the user's rows"
-    observed = {tag for tag in getattr(trainer, RUN_ATTRIBUTE).session.timeline.tags if tag.startswith("debug/")}
+    run = getattr(trainer, RUN_ATTRIBUTE)
+    assert not [kind for kind, entry in run.session.timeline.findings().items()
+                if entry.get("severity") in ("warning", "error", "critical")], "a healthy run is quiet"
+    observed = {tag for tag in run.session.timeline.tags if tag.startswith("debug/")}
     assert observed == set(columns), "every measured scalar reaches the logger"
     if config.gradient_checking_frequency == 1:
         for column in columns:  # measured on every step: on every row (timings leave out the profiled steps 10-14)
