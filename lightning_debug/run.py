@@ -289,7 +289,6 @@ class Run:
 
     # --- the end --------------------------------------------------------------------------------
     @_own_time
-    @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
         """The framework writes one of its logging rows now (call it on every rank): on rank zero ``log`` gets the
         scalars measured since the last row (the plugin's own time, never part of the user's step or data wait).

@@ -98,9 +98,40 @@ class RowLogger:
         self._logged = set(values)
         if not values:
             return
-        scalars = torch.tensor(list(values.values()), dtype=torch.float64).unbind()
-        pl_module.log_dict(dict(zip(values, scalars)), on_step=True, on_epoch=False, prog_bar=False, logger=True,
-                           batch_size=1, rank_zero_only=True)
+        scalars = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64).unbind()))
+        fresh = self._update_known(trainer, pl_module, results, scalars)
+        if fresh:
+            pl_module.log_dict(fresh, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1,
+                               rank_zero_only=True)
+
+    def _update_known(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", results: Any,
+                      scalars: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Give Lightning the new value of each name it already holds as this logger registered it; return the
+        others, for ``log_dict``.
+
+        ``LightningModule.log`` validates its arguments and moves the stored metric to the value's device on
+        every call (a walk over the metric's attributes): about 0.2 ms per name on a CPU, several times a
+        launch-bound step. For a name Lightning already holds, with the metadata this logger always gives,
+        the update is what ``log`` ends with; a new epoch (Lightning resets the hook's values on its first
+        ``log``) or anything unexpected takes the public path.
+        """
+        connector = getattr(trainer, "_logger_connector", None)
+        if results is None or connector is None or getattr(results, "dataloader_idx", 0) is not None:
+            return scalars
+        try:
+            if connector.should_reset_tensors(pl_module._current_fx_name):
+                return scalars
+            fresh = {}
+            for name, value in scalars.items():
+                metric = results.get(f"{self.HOOK}.{name}")
+                meta = getattr(metric, "meta", None)
+                if meta is None or not meta.on_step or meta.on_epoch or not meta.logger or meta.prog_bar:
+                    fresh[name] = value
+                else:
+                    results.update_metrics(f"{self.HOOK}.{name}", value, 1)
+            return fresh
+        except (AttributeError, TypeError, KeyError):
+            return scalars
 
 
 class LightningContext(RunContext):

@@ -36,6 +36,12 @@ DIVERGENCE_FACTOR = 2.0
 CLIMB_LEVEL_WINDOW = 8
 CLIMB_FACTOR = 2.0
 CLIMB_CONFIRM = 4
+# ... and at least CLIMB_SIGMAS robust standard deviations of single losses (measured when the best level was
+# reached) above that best level: the lowest of hundreds of noisy levels is itself an extreme of the noise.
+CLIMB_SIGMAS = 6.0
+# Loss: a divergence's rise (between the medians of the window's halves) is also DIVERGENCE_SIGMAS robust standard
+# deviations of the losses before the window, when there are DIVERGENCE_WINDOW of them.
+DIVERGENCE_SIGMAS = 3.0
 
 
 def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
@@ -135,17 +141,26 @@ class LossTrend:
     level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
     that goes back up toward where it began is not a spike), and,
     with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
-    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
+    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1; with
+    fewer than :data:`LOSS_START_VALUES` earlier values (no measure of their noise yet: two single-example
+    losses can differ 10x) it takes :data:`LOSS_SPIKE_FACTOR` squared times the start.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
     :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
-    is above the start level. ``climb``: the same overshoot seen through noise, where single losses fall
+    is above the start level; after :data:`DIVERGENCE_WINDOW` earlier losses, the rise between the halves'
+    medians is also :data:`DIVERGENCE_SIGMAS` robust standard deviations of those earlier losses (a run of
+    rising values in heavy-tailed noise, e.g. single-example losses, rises by about their spread). ``climb``: the same overshoot seen through noise, where single losses fall
     as often as they rise; the level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at
-    least :data:`CLIMB_FACTOR` times the best level the run has reached and above the start level, on
+    least :data:`CLIMB_FACTOR` times the best level the run has reached, :data:`CLIMB_SIGMAS` robust standard
+    deviations of single losses (as they were when that best level was reached) above it, and above the start
+    level, on
     :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
-    hard batch, a short batch at the end of an epoch) move single losses, not the median of eight;
+    hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long
+    run of stationary noise the best level is the lowest of hundreds of medians and the current one may be the
+    highest, 2-4x apart when single losses vary by half their mean (an MSE over random targets): the margin
+    of :data:`CLIMB_SIGMAS` spreads of single losses is beyond that range;
     a loss that rises for a few steps and comes back (a warm-up overshoot) is not confirmed over
     :data:`CLIMB_CONFIRM` checks at twice the best level; a loss that trains down to near zero and
     drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
@@ -170,6 +185,7 @@ class LossTrend:
         self.recent: deque[float] = deque(maxlen=window)
         self.start: list[float] = []
         self.best_level = math.inf
+        self.best_spread = 0.0
         self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
 
     @property
@@ -189,6 +205,7 @@ class LossTrend:
         climbing = self._climb(loss, level) if climb else None
         if math.isfinite(level) and level < self.best_level:
             self.best_level = level
+            self.best_spread = robust_sigma(self.recent)
         return verdict or climbing or LossVerdict(None, loss)
 
     def _level(self) -> float:
@@ -199,7 +216,7 @@ class LossTrend:
     def _climb(self, loss: float, level: float) -> LossVerdict | None:
         start = self.start_level
         above = (math.isfinite(level) and 0 < self.best_level < math.inf and level > start > 0
-                 and level >= CLIMB_FACTOR * self.best_level)
+                 and level >= self._climb_limit())
         if not above:
             self.climb_levels.clear()
             return None
@@ -207,8 +224,11 @@ class LossTrend:
         levels = list(self.climb_levels)
         if len(levels) < CLIMB_CONFIRM or levels[-1] <= levels[0]:
             return None
-        return LossVerdict(LossKind.CLIMB, loss, level, start, CLIMB_FACTOR * self.best_level,
+        return LossVerdict(LossKind.CLIMB, loss, level, start, self._climb_limit(),
                            list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level)
+
+    def _climb_limit(self) -> float:
+        return max(CLIMB_FACTOR * self.best_level, self.best_level + CLIMB_SIGMAS * self.best_spread)
 
     def _spike(self, loss: float) -> LossVerdict | None:
         if not self.recent or loss <= 0:
@@ -222,6 +242,8 @@ class LossTrend:
         limit = LOSS_SPIKE_FACTOR * max(level, start)
         if len(self.recent) >= LOSS_START_VALUES:
             limit = max(limit, level + LOSS_SPIKE_SIGMAS * robust_sigma(self.recent))
+        else:  # too few losses to know their noise: only a blow-up (a learning rate far too high) is a spike
+            limit = max(limit, LOSS_SPIKE_FACTOR ** 2 * start)
         if loss <= limit:
             return None
         return LossVerdict(LossKind.SPIKE, loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
@@ -237,18 +259,22 @@ class LossTrend:
         half = DIVERGENCE_WINDOW // 2
         first, last = window[:half], window[half:]
         steady = min(last) > max(first) and median(last) >= DIVERGENCE_FACTOR * median(first)
+        before = list(self.recent)[:-(DIVERGENCE_WINDOW - 1)]
+        if steady and len(before) >= DIVERGENCE_WINDOW:
+            steady = median(last) - median(first) >= DIVERGENCE_SIGMAS * robust_sigma(before)
         if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0]:
             return None
         return LossVerdict(LossKind.DIVERGENCE, loss, median(self.recent), start, DIVERGENCE_FACTOR * window[0], window)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
-                "climb_levels": list(self.climb_levels)}
+                "best_spread": self.best_spread, "climb_levels": list(self.climb_levels)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
         self.recent.extend(float(v) for v in state.get("recent", []))
         self.start = [float(v) for v in state.get("start", [])][:LOSS_START_VALUES]
         self.best_level = float(state.get("best_level", math.inf))
+        self.best_spread = float(state.get("best_spread", 0.0))
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))

@@ -92,6 +92,9 @@ def test_debug_scalars_are_on_the_trainers_own_rows_and_add_none(tmp_path: Path,
         assert not rows[2]["debug/perf/step_ms"], "no stale timing repeated on a row where none was measured"
         norms = [float(row["debug/grad/global_norm"]) for row in rows]
         assert len(set(norms)) == len(norms), "each row carries its own step's norm"
+        measured = dict(zip(*run.session.timeline.values("debug/grad/global_norm")))
+        on_rows = {int(row["step"]): norm for row, norm in zip(rows, norms) if int(row["step"]) in measured}
+        assert len(on_rows) >= 6 and all(norm == pytest.approx(measured[step]) for step, norm in on_rows.items())
     else:
         finite = [int(row["step"]) for row in rows if row["debug/loss_finite"]]
         assert finite and all(step in lightning_steps for step in finite)

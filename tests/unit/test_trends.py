@@ -166,3 +166,21 @@ def test_loading_keeps_only_the_first_start_values() -> None:
     trend = LossTrend()
     trend.load_state_dict({"recent": [1, 2], "start": list(range(1, 10))})
     assert trend.start == [float(v) for v in range(1, LOSS_START_VALUES + 1)] and list(trend.recent) == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("noise", ["mse_of_8", "mse_of_2", "lognormal"])
+def test_a_long_stationary_noisy_loss_is_never_a_spike_divergence_or_climb(noise: str) -> None:
+    """Over thousands of checks the best level is the lowest of many noisy medians and the current one may be
+    the highest: the climb needs a margin of the noise, the divergence a rise beyond it (a false alarm on a
+    benchmark model fitting random targets)."""
+    import random
+
+    draw = {"mse_of_8": lambda: sum(generator.gauss(0, 1) ** 2 for _ in range(8)) / 8,
+            "mse_of_2": lambda: sum(generator.gauss(0, 1) ** 2 for _ in range(2)) / 2,
+            "lognormal": lambda: math.exp(generator.gauss(0, 0.5))}[noise]
+    for seed in range(3):
+        generator = random.Random(seed)
+        trend = LossTrend()
+        found = [(step, verdict.kind) for step in range(3000)
+                 if (verdict := trend.judge(draw())).kind is not None]
+        assert found == [], (seed, found[:3])
