@@ -427,7 +427,7 @@ def run_once(model_name: str, name: str, steps: int, warmup: int, tensors: int =
     from lightning.pytorch.loggers import CSVLogger
 
     trainer = pl.Trainer(max_steps=steps, devices=1, logger=CSVLogger(os.environ.get("BENCH_DIR", "/tmp/ld-bench")),
-                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
+                         log_every_n_steps=LOG_EVERY[0], enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock, *options.pop("callbacks", [])], **options,
                          **extra)
     with warnings.catch_warnings():
@@ -443,6 +443,7 @@ def run_once(model_name: str, name: str, steps: int, warmup: int, tensors: int =
     return clock.seconds_per_step
 
 
+LOG_EVERY = [1]
 MEAN_TIMES: dict[tuple[str, int], list[float]] = {}
 TAIL_TIMES: dict[tuple[str, int], list[float]] = {}
 SWEEP_CONFIGURATIONS = ("plain", "all_four_defaults", "all_four", "per_parameter", "anchor_read_gradients")
@@ -533,7 +534,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: stabler)")
     parser.add_argument("--json", default="", help="also write every run's seconds per step here (JSON)")
+    parser.add_argument("--log-every", type=int, default=1,
+                        help="the Trainer's log_every_n_steps (default 1: a logging row on every step, the plugin's "
+                             "scalars with it; Lightning's own default is 50)")
     args = parser.parse_args()
+    LOG_EVERY[0] = args.log_every
     if args.model != "gpt":
         torch.set_num_threads(args.threads)
     import logging

@@ -25,13 +25,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run(checkout: Path, model: str, only: str, steps: int, warmup: int, tensors: str) -> dict[str, float]:
+def run(checkout: Path, model: str, only: str, steps: int, warmup: int, tensors: str,
+        log_every: int = 1) -> dict[str, float]:
     """One process: each configuration's median step (``name``) and mean step (``name:mean``), seconds."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, str(HERE / "overhead.py"), "--model", model, "--rounds", "1", "--steps", str(steps),
-               "--warmup", str(warmup), "--only", only, "--json", out, "--tensors", tensors]
+               "--warmup", str(warmup), "--only", only, "--json", out, "--tensors", tensors,
+               "--log-every", str(log_every)]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
     measured = json.loads(Path(out).read_text())
     os.unlink(out)
@@ -50,6 +52,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--tensors", default="100", help="model many: its number of parameter tensors")
+    parser.add_argument("--log-every", type=int, default=1, help="the Trainer's log_every_n_steps")
     args = parser.parse_args()
     checkouts = {"base": Path(args.base).resolve(), "new": Path(args.new).resolve()}
     models = args.models.split(",")
@@ -60,7 +63,7 @@ def main() -> None:
             order = list(checkouts.items())
             for label, checkout in order[::-1] if round_index % 2 else order:  # who goes first alternates
                 results.setdefault((model, label), []).append(
-                    run(checkout, model, args.only, args.steps, args.warmup, args.tensors))
+                    run(checkout, model, args.only, args.steps, args.warmup, args.tensors, args.log_every))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
         table(args, checkouts, models, names, results, round_index + 1)
 
@@ -69,7 +72,8 @@ def table(args: argparse.Namespace, checkouts: dict[str, Path], models: list[str
           results: dict[tuple[str, str], list[dict[str, float]]], rounds: int) -> None:
     """The table over the rounds done so far (printed after every round: a long run can be stopped)."""
     print(f"\nSide by side after {rounds} round(s); {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores; one thread; interleaved rounds of {args.steps} steps ({args.warmup} warm-up); median per-step "
+          f"{os.cpu_count()} cores; one thread; log_every_n_steps={args.log_every}; interleaved rounds of {args.steps} steps "
+          f"({args.warmup} warm-up); median per-step "
           "main-thread CPU time of each run; ratio: to the plain run of the same process, median over rounds\n")
     print("| model | checkout | plain ms (median step) | " + " | ".join(names) + " | "
           + " | ".join(f"{n} (mean step: rare checks counted)" for n in names) + " |")
