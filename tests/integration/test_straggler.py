@@ -4,15 +4,13 @@ every step, ``log_every_n_steps=1``); a rank that sleeps in every step is named.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness.toolkit import read_events, read_report
+from tests.harness.toolkit import child_env, read_events, read_report, run_children
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "straggler_worker.py"
 TIMEOUT_S = 150
@@ -20,13 +18,10 @@ TIMEOUT_S = 150
 
 def run_two_ranks(tmp_path: Path, sleep_rank: int, sleep_ms: float, log_every_n_steps: int = 50
                   ) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    completed = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(sleep_rank), str(sleep_ms),
-                                str(log_every_n_steps)],
-                               capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    completed = run_children([sys.executable, str(WORKER), str(tmp_path), str(sleep_rank), str(sleep_ms),
+                              str(log_every_n_steps)], TIMEOUT_S, tmp_path, child_env(PYTHONWARNINGS="ignore"))
     log_dir = tmp_path / "log_dir.txt"
-    assert completed.returncode == 0 and log_dir.exists(), completed.stderr[-3000:]
+    assert completed.returncode == 0 and log_dir.exists(), completed.stdout[-3000:]
     return read_events(Path(log_dir.read_text()) / "debug_outputs")
 
 
