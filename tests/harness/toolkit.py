@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_debug import DebugConfig
 from lightning_debug.core.monitor import Monitor, RunContext
 from lightning_debug.run import Run
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def regression_data(samples: int = 256, features: int = 8, seed: int = 0) -> TensorDataset:
@@ -102,6 +107,48 @@ def fit_seeded(root: Path, model: pl.LightningModule, callbacks: list[pl.Callbac
         trainer = make_trainer(root, callbacks, max_steps=max_steps, **kwargs)
         trainer.fit(model)
     return trainer
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
+                    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+LAUNCH_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "ACCELERATE_", "PL_", "FSDP_")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's child processes: ours, one OpenMP thread, and no variable of a process
+    group or launcher (``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, torchelastic's, Accelerate's, Lightning's).
+
+    An earlier test, a fixture or the shell that started pytest can leave such variables behind; a child
+    that inherits them joins another job's group, takes a port it did not choose or counts the wrong
+    number of processes, in the whole suite only.
+    """
+    env = {key: value for key, value in os.environ.items()
+           if key not in LAUNCH_VARIABLES and not key.startswith(LAUNCH_PREFIXES)}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env.update(extra)
+    return env
+
+
+def run_children(command: list[str], timeout_s: float, cwd: Path, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
+    """Run a launcher and every process it starts in a session of their own, stdout and stderr together;
+    past ``timeout_s`` the whole session is killed (no rank is left running into the next test) and the test
+    fails with the end of the output."""
+    import pytest
+
+    launcher = subprocess.Popen(command, cwd=cwd, env=child_env() if env is None else env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = launcher.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        output, _ = launcher.communicate()
+        pytest.fail(f"{Path(command[-1]).name if command else command} hung (killed after {timeout_s:.0f} s):\n"
+                    f"{output[-3000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(launcher.pid, signal.SIGKILL)  # a rank its launcher left behind
+    return subprocess.CompletedProcess(command, launcher.returncode, output, "")
 
 
 def end_distributed() -> None:

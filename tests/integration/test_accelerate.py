@@ -6,8 +6,6 @@ import importlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ from lightning_debug import AnomalyError, DebugConfig  # noqa: E402
 from lightning_debug.config import Area  # noqa: E402
 from lightning_debug.accelerate import AccelerateDebugger  # noqa: E402
 from tests.harness.toolkit import (console_lines, read_events, read_histogram_tags, read_report, read_scalars,  # noqa: E402
-                           regression_data, run_dir)
+                           child_env, regression_data, run_children, run_dir)
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "workers" / "accelerate_worker.py"
@@ -344,6 +342,9 @@ def test_importing_lightning_debug_does_not_import_accelerate() -> None:
 
 # --- two processes -------------------------------------------------------------------------------
 
+TWO_PROCESS_TIMEOUT_S = 240  # about 15 s alone; under the suite's 300 s per test
+
+
 def torchrun_command(out: Path, modes: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
             "--out", str(out), "--modes", *modes, "--nan-rank", "1", "--nan-step", "3", "--steps", "8"]
@@ -355,18 +356,21 @@ def two_process_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
             or importlib.util.find_spec("torch.distributed.run") is None):
         pytest.skip("torchrun / torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("two_processes")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    launcher = subprocess.Popen(torchrun_command(out, ["raise", "stop", "skip", "fsdp2"]), cwd=REPO, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = launcher.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)  # torchrun and its two workers
-        output, _ = launcher.communicate()
-        pytest.fail(f"the two-process Accelerate run hung (killed after 120 s):\n{output[-3000:]}")
-    assert launcher.returncode == 0, output[-5000:]
+    completed = run_children(torchrun_command(out, ["raise", "stop", "skip", "fsdp2"]), TWO_PROCESS_TIMEOUT_S, REPO)
+    assert completed.returncode == 0, f"torchrun exited with {completed.returncode}:\n{completed.stdout[-5000:]}"
     return out
+
+
+def test_the_two_processes_inherit_no_launch_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MASTER_PORT, RANK or WORLD_SIZE left in pytest's environment would reach torchrun's workers."""
+    leaked = {"MASTER_PORT": "29500", "MASTER_ADDR": "10.0.0.1", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3",
+              "TORCHELASTIC_RUN_ID": "other", "ACCELERATE_MIXED_PRECISION": "fp16", "PL_GLOBAL_SEED": "7"}
+    for key, value in leaked.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    env = child_env()
+    assert not set(leaked) & set(env) and env["OMP_NUM_THREADS"] == "1"
+    assert str(REPO) in env["PYTHONPATH"].split(os.pathsep) and env["PATH"] == os.environ["PATH"]
 
 
 def results(out: Path, mode: str) -> list[dict[str, Any]]:

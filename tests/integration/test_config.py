@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from jsonargparse import get_loader
 
 from lightning_debug import (AnomalyDetectionCallback, DebugConfig, DebugLevel, DebugMode, GradientHealthCallback,
                              MemoryProfilerCallback, PerformanceProfilerCallback, debug_callbacks)
@@ -189,21 +191,31 @@ def test_several_fields_at_once_are_accepted_or_rejected_naming_one_of_them(valu
         assert DebugConfig(**config.to_dict()) == config  # an accepted config survives a trip through plain values
 
 
+class _QuotingDumper(yaml.SafeDumper):
+    """Writes every string quoted, as a user who means a string writes it: ``safe_dump`` leaves ``1e3`` plain
+    (a string to YAML 1.1) but jsonargparse reads a plain ``1e3`` as the float 1000.0, as YAML 1.2 does."""
+
+
+_QuotingDumper.add_representer(
+    str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="'"))
+
+
 def _yaml_through_lightning_cli(directory: Path, callback: type, init_args: dict[str, Any]) -> DebugConfig | str:
     """The callback's config as LightningCLI builds it from a YAML file, or the error text a user would see."""
     import argparse
     import io
     import warnings
 
-    import yaml
     from lightning.pytorch.cli import LightningCLI
 
     from tests.harness.toolkit import TinyRegressor
 
     entry = {"class_path": f"lightning_debug.{callback.__name__}", "init_args": init_args}
     document = {"trainer": {"logger": False, "enable_checkpointing": False, "callbacks": [entry]}}
+    text = yaml.dump(document, Dumper=_QuotingDumper, sort_keys=False)
+    assert repr(get_loader("yaml")(text)) == repr(document), f"the file does not say what the test means:\n{text}"
     config_file = directory / "config.yaml"
-    config_file.write_text(yaml.safe_dump(document))
+    config_file.write_text(text)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed), warnings.catch_warnings():
@@ -242,6 +254,7 @@ def _readings(text: Any) -> list[Any]:
 @example(field="log_memory", value=1, flat=False, callback=MemoryProfilerCallback)
 @example(field="profile_steps", value=[3, -1], flat=True, callback=PerformanceProfilerCallback)
 @example(field="gradient_vanishing_threshold", value=50.0, flat=False, callback=GradientHealthCallback)
+@example(field="debug_output_dir", value="1e3", flat=True, callback=AnomalyDetectionCallback)  # a float in plain YAML
 def test_any_yaml_value_through_lightning_cli_is_accepted_as_in_python_or_an_error_naming_the_field(
         field: str, value: Any, flat: bool, callback: type) -> None:
     import inspect

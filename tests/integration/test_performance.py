@@ -214,12 +214,16 @@ def test_plain_loop_does_nothing_on_non_check_steps_and_logs_tokens(tmp_path: Pa
 
 
 def test_consistently_slower_rank_is_named_as_straggler(tmp_path: Path) -> None:
-    """Two ranks simulated by an all_gather that adds rank 1's (planted, slower) timings to ours."""
+    """Two ranks simulated by an all_gather of ours and rank 1's (planted, slower) timings, as an all-reduce
+    has them: rank 1's forward takes 25 ms longer and we wait those 25 ms for it in the backward."""
 
     def all_gather(local: torch.Tensor) -> torch.Tensor:
-        slower = local.clone()
-        slower[3] += 25.0  # rank 1's forward takes 25 ms longer
-        return torch.stack([local, slower])
+        waiting, slower = local.clone(), local.clone()
+        slower[3] += 25.0  # rank 1's forward
+        waiting[4] += 25.0  # our backward: the all-reduce waits for rank 1
+        waiting[1] += 25.0
+        slower[1] += 25.0  # both steps end together, 25 ms later
+        return torch.stack([waiting, slower])
 
     monitor = PerformanceMonitor(DebugConfig(performance_profiling_frequency=1), "loop")
     run = plain_run([monitor], tmp_path, world_size=2, all_gather=all_gather)

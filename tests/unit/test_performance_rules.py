@@ -218,6 +218,21 @@ def test_small_or_intermittent_gaps_are_no_straggler() -> None:
         assert intermittent_result is None or intermittent_result.straggler is None
 
 
+def test_a_rank_that_waits_for_rank_zero_before_the_all_reduce_is_no_straggler() -> None:
+    """Rank 0 writes outside its timed phases; rank 1 waits for it at a collective in its data wait, then both
+    reach the all-reduce together (equal backward): rank 1 is slowest before the all-reduce, nobody waits for it."""
+    rule, late = StragglerRule(), StragglerRule()
+    for step in range(40):
+        waited = [float(step), 7.0, 1.3, 0.8, 4.2, 0.3] + [float(step), 24.0, 20.5, 0.8, 2.6, 0.3]
+        result = rule.judge(waited)
+        assert result is None or result.straggler is None
+        arrived_late = [float(step), 66.0, 1.8, 0.7, 63.2, 0.3] + [float(step), 84.0, 21.1, 61.4, 1.0, 0.4]
+        verdict = late.judge(arrived_late)
+    assert verdict is not None and verdict.straggler is not None and verdict.straggler.rank == 1
+    assert verdict.straggler.median_wait_ms == pytest.approx(62.2)
+    assert verdict.straggler.finding().details["median_wait_ms"] == pytest.approx(62.2)
+
+
 def test_gathers_of_different_steps_or_missing_rows_are_not_judged() -> None:
     rule = StragglerRule()
     assert rule.judge(gathered(3, 30.0)[:6] + gathered(4, 30.0)[6:]) is None

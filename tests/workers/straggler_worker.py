@@ -1,10 +1,11 @@
 """Two-process CPU DDP run (gloo) for the straggler tests: all four callbacks, TensorBoard, every check every step.
 
-Usage: python tests/workers/straggler_worker.py OUT_DIR SLEEP_RANK SLEEP_MS
+Usage: python tests/workers/straggler_worker.py OUT_DIR SLEEP_RANK SLEEP_MS [LOG_EVERY_N_STEPS]
 
 Rank ``SLEEP_RANK`` sleeps ``SLEEP_MS`` milliseconds in every ``training_step`` (a slow rank); ``-1``
-plants nothing (a healthy run, where rank 0 still does all the logging and writing). Rank 0 writes
-OUT_DIR/log_dir.txt with where the debug files are.
+plants nothing (a healthy run, where rank 0 still does all the logging and writing: with
+``LOG_EVERY_N_STEPS`` 1, Lightning's logging row, which carries every debug scalar, on every step).
+Rank 0 writes OUT_DIR/log_dir.txt with where the debug files are.
 """
 
 from __future__ import annotations
@@ -38,14 +39,12 @@ class SlowOnOneRank(TinyRegressor):
 
 def main() -> None:
     out_dir, sleep_rank, sleep_ms = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    log_every_n_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 50
     warnings.simplefilter("ignore")
     config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
                          performance_profiling_frequency=1, log_gradients=True, log_weights=True)
-    # Lightning's default cadence: with log_every_n_steps=1 rank zero writes Lightning's logging row (now carrying
-    # every debug scalar) on every step, outside the plugin's own time, and the straggler rule then names rank 1
-    # (a known limitation, issue 26 follow-up)
     trainer = make_trainer(out_dir / "run", debug_callbacks(config), max_steps=MAX_STEPS, devices=2, strategy="ddp",
-                           limit_val_batches=0, log_every_n_steps=50)
+                           limit_val_batches=0, log_every_n_steps=log_every_n_steps)
     trainer.fit(SlowOnOneRank(sleep_rank, sleep_ms))
     log_dir = trainer.log_dir
     if trainer.is_global_zero:

@@ -12,9 +12,10 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 
 # A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
-# other ranks by STRAGGLER_MARGIN of theirs, by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS,
-# on STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered
-# check steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
+# other ranks by STRAGGLER_MARGIN of theirs, and the others wait for it there (their backward, which holds
+# that wait, is longer than its own) by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS, on
+# STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered check
+# steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
 STRAGGLER_WARMUP = 5
 STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_FLAGGED = 6
@@ -38,6 +39,22 @@ def gather_row(times: StepTimes | None) -> list[float]:
     return [float(times.step), times.judged_step_ms] + [times.judged(phase) for phase in PHASES]
 
 
+def waited_for(rows: list[list[float]], rank: int, lead_ms: float) -> float:
+    """How long the other ranks waited for ``rank`` in the gradient all-reduce (ms): the smaller of its lead
+    before the all-reduce (``lead_ms``) and how much longer the others' backward is than its own.
+
+    Example::
+
+        >>> late = [[0, 100.0, 5.0, 20.0, 70.0, 5.0], [0, 100.0, 5.0, 50.0, 40.0, 5.0]]
+        >>> waited_before = [[0, 100.0, 5.0, 20.0, 70.0, 5.0], [0, 100.0, 35.0, 20.0, 68.0, 5.0]]
+        >>> waited_for(late, 1, 30.0), waited_for(waited_before, 1, 30.0)
+        (30.0, 2.0)
+    """
+    backward = GATHER_FIELDS.index("backward_ms")
+    others = median(row[backward] for k, row in enumerate(rows) if k != rank)
+    return min(lead_ms, others - rows[rank][backward])
+
+
 @dataclass(frozen=True)
 class Straggler:
     """The rank slowest before the all-reduce on most of the window's check steps, with every rank's times."""
@@ -47,6 +64,7 @@ class Straggler:
     mean_ms_by_rank: dict[str, list[float]]
     median_before_sync_ms_by_rank: list[float]
     world_size: int
+    median_wait_ms: float = 0.0
 
     @property
     def key(self) -> str:
@@ -59,12 +77,14 @@ class Straggler:
             Kind.STRAGGLER_RANK, Severity.WARNING,
             f"Rank {self.rank} is the slowest on {self.flagged_check_steps} of the last {STRAGGLER_WINDOW} check "
             f"steps: its data wait + forward take {medians[self.rank]:.1f} ms (median) against "
-            f"{rest[len(rest) // 2]:.1f} ms on the other ranks, which wait for it in the gradient all-reduce (their "
-            "backward phase is longer). Check that rank's data (uneven sample sizes or a slow shard), its GPU "
-            "(clocks, temperature, other processes) and its CPU and data-loader workers.",
+            f"{rest[len(rest) // 2]:.1f} ms on the other ranks, which wait {self.median_wait_ms:.1f} ms (median) "
+            "for it in the gradient all-reduce (their backward phase is longer). Check that rank's data (uneven "
+            "sample sizes or a slow shard), its GPU (clocks, temperature, other processes) and its CPU and "
+            "data-loader workers.",
             {"rank": self.rank, "flagged_check_steps": self.flagged_check_steps,
              "window_check_steps": STRAGGLER_WINDOW, "mean_ms_by_rank": self.mean_ms_by_rank,
-             "median_before_sync_ms_by_rank": medians, "world_size": self.world_size})
+             "median_before_sync_ms_by_rank": medians, "median_wait_ms": self.median_wait_ms,
+             "world_size": self.world_size})
 
 
 @dataclass(frozen=True)
@@ -78,12 +98,20 @@ class Gathered:
 class StragglerRule:
     """Which rank, if any, the others keep waiting for, from the per-rank rows gathered on check steps.
 
-    What could make it fire on a healthy model: lazy initialisation that differs between ranks, rank
-    0's extra logging and checkpointing, or one noisy step. The first ``STRAGGLER_WARMUP`` gathered
-    steps are not judged, a rank must be slower than the median of the others by
-    ``STRAGGLER_MARGIN`` of theirs, by ``STRAGGLER_STEP_SHARE`` of the step and by
-    ``STRAGGLER_MIN_MS``, on ``STRAGGLER_MIN_FLAGGED`` of ``STRAGGLER_WINDOW`` check steps, and only
-    data wait + forward count (the phases before the all-reduce, where the others wait for it).
+    What could make it fire on a healthy model: lazy initialisation that differs between ranks, one
+    noisy step, and above all rank 0's extra work (writing logs, events, histograms, checkpoints). That
+    work makes the *other* ranks wait for rank 0 at whatever collective comes next, and when that
+    collective is not the gradient all-reduce the wait lands in their data wait + forward: Lightning
+    broadcasts rank 0's SIGTERM flag before every batch, so with ``log_every_n_steps=1`` and two CPU
+    ranks rank 1's data wait was 20 ms longer than rank 0's on every step of a healthy run, and rank 1,
+    the one waiting, looked slowest before the all-reduce. A rank is therefore judged by the time the others wait for it
+    *at the all-reduce*: each rank's backward holds its own wait there, so a rank that arrives late has a
+    shorter backward than the others by that wait, while a rank that waited earlier (and arrives with
+    them) does not. The wait counted is the smaller of its lead in data wait + forward over the median of
+    the others and the others' longer backward; it must reach ``STRAGGLER_STEP_SHARE`` of the step and
+    ``STRAGGLER_MIN_MS``, with data wait + forward ``STRAGGLER_MARGIN`` above the others', on
+    ``STRAGGLER_MIN_FLAGGED`` of ``STRAGGLER_WINDOW`` check steps, after the first ``STRAGGLER_WARMUP``
+    gathered steps.
 
     Example::
 
@@ -119,8 +147,8 @@ class StragglerRule:
         others = sorted(v for rank, v in enumerate(before_sync) if rank != slowest)
         typical = others[len(others) // 2]
         step_ms = median(row[1] for row in rows)
-        gap = before_sync[slowest] - typical
-        slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and gap >= max(
+        waited = waited_for(rows, slowest, before_sync[slowest] - typical)
+        slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and waited >= max(
             STRAGGLER_MIN_MS, STRAGGLER_STEP_SHARE * step_ms)
         self.window.append((slowest if slow else None, rows))
         flagged = Counter(rank for rank, _ in self.window if rank is not None)
@@ -133,4 +161,6 @@ class StragglerRule:
         means = {field: [sum(r[k][i] for r in window) / len(window) for k in range(len(rows))]
                  for i, field in enumerate(GATHER_FIELDS) if field != "step"}
         medians = [median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
-        return Gathered(step, Straggler(rank, count, means, medians, len(rows)))
+        wait = median(waited_for(r, rank, r[rank][2] + r[rank][3] - median(
+            r[k][2] + r[k][3] for k in range(len(r)) if k != rank)) for r in window)
+        return Gathered(step, Straggler(rank, count, means, medians, len(rows), wait))
