@@ -18,7 +18,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -62,16 +62,51 @@ def test_every_field_has_a_bad_value_here() -> None:
             DebugConfig(**{field: value})
 
 
-def _parse(directory: Path, callback: type, init_args: dict[str, Any], compact: bool = False) -> tuple[int | None, str]:
+@pytest.fixture(scope="module")
+def parsers() -> dict[bool, Any]:
+    """The parser of a LightningCLI (``run=False``), plain (False) and compact (True), built once: the walks below
+    parse each file with it as ``LightningCLI.parse_arguments`` does (``parser.parse_args``); a bad value stops
+    there, before anything is instantiated. Building a LightningCLI per case cost twice the time."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_debug.callbacks.cli import CompactArgumentParser
+    from tests.harness.toolkit import TinyRegressor
+
+    built = {}
+    for compact in (False, True):
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), \
+                contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            built[compact] = LightningCLI(
+                TinyRegressor, run=False, save_config_callback=None, args=["--trainer.logger=false"],
+                **({"parser_class": CompactArgumentParser} if compact else {})).parser
+    return built
+
+
+def _parse(directory: Path, callback: type, init_args: dict[str, Any], parser: Any) -> tuple[int | None, str]:
     document = {"trainer": {"logger": False, "enable_checkpointing": False, "callbacks": [
         {"class_path": f"lightning_debug.{callback.__name__}", "init_args": init_args}]}}
-    return _run_cli(directory, document, compact=compact)
+    path = directory / "bad.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return _printed(lambda: parser.parse_args(["--config", str(path)]))
 
 
-def _run_cli(directory: Path, document: dict[str, Any], args: tuple[str, ...] = (), compact: bool = True,
-             subcommand: bool = False, cli: type | None = None, parser: type | None = None) -> tuple[int | None, str]:
-    """LightningCLI on ``document`` as a config file (``fit`` first when ``subcommand``): the exit code and
-    everything printed, warnings ignored. A parse error exits before anything is built or trained."""
+def _printed(parse: Callable[[], Any]) -> tuple[int | None, str]:
+    """The exit code of ``parse`` (None: it returned) and everything it printed, warnings ignored."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parse()
+    except SystemExit as exit_info:
+        return int(exit_info.code or 0), printed.getvalue()
+    return None, printed.getvalue()
+
+
+def _run_cli(directory: Path, document: dict[str, Any], args: tuple[str, ...] = (), subcommand: bool = False,
+             cli: type | None = None, parser: type | None = None) -> tuple[int | None, str]:
+    """A compact LightningCLI built on ``document`` as a config file (``fit`` first when ``subcommand``): the exit
+    code and everything printed. A parse error exits before anything is built or trained."""
     from lightning.pytorch.cli import LightningCLI
 
     from lightning_debug.callbacks.cli import CompactArgumentParser
@@ -79,16 +114,9 @@ def _run_cli(directory: Path, document: dict[str, Any], args: tuple[str, ...] = 
 
     path = directory / "bad.yaml"
     path.write_text(yaml.safe_dump(document))
-    kwargs: dict[str, Any] = {"parser_class": parser or CompactArgumentParser} if compact or parser else {}
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(printed), contextlib.redirect_stdout(printed), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            (cli or LightningCLI)(TinyRegressor, run=subcommand, save_config_callback=None,
-                                  args=[*(["fit"] if subcommand else []), "--config", str(path), *args], **kwargs)
-    except SystemExit as exit_info:
-        return int(exit_info.code or 0), printed.getvalue()
-    return None, printed.getvalue()
+    return _printed(lambda: (cli or LightningCLI)(
+        TinyRegressor, run=subcommand, save_config_callback=None, parser_class=parser or CompactArgumentParser,
+        args=[*(["fit"] if subcommand else []), "--config", str(path), *args]))
 
 
 def _cases() -> list[tuple[str, type, bool]]:
@@ -104,11 +132,12 @@ def _case_id(value: Any) -> str:
         else str(value)
 
 
-@pytest.mark.parametrize("field, callback, flat", [case for case in _cases() if not case[2]], ids=_case_id)
-def test_a_bad_value_is_a_parse_error_naming_the_field(tmp_path: Path, field: str, callback: type, flat: bool) -> None:
-    """A plain LightningCLI, every field once (the compact walk below reads the same parser's message, flat too)."""
+@pytest.mark.parametrize("field, callback, flat", _cases(), ids=_case_id)
+def test_a_bad_value_is_a_parse_error_naming_the_field(tmp_path: Path, parsers: dict[bool, Any], field: str,
+                                                       callback: type, flat: bool) -> None:
+    """A plain LightningCLI's parser: jsonargparse's message names the field (the compact walk below shortens it)."""
     value = BAD_VALUES[field]
-    code, printed = _parse(tmp_path, callback, {field: value} if flat else {"config": {field: value}})
+    code, printed = _parse(tmp_path, callback, {field: value} if flat else {"config": {field: value}}, parsers[False])
     assert code == 2, printed[-1500:]
     error = printed[printed.index("error:"):]
     assert f'"{field}"' in error or f"'{field}'" in error or f".{field}" in error, error
@@ -117,9 +146,9 @@ def test_a_bad_value_is_a_parse_error_naming_the_field(tmp_path: Path, field: st
 
 @pytest.mark.parametrize("field, callback, flat", _cases(), ids=_case_id)
 def test_a_bad_value_through_the_compact_parser_is_a_few_lines_with_the_key_and_what_is_allowed(
-        tmp_path: Path, field: str, callback: type, flat: bool) -> None:
+        tmp_path: Path, parsers: dict[bool, Any], field: str, callback: type, flat: bool) -> None:
     value = BAD_VALUES[field]
-    code, printed = _parse(tmp_path, callback, {field: value} if flat else {"config": {field: value}}, compact=True)
+    code, printed = _parse(tmp_path, callback, {field: value} if flat else {"config": {field: value}}, parsers[True])
     lines = printed.splitlines()
     assert code == 2 and len(lines) <= MAX_LINES, printed
     key = f"trainer.callbacks[0] (lightning_debug.{callback.__name__}).{'' if flat else 'config.'}{field}: "
@@ -170,9 +199,10 @@ def test_an_error_not_about_a_debug_field_is_as_short_and_names_the_key(
     assert ("fit --help" in printed) is subcommand and "usage:" not in printed and "Traceback" not in printed
 
 
-def test_the_plain_lightning_cli_still_prints_jsonargparse_usage_and_the_whole_explanation(tmp_path: Path) -> None:
+def test_the_plain_lightning_cli_still_prints_jsonargparse_usage_and_the_whole_explanation(
+        tmp_path: Path, parsers: dict[bool, Any]) -> None:
     """What docs/configuration.md says a plain LightningCLI prints (the walk above checks the exit code and key)."""
-    code, printed = _parse(tmp_path, MemoryProfilerCallback, {"memory_high_fraction": 1.5})
+    code, printed = _parse(tmp_path, MemoryProfilerCallback, {"memory_high_fraction": 1.5}, parsers[False])
     assert code == 2 and printed.startswith("usage:") and len(printed.splitlines()) > 30
     assert 'Parser key "memory_high_fraction"' in printed and "Not of type UnitFraction" in printed
 
