@@ -9,6 +9,9 @@ and plants the bug that area finds through the switches of :class:`ExampleModel`
 :class:`ExampleData` (all off by default). For your own project copy the ``trainer.callbacks``
 block into your configuration and drop the ``model``/``data`` switches.
 
+A bad value is a usage error of four lines (exit code 2): the key with its whole path, the value given,
+what is allowed and a tip to ``--help`` (``CompactArgumentParser``, see docs/configuration.md).
+
 Runs go to ``lightning_logs/<config name>/version_N``: TensorBoard files, and ``debug_outputs/``
 with events.jsonl, report.json, report.md and debug_analysis.png.
 """
@@ -23,6 +26,8 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from lightning_debug.callbacks.cli import CompactArgumentParser
 
 
 class ExampleModel(pl.LightningModule):
@@ -109,9 +114,13 @@ class ExampleData(pl.LightningDataModule):
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> LightningCLI:
-    """The LightningCLI of the examples; ``args`` as on the command line (None: ``sys.argv``)."""
+    """The LightningCLI of the examples; ``args`` as on the command line (None: ``sys.argv``).
+
+    ``CompactArgumentParser`` prints a bad value as the key, the value and what is allowed, in four lines,
+    instead of jsonargparse's usage synopsis and nested Union explanation (about 80).
+    """
     return LightningCLI(ExampleModel, ExampleData, args=args, run=run, seed_everything_default=0,
-                        save_config_kwargs={"overwrite": True})
+                        save_config_kwargs={"overwrite": True}, parser_class=CompactArgumentParser)
 
 
 if __name__ == "__main__":

@@ -44,5 +44,12 @@ else:
     AboveOne = restricted_number_type("AboveOne", float, [(">", 1), ("<", math.inf)], join="and")
     ProfileLength = restricted_number_type("ProfileLength", int, [(">=", 0), ("<=", MAX_PROFILE_STEPS)], join="and")
 
-__all__ = ["AboveOne", "FiniteNonNegativeFloat", "MAX_PROFILE_STEPS", "NonNegativeInt", "NotEmptyStr", "PositiveInt",
-           "ProfileLength", "UnitFraction"]
+ALLOWED = {
+    "PositiveInt": "an integer >= 1", "NonNegativeInt": "an integer >= 0", "NotEmptyStr": "a string that is not blank",
+    "FiniteNonNegativeFloat": "a finite number >= 0", "UnitFraction": "a number in (0, 1]",
+    "AboveOne": "a finite number > 1", "ProfileLength": f"an integer in [0, {MAX_PROFILE_STEPS}]",
+}
+"""Each type's bounds in words, by the type's name (how a parse error names it): what a short error says is allowed."""
+
+__all__ = ["ALLOWED", "AboveOne", "FiniteNonNegativeFloat", "MAX_PROFILE_STEPS", "NonNegativeInt", "NotEmptyStr",
+           "PositiveInt", "ProfileLength", "UnitFraction"]

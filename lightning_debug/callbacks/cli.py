@@ -1,0 +1,72 @@
+"""LightningCLI usage errors in a few lines: ``LightningCLI(..., parser_class=CompactArgumentParser)``.
+
+A bad value in a LightningCLI configuration is a usage error (exit code 2) that jsonargparse prints as the
+usage synopsis of every option (about 50 lines for a Trainer) followed by the explanation of every
+alternative of every nested Union (about 25 more); the key that failed is in there, deep. A parser of this
+class prints the innermost failing key with its whole path, the value given, what is allowed and a tip to
+``--help`` instead, then exits 2 as before::
+
+    error: trainer.callbacks[0] (lightning_debug.MemoryProfilerCallback).memory_high_fraction: invalid value
+      given: 1.5
+      allowed: a number in (0, 1]
+    tip: for the accepted options run: train.py fit --help (this class: ... --trainer.callbacks.help ...)
+
+``parser_class`` is LightningCLI's own argument for the class of every parser it builds (subcommand parsers
+included), so this works for any ``LightningCLI`` subclass, with subcommands or ``run=False``; nothing of
+jsonargparse is patched. A project with its own parser class mixes :class:`CompactErrors` in first. Only
+what is printed changes: the full message still goes to the parser's logger, ``exit_on_error=False`` still
+raises it, and ``JSONARGPARSE_DEBUG=true`` still raises it with its whole explanation.
+
+Example::
+
+    >>> from lightning.pytorch.cli import LightningCLI
+    >>> issubclass(CompactArgumentParser, CompactErrors)
+    True
+    >>> # LightningCLI(MyModel, parser_class=CompactArgumentParser)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from typing import Any, NoReturn
+
+from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_debug.callbacks.cli_errors import shorten
+
+
+class CompactErrors:
+    """Mix into a jsonargparse ``ArgumentParser`` class (first) to print its usage errors in a few lines.
+
+    jsonargparse's own ``error`` runs unchanged (logging, ``exit_on_error``, debug mode); only what it
+    writes to stderr before exiting is replaced by the short form.
+    """
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        written = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(written):
+                super().error(message, ex)  # type: ignore[misc]
+        except SystemExit:
+            parser = getattr(ex, "subcommand_parser", None) or self
+            sys.stderr.write("".join(f"{line}\n" for line in compact_error(parser, message)))
+            raise
+        raise AssertionError("ArgumentParser.error returned")  # pragma: no cover
+
+
+class CompactArgumentParser(CompactErrors, LightningArgumentParser):
+    """Lightning's parser with :class:`CompactErrors`: give it to ``LightningCLI(parser_class=...)``."""
+
+
+def compact_error(parser: Any, message: str) -> list[str]:
+    """The lines printed for ``message``: the error, at most six lines of it, and one tip to ``--help``."""
+    short = shorten(message)
+    body = short.lines() or [message.strip()[:200]]
+    prog = str(getattr(parser, "prog", "")).replace(" [options]", "")
+    tip = f"tip: for the accepted options run: {prog} --help"
+    options = getattr(parser, "_option_string_actions", {})
+    if short.class_path and short.key and f"--{short.key}.help" in options:
+        tip += f" (this class's: {prog} --{short.key}.help {short.class_path})"
+    return [f"error: {body[0]}", *body[1:], tip]
