@@ -50,11 +50,8 @@ def _module_class() -> type:
 def _progress_class() -> type:
     import lightning.pytorch as pl
 
-    from lightning_debug.callbacks.base import RUN_ATTRIBUTE
-    from lightning_debug.report.summary import finding_line
-
     class ProgressLines(pl.Callback):
-        """A line every eighth of the run, and every finding the moment it is written to events.jsonl."""
+        """A line every eighth of the run (findings have their own console line, from the plugin)."""
 
         def __init__(self, steps: int) -> None:
             self.steps = steps
@@ -63,13 +60,6 @@ def _progress_class() -> type:
 
         def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
             self.started = time.monotonic()
-            run = getattr(trainer, RUN_ATTRIBUTE, None)
-            if run is not None:
-                run.session.event_listeners.append(self.finding)
-
-        def finding(self, record: dict[str, Any]) -> None:
-            if record.get("episode") != "end" and record.get("console", True):
-                print("    ! " + finding_line(record).removeprefix("lightning-debug: "), flush=True)
 
         def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                                batch: Any, batch_idx: int) -> None:
