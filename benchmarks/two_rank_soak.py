@@ -61,10 +61,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("/tmp/two-rank-soak"))
     parser.add_argument("--no-busy", action="store_true", help="leave out the busy process")
-    parser.add_argument("--table-only", action="store_true", help="print the table of --out's outcomes.json")
+    parser.add_argument("--table-only", nargs="*", type=Path, metavar="DIR",
+                        help="print the table of the outcomes.json in these directories (soaks run side by side)")
     args = parser.parse_args()
-    if args.table_only:
-        table(json.loads((args.out / "outcomes.json").read_text()))
+    if args.table_only is not None:
+        merged: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        for directory in args.table_only or [args.out]:
+            for name, results in json.loads((directory / "outcomes.json").read_text()).items():
+                merged[name] += [tuple(result) for result in results]
+        table(merged)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     busy = None if args.no_busy else subprocess.Popen([sys.executable, "-c", BUSY])
