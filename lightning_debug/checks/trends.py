@@ -141,9 +141,7 @@ class LossTrend:
     level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
     that goes back up toward where it began is not a spike), and,
     with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
-    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1; with
-    fewer than :data:`LOSS_START_VALUES` earlier values (no measure of their noise yet: two single-example
-    losses can differ 10x) it takes :data:`LOSS_SPIKE_FACTOR` squared times the start.
+    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
     :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
@@ -242,8 +240,6 @@ class LossTrend:
         limit = LOSS_SPIKE_FACTOR * max(level, start)
         if len(self.recent) >= LOSS_START_VALUES:
             limit = max(limit, level + LOSS_SPIKE_SIGMAS * robust_sigma(self.recent))
-        else:  # too few losses to know their noise: only a blow-up (a learning rate far too high) is a spike
-            limit = max(limit, LOSS_SPIKE_FACTOR ** 2 * start)
         if loss <= limit:
             return None
         return LossVerdict(LossKind.SPIKE, loss, level, start, limit, list(self.recent)[-DIVERGENCE_WINDOW:])
