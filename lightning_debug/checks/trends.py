@@ -147,12 +147,11 @@ class LossTrend:
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
     is above the start level; after :data:`DIVERGENCE_WINDOW` earlier losses, the rise between the halves'
     medians is also :data:`DIVERGENCE_SIGMAS` robust standard deviations of those earlier losses (a run of
-    rising values in heavy-tailed noise, e.g. single-example losses, rises by about their spread). ``climb``: the same overshoot seen through noise, where single losses fall
-    as often as they rise; the level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at
+    rising values in heavy-tailed noise, e.g. single-example losses, rises by about their spread).
+    ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at
     least :data:`CLIMB_FACTOR` times the best level the run has reached, :data:`CLIMB_SIGMAS` robust standard
     deviations of single losses (as they were when that best level was reached) above it, and above the start
-    level, on
-    :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
+    level, on :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
     hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long
@@ -255,8 +254,8 @@ class LossTrend:
         half = DIVERGENCE_WINDOW // 2
         first, last = window[:half], window[half:]
         steady = min(last) > max(first) and median(last) >= DIVERGENCE_FACTOR * median(first)
-        before = list(self.recent)[:-(DIVERGENCE_WINDOW - 1)]
-        if steady and len(before) >= DIVERGENCE_WINDOW:
+        if steady and len(self.recent) >= 2 * DIVERGENCE_WINDOW - 1:  # DIVERGENCE_WINDOW losses before the window
+            before = list(self.recent)[:-(DIVERGENCE_WINDOW - 1)]
             steady = median(last) - median(first) >= DIVERGENCE_SIGMAS * robust_sigma(before)
         if rises < DIVERGENCE_RISES or not steady or loss < DIVERGENCE_FACTOR * window[0]:
             return None

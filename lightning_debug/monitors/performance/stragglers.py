@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from lightning_debug.checks.robust import median
@@ -39,20 +40,34 @@ def gather_row(times: StepTimes | None) -> list[float]:
     return [float(times.step), times.judged_step_ms] + [times.judged(phase) for phase in PHASES]
 
 
-def waited_for(rows: list[list[float]], rank: int, lead_ms: float) -> float:
+_DATA, _FORWARD, _BACKWARD = (GATHER_FIELDS.index(name) for name in ("data_ms", "forward_ms", "backward_ms"))
+
+
+def before_sync_ms(row: list[float]) -> float:
+    """A rank's time before the gradient all-reduce: data wait + forward."""
+    return row[_DATA] + row[_FORWARD]
+
+
+def waited_for(rows: list[list[float]], rank: int) -> float:
     """How long the other ranks waited for ``rank`` in the gradient all-reduce (ms): the smaller of its lead
-    before the all-reduce (``lead_ms``) and how much longer the others' backward is than its own.
+    before the all-reduce over the others' typical time and how much longer the others' backward is than its own.
 
     Example::
 
         >>> late = [[0, 100.0, 5.0, 20.0, 70.0, 5.0], [0, 100.0, 5.0, 50.0, 40.0, 5.0]]
         >>> waited_before = [[0, 100.0, 5.0, 20.0, 70.0, 5.0], [0, 100.0, 35.0, 20.0, 68.0, 5.0]]
-        >>> waited_for(late, 1, 30.0), waited_for(waited_before, 1, 30.0)
+        >>> waited_for(late, 1), waited_for(waited_before, 1)
         (30.0, 2.0)
     """
-    backward = GATHER_FIELDS.index("backward_ms")
-    others = median(row[backward] for k, row in enumerate(rows) if k != rank)
-    return min(lead_ms, others - rows[rank][backward])
+    lead = before_sync_ms(rows[rank]) - _typical(before_sync_ms(row) for k, row in enumerate(rows) if k != rank)
+    others = median(row[_BACKWARD] for k, row in enumerate(rows) if k != rank)
+    return min(lead, others - rows[rank][_BACKWARD])
+
+
+def _typical(values: Iterable[float]) -> float:
+    """The middle value (the upper one of an even count): what the other ranks typically take."""
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)
@@ -142,12 +157,11 @@ class StragglerRule:
         self.gathered += 1
         if self.gathered <= STRAGGLER_WARMUP:
             return None
-        before_sync = [row[2] + row[3] for row in rows]
+        before_sync = [before_sync_ms(row) for row in rows]
         slowest = max(range(len(rows)), key=lambda rank: before_sync[rank])
-        others = sorted(v for rank, v in enumerate(before_sync) if rank != slowest)
-        typical = others[len(others) // 2]
+        typical = _typical(v for rank, v in enumerate(before_sync) if rank != slowest)
         step_ms = median(row[1] for row in rows)
-        waited = waited_for(rows, slowest, before_sync[slowest] - typical)
+        waited = waited_for(rows, slowest)
         slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and waited >= max(
             STRAGGLER_MIN_MS, STRAGGLER_STEP_SHARE * step_ms)
         self.window.append((slowest if slow else None, rows))
@@ -160,7 +174,6 @@ class StragglerRule:
         window = [r for _, r in self.window]
         means = {field: [sum(r[k][i] for r in window) / len(window) for k in range(len(rows))]
                  for i, field in enumerate(GATHER_FIELDS) if field != "step"}
-        medians = [median(r[k][2] + r[k][3] for r in window) for k in range(len(rows))]
-        wait = median(waited_for(r, rank, r[rank][2] + r[rank][3] - median(
-            r[k][2] + r[k][3] for k in range(len(r)) if k != rank)) for r in window)
+        medians = [median(before_sync_ms(r[k]) for r in window) for k in range(len(rows))]
+        wait = median(waited_for(r, rank) for r in window)
         return Gathered(step, Straggler(rank, count, means, medians, len(rows), wait))
