@@ -190,6 +190,7 @@ class DebugCallback(Callback):
                              batch_idx: int) -> None:
         if self._leads:
             run = self._run
+            run.failures.call("logging debug scalars", self._rows.settle, trainer)  # type: ignore[union-attr]
             run.context.batch_idx = batch_idx  # type: ignore[union-attr]
             run.context.epoch = trainer.current_epoch  # type: ignore[union-attr]
             run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]

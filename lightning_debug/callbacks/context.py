@@ -82,12 +82,33 @@ class RowLogger:
     every later row of the epoch; a debug value measured once (a check every 50 steps) would then repeat
     on rows where nothing was measured, so the names this logger wrote before and not now are reset.
     Values are CPU tensors: logging them moves nothing to the device.
+
+    Once Lightning has written the row, :meth:`settle` resets them too: Lightning walks every name of
+    its result collection at the end of every batch (for ``callback_metrics``), and dozens of debug names
+    that only change on rows would cost that walk on every step. ``callback_metrics`` and
+    ``logged_metrics`` keep the row's values (Lightning updates those dictionaries, it does not replace
+    them).
     """
 
     HOOK = "on_train_batch_end"
 
     def __init__(self) -> None:
         self._logged: set[str] = set()
+        self._unsettled = False
+
+    def settle(self, trainer: "pl.Trainer") -> None:
+        """After Lightning wrote the last row (call it from the next batch's start): take this logger's names out
+        of the result collection's walk until the next row updates them."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        results = getattr(trainer, "_results", None)
+        if results is None:
+            return
+        for name in self._logged:
+            result = results.get(f"{self.HOOK}.{name}")
+            if result is not None:
+                result.reset()
 
     def log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", values: dict[str, float]) -> None:
         results = getattr(trainer, "_results", None)
@@ -98,6 +119,7 @@ class RowLogger:
         self._logged = set(values)
         if not values:
             return
+        self._unsettled = True
         scalars = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64).unbind()))
         fresh = self._update_known(trainer, pl_module, results, scalars)
         if fresh:

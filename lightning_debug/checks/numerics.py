@@ -39,6 +39,7 @@ SMALL_NUMEL_CPU = 4096
 FLAT_MIN_TENSORS = 32
 ROWS_MIN_TENSORS = 8
 SEGMENT_MAX_NUMEL = 1024
+SEGMENT_MIN_TENSORS = 16
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _local_of = attrgetter("_local_tensor")
 
@@ -175,7 +176,11 @@ class NormPlan:
     - the rest, up to ``SEGMENT_MAX_NUMEL`` elements each, are concatenated into one buffer (one
       ``torch.cat`` per trailing shape, which needs no per-tensor view) and summed per segment,
       a slower kernel per element that only few elements reach; larger ones, and all of them when
-      they are few, go with the fused norm.
+      they are fewer than ``SEGMENT_MIN_TENSORS`` (the segmented sum's fixed cost exceeds a few
+      more slots in the fused norm), go with the fused norm.
+
+    Each block gives norms; they are joined and squared once (float64), since right after a
+    backward every extra operation pays for cold caches.
 
     Complex and integer slots, and tensors the fused path cannot take (a sparse gradient), fall
     back to :func:`fused_norms`. Squares are float64 so that a finite norm above ~1.8e19 does not
@@ -226,6 +231,11 @@ class NormPlan:
                         foreach.setdefault((device, examples[index].dtype), []).append(index)
                     else:  # None: 0-d, stacked
                         by_trailing.setdefault(shape[1:] if shape else None, []).append(index)
+            if sum(map(len, by_trailing.values())) < SEGMENT_MIN_TENSORS:  # a few: the fused norm is cheaper
+                for members in by_trailing.values():
+                    for index in members:
+                        foreach.setdefault((device, examples[index].dtype), []).append(index)
+                by_trailing = {}
             if by_trailing:
                 groups = [(members, trailing is None) for trailing, members in by_trailing.items()]
                 lengths = torch.tensor([examples[i].numel() for members, _ in groups for i in members], device=device)
@@ -272,9 +282,13 @@ class NormPlan:
         return fused_norms(tensors, self.device).double().square()
 
     @staticmethod
-    def _row_squares(matrix: torch.Tensor) -> torch.Tensor:
+    def _row_norms(matrix: torch.Tensor) -> torch.Tensor:
         matrix = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
-        return torch.linalg.vector_norm(matrix, dim=1).double().square()
+        return torch.linalg.vector_norm(matrix, dim=1)
+
+    @classmethod
+    def _row_squares(cls, matrix: torch.Tensor) -> torch.Tensor:
+        return cls._row_norms(matrix).double().square()
 
     @staticmethod
     def _segment_squares(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -282,26 +296,34 @@ class NormPlan:
         return torch.segment_reduce(values.square(), "sum", lengths=lengths)
 
     @staticmethod
-    def _foreach_squares(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def _foreach_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
         norms = torch._foreach_norm(tensors, 2) if dtype == torch.float64 else \
             torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        return torch.stack(norms).double().square()
+        return torch.stack(norms)
+
+    @classmethod
+    def _foreach_squares(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return cls._foreach_norms(tensors, dtype).double().square()
 
     @torch.no_grad()
     def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Squared norms of ``tensors`` (one per slot, shaped like the examples), float64, slot order."""
         if not self.fused:
             return self._fallback(tensors)
-        try:
-            pieces = [self._row_squares(self._matrix(tensors, indices, scalars)) for indices, scalars in self._rows]
+        try:  # norms per block, squared together: each operation counts on caches the backward left cold
+            pieces = [self._row_norms(self._matrix(tensors, indices, scalars)) for indices, scalars in self._rows]
             for groups, lengths in self._segments:
-                pieces.append(self._segment_squares(self._concat(tensors, groups), lengths))
+                pieces.append(self._segment_squares(self._concat(tensors, groups).double(), lengths).sqrt())
             for indices, dtype in self._foreach:
-                pieces.append(self._foreach_squares(self._pick(tensors, indices), dtype))
+                pieces.append(self._foreach_norms(self._pick(tensors, indices), dtype))
             if self._odd:
-                pieces.append(fused_norms([tensors[i] for i in self._odd], self.device).double().square())
-            return self._in_order(pieces)
+                pieces.append(fused_norms([tensors[i] for i in self._odd], self.device))
+            if not pieces or any(piece.device != self.device for piece in pieces):
+                return self._in_order([piece.double().square() for piece in pieces])
+            joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            squares = joined.double().square()
+            return squares if self._order is None else squares.index_select(0, self._order)
         except (RuntimeError, TypeError, NotImplementedError):  # e.g. a sparse gradient: measure one by one
             return self._fallback(tensors)
 

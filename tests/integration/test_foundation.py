@@ -74,6 +74,7 @@ def test_norm_plan_joins_many_small_tensors_without_mixing_them_up() -> None:
     examples += [torch.randn((), generator=generator) for _ in range(8)]
     examples += [torch.randn(7, dtype=torch.float64, generator=generator), torch.randn(2, 3, generator=generator)]
     examples += [torch.randn(4, generator=generator).to(torch.bfloat16) for _ in range(3)]
+    examples += [torch.randn(k, 3, generator=generator) for k in range(1, 13)]
     examples += [torch.randn(2000, generator=generator), torch.randn(6000, generator=generator)]
     examples += [torch.empty(0) for _ in range(8)] + [torch.tensor([3 + 4j])]
     order = torch.randperm(len(examples), generator=generator).tolist()
@@ -91,6 +92,18 @@ def test_norm_plan_joins_many_small_tensors_without_mixing_them_up() -> None:
     moved = [t if t.is_complex() else t + 1 for t in examples]
     assert plan.distance_squares(snapshot, moved).tolist() == pytest.approx(
         [0.0 if t.is_complex() else float(t.numel()) for t in examples], rel=1e-2)
+
+
+def test_norm_plan_gives_a_few_odd_small_tensors_to_the_fused_norm() -> None:
+    """Three odd shapes beside 40 same-shape rows (an MoE router beside its layers): a segmented sum costs
+    more than three more slots in the fused norm, and the values are the same either way."""
+    generator = torch.Generator().manual_seed(1)
+    examples = [torch.randn(32, generator=generator) for _ in range(40)]
+    examples += [torch.randn(8, 4, generator=generator), torch.randn(4, 8, generator=generator), torch.randn(5)]
+    plan = NormPlan(examples)
+    assert plan._rows and not plan._segments
+    expected = [torch.linalg.vector_norm(t.double()).item() ** 2 for t in examples]
+    assert plan.squares(examples).tolist() == pytest.approx(expected, rel=1e-5)
 
 
 def test_events_are_flushed_per_line_and_a_truncated_last_line_is_tolerated(tmp_path: Path) -> None:

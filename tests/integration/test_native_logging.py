@@ -100,6 +100,27 @@ def test_debug_scalars_are_on_the_trainers_own_rows_and_add_none(tmp_path: Path,
         assert finite and all(step in lightning_steps for step in finite)
 
 
+class DebugNamesInLightningsWalk(pl.Callback):
+    """How many debug names Lightning's end-of-batch walk over its result collection meets, per step (read
+    after every callback's batch start)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.counts.append(sum(name.split(".", 1)[-1].startswith("debug/") for name, _ in trainer._results.valid_items()))
+
+
+def test_debug_names_leave_lightnings_per_batch_walk_once_their_row_is_written(tmp_path: Path) -> None:
+    walk = DebugNamesInLightningsWalk()
+    config = DebugConfig(print_summary=False, save_plots=False)
+    trainer = fit_csv(tmp_path, "walk", LoggingRegressor(), [*debug_callbacks(config), walk], max_steps=30)
+    rows = csv_rows(trainer)
+    assert [float(row["debug/loss_finite"]) for row in rows] == [1.0] * 6, "every row still has its values"
+    assert len(walk.counts) == 30 and not any(walk.counts), walk.counts
+    assert trainer.callback_metrics["debug/loss_finite"] == 1.0, "callback_metrics keeps the last row's values"
+
+
 def test_a_nan_between_two_rows_shows_on_the_next_row(tmp_path: Path) -> None:
     class NaNAtOneStep(LoggingRegressor):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
