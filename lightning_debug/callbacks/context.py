@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ class RowLogger:
     on rows where nothing was measured, so the names this logger wrote before and not now are reset.
     Values are CPU tensors: logging them moves nothing to the device.
 
-    Once Lightning has written the row, :meth:`settle` resets them too: Lightning walks every name of
+    Once Lightning has written the row, :meth:`settle` takes them out too: Lightning walks every name of
     its result collection at the end of every batch (for ``callback_metrics``), and dozens of debug names
     that only change on rows would cost that walk on every step. ``callback_metrics`` and
     ``logged_metrics`` keep the row's values (Lightning updates those dictionaries, it does not replace
@@ -103,19 +103,22 @@ class RowLogger:
             return
         self._unsettled = False
         results = getattr(trainer, "_results", None)
-        if results is None:
-            return
-        for name in self._logged:
+        if results is not None:
+            self._hide(results, self._logged)
+
+    def _hide(self, results: Any, names: Iterable[str]) -> None:
+        """Leave ``names`` out of Lightning's rows and walks until they are logged again: the flag Lightning's own
+        reset sets. A value logged only on steps (these) is replaced, not accumulated, by the next ``log``, so the
+        stored state needs no reset (which costs a tensor copy per state and name)."""
+        for name in names:
             result = results.get(f"{self.HOOK}.{name}")
             if result is not None:
-                result.reset()
+                result.has_reset = True
 
     def log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", values: dict[str, float]) -> None:
         results = getattr(trainer, "_results", None)
-        for name in self._logged - values.keys():
-            result = results.get(f"{self.HOOK}.{name}") if results is not None else None
-            if result is not None:
-                result.reset()
+        if results is not None:
+            self._hide(results, self._logged - values.keys())
         self._logged = set(values)
         if not values:
             return
