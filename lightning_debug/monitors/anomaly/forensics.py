@@ -17,6 +17,9 @@ from dataclasses import dataclass
 UPDATE_GROWTH = 10.0
 # An update that reaches this fraction of the dtype's largest value may overflow it.
 OVERFLOW_MARGIN = 0.5
+# The smallest largest-finite-value of torch's floating dtypes (float8_e4m3fnuz): an update below its margin
+# cannot overflow any of them, so the parameters' dtype need not be looked up.
+SMALLEST_DTYPE_MAX = 240.0
 
 
 @dataclass
@@ -72,7 +75,8 @@ def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], large
     if not math.isfinite(grad_norm) or not learning_rates:
         return False
     lr = max((abs(lr) for lr in learning_rates if math.isfinite(lr)), default=0.0)
-    return lr * max(grad_norm, 1.0) * UPDATE_GROWTH >= OVERFLOW_MARGIN * largest_value()
+    reach = lr * max(grad_norm, 1.0) * UPDATE_GROWTH
+    return reach >= OVERFLOW_MARGIN * SMALLEST_DTYPE_MAX and reach >= OVERFLOW_MARGIN * largest_value()
 
 
 class WeightHistory:

@@ -199,13 +199,12 @@ class PerformanceMonitor(Monitor):
             raise failure
 
     def _end_batch(self, step: int) -> None:
-        where = self.context.where()
         timer = self._timer
         handed_over = False
         if timer is not None:
             if timer.step == step:
                 end = timer.stop()
-                timer.where = dict(where)
+                timer.where = dict(self.context.where())
                 if timer.saw_optimizer:
                     self._complete(timer)
                     if self.due(step + 1):
@@ -215,7 +214,7 @@ class PerformanceMonitor(Monitor):
         if self._timer is None and not handed_over and self.due(step + 1):
             self._next_start = (step + 1, self.stopwatch.mark(), self.stopwatch.own(), self.stopwatch.cpu_wait())
         if self._pending or self._gathers:
-            self._where = dict(where)
+            self._where = dict(self.context.where())
             self._poll()
 
     def finalize(self, step: int) -> None:
