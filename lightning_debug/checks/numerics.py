@@ -179,8 +179,7 @@ class NormPlan:
       they are fewer than ``SEGMENT_MIN_TENSORS`` (the segmented sum's fixed cost exceeds a few
       more slots in the fused norm), go with the fused norm.
 
-    Each block gives norms; they are joined and squared once (float64), since right after a
-    backward every extra operation pays for cold caches.
+    Each block gives norms; they are joined and squared once (float64).
 
     Complex and integer slots, and tensors the fused path cannot take (a sparse gradient), fall
     back to :func:`fused_norms`. Squares are float64 so that a finite norm above ~1.8e19 does not
@@ -270,12 +269,15 @@ class NormPlan:
         parts = [self._join(tensors, indices, scalars).reshape(-1) for indices, scalars in groups]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _in_order(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        if not pieces:
+    def _squared_in_order(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """The blocks' norms joined, squared (float64) and put back in slot order: one operation each for all
+        blocks, since right after a backward every extra operation pays for cold caches."""
+        if not norms:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
-        joined = (pieces[0].to(self.device, torch.float64) if len(pieces) == 1 else
-                  torch.cat([piece.to(self.device, torch.float64) for piece in pieces]))
-        return joined if self._order is None else joined.index_select(0, self._order)
+        if any(norm.device != self.device for norm in norms):
+            norms = [norm.to(self.device) for norm in norms]
+        squares = (norms[0] if len(norms) == 1 else torch.cat(norms)).double().square()
+        return squares if self._order is None else squares.index_select(0, self._order)
 
     def _fallback(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         self.fused = False
@@ -286,14 +288,9 @@ class NormPlan:
         matrix = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
         return torch.linalg.vector_norm(matrix, dim=1)
 
-    @classmethod
-    def _row_squares(cls, matrix: torch.Tensor) -> torch.Tensor:
-        return cls._row_norms(matrix).double().square()
-
     @staticmethod
-    def _segment_squares(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        values = values if values.dtype == torch.float64 else values.float()
-        return torch.segment_reduce(values.square(), "sum", lengths=lengths)
+    def _segment_norms(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return torch.segment_reduce(values.double().square(), "sum", lengths=lengths).sqrt()
 
     @staticmethod
     def _foreach_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -302,28 +299,20 @@ class NormPlan:
             torch._foreach_norm(tensors, 2, dtype=torch.float32)
         return torch.stack(norms)
 
-    @classmethod
-    def _foreach_squares(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        return cls._foreach_norms(tensors, dtype).double().square()
-
     @torch.no_grad()
     def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Squared norms of ``tensors`` (one per slot, shaped like the examples), float64, slot order."""
         if not self.fused:
             return self._fallback(tensors)
-        try:  # norms per block, squared together: each operation counts on caches the backward left cold
-            pieces = [self._row_norms(self._matrix(tensors, indices, scalars)) for indices, scalars in self._rows]
+        try:
+            norms = [self._row_norms(self._matrix(tensors, indices, scalars)) for indices, scalars in self._rows]
             for groups, lengths in self._segments:
-                pieces.append(self._segment_squares(self._concat(tensors, groups).double(), lengths).sqrt())
+                norms.append(self._segment_norms(self._concat(tensors, groups), lengths))
             for indices, dtype in self._foreach:
-                pieces.append(self._foreach_norms(self._pick(tensors, indices), dtype))
+                norms.append(self._foreach_norms(self._pick(tensors, indices), dtype))
             if self._odd:
-                pieces.append(fused_norms([tensors[i] for i in self._odd], self.device))
-            if not pieces or any(piece.device != self.device for piece in pieces):
-                return self._in_order([piece.double().square() for piece in pieces])
-            joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            squares = joined.double().square()
-            return squares if self._order is None else squares.index_select(0, self._order)
+                norms.append(fused_norms([tensors[i] for i in self._odd], self.device))
+            return self._squared_in_order(norms)
         except (RuntimeError, TypeError, NotImplementedError):  # e.g. a sparse gradient: measure one by one
             return self._fallback(tensors)
 
@@ -344,20 +333,20 @@ class NormPlan:
         """``||tensors_i - snapshot_i||²`` per slot (float64, slot order): the size of a weight update."""
         if not self.fused:
             return fused_norms(torch._foreach_sub(list(tensors), snapshot), self.device).double().square()
-        pieces = [self._row_squares(self._matrix(tensors, indices, scalars) - before)
-                  for (indices, scalars), before in zip(self._rows, snapshot)]
+        norms = [self._row_norms(self._matrix(tensors, indices, scalars) - before)
+                 for (indices, scalars), before in zip(self._rows, snapshot)]
         position = len(self._rows)
         for groups, lengths in self._segments:
-            pieces.append(self._segment_squares(self._concat(tensors, groups) - snapshot[position], lengths))
+            norms.append(self._segment_norms(self._concat(tensors, groups) - snapshot[position], lengths))
             position += 1
         for indices, dtype in self._foreach:
             deltas = torch._foreach_sub(list(self._pick(tensors, indices)), snapshot[position:position + len(indices)])
-            pieces.append(self._foreach_squares(deltas, dtype))
+            norms.append(self._foreach_norms(deltas, dtype))
             position += len(indices)
         if self._odd:
             deltas = [tensors[i] - before for i, before in zip(self._odd, snapshot[position:])]
-            pieces.append(fused_norms(deltas, self.device).double().square())
-        return self._in_order(pieces)
+            norms.append(fused_norms(deltas, self.device))
+        return self._squared_in_order(norms)
 
 
 def nonfinite_named(names: Sequence[str], norms: torch.Tensor | Sequence[float]) -> list[tuple[str, float]]:

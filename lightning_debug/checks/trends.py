@@ -148,10 +148,10 @@ class LossTrend:
     is above the start level; after :data:`DIVERGENCE_WINDOW` earlier losses, the rise between the halves'
     medians is also :data:`DIVERGENCE_SIGMAS` robust standard deviations of those earlier losses (a run of
     rising values in heavy-tailed noise, e.g. single-example losses, rises by about their spread).
-    ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at
-    least :data:`CLIMB_FACTOR` times the best level the run has reached, :data:`CLIMB_SIGMAS` robust standard
-    deviations of single losses (as they were when that best level was reached) above it, and above the start
-    level, on :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
+    ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the
+    level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at least :data:`CLIMB_FACTOR` times the
+    best level the run has reached, :data:`CLIMB_SIGMAS` robust standard deviations of single losses (as they
+    were when that best level was reached) above it, and above the start level, on :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
     hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long

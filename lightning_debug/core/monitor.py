@@ -256,12 +256,13 @@ class Monitor:
 
     def close_episodes(self, step: int, where: Where, kinds: Iterable[str], final: bool = False) -> None:
         """End the episodes of ``kinds`` not observed for a while (all of them when ``final``)."""
-        if not final and not self.episodes.open and not self._seen_this_check:  # a healthy check: nothing to close
+        healthy = not self.episodes.open and not self._seen_this_check  # nothing open, nothing seen
+        if healthy and not final:
             return
         kinds = {str(kind) for kind in kinds}
         if final:
             self._close_summaries(kinds, where)
-        if not self.episodes.open and not self._seen_this_check:
+        if healthy:
             return
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
             if (kind, key) in self._silenced_episodes:
