@@ -119,6 +119,9 @@ def test_debug_names_leave_lightnings_per_batch_walk_once_their_row_is_written(t
     assert [float(row["debug/loss_finite"]) for row in rows] == [1.0] * 6, "every row still has its values"
     assert len(walk.counts) == 30 and not any(walk.counts), walk.counts
     assert trainer.callback_metrics["debug/loss_finite"] == 1.0, "callback_metrics keeps the last row's values"
+    run = getattr(trainer, RUN_ATTRIBUTE)
+    assert not [kind for kind, entry in run.session.timeline.findings().items()
+                if entry.get("severity") in ("warning", "error", "critical")], "a healthy run is quiet"
 
 
 def test_a_nan_between_two_rows_shows_on_the_next_row(tmp_path: Path) -> None:
