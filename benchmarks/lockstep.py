@@ -11,28 +11,39 @@ threads' data, is left out. A run with lightning-debug waits for its turn inside
 (``session.own_time``), which its step timing leaves out, so the other threads' turns are not reported as slow
 steps. ``plain#2``, a second plain copy, shows the method's own spread.
 
+``--baseline REV`` adds lightning-debug as of git revision ``REV``, imported beside the working copy under another
+name, so a change is measured against what it replaces in the same process: ``baseline:all_four`` is ``all_four``
+with that revision's callbacks.
+
 The ratio reported for a configuration is its mean step time over the plain run's, per cycle, median over cycles
 (with quartiles), and the ratio of its mean over all its timed steps to plain's (rare checks count at their
 rate). Threads only take turns: at any moment one trains.
 
     OMP_NUM_THREADS=1 python benchmarks/lockstep.py --model switch --steps 1000 --only plain#2,plugin_defaults,all_four
     python benchmarks/lockstep.py --model llama24 --log-every 50 --json /tmp/llama.json
+    python benchmarks/lockstep.py --model mixtral --baseline HEAD --only baseline:plugin_defaults,plugin_defaults
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import json
 import os
 import platform
 import random
+import re
 import statistics
+import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -129,13 +140,52 @@ class LockstepClock(pl.Callback):
         self.turnstile.pass_on(self.name, finished=True)
 
 
+BASELINE = "lightning_debug_baseline"
+PLUGIN_NAMES = ("AnomalyDetectionCallback", "DebugConfig", "GradientHealthCallback", "MemoryProfilerCallback",
+                "PerformanceProfilerCallback", "debug_callbacks")
+
+
+def load_baseline(revision: str, root: Path) -> ModuleType:
+    """The package as of git ``revision``, imported as :data:`BASELINE` (its own imports renamed to match)."""
+    repository = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "-C", str(repository), "archive", revision, "lightning_debug"], check=True,
+                             capture_output=True).stdout
+    root.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    package = root / BASELINE
+    (root / "lightning_debug").rename(package)
+    for path in package.rglob("*.py"):
+        path.write_text(re.sub(r"\blightning_debug\b", BASELINE, path.read_text()))
+    sys.path.insert(0, str(root))
+    return importlib.import_module(BASELINE)
+
+
+def options_of(name: str, baseline: ModuleType | None) -> dict[str, Any]:
+    """The Trainer options of configuration ``name``; ``baseline:name`` builds it with the baseline's callbacks (the
+    configurations find the callbacks among ``overhead``'s globals when they are built, in the main thread)."""
+    name = name.split("#")[0]
+    if not name.startswith("baseline:"):
+        return overhead.configurations()[name]()
+    if baseline is None:
+        raise SystemExit(f"{name}: give --baseline REV")
+    saved = {attribute: getattr(overhead, attribute) for attribute in PLUGIN_NAMES}
+    try:
+        for attribute in PLUGIN_NAMES:
+            setattr(overhead, attribute, getattr(baseline, attribute))
+        return overhead.configurations()[name.removeprefix("baseline:")]()
+    finally:
+        for attribute, value in saved.items():
+            setattr(overhead, attribute, value)
+
+
 def prepare(name: str, model_name: str, steps: int, tensors: int, clock: LockstepClock, log_every: int,
-            root: str) -> tuple[pl.Trainer, pl.LightningModule, Any]:
+            root: str, baseline: ModuleType | None = None) -> tuple[pl.Trainer, pl.LightningModule, Any]:
     """The trainer, model and loader of one configuration, built in the main thread one after the other, so every
     copy starts from the same weights (the threads share torch's global generator)."""
     torch.manual_seed(0)
     model, loader, extra = overhead.make_model(model_name, steps, tensors)
-    options = overhead.configurations()[name.split("#")[0]]()
+    options = options_of(name, baseline)
     trainer = pl.Trainer(max_steps=steps, devices=1, logger=pl.loggers.CSVLogger(root, name=name),
                          log_every_n_steps=log_every, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
@@ -196,6 +246,8 @@ def main() -> None:
                         help="steps per turn (prime to the check frequencies, so checks land on timed steps)")
     parser.add_argument("--log-every", type=int, default=50, help="the Trainer's log_every_n_steps")
     parser.add_argument("--json", default="", help="also write the summary here")
+    parser.add_argument("--baseline", default="",
+                        help="a git revision: configurations named baseline:NAME run NAME with its lightning-debug")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = ["plain", *[n for n in args.only.split(",") if n and n != "plain"]]
@@ -203,8 +255,9 @@ def main() -> None:
     clocks = {name: LockstepClock(name, turnstile, args.warmup) for name in names}
     errors: dict[str, BaseException] = {}
     with tempfile.TemporaryDirectory() as root:
-        prepared = {name: prepare(name, args.model, args.steps, args.tensors, clocks[name], args.log_every, root)
-                    for name in names}
+        baseline = load_baseline(args.baseline, Path(root) / "baseline") if args.baseline else None
+        prepared = {name: prepare(name, args.model, args.steps, args.tensors, clocks[name], args.log_every, root,
+                                  baseline) for name in names}
         threads = [threading.Thread(target=train, name=name, daemon=True, args=(name, *prepared[name], clocks[name],
                                                                                errors)) for name in names]
         started = time.perf_counter()

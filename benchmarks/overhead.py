@@ -36,6 +36,7 @@ Results are printed as Markdown tables (paste into docs/performance.md with the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -120,6 +121,26 @@ class ReadGradients(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.present = sum(p.grad is not None for p in self.parameters)  # keeps no gradient alive
+
+
+class MinimalNanCheck(pl.Callback):
+    """The least a per-step NaN/Inf check of the loss and every gradient can do here: one fused pass
+    (:class:`~lightning_debug.checks.numerics.NormPlan`) and one read on the host, in the hook where the
+    gradients are final; no names, no history, no logging. The floor under the anomaly check's cost."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_debug.checks.numerics import NormPlan
+
+        self.parameters = [p for p in pl_module.parameters() if p.requires_grad]
+        self.plan = NormPlan(self.parameters)
+        self.loss: torch.Tensor | None = None
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.loss = loss.detach()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        squares = self.plan.squares([p.grad for p in self.parameters])
+        self.finite = math.isfinite(float(squares.sum() + self.loss))
 
 
 class GradNormRecipe(pl.Callback):
@@ -293,6 +314,7 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
                                                                     save_plots=False))
                                                     for cls in (AnomalyDetectionCallback, GradientHealthCallback,
                                                                 MemoryProfilerCallback, PerformanceProfilerCallback)]},
+        "anomaly_defaults": lambda: {"callbacks": [AnomalyDetectionCallback(quiet)]},
         "gradients_defaults": lambda: {"callbacks": [GradientHealthCallback(quiet)]},
         "activations_defaults": lambda: {"callbacks": [GradientHealthCallback(quiet, log_activations=True)]},
         "gradients_every_step": lambda: {"callbacks": [GradientHealthCallback(every_step())]},
@@ -308,6 +330,7 @@ def configurations() -> dict[str, Callable[[], dict[str, Any]]]:
         "anchor_detect_anomaly": lambda: {"detect_anomaly": True},
         "anchor_grad_norm_recipe": lambda: {"callbacks": [GradNormRecipe()]},
         "anchor_read_gradients": lambda: {"callbacks": [ReadGradients()]},
+        "anchor_minimal_nan_check": lambda: {"callbacks": [MinimalNanCheck()]},
         "anchor_device_stats": lambda: {"callbacks": [DeviceStatsMonitor()]},
     }
 

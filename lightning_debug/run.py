@@ -223,8 +223,11 @@ class Run:
         optimizers = context.optimizers()
         several = len(optimizers) > 1
         if not several or optimizer is None or context.grads_sharded:
-            self.ledger.record = self.ledger.record.moved(several_optimizers=several, optimizer_index=None,
-                                                          optimizer_step=None)
+            record = self.ledger.record
+            if record.several_optimizers is not several or record.optimizer_index is not None \
+                    or record.optimizer_step is not None:
+                self.ledger.record = record.moved(several_optimizers=several, optimizer_index=None,
+                                                  optimizer_step=None)
             return None
         own = self._optimizer_steps.get(id(optimizer), 0)
         self._optimizer_steps[id(optimizer)] = own + 1

@@ -55,6 +55,7 @@ def metric_part(text: object) -> str:
 
 
 @functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=8192)
 def safe_metric_name(name: str) -> str:
     """``name`` with unsafe characters replaced, no empty levels, at most 250 characters (a long
     name keeps its start and gets a short hash of the whole, so two long names stay distinct).
@@ -65,6 +66,8 @@ def safe_metric_name(name: str) -> str:
         ('debug/activation/mean', 'debug/grad/norm/a_0_')
         >>> len(safe_metric_name("debug/" + "x" * 400))
         250
+
+    Cached: a run gives the same names (a few per parameter at most) on every check step.
     """
     cleaned = "/".join(part for part in _UNSAFE_IN_NAME.sub("_", name).split("/") if part) or "_"
     if len(cleaned) > MAX_NAME_LENGTH:
@@ -142,6 +145,12 @@ class MetricsWriter:
         self._observer = observer
         self._exposed = exposed
         self._pending: dict[int, dict[str, tuple[int, float]]] = {}
+
+    @property
+    def window(self) -> int:
+        """Steps per logging row (1 when every check step is written): a value measured at least this often is on
+        every row."""
+        return self._window
 
     def add(self, step: int, name: str, value: float) -> None:
         self.add_many(step, {name: value})

@@ -118,11 +118,17 @@ class Timeline:
                 self.tags.add(tag)
             if tag in PLOTTED_TAGS or (tag.startswith(PER_OPTIMIZER_NORM) and (
                     tag in self.series or len(self.optimizer_norms()) < MAX_OPTIMIZER_SERIES)):
-                self.series.setdefault(tag, Series()).add(int(step), float(value))
+                self._series(tag).add(int(step), float(value))
             elif not tag.startswith("debug/") and "loss" in tag.lower() and self.loss_source in ("", tag):
                 self.loss_source = tag
-                self.series.setdefault(LOSS_SERIES, Series()).add(int(step), float(value))
+                self._series(LOSS_SERIES).add(int(step), float(value))
         self.last_step = max(self.last_step, int(step))
+
+    def _series(self, tag: str) -> Series:
+        series = self.series.get(tag)
+        if series is None:
+            series = self.series[tag] = Series()
+        return series
 
     def optimizer_norms(self) -> list[str]:
         """The per-optimizer global norm series held, in the optimizers' order.
@@ -155,7 +161,7 @@ class Timeline:
         if self.loss_source != "training loss":
             self.loss_source = "training loss"
             self.series.pop(LOSS_SERIES, None)
-        self.series.setdefault(LOSS_SERIES, Series()).add(int(step), float(value))
+        self._series(LOSS_SERIES).add(int(step), float(value))
 
     def observe_event(self, record: dict[str, Any]) -> None:
         """An event listener: a start (or one-off) event opens an episode, an end event closes it."""

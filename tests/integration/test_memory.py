@@ -86,7 +86,7 @@ def test_scalars_are_logged_at_the_configured_steps(tmp_path: Path) -> None:
     assert [step for step, _ in scalars["debug/memory/cpu_rss_mb"]] == [0, 5, 10, 15]
     assert all(value > 1 for _, value in scalars["debug/memory/cpu_rss_mb"])
     assert [step for step, _ in scalars["debug/memory/cpu_available_mb"]] == [0, 5, 10, 15]
-    if heap_in_use() is not None:
+    if heap_in_use() is not None:  # on every row that shows memory (log_every_n_steps=1)
         assert [step for step, _ in scalars["debug/memory/cpu_heap_mb"]] == [0, 5, 10, 15]
     assert not any(tag.startswith("debug/memory/cuda_") for tag in scalars)  # no CUDA device, no CUDA scalars
     report = read_report(debug_dir(trainer))
@@ -105,9 +105,12 @@ def test_log_memory_false_logs_nothing(tmp_path: Path) -> None:
 # --- leaks ---------------------------------------------------------------------------------------------------
 
 
-def test_planted_leak_is_found_and_explained(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=10)], max_steps=250,
-                           limit_val_batches=0)
+@pytest.mark.parametrize("frequency", [10, 1])
+def test_planted_leak_is_found_and_explained(tmp_path: Path, frequency: int) -> None:
+    """Checked every step with Lightning's default logging rows, the C heap is read only on the readings the trend
+    takes and at least every 8 steps, and the leak is found as well."""
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=frequency)], max_steps=250,
+                           limit_val_batches=0, log_every_n_steps=50 if frequency == 1 else 1)
     with console_lines(r"Memory grows steadily.*\(memory_growth"):
         trainer.fit(KeepsLosses(keep_losses=True))
     growth = [e for e in memory_events(trainer, "memory_growth") if e.get("episode") == "start"]
@@ -124,6 +127,11 @@ def test_planted_leak_is_found_and_explained(tmp_path: Path) -> None:
     assert report["findings"]["memory_growth"]["first_step"] == event["step"]
     assert report["sections"]["memory"]["growth"]["status"] == "growing"
     assert report["sections"]["memory"]["cost_ms"]["census"]["count"] == 2  # only to confirm, never per step
+    stats = report["stats"]
+    assert stats["memory/cpu_rss_mb"]["count"] == 250 // frequency
+    if heap_in_use() is not None:  # every reading at 10 steps apart; every 8th or so checked every step
+        heap_readings = stats["memory/cpu_heap_mb"]["count"]
+        assert heap_readings == 25 if frequency == 10 else 30 <= heap_readings <= 33, heap_readings
 
 
 def test_healthy_run_reports_no_growth(tmp_path: Path) -> None:

@@ -60,8 +60,9 @@ def heap_in_use() -> int | None:
     ``psutil.heap_info()``: on Linux (glibc) the bytes of chunks in use in every arena plus mmapped
     chunks (``mallinfo2``'s ``uordblks + hblkhd``), on macOS and Windows the platform allocator's
     equivalent. Unlike the resident set it ignores freed-but-cached pages, so the CPU tensors and
-    autograd nodes a leak keeps alive show up byte for byte. Costs about a microsecond (a few
-    milliseconds on a heavily fragmented heap, when glibc walks its free lists).
+    autograd nodes a leak keeps alive show up byte for byte. Costs about a microsecond on a fresh heap,
+    0.2-0.4 ms in a small training process and about 3 ms on a heap fragmented by 50,000 freed tensors
+    (glibc walks its free lists).
     """
     read = getattr(psutil, "heap_info", None)
     if read is None:
@@ -139,22 +140,23 @@ class MemoryReading:
         return series
 
 
-def read_memory(device: torch.device | None, reset_peak: bool = True) -> MemoryReading:
+def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True) -> MemoryReading:
     """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device.
 
     With ``reset_peak`` the CUDA peak counter restarts, so the next reading's ``cuda_peak`` is the
-    peak since this one.
+    peak since this one. Without ``heap`` the C heap is not read (``cpu_heap`` None): see :func:`heap_in_use`
+    for what that costs.
     """
     rss = _process(os.getpid()).memory_info().rss
     system = psutil.virtual_memory()
     index = cuda_index(device)
     if index is None:
-        return MemoryReading(rss, int(system.available), int(system.total), heap_in_use())
+        return MemoryReading(rss, int(system.available), int(system.total), heap_in_use() if heap else None)
     stats = torch.cuda.memory_stats(index)
     peak = int(stats.get("allocated_bytes.all.peak", 0))
     if reset_peak:
         torch.cuda.reset_peak_memory_stats(index)
-    return MemoryReading(rss, int(system.available), int(system.total), heap_in_use(),
+    return MemoryReading(rss, int(system.available), int(system.total), heap_in_use() if heap else None,
                          cuda_allocated=int(stats.get("allocated_bytes.all.current", 0)),
                          cuda_reserved=int(stats.get("reserved_bytes.all.current", 0)), cuda_peak=peak,
                          cuda_total=cuda_total_memory(index))

@@ -8,7 +8,7 @@ Example::
     >>> from lightning_debug.core.numerics.rows import rank_flags
     >>> index = ParameterIndex(list(nn.Linear(1, 1, bias=False).named_parameters()))
     >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0])], index,
-    ...                     torch.tensor([9.0], dtype=torch.float64), torch.zeros(0), [])
+    ...                     torch.tensor([9.0], dtype=torch.float64), [])
     >>> host.global_grad_norm, host.grad_norms, host.missing
     (3.0, [3.0], [])
 """
@@ -27,27 +27,40 @@ from lightning_debug.core.numerics.index import ParameterIndex
 class HostNumerics:
     """The host-side values of a :class:`StepNumerics`: per-rank flags as Python numbers, the
     per-parameter squared norms as CPU tensors, turned into names and Python floats only when asked
-    (that is, when something was found or per-parameter scalars are logged)."""
+    (that is, when something was found or per-parameter scalars are logged).
 
-    def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, grad_squares: torch.Tensor,
-                 param_squares: torch.Tensor, missing_slots: list[int],
+    ``squares`` holds, from position ``start``, every slot's squared gradient norm, then, when measured,
+    every slot's squared parameter norm (the read-back vector as it came: on a CPU even slicing it is an
+    operation, which a healthy step of the anomaly check never needs)."""
+
+    def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, squares: torch.Tensor,
+                 missing_slots: list[int],
                  scan_parameters: Callable[[], list[tuple[str, float]]] | None = None,
                  read_before_update: bool = True, error: Exception | None = None,
-                 without_gradients: bool = False, steps_done: Callable[[], int] | None = None) -> None:
+                 without_gradients: bool = False, steps_done: Callable[[], int] | None = None, start: int = 0) -> None:
         self.step = step
         self.without_gradients = without_gradients
         self.error = error
         self.ranks = ranks
         self.param_names = index.names
         self.tags = index.tags
-        self._grad_squares = grad_squares
-        self._param_squares = param_squares
+        self._squares = squares
+        self._start = start
+        self._count = len(index)
         self._missing_slots = missing_slots
         self.scan_parameters = scan_parameters
         self.read_before_update = read_before_update
         self._steps_done = steps_done
         # The last optimizer step whose update the parameters seen by nonfinite_params() had received.
         self.params_seen_after: int | None = None
+
+    @cached_property
+    def _grad_squares(self) -> torch.Tensor:
+        return self._squares[self._start:self._start + self._count]
+
+    @cached_property
+    def _param_squares(self) -> torch.Tensor:
+        return self._squares[self._start + self._count:]
 
     @property
     def loss_checked(self) -> bool:
@@ -61,6 +74,16 @@ class HostNumerics:
         if not values or not all(math.isfinite(v) for v in values):
             return math.nan
         return sum(values) / len(values)
+
+    @property
+    def healthy(self) -> bool:
+        """Whether every rank measured and found nothing non-finite (loss, batch, gradients, weights when
+        measured): a step whose only news is its loss, the common case, told from the flags alone."""
+        for rank in self.ranks:
+            if (rank["loss_finite"] == 0 or rank["input_nonfinite"] > 0 or rank["grad_nonfinite"]
+                    or rank["param_nonfinite"] or rank["check_failed"]):
+                return False
+        return True
 
     @property
     def ranks_with_nonfinite_loss(self) -> list[int]:
@@ -144,7 +167,7 @@ class HostNumerics:
     @property
     def params_measured(self) -> bool:
         """Whether this step measured every parameter's norm (see ``with_param_norms``)."""
-        return self._param_squares.numel() > 0
+        return self._squares.numel() > self._start + self._count
 
     @cached_property
     def param_norms(self) -> list[float]:

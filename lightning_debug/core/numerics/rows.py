@@ -29,12 +29,12 @@ AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], Any]
 
 
-_constants: dict[tuple[torch.device, str], torch.Tensor] = {}
+_constants: dict[tuple[torch.device, float | str], torch.Tensor] = {}
 
 
 def constant(value: float, device: torch.device) -> torch.Tensor:
     """A shared 0-d float64 tensor holding ``value`` on ``device``, created once (never written to)."""
-    key = (device, str(value))
+    key = (device, value if value == value else "nan")  # NaN equals no key, not even itself
     tensor = _constants.get(key)
     if tensor is None:
         tensor = _constants[key] = torch.full((), value, dtype=torch.float64, device=device)

@@ -91,12 +91,17 @@ class GrowthSeries:
         self.trends: dict[str, Trend] = {}
         self.readings = 0
 
+    def takes(self, step: int) -> bool:
+        """Whether :meth:`add` would take the next reading, at ``step`` (a reader may skip what it costs otherwise)."""
+        latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
+        return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= self.min_spacing)
+
     def add(self, step: int, values: Mapping[str, float]) -> bool:
         """Add a reading; False (and nothing added) during warm-up or fewer than ``min_spacing`` steps
         after the last reading of the window."""
+        takes = self.takes(step)
         self.readings += 1
-        latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
-        if self.readings <= self.warmup_readings or (latest is not None and step - latest < self.min_spacing):
+        if not takes:
             return False
         for name, value in values.items():
             self.points.setdefault(name, deque(maxlen=self.window)).append((step, value))
