@@ -36,7 +36,9 @@ Results are printed as Markdown tables (paste into docs/performance.md with the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
+import operator
 import os
 import platform
 import statistics
@@ -133,13 +135,17 @@ class MinimalNanCheck(pl.Callback):
 
         self.parameters = [p for p in pl_module.parameters() if p.requires_grad]
         self.plan = NormPlan(self.parameters)
+        self.zeros = [torch.zeros_like(p) for p in self.parameters]  # for a parameter the step left without gradient
         self.loss: torch.Tensor | None = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self.loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        squares = self.plan.squares([p.grad for p in self.parameters])
+        grads = [p.grad for p in self.parameters]
+        if any(map(operator.is_, grads, itertools.repeat(None))):
+            grads = [zero if g is None else g for g, zero in zip(grads, self.zeros)]
+        squares = self.plan.squares(grads)
         self.finite = math.isfinite(float(squares.sum() + self.loss))
 
 
