@@ -55,7 +55,6 @@ def metric_part(text: object) -> str:
 
 
 @functools.lru_cache(maxsize=65536)
-@functools.lru_cache(maxsize=8192)
 def safe_metric_name(name: str) -> str:
     """``name`` with unsafe characters replaced, no empty levels, at most 250 characters (a long
     name keeps its start and gets a short hash of the whole, so two long names stay distinct).
@@ -66,8 +65,6 @@ def safe_metric_name(name: str) -> str:
         ('debug/activation/mean', 'debug/grad/norm/a_0_')
         >>> len(safe_metric_name("debug/" + "x" * 400))
         250
-
-    Cached: a run gives the same names (a few per parameter at most) on every check step.
     """
     cleaned = "/".join(part for part in _UNSAFE_IN_NAME.sub("_", name).split("/") if part) or "_"
     if len(cleaned) > MAX_NAME_LENGTH:
