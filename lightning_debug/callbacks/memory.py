@@ -15,7 +15,9 @@ class MemoryProfilerCallback(DebugCallback):
     step, it reads host-side counters only (no GPU sync): process RSS, available system memory, the
     C heap in use, and on CUDA allocated, reserved, peak since the last check (the peak counter is
     reset each check), fragmentation and the share of the device. They are logged as
-    ``debug/memory/*`` and summarised in the report.
+    ``debug/memory/*`` and summarised in the report. The C heap, whose reading walks the allocator's
+    free lists (milliseconds on a fragmented heap), is read at least once per logging row and every 8
+    steps, and on the readings the growth trend takes, not necessarily at every check.
 
     - ``memory_high``: CUDA reserved above ``memory_high_fraction`` of the device, or system memory
       used above that fraction of the machine.
