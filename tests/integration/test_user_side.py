@@ -8,6 +8,7 @@ Everything trains for real on CPU, in this process, with few steps.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import io
 import json
@@ -241,6 +242,7 @@ BUGS = {
 def test_each_bug_example_reports_its_planted_bug(bug: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     steps, check = BUGS[bug]
+    gc.collect()  # earlier tests' garbage, collected during the 120-step leak run, would move the heap by megabytes
     first = load_module(EXAMPLES / "bugs" / f"{bug}.py").main(tmp_path, steps=steps)
     debug_dir = next(tmp_path.glob("*/version_0/debug_outputs"))
     assert first and check(first, debug_dir), first
