@@ -151,7 +151,8 @@ class LossTrend:
     ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the
     level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at least :data:`CLIMB_FACTOR` times the
     best level the run has reached, :data:`CLIMB_SIGMAS` robust standard deviations of single losses (as they
-    were when that best level was reached) above it, and above the start level, on :data:`CLIMB_CONFIRM` checks in a row, and higher at the last of them than at the first.
+    were when that best level was reached) above it, and above the start level, on :data:`CLIMB_CONFIRM`
+    checks in a row, and higher at the last of them than at the first.
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
     hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long

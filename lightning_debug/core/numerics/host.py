@@ -31,7 +31,7 @@ class HostNumerics:
 
     ``squares`` holds, from position ``start``, every slot's squared gradient norm, then, when measured,
     every slot's squared parameter norm (the read-back vector as it came: on a CPU even slicing it is an
-    operation, which a healthy step of the anomaly check never needs)."""
+    operation, which a step that names nothing never needs)."""
 
     def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, squares: torch.Tensor,
                  missing_slots: list[int],
@@ -74,16 +74,6 @@ class HostNumerics:
         if not values or not all(math.isfinite(v) for v in values):
             return math.nan
         return sum(values) / len(values)
-
-    @property
-    def healthy(self) -> bool:
-        """Whether every rank measured and found nothing non-finite (loss, batch, gradients, weights when
-        measured): a step whose only news is its loss, the common case, told from the flags alone."""
-        for rank in self.ranks:
-            if (rank["loss_finite"] == 0 or rank["input_nonfinite"] > 0 or rank["grad_nonfinite"]
-                    or rank["param_nonfinite"] or rank["check_failed"]):
-                return False
-        return True
 
     @property
     def ranks_with_nonfinite_loss(self) -> list[int]:

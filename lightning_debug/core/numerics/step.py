@@ -166,14 +166,12 @@ class StepNumerics:
             values = self._readback.tensor()
             if self._host_row is not None:  # one process: the counts never left the host
                 offset = len(DEVICE_FIELDS)
+                ranks = [rank_flags(self._host_row + values[:offset].tolist())]
             else:
                 width = len(RANK_FIELDS)
                 offset = self.world_size * width
-            head = values[:offset].tolist()
-            if self._host_row is not None:
-                ranks = [rank_flags(self._host_row + head)]
-            else:
-                ranks = [rank_flags(head[i * width:(i + 1) * width]) for i in range(self.world_size)]
+                rows = values[:offset].tolist()
+                ranks = [rank_flags(rows[i * width:(i + 1) * width]) for i in range(self.world_size)]
             self._host = HostNumerics(
                 step=self.step, ranks=ranks, index=self.index, squares=values, start=offset,
                 missing_slots=self.missing_slots,

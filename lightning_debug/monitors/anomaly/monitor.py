@@ -246,19 +246,7 @@ class AnomalyMonitor(Monitor):
             self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
                                     host.step)
             return
-        where = self._positions.pop(host.step, {"epoch": -1, "batch": -1})
-        if host.healthy:
-            self._pass(host, where)
-        else:
-            self._write_findings(host, where, None, self._judge(host))
-
-    def _pass(self, host: HostNumerics, where: Where) -> None:
-        """A step where nothing is non-finite: what :meth:`_judge` and :meth:`_write_findings` do with an
-        empty verdict (forget the batch, remember the gradient norm, judge and log the loss), without
-        building one; every step of a healthy run comes here."""
-        self._inputs.take(host.step)
-        self.weights.after_check(host.step, None, False, host.global_grad_norm, False)
-        self._write_loss(host, where, loss_finite=True)
+        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), None, self._judge(host))
 
     def _judge(self, host: HostNumerics) -> policy.Verdict:
         """What ``host`` shows, and the counts that follow from it; the same on every rank (the parameter
@@ -310,22 +298,17 @@ class AnomalyMonitor(Monitor):
             if verdict.bad_params and not params_first:
                 self._record_params(verdict.bad_params, where, world, param_ranks,
                                     verdict.params or ParamsOrigin.unknown(step))
-        self._write_loss(host, where, loss_finite=not verdict.bad_loss_ranks)
-
-    def _write_loss(self, host: HostNumerics, where: Where, loss_finite: bool) -> None:
-        """The loss's trend (spike, divergence, climb), the step's scalars, and the episodes that ended."""
-        step = host.step
         trend = loss_finding(self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers),
                              step, self._learning_rates)
         if trend is not None:
             self.record(trend, step, where)
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
-            metrics["debug/loss_finite"] = 1.0 if loss_finite else 0.0
+            metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
             if self.session.is_global_zero:
                 self.session.timeline.observe_loss(step, host.loss_value)
         self.log_metrics(step, metrics)
-        self.close_episodes(step, where, CLOSED_BY_A_CHECK)
+        self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
 
     def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
                        world_size: int) -> None:
@@ -353,7 +336,3 @@ class AnomalyMonitor(Monitor):
         return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
                     restored_buffer_steps=self.restored_buffer_steps,
                     mode=self.mode.value, nonfinite_inputs=list(self.bad_batches))
-
-
-CLOSED_BY_A_CHECK = AnomalyMonitor.kinds - {Kind.NONFINITE_ACTIVATION}
-"""The kinds whose episode ends at a check step that no longer shows them (an activation's is closed by its own check)."""
