@@ -70,3 +70,24 @@ def test_freezing_and_unfreezing_mid_run_is_followed_without_a_false_alarm(tmp_p
     assert steps[:4] == [0, 1, 2, 3] and not [s for s in steps if 4 <= s < 8]
     assert steps[-1] == trainer.global_step - 1, "measured again once the change is seen"
     assert steps[4] <= 8 + REQUIRES_GRAD_RECHECK
+
+
+@pytest.mark.parametrize("with_param_norms", [False, True])
+def test_the_host_values_match_torch_with_a_missing_and_a_nan_gradient(with_param_norms: bool) -> None:
+    from lightning_debug.core.numerics import StepNumerics
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 1))
+    model[1](model[0](torch.ones(5, 3))).sum().backward()  # the last layer gets no gradient
+    host = StepNumerics(0, ParameterIndex(list(model.named_parameters())), with_param_norms=with_param_norms).read()
+    present = [p.grad.norm().item() for p in model.parameters() if p.grad is not None]
+    assert host.missing == ["2.weight", "2.bias"] and host.grad_names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert host.grad_norms == pytest.approx(present) and host.grads_finite
+    assert host.grad_norm_extremes() == pytest.approx((max(present), min(present)))
+    assert host.params_measured is with_param_norms
+    if with_param_norms:
+        assert host.param_norms == pytest.approx([p.norm().item() for p in model.parameters()])
+    model[0].bias.grad[1] = float("nan")
+    broken = StepNumerics(1, ParameterIndex(list(model.named_parameters())), with_param_norms=with_param_norms).read()
+    largest, smallest = broken.grad_norm_extremes()
+    assert largest != largest and smallest != smallest and not broken.grads_finite
+    assert [name for name, _ in broken.nonfinite_grads()] == ["0.bias"]

@@ -240,3 +240,22 @@ def test_settings_come_from_the_config_and_are_frozen() -> None:
     assert not MemorySettings.from_config(DebugConfig()).phase_readings
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.frequency = 1  # type: ignore[misc]
+
+
+def test_readings_match_psutil_and_survive_a_closed_descriptor() -> None:
+    import os
+
+    import psutil
+
+    from lightning_debug.checks.memory import readings
+
+    rss, available = readings.rss_and_available()
+    assert rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
+    assert available == pytest.approx(psutil.virtual_memory().available, rel=0.05)
+    files = readings._proc_files(os.getpid())
+    if files is not None:  # Linux: the descriptors are kept; a library that closes them costs one psutil reading
+        os.close(files[0])
+        os.close(files[1])
+        assert readings.rss_and_available()[0] == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
+        reopened = readings._proc_files(os.getpid())
+        assert reopened is not None and int(os.pread(reopened[0], 256, 0).split()[1]) > 0

@@ -56,6 +56,8 @@ class HostNumerics:
 
     @cached_property
     def _grad_squares(self) -> torch.Tensor:
+        if self._start == 0 and self._squares.numel() == self._count:
+            return self._squares
         return self._squares[self._start:self._start + self._count]
 
     @cached_property
@@ -127,24 +129,28 @@ class HostNumerics:
         return [name for i, name in enumerate(self.param_names) if i not in missing]
 
     @cached_property
-    def _present_squares(self) -> torch.Tensor:
-        squares = self._grad_squares
+    def _present(self) -> list[float]:
+        """The squared norms of the gradients present, as Python floats: one read of the vector, then
+        Python, which on a CPU costs less than the tensor operations it replaces (a mask, a sqrt, a max,
+        a min)."""
+        values = self._grad_squares.tolist()
         if self._missing_slots:
-            keep = torch.ones(squares.numel(), dtype=torch.bool)
-            keep[self._missing_slots] = False
-            squares = squares[keep]
-        return squares
+            missing = set(self._missing_slots)
+            values = [value for i, value in enumerate(values) if i not in missing]
+        return values
 
     @cached_property
     def grad_norms(self) -> list[float]:
-        return self._present_squares.sqrt().tolist()
+        return [math.sqrt(value) for value in self._present]
 
     def grad_norm_extremes(self) -> tuple[float, float]:
-        """The largest and the smallest gradient norm (NaN when a gradient is not finite; 0 when none)."""
-        squares = self._present_squares
-        if not squares.numel():
+        """The largest and the smallest gradient norm (NaN when a gradient is NaN; 0 when none)."""
+        values = self._present
+        if not values:
             return 0.0, 0.0
-        return math.sqrt(squares.max()), math.sqrt(squares.min())
+        if math.isnan(sum(values)):  # squares are >= 0: only a NaN makes their sum NaN
+            return math.nan, math.nan
+        return math.sqrt(max(values)), math.sqrt(min(values))
 
     def grad_norms_by_slot(self) -> torch.Tensor:
         """Every parameter's gradient norm as a CPU tensor in ``param_names`` order (0 without a gradient)."""

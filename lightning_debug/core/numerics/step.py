@@ -112,12 +112,17 @@ class StepNumerics:
             all_reduce(packed)  # type: ignore[misc]
             self.packed = packed
             self._host_row: list[float] | None = None
+        elif device.type == "cpu":  # nothing to reduce or copy: the row and the squares stay apart, unpacked
+            self.packed = None
+            self._cpu_parts = (row, pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+            self._host_row = host_row
         else:
             self.packed = torch.cat([row, *pieces])
             self._host_row = host_row
         # How many optimizer steps have been taken by now (set by NumericsQueue): which update a late scan sees.
         self.steps_done: Callable[[], int] | None = None
         self._readback: Readback | None = None
+        self._staged = False
         self._read_blocking = False
         self._host: HostNumerics | None = None
         self._subscribers: list[Callable[[HostNumerics], None]] = []
@@ -151,23 +156,29 @@ class StepNumerics:
         self._subscribers.append(consumer)
 
     def stage(self, blocking: bool) -> None:
-        if self._readback is None:
-            self._readback = Readback(self.packed, blocking=blocking)
+        if self._readback is None and not self._staged:
+            self._staged = True
             self._read_blocking = blocking
+            if self.packed is not None:
+                self._readback = Readback(self.packed, blocking=blocking)
 
     def ready(self) -> bool:
-        return self._readback is not None and self._readback.ready()
+        return self._staged and (self._readback is None or self._readback.ready())
 
     def read(self, blocking: bool = True) -> HostNumerics:
         """Host values; with ``blocking`` a sync on CUDA if the deferred copy has not completed."""
         if self._host is None:
             self.stage(blocking)
-            assert self._readback is not None
-            values = self._readback.tensor()
-            if self._host_row is not None:  # one process: the counts never left the host
+            if self._readback is None:  # one process on the CPU
+                row, values = self._cpu_parts
+                offset = 0
+                ranks = [rank_flags(self._host_row + row.tolist())]  # type: ignore[operator]
+            elif self._host_row is not None:  # one process: the counts never left the host
+                values = self._readback.tensor()
                 offset = len(DEVICE_FIELDS)
                 ranks = [rank_flags(self._host_row + values[:offset].tolist())]
             else:
+                values = self._readback.tensor()
                 width = len(RANK_FIELDS)
                 offset = self.world_size * width
                 rows = values[:offset].tolist()
