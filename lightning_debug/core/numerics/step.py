@@ -52,7 +52,9 @@ class StepNumerics:
         gradients: ``index.local_grads()`` when the caller already collected them.
 
     The device work of a healthy step is the fused norm pass and three operations (a sum, the
-    stack of the row, the concatenation), whatever the number of parameters.
+    stack of the row, the concatenation), whatever the number of parameters. One process on a CPU
+    has nothing to reduce or copy: it skips the concatenation and reads the row and the squared
+    norms where they are.
     """
 
     def __init__(self, step: int, index: ParameterIndex, observed: Observed | None = None,
