@@ -13,10 +13,12 @@ steps. ``plain#2``, a second plain copy, shows the method's own spread.
 
 ``--baseline REV`` adds lightning-debug as of git revision ``REV``, imported beside the working copy under another
 name, so a change is measured against what it replaces in the same process: ``baseline:all_four`` is ``all_four``
-with that revision's callbacks.
+with that revision's callbacks, and the summary adds each such pair's per-cycle ratio (the change alone, with its
+95% interval).
 
 The ratio reported for a configuration is its mean step time over the plain run's, per cycle, median over cycles
-(with quartiles), and the ratio of its mean over all its timed steps to plain's (rare checks count at their
+(with quartiles and a 95% bootstrap interval of the median: a target is met only when the whole interval is under
+it), and the ratio of its mean over all its timed steps to plain's (rare checks count at their
 rate). Threads only take turns: at any moment one trains.
 
     OMP_NUM_THREADS=1 python benchmarks/lockstep.py --model switch --steps 1000 --only plain#2,plugin_defaults,all_four
@@ -205,15 +207,36 @@ def train(name: str, trainer: pl.Trainer, model: pl.LightningModule, loader: Any
         clock.leave()
 
 
-def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
-    """Per configuration: median step (ms), mean step (ms), and the ratios to plain (per turn, median over turns;
-    and of the means)."""
-    def per_turn(clock: LockstepClock) -> dict[int, list[float]]:
-        turns: dict[int, list[float]] = {}
-        for turn, seconds in clock.samples:
-            turns.setdefault(turn, []).append(seconds)
-        return turns
+def per_turn(clock: LockstepClock) -> dict[int, list[float]]:
+    turns: dict[int, list[float]] = {}
+    for turn, seconds in clock.samples:
+        turns.setdefault(turn, []).append(seconds)
+    return turns
 
+
+def median_interval(values: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (cycles resampled with replacement, fixed seed): how
+    far the reported median could move on another run of the same machine, so that a target is called met
+    only when the whole interval is under it."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
+
+
+def paired(clocks: dict[str, LockstepClock], name: str, against: str) -> dict[str, float]:
+    """``name``'s mean step over ``against``'s, per cycle: median and its 95% interval (a change against the
+    revision it replaces, both measured in the same cycles)."""
+    mine, theirs = per_turn(clocks[name]), per_turn(clocks[against])
+    ratios = [statistics.fmean(mine[t]) / statistics.fmean(theirs[t]) for t in mine if t in theirs]
+    low, high = median_interval(ratios)
+    return {"ratio": statistics.median(ratios) if ratios else float("nan"), "low": low, "high": high}
+
+
+def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
+    """Per configuration: median step (ms), mean step (ms), and the ratios to plain (per turn, median over turns,
+    with quartiles and a 95% interval of the median; and of the means)."""
     plain = per_turn(clocks["plain"])
     plain_mean = statistics.fmean(s for _, s in clocks["plain"].samples)
     result = {}
@@ -225,6 +248,7 @@ def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
             "median_ms": statistics.median(seconds) * 1e3,
             "mean_ms": statistics.fmean(seconds) * 1e3,
             "ratio_per_turn": statistics.median(ratios) if ratios else float("nan"),
+            **dict(zip(("ratio_ci_low", "ratio_ci_high"), median_interval(ratios))),
             "ratio_q1": statistics.quantiles(ratios, n=4)[0] if len(ratios) > 1 else float("nan"),
             "ratio_q3": statistics.quantiles(ratios, n=4)[2] if len(ratios) > 1 else float("nan"),
             "ratio_of_means": statistics.fmean(seconds) / plain_mean,
@@ -272,13 +296,22 @@ def main() -> None:
     print(f"\nLock step: model {args.model}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"torch {torch.__version__}; lightning {pl.__version__}; {args.steps} steps ({args.warmup} warm-up), turns of "
           f"{args.turn}; log_every_n_steps={args.log_every}; {wall:.0f} s\n")
-    print("| configuration | median step ms | mean step ms | ratio per cycle, median (quartiles) | ratio of means |")
-    print("|---|---|---|---|---|")
+    print("| configuration | median step ms | mean step ms | ratio per cycle, median (quartiles) | 95% interval of the "
+          "median | ratio of means |")
+    print("|---|---|---|---|---|---|")
     for name, row in summary.items():
         print(f"| {name} | {row['median_ms']:.2f} | {row['mean_ms']:.2f} | {row['ratio_per_turn']:.3f}x "
-              f"({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}) | {row['ratio_of_means']:.3f}x |")
+              f"({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}) | {row['ratio_ci_low']:.3f}-{row['ratio_ci_high']:.3f} | "
+              f"{row['ratio_of_means']:.3f}x |")
+    changes = {name: paired(clocks, name, f"baseline:{name}") for name in names if f"baseline:{name}" in clocks}
+    if changes:
+        print("\nAgainst the baseline, in the same cycles (per-cycle step time over the baseline's, median, 95% "
+              "interval):\n")
+        for name, change in changes.items():
+            print(f"- {name}: {change['ratio']:.3f}x ({change['low']:.3f}-{change['high']:.3f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "args": vars(args), "summary": summary}))
+        Path(args.json).write_text(json.dumps({"model": args.model, "args": vars(args), "summary": summary,
+                                               "against_baseline": changes}))
 
 
 if __name__ == "__main__":
