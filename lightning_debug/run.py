@@ -197,7 +197,7 @@ class Run:
         """
         self.failures.step = step
         self._batch, self._batch_step = batch, step
-        self.ledger.record = self.ledger.record.moved(step=step, optimizer_index=None, optimizer_step=None)
+        self.ledger.record = self.ledger.record.at_batch(step)
         call = self.failures.call
         for name, poll in self._pollers:
             call(name, poll)
@@ -267,7 +267,7 @@ class Run:
     @_own_time
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
-        self.ledger.record = self.ledger.record.moved(steps_done=steps_done)
+        self.ledger.record = self.ledger.record.done(steps_done)
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 
     @_own_time

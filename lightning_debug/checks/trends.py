@@ -183,8 +183,16 @@ class LossTrend:
         self.recent: deque[float] = deque(maxlen=window)
         self.start: list[float] = []
         self.best_level = math.inf
-        self.best_spread = 0.0
+        self._best_spread: float | tuple[float, ...] = 0.0  # the losses at the best level until their spread is asked
         self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
+
+    @property
+    def best_spread(self) -> float:
+        """The robust spread of single losses when the best level was reached; worked out when first needed
+        (a healthy loss reaches a new best level on most steps, and a climb is judged on few)."""
+        if isinstance(self._best_spread, tuple):
+            self._best_spread = robust_sigma(self._best_spread)
+        return self._best_spread
 
     @property
     def start_level(self) -> float:
@@ -203,13 +211,14 @@ class LossTrend:
         climbing = self._climb(loss, level) if climb else None
         if math.isfinite(level) and level < self.best_level:
             self.best_level = level
-            self.best_spread = robust_sigma(self.recent)
+            self._best_spread = tuple(self.recent)
         return verdict or climbing or LossVerdict(None, loss)
 
     def _level(self) -> float:
-        if len(self.recent) < CLIMB_LEVEL_WINDOW:
+        recent = self.recent
+        if len(recent) < CLIMB_LEVEL_WINDOW:
             return math.nan
-        return median(list(self.recent)[-CLIMB_LEVEL_WINDOW:])
+        return median([recent[i] for i in range(-CLIMB_LEVEL_WINDOW, 0)])
 
     def _climb(self, loss: float, level: float) -> LossVerdict | None:
         start = self.start_level
@@ -271,6 +280,6 @@ class LossTrend:
         self.recent.extend(float(v) for v in state.get("recent", []))
         self.start = [float(v) for v in state.get("start", [])][:LOSS_START_VALUES]
         self.best_level = float(state.get("best_level", math.inf))
-        self.best_spread = float(state.get("best_spread", 0.0))
+        self._best_spread = float(state.get("best_spread", 0.0))
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))

@@ -39,6 +39,8 @@ class StepRecord(NamedTuple):
         >>> record = StepRecord(step=3, steps_done=3)
         >>> record.moved(optimizer_index=1).optimizer_index, record.optimizer_index
         (1, None)
+        >>> record.at_batch(4) == record.moved(step=4), record.done(4) == record.moved(steps_done=4)
+        (True, True)
     """
 
     step: int = 0
@@ -51,6 +53,15 @@ class StepRecord(NamedTuple):
         """A copy with ``changes``: records are replaced, never edited, so a reader holds a consistent one
         (a named tuple: the run replaces it several times per step, so it must cost next to nothing)."""
         return self._replace(**changes)
+
+    def at_batch(self, step: int) -> "StepRecord":
+        """``moved(step=step, optimizer_index=None, optimizer_step=None)``, the run's every batch, without
+        ``_replace``'s keyword handling (a fifth of the cost)."""
+        return StepRecord(step, self.steps_done, self.several_optimizers, None, None)
+
+    def done(self, steps_done: int) -> "StepRecord":
+        """``moved(steps_done=steps_done)``, the run's every batch end, at a fifth of the cost."""
+        return StepRecord(self.step, steps_done, self.several_optimizers, self.optimizer_index, self.optimizer_step)
 
 
 @dataclass

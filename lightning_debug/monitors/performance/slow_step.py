@@ -210,20 +210,23 @@ class SlowStepRule:
         oldest = self.timed[0] if self.timed else 0
         return [step for step in steps if step >= oldest]
 
-    def threshold_ms(self, settings: PerformanceSettings) -> float | None:
-        """The step time above which a step is an outlier of this run (None until enough history)."""
+    def threshold_ms(self, settings: PerformanceSettings, median: float | None = None) -> float | None:
+        """The step time above which a step is an outlier of this run (None until enough history); ``median``:
+        the history's, when the caller has it."""
         if len(self.steps) < MIN_HISTORY:
             return None
-        median = self.steps.median()
+        median = self.steps.median() if median is None else median
         sigma = robust_sigma(list(self.steps.values), median)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
     def judge(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
         """Judge one timed step against the history before it (flags it as an outlier or not)."""
-        threshold = self.threshold_ms(settings)
-        if threshold is None:
+        if len(self.steps) < MIN_HISTORY:
             return None
         median = self.steps.median()
+        threshold = self.threshold_ms(settings, median)
+        if threshold is None:
+            return None
         judged = times.judged_step_ms
         outlier = judged > threshold
         self.flags.append(outlier)
