@@ -14,7 +14,8 @@ steps. ``plain#2``, a second plain copy, shows the method's own spread.
 ``--baseline REV`` adds lightning-debug as of git revision ``REV``, imported beside the working copy under another
 name, so a change is measured against what it replaces in the same process: ``baseline:all_four`` is ``all_four``
 with that revision's callbacks, and the summary adds each such pair's per-cycle ratio (the change alone, with its
-95% interval).
+95% interval), of the step time and of the thread CPU time spent in the debug callbacks' batch hooks, a figure
+that the machine's swings move far less than whole steps (it leaves out the slowdown of the user's own code).
 
 The ratio reported for a configuration is its mean step time over the plain run's, per cycle, median over cycles
 (with quartiles and a 95% bootstrap interval of the median: a target is met only when the whole interval is under
@@ -105,12 +106,37 @@ class LockstepClock(pl.Callback):
         # (turn index, seconds) of each timed step
         self.samples: list[tuple[int, float]] = []
         self.turns = 0
+        # thread CPU seconds spent in the debug callbacks' batch hooks: in all, and at the start of the step timed
+        self.plugin_seconds = 0.0
+        self._plugin_at_start = 0.0
+        # (turn index, seconds) of the plugin's hooks in each timed step
+        self.plugin_samples: list[tuple[int, float]] = []
+
+    def time_hooks(self, callbacks: list[pl.Callback]) -> None:
+        """Count the thread CPU time of ``callbacks``' batch hooks (their own work in each step, without the
+        user's code it slows down through the caches), so that a change to the plugin is measured on what it
+        changes."""
+        for callback in callbacks:
+            for hook in HOOKS:
+                method = getattr(callback, hook, None)
+                if callable(method):
+                    setattr(callback, hook, self._timed(method))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.plugin_seconds += time.thread_time() - started
+        return timed
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         now = time.thread_time()
         if self.started_at is not None:
             if trainer.global_step > self.warmup and not self.first_of_turn:
                 self.samples.append((self.turns, now - self.started_at))
+                self.plugin_samples.append((self.turns, self.plugin_seconds - self._plugin_at_start))
             self.first_of_turn = False
         if self.steps_in_turn == 0 or self.steps_in_turn >= self.turnstile.turn:
             if self.started_at is not None:
@@ -121,6 +147,7 @@ class LockstepClock(pl.Callback):
             self.first_of_turn = True
         self.steps_in_turn += 1
         self.started_at = time.thread_time()
+        self._plugin_at_start = self.plugin_seconds
 
     def wait(self, trainer: pl.Trainer) -> None:
         """Wait for the turn as the plugin's own time, which its step timing leaves out: the other threads' turns
@@ -136,6 +163,7 @@ class LockstepClock(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.started_at is not None and not self.first_of_turn:
             self.samples.append((self.turns, time.thread_time() - self.started_at))
+            self.plugin_samples.append((self.turns, self.plugin_seconds - self._plugin_at_start))
         self.started_at = None
 
     def leave(self) -> None:
@@ -143,6 +171,7 @@ class LockstepClock(pl.Callback):
 
 
 BASELINE = "lightning_debug_baseline"
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 PLUGIN_NAMES = ("AnomalyDetectionCallback", "DebugConfig", "GradientHealthCallback", "MemoryProfilerCallback",
                 "PerformanceProfilerCallback", "debug_callbacks")
 
@@ -188,6 +217,7 @@ def prepare(name: str, model_name: str, steps: int, tensors: int, clock: Lockste
     torch.manual_seed(0)
     model, loader, extra = overhead.make_model(model_name, steps, tensors)
     options = options_of(name, baseline)
+    clock.time_hooks(options.get("callbacks", []))
     trainer = pl.Trainer(max_steps=steps, devices=1, logger=pl.loggers.CSVLogger(root, name=name),
                          log_every_n_steps=log_every, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=root,
@@ -207,9 +237,9 @@ def train(name: str, trainer: pl.Trainer, model: pl.LightningModule, loader: Any
         clock.leave()
 
 
-def per_turn(clock: LockstepClock) -> dict[int, list[float]]:
+def per_turn(clock: LockstepClock, plugin: bool = False) -> dict[int, list[float]]:
     turns: dict[int, list[float]] = {}
-    for turn, seconds in clock.samples:
+    for turn, seconds in clock.plugin_samples if plugin else clock.samples:
         turns.setdefault(turn, []).append(seconds)
     return turns
 
@@ -225,11 +255,12 @@ def median_interval(values: list[float], rounds: int = 2000) -> tuple[float, flo
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
-def paired(clocks: dict[str, LockstepClock], name: str, against: str) -> dict[str, float]:
-    """``name``'s mean step over ``against``'s, per cycle: median and its 95% interval (a change against the
-    revision it replaces, both measured in the same cycles)."""
-    mine, theirs = per_turn(clocks[name]), per_turn(clocks[against])
-    ratios = [statistics.fmean(mine[t]) / statistics.fmean(theirs[t]) for t in mine if t in theirs]
+def paired(clocks: dict[str, LockstepClock], name: str, against: str, plugin: bool = False) -> dict[str, float]:
+    """``name``'s mean step (``plugin``: its hooks' time) over ``against``'s, per cycle: median and its 95%
+    interval (a change against the revision it replaces, both measured in the same cycles)."""
+    mine, theirs = per_turn(clocks[name], plugin), per_turn(clocks[against], plugin)
+    ratios = [statistics.fmean(mine[t]) / statistics.fmean(theirs[t]) for t in mine
+              if t in theirs and statistics.fmean(theirs[t]) > 0]
     low, high = median_interval(ratios)
     return {"ratio": statistics.median(ratios) if ratios else float("nan"), "low": low, "high": high}
 
@@ -252,6 +283,7 @@ def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
             "ratio_q1": statistics.quantiles(ratios, n=4)[0] if len(ratios) > 1 else float("nan"),
             "ratio_q3": statistics.quantiles(ratios, n=4)[2] if len(ratios) > 1 else float("nan"),
             "ratio_of_means": statistics.fmean(seconds) / plain_mean,
+            "plugin_ms": statistics.fmean(s for _, s in clock.plugin_samples) * 1e3 if clock.plugin_samples else 0.0,
             "turns": len(ratios),
         }
     return result
@@ -297,18 +329,22 @@ def main() -> None:
           f"torch {torch.__version__}; lightning {pl.__version__}; {args.steps} steps ({args.warmup} warm-up), turns of "
           f"{args.turn}; log_every_n_steps={args.log_every}; {wall:.0f} s\n")
     print("| configuration | median step ms | mean step ms | ratio per cycle, median (quartiles) | 95% interval of the "
-          "median | ratio of means |")
-    print("|---|---|---|---|---|---|")
+          "median | ratio of means | plugin hooks ms/step |")
+    print("|---|---|---|---|---|---|---|")
     for name, row in summary.items():
         print(f"| {name} | {row['median_ms']:.2f} | {row['mean_ms']:.2f} | {row['ratio_per_turn']:.3f}x "
               f"({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}) | {row['ratio_ci_low']:.3f}-{row['ratio_ci_high']:.3f} | "
-              f"{row['ratio_of_means']:.3f}x |")
-    changes = {name: paired(clocks, name, f"baseline:{name}") for name in names if f"baseline:{name}" in clocks}
+              f"{row['ratio_of_means']:.3f}x | {row['plugin_ms']:.3f} |")
+    changes = {name: {"step": paired(clocks, name, f"baseline:{name}"),
+                      "hooks": paired(clocks, name, f"baseline:{name}", plugin=True)}
+               for name in names if f"baseline:{name}" in clocks}
     if changes:
-        print("\nAgainst the baseline, in the same cycles (per-cycle step time over the baseline's, median, 95% "
-              "interval):\n")
+        print("\nAgainst the baseline, in the same cycles (per cycle, over the baseline's: the step time, and the time "
+              "in the plugin's hooks; median, 95% interval):\n")
         for name, change in changes.items():
-            print(f"- {name}: {change['ratio']:.3f}x ({change['low']:.3f}-{change['high']:.3f})")
+            step, hooks = change["step"], change["hooks"]
+            print(f"- {name}: step {step['ratio']:.3f}x ({step['low']:.3f}-{step['high']:.3f}), hooks "
+                  f"{hooks['ratio']:.3f}x ({hooks['low']:.3f}-{hooks['high']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "args": vars(args), "summary": summary,
                                                "against_baseline": changes}))

@@ -44,11 +44,12 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.monitor import Decision, Event, Monitor
+from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
 from lightning_debug.core.ranks import gather_failures, merge_failures
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
@@ -140,7 +141,8 @@ class Run:
         if context.is_global_zero:
             self.session.event_listeners.append(FindingWarnings())
         self.monitors: list[Monitor] = []
-        self._handlers: dict[Event, list[tuple[str, Callable[..., Any]]]] = {event: [] for event in Event}
+        # (label, handler, every): a handler of a monitor's ``due_events`` runs on steps that ``every`` divides
+        self._handlers: dict[Event, list[tuple[str, Callable[..., Any], int]]] = {event: [] for event in Event}
         self._pollers: list[tuple[str, Callable[[], None]]] = []
         self._batch: Any = None
         self._batch_step = 0
@@ -162,8 +164,12 @@ class Run:
         monitor.share(self.ledger)
         self.monitors.append(monitor)
         self.monitors.sort(key=lambda m: AREA_ORDER.index(m.area))
+        if not monitor.due_events <= monitor.events & GATED_EVENTS:
+            raise TypeError(f"{type(monitor).__name__}.due_events must be among its events and "
+                            f"{sorted(event.value for event in GATED_EVENTS)}")
         for event in Event:
-            self._handlers[event] = [(f"{type(m).__name__}.{event.value}", getattr(m, event.value))
+            self._handlers[event] = [(f"{type(m).__name__}.{event.value}", getattr(m, event.value),
+                                      m.schedule.frequency if event in m.due_events else 1)
                                      for m in self.monitors if event in m.events]
         self._pollers = [(f"{type(m).__name__}.poll", m.poll) for m in self.monitors if type(m).poll is not Monitor.poll]
 
@@ -172,8 +178,9 @@ class Run:
 
     def _emit(self, event: Event, *args: Any) -> None:
         call = self.failures.call
-        for name, handler in self._handlers[event]:
-            call(name, handler, *args)
+        for name, handler, every in self._handlers[event]:
+            if every == 1 or args[0] % every == 0:  # a gated event's first argument is its step
+                call(name, handler, *args)
 
     # --- events ---------------------------------------------------------------------------------
     @_own_time
@@ -207,10 +214,12 @@ class Run:
         oldest = numerics.oldest_pending_step
         call("logging debug scalars", self.session.metrics.flush_before, step if oldest is None else min(step, oldest))
         self._emit(Event.BATCH_START, step, batch, captured)
+        self.ledger.phase = MemoryPhase.FORWARD
 
     @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
         self._emit(Event.BEFORE_BACKWARD, step, loss)
+        self.ledger.phase = MemoryPhase.BACKWARD
 
     def _several_optimizers(self) -> bool:
         return len(self.context.optimizers()) > 1
@@ -256,10 +265,13 @@ class Run:
 
         decision = Decision.CONTINUE
         call = self.failures.call
-        for name, handler in self._handlers[Event.BEFORE_OPTIMIZER_STEP]:
+        for name, handler, every in self._handlers[Event.BEFORE_OPTIMIZER_STEP]:
+            if every != 1 and step % every:
+                continue
             result = call(name, handler, step, optimizer, numerics)
             if result is not None and result > decision:
                 decision = result
+        self.ledger.phase = MemoryPhase.OPTIMIZER
         if decision is not Decision.CONTINUE:
             drop_gradients(optimizer)
         return decision
@@ -275,12 +287,14 @@ class Run:
         """The micro-batch opened by the last :meth:`batch_start` ends."""
         self._emit(Event.BATCH_END, self._batch_step, batch if batch is not None else self._batch)
         self._batch = None
+        self.ledger.phase = None
 
     @_own_time
     def evaluation(self, step: int, started: bool, batch: Any = None) -> None:
         """Evaluation between training steps starts (a batch of it) or ends."""
         self._batch = batch if started else None
         self._emit(Event.EVALUATION, step, started)
+        self.ledger.phase = MemoryPhase.VALIDATION if started else None
 
     @_own_time
     def exception(self, step: int, error: BaseException) -> None:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.core.schedule import CheckSchedule
 
 INSTRUMENTED_STEPS_KEPT = 64
@@ -90,6 +91,9 @@ class RunLedger:
     notes: deque[tuple[int, str]] = field(default_factory=lambda: deque(maxlen=NOTES_KEPT))
     notes_hooks: bool = False
     """Whether the adapter notes the framework's work between steps (validation, checkpoint saving)."""
+    phase: MemoryPhase | None = None
+    """The phase of the step the loop is in (None between batches), as the run last saw it: what an OOM
+    post-mortem names. The run sets it at every event, so a monitor called only on its check steps still knows."""
 
     def is_timed(self, step: int) -> bool:
         """Whether the performance monitor times optimizer step ``step``."""

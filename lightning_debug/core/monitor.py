@@ -48,6 +48,10 @@ class Event(enum.Enum):
     __hash__ = object.__hash__  # members are singletons; Enum's own hash runs Python code on every lookup
 
 
+GATED_EVENTS = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
+"""The events whose first argument is the optimizer step, which the run can skip on a monitor's other steps."""
+
+
 class Decision(enum.IntEnum):
     """What the run does with the optimizer step being checked; the largest one wins."""
 
@@ -66,7 +70,12 @@ class Monitor:
 
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
-    events: ClassVar[frozenset[Event]] = frozenset()
+    events: frozenset[Event] = frozenset()
+    """The events the run calls this monitor at (a class's choice, which an instance may narrow for its settings
+    before it joins a run)."""
+    due_events: frozenset[Event] = frozenset()
+    """Those of ``events`` (among :data:`GATED_EVENTS`) this monitor needs on its check steps only (``step`` a
+    multiple of its frequency): the run does not call them on other steps, which then cost it nothing."""
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
     """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
     from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""

@@ -192,6 +192,48 @@ def test_oom_writes_a_post_mortem_and_the_original_error_propagates(tmp_path: Pa
     assert report["status"] == "failed" and report["findings"]["oom"]["first_step"] == 3
 
 
+class OutOfMemoryIn(KeepsLosses):
+    """Runs out of memory at step 3 in ``phase``: in the backward pass (a gradient hook) or in the optimizer's step."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__()
+        self.phase = phase
+        self.oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.phase == "backward" and self.trainer.global_step == 3:
+            loss.register_hook(self._raise)
+        return loss
+
+    def _raise(self, grad: torch.Tensor) -> torch.Tensor:
+        raise self.oom
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        model = self
+
+        class Failing(torch.optim.SGD):
+            def step(self, closure: Any = None) -> Any:
+                loss = super().step(closure)
+                if model.phase == "optimizer" and model.trainer.global_step == 3:
+                    raise model.oom
+                return loss
+
+        return Failing(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer"])
+def test_an_oom_between_check_steps_names_its_phase(tmp_path: Path, phase: str) -> None:
+    model = OutOfMemoryIn(phase)
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=2)], max_steps=10,
+                           limit_val_batches=0)
+    with pytest.raises(torch.OutOfMemoryError) as raised, console_lines("Out of memory"):
+        trainer.fit(model)
+    assert raised.value is model.oom
+    oom = memory_events(trainer, "oom")
+    assert len(oom) == 1 and oom[0]["step"] == 3 and oom[0]["details"]["phase"] == phase
+
+
 def test_other_errors_get_no_post_mortem(tmp_path: Path) -> None:
     error = ValueError("a bug in the user's code")
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=2)], max_steps=10,

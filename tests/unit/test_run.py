@@ -251,3 +251,60 @@ def test_optimizers_that_cannot_be_listed_are_a_failed_check() -> None:
     assert run.ledger.record.optimizer_step is None
     report = run.finish("finished", 1)
     assert report is not None and "listing the optimizers" in report["failed_checks"]
+
+
+# --- events on check steps only ---------------------------------------------------------------------
+
+class EveryThird(Monitor):
+    """Wants the step's events on its check steps only (every third step), and every batch's start."""
+
+    area: ClassVar[Area] = Area.MEMORY
+    events = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
+    due_events = frozenset({Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
+
+    def __init__(self) -> None:
+        super().__init__(CONFIG, "gated", frequency=3)
+        self.seen: list[tuple[str, int]] = []
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        self.seen.append(("batch_start", step))
+
+    def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        self.seen.append(("before_backward", step))
+
+    def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
+        self.seen.append(("before_optimizer_step", step))
+        return Decision.CONTINUE
+
+    def batch_end(self, step: int, batch: Any) -> None:
+        self.seen.append(("batch_end", step))
+
+
+def test_a_monitors_due_events_run_on_its_check_steps_only_and_the_phase_is_kept() -> None:
+    from lightning_debug.checks.memory import MemoryPhase
+
+    monitor, optimizer = EveryThird(), optimizer_with_gradients()
+    run = started(monitor)
+    phases = []
+    for step in range(7):
+        run.batch_start(step, None)
+        phases.append(run.ledger.phase)
+        run.before_backward(step, torch.ones(()))
+        phases.append(run.ledger.phase)
+        run.before_optimizer_step(step, optimizer)
+        phases.append(run.ledger.phase)
+        run.after_optimizer_step(step + 1)
+        run.batch_end()
+        phases.append(run.ledger.phase)
+    assert [step for event, step in monitor.seen if event == "batch_start"] == list(range(7))
+    for event in ("before_backward", "before_optimizer_step", "batch_end"):
+        assert [step for seen, step in monitor.seen if seen == event] == [0, 3, 6]
+    assert phases == [MemoryPhase.FORWARD, MemoryPhase.BACKWARD, MemoryPhase.OPTIMIZER, None] * 7
+
+
+def test_due_events_outside_the_step_are_refused() -> None:
+    class Wrong(EveryThird):
+        due_events = frozenset({Event.EVALUATION})
+
+    with pytest.raises(TypeError, match="due_events"):
+        Run(CONFIG, Loop(), [Wrong()])

@@ -64,25 +64,30 @@ class _Suspicion:
 class MemoryMonitor(Monitor):
     """See :class:`lightning_debug.MemoryProfilerCallback` for the behaviour users rely on.
 
-    The phase of the step is followed through the events (forward from a batch's start, backward,
-    optimizer, evaluation); on check steps the readings are taken before the optimizer step, at
-    the same point of every such step; an out-of-memory exception gets a post-mortem.
+    On check steps the readings are taken before the optimizer step, at the same point of every such
+    step; an out-of-memory exception gets a post-mortem that names the phase of the step the run was in
+    (:attr:`RunLedger.phase <lightning_debug.core.ledger.RunLedger.phase>`, which the run keeps). Other
+    steps cost nothing: the run calls the step's events on check steps only (``due_events``), and the
+    phase boundaries only from ADVANCED level on, which reads memory at each of them.
     """
 
     area = Area.MEMORY
     kinds = frozenset({Kind.MEMORY_HIGH, Kind.MEMORY_GROWTH})  # an ``oom`` is one event, never an open episode
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
+    due_events = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
 
     def __init__(self, config: DebugConfig, source: str = "MemoryProfilerCallback") -> None:
         super().__init__(config, source)
         self.settings = MemorySettings.from_config(config)
+        if not self.settings.phase_readings:  # the phase boundaries read nothing: only the check itself is called
+            self.events = self.events - {Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EVALUATION}
+            self.due_events = self.due_events & self.events
         self.stats: dict[str, RunningStats] = {}
         self.phase_stats: dict[MemoryPhase, RunningStats] = {}
         self.census_ms = RunningStats()
         self.check_ms = RunningStats()
         self.windows = GrowthSeries(self.settings.window, self.settings.warmup_readings, self.settings.min_spacing)
-        self.current_phase: MemoryPhase | None = None
         self.verdict: dict[str, Any] = {"status": GrowthStatus.NOT_ENOUGH.value}
         self.oom_files: list[str] = []
         self._device: torch.device | None = None
@@ -91,8 +96,12 @@ class MemoryMonitor(Monitor):
         self.history = AllocationHistory(self.settings.history_entries)
         self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
-        self._step_in_progress = 0
         self._heap_step: int | None = None
+
+    @property
+    def current_phase(self) -> MemoryPhase | None:
+        """The phase of the step the run is in (None between batches or when not bound to a run)."""
+        return self._ledger.phase if self._ledger is not None else None
 
     # --- events ---------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -105,7 +114,6 @@ class MemoryMonitor(Monitor):
                       "(a few microseconds per allocation) so that an OOM leaves a full memory snapshot.")
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        self._step_in_progress = step
         self.phase(MemoryPhase.FORWARD, step)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
@@ -118,10 +126,10 @@ class MemoryMonitor(Monitor):
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
-        self.phase(None, self._step_in_progress)
+        self.phase(None, step)
 
     def evaluation(self, step: int, started: bool) -> None:
-        if started and self.current_phase is not MemoryPhase.VALIDATION:
+        if started and self.current_phase is not MemoryPhase.VALIDATION:  # the run sets it after this event
             self.phase(MemoryPhase.VALIDATION, step)
         elif not started:
             self.phase(None, step)
@@ -130,14 +138,12 @@ class MemoryMonitor(Monitor):
         self.post_mortem(error, step, self.context.where(), batch)
 
     def phase(self, phase: MemoryPhase | None, step: int | None = None) -> None:
-        """Mark that ``phase`` starts now (None: the current one ends, outside any phase).
+        """``phase`` starts now (None: the current one ends, outside any phase).
 
-        Remembering the phase costs nothing and tells the OOM post-mortem where the run was. From
-        ADVANCED level on, on check steps (every call when ``step`` is None), it also reads host-side
+        From ADVANCED level on, on check steps (every call when ``step`` is None), read host-side
         counters: on CUDA the peak allocated during the phase that ends, on the CPU the heap in use
         when it ends.
         """
-        self.current_phase = phase
         if not self.settings.phase_readings:
             return
         if step is not None and not self.due(step):
@@ -153,7 +159,7 @@ class MemoryMonitor(Monitor):
             self.phase_stats.setdefault(self._open_phase, RunningStats()).add(value / MB)
             if step is not None and self.settings.log_memory and self.bound:
                 self.log_metrics(step, {f"debug/memory/phase/{self._open_phase.value}_mb": value / MB})
-        self._open_phase = self.current_phase
+        self._open_phase = phase
 
     # --- the check step -----------------------------------------------------------------------------
     def measure(self, step: int, where: Where, device: torch.device | None) -> None:
