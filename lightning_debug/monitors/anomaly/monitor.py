@@ -44,6 +44,7 @@ class AnomalyMonitor(Monitor):
     kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
                        Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER, Kind.LOSS_SPIKE,
                        Kind.LOSS_DIVERGENCE})
+    closed_by_a_check = kinds - {Kind.NONFINITE_ACTIVATION}  # an activation is only seen by a replay
     deciding = policy.DECIDING
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
 
@@ -308,7 +309,7 @@ class AnomalyMonitor(Monitor):
             if self.session.is_global_zero:
                 self.session.timeline.observe_loss(step, host.loss_value)
         self.log_metrics(step, metrics)
-        self.close_episodes(step, where, self.kinds - {Kind.NONFINITE_ACTIVATION})
+        self.close_episodes(step, where, self.closed_by_a_check)
 
     def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
                        world_size: int) -> None:

@@ -80,6 +80,8 @@ class Verdict:
 
     def anomalous(self) -> bool:
         """Whether the step counts as an anomaly (a deciding kind, before any replay)."""
+        if not (self.bad_loss_ranks or self.bad_grads or self.bad_params):  # a healthy step: no kind to decide
+            return False
         return any(kind in DECIDING for kind in self.kinds(None))
 
 
