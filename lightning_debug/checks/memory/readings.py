@@ -128,7 +128,6 @@ def rss_and_available() -> tuple[int, int]:
     return int(_process(os.getpid()).memory_info().rss), int(psutil.virtual_memory().available)
 
 
-
 @functools.lru_cache(maxsize=16)
 def cuda_total_memory(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).total_memory)

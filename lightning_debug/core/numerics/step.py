@@ -158,7 +158,7 @@ class StepNumerics:
         self._subscribers.append(consumer)
 
     def stage(self, blocking: bool) -> None:
-        if self._readback is None and not self._staged:
+        if not self._staged:
             self._staged = True
             self._read_blocking = blocking
             if self.packed is not None:
@@ -171,7 +171,7 @@ class StepNumerics:
         """Host values; with ``blocking`` a sync on CUDA if the deferred copy has not completed."""
         if self._host is None:
             self.stage(blocking)
-            if self._readback is None:  # one process on the CPU
+            if self.packed is None:  # one process on the CPU
                 row, values = self._cpu_parts
                 offset = 0
                 ranks = [rank_flags(self._host_row + row.tolist())]  # type: ignore[operator]

@@ -210,12 +210,13 @@ class SlowStepRule:
         oldest = self.timed[0] if self.timed else 0
         return [step for step in steps if step >= oldest]
 
-    def threshold_ms(self, settings: PerformanceSettings, median: float | None = None) -> float | None:
-        """The step time above which a step is an outlier of this run (None until enough history); ``median``:
-        the history's, when the caller has it."""
+    def threshold_ms(self, settings: PerformanceSettings) -> float | None:
+        """The step time above which a step is an outlier of this run (None until enough history)."""
         if len(self.steps) < MIN_HISTORY:
             return None
-        median = self.steps.median() if median is None else median
+        return self._threshold(settings, self.steps.median())
+
+    def _threshold(self, settings: PerformanceSettings, median: float) -> float:
         sigma = robust_sigma(list(self.steps.values), median)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
@@ -224,9 +225,7 @@ class SlowStepRule:
         if len(self.steps) < MIN_HISTORY:
             return None
         median = self.steps.median()
-        threshold = self.threshold_ms(settings, median)
-        if threshold is None:
-            return None
+        threshold = self._threshold(settings, median)
         judged = times.judged_step_ms
         outlier = judged > threshold
         self.flags.append(outlier)
