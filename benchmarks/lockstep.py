@@ -292,7 +292,7 @@ def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="switch",
-                        choices=["mlp", "tiny", "gpt2", "llama24", "switch", "mixtral", "many"])
+                        choices=["mlp", "tiny", "gpt2", "llama24", "switch", "mixtral", "switch_sparse", "many"])
     parser.add_argument("--tensors", type=int, default=100, help="model many: its number of parameter tensors")
     parser.add_argument("--only", default="plugin_defaults,all_four",
                         help="configurations beside plain (name#2: a second copy of one, to see the method's own spread)")

@@ -18,7 +18,9 @@ ratio to its plain loop. Models (``--model``):
 - ``llama24``: a ``transformers`` Llama with 24 tiny layers (width 32; 219 parameter tensors), whose decoder
   slices its ``ModuleList`` in every forward (issue 28: the plan must not be rebuilt for it);
 - ``switch``: a ``transformers`` Switch-Transformers MoE (8 experts; its router reassigns ``self.classifier``
-  every forward); ``mixtral``: a ``transformers`` Mixtral MoE (4 experts, top-2);
+  every forward); ``mixtral``: a ``transformers`` Mixtral MoE (4 experts, top-2); ``switch_sparse``: a
+  Switch-Transformers MoE with 32 wider experts (d_ff 1024, 8.8M parameters), of which 16-32 expert matrices
+  get no token and so no gradient on a step;
 - ``many``: the sweep's model at the first size of ``--tensors`` only (``--tensors 100``: 100 parameter
   tensors, a launch-bound ~2 ms step), in the ordinary table;
 - ``gpt``: with CUDA, a ~134M-parameter GPT-like model in bf16.
@@ -249,10 +251,12 @@ class TransformersLM(pl.LightningModule):
         else:
             from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
+            sparse = kind == "switch_sparse"
             self.model = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(
-                vocab_size=vocab, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
-                num_experts=8, expert_capacity=64, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
-                decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+                vocab_size=vocab, d_model=64 if sparse else 32, d_ff=1024 if sparse else 64, d_kv=16 if sparse else 8,
+                num_heads=4, num_layers=2, num_decoder_layers=2, num_experts=32 if sparse else 8, expert_capacity=64,
+                num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, decoder_start_token_id=0, pad_token_id=0,
+                eos_token_id=1))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
@@ -430,7 +434,7 @@ def make_model(model_name: str, steps: int, tensors: int) -> tuple[pl.LightningM
     if model_name == "gpt":
         loader = DataLoader(TokenData(32000, 512, 8 * (steps + 1)), batch_size=8, num_workers=2, pin_memory=True)
         return GPT(), loader, {"accelerator": "gpu", "precision": "bf16-mixed"}
-    if model_name in ("llama24", "switch", "mixtral"):
+    if model_name in ("llama24", "switch", "mixtral", "switch_sparse"):
         return TransformersLM(model_name), DataLoader(TokenData(256, 31, 4 * (steps + 1)), batch_size=4), cpu
     if model_name == "gpt2":
         return TransformersGPT2(), DataLoader(TokenData(2048, 63, 4 * (steps + 1)), batch_size=4), cpu
@@ -553,8 +557,8 @@ def sweep(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["mlp", "tiny", "gpt2", "llama24", "switch", "mixtral", "many", "sweep",
-                                                      "gpt"],
+    parser.add_argument("--model", choices=["mlp", "tiny", "gpt2", "llama24", "switch", "mixtral", "switch_sparse",
+                                            "many", "sweep", "gpt"],
                         default="gpt" if torch.cuda.is_available() else "mlp")
     parser.add_argument("--tensors", default="10,100,1000,2000,5000", help="sweep: numbers of parameter tensors")
     parser.add_argument("--rounds", type=int, default=5)

@@ -243,6 +243,10 @@ class NormPlan:
             foreach[key].sort()
         self._foreach = [(indices, dtype) for (_, dtype), indices in foreach.items()]
         self._odd = odd
+        self.joined = frozenset(i for indices, _ in self._rows for i in indices) | frozenset(
+            i for groups, _ in self._segments for indices, _ in groups for i in indices)
+        """The slots measured inside a joined block (rows, segments), where a tensor must have its slot's shape;
+        any other slot takes a tensor of any shape."""
         order = [i for indices, _ in self._rows for i in indices]
         order += [i for groups, _ in self._segments for indices, _ in groups for i in indices]
         order += [i for indices, _ in self._foreach for i in indices] + odd

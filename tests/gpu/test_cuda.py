@@ -213,3 +213,19 @@ def test_a_nan_under_ddp_over_nccl_is_found_at_its_step(tmp_path: Path) -> None:
     fit(trainer, TinyRegressor(log_zero_from_step=6))
     loss = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "nonfinite_loss"]
     assert loss and loss[0]["step"] == 6, loss
+
+
+def test_a_missing_gradient_on_cuda_keeps_the_fused_norm_and_measures_zero() -> None:
+    """On a GPU every slot goes to ``torch._foreach_norm``: the zeros for a missing gradient are one dense 0-d
+    tensor per slot (no allocation of the slot's size each step), and the plan stays fused."""
+    from lightning_debug.core.numerics import ParameterIndex
+
+    model = nn.ModuleList([nn.Linear(64, 64) for _ in range(4)]).cuda()
+    x = torch.randn(2, 64, device="cuda")
+    (model[0](x).sum() + model[2](x).sum()).backward()
+    index = ParameterIndex(list(model.named_parameters()))
+    grads, missing = index.local_grads()
+    assert missing == [2, 3, 6, 7] and all(grads[i].dim() == 0 and grads[i].is_cuda for i in missing)
+    assert all(grads[i] is index.local_grads()[0][i] for i in missing)
+    expected = [0.0 if p.grad is None else p.grad.double().square().sum().item() for p in index.params]
+    assert index.plan.squares(grads).tolist() == pytest.approx(expected, rel=1e-5) and index.plan.fused

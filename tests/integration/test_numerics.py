@@ -91,3 +91,27 @@ def test_the_host_values_match_torch_with_a_missing_and_a_nan_gradient(with_para
     largest, smallest = broken.grad_norm_extremes()
     assert largest != largest and smallest != smallest and not broken.grads_finite
     assert [name for name, _ in broken.nonfinite_grads()] == ["0.bias"]
+
+
+def test_a_missing_gradient_costs_no_memory_and_measures_zero_in_every_block_of_the_plan() -> None:
+    """MoE experts without tokens miss their gradient on most steps: the zeros that stand for it are kept per
+    slot, take no memory of the slot's size (0-d, expanded where a joined block needs the shape), and measure 0
+    whether the slot is a row, a segment or fused."""
+    model = nn.ModuleList([nn.LayerNorm(8) for _ in range(12)]                   # same shapes: rows of a matrix
+                          + [nn.Linear(3 + i, 2, bias=False) for i in range(24)]  # small, shapes differ: segments
+                          + [nn.Linear(128, 64)])                                # large: the fused norm
+    used = [m for i, m in enumerate(model) if i % 3]
+    x = torch.randn(2, 8)
+    loss = sum(m(x).sum() for m in used[:8]) + sum(m(torch.randn(2, m.in_features)).sum() for m in used[8:24])
+    loss.backward()
+    index = ParameterIndex(list(model.named_parameters()))
+    assert index.plan._rows and index.plan._segments and index.plan._foreach, "every kind of block is measured"
+    grads, missing = index.local_grads()
+    again, _ = index.local_grads()
+    assert missing and all(grads[i] is again[i] for i in missing), "kept, not allocated each step"
+    assert all(grads[i].untyped_storage().nbytes() <= grads[i].element_size() for i in missing)
+    joined = [i for i in missing if i in index.plan.joined]
+    assert joined and [grads[i].shape for i in joined] == [index.params[i].shape for i in joined]
+    assert all(grads[i].dim() == 0 for i in missing if i not in joined), "the fused norm takes any shape"
+    expected = [0.0 if p.grad is None else p.grad.double().square().sum().item() for p in index.params]
+    assert index.plan.squares(grads).tolist() == pytest.approx(expected) and index.plan.fused

@@ -82,6 +82,7 @@ class ParameterIndex:
         self._partial_slots: list[int] = []
         self._uses = 0
         self._tags: dict[str, list[str]] = {}
+        self._zeros: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.params)
@@ -117,6 +118,21 @@ class ParameterIndex:
     def local_params(self) -> list[torch.Tensor]:
         return local_tensors(self.params, self.sharded)
 
+    def _zeros_for(self, slot: int) -> torch.Tensor:
+        """Zeros standing for slot ``slot``'s missing gradient (read only), kept: MoE experts that got no
+        token miss theirs on most steps, and a zero tensor of the expert's size costs an allocation, a
+        write and a read of that size each time. One 0-d zero of the slot's dtype and device, which the
+        fused norm takes whatever the slot's shape (dense, so CUDA keeps its fused kernel); a slot the
+        plan joins with others (small, on a CPU) gets that zero expanded to its shape (no memory)."""
+        zeros = self._zeros.get(slot)
+        if zeros is None:
+            local = local_tensor(self.params[slot])
+            zeros = torch.zeros((), dtype=local.dtype, device=local.device)
+            if slot in self.plan.joined:
+                zeros = zeros.expand(local.shape)
+            self._zeros[slot] = zeros
+        return zeros
+
     def local_grads(self) -> tuple[list[torch.Tensor], list[int]]:
         """Each parameter's local gradient (zeros where there is none) and the slots without one."""
         grads = [p.grad for p in self.params]
@@ -124,7 +140,7 @@ class ParameterIndex:
         if any(map(is_, grads, repeat(None))):
             missing = [i for i, grad in enumerate(grads) if grad is None]
             for i in missing:
-                grads[i] = torch.zeros_like(local_tensor(self.params[i]))
+                grads[i] = self._zeros_for(i)
         if self.sharded:  # DTensor locals, Partial placements (plain shards pass through unchanged)
             if self._grad_owner is None:  # gradients are laid out like their parameters, except Partial ones
                 absent = set(missing)
