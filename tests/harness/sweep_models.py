@@ -490,14 +490,15 @@ def qwen2_moe() -> Built:
     return Built(_causal(Qwen2MoeForCausalLM(config)))
 
 
-def switch(plant: Plant = HEALTHY) -> Built:
+def switch(plant: Plant = HEALTHY, experts: int = 8) -> Built:
     """Switch Transformers, 8 experts, top-1 routing: some experts get no token on some steps (``plant``:
-    a zoo plant, e.g. ``Plant(unused_layer=True)`` for a layer that is never used, which must still be named)."""
+    a zoo plant, e.g. ``Plant(unused_layer=True)`` for a layer that is never used, which must still be named).
+    With 32 experts for 64 tokens a step, some experts wait more than ten steps for their first token."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
     torch.manual_seed(0)
     config = SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                      num_decoder_layers=2, num_heads=4, num_experts=8, expert_capacity=16,
+                                      num_decoder_layers=2, num_heads=4, num_experts=experts, expert_capacity=16,
                                       num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     model = SwitchTransformersForConditionalGeneration(config)
@@ -573,6 +574,8 @@ HAND_CASES: list[Case] = [
     Case("mixtral_top2", "hand", "Mixtral 4 experts top-2", mixtral),
     Case("qwen2_moe_top2", "hand", "Qwen2-MoE 8 experts top-2 + shared expert", qwen2_moe),
     Case("switch_top1", "hand", "Switch Transformers 8 experts top-1", lambda: switch()),
+    Case("switch_32_experts", "hand", "Switch Transformers 32 experts top-1, 64 tokens a step",
+         lambda: switch(experts=32)),
     Case("bf16_mixed_llama", "hand", "tiny Llama, precision bf16-mixed", bf16_mixed),
     Case("grad_accum_clip_gpt2", "hand", "GPT-2, accumulate_grad_batches=4, gradient_clip_val=1", grad_accumulation),
     Case("grad_ckpt_llama", "hand", "tiny Llama, gradient checkpointing", grad_checkpointing),

@@ -37,6 +37,7 @@ CASES = [
     case("lora_llama", "defaults", needs="peft"),
     case("convnext_layer_scale", "defaults"),
     case("switch_top1", "defaults"),
+    case("switch_32_experts", "defaults"),
     case("wav2vec2_layerdrop", "every_step"),
     case("mobilenet_v2_advanced", "defaults"),
     case("adaln_zero_dit", "defaults"),
@@ -64,10 +65,14 @@ def test_healthy_case_is_quiet(name: str, setting: str, needs: str | None, tmp_p
     assert outcome.quiet, f"findings of severity warning or above on a healthy run:\n{outcome.alarms()}"
 
 
-def test_unused_layer_in_moe_is_still_missing_grad(tmp_path: Path) -> None:
-    """Routing must not excuse everything: a layer of the MoE model that no forward ever uses is named."""
-    planted = Case("switch_top1_unused", "hand", "Switch, an unused layer", lambda: switch(Plant(unused_layer=True)))
+@pytest.mark.parametrize("experts", [8, 32])
+def test_unused_layer_in_moe_is_still_missing_grad(experts: int, tmp_path: Path) -> None:
+    """Routing must not excuse everything: a layer of the MoE model that no forward ever uses is named, also
+    where experts wait many steps for their first token (which lengthens the wait before it is confirmed)."""
+    planted = Case("switch_top1_unused", "hand", "Switch, an unused layer",
+                   lambda: switch(Plant(unused_layer=True), experts=experts))
     outcome = fit_case(planted, "defaults", tmp_path)
     assert outcome.status == "trained", outcome.reason
     missing = [f for f in outcome.findings if f["kind"] == "missing_grad"]
     assert any("unused_layer.weight" in f["message"] for f in missing), outcome.alarms()
+    assert all(f["message"].startswith("2 of ") for f in missing), "only the unused layer's weight and bias"

@@ -25,6 +25,7 @@ from lightning_debug.monitors.gradients.follow_up import Explosions
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
 from lightning_debug.monitors.gradients.missing import (
     MISSING_CONFIRM_STEPS,
+    WAIT_FACTOR,
     MissingHistory,
     judge_intermittent,
     judge_missing,
@@ -490,3 +491,30 @@ def test_a_spike_that_falls_back_at_once_is_dismissed() -> None:
     assert [watch.observe(step, norm) for step, norm in ((18, 1.81), (19, 25.5), (20, 42.9))] == [[], [], []]
     assert watch.dismissed == 1 and not watch
     assert watch.flush() == []
+
+
+def test_a_replica_of_experts_that_wait_waits_longer_and_an_unused_layer_does_not() -> None:
+    """Experts 0-2 are replicas (one group); expert 1 waits 6 steps for its first token, so expert 2 is not
+    confirmed after the fixed window but only after more than twice that wait; the unused layer, replica of
+    nothing conditional, is confirmed after the window as in any model."""
+    history = MissingHistory()
+    history.groups = {f"experts.{i}.w": [("experts", "w")] for i in range(3)}
+    names = [*history.groups, "unused.w", "head.w"]
+    history.observe_check(0, None, ["experts.1.w", "experts.2.w", "unused.w"], names)
+    confirmed = {step: history.observe_step(step, ["experts.1.w"] if step == 6 else [],
+                                            [n for n in ("experts.1.w", "experts.2.w", "unused.w") if step != 6
+                                             or n != "experts.1.w"])
+                 for step in range(1, 14)}
+    assert history.longest_wait == 6 and confirmed[MISSING_CONFIRM_STEPS - 1] == ["unused.w"]
+    assert [step for step, names in confirmed.items() if "experts.2.w" in names] == [WAIT_FACTOR * 6]
+    assert history.confirm_the_rest() == []
+
+
+def test_at_the_end_a_conditional_candidate_that_waited_less_than_twice_the_longest_wait_is_not_named() -> None:
+    history = MissingHistory()
+    history.groups = {f"experts.{i}.w": [("experts", "w")] for i in range(3)}
+    history.observe_check(0, None, ["experts.1.w", "experts.2.w", "unused.w"], [*history.groups, "unused.w"])
+    for step in range(1, 6):
+        history.observe_step(step, ["experts.1.w"] if step == 5 else [], ["experts.2.w", "unused.w"]
+                             + ([] if step == 5 else ["experts.1.w"]))
+    assert history.longest_wait == 5 and history.confirm_the_rest() == ["unused.w"]

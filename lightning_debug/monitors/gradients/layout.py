@@ -56,3 +56,31 @@ class ModuleLayout:
 
     def sums(self, values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(len(self.modules), dtype=torch.float64).index_add_(0, self.slot_module, values.double())
+
+
+def replica_groups(model: torch.nn.Module) -> dict[str, list[tuple[object, ...]]]:
+    """Per parameter name, the groups of replicas it belongs to, from the module tree alone: where a module has
+    two or more children of one type, the parameters at the same path inside each of them, with the same shape,
+    are replicas (the experts of an MoE layer, the layers of a stack). Names are ``named_parameters`` names.
+
+    Example::
+
+        >>> from torch import nn
+        >>> groups = replica_groups(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1)))
+        >>> groups["0.weight"] == groups["1.weight"] != groups["2.weight"]
+        True
+    """
+    groups: dict[str, list[tuple[object, ...]]] = {}
+    for parent_name, parent in model.named_modules():
+        by_type: dict[type, list[tuple[str, torch.nn.Module]]] = {}
+        for child_name, child in parent.named_children():
+            by_type.setdefault(type(child), []).append((child_name, child))
+        for kind, children in by_type.items():
+            if len(children) < 2:
+                continue
+            for child_name, child in children:
+                prefix = f"{parent_name}.{child_name}" if parent_name else child_name
+                for relative, parameter in child.named_parameters():
+                    key = (parent_name, kind, relative, tuple(parameter.shape))
+                    groups.setdefault(f"{prefix}.{relative}", []).append(key)
+    return groups

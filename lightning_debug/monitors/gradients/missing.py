@@ -12,6 +12,19 @@ by ``.grad is None``, which costs no device work), or on every step of a shorter
 labelled with the check step that first saw it. Parameters are assumed to exist from their
 optimizer's first check step (one created later and left without a gradient reads as intermittent).
 
+What could still make it fire on a healthy model: an expert of a sparse MoE (many experts, few
+tokens per step) that no token reaches for longer than the window, which an untrained router does
+for tens of steps. The run's history and the model's structure rule it out together. A parameter
+whose replicas (:func:`~lightning_debug.monitors.gradients.layout.replica_groups`: the same path
+and shape inside sibling modules of one type) are seen to get their gradient on some steps only
+(one waited and then got it, or one had it and then went without) is conditional itself: it is
+confirmed only once it has waited more than :data:`WAIT_FACTOR` times the longest wait that any
+candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`), at the end of a
+run too. Any other parameter keeps the fixed window, so a layer that is never used is named after
+:data:`MISSING_CONFIRM_STEPS` steps in an MoE as anywhere else. What remains: at checks every 100
+steps, a lone expert that waits longer than the window while its replicas have never been seen
+without a gradient (between check steps only candidates are watched).
+
 Example::
 
     >>> history = MissingHistory()
@@ -28,7 +41,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +52,11 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 MISSING_CONFIRM_STEPS = 8
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
-parameter never gets one: long enough for a router to pick an expert or LayerDrop to keep a layer."""
+parameter never gets one when no parameter of the run was seen waiting longer (see :data:`WAIT_FACTOR`):
+long enough for LayerDrop to keep a layer or a router with few experts to pick each one."""
+WAIT_FACTOR = 2
+"""A candidate is confirmed only after more than this many times the longest wait for a first gradient
+that another parameter of the run went through and ended."""
 
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
@@ -80,6 +97,24 @@ class MissingHistory:
         self.absent: dict[str, int] = {}
         self.had_gradient: set[str] = set()
         self.candidates: dict[str, Candidate] = {}
+        self.longest_wait = 0
+        """The most optimizer steps a candidate went without a gradient before it got one (0: none waited)."""
+        self.groups: Mapping[str, Sequence[Hashable]] = {}
+        """Per parameter name, its replica groups (set by the monitor from the model's module tree)."""
+        self.conditional: set[Hashable] = set()
+        """The replica groups with a member seen to get its gradient on some steps only."""
+
+    def _conditional(self, name: str) -> bool:
+        return any(group in self.conditional for group in self.groups.get(name, ()))
+
+    def _seen_conditional(self, name: str) -> None:
+        self.conditional.update(self.groups.get(name, ()))
+
+    def _confirms(self, name: str, candidate: Candidate) -> bool:
+        """Whether ``candidate`` has waited long enough to be confirmed (see the module's docstring)."""
+        if not self._conditional(name):
+            return candidate.steps_without >= self.confirm_steps
+        return candidate.steps_without >= max(self.confirm_steps, WAIT_FACTOR * self.longest_wait + 1)
 
     def observe_check(self, step: int, optimizer: Any, missing: Sequence[str], judged: Collection[str]) -> MissingCheck:
         """A check step of ``optimizer`` judged the parameters ``judged``; ``missing`` of them had no gradient."""
@@ -100,6 +135,7 @@ class MissingHistory:
             self.absent[name] = self.absent.get(name, 0) + 1
             if candidate is None:
                 seen.intermittent.append(name)
+                self._seen_conditional(name)
                 continue
             if step > candidate.last_step:
                 candidate.last_step = step
@@ -109,7 +145,7 @@ class MissingHistory:
             seen.candidates.append(name)
             if candidate.confirmed:
                 seen.confirmed.append(name)
-            elif candidate.steps_without >= self.confirm_steps:
+            elif self._confirms(name, candidate):
                 candidate.confirmed = True
                 seen.newly_confirmed.append(name)
         return seen
@@ -124,14 +160,17 @@ class MissingHistory:
                 continue
             candidate.last_step = step
             candidate.steps_without += 1
-            if not candidate.confirmed and candidate.steps_without >= self.confirm_steps:
+            if not candidate.confirmed and self._confirms(name, candidate):
                 candidate.confirmed = True
                 confirmed.append(name)
         return confirmed
 
     def confirm_the_rest(self) -> list[str]:
-        """At the end of a run: candidates that never had a gradient on any step observed are confirmed."""
-        rest = [name for name, candidate in self.candidates.items() if not candidate.confirmed]
+        """At the end of a run: candidates that never had a gradient on any step observed are confirmed, except
+        conditional ones that have not waited more than :data:`WAIT_FACTOR` times the longest wait seen (a short
+        run of a sparse MoE: an expert no token has reached yet)."""
+        rest = [name for name, candidate in self.candidates.items() if not candidate.confirmed
+                and (not self._conditional(name) or candidate.steps_without > WAIT_FACTOR * self.longest_wait)]
         for name in rest:
             self.candidates[name].confirmed = True
         return rest
@@ -144,17 +183,21 @@ class MissingHistory:
     def _had_gradient(self, names: Iterable[str]) -> None:
         for name in names:
             self.had_gradient.add(name)
-            self.candidates.pop(name, None)
+            candidate = self.candidates.pop(name, None)
+            if candidate is not None:
+                self.longest_wait = max(self.longest_wait, candidate.steps_without)
+                self._seen_conditional(name)
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": [[optimizer, count] for optimizer, count in self.checks.items()],
-                "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient),
+                "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient), "longest_wait": self.longest_wait,
                 "candidates": {name: vars(candidate).copy() for name, candidate in self.candidates.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.checks = {optimizer: int(count) for optimizer, count in state.get("checks", [])}
         self.absent = {name: int(count) for name, count in state.get("absent", {}).items()}
         self.had_gradient = set(state.get("had_gradient", []))
+        self.longest_wait = int(state.get("longest_wait", 0))
         self.candidates = {name: Candidate(**fields) for name, fields in state.get("candidates", {}).items()}
 
 

@@ -25,7 +25,7 @@ from lightning_debug.core.numerics import HostNumerics, NumericsQueue, Parameter
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
 from lightning_debug.monitors.gradients.history import GradientHistory
-from lightning_debug.monitors.gradients.layout import ModuleLayout
+from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
@@ -121,6 +121,10 @@ class GradientMonitor(Monitor):
         context, where = self.context, self.context.where()
         named = [(user_name(name), p) for name, p in context.named_parameters()]
         self._positions = {name: (0, index) for index, (name, _) in enumerate(named)}
+        model = context.module()
+        if model is not None:
+            groups = self.session.failures.call("finding replicated layers", replica_groups, model) or {}
+            self.history.missing.groups = {user_name(name): keys for name, keys in groups.items()}
         if self.session.is_global_zero:
             self._histogram_writer, histogram_logger = context.histogram_writer()
             if self.settings.wants_histograms and self._histogram_writer is None:
