@@ -517,4 +517,7 @@ def test_at_the_end_a_conditional_candidate_that_waited_less_than_twice_the_long
     for step in range(1, 6):
         history.observe_step(step, ["experts.1.w"] if step == 5 else [], ["experts.2.w", "unused.w"]
                              + ([] if step == 5 else ["experts.1.w"]))
-    assert history.longest_wait == 5 and history.confirm_the_rest() == ["unused.w"]
+    resumed = MissingHistory()
+    resumed.load_state_dict(history.state_dict())
+    assert resumed.longest_wait == history.longest_wait == 5
+    assert history.confirm_the_rest() == ["unused.w"]

@@ -52,11 +52,11 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 MISSING_CONFIRM_STEPS = 8
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
-parameter never gets one when no parameter of the run was seen waiting longer (see :data:`WAIT_FACTOR`):
-long enough for LayerDrop to keep a layer or a router with few experts to pick each one."""
+parameter never gets one, unless its replicas are seen to be conditional (see :data:`WAIT_FACTOR`): long
+enough for LayerDrop to keep a layer or a router with few experts to pick each one."""
 WAIT_FACTOR = 2
-"""A candidate is confirmed only after more than this many times the longest wait for a first gradient
-that another parameter of the run went through and ended."""
+"""A candidate whose replicas get their gradient on some steps only is confirmed only after more than this
+many times the longest wait for a first gradient that a candidate of the run went through and ended."""
 
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
@@ -190,7 +190,8 @@ class MissingHistory:
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": [[optimizer, count] for optimizer, count in self.checks.items()],
-                "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient), "longest_wait": self.longest_wait,
+                "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient),
+                "longest_wait": self.longest_wait,
                 "candidates": {name: vars(candidate).copy() for name, candidate in self.candidates.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
