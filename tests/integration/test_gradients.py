@@ -429,3 +429,36 @@ def test_update_norms_and_clip_suggestion() -> None:
     value, basis = suggest_clip_value([float(v) for v in range(1, 11)], threshold=100.0)
     assert value == 10.0 and "90th percentile of the last 10" in basis
     assert suggest_clip_value([1.0, math.nan], threshold=7.0)[0] == 7.0
+
+
+class ScheduledExperts(pl.LightningModule):
+    """Four experts picked by a schedule (a router that is not learnt): expert 3 gets its first input at step 12,
+    expert 0 none on steps 2-7, experts 1 and 2 always; ``unused`` never (the planted bug, when asked)."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.unused = nn.Linear(4, 2) if unused else None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        step = self.trainer.global_step
+        picked = [1, 2] + ([0] if not 2 <= step <= 7 else []) + ([3] if step >= 12 else [])
+        return sum(self.experts[i](x).square().mean() for i in picked)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_a_lone_expert_waiting_for_its_first_input_at_the_default_frequency(unused: bool, tmp_path: Path) -> None:
+    """Checks every 100 steps see, at step 0, one expert without a gradient and its replicas with one. Watched
+    with it between checks, a replica going without one for 6 steps makes the lone expert wait longer than the
+    fixed window, and it gets its first input at step 12: not missing. A layer nothing uses is still named."""
+    trainer, _ = fit(tmp_path, ScheduledExperts(unused), [GradientHealthCallback(DebugConfig())], 16)
+    missing = starts(read_events(debug_dir(trainer)), "missing_grad")
+    assert [event["details"]["parameters"] for event in missing] == ([["unused.weight", "unused.bias"]] if unused
+                                                                     else [])

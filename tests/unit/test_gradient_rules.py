@@ -501,9 +501,8 @@ def test_a_replica_of_experts_that_wait_waits_longer_and_an_unused_layer_does_no
     history.groups = {f"experts.{i}.w": [("experts", "w")] for i in range(3)}
     names = [*history.groups, "unused.w", "head.w"]
     history.observe_check(0, None, ["experts.1.w", "experts.2.w", "unused.w"], names)
-    confirmed = {step: history.observe_step(step, ["experts.1.w"] if step == 6 else [],
-                                            [n for n in ("experts.1.w", "experts.2.w", "unused.w") if step != 6
-                                             or n != "experts.1.w"])
+    confirmed = {step: history.observe_step(step, ["experts.1.w"] if step >= 6 else [],
+                                            ["experts.2.w", "unused.w"] + (["experts.1.w"] if step < 6 else []))
                  for step in range(1, 14)}
     assert history.longest_wait == 6 and confirmed[MISSING_CONFIRM_STEPS - 1] == ["unused.w"]
     assert [step for step, names in confirmed.items() if "experts.2.w" in names] == [WAIT_FACTOR * 6]
@@ -521,3 +520,31 @@ def test_at_the_end_a_conditional_candidate_that_waited_less_than_twice_the_long
     resumed.load_state_dict(history.state_dict())
     assert resumed.longest_wait == history.longest_wait == 5
     assert history.confirm_the_rest() == ["unused.w"]
+
+
+def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_expert_wait_longer() -> None:
+    """Checks every 100 steps: at step 0 only expert 2 has no gradient. Expert 0, watched with it, goes without
+    one on steps 2-6 (a wait of 5), so expert 2 is confirmed only after more than twice that, not after the
+    fixed window."""
+    history = MissingHistory()
+    history.set_groups({f"experts.{i}.w": [("experts", "w")] for i in range(3)})
+    history.observe_check(0, None, ["experts.2.w"], [*history.groups, "head.w"])
+    replicas = history.replicas_to_watch()
+    assert replicas == ["experts.0.w", "experts.1.w"]
+    history.had_gradient.update(replicas)  # as the monitor does: they had one on the check step
+    idle = range(2, 7)
+    confirmed = {step: history.observe_step(step, [r for r in replicas if step not in idle or r != "experts.0.w"],
+                                            ["experts.2.w"] + (["experts.0.w"] if step in idle else []))
+                 for step in range(1, 14)}
+    assert history.longest_wait == 5 and history.replicas_to_watch() == []
+    assert [step for step, names in confirmed.items() if names] == [WAIT_FACTOR * 5]
+
+
+def test_replicas_that_get_their_gradient_every_step_leave_the_fixed_window() -> None:
+    history = MissingHistory()
+    history.set_groups({f"layers.{i}.w": [("layers", "w")] for i in range(3)})
+    history.observe_check(0, None, ["layers.2.w"], list(history.groups))
+    replicas = history.replicas_to_watch()
+    history.had_gradient.update(replicas)
+    confirmed = [history.observe_step(step, replicas, ["layers.2.w"]) for step in range(1, MISSING_CONFIRM_STEPS)]
+    assert confirmed[-1] == ["layers.2.w"], "a layer a stack never uses is named after the window"

@@ -20,10 +20,11 @@ and shape inside sibling modules of one type) are seen to get their gradient on 
 (one waited and then got it, or one had it and then went without) is conditional itself: it is
 confirmed only once it has waited more than :data:`WAIT_FACTOR` times the longest wait that any
 candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`), at the end of a
-run too. Any other parameter keeps the fixed window, so a layer that is never used is named after
-:data:`MISSING_CONFIRM_STEPS` steps in an MoE as anywhere else. What remains: at checks every 100
-steps, a lone expert that waits longer than the window while its replicas have never been seen
-without a gradient (between check steps only candidates are watched).
+run too. Between check steps the replicas of a waiting candidate are looked at with it (at most
+:data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. Any other
+parameter keeps the fixed window, so a layer that is never used is named after
+:data:`MISSING_CONFIRM_STEPS` steps in an MoE as anywhere else. What remains: an expert that waits
+longer than the window while every one of its replicas gets a gradient on every step of that window.
 
 Example::
 
@@ -54,6 +55,8 @@ MISSING_CONFIRM_STEPS = 8
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
 parameter never gets one, unless its replicas are seen to be conditional (see :data:`WAIT_FACTOR`): long
 enough for LayerDrop to keep a layer or a router with few experts to pick each one."""
+REPLICAS_WATCHED = 256
+"""At most this many replicas of waiting candidates are looked at between check steps."""
 WAIT_FACTOR = 2
 """A candidate whose replicas get their gradient on some steps only is confirmed only after more than this
 many times the longest wait for a first gradient that a candidate of the run went through and ended."""
@@ -100,9 +103,31 @@ class MissingHistory:
         self.longest_wait = 0
         """The most optimizer steps a candidate went without a gradient before it got one (0: none waited)."""
         self.groups: Mapping[str, Sequence[Hashable]] = {}
-        """Per parameter name, its replica groups (set by the monitor from the model's module tree)."""
+        """Per parameter name, its replica groups (:meth:`set_groups`, from the model's module tree)."""
+        self.members: dict[Hashable, list[str]] = {}
+        self._gap_start: dict[str, int] = {}  # watched replicas without a gradient: since which step
         self.conditional: set[Hashable] = set()
         """The replica groups with a member seen to get its gradient on some steps only."""
+
+    def set_groups(self, groups: Mapping[str, Sequence[Hashable]]) -> None:
+        self.groups = groups
+        self.members = {}
+        for name, keys in groups.items():
+            for key in keys:
+                self.members.setdefault(key, []).append(name)
+
+    def replicas_to_watch(self, limit: int = REPLICAS_WATCHED) -> list[str]:
+        """The replicas of the candidates still waiting: looked at on every step with them (``.grad is None``),
+        so that a replica going without a gradient, and for how long, is seen between check steps."""
+        names: dict[str, None] = {}
+        for name, candidate in self.candidates.items():
+            if candidate.confirmed:
+                continue
+            for key in self.groups.get(name, ()):
+                names.update(dict.fromkeys(m for m in self.members.get(key, ()) if m not in self.candidates))
+                if len(names) >= limit:
+                    return list(names)[:limit]
+        return list(names)
 
     def _conditional(self, name: str) -> bool:
         return any(group in self.conditional for group in self.groups.get(name, ()))
@@ -151,8 +176,19 @@ class MissingHistory:
         return seen
 
     def observe_step(self, step: int, with_gradient: Iterable[str], without: Iterable[str]) -> list[str]:
-        """Candidates looked at on an optimizer step (``.grad is None`` or not); returns those it confirms."""
+        """Candidates (and their watched replicas) looked at on an optimizer step (``.grad is None`` or not);
+        returns the candidates it confirms. A replica that had a gradient and has none now makes its groups
+        conditional, and how long it has been without one counts as a wait."""
+        with_gradient = list(with_gradient)
         self._had_gradient(with_gradient)
+        for name in with_gradient:
+            self._gap_start.pop(name, None)
+        without = list(without)
+        for name in without:
+            if name not in self.candidates and name in self.had_gradient:
+                start = self._gap_start.setdefault(name, step)
+                self.longest_wait = max(self.longest_wait, step - start + 1)
+                self._seen_conditional(name)
         confirmed = []
         for name in without:
             candidate = self.candidates.get(name)

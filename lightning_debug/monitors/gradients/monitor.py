@@ -124,7 +124,7 @@ class GradientMonitor(Monitor):
         model = context.module()
         if model is not None:
             groups = self.session.failures.call("finding replicated layers", replica_groups, model) or {}
-            self.history.missing.groups = {user_name(name): keys for name, keys in groups.items()}
+            self.history.missing.set_groups({user_name(name): keys for name, keys in groups.items()})
         if self.session.is_global_zero:
             self._histogram_writer, histogram_logger = context.histogram_writer()
             if self.settings.wants_histograms and self._histogram_writer is None:
@@ -341,7 +341,10 @@ class GradientMonitor(Monitor):
         for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
             self._record(verdict, pending.step, pending.where)
         if pending.judged is not None:
-            self._watch.replace(optimizer, [n for n in seen.candidates if not missing.candidates[n].confirmed],
+            waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
+            replicas = missing.replicas_to_watch() if waiting else []
+            missing.had_gradient.update(set(replicas).difference(host.missing))  # each had one on this check step
+            self._watch.replace(optimizer, waiting + replicas,
                                 host.grad_names[-1] if host.grad_names else None, pending.judged.names,
                                 pending.judged.params)
 
@@ -350,8 +353,12 @@ class GradientMonitor(Monitor):
         looked = self._watch.look(self.context.optimizer_index)
         if looked is None:
             return
-        confirmed = self.history.missing.observe_step(step, *looked)
-        self._watch.drop(looked[0] + confirmed)
+        missing = self.history.missing
+        candidates = set(missing.candidates)
+        confirmed = missing.observe_step(step, *looked)
+        wanted = set(missing.replicas_to_watch())
+        self._watch.drop([n for n in looked[0] if n in candidates] + confirmed
+                         + [n for n in looked[0] + looked[1] if n not in candidates and n not in wanted])
         self._record_confirmed(confirmed, step)
 
     def _record_confirmed(self, names: list[str], step: int) -> None:
