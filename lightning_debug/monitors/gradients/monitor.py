@@ -354,11 +354,12 @@ class GradientMonitor(Monitor):
         if looked is None:
             return
         missing = self.history.missing
-        candidates = set(missing.candidates)
+        resolved = [n for n in looked[0] if n in missing.candidates]
         confirmed = missing.observe_step(step, *looked)
-        wanted = set(missing.replicas_to_watch())
-        self._watch.drop([n for n in looked[0] if n in candidates] + confirmed
-                         + [n for n in looked[0] + looked[1] if n not in candidates and n not in wanted])
+        if resolved or confirmed:  # fewer candidates wait: fewer replicas are worth watching
+            wanted = set(missing.replicas_to_watch())
+            self._watch.drop(resolved + confirmed + [n for n in looked[0] + looked[1]
+                                                     if n not in missing.candidates and n not in wanted])
         self._record_confirmed(confirmed, step)
 
     def _record_confirmed(self, names: list[str], step: int) -> None:
