@@ -29,6 +29,8 @@ def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 
     completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
     results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
     assert len(results) == 2, f"both ranks must finish; stderr:\n{completed.stderr[-3000:]}"
+    for result in results:
+        result["stderr_tail"] = completed.stderr[-3000:]
     return results
 
 
@@ -96,8 +98,13 @@ def assert_written_once_by_rank_zero(tmp_path: Path, results: list[dict[str, Any
     assert files_named(tmp_path, "report.json") == [debug_dir / "report.json"]
     assert len(files_named(tmp_path, "events.out.tfevents*")) == 1, "scalars from rank zero only"
     if importlib.util.find_spec("matplotlib") is not None:  # drawn only when worth it (a finding or a long run)
-        drawn = plot_worth_drawing(read_report(debug_dir))
-        assert files_named(tmp_path, "debug_analysis.png") == ([debug_dir / "debug_analysis.png"] if drawn else [])
+        drawn = files_named(tmp_path, "debug_analysis.png")
+        if not plot_worth_drawing(read_report(debug_dir)):
+            assert drawn == []
+        elif drawn != [debug_dir / "debug_analysis.png"]:
+            # A plot that could not be drawn is a recorded failure of rank zero, never a silent one.
+            assert drawn == [] and "drawing debug_analysis.png" in zero["failed_checks"], (
+                drawn, zero["failed_checks"], zero["stderr_tail"])
     return debug_dir
 
 

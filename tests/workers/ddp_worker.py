@@ -45,7 +45,7 @@ MAX_STEPS = 12
 class NaNOnOneRank(TinyRegressor):
     """A NaN/Inf loss on ``nan_rank`` from ``nan_step`` on; records each step's decision on this rank."""
 
-    def __init__(self, nan_rank: int, nan_step: int, out_dir: str = "", write_in_fit_end: bool = False,
+    def __init__(self, nan_rank: int, nan_step: int, out_dir: str = "", write_in_teardown: bool = False,
                  unused_layer: bool = False, fail_writes_rank0: bool = False,
                  fail_check_rank1_step: int | None = None, gather_in_step: bool = False,
                  nan_sample_batchnorm: bool = False, sync_grads: bool = False,
@@ -56,7 +56,7 @@ class NaNOnOneRank(TinyRegressor):
         self.nan_batch = nan_batch
         self.norm = torch.nn.BatchNorm1d(16) if nan_sample_batchnorm else None
         self.nan_rank, self.nan_step = nan_rank, nan_step
-        self.out_dir, self.write_in_fit_end = out_dir, write_in_fit_end
+        self.out_dir, self.write_in_teardown = out_dir, write_in_teardown
         self.fail_writes_rank0, self.fail_check_rank1_step = fail_writes_rank0, fail_check_rank1_step
         self.gather_in_step = gather_in_step
         self.decisions: list[list[Any]] = []
@@ -165,8 +165,9 @@ class NaNOnOneRank(TinyRegressor):
             decision += "+stop"
         self.decisions.append([self.trainer.global_step, decision])
 
-    def on_fit_end(self) -> None:
-        if self.write_in_fit_end:
+    def teardown(self, stage: str) -> None:
+        # After the callbacks' teardown, where the debug run finished: its report, plot and failures are final.
+        if self.write_in_teardown:
             write_outcome(self.trainer, self, Path(self.out_dir), {"exception": None})
 
 
@@ -175,9 +176,9 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
     output_dir = getattr(session, "output_dir", None)
     events_path = getattr(getattr(session, "events", None), "path", None)
     anomaly = next((c for c in trainer.callbacks if isinstance(c, AnomalyDetectionCallback)), None)
-    report = getattr(getattr(trainer, RUN_ATTRIBUTE, None), "_report", None) or {}
+    run = getattr(trainer, RUN_ATTRIBUTE, None)
     outcome.update(
-        failed_checks=sorted(report.get("failed_checks", {})),
+        failed_checks=sorted(run.failed_checks()) if run is not None else [],
         rank=trainer.global_rank, world_size=trainer.world_size, global_step=trainer.global_step,
         should_stop=trainer.should_stop,
         params_finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
@@ -223,7 +224,7 @@ def main() -> None:
         callbacks = [AnomalyDetectionCallback(anomaly_detection_mode=args.mode, level=args.level)]
     spawned = args.strategy == "ddp_spawn"
     trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=MAX_STEPS, devices=2, strategy=args.strategy)
-    model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_fit_end=spawned,
+    model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_teardown=spawned,
                          unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
                          fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
                          nan_sample_batchnorm=args.nan_sample_batchnorm, sync_grads=args.sync_grads,
