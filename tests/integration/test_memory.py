@@ -267,10 +267,12 @@ def test_advanced_level_records_memory_per_phase(tmp_path: Path) -> None:
 def test_monitor_finds_a_leak_in_a_plain_training_loop(tmp_path: Path) -> None:
     monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=5), "plain_loop")
     run = plain_run([monitor], tmp_path)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    # Each kept loss holds its graph, about 70 KB of activations: some 20 MB over the run, far above the
+    # heap's growth floor and its noise in a process that has run the rest of the suite.
+    model = nn.Sequential(nn.Linear(8, 128), nn.Tanh(), nn.Linear(128, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []
-    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
     for step in range(300):
         run.batch_start(step, x)
         loss = nn.functional.l1_loss(model(x), y)
