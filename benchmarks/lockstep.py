@@ -25,6 +25,10 @@ rate). Threads only take turns: at any moment one trains.
     OMP_NUM_THREADS=1 python benchmarks/lockstep.py --model switch --steps 1000 --only plain#2,plugin_defaults,all_four
     python benchmarks/lockstep.py --model llama24 --log-every 50 --json /tmp/llama.json
     python benchmarks/lockstep.py --model mixtral --baseline HEAD --only baseline:plugin_defaults,plugin_defaults
+    python benchmarks/lockstep.py --model mlp --only plain#2,plain#3,plugin_defaults,plugin_defaults#2,plugin_defaults#3
+
+Copies of one configuration (``NAME#2``, ``NAME#3``) are also pooled: on a bandwidth-bound model (the MLP) each copy's
+place in memory moves its speed by a few percent for the whole run, and the pooled ratio averages that out.
 """
 
 from __future__ import annotations
@@ -265,6 +269,35 @@ def paired(clocks: dict[str, LockstepClock], name: str, against: str, plugin: bo
     return {"ratio": statistics.median(ratios) if ratios else float("nan"), "low": low, "high": high}
 
 
+def pooled(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
+    """Per configuration run in several copies (``NAME``, ``NAME#2``, ...): the mean step over all its copies,
+    over the mean over all copies of plain, per cycle (median and its 95% interval). Each copy of a model sits
+    elsewhere in memory, and on a bandwidth-bound model two copies of the same code differ by a few percent for
+    the whole run; pooled copies average that out."""
+    groups: dict[str, list[str]] = {}
+    for name in clocks:
+        groups.setdefault(name.split("#")[0], []).append(name)
+
+    def turns_of(names: list[str]) -> dict[int, float]:
+        merged: dict[int, list[float]] = {}
+        for name in names:
+            for turn, seconds in per_turn(clocks[name]).items():
+                merged.setdefault(turn, []).append(statistics.fmean(seconds))
+        return {turn: statistics.fmean(means) for turn, means in merged.items() if len(means) == len(names)}
+
+    plain = turns_of(groups.get("plain", []))
+    result = {}
+    for base, names in groups.items():
+        if len(names) < 2 or base == "plain":
+            continue
+        mine = turns_of(names)
+        ratios = [mine[t] / plain[t] for t in mine if t in plain]
+        low, high = median_interval(ratios)
+        result[base] = {"copies": len(names), "plain_copies": len(groups.get("plain", [])),
+                        "ratio": statistics.median(ratios) if ratios else float("nan"), "low": low, "high": high}
+    return result
+
+
 def summarize(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
     """Per configuration: median step (ms), mean step (ms), and the ratios to plain (per turn, median over turns,
     with quartiles and a 95% interval of the median; and of the means)."""
@@ -335,6 +368,13 @@ def main() -> None:
         print(f"| {name} | {row['median_ms']:.2f} | {row['mean_ms']:.2f} | {row['ratio_per_turn']:.3f}x "
               f"({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}) | {row['ratio_ci_low']:.3f}-{row['ratio_ci_high']:.3f} | "
               f"{row['ratio_of_means']:.3f}x | {row['plugin_ms']:.3f} |")
+    pools = pooled(clocks)
+    if pools:
+        print("\nCopies pooled (per cycle, the mean step over a configuration's copies over the mean over plain's; "
+              "median, 95% interval):\n")
+        for base, pool in pools.items():
+            print(f"- {base} ({pool['copies']} copies, plain {pool['plain_copies']}): {pool['ratio']:.3f}x "
+                  f"({pool['low']:.3f}-{pool['high']:.3f})")
     changes = {name: {"step": paired(clocks, name, f"baseline:{name}"),
                       "hooks": paired(clocks, name, f"baseline:{name}", plugin=True)}
                for name in names if f"baseline:{name}" in clocks}
@@ -347,7 +387,7 @@ def main() -> None:
                   f"{hooks['ratio']:.3f}x ({hooks['low']:.3f}-{hooks['high']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "args": vars(args), "summary": summary,
-                                               "against_baseline": changes}))
+                                               "pooled": pools, "against_baseline": changes}))
 
 
 if __name__ == "__main__":
