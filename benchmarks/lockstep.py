@@ -27,8 +27,9 @@ rate). Threads only take turns: at any moment one trains.
     python benchmarks/lockstep.py --model mixtral --baseline HEAD --only baseline:plugin_defaults,plugin_defaults
     python benchmarks/lockstep.py --model mlp --only plain#2,plain#3,plugin_defaults,plugin_defaults#2,plugin_defaults#3
 
-Copies of one configuration (``NAME#2``, ``NAME#3``) are also pooled: on a bandwidth-bound model (the MLP) each copy's
-place in memory moves its speed by a few percent for the whole run, and the pooled ratio averages that out.
+Copies of one configuration (``NAME#2``, ``NAME#3``) are also pooled: on a bandwidth-bound model (the MLP) one copy
+can run a few percent, once 12%, slower than its siblings for the whole run, with the same time in the hooks. The
+pooled ratio dilutes that; the rows of the copies show how far apart they are.
 """
 
 from __future__ import annotations
@@ -271,9 +272,8 @@ def paired(clocks: dict[str, LockstepClock], name: str, against: str, plugin: bo
 
 def pooled(clocks: dict[str, LockstepClock]) -> dict[str, dict[str, float]]:
     """Per configuration run in several copies (``NAME``, ``NAME#2``, ...): the mean step over all its copies,
-    over the mean over all copies of plain, per cycle (median and its 95% interval). Each copy of a model sits
-    elsewhere in memory, and on a bandwidth-bound model two copies of the same code differ by a few percent for
-    the whole run; pooled copies average that out."""
+    over the mean over all copies of plain, per cycle (median and its 95% interval). On a bandwidth-bound model
+    two copies of the same code can differ by a few percent, once 12%, for the whole run; pooling dilutes that."""
     groups: dict[str, list[str]] = {}
     for name in clocks:
         groups.setdefault(name.split("#")[0], []).append(name)
