@@ -529,9 +529,8 @@ def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_
     history = MissingHistory()
     history.set_groups({f"experts.{i}.w": [("experts", "w")] for i in range(3)})
     history.observe_check(0, None, ["experts.2.w"], [*history.groups, "head.w"])
-    replicas = history.replicas_to_watch()
+    replicas = history.replicas_after_check(["experts.2.w"])  # as the monitor does
     assert replicas == ["experts.0.w", "experts.1.w"]
-    history.had_gradient.update(replicas)  # as the monitor does: they had one on the check step
     idle = range(2, 7)
     confirmed = {step: history.observe_step(step, [r for r in replicas if step not in idle or r != "experts.0.w"],
                                             ["experts.2.w"] + (["experts.0.w"] if step in idle else []))
@@ -544,7 +543,6 @@ def test_replicas_that_get_their_gradient_every_step_leave_the_fixed_window() ->
     history = MissingHistory()
     history.set_groups({f"layers.{i}.w": [("layers", "w")] for i in range(3)})
     history.observe_check(0, None, ["layers.2.w"], list(history.groups))
-    replicas = history.replicas_to_watch()
-    history.had_gradient.update(replicas)
+    replicas = history.replicas_after_check(["layers.2.w"])
     confirmed = [history.observe_step(step, replicas, ["layers.2.w"]) for step in range(1, MISSING_CONFIRM_STEPS)]
     assert confirmed[-1] == ["layers.2.w"], "a layer a stack never uses is named after the window"

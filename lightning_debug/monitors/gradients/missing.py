@@ -129,17 +129,27 @@ class MissingHistory:
                     return list(names)[:limit]
         return list(names)
 
+    def replicas_after_check(self, missing: Collection[str]) -> list[str]:
+        """:meth:`replicas_to_watch` on a check step where ``missing`` had no gradient: the replicas not among
+        them had one there, so a gap of theirs that starts after it counts as a wait."""
+        replicas = self.replicas_to_watch()
+        absent = set(missing)
+        self.had_gradient.update(name for name in replicas if name not in absent)
+        return replicas
+
     def _conditional(self, name: str) -> bool:
         return any(group in self.conditional for group in self.groups.get(name, ()))
 
     def _seen_conditional(self, name: str) -> None:
         self.conditional.update(self.groups.get(name, ()))
 
+    def _outwaited_replicas(self, name: str, candidate: Candidate) -> bool:
+        """Whether ``candidate`` waited past what its replicas make normal: always, unless it is conditional."""
+        return not self._conditional(name) or candidate.steps_without > WAIT_FACTOR * self.longest_wait
+
     def _confirms(self, name: str, candidate: Candidate) -> bool:
         """Whether ``candidate`` has waited long enough to be confirmed (see the module's docstring)."""
-        if not self._conditional(name):
-            return candidate.steps_without >= self.confirm_steps
-        return candidate.steps_without >= max(self.confirm_steps, WAIT_FACTOR * self.longest_wait + 1)
+        return candidate.steps_without >= self.confirm_steps and self._outwaited_replicas(name, candidate)
 
     def observe_check(self, step: int, optimizer: Any, missing: Sequence[str], judged: Collection[str]) -> MissingCheck:
         """A check step of ``optimizer`` judged the parameters ``judged``; ``missing`` of them had no gradient."""
@@ -205,8 +215,8 @@ class MissingHistory:
         """At the end of a run: candidates that never had a gradient on any step observed are confirmed, except
         conditional ones that have not waited more than :data:`WAIT_FACTOR` times the longest wait seen (a short
         run of a sparse MoE: an expert no token has reached yet)."""
-        rest = [name for name, candidate in self.candidates.items() if not candidate.confirmed
-                and (not self._conditional(name) or candidate.steps_without > WAIT_FACTOR * self.longest_wait)]
+        rest = [name for name, candidate in self.candidates.items()
+                if not candidate.confirmed and self._outwaited_replicas(name, candidate)]
         for name in rest:
             self.candidates[name].confirmed = True
         return rest

@@ -342,8 +342,7 @@ class GradientMonitor(Monitor):
             self._record(verdict, pending.step, pending.where)
         if pending.judged is not None:
             waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
-            replicas = missing.replicas_to_watch() if waiting else []
-            missing.had_gradient.update(set(replicas).difference(host.missing))  # each had one on this check step
+            replicas = missing.replicas_after_check(host.missing) if waiting else []
             self._watch.replace(optimizer, waiting + replicas,
                                 host.grad_names[-1] if host.grad_names else None, pending.judged.names,
                                 pending.judged.params)
