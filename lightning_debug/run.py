@@ -152,6 +152,7 @@ class Run:
         self._optimizer_steps: dict[int, int] = {}
         self._other_ranks_failures: list[Any] | None = None
         self.finished = False
+        self.started = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
                 self.failures.call("TensorBoard layout", attach_to_writer, writer, self.session, log_dir)
@@ -187,6 +188,7 @@ class Run:
     def start(self, step: int) -> None:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
+        self.started = True
         several = self.failures.call("listing the optimizers", self._several_optimizers)
         self.ledger.record = self.ledger.record.moved(step=step, steps_done=step, several_optimizers=bool(several))
         self._emit(Event.START, step)
@@ -364,6 +366,26 @@ class Run:
         if self._other_ranks_failures is None or not self.session.is_global_zero:
             return own
         return merge_failures(own, self._other_ranks_failures, self.context.rank)
+
+    def abandon(self) -> bool:
+        """End, writing and printing nothing, a run whose fit ended before training started and without an
+        error; False (nothing done) for any other run, which ends with :meth:`finish`.
+
+        Lightning's ``Tuner`` ends its fit that way: the learning-rate and batch-size finders train with
+        the trainer's callbacks swapped out, restore the model and leave from ``on_fit_start``. A report of
+        that fit would say "0 steps, nothing wrong found" of a run that did train, and would take the
+        logger's directory from the fit that follows. The test uses only what every rank shares (the fit's
+        events), so no rank finishes, with its collectives, while another abandons.
+        """
+        if self.finished or self.started or self._finalized:
+            return False
+        self.finished = True
+        for monitor in self.monitors:
+            self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
+            monitor.unbind()
+        if self._unroute is not None:
+            self._unroute()
+        return True
 
     def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.

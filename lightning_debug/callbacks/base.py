@@ -241,7 +241,7 @@ class DebugCallback(Callback):
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._run is not None:
-            if self._leads:
+            if self._leads and not self._run.abandon():  # abandoned: a Tuner's fit, which trains nothing we see
                 self._run.finish(RunStatus.FINISHED, trainer.global_step)
             self._leave()
 
