@@ -111,6 +111,19 @@ class RunLedger:
         if not self.notes or self.notes[-1] != (step, what):
             self.notes.append((step, what))
 
+    def forget_notes(self, step: int) -> None:
+        """The time of optimizer step ``step`` starts again from here (a new epoch): what was noted in it so far
+        (the last epoch's validation and checkpoint) is not in it.
+
+        Example::
+
+            >>> ledger = RunLedger(); ledger.note(16, "validation"); ledger.note(5, "checkpoint saving")
+            >>> ledger.forget_notes(16); ledger.noted([5, 16])
+            {'checkpoint saving': [5]}
+        """
+        if any(noted == step for noted, _ in self.notes):
+            self.notes = deque(((noted, what) for noted, what in self.notes if noted != step), maxlen=NOTES_KEPT)
+
     def noted(self, steps: Any) -> dict[str, list[int]]:
         """What the framework ran in ``steps``, by what it was, with the steps it ran in."""
         wanted = set(steps)

@@ -1,5 +1,6 @@
 """Stalls that recur (issue 25): a blocking call every k-th step is a ``slow_step`` warning naming the
-period, the share of steps it costs and what Lightning ran in those steps. Real Trainer runs on CPU."""
+period, the share of steps and of the time it costs and what Lightning ran in those steps; a stall at
+every epoch's first batch names the DataLoader's workers. Real Trainer runs on CPU."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, PerformanceProfilerCallback
-from tests.harness.toolkit import TinyRegressor, debug_dir, fit_seeded, make_trainer, read_events
+from tests.harness.toolkit import TinyRegressor, debug_dir, fit_seeded, make_trainer, read_events, regression_data
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,6 +38,23 @@ class SlowCheckpoint(TinyRegressor):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         time.sleep(0.2)
+
+
+def slow_worker_setup(worker_id: int) -> None:
+    """A worker's setup that takes 0.15 s (opening files, loading an index): paid again whenever workers start."""
+    time.sleep(0.15)
+
+
+class WorkersEveryEpoch(TinyRegressor):
+    """Two DataLoader workers with a slow setup, 16 batches an epoch."""
+
+    def __init__(self, persistent_workers: bool) -> None:
+        super().__init__()
+        self.persistent_workers = persistent_workers
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(), batch_size=16, shuffle=True, num_workers=2,
+                          persistent_workers=self.persistent_workers, worker_init_fn=slow_worker_setup)
 
 
 fit = fit_seeded
@@ -121,4 +140,26 @@ def test_at_the_defaults_a_stall_is_seen_through_the_timed_steps_with_the_advice
 
 def test_a_healthy_run_timed_every_step_has_no_slow_step_warning(tmp_path: Path) -> None:
     trainer = fit(tmp_path, TinyRegressor(), every_check_every_step(), 60)
+    assert slow_warnings(trainer) == []
+
+
+def test_workers_restarting_every_epoch_are_named_with_persistent_workers(tmp_path: Path) -> None:
+    """persistent_workers=False (the default): the first batch of every epoch waits for the workers' setup. The last
+    epoch's validation and checkpoint ran before the epoch started, outside the step's time: not blamed."""
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, WorkersEveryEpoch(persistent_workers=False), [PerformanceProfilerCallback(config)], 96,
+                  enable_checkpointing=True, limit_val_batches=2, num_sanity_val_steps=0)
+    found = slow_warnings(trainer)
+    assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
+    first, details = found[0], found[0]["details"]
+    assert first["step"] % 16 == 0 and first["batch"] == 0 and details["period"] == 16, first
+    assert details["phase"] == "data" and details["epoch_start"] and details["time_share"] > 0.5, details
+    assert "starts its 2 worker process(es) again" in first["message"]
+    assert "persistent_workers=True keeps them" in first["message"]
+    assert "validation" not in first["message"] and "checkpoint saving" not in first["message"], first["message"]
+
+
+def test_persistent_workers_leave_epoch_boundaries_quiet(tmp_path: Path) -> None:
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, WorkersEveryEpoch(persistent_workers=True), [PerformanceProfilerCallback(config)], 96)
     assert slow_warnings(trainer) == []

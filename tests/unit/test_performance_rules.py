@@ -113,6 +113,21 @@ def test_recurring_outliers_are_a_warning_keyed_by_phase() -> None:
     assert verdicts[-1].slow_steps >= 3 and verdicts[-1].window_steps <= SLOW_WINDOW
 
 
+@pytest.mark.parametrize(("period", "severity"), [(20, Severity.WARNING), (200, Severity.INFO)])
+def test_a_periodic_stall_is_a_warning_only_when_it_costs_a_share_of_the_time(period: int,
+                                                                                severity: Severity) -> None:
+    """A 100 ms data stall over 36 ms steps: every 20th step it costs 12% of the time, every 200th 1.4%, the rhythm
+    of a healthy run (an epoch boundary, a checkpoint), told as an info with what it costs."""
+    recorded = [times(step, data=101.0 if step and step % period == 0 else 1.0) for step in range(4 * period + 1)]
+    verdicts = [v for v in feed_slow(SlowStepRule(), recorded, PerformanceSettings(frequency=1)) if v is not None]
+    assert verdicts and verdicts[-1].period == period and verdicts[-1].recurring
+    finding = verdicts[-1].finding()
+    share = 100.0 / (period * 36.0 + 100.0)
+    assert finding.severity is severity and finding.details["time_share"] == pytest.approx(share, rel=0.02)
+    assert f"it costs {share:.1%} of the time" in finding.message
+    assert ("an info" in finding.message) is (severity is Severity.INFO)
+
+
 def test_slow_step_leaves_out_the_wait_for_a_cpu() -> None:
     """A step slow only because another program had the CPU is judged without that wait."""
     rule = SlowStepRule()

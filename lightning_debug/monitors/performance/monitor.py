@@ -130,6 +130,7 @@ class PerformanceMonitor(Monitor):
     def epoch_start(self, step: int) -> None:
         self.describe_loader(self.context.train_loader())
         self.reset_data_clock(step)
+        self.ledger.forget_notes(step)  # the last epoch's validation and checkpoint ran before the clock restarted
 
     def evaluation(self, step: int, started: bool) -> None:
         if not started:
@@ -295,6 +296,8 @@ class PerformanceMonitor(Monitor):
         if slow is not None:
             if self.ledger.notes_hooks and slow.recurring:
                 slow = replace(slow, hooks=self.ledger.noted(self.slow_steps.recent_outliers()))
+            if slow.phase is Phase.DATA and (where or {}).get("batch") == 0:
+                slow = replace(slow, epoch_start=True, loader=self.loader)
             self.record(slow.finding(), times.step, where, key=slow.key)
         waiting = self.data_wait.judge(times, self.settings)
         if waiting is not None:

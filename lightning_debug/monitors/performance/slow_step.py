@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,10 @@ SLOW_LONE_MS = 250.0
 # FAR_MIN_OUTLIERS far outliers (SLOW_LONE_FACTOR x the median and FAR_MS more) in the last RECENT_STEPS timed
 # steps, at least FAR_MIN_FRACTION of them. Both are read from bounded histories of the timed steps.
 PERIOD_MIN_OUTLIERS = 4
+# A stall that recurs only with a period (not clustered, not frequent) is a warning when it costs at least this share
+# of the time over its period (its excess over the median step); below, an info: a checkpoint or an epoch boundary
+# every thousand steps that costs 1% of the run is the run's normal rhythm, not something to fix.
+MIN_PERIODIC_SHARE = 0.05
 PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from three equidistant outliers
 FAR_MS = 100.0
 FAR_MIN_OUTLIERS = 5
@@ -46,6 +51,34 @@ PHASE_HINTS = {
     Phase.OPTIMIZER: "the optimizer step was slow: optimizer state allocated lazily on the first step, a hook or "
                      "an LR scheduler doing extra work",
 }
+
+
+def smallest_period(period: int, timing_frequency: int) -> int:
+    """The shortest true period a stall seen every ``period`` steps can have when only every ``timing_frequency``-th
+    step is timed: the smallest ``k >= 2`` dividing ``period`` whose multiples meet the timed steps exactly at
+    multiples of ``period`` (``lcm(k, timing_frequency) == period``). What the stall may cost is judged from it.
+
+    Example::
+
+        >>> smallest_period(30, 10), smallest_period(1000, 10), smallest_period(16, 1)
+        (3, 1000, 16)
+    """
+    if timing_frequency <= 1:
+        return period
+    return next((k for k in range(2, period + 1) if period % k == 0 and math.lcm(k, timing_frequency) == period),
+                period)
+
+
+def time_share(excess_ms: float, period: int, median_ms: float) -> float:
+    """The share of the time a stall of ``excess_ms`` over a ``median_ms`` step, every ``period`` steps, costs.
+
+    Example::
+
+        >>> round(time_share(50.0, 16, 2.5), 2), round(time_share(400.0, 1000, 100.0), 4)
+        (0.56, 0.004)
+    """
+    total = period * median_ms + excess_ms
+    return excess_ms / total if total > 0 else 1.0
 
 
 def ordinal(number: int) -> str:
@@ -84,6 +117,16 @@ class SlowStep:
     outlier_steps: tuple[int, ...] = ()
     timing_frequency: int = 1
     hooks: dict[str, list[int]] | None = None
+    share: float | None = None
+    """For a stall that recurs only with a period: the share of the time it costs (at most, with sparse timing)."""
+    epoch_start: bool = False
+    """The slow step is the first of an epoch and its data phase grew: the loader's iterator starting."""
+    loader: dict[str, Any] | None = None
+
+    @property
+    def minor(self) -> bool:
+        """A stall that recurs only with its period and costs less than ``MIN_PERIODIC_SHARE`` of the time."""
+        return self.share is not None and self.share < MIN_PERIODIC_SHARE
 
     @property
     def key(self) -> str:
@@ -106,6 +149,9 @@ class SlowStep:
             if self.timing_frequency > 1:
                 text += (f"; only every {ordinal(self.timing_frequency)} step is timed, so it may recur more often: "
                          "performance_profiling_frequency=1 times every step")
+            if self.share is not None:
+                text += (f"; it costs {'up to ' if self.timing_frequency > 1 else ''}{self.share:.1%} of the time"
+                         + (f", under {MIN_PERIODIC_SHARE:.0%}: an info" if self.minor else ""))
             return text
         if self.recurring and self.slow_steps < SLOW_MIN_FLAGGED:
             return f"steps far above the median recur, {self.fraction:.0%} of steps ({share})"
@@ -113,8 +159,19 @@ class SlowStep:
             return f"{self.slow_steps} of the last {self.window_steps} timed steps were this slow"
         return "a single step so far (it becomes a warning if it recurs)"
 
+    def _cause(self) -> str:
+        if not self.epoch_start:
+            return PHASE_HINTS[self.phase]
+        workers = (self.loader or {}).get("num_workers") or 0
+        if workers and not (self.loader or {}).get("persistent_workers"):
+            return (f"the first batch of an epoch waits while the DataLoader starts its {workers} worker process(es) "
+                    "again, as it does every epoch with persistent_workers=False (and each re-runs the dataset's "
+                    "setup): persistent_workers=True keeps them")
+        return ("the first batch of an epoch waits while the loader's iterator starts (the sampler, the dataset's "
+                "__iter__, worker setup)")
+
     def _hooks(self) -> str:
-        if self.hooks is None:
+        if self.hooks is None or self.epoch_start:
             return ""
         if not self.hooks:
             return (" No validation or checkpoint saving ran in those steps: the time is the loop's own or the "
@@ -132,12 +189,13 @@ class SlowStep:
             "recurring": self.recurring, "phases_ms": {phase.value: ms for phase, ms in self.phases_ms.items()},
             "plugin_ms": self.plugin_ms, "cpu_wait_ms": self.cpu_wait_ms, "threshold_factor": self.threshold_factor,
             "period": self.period, "outliers": self.outliers, "timed_steps": self.timed_steps,
-            "fraction": self.fraction, "outlier_steps": list(self.outlier_steps), "hooks": self.hooks}
+            "fraction": self.fraction, "outlier_steps": list(self.outlier_steps), "hooks": self.hooks,
+            "time_share": self.share, "epoch_start": self.epoch_start}
         return Finding(
-            Kind.SLOW_STEP, Severity.WARNING if self.recurring else Severity.INFO,
+            Kind.SLOW_STEP, Severity.WARNING if self.recurring and not self.minor else Severity.INFO,
             f"Step {self.step} took {self.step_ms:.1f} ms, {factor:.1f}x the recent median of "
             f"{self.median_step_ms:.1f} ms; {how_often}; the {self.phase.value} phase took {self.phase_ms:.1f} ms "
-            f"(median {self.median_phase_ms:.1f} ms), so {PHASE_HINTS[self.phase]}.{self._hooks()}", details)
+            f"(median {self.median_phase_ms:.1f} ms), so {self._cause()}.{self._hooks()}", details)
 
 
 class SlowStepRule:
@@ -159,6 +217,12 @@ class SlowStepRule:
     ``FAR_MIN_FRACTION`` of them, each ``SLOW_LONE_FACTOR`` times the median and ``FAR_MS`` above it).
     A busy machine's hiccups are irregular and rarely that far out: four of them exactly
     equidistant, or five 20x-and-100-ms stalls in fifty steps, are not what jitter looks like.
+
+    A healthy run also has a rhythm: an epoch boundary, a checkpoint or a validation every few
+    hundred steps makes one step in that many slow, by design. A stall that recurs only with its
+    period is therefore a warning only when it costs ``MIN_PERIODIC_SHARE`` of the time or more
+    (its excess over the median step, over the period's steps; with sparse timing, over the
+    shortest period the timed steps allow); below that it is an info that says what it costs.
 
     Example::
 
@@ -247,11 +311,13 @@ class SlowStepRule:
             return None
         excess = {phase: times.judged(phase) - self.phases[phase].median() for phase in PHASES}
         phase = max(excess, key=lambda name: excess[name])
+        share = (time_share(judged - median, smallest_period(period, settings.frequency), median)
+                 if period is not None and flagged < SLOW_MIN_FLAGGED and not frequent else None)
         return SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
                         threshold, flagged, len(self.flags), recurring, dict(times.phases), times.own_ms,
                         sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
                         len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
-                        settings.frequency)
+                        settings.frequency, share=share)
 
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history (after it was judged)."""
