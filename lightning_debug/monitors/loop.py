@@ -5,7 +5,9 @@ Neither raises an error; both make a run train worse without a trace in the loss
 - ``eval_mode_in_training``: at the start of training, at each epoch, and on gradient check steps
   (the model as a whole), modules in eval mode while the model trains, found where their mode
   changes something (Dropout, BatchNorm/InstanceNorm with running statistics) and they are
-  trained. A frozen backbone in eval mode (no trainable parameter) is left alone.
+  trained. A frozen backbone in eval mode (no trainable parameter) is left alone; normalization layers
+  put in eval mode one by one while their parents train (frozen statistics, trained affine parameters:
+  the ``norm_eval`` recipe of small-batch fine-tuning) are an info.
 - ``grad_not_zeroed``: on the backwards of a gradient check step that follow an optimizer step, the
   gradients they add to are looked at: a parameter that receives its first gradient of the step
   while still holding the previous step's non-zero one accumulates across steps (a loop without
@@ -41,6 +43,7 @@ from lightning_debug.core.session import Where
 NAMES_SHOWN = 5
 NAMES_IN_DETAILS = 20
 PROBES_PER_GROUP = 16
+FROZEN_STATISTICS = "normalization statistics"  # the episode key of frozen_statistics_finding
 MODE_DEPENDENT = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
@@ -82,6 +85,43 @@ def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
 
     visit("", root, any(p.requires_grad for p in root.parameters()))
     return found
+
+
+def keeps_statistics(module: nn.Module) -> bool:
+    """Whether ``module`` is itself a normalization layer with running statistics (BatchNorm, InstanceNorm that tracks
+    them): in eval mode it normalizes with frozen statistics and nothing else changes.
+
+    Example::
+
+        >>> keeps_statistics(nn.BatchNorm2d(4)), keeps_statistics(nn.Dropout()), keeps_statistics(nn.InstanceNorm1d(2))
+        (True, False, False)
+    """
+    return isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)) and \
+        bool(module.track_running_stats)
+
+
+def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
+    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents train.
+
+    What could make the eval-mode rule fire on a healthy model: the frozen-statistics recipe of small-batch
+    fine-tuning (detection backbones' ``norm_eval``, a ``set_bn_eval`` applied to every BatchNorm), where the
+    running statistics stay as pretrained and the affine parameters train. The forgotten ``.train()`` the rule is
+    for leaves a model or a block in eval mode, with its Dropout layers, not each normalization layer on its own;
+    so layers that are exactly the normalization layers, set one by one, are told as an info.
+
+    Example::
+
+        >>> finding = frozen_statistics_finding(0, ["net.1", "net.4"])
+        >>> finding.severity.value, finding.details["count"]
+        ('info', 2)
+    """
+    return Finding(
+        Kind.EVAL_MODE_IN_TRAINING, Severity.INFO,
+        f"{len(layers)} normalization layer(s) {quoted(layers, NAMES_SHOWN)} run in eval mode while the model trains "
+        f"(step {step}): their running statistics stay frozen and their affine parameters train, the frozen-statistics "
+        "recipe of small-batch fine-tuning (norm_eval). If that is not intended, call `.train()` on them.",
+        {"modules": layers[:NAMES_IN_DETAILS], "affected": layers[:NAMES_IN_DETAILS], "count": len(layers),
+         "frozen_statistics": True})
 
 
 def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
@@ -213,6 +253,7 @@ class LoopMonitor(Monitor):
         super().__init__(config, source)
         self.mode_checks = 0
         self.eval_modules: dict[str, list[str]] = {}
+        self.frozen_statistics: list[str] = []
         self.accumulating: list[str] = []
         self._steps_done = 0
         self._armed = False
@@ -243,8 +284,15 @@ class LoopMonitor(Monitor):
         where = self.context.where()
         self._walked_epoch = where.get("epoch")
         self.mode_checks += 1
+        frozen: list[str] = []
         for name, affected in modules_left_in_eval(model):
-            self._record_eval(step, where, name, affected)
+            if affected == [name] and keeps_statistics(model.get_submodule(name)):
+                frozen.append(name)
+            else:
+                self._record_eval(step, where, name, affected)
+        if frozen:
+            self.frozen_statistics = frozen[:NAMES_IN_DETAILS]
+            self.record(frozen_statistics_finding(step, frozen), step, where, key=FROZEN_STATISTICS)
         self.close_episodes(step, where, {Kind.EVAL_MODE_IN_TRAINING})
 
     def _record_eval(self, step: int, where: Where, name: str, affected: list[str]) -> None:
@@ -355,4 +403,5 @@ class LoopMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), mode_checks=self.mode_checks, eval_modules=dict(self.eval_modules),
+                    frozen_statistics=list(self.frozen_statistics),
                     accumulating=list(self.accumulating))

@@ -215,6 +215,10 @@ def loop_markdown(section: dict[str, Any]) -> dict[str, str]:
     for name, affected in (section.get("eval_modules") or {}).items():
         lines.append(f"- `{name or '(the whole model)'}` was in eval mode during training; affected layers: "
                      + ", ".join(f"`{layer}`" for layer in affected))
+    frozen = section.get("frozen_statistics") or []
+    if frozen:
+        lines.append("- Normalization layers in eval mode on their own (running statistics frozen, affine parameters "
+                     "trained; info): " + ", ".join(f"`{layer}`" for layer in frozen))
     accumulating = section.get("accumulating") or []
     if accumulating:
         lines.append("- Gradients not zeroed between optimizer steps for: "

@@ -371,6 +371,32 @@ def test_a_trainable_submodule_left_in_eval_mode_is_named(tmp_path: Path) -> Non
     assert not starts(read_events(debug_dir(trainer)), "eval_mode_in_training"), "a frozen backbone may stay in eval"
 
 
+class FrozenStatistics(SequentialNet):
+    """The ``norm_eval`` recipe of small-batch fine-tuning: BatchNorm layers kept in eval mode (running statistics as
+    pretrained) by ``train()``, their affine parameters trained; every other layer trains normally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                                 nn.ReLU())
+        self.train()
+
+    def train(self, mode: bool = True) -> FrozenStatistics:
+        super().train(mode)
+        for module in self.modules():
+            if isinstance(module, nn.BatchNorm1d):
+                module.eval()
+        return self
+
+
+def test_normalization_layers_kept_in_eval_on_purpose_are_an_info(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, FrozenStatistics(), callbacks=[AnomalyDetectionCallback(QUIET)])
+    events = starts(read_events(debug_dir(trainer)), "eval_mode_in_training")
+    assert [(e["severity"], e["details"]["modules"]) for e in events] == [("info", ["net.1", "net.4"])], events
+    assert events[0]["details"]["frozen_statistics"] and "frozen-statistics recipe" in events[0]["message"]
+    assert all(e["severity"] == "info" for e in read_events(debug_dir(trainer))), "a healthy run"
+
+
 class ManualNoZeroGrad(pl.LightningModule):
     """Manual optimization that forgets ``zero_grad()`` (``zero_grad`` True: the healthy control); two losses
     with a backward each, so the second backward adds to the first one's gradients, as intended."""
