@@ -115,3 +115,36 @@ def test_a_missing_gradient_costs_no_memory_and_measures_zero_in_every_block_of_
     assert all(grads[i].dim() == 0 for i in missing if i not in joined), "the fused norm takes any shape"
     expected = [0.0 if p.grad is None else p.grad.double().square().sum().item() for p in index.params]
     assert index.plan.squares(grads).tolist() == pytest.approx(expected) and index.plan.fused
+
+
+def test_a_steps_measurements_are_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+    """Loops that disable the cyclic garbage collector (``gc.disable()``, ``gc.freeze()`` against its pauses) free only
+    what reference counting frees: a step's measurement must hold no reference cycle, or every step's would stay."""
+    import gc
+
+    import lightning.pytorch as pl
+
+    from lightning_debug import AnomalyDetectionCallback, MemoryProfilerCallback, PerformanceProfilerCallback
+    from lightning_debug.core.numerics import StepNumerics
+    from lightning_debug.core.numerics.host import HostNumerics
+
+    live: dict[int, int] = {}
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step in (20, 60):
+                live[trainer.global_step] = sum(isinstance(o, (StepNumerics, HostNumerics)) for o in gc.get_objects())
+
+    config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
+                         performance_profiling_frequency=1)
+    callbacks = [AnomalyDetectionCallback(config), GradientHealthCallback(config), MemoryProfilerCallback(config),
+                 PerformanceProfilerCallback(config), Count()]
+    gc.collect()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_trainer(tmp_path, callbacks, max_steps=61).fit(TinyRegressor())
+    finally:
+        gc.enable()
+    assert live[60] <= live[20] + 2, live

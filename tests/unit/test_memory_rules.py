@@ -88,6 +88,21 @@ def test_memory_high_is_silent_below_the_limit_and_without_a_total() -> None:
 # --- the leak rule ------------------------------------------------------------------------------------
 
 
+def test_growth_that_has_stopped_is_no_leak() -> None:
+    """A RAM cache filled over the first 250 steps, then flat (readings every 50 steps, the defaults' spacing): the
+    window's line still rises after the cache is full, its latest half does not. A leak that keeps its pace is named."""
+    def cache(step: int) -> float:
+        return 200 * MB + 1.6 * MB * min(step, 250)
+
+    steps, series = replay([(step, cpu_reading(cache(step))) for step in range(0, 1000, 50)])
+    assert LeakStep.SUSPECT not in steps and series.growing() == {}, steps
+    _, at_350 = replay([(step, cpu_reading(cache(step))) for step in range(0, 400, 50)])
+    trend = at_350.trends["cpu_heap"]
+    assert trend.slope > 0 and trend.consistency >= 0.7, "at step 350 the whole window's line alone calls it growth"
+    leak, _ = replay([(step, cpu_reading(200 * MB + 1.6 * MB * step)) for step in range(0, 1000, 50)])
+    assert LeakStep.CONFIRM in leak
+
+
 def test_a_steady_leak_is_suspected_then_confirmed_then_ongoing() -> None:
     readings = [(step, cpu_reading(200 * MB + 0.5 * MB * step)) for step in range(0, 400, 10)]
     steps, series = replay(readings)

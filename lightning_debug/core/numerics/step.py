@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -130,28 +131,9 @@ class StepNumerics:
         self._subscribers: list[Callable[[HostNumerics], None]] = []
 
     def scan_parameters(self) -> list[tuple[str, float]]:
-        """Names and local norms of the non-finite parameters, now (one sync; the anomaly path only).
-
-        When the values were read synchronously (every rank at the same point of the same step),
-        the per-parameter flags are summed across processes, so every rank names the same
-        parameters, sharded ones included. A deferred read completes at different times on
-        different GPUs, so it issues no collective.
-        """
-        index = self.index
-        if not len(index):
-            return []
-        try:
-            squares = index.plan.squares(index.local_params())
-        except Exception:  # the flags still join the reduction (as finite), so no rank waits alone
-            squares = torch.zeros(len(index), dtype=torch.float64, device=index.device)
-        flags = (~torch.isfinite(squares)).double()
-        if self._read_blocking and self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flags)
-        bad = flags.nonzero().flatten().tolist()
-        if not bad:
-            return []
-        norms = squares.sqrt().tolist()
-        return [(index.names[i], norms[i] if not math.isfinite(norms[i]) else math.nan) for i in bad]
+        """Names and local norms of the non-finite parameters, now (one sync; the anomaly path only): see
+        :func:`scan_parameters`."""
+        return scan_parameters(self.index, self._read_blocking and self.world_size > 1)
 
     def subscribe(self, consumer: Callable[[HostNumerics], None]) -> None:
         """Call ``consumer`` with the host values once they are read back."""
@@ -188,7 +170,11 @@ class StepNumerics:
             self._host = HostNumerics(
                 step=self.step, ranks=ranks, index=self.index, squares=values, start=offset,
                 missing_slots=self.missing_slots,
-                scan_parameters=self.scan_parameters, read_before_update=self._read_blocking, error=self.error,
+                # bound to values, not to self: the host values never hold their measurement (no reference cycle,
+                # so a step's tensors are freed when the last reader drops them, not at the next garbage collection)
+                scan_parameters=functools.partial(scan_parameters, self.index,
+                                                  self._read_blocking and self.world_size > 1),
+                read_before_update=self._read_blocking, error=self.error,
                 without_gradients=self.without_gradients, steps_done=self.steps_done,
             )
         return self._host
@@ -198,3 +184,36 @@ class StepNumerics:
         subscribers, self._subscribers = self._subscribers, []
         for consumer in subscribers:
             consumer(host)
+
+
+def scan_parameters(index: ParameterIndex, reduce_flags: bool) -> list[tuple[str, float]]:
+    """Names and local norms of ``index``'s non-finite parameters, now (one sync; the anomaly path only).
+
+    With ``reduce_flags`` (values read synchronously: every rank at the same point of the same step)
+    the per-parameter flags are summed across processes, so every rank names the same parameters,
+    sharded ones included. A deferred read completes at different times on different GPUs, so it
+    issues no collective.
+
+    Example::
+
+        >>> from torch import nn
+        >>> model = nn.Linear(2, 1)
+        >>> with torch.no_grad():
+        ...     _ = model.bias.fill_(float("nan"))
+        >>> scan_parameters(ParameterIndex(list(model.named_parameters())), False)
+        [('bias', nan)]
+    """
+    if not len(index):
+        return []
+    try:
+        squares = index.plan.squares(index.local_params())
+    except Exception:  # the flags still join the reduction (as finite), so no rank waits alone
+        squares = torch.zeros(len(index), dtype=torch.float64, device=index.device)
+    flags = (~torch.isfinite(squares)).double()
+    if reduce_flags and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flags)
+    bad = flags.nonzero().flatten().tolist()
+    if not bad:
+        return []
+    norms = squares.sqrt().tolist()
+    return [(index.names[i], norms[i] if not math.isfinite(norms[i]) else math.nan) for i in bad]

@@ -15,7 +15,11 @@ What could make it fire on a healthy model, and how it is ruled out:
 - readings close together (several per step in short runs): readings fewer than ``min_spacing``
   steps apart are skipped;
 - a one-off: growth must be seen on two readings in a row (suspected, then confirmed) before the
-  finding; between them a census of live tensors is taken, so the finding names what piles up.
+  finding; between them a census of live tensors is taken, so the finding names what piles up;
+- growth that has stopped: a cache filled in the first epoch (decoded samples kept in RAM) rises, then
+  stays, and the window's line still rises after it has; the latest half of the window (at least 3
+  readings) must rise at least ``RECENT_SLOPE_SHARE`` as fast as the whole window. A leak keeps its
+  pace; at worst a noisy half delays its finding by a reading.
 
 Example::
 
@@ -51,6 +55,8 @@ from lightning_debug.core.kinds import Kind, Severity
 
 # Below these rises over the trend window, growth is allocator granularity or warm-up creep.
 GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
+# The latest half of the window must rise at least this share as fast as the whole: growth that goes on.
+RECENT_SLOPE_SHARE = 0.5
 
 
 class GrowthStatus(enum.StrEnum):
@@ -111,7 +117,14 @@ class GrowthSeries:
     def growing(self) -> dict[str, Trend]:
         """The series that grow steadily (:func:`~lightning_debug.checks.memory.is_steady_growth`), in
         the order of the reading (exact counts first, the resident set last)."""
-        return {name: trend for name, trend in self.trends.items() if is_steady_growth(trend, GROWTH_FLOORS[name])}
+        return {name: trend for name, trend in self.trends.items()
+                if is_steady_growth(trend, GROWTH_FLOORS[name]) and self._still_rising(name, trend)}
+
+    def _still_rising(self, name: str, trend: Trend) -> bool:
+        """Whether the latest half of ``name``'s window rises at least ``RECENT_SLOPE_SHARE`` as fast as ``trend``."""
+        points = list(self.points[name])
+        recent = fit_trend(points[-max(3, len(points) // 2):])
+        return recent is None or recent.slope >= RECENT_SLOPE_SHARE * trend.slope
 
 
 def next_leak_step(growing: Mapping[str, Trend], suspected: bool, explained: bool) -> LeakStep:
