@@ -126,6 +126,7 @@ def test_a_periodic_stall_is_a_warning_only_when_it_costs_a_share_of_the_time(pe
     assert finding.severity is severity and finding.details["time_share"] == pytest.approx(share, rel=0.02)
     assert f"it costs {share:.1%} of the time" in finding.message
     assert ("an info" in finding.message) is (severity is Severity.INFO)
+    assert verdicts[-1].key == ("data (rhythm)" if severity is Severity.INFO else "data"), "an info hides no warning"
 
 
 def test_slow_step_leaves_out_the_wait_for_a_cpu() -> None:

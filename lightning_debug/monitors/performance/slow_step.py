@@ -130,8 +130,11 @@ class SlowStep:
 
     @property
     def key(self) -> str:
-        """Episodes by phase; a lone outlier is an episode of its own."""
-        return self.phase.value if self.recurring else f"{self.phase.value} (once)"
+        """Episodes by phase; a lone outlier, and a periodic stall that costs little (an info), are episodes of their
+        own, so that an open one never hides a warning of the same phase."""
+        if not self.recurring:
+            return f"{self.phase.value} (once)"
+        return f"{self.phase.value} (rhythm)" if self.minor else self.phase.value
 
     @property
     def fraction(self) -> float:
