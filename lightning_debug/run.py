@@ -50,7 +50,7 @@ from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
-from lightning_debug.core.ranks import gather_failures, merge_failures
+from lightning_debug.core.ranks import bounded_wait, gather_failures, merge_failures
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
@@ -351,14 +351,24 @@ class Run:
             findings = self.failures.call(f"{type(monitor).__name__}.report_section", monitor.tally.state_dict)
             return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
 
-    def _gather_failures(self) -> None:
+    def _gather_failures(self) -> bool:
         """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
-        run that finished: see :mod:`lightning_debug.core.ranks`)."""
+        run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part.
+
+        Such a run also ends with a second bounded wait, after rank zero wrote its report and plot: a rank that
+        returned from ``finish`` early could exit while rank zero still writes, and under ``ddp_spawn`` a process that
+        ends abnormally (a C++ ``terminate`` at exit with the process group alive has been seen) makes
+        ``torch.multiprocessing`` kill the others, rank zero with its report half written. Waiting costs the other
+        ranks rank zero's writing time (about half a second with the plot), once per fit. Skipped when this gather
+        failed: a rank that did not come will not come to the second wait either.
+        """
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary())
         except Exception as failure:
             self.failures.record("gathering every rank's failed checks", failure,
                                  "this report lists this rank's failed checks only")
+            return False
+        return True
 
     def failed_checks(self) -> dict[str, dict[str, Any]]:
         """The failed checks of this run, with those of every rank on rank zero once they are gathered."""
@@ -380,12 +390,16 @@ class Run:
         if self.finished or self.started or self._finalized:
             return False
         self.finished = True
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, unroute the console."""
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()
         if self._unroute is not None:
             self._unroute()
-        return True
 
     def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
@@ -400,8 +414,9 @@ class Run:
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
-        if status is RunStatus.FINISHED and self.context.world_size > 1:
-            self._gather_failures()
+        together = status is RunStatus.FINISHED and self.context.world_size > 1
+        if together:
+            together = self._gather_failures()
         sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
         def render_failed(area: str, failure: Exception) -> None:
             self.failures.record(f"rendering the {area} section", failure,
@@ -428,9 +443,7 @@ class Run:
                 return attach_files(self.context.artifact_stores(), files)
 
             self.failures.call("concluding the run", conclude_run, self.session, report, self.config, attach, written)
-        for monitor in self.monitors:
-            self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
-            monitor.unbind()
-        if self._unroute is not None:
-            self._unroute()
+        if together:  # no rank exits while rank zero still writes: see _gather_failures
+            self.failures.call("waiting for every rank at the end of the run", bounded_wait)
+        self._release()
         return report

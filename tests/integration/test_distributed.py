@@ -173,6 +173,8 @@ def test_all_four_pickle_and_run_under_ddp_spawn(tmp_path: Path) -> None:
     debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
     assert read_report(debug_dir)["status"] == "finished"
     assert_anomaly_labelled_with_rank(debug_dir, step=6, rank=1)
+    written = max(path.stat().st_mtime for path in debug_dir.iterdir() if path.is_file())
+    assert results[1]["finished_at"] >= written, "rank 1 leaves the run only once rank zero has written its files"
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
         skipped_steps=anomaly.monitor.skipped_steps if anomaly is not None else None,
         output_dir=str(output_dir) if output_dir is not None else None,
         events_path=str(events_path) if events_path is not None else None,
-        is_global_zero=trainer.is_global_zero,
+        is_global_zero=trainer.is_global_zero, finished_at=time.time(),
     )
     (out_dir / f"result_{trainer.global_rank}.json").write_text(json.dumps(outcome))
 
