@@ -353,15 +353,7 @@ class Run:
 
     def _gather_failures(self) -> bool:
         """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
-        run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part.
-
-        Such a run also ends with a second bounded wait, after rank zero wrote its report and plot: a rank that
-        returned from ``finish`` early could exit while rank zero still writes, and under ``ddp_spawn`` a process that
-        ends abnormally (a C++ ``terminate`` at exit with the process group alive has been seen) makes
-        ``torch.multiprocessing`` kill the others, rank zero with its report half written. Waiting costs the other
-        ranks rank zero's writing time (about half a second with the plot), once per fit. Skipped when this gather
-        failed: a rank that did not come will not come to the second wait either.
-        """
+        run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part."""
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary())
         except Exception as failure:
@@ -407,6 +399,13 @@ class Run:
         ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
         ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken. Returns the
         report; later calls return the same report.
+
+        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report
+        and plot: a rank that returned early could exit while rank zero still writes, and under ``ddp_spawn`` a
+        process that ends abnormally makes ``torch.multiprocessing`` kill the others, rank zero with its report
+        half written. It costs the other ranks rank zero's writing time (about half a second with the plot), once
+        per fit, and is skipped when the gather of failed checks failed (a rank that did not come to it will not
+        come to this one either).
         """
         if self.finished:
             return self._report
@@ -443,7 +442,7 @@ class Run:
                 return attach_files(self.context.artifact_stores(), files)
 
             self.failures.call("concluding the run", conclude_run, self.session, report, self.config, attach, written)
-        if together:  # no rank exits while rank zero still writes: see _gather_failures
+        if together:  # no rank exits while rank zero still writes (see above)
             self.failures.call("waiting for every rank at the end of the run", bounded_wait)
         self._release()
         return report

@@ -47,7 +47,7 @@ class StepNumerics:
         grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
             as in an Accelerate loop right after backward): norms are divided by it on the device.
         with_param_norms: Also compute every parameter's norm (for weight norms and update ratios).
-            Without it, parameters are scanned only when asked (:meth:`scan_parameters`), which the
+            Without it, parameters are scanned only when asked (:func:`scan_parameters`), which the
             anomaly check does when the loss or gradients are non-finite: a non-finite weight shows
             up there on the next forward, so healthy steps skip a full pass over the weights.
         gradients: ``index.local_grads()`` when the caller already collected them.
@@ -129,11 +129,6 @@ class StepNumerics:
         self._read_blocking = False
         self._host: HostNumerics | None = None
         self._subscribers: list[Callable[[HostNumerics], None]] = []
-
-    def scan_parameters(self) -> list[tuple[str, float]]:
-        """Names and local norms of the non-finite parameters, now (one sync; the anomaly path only): see
-        :func:`scan_parameters`."""
-        return scan_parameters(self.index, self._read_blocking and self.world_size > 1)
 
     def subscribe(self, consumer: Callable[[HostNumerics], None]) -> None:
         """Call ``consumer`` with the host values once they are read back."""

@@ -165,8 +165,9 @@ class SlowStep:
     def _cause(self) -> str:
         if not self.epoch_start:
             return PHASE_HINTS[self.phase]
-        workers = (self.loader or {}).get("num_workers") or 0
-        if workers and not (self.loader or {}).get("persistent_workers"):
+        loader = self.loader or {}
+        workers = loader.get("num_workers") or 0
+        if workers and not loader.get("persistent_workers"):
             return (f"the first batch of an epoch waits while the DataLoader starts its {workers} worker process(es) "
                     "again, as it does every epoch with persistent_workers=False (and each re-runs the dataset's "
                     "setup): persistent_workers=True keeps them")
