@@ -222,6 +222,32 @@ def test_unused_layer_is_named_as_missing_gradient(tmp_path: Path) -> None:
     assert not starts(read_events(debug_dir(trainer)), "vanishing_grad")
 
 
+class CheckpointedAfterFrozenStem(TinyRegressor):
+    """A frozen (pretrained) stem, then blocks under reentrant activation checkpointing: the blocks' input needs
+    no gradient, so reentrant checkpointing returns an output without a graph and the blocks never train."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam", lr=1e-3)
+        self.inp.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(self.hidden, h, use_reentrant=True)
+        return self.head(torch.relu(h))
+
+
+def test_layers_cut_off_by_reentrant_checkpointing_are_named_as_cut_off(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "None of the inputs have requires_grad=True"
+        trainer, _ = fit(tmp_path, CheckpointedAfterFrozenStem(), [GradientHealthCallback()], 12)
+    missing = starts(read_events(debug_dir(trainer)), "missing_grad")
+    assert [e["step"] for e in missing] == [0]
+    details = missing[0]["details"]
+    assert details["parameters"] == details["cut_off"] == ["hidden.weight", "hidden.bias"]
+    assert details["steps_without_gradient"] == 8, "its module ran: the short window"
+    assert "checkpoint(use_reentrant=True)" in missing[0]["message"]
+
+
 def test_parameters_the_optimizer_cannot_move_are_frozen_param(tmp_path: Path) -> None:
     callback = GradientHealthCallback(gradient_checking_frequency=2, log_weights=True)
     trainer, caught = fit(tmp_path, OptimizerMistakes(), [callback], 6)

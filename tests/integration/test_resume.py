@@ -1,7 +1,7 @@
 """A run interrupted after a mid-run checkpoint and resumed from it reports what an uninterrupted run reports.
 
-All four callbacks together, with bugs planted before, across and after the checkpoint: a layer that
-is never used (missing_grad from step 0), a parameter in a param group with learning rate 0
+All four callbacks together, with bugs planted before, across and after the checkpoint: a layer whose
+output is detached (it runs and gets no gradient: missing_grad from step 0, confirmed at step 7), a parameter in a param group with learning rate 0
 (frozen_param from step 0), a non-finite loss from step 8 on, and exploding gradients on steps 3-4
 (an episode that ends before the checkpoint), 10-14 (one that spans it) and 18-19 (one that starts
 after it). The data are not shuffled and the checkpoint falls on an epoch boundary, so the resumed
@@ -51,6 +51,11 @@ class Planted(TinyRegressor):
     def __init__(self, crash_at_step: int | None = None) -> None:
         super().__init__(log_zero_from_step=NONFINITE_LOSS_FROM, unused_layer=True)
         self.crash_at_step = crash_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.unused is not None
+        cut_off = self.unused(torch.relu(self.inp(x))).detach()
+        return super().forward(x) + 0.0 * cut_off.mean()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.trainer.global_step == self.crash_at_step:

@@ -283,9 +283,10 @@ def test_missing_names_the_layers_input_side_first() -> None:
     assert "received no gradient on any of the" in verdict.finding.message
 
 
-def test_an_unused_layer_is_confirmed_after_the_window_and_labelled_where_it_began() -> None:
+def test_a_layer_cut_off_from_the_loss_is_confirmed_after_the_window_and_labelled_where_it_began() -> None:
     history = MissingHistory()
     everything = ["unused.weight", "head.weight"]
+    history.set_called(dict.fromkeys(everything, True))  # its module runs: the graph is cut before it
     assert history.observe_check(0, None, ["unused.weight"], everything).newly_confirmed == []
     confirmed = [history.observe_step(step, [], ["unused.weight"]) for step in range(1, MISSING_CONFIRM_STEPS)]
     assert confirmed[:-1] == [[]] * (MISSING_CONFIRM_STEPS - 2) and confirmed[-1] == ["unused.weight"]
@@ -296,6 +297,7 @@ def test_an_unused_layer_is_confirmed_after_the_window_and_labelled_where_it_beg
 
 def test_checks_every_step_confirm_through_the_checks_themselves() -> None:
     history = MissingHistory()
+    history.set_called({"unused.weight": True, "head.weight": True})
     seen = [history.observe_check(step, None, ["unused.weight"], ["unused.weight", "head.weight"])
             for step in range(MISSING_CONFIRM_STEPS)]
     assert [bool(s.newly_confirmed) for s in seen] == [False] * (MISSING_CONFIRM_STEPS - 1) + [True]
@@ -497,7 +499,7 @@ def test_a_replica_of_experts_that_wait_waits_longer_and_an_unused_layer_does_no
     """Experts 0-2 are replicas (one group); expert 1 waits 6 steps for its first token, so expert 2 is not
     confirmed after the fixed window but only after more than twice that wait; the unused layer, replica of
     nothing conditional, is confirmed after the window as in any model."""
-    history = MissingHistory()
+    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
     history.groups = {f"experts.{i}.w": [("experts", "w")] for i in range(3)}
     names = [*history.groups, "unused.w", "head.w"]
     history.observe_check(0, None, ["experts.1.w", "experts.2.w", "unused.w"], names)
@@ -526,7 +528,7 @@ def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_
     """Checks every 100 steps: at step 0 only expert 2 has no gradient. Expert 0, watched with it, goes without
     one on steps 2-6 (a wait of 5), so expert 2 is confirmed only after more than twice that, not after the
     fixed window."""
-    history = MissingHistory()
+    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
     history.set_groups({f"experts.{i}.w": [("experts", "w")] for i in range(3)})
     history.observe_check(0, None, ["experts.2.w"], [*history.groups, "head.w"])
     replicas = history.replicas_after_check(["experts.2.w"])  # as the monitor does
@@ -540,7 +542,7 @@ def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_
 
 
 def test_replicas_that_get_their_gradient_every_step_leave_the_fixed_window() -> None:
-    history = MissingHistory()
+    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
     history.set_groups({f"layers.{i}.w": [("layers", "w")] for i in range(3)})
     history.observe_check(0, None, ["layers.2.w"], list(history.groups))
     replicas = history.replicas_after_check(["layers.2.w"])

@@ -2,15 +2,26 @@
 receive one on some steps only.
 
 A healthy model can leave a parameter without a gradient on a step: a mixture of experts routes no
-token to some experts, LayerDrop skips whole layers, a branch runs on some inputs only. What tells
-that apart from a layer that is never used is the run's history, so the rule keeps, per parameter
-that was ever without a gradient, whether it ever had one: one that had a gradient before is
-conditional computation (``intermittent_grad``, info, with the fraction of check steps it got one);
-one that never had any is a candidate, confirmed as ``missing_grad`` only once it went without a
-gradient on :data:`MISSING_CONFIRM_STEPS` optimizer steps in a row (watched between check steps too,
-by ``.grad is None``, which costs no device work), or on every step of a shorter run. The finding is
-labelled with the check step that first saw it. Parameters are assumed to exist from their
-optimizer's first check step (one created later and left without a gradient reads as intermittent).
+token to some experts, LayerDrop skips whole layers, a branch runs on some inputs only, multi-task
+training samples one task's head per batch. What tells that apart from a layer that is never used is
+the run's history and the first forward pass, so the rule keeps, per parameter that was ever without a
+gradient, whether it ever had one: one that had a gradient before is conditional computation
+(``intermittent_grad``, info, with the fraction of check steps it got one); one that never had any is a
+candidate, watched on every optimizer step (``.grad is None``, which costs no device work) and confirmed
+as ``missing_grad`` once it went without a gradient on enough optimizer steps in a row, or on every step
+of a shorter run. The finding is labelled with the check step that first saw it. Parameters are assumed to
+exist from their optimizer's first check step (one created later and left without a gradient reads as
+intermittent).
+
+How many steps is enough depends on what the first forward pass showed (module pre-hooks,
+:class:`~lightning_debug.monitors.gradients.order.ForwardOrder`, which cost nothing after it):
+
+- the parameter's module ran in it: the forward uses the layer and the graph is cut before it (``detach()``,
+  ``no_grad()``, ``.data``), confirmed after :data:`MISSING_CONFIRM_STEPS` steps;
+- its module did not run, or that is not known (inside a compiled module): a layer no forward uses, or one
+  used on some batches only, such as a task's head sampled on a fraction ``p`` of the batches, which goes
+  ``k`` steps without a gradient with probability ``(1 - p) ** k``. These wait :data:`UNCALLED_CONFIRM_STEPS`
+  steps: 0.1% of runs for a task on 10% of the batches, 3.7% at 5%, where 8 steps would be 43% and 66%.
 
 What could still make it fire on a healthy model: an expert of a sparse MoE (many experts, few
 tokens per step) that no token reaches for longer than the window, which an untrained router does
@@ -21,12 +32,11 @@ and shape inside sibling modules of one type) are seen to get their gradient on 
 confirmed only once it has waited more than :data:`WAIT_FACTOR` times the longest wait that any
 candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`), at the end of a
 run too. Between check steps the replicas of a waiting candidate are looked at with it (at most
-:data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. Any other
-parameter keeps the fixed window, so a layer that is never used is named after
-:data:`MISSING_CONFIRM_STEPS` steps in an MoE as anywhere else. What remains: an expert that waits
-longer than the window while every one of its replicas gets a gradient on every step of that window, and a
-head that is no replica and is used on some steps only (multi-task training sampling one task per batch: a
-task on 20% of batches goes 8 steps without one in about 17% of runs), which is named.
+:data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. What remains:
+an expert that waits longer than the window while every one of its replicas gets a gradient on every step
+of that window; a head that is called on every batch but whose output enters the loss on a few batches
+only (the shorter window applies); a head sampled on fewer than 5% of the batches; and, at the end of a
+run shorter than the window, a head that no batch of the whole run used (it was not trained in that run).
 
 Example::
 
@@ -55,8 +65,12 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 MISSING_CONFIRM_STEPS = 8
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
-parameter never gets one, unless its replicas are seen to be conditional (see :data:`WAIT_FACTOR`): long
-enough for LayerDrop to keep a layer or a router with few experts to pick each one."""
+parameter whose module ran in the first forward pass never gets one, unless its replicas are seen to be
+conditional (see :data:`WAIT_FACTOR`)."""
+UNCALLED_CONFIRM_STEPS = 64
+"""The same for a parameter whose module did not run in the first forward pass (or not known to): long
+enough for a head sampled on one batch in ten, for LayerDrop to keep a layer and for a router with few
+experts to pick each one."""
 REPLICAS_WATCHED = 256
 """At most this many replicas of waiting candidates are looked at between check steps."""
 WAIT_FACTOR = 2
@@ -96,8 +110,12 @@ class MissingHistory:
     Bounded by the model's parameters; only parameters that were once without a gradient are kept.
     """
 
-    def __init__(self, confirm_steps: int = MISSING_CONFIRM_STEPS) -> None:
+    def __init__(self, confirm_steps: int = MISSING_CONFIRM_STEPS,
+                 uncalled_steps: int = UNCALLED_CONFIRM_STEPS) -> None:
         self.confirm_steps = confirm_steps
+        self.uncalled_steps = max(uncalled_steps, confirm_steps)
+        self.called: Mapping[str, bool] = {}
+        """Per parameter, whether its module ran in the first forward pass (absent: not known)."""
         self.checks: dict[Any, int] = {}
         self.absent: dict[str, int] = {}
         self.had_gradient: set[str] = set()
@@ -117,6 +135,14 @@ class MissingHistory:
         for name, keys in groups.items():
             for key in keys:
                 self.members.setdefault(key, []).append(name)
+
+    def set_called(self, called: Mapping[str, bool]) -> None:
+        """What the first forward pass showed (:meth:`ForwardOrder.called`)."""
+        self.called = dict(called)
+
+    def window(self, name: str) -> int:
+        """Steps without a gradient that confirm ``name`` (see the module's docstring)."""
+        return self.confirm_steps if self.called.get(name) else self.uncalled_steps
 
     def replicas_to_watch(self, limit: int = REPLICAS_WATCHED) -> list[str]:
         """The replicas of the candidates still waiting: looked at on every step with them (``.grad is None``),
@@ -151,7 +177,7 @@ class MissingHistory:
 
     def _confirms(self, name: str, candidate: Candidate) -> bool:
         """Whether ``candidate`` has waited long enough to be confirmed (see the module's docstring)."""
-        return candidate.steps_without >= self.confirm_steps and self._outwaited_replicas(name, candidate)
+        return candidate.steps_without >= self.window(name) and self._outwaited_replicas(name, candidate)
 
     def observe_check(self, step: int, optimizer: Any, missing: Sequence[str], judged: Collection[str]) -> MissingCheck:
         """A check step of ``optimizer`` judged the parameters ``judged``; ``missing`` of them had no gradient."""
@@ -178,7 +204,7 @@ class MissingHistory:
                 candidate.last_step = step
                 candidate.steps_without += 1
             if candidate.check_steps[-1:] != [step]:
-                candidate.check_steps = (candidate.check_steps + [step])[-self.confirm_steps:]
+                candidate.check_steps = (candidate.check_steps + [step])[-self.uncalled_steps:]
             seen.candidates.append(name)
             if candidate.confirmed:
                 seen.confirmed.append(name)
@@ -262,15 +288,32 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
     first = [history.candidates[name] for name in ordered if name in history.candidates]
     since = min((candidate.first_step for candidate in first), default=step)
     observed = max((candidate.steps_without for candidate in first), default=1)
+    cut_off = [name for name in ordered if history.called.get(name) is True]
+    not_called = [name for name in ordered if history.called.get(name) is False]
+    unknown = len(ordered) - len(cut_off) - len(not_called)
+
+    def whose(group: Sequence[str]) -> str:
+        return "Their modules" if len(group) == len(ordered) else f"The modules of {quoted(group, 3)}"
+
+    why = []
+    if cut_off:
+        why.append(f"{whose(cut_off)} ran in the first forward pass, so the graph is cut on the way to the loss "
+                   "(detach(), no_grad(), .data or .item(), or checkpoint(use_reentrant=True) on inputs that need "
+                   "no gradient): let the gradient through, or call requires_grad_(False).")
+    if not_called:
+        why.append(f"{whose(not_called)} were not called in the first forward pass: a layer no forward uses (remove "
+                   "it, or call requires_grad_(False)), or one used on rare batches only (then this is expected).")
+    if unknown:
+        why.append("A layer that is never used in the forward, or a branch cut off by detach(), no_grad(), .data "
+                   "or .item(). Use it, remove it, or call requires_grad_(False).")
     return Verdict(Finding(
         Kind.MISSING_GRAD, Severity.WARNING,
         f"{len(names)} of {trainable} trainable parameters received no gradient on any of the {observed} "
-        f"optimizer step(s) observed since step {since}: {quoted(ordered)}. A layer that is never used in the "
-        f"forward, or a branch cut off by detach(), no_grad(), .data or .item(). Use it, remove it, or call "
-        f"requires_grad_(False). {DDP_NOTE}",
+        f"optimizer step(s) observed since step {since}: {quoted(ordered)}. {' '.join(why)} {DDP_NOTE}",
         {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(names),
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "since_step": since, "steps_without_gradient": observed,
+         "cut_off": cut_off[:NAMES_IN_DETAILS], "not_called": not_called[:NAMES_IN_DETAILS],
          "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
         list(names), steps=steps)
 

@@ -162,12 +162,15 @@ class GradientMonitor(Monitor):
         self._stop_watching_forward()
 
     def _stop_watching_forward(self) -> None:
-        """The first forward pass is over: keep the module execution order (see :class:`ForwardOrder`)."""
+        """The first forward pass is over: keep the module execution order (see :class:`ForwardOrder`) and which
+        modules ran (how long a parameter without a gradient waits, see :mod:`.missing`)."""
         if not self.order.watching:
             return
         self.order.stop()
         if self.order.module_names:
-            self._positions = self.order.positions([user_name(name) for name, _ in self.context.named_parameters()])
+            names = [user_name(name) for name, _ in self.context.named_parameters()]
+            self._positions = self.order.positions(names)
+            self.history.missing.set_called(self.order.called(names))
             self.order_source = "forward execution order (module pre-hooks on the first training batch)"
 
     # --- check step -----------------------------------------------------------------------------
@@ -343,8 +346,7 @@ class GradientMonitor(Monitor):
         if pending.judged is not None:
             waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
             replicas = missing.replicas_after_check(host.missing) if waiting else []
-            self._watch.replace(optimizer, waiting + replicas,
-                                host.grad_names[-1] if host.grad_names else None, pending.judged.names,
+            self._watch.replace(optimizer, waiting + replicas, host.grad_names, pending.judged.names,
                                 pending.judged.params)
 
     def _observe_candidates(self, step: int) -> None:

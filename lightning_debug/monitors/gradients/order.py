@@ -35,6 +35,9 @@ class ForwardOrder:
         >>> order.watch(tied); _ = tied.head(tied.embed(torch.ones(1, 2))); order.stop()
         >>> order.positions(["head.weight", "head.bias", "embed.bias"])
         {'head.weight': (0, 0), 'head.bias': (1, 1), 'embed.bias': (0, 2)}
+        >>> order.watch(tied); _ = tied.embed(torch.ones(1, 2)); order.stop()
+        >>> order.called(["head.weight", "head.bias", "embed.bias"])
+        {'head.weight': True, 'head.bias': False, 'embed.bias': True}
     """
 
     def __init__(self) -> None:
@@ -76,6 +79,23 @@ class ForwardOrder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def called(self, parameter_names: Sequence[str]) -> dict[str, bool]:
+        """Per parameter, whether a module holding it ran in the watched forward pass; parameters inside a
+        compiled module (not watched) are left out: unknown."""
+        seen = set(self.module_names)
+
+        def inside_compiled(module: str) -> bool:
+            return any(module.startswith(c + ".") for c in self._compiled)
+
+        called = {}
+        for name in parameter_names:
+            holders = self._holders.get(name) or [module_of(name)]
+            if any(holder in seen for holder in holders):
+                called[name] = True
+            elif not all(inside_compiled(holder) for holder in holders):
+                called[name] = False
+        return called
 
     def positions(self, parameter_names: Sequence[str]) -> dict[str, tuple[int, int]]:
         """Sort keys (module position, registration index) for each parameter name."""
