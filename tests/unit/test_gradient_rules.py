@@ -25,6 +25,7 @@ from lightning_debug.monitors.gradients.follow_up import Explosions
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
 from lightning_debug.monitors.gradients.missing import (
     MISSING_CONFIRM_STEPS,
+    UNCALLED_CONFIRM_STEPS,
     WAIT_FACTOR,
     MissingHistory,
     judge_intermittent,
@@ -293,6 +294,23 @@ def test_a_layer_cut_off_from_the_loss_is_confirmed_after_the_window_and_labelle
     assert history.candidates["unused.weight"].check_steps == [0]
     later = history.observe_check(10, None, ["unused.weight"], everything)
     assert later.confirmed == ["unused.weight"] and later.intermittent == []
+
+
+def test_a_layer_whose_module_was_not_called_or_is_not_known_to_be_waits_the_long_window() -> None:
+    """A task's head that no batch has sampled yet looks like an unused layer: neither ran in the first forward,
+    so both wait 64 steps; a layer that ran and got no gradient is cut off and waits 8."""
+    history = MissingHistory()
+    history.set_called({"cut.w": True, "uncalled.w": False})
+    names = ["cut.w", "uncalled.w", "compiled.w", "trunk.w"]
+    history.observe_check(0, None, names[:3], names)
+    confirmed = {step: history.observe_step(step, [], names[:3]) for step in range(1, 100)}
+    assert {name: step for step, found in confirmed.items() for name in found} == {
+        "cut.w": MISSING_CONFIRM_STEPS - 1, "uncalled.w": UNCALLED_CONFIRM_STEPS - 1,
+        "compiled.w": UNCALLED_CONFIRM_STEPS - 1}
+    verdict = judge_missing(99, names[:3], 4, {}, history)
+    assert verdict is not None
+    assert (verdict.finding.details["cut_off"], verdict.finding.details["not_called"]) == (["cut.w"], ["uncalled.w"])
+    assert "`cut.w`" in verdict.finding.message and "A layer that is never used" in verdict.finding.message
 
 
 def test_checks_every_step_confirm_through_the_checks_themselves() -> None:
