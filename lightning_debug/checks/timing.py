@@ -154,6 +154,9 @@ class StepTimes:
     micro_batches: int = 1
     own_ms: float = 0.0
     cpu_waits: dict[Phase, float] = dataclasses.field(default_factory=dict)
+    elements: int | None = None
+    """The elements of the step's input (its first tensor's, summed over micro-batches): what a longer sequence, a
+    larger image or a larger batch makes grow."""
 
     def judged(self, phase: Phase) -> float:
         return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
@@ -209,6 +212,7 @@ class PhaseTimer:
         self._closed = 0
         self.samples: int | None = 0
         self.tokens: int | None = None
+        self.elements: int | None = 0
         self.micro_batches = 0
         self.saw_optimizer = False
         self.excluded = False
@@ -237,8 +241,9 @@ class PhaseTimer:
         self._closed = len(self.intervals)
         return self.last_stop
 
-    def add_samples(self, samples: int | None, tokens: int | None) -> None:
+    def add_samples(self, samples: int | None, tokens: int | None, elements: int | None = None) -> None:
         self.samples = None if samples is None or self.samples is None else self.samples + samples
+        self.elements = None if elements is None or self.elements is None else self.elements + elements
         if tokens is not None:
             self.tokens = (self.tokens or 0) + tokens
 
@@ -266,21 +271,13 @@ class PhaseTimer:
             phases[phase] = phases.get(phase, 0.0) + elapsed - own
             waits[phase] = waits.get(phase, 0.0) + min(max(wait, 0.0), elapsed - own)
         return StepTimes(self.step, phases, self.samples or None, self.tokens, max(self.micro_batches, 1), own_total,
-                         waits)
+                         waits, self.elements or None)
 
 
-def infer_batch_size(batch: Any, _depth: int = 0) -> int | None:
-    """Dimension 0 of the first tensor in a tensor, tuple, list or mapping (None when there is none).
-
-    Example::
-
-        >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
-        8
-        >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
-        (3, None)
-    """
+def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
+    """The first tensor in a tensor, tuple, list or mapping, at most four levels deep (None when there is none)."""
     if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.ndim else 1
+        return batch
     if _depth >= 4:
         return None
     if isinstance(batch, Mapping):
@@ -290,10 +287,26 @@ def infer_batch_size(batch: Any, _depth: int = 0) -> int | None:
     else:
         return None
     for value in values:
-        size = infer_batch_size(value, _depth + 1)
-        if size is not None:
-            return size
+        found = first_tensor(value, _depth + 1)
+        if found is not None:
+            return found
     return None
+
+
+def infer_batch_size(batch: Any) -> int | None:
+    """Dimension 0 of the first tensor in a tensor, tuple, list or mapping (None when there is none).
+
+    Example::
+
+        >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
+        8
+        >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
+        (3, None)
+    """
+    tensor = first_tensor(batch)
+    if tensor is None:
+        return None
+    return int(tensor.shape[0]) if tensor.ndim else 1
 
 
 @dataclass

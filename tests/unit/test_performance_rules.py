@@ -46,10 +46,12 @@ SETTINGS = PerformanceSettings()
 
 
 def times(step: int, data: float = 1.0, forward: float = 10.0, backward: float = 20.0, optimizer: float = 5.0,
-          *, cpu_wait: dict[Phase, float] | None = None, samples: int | None = None) -> StepTimes:
+          *, cpu_wait: dict[Phase, float] | None = None, samples: int | None = None,
+          elements: int | None = None) -> StepTimes:
     """One recorded step, phase times in ms."""
     return StepTimes(step, {Phase.DATA: data, Phase.FORWARD: forward, Phase.BACKWARD: backward,
-                            Phase.OPTIMIZER: optimizer}, samples=samples, cpu_waits=dict(cpu_wait or {}))
+                            Phase.OPTIMIZER: optimizer}, samples=samples, cpu_waits=dict(cpu_wait or {}),
+                     elements=elements)
 
 
 def feed_slow(rule: SlowStepRule, recorded: list[StepTimes], settings: PerformanceSettings = SETTINGS) -> list[Any]:
@@ -101,6 +103,47 @@ def test_lone_far_outlier_is_an_info_naming_its_phase() -> None:
     assert finding.kind is Kind.SLOW_STEP and finding.severity is Severity.INFO
     assert finding.details["phase"] == "optimizer" and set(finding.details["phases_ms"]) == {p.value for p in Phase}
     assert "the optimizer phase took 2000.0 ms" in finding.message
+
+
+def test_a_burst_of_slow_steps_in_a_row_is_a_warning_once_it_ends() -> None:
+    """Three slow steps in a row could be a burst or a new level: held until a step comes back under the threshold
+    of before, then the warning, labelled at the burst's last step."""
+    recorded = [times(step) for step in range(20)] + [times(step, data=300.0) for step in (20, 21, 22)] + [times(23)]
+    verdicts = feed_slow(SlowStepRule(), recorded)
+    assert verdicts[:23] == [None] * 23
+    burst = verdicts[23]
+    assert burst is not None and burst.step == 22 and burst.recurring and burst.shift is None
+    assert burst.finding().severity is Severity.WARNING and burst.key == "data"
+
+
+@pytest.mark.parametrize(("elements_after", "explained"), [(4096, True), (1024, False)])
+def test_steps_that_stay_slow_are_a_new_level_told_as_an_info(elements_after: int, explained: bool) -> None:
+    """A sequence-length schedule: from step 30 each step has 4x the tokens and takes 8x as long, for good. No
+    warning at all; once the recent median has followed, one info labelled at step 30, which says the input grew
+    (or, when it did not, what else makes every step slower)."""
+    recorded = [times(step, forward=10.0, backward=20.0, elements=1024) for step in range(30)]
+    recorded += [times(step, forward=80.0, backward=200.0, elements=elements_after) for step in range(30, 120)]
+    verdicts = [v for v in feed_slow(SlowStepRule(), recorded) if v is not None]
+    assert len(verdicts) == 1, verdicts
+    shift = verdicts[0]
+    assert shift.step == 30 and shift.shift is not None and shift.key == "backward (shift)"
+    finding = shift.finding()
+    assert finding.severity is Severity.INFO and finding.details["shift_step"] == 30
+    assert finding.details["factor"] == pytest.approx(286.0 / 36.0, rel=0.01)
+    assert ("4.0x the elements" in finding.message) is explained
+    assert ("did not grow" in finding.message) is not explained
+
+
+def test_slow_steps_in_a_row_are_no_period_whatever_the_timing_frequency() -> None:
+    """Timed every 10th step, a new level makes every timed step slow: ten steps apart, and still no rhythm."""
+    settings = PerformanceSettings(frequency=10)
+    recorded = [times(step) for step in range(0, 200, 10)] + [times(step, data=300.0) for step in range(200, 260, 10)]
+    rule = SlowStepRule()
+    assert [v for v in feed_slow(rule, recorded, settings) if v is not None] == []
+    assert rule.period() is None and rule.period(3) is None
+    held = rule.flush()
+    assert held is not None and held.step == 200 and held.shift is not None and held.shift.ended_run
+    assert held.finding().severity is Severity.INFO and "until the end of the run" in held.finding().message
 
 
 def test_recurring_outliers_are_a_warning_keyed_by_phase() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.timing import CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, infer_batch_size
+from lightning_debug.checks.timing import CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, first_tensor
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
@@ -166,9 +166,12 @@ class PerformanceMonitor(Monitor):
             self._next_start = None
         timer.enter(Phase.FORWARD)
         timer.excluded = timer.excluded or self.windows.active
-        samples = self.batch_size_fn(batch) if self.batch_size_fn is not None else infer_batch_size(batch)
+        tensor = first_tensor(batch)
+        samples = (self.batch_size_fn(batch) if self.batch_size_fn is not None
+                   else None if tensor is None else int(tensor.shape[0]) if tensor.ndim else 1)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
-        timer.add_samples(None if samples is None else int(samples), None if tokens is None else int(tokens))
+        timer.add_samples(None if samples is None else int(samples), None if tokens is None else int(tokens),
+                          None if tensor is None else tensor.numel())
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         """The loss is computed; the forward phase ends."""
@@ -233,6 +236,9 @@ class PerformanceMonitor(Monitor):
             except Exception:  # a failed CUDA context must not hide the run's own error
                 pending.excluded = True
         self._poll(final=True)
+        held = self.slow_steps.flush()
+        if held is not None:
+            self.record(held.finding(), held.step, where, key=held.key)
         self.windows.stop_profiler()
         self._where = where  # the sync-debug window's finding, if still open, is placed where the run ended
         self.windows.end_sync_window(step)
@@ -298,7 +304,7 @@ class PerformanceMonitor(Monitor):
                 slow = replace(slow, hooks=self.ledger.noted(self.slow_steps.recent_outliers()))
             if slow.phase is Phase.DATA and (where or {}).get("batch") == 0:
                 slow = replace(slow, epoch_start=True, loader=self.loader)
-            self.record(slow.finding(), times.step, where, key=slow.key)
+            self.record(slow.finding(), slow.step, where, key=slow.key)
         waiting = self.data_wait.judge(times, self.settings)
         if waiting is not None:
             self.record(waiting.finding(self.loader, self.stopwatch.uses_cuda, usable_cpus()), times.step, where)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_debug.checks.robust import robust_sigma
@@ -12,6 +12,7 @@ from lightning_debug.checks.timing import PHASES, Phase, StepTimes
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.stats import Window
+from lightning_debug.monitors.performance.level_shift import SlowRun, Shift
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
 RECENT_STEPS = 50
@@ -122,6 +123,8 @@ class SlowStep:
     epoch_start: bool = False
     """The slow step is the first of an epoch and its data phase grew: the loader's iterator starting."""
     loader: dict[str, Any] | None = None
+    shift: Shift | None = None
+    """Set when the slow steps did not end but became the run's level (see :class:`Shift`)."""
 
     @property
     def minor(self) -> bool:
@@ -130,8 +133,10 @@ class SlowStep:
 
     @property
     def key(self) -> str:
-        """Episodes by phase; a lone outlier, and a periodic stall that costs little (an info), are episodes of their
-        own, so that an open one never hides a warning of the same phase."""
+        """Episodes by phase; a lone outlier, a periodic stall that costs little and a shift (infos) are episodes of
+        their own, so that an open one never hides a warning of the same phase."""
+        if self.shift is not None:
+            return f"{self.phase.value} (shift)"
         if not self.recurring:
             return f"{self.phase.value} (once)"
         return f"{self.phase.value} (rhythm)" if self.minor else self.phase.value
@@ -184,6 +189,8 @@ class SlowStep:
         return f" In those steps Lightning also ran: {ran}: a likely cause."
 
     def finding(self) -> Finding:
+        if self.shift is not None:
+            return self.shift.finding(self.phase)
         how_often = self._how_often()
         factor = self.step_ms / self.median_step_ms
         details: dict[str, Any] = {
@@ -222,6 +229,15 @@ class SlowStepRule:
     A busy machine's hiccups are irregular and rarely that far out: four of them exactly
     equidistant, or five 20x-and-100-ms stalls in fifty steps, are not what jitter looks like.
 
+    A healthy run can also change its level: a sequence-length or batch-size schedule, progressive resizing or a
+    backbone unfrozen makes every step from one on slower, by design. Outliers on consecutive timed steps are
+    therefore held from the second: when a step comes back under the threshold of before, they were a burst
+    (the warning, labelled at its step); when one stops being an outlier only because the recent median followed
+    them, the step time moved to a new level (an info from the run's first slow step, which says whether the input
+    per step grew), and steps are judged against that level from then on. Consecutive timed outliers are never a
+    period, whatever the timing frequency. What this gives up: stalls on every step for longer than the median
+    takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info.
+
     A healthy run also has a rhythm: an epoch boundary, a checkpoint or a validation every few
     hundred steps makes one step in that many slow, by design. A stall that recurs only with its
     period is therefore a warning only when it costs ``MIN_PERIODIC_SHARE`` of the time or more
@@ -249,6 +265,8 @@ class SlowStepRule:
         self.timed: deque[int] = deque(maxlen=RECENT_STEPS)
         self.outlier_steps: deque[int] = deque(maxlen=RECENT_STEPS)
         self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
+        self.elements = Window(RECENT_STEPS)
+        self._run: SlowRun | None = None
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
         """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a
@@ -261,6 +279,8 @@ class SlowStepRule:
         period = min(gaps)
         if period < 2 or any(gap % period for gap in gaps):
             return None
+        if sum(1 for step in self.timed if last[0] <= step <= last[-1]) == len(last):
+            return None  # every timed step between them was slow: a run of slow steps, not a rhythm
         timed = set(self.timed)
         due = (earlier + period * j for earlier, gap in zip(last, gaps) for j in range(1, gap // period))
         return None if any(step in timed for step in due) else period
@@ -299,7 +319,12 @@ class SlowStepRule:
         self.flags.append(outlier)
         self.timed.append(times.step)
         if not outlier:
-            return None
+            return self._end_run(judged)
+        run = self._run
+        if run is None:
+            run = self._run = SlowRun(times.step, median, threshold, {phase: self.phases[phase].median() for phase in PHASES},
+                                   self.elements.median() if len(self.elements) else None)
+        run.add(times)
         self.outlier_steps.append(times.step)
         far = judged >= SLOW_LONE_FACTOR * median and judged - median >= FAR_MS
         if far:
@@ -317,14 +342,46 @@ class SlowStepRule:
         phase = max(excess, key=lambda name: excess[name])
         share = (time_share(judged - median, smallest_period(period, settings.frequency), median)
                  if period is not None and flagged < SLOW_MIN_FLAGGED and not frequent else None)
-        return SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
-                        threshold, flagged, len(self.flags), recurring, dict(times.phases), times.own_ms,
-                        sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
-                        len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
-                        settings.frequency, share=share)
+        verdict = SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
+                           threshold, flagged, len(self.flags), recurring, dict(times.phases), times.own_ms,
+                           sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
+                           len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
+                           settings.frequency, share=share)
+        if recurring and period is None and run.length > 1:  # slow steps in a row: a burst or a new level, held
+            run.held = verdict
+            return None
+        return verdict
+
+    def _end_run(self, judged_ms: float) -> SlowStep | None:
+        """A timed step that is not an outlier ends a run of them: the burst it held, if this step is back under the
+        threshold of before, or the shift to a new level (whose outliers are then forgotten)."""
+        run, self._run = self._run, None
+        if run is None or run.held is None:
+            return None
+        if judged_ms <= run.base_threshold:
+            return run.held
+        self._new_level(run.start)
+        return replace(run.held, step=run.start, shift=run.shift(run.held.phase))
+
+    def _new_level(self, start: int) -> None:
+        """Steps are judged against the new level only: the history before it, and its outliers, are forgotten."""
+        self.steps, self.elements = Window(RECENT_STEPS), Window(RECENT_STEPS)
+        self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
+        self.flags.clear()
+        self.outlier_steps = deque((s for s in self.outlier_steps if s < start), maxlen=RECENT_STEPS)
+        self.far_steps = deque((s for s in self.far_steps if s < start), maxlen=RECENT_STEPS)
+
+    def flush(self) -> SlowStep | None:
+        """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the end."""
+        run, self._run = self._run, None
+        if run is None or run.held is None:
+            return None
+        return replace(run.held, step=run.start, shift=run.shift(run.held.phase, ended_run=True))
 
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history (after it was judged)."""
         self.steps.add(times.judged_step_ms)
         for phase in PHASES:
             self.phases[phase].add(times.judged(phase))
+        if times.elements:
+            self.elements.add(times.elements)

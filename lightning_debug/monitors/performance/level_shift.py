@@ -1,0 +1,92 @@
+"""Slow steps that do not end: the step time moved to a new level (a schedule that grows the input, a backbone
+unfrozen, a slower machine), told apart from a burst of stalls by what the steps after them do.
+
+Example::
+
+    >>> shift = Shift(start=200, steps=12, before_ms=16.0, after_ms=96.0, phase_before_ms=9.0, phase_after_ms=61.0,
+    ...               elements_ratio=4.0)
+    >>> finding = shift.finding(Phase.FORWARD)
+    >>> finding.severity.value, finding.details["factor"], "4.0x the elements" in finding.message
+    ('info', 6.0, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lightning_debug.checks.timing import PHASES, Phase, StepTimes
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+if TYPE_CHECKING:
+    from lightning_debug.monitors.performance.slow_step import SlowStep
+
+SHIFT_ELEMENTS_RATIO = 1.5
+"""Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule."""
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Slow steps in a row that did not end: the run's step time moved to a new level at ``start`` (and the
+    judged step stopped being an outlier because the recent median followed it, not because it got faster)."""
+
+    start: int
+    steps: int
+    before_ms: float
+    after_ms: float
+    phase_before_ms: float
+    phase_after_ms: float
+    elements_ratio: float | None
+    ended_run: bool = False
+    """The shift lasted to the end of the run, too few steps to tell it from a stall at the end."""
+
+    def finding(self, phase: Phase) -> Finding:
+        factor = self.after_ms / self.before_ms if self.before_ms > 0 else math.inf
+        if self.elements_ratio is not None and self.elements_ratio >= SHIFT_ELEMENTS_RATIO:
+            why = (f"each step's input has {self.elements_ratio:.1f}x the elements it had: a longer sequence, a larger "
+                   "image or a larger batch (a schedule that grows them) costs this by design")
+        else:
+            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code path "
+                   "in training_step, or a slower machine (another process, throttling) would do this")
+        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
+                  else "and stayed there: a new level, not a stall")
+        return Finding(
+            Kind.SLOW_STEP, Severity.INFO,
+            f"From step {self.start} on, steps take {self.after_ms:.1f} ms instead of {self.before_ms:.1f} ms "
+            f"({factor:.1f}x), {self.steps} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
+            f"most ({self.phase_before_ms:.1f} -> {self.phase_after_ms:.1f} ms). {why[0].upper()}{why[1:]}.",
+            {"phase": phase.value, "shift_step": self.start, "before_ms": self.before_ms,
+             "after_ms": self.after_ms, "factor": factor, "timed_steps": self.steps,
+             "elements_ratio": self.elements_ratio, "ended_run": self.ended_run, "recurring": False})
+
+
+@dataclass
+class SlowRun:
+    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums."""
+
+    start: int
+    base_median: float
+    base_threshold: float
+    base_phases: dict[Phase, float]
+    base_elements: float | None
+    length: int = 0
+    total_ms: float = 0.0
+    phase_ms: dict[Phase, float] = field(default_factory=dict)
+    elements: int = 0
+    held: SlowStep | None = None
+    """The verdict held back while the run lasts (see :class:`~.slow_step.SlowStepRule`)."""
+
+    def add(self, times: StepTimes) -> None:
+        self.length += 1
+        self.total_ms += times.judged_step_ms
+        for phase in PHASES:
+            self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + times.judged(phase)
+        self.elements += times.elements or 0
+
+    def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
+        ratio = (self.elements / self.length / self.base_elements
+                 if self.elements and self.base_elements else None)
+        return Shift(self.start, self.length, self.base_median, self.total_ms / self.length,
+                     self.base_phases[phase], self.phase_ms[phase] / self.length, ratio, ended_run)
