@@ -1,6 +1,7 @@
-"""Steps that become slower for good, by design: a batch-size schedule makes every step from one on
-several times slower. That is a new level, told as an info that names the input's growth, and never a
-``slow_step`` warning; slow steps that end are still the warning. Real Trainer runs on CPU."""
+"""Steps that become slower for good, by design: a batch-size or sequence-length schedule makes every step
+from one on several times slower, and the host's memory higher. That is a new level, told as an info that
+names the input's growth, never a ``slow_step`` or ``memory_growth`` warning; slow steps that end are still
+the warning. Real Trainer runs on CPU."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_debug import DebugConfig, PerformanceProfilerCallback
+from lightning_debug import DebugConfig, PerformanceProfilerCallback, debug_callbacks
 from tests.harness.toolkit import debug_dir, make_trainer, read_events
 
 pytestmark = pytest.mark.timeout(180)
@@ -76,3 +77,40 @@ def test_slow_steps_in_a_row_that_end_are_still_a_warning(tmp_path: Path) -> Non
     warnings = [e for e in found if e["severity"] == "warning"]
     assert [e["step"] for e in warnings] == [14], [e["message"] for e in found]
     assert warnings[0]["details"]["slow_steps"] == 3 and warnings[0]["details"]["phase"] == "forward"
+
+
+class GrowingSequences(pl.LightningModule):
+    """A small transformer encoder under a sequence-length schedule: 16, then 64, then 256 tokens, 100 steps each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+        self.out = nn.Linear(64, 100)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        return nn.functional.cross_entropy(self.out(self.encoder(self.embed(tokens))).flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        batches = [(torch.randint(0, 100, (8, length), generator=generator),)
+                   for length in [16] * 100 + [64] * 100 + [256] * 100]
+        return DataLoader(batches, batch_size=None)
+
+
+def test_a_sequence_length_schedule_is_quiet_with_every_check_every_step(tmp_path: Path) -> None:
+    """Each step slower and the host's memory higher from each change on: neither a slow_step nor a memory_growth
+    warning (before, both were: the slow steps in a row, and the heap's steps up read as a leak)."""
+    pl.seed_everything(0)
+    config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
+                         performance_profiling_frequency=1)
+    trainer = make_trainer(tmp_path, debug_callbacks(config), max_steps=300, limit_val_batches=0)
+    trainer.fit(GrowingSequences())
+    events = read_events(debug_dir(trainer))
+    assert not [(e["kind"], e["step"]) for e in events if e["severity"] in ("warning", "error", "critical")]
+    shifts = [e for e in events if e["kind"] == "slow_step" and "shift_step" in e["details"]]
+    assert shifts and {e["details"]["shift_step"] for e in shifts} <= {100, 200}

@@ -7,6 +7,8 @@ Covers ``memory_high`` (:mod:`lightning_debug.monitors.memory.high`), the leak r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import dataclasses
 import random
 
@@ -45,14 +47,15 @@ def cuda_reading(allocated: float, reserved: float | None = None, total: float =
                                cuda_peak=int(allocated), cuda_total=int(total))
 
 
-def replay(readings: list[tuple[int, MemoryReading]], settings: MemorySettings = MemorySettings()
-           ) -> tuple[list[LeakStep | None], GrowthSeries]:
-    """The leak rule's decisions over recorded readings, as the monitor takes them (None: skipped)."""
+def replay(readings: list[tuple[int, MemoryReading]], settings: MemorySettings = MemorySettings(),
+           elements: Callable[[int], int | None] = lambda step: None) -> tuple[list[LeakStep | None], GrowthSeries]:
+    """The leak rule's decisions over recorded readings, as the monitor takes them (None: skipped); ``elements``
+    gives each step's input size."""
     series = GrowthSeries(settings.window, settings.warmup_readings, settings.min_spacing)
     suspected = explained = False
     steps: list[LeakStep | None] = []
     for step, reading in readings:
-        if not series.add(step, reading.leak_series()):
+        if not series.add(step, reading.leak_series(), elements(step)):
             steps.append(None)
             continue
         action = next_leak_step(series.growing(), suspected, explained)
@@ -101,6 +104,35 @@ def test_growth_that_has_stopped_is_no_leak() -> None:
     assert trend.slope > 0 and trend.consistency >= 0.7, "at step 350 the whole window's line alone calls it growth"
     leak, _ = replay([(step, cpu_reading(200 * MB + 1.6 * MB * step)) for step in range(0, 1000, 50)])
     assert LeakStep.CONFIRM in leak
+
+
+def test_host_memory_that_steps_up_with_a_schedule_of_larger_inputs_is_no_leak() -> None:
+    """A sequence-length schedule, 4x the tokens every 100 steps, every step checked (readings 8 steps apart): the
+    heap steps up with the input (the arenas follow the activations' size), which the window's line calls growth.
+    Judged with the input's size it is not; once the window holds one size only, a leak is named again."""
+    def tokens(step: int) -> int:
+        return 8 * 16 * 4 ** min(step // 100, 2)
+
+    def heap(step: int) -> float:
+        return 200 * MB + 4 * MB * min(step // 100, 2) + 0.01 * MB * (step % 7)
+
+    settings = MemorySettings(window=32, warmup_readings=2, min_spacing=8)
+    schedule = [(step, cpu_reading(heap(step))) for step in range(0, 300)]
+    blind, _ = replay(schedule, settings)
+    assert LeakStep.CONFIRM in blind, "without the input's size the steps read as growth"
+    steps, series = replay(schedule, settings, tokens)
+    assert LeakStep.SUSPECT not in steps and series.input_grew()
+    leak_later = [(step, cpu_reading(heap(step) + (0.2 * MB * (step - 300) if step > 300 else 0)))
+                  for step in range(0, 900)]
+    assert LeakStep.CONFIRM in replay(leak_later, settings, tokens)[0], "a leak after the schedule is named"
+
+
+def test_a_leak_under_batches_of_random_lengths_is_still_named() -> None:
+    """Length-bucketed batches (8 to 160 tokens at random) are no schedule: the input's halves have the same median."""
+    lengths = torch.randint(8, 160, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    leak = [(step, cpu_reading(200 * MB + 0.5 * MB * step)) for step in range(0, 400, 10)]
+    steps, series = replay(leak, elements=lambda step: 8 * lengths[step])
+    assert LeakStep.CONFIRM in steps and not series.input_grew()
 
 
 def test_a_steady_leak_is_suspected_then_confirmed_then_ongoing() -> None:

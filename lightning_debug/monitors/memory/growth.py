@@ -19,7 +19,12 @@ What could make it fire on a healthy model, and how it is ruled out:
 - growth that has stopped: a cache filled in the first epoch (decoded samples kept in RAM) rises, then
   stays, and the window's line still rises after it has; the latest half of the window (at least 3
   readings) must rise at least ``RECENT_SLOPE_SHARE`` as fast as the whole window. A leak keeps its
-  pace; at worst a noisy half delays its finding by a reading.
+  pace; at worst a noisy half delays its finding by a reading;
+- a schedule that grows each step's input (sequence length, batch size, image size): the host's heap and
+  resident set grow with it, in steps, as the allocator sizes its arenas to larger activations. While
+  the window's later half was given :data:`INPUT_GROWTH` times the input elements of its earlier half
+  (medians; the batch's first tensor, read on check steps, so batches of random lengths do not count),
+  the host series are not judged. A leak shows again once the window holds one input size.
 
 Example::
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -57,6 +63,9 @@ from lightning_debug.core.kinds import Kind, Severity
 GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
 # The latest half of the window must rise at least this share as fast as the whole: growth that goes on.
 RECENT_SLOPE_SHARE = 0.5
+INPUT_GROWTH = 1.5
+INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss"})
+"""The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not)."""
 
 
 class GrowthStatus(enum.StrEnum):
@@ -96,19 +105,22 @@ class GrowthSeries:
         self.points: dict[str, deque[tuple[int, float]]] = {}
         self.trends: dict[str, Trend] = {}
         self.readings = 0
+        self.inputs: deque[tuple[int, int]] = deque(maxlen=window)
 
     def takes(self, step: int) -> bool:
         """Whether :meth:`add` would take the next reading, at ``step`` (a reader may skip what it costs otherwise)."""
         latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
         return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= self.min_spacing)
 
-    def add(self, step: int, values: Mapping[str, float]) -> bool:
-        """Add a reading; False (and nothing added) during warm-up or fewer than ``min_spacing`` steps
-        after the last reading of the window."""
+    def add(self, step: int, values: Mapping[str, float], elements: int | None = None) -> bool:
+        """Add a reading (and the elements of that step's input, when known); False (and nothing added) during
+        warm-up or fewer than ``min_spacing`` steps after the last reading of the window."""
         takes = self.takes(step)
         self.readings += 1
         if not takes:
             return False
+        if elements:
+            self.inputs.append((step, elements))
         for name, value in values.items():
             self.points.setdefault(name, deque(maxlen=self.window)).append((step, value))
         self.trends = {name: trend for name, points in self.points.items() if (trend := fit_trend(list(points)))}
@@ -117,8 +129,26 @@ class GrowthSeries:
     def growing(self) -> dict[str, Trend]:
         """The series that grow steadily (:func:`~lightning_debug.checks.memory.is_steady_growth`), in
         the order of the reading (exact counts first, the resident set last)."""
+        skipped = INPUT_DRIVEN if self.input_grew() else frozenset()
         return {name: trend for name, trend in self.trends.items()
-                if is_steady_growth(trend, GROWTH_FLOORS[name]) and self._still_rising(name, trend)}
+                if name not in skipped and is_steady_growth(trend, GROWTH_FLOORS[name]) and self._still_rising(name, trend)}
+
+    def input_grew(self) -> bool:
+        """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half.
+
+        Example::
+
+            >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_rss": 1.0}, 1024 if step < 4 else 4096) for step in range(8)]
+            >>> series.input_grew()
+            True
+        """
+        start = self.points["cpu_rss"][0][0] if self.points.get("cpu_rss") else 0
+        sizes = [elements for step, elements in self.inputs if step >= start]
+        if len(sizes) < 4:
+            return False
+        half = len(sizes) // 2
+        return statistics.median(sizes[half:]) >= INPUT_GROWTH * statistics.median(sizes[:half])
 
     def _still_rising(self, name: str, trend: Trend) -> bool:
         """Whether the latest half of ``name``'s window rises at least ``RECENT_SLOPE_SHARE`` as fast as ``trend``."""

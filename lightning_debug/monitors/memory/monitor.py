@@ -33,6 +33,7 @@ from lightning_debug.checks.memory import (
     read_memory,
     take_census,
 )
+from lightning_debug.checks.timing import first_tensor
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.guard import describe
@@ -68,7 +69,8 @@ class MemoryMonitor(Monitor):
     step; an out-of-memory exception gets a post-mortem that names the phase of the step the run was in
     (:attr:`RunLedger.phase <lightning_debug.core.ledger.RunLedger.phase>`, which the run keeps). Other
     steps cost nothing: the run calls the step's events on check steps only (``due_events``), and the
-    phase boundaries only from ADVANCED level on, which reads memory at each of them.
+    phase boundaries only from ADVANCED level on, which reads memory at each of them (below it, the batch's
+    start on check steps only notes the input's size).
     """
 
     area = Area.MEMORY
@@ -80,8 +82,8 @@ class MemoryMonitor(Monitor):
     def __init__(self, config: DebugConfig, source: str = "MemoryProfilerCallback") -> None:
         super().__init__(config, source)
         self.settings = MemorySettings.from_config(config)
-        if not self.settings.phase_readings:  # the phase boundaries read nothing: only the check itself is called
-            self.events = self.events - {Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EVALUATION}
+        if not self.settings.phase_readings:  # the phase boundaries read nothing: the check and its input's size
+            self.events = self.events - {Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EVALUATION}
             self.due_events = self.due_events & self.events
         self.stats: dict[str, RunningStats] = {}
         self.phase_stats: dict[MemoryPhase, RunningStats] = {}
@@ -97,6 +99,7 @@ class MemoryMonitor(Monitor):
         self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
         self._heap_step: int | None = None
+        self._elements: int | None = None
 
     @property
     def current_phase(self) -> MemoryPhase | None:
@@ -115,6 +118,9 @@ class MemoryMonitor(Monitor):
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
         self.phase(MemoryPhase.FORWARD, step)
+        if self.due(step):  # the input's size, which the host's memory follows (see growth.INPUT_GROWTH)
+            tensor = first_tensor(batch)
+            self._elements = None if tensor is None else tensor.numel()
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         self.phase(MemoryPhase.BACKWARD, step)
@@ -194,7 +200,7 @@ class MemoryMonitor(Monitor):
 
     # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
-        if not self.windows.add(step, reading.leak_series()):
+        if not self.windows.add(step, reading.leak_series(), self._elements):
             if self._growth is not None:
                 self.record(self._growth, step, where)
             return
