@@ -39,6 +39,7 @@ CLIMB_CONFIRM = 4
 # ... and at least CLIMB_SIGMAS robust standard deviations of single losses (measured when the best level was
 # reached) above that best level: the lowest of hundreds of noisy levels is itself an extreme of the noise.
 CLIMB_SIGMAS = 6.0
+REGIME_MIN_LOSSES = 4
 # Loss: a divergence's rise (between the medians of the window's halves) is also DIVERGENCE_SIGMAS robust standard
 # deviations of the losses before the window, when there are DIVERGENCE_WINDOW of them.
 DIVERGENCE_SIGMAS = 3.0
@@ -163,7 +164,13 @@ class LossTrend:
     :data:`CLIMB_CONFIRM` checks at twice the best level; a loss that trains down to near zero and
     drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
     :data:`CLIMB_LEVEL_WINDOW` losses (the warm-up, where the loss moves fastest) only make the first
-    level, never a judged one. Losses that rise by design (an adversarial generator's loss as its
+    level, never a judged one; a change of data (a curriculum's next stage, another dataset, reloaded
+    dataloaders) moves the loss to a new level in one step, and the level then rises for a few checks as the
+    median's window fills with the new losses: when the level is above the limit and the recent losses split
+    cleanly at one step (every loss after it above every loss before it, their medians :data:`CLIMB_FACTOR`
+    apart, at least :data:`REGIME_MIN_LOSSES` on each side), the losses before it are dropped and the best level
+    is found again from the new losses (an overshoot climbs over many steps and is judged against that level
+    once it goes on). Losses that rise by design (an adversarial generator's loss as its
     discriminator learns, with several optimizers) are not judged: the monitor gives this rule the
     loss of single-optimizer runs only. Both need a
     positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
@@ -227,12 +234,29 @@ class LossTrend:
         if not above:
             self.climb_levels.clear()
             return None
+        jump = self._new_level_at()
+        if jump is not None:  # a change of data, not an overshoot: judged from the new level on
+            for _ in range(jump):
+                self.recent.popleft()
+            self.best_level, self._best_spread = math.inf, 0.0
+            self.climb_levels.clear()
+            return None
         self.climb_levels.append(level)
         levels = list(self.climb_levels)
         if len(levels) < CLIMB_CONFIRM or levels[-1] <= levels[0]:
             return None
         return LossVerdict(LossKind.CLIMB, loss, level, start, self._climb_limit(),
                            list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level)
+
+    def _new_level_at(self) -> int | None:
+        """Where in ``recent`` the losses split cleanly into a lower and a higher level (None: nowhere)."""
+        recent = list(self.recent)[-2 * CLIMB_LEVEL_WINDOW:]
+        offset = len(self.recent) - len(recent)
+        for cut in range(REGIME_MIN_LOSSES, len(recent) - REGIME_MIN_LOSSES + 1):
+            before, after = recent[:cut], recent[cut:]
+            if min(after) > max(before) and median(after) >= CLIMB_FACTOR * median(before):
+                return offset + cut
+        return None
 
     def _climb_limit(self) -> float:
         return max(CLIMB_FACTOR * self.best_level, self.best_level + CLIMB_SIGMAS * self.best_spread)

@@ -156,3 +156,38 @@ def test_a_stationary_noisy_loss_over_hundreds_of_steps_is_quiet(tmp_path: Path)
     step 271 of this run before the climb needed a margin of the noise)."""
     trainer = fit(tmp_path, RandomTargets(), [AnomalyDetectionCallback()], 300)
     assert loud(trainer) == []
+
+
+class Curriculum(pl.LightningModule):
+    """A regression trained on easy targets for two epochs, then on the hard ones (4x the scale, with noise),
+    the dataloader rebuilt each epoch (``reload_dataloaders_every_n_epochs=1``): the loss goes from about 0.2 to
+    about 50 in one step at the third epoch's first batch, then falls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn(512, 8, generator=generator)
+        targets = inputs @ torch.randn(8, 1, generator=generator)
+        if self.trainer.current_epoch >= 2:
+            targets = 4 * targets + 0.5 * torch.randn(512, 1, generator=generator)
+        return DataLoader(TensorDataset(inputs, targets), batch_size=16, shuffle=True)
+
+
+def test_a_curriculum_stage_that_moves_the_loss_to_a_new_level_is_no_divergence(tmp_path: Path) -> None:
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=160, reload_dataloaders_every_n_epochs=1,
+                           limit_val_batches=0)
+    trainer.fit(Curriculum())
+    assert loud(trainer) == []

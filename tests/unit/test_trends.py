@@ -7,6 +7,7 @@ and tests/integration/test_divergence.py (robust levels) already show is not rep
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -184,3 +185,17 @@ def test_a_long_stationary_noisy_loss_is_never_a_spike_divergence_or_climb(noise
         found = [(step, verdict.kind) for step in range(3000)
                  if (verdict := trend.judge(draw())).kind is not None]
         assert found == [], (seed, found[:3])
+
+
+def test_a_loss_that_moves_to_a_new_level_in_one_step_is_no_climb_and_a_climb_after_it_is() -> None:
+    """A curriculum's next stage at step 60: the loss goes from about 0.2 to about 45 in one step and then falls,
+    with noise. The median's window fills with the new losses for a few checks (a rising level, 200x the best):
+    no climb. Judged from the new level, a climb that starts after it is still named."""
+    rng = random.Random(0)
+    easy = [5.0 * 0.9 ** step + 0.2 + 0.05 * rng.random() for step in range(60)]
+    hard = [45.0 * 0.99 ** step * (0.8 + 0.4 * rng.random()) for step in range(60)]
+    trend = LossTrend()
+    kinds = [trend.judge(loss).kind for loss in easy + hard]
+    assert LossKind.CLIMB not in kinds and LossKind.DIVERGENCE not in kinds
+    climbing = [hard[-1] * 1.06 ** step * (0.7 + 0.6 * rng.random()) for step in range(60)]
+    assert LossKind.CLIMB in [trend.judge(loss).kind for loss in climbing]
