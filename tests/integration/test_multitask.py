@@ -122,4 +122,4 @@ def test_a_layer_cut_off_from_the_loss_is_named_after_eight_steps(tmp_path: Path
     details = missing[0]["details"]
     assert details["parameters"] == ["neck.weight", "neck.bias"] and details["cut_off"] == details["parameters"]
     assert details["steps_without_gradient"] == 8
-    assert "ran in the first forward pass, so the graph is cut" in missing[0]["message"]
+    assert "ran in the first forward pass, yet their output does not reach the loss" in missing[0]["message"]

@@ -16,8 +16,9 @@ intermittent).
 How many steps is enough depends on what the first forward pass showed (module pre-hooks,
 :class:`~lightning_debug.monitors.gradients.order.ForwardOrder`, which cost nothing after it):
 
-- the parameter's module ran in it: the forward uses the layer and the graph is cut before it (``detach()``,
-  ``no_grad()``, ``.data``), confirmed after :data:`MISSING_CONFIRM_STEPS` steps;
+- the parameter's module ran in it: the forward computes the layer, and its output does not reach the loss (an
+  output the loss ignores, or the graph cut by ``detach()``, ``no_grad()``, ``.data``), confirmed after
+  :data:`MISSING_CONFIRM_STEPS` steps;
 - its module did not run, or that is not known (inside a compiled module): a layer no forward uses, or one
   used on some batches only, such as a task's head sampled on a fraction ``p`` of the batches, which goes
   ``k`` steps without a gradient with probability ``(1 - p) ** k``. These wait :data:`UNCALLED_CONFIRM_STEPS`
@@ -297,9 +298,10 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
 
     why = []
     if cut_off:
-        why.append(f"{whose(cut_off)} ran in the first forward pass, so the graph is cut on the way to the loss "
+        why.append(f"{whose(cut_off)} ran in the first forward pass, yet their output does not reach the loss: "
+                   "it is not used (an output the loss ignores, such as a pooler) or the graph is cut on the way "
                    "(detach(), no_grad(), .data or .item(), or checkpoint(use_reentrant=True) on inputs that need "
-                   "no gradient): let the gradient through, or call requires_grad_(False).")
+                   "no gradient). Let the gradient through, or call requires_grad_(False).")
     if not_called:
         why.append(f"{whose(not_called)} were not called in the first forward pass: a layer no forward uses (remove "
                    "it, or call requires_grad_(False)), or one used on rare batches only (then this is expected).")
