@@ -167,10 +167,11 @@ class LossTrend:
     level, never a judged one; a change of data (a curriculum's next stage, another dataset, reloaded
     dataloaders) moves the loss to a new level in one step, and the level then rises for a few checks as the
     median's window fills with the new losses: when the level is above the limit and the recent losses split
-    cleanly at one step (every loss after it above every loss before it, their medians :data:`CLIMB_FACTOR`
-    apart, at least :data:`REGIME_MIN_LOSSES` on each side), the losses before it are dropped and the best level
-    is found again from the new losses (an overshoot climbs over many steps and is judged against that level
-    once it goes on). Losses that rise by design (an adversarial generator's loss as its
+    at one step with a gap (every loss after it at least :data:`CLIMB_FACTOR` times every loss before it, at
+    least :data:`REGIME_MIN_LOSSES` on each side), the losses before it are dropped and the best level is found
+    again from the new losses. An overshoot climbs over many steps, each a little above the last, which leaves no
+    such gap; a one-step blow-up that leaves one is a ``spike`` when it is large, and is judged against its new
+    level if it goes on climbing. Losses that rise by design (an adversarial generator's loss as its
     discriminator learns, with several optimizers) are not judged: the monitor gives this rule the
     loss of single-optimizer runs only. Both need a
     positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
@@ -249,12 +250,12 @@ class LossTrend:
                            list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level)
 
     def _new_level_at(self) -> int | None:
-        """Where in ``recent`` the losses split cleanly into a lower and a higher level (None: nowhere)."""
+        """Where in ``recent`` the losses split into a lower and a higher level with a gap between (None: nowhere)."""
         recent = list(self.recent)[-2 * CLIMB_LEVEL_WINDOW:]
         offset = len(self.recent) - len(recent)
         for cut in range(REGIME_MIN_LOSSES, len(recent) - REGIME_MIN_LOSSES + 1):
             before, after = recent[:cut], recent[cut:]
-            if min(after) > max(before) and median(after) >= CLIMB_FACTOR * median(before):
+            if min(after) >= CLIMB_FACTOR * max(before):
                 return offset + cut
         return None
 
