@@ -386,7 +386,8 @@ class Run:
         return True
 
     def _release(self) -> None:
-        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, unroute the console."""
+        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, unroute the
+        console."""
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()

@@ -108,7 +108,8 @@ def test_a_head_no_task_uses_is_named_as_not_called(tmp_path: Path) -> None:
     assert [e["step"] for e in missing] == [0], "labelled with the check step that first saw it"
     details = missing[0]["details"]
     assert details["parameters"] == ["spare.weight", "spare.bias"] and details["not_called"] == details["parameters"]
-    assert details["steps_without_gradient"] >= 64 and "were not called in the first forward pass" in missing[0]["message"]
+    assert details["steps_without_gradient"] >= 64
+    assert "were not called in the first forward pass" in missing[0]["message"]
     assert not [e for e in events if e["severity"] in LOUD and e["kind"] != "missing_grad"]
 
 

@@ -1,11 +1,12 @@
 """A run interrupted after a mid-run checkpoint and resumed from it reports what an uninterrupted run reports.
 
 All four callbacks together, with bugs planted before, across and after the checkpoint: a layer whose
-output is detached (it runs and gets no gradient: missing_grad from step 0, confirmed at step 7), a parameter in a param group with learning rate 0
-(frozen_param from step 0), a non-finite loss from step 8 on, and exploding gradients on steps 3-4
-(an episode that ends before the checkpoint), 10-14 (one that spans it) and 18-19 (one that starts
-after it). The data are not shuffled and the checkpoint falls on an epoch boundary, so the resumed
-run sees exactly the batches, weights and momentum of the uninterrupted one.
+output is detached (it runs and gets no gradient: missing_grad from step 0, confirmed at step 7), a
+parameter in a param group with learning rate 0 (frozen_param from step 0), a non-finite loss from
+step 8 on, and exploding gradients on steps 3-4 (an episode that ends before the checkpoint), 10-14
+(one that spans it) and 18-19 (one that starts after it). The data are not shuffled and the
+checkpoint falls on an epoch boundary, so the resumed run sees exactly the batches, weights and
+momentum of the uninterrupted one.
 """
 
 from __future__ import annotations

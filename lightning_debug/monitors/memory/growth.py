@@ -131,7 +131,8 @@ class GrowthSeries:
         the order of the reading (exact counts first, the resident set last)."""
         skipped = INPUT_DRIVEN if self.input_grew() else frozenset()
         return {name: trend for name, trend in self.trends.items()
-                if name not in skipped and is_steady_growth(trend, GROWTH_FLOORS[name]) and self._still_rising(name, trend)}
+                if name not in skipped and is_steady_growth(trend, GROWTH_FLOORS[name])
+                and self._still_rising(name, trend)}
 
     def input_grew(self) -> bool:
         """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half.

@@ -48,8 +48,8 @@ class Shift:
             why = (f"each step's input has {self.elements_ratio:.1f}x the elements it had: a longer sequence, a larger "
                    "image or a larger batch (a schedule that grows them) costs this by design")
         else:
-            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code path "
-                   "in training_step, or a slower machine (another process, throttling) would do this")
+            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
+                   "path in training_step, or a slower machine (another process, throttling) would do this")
         lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
                   else "and stayed there: a new level, not a stall")
         return Finding(

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.timing import CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, first_tensor
+from lightning_debug.checks.timing import (CpuWait, Mark, Phase, PhaseTimer, StepTimes, Stopwatch, first_tensor,
+                                           infer_batch_size)
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
@@ -166,9 +167,8 @@ class PerformanceMonitor(Monitor):
             self._next_start = None
         timer.enter(Phase.FORWARD)
         timer.excluded = timer.excluded or self.windows.active
-        tensor = first_tensor(batch)
-        samples = (self.batch_size_fn(batch) if self.batch_size_fn is not None
-                   else None if tensor is None else int(tensor.shape[0]) if tensor.ndim else 1)
+        tensor = first_tensor(batch)  # found once: the batch size and the input's elements are both read from it
+        samples = self.batch_size_fn(batch) if self.batch_size_fn is not None else infer_batch_size(tensor)
         tokens = self.tokens_fn(batch) if self.tokens_fn is not None else None
         timer.add_samples(None if samples is None else int(samples), None if tokens is None else int(tokens),
                           None if tensor is None else tensor.numel())

@@ -322,8 +322,9 @@ class SlowStepRule:
             return self._end_run(judged)
         run = self._run
         if run is None:
-            run = self._run = SlowRun(times.step, median, threshold, {phase: self.phases[phase].median() for phase in PHASES},
-                                   self.elements.median() if len(self.elements) else None)
+            run = self._run = SlowRun(times.step, median, threshold,
+                                      {phase: self.phases[phase].median() for phase in PHASES},
+                                      self.elements.median() if len(self.elements) else None)
         run.add(times)
         self.outlier_steps.append(times.step)
         far = judged >= SLOW_LONE_FACTOR * median and judged - median >= FAR_MS
@@ -372,7 +373,8 @@ class SlowStepRule:
         self.far_steps = deque((s for s in self.far_steps if s < start), maxlen=RECENT_STEPS)
 
     def flush(self) -> SlowStep | None:
-        """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the end."""
+        """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the
+        end."""
         run, self._run = self._run, None
         if run is None or run.held is None:
             return None
