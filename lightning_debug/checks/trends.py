@@ -68,7 +68,10 @@ class NormHistory:
     """The recent global gradient norms of check steps, for judging the next one (see :func:`jump_limit`).
 
     Every finite norm enters the window, flagged or not: an explosion is reported when it starts, and a
-    level that stays becomes the run's new normal instead of one endless finding.
+    level that stays becomes the run's new normal instead of one endless finding. A norm of exactly 0 does
+    not: a step whose loss sent back no gradient at all (a margin loss such as a hinge or a triplet loss at 0
+    on an easy batch) says nothing about the scale of the gradients, and with a median of 0 any gradient
+    after it would be a jump.
 
     Example::
 
@@ -88,7 +91,7 @@ class NormHistory:
         return median(self.values)
 
     def add(self, norm: float) -> None:
-        if math.isfinite(norm):
+        if math.isfinite(norm) and norm > 0:
             self.values.append(norm)
 
     def load(self, values: Iterable[float]) -> None:

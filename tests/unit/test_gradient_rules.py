@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -229,6 +230,26 @@ def test_a_layer_dead_between_healthy_layers_is_reported_after_the_longer_window
     assert verdicts[-1].finding.details["dead_layers"] == ["dead"]
     assert verdicts[-1].steps == list(range(VANISHING_DEAD_CHECKS))
 
+
+
+def test_a_step_whose_loss_is_zero_and_sends_back_nothing_is_not_judged() -> None:
+    history = VanishingHistory()
+    zeros = layer_grads(first=0.0, second=0.0, head=0.0)  # a hinge loss at 0: every margin holds
+    for step in range(2 * VANISHING_DEAD_CHECKS):
+        assert judge_vanishing(step, zeros, GradientSettings(), {}, "", history, loss=0.0) is None
+    assert history.streaks == {}
+    verdicts = [judge_vanishing(step, zeros, GradientSettings(), {}, "", history, loss=2.5)
+                for step in range(VANISHING_DEAD_CHECKS)]
+    assert verdicts[-1] is not None and "the loss is flat in the model's output" in verdicts[-1].finding.message
+
+
+def test_a_norm_of_zero_is_no_level_for_a_jump() -> None:
+    history = NormHistory()
+    for norm in (0.0, 0.0, 0.0, 0.0, 0.4, 0.0, 0.5, 0.6):
+        suspicion = suspect_explosion(norm, norm, history, GradientSettings())
+        assert judge_exploding(0, norm, [("w", norm)], suspicion, GradientSettings(), history, [], None) is None
+        history.add(norm)
+    assert list(history.values) == [0.4, 0.5, 0.6] and history.limit() == pytest.approx(5.0)
 
 # --- update ratio persistence -----------------------------------------------------------------------------------
 def high_at(step: int, ratio: float) -> Verdict:

@@ -285,11 +285,11 @@ class GradientMonitor(Monitor):
                                     list(self.history.healthy_norms.values), self._clipping())
         self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding,
                                                        suspicion.jump and not suspicion.high, where, pending.judged))
-        if exploding is None and math.isfinite(global_norm):
+        if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm)
-        self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing),
-                     step, where, "vanishing")
+        self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
+                                     host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)

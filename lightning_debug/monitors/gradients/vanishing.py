@@ -21,6 +21,12 @@ layers *vanishes* when
 
 A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
 
+A margin loss (hinge, triplet, a contrastive loss with a margin) is exactly 0 on a batch whose margins all
+hold, and sends back no gradient at all: every layer is exactly zero on that step, and on every step once
+the training set is separated. A check step whose loss is 0 and whose every gradient is zero is therefore
+not judged (nor counted in a streak). A loss that is not 0 with every gradient zero is judged: the loss is
+flat in the model's output (a round, argmax, comparison or saturated clamp between them), a bug.
+
 Example::
 
     >>> history = VanishingHistory()
@@ -121,15 +127,19 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
 
 
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
-                    positions: Positions, order_source: str, history: VanishingHistory) -> Verdict | None:
+                    positions: Positions, order_source: str, history: VanishingHistory,
+                    loss: float = math.nan) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
 
     ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
-    threshold: no layer is low and every streak ends); each layer's first norm is kept from the
+    threshold: no layer is low and every streak ends); ``loss`` is the step's loss (NaN when unknown).
+    Each layer's first norm is kept from the
     first check step that read them. A parameter whose gradient is exactly zero while the rest of its
     module learns is structural (the key bias of attention: softmax ignores a shift shared by every key):
     judging the module's norm rules it out; a whole module at zero is a dead layer.
     """
+    if loss == 0 and grads and all(norm == 0 for _, norm in grads):
+        return None
     low = settings.vanishing_threshold
     module_norms, members = layer_norms(grads)
     for module, norm in module_norms.items():
@@ -152,14 +162,14 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
         return None
     below = [n for m in confirmed for n in members[m]]
     since = min(history.began[m] for m in confirmed)
-    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since)
+    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since, loss)
     finding.details.update(since_step=since, confirm_checks=max(dying[m] for m in confirmed))
     return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
 
 
 def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],
                       module_norms: dict[str, float], low: float, positions: Positions,
-                      order_source: str, since: int | None = None) -> Finding:
+                      order_source: str, since: int | None = None, loss: float = math.nan) -> Finding:
     """The finding for the parameters ``below`` (of vanishing layers), input side first, compared with
     their neighbouring layers, with advice that fits whether they are exactly zero."""
     norms = dict(grads)
@@ -188,7 +198,12 @@ def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list
                 if around else "")
     where_it_dies = (f"; gradients are healthy again from `{healthy_after}` on, so the signal dies on its way back "
                      "toward the input" if healthy_after else "")
-    if dead and len(dead) == len(layers):
+    if len(dead) == len(all_layers) and math.isfinite(loss):
+        cause = (f"Every gradient of the model is exactly zero while the loss is {loss:.4g}: the loss is flat in the "
+                 "model's output, so nothing flows back at all. Look for a step between the output and the loss "
+                 "that has no gradient (round, argmax, a comparison, a hard threshold, a clamp that saturates) "
+                 "or an output layer whose inputs are all zero (dead ReLUs before it).")
+    elif dead and len(dead) == len(layers):
         cause = ("Their gradients are exactly zero: nothing flows back into them. Look for a layer downstream "
                  "whose weights are all zero, dead ReLUs (pre-activations all negative, often after a too-large "
                  "step), a mask or a detach()/no_grad() on the path, or a constant output.")
