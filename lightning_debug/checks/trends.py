@@ -22,6 +22,8 @@ NORM_JUMP_FACTOR = 10.0
 NORM_JUMP_SIGMAS = 6.0
 NORM_WINDOW = 16
 NORM_MIN_HISTORY = 3
+# Gradient norm: a norm within this factor of the previous check step's grew into its value gradually.
+NORM_GRADUAL_GROWTH = 3.0
 # Loss: a spike is this many times the recent level and the level the run started from.
 LOSS_SPIKE_FACTOR = 10.0
 LOSS_SPIKE_SIGMAS = 6.0
@@ -83,6 +85,7 @@ class NormHistory:
 
     def __init__(self, window: int = NORM_WINDOW) -> None:
         self.values: deque[float] = deque(maxlen=window)
+        self.start_losses: list[float] = []
 
     def limit(self) -> float | None:
         return jump_limit(self.values, NORM_JUMP_FACTOR, NORM_JUMP_SIGMAS, NORM_MIN_HISTORY)
@@ -90,14 +93,37 @@ class NormHistory:
     def level(self) -> float:
         return median(self.values)
 
-    def add(self, norm: float) -> None:
+    def add(self, norm: float, loss: float = math.nan) -> None:
+        """This check step's global norm and loss (the first :data:`LOSS_START_VALUES` finite losses are
+        the level the run started from)."""
         if math.isfinite(norm) and norm > 0:
             self.values.append(norm)
+        if math.isfinite(loss) and len(self.start_losses) < LOSS_START_VALUES:
+            self.start_losses.append(loss)
 
-    def load(self, values: Iterable[float]) -> None:
+    def grew_while_learning(self, norm: float, loss: float) -> bool:
+        """Whether ``norm`` grew into its value gradually (within :data:`NORM_GRADUAL_GROWTH` of the previous
+        check step's norm) while the loss stayed below the level the run started from: the norm rising
+        out of its initialisation as the model learns, not a departure from a level.
+
+        Example::
+
+            >>> history = NormHistory()
+            >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
+            >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0)
+            (True, False)
+            >>> history.grew_while_learning(45.0, 6.0)
+            False
+        """
+        if not self.values or not self.start_losses or not math.isfinite(loss):
+            return False
+        return norm <= NORM_GRADUAL_GROWTH * self.values[-1] and loss <= max(self.start_losses)
+
+    def load(self, values: Iterable[float], start_losses: Iterable[float] = ()) -> None:
         self.values.clear()
         for value in values:
             self.add(float(value))
+        self.start_losses = [float(loss) for loss in start_losses][:LOSS_START_VALUES]
 
 
 class LossKind(str, enum.Enum):

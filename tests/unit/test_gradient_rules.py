@@ -251,6 +251,22 @@ def test_a_norm_of_zero_is_no_level_for_a_jump() -> None:
         history.add(norm)
     assert list(history.values) == [0.4, 0.5, 0.6] and history.limit() == pytest.approx(5.0)
 
+
+def test_a_rising_norm_is_judged_from_where_it_rose_to() -> None:
+    history = NormHistory()
+    for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)):
+        history.add(norm, loss)
+    assert history.limit() == pytest.approx(21.0)
+    assert not suspect_explosion(22.4, 22.4, history, GradientSettings(), loss=6.0).jump, "grew 2x, loss falling"
+    assert suspect_explosion(22.4, 22.4, history, GradientSettings(), loss=21.0).jump, "the loss above its start"
+    abrupt = suspect_explosion(45.0, 45.0, history, GradientSettings(), loss=6.0)
+    assert abrupt.jump and abrupt.confirm == pytest.approx(3 * 10.1), "the steps after must stay 3x over 10.1"
+    watch = ExplosionWatch()
+    verdict = judge_exploding(3, 45.0, [("w", 45.0)], abrupt, GradientSettings(), history, [], None)
+    assert verdict is not None and verdict.finding.details["confirm_above"] == pytest.approx(30.3)
+    watch.suspect(3, verdict, None, verdict.finding.details["confirm_above"])
+    assert watch.observe(4, 90.0) == [] and watch.observe(5, 25.0) == [] and not watch, "fell back to 25 < 30.3"
+
 # --- update ratio persistence -----------------------------------------------------------------------------------
 def high_at(step: int, ratio: float) -> Verdict:
     layout = ModuleLayout.of(["conv.weight"], [torch.ones(4)])

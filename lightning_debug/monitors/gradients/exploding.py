@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.checks.gradients import clip_advice, suggest_clip_value
-from lightning_debug.checks.trends import NORM_JUMP_FACTOR, NormHistory
+from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.gradients.settings import GradientSettings
@@ -56,12 +56,14 @@ class ExplosionSuspicion:
 
     ``jump``: the global norm is above the limit learnt from the run's recent norms (``limit``; None
     without enough history, when no jump is judged); ``high``: the user's threshold is set
-    and a norm is above it (or not finite).
+    and a norm is above it (or not finite); ``confirm``: what the steps after a jump must stay above to
+    confirm it (the limit, and :data:`NORM_GRADUAL_GROWTH` times the norm of the check step before it).
     """
 
     jump: bool
     high: bool
     limit: float | None
+    confirm: float | None = None
 
     @property
     def any(self) -> bool:
@@ -69,13 +71,17 @@ class ExplosionSuspicion:
 
 
 def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
-                      settings: GradientSettings) -> ExplosionSuspicion:
-    """Whether this check step may be exploding, from its global and largest norms alone."""
+                      settings: GradientSettings, loss: float = math.nan) -> ExplosionSuspicion:
+    """Whether this check step may be exploding, from its global and largest norms and its ``loss`` alone
+    (a norm that grew into the limit gradually while the loss stayed under its start is no jump: see
+    :func:`judge_exploding`)."""
     limit = history.limit()
-    jump = limit is not None and math.isfinite(global_norm) and global_norm > limit
+    jump = (limit is not None and math.isfinite(global_norm) and global_norm > limit
+            and not history.grew_while_learning(global_norm, loss))
     high = settings.explosion_threshold
     suspect_high = high is not None and not (largest <= high and global_norm <= high)  # NaN is suspect too
-    return ExplosionSuspicion(jump, suspect_high, limit)
+    confirm = max(limit, NORM_GRADUAL_GROWTH * history.values[-1]) if jump and limit is not None else None
+    return ExplosionSuspicion(jump, suspect_high, limit, confirm)
 
 
 def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, dict[str, Any]]:
@@ -116,6 +122,20 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     steps because normalisation makes it scale-invariant (MobileNet), harmless, so no absolute level
     from step 0 can tell an explosion from a healthy start. A first-step explosion that matters shows
     as a non-finite loss or gradient (``AnomalyDetectionCallback``) or in the steps after.
+
+    Nor is a median of the first steps a level: a wide network's norm grows 2x a step out of its
+    initialisation for its first ten steps while its loss falls (an MLP of width 1024 with Adam: 1 to 25
+    in 4 steps, and 100 with a loss blip it recovers from at once). A norm within 3x of the previous
+    check step's, with the loss under the level the run started from, grew into the limit and is not a
+    jump. A gradual rise that hurts is still judged: once the loss is above its start (an SGD step too
+    large for the curvature doubles the norm every step and quadruples the loss), and any abrupt jump
+    at once.
+
+    A jump is confirmed by the steps after it (:class:`ExplosionWatch`) when they stay above its limit
+    and above 3x the norm of the check step before it: in that rising phase the median lags, and a
+    one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
+    of the first steps says 3.4) has fallen back. A norm in a settled run sits near its median, so
+    there the limit decides, as before.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -148,7 +168,7 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
         {"global_norm": global_norm, "threshold": high if jump_limit is None else None,
          "judged_by": "gradient_explosion_threshold" if jump_limit is None else "jump over recent norms",
          "recent_median": level if math.isfinite(level) else None,
-         "limit": jump_limit,
+         "limit": jump_limit, "confirm_above": suspicion.confirm if jump_limit is not None else None,
          "parameters": [name for name, _ in named[:NAMES_IN_DETAILS]],
          "worst": [[name, norm] for name, norm in worst], "count": len(named),
          "suggested_clip_val": clip, "clip_basis": basis, **clip_details}),
@@ -178,8 +198,8 @@ class ExplosionWatch:
     single large gradient does not scale the update, and under SGD an update that hurts shows in the
     steps after (the norm stays high, the loss rises, a NaN follows, which the anomaly checks report).
     An explosion feeds itself, so a jump is reported only once the :data:`FOLLOW_UP_STEPS` optimizer
-    steps right after it are still above the jump's limit or not finite: three steps in a row. It is
-    labelled at the step where it began. At the end of the run a jump is reported if the one step seen
+    steps right after it are still above what confirms it (``confirm_above``: see :func:`judge_exploding`)
+    or not finite: three steps in a row. It is labelled at the step where it began. At the end of the run a jump is reported if the one step seen
     after it was still above its limit, and dismissed if none was seen (a last-step spike cannot be told
     from an explosion). A
     limit the user set (``gradient_explosion_threshold``) is applied at once, without this watch.

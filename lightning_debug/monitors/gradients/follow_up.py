@@ -129,7 +129,8 @@ class Explosions:
             return decided
         if not deferred:
             return decided + [(step, verdict, where)]
-        decided += watch.suspect(step, verdict, where, float(verdict.finding.details["limit"]))
+        details = verdict.finding.details
+        decided += watch.suspect(step, verdict, where, float(details.get("confirm_above") or details["limit"]))
         self.follow_ups.want(optimizer, index)
         return decided
 

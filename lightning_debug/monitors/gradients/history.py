@@ -58,6 +58,7 @@ class GradientHistory:
             counts=dict(self.counts), checks=self.checks, steps_without_gradients=self.steps_without_gradients,
             global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
             healthy_norms=list(self.healthy_norms.values), recent_norms=list(self.recent_norms.values),
+            start_losses=list(self.recent_norms.start_losses),
             parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
@@ -76,7 +77,7 @@ class GradientHistory:
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
         for value in state_dict.get("healthy_norms", []):
             self.healthy_norms.add(float(value))
-        self.recent_norms.load(state_dict.get("recent_norms", []))
+        self.recent_norms.load(state_dict.get("recent_norms", []), state_dict.get("start_losses", []))
         for target, key in ((self.parameter_norms, "parameter_norms"),
                             (self.parameter_update_ratios, "parameter_update_ratios")):
             target.clear()

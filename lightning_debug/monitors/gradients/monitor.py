@@ -275,7 +275,7 @@ class GradientMonitor(Monitor):
 
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
-        suspicion = suspect_explosion(global_norm, largest, norms, settings)
+        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value)
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
@@ -287,7 +287,7 @@ class GradientMonitor(Monitor):
                                                        suspicion.jump and not suspicion.high, where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
-        norms.add(global_norm)
+        norms.add(global_norm, host.loss_value)
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
                                      host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
