@@ -113,14 +113,77 @@ def test_a_head_no_task_uses_is_named_as_not_called(tmp_path: Path) -> None:
     assert not [e for e in events if e["severity"] in LOUD and e["kind"] != "missing_grad"]
 
 
-def test_a_layer_cut_off_from_the_loss_is_named_after_eight_steps(tmp_path: Path) -> None:
-    """The neck runs on every batch and its output is detached, so its module ran in the first forward and
-    still got no gradient: the graph is cut, which the short window names (first seen at step 0, confirmed at
-    step 7 with every step checked), while the heads waiting for their tasks are not named."""
-    events = fit(tmp_path, RoundRobinTasks(detached_neck=True), steps=20, **EVERY_STEP)
+def test_a_layer_cut_off_from_the_loss_is_named_after_the_long_window(tmp_path: Path) -> None:
+    """The neck runs on every batch and its output is detached, so its module ran in the first forward with its
+    output in the graph and still got no gradient. A head whose loss counts on some batches only looks the same,
+    so it waits the long window (first seen at step 0, confirmed at step 63 with every step checked), while the
+    heads waiting for their tasks are not named."""
+    events = fit(tmp_path, RoundRobinTasks(detached_neck=True), steps=70, **EVERY_STEP)
     missing = [e for e in events if e["kind"] == "missing_grad" and e.get("episode") != "end"]
     assert missing and missing[0]["step"] == 0
     details = missing[0]["details"]
     assert details["parameters"] == ["neck.weight", "neck.bias"] and details["cut_off"] == details["parameters"]
+    assert details["steps_without_gradient"] == 64 and details["no_graph"] == []
+    assert "ran in the first forward pass, yet their output has not reached the loss" in missing[0]["message"]
+
+
+class SemiSupervised(pl.LightningModule):
+    """An autoencoder trained on every batch and a classifier head on its code, run on every batch, whose loss
+    counts on the batches that carry labels (one in ten, drawn by ``seed``): the head runs in the first forward
+    with its output in the graph and gets no gradient until the first labelled batch."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.classifier = nn.Linear(8, 3)
+        self.draws = torch.Generator().manual_seed(seed)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        code = self.encoder(x)
+        logits = self.classifier(code)
+        loss = nn.functional.mse_loss(self.decoder(code), x)
+        if float(torch.rand(1, generator=self.draws)) < 0.1:
+            loss = loss + nn.functional.cross_entropy(logits, (y[:, 0] > 0).long() + (y[:, 0] > 1).long())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(samples=512), batch_size=16, shuffle=True)
+
+
+@pytest.mark.parametrize("config", [{}, EVERY_STEP], ids=["defaults", "every_step"])
+def test_a_head_run_on_every_batch_whose_loss_counts_on_labelled_batches_only_is_not_missing(
+        config: dict[str, Any], tmp_path: Path) -> None:
+    draws = torch.Generator().manual_seed(6)
+    first = next(step for step in range(200) if float(torch.rand(1, generator=draws)) < 0.1)
+    assert first > 8, "the seed gives a long wait: 31 steps before the first labelled batch"
+    events = fit(tmp_path, SemiSupervised(seed=6), steps=first + 10, **config)
+    assert not [(e["kind"], e["step"]) for e in events if e["severity"] in LOUD], "a healthy run"
+    assert any(e["kind"] == "intermittent_grad" for e in events) or config == {}, "the head waited, then learnt"
+
+
+def test_a_layer_run_under_no_grad_is_named_after_eight_steps(tmp_path: Path) -> None:
+    """A layer run under torch.no_grad() builds no graph: nothing can reach it, which the short window names."""
+
+    class NoGradBranch(RoundRobinTasks):
+        def __init__(self) -> None:
+            super().__init__()
+            self.side = nn.Linear(32, 32)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, _ = batch
+            with torch.no_grad():
+                extra = self.side(self.trunk(x))
+            return super().training_step(batch, batch_idx) + 0.0 * extra.mean()
+
+    events = fit(tmp_path, NoGradBranch(), steps=20, **EVERY_STEP)
+    missing = [e for e in events if e["kind"] == "missing_grad" and e.get("episode") != "end"]
+    assert [e["step"] for e in missing] == [0]
+    details = missing[0]["details"]
+    assert details["parameters"] == ["side.weight", "side.bias"] and details["no_graph"] == details["parameters"]
     assert details["steps_without_gradient"] == 8
-    assert "ran in the first forward pass, yet their output does not reach the loss" in missing[0]["message"]
+    assert "without building a graph" in missing[0]["message"]

@@ -1,7 +1,7 @@
 """A run interrupted after a mid-run checkpoint and resumed from it reports what an uninterrupted run reports.
 
-All four callbacks together, with bugs planted before, across and after the checkpoint: a layer whose
-output is detached (it runs and gets no gradient: missing_grad from step 0, confirmed at step 7), a
+All four callbacks together, with bugs planted before, across and after the checkpoint: a layer run
+under no_grad() (it runs and gets no gradient: missing_grad from step 0, confirmed at step 7), a
 parameter in a param group with learning rate 0 (frozen_param from step 0), a non-finite loss from
 step 8 on, and exploding gradients on steps 3-4 (an episode that ends before the checkpoint), 10-14
 (one that spans it) and 18-19 (one that starts after it). The data are not shuffled and the
@@ -55,7 +55,8 @@ class Planted(TinyRegressor):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.unused is not None
-        cut_off = self.unused(torch.relu(self.inp(x))).detach()
+        with torch.no_grad():
+            cut_off = self.unused(torch.relu(self.inp(x)))
         return super().forward(x) + 0.0 * cut_off.mean()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

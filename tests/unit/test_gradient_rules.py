@@ -324,7 +324,7 @@ def test_missing_names_the_layers_input_side_first() -> None:
 def test_a_layer_cut_off_from_the_loss_is_confirmed_after_the_window_and_labelled_where_it_began() -> None:
     history = MissingHistory()
     everything = ["unused.weight", "head.weight"]
-    history.set_called(dict.fromkeys(everything, True))  # its module runs: the graph is cut before it
+    history.set_called(dict.fromkeys(everything, True), ["unused.weight"])  # its module runs under no_grad()
     assert history.observe_check(0, None, ["unused.weight"], everything).newly_confirmed == []
     confirmed = [history.observe_step(step, [], ["unused.weight"]) for step in range(1, MISSING_CONFIRM_STEPS)]
     assert confirmed[:-1] == [[]] * (MISSING_CONFIRM_STEPS - 2) and confirmed[-1] == ["unused.weight"]
@@ -333,26 +333,29 @@ def test_a_layer_cut_off_from_the_loss_is_confirmed_after_the_window_and_labelle
     assert later.confirmed == ["unused.weight"] and later.intermittent == []
 
 
-def test_a_layer_whose_module_was_not_called_or_is_not_known_to_be_waits_the_long_window() -> None:
-    """A task's head that no batch has sampled yet looks like an unused layer: neither ran in the first forward,
-    so both wait 64 steps; a layer that ran and got no gradient is cut off and waits 8."""
+def test_only_a_layer_that_ran_without_a_graph_waits_the_short_window() -> None:
+    """A task's head that no batch has sampled yet looks like an unused layer (not called), and a head run on every
+    batch whose loss counts on labelled batches only like a layer whose output is detached (ran, output in the
+    graph): all wait 64 steps. A layer that ran under no_grad() cannot get a gradient, and waits 8."""
     history = MissingHistory()
-    history.set_called({"cut.w": True, "uncalled.w": False})
-    names = ["cut.w", "uncalled.w", "compiled.w", "trunk.w"]
-    history.observe_check(0, None, names[:3], names)
-    confirmed = {step: history.observe_step(step, [], names[:3]) for step in range(1, 100)}
+    history.set_called({"nograd.w": True, "cut.w": True, "uncalled.w": False}, ["nograd.w"])
+    names = ["nograd.w", "cut.w", "uncalled.w", "compiled.w", "trunk.w"]
+    history.observe_check(0, None, names[:4], names)
+    confirmed = {step: history.observe_step(step, [], names[:4]) for step in range(1, 100)}
     assert {name: step for step, found in confirmed.items() for name in found} == {
-        "cut.w": MISSING_CONFIRM_STEPS - 1, "uncalled.w": UNCALLED_CONFIRM_STEPS - 1,
-        "compiled.w": UNCALLED_CONFIRM_STEPS - 1}
-    verdict = judge_missing(99, names[:3], 4, {}, history)
+        "nograd.w": MISSING_CONFIRM_STEPS - 1, "cut.w": UNCALLED_CONFIRM_STEPS - 1,
+        "uncalled.w": UNCALLED_CONFIRM_STEPS - 1, "compiled.w": UNCALLED_CONFIRM_STEPS - 1}
+    verdict = judge_missing(99, names[:4], 5, {}, history)
     assert verdict is not None
-    assert (verdict.finding.details["cut_off"], verdict.finding.details["not_called"]) == (["cut.w"], ["uncalled.w"])
-    assert "`cut.w`" in verdict.finding.message and "A layer that is never used" in verdict.finding.message
+    details = verdict.finding.details
+    assert (details["no_graph"], details["cut_off"], details["not_called"]) == (["nograd.w"], ["cut.w"], ["uncalled.w"])
+    assert "without building a graph" in verdict.finding.message and "on rare batches only" in verdict.finding.message
+    assert "A layer that is never used" in verdict.finding.message
 
 
 def test_checks_every_step_confirm_through_the_checks_themselves() -> None:
     history = MissingHistory()
-    history.set_called({"unused.weight": True, "head.weight": True})
+    history.set_called({"unused.weight": True, "head.weight": True}, ["unused.weight"])
     seen = [history.observe_check(step, None, ["unused.weight"], ["unused.weight", "head.weight"])
             for step in range(MISSING_CONFIRM_STEPS)]
     assert [bool(s.newly_confirmed) for s in seen] == [False] * (MISSING_CONFIRM_STEPS - 1) + [True]

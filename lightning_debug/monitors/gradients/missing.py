@@ -16,13 +16,17 @@ intermittent).
 How many steps is enough depends on what the first forward pass showed (module pre-hooks,
 :class:`~lightning_debug.monitors.gradients.order.ForwardOrder`, which cost nothing after it):
 
-- the parameter's module ran in it: the forward computes the layer, and its output does not reach the loss (an
-  output the loss ignores, or the graph cut by ``detach()``, ``no_grad()``, ``.data``), confirmed after
-  :data:`MISSING_CONFIRM_STEPS` steps;
-- its module did not run, or that is not known (inside a compiled module): a layer no forward uses, or one
-  used on some batches only, such as a task's head sampled on a fraction ``p`` of the batches, which goes
-  ``k`` steps without a gradient with probability ``(1 - p) ** k``. These wait :data:`UNCALLED_CONFIRM_STEPS`
-  steps: 0.1% of runs for a task on 10% of the batches, 3.7% at 5%, where 8 steps would be 43% and 66%.
+- the parameter's module ran in it without building a graph (its output needs no gradient: it ran under
+  ``no_grad()`` or ``inference_mode()``, or inside ``checkpoint(use_reentrant=True)`` on inputs that need
+  none): nothing can reach it, confirmed after :data:`MISSING_CONFIRM_STEPS` steps;
+- every other case waits :data:`UNCALLED_CONFIRM_STEPS` steps. A module that ran with its output in the graph
+  may have its output ignored (a pooler under a token-level loss) or cut after it (``detach()``, ``.data``), and
+  just as well used by the loss on some batches only: a classifier head run on every batch of a semi-supervised
+  run, whose loss counts on the labelled batches. A module that did not run, or is not known to have run
+  (inside a compiled module), is a layer no forward uses or one used on some batches only, such as a task's
+  head sampled on a fraction ``p`` of the batches. Either goes ``k`` steps without a gradient with probability
+  ``(1 - p) ** k``: 64 steps make that 0.1% of runs for a head used on 10% of the batches, 3.7% at 5%, where 8
+  steps would be 43% and 66%.
 
 What could still make it fire on a healthy model: an expert of a sparse MoE (many experts, few
 tokens per step) that no token reaches for longer than the window, which an untrained router does
@@ -35,9 +39,8 @@ candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`
 run too. Between check steps the replicas of a waiting candidate are looked at with it (at most
 :data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. What remains:
 an expert that waits longer than the window while every one of its replicas gets a gradient on every step
-of that window; a head that is called on every batch but whose output enters the loss on a few batches
-only (the shorter window applies); a head sampled on fewer than 5% of the batches; and, at the end of a
-run shorter than the window, a head that no batch of the whole run used (it was not trained in that run).
+of that window; a head whose loss counts on fewer than 5% of the batches; and, at the end of a run shorter
+than the window, a head that no batch of the whole run used (it was not trained in that run).
 
 Example::
 
@@ -66,12 +69,12 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 MISSING_CONFIRM_STEPS = 8
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
-parameter whose module ran in the first forward pass never gets one, unless its replicas are seen to be
-conditional (see :data:`WAIT_FACTOR`)."""
+parameter whose module ran without building a graph in the first forward pass never gets one, unless its
+replicas are seen to be conditional (see :data:`WAIT_FACTOR`)."""
 UNCALLED_CONFIRM_STEPS = 64
-"""The same for a parameter whose module did not run in the first forward pass (or not known to): long
-enough for a head sampled on one batch in ten, for LayerDrop to keep a layer and for a router with few
-experts to pick each one."""
+"""The same for every other parameter (its module ran with its output in the graph, did not run, or is not
+known to have run): long enough for a head whose loss counts on one batch in ten, for LayerDrop to keep a
+layer and for a router with few experts to pick each one."""
 REPLICAS_WATCHED = 256
 """At most this many replicas of waiting candidates are looked at between check steps."""
 WAIT_FACTOR = 2
@@ -117,6 +120,8 @@ class MissingHistory:
         self.uncalled_steps = max(uncalled_steps, confirm_steps)
         self.called: Mapping[str, bool] = {}
         """Per parameter, whether its module ran in the first forward pass (absent: not known)."""
+        self.without_graph: set[str] = set()
+        """The parameters whose modules ran without building a graph in the first forward pass."""
         self.checks: dict[Any, int] = {}
         self.absent: dict[str, int] = {}
         self.had_gradient: set[str] = set()
@@ -137,13 +142,14 @@ class MissingHistory:
             for key in keys:
                 self.members.setdefault(key, []).append(name)
 
-    def set_called(self, called: Mapping[str, bool]) -> None:
-        """What the first forward pass showed (:meth:`ForwardOrder.called`)."""
+    def set_called(self, called: Mapping[str, bool], without_graph: Collection[str] = ()) -> None:
+        """What the first forward pass showed (:meth:`ForwardOrder.called`, :meth:`ForwardOrder.without_graph`)."""
         self.called = dict(called)
+        self.without_graph = set(without_graph)
 
     def window(self, name: str) -> int:
         """Steps without a gradient that confirm ``name`` (see the module's docstring)."""
-        return self.confirm_steps if self.called.get(name) else self.uncalled_steps
+        return self.confirm_steps if name in self.without_graph else self.uncalled_steps
 
     def replicas_to_watch(self, limit: int = REPLICAS_WATCHED) -> list[str]:
         """The replicas of the candidates still waiting: looked at on every step with them (``.grad is None``),
@@ -289,19 +295,24 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
     first = [history.candidates[name] for name in ordered if name in history.candidates]
     since = min((candidate.first_step for candidate in first), default=step)
     observed = max((candidate.steps_without for candidate in first), default=1)
-    cut_off = [name for name in ordered if history.called.get(name) is True]
+    no_graph = [name for name in ordered if name in history.without_graph]
+    cut_off = [name for name in ordered if history.called.get(name) is True and name not in history.without_graph]
     not_called = [name for name in ordered if history.called.get(name) is False]
-    unknown = len(ordered) - len(cut_off) - len(not_called)
+    unknown = len(ordered) - len(no_graph) - len(cut_off) - len(not_called)
 
     def whose(group: Sequence[str]) -> str:
         return "Their modules" if len(group) == len(ordered) else f"The modules of {quoted(group, 3)}"
 
     why = []
+    if no_graph:
+        why.append(f"{whose(no_graph)} ran in the first forward pass without building a graph (their output needs "
+                   "no gradient): under torch.no_grad() or inference_mode(), or inside checkpoint(use_reentrant=True) "
+                   "on inputs that need no gradient. Let the gradient through, or call requires_grad_(False).")
     if cut_off:
-        why.append(f"{whose(cut_off)} ran in the first forward pass, yet their output does not reach the loss: "
-                   "it is not used (an output the loss ignores, such as a pooler) or the graph is cut on the way "
-                   "(detach(), no_grad(), .data or .item(), or checkpoint(use_reentrant=True) on inputs that need "
-                   "no gradient). Let the gradient through, or call requires_grad_(False).")
+        why.append(f"{whose(cut_off)} ran in the first forward pass, yet their output has not reached the loss: "
+                   "it is not used (an output the loss ignores, such as a pooler) or the graph is cut after them "
+                   "(detach(), .data or .item()), unless the loss uses it on rare batches only (then this is "
+                   "expected). Let the gradient through, or call requires_grad_(False).")
     if not_called:
         why.append(f"{whose(not_called)} were not called in the first forward pass: a layer no forward uses (remove "
                    "it, or call requires_grad_(False)), or one used on rare batches only (then this is expected).")
@@ -316,6 +327,7 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "since_step": since, "steps_without_gradient": observed,
          "cut_off": cut_off[:NAMES_IN_DETAILS], "not_called": not_called[:NAMES_IN_DETAILS],
+         "no_graph": no_graph[:NAMES_IN_DETAILS],
          "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
         list(names), steps=steps)
 

@@ -170,7 +170,7 @@ class GradientMonitor(Monitor):
         if self.order.module_names:
             names = [user_name(name) for name, _ in self.context.named_parameters()]
             self._positions = self.order.positions(names)
-            self.history.missing.set_called(self.order.called(names))
+            self.history.missing.set_called(self.order.called(names), self.order.without_graph(names))
             self.order_source = "forward execution order (module pre-hooks on the first training batch)"
 
     # --- check step -----------------------------------------------------------------------------

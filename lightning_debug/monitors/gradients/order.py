@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_debug.checks.numerics import user_name
@@ -38,6 +39,17 @@ class ForwardOrder:
         >>> order.watch(tied); _ = tied.embed(torch.ones(1, 2)); order.stop()
         >>> order.called(["head.weight", "head.bias", "embed.bias"])
         {'head.weight': True, 'head.bias': False, 'embed.bias': True}
+
+    It also keeps which modules ran without building a graph (every tensor of their output needs no gradient,
+    though they hold trainable parameters: under ``torch.no_grad()``, ``inference_mode()`` or a reentrant
+    checkpoint): nothing they hold can get a gradient from that pass.
+
+        >>> order.watch(model)
+        >>> with torch.no_grad():
+        ...     _ = model[0](torch.ones(1, 2))
+        >>> _ = model[1](torch.ones(1, 2)); order.stop()
+        >>> sorted(order.without_graph(["0.weight", "0.bias", "1.weight"]))
+        ['0.bias', '0.weight']
     """
 
     def __init__(self) -> None:
@@ -46,6 +58,7 @@ class ForwardOrder:
         self._handles: list[Any] = []
         self._compiled: list[str] = []
         self._holders: dict[str, list[str]] = {}
+        self._outputs: dict[str, bool] = {}
 
     @property
     def watching(self) -> bool:
@@ -53,7 +66,7 @@ class ForwardOrder:
 
     def watch(self, root: nn.Module) -> None:
         self.stop()
-        self.module_names, self._seen, self._compiled = [], set(), []
+        self.module_names, self._seen, self._compiled, self._outputs = [], set(), [], {}
         first_name: dict[int, str] = {}
         self._holders = {}
         for module_name, module in root.named_modules():
@@ -67,6 +80,8 @@ class ForwardOrder:
             if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
                 self._compiled.append(name)
             self._handles.append(module.register_forward_pre_hook(self._hook_for(name)))
+            if any(True for _ in module.parameters(recurse=False)):
+                self._handles.append(module.register_forward_hook(self._output_hook_for(name)))
 
     def _hook_for(self, name: str) -> Callable[..., None]:
         def seen(module: nn.Module, args: Any) -> None:
@@ -74,6 +89,14 @@ class ForwardOrder:
                 self._seen.add(name)
                 self.module_names.append(name)
         return seen
+
+    def _output_hook_for(self, name: str) -> Callable[..., None]:
+        def ran(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._outputs.get(name):
+                tensors = _tensors(output)
+                if tensors:
+                    self._outputs[name] = any(tensor.requires_grad for tensor in tensors)
+        return ran
 
     def stop(self) -> None:
         for handle in self._handles:
@@ -97,6 +120,15 @@ class ForwardOrder:
                 called[name] = False
         return called
 
+    def without_graph(self, parameter_names: Sequence[str]) -> set[str]:
+        """The parameters whose every holding module that ran built no graph with its output (see the class)."""
+        found = set()
+        for name in parameter_names:
+            holders = [holder for holder in self._holders.get(name) or [module_of(name)] if holder in self._outputs]
+            if holders and not any(self._outputs[holder] for holder in holders):
+                found.add(name)
+        return found
+
     def positions(self, parameter_names: Sequence[str]) -> dict[str, tuple[int, int]]:
         """Sort keys (module position, registration index) for each parameter name."""
         rank = {name: index for index, name in enumerate(self.module_names)}
@@ -111,3 +143,11 @@ class ForwardOrder:
             return min(module_position(holder) for holder in holders)
 
         return {name: (parameter_position(name), index) for index, name in enumerate(parameter_names)}
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or the items of a tuple, list or mapping (one level)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return [item for item in items if isinstance(item, torch.Tensor)]
