@@ -135,7 +135,7 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     and above 3x the norm of the check step before it: in that rising phase the median lags, and a
     one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
     of the first steps says 3.4) has fallen back. A norm in a settled run sits near its median, so
-    there the limit decides, as before.
+    there the limit decides.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -199,10 +199,10 @@ class ExplosionWatch:
     steps after (the norm stays high, the loss rises, a NaN follows, which the anomaly checks report).
     An explosion feeds itself, so a jump is reported only once the :data:`FOLLOW_UP_STEPS` optimizer
     steps right after it are still above what confirms it (``confirm_above``: see :func:`judge_exploding`)
-    or not finite: three steps in a row. It is labelled at the step where it began. At the end of the run a jump is reported if the one step seen
-    after it was still above its limit, and dismissed if none was seen (a last-step spike cannot be told
-    from an explosion). A
-    limit the user set (``gradient_explosion_threshold``) is applied at once, without this watch.
+    or not finite: three steps in a row. It is labelled at the step where it began. At the end of the run
+    a jump is reported if the one step seen after it was still above that, and dismissed if none was seen
+    (a last-step spike cannot be told from an explosion). A limit the user set
+    (``gradient_explosion_threshold``) is applied at once, without this watch.
 
     Bounded: at most :data:`FOLLOW_UP_STEPS` + 1 jumps wait at a time (a new one past that decides the
     oldest with what it has).
