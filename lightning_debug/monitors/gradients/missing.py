@@ -18,7 +18,8 @@ How many steps is enough depends on what the first forward pass showed (module p
 
 - the parameter's module ran in it without building a graph (its output needs no gradient: it ran under
   ``no_grad()`` or ``inference_mode()``, or inside ``checkpoint(use_reentrant=True)`` on inputs that need
-  none): nothing can reach it, confirmed after :data:`MISSING_CONFIRM_STEPS` steps;
+  none, or its output is integer, such as the indices of a top-k selector): nothing can reach it, confirmed
+  after :data:`MISSING_CONFIRM_STEPS` steps;
 - every other case waits :data:`UNCALLED_CONFIRM_STEPS` steps. A module that ran with its output in the graph
   may have its output ignored (a pooler under a token-level loss) or cut after it (``detach()``, ``.data``), and
   just as well used by the loss on some batches only: a classifier head run on every batch of a semi-supervised
@@ -306,8 +307,9 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
     why = []
     if no_graph:
         why.append(f"{whose(no_graph)} ran in the first forward pass without building a graph (their output needs "
-                   "no gradient): under torch.no_grad() or inference_mode(), or inside checkpoint(use_reentrant=True) "
-                   "on inputs that need no gradient. Let the gradient through, or call requires_grad_(False).")
+                   "no gradient): under torch.no_grad() or inference_mode(), inside checkpoint(use_reentrant=True) "
+                   "on inputs that need no gradient, or with an integer output (indices from argmax or topk) that no "
+                   "gradient flows through. Let the gradient through, or call requires_grad_(False).")
     if cut_off:
         why.append(f"{whose(cut_off)} ran in the first forward pass, yet their output has not reached the loss: "
                    "it is not used (an output the loss ignores, such as a pooler) or the graph is cut after them "
