@@ -42,7 +42,7 @@ class ForwardOrder:
 
     It also keeps which modules ran without building a graph (every tensor of their output needs no gradient,
     though they hold trainable parameters: under ``torch.no_grad()``, ``inference_mode()`` or a reentrant
-    checkpoint): nothing they hold can get a gradient from that pass.
+    checkpoint, or an integer output such as top-k indices): nothing they hold can get a gradient from that pass.
 
         >>> order.watch(model)
         >>> with torch.no_grad():
