@@ -21,8 +21,8 @@ class ForwardOrder:
     module takes the position where that module is entered; a parameter shared by several modules
     (tied embeddings: named once, after the first module that registered it) takes the position of
     the first of them that runs; parameters of modules never entered come last, in registration order.
-    Inside a ``torch.compile``d module no hook is registered (Dynamo would trace it and recompile once it is removed): its
-    parameters take the compiled module's position, in registration order.
+    Inside a ``torch.compile``d module no hook is registered (Dynamo would trace it and recompile once it
+    is removed): its parameters take the compiled module's position, in registration order.
 
     Example::
 
