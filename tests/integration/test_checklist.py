@@ -181,17 +181,23 @@ def test_a_saturated_sigmoid_is_named_and_expert_level_writes_histograms(tmp_pat
 
 
 def test_activation_hooks_exist_only_during_a_check_steps_forward(tmp_path: Path) -> None:
-    """Zero cost elsewhere: no hook on any other forward, none at all with log_activations off."""
+    """Zero cost elsewhere: no hook on any other forward, none at all with log_activations off. (The first forward
+    also has the gradient check's one-time hooks that record the modules' order, removed before its backward.)"""
     seen: list[tuple[int, int]] = []
+    ordering: list[int] = []
 
     class Probe(SequentialNet):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append((self.trainer.global_step, sum(len(m._forward_hooks) for m in self.modules())))
+            hooks = [hook for m in self.modules() for hook in m._forward_hooks.values()]
+            once = [hook for hook in hooks if "ForwardOrder" in getattr(hook, "__qualname__", "")]
+            ordering.append(len(once))
+            seen.append((self.trainer.global_step, len(hooks) - len(once)))
             return super().forward(x)
 
     fit(tmp_path / "on", Probe(), log_activations=True, gradient_checking_frequency=3)
     measured = (1, 3, 6)  # gradient check steps 0, 3, 6; the profiler times step 0 (every 10 steps), so step 1
     assert seen == [(step, 7 if step in measured else 0) for step in range(8)], "one hook per leaf module"
+    assert ordering[0] > 0 and ordering[1:] == [0] * 7, "the order's hooks are there on the first forward only"
     trainer = fit(tmp_path / "timed", Probe(), log_activations=True, gradient_checking_frequency=3,
                   performance_profiling_frequency=1)
     perf = read_report(debug_dir(trainer))["sections"]["performance"]
