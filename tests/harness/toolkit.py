@@ -96,6 +96,16 @@ def make_trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 20, 
     return pl.Trainer(callbacks=callbacks, **options)
 
 
+def all_four(config: DebugConfig | None = None) -> list[pl.Callback]:
+    """The four debug callbacks, sharing one configuration (the defaults without one)."""
+    from lightning_debug import (AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback,
+                                 PerformanceProfilerCallback)
+
+    settings = config if config is not None else DebugConfig()
+    return [AnomalyDetectionCallback(settings), GradientHealthCallback(settings), MemoryProfilerCallback(settings),
+            PerformanceProfilerCallback(settings)]
+
+
 def fit_seeded(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int,
                **kwargs: Any) -> pl.Trainer:
     """:func:`make_trainer` and ``fit`` after ``seed_everything(0)``, Python warnings silenced (Lightning's own)."""

@@ -6,7 +6,6 @@ gradients (a loss that is flat in the model's output) with a loss that is not 0.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_debug import (AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, MemoryProfilerCallback,
-                             PerformanceProfilerCallback)
-from tests.harness.toolkit import debug_dir, make_trainer, read_events, read_report, regression_data
+from lightning_debug import DebugConfig
+from tests.harness.toolkit import all_four, debug_dir, fit_seeded, read_events, read_report, regression_data
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,14 +54,7 @@ class MarginClassifier(pl.LightningModule):
 
 
 def fit(root: Path, model: pl.LightningModule, steps: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    pl.seed_everything(0)
-    settings = DebugConfig(**EVERY_STEP)
-    callbacks = [AnomalyDetectionCallback(settings), GradientHealthCallback(settings),
-                 MemoryProfilerCallback(settings), PerformanceProfilerCallback(settings)]
-    trainer = make_trainer(root, callbacks, max_steps=steps, log_every_n_steps=10)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model)
+    trainer = fit_seeded(root, model, all_four(DebugConfig(**EVERY_STEP)), steps, log_every_n_steps=10)
     return read_events(debug_dir(trainer)), read_report(debug_dir(trainer))
 
 

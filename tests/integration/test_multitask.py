@@ -4,7 +4,6 @@ every step; then the two bugs such a model can hide (a head no task uses, a head
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_debug import (AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, MemoryProfilerCallback,
-                             PerformanceProfilerCallback)
-from tests.harness.toolkit import debug_dir, make_trainer, read_events, regression_data
+from lightning_debug import DebugConfig
+from tests.harness.toolkit import all_four, debug_dir, fit_seeded, read_events, regression_data
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,14 +66,7 @@ class RoundRobinTasks(pl.LightningModule):
 
 
 def fit(root: Path, model: pl.LightningModule, steps: int, **config: Any) -> list[dict[str, Any]]:
-    pl.seed_everything(0)
-    settings = DebugConfig(**config)
-    callbacks = [AnomalyDetectionCallback(settings), GradientHealthCallback(settings),
-                 MemoryProfilerCallback(settings), PerformanceProfilerCallback(settings)]
-    trainer = make_trainer(root, callbacks, max_steps=steps, limit_val_batches=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model)
+    trainer = fit_seeded(root, model, all_four(DebugConfig(**config)), steps, limit_val_batches=0)
     return read_events(debug_dir(trainer))
 
 
