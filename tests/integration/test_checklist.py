@@ -347,6 +347,29 @@ def test_a_nan_in_sample_5_is_reported_with_its_sample_index(tmp_path: Path, lev
     assert report["sections"]["anomaly"]["skipped_steps"] == 1
 
 
+
+@pytest.mark.parametrize("level", ["basic", "advanced"])
+def test_nan_marking_missing_values_that_the_model_imputes_is_an_info_naming_its_samples(tmp_path: Path,
+                                                                                          level: str) -> None:
+    """Tabular data marks a missing value with NaN and the model imputes it: the step is finite, nothing to skip."""
+
+    class Imputes(SequentialNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self(torch.where(x.isnan(), 0.0, x)), y)
+
+    trainer = fit(tmp_path, Imputes(nan_sample=(3, 5)), callbacks=[AnomalyDetectionCallback(
+        QUIET, level=level, anomaly_detection_mode="skip")])
+    events = read_events(debug_dir(trainer))
+    bad = starts(events, "nonfinite_input")
+    assert [(e["step"], e["severity"], e["details"]["samples"], e["details"]["handled"]) for e in bad] == [
+        (3, "info", [5], True)]
+    assert "the model handles them" in bad[0]["message"]
+    assert [(e["kind"], e["severity"]) for e in events if e["severity"] in ("warning", "error", "critical")] == []
+    report = read_report(debug_dir(trainer))
+    assert report["sections"]["anomaly"]["skipped_steps"] == 0
+    assert report["sections"]["anomaly"]["nonfinite_inputs"][0]["samples"] == [5]
+
 def test_a_float_mask_filled_with_the_dtype_minimum_is_not_an_infinity(tmp_path: Path) -> None:
     class Masked(SequentialNet):
         def train_dataloader(self) -> DataLoader:

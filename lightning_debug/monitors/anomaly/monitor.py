@@ -279,7 +279,8 @@ class AnomalyMonitor(Monitor):
         """Record the findings of a judged step, root first: events (global zero), episodes, scalars."""
         step, world, mode = host.step, len(host.ranks), self.mode
         if verdict.bad_input_ranks:
-            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world)
+            handled = not (verdict.bad_loss_ranks or verdict.bad_grads or verdict.bad_params)
+            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world, handled)
         if verdict.amp_overflow:
             self.record(prose.amp_overflow(step, verdict.bad_grads), step, where)
         else:
@@ -312,9 +313,10 @@ class AnomalyMonitor(Monitor):
         self.close_episodes(step, where, self.closed_by_a_check)
 
     def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
-                       world_size: int) -> None:
+                       world_size: int, handled: bool) -> None:
         self.bad_batches = (self.bad_batches + [dict(row, step=step) for row in rows])[-BAD_BATCHES_KEPT:]
-        self.record(prose.nonfinite_input(step, rows, ranks, world_size), step, where)
+        self.record(prose.nonfinite_input(step, rows, ranks, world_size, handled), step, where,
+                    key="handled" if handled else "")
 
     def _record_params(self, bad_params: list[tuple[str, float]], where: Where, world_size: int,
                        ranks: list[int], origin: ParamsOrigin) -> None:

@@ -294,14 +294,22 @@ def nonfinite_param(bad_params: Sequence[tuple[str, float]], origin: ParamsOrigi
              **({"consequence_of": Kind.NONFINITE_GRAD.value} if origin.by_gradients else {})))
 
 
-def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], world_size: int) -> Finding:
+def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], world_size: int,
+                    handled: bool = False) -> Finding:
     """``nonfinite_input``: the tensor, its micro-batch and the samples that hold NaN/Inf.
+
+    NaN is also how tabular and sensor data mark a missing value, which the model masks or imputes
+    (``torch.nan_to_num``, ``torch.where(x.isnan(), ...)``, a loss over the labelled entries only): then the
+    step's loss, gradients and weights are finite, and the finding is an ``info`` (``handled``) that still
+    names the samples. An error only when the step is not finite.
 
     Example::
 
         >>> row = {"tensor": "x", "shape": [4, 2], "samples": [1], "count": 1, "epoch": 0, "batch": 7, "rank": 0}
         >>> nonfinite_input(7, [row], [0], 1).message.split(". The data")[0]
         'Bad input at step 7: `x` (shape [4, 2]) holds 1 NaN/Inf value(s) in sample(s) [1] of batch 7 of epoch 0'
+        >>> nonfinite_input(7, [row], [0], 1, handled=True).severity.value
+        'info'
     """
     first = rows[0] if rows else None
     if first is not None:
@@ -311,13 +319,20 @@ def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], wor
         more = f"; {len(rows) - 1} more tensor(s) too" if len(rows) > 1 else ""
     else:
         what, more = "a batch tensor holds NaN/Inf (the samples are known on that rank only)", ""
+    if handled:
+        headline = "Input with NaN/Inf at step"
+        tail = ("The loss, gradients and weights of this step are finite, so the model handles them (missing "
+                "values masked or imputed). If they are not meant to be there, check those samples.")
+    else:
+        headline = "Bad input at step"
+        tail = ("The data holds NaN/Inf before the model sees it: check those samples (missing values, a zero std "
+                "in normalisation, a corrupt file).")
     return Finding(
-        Kind.NONFINITE_INPUT, Severity.ERROR,
-        f"Bad input at step {step}{on_ranks(ranks, world_size)}: {what}{more}. The data holds NaN/Inf before "
-        "the model sees it: check those samples (missing values, a zero std in normalisation, a corrupt file).",
+        Kind.NONFINITE_INPUT, Severity.INFO if handled else Severity.ERROR,
+        f"{headline} {step}{on_ranks(ranks, world_size)}: {what}{more}. {tail}",
         {"samples": first["samples"] if first else [], "tensor": first["tensor"] if first else None,
          "shape": first["shape"] if first else None, "count": sum(row["count"] for row in rows),
-         "ranks": ranks, "inputs": rows[:NAMES_IN_DETAILS]})
+         "ranks": ranks, "inputs": rows[:NAMES_IN_DETAILS], "handled": handled})
 
 
 def nonfinite_buffer(broken: list[str], step: int, restored: bool, world_size: int, mode: AnomalyMode) -> Finding:
