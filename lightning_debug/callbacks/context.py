@@ -214,6 +214,16 @@ class LightningContext(RunContext):
         names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
         return (int(total) if known and total is not None else None), names
 
+    def epoch_end_step(self, step: int, where: Where) -> int | None:
+        """From Lightning's batches per epoch and gradient accumulation; ``where["batch"]`` is the batch index
+        within the epoch."""
+        batches, accumulate = self.trainer.num_training_batches, max(1, self.trainer.accumulate_grad_batches)
+        batch = where.get("batch", -1)
+        if not isinstance(batches, int) or batches <= 0 or not isinstance(batch, int) or batch < 0:
+            return None
+        steps = math.ceil(batches / accumulate)
+        return step + max(0, steps - 1 - batch // accumulate)
+
     def module(self) -> nn.Module:
         return self.pl_module
 

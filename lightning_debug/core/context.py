@@ -173,6 +173,11 @@ class RunContext:
         learning-rate schedulers: what tells a schedule that ends at 0 from one that stops training early."""
         return None, []
 
+    def epoch_end_step(self, step: int, where: Where) -> int | None:
+        """The last optimizer step of the epoch that optimizer step ``step`` (at ``where``) belongs to, when the
+        epoch's length is known (None: not known, as for an iterable dataset)."""
+        return None
+
     def train_loader(self) -> Any:
         return None
 

@@ -145,6 +145,50 @@ def test_healthy_run_reports_no_growth(tmp_path: Path) -> None:
     assert section["cost_ms"]["census"]["count"] == 0
 
 
+
+class KeepsEpochOutputs(TinyRegressor):
+    """Lightning's recipe for an epoch-level metric: each step's outputs appended in ``training_step`` (here 130 KB
+    a step), read and cleared in ``on_train_epoch_end``; 150 steps an epoch. ``clear=False`` is the bug: the list
+    is never cleared, so it grows across epochs."""
+
+    def __init__(self, clear: bool) -> None:
+        super().__init__()
+        self.clear, self.outputs, self.kept = clear, [], 0
+        self.extra = torch.Generator().manual_seed(0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.outputs.append(torch.randn(16, 2048, generator=self.extra))
+        self.kept = max(self.kept, len(self.outputs))
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        if self.clear:
+            torch.stack([output.mean() for output in self.outputs])
+            self.outputs.clear()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(samples=16 * 150), batch_size=16)
+
+
+def test_outputs_kept_for_the_end_of_each_epoch_are_no_leak(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=1)], max_epochs=4,
+                           max_steps=-1, limit_val_batches=0, log_every_n_steps=50)
+    model = KeepsEpochOutputs(clear=True)
+    trainer.fit(model)
+    assert trainer.global_step == 600 and model.kept == 150, "150 steps of outputs (19 MB) piled up in each epoch"
+    assert memory_events(trainer, "memory_growth") == []
+    assert read_report(debug_dir(trainer))["sections"]["memory"]["growth"]["status"] != "growing"
+
+
+def test_outputs_never_cleared_are_named_once_the_epoch_ends_without_releasing_them(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=1)], max_epochs=2,
+                           max_steps=-1, limit_val_batches=0, log_every_n_steps=50)
+    trainer.fit(KeepsEpochOutputs(clear=False))
+    growth = [e for e in memory_events(trainer, "memory_growth") if e.get("episode") == "start"]
+    assert len(growth) == 1 and 150 <= growth[0]["step"] < 200, [e["step"] for e in growth]
+    assert growth[0]["details"]["tensors"][0]["shape"] == [16, 2048]
+
 # --- memory_high ---------------------------------------------------------------------------------------------
 
 

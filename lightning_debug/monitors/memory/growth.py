@@ -25,6 +25,14 @@ What could make it fire on a healthy model, and how it is ruled out:
   the window's later half was given :data:`INPUT_GROWTH` times the input elements of its earlier half
   (medians; the batch's first tensor, read on check steps, so batches of random lengths do not count),
   the host series are not judged. A leak shows again once the window holds one input size.
+- outputs kept for the end of the epoch (Lightning's recipe: ``self.training_step_outputs.append(...)`` in
+  ``training_step``, read and cleared in ``on_train_epoch_end``; a feature bank for an epoch-level metric):
+  memory grows all through an epoch and is released at its end. While every reading of the window is from
+  the current epoch, another epoch follows before the run ends, and memory at that rate lasts past the
+  epoch's end, a confirmed growth waits for the epoch to end (still ``suspected``). At the first reading of
+  the next epoch, memory that fell back at least halfway from its peak to where the window began was
+  released: the window starts again. A leak keeps what it took and is named then. In the last epoch, which
+  ends with the run, growth waits the same way once an earlier epoch's growth was released.
 
 Example::
 
@@ -40,7 +48,7 @@ import enum
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lightning_debug.checks.memory import (
@@ -106,21 +114,24 @@ class GrowthSeries:
         self.trends: dict[str, Trend] = {}
         self.readings = 0
         self.inputs: deque[tuple[int, int]] = deque(maxlen=window)
+        self.epochs: deque[int | None] = deque(maxlen=window)
 
     def takes(self, step: int) -> bool:
         """Whether :meth:`add` would take the next reading, at ``step`` (a reader may skip what it costs otherwise)."""
         latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
         return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= self.min_spacing)
 
-    def add(self, step: int, values: Mapping[str, float], elements: int | None = None) -> bool:
-        """Add a reading (and the elements of that step's input, when known); False (and nothing added) during
-        warm-up or fewer than ``min_spacing`` steps after the last reading of the window."""
+    def add(self, step: int, values: Mapping[str, float], elements: int | None = None,
+            epoch: int | None = None) -> bool:
+        """Add a reading (and the elements of that step's input and its epoch, when known); False (and nothing
+        added) during warm-up or fewer than ``min_spacing`` steps after the last reading of the window."""
         takes = self.takes(step)
         self.readings += 1
         if not takes:
             return False
         if elements:
             self.inputs.append((step, elements))
+        self.epochs.append(epoch)
         for name, value in values.items():
             self.points.setdefault(name, deque(maxlen=self.window)).append((step, value))
         self.trends = {name: trend for name, points in self.points.items() if (trend := fit_trend(list(points)))}
@@ -151,6 +162,43 @@ class GrowthSeries:
         half = len(sizes) // 2
         return statistics.median(sizes[half:]) >= INPUT_GROWTH * statistics.median(sizes[:half])
 
+    def one_epoch(self) -> int | None:
+        """The epoch of every reading in the window, when they are all from one (None otherwise or unknown).
+
+        Example::
+
+            >>> series = GrowthSeries(window=3, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_rss": 1.0}, epoch=step // 4) for step in range(6)]
+            >>> series.one_epoch(), series.add(6, {"cpu_rss": 1.0}, epoch=1), series.one_epoch()
+            (None, True, 1)
+        """
+        epochs = set(self.epochs)
+        return epochs.pop() if len(epochs) == 1 else None
+
+    def fell_back(self, names: Iterable[str]) -> bool:
+        """Whether the latest reading of one of ``names`` is back at most halfway from the window's peak to where
+        the window began (memory released).
+
+        Example::
+
+            >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_heap": value}) for step, value in enumerate((1.0, 5.0, 9.0, 2.0))]
+            >>> series.fell_back(["cpu_heap"])
+            True
+        """
+        for name in names:
+            values = [value for _, value in self.points.get(name, ())]
+            if len(values) >= 2 and max(values) > values[0] and values[-1] <= (values[0] + max(values)) / 2:
+                return True
+        return False
+
+    def restart(self) -> None:
+        """Empty the window (the warm-up is not repeated)."""
+        for points in (self.points, self.trends):
+            points.clear()
+        self.inputs.clear()
+        self.epochs.clear()
+
     def _still_rising(self, name: str, trend: Trend) -> bool:
         """Whether the latest half of ``name``'s window rises at least ``RECENT_SLOPE_SHARE`` as fast as ``trend``."""
         points = list(self.points[name])
@@ -171,6 +219,17 @@ def next_leak_step(growing: Mapping[str, Trend], suspected: bool, explained: boo
     if explained:
         return LeakStep.ONGOING
     return LeakStep.CONFIRM if suspected else LeakStep.SUSPECT
+
+
+def lasts_past(step: int, end_step: int, growing: Mapping[str, Trend], reading: MemoryReading) -> bool:
+    """Whether memory lasts past ``end_step`` at the rate of the first growing series (its headroom: the
+    GPU's free memory, or the machine's available memory)."""
+    name, trend = next(iter(growing.items()))
+    if name == "cuda_allocated":
+        headroom = (reading.cuda_total or 0) - (reading.cuda_allocated or 0)
+    else:
+        headroom = reading.cpu_available
+    return steps_until_exhausted(trend.slope, headroom) > end_step - step
 
 
 def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: str | None = None) -> dict[str, Any]:

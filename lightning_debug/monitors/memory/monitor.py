@@ -47,6 +47,7 @@ from lightning_debug.monitors.memory.growth import (
     LeakStep,
     growth_finding,
     growth_verdict,
+    lasts_past,
     next_leak_step,
 )
 from lightning_debug.monitors.memory.high import high_memory
@@ -95,6 +96,8 @@ class MemoryMonitor(Monitor):
         self._device: torch.device | None = None
         self._suspicion: _Suspicion | None = None
         self._growth: Finding | None = None
+        self._waiting: tuple[Any, list[str]] | None = None  # a growth waiting for the end of its epoch
+        self._released_epochs = 0  # epochs whose growth was released at their end
         self.history = AllocationHistory(self.settings.history_entries)
         self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
@@ -200,10 +203,19 @@ class MemoryMonitor(Monitor):
 
     # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
-        if not self.windows.add(step, reading.leak_series(), self._elements):
+        if not self.windows.add(step, reading.leak_series(), self._elements, where.get("epoch")):
             if self._growth is not None:
                 self.record(self._growth, step, where)
             return
+        if self._waiting is not None and where.get("epoch") != self._waiting[0]:
+            _, series = self._waiting
+            self._waiting = None
+            if self.windows.fell_back(series):
+                self._released_epochs += 1
+                self.windows.restart()
+                self._end_suspicion()
+                self.verdict = self._verdict(GrowthStatus.NONE)
+                return
         growing = self.windows.growing()
         action = next_leak_step(growing, suspected=self._suspicion is not None, explained=self._growth is not None)
         if action is LeakStep.HEALTHY:
@@ -216,11 +228,29 @@ class MemoryMonitor(Monitor):
             self._suspicion = _Suspicion(step, self._census(), self._start_history() if reading.on_cuda else False)
             self.verdict = self._verdict(GrowthStatus.SUSPECTED)
             return
+        if action is LeakStep.CONFIRM and self._waits_for_the_epoch(step, where, growing, reading):
+            self._waiting = (where.get("epoch"), list(growing))
+            self.verdict = self._verdict(GrowthStatus.SUSPECTED)
+            return
         if action is LeakStep.CONFIRM:
             self._growth = self._explain(step, growing, reading)
         assert self._growth is not None
         self.record(self._growth, step, where)
         self.verdict = self._verdict(GrowthStatus.GROWING)
+
+    def _waits_for_the_epoch(self, step: int, where: Where, growing: dict[str, Trend], reading: MemoryReading) -> bool:
+        """Whether a confirmed growth waits for the end of its epoch (see :mod:`.growth`: outputs kept for the end
+        of the epoch): the window is within this epoch, memory lasts past its end, and another epoch follows
+        before the run ends, or an earlier epoch's growth was released at its end (the last epoch's ends with
+        the run)."""
+        epoch = where.get("epoch")
+        if epoch is None or self.windows.one_epoch() != epoch:
+            return False
+        end = self.context.epoch_end_step(step, where)
+        total, _ = self.context.schedule()
+        if end is None or (total is not None and end >= total - 1 and not self._released_epochs):
+            return False
+        return lasts_past(step, end, growing, reading)
 
     def _census(self) -> Census:
         census = take_census()
