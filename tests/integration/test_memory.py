@@ -178,6 +178,7 @@ def test_outputs_kept_for_the_end_of_each_epoch_are_no_leak(tmp_path: Path) -> N
     trainer.fit(model)
     assert trainer.global_step == 600 and model.kept == 150, "150 steps of outputs (19 MB) piled up in each epoch"
     assert memory_events(trainer, "memory_growth") == []
+    assert [e["kind"] for e in memory_events(trainer) if e["severity"] in ("warning", "error", "critical")] == []
     assert read_report(debug_dir(trainer))["sections"]["memory"]["growth"]["status"] != "growing"
 
 

@@ -279,8 +279,7 @@ class AnomalyMonitor(Monitor):
         """Record the findings of a judged step, root first: events (global zero), episodes, scalars."""
         step, world, mode = host.step, len(host.ranks), self.mode
         if verdict.bad_input_ranks:
-            handled = not (verdict.bad_loss_ranks or verdict.bad_grads or verdict.bad_params)
-            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world, handled)
+            self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world, verdict.finite)
         if verdict.amp_overflow:
             self.record(prose.amp_overflow(step, verdict.bad_grads), step, where)
         else:

@@ -63,6 +63,11 @@ class Verdict:
         return self.uses_grad_scaler and bool(self.bad_grads) and not self.bad_loss_ranks and not self.bad_params
 
     @property
+    def finite(self) -> bool:
+        """The step's loss, gradients and weights are all finite, whatever its inputs held."""
+        return not (self.bad_loss_ranks or self.bad_grads or self.bad_params)
+
+    @property
     def params_first(self) -> bool:
         """The weights this step's forward used were already non-finite: its loss and gradients follow from them."""
         return bool(self.bad_params) and self.params is not None and self.params.before_forward
@@ -80,7 +85,7 @@ class Verdict:
 
     def anomalous(self) -> bool:
         """Whether the step counts as an anomaly (a deciding kind, before any replay)."""
-        if not (self.bad_loss_ranks or self.bad_grads or self.bad_params):  # a healthy step: no kind to decide
+        if self.finite:  # a healthy step: no kind to decide
             return False
         return any(kind in DECIDING for kind in self.kinds(None))
 

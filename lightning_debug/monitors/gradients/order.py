@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
+from lightning_debug.checks.localize import tensors_in
 from lightning_debug.checks.numerics import user_name
 from lightning_debug.monitors.gradients.layout import module_of
 
@@ -93,7 +93,7 @@ class ForwardOrder:
     def _output_hook_for(self, name: str) -> Callable[..., None]:
         def ran(module: nn.Module, args: Any, output: Any) -> None:
             if not self._outputs.get(name):
-                tensors = _tensors(output)
+                tensors = tensors_in(output)
                 if tensors:
                     self._outputs[name] = any(tensor.requires_grad for tensor in tensors)
         return ran
@@ -144,10 +144,3 @@ class ForwardOrder:
 
         return {name: (parameter_position(name), index) for index, name in enumerate(parameter_names)}
 
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a module's output: itself, or the items of a tuple, list or mapping (one level)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    return [item for item in items if isinstance(item, torch.Tensor)]

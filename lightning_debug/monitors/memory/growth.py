@@ -194,8 +194,8 @@ class GrowthSeries:
 
     def restart(self) -> None:
         """Empty the window (the warm-up is not repeated)."""
-        for points in (self.points, self.trends):
-            points.clear()
+        self.points.clear()
+        self.trends.clear()
         self.inputs.clear()
         self.epochs.clear()
 
@@ -221,15 +221,18 @@ def next_leak_step(growing: Mapping[str, Trend], suspected: bool, explained: boo
     return LeakStep.CONFIRM if suspected else LeakStep.SUSPECT
 
 
+def headroom(series: str, reading: MemoryReading) -> tuple[float, str]:
+    """The bytes ``series`` can still grow by, and what runs out: the GPU's free memory for CUDA, else the
+    machine's available memory."""
+    if series == "cuda_allocated":
+        return (reading.cuda_total or 0) - (reading.cuda_allocated or 0), "this GPU"
+    return reading.cpu_available, "this machine's available memory"
+
+
 def lasts_past(step: int, end_step: int, growing: Mapping[str, Trend], reading: MemoryReading) -> bool:
-    """Whether memory lasts past ``end_step`` at the rate of the first growing series (its headroom: the
-    GPU's free memory, or the machine's available memory)."""
+    """Whether memory lasts past ``end_step`` at the rate of the first growing series (see :func:`headroom`)."""
     name, trend = next(iter(growing.items()))
-    if name == "cuda_allocated":
-        headroom = (reading.cuda_total or 0) - (reading.cuda_allocated or 0)
-    else:
-        headroom = reading.cpu_available
-    return steps_until_exhausted(trend.slope, headroom) > end_step - step
+    return steps_until_exhausted(trend.slope, headroom(name, reading)[0]) > end_step - step
 
 
 def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: str | None = None) -> dict[str, Any]:
@@ -268,11 +271,8 @@ def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str,
     steps = step - census_step
     name = next(iter(growing))
     trend = growing[name]
-    if name == "cuda_allocated":
-        headroom, what = (reading.cuda_total or 0) - (reading.cuda_allocated or 0), "this GPU"
-    else:
-        headroom, what = reading.cpu_available, "this machine's available memory"
-    remaining = steps_until_exhausted(trend.slope, headroom)
+    room, what = headroom(name, reading)
+    remaining = steps_until_exhausted(trend.slope, room)
     run_out_step = step + int(remaining) if math.isfinite(remaining) else None
     where_text = ""
     if sites:
@@ -281,11 +281,11 @@ def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str,
     rate = (f"Memory grows steadily: {SERIES_LABELS[name]} +{format_bytes(trend.slope)}/step over steps "
             f"{trend.first_step}-{trend.last_step} ({trend.readings} readings)")
     if run_out_step is not None:
-        rate += f"; at this rate {what} ({format_bytes(headroom)} left) runs out around step {run_out_step:,}"
+        rate += f"; at this rate {what} ({format_bytes(room)} left) runs out around step {run_out_step:,}"
     message = f"{rate}. {explain_growth(grown, steps, graphs)}{where_text}"
     details = {
         "series": name, "mb_per_step": trend.slope / MB, "run_out_step": run_out_step,
-        "headroom_mb": headroom / MB,
+        "headroom_mb": room / MB,
         "trends": {series: trends[series].summary() for series in growing},
         "tensors": [group.to_dict() for group in grown[:5]],
         "growing_graphs": [graph.to_dict() for graph in graphs[:3]],
