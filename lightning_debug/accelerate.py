@@ -28,7 +28,8 @@ from lightning_debug.core.numerics import AllGather
 from lightning_debug.monitors import monitors_for
 from lightning_debug.report.attach import tracker_stores
 from lightning_debug.report.tensorboard import histogram_writer
-from lightning_debug.run import Run, load_monitor_states, monitor_states
+from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
+from lightning_debug.run import Run
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -72,37 +72,31 @@ def _own_time(method: _Method) -> _Method:
     return counted  # type: ignore[return-value]
 
 
-def monitor_states(monitors: Iterable[Monitor]) -> dict[str, Any]:
-    """The one checkpoint format of monitors: each one's ``state_dict`` under its area's name.
-
-    Both adapters save it (Lightning under each callback's key, Accelerate through
-    ``register_for_checkpointing``) and give it back to :func:`load_monitor_states` on resume.
-
-    Example::
-
-        >>> from lightning_debug import DebugConfig
-        >>> from lightning_debug.monitors import monitors_for
-        >>> monitors = monitors_for(DebugConfig(mode="memory_profiling"), "loop")
-        >>> sorted(monitor_states(monitors))
-        ['errors', 'loop', 'memory']
-    """
-    return {monitor.area.value: monitor.state_dict() for monitor in monitors}
-
-
-def load_monitor_states(monitors: Iterable[Monitor], states: dict[str, Any]) -> None:
-    """Give each of ``monitors`` its part of ``states`` (made by :func:`monitor_states`); an area the
-    checkpoint lacks (a callback added since) starts fresh."""
-    for monitor in monitors:
-        if monitor.area.value in states:
-            monitor.load_state_dict(states[monitor.area.value])
-
-
 def drop_gradients(optimizer: Any) -> None:
     """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
     so there is no update, no momentum and no weight decay for this step."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = None
+
+
+def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], optimizer: Any) -> int | None:
+    """With several optimizers: how many steps ``optimizer`` took before this one (counted in ``counts``, and
+    its position in the context's list, for the events, both written into the ledger's record); None with one
+    optimizer, or with sharded flat parameters, whose optimizers hold copies that are not the module's."""
+    optimizers = context.optimizers()
+    several = len(optimizers) > 1
+    if not several or optimizer is None or context.grads_sharded:
+        record = ledger.record
+        if record.several_optimizers is not several or record.optimizer_index is not None \
+                or record.optimizer_step is not None:
+            ledger.record = record.moved(several_optimizers=several, optimizer_index=None, optimizer_step=None)
+        return None
+    own = counts.get(id(optimizer), 0)
+    counts[id(optimizer)] = own + 1
+    index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+    ledger.record = ledger.record.moved(several_optimizers=True, optimizer_index=index, optimizer_step=own)
+    return own
 
 
 class Run:
@@ -150,6 +144,7 @@ class Run:
         self._report: dict[str, Any] | None = None
         self._exceptions_seen: set[int] = set()
         self._optimizer_steps: dict[int, int] = {}
+        self._stepping: tuple[int, int, Decision] | None = None  # (step, id(optimizer), decision) inside a step
         self._other_ranks_failures: list[Any] | None = None
         self.finished = False
         self.started = False
@@ -205,6 +200,7 @@ class Run:
         steps that can no longer change go to the logger.
         """
         self.failures.step = step
+        self._stepping = None
         self._batch, self._batch_step = batch, step
         self.ledger.record = self.ledger.record.at_batch(step)
         call = self.failures.call
@@ -220,31 +216,15 @@ class Run:
 
     @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
+        """A backward of step ``step`` starts; after the step's :meth:`before_optimizer_step` it is an optimizer
+        evaluating its closure again (L-BFGS): a trial point, not the step's loss, and not judged."""
+        if self._stepping is not None and self._stepping[0] == step:
+            return
         self._emit(Event.BEFORE_BACKWARD, step, loss)
         self.ledger.phase = MemoryPhase.BACKWARD
 
     def _several_optimizers(self) -> bool:
         return len(self.context.optimizers()) > 1
-
-    def _own_step(self, optimizer: Any) -> int | None:
-        """With several optimizers: how many steps ``optimizer`` took before this one (and its position
-        in the context's list, for the events); None with one optimizer, or with sharded flat
-        parameters, whose optimizers hold copies that are not the module's parameters."""
-        context = self.context
-        optimizers = context.optimizers()
-        several = len(optimizers) > 1
-        if not several or optimizer is None or context.grads_sharded:
-            record = self.ledger.record
-            if record.several_optimizers is not several or record.optimizer_index is not None \
-                    or record.optimizer_step is not None:
-                self.ledger.record = record.moved(several_optimizers=several, optimizer_index=None,
-                                                  optimizer_step=None)
-            return None
-        own = self._optimizer_steps.get(id(optimizer), 0)
-        self._optimizer_steps[id(optimizer)] = own + 1
-        index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
-        self.ledger.record = self.ledger.record.moved(several_optimizers=True, optimizer_index=index, optimizer_step=own)
-        return own
 
     @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
@@ -254,9 +234,19 @@ class Run:
         checks' frequencies count its own steps (``StepRecord.optimizer_step``). On
         :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here; the
         adapter stops training on STOP.
+
+        An optimizer that evaluates its closure several times per step (L-BFGS) calls this after each one: the
+        checks run on the first (the step's gradients, the weights before it), later calls get its decision.
         """
+        stepping = self._stepping
+        if stepping is not None and stepping[:2] == (step, id(optimizer)):
+            self.ledger.reevaluates = True
+            if stepping[2] is not Decision.CONTINUE:
+                drop_gradients(optimizer)
+            return stepping[2]
         context = self.context
-        own = self.failures.call("listing the optimizers", self._own_step, optimizer)
+        own = self.failures.call("listing the optimizers", own_step, context, self.ledger, self._optimizer_steps,
+                                 optimizer)
         if own is None and self.ledger.record.optimizer_step is not None:  # listing failed
             self.ledger.record = self.ledger.record.moved(optimizer_step=None)
         owner = optimizer if own is not None else None
@@ -274,6 +264,7 @@ class Run:
             if result is not None and result > decision:
                 decision = result
         self.ledger.phase = MemoryPhase.OPTIMIZER
+        self._stepping = (step, id(optimizer), decision)
         if decision is not Decision.CONTINUE:
             drop_gradients(optimizer)
         return decision
@@ -281,6 +272,7 @@ class Run:
     @_own_time
     def after_optimizer_step(self, steps_done: int) -> None:
         """``steps_done`` optimizer steps have been taken (called after every micro-batch)."""
+        self._stepping = None
         self.ledger.record = self.ledger.record.done(steps_done)
         self._emit(Event.AFTER_OPTIMIZER_STEP, steps_done)
 

@@ -22,7 +22,8 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
-from lightning_debug.run import Run, load_monitor_states, monitor_states
+from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
+from lightning_debug.run import Run
 from lightning_debug.callbacks.context import LightningContext, RowLogger, lightning_logs_now
 
 RUN_ATTRIBUTE = "_lightning_debug_run"

@@ -91,6 +91,9 @@ class RunLedger:
     notes: deque[tuple[int, str]] = field(default_factory=lambda: deque(maxlen=NOTES_KEPT))
     notes_hooks: bool = False
     """Whether the adapter notes the framework's work between steps (validation, checkpoint saving)."""
+    reevaluates: bool = False
+    """Whether an optimizer evaluated its closure again inside one step (L-BFGS, a line search): such an
+    optimizer chooses for itself how far a step goes, and may decline to move at all."""
     phase: MemoryPhase | None = None
     """The phase of the step the loop is in (None between batches), as the run last saw it: what an OOM
     post-mortem names. The run sets it at every event, so a monitor called only on its check steps still knows."""

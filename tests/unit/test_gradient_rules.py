@@ -435,6 +435,9 @@ def test_not_updated_ignores_parameters_resting_at_lr_zero_and_without_gradient(
     verdict = judge_not_updated(7, names, deltas, gradients, [True] * 4, [False, True, False, False], set(), {})
     assert verdict is not None and verdict.flagged == ["a"] and verdict.key == "no_update"
     assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], {"a", "b"}, {}) is None
+    still = torch.zeros(4, dtype=torch.float64)  # a line search declined the step: nothing moved
+    assert judge_not_updated(7, names, still, gradients, [True] * 4, [], set(), {}, line_search=True) is None
+    assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], set(), {}, line_search=True) is not None
     a, b = torch.ones(1), torch.ones(1)
     assert resting_slots([{"params": [a], "lr": 0}, {"params": [b], "lr": 0.1}], [a, b]) == [True, False]
 

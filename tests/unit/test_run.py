@@ -20,7 +20,8 @@ from lightning_debug.core.ledger import StepRecord
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.errors import AnomalyError
 from lightning_debug.report.summary import _headline
-from lightning_debug.run import Run, load_monitor_states, monitor_states
+from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
+from lightning_debug.run import Run
 
 CONFIG = DebugConfig(save_debug_info=False, print_summary=False, save_plots=False)
 

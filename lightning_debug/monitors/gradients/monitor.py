@@ -297,8 +297,8 @@ class GradientMonitor(Monitor):
         if pending.update is not None:
             update_metrics, verdicts = read_updates(
                 step, optimizer, pending.update.tensor(), host, pending.layout, pending.had_grad, pending.lr_zero_now,
-                settings, self.history, self._param_groups,
-                {name for names in self.static_frozen.values() for name in names}, self._positions)
+                settings, self.history, self._param_groups, set().union(*self.static_frozen.values()),
+                self._positions, self.ledger.reevaluates)
             metrics.update(update_metrics)
             for verdict in verdicts:
                 self._record(verdict, step, where)

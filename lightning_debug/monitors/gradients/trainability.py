@@ -118,15 +118,21 @@ NOISE_FRACTION = 64 * torch.finfo(torch.float32).eps
 
 def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gradients: torch.Tensor,
                       had_grad: Sequence[bool], lr_zero_now: Sequence[bool], already_frozen: Collection[str],
-                      positions: Positions) -> Verdict | None:
+                      positions: Positions, line_search: bool = False) -> Verdict | None:
     """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step
     left exactly unchanged (``||Δw|| = 0``). A healthy model does this with a learning rate of 0 right now
     (a warm-up or schedule at 0, ``lr_zero_now``), which is not flagged, nor are parameters already
     reported as frozen before the run; and with a gradient that is only rounding noise: a parameter whose
     contributions cancel (the last bias of a triplet embedder, which drops out of every distance) gets a
     gradient of float32's epsilon times the model's, and an update far below what its weights can hold.
-    So a gradient counts only when its norm is above :data:`NOISE_FRACTION` of the global norm."""
+    So a gradient counts only when its norm is above :data:`NOISE_FRACTION` of the global norm. An optimizer
+    that evaluates its closure several times per step (``line_search``: L-BFGS) declines a step whose
+    direction does not descend on this batch and leaves every weight as it was: with such an optimizer a
+    step where no parameter moved is its own decision, and only a parameter left behind while others moved
+    is named."""
     significant = gradients > NOISE_FRACTION * torch.linalg.vector_norm(gradients[torch.isfinite(gradients)])
+    if line_search and not bool((deltas != 0).any()):
+        return None
     unchanged = ((deltas == 0) & significant & torch.isfinite(gradients)).nonzero().flatten().tolist()
     not_updated = [names[i] for i in unchanged if had_grad[i] and names[i] not in already_frozen
                    and not (lr_zero_now and lr_zero_now[i])]

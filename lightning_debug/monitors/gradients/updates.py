@@ -31,7 +31,7 @@ def step_loss(host: HostNumerics) -> float:
 def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNumerics, layout: ModuleLayout | None,
                  had_grad: Sequence[bool], lr_zero_now: Sequence[bool], settings: GradientSettings,
                  history: GradientHistory, param_groups: Sequence[dict[str, Any]], already_frozen: Collection[str],
-                 positions: Positions) -> tuple[dict[str, float], list[Verdict]]:
+                 positions: Positions, line_search: bool = False) -> tuple[dict[str, float], list[Verdict]]:
     """Scalars and verdicts of check step ``step`` from ``deltas`` (``||Δw||`` per parameter slot)."""
     deltas = deltas.double()
     weights, names = host.param_norms_by_slot(), host.param_names
@@ -50,5 +50,5 @@ def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNume
             if layout is not None and layout.slot_module.numel() == len(names) else None)
     verdicts = [confirm_update_ratios(step, optimizer, high, step_loss(host), history.update_ratio_high),
                 judge_not_updated(step, names, deltas, host.grad_norms_by_slot(), had_grad, lr_zero_now,
-                                  already_frozen, positions)]
+                                  already_frozen, positions, line_search)]
     return metrics, [verdict for verdict in verdicts if verdict is not None]
