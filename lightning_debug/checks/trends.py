@@ -12,7 +12,7 @@ import enum
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_debug.checks.robust import median, robust_sigma
@@ -29,6 +29,8 @@ LOSS_SPIKE_FACTOR = 10.0
 LOSS_SPIKE_SIGMAS = 6.0
 LOSS_WINDOW = 32
 LOSS_START_VALUES = 5
+# Loss: a spike is also this many times the highest of the recent losses (the window's own tail sets the scale).
+SPIKE_OVER_RECENT_MAX = 2.0
 # Loss: a divergence rises on most of the last DIVERGENCE_WINDOW checks and at least doubles over them.
 DIVERGENCE_WINDOW = 8
 DIVERGENCE_RISES = 6
@@ -42,6 +44,8 @@ CLIMB_CONFIRM = 4
 # reached) above that best level: the lowest of hundreds of noisy levels is itself an extreme of the noise.
 CLIMB_SIGMAS = 6.0
 REGIME_MIN_LOSSES = 4
+# ... and the best level counts from this many losses on: the spread of fewer is no measure of the noise.
+CLIMB_BEST_MIN_LOSSES = 2 * CLIMB_LEVEL_WINDOW
 # Loss: a divergence's rise (between the medians of the window's halves) is also DIVERGENCE_SIGMAS robust standard
 # deviations of the losses before the window, when there are DIVERGENCE_WINDOW of them.
 DIVERGENCE_SIGMAS = 3.0
@@ -138,6 +142,7 @@ class LossKind(str, enum.Enum):
     SPIKE = "spike"
     DIVERGENCE = "divergence"
     CLIMB = "climb"
+    OUTLIER = "outlier"
 
 
 @dataclass
@@ -151,10 +156,15 @@ class LossVerdict:
     limit: float = math.nan
     window: list[float] | None = None
     best: float = math.nan
+    next_loss: float | None = None
+    """For a ``spike`` or an ``outlier``: the next check's loss, which settled it (the verdict is about the check
+    before the one that returned it)."""
 
     @property
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {"loss": self.loss, "recent_level": self.level, "start_level": self.start}
+        if self.next_loss is not None:
+            out["next_loss"] = self.next_loss
         if math.isfinite(self.limit):
             out["limit"] = self.limit
         if self.window:
@@ -171,7 +181,14 @@ class LossTrend:
     level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
     that goes back up toward where it began is not a spike), and,
     with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
-    One earlier value is enough, so a learning rate that blows the loss up at step 1 is seen at step 1.
+    One earlier value is enough, so a learning rate that blows the loss up at step 1 is suspected at step 1.
+    What could make it fire on a healthy model: losses of single examples, whose tail is long (the squared error
+    of one example is 15x its median once in a few hundred), and one batch far from the others (an outlier
+    target, a mislabelled example the model is sure of). The first is ruled out by the window's own tail: a
+    spike is also :data:`SPIKE_OVER_RECENT_MAX` times the highest of the recent losses. The second by time: a
+    blow-up lasts, such a batch does not. So a suspected spike is settled by the next check's loss, and the
+    verdict the next :meth:`judge` returns is about the suspected one (``next_loss`` set): ``spike`` when that
+    loss is not finite or still above the spike's limit, ``outlier`` (one batch) otherwise.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
     :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
@@ -189,6 +206,8 @@ class LossTrend:
     run of stationary noise the best level is the lowest of hundreds of medians and the current one may be the
     highest, 2-4x apart when single losses vary by half their mean (an MSE over random targets): the margin
     of :data:`CLIMB_SIGMAS` spreads of single losses is beyond that range;
+    the best level and its spread count from :data:`CLIMB_BEST_MIN_LOSSES` losses on (the median and spread of
+    the first few single-example losses can both be low by luck, 5x under the run's true level);
     a loss that rises for a few steps and comes back (a warm-up overshoot) is not confirmed over
     :data:`CLIMB_CONFIRM` checks at twice the best level; a loss that trains down to near zero and
     drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
@@ -209,8 +228,11 @@ class LossTrend:
     Example::
 
         >>> trend = LossTrend()
-        >>> [trend.judge(v).kind for v in (6.9, 7857.0)]
-        [None, <LossKind.SPIKE: 'spike'>]
+        >>> [trend.judge(v).kind for v in (6.9, 7857.0, 9000.0)]
+        [None, None, <LossKind.SPIKE: 'spike'>]
+        >>> outlier = LossTrend()
+        >>> [outlier.judge(v).kind for v in (6.9, 7857.0, 6.5)]
+        [None, None, <LossKind.OUTLIER: 'outlier'>]
         >>> calm = LossTrend()
         >>> [calm.judge(v).kind for v in (0.7, 0.01, 0.02, 0.6)]
         [None, None, None, None]
@@ -222,6 +244,7 @@ class LossTrend:
         self.best_level = math.inf
         self._best_spread: float | tuple[float, ...] = 0.0  # the losses at the best level until their spread is asked
         self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
+        self.suspected: LossVerdict | None = None
 
     @property
     def best_spread(self) -> float:
@@ -237,19 +260,39 @@ class LossTrend:
         return max(self.start) if self.start else math.nan
 
     def judge(self, loss: float, climb: bool = True) -> LossVerdict:
-        """The verdict on ``loss``; ``climb=False`` leaves out the noisy-climb judgement (several optimizers)."""
+        """The verdict on ``loss``, or on the suspected spike before it (see above); ``climb=False`` leaves out
+        the noisy-climb judgement (several optimizers)."""
+        settled = self._settle(loss)
         if not math.isfinite(loss):
-            return LossVerdict(None, loss)
+            return settled or LossVerdict(None, loss)
         verdict = self._divergence(loss) or self._spike(loss)
+        if verdict is not None and verdict.kind is LossKind.SPIKE:
+            if settled is None or settled.kind is not LossKind.SPIKE:  # a confirmed spike's next loss is the same
+                self.suspected = verdict
+            verdict = None
         self.recent.append(loss)
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
         level = self._level()
         climbing = self._climb(loss, level) if climb else None
-        if math.isfinite(level) and level < self.best_level:
+        if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
-        return verdict or climbing or LossVerdict(None, loss)
+        if settled is not None and settled.kind is LossKind.SPIKE:
+            return settled
+        return verdict or climbing or settled or LossVerdict(None, loss)
+
+    def unsettled(self) -> LossVerdict | None:
+        """At the end of the run, a suspected spike no check came to settle: an ``outlier`` (``next_loss`` None)."""
+        suspected, self.suspected = self.suspected, None
+        return None if suspected is None else replace(suspected, kind=LossKind.OUTLIER)
+
+    def _settle(self, loss: float) -> LossVerdict | None:
+        suspected, self.suspected = self.suspected, None
+        if suspected is None:
+            return None
+        lasting = not math.isfinite(loss) or loss > suspected.limit
+        return replace(suspected, kind=LossKind.SPIKE if lasting else LossKind.OUTLIER, next_loss=loss)
 
     def _level(self) -> float:
         recent = self.recent
@@ -300,7 +343,7 @@ class LossTrend:
         level = median(self.recent)
         if level <= 0:
             return None
-        limit = LOSS_SPIKE_FACTOR * max(level, start)
+        limit = max(LOSS_SPIKE_FACTOR * max(level, start), SPIKE_OVER_RECENT_MAX * max(self.recent))
         if len(self.recent) >= LOSS_START_VALUES:
             limit = max(limit, level + LOSS_SPIKE_SIGMAS * robust_sigma(self.recent))
         if loss <= limit:
@@ -327,7 +370,8 @@ class LossTrend:
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
-                "best_spread": self.best_spread, "climb_levels": list(self.climb_levels)}
+                "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
+                "suspected": None if self.suspected is None else dict(asdict(self.suspected), kind=LossKind.SPIKE.value)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -337,3 +381,5 @@ class LossTrend:
         self._best_spread = float(state.get("best_spread", 0.0))
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))
+        suspected = state.get("suspected")
+        self.suspected = None if suspected is None else LossVerdict(**dict(suspected, kind=LossKind.SPIKE))

@@ -94,6 +94,7 @@ class Kind(str, enum.Enum):
     GRAD_NOT_ZEROED = "grad_not_zeroed"
     EXCEPTION = "exception"
     LOSS_SPIKE = "loss_spike"
+    LOSS_OUTLIER = "loss_outlier"
     LOSS_DIVERGENCE = "loss_divergence"
     UPDATE_RATIO_HIGH = "update_ratio_high"
     INTERMITTENT_GRAD = "intermittent_grad"
@@ -281,10 +282,17 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="see the explanation in report.md; your exception is raised unchanged"),
     Kind.LOSS_SPIKE: KindSpec(
         Area.ANOMALY, Severity.WARNING,
-        advice="The loss jumped far above its recent level, usually the first sign of a learning rate that is "
-               "too high: lower it (often 10x), add a learning-rate warm-up, clip gradients "
-               "(`Trainer(gradient_clip_val=1.0)`); if it happens on single batches, look at those batches.",
+        advice="The loss jumped far above its recent level and stayed high at the next check (or became "
+               "NaN/Inf), usually the first sign of a learning rate that is too high: lower it (often 10x), add a "
+               "learning-rate warm-up, clip gradients (`Trainer(gradient_clip_val=1.0)`).",
         hint="lower the learning rate, add a warm-up, clip gradients"),
+    Kind.LOSS_OUTLIER: KindSpec(
+        Area.ANOMALY, Severity.INFO,
+        advice="One check step's loss was far above its recent level and the next one was back near it: one batch "
+               "far from the others (an outlier target under a squared error, a mislabelled example, single-example "
+               "batches of heavy-tailed data), not a blow-up. Look at that batch if it recurs; a robust loss "
+               "(`smooth_l1_loss`) or larger batches damp it.",
+        hint="one batch far from the others: look at it if it recurs"),
     Kind.LOSS_DIVERGENCE: KindSpec(
         Area.ANOMALY, Severity.WARNING,
         advice="The loss rises step after step instead of falling: the optimizer overshoots. Lower the "

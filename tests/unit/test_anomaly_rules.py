@@ -293,11 +293,17 @@ def test_the_raised_error_carries_kinds_parameters_and_cause() -> None:
 # --- the loss: spike and divergence --------------------------------------------------------------
 def test_a_loss_that_blows_up_at_step_one_is_a_spike() -> None:
     trend = LossTrend()
-    verdicts = [trend.judge(loss) for loss in (6.9, 7857.0)]
-    assert [v.kind for v in verdicts] == [None, LossKind.SPIKE]
-    finding = loss_finding(verdicts[1], 1, [10.0])
+    verdicts = [trend.judge(loss) for loss in (6.9, 7857.0, 9000.0)]
+    assert [v.kind for v in verdicts] == [None, None, LossKind.SPIKE]
+    finding = loss_finding(verdicts[2], 1, [10.0])
     assert finding is not None and finding.kind is Kind.LOSS_SPIKE
     assert "(learning rate 10)" in finding.message and finding.details["learning_rates"] == [10.0]
+    assert "at step 1" in finding.message and "next check's loss was 9000" in finding.message
+    outlier = LossTrend()
+    last = [outlier.judge(loss) for loss in (6.9, 7857.0, 6.0)][-1]
+    info = loss_finding(last, 1, [1e-3])
+    assert info is not None and info.kind is Kind.LOSS_OUTLIER and info.severity is Severity.INFO
+    assert "back near that level" in info.message
 
 
 def test_a_steady_rise_is_a_divergence_and_a_noisy_descent_is_nothing() -> None:

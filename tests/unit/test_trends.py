@@ -79,16 +79,45 @@ def judge_all(trend: LossTrend, losses: list[float]) -> list[LossKind | None]:
 def test_a_spike_must_also_be_far_above_where_the_run_started() -> None:
     """The loss fell to 0.01; a jump back to 5 is 500x the recent level but under 10x the start (6.9)."""
     assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 5.0]) == [None] * 6
-    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 70.0])[-1] is LossKind.SPIKE
+    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 70.0, 80.0])[-1] is LossKind.SPIKE
 
 
 def test_the_spike_verdict_carries_its_numbers() -> None:
     trend = LossTrend()
     judge_all(trend, [2.0, 1.9, 1.8, 1.7, 1.6, 1.5])
-    verdict = trend.judge(500.0)
-    assert verdict.kind is LossKind.SPIKE and verdict.start == 2.0
+    assert trend.judge(500.0).kind is None, "suspected: the next check settles it"
+    verdict = trend.judge(400.0)
+    assert verdict.kind is LossKind.SPIKE and verdict.start == 2.0 and verdict.loss == 500.0
     assert verdict.limit >= LOSS_SPIKE_FACTOR * 2.0 and verdict.window == [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
-    assert set(verdict.details) == {"loss", "recent_level", "start_level", "limit", "recent_losses"}
+    assert verdict.next_loss == 400.0
+    assert set(verdict.details) == {"loss", "recent_level", "start_level", "limit", "recent_losses", "next_loss"}
+
+
+def test_a_spike_the_next_check_does_not_confirm_is_one_outlier_batch() -> None:
+    """Single-example batches of heavy-tailed targets: one loss 100x the level, the next one back at it."""
+    trend = LossTrend()
+    assert judge_all(trend, [3.0, 2.5, 2.9, 2.6, 2.8, 300.0]) == [None] * 6
+    verdict = trend.judge(2.7)
+    assert verdict.kind is LossKind.OUTLIER and verdict.loss == 300.0 and verdict.next_loss == 2.7
+    assert trend.suspected is None and judge_all(trend, [2.5, 2.6]) == [None, None]
+
+
+def test_a_spike_followed_by_a_non_finite_loss_is_confirmed_and_an_unsettled_one_is_an_outlier() -> None:
+    trend = LossTrend()
+    assert judge_all(trend, [6.9, 7857.0, math.nan]) == [None, None, LossKind.SPIKE]
+    ending = LossTrend()
+    judge_all(ending, [6.9, 7857.0])
+    unsettled = ending.unsettled()
+    assert unsettled is not None and unsettled.kind is LossKind.OUTLIER and unsettled.next_loss is None
+    assert ending.unsettled() is None
+
+
+def test_a_suspected_spike_survives_a_checkpoint() -> None:
+    trend = LossTrend()
+    judge_all(trend, [6.9, 7857.0])
+    resumed = LossTrend()
+    resumed.load_state_dict(trend.state_dict())
+    assert resumed.judge(9000.0).kind is LossKind.SPIKE
 
 
 def test_a_verdict_without_a_limit_leaves_it_out_of_the_details() -> None:

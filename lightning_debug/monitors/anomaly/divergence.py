@@ -25,26 +25,38 @@ def _learning_rates(learning_rates: Sequence[float]) -> str:
 
 
 def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
-    """``loss_spike`` or ``loss_divergence`` for a judged loss, None when it shows neither.
+    """``loss_spike``, ``loss_outlier`` or ``loss_divergence`` for a judged loss, None when it shows none; a spike
+    or an outlier is about the check step before (``step`` is that step).
 
     Example::
 
         >>> from lightning_debug.checks.trends import LossTrend
         >>> trend = LossTrend()
-        >>> quiet, spike = (loss_finding(trend.judge(loss), step, [0.5]) for step, loss in enumerate((6.9, 7857.0)))
-        >>> quiet is None, spike.kind.value, spike.details["learning_rates"]
-        (True, 'loss_spike', [0.5])
+        >>> quiet, _, spike = (loss_finding(trend.judge(loss), 1, [0.5]) for loss in (6.9, 7857.0, 8000.0))
+        >>> quiet is None, spike.kind.value, spike.details["learning_rates"], spike.details["next_loss"]
+        (True, 'loss_spike', [0.5], 8000.0)
     """
     if verdict.kind is None:
         return None
     lr = _learning_rates(learning_rates)
+    jumped = (f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
+              f"level {verdict.level:.4g} (the run started at {verdict.start:.4g})")
     if verdict.kind is LossKind.SPIKE:
+        after = "" if verdict.next_loss is None else (
+            f", and the next check's loss was {verdict.next_loss:.4g}" if math.isfinite(verdict.next_loss)
+            else ", and the next check's loss was not finite")
         return Finding(
             Kind.LOSS_SPIKE, Severity.WARNING,
-            f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
-            f"level {verdict.level:.4g} (the run started at {verdict.start:.4g}){lr}; everything is still finite. "
-            f"This is how a too-high learning rate starts. {FIX}; if it happens on single batches, look at "
-            "those batches.",
+            f"{jumped}{after}{lr}; the step's loss was still finite. This is how a too-high learning rate starts. "
+            f"{FIX}.",
+            dict(verdict.details, learning_rates=list(learning_rates)))
+    if verdict.kind is LossKind.OUTLIER:
+        back = ("the run ended before another check" if verdict.next_loss is None
+                else f"the next check's loss, {verdict.next_loss:.4g}, was back near that level")
+        return Finding(
+            Kind.LOSS_OUTLIER, Severity.INFO,
+            f"{jumped}{lr}; {back}. One batch far from the others (an outlier target under a squared error, a "
+            "mislabelled example, single-example batches of heavy-tailed data); look at that batch if it recurs.",
             dict(verdict.details, learning_rates=list(learning_rates)))
     if verdict.kind is LossKind.DIVERGENCE:
         window = verdict.window or []

@@ -43,7 +43,7 @@ class AnomalyMonitor(Monitor):
     area = Area.ANOMALY
     kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
                        Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER, Kind.LOSS_SPIKE,
-                       Kind.LOSS_DIVERGENCE})
+                       Kind.LOSS_DIVERGENCE, Kind.LOSS_OUTLIER})
     closed_by_a_check = kinds - {Kind.NONFINITE_ACTIVATION}  # an activation is only seen by a replay
     deciding = policy.DECIDING
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
@@ -62,6 +62,7 @@ class AnomalyMonitor(Monitor):
         self._positions: dict[int, Where] = {}
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._learning_rates: list[float] = []
+        self._spike_at: tuple[int, Where] | None = None  # the step of a spike the next check settles
         self._inputs = RecentInputs()
         self._probe = WeightProbe()
         self._buffers = BufferSnapshot()
@@ -240,6 +241,12 @@ class AnomalyMonitor(Monitor):
             bad = nonfinite_named(index.names, index.plan.squares(index.local_params()).sqrt())
             if bad:
                 self._record_params(bad, where, 1, [0], self.weights.final_origin(step))
+        unsettled = self.loss_trend.unsettled()
+        if unsettled is not None and self._spike_at is not None:
+            spike_step, spike_where = self._spike_at
+            finding = loss_finding(unsettled, spike_step, self._learning_rates)
+            if finding is not None:
+                self.record(finding, spike_step, spike_where)
         super().finalize(step)
 
     def _on_numerics(self, host: HostNumerics) -> None:
@@ -299,10 +306,13 @@ class AnomalyMonitor(Monitor):
             if verdict.bad_params and not params_first:
                 self._record_params(verdict.bad_params, where, world, param_ranks,
                                     verdict.params or ParamsOrigin.unknown(step))
-        trend = loss_finding(self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers),
-                             step, self._learning_rates)
+        judged = self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers)
+        at, at_where = self._spike_at if judged.next_loss is not None and self._spike_at else (step, where)
+        trend = loss_finding(judged, at, self._learning_rates)
         if trend is not None:
-            self.record(trend, step, where)
+            self.record(trend, at, at_where)
+        if self.loss_trend.suspected is not None:
+            self._spike_at = (step, where)
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
