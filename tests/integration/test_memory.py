@@ -190,6 +190,42 @@ def test_outputs_never_cleared_are_named_once_the_epoch_ends_without_releasing_t
     assert len(growth) == 1 and 150 <= growth[0]["step"] < 200, [e["step"] for e in growth]
     assert growth[0]["details"]["tensors"][0]["shape"] == [16, 2048]
 
+class DecodedOnce(torch.utils.data.Dataset):
+    """A dataset that decodes each sample on first access (a 64 KB tensor) and keeps it: memory grows through the
+    first epoch, by 38 MB, and stays there."""
+
+    def __init__(self, samples: int = 600) -> None:
+        self.samples, self.cache = samples, {}
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self.cache:
+            self.cache[index] = torch.randn(16384, generator=torch.Generator().manual_seed(index))
+        decoded = self.cache[index]
+        return decoded[:8], decoded[8:9]
+
+
+class CachesItsData(TinyRegressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dataset = DecodedOnce()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=4, shuffle=True)
+
+
+def test_a_cache_filled_in_the_first_epoch_is_no_leak(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=1)], max_epochs=3,
+                           max_steps=-1, limit_val_batches=0, log_every_n_steps=50)
+    model = CachesItsData()
+    trainer.fit(model)
+    assert trainer.global_step == 450 and len(model.dataset.cache) == 600, "the plant: 38 MB decoded in epoch 0"
+    assert [e["kind"] for e in memory_events(trainer) if e["severity"] in ("warning", "error", "critical")] == []
+    assert read_report(debug_dir(trainer))["sections"]["memory"]["growth"]["status"] != "growing"
+
+
 # --- memory_high ---------------------------------------------------------------------------------------------
 
 

@@ -31,8 +31,12 @@ What could make it fire on a healthy model, and how it is ruled out:
   the current epoch, another epoch follows before the run ends, and memory at that rate lasts past the
   epoch's end, a confirmed growth waits for the epoch to end (still ``suspected``). At the first reading of
   the next epoch, memory that fell back at least halfway from its peak to where the window began was
-  released: the window starts again. A leak keeps what it took and is named then. In the last epoch, which
-  ends with the run, growth waits the same way once an earlier epoch's growth was released.
+  released: the window starts again. In the last epoch, which ends with the run, growth waits the same way
+  once an earlier epoch's growth was released.
+- a cache filled in the first epoch, seen through that wait: memory kept past the epoch's end is a leak only if
+  it goes on growing in the next epoch. It is judged on that epoch's own readings (:meth:`GrowthSeries.goes_on`,
+  from :data:`CARRIED_READINGS` on): still rising at ``RECENT_SLOPE_SHARE`` of the window's pace, it is named;
+  flat, the growth stopped with the epoch and the window starts again.
 
 Example::
 
@@ -72,6 +76,8 @@ GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32
 # The latest half of the window must rise at least this share as fast as the whole: growth that goes on.
 RECENT_SLOPE_SHARE = 0.5
 INPUT_GROWTH = 1.5
+CARRIED_READINGS = 4
+"""Readings of the next epoch that tell whether a growth kept past its epoch's end goes on (a leak) or stopped."""
 INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss"})
 """The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not)."""
 
@@ -189,6 +195,27 @@ class GrowthSeries:
         for name in names:
             values = [value for _, value in self.points.get(name, ())]
             if len(values) >= 2 and max(values) > values[0] and values[-1] <= (values[0] + max(values)) / 2:
+                return True
+        return False
+
+    def goes_on(self, names: Iterable[str], since: int) -> bool | None:
+        """Whether one of ``names`` still rises from step ``since`` on, at least ``RECENT_SLOPE_SHARE`` as fast as
+        its window; None while fewer than :data:`CARRIED_READINGS` readings are that recent.
+
+        Example::
+
+            >>> series = GrowthSeries(window=16, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_heap": 1e6 * min(step, 8)}) for step in range(11)]
+            >>> series.goes_on(["cpu_heap"], since=8), series.add(11, {"cpu_heap": 8e6}), series.goes_on(["cpu_heap"], 8)
+            (None, True, False)
+        """
+        for name in names:
+            points = [(step, value) for step, value in self.points.get(name, ()) if step >= since]
+            if len(points) < CARRIED_READINGS:
+                return None
+            whole, recent = self.trends.get(name), fit_trend(points)
+            if whole is not None and recent is not None and whole.slope > 0 \
+                    and recent.slope >= RECENT_SLOPE_SHARE * whole.slope:
                 return True
         return False
 

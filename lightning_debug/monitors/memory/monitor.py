@@ -98,6 +98,7 @@ class MemoryMonitor(Monitor):
         self._growth: Finding | None = None
         self._waiting: tuple[Any, list[str]] | None = None  # a growth waiting for the end of its epoch
         self._released_epochs = 0  # epochs whose growth was released at their end
+        self._carried: tuple[int, list[str]] | None = None  # growth kept past its epoch: (first step after, series)
         self.history = AllocationHistory(self.settings.history_entries)
         self._open_phase: MemoryPhase | None = None
         self._peak_since_check = 0
@@ -212,9 +213,17 @@ class MemoryMonitor(Monitor):
             self._waiting = None
             if self.windows.fell_back(series):
                 self._released_epochs += 1
-                self.windows.restart()
-                self._end_suspicion()
-                self.verdict = self._verdict(GrowthStatus.NONE)
+                self._start_again()
+                return
+            self._carried = (step, series)
+        if self._carried is not None:
+            goes_on = self.windows.goes_on(self._carried[1], self._carried[0])
+            if goes_on is None:
+                self.verdict = self._verdict(GrowthStatus.SUSPECTED)
+                return
+            self._carried = None
+            if not goes_on:  # it stopped with its epoch (a cache filled once)
+                self._start_again()
                 return
         growing = self.windows.growing()
         action = next_leak_step(growing, suspected=self._suspicion is not None, explained=self._growth is not None)
@@ -237,6 +246,11 @@ class MemoryMonitor(Monitor):
         assert self._growth is not None
         self.record(self._growth, step, where)
         self.verdict = self._verdict(GrowthStatus.GROWING)
+
+    def _start_again(self) -> None:
+        self.windows.restart()
+        self._end_suspicion()
+        self.verdict = self._verdict(GrowthStatus.NONE)
 
     def _waits_for_the_epoch(self, step: int, where: Where, growing: dict[str, Trend], reading: MemoryReading) -> bool:
         """Whether a confirmed growth waits for the end of its epoch (see :mod:`.growth`: outputs kept for the end
