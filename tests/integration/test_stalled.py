@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_debug import DebugConfig, debug_callbacks
-from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events
+from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_scalars
 
 EVERY_STEP = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
                          performance_profiling_frequency=1)
@@ -58,3 +58,29 @@ def test_a_scheduler_that_drops_the_learning_rate_to_zero_mid_run_is_named(tmp_p
 def test_a_schedule_that_ends_at_zero_and_a_warm_up_from_zero_are_quiet(tmp_path: Path) -> None:
     assert serious_kinds(run(tmp_path / "cosine", "cosine_to_zero")) == []
     assert serious_kinds(run(tmp_path / "warmup", "warmup_from_zero")) == []
+
+
+class AdamCosineToZero(TinyRegressor):
+    """Adam with a cosine schedule to ``eta_min=0`` over the run: at its tail the updates are about a millionth of
+    the weights, and the head's bias, whose update rounds away, is left exactly unchanged on some steps."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1e-3, optimizer="adam")
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=300, eta_min=0.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_updates_that_round_away_at_the_tail_of_a_schedule_are_no_frozen_parameter(tmp_path: Path) -> None:
+    """At ADVANCED every step is checked for parameters the optimizer step left unchanged (``no_update``); before
+    the fix this run had ``frozen_param`` for ``head.bias`` at step 298 of 300."""
+    config = DebugConfig(level="advanced", anomaly_check_frequency=1, gradient_checking_frequency=1,
+                         memory_profiling_frequency=1, performance_profiling_frequency=1, follow_log_cadence=False)
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, debug_callbacks(config), max_steps=300)
+    trainer.fit(AdamCosineToZero())
+    ratios = dict(read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio_global"])
+    assert ratios[298] < 1e-5 < ratios[10], "the plant: updates at the precision of float32 weights at the tail"
+    assert serious_kinds(read_events(debug_dir(trainer))) == []

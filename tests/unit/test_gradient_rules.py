@@ -438,6 +438,10 @@ def test_not_updated_ignores_parameters_resting_at_lr_zero_and_without_gradient(
     still = torch.zeros(4, dtype=torch.float64)  # a line search declined the step: nothing moved
     assert judge_not_updated(7, names, still, gradients, [True] * 4, [], set(), {}, line_search=True) is None
     assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], set(), {}, line_search=True) is not None
+    weights = torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    at_precision = torch.tensor([0.0, 0.0, 0.0, 1e-7], dtype=torch.float64)  # the tail of a decay to 0
+    assert judge_not_updated(7, names, at_precision, gradients, [True] * 4, [], set(), {}, weights=weights) is None
+    assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], set(), {}, weights=weights) is not None
     a, b = torch.ones(1), torch.ones(1)
     assert resting_slots([{"params": [a], "lr": 0}, {"params": [b], "lr": 0.1}], [a, b]) == [True, False]
 

@@ -118,7 +118,8 @@ NOISE_FRACTION = 64 * torch.finfo(torch.float32).eps
 
 def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gradients: torch.Tensor,
                       had_grad: Sequence[bool], lr_zero_now: Sequence[bool], already_frozen: Collection[str],
-                      positions: Positions, line_search: bool = False) -> Verdict | None:
+                      positions: Positions, line_search: bool = False,
+                      weights: torch.Tensor | None = None) -> Verdict | None:
     """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step
     left exactly unchanged (``||Δw|| = 0``). A healthy model does this with a learning rate of 0 right now
     (a warm-up or schedule at 0, ``lr_zero_now``), which is not flagged, nor are parameters already
@@ -129,9 +130,18 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
     that evaluates its closure several times per step (``line_search``: L-BFGS) declines a step whose
     direction does not descend on this batch and leaves every weight as it was: with such an optimizer a
     step where no parameter moved is its own decision, and only a parameter left behind while others moved
-    is named."""
+    is named. At the tail of a schedule that decays to 0 (a cosine to ``eta_min=0``) the updates shrink to a
+    millionth of the weights, and a parameter whose update is under half a unit in the last place of its
+    values rounds to no change: so when the parameters that moved changed by less than
+    :data:`NOISE_FRACTION` of their norm (``weights``, per slot), the step is at the weights' precision and
+    nothing is judged. Weights too coarse for a learning rate that is not small (bf16) still move by more
+    than that where they move at all."""
     significant = gradients > NOISE_FRACTION * torch.linalg.vector_norm(gradients[torch.isfinite(gradients)])
-    if line_search and not bool((deltas != 0).any()):
+    moved = deltas != 0
+    if line_search and not bool(moved.any()):
+        return None
+    if weights is not None and bool(moved.any()) and float(torch.linalg.vector_norm(deltas[moved])) \
+            < NOISE_FRACTION * float(torch.linalg.vector_norm(weights[moved])):
         return None
     unchanged = ((deltas == 0) & significant & torch.isfinite(gradients)).nonzero().flatten().tolist()
     not_updated = [names[i] for i in unchanged if had_grad[i] and names[i] not in already_frozen

@@ -50,5 +50,5 @@ def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNume
             if layout is not None and layout.slot_module.numel() == len(names) else None)
     verdicts = [confirm_update_ratios(step, optimizer, high, step_loss(host), history.update_ratio_high),
                 judge_not_updated(step, names, deltas, host.grad_norms_by_slot(), had_grad, lr_zero_now,
-                                  already_frozen, positions, line_search)]
+                                  already_frozen, positions, line_search, weights)]
     return metrics, [verdict for verdict in verdicts if verdict is not None]
