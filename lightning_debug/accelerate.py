@@ -219,6 +219,7 @@ class AccelerateDebugger:
         self._watch_clipping()
         self._watch_logging()
         self._batch_open = self._awaiting_step_end = self._replaying = False
+        self._in_step = self._evaluated = False  # inside optimizer.step(), and its closure's backward already ran
         self._replayed_loss = False
         self._batch_where: Where = self.where
         launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -236,7 +237,8 @@ class AccelerateDebugger:
         for each in self.optimizers:
             inner = _inner(each)
             if hasattr(inner, "register_step_post_hook"):
-                self._hooks.append(inner.register_step_post_hook(lambda *_: self._end_pending_batch()))
+                self._hooks.append(inner.register_step_pre_hook(lambda *_: self._optimizer_step_begins()))
+                self._hooks.append(inner.register_step_post_hook(lambda *_: self._optimizer_step_ends()))
 
     @property
     def where(self) -> Where:
@@ -288,9 +290,10 @@ class AccelerateDebugger:
         ``optimizer``: with several optimizers, the one whose ``step()`` follows this backward; its
         step is judged on the parameters it owns. Without it, all of them are judged together.
         """
-        if self.run.finished:
+        if self.run.finished or self._in_step and self._evaluated:  # after the run, or a closure evaluated again
             self.accelerator.backward(loss, **kwargs)
             return
+        self._evaluated = self._in_step
         real_step = bool(self.accelerator.sync_gradients)
         self._end_pending_batch()
         if not self._batch_open:
@@ -373,7 +376,7 @@ class AccelerateDebugger:
     # --- hooks -> run events ---------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: a training forward opens a batch (the data wait ends)."""
-        if self._replaying or self.run.finished:
+        if self._replaying or self.run.finished or self._in_step and self._evaluated:
             return
         if not (module.training and torch.is_grad_enabled()):
             self.run.evaluation(self.step, True)
@@ -394,6 +397,15 @@ class AccelerateDebugger:
     def _close_batch(self) -> None:
         self.run.batch_end()
         self._batch_open = self._awaiting_step_end = False
+
+    def _optimizer_step_begins(self) -> None:
+        """An optimizer that evaluates a closure (L-BFGS) runs its forwards and backwards inside ``step()``: the
+        first one is the step's; the others are its trial points, which open no batch and are not checked."""
+        self._in_step, self._evaluated = True, False
+
+    def _optimizer_step_ends(self) -> None:
+        self._in_step = self._evaluated = False
+        self._end_pending_batch()
 
     def _end_pending_batch(self) -> None:
         """The step's end: the optimizer's step post-hook, or the next forward if a GradScaler skipped it."""

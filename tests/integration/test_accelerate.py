@@ -437,6 +437,49 @@ def test_weight_updates_and_histograms_use_the_optimizer_step_hook(tmp_path: Pat
     assert "debug/grad_hist/head.weight" in histograms and "debug/weight_hist/inp.bias" in histograms
 
 
+@pytest.mark.parametrize("log_zero_from", [None, 6])
+def test_an_lbfgs_closure_counts_one_step_per_optimizer_step(tmp_path: Path, log_zero_from: int | None) -> None:
+    """``optimizer.step(closure)`` with L-BFGS runs the closure's forward and ``debugger.backward`` several times
+    inside the step: the first is the step's, the others open no batch and add no step."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    model = TinyNet(False)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=4, line_search_fn="strong_wolfe")
+    loader = DataLoader(regression_data(), batch_size=64, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    config = DebugConfig(level="advanced", anomaly_check_frequency=1, gradient_checking_frequency=1,
+                         memory_profiling_frequency=1, performance_profiling_frequency=1)
+    debugger = AccelerateDebugger(accelerator, model, optimizer, config)
+    evaluations = steps = 0
+    with debugger:
+        while steps < 12:
+            for x, y in loader:
+                def closure() -> torch.Tensor:
+                    nonlocal evaluations
+                    evaluations += 1
+                    optimizer.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    if log_zero_from is not None and steps >= log_zero_from:
+                        loss = loss + torch.log(torch.zeros(()))
+                    debugger.backward(loss)
+                    return loss
+
+                optimizer.step(closure)
+                steps += 1
+                if steps == 12:
+                    break
+    accelerator.end_training()
+    assert evaluations > 2 * steps and debugger.step == steps == 12
+    events = read_events(next(tmp_path.rglob("events.jsonl")).parent)
+    loud = [(e["kind"], e["step"]) for e in events if e["severity"] in ("warning", "error", "critical")
+            and e.get("episode") != "end"]
+    if log_zero_from is None:
+        assert loud == []
+    else:
+        assert ("nonfinite_loss", log_zero_from) in loud and min(step for _, step in loud) == log_zero_from
+
+
 # --- memory and performance -----------------------------------------------------------------------
 
 def test_memory_and_performance_scalars_reach_the_tensorboard_tracker(tmp_path: Path) -> None:
