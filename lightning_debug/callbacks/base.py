@@ -24,7 +24,8 @@ from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
 from lightning_debug.run import Run
-from lightning_debug.callbacks.context import LightningContext, RowLogger, lightning_logs_now
+from lightning_debug.callbacks.context import (LightningContext, RowLogger, count_logger_writes, lightning_logs_now,
+                                              restore_logger_writes)
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
@@ -152,6 +153,8 @@ class DebugCallback(Callback):
             run.add(monitor)
         run.ledger.notes_hooks = True
         self._run, self._leads, self._run_monitors = run, leads, run_wide
+        if leads:
+            self._timed_loggers = count_logger_writes(trainer.loggers, run.session.own_time)
         self._rows = RowLogger()
         self._unsubscribe_idle_hooks()
 
@@ -175,6 +178,7 @@ class DebugCallback(Callback):
                 del self.__dict__[name]
 
     def _leave(self) -> None:
+        restore_logger_writes(self.__dict__.pop("_timed_loggers", []))
         self._run, self._leads, self._run_monitors = None, False, []
         self._restore_hooks()
 
@@ -191,7 +195,8 @@ class DebugCallback(Callback):
                              batch_idx: int) -> None:
         if self._leads:
             run = self._run
-            run.failures.call("logging debug scalars", self._rows.settle, trainer)  # type: ignore[union-attr]
+            run.session.own_time.call(run.failures.call, "logging debug scalars",  # type: ignore[union-attr]
+                                      self._rows.settle, trainer)
             run.context.batch_idx = batch_idx  # type: ignore[union-attr]
             run.context.epoch = trainer.current_epoch  # type: ignore[union-attr]
             run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]

@@ -22,6 +22,7 @@ from lightning_debug.core.context import HistogramWriter, Replay, RunContext
 from lightning_debug.core.guard import describe
 from lightning_debug.core.session import Where, new_run_id, run_directory
 from lightning_debug.core.numerics import AllGather
+from lightning_debug.core.own_time import OwnTime
 from lightning_debug.report.tensorboard import histogram_writer
 
 # Strategies whose parameters are plain tensors holding one rank's shard (DTensor shards need no flag).
@@ -73,6 +74,35 @@ def lightning_logs_now(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -
     if not (connector.should_update_logs or trainer.fast_dev_run):
         return False
     return not (pl_module.automatic_optimization and trainer.fit_loop._should_accumulate())
+
+
+def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime) -> list[Any]:
+    """Make each logger's ``log_metrics`` count as the plugin's own time for this fit; the loggers wrapped (give
+    them to :func:`restore_logger_writes`).
+
+    The data wait is timed from one batch's end to the next one's start, and Lightning writes its logging rows
+    in between: with ``log_every_n_steps=1`` the write of every row (2 ms on a tiny model with ``log_gradients``,
+    more through a logger that sends each row over the network) read as data wait, and a healthy tiny model was
+    a ``dataloader_bottleneck``. The rows carry the plugin's scalars, and the write is no data wait whoever's
+    values it holds, so it is left out of step timing as the plugin's own work is.
+    """
+    wrapped = []
+    for logger in loggers:
+        if "log_metrics" in vars(logger):  # ours already, or the user's own instance override
+            continue
+        original = logger.log_metrics
+
+        def log_metrics(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            return own_time.call(_original, *args, **kwargs)
+
+        logger.log_metrics = log_metrics
+        wrapped.append(logger)
+    return wrapped
+
+
+def restore_logger_writes(loggers: Iterable[Any]) -> None:
+    for logger in loggers:
+        vars(logger).pop("log_metrics", None)
 
 
 class RowLogger:

@@ -109,6 +109,28 @@ def test_sleeping_dataset_is_a_dataloader_bottleneck(tmp_path: Path) -> None:
     assert 0.9 * planted_ms <= statistics.median(data_ms) <= planted_ms + 30
 
 
+def test_a_logger_that_takes_its_time_writing_each_row_is_no_data_wait(tmp_path: Path) -> None:
+    """Lightning writes its logging row between one batch's end and the next one's start, where the data wait is
+    timed. A logger that sends each row over the network (here 20 ms a row) with ``log_every_n_steps=1`` read as a
+    data wait of 20 ms on every step: a ``dataloader_bottleneck`` naming ``num_workers`` on a healthy model."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    class RemoteLogger(TensorBoardLogger):
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            time.sleep(0.020)
+            super().log_metrics(metrics, step)
+
+    logger = RemoteLogger(str(tmp_path), name="tb")
+    config = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
+                         performance_profiling_frequency=1)
+    trainer = make_trainer(tmp_path, [PerformanceProfilerCallback(config)], max_steps=24, logger=logger)
+    trainer.fit(TinyRegressor())
+    assert "log_metrics" not in vars(logger), "the logger is given back as it was"
+    data_ms = [value for _, value in perf_scalars(trainer)["data_ms"]]
+    assert statistics.median(data_ms) < 10, data_ms
+    assert [e["kind"] for e in read_events(debug_dir(trainer)) if e["severity"] != "info"] == []
+
+
 def test_step_that_sleeps_once_is_a_slow_step_in_forward(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [PerformanceProfilerCallback(performance_profiling_frequency=2)], max_steps=16)
     trainer.fit(SleepsOnceRegressor(sleep_at_step=12, seconds=0.3))
