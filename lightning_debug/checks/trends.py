@@ -265,11 +265,10 @@ class LossTrend:
         settled = self._settle(loss)
         if not math.isfinite(loss):
             return settled or LossVerdict(None, loss)
-        verdict = self._divergence(loss) or self._spike(loss)
-        if verdict is not None and verdict.kind is LossKind.SPIKE:
-            if settled is None or settled.kind is not LossKind.SPIKE:  # a confirmed spike's next loss is the same
-                self.suspected = verdict
-            verdict = None
+        confirmed = settled is not None and settled.kind is LossKind.SPIKE
+        verdict = self._divergence(loss)
+        if verdict is None and not confirmed:  # the loss that confirms a spike is part of it, not a new one
+            self.suspected = self._spike(loss)
         self.recent.append(loss)
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
@@ -278,7 +277,7 @@ class LossTrend:
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
-        if settled is not None and settled.kind is LossKind.SPIKE:
+        if confirmed and settled is not None:
             return settled
         return verdict or climbing or settled or LossVerdict(None, loss)
 

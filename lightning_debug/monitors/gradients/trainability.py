@@ -136,14 +136,15 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
     :data:`NOISE_FRACTION` of their norm (``weights``, per slot), the step is at the weights' precision and
     nothing is judged. Weights too coarse for a learning rate that is not small (bf16) still move by more
     than that where they move at all."""
-    significant = gradients > NOISE_FRACTION * torch.linalg.vector_norm(gradients[torch.isfinite(gradients)])
     moved = deltas != 0
-    if line_search and not bool(moved.any()):
+    if bool(moved.any()):
+        if weights is not None and float(torch.linalg.vector_norm(deltas[moved])) \
+                < NOISE_FRACTION * float(torch.linalg.vector_norm(weights[moved])):
+            return None
+    elif line_search:
         return None
-    if weights is not None and bool(moved.any()) and float(torch.linalg.vector_norm(deltas[moved])) \
-            < NOISE_FRACTION * float(torch.linalg.vector_norm(weights[moved])):
-        return None
-    unchanged = ((deltas == 0) & significant & torch.isfinite(gradients)).nonzero().flatten().tolist()
+    significant = gradients > NOISE_FRACTION * torch.linalg.vector_norm(gradients[torch.isfinite(gradients)])
+    unchanged = (~moved & significant & torch.isfinite(gradients)).nonzero().flatten().tolist()
     not_updated = [names[i] for i in unchanged if had_grad[i] and names[i] not in already_frozen
                    and not (lr_zero_now and lr_zero_now[i])]
     if not not_updated:
