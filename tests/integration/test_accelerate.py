@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -518,6 +519,43 @@ def test_evaluation_between_steps_is_not_data_wait(tmp_path: Path) -> None:
     run = run_loop(tmp_path, steps=6, evaluate_after=(2, 0.3), performance_profiling_frequency=1)
     data_ms = dict(read_scalars(run.tracker_dir)["debug/perf/data_ms"])
     assert data_ms[3] < 100, f"a no_grad forward restarts the data clock: {data_ms}"
+
+
+def test_a_tracker_that_writes_each_call_through_is_no_data_wait(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's default store (SQLite) takes milliseconds per ``accelerator.log``, which a loop calls between one
+    step's end and the next forward: the step's time, not the data loader's."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # the store's artifacts (the report files attached at the end) go to ./mlruns
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, log_with="mlflow", project_dir=str(tmp_path))
+    accelerator.init_trackers("run")
+    model = TinyNet()
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                                   DataLoader(regression_data(), batch_size=8, shuffle=True))
+    debugger = AccelerateDebugger(accelerator, model, optimizer, performance_profiling_frequency=1)
+    writes: list[float] = []
+    with debugger:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            debugger.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            start = time.perf_counter()
+            accelerator.log({"train/loss": loss.item()}, step=debugger.step)
+            writes.append(1000 * (time.perf_counter() - start))
+    accelerator.end_training()
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.search_runs([client.get_experiment_by_name("run").experiment_id])[0].info.run_id
+    data_ms = {m.step: m.value for m in client.get_metric_history(run_id, "debug/perf/data_ms")}
+    assert len(client.get_metric_history(run_id, "train/loss")) == 32
+    assert statistics.median(writes) > 3 * statistics.median(data_ms.values()), (writes, data_ms)
+    events = read_events(run_dir(tmp_path / "debug_outputs"))
+    assert not [e for e in events if e["severity"] in ("warning", "error", "critical")], events
 
 
 def test_out_of_memory_leaves_a_post_mortem_and_propagates(tmp_path: Path) -> None:
