@@ -79,6 +79,7 @@ class Kind(str, enum.Enum):
     MISSING_GRAD = "missing_grad"
     FROZEN_PARAM = "frozen_param"
     REQUIRES_GRAD_FALSE = "requires_grad_false"
+    OUTSIDE_TRAINING = "outside_training"
     MEMORY_GROWTH = "memory_growth"
     MEMORY_HIGH = "memory_high"
     OOM = "oom"
@@ -202,6 +203,12 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="add them to the optimizer, or check for a learning rate of 0"),
     Kind.REQUIRES_GRAD_FALSE: KindSpec(
         Area.GRADIENTS, Severity.INFO),
+    Kind.OUTSIDE_TRAINING: KindSpec(
+        Area.GRADIENTS, Severity.INFO,
+        advice="Parameters with `requires_grad=True` that no optimizer holds and that get no gradient: not part "
+               "of this run's training (an averaged copy of the model, a teacher or reference model under "
+               "`torch.no_grad()`). `requires_grad_(False)` on them says so.",
+        hint="requires_grad_(False) on them says they are not trained"),
     Kind.MEMORY_GROWTH: KindSpec(
         Area.MEMORY, Severity.WARNING,
         advice="Memory grows step after step: a tensor kept across steps together with its graph "

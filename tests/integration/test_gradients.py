@@ -249,6 +249,52 @@ def test_layers_cut_off_by_reentrant_checkpointing_are_named_as_run_without_a_gr
     assert "checkpoint(use_reentrant=True)" in missing[0]["message"]
 
 
+class WithAveragedCopyAndTeacher(TinyRegressor):
+    """Healthy: an exponential moving average of the network held as a submodule (torch's ``AveragedModel``, whose
+    copy has ``requires_grad=True``), updated after every batch and, as ``self.parameters()`` goes, in the
+    optimizer's param group; a teacher run under ``torch.no_grad()`` that the optimizer does not hold and nobody
+    froze. ``mistake``: ``"head left out"`` gives the optimizer everything but ``head`` (which the loss uses),
+    ``"unused layer"`` adds a layer no forward calls to the optimizer."""
+
+    def __init__(self, mistake: str | None = None) -> None:
+        super().__init__(optimizer="adam", lr=1e-3, unused_layer=mistake == "unused layer")
+        self.mistake = mistake
+        self.averaged = torch.optim.swa_utils.AveragedModel(
+            nn.Sequential(self.inp, self.hidden), multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        self.teacher = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        with torch.no_grad():
+            target = self.teacher(x)
+        out = self(x)
+        return nn.functional.mse_loss(out, y) + 0.1 * nn.functional.mse_loss(out, target)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.averaged.update_parameters(nn.Sequential(self.inp, self.hidden))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        teacher = {id(p) for p in self.teacher.parameters()}
+        head = {id(p) for p in self.head.parameters()} if self.mistake == "head left out" else set()
+        return torch.optim.Adam([p for p in self.parameters() if id(p) not in teacher | head], lr=self.lr)
+
+
+@pytest.mark.parametrize("mistake", [None, "head left out", "unused layer"])
+def test_an_averaged_copy_and_a_teacher_are_outside_training(tmp_path: Path, mistake: str | None) -> None:
+    trainer, _ = fit(tmp_path, WithAveragedCopyAndTeacher(mistake), [GradientHealthCallback(gradient_checking_frequency=5)],
+                     80)
+    events = read_events(debug_dir(trainer))
+    outside = sorted(name for e in events if e["kind"] == "outside_training" for name in e["details"]["parameters"])
+    expected = ["averaged.module.0.bias", "averaged.module.0.weight", "averaged.module.1.bias",
+                "averaged.module.1.weight", "teacher.0.bias", "teacher.0.weight", "teacher.2.bias", "teacher.2.weight"]
+    assert outside == expected and all(e["severity"] == "info" for e in events if e["kind"] == "outside_training")
+    warned = [(e["kind"], e["details"].get("cause"), e["details"].get("parameters"), e["step"])
+              for e in events if e["severity"] == "warning"]
+    assert warned == {None: [],
+                      "head left out": [("frozen_param", "not_in_optimizer", ["head.weight", "head.bias"], 0)],
+                      "unused layer": [("missing_grad", None, ["unused.weight", "unused.bias"], 0)]}[mistake]
+
+
 def test_parameters_the_optimizer_cannot_move_are_frozen_param(tmp_path: Path) -> None:
     callback = GradientHealthCallback(gradient_checking_frequency=2, log_weights=True)
     trainer, caught = fit(tmp_path, OptimizerMistakes(), [callback], 6)

@@ -31,8 +31,8 @@ from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
-from lightning_debug.monitors.gradients.trainability import (FrozenCause, frozen_by_optimizer, resting_slots,
-                                                             static_frozen_verdicts, trainability)
+from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
+                                                             resting_slots, static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.updates import read_updates
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
@@ -59,7 +59,7 @@ class GradientMonitor(Monitor):
     area = Area.GRADIENTS
     kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
                        Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM,
-                       Kind.LEARNING_STALLED})
+                       Kind.LEARNING_STALLED, Kind.OUTSIDE_TRAINING})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
 
@@ -69,6 +69,7 @@ class GradientMonitor(Monitor):
         self.history = GradientHistory(kind.value for kind in self.kinds)
         self.trainability: dict[str, Any] = {}
         self.static_frozen: dict[FrozenCause, list[str]] = {}
+        self._outside = OutsideTraining([], [])
         self._param_groups: Sequence[dict[str, Any]] = []
         self.order = ForwardOrder()
         self.order_source = "registration order (named_parameters)"
@@ -136,8 +137,10 @@ class GradientMonitor(Monitor):
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
         self._param_groups = context.param_groups()
         self._schedule = context.schedule()
-        self.static_frozen, optimizer_check = frozen_by_optimizer([(n, p) for n, p in named if p.requires_grad],
-                                                                  self._param_groups)
+        trainable = {n: p for n, p in named if p.requires_grad}
+        self.static_frozen, optimizer_check = frozen_by_optimizer(list(trainable.items()), self._param_groups)
+        outside = self.static_frozen.pop(FrozenCause.NOT_IN_OPTIMIZER, [])  # judged once their gradients are seen
+        self._outside = OutsideTraining(list(trainable.items()), outside)
         if optimizer_check is not None:
             self.trainability["optimizer_check"] = optimizer_check
         self._record_static_frozen(step, where)
@@ -192,6 +195,7 @@ class GradientMonitor(Monitor):
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
+        pending.outside_with_grad = self._outside.look()
         self._wheres[step] = pending.where
         while len(self._wheres) > WHERES_KEPT:
             del self._wheres[min(self._wheres)]
@@ -291,6 +295,7 @@ class GradientMonitor(Monitor):
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
                                      host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
+        self._judge_outside(pending)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)
         not_updated = False
@@ -336,18 +341,37 @@ class GradientMonitor(Monitor):
 
     # --- missing gradients: checked on check steps, candidates watched on every step --------------
     def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:
+        """Parameters in no optimizer are not judged here (see :class:`.OutsideOptimizer`)."""
         missing = self.history.missing
-        seen = missing.observe_check(pending.step, optimizer, host.missing, host.param_names)
-        self._trainable = len(host.param_names)
+        without, judged = host.missing, host.param_names
+        if without:
+            without, info = self._outside.updated_elsewhere(without, missing.had_gradient)
+            if info is not None:
+                self.emit(info, pending.step, pending.where)
+        if self._outside.names:
+            outside = self._outside.names
+            judged = [n for n in judged if n not in outside]
+        seen = missing.observe_check(pending.step, optimizer, without, judged)
+        self._trainable = len(judged)
         if seen.candidates:
             self.history.counts["missing"] += 1
         for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
             self._record(verdict, pending.step, pending.where)
         if pending.judged is not None:
             waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
-            replicas = missing.replicas_after_check(host.missing) if waiting else []
+            replicas = missing.replicas_after_check(without) if waiting else []
             self._watch.replace(optimizer, waiting + replicas, host.grad_names, pending.judged.names,
                                 pending.judged.params)
+
+    def _judge_outside(self, pending: PendingCheck) -> None:
+        frozen, info = self._outside.judge(pending.outside_with_grad)
+        if info is not None:
+            self.emit(info, pending.step, pending.where)
+        if frozen and self.static_frozen.get(FrozenCause.NOT_IN_OPTIMIZER) != frozen:
+            self.static_frozen[FrozenCause.NOT_IN_OPTIMIZER] = frozen
+            if pending.step == self._static_recorded_step:  # later check steps record it with the static causes
+                for verdict in static_frozen_verdicts({FrozenCause.NOT_IN_OPTIMIZER: frozen}):
+                    self._record(verdict, pending.step, pending.where)
 
     def _observe_candidates(self, step: int) -> None:
         """The parameters that never had a gradient, looked at on this optimizer's step (no device work)."""
@@ -364,6 +388,10 @@ class GradientMonitor(Monitor):
         self._record_confirmed(confirmed, step)
 
     def _record_confirmed(self, names: list[str], step: int) -> None:
+        if names:
+            names, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
+            if info is not None:
+                self.emit(info, step, self.context.where())
         self._record(judge_missing(step, names, self._trainable, self._positions, self.history.missing, names), step,
                      self.context.where())
 

@@ -46,6 +46,7 @@ class PendingCheck:
     layout: ModuleLayout | None = None
     judged: ParameterIndex | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
+    outside_with_grad: list[str] = field(default_factory=list)
 
     def ready(self) -> bool:
         return (self.host is not None and not (self.update_expected and self.update is None)

@@ -33,9 +33,9 @@ class FrozenCause(enum.StrEnum):
 
 
 STATIC_ADVICE = {
-    FrozenCause.NOT_IN_OPTIMIZER: ("are in no optimizer param group, so the optimizer never changes them. Pass them "
-                                   "to the optimizer in configure_optimizers (e.g. self.parameters()), or call "
-                                   "requires_grad_(False) if they are meant to stay fixed."),
+    FrozenCause.NOT_IN_OPTIMIZER: ("get gradients but are in no optimizer param group, so the optimizer never changes "
+                                   "them. Pass them to the optimizer in configure_optimizers (e.g. self.parameters()), "
+                                   "or call requires_grad_(False) if they are meant to stay fixed."),
     FrozenCause.LR_ZERO: ("are in a param group whose base learning rate is 0, so no scheduler can make them move. "
                           "Set a learning rate, or call requires_grad_(False) if they are meant to stay fixed."),
 }
@@ -94,6 +94,97 @@ def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_gro
     found = {FrozenCause.NOT_IN_OPTIMIZER: [n for i, n in names.items() if i not in in_optimizer],
              FrozenCause.LR_ZERO: [n for i, n in names.items() if i in zero_lr]}
     return {cause: found_names for cause, found_names in found.items() if found_names}, "done"
+
+
+class OutsideTraining:
+    """Trainable parameters (``requires_grad=True``) that gradients do not train on purpose, told apart from the
+    mistakes ``frozen_param`` and ``missing_grad`` are for.
+
+    Two healthy setups keep such parameters: an averaged copy of the model held as a submodule (torch's
+    ``AveragedModel`` deep-copies the weights with ``requires_grad=True`` and updates them itself) and a teacher
+    or reference model run under ``torch.no_grad()`` without ``requires_grad_(False)``. Neither gets a gradient,
+    since nothing in the loss's graph reaches them. Named at fit start as in no optimizer param group, and later
+    as without a gradient, both were warnings on healthy runs. So:
+
+    - a parameter in no param group is ``frozen_param`` (``not_in_optimizer``) once it has a gradient, which a
+      layer the loss uses and ``configure_optimizers`` left out has on every step that uses it. ``.grad`` is
+      looked at on gradient check steps, before the optimizer step (attributes only; the optimizers' ``zero_grad``
+      does not clear it, since they do not hold these parameters). One that never has one is
+      ``outside_training`` (info), once;
+    - a parameter that never had a gradient but whose values changed since the fit started (its version
+      counter, bumped by every in-place write through it or a ``detach()``, read on the host) is updated by the
+      user's code, not by gradients: an averaged copy kept in the optimizer's param groups
+      (``AdamW(self.parameters())``), or weights copied in. An optimizer never writes a parameter without a
+      gradient (torch's optimizers skip it), so a layer that is really unused keeps its version and is still
+      ``missing_grad``. Writes through ``.data`` bump no version: such copies are still named.
+
+    Example::
+
+        >>> used, copy = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+        >>> averaged = torch.nn.Parameter(torch.ones(1))
+        >>> outside = OutsideTraining([("head.bias", used), ("ema.bias", copy), ("avg.w", averaged)],
+        ...                           ["head.bias", "ema.bias"])
+        >>> (used * 2).sum().backward()
+        >>> frozen, info = outside.judge(outside.look())
+        >>> frozen, info.details["parameters"]
+        (['head.bias'], ['ema.bias'])
+        >>> with torch.no_grad():
+        ...     _ = averaged.mul_(0.5)
+        >>> kept, info = outside.updated_elsewhere(["avg.w"], had_gradient=set())
+        >>> kept, info.details["parameters"]
+        ([], ['avg.w'])
+    """
+
+    def __init__(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
+        outside = set(not_in_optimizer)
+        self.names: set[str] = set(outside)
+        """Judged by this class, not by the missing-gradient rule."""
+        self._versions = {name: (p, p._version) for name, p in trainable}
+        self._waiting = [(name, p) for name, p in trainable if name in outside]
+        self._with_gradient: list[str] = []
+        self._said = False
+
+    def look(self) -> list[str]:
+        """The names in no param group, not seen with a gradient yet, that have one now."""
+        return [name for name, parameter in self._waiting if parameter.grad is not None]
+
+    def judge(self, seen: Sequence[str]) -> tuple[list[str], Finding | None]:
+        """Every name in no param group seen with a gradient so far (what ``frozen_param`` names), and on the
+        first check the ``outside_training`` info for those without one."""
+        if seen:
+            newly = set(seen)
+            self._with_gradient += [name for name, _ in self._waiting if name in newly]
+            self._waiting = [(name, p) for name, p in self._waiting if name not in newly]
+        info = None
+        if not self._said and self._waiting:
+            self._said = True
+            info = self._info([p for _, p in self._waiting], [name for name, _ in self._waiting],
+                              "are in no optimizer param group and get no gradient")
+        return list(self._with_gradient), info
+
+    def updated_elsewhere(self, names: Sequence[str], had_gradient: Collection[str]) -> tuple[list[str], Finding | None]:
+        """``names`` (parameters without a gradient) less those judged here, and the ``outside_training`` info
+        for those that never had a gradient and whose values changed since the fit started (judged from then on)."""
+        versions = self._versions
+        changed = [name for name in names if name not in self.names and name not in had_gradient
+                   and name in versions and versions[name][0]._version != versions[name][1]]
+        info = None
+        if changed:
+            self.names.update(changed)
+            info = self._info([versions[name][0] for name in changed], changed,
+                              "never had a gradient, but their values change: code other than the optimizer "
+                              "updates them")
+        return [name for name in names if name not in self.names], info
+
+    @staticmethod
+    def _info(params: Sequence[torch.Tensor], names: list[str], what: str) -> Finding:
+        elements = sum(p.numel() for p in params)
+        return Finding(
+            Kind.OUTSIDE_TRAINING, Severity.INFO,
+            f"{len(names)} parameter(s) with requires_grad=True ({elements:,} elements) {what}, so gradients do "
+            f"not train them: {quoted(names)}. Expected for an averaged copy of the model or a teacher under "
+            "torch.no_grad(); requires_grad_(False) says so.",
+            {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "elements": elements})
 
 
 def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict]:
