@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_debug.config import Area, DebugConfig, rejects_unknown_keywords, resolve_config
 from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, describe, guarded
+from lightning_debug.core.ledger import FrameworkWork
 from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
@@ -234,12 +235,12 @@ class DebugCallback(Callback):
         if self._leads:
             self._run.evaluation(trainer.global_step, False)  # type: ignore[union-attr]
             if not trainer.sanity_checking:  # what the performance monitor quotes for a slow step
-                self._run.ledger.note(trainer.global_step, "validation")  # type: ignore[union-attr]
+                self._run.ledger.note(trainer.global_step, FrameworkWork.VALIDATION)  # type: ignore[union-attr]
 
     def on_save_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            checkpoint: dict[str, Any]) -> None:
         if self._leads and self._run is not None:
-            self._run.ledger.note(trainer.global_step, "checkpoint saving")
+            self._run.ledger.note(trainer.global_step, FrameworkWork.CHECKPOINT_SAVING)
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:

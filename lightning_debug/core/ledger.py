@@ -13,6 +13,7 @@ holds both facts; the run makes one and hands it to every monitor it binds.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -22,6 +23,13 @@ from lightning_debug.core.schedule import CheckSchedule
 
 INSTRUMENTED_STEPS_KEPT = 64
 NOTES_KEPT = 64
+
+
+class FrameworkWork(enum.StrEnum):
+    """What the framework runs between two batches that the ledger notes (:meth:`RunLedger.note`)."""
+
+    VALIDATION = "validation"
+    CHECKPOINT_SAVING = "checkpoint saving"
 
 
 class StepRecord(NamedTuple):
@@ -126,6 +134,10 @@ class RunLedger:
         """
         if any(noted == step for noted, _ in self.notes):
             self.notes = deque(((noted, what) for noted, what in self.notes if noted != step), maxlen=NOTES_KEPT)
+
+    def ran(self, step: int, what: FrameworkWork) -> bool:
+        """Whether the framework ran ``what`` in the time of optimizer step ``step`` (one of the last notes)."""
+        return (step, what) in self.notes
 
     def noted(self, steps: Any) -> dict[str, list[int]]:
         """What the framework ran in ``steps``, by what it was, with the steps it ran in."""

@@ -15,7 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, PerformanceProfilerCallback
-from tests.harness.toolkit import TinyRegressor, debug_dir, fit_seeded, make_trainer, read_events, regression_data
+from tests.harness.toolkit import (TinyRegressor, debug_dir, fit_seeded, make_trainer, read_events, read_scalars,
+                                   regression_data)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -98,6 +99,22 @@ def test_a_slow_checkpoint_every_5_steps_is_named_with_the_hook_that_ran(tmp_pat
     assert details["period"] == 5 and details["phase"] == "data", details
     assert details["hooks"]["checkpoint saving"] == details["outlier_steps"], details
     assert "checkpoint saving (steps" in found[0]["message"]
+
+
+def test_a_checkpoint_saved_on_every_timed_step_is_no_data_loader_bottleneck(tmp_path: Path) -> None:
+    """ModelCheckpoint every 10 steps at the profiler's default frequency (every 10th step timed): each timed
+    step's data wait holds a blocking save, which is not the loader's, so no advice about workers."""
+    class SavesIn20ms(TinyRegressor):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            time.sleep(0.02)
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    trainer = fit(tmp_path, SavesIn20ms(), [PerformanceProfilerCallback(), checkpoints], 90, enable_checkpointing=True)
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 9, "the plant: a save every 10 steps"
+    data_ms = dict(read_scalars(trainer.logger.log_dir)["debug/perf/data_ms"])
+    assert all(data_ms[step] >= 20 for step in range(10, 80, 10)), f"the saves are in the data wait: {data_ms}"
+    events = read_events(debug_dir(trainer))
+    assert not [e for e in events if e["kind"] == "dataloader_bottleneck"], events
 
 
 def test_a_slow_checkpoint_after_validation_every_5_steps_names_both(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from lightning_debug.checks.timing import (CpuWait, Mark, Phase, PhaseTimer, Ste
                                            infer_batch_size)
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
+from lightning_debug.core.ledger import FrameworkWork
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
@@ -305,7 +306,9 @@ class PerformanceMonitor(Monitor):
             if slow.phase is Phase.DATA and (where or {}).get("batch") == 0:
                 slow = replace(slow, epoch_start=True, loader=self.loader)
             self.record(slow.finding(), slow.step, where, key=slow.key)
-        waiting = self.data_wait.judge(times, self.settings)
+        # a checkpoint saved between two batches blocks in this step's data wait: a slow step, not the loader's
+        saved = self.ledger.notes_hooks and self.ledger.ran(times.step, FrameworkWork.CHECKPOINT_SAVING)
+        waiting = None if saved else self.data_wait.judge(times, self.settings)
         if waiting is not None:
             self.record(waiting.finding(self.loader, self.stopwatch.uses_cuda, usable_cpus()), times.step, where)
         ongoing = self.slow_steps.ongoing(times.step)  # a periodic stall between two recurrences: one episode
