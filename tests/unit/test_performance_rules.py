@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -132,6 +133,41 @@ def test_steps_that_stay_slow_are_a_new_level_told_as_an_info(elements_after: in
     assert finding.details["factor"] == pytest.approx(286.0 / 36.0, rel=0.01)
     assert ("4.0x the elements" in finding.message) is explained
     assert ("did not grow" in finding.message) is not explained
+
+
+def bucketed(steps: int, stall_every: int | None = None) -> list[StepTimes]:
+    """Batches bucketed by sequence length, in a shuffled order: the step time grows with the input's elements (a
+    batch of 512 tokens takes 30x one of 16). ``stall_every``: a 300 ms stall on every such step."""
+    generator = random.Random(0)
+    recorded = []
+    for step in range(steps):
+        size = generator.choice([16, 32, 64, 128, 256, 512]) * 8
+        stalled = stall_every is not None and step % stall_every == 0
+        recorded.append(times(step, forward=size / 40 + (300.0 if stalled else 0.0), backward=size / 20,
+                              elements=size))
+    return recorded
+
+
+def test_batches_bucketed_by_length_are_not_slow_steps() -> None:
+    """A length-bucketed loader: the long buckets are ten times the median, by design. Not one verdict."""
+    assert [v for v in feed_slow(SlowStepRule(), bucketed(300)) if v is not None] == []
+
+
+def test_a_stall_among_bucketed_batches_is_still_a_slow_step() -> None:
+    """A 300 ms stall every 7th step among bucketed batches is still a warning."""
+    verdicts = [v for v in feed_slow(SlowStepRule(), bucketed(400, stall_every=7)) if v is not None]
+    assert verdicts and verdicts[0].finding().severity is Severity.WARNING, verdicts
+
+
+def test_a_stall_on_a_long_bucket_is_judged_against_the_other_long_ones() -> None:
+    """A 1.5 s stall on long batches only: each is an outlier among the batches of its size (about 300 ms)."""
+    recorded = bucketed(400)
+    stalled = [t.step for t in recorded if t.elements == 512 * 8 and t.step >= 100][::4]
+    recorded = [times(t.step, forward=t.phases[Phase.FORWARD] + 1500.0, backward=t.phases[Phase.BACKWARD],
+                      elements=t.elements) if t.step in stalled else t for t in recorded]
+    rule = SlowStepRule()
+    feed_slow(rule, recorded)
+    assert stalled and set(stalled[-4:]) <= set(rule.outlier_steps), (stalled, list(rule.outlier_steps))
 
 
 def test_slow_steps_in_a_row_are_no_period_whatever_the_timing_frequency() -> None:

@@ -26,7 +26,7 @@ from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping
 from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
-from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
+from lightning_debug.monitors.gradients.missing_checks import MissingChecks
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.settings import GradientSettings
@@ -42,7 +42,7 @@ from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
 WHERES_KEPT = 64
 
 
-class GradientMonitor(Monitor):
+class GradientMonitor(MissingChecks, Monitor):
     """See :class:`lightning_debug.GradientHealthCallback` for the behaviour users rely on.
 
     Per check step: :meth:`before_optimizer_step` registers it (gradients are final, not yet
@@ -338,62 +338,6 @@ class GradientMonitor(Monitor):
     def _clipping(self) -> Clipping | None:
         clipping = self.context.gradient_clipping()
         return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
-
-    # --- missing gradients: checked on check steps, candidates watched on every step --------------
-    def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:
-        """Parameters in no optimizer are not judged here (see :class:`.OutsideOptimizer`)."""
-        missing = self.history.missing
-        without, judged = host.missing, host.param_names
-        if without:
-            without, info = self._outside.updated_elsewhere(without, missing.had_gradient)
-            if info is not None:
-                self.emit(info, pending.step, pending.where)
-        if self._outside.names:
-            outside = self._outside.names
-            judged = [n for n in judged if n not in outside]
-        seen = missing.observe_check(pending.step, optimizer, without, judged)
-        self._trainable = len(judged)
-        if seen.candidates:
-            self.history.counts["missing"] += 1
-        for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
-            self._record(verdict, pending.step, pending.where)
-        if pending.judged is not None:
-            waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
-            replicas = missing.replicas_after_check(without) if waiting else []
-            self._watch.replace(optimizer, waiting + replicas, host.grad_names, pending.judged.names,
-                                pending.judged.params)
-
-    def _judge_outside(self, pending: PendingCheck) -> None:
-        frozen, info = self._outside.judge(pending.outside_with_grad)
-        if info is not None:
-            self.emit(info, pending.step, pending.where)
-        if frozen and self.static_frozen.get(FrozenCause.NOT_IN_OPTIMIZER) != frozen:
-            self.static_frozen[FrozenCause.NOT_IN_OPTIMIZER] = frozen
-            if pending.step == self._static_recorded_step:  # later check steps record it with the static causes
-                for verdict in static_frozen_verdicts({FrozenCause.NOT_IN_OPTIMIZER: frozen}):
-                    self._record(verdict, pending.step, pending.where)
-
-    def _observe_candidates(self, step: int) -> None:
-        """The parameters that never had a gradient, looked at on this optimizer's step (no device work)."""
-        looked = self._watch.look(self.context.optimizer_index)
-        if looked is None:
-            return
-        missing = self.history.missing
-        resolved = [n for n in looked[0] if n in missing.candidates]
-        confirmed = missing.observe_step(step, *looked)
-        if resolved or confirmed:  # fewer candidates wait: fewer replicas are worth watching
-            wanted = set(missing.replicas_to_watch())
-            self._watch.drop(resolved + confirmed + [n for n in looked[0] + looked[1]
-                                                     if n not in missing.candidates and n not in wanted])
-        self._record_confirmed(confirmed, step)
-
-    def _record_confirmed(self, names: list[str], step: int) -> None:
-        if names:
-            names, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
-            if info is not None:
-                self.emit(info, step, self.context.where())
-        self._record(judge_missing(step, names, self._trainable, self._positions, self.history.missing, names), step,
-                     self.context.where())
 
     # --- the end, resume and report -------------------------------------------------------------
     def finalize(self, step: int) -> None:

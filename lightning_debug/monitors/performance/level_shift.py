@@ -77,6 +77,8 @@ class SlowRun:
     elements: int = 0
     held: SlowStep | None = None
     """The verdict held back while the run lasts (see :class:`~.slow_step.SlowStepRule`)."""
+    explained: bool = True
+    """Whether every step of the run had a larger input than usual and an ordinary time for it: if it ends, no burst."""
 
     def add(self, times: StepTimes) -> None:
         self.length += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,9 @@ PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from 
 FAR_MS = 100.0
 FAR_MIN_OUTLIERS = 5
 FAR_MIN_FRACTION = 0.1
+# A step whose input has more than SIZE_BAND times the recent median's elements (a long bucket of a length-bucketed
+# or dynamically padded loader) is judged against the recent steps whose inputs are within SIZE_BAND of its own.
+SIZE_BAND = 1.25
 
 PHASE_HINTS = {
     Phase.DATA: "the data wait grew: a slow sample or shard, data-loader workers restarting at an epoch boundary, "
@@ -238,6 +242,14 @@ class SlowStepRule:
     period, whatever the timing frequency. What this gives up: stalls on every step for longer than the median
     takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info.
 
+    A healthy run also varies its input: a loader that buckets sequences by length, or pads each batch to its
+    longest sequence, gives steps of 16 and of 512 tokens, and the long ones take ten times the median by design
+    (with every step timed, a small transformer on such batches had a ``slow_step`` warning every few dozen
+    steps). A step whose input (its first tensor's elements) is more than ``SIZE_BAND`` times the recent median's
+    is therefore judged against the recent steps of its own size (within ``SIZE_BAND``), and taken as explained by
+    its size while fewer than ``MIN_HISTORY`` of them were timed. Larger steps that stay (a sequence-length schedule)
+    are still a new level, an info; a stall on a step of ordinary size is judged as before.
+
     A healthy run also has a rhythm: an epoch boundary, a checkpoint or a validation every few
     hundred steps makes one step in that many slow, by design. A stall that recurs only with its
     period is therefore a warning only when it costs ``MIN_PERIODIC_SHARE`` of the time or more
@@ -266,6 +278,7 @@ class SlowStepRule:
         self.outlier_steps: deque[int] = deque(maxlen=RECENT_STEPS)
         self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
         self.elements = Window(RECENT_STEPS)
+        self.sized: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (input elements, judged ms)
         self._run: SlowRun | None = None
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
@@ -308,6 +321,33 @@ class SlowStepRule:
         sigma = robust_sigma(list(self.steps.values), median)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
+    def _size_threshold(self, settings: PerformanceSettings, elements: int) -> float | None:
+        """The outlier threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (None
+        with fewer than ``MIN_HISTORY`` of them)."""
+        peers = [ms for size, ms in self.sized if elements / SIZE_BAND <= size <= elements * SIZE_BAND]
+        if len(peers) < MIN_HISTORY:
+            return None
+        median = statistics.median(peers)
+        return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * robust_sigma(peers, median),
+                            MIN_SLOW_EXCESS_MS)
+
+    def _explained_by_size(self, times: StepTimes, settings: PerformanceSettings) -> bool:
+        """Whether an outlier's input is larger than usual and its time ordinary for that size (or unknown)."""
+        if not (times.elements and len(self.elements) and times.elements > SIZE_BAND * self.elements.median()):
+            return False
+        own_size = self._size_threshold(settings, times.elements)
+        return own_size is None or times.judged_step_ms <= own_size
+
+    def _verdict(self, times: StepTimes, settings: PerformanceSettings, median: float, threshold: float,
+                 recurring: bool, period: int | None, outliers: list[int], share: float | None) -> SlowStep:
+        excess = {phase: times.judged(phase) - self.phases[phase].median() for phase in PHASES}
+        phase = max(excess, key=lambda name: excess[name])
+        return SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
+                        threshold, sum(self.flags), len(self.flags), recurring, dict(times.phases), times.own_ms,
+                        sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
+                        len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
+                        settings.frequency, share=share)
+
     def judge(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
         """Judge one timed step against the history before it (flags it as an outlier or not)."""
         if len(self.steps) < MIN_HISTORY:
@@ -316,7 +356,8 @@ class SlowStepRule:
         threshold = self._threshold(settings, median)
         judged = times.judged_step_ms
         outlier = judged > threshold
-        self.flags.append(outlier)
+        explained = outlier and self._explained_by_size(times, settings)
+        self.flags.append(outlier and not explained)
         self.timed.append(times.step)
         if not outlier:
             return self._end_run(judged)
@@ -326,6 +367,10 @@ class SlowStepRule:
                                       {phase: self.phases[phase].median() for phase in PHASES},
                                       self.elements.median() if len(self.elements) else None)
         run.add(times)
+        run.explained = run.explained and explained
+        if explained:  # slower because larger: held, and told only if it stays (a new level, see _end_run)
+            run.held = run.held or self._verdict(times, settings, median, threshold, True, None, [], None)
+            return None
         self.outlier_steps.append(times.step)
         far = judged >= SLOW_LONE_FACTOR * median and judged - median >= FAR_MS
         if far:
@@ -339,15 +384,9 @@ class SlowStepRule:
             period = self.period(PERIOD_NAMED_OUTLIERS)
         if not recurring and not (far and judged - median >= SLOW_LONE_MS):
             return None
-        excess = {phase: times.judged(phase) - self.phases[phase].median() for phase in PHASES}
-        phase = max(excess, key=lambda name: excess[name])
         share = (time_share(judged - median, smallest_period(period, settings.frequency), median)
                  if period is not None and flagged < SLOW_MIN_FLAGGED and not frequent else None)
-        verdict = SlowStep(times.step, phase, times.step_ms, median, times.phases[phase], self.phases[phase].median(),
-                           threshold, flagged, len(self.flags), recurring, dict(times.phases), times.own_ms,
-                           sum(times.cpu_waits.values()), settings.slow_step_factor, period, len(outliers),
-                           len(self.timed), tuple(outliers[-PERIOD_MIN_OUTLIERS:] if period else outliers[-8:]),
-                           settings.frequency, share=share)
+        verdict = self._verdict(times, settings, median, threshold, recurring, period, outliers, share)
         if recurring and period is None and run.length > 1:  # slow steps in a row: a burst or a new level, held
             run.held = verdict
             return None
@@ -360,13 +399,14 @@ class SlowStepRule:
         if run is None or run.held is None:
             return None
         if judged_ms <= run.base_threshold:
-            return run.held
+            return None if run.explained else run.held
         self._new_level(run.start)
         return replace(run.held, step=run.start, shift=run.shift(run.held.phase))
 
     def _new_level(self, start: int) -> None:
         """Steps are judged against the new level only: the history before it, and its outliers, are forgotten."""
         self.steps, self.elements = Window(RECENT_STEPS), Window(RECENT_STEPS)
+        self.sized.clear()
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
         self.flags.clear()
         self.outlier_steps = deque((s for s in self.outlier_steps if s < start), maxlen=RECENT_STEPS)
@@ -376,7 +416,7 @@ class SlowStepRule:
         """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the
         end."""
         run, self._run = self._run, None
-        if run is None or run.held is None:
+        if run is None or run.held is None or run.explained and run.length < MIN_HISTORY:
             return None
         return replace(run.held, step=run.start, shift=run.shift(run.held.phase, ended_run=True))
 
@@ -387,3 +427,4 @@ class SlowStepRule:
             self.phases[phase].add(times.judged(phase))
         if times.elements:
             self.elements.add(times.elements)
+            self.sized.append((times.elements, times.judged_step_ms))
