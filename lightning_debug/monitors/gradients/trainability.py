@@ -116,7 +116,8 @@ class OutsideTraining:
       user's code, not by gradients: an averaged copy kept in the optimizer's param groups
       (``AdamW(self.parameters())``), or weights copied in. An optimizer never writes a parameter without a
       gradient (torch's optimizers skip it), so a layer that is really unused keeps its version and is still
-      ``missing_grad``. Writes through ``.data`` bump no version: such copies are still named.
+      ``missing_grad``. Writes through ``.data`` bump no version: such copies are still named; nor is a parameter
+      that is a view (its version counter is its base's) judged this way.
 
     Example::
 
@@ -139,7 +140,9 @@ class OutsideTraining:
         outside = set(not_in_optimizer)
         self.names: set[str] = set(outside)
         """Judged by this class, not by the missing-gradient rule."""
-        self._versions = {name: (p, p._version) for name, p in trainable}
+        # a view shares its base's version counter, which a step of the other parameters it holds bumps (FSDP1's
+        # original parameters are views of one flat parameter): only parameters that own their storage are read
+        self._versions = {name: (p, p._version) for name, p in trainable if p._base is None}
         self._waiting = [(name, p) for name, p in trainable if name in outside]
         self._with_gradient: list[str] = []
         self._said = False
