@@ -38,15 +38,15 @@ class MissingChecks:
         """Parameters that gradients do not train on purpose are not judged here (see :class:`.OutsideTraining`)."""
         missing = self.history.missing
         without, judged = host.missing, host.param_names
-        if without:
-            without, info = self._outside.updated_elsewhere(without, missing.had_gradient)
-            if info is not None:
-                self.emit(info, pending.step, pending.where)
         if self._outside.names:
             outside = self._outside.names
-            judged = [n for n in judged if n not in outside]
+            without, judged = [n for n in without if n not in outside], [n for n in judged if n not in outside]
         seen = missing.observe_check(pending.step, optimizer, without, judged)
         self._trainable = len(judged)
+        if seen.confirmed or seen.newly_confirmed:  # a confirmed candidate changed by other code is left out now
+            self._left_out(seen.confirmed + seen.newly_confirmed, pending.step, pending.where)
+            seen.confirmed = [n for n in seen.confirmed if n not in self._outside.names]
+            seen.newly_confirmed = [n for n in seen.newly_confirmed if n not in self._outside.names]
         if seen.candidates:
             self.history.counts["missing"] += 1
         for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
@@ -81,10 +81,16 @@ class MissingChecks:
                                                      if n not in missing.candidates and n not in wanted])
         self._record_confirmed(confirmed, step)
 
+    def _left_out(self, names: list[str], step: int, where: Where) -> list[str]:
+        """``names`` (confirmed without a gradient) less those whose values changed all the same, which from now on
+        are :class:`.OutsideTraining`'s (an info, once for them)."""
+        kept, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
+        if info is not None:
+            self.emit(info, step, where)
+        return kept
+
     def _record_confirmed(self, names: list[str], step: int) -> None:
         if names:
-            names, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
-            if info is not None:
-                self.emit(info, step, self.context.where())
+            names = self._left_out(names, step, self.context.where())
         self._record(judge_missing(step, names, self._trainable, self._positions, self.history.missing, names), step,
                      self.context.where())

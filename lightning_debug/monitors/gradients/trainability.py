@@ -111,9 +111,10 @@ class OutsideTraining:
       looked at on gradient check steps, before the optimizer step (attributes only; the optimizers' ``zero_grad``
       does not clear it, since they do not hold these parameters). One that never has one is
       ``outside_training`` (info), once;
-    - a parameter that never had a gradient but whose values changed since the fit started (its version
-      counter, bumped by every in-place write through it or a ``detach()``, read on the host) is updated by the
-      user's code, not by gradients: an averaged copy kept in the optimizer's param groups
+    - a parameter confirmed without a gradient (over the missing-gradient rule's window, looked at on every step)
+      but whose values changed since the fit started (its version counter, bumped by every in-place write through
+      it or a ``detach()``, read on the host) is updated by the user's code, not by gradients: an averaged copy
+      kept in the optimizer's param groups
       (``AdamW(self.parameters())``), or weights copied in. An optimizer never writes a parameter without a
       gradient (torch's optimizers skip it), so a layer that is really unused keeps its version and is still
       ``missing_grad``. Writes through ``.data`` bump no version: such copies are still named; nor is a parameter
