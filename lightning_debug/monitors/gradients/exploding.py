@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.checks.gradients import clip_advice, suggest_clip_value
-from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NormHistory
+from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NORM_TAIL_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.gradients.settings import GradientSettings
@@ -131,6 +131,11 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     large for the curvature doubles the norm every step and quadruples the loss), and any abrupt jump
     at once.
 
+    Nor does the median say how far a healthy run's norms range: near convergence, a batch with a hard example
+    has a gradient 10-170x the median on one check step in ten, sometimes three in a row. The limit is also
+    3x the norm the run reaches on one check step in 16 lately (:meth:`.NormHistory.routine`), so a jump must
+    leave what this run does routinely; a run whose norms stay near their median keeps the median's limit.
+
     A jump is confirmed by the steps after it (:class:`ExplosionWatch`) when they stay above its limit
     and above 3x the norm of the check step before it: in that rising phase the median lags, and a
     one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
@@ -153,6 +158,10 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     else:
         what = (f"global norm {global_norm:.4g}, {global_norm / level:.3g}x its median {level:.4g} over the last "
                 f"{len(history.values)} check steps (a jump of over {NORM_JUMP_FACTOR:g}x)")
+        routine = history.routine()
+        if routine is not None and jump_limit >= NORM_TAIL_FACTOR * routine:
+            what += (f" and {global_norm / routine:.3g}x the {routine:.4g} it reaches on one check step in 16 (a jump "
+                     f"of over {NORM_TAIL_FACTOR:g}x)")
     clip_note, clip_details = clipping_note(global_norm, clipping)
     clip: float | None
     if clip_details:
