@@ -295,6 +295,53 @@ def test_an_averaged_copy_and_a_teacher_are_outside_training(tmp_path: Path, mis
                       "unused layer": [("missing_grad", None, ["unused.weight", "unused.bias"], 0)]}[mistake]
 
 
+class UnfrozenAtEpoch1(TinyRegressor):
+    """A frozen ``backbone`` (``inp`` and ``hidden``) made trainable at the second epoch. Healthy with Lightning's
+    ``BackboneFinetuning``, which also hands it to the optimizer; ``forgets_optimizer`` unfreezes it by hand and
+    forgets that: it gets gradients that no optimizer applies."""
+
+    def __init__(self, forgets_optimizer: bool) -> None:
+        super().__init__(optimizer="adam", lr=1e-3)
+        self.backbone = nn.Sequential(self.inp, nn.ReLU(), self.hidden)
+        self.forgets_optimizer = forgets_optimizer
+        if forgets_optimizer:
+            self.backbone.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.backbone(x)))
+
+    def on_train_epoch_start(self) -> None:
+        if self.forgets_optimizer and self.current_epoch == 1:
+            self.backbone.requires_grad_(True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+@pytest.mark.parametrize("forgets_optimizer", [False, True])
+def test_a_backbone_unfrozen_during_the_run_is_judged_with_the_optimizer_it_has_then(tmp_path: Path,
+                                                                                     forgets_optimizer: bool) -> None:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    callbacks: list[Callback] = [GradientHealthCallback(gradient_checking_frequency=10)]
+    if not forgets_optimizer:
+        callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1))
+    trainer, _ = fit(tmp_path, UnfrozenAtEpoch1(forgets_optimizer), callbacks, 90)
+    events = read_events(debug_dir(trainer))
+    warned = [(e["kind"], e["details"].get("cause"), e["details"].get("parameters"), e["step"])
+              for e in events if e["severity"] == "warning"]
+    if not forgets_optimizer:
+        assert warned == []
+        return
+    # requires_grad is compared every 16 uses of the index (here: check steps), so it is named within 16 checks;
+    # the gradients no optimizer zeroes also pile up (an exploding_grad, a consequence of the same mistake)
+    frozen = [w for w in warned if w[0] == "frozen_param"]
+    assert [w[:3] for w in frozen] == [("frozen_param", "not_in_optimizer",
+                                        ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias"])], warned
+    assert trainer.num_training_batches <= frozen[0][3] <= trainer.num_training_batches + 16 * 10, warned
+    assert {w[0] for w in warned} <= {"frozen_param", "exploding_grad"}, warned
+
+
 def test_parameters_the_optimizer_cannot_move_are_frozen_param(tmp_path: Path) -> None:
     callback = GradientHealthCallback(gradient_checking_frequency=2, log_weights=True)
     trainer, caught = fit(tmp_path, OptimizerMistakes(), [callback], 6)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lightning_debug.checks.numerics import user_name
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.numerics import HostNumerics
 from lightning_debug.core.session import Where
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.pending import PendingCheck
-from lightning_debug.monitors.gradients.trainability import FrozenCause, OutsideTraining, static_frozen_verdicts
+from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
+                                                             static_frozen_verdicts)
 from lightning_debug.monitors.gradients.verdict import Verdict
 from lightning_debug.monitors.gradients.watch import CandidateWatch
 
@@ -28,6 +30,8 @@ class MissingChecks:
     _positions: dict[str, tuple[int, int]]
     _trainable: int
     _static_recorded_step: int
+    _audited: dict[Any, Any]
+    _param_groups: Any
 
     if TYPE_CHECKING:  # the monitor's own
         def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool: ...
@@ -56,6 +60,21 @@ class MissingChecks:
             replicas = missing.replicas_after_check(without) if waiting else []
             self._watch.replace(optimizer, waiting + replicas, host.grad_names, pending.judged.names,
                                 pending.judged.params)
+
+    def _audit_trainable(self, optimizer: Any, index: Any) -> None:
+        """Parameters made trainable during the run (``requires_grad_(True)`` on a frozen backbone, which a loop must
+        also hand to its optimizer) are looked up in the param groups as at fit start. Done when ``optimizer``'s
+        index of the trainable parameters was built again (rare: it is valid by the parameters' identity)."""
+        audited = self._audited.get(optimizer)
+        if index is audited:
+            return
+        self._audited[optimizer] = index
+        if audited is None:
+            return
+        self._param_groups = self.context.param_groups()
+        named = [(user_name(name), p) for name, p in self.context.named_parameters() if p.requires_grad]
+        frozen, _ = frozen_by_optimizer(named, self._param_groups)
+        self._outside.extend(named, frozen.get(FrozenCause.NOT_IN_OPTIMIZER, []))
 
     def _judge_outside(self, pending: PendingCheck) -> None:
         frozen, info = self._outside.judge(pending.outside_with_grad)

@@ -70,6 +70,7 @@ class GradientMonitor(MissingChecks, Monitor):
         self.trainability: dict[str, Any] = {}
         self.static_frozen: dict[FrozenCause, list[str]] = {}
         self._outside = OutsideTraining([], [])
+        self._audited: dict[Any, ParameterIndex] = {}  # per optimizer: the index whose parameters were audited
         self._param_groups: Sequence[dict[str, Any]] = []
         self.order = ForwardOrder()
         self.order_source = "registration order (named_parameters)"
@@ -195,6 +196,7 @@ class GradientMonitor(MissingChecks, Monitor):
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
+        self._audit_trainable(pending.where.get("optimizer"), index)
         pending.outside_with_grad = self._outside.look()
         self._wheres[step] = pending.where
         while len(self._wheres) > WHERES_KEPT:

@@ -148,6 +148,17 @@ class OutsideTraining:
         self._with_gradient: list[str] = []
         self._said = False
 
+    def extend(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
+        """The trainable parameters again, after they changed during the run (a backbone unfrozen): new ones are
+        followed from now on, and those of them in no param group are watched for a gradient."""
+        for name, p in trainable:
+            if name not in self._versions and p._base is None:
+                self._versions[name] = (p, p._version)
+        known = self.names | set(self._with_gradient)
+        added = [(name, p) for name, p in trainable if name in set(not_in_optimizer) and name not in known]
+        self._waiting += added
+        self.names.update(name for name, _ in added)
+
     def look(self) -> list[str]:
         """The names in no param group, not seen with a gradient yet, that have one now."""
         return [name for name, parameter in self._waiting if parameter.grad is not None]
