@@ -116,16 +116,7 @@ def test_a_sequence_length_schedule_is_quiet_with_every_check_every_step(tmp_pat
 
 class BucketedSequences(GrowingSequences):
     """The same encoder on batches bucketed by length (8 to 256 tokens, shuffled): every few steps a batch takes
-    ten times the median, by design. ``stall_every``: ``time.sleep(0.3)`` in training_step on every such step."""
-
-    def __init__(self, stall_every: int | None = None) -> None:
-        super().__init__()
-        self.stall_every = stall_every
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.stall_every and self.trainer.global_step % self.stall_every == 0:
-            time.sleep(0.3)
-        return super().training_step(batch, batch_idx)
+    ten times the median, by design."""
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
@@ -134,14 +125,12 @@ class BucketedSequences(GrowingSequences):
         return DataLoader(batches, batch_size=None)
 
 
-@pytest.mark.parametrize("stall_every", [None, 7])
-def test_batches_bucketed_by_length_are_no_slow_steps(tmp_path: Path, stall_every: int | None) -> None:
-    """Healthy: no slow_step of warning (before, a warning every few dozen steps with every step timed); a stall
-    every 7th step among them is still one."""
+def test_batches_bucketed_by_length_are_no_slow_steps(tmp_path: Path) -> None:
+    """No slow_step warning (before, one every few dozen steps with every step timed). A stall among such batches is
+    still one: tests/unit/test_performance_rules.py plants it on any step and on the long batches only."""
     pl.seed_everything(0)
     callback = PerformanceProfilerCallback(DebugConfig(performance_profiling_frequency=1))
     trainer = make_trainer(tmp_path, [callback], max_steps=120, limit_val_batches=0)
-    trainer.fit(BucketedSequences(stall_every))
+    trainer.fit(BucketedSequences())
     warned = [e for e in read_events(debug_dir(trainer)) if e["severity"] == "warning"]
-    assert [e["kind"] for e in warned[:1]] == ([] if stall_every is None else ["slow_step"]), \
-        [e["message"] for e in warned]
+    assert not warned, [e["message"] for e in warned]
