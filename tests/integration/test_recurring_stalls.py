@@ -176,6 +176,20 @@ def test_workers_restarting_every_epoch_are_named_with_persistent_workers(tmp_pa
     assert "validation" not in first["message"] and "checkpoint saving" not in first["message"], first["message"]
 
 
+def test_one_batch_an_epoch_that_waits_for_its_workers_leads_with_persistent_workers(tmp_path: Path) -> None:
+    """limit_train_batches=1: every step is an epoch's first batch and waits for the workers' setup. The loader is
+    the bottleneck, and what fixes it is keeping the workers, not more of them (which the advice used to lead with)."""
+    config = DebugConfig(performance_profiling_frequency=1)
+    trainer = fit(tmp_path, WorkersEveryEpoch(persistent_workers=False), [PerformanceProfilerCallback(config)], 8,
+                  max_epochs=8, limit_train_batches=1, limit_val_batches=0)
+    found = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "dataloader_bottleneck"]
+    assert found, read_events(debug_dir(trainer))
+    advice = found[0]["details"]["advice"]
+    assert advice[0].startswith("The steps that wait are the first batch of an epoch") and "persistent_workers=True" \
+        in advice[0] and "cannot keep up" not in found[0]["message"], found[0]["message"]
+    assert found[0]["details"]["epoch_starts"] == found[0]["details"]["steps_above_share"]
+
+
 def test_persistent_workers_leave_epoch_boundaries_quiet(tmp_path: Path) -> None:
     config = DebugConfig(performance_profiling_frequency=1)
     trainer = fit(tmp_path, WorkersEveryEpoch(persistent_workers=True), [PerformanceProfilerCallback(config)], 96)

@@ -34,10 +34,13 @@ class DataWait:
     window_check_steps: int
     threshold_share: float
     steps_above_share: int
+    epoch_starts: int = 0
+    """How many of the steps above the share were the first batch of an epoch."""
 
     def finding(self, loader: Mapping[str, Any] | None, uses_cuda: bool, cpus: int) -> Finding:
         """The finding, quoting the loader's settings (None: unknown) and what to change in them."""
-        advice = loader_advice(loader, uses_cuda, cpus)
+        restarts = self.epoch_starts >= DATA_MIN_SHARE_OF_STEPS * self.steps_above_share
+        advice = loader_advice(loader, uses_cuda, cpus, restarts)
         settings = loader or {}
         return Finding(
             Kind.DATALOADER_BOTTLENECK, Severity.WARNING,
@@ -46,7 +49,8 @@ class DataWait:
             + " ".join(advice),
             {"data_ms": self.data_ms, "step_ms": self.step_ms, "share": self.share,
              "window_check_steps": self.window_check_steps, "threshold_share": self.threshold_share,
-             "steps_above_share": self.steps_above_share, "min_data_ms": MIN_DATA_WAIT_MS,
+             "steps_above_share": self.steps_above_share, "epoch_starts": self.epoch_starts,
+             "min_data_ms": MIN_DATA_WAIT_MS,
              "num_workers": settings.get("num_workers"), "pin_memory": settings.get("pin_memory"),
              "persistent_workers": settings.get("persistent_workers"),
              "prefetch_factor": settings.get("prefetch_factor"), "cpus": cpus, "advice": advice})
@@ -75,17 +79,21 @@ class DataWaitRule:
     """
 
     def __init__(self) -> None:
-        self.window: deque[tuple[float, float]] = deque(maxlen=DATA_WINDOW)
+        self.window: deque[tuple[float, float, bool]] = deque(maxlen=DATA_WINDOW)
 
-    def judge(self, times: StepTimes, settings: PerformanceSettings) -> DataWait | None:
-        self.window.append((times.judged(Phase.DATA), times.judged_step_ms))
+    def judge(self, times: StepTimes, settings: PerformanceSettings, epoch_start: bool = False) -> DataWait | None:
+        """``epoch_start``: the step is the first batch of an epoch (what the advice leads with, see
+        :func:`.loader_advice`)."""
+        self.window.append((times.judged(Phase.DATA), times.judged_step_ms, epoch_start))
         if len(self.window) < MIN_DATA_HISTORY:
             return None
-        data_median = median(d for d, _ in self.window)
-        shares = [d / s if s > 0 else 0.0 for d, s in self.window]
+        data_median = median(d for d, _, _ in self.window)
+        shares = [d / s if s > 0 else 0.0 for d, s, _ in self.window]
         share = median(shares)
         limit = settings.dataloader_bottleneck_share
         above = sum(value >= limit for value in shares)
         if share < limit or data_median < MIN_DATA_WAIT_MS or above < DATA_MIN_SHARE_OF_STEPS * len(shares):
             return None
-        return DataWait(data_median, median(s for _, s in self.window), share, len(self.window), limit, above)
+        starts = sum(1 for value, (_, _, first) in zip(shares, self.window) if value >= limit and first)
+        return DataWait(data_median, median(s for _, s, _ in self.window), share, len(self.window), limit, above,
+                        starts)

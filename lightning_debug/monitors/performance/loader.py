@@ -65,8 +65,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def loader_advice(settings: Mapping[str, Any] | None, uses_cuda: bool, cpus: int) -> list[str]:
-    """What to change in the DataLoader when the training loop waits for it.
+def loader_advice(settings: Mapping[str, Any] | None, uses_cuda: bool, cpus: int, restarts: bool = False) -> list[str]:
+    """What to change in the DataLoader when the training loop waits for it; ``restarts``: the steps that wait are
+    mostly the first batch of an epoch, where a loader without persistent workers starts them again.
 
     Example::
 
@@ -82,6 +83,10 @@ def loader_advice(settings: Mapping[str, Any] | None, uses_cuda: bool, cpus: int
     if workers == 0:
         advice.append(f"num_workers=0 loads every batch in the training process: set num_workers to {suggested} "
                       f"(this machine has {cpus} CPUs).")
+    elif restarts and not settings.get("persistent_workers"):
+        advice.append(f"The steps that wait are the first batch of an epoch, where the DataLoader starts its {workers} "
+                      "worker(s) again: persistent_workers=True keeps them alive between epochs (and does not re-run "
+                      "the dataset's setup).")
     else:
         advice.append(f"{workers} worker(s) cannot keep up: raise num_workers (this machine has {cpus} CPUs), "
                       "raise prefetch_factor, or make __getitem__ cheaper (pre-decode, cache, smaller files).")

@@ -308,7 +308,7 @@ class PerformanceMonitor(Monitor):
             self.record(slow.finding(), slow.step, where, key=slow.key)
         # a checkpoint saved between two batches blocks in this step's data wait: a slow step, not the loader's
         saved = self.ledger.notes_hooks and self.ledger.ran(times.step, FrameworkWork.CHECKPOINT_SAVING)
-        waiting = None if saved else self.data_wait.judge(times, self.settings)
+        waiting = None if saved else self.data_wait.judge(times, self.settings, (where or {}).get("batch") == 0)
         if waiting is not None:
             self.record(waiting.finding(self.loader, self.stopwatch.uses_cuda, usable_cpus()), times.step, where)
         ongoing = self.slow_steps.ongoing(times.step)  # a periodic stall between two recurrences: one episode
