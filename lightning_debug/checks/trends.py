@@ -88,10 +88,11 @@ class NormHistory:
     accuracy: an ``exploding_grad`` warning). So once :data:`NORM_TAIL_WINDOW` / 2 norms are in, the limit is
     also :data:`NORM_TAIL_FACTOR` times what the run shows routinely (:meth:`routine`, the
     :data:`NORM_TAIL_RANK`-th largest of the last :data:`NORM_TAIL_WINDOW`). A run whose norms stayed near their
-    median has a routine level near it, and its limit is the median's; an explosion grows past any of them. A norm of exactly 0 does
-    not: a step whose loss sent back no gradient at all (a margin loss such as a hinge or a triplet loss at 0
-    on an easy batch) says nothing about the scale of the gradients, and with a median of 0 any gradient
-    after it would be a jump.
+    median has a routine level near it, and its limit is the median's; an explosion grows past any of them.
+
+    A norm of exactly 0 does not enter the window: a step whose loss sent back no gradient at all (a margin loss
+    such as a hinge or a triplet loss at 0 on an easy batch) says nothing about the scale of the gradients, and
+    with a median of 0 any gradient after it would be a jump.
 
     Example::
 
@@ -403,7 +404,8 @@ class LossTrend:
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
-                "suspected": None if self.suspected is None else dict(asdict(self.suspected), kind=LossKind.SPIKE.value)}
+                "suspected": None if self.suspected is None
+                else dict(asdict(self.suspected), kind=LossKind.SPIKE.value)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()

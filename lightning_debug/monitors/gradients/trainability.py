@@ -114,11 +114,10 @@ class OutsideTraining:
     - a parameter confirmed without a gradient (over the missing-gradient rule's window, looked at on every step)
       but whose values changed since the fit started (its version counter, bumped by every in-place write through
       it or a ``detach()``, read on the host) is updated by the user's code, not by gradients: an averaged copy
-      kept in the optimizer's param groups
-      (``AdamW(self.parameters())``), or weights copied in. An optimizer never writes a parameter without a
-      gradient (torch's optimizers skip it), so a layer that is really unused keeps its version and is still
-      ``missing_grad``. Writes through ``.data`` bump no version: such copies are still named; nor is a parameter
-      that is a view (its version counter is its base's) judged this way.
+      kept in the optimizer's param groups (``AdamW(self.parameters())``), or weights copied in. An optimizer
+      never writes a parameter without a gradient (torch's optimizers skip it), so a layer that is really unused
+      keeps its version and is still ``missing_grad``. Writes through ``.data`` bump no version: such copies are
+      still named; nor is a parameter that is a view (its version counter is its base's) judged this way.
 
     Example::
 
@@ -138,24 +137,25 @@ class OutsideTraining:
     """
 
     def __init__(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
-        outside = set(not_in_optimizer)
-        self.names: set[str] = set(outside)
+        self.names: set[str] = set()
         """Judged by this class, not by the missing-gradient rule."""
-        # a view shares its base's version counter, which a step of the other parameters it holds bumps (FSDP1's
-        # original parameters are views of one flat parameter): only parameters that own their storage are read
-        self._versions = {name: (p, p._version) for name, p in trainable if p._base is None}
-        self._waiting = [(name, p) for name, p in trainable if name in outside]
+        self._versions: dict[str, tuple[torch.Tensor, int]] = {}
+        self._waiting: list[tuple[str, torch.Tensor]] = []
         self._with_gradient: list[str] = []
         self._said = False
+        self.extend(trainable, not_in_optimizer)
 
     def extend(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
-        """The trainable parameters again, after they changed during the run (a backbone unfrozen): new ones are
-        followed from now on, and those of them in no param group are watched for a gradient."""
+        """The trainable parameters (at fit start, and again after they changed during the run, a backbone
+        unfrozen): new ones are followed from now on, and those of them in no param group are watched for a
+        gradient."""
         for name, p in trainable:
+            # a view shares its base's version counter, which a step of the other parameters it holds bumps (FSDP1's
+            # original parameters are views of one flat parameter): only parameters that own their storage are read
             if name not in self._versions and p._base is None:
                 self._versions[name] = (p, p._version)
-        known = self.names | set(self._with_gradient)
-        added = [(name, p) for name, p in trainable if name in set(not_in_optimizer) and name not in known]
+        outside, known = set(not_in_optimizer), self.names | set(self._with_gradient)
+        added = [(name, p) for name, p in trainable if name in outside and name not in known]
         self._waiting += added
         self.names.update(name for name, _ in added)
 
@@ -177,7 +177,8 @@ class OutsideTraining:
                               "are in no optimizer param group and get no gradient")
         return list(self._with_gradient), info
 
-    def updated_elsewhere(self, names: Sequence[str], had_gradient: Collection[str]) -> tuple[list[str], Finding | None]:
+    def updated_elsewhere(self, names: Sequence[str],
+                          had_gradient: Collection[str]) -> tuple[list[str], Finding | None]:
         """``names`` (parameters without a gradient) less those judged here, and the ``outside_training`` info
         for those that never had a gradient and whose values changed since the fit started (judged from then on)."""
         versions = self._versions

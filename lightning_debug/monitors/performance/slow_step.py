@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_debug.checks.robust import robust_sigma
+from lightning_debug.checks.robust import median as robust_median, robust_sigma
 from lightning_debug.checks.timing import PHASES, Phase, StepTimes
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -327,7 +326,7 @@ class SlowStepRule:
         peers = [ms for size, ms in self.sized if elements / SIZE_BAND <= size <= elements * SIZE_BAND]
         if len(peers) < MIN_HISTORY:
             return None
-        median = statistics.median(peers)
+        median = robust_median(peers)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * robust_sigma(peers, median),
                             MIN_SLOW_EXCESS_MS)
 
