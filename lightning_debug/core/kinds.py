@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_debug.config import Area
@@ -106,6 +106,82 @@ class Kind(str, enum.Enum):
         return self.value
 
 
+
+class AtEnd(str, enum.Enum):
+    """What a suspicion still held when the run ends becomes."""
+
+    DISMISS = "dismiss"
+    REPORT = "report"
+    IF_FOLLOWED = "if_followed"
+    """Reported when at least one reading came after it and every one confirmed it; dismissed otherwise."""
+    ELSE_KIND = "else_kind"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """A kind's confirmation policy: how long a suspicion is held, what confirms it, what it becomes if not.
+
+    ``patience``: suspicious observations of the same key in a row that confirm it (None: not confirmed by
+    persisting); ``variants``: a different patience for a named variant of the suspicion (a layer whose
+    gradient is exactly zero waits longer than one that is small); ``follow_up``: readings after the
+    suspicion above its bound (or not finite) that confirm it, any reading under the bound dismissing it
+    (0: none); with neither, a suspicion is confirmed at once. ``else_kind``: what a suspicion that ends
+    unconfirmed becomes (None: dismissed); ``at_end``: what one still held at the end of the run becomes;
+    ``backdate``: a suspicion confirmed by persisting is recorded at every step it was held, labelled at
+    the first. ``max_held``: held suspicions per scope (an optimizer) at most; past that the oldest is decided
+    as at the end of the run.
+
+    The engine that applies it is :class:`lightning_debug.core.verdicts.VerdictEngine`; a non-finite value
+    is never held back, whatever the policy.
+
+    Example::
+
+        >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
+        >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
+        (3, 8, True, False)
+    """
+
+    patience: int | None = None
+    variants: dict[str, int] = field(default_factory=dict)
+    follow_up: int = 0
+    else_kind: "Kind | None" = None
+    at_end: AtEnd = AtEnd.DISMISS
+    backdate: bool = True
+    max_held: int = 64
+
+    def needed(self, variant: str = "") -> int | None:
+        """Observations in a row that confirm a suspicion of ``variant`` (None: persisting does not)."""
+        return self.variants.get(variant, self.patience)
+
+    @property
+    def holds(self) -> bool:
+        """Whether a suspicion of this kind waits before it is reported."""
+        return bool(self.follow_up) or any(needed > 1 for needed in (self.patience or 1, *self.variants.values()))
+
+    def describe(self) -> str:
+        """The policy in words, for the docs' table of kinds.
+
+        Example::
+
+            >>> Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED).describe()
+            'confirmed by the 2 readings after it; at the end of the run: if_followed'
+        """
+        parts = []
+        if self.patience is not None and self.patience > 1:
+            parts.append(f"{self.patience} observations in a row")
+        parts += [f"{needed} in a row when {variant}" for variant, needed in self.variants.items()]
+        if self.follow_up:
+            parts.append(f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading")
+        if not parts:
+            return "at once"
+        text = "confirmed by " + " or ".join(parts)
+        if self.else_kind is not None:
+            text += f", else {self.else_kind.value}"
+        return text + f"; at the end of the run: {self.at_end.value}"
+
 _NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
                           "a learning rate too high, NaN in the input batch")
 
@@ -117,7 +193,9 @@ class KindSpec:
     ``area`` is the area whose monitor writes it; ``severity`` the severity it is written with (None when
     it depends on what was found); ``advice`` what to do (report.md), ``hint`` its one-line console
     version; ``common_causes`` the usual culprits; ``causal_rank`` where it sits in the chain a NaN
-    flows along within one step (see :data:`CAUSAL_ORDER`), None outside it.
+    flows along within one step (see :data:`CAUSAL_ORDER`), None outside it; ``confirm`` how long a
+    suspicion of it is held and what confirms it (:class:`Confirm`, applied by the one verdict engine,
+    :class:`lightning_debug.core.verdicts.VerdictEngine`): making a rule stricter or looser is this field.
 
     Example::
 
@@ -132,6 +210,7 @@ class KindSpec:
     hint: str | None = None
     common_causes: str | None = None
     causal_rank: int | None = None
+    confirm: Confirm = Confirm()
 
 
 KIND_SPECS: dict[Kind, KindSpec] = {
@@ -181,13 +260,15 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="Clip gradients (`Trainer(gradient_clip_val=...)`, see the suggestion under Gradient "
                "health), lower the learning rate, use a learning-rate warm-up, check initialisation and "
                "normalisation.",
-        hint="clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate"),
+        hint="clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate",
+        confirm=Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED, max_held=3)),
     Kind.VANISHING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
                "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                "the loss is not detached or scaled to nothing.",
-        hint="ReLU/GELU, a better initialisation, normalisation or residual connections"),
+        hint="ReLU/GELU, a better initialisation, normalisation or residual connections",
+        confirm=Confirm(patience=3, variants={"exactly_zero": 8})),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="A trainable parameter never got a gradient on any step observed (a confirmation window, "
@@ -311,7 +392,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="One optimizer step changes these weights by more than their own size (a healthy ratio "
                "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
                "it, add a warm-up, clip gradients.",
-        hint="the learning rate is far too high: lower it, add a warm-up"),
+        hint="the learning rate is far too high: lower it, add a warm-up",
+        confirm=Confirm(patience=2, follow_up=1)),
     Kind.INTERMITTENT_GRAD: KindSpec(
         Area.GRADIENTS, Severity.INFO,
         advice="Parameters that had gradients on earlier steps got none on this one: conditional "
@@ -332,7 +414,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="Every param group's learning rate is 0 far from the end of the run, so the weights no longer "
                "change: a scheduler that reaches 0 early (a LambdaLR factor, a step schedule with gamma 0, a "
                "decay written for fewer steps). Print scheduler.get_last_lr() around that step and fix it.",
-        hint="the learning rate is 0 mid-run: check the scheduler"),
+        hint="the learning rate is 0 mid-run: check the scheduler",
+        confirm=Confirm(patience=3, backdate=False)),
 }
 """The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
 views of it."""

@@ -28,6 +28,7 @@ from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.session import Session, Where
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
+from lightning_debug.core.verdicts import VerdictEngine
 
 NumericsSource = Callable[[], StepNumerics]
 
@@ -90,6 +91,7 @@ class Monitor:
         self.schedule = CheckSchedule(self.frequency)
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
+        self.verdicts = VerdictEngine()
         self._silenced_episodes: set[tuple[str, str]] = set()
         self._summarized: dict[str, int] = {}
         self._seen_this_check: set[tuple[str, str]] = set()
@@ -301,11 +303,13 @@ class Monitor:
 
     # --- resume and report ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"tally": self.tally.state_dict(), "episodes": self.episodes.state_dict()}
+        return {"tally": self.tally.state_dict(), "episodes": self.episodes.state_dict(),
+                "verdicts": self.verdicts.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tally.load_state_dict(state_dict.get("tally", {}))
         self.episodes.load_state_dict(state_dict.get("episodes", {}))
+        self.verdicts.load_state_dict(state_dict.get("verdicts", {}))
 
     def report_section(self) -> dict[str, Any]:
         """This area's part of report.json: ``findings`` (the tally), ``stats`` and area data."""

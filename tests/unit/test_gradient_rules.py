@@ -13,6 +13,7 @@ from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.numerics import ParameterIndex
+from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.gradients.exploding import (
     ClipAlgorithm,
     ExplosionWatch,
@@ -43,7 +44,6 @@ from lightning_debug.monitors.gradients.trainability import (
 )
 from lightning_debug.monitors.gradients.update_ratio import (
     UPDATE_RATIO_LIMIT,
-    UpdateRatioHistory,
     confirm_update_ratios,
     judge_update_ratios,
     learning_rates,
@@ -126,24 +126,24 @@ def test_clip_algorithm_is_a_string_only_at_the_boundary() -> None:
 # --- vanishing --------------------------------------------------------------------------------------------------
 def test_a_zero_parameter_inside_a_learning_module_is_structural() -> None:
     grads = [("attn.key.weight", 0.3), ("attn.key.bias", 0.0)]
-    history = VanishingHistory()
-    assert all(judge_vanishing(s, grads, GradientSettings(), {}, "registration order", history) is None
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    assert all(judge_vanishing(s, grads, GradientSettings(), {}, "registration order", history, verdicts) is None
                for s in range(5))
 
 
 def test_vanishing_layers_are_named_input_side_first_with_their_neighbours() -> None:
     grads = [("late.weight", 1e-8), ("early.weight", 0.0), ("head.weight", 0.4)]
     positions = {"early.weight": (1, 1), "late.weight": (2, 0), "head.weight": (3, 2)}
-    history = VanishingHistory()
-    verdicts = [judge_vanishing(s, grads, GradientSettings(), positions, "forward", history) for s in (0, 5, 10)]
-    assert verdicts[:2] == [None, None]
-    verdict = verdicts[2]
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    found = [judge_vanishing(s, grads, GradientSettings(), positions, "forward", history, verdicts) for s in (0, 5, 10)]
+    assert found[:2] == [None, None]
+    verdict = found[2]
     assert verdict is not None and verdict.steps == [0, 5, 10], "confirmed on the third check, counted on all three"
     details = verdict.finding.details
     assert details["layers"] == ["early", "late"] and details["dead_layers"] == ["early"]
     assert details["healthy_from"] == "head.weight" and details["neighbours"]["late"] == [["head", 0.4]]
     assert details["since_step"] == 0 and "since step 0" in verdict.finding.message
-    again = judge_vanishing(15, grads, GradientSettings(), positions, "forward", history)
+    again = judge_vanishing(15, grads, GradientSettings(), positions, "forward", history, verdicts)
     assert again is not None and again.steps == [], "an ongoing condition is recorded at its own step"
 
 
@@ -157,28 +157,28 @@ CONVNEXT_LAYERNORM = [1e-10, 1e-7, 2e-7, 3e-7, 5e-7, 3e-7, 6e-7, 8e-7, 5e-7, 8e-
 
 
 def test_layers_behind_a_tiny_learnt_scale_wake_up_and_are_not_vanishing() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     for step, norm in enumerate(CONVNEXT_LAYERNORM):
         grads = layer_grads(dwconv=norm * 40, layernorm=norm, pwconv1=norm * 30, classifier=0.2)
-        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history, verdicts) is None, step
 
 
 # Recorded from a LoRA adapter on a tiny Llama: lora_A's gradient is exactly zero at step 0 (lora_B = 0).
 def test_the_partner_of_a_zero_initialised_layer_is_not_vanishing() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     for step, norm in enumerate([0.0, 2e-3, 3e-3, 2e-3, 4e-3]):
         grads = layer_grads(lora_A=norm, lora_B=0.05, lm_head=0.8)
-        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history, verdicts) is None
 
 
 # Recorded from a chain of sigmoids with tiny weights (tests/test_gradients.py): flat, noisy, far below the head.
 def test_a_sigmoid_chain_vanishes_once_confirmed() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     chain = [(6e-16, 7e-14), (6e-16, 7e-14), (3e-15, 4e-13), (5e-15, 5e-13)]
-    verdicts = [judge_vanishing(step, layer_grads(stem=a, block=b, head=0.1), GradientSettings(), {}, "forward",
-                                history) for step, (a, b) in enumerate(chain)]
-    assert verdicts[:2] == [None, None] and verdicts[2] is not None and verdicts[3] is not None
-    assert verdicts[2].finding.details["layers"] == ["stem", "block"] and verdicts[2].steps == [0, 1, 2]
+    found = [judge_vanishing(step, layer_grads(stem=a, block=b, head=0.1), GradientSettings(), {}, "forward",
+                                history, verdicts) for step, (a, b) in enumerate(chain)]
+    assert found[:2] == [None, None] and found[2] is not None and found[3] is not None
+    assert found[2].finding.details["layers"] == ["stem", "block"] and found[2].steps == [0, 1, 2]
 
 
 # Recorded from BART (tiny config, AdamW 1e-3), every check every step: the encoder's query and key projections
@@ -187,60 +187,61 @@ BART_Q = [2e-7, 2e-7, 1e-7, 1e-7, 3e-7, 3e-7, 2e-7, 3e-7, 3e-7, 4e-7, 3e-7, 4e-7
 
 
 def test_attention_query_and_key_between_healthy_layers_are_a_local_dip() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     for step, q in enumerate(BART_Q):
         grads = layer_grads(embed_tokens=2e-2, layernorm_embedding=3e-4, q_proj=q, k_proj=q * 0.8, v_proj=4e-5,
                             final_layer_norm=3e-4)
-        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history, verdicts) is None, step
 
 
 def test_a_model_whose_gradients_are_all_small_is_not_vanishing() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     for step in range(5):
         grads = layer_grads(a=3e-7, b=5e-7, c=8e-7)  # a loss scaled down: the same ratios for the optimizer
-        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history, verdicts) is None
 
 
 def test_a_streak_broken_by_one_healthy_check_starts_again() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     norms = [1e-9, 1e-9, 1e-3, 1e-9, 1e-9]
-    verdicts = [judge_vanishing(s, layer_grads(a=n, head=0.1), GradientSettings(), {}, "", history)
-                for s, n in enumerate(norms)]
-    assert verdicts == [None] * 5 and history.streaks == {"a": [3, 4]} and history.began == {"a": 3}
-    restored = VanishingHistory()
-    restored.load_state_dict(history.state_dict())
-    assert restored.state_dict() == history.state_dict()
+    found = [judge_vanishing(s, layer_grads(a=n, head=0.1), GradientSettings(), {}, "", history, verdicts)
+             for s, n in enumerate(norms)]
+    assert found == [None] * 5 and verdicts.held_keys(Kind.VANISHING_GRAD) == ["a"]
+    restored = VerdictEngine()
+    restored.load_state_dict(verdicts.state_dict())
+    assert restored.state_dict() == verdicts.state_dict()
+    assert [entry["steps"] for entry in restored.state_dict()["held"]] == [[3, 4]]
 
 
 # Recorded from PhiMoE (sparsemixer's straight-through router): the router's gradient is exactly zero on some
 # steps (0-2, 7-8) and healthy on the others, between healthy layers.
 def test_a_layer_zero_on_a_few_steps_between_healthy_layers_is_not_dead() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     router = [0.0, 0.0, 0.0, 2e-5, 2e-4, 2e-4, 1e-4, 0.0, 0.0, 4e-4, 5e-5]
     for step, norm in enumerate(router):
         grads = layer_grads(norm_before=2e-3, router=norm, experts=9e-2)
-        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history) is None, step
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "forward", history, verdicts) is None, step
 
 
 def test_a_layer_dead_between_healthy_layers_is_reported_after_the_longer_window() -> None:
-    history = VanishingHistory()
-    verdicts = [judge_vanishing(step, layer_grads(before=2e-3, dead=0.0, after=9e-2), GradientSettings(), {}, "",
-                                history) for step in range(VANISHING_DEAD_CHECKS)]
-    assert verdicts[:-1] == [None] * (VANISHING_DEAD_CHECKS - 1) and verdicts[-1] is not None
-    assert verdicts[-1].finding.details["dead_layers"] == ["dead"]
-    assert verdicts[-1].steps == list(range(VANISHING_DEAD_CHECKS))
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    found = [judge_vanishing(step, layer_grads(before=2e-3, dead=0.0, after=9e-2), GradientSettings(), {}, "",
+                                history, verdicts) for step in range(VANISHING_DEAD_CHECKS)]
+    assert found[:-1] == [None] * (VANISHING_DEAD_CHECKS - 1) and found[-1] is not None
+    assert found[-1].finding.details["dead_layers"] == ["dead"]
+    assert found[-1].steps == list(range(VANISHING_DEAD_CHECKS))
 
 
 
 def test_a_step_whose_loss_is_zero_and_sends_back_nothing_is_not_judged() -> None:
-    history = VanishingHistory()
+    history, verdicts = VanishingHistory(), VerdictEngine()
     zeros = layer_grads(first=0.0, second=0.0, head=0.0)  # a hinge loss at 0: every margin holds
     for step in range(2 * VANISHING_DEAD_CHECKS):
-        assert judge_vanishing(step, zeros, GradientSettings(), {}, "", history, loss=0.0) is None
-    assert history.streaks == {}
-    verdicts = [judge_vanishing(step, zeros, GradientSettings(), {}, "", history, loss=2.5)
+        assert judge_vanishing(step, zeros, GradientSettings(), {}, "", history, verdicts, loss=0.0) is None
+    assert not verdicts.held_keys(Kind.VANISHING_GRAD)
+    found = [judge_vanishing(step, zeros, GradientSettings(), {}, "", history, verdicts, loss=2.5)
                 for step in range(VANISHING_DEAD_CHECKS)]
-    assert verdicts[-1] is not None and "the loss is flat in the model's output" in verdicts[-1].finding.message
+    assert found[-1] is not None and "the loss is flat in the model's output" in found[-1].finding.message
 
 
 def test_a_norm_of_zero_is_no_level_for_a_jump() -> None:
@@ -338,21 +339,21 @@ def high_at(step: int, ratio: float) -> Verdict:
 # carries 90% of the first update over weights that grew by it), the loss from 1.53 to 2.16 on one seed.
 def test_one_high_step_with_a_loss_that_moves_by_batch_noise_is_not_reported() -> None:
     for loss_0, loss_1 in ((1.8483, 1.8228), (2.1066, 1.2445), (1.5303, 2.1571), (1.4456, 1.2263)):
-        history = UpdateRatioHistory()
+        history = VerdictEngine()
         assert confirm_update_ratios(0, None, high_at(0, 8.55), loss_0, history) is None
         assert confirm_update_ratios(1, None, None, loss_1, history) is None
-        assert confirm_update_ratios(2, None, None, 1.35, history) is None and history.held == {}
+        assert confirm_update_ratios(2, None, None, 1.35, history) is None and not history.holding(Kind.UPDATE_RATIO_HIGH)
 
 
 # AdamW at lr 10 (the zoo's lr_10 plant): ratios far above 1 on consecutive steps, the loss 6.9 -> 1000s.
 def test_high_ratios_that_persist_or_blow_the_loss_up_are_reported_at_the_first_high_step() -> None:
-    history = UpdateRatioHistory()
+    history = VerdictEngine()
     assert confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history) is None
     verdict = confirm_update_ratios(1, None, high_at(1, 12.0), 2900.0, history)
     assert verdict is not None and verdict.steps == [0, 1] and verdict.finding.details["confirmed_by"] == "persisted"
     ongoing = confirm_update_ratios(2, None, high_at(2, 5.0), math.inf, history)
     assert ongoing is not None and ongoing.steps == []
-    history = UpdateRatioHistory()
+    history = VerdictEngine()
     confirm_update_ratios(0, None, high_at(0, 40.0), 6.9, history)
     verdict = confirm_update_ratios(1, None, None, math.inf, history)
     assert verdict is not None and verdict.steps == [0] and verdict.finding.details["confirmed_by"] == "loss rose"
@@ -360,7 +361,7 @@ def test_high_ratios_that_persist_or_blow_the_loss_up_are_reported_at_the_first_
 
 
 def test_each_optimizer_has_its_own_held_step() -> None:
-    history = UpdateRatioHistory()
+    history = VerdictEngine()
     assert confirm_update_ratios(0, 0, high_at(0, 3.0), 1.0, history) is None
     assert confirm_update_ratios(1, 1, None, 5.0, history) is None
     assert confirm_update_ratios(2, 0, high_at(2, 3.0), 1.0, history) is not None
@@ -559,29 +560,29 @@ def test_weight_decay_of_zero_frozen_parameters_and_foreign_copies_are_not_judge
 
 # --- learning stalled ---------------------------------------------------------------------------------------------
 def test_a_learning_rate_at_zero_mid_run_is_a_stall_after_three_checks() -> None:
-    from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
+    from lightning_debug.monitors.gradients.stalled import judge_stalled
 
-    history, groups = StallHistory(), [{"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.1}]
-    verdicts = [judge_stalled(step, groups, history, 60, ["LambdaLR"]) for step in (10, 11, 12)]
-    assert verdicts[:2] == [None, None] and verdicts[2] is not None
-    details = verdicts[2].finding.details
+    history, groups = VerdictEngine(), [{"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.1}]
+    found = [judge_stalled(step, groups, history, 60, ["LambdaLR"]) for step in (10, 11, 12)]
+    assert found[:2] == [None, None] and found[2] is not None
+    details = found[2].finding.details
     assert details["since_step"] == 10 and details["initial_lr"] == [0.1] and details["schedulers"] == ["LambdaLR"]
     groups[0]["lr"] = 0.05  # the schedule comes back: the streak ends
-    assert judge_stalled(13, groups, history, 60, []) is None and history.since is None
+    assert judge_stalled(13, groups, history, 60, []) is None and not history.held_keys(Kind.LEARNING_STALLED)
 
 
 def test_what_a_stall_is_not() -> None:
-    from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
+    from lightning_debug.monitors.gradients.stalled import judge_stalled
 
     zero = {"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.1}
     learning = {"params": [torch.zeros(1)], "lr": 0.01, "initial_lr": 0.1}
-    ending = StallHistory(since=54, checks=5)  # a cosine schedule reaching 0 in its last steps
-    assert judge_stalled(57, [zero], ending, 60, []) is None
-    unknown = StallHistory(since=10, checks=5)  # no known end: a stall cannot be told from an ending
-    assert judge_stalled(15, [zero], unknown, None, []) is None
-    frozen_on_purpose = StallHistory()
+    ending = VerdictEngine()  # a cosine schedule reaching 0 in its last steps
+    assert all(judge_stalled(step, [zero], ending, 60, []) is None for step in range(54, 60))
+    unknown = VerdictEngine()  # no known end: a stall cannot be told from an ending
+    assert all(judge_stalled(step, [zero], unknown, None, []) is None for step in range(10, 20))
+    frozen_on_purpose = VerdictEngine()
     assert all(judge_stalled(step, [zero, learning], frozen_on_purpose, 60, []) is None for step in range(10))
-    never = StallHistory()  # a base lr of 0 from the start is frozen_param, said at fit start
+    never = VerdictEngine()  # a base lr of 0 from the start is frozen_param, said at fit start
     base_zero = {"params": [torch.zeros(1)], "lr": 0.0, "initial_lr": 0.0}
     assert all(judge_stalled(step, [base_zero], never, 60, []) is None for step in range(10))
 

@@ -21,7 +21,6 @@ from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.stats import RunningStats, Window
 from lightning_debug.monitors.gradients.flags import FlagCounter
 from lightning_debug.monitors.gradients.missing import MissingHistory
-from lightning_debug.monitors.gradients.update_ratio import UpdateRatioHistory
 from lightning_debug.monitors.gradients.vanishing import VanishingHistory
 
 HEALTHY_NORMS_KEPT = 256
@@ -46,7 +45,6 @@ class GradientHistory:
         self.clip_suggestion: dict[str, Any] | None = None
         self.vanishing = VanishingHistory()
         self.missing = MissingHistory()
-        self.update_ratio_high = UpdateRatioHistory()
 
     def norms_for(self, optimizer: Any) -> NormHistory:
         """The recent global norms of ``optimizer``'s check steps (None with one optimizer), made current."""

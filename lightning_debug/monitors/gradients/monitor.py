@@ -30,7 +30,7 @@ from lightning_debug.monitors.gradients.missing_checks import MissingChecks
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.settings import GradientSettings
-from lightning_debug.monitors.gradients.stalled import StallHistory, judge_stalled
+from lightning_debug.monitors.gradients.stalled import judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.updates import read_updates
@@ -84,7 +84,6 @@ class GradientMonitor(MissingChecks, Monitor):
         self._last_recorded: dict[str, int] = {}
         self._norms_read: set[Any] = set()
         self._watch = CandidateWatch()
-        self._stall = StallHistory()
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
         self._explosions = Explosions()
@@ -222,7 +221,7 @@ class GradientMonitor(MissingChecks, Monitor):
 
     def _judge_stalled(self, step: int) -> None:
         total, schedulers = self._schedule
-        self._record(judge_stalled(step, self._param_groups, self._stall, total, schedulers), step,
+        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers), step,
                      self.context.where())
 
     def after_optimizer_step(self, steps_done: int) -> None:
@@ -295,7 +294,7 @@ class GradientMonitor(MissingChecks, Monitor):
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
-                                     host.loss_value), step, where, "vanishing")
+                                     self.verdicts, host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         self._judge_outside(pending)
         if step != self._static_recorded_step:
@@ -305,7 +304,7 @@ class GradientMonitor(MissingChecks, Monitor):
             update_metrics, verdicts = read_updates(
                 step, optimizer, pending.update.tensor(), host, pending.layout, pending.had_grad, pending.lr_zero_now,
                 settings, self.history, self._param_groups, set().union(*self.static_frozen.values()),
-                self._positions, self.ledger.reevaluates)
+                self._positions, self.verdicts, self.ledger.reevaluates)
             metrics.update(update_metrics)
             for verdict in verdicts:
                 self._record(verdict, step, where)

@@ -12,65 +12,61 @@ run's steps, which it needs to know (``max_steps`` or Lightning's estimate; with
 nothing); a param group frozen on purpose with lr 0 beside groups that learn is not a stall (every
 group must be at 0), and a base learning rate of 0 from the start is ``frozen_param`` (``lr_zero``).
 
+Each check step with every learning rate at 0 is a suspicion the verdict engine holds under the kind's
+policy (:data:`STALL_CHECKS` check steps in a row).
+
 Example::
 
-    >>> history = StallHistory()
+    >>> from lightning_debug.core.verdicts import VerdictEngine
+    >>> verdicts = VerdictEngine()
     >>> groups = [{"params": [object()], "lr": 0.0, "initial_lr": 0.1}]
-    >>> [judge_stalled(step, groups, history, total_steps=60, schedulers=["LambdaLR"]) is not None
+    >>> [judge_stalled(step, groups, verdicts, total_steps=60, schedulers=["LambdaLR"]) is not None
     ...  for step in (10, 11, 12)]
     [False, False, True]
-    >>> judge_stalled(57, groups, StallHistory(checks=5, since=10), total_steps=60, schedulers=[]) is None
-    True
+    >>> [judge_stalled(step, groups, VerdictEngine(), total_steps=60, schedulers=[]) for step in (55, 56, 57)]
+    [None, None, None]
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine, policy_of
 from lightning_debug.monitors.gradients.trainability import number_equals_zero
 from lightning_debug.monitors.gradients.verdict import Verdict
 
-STALL_CHECKS = 3
-"""Check steps in a row with every learning rate at 0 before the rule speaks."""
+STALL_CHECKS = policy_of(Kind.LEARNING_STALLED).needed() or 1
+"""Check steps in a row with every learning rate at 0 before the rule speaks (the kind's policy)."""
 END_SHARE = 0.9
 """Past this share of the run's steps a learning rate of 0 is a schedule ending, not a stall."""
+KEY = "lr_zero"
 
 
-@dataclass
-class StallHistory:
-    """Since which check step every learning rate has been 0, and on how many check steps in a row."""
-
-    since: int | None = None
-    checks: int = 0
-
-
-def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], history: StallHistory,
+def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
                   total_steps: int | None, schedulers: Sequence[str]) -> Verdict | None:
     """The ``learning_stalled`` finding of check step ``step``, or None (see the module's docstring)."""
     groups = [group for group in param_groups if group.get("params")]
-    if not groups or not all(number_equals_zero(group.get("lr")) for group in groups):
-        history.since, history.checks = None, 0
+    stalled = bool(groups) and all(number_equals_zero(group.get("lr")) for group in groups)
+    if stalled and all(number_equals_zero(group.get("initial_lr", group.get("lr"))) for group in groups):
+        return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
+    far_from_end = total_steps is not None and step < END_SHARE * total_steps
+    suspicions = [Suspicion(Kind.LEARNING_STALLED, KEY, step)] if stalled and far_from_end else []
+    confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions)
+    if not confirmed or total_steps is None:
         return None
-    if all(number_equals_zero(group.get("initial_lr", group.get("lr"))) for group in groups):
-        return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start
-    if history.since is None:
-        history.since = step
-    history.checks += 1
-    if history.checks < STALL_CHECKS or total_steps is None or step >= END_SHARE * total_steps:
-        return None
+    since = confirmed[0].first.step
     bases = sorted({float(group["initial_lr"]) for group in groups if isinstance(group.get("initial_lr"), (int, float))})
     started = f" (it started at {', '.join(f'{lr:g}' for lr in bases)})" if bases else ""
     by = f" by {', '.join(schedulers)}" if schedulers else ""
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"Training stopped learning at step {history.since}: the learning rate of every param group "
+        f"Training stopped learning at step {since}: the learning rate of every param group "
         f"({len(groups)}) is 0{started}, set{by}, with {total_steps - step} of {total_steps} steps still to go. "
         "The weights no longer change; a scheduler that reaches 0 early is the usual cause: print "
         "scheduler.get_last_lr() around that step.",
-        {"since_step": history.since, "param_groups": len(groups), "initial_lr": bases,
+        {"since_step": since, "param_groups": len(groups), "initial_lr": bases,
          "schedulers": list(schedulers), "total_steps": total_steps}),
-        [f"param group {index}" for index in range(len(groups))], key="lr_zero")
+        [f"param group {index}" for index in range(len(groups))], key=KEY)

@@ -7,7 +7,7 @@ times their norm and the loss still falls; on the next step the ratio is below 1
 rate far too high keeps the ratios high or blows the loss up. So a high step is held back
 (:func:`confirm_update_ratios`) and reported only when the next check step of the same optimizer is
 high too, or its loss rose by more than :data:`UPDATE_RATIO_LOSS_RISE` of this step's (or is not
-finite); it is then labelled with the first high step.
+finite); it is then labelled with the first high step (the kind's policy, applied by the verdict engine).
 
 Example::
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import ConfirmedBy, Suspicion, VerdictEngine
 from lightning_debug.monitors.gradients.layout import ModuleLayout
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
@@ -95,23 +95,6 @@ def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, w
         [module or "(root)" for module, _ in high])
 
 
-@dataclass
-class HeldRatios:
-    """A check step with high ratios, waiting for the next check step of its optimizer to confirm it."""
-
-    step: int
-    verdict: Verdict
-    loss: float
-    recorded: bool = False
-
-
-@dataclass
-class UpdateRatioHistory:
-    """The last high check step of each optimizer (one at most: bounded)."""
-
-    held: dict[Any, HeldRatios] = field(default_factory=dict)
-
-
 def loss_rose(before: float, after: float) -> bool:
     """Whether the loss went from ``before`` to ``after`` up by more than batch-to-batch noise, or to a
     non-finite value (``after`` is NaN when no loss was observed: then it says nothing).
@@ -126,44 +109,60 @@ def loss_rose(before: float, after: float) -> bool:
     return after == math.inf or after - before > UPDATE_RATIO_LOSS_RISE * abs(before)
 
 
+def rise_bound(loss: float) -> float:
+    """The loss above which the next check step confirms a high step whose own loss was ``loss``
+    (:func:`loss_rose`); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
+
+    Example::
+
+        >>> rise_bound(1.5), rise_bound(-2.0), rise_bound(math.inf)
+        (3.0, 0.0, inf)
+    """
+    return loss + UPDATE_RATIO_LOSS_RISE * abs(loss) if math.isfinite(loss) else math.inf
+
+
 def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
-                          history: UpdateRatioHistory) -> Verdict | None:
+                          verdicts: VerdictEngine) -> Verdict | None:
     """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any.
 
     ``high`` is this step's :func:`judge_update_ratios`, ``loss`` its loss (``inf`` when not finite, NaN
-    when not observed). A high step alone is held; it is reported when the next check step is high too
-    (recorded at both steps, then on every step the condition lasts) or the loss rose after it.
+    when not observed). A high step is a suspicion the verdict engine holds under the kind's policy: it is
+    reported when the next check step is high too (recorded at both steps, then on every step the condition
+    lasts) or the loss rose after it (:func:`loss_rose`).
 
     Example::
 
         >>> from lightning_debug.core.kinds import Kind, Severity
-        >>> history = UpdateRatioHistory()
+        >>> verdicts = VerdictEngine()
         >>> high = lambda: Verdict(Finding(Kind.UPDATE_RATIO_HIGH, Severity.WARNING, "high.", {}))
-        >>> confirm_update_ratios(0, None, high(), 1.4, history) is None
+        >>> confirm_update_ratios(0, None, high(), 1.4, verdicts) is None
         True
-        >>> confirm_update_ratios(1, None, None, 1.3, history) is None  # one step, the loss fell: healthy
+        >>> confirm_update_ratios(1, None, None, 1.3, verdicts) is None  # one step, the loss fell: healthy
         True
-        >>> confirm_update_ratios(2, None, high(), 6.9, history) is None
+        >>> confirm_update_ratios(2, None, high(), 6.9, verdicts) is None
         True
-        >>> confirm_update_ratios(3, None, high(), 900.0, history).steps
+        >>> confirm_update_ratios(3, None, high(), 900.0, verdicts).steps
         [2, 3]
     """
-    previous = history.held.pop(optimizer, None)
     if high is not None:
-        if previous is None:
-            history.held[optimizer] = HeldRatios(step, high, loss)
-            return None
-        history.held[optimizer] = HeldRatios(step, high, loss, recorded=True)
-        if not previous.recorded:
-            high.steps = [previous.step, step]
-            high.finding.message += f" The ratios were above {UPDATE_RATIO_LIMIT:g} at step {previous.step} too."
-        high.finding.details["confirmed_by"] = "persisted"
-        return high
-    if previous is None or previous.recorded or not loss_rose(previous.loss, loss):
+        high.finding.details["loss"] = loss
+    suspicions = [] if high is None else [Suspicion(Kind.UPDATE_RATIO_HIGH, "update", step, high.finding,
+                                                    high.flagged, bound=rise_bound(loss))]
+    confirmed = verdicts.observe(Kind.UPDATE_RATIO_HIGH, step, suspicions, scope=str(optimizer),
+                                 reading=None if math.isnan(loss) else loss)
+    if not confirmed:
         return None
-    verdict = previous.verdict
-    verdict.steps = [previous.step]
-    verdict.finding.message += (f" The loss rose from {previous.loss:.4g} at that step to {loss:.4g} at the next "
-                                f"check step ({step}).")
-    verdict.finding.details.update(confirmed_by="loss rose", loss=previous.loss, next_loss=loss)
-    return verdict
+    verdict = confirmed[0]
+    finding = verdict.latest.finding
+    assert finding is not None
+    if verdict.by is ConfirmedBy.FOLLOW_UP:
+        finding = verdict.first.finding
+        assert finding is not None
+        finding.message += (f" The loss rose from {finding.details['loss']:.4g} at that step to {loss:.4g} at the "
+                            f"next check step ({step}).")
+        finding.details.update(confirmed_by="loss rose", next_loss=loss)
+        return Verdict(finding, verdict.first.flagged, steps=verdict.steps)
+    if verdict.by is ConfirmedBy.PERSISTED and len(verdict.steps) > 1:
+        finding.message += f" The ratios were above {UPDATE_RATIO_LIMIT:g} at step {verdict.steps[0]} too."
+    finding.details["confirmed_by"] = "persisted"
+    return Verdict(finding, verdict.latest.flagged, steps=verdict.steps if len(verdict.steps) > 1 else [])

@@ -14,6 +14,7 @@ import torch
 
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics
+from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.gradients.history import GradientHistory
 from lightning_debug.monitors.gradients.layout import ModuleLayout, Positions
 from lightning_debug.monitors.gradients.settings import GradientSettings
@@ -31,7 +32,8 @@ def step_loss(host: HostNumerics) -> float:
 def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNumerics, layout: ModuleLayout | None,
                  had_grad: Sequence[bool], lr_zero_now: Sequence[bool], settings: GradientSettings,
                  history: GradientHistory, param_groups: Sequence[dict[str, Any]], already_frozen: Collection[str],
-                 positions: Positions, line_search: bool = False) -> tuple[dict[str, float], list[Verdict]]:
+                 positions: Positions, verdicts: VerdictEngine,
+                 line_search: bool = False) -> tuple[dict[str, float], list[Verdict]]:
     """Scalars and verdicts of check step ``step`` from ``deltas`` (``||Δw||`` per parameter slot)."""
     deltas = deltas.double()
     weights, names = host.param_norms_by_slot(), host.param_names
@@ -48,7 +50,7 @@ def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNume
         metrics["debug/weight/update_ratio_global"] = overall
     high = (judge_update_ratios(step, layout, deltas, weights, learning_rates(param_groups))
             if layout is not None and layout.slot_module.numel() == len(names) else None)
-    verdicts = [confirm_update_ratios(step, optimizer, high, step_loss(host), history.update_ratio_high),
+    verdicts = [confirm_update_ratios(step, optimizer, high, step_loss(host), verdicts),
                 judge_not_updated(step, names, deltas, host.grad_norms_by_slot(), had_grad, lr_zero_now,
                                   already_frozen, positions, line_search, weights)]
     return metrics, [verdict for verdict in verdicts if verdict is not None]

@@ -19,7 +19,8 @@ layers *vanishes* when
   part of the model (a mask, dead ReLUs) wherever it is. A shorter streak of zeros between healthy
   layers is how a stochastic router's straight-through estimator looks (zero on some steps).
 
-A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row.
+A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row (the
+kind's confirmation policy in the table of kinds, applied by the verdict engine).
 
 A margin loss (hinge, triplet, a contrastive loss with a margin) is exactly 0 on a batch whose margins all
 hold, and sends back no gradient at all: every layer is exactly zero on that step, and on every step once
@@ -29,16 +30,19 @@ flat in the model's output (a round, argmax, comparison or saturated clamp betwe
 
 Example::
 
-    >>> history = VanishingHistory()
+    >>> history, verdicts = VanishingHistory(), VerdictEngine()
     >>> grads = [("a.weight", 1e-9), ("b.weight", 0.5)]
-    >>> [judge_vanishing(s, grads, GradientSettings(), {}, "registration", history) is None for s in (0, 1, 2)]
+    >>> [judge_vanishing(s, grads, GradientSettings(), {}, "registration", history, verdicts) is None
+    ...  for s in (0, 1, 2)]
     [True, True, False]
-    >>> history = VanishingHistory()
+    >>> history, verdicts = VanishingHistory(), VerdictEngine()
     >>> waking = [[("a.weight", 0.0), ("b.weight", 0.5)], [("a.weight", 1e-7), ("b.weight", 0.5)]]
-    >>> judge_vanishing(0, waking[0], GradientSettings(), {}, "", history), history.streaks
-    (None, {'a': [0]})
-    >>> judge_vanishing(1, waking[1], GradientSettings(), {}, "", history), history.streaks
-    (None, {})
+    >>> judge_vanishing(0, waking[0], GradientSettings(), {}, "", history, verdicts) is None
+    True
+    >>> verdicts.held_keys(Kind.VANISHING_GRAD)
+    ['a']
+    >>> judge_vanishing(1, waking[1], GradientSettings(), {}, "", history, verdicts), verdicts.held_keys(Kind.VANISHING_GRAD)
+    (None, [])
 """
 
 from __future__ import annotations
@@ -49,35 +53,31 @@ from typing import Any
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import ConfirmedBy, Suspicion, VerdictEngine, policy_of
 from lightning_debug.monitors.gradients.layout import Positions, input_to_output, module_of
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
-VANISHING_CONFIRM_CHECKS = 3
-VANISHING_DEAD_CHECKS = 8
 VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
+EXACTLY_ZERO = "exactly_zero"
+"""The variant of a vanishing suspicion whose layers are all exactly zero (its policy waits longer)."""
+VANISHING_CONFIRM_CHECKS = policy_of(Kind.VANISHING_GRAD).needed() or 1
+VANISHING_DEAD_CHECKS = policy_of(Kind.VANISHING_GRAD).needed(EXACTLY_ZERO) or 1
 
 
 class VanishingHistory:
-    """Each layer's first gradient norm and, for layers low now, the check steps of their current streak
-    (bounded: one float per layer, at most :data:`VANISHING_CONFIRM_CHECKS` steps per low layer)."""
+    """Each layer's first gradient norm (one float per layer: the baseline a low layer must not have grown
+    from). How long a low layer has been low is the verdict engine's, under the kind's policy."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
-        self.streaks: dict[str, list[int]] = {}
-        self.lengths: dict[str, int] = {}
-        self.began: dict[str, int] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": dict(self.first), "streaks": {k: list(v) for k, v in self.streaks.items()},
-                "lengths": dict(self.lengths), "began": dict(self.began)}
+        return {"first": dict(self.first)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first = {k: float(v) for k, v in state.get("first", {}).items()}
-        self.streaks = {k: [int(s) for s in v] for k, v in state.get("streaks", {}).items()}
-        self.lengths = {k: int(v) for k, v in state.get("lengths", {}).items()}
-        self.began = {k: int(v) for k, v in state.get("began", {}).items()}
 
 
 def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
@@ -92,21 +92,21 @@ def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], d
 
 
 def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
-                     positions: Positions, first: dict[str, float]) -> dict[str, int]:
+                     positions: Positions, first: dict[str, float]) -> dict[str, str]:
     """The layers of this check step in vanishing runs (see the module's docstring), input side first,
-    with the number of check steps in a row that confirm each.
+    with the variant of their suspicion (:data:`EXACTLY_ZERO` for a dead run away from the input side).
 
     Example::
 
         >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5, "gate": 0.0, "out": 0.1}
         >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})
-        {'stem': 3, 'block': 3, 'gate': 8}
+        {'stem': '', 'block': '', 'gate': 'exactly_zero'}
     """
     fallback = (len(positions) + 1, 0)
     order = sorted(module_norms, key=lambda m: min(positions.get(name, fallback) for name in members[m]))
     is_low = [math.isfinite(module_norms[m]) and module_norms[m] < low
               and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m]) for m in order]
-    found: dict[str, int] = {}
+    found: dict[str, str] = {}
     start = 0
     while start < len(order):
         if not is_low[start]:
@@ -119,24 +119,25 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
         after = module_norms[order[end]] if end < len(order) else math.nan
         smallest = min(module_norms[m] for m in run)
         if start == 0 and smallest * VANISHING_DROP <= after:
-            found.update(dict.fromkeys(run, VANISHING_CONFIRM_CHECKS))
+            found.update(dict.fromkeys(run, ""))
         elif all(module_norms[m] == 0 for m in run):
-            found.update(dict.fromkeys(run, VANISHING_DEAD_CHECKS))
+            found.update(dict.fromkeys(run, EXACTLY_ZERO))
         start = end
     return found
 
 
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
-                    positions: Positions, order_source: str, history: VanishingHistory,
+                    positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
                     loss: float = math.nan) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
 
     ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
-    threshold: no layer is low and every streak ends); ``loss`` is the step's loss (NaN when unknown).
-    Each layer's first norm is kept from the
-    first check step that read them. A parameter whose gradient is exactly zero while the rest of its
-    module learns is structural (the key bias of attention: softmax ignores a shift shared by every key):
-    judging the module's norm rules it out; a whole module at zero is a dead layer.
+    threshold: no layer is low and every hold ends); ``loss`` is the step's loss (NaN when unknown).
+    Each layer's first norm is kept from the first check step that read them. A parameter whose gradient is
+    exactly zero while the rest of its module learns is structural (the key bias of attention: softmax
+    ignores a shift shared by every key): judging the module's norm rules it out; a whole module at zero is
+    a dead layer. Each low layer is a suspicion keyed by the layer; ``verdicts`` holds it under the kind's
+    policy (3 check steps in a row, 8 for :data:`EXACTLY_ZERO`).
     """
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
         return None
@@ -146,25 +147,20 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
         if math.isfinite(norm):
             history.first.setdefault(module, norm)
     dying = vanishing_layers(module_norms, members, low, positions, history.first)
-    for module in [m for m in history.streaks if m not in dying]:
-        del history.streaks[module], history.lengths[module], history.began[module]
-    confirmed, earlier = [], set()
-    for module, needed in dying.items():
-        steps = history.streaks.setdefault(module, [])
-        history.began.setdefault(module, step)
-        length = history.lengths[module] = history.lengths.get(module, 0) + 1
-        if length == needed:
-            earlier.update(steps)
-        history.streaks[module] = (steps + [step])[-VANISHING_DEAD_CHECKS:]
-        if length >= needed:
-            confirmed.append(module)
+    confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, [Suspicion(Kind.VANISHING_GRAD, module, step,
+                                                                       variant=variant)
+                                                             for module, variant in dying.items()])
     if not confirmed:
         return None
-    below = [n for m in confirmed for n in members[m]]
-    since = min(history.began[m] for m in confirmed)
+    layers = {c.key for c in confirmed}
+    below = [n for m in dying if m in layers for n in members[m]]
+    since = min(c.first.step for c in confirmed)
     finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since, loss)
-    finding.details.update(since_step=since, confirm_checks=max(dying[m] for m in confirmed))
-    return Verdict(finding, below, steps=sorted(earlier) + [step] if earlier else [])
+    policy = policy_of(Kind.VANISHING_GRAD)
+    finding.details.update(since_step=since,
+                           confirm_checks=max(policy.needed(c.latest.variant) or 1 for c in confirmed))
+    backdated = sorted({at for c in confirmed if c.by is not ConfirmedBy.AGAIN for at in c.steps})
+    return Verdict(finding, below, steps=backdated if backdated and backdated != [step] else [])
 
 
 def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],

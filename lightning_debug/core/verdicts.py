@@ -1,0 +1,313 @@
+"""One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end.
+
+A healthy model can look wrong for a step: a gradient norm spikes and falls back, a layer's gradient is
+zero until its partner grows, a warm-up starts at a learning rate of 0. A rule therefore says only what
+one observation suggests (a :class:`Suspicion`), and how long that is held before it is reported is the
+kind's :class:`~lightning_debug.core.kinds.Confirm` policy in the table of kinds. This engine applies every
+policy the same way: it holds suspicions per kind, scope (an optimizer) and key (a layer, a parameter, a
+jump), confirms them by persisting or by the readings after them, labels a confirmed verdict at its first
+step and the steps it covered, decides what is still held at the end of the run, and travels in the
+monitor's checkpoint, so a resume in the middle of a suspicion reports it as an uninterrupted run would.
+
+Invariants no policy can override live here too: a suspicion whose value is not finite is confirmed at
+once (a finite gradient norm that became Inf or NaN is never held back for a follow-up).
+
+Example::
+
+    >>> from lightning_debug.core.kinds import Kind
+    >>> engine = VerdictEngine()
+    >>> [engine.observe(Kind.VANISHING_GRAD, step, [Suspicion(Kind.VANISHING_GRAD, "fc1", step)])
+    ...  for step in (0, 1)]
+    [[], []]
+    >>> confirmed = engine.observe(Kind.VANISHING_GRAD, 2, [Suspicion(Kind.VANISHING_GRAD, "fc1", 2)])
+    >>> [(c.key, c.steps, c.by.value) for c in confirmed]
+    [('fc1', [0, 1, 2], 'persisted')]
+    >>> engine.observe(Kind.VANISHING_GRAD, 3, []), engine.held_keys(Kind.VANISHING_GRAD)
+    ([], [])
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import KIND_SPECS, AtEnd, Confirm, Kind, Severity
+
+
+class ConfirmedBy(str, enum.Enum):
+    """Why a suspicion became a finding."""
+
+    AT_ONCE = "at_once"
+    PERSISTED = "persisted"
+    FOLLOW_UP = "follow_up"
+    NOT_FINITE = "not_finite"
+    AT_END = "at_end"
+    UNCONFIRMED = "unconfirmed"
+    """It ended unconfirmed and is reported as the policy's ``else_kind``."""
+    AGAIN = "again"
+    """A key confirmed earlier is still suspect on a later observation."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Suspicion:
+    """What a rule saw on one observation: ``kind`` may be wrong for ``key`` at ``step``.
+
+    ``finding`` is the rule's description when it can write it now (it travels with the suspicion and in the
+    checkpoint); ``value`` the measurement that made it suspect (a non-finite one confirms it at once);
+    ``bound`` what the readings after it must stay above to confirm it (policies with ``follow_up``);
+    ``variant`` picks a patience of the policy's ``variants``; ``scope`` keeps suspicions of different
+    optimizers apart.
+    """
+
+    kind: Kind
+    key: str
+    step: int
+    finding: Finding | None = None
+    flagged: list[str] = field(default_factory=list)
+    where: dict[str, Any] | None = None
+    value: float | None = None
+    bound: float | None = None
+    variant: str = ""
+    scope: str = ""
+
+    def state_dict(self) -> dict[str, Any]:
+        finding = self.finding
+        return {"kind": self.kind.value, "key": self.key, "step": self.step, "flagged": list(self.flagged),
+                "where": self.where, "value": self.value, "bound": self.bound, "variant": self.variant,
+                "scope": self.scope,
+                "finding": None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
+                                                         "message": finding.message, "details": finding.details}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Suspicion":
+        entry = state.get("finding")
+        finding = None if entry is None else Finding(Kind(entry["kind"]), Severity(entry["severity"]),
+                                                     entry["message"], dict(entry["details"]))
+        return cls(Kind(state["kind"]), str(state["key"]), int(state["step"]), finding, list(state["flagged"]),
+                   state.get("where"), state.get("value"), state.get("bound"), str(state.get("variant", "")),
+                   str(state.get("scope", "")))
+
+
+@dataclass
+class Confirmed:
+    """A suspicion that became a finding: record it at each of ``steps`` (oldest first), as ``kind``.
+
+    ``first`` is the suspicion that opened the hold (the step the condition began), ``latest`` the one
+    that confirmed it; ``readings`` how many readings after it confirmed it.
+    """
+
+    kind: Kind
+    first: Suspicion
+    latest: Suspicion
+    steps: list[int]
+    by: ConfirmedBy
+    readings: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.latest.key
+
+
+@dataclass
+class _Held:
+    first: Suspicion
+    latest: Suspicion
+    steps: list[int]
+    streak: int = 1
+    above: int = 0
+    below: int = 0
+    confirmed: bool = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": self.first.state_dict(), "latest": self.latest.state_dict(), "steps": list(self.steps),
+                "streak": self.streak, "above": self.above, "below": self.below, "confirmed": self.confirmed}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "_Held":
+        return cls(Suspicion.from_state(state["first"]), Suspicion.from_state(state["latest"]),
+                   [int(step) for step in state["steps"]], int(state["streak"]), int(state["above"]),
+                   int(state["below"]), bool(state["confirmed"]))
+
+
+def policy_of(kind: Kind) -> Confirm:
+    """The confirmation policy of ``kind`` (its row of the table of kinds)."""
+    return KIND_SPECS[kind].confirm
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
+
+
+class VerdictEngine:
+    """Every held suspicion of a monitor, under the policies of the table of kinds (see the module's docstring).
+
+    :meth:`observe` takes one observation of a kind (per scope): the suspicions it raised, which keys it
+    judged (a judged key not suspected again ends its hold: it is dismissed, becomes the policy's
+    ``else_kind``, or is confirmed by ``reading`` when the policy follows up), and ``reading``, the value
+    the follow-up policies compare with each held suspicion's ``bound``. :meth:`flush` ends the run.
+    Bounded: at most ``max_held`` suspicions per kind and scope, and a held key keeps at most its
+    patience's steps.
+
+    Example::
+
+        >>> from lightning_debug.core.kinds import Kind
+        >>> engine = VerdictEngine()
+        >>> jump = Suspicion(Kind.EXPLODING_GRAD, "4", 4, value=50.0, bound=10.0)
+        >>> engine.observe(Kind.EXPLODING_GRAD, 4, [jump]), engine.observe(Kind.EXPLODING_GRAD, 5, reading=40.0)
+        ([], [])
+        >>> [(c.steps, c.by.value) for c in engine.observe(Kind.EXPLODING_GRAD, 6, reading=60.0)]
+        [([4], 'follow_up')]
+        >>> nan = Suspicion(Kind.EXPLODING_GRAD, "9", 9, value=math.inf, bound=10.0)
+        >>> [(c.steps, c.by.value) for c in engine.observe(Kind.EXPLODING_GRAD, 9, [nan])]
+        [([9], 'not_finite')]
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, str, str], _Held] = {}
+        self._last_recorded: dict[str, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def held_keys(self, kind: Kind, scope: str = "") -> list[str]:
+        """The keys of ``kind`` held in ``scope``, oldest first."""
+        return [key for (k, s, key), _ in self._ordered() if k == kind.value and s == scope]
+
+    def holding(self, kind: Kind, scope: str | None = None) -> bool:
+        """Whether a suspicion of ``kind`` (in ``scope``, or any) waits for readings or more observations."""
+        return any(k == kind.value and (scope is None or s == scope) and not held.confirmed
+                   for (k, s, _), held in self._held.items())
+
+    def observe(self, kind: Kind, step: int, suspicions: Iterable[Suspicion] = (), *, scope: str = "",
+                judged: Collection[str] | None = None, reading: float | None = None) -> list[Confirmed]:
+        """One observation of ``kind`` in ``scope`` at ``step``; returns what it confirms, in step order.
+
+        ``judged``: the keys this observation looked at (None: every key of the kind and scope); a held key
+        judged and not suspected again ends. ``reading``: the value the suspicions held before ``step``
+        compare with their bound (policies with ``follow_up``); None when there is none.
+        """
+        policy = policy_of(kind)
+        suspicions = list(suspicions)
+        suspected = {s.key for s in suspicions}
+        confirmed: list[Confirmed] = []
+        for held_key, held in self._ordered():
+            if held_key[0] != kind.value or held_key[1] != scope or held.first.step >= step:
+                continue
+            key = held_key[2]
+            if key in suspected or (judged is not None and key not in judged):
+                continue
+            confirmed += self._follow(held_key, held, policy, reading)
+        for suspicion in suspicions:
+            confirmed += self._suspect(suspicion, policy, scope)
+        return self._label(confirmed)
+
+    def flush(self, kinds: Collection[Kind] | None = None) -> list[Confirmed]:
+        """The end of the run: decide every suspicion still held (of ``kinds``, or all) by its policy."""
+        decided: list[Confirmed] = []
+        for held_key, held in self._ordered():
+            if kinds is not None and Kind(held_key[0]) not in kinds:
+                continue
+            del self._held[held_key]
+            if not held.confirmed:
+                decided += self._at_end(held, policy_of(Kind(held_key[0])))
+        return self._label(decided)
+
+    # --- the lifecycle --------------------------------------------------------------------------
+    def _ordered(self) -> list[tuple[tuple[str, str, str], _Held]]:
+        return sorted(self._held.items(), key=lambda item: (item[1].first.step, item[0]))
+
+    def _suspect(self, suspicion: Suspicion, policy: Confirm, scope: str) -> list[Confirmed]:
+        suspicion.scope = scope
+        held_key = (suspicion.kind.value, scope, suspicion.key)
+        held = self._held.get(held_key)
+        decided: list[Confirmed] = []
+        if held is None:
+            decided += self._make_room(suspicion.kind, scope, policy)
+            held = self._held[held_key] = _Held(suspicion, suspicion, [suspicion.step])
+        else:
+            held.latest = suspicion
+            held.streak += 1
+            held.steps = (held.steps + [suspicion.step])[-max(policy.needed(suspicion.variant) or 1, 1):]
+        if held.confirmed:
+            return decided + [Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step], ConfirmedBy.AGAIN)]
+        needed = policy.needed(suspicion.variant)
+        if not _finite(suspicion.value):
+            by = ConfirmedBy.NOT_FINITE
+        elif needed is not None and needed > 1 and held.streak >= needed:
+            by = ConfirmedBy.PERSISTED
+        elif not policy.holds:
+            by = ConfirmedBy.AT_ONCE
+        else:
+            return decided
+        if needed is None:
+            del self._held[held_key]  # confirmed by its own readings or at once: nothing persists
+        else:
+            held.confirmed = True
+        steps = held.steps if by is ConfirmedBy.PERSISTED and policy.backdate else [suspicion.step]
+        return decided + [Confirmed(suspicion.kind, held.first, suspicion, list(steps), by)]
+
+    def _follow(self, held_key: tuple[str, str, str], held: _Held, policy: Confirm,
+                reading: float | None) -> list[Confirmed]:
+        """A held key judged without being suspected again: its readings confirm it, or its hold ends."""
+        kind = Kind(held_key[0])
+        if policy.follow_up and reading is not None and not held.confirmed:
+            bound = held.latest.bound
+            if not _finite(reading) or (bound is not None and reading > bound):
+                held.above += 1
+                if held.above < policy.follow_up:
+                    return []
+                del self._held[held_key]
+                return [Confirmed(kind, held.first, held.latest, [held.first.step], ConfirmedBy.FOLLOW_UP, held.above)]
+            held.below += 1
+        del self._held[held_key]
+        if held.confirmed or policy.else_kind is None:
+            return []
+        return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]
+
+    def _at_end(self, held: _Held, policy: Confirm) -> list[Confirmed]:
+        kind, end = held.first.kind, policy.at_end
+        if end is AtEnd.REPORT or (end is AtEnd.IF_FOLLOWED and held.above and not held.below):
+            steps = [held.first.step] if policy.follow_up else list(held.steps)
+            return [Confirmed(kind, held.first, held.latest, steps, ConfirmedBy.AT_END, held.above)]
+        if end is AtEnd.ELSE_KIND and policy.else_kind is not None:
+            return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]
+        return []
+
+    def _make_room(self, kind: Kind, scope: str, policy: Confirm) -> list[Confirmed]:
+        mine = [(held_key, held) for held_key, held in self._ordered()
+                if held_key[0] == kind.value and held_key[1] == scope]
+        decided: list[Confirmed] = []
+        while len(mine) >= policy.max_held:
+            held_key, held = mine.pop(0)
+            del self._held[held_key]
+            if not held.confirmed:
+                decided += self._at_end(held, policy)
+        return decided
+
+    def _label(self, confirmed: list[Confirmed]) -> list[Confirmed]:
+        """Backdated steps already recorded for the kind (by another key's confirmation) are not counted again."""
+        for item in sorted(confirmed, key=lambda c: c.steps[0]):
+            last = self._last_recorded.get(item.kind.value, -1)
+            if item.by is ConfirmedBy.PERSISTED:
+                item.steps = [step for step in item.steps if step > last] or item.steps[-1:]
+            self._last_recorded[item.kind.value] = max([last, *item.steps])
+        return sorted(confirmed, key=lambda c: c.steps[0])
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"held": [held.state_dict() for _, held in self._ordered()],
+                "last_recorded": dict(self._last_recorded)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._held = {}
+        for entry in state.get("held", []):
+            held = _Held.from_state(entry)
+            self._held[(held.first.kind.value, held.first.scope, held.first.key)] = held
+        self._last_recorded = {kind: int(step) for kind, step in state.get("last_recorded", {}).items()}
