@@ -162,25 +162,29 @@ class Confirm:
         return bool(self.follow_up) or any(needed > 1 for needed in (self.patience or 1, *self.variants.values()))
 
     def describe(self) -> str:
-        """The policy in words, for the docs' table of kinds.
+        """The policy in words, for the docs' table of policies.
 
         Example::
 
             >>> Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED).describe()
-            'confirmed by the 2 readings after it; at the end of the run: if_followed'
+            'the 2 readings after it above its bound (or not finite); at the end: reported if every reading after it confirmed it'
         """
         parts = []
         if self.patience is not None and self.patience > 1:
             parts.append(f"{self.patience} observations in a row")
-        parts += [f"{needed} in a row when {variant}" for variant, needed in self.variants.items()]
+        parts += [f"{needed} in a row when {variant.replace('_', ' ')}" for variant, needed in self.variants.items()]
         if self.follow_up:
-            parts.append(f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading")
+            readings = f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading"
+            parts.append(f"{readings} above its bound (or not finite)")
         if not parts:
             return "at once"
-        text = "confirmed by " + " or ".join(parts)
-        if self.else_kind is not None:
-            text += f", else {self.else_kind.value}"
-        return text + f"; at the end of the run: {self.at_end.value}"
+        unconfirmed = f"; unconfirmed: `{self.else_kind.value}`" if self.else_kind is not None else ""
+        return " or ".join(parts) + unconfirmed + f"; at the end: {_AT_END_WORDS[self.at_end]}"
+
+
+_AT_END_WORDS = {AtEnd.DISMISS: "dismissed", AtEnd.REPORT: "reported",
+                 AtEnd.IF_FOLLOWED: "reported if every reading after it confirmed it",
+                 AtEnd.ELSE_KIND: "reported as the unconfirmed kind"}
 
 _NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an epsilon or clamp), sqrt of a negative, "
                           "a learning rate too high, NaN in the input batch")
@@ -481,3 +485,16 @@ def advice_for_cause(where: str, operation: str | None) -> str:
         return ("An overflow: values grew too large (max |x| above); lower the learning rate, clip gradients, "
                 "normalize inputs or use a numerically stable form (log_softmax, logsumexp). ")
     return ""
+
+
+def policy_rows() -> list[str]:
+    """The docs' table of confirmation policies, one markdown row per kind whose suspicions are held
+    (docs/architecture.md shows it; a test keeps the two the same).
+
+    Example::
+
+        >>> policy_rows()[0].startswith("| `")
+        True
+    """
+    return [f"| `{kind.value}` | {spec.confirm.describe()} |" for kind, spec in KIND_SPECS.items() if spec.confirm.holds]
+

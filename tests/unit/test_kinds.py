@@ -49,3 +49,11 @@ def test_lookups_by_string() -> None:
     assert causal_rank("exploding_grad") == causal_rank("not_a_kind") == len(CAUSAL_ORDER)
     assert advice_for("oom") == KIND_SPECS[Kind.OOM].advice and advice_for("not_a_kind") is None
     assert hint_for("requires_grad_false") is None
+
+
+def test_the_docs_show_every_confirmation_policy_as_the_table_declares_it() -> None:
+    from lightning_debug.core.kinds import policy_rows
+
+    page = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    documented = [line for line in page.splitlines() if re.match(r"^\| `[a-z_]+` \| ", line)]
+    assert policy_rows() and documented == policy_rows()
