@@ -67,6 +67,10 @@ class AccelerateContext(RunContext):
         ``debugger.backward``, where the checks saw the gradients, so the checks see them before clipping)."""
         return self.debugger.clipping
 
+    def schedule(self) -> tuple[int | None, list[str]]:
+        """``total_steps`` and ``lr_scheduler`` as given to :class:`AccelerateDebugger` (a loop says neither)."""
+        return self.debugger.total_steps, list(self.debugger.scheduler_names)
+
     def device(self) -> torch.device:
         return self.accelerator.device
 
@@ -178,6 +182,10 @@ class AccelerateDebugger:
             ``optimizer`` may be a list of optimizers.
         config: The checks' settings; None means the defaults.
         train_dataloader: Quoted in ``dataloader_bottleneck`` advice (default: the first prepared one).
+        total_steps: How many optimizer steps the loop will take. A loop does not say, and without it a
+            learning rate that reaches 0 early cannot be told from a schedule that ends there, so
+            ``learning_stalled`` is not judged (report.md says so under "Gradient health").
+        lr_scheduler: The loop's learning-rate scheduler(s), named in ``learning_stalled``.
         batch_size_fn, tokens_fn: ``batch -> samples / tokens``; the batch is what the model is called with.
         **overrides: :class:`~lightning_debug.DebugConfig` fields to change.
 
@@ -200,8 +208,15 @@ class AccelerateDebugger:
     def __init__(self, accelerator: "Accelerator", model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
                  config: DebugConfig | None = None, *, train_dataloader: Any = None,
+                 total_steps: int | None = None, lr_scheduler: Any = None,
                  batch_size_fn: SizeFn | None = None, tokens_fn: SizeFn | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
+        if total_steps is not None and (not isinstance(total_steps, int) or isinstance(total_steps, bool)
+                                        or total_steps < 1):
+            raise ValueError(f"AccelerateDebugger total_steps must be a positive int or None, got {total_steps!r}")
+        self.total_steps = total_steps
+        schedulers = lr_scheduler if isinstance(lr_scheduler, (list, tuple)) else [lr_scheduler] if lr_scheduler else []
+        self.scheduler_names = [type(getattr(each, "scheduler", each)).__name__ for each in schedulers]
         self.optimizers: list[torch.optim.Optimizer] = (list(optimizer) if isinstance(optimizer, (list, tuple))
                                                           else [optimizer])  # type: ignore[list-item]
         if not self.optimizers:

@@ -53,6 +53,8 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
         lines.append(f"Suggested clipping: `Trainer(gradient_clip_val={clip['value']:g})` ({clip['basis']}).")
     elif clip:
         lines.append(f"No clip value suggested: {clip['basis']}.")
+    for kind, why in (section.get("unavailable") or {}).items():
+        lines.append(f"Not judged: `{kind}`: {why}.")
     frozen = section.get("trainability", {}).get("requires_grad_false_parameters", 0)
     if frozen:
         lines.append(f"{frozen} parameter(s) have requires_grad=False (not trained by design).")

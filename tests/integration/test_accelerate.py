@@ -80,6 +80,12 @@ class Run:
     def parameters_finite(self) -> bool:
         return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.debug_dir)
+
+    def report_md(self) -> str:
+        return (self.debug_dir / "report.md").read_text()
+
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state() -> Iterator[None]:
@@ -95,7 +101,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
              log_zero_at: tuple[int, int] | None = None, overflow_at: int | None = None,
              unused_layer: bool = False, lr: float = 0.05, data_delay_s: float = 0.0,
              evaluate_after: tuple[int, float] | None = None, oom_at: int | None = None,
-             nan_in_model_at: int | None = None,
+             nan_in_model_at: int | None = None, lr_zero_from: int | None = None,
              scaler: torch.amp.GradScaler | None = None, config: DebugConfig | None = None,
              **overrides: Any) -> Run:
     """A plain Accelerate loop with the debugger's three lines.
@@ -109,6 +115,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
     ``torch.no_grad()`` that waits this long for its data, then runs a forward.
     ``oom_at``: the forward of this step raises ``torch.OutOfMemoryError``.
     ``nan_in_model_at``: from this step on, the activation after ``hidden`` takes sqrt of negatives.
+    ``lr_zero_from``: a LambdaLR (stepped after each optimizer step, given to the debugger) is 0 from this step on.
     """
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(root),
@@ -124,6 +131,10 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
 
     loader = DataLoader(regression_data(), batch_size=8, shuffle=True, collate_fn=collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    schedule = (None if lr_zero_from is None else accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 1.0 if step < lr_zero_from else 0.0)))
+    if schedule is not None:
+        overrides["lr_scheduler"] = schedule
     debugger = AccelerateDebugger(accelerator, model, optimizer, config, **overrides)
     run = Run(accelerator, debugger, model)
     net = accelerator.unwrap_model(model)
@@ -148,6 +159,8 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
                     micro_batch = 0 if accelerator.sync_gradients else micro_batch + 1
                     debugger.backward(loss)
                     optimizer.step()
+                    if schedule is not None:
+                        schedule.step()
                     optimizer.zero_grad()
                 if evaluate_after is not None and accelerator.sync_gradients and debugger.step == evaluate_after[0] + 1:
                     model.eval()
@@ -638,3 +651,21 @@ def test_a_failing_check_warns_once_and_the_other_areas_go_on(tmp_path: Path,
     for tag in ("debug/perf/step_ms", "debug/grad/global_norm", "debug/loss_finite"):
         assert sorted(dict(scalars[tag]))[-1] == 5, tag
     assert read_report(run.debug_dir)["status"] == "finished"
+
+
+def test_a_learning_rate_at_zero_mid_loop_is_a_stall_once_the_loop_says_how_long_it_runs(tmp_path: Path) -> None:
+    config = DebugConfig(mode="gradient_checking", gradient_checking_frequency=1)
+    told = run_loop(tmp_path / "told", steps=24, lr_zero_from=8, config=config, total_steps=24)
+    stalls = starts(told.events(), "learning_stalled")
+    assert [event["step"] for event in stalls] == [10] and "LambdaLR" in stalls[0]["message"]
+    assert "Not judged" not in told.report_md()
+    untold = run_loop(tmp_path / "untold", steps=24, lr_zero_from=8, config=config)
+    assert not starts(untold.events(), "learning_stalled")
+    assert "Not judged: `learning_stalled`" in untold.report_md() and "total_steps" in untold.report_md()
+    healthy = run_loop(tmp_path / "healthy", steps=24, config=config, total_steps=24)
+    assert not [event for event in healthy.events() if event["severity"] in ("warning", "error", "critical")]
+
+
+def test_total_steps_must_be_a_positive_count(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="total_steps"):
+        run_loop(tmp_path, steps=1, total_steps=0)

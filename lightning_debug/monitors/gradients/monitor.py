@@ -87,6 +87,8 @@ class GradientMonitor(MissingChecks, Monitor):
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
         self._explosions = Explosions()
+        self.unavailable: dict[str, str] = {}
+        """Kinds of this area the run cannot judge, and why (report.json ``unavailable``, report.md)."""
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -137,6 +139,11 @@ class GradientMonitor(MissingChecks, Monitor):
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
         self._param_groups = context.param_groups()
         self._schedule = context.schedule()
+        if self._schedule[0] is None:
+            self.unavailable[Kind.LEARNING_STALLED.value] = (
+                "the run's length is unknown (no max_steps nor a sized loader; with Accelerate pass "
+                "AccelerateDebugger(total_steps=...)), so a learning rate that reaches 0 early cannot be told from "
+                "a schedule that ends there")
         trainable = {n: p for n, p in named if p.requires_grad}
         self.static_frozen, optimizer_check = frozen_by_optimizer(list(trainable.items()), self._param_groups)
         outside = self.static_frozen.pop(FrozenCause.NOT_IN_OPTIMIZER, [])  # judged once their gradients are seen
@@ -364,4 +371,4 @@ class GradientMonitor(MissingChecks, Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), **self.history.report_section(
-            self.trainability, self.order_source, self.settings.keeps_parameter_norms))
+            self.trainability, self.order_source, self.settings.keeps_parameter_norms), unavailable=self.unavailable)
