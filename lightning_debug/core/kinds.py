@@ -280,7 +280,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "in forward, a branch cut by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of "
                "the loss. Use it, remove it, or set `requires_grad=False` (under DDP it also needs "
                "`find_unused_parameters`).",
-        hint="use the layer, remove it, or requires_grad_(False)"),
+        hint="use the layer, remove it, or requires_grad_(False)",
+        confirm=Confirm(patience=64, variants={"no_graph": 8}, at_end=AtEnd.REPORT)),
     Kind.FROZEN_PARAM: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="The optimizer cannot move these parameters: add them to the optimizer's param groups, check "

@@ -63,7 +63,10 @@ class Suspicion:
     checkpoint); ``value`` the measurement that made it suspect (a non-finite one confirms it at once);
     ``bound`` what the readings after it must stay above to confirm it (policies with ``follow_up``);
     ``variant`` picks a patience of the policy's ``variants``; ``scope`` keeps suspicions of different
-    optimizers apart.
+    optimizers apart. ``at_least``: a longer hold the run's own history asks for (observations in a row, at the
+    end of the run too), e.g. twice the longest wait of a conditional parameter's replicas; ``record``: False for
+    an observation between check steps, which counts toward the hold but is no step the finding is recorded at.
+    One observation per key and step counts.
     """
 
     kind: Kind
@@ -76,12 +79,14 @@ class Suspicion:
     bound: float | None = None
     variant: str = ""
     scope: str = ""
+    at_least: int = 0
+    record: bool = True
 
     def state_dict(self) -> dict[str, Any]:
         finding = self.finding
         return {"kind": self.kind.value, "key": self.key, "step": self.step, "flagged": list(self.flagged),
                 "where": self.where, "value": self.value, "bound": self.bound, "variant": self.variant,
-                "scope": self.scope,
+                "scope": self.scope, "at_least": self.at_least, "record": self.record,
                 "finding": None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
                                                          "message": finding.message, "details": finding.details}}
 
@@ -92,7 +97,7 @@ class Suspicion:
                                                      entry["message"], dict(entry["details"]))
         return cls(Kind(state["kind"]), str(state["key"]), int(state["step"]), finding, list(state["flagged"]),
                    state.get("where"), state.get("value"), state.get("bound"), str(state.get("variant", "")),
-                   str(state.get("scope", "")))
+                   str(state.get("scope", "")), int(state.get("at_least", 0)), bool(state.get("record", True)))
 
 
 @dataclass
@@ -100,7 +105,8 @@ class Confirmed:
     """A suspicion that became a finding: record it at each of ``steps`` (oldest first), as ``kind``.
 
     ``first`` is the suspicion that opened the hold (the step the condition began), ``latest`` the one
-    that confirmed it; ``readings`` how many readings after it confirmed it.
+    that confirmed it; ``readings`` how many readings after it confirmed it; ``streak`` how many observations
+    in a row held it.
     """
 
     kind: Kind
@@ -109,6 +115,7 @@ class Confirmed:
     steps: list[int]
     by: ConfirmedBy
     readings: int = 0
+    streak: int = 1
 
     @property
     def key(self) -> str:
@@ -116,7 +123,11 @@ class Confirmed:
 
 
 @dataclass
-class _Held:
+class Hold:
+    """One held key: the suspicion that opened it, the latest, the steps to record it at, its streak, the readings
+    after it (``above``/``below`` its bound) and whether it is confirmed (then further suspicions are reported
+    as they come)."""
+
     first: Suspicion
     latest: Suspicion
     steps: list[int]
@@ -130,7 +141,7 @@ class _Held:
                 "streak": self.streak, "above": self.above, "below": self.below, "confirmed": self.confirmed}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "_Held":
+    def from_state(cls, state: dict[str, Any]) -> "Hold":
         return cls(Suspicion.from_state(state["first"]), Suspicion.from_state(state["latest"]),
                    [int(step) for step in state["steps"]], int(state["streak"]), int(state["above"]),
                    int(state["below"]), bool(state["confirmed"]))
@@ -170,7 +181,7 @@ class VerdictEngine:
     """
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str, str, str], _Held] = {}
+        self._held: dict[tuple[str, str, str], Hold] = {}
         self._last_recorded: dict[str, int] = {}
 
     def __bool__(self) -> bool:
@@ -179,6 +190,14 @@ class VerdictEngine:
     def held_keys(self, kind: Kind, scope: str = "") -> list[str]:
         """The keys of ``kind`` held in ``scope``, oldest first."""
         return [key for (k, s, key), _ in self._ordered() if k == kind.value and s == scope]
+
+    def hold(self, kind: Kind, key: str, scope: str = "") -> Hold | None:
+        """``key``'s hold (None: not held); for reading only."""
+        return self._held.get((kind.value, scope, key))
+
+    def holds(self, kind: Kind, scope: str = "") -> dict[str, Hold]:
+        """Every hold of ``kind`` in ``scope`` by key, oldest first; for reading only."""
+        return {key: held for (k, s, key), held in self._ordered() if k == kind.value and s == scope}
 
     def holding(self, kind: Kind, scope: str | None = None) -> bool:
         """Whether a suspicion of ``kind`` (in ``scope``, or any) waits for readings or more observations."""
@@ -208,6 +227,16 @@ class VerdictEngine:
             confirmed += self._suspect(suspicion, policy, scope)
         return self._label(confirmed)
 
+    def end(self, kind: Kind, keys: Iterable[str], scope: str = "") -> list[Confirmed]:
+        """``keys`` are known not to be suspect any more (a parameter got its gradient): their holds end,
+        dismissed or as the policy's ``else_kind``, whatever step it is."""
+        ended: list[Confirmed] = []
+        for key in keys:
+            held = self._held.get((kind.value, scope, key))
+            if held is not None:
+                ended += self._follow((kind.value, scope, key), held, policy_of(kind), None)
+        return self._label(ended)
+
     def flush(self, kinds: Collection[Kind] | None = None) -> list[Confirmed]:
         """The end of the run: decide every suspicion still held (of ``kinds``, or all) by its policy."""
         decided: list[Confirmed] = []
@@ -220,7 +249,7 @@ class VerdictEngine:
         return self._label(decided)
 
     # --- the lifecycle --------------------------------------------------------------------------
-    def _ordered(self) -> list[tuple[tuple[str, str, str], _Held]]:
+    def _ordered(self) -> list[tuple[tuple[str, str, str], Hold]]:
         return sorted(self._held.items(), key=lambda item: (item[1].first.step, item[0]))
 
     def _suspect(self, suspicion: Suspicion, policy: Confirm, scope: str) -> list[Confirmed]:
@@ -230,17 +259,29 @@ class VerdictEngine:
         decided: list[Confirmed] = []
         if held is None:
             decided += self._make_room(suspicion.kind, scope, policy)
-            held = self._held[held_key] = _Held(suspicion, suspicion, [suspicion.step])
+            held = self._held[held_key] = Hold(suspicion, suspicion, [suspicion.step] if suspicion.record else [])
+        elif held.latest.step >= suspicion.step:  # observed already (looked at between checks, or read back late)
+            if suspicion.record and suspicion.step not in held.steps:
+                kept = max(policy.needed(suspicion.variant) or 1, suspicion.at_least, 1)
+                held.steps = sorted(held.steps + [suspicion.step])[-kept:]
+                if held.confirmed:
+                    return decided + [Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step],
+                                                ConfirmedBy.AGAIN, streak=held.streak)]
+            return decided
         else:
             held.latest = suspicion
             held.streak += 1
-            held.steps = (held.steps + [suspicion.step])[-max(policy.needed(suspicion.variant) or 1, 1):]
+            if suspicion.record:
+                kept = max(policy.needed(suspicion.variant) or 1, suspicion.at_least, 1)
+                held.steps = (held.steps + [suspicion.step])[-kept:]
         if held.confirmed:
-            return decided + [Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step], ConfirmedBy.AGAIN)]
+            return decided + ([Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step], ConfirmedBy.AGAIN,
+                                         streak=held.streak)] if suspicion.record else [])
         needed = policy.needed(suspicion.variant)
         if not _finite(suspicion.value):
             by = ConfirmedBy.NOT_FINITE
-        elif needed is not None and needed > 1 and held.streak >= needed:
+        elif (needed is not None and max(needed, suspicion.at_least) > 1
+              and held.streak >= max(needed, suspicion.at_least)):
             by = ConfirmedBy.PERSISTED
         elif not policy.holds:
             by = ConfirmedBy.AT_ONCE
@@ -250,10 +291,10 @@ class VerdictEngine:
             del self._held[held_key]  # confirmed by its own readings or at once: nothing persists
         else:
             held.confirmed = True
-        steps = held.steps if by is ConfirmedBy.PERSISTED and policy.backdate else [suspicion.step]
-        return decided + [Confirmed(suspicion.kind, held.first, suspicion, list(steps), by)]
+        steps = (held.steps or [suspicion.step]) if by is ConfirmedBy.PERSISTED and policy.backdate else [suspicion.step]
+        return decided + [Confirmed(suspicion.kind, held.first, suspicion, list(steps), by, streak=held.streak)]
 
-    def _follow(self, held_key: tuple[str, str, str], held: _Held, policy: Confirm,
+    def _follow(self, held_key: tuple[str, str, str], held: Hold, policy: Confirm,
                 reading: float | None) -> list[Confirmed]:
         """A held key judged without being suspected again: its readings confirm it, or its hold ends."""
         kind = Kind(held_key[0])
@@ -271,11 +312,12 @@ class VerdictEngine:
             return []
         return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]
 
-    def _at_end(self, held: _Held, policy: Confirm) -> list[Confirmed]:
+    def _at_end(self, held: Hold, policy: Confirm) -> list[Confirmed]:
         kind, end = held.first.kind, policy.at_end
-        if end is AtEnd.REPORT or (end is AtEnd.IF_FOLLOWED and held.above and not held.below):
-            steps = [held.first.step] if policy.follow_up else list(held.steps)
-            return [Confirmed(kind, held.first, held.latest, steps, ConfirmedBy.AT_END, held.above)]
+        if ((end is AtEnd.REPORT and held.streak >= held.latest.at_least)
+                or (end is AtEnd.IF_FOLLOWED and held.above and not held.below)):
+            steps = [held.first.step] if policy.follow_up else list(held.steps) or [held.latest.step]
+            return [Confirmed(kind, held.first, held.latest, steps, ConfirmedBy.AT_END, held.above, held.streak)]
         if end is AtEnd.ELSE_KIND and policy.else_kind is not None:
             return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]
         return []
@@ -308,6 +350,6 @@ class VerdictEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._held = {}
         for entry in state.get("held", []):
-            held = _Held.from_state(entry)
+            held = Hold.from_state(entry)
             self._held[(held.first.kind.value, held.first.scope, held.first.key)] = held
         self._last_recorded = {kind: int(step) for kind, step in state.get("last_recorded", {}).items()}

@@ -75,9 +75,24 @@ class Leaps(Stalls):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class Unused(Leaps):
+    """A layer no forward calls: held from step 0 (64 optimizer steps without a gradient confirm it), so held at
+    the checkpoint and confirmed at step 63 of the resumed run, labelled at step 0."""
+
+    steps = 70
+
+    def __init__(self, crash_at_step: int | None = None) -> None:
+        super().__init__(crash_at_step)
+        self.unused = torch.nn.Linear(16, 16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return Stalls.training_step(self, batch, batch_idx)
+
+
 def fit(root: Path, model: pl.LightningModule, saver: ModelCheckpoint | None = None, **kwargs: Any) -> pl.Trainer:
     callbacks: list[pl.Callback] = [GradientHealthCallback(CONFIG)] + ([saver] if saver else [])
-    trainer = make_trainer(root, callbacks, max_steps=STEPS, enable_checkpointing=saver is not None)
+    trainer = make_trainer(root, callbacks, max_steps=getattr(model, "steps", STEPS),
+                           enable_checkpointing=saver is not None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, **kwargs)
@@ -112,6 +127,7 @@ def starts(trainer: pl.Trainer) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("planted, held, expected", [
     (Stalls, {"learning_stalled", "vanishing_grad"}, {"learning_stalled": 12, "vanishing_grad": 10}),
     (Leaps, {"update_ratio_high"}, {"update_ratio_high": 11}),
+    (Unused, {"missing_grad"}, {"missing_grad": 0}),
 ])
 def test_a_suspicion_held_at_the_checkpoint_is_reported_as_without_the_interruption(
         tmp_path: Path, planted: type[Stalls], held: set[str], expected: dict[str, int]) -> None:

@@ -465,6 +465,7 @@ def test_missing_history_survives_a_checkpoint() -> None:
     history.observe_step(1, ["expert.w"], ["unused.w"])
     restored = MissingHistory()
     restored.load_state_dict(history.state_dict())
+    restored.verdicts.load_state_dict(history.verdicts.state_dict())  # the monitor checkpoints its engine
     assert restored.state_dict() == history.state_dict()
     assert restored.candidates["unused.w"].steps_without == 2
 
@@ -623,9 +624,10 @@ def test_a_replica_of_experts_that_wait_waits_longer_and_an_unused_layer_does_no
     """Experts 0-2 are replicas (one group); expert 1 waits 6 steps for its first token, so expert 2 is not
     confirmed after the fixed window but only after more than twice that wait; the unused layer, replica of
     nothing conditional, is confirmed after the window as in any model."""
-    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
+    history = MissingHistory()
     history.groups = {f"experts.{i}.w": [("experts", "w")] for i in range(3)}
     names = [*history.groups, "unused.w", "head.w"]
+    history.set_called(dict.fromkeys(names, True), names)  # one window: every module ran without a graph
     history.observe_check(0, None, ["experts.1.w", "experts.2.w", "unused.w"], names)
     confirmed = {step: history.observe_step(step, ["experts.1.w"] if step >= 6 else [],
                                             ["experts.2.w", "unused.w"] + (["experts.1.w"] if step < 6 else []))
@@ -644,7 +646,9 @@ def test_at_the_end_a_conditional_candidate_that_waited_less_than_twice_the_long
                              + ([] if step == 5 else ["experts.1.w"]))
     resumed = MissingHistory()
     resumed.load_state_dict(history.state_dict())
+    resumed.verdicts.load_state_dict(history.verdicts.state_dict())
     assert resumed.longest_wait == history.longest_wait == 5
+    assert resumed.confirm_the_rest() == ["unused.w"]
     assert history.confirm_the_rest() == ["unused.w"]
 
 
@@ -652,8 +656,9 @@ def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_
     """Checks every 100 steps: at step 0 only expert 2 has no gradient. Expert 0, watched with it, goes without
     one on steps 2-6 (a wait of 5), so expert 2 is confirmed only after more than twice that, not after the
     fixed window."""
-    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
+    history = MissingHistory()
     history.set_groups({f"experts.{i}.w": [("experts", "w")] for i in range(3)})
+    history.set_called(dict.fromkeys([*history.groups, "head.w"], True), list(history.groups))  # one window
     history.observe_check(0, None, ["experts.2.w"], [*history.groups, "head.w"])
     replicas = history.replicas_after_check(["experts.2.w"])  # as the monitor does
     assert replicas == ["experts.0.w", "experts.1.w"]
@@ -666,8 +671,9 @@ def test_a_replica_going_without_a_gradient_between_checks_makes_a_lone_waiting_
 
 
 def test_replicas_that_get_their_gradient_every_step_leave_the_fixed_window() -> None:
-    history = MissingHistory(uncalled_steps=MISSING_CONFIRM_STEPS)  # one window: every module ran
+    history = MissingHistory()
     history.set_groups({f"layers.{i}.w": [("layers", "w")] for i in range(3)})
+    history.set_called(dict.fromkeys(history.groups, True), list(history.groups))  # one window
     history.observe_check(0, None, ["layers.2.w"], list(history.groups))
     replicas = history.replicas_after_check(["layers.2.w"])
     confirmed = [history.observe_step(step, replicas, ["layers.2.w"]) for step in range(1, MISSING_CONFIRM_STEPS)]

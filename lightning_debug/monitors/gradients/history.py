@@ -19,6 +19,7 @@ from typing import Any
 
 from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.stats import RunningStats, Window
+from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.gradients.flags import FlagCounter
 from lightning_debug.monitors.gradients.missing import MissingHistory
 from lightning_debug.monitors.gradients.vanishing import VanishingHistory
@@ -29,7 +30,7 @@ HEALTHY_NORMS_KEPT = 256
 class GradientHistory:
     """The gradient area's own history, for the rules and the report."""
 
-    def __init__(self, kinds: Iterable[str]) -> None:
+    def __init__(self, kinds: Iterable[str], verdicts: VerdictEngine | None = None) -> None:
         self.counts = {"exploding": 0, "vanishing": 0, "missing": 0, "frozen": 0}
         self.checks = 0
         self.steps_without_gradients = 0
@@ -44,7 +45,7 @@ class GradientHistory:
         self.flagged = {kind: FlagCounter() for kind in sorted(kinds)}
         self.clip_suggestion: dict[str, Any] | None = None
         self.vanishing = VanishingHistory()
-        self.missing = MissingHistory()
+        self.missing = MissingHistory(verdicts)
 
     def norms_for(self, optimizer: Any) -> NormHistory:
         """The recent global norms of ``optimizer``'s check steps (None with one optimizer), made current."""

@@ -65,14 +65,17 @@ from typing import Any
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import ConfirmedBy, Hold, Suspicion, VerdictEngine, policy_of
 from lightning_debug.monitors.gradients.layout import Positions, input_to_output, module_of
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict, quoted
 
-MISSING_CONFIRM_STEPS = 8
+NO_GRAPH = "no_graph"
+"""The variant of a missing-gradient suspicion whose module ran without building a graph (its policy is shorter)."""
+MISSING_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed(NO_GRAPH) or 1
 """Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
 parameter whose module ran without building a graph in the first forward pass never gets one, unless its
-replicas are seen to be conditional (see :data:`WAIT_FACTOR`)."""
-UNCALLED_CONFIRM_STEPS = 64
+replicas are seen to be conditional (see :data:`WAIT_FACTOR`): the kind's policy in the table of kinds."""
+UNCALLED_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed() or 1
 """The same for every other parameter (its module ran with its output in the graph, did not run, or is not
 known to have run): long enough for a head whose loss counts on one batch in ten, for LayerDrop to keep a
 layer and for a router with few experts to pick each one."""
@@ -87,15 +90,20 @@ DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strate
             "removing the parameter or freezing it with requires_grad_(False) is cheaper.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Candidate:
-    """A parameter that has never had a gradient since the check step ``first_step`` first saw it without."""
+    """A parameter that has never had a gradient since the check step ``first_step`` first saw it without: a
+    view of its hold in the verdict engine (``steps_without``: optimizer steps in a row, ``check_steps``: the
+    check steps among them)."""
 
     first_step: int
-    last_step: int
-    steps_without: int = 1
-    check_steps: list[int] = field(default_factory=list)
-    confirmed: bool = False
+    steps_without: int
+    check_steps: list[int]
+    confirmed: bool
+
+    @classmethod
+    def of(cls, hold: Hold) -> "Candidate":
+        return cls(hold.first.step, hold.streak, list(hold.steps), hold.confirmed)
 
 
 @dataclass
@@ -115,10 +123,10 @@ class MissingHistory:
     Bounded by the model's parameters; only parameters that were once without a gradient are kept.
     """
 
-    def __init__(self, confirm_steps: int = MISSING_CONFIRM_STEPS,
-                 uncalled_steps: int = UNCALLED_CONFIRM_STEPS) -> None:
-        self.confirm_steps = confirm_steps
-        self.uncalled_steps = max(uncalled_steps, confirm_steps)
+    def __init__(self, verdicts: VerdictEngine | None = None) -> None:
+        self.verdicts = verdicts if verdicts is not None else VerdictEngine()
+        """Holds the candidates (under the kind's policy); the monitor's own engine, checkpointed with it."""
+        self._ended: dict[str, Candidate] = {}
         self.called: Mapping[str, bool] = {}
         """Per parameter, whether its module ran in the first forward pass (absent: not known)."""
         self.without_graph: set[str] = set()
@@ -126,7 +134,6 @@ class MissingHistory:
         self.checks: dict[Any, int] = {}
         self.absent: dict[str, int] = {}
         self.had_gradient: set[str] = set()
-        self.candidates: dict[str, Candidate] = {}
         self.longest_wait = 0
         """The most optimizer steps a candidate went without a gradient before it got one (0: none waited)."""
         self.groups: Mapping[str, Sequence[Hashable]] = {}
@@ -148,19 +155,42 @@ class MissingHistory:
         self.called = dict(called)
         self.without_graph = set(without_graph)
 
+    @property
+    def candidates(self) -> dict[str, Candidate]:
+        """The parameters that never had a gradient since a check step saw them without (and, once the run ended,
+        those it confirmed then), by name."""
+        held = {name: Candidate.of(hold) for name, hold in self.verdicts.holds(Kind.MISSING_GRAD).items()}
+        return {**self._ended, **held}
+
     def window(self, name: str) -> int:
         """Steps without a gradient that confirm ``name`` (see the module's docstring)."""
-        return self.confirm_steps if name in self.without_graph else self.uncalled_steps
+        return policy_of(Kind.MISSING_GRAD).needed(self._variant(name)) or 1
+
+    def _variant(self, name: str) -> str:
+        return NO_GRAPH if name in self.without_graph else ""
+
+    def _suspect(self, name: str, step: int, record: bool) -> Suspicion:
+        """A step on which ``name`` (a candidate) had no gradient; a conditional one waits past its replicas."""
+        at_least = WAIT_FACTOR * self.longest_wait + 1 if self._conditional(name) else 0
+        return Suspicion(Kind.MISSING_GRAD, name, step, variant=self._variant(name), at_least=at_least, record=record)
+
+    def is_candidate(self, name: str) -> bool:
+        """Whether ``name`` is held as a candidate (a dictionary look-up: called on steps between checks)."""
+        return self.verdicts.hold(Kind.MISSING_GRAD, name) is not None
+
+    def is_confirmed(self, name: str) -> bool:
+        hold = self.verdicts.hold(Kind.MISSING_GRAD, name)
+        return hold is not None and hold.confirmed
 
     def replicas_to_watch(self, limit: int = REPLICAS_WATCHED) -> list[str]:
         """The replicas of the candidates still waiting: looked at on every step with them (``.grad is None``),
         so that a replica going without a gradient, and for how long, is seen between check steps."""
         names: dict[str, None] = {}
-        for name, candidate in self.candidates.items():
-            if candidate.confirmed:
+        for name, hold in self.verdicts.holds(Kind.MISSING_GRAD).items():
+            if hold.confirmed:
                 continue
             for key in self.groups.get(name, ()):
-                names.update(dict.fromkeys(m for m in self.members.get(key, ()) if m not in self.candidates))
+                names.update(dict.fromkeys(m for m in self.members.get(key, ()) if not self.is_candidate(m)))
                 if len(names) >= limit:
                     return list(names)[:limit]
         return list(names)
@@ -179,14 +209,6 @@ class MissingHistory:
     def _seen_conditional(self, name: str) -> None:
         self.conditional.update(self.groups.get(name, ()))
 
-    def _outwaited_replicas(self, name: str, candidate: Candidate) -> bool:
-        """Whether ``candidate`` waited past what its replicas make normal: always, unless it is conditional."""
-        return not self._conditional(name) or candidate.steps_without > WAIT_FACTOR * self.longest_wait
-
-    def _confirms(self, name: str, candidate: Candidate) -> bool:
-        """Whether ``candidate`` has waited long enough to be confirmed (see the module's docstring)."""
-        return candidate.steps_without >= self.window(name) and self._outwaited_replicas(name, candidate)
-
     def observe_check(self, step: int, optimizer: Any, missing: Sequence[str], judged: Collection[str]) -> MissingCheck:
         """A check step of ``optimizer`` judged the parameters ``judged``; ``missing`` of them had no gradient."""
         earlier = self.checks.get(optimizer, 0)
@@ -196,29 +218,26 @@ class MissingHistory:
             judged_set = judged if isinstance(judged, (set, frozenset)) else set(judged)
             self._had_gradient(name for name in self.absent if name in judged_set and name not in without)
         seen = MissingCheck()
+        suspicions = []
         for name in missing:
-            candidate = self.candidates.get(name)
-            if candidate is None and name not in self.had_gradient:
+            held = self.is_candidate(name)
+            if not held and name not in self.had_gradient:
                 if earlier and name not in self.absent:  # judged on earlier check steps, with a gradient then
                     self.had_gradient.add(name)
                 else:
-                    candidate = self.candidates[name] = Candidate(step, step, check_steps=[step])
+                    held = True
             self.absent[name] = self.absent.get(name, 0) + 1
-            if candidate is None:
+            if not held:
                 seen.intermittent.append(name)
                 self._seen_conditional(name)
                 continue
-            if step > candidate.last_step:
-                candidate.last_step = step
-                candidate.steps_without += 1
-            if candidate.check_steps[-1:] != [step]:
-                candidate.check_steps = (candidate.check_steps + [step])[-self.uncalled_steps:]
             seen.candidates.append(name)
-            if candidate.confirmed:
-                seen.confirmed.append(name)
-            elif self._confirms(name, candidate):
-                candidate.confirmed = True
-                seen.newly_confirmed.append(name)
+            suspicions.append(self._suspect(name, step, record=True))
+        for confirmed in self.verdicts.observe(Kind.MISSING_GRAD, step, suspicions, judged=()):
+            (seen.confirmed if confirmed.by is ConfirmedBy.AGAIN else seen.newly_confirmed).append(confirmed.key)
+        order = {name: index for index, name in enumerate(missing)}
+        seen.confirmed.sort(key=order.__getitem__)
+        seen.newly_confirmed.sort(key=order.__getitem__)
         return seen
 
     def observe_step(self, step: int, with_gradient: Iterable[str], without: Iterable[str]) -> list[str]:
@@ -231,30 +250,22 @@ class MissingHistory:
             self._gap_start.pop(name, None)
         without = list(without)
         for name in without:
-            if name not in self.candidates and name in self.had_gradient:
+            if not self.is_candidate(name) and name in self.had_gradient:
                 start = self._gap_start.setdefault(name, step)
                 self.longest_wait = max(self.longest_wait, step - start + 1)
                 self._seen_conditional(name)
-        confirmed = []
-        for name in without:
-            candidate = self.candidates.get(name)
-            if candidate is None or step <= candidate.last_step:
-                continue
-            candidate.last_step = step
-            candidate.steps_without += 1
-            if not candidate.confirmed and self._confirms(name, candidate):
-                candidate.confirmed = True
-                confirmed.append(name)
-        return confirmed
+        suspicions = [self._suspect(name, step, record=False) for name in without if self.is_candidate(name)]
+        return [confirmed.key for confirmed in self.verdicts.observe(Kind.MISSING_GRAD, step, suspicions, judged=())
+                if confirmed.by is not ConfirmedBy.AGAIN]
 
     def confirm_the_rest(self) -> list[str]:
-        """At the end of a run: candidates that never had a gradient on any step observed are confirmed, except
-        conditional ones that have not waited more than :data:`WAIT_FACTOR` times the longest wait seen (a short
-        run of a sparse MoE: an expert no token has reached yet)."""
-        rest = [name for name, candidate in self.candidates.items()
-                if not candidate.confirmed and self._outwaited_replicas(name, candidate)]
-        for name in rest:
-            self.candidates[name].confirmed = True
+        """At the end of a run: candidates that never had a gradient on any step observed are confirmed (the kind's
+        policy reports what is held at the end), except conditional ones that have not waited more than
+        :data:`WAIT_FACTOR` times the longest wait seen (a short run of a sparse MoE: an expert no token has
+        reached yet)."""
+        held = self.candidates
+        rest = [confirmed.key for confirmed in self.verdicts.flush([Kind.MISSING_GRAD])]
+        self._ended = {name: held[name] for name in rest}
         return rest
 
     def received_fraction(self, name: str, optimizer: Any) -> float:
@@ -263,25 +274,26 @@ class MissingHistory:
         return max(0.0, (checks - self.absent.get(name, 0)) / checks)
 
     def _had_gradient(self, names: Iterable[str]) -> None:
+        ended = []
         for name in names:
             self.had_gradient.add(name)
-            candidate = self.candidates.pop(name, None)
-            if candidate is not None:
-                self.longest_wait = max(self.longest_wait, candidate.steps_without)
+            hold = self.verdicts.hold(Kind.MISSING_GRAD, name)
+            if hold is not None:
+                ended.append(name)
+                self.longest_wait = max(self.longest_wait, hold.streak)
                 self._seen_conditional(name)
+        self.verdicts.end(Kind.MISSING_GRAD, ended)  # a candidate that got its gradient is no longer one
 
     def state_dict(self) -> dict[str, Any]:
         return {"checks": [[optimizer, count] for optimizer, count in self.checks.items()],
                 "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient),
-                "longest_wait": self.longest_wait,
-                "candidates": {name: vars(candidate).copy() for name, candidate in self.candidates.items()}}
+                "longest_wait": self.longest_wait}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.checks = {optimizer: int(count) for optimizer, count in state.get("checks", [])}
         self.absent = {name: int(count) for name, count in state.get("absent", {}).items()}
         self.had_gradient = set(state.get("had_gradient", []))
         self.longest_wait = int(state.get("longest_wait", 0))
-        self.candidates = {name: Candidate(**fields) for name, fields in state.get("candidates", {}).items()}
 
 
 def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Positions,
@@ -291,9 +303,10 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
     seen without a gradient, labelled where that began."""
     if not names:
         return None
-    steps = sorted({s for name in newly if name in history.candidates for s in history.candidates[name].check_steps})
+    candidates = history.candidates
+    steps = sorted({s for name in newly if name in candidates for s in candidates[name].check_steps})
     ordered = input_to_output(names, positions)
-    first = [history.candidates[name] for name in ordered if name in history.candidates]
+    first = [candidates[name] for name in ordered if name in candidates]
     since = min((candidate.first_step for candidate in first), default=step)
     observed = max((candidate.steps_without for candidate in first), default=1)
     no_graph = [name for name in ordered if name in history.without_graph]

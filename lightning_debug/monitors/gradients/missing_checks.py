@@ -56,7 +56,7 @@ class MissingChecks:
         for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
             self._record(verdict, pending.step, pending.where)
         if pending.judged is not None:
-            waiting = [n for n in seen.candidates if not missing.candidates[n].confirmed]
+            waiting = [n for n in seen.candidates if not missing.is_confirmed(n)]
             replicas = missing.replicas_after_check(without) if waiting else []
             self._watch.replace(optimizer, waiting + replicas, host.grad_names, pending.judged.names,
                                 pending.judged.params)
@@ -92,12 +92,12 @@ class MissingChecks:
         if looked is None:
             return
         missing = self.history.missing
-        resolved = [n for n in looked[0] if n in missing.candidates]
+        resolved = [n for n in looked[0] if missing.is_candidate(n)]
         confirmed = missing.observe_step(step, *looked)
         if resolved or confirmed:  # fewer candidates wait: fewer replicas are worth watching
             wanted = set(missing.replicas_to_watch())
             self._watch.drop(resolved + confirmed + [n for n in looked[0] + looked[1]
-                                                     if n not in missing.candidates and n not in wanted])
+                                                     if not missing.is_candidate(n) and n not in wanted])
         self._record_confirmed(confirmed, step)
 
     def _left_out(self, names: list[str], step: int, where: Where) -> list[str]:

@@ -66,7 +66,7 @@ class GradientMonitor(MissingChecks, Monitor):
     def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
         super().__init__(config, source)
         self.settings = GradientSettings.from_config(config)
-        self.history = GradientHistory(kind.value for kind in self.kinds)
+        self.history = GradientHistory((kind.value for kind in self.kinds), self.verdicts)
         self.trainability: dict[str, Any] = {}
         self.static_frozen: dict[FrozenCause, list[str]] = {}
         self._outside = OutsideTraining([], [])
