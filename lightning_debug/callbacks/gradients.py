@@ -30,6 +30,12 @@ class GradientHealthCallback(DebugCallback):
     - ``frozen_param``: trainable parameters the optimizer cannot move (in no param group, base lr 0),
       found at fit start; with ``log_weights`` or level ADVANCED, also parameters with a gradient
       that the optimizer step left unchanged (``||Δw|| = 0``).
+    - ``learning_stalled``: every param group's learning rate is 0 far from the end of the run (a scheduler
+      that reaches 0 early).
+    - Infos: ``intermittent_grad`` (parameters with a gradient on some steps only: experts, LayerDrop),
+      ``requires_grad_false`` (parameters frozen on purpose, at fit start), ``outside_training``
+      (parameters gradients do not train on purpose: an EMA copy, a teacher under ``no_grad``) and
+      ``weight_decay_on_norm`` (weight decay on biases, norms or embeddings).
 
     Scalars: ``debug/grad/global_norm``, ``debug/grad/{exploding,vanishing,missing}_count`` (check
     steps so far), ``debug/grad/norm/<name>`` with ``log_gradients``, ``debug/weight/norm/<name>`` and

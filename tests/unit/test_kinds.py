@@ -57,3 +57,16 @@ def test_the_docs_show_every_confirmation_policy_as_the_table_declares_it() -> N
     page = (DOCS / "architecture.md").read_text(encoding="utf-8")
     documented = [line for line in page.splitlines() if re.match(r"^\| `[a-z_]+` \| ", line)]
     assert policy_rows() and documented == policy_rows()
+
+
+@pytest.mark.parametrize("name", ["AnomalyDetectionCallback", "GradientHealthCallback", "MemoryProfilerCallback",
+                                  "PerformanceProfilerCallback"])
+def test_each_callback_says_every_kind_its_areas_report(name: str) -> None:
+    import lightning_debug
+    from lightning_debug.monitors.areas import AREA_SPECS
+
+    callback = getattr(lightning_debug, name)
+    areas = {area for area, spec in AREA_SPECS.items() if spec.callback == name} | {
+        companion for area, spec in AREA_SPECS.items() if spec.callback == name for companion in spec.companions}
+    kinds = [kind.value for kind, spec in KIND_SPECS.items() if spec.area in areas]
+    assert kinds and [kind for kind in kinds if f"``{kind}``" not in (callback.__doc__ or "")] == []
