@@ -70,3 +70,22 @@ def test_each_callback_says_every_kind_its_areas_report(name: str) -> None:
         companion for area, spec in AREA_SPECS.items() if spec.callback == name for companion in spec.companions}
     kinds = [kind.value for kind, spec in KIND_SPECS.items() if spec.area in areas]
     assert kinds and [kind for kind in kinds if f"``{kind}``" not in (callback.__doc__ or "")] == []
+
+
+MONITOR_AREAS = {"anomaly": "anomaly", "gradients": "gradients", "memory": "memory", "performance": "performance",
+                 "activations": "activations", "loop": "loop", "errors": "errors"}
+
+
+def test_every_monitor_writes_only_the_kinds_its_row_of_the_table_gives_its_area() -> None:
+    """A kind belongs to one area (its ``KindSpec.area``): a finding or suspicion of it is made in that area's
+    monitor package only, so the table says which callback reports it."""
+    monitors = Path(__file__).resolve().parents[2] / "lightning_debug" / "monitors"
+    wrong = []
+    for path in sorted(monitors.rglob("*.py")):
+        area = MONITOR_AREAS.get(path.relative_to(monitors).parts[0].removesuffix(".py"))
+        if area is None:
+            continue
+        for name in re.findall(r"(?:Finding|Suspicion)\(\s*Kind\.([A-Z_]+)", path.read_text(encoding="utf-8")):
+            if KIND_SPECS[Kind[name]].area.value != area:
+                wrong.append((path.name, name, KIND_SPECS[Kind[name]].area.value))
+    assert wrong == []
