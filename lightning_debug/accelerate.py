@@ -20,7 +20,7 @@ import torch
 from lightning_debug.checks.localize import output_scalar
 from lightning_debug.config import DebugConfig, resolve_config
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus
+from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus, epoch_end
 from lightning_debug.core.guard import describe
 from lightning_debug.core.monitor import Decision
 from lightning_debug.core.session import Where, new_run_id, run_directory
@@ -66,6 +66,16 @@ class AccelerateContext(RunContext):
         """The last ``accelerator.clip_grad_norm_``/``clip_grad_value_`` call of the loop (they run after
         ``debugger.backward``, where the checks saw the gradients, so the checks see them before clipping)."""
         return self.debugger.clipping
+
+    def epoch_end_step(self, step: int, where: Where) -> int | None:
+        """From the length of the loop's DataLoader and the Accelerator's gradient accumulation, as under Lightning
+        (None for a loader without a length)."""
+        try:
+            batches = len(self.loader) if self.loader is not None else None
+        except TypeError:
+            return None
+        return epoch_end(step, where.get("batch", -1), batches,
+                         int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1))
 
     def schedule(self) -> tuple[int | None, list[str]]:
         """``total_steps`` and ``lr_scheduler`` as given to :class:`AccelerateDebugger` (a loop says neither)."""

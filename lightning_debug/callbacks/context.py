@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_debug.config import DebugConfig
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.context import HistogramWriter, Replay, RunContext
+from lightning_debug.core.context import HistogramWriter, Replay, RunContext, epoch_end
 from lightning_debug.core.guard import describe
 from lightning_debug.core.session import Where, new_run_id, run_directory
 from lightning_debug.core.numerics import AllGather
@@ -247,12 +247,8 @@ class LightningContext(RunContext):
     def epoch_end_step(self, step: int, where: Where) -> int | None:
         """From Lightning's batches per epoch and gradient accumulation; ``where["batch"]`` is the batch index
         within the epoch."""
-        batches, accumulate = self.trainer.num_training_batches, max(1, self.trainer.accumulate_grad_batches)
-        batch = where.get("batch", -1)
-        if not isinstance(batches, int) or batches <= 0 or not isinstance(batch, int) or batch < 0:
-            return None
-        steps = math.ceil(batches / accumulate)
-        return step + max(0, steps - 1 - batch // accumulate)
+        return epoch_end(step, where.get("batch", -1), self.trainer.num_training_batches,
+                         self.trainer.accumulate_grad_batches)
 
     def module(self) -> nn.Module:
         return self.pl_module

@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import enum
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +71,22 @@ class RunStatus(enum.StrEnum):
         except ValueError:
             allowed = ", ".join(status.value for status in cls)
             raise ValueError(f"a run status is one of {allowed}, got {value!r}") from None
+
+
+def epoch_end(step: int, batch: Any, batches: Any, accumulate: int) -> int | None:
+    """The last optimizer step of the epoch that optimizer step ``step`` belongs to, from the index ``batch`` of
+    its (first) micro-batch within the epoch, the epoch's ``batches`` and the micro-batches per optimizer step
+    (None when either is unknown).
+
+    Example::
+
+        >>> epoch_end(12, batch=2, batches=10, accumulate=1), epoch_end(3, batch=4, batches=8, accumulate=2)
+        (19, 4)
+    """
+    if not isinstance(batches, int) or batches <= 0 or not isinstance(batch, int) or batch < 0:
+        return None
+    accumulate = max(1, accumulate)
+    return step + max(0, math.ceil(batches / accumulate) - 1 - batch // accumulate)
 
 
 class RunContext:
