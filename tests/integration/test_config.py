@@ -427,3 +427,15 @@ def test_the_area_settings_views_read_their_areas_fields_with_the_declared_defau
             assert area in SETTINGS[field].areas or SETTINGS[field].areas == EVERY_CALLBACK, (view, field)
             assert getattr(view(), attribute) == getattr(DebugConfig(), field), (view, attribute)
             assert getattr(view.from_config(changed), attribute) == getattr(changed, field), (view, attribute)
+
+
+@pytest.mark.parametrize(("callback", "page"), [
+    (AnomalyDetectionCallback, "anomaly.md"), (GradientHealthCallback, "gradients.md"),
+    (MemoryProfilerCallback, "memory.md"), (PerformanceProfilerCallback, "performance_profiler.md")])
+def test_each_callback_page_lists_the_fields_it_takes(callback: type, page: str) -> None:
+    from lightning_debug.config import fields_of
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text(encoding="utf-8")
+    paragraph = text[text.index("\nFields ("):]
+    paragraph = paragraph[paragraph.index(":", paragraph.index("configuration.md")):paragraph.index("\n\n")]
+    assert tuple(re.findall(r"`(\w+)`", paragraph)) == fields_of(callback.area)
