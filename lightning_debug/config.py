@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, FiniteNonNegativeFloat, NonNegativeInt,
-                                          NotEmptyStr, PositiveInt, ProfileLength, Setting, UnitFraction,
-                                          allowed_words, as_integer, field_check, markdown, rejects_unknown_keywords,
-                                          setting, unknown_name_error, with_args)
+                                          NotEmptyStr, PositiveInt, ProfileLength, Setting, UnitFraction, as_integer,
+                                          field_rule, markdown, rejects_unknown_keywords, setting, unknown_name_error,
+                                          with_args)
 
 
 class _AnyCaseNames(enum.EnumMeta):
@@ -165,7 +165,7 @@ def _check_profile_steps(window: Any) -> tuple[int, int]:
     return values[0], values[1]  # type: ignore[return-value]
 
 
-_GRADIENTS, _MEMORY, _PERFORMANCE = (Area.GRADIENTS,), (Area.MEMORY,), (Area.PERFORMANCE,)
+_ANOMALY, _GRADIENTS, _MEMORY, _PERFORMANCE = (Area.ANOMALY,), (Area.GRADIENTS,), (Area.MEMORY,), (Area.PERFORMANCE,)
 
 
 @dataclass
@@ -193,9 +193,9 @@ class DebugConfig:
     anomaly_detection_mode: AnomalyMode | AnomalyModeName = setting(
         "warn", 'What a non-finite loss, gradient or parameter does: ``"warn"`` (event and a rate-limited '
         'warning), ``"raise"`` (:class:`~lightning_debug.AnomalyError`), ``"skip"`` (drop this optimizer step) '
-        'or ``"stop"`` (stop training cleanly).', areas=(Area.ANOMALY,))
+        'or ``"stop"`` (stop training cleanly).', areas=_ANOMALY)
     anomaly_check_frequency: PositiveInt = setting(1, "Check for non-finite values every N optimizer steps.",
-                                                   areas=(Area.ANOMALY,))
+                                                   areas=_ANOMALY)
     gradient_checking_frequency: PositiveInt = setting(100, "Check gradient health every N optimizer steps.",
                                                        areas=_GRADIENTS)
     memory_profiling_frequency: PositiveInt = setting(50, "Measure memory every N optimizer steps.", areas=_MEMORY)
@@ -248,8 +248,8 @@ class DebugConfig:
     save_plots: bool = setting(
         True, "At the end of fit, draw ``debug_analysis.png`` (loss, step time, memory, gradient norm, findings) "
         "next to the report when it is worth the half second it costs: a finding of warning or above, a run that "
-        "did not finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib (``pip install "
-        '"lightning-debug[plots]"``), skipped with a note without it.', run_wide=True)
+        "did not finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib "
+        '(``pip install "lightning-debug[plots]"``), skipped with a note without it.', run_wide=True)
     print_summary: bool = setting(
         True, "At the end of fit, print a short summary of the findings and where the files are, once, on the "
         "global-zero process (with rich when it is installed).", run_wide=True)
@@ -264,7 +264,7 @@ class DebugConfig:
         "``monitor`` them.", run_wide=True)
 
     def __post_init__(self) -> None:
-        for name, check in _CHECKS.items():
+        for name, (check, _) in _RULES.items():
             setattr(self, name, check(getattr(self, name)))
         for name, above in _BELOW.items():
             low, high = getattr(self, name), getattr(self, above)
@@ -303,19 +303,17 @@ TYPES: dict[str, Any] = typing.get_type_hints(DebugConfig)
 """Each field's type (its bound): what LightningCLI checks at parse time."""
 RUN_WIDE_FIELDS = tuple(name for name, declared in SETTINGS.items() if declared.run_wide)
 """Settings of the whole run (its files, console summary, plots, logging), not of one area's checks."""
-_CHECKS = {name: field_check(name, TYPES[name], declared) for name, declared in SETTINGS.items()}
+_RULES = {name: field_rule(name, TYPES[name], declared) for name, declared in SETTINGS.items()}
 _BELOW = {name: declared.below for name, declared in SETTINGS.items() if declared.below}
 
 
 def allowed(name: str) -> str:
-    """What field ``name`` accepts, in words (docs and help text).
-
-    Example::
+    """What field ``name`` accepts, in words (docs and help text)::
 
         >>> allowed("gradient_explosion_threshold"), allowed("anomaly_detection_mode")
         ('None, or a finite number >= 0', 'one of warn, raise, skip, stop (any case)')
     """
-    return allowed_words(TYPES[name], SETTINGS[name])
+    return _RULES[name][1]
 
 
 def default_text(name: str) -> str:
@@ -351,14 +349,15 @@ def keyword_overrides(init: Callable[..., None], area: Area) -> Callable[..., No
 
         >>> class Callback:
         ...     def __init__(self, config=None, **overrides): self.overrides = overrides
-        >>> list(inspect.signature(keyword_overrides(Callback.__init__, Area.MEMORY)).parameters)
-        ['self', 'config', 'memory_profiling_frequency', 'log_memory', 'memory_high_fraction', 'level', 'save_debug_info', 'debug_output_dir']
+        >>> print(*inspect.signature(keyword_overrides(Callback.__init__, Area.MEMORY)).parameters)
+        self config memory_profiling_frequency log_memory memory_high_fraction level save_debug_info debug_output_dir
     """
     hints = typing.get_type_hints(init)
     own = [parameter.replace(annotation=hints.get(name, parameter.annotation))
            for name, parameter in inspect.signature(init).parameters.items() if parameter.kind != parameter.VAR_KEYWORD]
     keyword = inspect.Parameter.KEYWORD_ONLY
-    overrides = [inspect.Parameter(name, keyword, default=None, annotation=TYPES[name] | None) for name in fields_of(area)]
+    overrides = [inspect.Parameter(name, keyword, default=None, annotation=TYPES[name] | None)
+                 for name in fields_of(area)]
     positional = [parameter for parameter in own if parameter.kind != keyword]
     signature = inspect.Signature([*positional, *overrides, *(p for p in own if p.kind == keyword)],
                                   return_annotation=None)
@@ -378,29 +377,26 @@ def config_rows() -> list[str]:
         >>> config_rows()[3]
         '| anomaly_check_frequency | 1 | an integer >= 1 | Check for non-finite values every N optimizer steps. |'
     """
+    whole_run = " A setting of the whole run (below)."
     return [f"| {name} | {default_text(name)} | {markdown(allowed(name))} | {markdown(declared.doc)}"
-            f"{' A setting of the whole run (below).' if declared.run_wide else ''} |" for name, declared in SETTINGS.items()]
+            f"{whole_run if declared.run_wide else ''} |" for name, declared in SETTINGS.items()]
 
 
 def config_value(name: str) -> Any:
     """An attribute of an area's settings view that holds ``DebugConfig.<name>``, its default the field's;
     :func:`read_view` fills it from a config."""
-    return dataclasses.field(default=getattr(_defaults(), name), metadata={"config_field": name})
+    return dataclasses.field(default=getattr(_DEFAULTS, name), metadata={"config_field": name})
 
 
-@functools.cache
-def _defaults() -> DebugConfig:
-    return DebugConfig()
-
-
+_DEFAULTS = DebugConfig()
 _View = typing.TypeVar("_View")
 
 
 def read_view(view: type[_View], config: DebugConfig, **derived: Any) -> _View:
     """An area's settings view (a dataclass whose attributes are :func:`config_value`) from ``config``,
     with the attributes it derives given as keywords."""
-    read = {f.name: getattr(config, f.metadata["config_field"]) for f in dataclasses.fields(view)  # type: ignore[arg-type]
-            if "config_field" in f.metadata}
+    fields = dataclasses.fields(view)  # type: ignore[arg-type]
+    read = {f.name: getattr(config, f.metadata["config_field"]) for f in fields if "config_field" in f.metadata}
     return view(**read, **derived)
 
 

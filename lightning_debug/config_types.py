@@ -128,19 +128,12 @@ ALLOWED = {bound.name: bound.words for bound in BOUNDS.values()}
 """Each type's bounds in words, by the type's name (how a parse error names it): what a short error says is allowed."""
 
 
-
 @dataclass(frozen=True)
 class Setting:
-    """What a :class:`~lightning_debug.DebugConfig` field declares besides its name, bounded type and default.
-
-    Args:
-        doc: Its one description: the Args of ``DebugConfig`` and of the callbacks, ``--help``, the docs' row.
-        areas: The areas (``config.Area``) whose callback takes it as a keyword override.
-        run_wide: A setting of the whole run (its files, summary, plots, logging), taken from any callback.
-        check: Its check at construction when its type's is not enough (``value -> value``, raises
-            ``ValueError`` naming the field); ``allowed`` then says in words what it accepts.
-        below: A field it must stay below when that one is set.
-    """
+    """What a ``DebugConfig`` field declares besides its name, bounded type and default: its one description
+    (``doc``), the areas (``config.Area``) whose callback takes it as a keyword, whether it is a setting of the
+    whole run (taken from any callback), its own ``check`` (``value -> value``, a ``ValueError`` naming the
+    field) with its ``allowed`` words when its type's is not enough, and the field it must stay ``below``."""
 
     doc: str
     areas: tuple[Any, ...] = ()
@@ -163,10 +156,6 @@ def alternatives(hint: Any) -> tuple[list[Any], bool]:
     return [hint], False
 
 
-def _is_enum(kind: Any) -> bool:
-    return isinstance(kind, type) and issubclass(kind, enum.Enum)
-
-
 def _enum_names(enum_type: Any) -> str:
     return ", ".join(member.value if isinstance(member, str) else member.name for member in enum_type)
 
@@ -183,53 +172,41 @@ def coerce_enum(enum_type: type[enum.Enum], field_name: str, value: Any) -> enum
     raise ValueError(f"DebugConfig.{field_name} must be one of {_enum_names(enum_type)}, got {value!r}")
 
 
-def _check_bool(field_name: str, value: Any) -> bool:
-    if not is_bool(value):
-        raise ValueError(f"DebugConfig.{field_name} must be True or False, got {value!r}")
-    return bool(value)
-
-
-def _check_bound(bound: Bound, field_name: str, value: Any) -> Any:
-    number = bound.read(value)
-    if number is None:
-        raise ValueError(f"DebugConfig.{field_name} must be {bound.words}, got {value!r}")
-    return number
+def _check(read: Callable[[Any], Any], words: str, field_name: str, value: Any) -> Any:
+    if (checked := read(value)) is None:
+        raise ValueError(f"DebugConfig.{field_name} must be {words}, got {value!r}")
+    return checked
 
 
 def _optional(check: Callable[[Any], Any], value: Any) -> Any:
     return None if value is None else check(value)
 
 
-def field_check(name: str, hint: Any, declared: Setting) -> Callable[[Any], Any]:
-    """The construction-time check of field ``name`` typed ``hint``: its declared ``check``, else its type's
-    (a bool, an enum by name or value, a :class:`Bound`), None passing when the type is optional."""
+def field_rule(name: str, hint: Any, declared: Setting) -> tuple[Callable[[Any], Any], str]:
+    """Field ``name``'s check at construction and what it allows, in words (help text, the docs' table): its
+    declared ``check`` and ``allowed``, else its type's (a bool, an enum by name or value in any case, a
+    :class:`Bound`), None passing when the type is optional. A type without a rule is a KeyError at import.
+
+    Example::
+
+        >>> check, words = field_rule("x", UnitFraction | None, Setting("An x."))
+        >>> check(None), check(1), words
+        (None, 1.0, 'None, or a number in (0, 1]')
+    """
     (kind, *_), optional = alternatives(hint)
-    check: Callable[[Any], Any]
     if declared.check is not None:
-        check = declared.check
+        check, words = declared.check, declared.allowed or ""
     elif kind is bool:
-        check = functools.partial(_check_bool, name)
-    elif _is_enum(kind):
-        check = functools.partial(coerce_enum, kind, name)
+        check, words = functools.partial(_check, lambda v: bool(v) if is_bool(v) else None, "True or False", name), \
+            "True or False"
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        check, words = functools.partial(coerce_enum, kind, name), f"one of {_enum_names(kind)} (any case)"
     else:
-        check = functools.partial(_check_bound, BOUNDS[kind], name)  # KeyError: a type no check knows
-    return functools.partial(_optional, check) if optional else check
-
-
-def allowed_words(hint: Any, declared: Setting) -> str:
-    """What a field typed ``hint`` accepts, in words (help text, the docs' table)."""
-    (kind, *_), optional = alternatives(hint)
-    if declared.allowed:
-        words = declared.allowed
-    elif kind is bool:
-        words = "True or False"
-    elif _is_enum(kind):
-        words = f"one of {_enum_names(kind)} (any case)"
-    else:
-        words = BOUNDS[kind].words
-    if optional and not declared.allowed:
-        words = f"None, or {words}"
-    return words + (f", below ``{declared.below}`` when that is set" if declared.below else "")
+        bound = BOUNDS[kind]
+        check, words = functools.partial(_check, bound.read, bound.words, name), bound.words
+    if optional:
+        check, words = functools.partial(_optional, check), words if declared.check else f"None, or {words}"
+    return check, words + (f", below ``{declared.below}`` when that is set" if declared.below else "")
 
 
 def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
@@ -238,15 +215,8 @@ def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
 
     Example::
 
-        >>> print(with_args("Summary.\\n\\n    Example::\\n        1 + 1\\n", [("x", "An x.")]))
-        Summary.
-        <BLANKLINE>
-            Args:
-                x: An x.
-        <BLANKLINE>
-            Example::
-                1 + 1
-        <BLANKLINE>
+        >>> with_args("Summary.\\n\\n    Example::\\n        1 + 1\\n", [("x", "An x.")]).splitlines()[2:5]
+        ['    Args:', '        x: An x.', '']
     """
     lines = [textwrap.fill(f"{name}: {text}", 112, initial_indent=" " * 8, subsequent_indent=" " * 12)
              for name, text in entries]
@@ -259,13 +229,7 @@ def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
 
 
 def markdown(text: str) -> str:
-    """Docstring markup as markdown, for the docs' table.
-
-    Example::
-
-        >>> markdown("``x`` or :class:`~lightning_debug.AnomalyError`")
-        '`x` or `AnomalyError`'
-    """
+    """Docstring markup as markdown, for the docs' table: double backticks as one, a role (class, func) as its name."""
     return re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"`\1`", text).replace("``", "`")
 
 
