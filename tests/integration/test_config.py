@@ -439,3 +439,19 @@ def test_each_callback_page_lists_the_fields_it_takes(callback: type, page: str)
     paragraph = text[text.index("\nFields ("):]
     paragraph = paragraph[paragraph.index(":", paragraph.index("configuration.md")):paragraph.index("\n\n")]
     assert tuple(re.findall(r"`(\w+)`", paragraph)) == fields_of(callback.area)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1e-9, 0.5, 1, 1.0, 1.5, 2, 2.5, 50, 51, 10**6, float("inf"), float("nan"), True])
+def test_each_bound_checks_the_same_at_parse_time_and_at_construction(value: Any) -> None:
+    from lightning_debug.config_types import BOUNDS
+
+    for bound in BOUNDS.values():
+        if bound.base is str:
+            continue
+        try:
+            bound.type(value)
+        except ValueError:
+            parsed = False
+        else:
+            parsed = True
+        assert parsed is (bound.read(value) is not None), (bound.name, value)
