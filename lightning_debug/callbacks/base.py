@@ -87,7 +87,7 @@ class DebugCallback(Callback):
         super().__init_subclass__(**kwargs)
         if "area" in cls.__dict__:
             cls.own_fields = AREA_SPECS[cls.area].settings
-            init = cls.__dict__.get("__init__", DebugCallback.__init__)
+            init = cls.__dict__.get("__init__") or getattr(cls.__init__, "__wrapped__", cls.__init__)
             cls.__init__ = keyword_overrides(init, cls.area)  # type: ignore[method-assign]
             cls.__doc__ = with_args(cls.__doc__, [("config", CONFIG_HELP),
                                                   *((name, override_help(name)) for name in fields_of(cls.area))])

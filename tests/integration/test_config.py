@@ -455,3 +455,18 @@ def test_each_bound_checks_the_same_at_parse_time_and_at_construction(value: Any
         else:
             parsed = True
         assert parsed is (bound.read(value) is not None), (bound.name, value)
+
+
+def test_a_user_subclass_that_forwards_keywords_takes_the_callbacks_keywords() -> None:
+    """Before, a subclass's own ``__init__(self, extra=1, **kwargs)`` accepted only ``extra``: every override was
+    'no argument'."""
+
+    class Mine(GradientHealthCallback):
+        def __init__(self, extra: int = 1, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.extra = extra
+
+    mine = Mine(extra=2, gradient_checking_frequency=7)
+    assert (mine.extra, mine.config.gradient_checking_frequency) == (2, 7)
+    with pytest.raises(ValueError, match="did you mean 'gradient_checking_frequency'"):
+        Mine(gradient_checking_frequncy=7)
