@@ -188,8 +188,8 @@ class DebugConfig:
     mode: DebugMode = setting(DebugMode.FULL_DEBUG, "Which callbacks :func:`~lightning_debug.debug_callbacks` "
                               "returns.")
     level: DebugLevel | DebugLevelName = setting(
-        DebugLevel.BASIC, "Depth of each check: BASIC, INTERMEDIATE, ADVANCED or EXPERT; a higher level includes "
-        "everything of the lower ones.", areas=EVERY_CALLBACK)
+        DebugLevel.BASIC, "Depth of each check; a higher level includes everything of the lower ones.",
+        areas=EVERY_CALLBACK)
     anomaly_detection_mode: AnomalyMode | AnomalyModeName = setting(
         "warn", 'What a non-finite loss, gradient or parameter does: ``"warn"`` (event and a rate-limited '
         'warning), ``"raise"`` (:class:`~lightning_debug.AnomalyError`), ``"skip"`` (drop this optimizer step) '
