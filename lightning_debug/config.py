@@ -308,11 +308,7 @@ _BELOW = {name: declared.below for name, declared in SETTINGS.items() if declare
 
 
 def allowed(name: str) -> str:
-    """What field ``name`` accepts, in words (docs and help text)::
-
-        >>> allowed("gradient_explosion_threshold"), allowed("anomaly_detection_mode")
-        ('None, or a finite number >= 0', 'one of warn, raise, skip, stop (any case)')
-    """
+    """What field ``name`` accepts, in words (help text, the docs' table)."""
     return _RULES[name][1]
 
 

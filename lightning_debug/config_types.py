@@ -1,15 +1,11 @@
-"""How a :class:`~lightning_debug.DebugConfig` field is declared: its bound (one :class:`Bound` per kind of
-constraint) and its :class:`Setting`, and the checks, signatures and text made from them.
+"""How a :class:`~lightning_debug.DebugConfig` field is declared: its type is its :class:`Bound` (one per kind of
+constraint), the rest is its :func:`setting`; ``lightning_debug.config`` applies the functions below to its fields.
 
-A bound is stated once and gives both checks: the restricted type that LightningCLI (jsonargparse)
-checks while it parses the YAML file or the command line (a frequency of 0 is a usage error, exit code
-2, the field named, no traceback), and the check ``DebugConfig`` runs at construction, which Python
-needs since it never checks an annotation (a ``ValueError`` naming the field and the bound in words).
-A field is annotated with the bound's type (``anomaly_check_frequency: PositiveInt``); DebugConfig finds
-the bound from it. Without jsonargparse (it comes with ``lightning-debug[cli]``) each type is a plain
-subclass of ``int``, ``float`` or ``str`` that only names the bound. The rest of a field's declaration is
-its :func:`setting` (default, description, the callbacks that take it); ``lightning_debug.config`` applies
-the functions below to its fields.
+A bound gives both checks: the restricted type LightningCLI (jsonargparse) checks while it parses (a
+frequency of 0 is a usage error, exit code 2, the field named, no traceback), and the check at
+construction, which Python needs since it never checks an annotation (a ``ValueError`` naming the field
+and the bound in words). Without jsonargparse (``lightning-debug[cli]``) each type is a plain subclass of
+``int``, ``float`` or ``str`` that only names the bound.
 
 Example::
 
@@ -37,9 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_PROFILE_STEPS = 50
-"""The longest torch.profiler window: the profiler keeps every recorded operator event in memory until
-the window ends and writes them all to one trace (measured: 145 MB of trace and +100 MB RSS over 1,500
-steps of a small model), so a window of a few steps is what a trace is for."""
+"""The longest torch.profiler window (``DebugConfig.profile_steps`` says why)."""
 
 _COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
@@ -68,11 +62,8 @@ def as_real(value: Any) -> float | None:
 
 @dataclass(frozen=True)
 class Bound:
-    """One kind of constraint: its name (the type's, as a parse error prints it), base type, limits and words.
-
-    ``type`` is the annotation to give a field: jsonargparse's restricted type (its own ``PositiveInt``,
-    ``NonNegativeInt`` and ``NotEmptyStr`` where they exist) or, without jsonargparse, a plain subclass.
-    """
+    """One kind of constraint: its name (as a parse error prints it), base type, limits and words; ``type`` is
+    the annotation to give a field (jsonargparse's restricted type, its own ``PositiveInt`` where it has one)."""
 
     name: str
     base: type

@@ -82,8 +82,8 @@ class DebugCallback(Callback):
     tell two callbacks of one class apart (the ``state_key``); set from ``area``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A class with an ``area`` takes its area's fields as keyword overrides (:func:`~lightning_debug.config.
-        keyword_overrides`), documented in its ``Args`` from their one description each."""
+        """A class with an ``area`` takes its area's fields as keyword overrides (``config.keyword_overrides``),
+        documented in its ``Args`` from their one description each."""
         super().__init_subclass__(**kwargs)
         if "area" in cls.__dict__:
             cls.own_fields = AREA_SPECS[cls.area].settings
