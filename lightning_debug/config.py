@@ -15,19 +15,20 @@ step rather than at step 10,000::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import functools
-import math
-import numbers
+import inspect
 import os
-from collections.abc import Callable, Iterable, Mapping
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, FiniteNonNegativeFloat, NonNegativeInt,
-                                          NotEmptyStr, PositiveInt, ProfileLength, UnitFraction)
+                                          NotEmptyStr, PositiveInt, ProfileLength, Setting, UnitFraction, as_integer,
+                                          field_rule, markdown, rejects_unknown_keywords, setting, unknown_name_error,
+                                          with_args)
 
 
 class _AnyCaseNames(enum.EnumMeta):
@@ -100,7 +101,7 @@ traceback), accepts the spellings Python accepts (``skip``, ``RAISE``, through t
 case) and prints the member name (``SKIP``) in ``--print_config``."""
 
 DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
-"""The values of :class:`DebugLevel`, for keyword overrides typed ``DebugLevel | DebugLevelName``."""
+"""The values of :class:`DebugLevel`: ``level`` is typed ``DebugLevel | DebugLevelName``, as above."""
 
 class Area(enum.Enum):
     """The areas of checks, in the order the run calls them.
@@ -130,92 +131,8 @@ AREAS_BY_MODE: dict[DebugMode, tuple[Area, ...]] = {
 }
 
 
-def unknown_name_error(owner: str, name: str, valid: Iterable[str], what: str = "field") -> ValueError:
-    """``ValueError: <owner> has no <what> 'x'; did you mean 'y'? ...``, naming the closest valid name.
-
-    Example::
-
-        >>> str(unknown_name_error("DebugConfig", "anomaly_mode", ["anomaly_detection_mode", "level"]))
-        "DebugConfig has no field 'anomaly_mode'; did you mean 'anomaly_detection_mode'? Fields are anomaly_detection_mode, level"
-    """
-    names = sorted(valid)
-    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else "."
-    return ValueError(f"{owner} has no {what} {name!r}{hint} {what.capitalize()}s are {', '.join(names)}")
-
-
-def rejects_unknown_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap an ``__init__`` so an unknown keyword is a ``ValueError`` naming the closest valid one (not
-    Python's ``TypeError``); the signature stays the same for ``inspect`` and LightningCLI."""
-    import inspect
-
-    accepted = [name for name, parameter in inspect.signature(init).parameters.items()
-                if name != "self" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
-
-    @functools.wraps(init)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-        unknown = [name for name in kwargs if name not in accepted]
-        if unknown:
-            raise unknown_name_error(type(self).__name__, unknown[0], accepted,
-                                     "field" if isinstance(self, DebugConfig) else "argument")
-        init(self, *args, **kwargs)
-
-    return checked
-
-
-def _coerce_enum(enum_type: type[enum.Enum], field_name: str, value: Any) -> enum.Enum:
-    if isinstance(value, enum_type):
-        return value
-    if isinstance(value, str):
-        wanted = value.strip().lower()
-        for member in enum_type:
-            if wanted in (member.name.lower(), str(member.value).lower()):
-                return member
-    names = (member.value if isinstance(member, str) else member.name for member in enum_type)
-    allowed = ", ".join(names)
-    raise ValueError(f"DebugConfig.{field_name} must be one of {allowed}, got {value!r}")
-
-
-def _is_bool(value: Any) -> bool:
-    """``True``/``False`` or a numpy bool (``np.True_``), never ``1`` or ``"yes"``."""
-    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
-
-
-def _integer(value: Any) -> int | None:
-    """An int from an ``int``, a numpy integer (``np.int64``) or a whole float (``1.0``, as a YAML file
-    through LightningCLI reads it); None for anything else (bools, ``2.5``)."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if _is_bool(value) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
-def _real(value: Any) -> float | None:
-    """A float from an int, a float or a numpy scalar (``np.float32``); None for anything else (bools, strings)."""
-    if _is_bool(value) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
-
-
-def _check_frequency(field_name: str, value: Any) -> int:
-    number = _integer(value)
-    if number is None or number < 1:
-        raise ValueError(f"DebugConfig.{field_name} must be an integer >= 1, got {value!r}")
-    return number
-
-
-def _check_threshold(field_name: str, value: Any) -> float:
-    number = _real(value)
-    if number is None or not math.isfinite(number) or number < 0:
-        raise ValueError(f"DebugConfig.{field_name} must be a finite number >= 0, got {value!r}")
-    return number
-
-
-def _check_bool(field_name: str, value: Any) -> bool:
-    if not _is_bool(value):
-        raise ValueError(f"DebugConfig.{field_name} must be True or False, got {value!r}")
-    return bool(value)
+EVERY_CALLBACK = AREAS_BY_MODE[DebugMode.FULL_DEBUG]
+"""The areas of the four callbacks: a field that names them all is a keyword of every callback."""
 
 
 def _check_output_dir(value: Any) -> str:
@@ -236,47 +153,19 @@ def _check_output_dir(value: Any) -> str:
     return path
 
 
-def _check_performance_fields(config: "DebugConfig") -> None:
-    factor = _real(config.slow_step_factor)
-    if factor is None or not math.isfinite(factor) or factor <= 1:
-        raise ValueError(f"DebugConfig.slow_step_factor must be a finite number > 1, got {config.slow_step_factor!r}")
-    config.slow_step_factor = factor
-    share = _real(config.dataloader_bottleneck_share)
-    if share is None or not 0 < share <= 1:
-        raise ValueError("DebugConfig.dataloader_bottleneck_share must be a number in (0, 1], got "
-                         f"{config.dataloader_bottleneck_share!r}")
-    config.dataloader_bottleneck_share = share
-    window = config.profile_steps
-    if window is not None:
-        values = [_integer(v) for v in window] if isinstance(window, (list, tuple)) else []
-        if len(values) != 2 or any(v is None or v < 0 for v in values):
-            raise ValueError("DebugConfig.profile_steps must be None or (start, length) with integers start >= 0 "
-                             f"and length >= 0, got {window!r}")
-        if values[1] > MAX_PROFILE_STEPS:  # type: ignore[operator]
-            raise ValueError(f"DebugConfig.profile_steps length must be at most {MAX_PROFILE_STEPS}, got {window!r}: "
-                             "torch.profiler keeps every event of the window in memory and writes one trace of "
-                             "them all (about 100 KB per step for a small model); profile a few steps")
-        config.profile_steps = (values[0], values[1])  # type: ignore[assignment]
+def _check_profile_steps(window: Any) -> tuple[int, int]:
+    values = [as_integer(v) for v in window] if isinstance(window, (list, tuple)) else []
+    if len(values) != 2 or any(v is None or v < 0 for v in values):
+        raise ValueError("DebugConfig.profile_steps must be None or (start, length) with integers start >= 0 "
+                         f"and length >= 0, got {window!r}")
+    if values[1] > MAX_PROFILE_STEPS:  # type: ignore[operator]
+        raise ValueError(f"DebugConfig.profile_steps length must be at most {MAX_PROFILE_STEPS}, got {window!r}: "
+                         "torch.profiler keeps every event of the window in memory and writes one trace of "
+                         "them all (about 100 KB per step for a small model); profile a few steps")
+    return values[0], values[1]  # type: ignore[return-value]
 
 
-def _check_gradient_thresholds(config: "DebugConfig") -> None:
-    """The vanishing threshold, and the explosion threshold only when set (then the vanishing one is below it)."""
-    low = config.gradient_vanishing_threshold = _check_threshold("gradient_vanishing_threshold",
-                                                                 config.gradient_vanishing_threshold)
-    if config.gradient_explosion_threshold is None:
-        return
-    high = config.gradient_explosion_threshold = _check_threshold("gradient_explosion_threshold",
-                                                                  config.gradient_explosion_threshold)
-    if low >= high:
-        raise ValueError("DebugConfig.gradient_vanishing_threshold must be below DebugConfig."
-                         f"gradient_explosion_threshold, got {low!r} >= {high!r}")
-
-
-def _check_memory_fields(config: "DebugConfig") -> None:
-    fraction = _real(config.memory_high_fraction)
-    if fraction is None or not 0 < fraction <= 1:
-        raise ValueError(f"DebugConfig.memory_high_fraction must be a number in (0, 1], got {config.memory_high_fraction!r}")
-    config.memory_high_fraction = fraction
+_ANOMALY, _GRADIENTS, _MEMORY, _PERFORMANCE = (Area.ANOMALY,), (Area.GRADIENTS,), (Area.MEMORY,), (Area.PERFORMANCE,)
 
 
 @dataclass
@@ -285,61 +174,9 @@ class DebugConfig:
 
     Frequencies count optimizer steps (``trainer.global_step``), not micro-batches, so gradient
     accumulation does not change how often a check runs. Strings are accepted for ``mode`` and
-    ``level`` (``"full_debug"``, ``"ADVANCED"``) so the class reads naturally from YAML.
-
-    Args:
-        mode: Which callbacks :func:`~lightning_debug.debug_callbacks` returns.
-        level: Depth of each check: BASIC, INTERMEDIATE, ADVANCED or EXPERT.
-        anomaly_detection_mode: What a non-finite loss, gradient or parameter does: ``"warn"``
-            (event and a rate-limited warning), ``"raise"`` (:class:`~lightning_debug.AnomalyError`),
-            ``"skip"`` (drop this optimizer step) or ``"stop"`` (stop training cleanly).
-        anomaly_check_frequency: Check for non-finite values every N optimizer steps.
-        gradient_checking_frequency: Check gradient health every N optimizer steps.
-        memory_profiling_frequency: Measure memory every N optimizer steps.
-        performance_profiling_frequency: Time the step phases every N optimizer steps.
-        gradient_explosion_threshold: Opt-in fixed cap on the gradient norm: when set, a global (or
-            any parameter's) gradient norm above it is exploding, and it is the clip value suggested
-            before the run has a history. ``None`` (the default): the global norm is judged against
-            the run's own recent norms (a jump of 10x over their median) and no fixed value is used
-            anywhere (see docs/gradients.md).
-        gradient_vanishing_threshold: A layer (module) whose gradient norm is below this is
-            vanishing; parameters with an exactly zero gradient inside a learning module are
-            structural and never count.
-        save_debug_info: Write events.jsonl and the report files to ``debug_output_dir``.
-        debug_output_dir: Where files go (a path string or ``os.PathLike``). Every run writes in a
-            directory of its own: a relative path resolves under the logger's version directory
-            (TensorBoard, CSV: ``version_N/debug_outputs``), otherwise under ``default_root_dir``
-            with the run id below it (``debug_outputs/<run id>``), as does an absolute path.
-        log_gradients: Log per-parameter gradient norms and histograms.
-        log_activations: Log per-module activation statistics (mean, std, max |x|, zero and
-            saturated fractions, non-finite count) of the leaf modules' outputs on gradient check
-            steps, and report dead ReLUs and saturated sigmoid/tanh layers; with the gradients
-            area (``GradientHealthCallback``).
-        log_weights: Log per-parameter weight norms, update ratios and histograms.
-        log_memory: Log memory scalars to the trainer's logger.
-        log_performance: Log timing scalars to the trainer's logger.
-        memory_high_fraction: ``memory_high`` when CUDA memory reserved exceeds this fraction of the
-            device, or used system memory this fraction of the machine.
-        slow_step_factor: A step slower than this many times the recent median step is a ``slow_step``.
-        dataloader_bottleneck_share: Data wait above this share of the step time (over recent check
-            steps) is a ``dataloader_bottleneck``.
-        profile_steps: ``(start, length)``: run torch.profiler over optimizer steps ``start`` to
-            ``start + length - 1``; ``None`` means off below ADVANCED and a default window from
-            ADVANCED on; a length of 0 turns it off.
-        save_plots: At the end of fit, draw ``debug_analysis.png`` (loss, step time, memory, gradient
-            norm, findings) next to the report with a finding of warning or above, a run that did not
-            finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib
-            (``pip install "lightning-debug[plots]"``), skipped with a note without it.
-        print_summary: At the end of fit, print a short summary of the findings and where the
-            files are, once, on the global-zero process (with rich when it is installed).
-        follow_log_cadence: Send scalars to the loggers at the trainer's logging cadence
-            (``log_every_n_steps``), as Lightning's own monitoring callbacks do: of the check steps
-            in each logging window, the last one's values are logged at their own step (the lowest
-            value for ``debug/loss_finite``, so a NaN is never hidden). False logs every check step.
-            Events and the report are never thinned.
-        expose_callback_metrics: Also put ``debug/loss_finite``, ``debug/anomaly/count`` and
-            ``debug/grad/global_norm`` into ``trainer.callback_metrics`` when they are measured, so
-            ``EarlyStopping`` or ``ModelCheckpoint`` can ``monitor`` them.
+    ``level`` (``"full_debug"``, ``"ADVANCED"``) so the class reads naturally from YAML. Each field
+    is declared once below (type and bound, default, description, the callbacks that take it); the
+    Args here, the callbacks' keywords and docs/configuration.md's table are made from them.
 
     Example::
 
@@ -348,44 +185,91 @@ class DebugConfig:
         (<DebugMode.ANOMALY_DETECTION: 'anomaly_detection'>, <DebugLevel.ADVANCED: 'advanced'>)
     """
 
-    mode: DebugMode = DebugMode.FULL_DEBUG
-    level: DebugLevel = DebugLevel.BASIC
-    anomaly_detection_mode: AnomalyMode | AnomalyModeName = "warn"
-    anomaly_check_frequency: PositiveInt = 1
-    gradient_checking_frequency: PositiveInt = 100
-    memory_profiling_frequency: PositiveInt = 50
-    performance_profiling_frequency: PositiveInt = 10
-    gradient_explosion_threshold: FiniteNonNegativeFloat | None = None
-    gradient_vanishing_threshold: FiniteNonNegativeFloat = 1e-6
-    save_debug_info: bool = True
-    debug_output_dir: NotEmptyStr = "debug_outputs"  # an os.PathLike is accepted too (stored as str)
-    log_gradients: bool = False
-    log_activations: bool = False
-    log_weights: bool = False
-    log_memory: bool = True
-    log_performance: bool = True
-    memory_high_fraction: UnitFraction = 0.9
-    slow_step_factor: AboveOne = 3.0
-    dataloader_bottleneck_share: UnitFraction = 0.3
-    profile_steps: tuple[NonNegativeInt, ProfileLength] | None = None
-    save_plots: bool = True
-    print_summary: bool = True
-    follow_log_cadence: bool = True
-    expose_callback_metrics: bool = False
+    mode: DebugMode = setting(DebugMode.FULL_DEBUG, "Which callbacks :func:`~lightning_debug.debug_callbacks` "
+                              "returns.")
+    level: DebugLevel | DebugLevelName = setting(
+        DebugLevel.BASIC, "Depth of each check; a higher level includes everything of the lower ones.",
+        areas=EVERY_CALLBACK)
+    anomaly_detection_mode: AnomalyMode | AnomalyModeName = setting(
+        "warn", 'What a non-finite loss, gradient or parameter does: ``"warn"`` (event and a rate-limited '
+        'warning), ``"raise"`` (:class:`~lightning_debug.AnomalyError`), ``"skip"`` (drop this optimizer step) '
+        'or ``"stop"`` (stop training cleanly).', areas=_ANOMALY)
+    anomaly_check_frequency: PositiveInt = setting(1, "Check for non-finite values every N optimizer steps.",
+                                                   areas=_ANOMALY)
+    gradient_checking_frequency: PositiveInt = setting(100, "Check gradient health every N optimizer steps.",
+                                                       areas=_GRADIENTS)
+    memory_profiling_frequency: PositiveInt = setting(50, "Measure memory every N optimizer steps.", areas=_MEMORY)
+    performance_profiling_frequency: PositiveInt = setting(10, "Time the step phases every N optimizer steps.",
+                                                           areas=_PERFORMANCE)
+    gradient_explosion_threshold: FiniteNonNegativeFloat | None = setting(
+        None, "Opt-in fixed cap on the gradient norm: when set, a global (or any parameter's) gradient norm above "
+        "it is exploding, and it is the clip value suggested before the run has a history. ``None`` (the "
+        "default): the global norm is judged against the run's own recent norms (a jump of 10x over their "
+        "median) and no fixed value is used anywhere (see docs/gradients.md).", areas=_GRADIENTS)
+    gradient_vanishing_threshold: FiniteNonNegativeFloat = setting(
+        1e-6, "A layer (module) whose gradient norm is below this is vanishing; parameters with an exactly "
+        "zero gradient inside a learning module are structural and never count.", areas=_GRADIENTS,
+        below="gradient_explosion_threshold")
+    save_debug_info: bool = setting(True, "Write events.jsonl and the report files to ``debug_output_dir``.",
+                                    areas=EVERY_CALLBACK, run_wide=True)
+    debug_output_dir: NotEmptyStr = setting(
+        "debug_outputs", "Where files go (a path string or ``os.PathLike``). Every run writes in a directory of "
+        "its own: a relative path resolves under the logger's version directory (TensorBoard, CSV: "
+        "``version_N/debug_outputs``), otherwise under ``default_root_dir`` with the run id below it "
+        "(``debug_outputs/<run id>``), as does an absolute path.", areas=EVERY_CALLBACK, run_wide=True,
+        check=_check_output_dir, allowed="a non-empty path (``str`` or ``os.PathLike``) with no NUL byte, no "
+        "component over 255 bytes, at most 4095 bytes, that is not an existing file")
+    log_gradients: bool = setting(False, "Log per-parameter gradient norms and histograms.", areas=_GRADIENTS)
+    log_activations: bool = setting(
+        False, "Log per-module activation statistics (``debug/activation/<module>/<stat>``: mean, std, max "
+        "abs, zero and saturated fractions, non-finite count) of the leaf modules' outputs on gradient check steps, "
+        "and report dead ReLUs (``dead_activation``) and saturated sigmoid/tanh layers (``saturated_activation``); "
+        "with the gradients area (``GradientHealthCallback``, docs/activations.md).", areas=_GRADIENTS)
+    log_weights: bool = setting(False, "Log per-parameter weight norms, update ratios and histograms.",
+                                areas=_GRADIENTS)
+    log_memory: bool = setting(True, "Log memory scalars to the trainer's logger.", areas=_MEMORY)
+    log_performance: bool = setting(True, "Log timing scalars to the trainer's logger.", areas=_PERFORMANCE)
+    memory_high_fraction: UnitFraction = setting(
+        0.9, "``memory_high`` when CUDA memory reserved exceeds this fraction of the device, or used system "
+        "memory this fraction of the machine.", areas=_MEMORY)
+    slow_step_factor: AboveOne = setting(
+        3.0, "A step slower than this many times the recent median step is a ``slow_step``.", areas=_PERFORMANCE)
+    dataloader_bottleneck_share: UnitFraction = setting(
+        0.3, "Data wait above this share of the step time (over recent check steps) is a "
+        "``dataloader_bottleneck``.", areas=_PERFORMANCE)
+    profile_steps: tuple[NonNegativeInt, ProfileLength] | None = setting(
+        None, "``(start, length)``: run torch.profiler over optimizer steps ``start`` to ``start + length - 1``; "
+        "``None`` means off below ADVANCED and (10, 2) from ADVANCED on; a length of 0 turns it off. At most "
+        f"{MAX_PROFILE_STEPS} steps: the profiler keeps every event of the window in memory and writes one trace "
+        "of them all (145 MB and +100 MB RSS were measured over 1,500 steps of a small model). Kineto's "
+        "profiler_start/stop lines are silenced.",
+        areas=_PERFORMANCE, check=_check_profile_steps,
+        allowed=f"None or (start, length) with integers start >= 0 and 0 <= length <= {MAX_PROFILE_STEPS}")
+    save_plots: bool = setting(
+        True, "At the end of fit, draw ``debug_analysis.png`` (loss, step time, memory, gradient norm, findings) "
+        "next to the report when it is worth the half second it costs: a finding of warning or above, a run that "
+        "did not finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib "
+        '(``pip install "lightning-debug[plots]"``), skipped with a note without it.', run_wide=True)
+    print_summary: bool = setting(
+        True, "At the end of fit, print a short summary of the findings and where the files are, once, on the "
+        "global-zero process (with rich when it is installed).", run_wide=True)
+    follow_log_cadence: bool = setting(
+        True, "Send scalars to the loggers at the trainer's logging cadence (``log_every_n_steps``), as "
+        "Lightning's own monitoring callbacks do: of the check steps in each logging window, the last one's "
+        "values are logged at their own step (the lowest value for ``debug/loss_finite``, so a NaN is never "
+        "hidden). False logs every check step. Events and the report are never thinned.", run_wide=True)
+    expose_callback_metrics: bool = setting(
+        False, "Also put ``debug/loss_finite``, ``debug/anomaly/count`` and ``debug/grad/global_norm`` into "
+        "``trainer.callback_metrics`` when they are measured, so ``EarlyStopping`` or ``ModelCheckpoint`` can "
+        "``monitor`` them.", run_wide=True)
 
     def __post_init__(self) -> None:
-        self.mode = _coerce_enum(DebugMode, "mode", self.mode)  # type: ignore[assignment]
-        self.level = _coerce_enum(DebugLevel, "level", self.level)  # type: ignore[assignment]
-        self.anomaly_detection_mode = _coerce_enum(  # type: ignore[assignment]
-            AnomalyMode, "anomaly_detection_mode", self.anomaly_detection_mode)
-        for name in FREQUENCY_FIELDS:
-            setattr(self, name, _check_frequency(name, getattr(self, name)))
-        _check_gradient_thresholds(self)
-        for name in BOOL_FIELDS:
-            setattr(self, name, _check_bool(name, getattr(self, name)))
-        _check_performance_fields(self)
-        _check_memory_fields(self)
-        self.debug_output_dir = _check_output_dir(self.debug_output_dir)
+        for name, (check, _) in _RULES.items():
+            setattr(self, name, check(getattr(self, name)))
+        for name, above in _BELOW.items():
+            low, high = getattr(self, name), getattr(self, above)
+            if high is not None and low >= high:
+                raise ValueError(f"DebugConfig.{name} must be below DebugConfig.{above}, got {low!r} >= {high!r}")
 
     def replace(self, **overrides: Any) -> "DebugConfig":
         """A copy with the given fields changed; ``None`` values keep this config's value."""
@@ -411,11 +295,105 @@ class DebugConfig:
         return out
 
 
-DebugConfig.__init__ = rejects_unknown_keywords(DebugConfig.__init__)  # type: ignore[method-assign]
+# --- what the declarations give: checks, keyword signatures, help text, the docs' table, settings views ---------
 
-FREQUENCY_FIELDS = ("anomaly_check_frequency", "gradient_checking_frequency", "memory_profiling_frequency",
-                    "performance_profiling_frequency")
-BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(DebugConfig) if f.type in ("bool", bool))
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(DebugConfig)}
+"""Each field's declaration, in field order."""
+TYPES: dict[str, Any] = typing.get_type_hints(DebugConfig)
+"""Each field's type (its bound): what LightningCLI checks at parse time."""
+RUN_WIDE_FIELDS = tuple(name for name, declared in SETTINGS.items() if declared.run_wide)
+"""Settings of the whole run (its files, console summary, plots, logging), not of one area's checks."""
+_RULES = {name: field_rule(name, TYPES[name], declared) for name, declared in SETTINGS.items()}
+_BELOW = {name: declared.below for name, declared in SETTINGS.items() if declared.below}
+
+
+def allowed(name: str) -> str:
+    """What field ``name`` accepts, in words (help text, the docs' table)."""
+    return _RULES[name][1]
+
+
+def default_text(name: str) -> str:
+    """Field ``name``'s default as the docs show it (an enum by name)."""
+    default = DebugConfig.__dataclass_fields__[name].default
+    return default.name if isinstance(default, enum.Enum) else repr(default)
+
+
+def fields_of(area: Area) -> tuple[str, ...]:
+    """The fields ``area``'s callback takes as keyword overrides: its own first, then those of every callback."""
+    own = [name for name, declared in SETTINGS.items() if area in declared.areas]
+    return tuple(sorted(own, key=lambda name: SETTINGS[name].areas == EVERY_CALLBACK))
+
+
+def _help(name: str) -> str:
+    """Field ``name``'s help text: its description and, unless it is a flag, what it accepts."""
+    whole_run = " A setting of the whole run: set on any of the trainer's debug callbacks, it holds for all."
+    return (SETTINGS[name].doc + ("" if TYPES[name] is bool else f" Allowed: {allowed(name)}.")
+            + (whole_run if SETTINGS[name].run_wide else ""))
+
+
+DebugConfig.__doc__ = with_args(DebugConfig.__doc__, ((name, _help(name)) for name in SETTINGS))
+
+DebugConfig.__init__ = rejects_unknown_keywords(DebugConfig.__init__, what="field")  # type: ignore[method-assign]
+
+
+def keyword_overrides(init: Callable[..., None], area: Area) -> Callable[..., None]:
+    """``init(self, config=None, *, <its own keywords>, **overrides)`` as a callback of ``area`` shows it: one
+    keyword per field of :func:`fields_of` ``(area)``, typed ``<the field's type> | None`` with a default of
+    None (keep ``config``'s value), before its own; any other keyword is a ``ValueError`` naming the closest.
+
+    Example::
+
+        >>> class Callback:
+        ...     def __init__(self, config=None, **overrides): self.overrides = overrides
+        >>> print(*inspect.signature(keyword_overrides(Callback.__init__, Area.MEMORY)).parameters)
+        self config memory_profiling_frequency log_memory memory_high_fraction level save_debug_info debug_output_dir
+    """
+    hints = typing.get_type_hints(init)
+    own = [parameter.replace(annotation=hints.get(name, parameter.annotation))
+           for name, parameter in inspect.signature(init).parameters.items() if parameter.kind != parameter.VAR_KEYWORD]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    overrides = [inspect.Parameter(name, keyword, default=None, annotation=TYPES[name] | None)
+                 for name in fields_of(area)]
+    positional = [parameter for parameter in own if parameter.kind != keyword]
+    signature = inspect.Signature([*positional, *overrides, *(p for p in own if p.kind == keyword)],
+                                  return_annotation=None)
+    return rejects_unknown_keywords(init, signature)
+
+
+def override_help(name: str) -> str:
+    """A callback's help text for its keyword override of field ``name``."""
+    return f"{_help(name)} Null: the value in ``config`` (DebugConfig default: {default_text(name)})."
+
+
+def config_rows() -> list[str]:
+    """docs/configuration.md's table of fields, one markdown row per field (a test keeps the two the same).
+
+    Example::
+
+        >>> config_rows()[3]
+        '| anomaly_check_frequency | 1 | an integer >= 1 | Check for non-finite values every N optimizer steps. |'
+    """
+    whole_run = " A setting of the whole run (below)."
+    return [f"| {name} | {default_text(name)} | {markdown(allowed(name))} | {markdown(declared.doc)}"
+            f"{whole_run if declared.run_wide else ''} |" for name, declared in SETTINGS.items()]
+
+
+def config_value(name: str) -> Any:
+    """An attribute of an area's settings view that holds ``DebugConfig.<name>``, its default the field's;
+    :func:`read_view` fills it from a config."""
+    return dataclasses.field(default=getattr(_DEFAULTS, name), metadata={"config_field": name})
+
+
+_DEFAULTS = DebugConfig()
+_View = typing.TypeVar("_View")
+
+
+def read_view(view: type[_View], config: DebugConfig, **derived: Any) -> _View:
+    """An area's settings view (a dataclass whose attributes are :func:`config_value`) from ``config``,
+    with the attributes it derives given as keywords."""
+    fields = dataclasses.fields(view)  # type: ignore[arg-type]
+    read = {f.name: getattr(config, f.metadata["config_field"]) for f in fields if "config_field" in f.metadata}
+    return view(**read, **derived)
 
 
 def resolve_config(config: DebugConfig | None, **overrides: Any) -> DebugConfig:

@@ -1,55 +1,257 @@
-"""The constrained number types of :class:`~lightning_debug.DebugConfig` fields and the callbacks' overrides.
+"""How a :class:`~lightning_debug.DebugConfig` field is declared: its type is its :class:`Bound` (one per kind of
+constraint), the rest is its :func:`setting`; ``lightning_debug.config`` applies the functions below to its fields.
 
-LightningCLI (jsonargparse) checks a value against its annotation while it parses the YAML file or the
-command line, so a frequency of 0 or a share of 1.5 is a usage error (exit code 2, the field named, no
-traceback) instead of a ``ValueError`` raised from ``__post_init__`` after parsing. Python does not check
-annotations: the dataclass still validates every value at construction, with the same bounds, so
-``DebugConfig(anomaly_check_frequency=0)`` keeps raising a ``ValueError`` naming the field. Without
-jsonargparse (it comes with ``lightning-debug[cli]``) the names are plain ``int`` and ``float``.
+A bound gives both checks: the restricted type LightningCLI (jsonargparse) checks while it parses (a
+frequency of 0 is a usage error, exit code 2, the field named, no traceback), and the check at
+construction, which Python needs since it never checks an annotation (a ``ValueError`` naming the field
+and the bound in words). Without jsonargparse (``lightning-debug[cli]``) each type is a plain subclass of
+``int``, ``float`` or ``str`` that only names the bound.
 
 Example::
 
-    >>> PositiveInt(3) == 3, UnitFraction(0.5) == 0.5
-    (True, True)
+    >>> UNIT_FRACTION.read(0.5), UNIT_FRACTION.read(1.5), POSITIVE_INT.read(3.0), POSITIVE_INT.read(True)
+    (0.5, None, 3, None)
+    >>> BOUNDS[PositiveInt].words
+    'an integer >= 1'
 """
 
 from __future__ import annotations
 
+import difflib
+import enum
+import functools
+import inspect
 import math
+import numbers
+import operator
+import re
+import textwrap
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_PROFILE_STEPS = 50
-"""The longest torch.profiler window: the profiler keeps every recorded operator event in memory until
-the window ends and writes them all to one trace (measured: 145 MB of trace and +100 MB RSS over 1,500
-steps of a small model), so a window of a few steps is what a trace is for."""
+"""The longest torch.profiler window (``DebugConfig.profile_steps`` says why)."""
 
-PositiveInt: Any
-NonNegativeInt: Any
-FiniteNonNegativeFloat: Any
-UnitFraction: Any
-AboveOne: Any
-ProfileLength: Any
-NotEmptyStr: Any
+_COMPARE = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
 
-try:
-    from jsonargparse.typing import NonNegativeInt, NotEmptyStr, PositiveInt, restricted_number_type
-except ImportError:  # no LightningCLI without it: plain types, the dataclass still validates
-    PositiveInt = NonNegativeInt = ProfileLength = int
-    NotEmptyStr = str
-    FiniteNonNegativeFloat = UnitFraction = AboveOne = float
-else:
-    FiniteNonNegativeFloat = restricted_number_type("FiniteNonNegativeFloat", float,
-                                                    [(">=", 0), ("<", math.inf)], join="and")
-    UnitFraction = restricted_number_type("UnitFraction", float, [(">", 0), ("<=", 1)], join="and")
-    AboveOne = restricted_number_type("AboveOne", float, [(">", 1), ("<", math.inf)], join="and")
-    ProfileLength = restricted_number_type("ProfileLength", int, [(">=", 0), ("<=", MAX_PROFILE_STEPS)], join="and")
 
-ALLOWED = {
-    "PositiveInt": "an integer >= 1", "NonNegativeInt": "an integer >= 0", "NotEmptyStr": "a string that is not blank",
-    "FiniteNonNegativeFloat": "a finite number >= 0", "UnitFraction": "a number in (0, 1]",
-    "AboveOne": "a finite number > 1", "ProfileLength": f"an integer in [0, {MAX_PROFILE_STEPS}]",
-}
+def is_bool(value: Any) -> bool:
+    """``True``/``False`` or a numpy bool (``np.True_``), never ``1`` or ``"yes"``."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def as_integer(value: Any) -> int | None:
+    """An int from an ``int``, a numpy integer (``np.int64``) or a whole float (``1.0``, as a YAML file
+    through LightningCLI reads it); None for anything else (bools, ``2.5``)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if is_bool(value) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def as_real(value: Any) -> float | None:
+    """A float from an int, a float or a numpy scalar (``np.float32``); None for anything else (bools, strings)."""
+    if is_bool(value) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One kind of constraint: its name (as a parse error prints it), base type, limits and words; ``type`` is
+    the annotation to give a field (jsonargparse's restricted type, its own ``PositiveInt`` where it has one)."""
+
+    name: str
+    base: type
+    limits: tuple[tuple[str, float], ...]
+    words: str
+    type: Any = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", _parse_type(self))
+
+    def read(self, value: Any) -> Any:
+        """``value`` as the base type when it is within the bound, else None."""
+        if self.base is str:
+            return value if isinstance(value, str) and value.strip() else None
+        number = as_integer(value) if self.base is int else as_real(value)
+        if number is None or not all(_COMPARE[op](number, limit) for op, limit in self.limits):
+            return None
+        return number
+
+
+def _parse_type(bound: Bound) -> Any:
+    try:
+        from jsonargparse.typing import restricted_number_type, restricted_string_type
+    except ImportError:  # no LightningCLI without it: a plain type that names the bound
+        return type(bound.name, (bound.base,), {"__doc__": f"{bound.words} (checked by DebugConfig)."})
+    if bound.base is str:
+        return restricted_string_type(bound.name, r"^.*[^ ].*$")
+    return restricted_number_type(bound.name, bound.base, list(bound.limits), join="and")
+
+
+POSITIVE_INT = Bound("PositiveInt", int, ((">", 0),), "an integer >= 1")
+NON_NEGATIVE_INT = Bound("NonNegativeInt", int, ((">=", 0),), "an integer >= 0")
+FINITE_NON_NEGATIVE = Bound("FiniteNonNegativeFloat", float, ((">=", 0), ("<", math.inf)), "a finite number >= 0")
+UNIT_FRACTION = Bound("UnitFraction", float, ((">", 0), ("<=", 1)), "a number in (0, 1]")
+ABOVE_ONE = Bound("AboveOne", float, ((">", 1), ("<", math.inf)), "a finite number > 1")
+PROFILE_LENGTH = Bound("ProfileLength", int, ((">=", 0), ("<=", MAX_PROFILE_STEPS)),
+                       f"an integer in [0, {MAX_PROFILE_STEPS}]")
+NOT_EMPTY_STR = Bound("NotEmptyStr", str, (), "a string that is not blank")
+
+BOUNDS: dict[Any, Bound] = {bound.type: bound for bound in (
+    POSITIVE_INT, NON_NEGATIVE_INT, FINITE_NON_NEGATIVE, UNIT_FRACTION, ABOVE_ONE, PROFILE_LENGTH, NOT_EMPTY_STR)}
+"""Each bound by its type: what a field's annotation names."""
+
+PositiveInt: Any = POSITIVE_INT.type
+NonNegativeInt: Any = NON_NEGATIVE_INT.type
+FiniteNonNegativeFloat: Any = FINITE_NON_NEGATIVE.type
+UnitFraction: Any = UNIT_FRACTION.type
+AboveOne: Any = ABOVE_ONE.type
+ProfileLength: Any = PROFILE_LENGTH.type
+NotEmptyStr: Any = NOT_EMPTY_STR.type
+
+ALLOWED = {bound.name: bound.words for bound in BOUNDS.values()}
 """Each type's bounds in words, by the type's name (how a parse error names it): what a short error says is allowed."""
 
-__all__ = ["ALLOWED", "AboveOne", "FiniteNonNegativeFloat", "MAX_PROFILE_STEPS", "NonNegativeInt", "NotEmptyStr",
-           "PositiveInt", "ProfileLength", "UnitFraction"]
+
+@dataclass(frozen=True)
+class Setting:
+    """What a ``DebugConfig`` field declares besides its name, bounded type and default: its one description
+    (``doc``), the areas (``config.Area``) whose callback takes it as a keyword, whether it is a setting of the
+    whole run (taken from any callback), its own ``check`` (``value -> value``, a ``ValueError`` naming the
+    field) with its ``allowed`` words when its type's is not enough, and the field it must stay ``below``."""
+
+    doc: str
+    areas: tuple[Any, ...] = ()
+    run_wide: bool = False
+    check: Callable[[Any], Any] | None = None
+    allowed: str | None = None
+    below: str | None = None
+
+
+def setting(default: Any, doc: str, **declared: Any) -> Any:
+    """A ``DebugConfig`` field: ``name: BoundedType = setting(default, "what it does", areas=(...))``."""
+    return field(default=default, metadata={"setting": Setting(doc, **declared)})
+
+
+def alternatives(hint: Any) -> tuple[list[Any], bool]:
+    """The types of an annotation, without None, and whether None is one of them."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        return [arg for arg in args if arg is not type(None)], type(None) in args
+    return [hint], False
+
+
+def _enum_names(enum_type: Any) -> str:
+    return ", ".join(member.value if isinstance(member, str) else member.name for member in enum_type)
+
+
+def coerce_enum(enum_type: type[enum.Enum], field_name: str, value: Any) -> enum.Enum:
+    """A member of ``enum_type`` from itself, its name or its value in any case; else a ``ValueError``."""
+    if isinstance(value, enum_type):
+        return value
+    if isinstance(value, str):
+        wanted = value.strip().lower()
+        for member in enum_type:
+            if wanted in (member.name.lower(), str(member.value).lower()):
+                return member
+    raise ValueError(f"DebugConfig.{field_name} must be one of {_enum_names(enum_type)}, got {value!r}")
+
+
+def _check(read: Callable[[Any], Any], words: str, field_name: str, value: Any) -> Any:
+    if (checked := read(value)) is None:
+        raise ValueError(f"DebugConfig.{field_name} must be {words}, got {value!r}")
+    return checked
+
+
+def _optional(check: Callable[[Any], Any], value: Any) -> Any:
+    return None if value is None else check(value)
+
+
+def field_rule(name: str, hint: Any, declared: Setting) -> tuple[Callable[[Any], Any], str]:
+    """Field ``name``'s check at construction and what it allows, in words (help text, the docs' table): its
+    declared ``check`` and ``allowed``, else its type's (a bool, an enum by name or value in any case, a
+    :class:`Bound`), None passing when the type is optional. A type without a rule is a KeyError at import.
+
+    Example::
+
+        >>> check, words = field_rule("x", UnitFraction | None, Setting("An x."))
+        >>> check(None), check(1), words
+        (None, 1.0, 'None, or a number in (0, 1]')
+    """
+    (kind, *_), optional = alternatives(hint)
+    if declared.check is not None:
+        check, words = declared.check, declared.allowed or ""
+    elif kind is bool:
+        check, words = functools.partial(_check, lambda v: bool(v) if is_bool(v) else None, "True or False", name), \
+            "True or False"
+    elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+        check, words = functools.partial(coerce_enum, kind, name), f"one of {_enum_names(kind)} (any case)"
+    else:
+        bound = BOUNDS[kind]
+        check, words = functools.partial(_check, bound.read, bound.words, name), bound.words
+    if optional:
+        check, words = functools.partial(_optional, check), words if declared.check else f"None, or {words}"
+    return check, words + (f", below ``{declared.below}`` when that is set" if declared.below else "")
+
+
+def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
+    """``doc`` (a class docstring) with ``name: text`` entries added first to its ``Args:`` section (made before
+    its ``Example::`` when it has none), wrapped as Google-style docstrings are, for jsonargparse and ``help()``.
+
+    Example::
+
+        >>> with_args("Summary.\\n\\n    Example::\\n        1 + 1\\n", [("x", "An x.")]).splitlines()[2:5]
+        ['    Args:', '        x: An x.', '']
+    """
+    lines = [textwrap.fill(f"{name}: {text}", 112, initial_indent=" " * 8, subsequent_indent=" " * 12)
+             for name, text in entries]
+    doc = (doc or "").rstrip() + "\n"
+    if "\n    Args:\n" not in doc:
+        at = doc.index("\n    Example::") if "\n    Example::" in doc else len(doc) - 1
+        doc = doc[:at] + "\n    Args:\n" + doc[at:]
+    before, _, after = doc.partition("\n    Args:\n")
+    return before + "\n    Args:\n" + "\n".join(lines) + "\n" + after
+
+
+def markdown(text: str) -> str:
+    """Docstring markup as markdown, for the docs' table: double backticks as one, a role (class, func) as its name."""
+    return re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"`\1`", text).replace("``", "`")
+
+
+def unknown_name_error(owner: str, name: str, valid: Iterable[str], what: str = "field") -> ValueError:
+    """``ValueError: <owner> has no <what> 'x'; did you mean 'y'? ...``, naming the closest valid name.
+
+    Example::
+
+        >>> str(unknown_name_error("DebugConfig", "anomaly_mode", ["anomaly_detection_mode", "level"]))
+        "DebugConfig has no field 'anomaly_mode'; did you mean 'anomaly_detection_mode'? Fields are anomaly_detection_mode, level"
+    """
+    names = sorted(valid)
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return ValueError(f"{owner} has no {what} {name!r}{hint} {what.capitalize()}s are {', '.join(names)}")
+
+
+def rejects_unknown_keywords(init: Callable[..., None], signature: inspect.Signature | None = None,
+                             what: str = "argument") -> Callable[..., None]:
+    """Wrap an ``__init__`` so an unknown keyword is a ``ValueError`` naming the closest valid one (not
+    Python's ``TypeError``); ``inspect`` and LightningCLI read ``signature`` (default: ``init``'s)."""
+    signature = signature or inspect.signature(init)
+    accepted = [name for name, parameter in signature.parameters.items()
+                if name != "self" and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in accepted]
+        if unknown:
+            raise unknown_name_error(type(self).__name__, unknown[0], accepted, what)
+        init(self, *args, **kwargs)
+
+    checked.__signature__ = signature  # type: ignore[attr-defined]
+    return checked

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config_types import NotEmptyStr, PositiveInt
-from lightning_debug.config import AnomalyMode, AnomalyModeName, Area, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.config import Area
 
 
 class AnomalyDetectionCallback(DebugCallback):
@@ -59,17 +57,3 @@ class AnomalyDetectionCallback(DebugCallback):
     """
 
     area = Area.ANOMALY
-
-    def __init__(
-        self,
-        config: DebugConfig | None = None,
-        *,
-        anomaly_detection_mode: AnomalyMode | AnomalyModeName | None = None,
-        anomaly_check_frequency: PositiveInt | None = None,
-        level: DebugLevel | DebugLevelName | None = None,
-        save_debug_info: bool | None = None,
-        debug_output_dir: NotEmptyStr | None = None,
-    ) -> None:
-        super().__init__(config, anomaly_detection_mode=anomaly_detection_mode,
-                         anomaly_check_frequency=anomaly_check_frequency, level=level,
-                         save_debug_info=save_debug_info, debug_output_dir=debug_output_dir)

@@ -10,14 +10,15 @@ callbacks; the others only keep their monitor's state for checkpoints.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_debug.config import Area, DebugConfig, rejects_unknown_keywords, resolve_config
+from lightning_debug.config import (RUN_WIDE_FIELDS, Area, DebugConfig, fields_of, keyword_overrides, override_help,
+                                    resolve_config)
+from lightning_debug.config_types import with_args
 from lightning_debug.core.context import RunStatus
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.ledger import FrameworkWork
@@ -32,11 +33,8 @@ RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
 BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
                "on_before_zero_grad", "on_train_batch_end", "on_validation_batch_start", "on_validation_batch_end")
-
-
-RUN_WIDE_FIELDS = ("save_debug_info", "debug_output_dir", "save_plots", "print_summary", "follow_log_cadence",
-                   "expose_callback_metrics")
-"""Settings of the whole run (its files, console summary, plots, logging), not of one area's checks."""
+CONFIG_HELP = ("The shared settings (a DebugConfig); null means the defaults. The keyword arguments override its "
+               "fields for this callback; null keeps the value from ``config``.")
 
 
 def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
@@ -84,11 +82,15 @@ class DebugCallback(Callback):
     tell two callbacks of one class apart (the ``state_key``); set from ``area``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class with an ``area`` takes its area's fields as keyword overrides (``config.keyword_overrides``),
+        documented in its ``Args`` from their one description each."""
         super().__init_subclass__(**kwargs)
         if "area" in cls.__dict__:
             cls.own_fields = AREA_SPECS[cls.area].settings
-        if "__init__" in cls.__dict__:
-            cls.__init__ = rejects_unknown_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
+            init = cls.__dict__.get("__init__") or getattr(cls.__init__, "__wrapped__", cls.__init__)
+            cls.__init__ = keyword_overrides(init, cls.area)  # type: ignore[method-assign]
+            cls.__doc__ = with_args(cls.__doc__, [("config", CONFIG_HELP),
+                                                  *((name, override_help(name)) for name in fields_of(cls.area))])
 
     def __init__(self, config: DebugConfig | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
@@ -282,45 +284,3 @@ def _configs_leader_first(leader: DebugCallback, callbacks: list[DebugCallback])
     return {(name if names.count(name) == 1 else f"{name} #{i}"): c.config
             for i, (name, c) in enumerate(zip(names, ordered), 1)}
 
-
-def config_field_docs() -> dict[str, str]:
-    """Each DebugConfig field's one-paragraph description, from the ``Args:`` section of its docstring."""
-    docs: dict[str, list[str]] = {}
-    fields = {f.name for f in dataclasses.fields(DebugConfig)}
-    current: str | None = None
-    in_args = False
-    for line in inspect.cleandoc(DebugConfig.__doc__ or "").splitlines():
-        if line.strip() == "Args:":
-            in_args = True
-            continue
-        if not in_args:
-            continue
-        if line and not line.startswith(" "):
-            break
-        name, _, text = line.strip().partition(":")
-        if line.startswith("    ") and not line.startswith("     ") and name in fields:
-            current = name
-            docs[current] = [text.strip()]
-        elif current is not None and line.strip():
-            docs[current].append(line.strip())
-    return {name: " ".join(parts) for name, parts in docs.items()}
-
-
-def _document_keyword_overrides() -> None:
-    """Help text for every callback's keyword overrides (LightningCLI ``--trainer.callbacks.help CLASS``).
-
-    jsonargparse reads parameter descriptions from base-class docstrings too, so one ``Args:``
-    section here, generated from DebugConfig's, documents the overrides of all four callbacks.
-    """
-    defaults = {f.name: f.default for f in dataclasses.fields(DebugConfig)}
-    lines = ["", "", "    Args:",
-             "        config: The shared settings (a DebugConfig); null means the defaults. The keyword arguments",
-             "            override its fields for this callback; null keeps the value from ``config``."]
-    for name, text in config_field_docs().items():
-        default = defaults[name]
-        shown = default.name if hasattr(default, "name") else repr(default)
-        lines.append(f"        {name}: {text} Null: the value in ``config`` (DebugConfig default: {shown}).")
-    DebugCallback.__doc__ = (DebugCallback.__doc__ or "").rstrip() + "\n".join(lines) + "\n"
-
-
-_document_keyword_overrides()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config_types import FiniteNonNegativeFloat, NotEmptyStr, PositiveInt
-from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.config import Area
 
 
 class GradientHealthCallback(DebugCallback):
@@ -59,23 +57,3 @@ class GradientHealthCallback(DebugCallback):
     """
 
     area = Area.GRADIENTS
-
-    def __init__(
-        self,
-        config: DebugConfig | None = None,
-        *,
-        gradient_checking_frequency: PositiveInt | None = None,
-        gradient_explosion_threshold: FiniteNonNegativeFloat | None = None,
-        gradient_vanishing_threshold: FiniteNonNegativeFloat | None = None,
-        log_gradients: bool | None = None,
-        log_activations: bool | None = None,
-        log_weights: bool | None = None,
-        level: DebugLevel | DebugLevelName | None = None,
-        save_debug_info: bool | None = None,
-        debug_output_dir: NotEmptyStr | None = None,
-    ) -> None:
-        super().__init__(config, gradient_checking_frequency=gradient_checking_frequency,
-                         gradient_explosion_threshold=gradient_explosion_threshold,
-                         gradient_vanishing_threshold=gradient_vanishing_threshold, log_gradients=log_gradients,
-                         log_activations=log_activations, log_weights=log_weights, level=level,
-                         save_debug_info=save_debug_info, debug_output_dir=debug_output_dir)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config_types import NotEmptyStr, PositiveInt, UnitFraction
-from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.config import Area
 
 
 class MemoryProfilerCallback(DebugCallback):
@@ -43,18 +41,3 @@ class MemoryProfilerCallback(DebugCallback):
     """
 
     area = Area.MEMORY
-
-    def __init__(
-        self,
-        config: DebugConfig | None = None,
-        *,
-        memory_profiling_frequency: PositiveInt | None = None,
-        log_memory: bool | None = None,
-        level: DebugLevel | DebugLevelName | None = None,
-        save_debug_info: bool | None = None,
-        debug_output_dir: NotEmptyStr | None = None,
-        memory_high_fraction: UnitFraction | None = None,
-    ) -> None:
-        super().__init__(config, memory_profiling_frequency=memory_profiling_frequency, log_memory=log_memory,
-                         level=level, save_debug_info=save_debug_info, debug_output_dir=debug_output_dir,
-                         memory_high_fraction=memory_high_fraction)

@@ -6,8 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_debug.callbacks.base import DebugCallback
-from lightning_debug.config_types import AboveOne, NonNegativeInt, NotEmptyStr, PositiveInt, ProfileLength, UnitFraction
-from lightning_debug.config import Area, DebugConfig, DebugLevel, DebugLevelName
+from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.monitor import Monitor
 from lightning_debug.monitors import AREA_SPECS
 
@@ -54,27 +53,11 @@ class PerformanceProfilerCallback(DebugCallback):
 
     area = Area.PERFORMANCE
 
-    def __init__(
-        self,
-        config: DebugConfig | None = None,
-        *,
-        performance_profiling_frequency: PositiveInt | None = None,
-        log_performance: bool | None = None,
-        level: DebugLevel | DebugLevelName | None = None,
-        save_debug_info: bool | None = None,
-        debug_output_dir: NotEmptyStr | None = None,
-        slow_step_factor: AboveOne | None = None,
-        dataloader_bottleneck_share: UnitFraction | None = None,
-        profile_steps: tuple[NonNegativeInt, ProfileLength] | None = None,
-        batch_size_fn: Callable[[Any], int] | None = None,
-        tokens_fn: Callable[[Any], int] | None = None,
-    ) -> None:
+    def __init__(self, config: DebugConfig | None = None, *, batch_size_fn: Callable[[Any], int] | None = None,
+                 tokens_fn: Callable[[Any], int] | None = None, **overrides: Any) -> None:
         self.batch_size_fn = batch_size_fn
         self.tokens_fn = tokens_fn
-        super().__init__(config, performance_profiling_frequency=performance_profiling_frequency,
-                         log_performance=log_performance, level=level, save_debug_info=save_debug_info,
-                         debug_output_dir=debug_output_dir, slow_step_factor=slow_step_factor,
-                         dataloader_bottleneck_share=dataloader_bottleneck_share, profile_steps=profile_steps)
+        super().__init__(config, **overrides)
 
     def make_monitor(self) -> Monitor:
         return AREA_SPECS[self.area].build(self.config, type(self).__name__, batch_size_fn=self.batch_size_fn,

@@ -371,3 +371,102 @@ def test_an_unknown_keyword_of_the_accelerate_debugger_is_a_value_error() -> Non
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="DebugConfig has no field 'log_gradient'; did you mean 'log_gradients'"):
         AccelerateDebugger(accelerator, model, optimizer, log_gradient=True)
+
+
+# --- issue 42: each field declared once; what is made from the declarations ----------------------------------------
+
+
+def test_the_docs_table_of_fields_is_the_declarations() -> None:
+    from lightning_debug.config import config_rows
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    lines = page.splitlines()
+    start = lines.index("| field | default | allowed values | meaning |") + 2
+    documented = lines[start:start + next(i for i, line in enumerate(lines[start:]) if not line.startswith("| "))]
+    assert documented == config_rows(), "docs/configuration.md's table: paste lightning_debug.config.config_rows()"
+    assert [row.split(" | ")[0][2:] for row in documented] == FIELD_NAMES
+
+
+@pytest.mark.parametrize("callback", CALLBACK_CLASSES, ids=lambda callback: callback.__name__)
+def test_each_callback_takes_its_areas_fields_typed_and_documented_as_declared(callback: type) -> None:
+    import inspect
+
+    from lightning_debug.config import EVERY_CALLBACK, SETTINGS, TYPES
+
+    signature = inspect.signature(callback)
+    overrides = [name for name in signature.parameters if name in SETTINGS]
+    assert set(overrides) == {name for name, declared in SETTINGS.items() if callback.area in declared.areas}
+    assert {"level", "save_debug_info", "debug_output_dir"} <= set(overrides)
+    for name in overrides:
+        parameter = signature.parameters[name]
+        assert parameter.kind is parameter.KEYWORD_ONLY and parameter.default is None
+        assert parameter.annotation == (TYPES[name] | None)
+        assert " ".join(SETTINGS[name].doc.split()[:5]) in " ".join((callback.__doc__ or "").split())
+    assert list(signature.parameters)[0] == "config"
+    assert all(SETTINGS[name].areas != EVERY_CALLBACK for name in overrides[:-3]), "its own fields come first"
+
+
+def test_the_area_settings_views_read_their_areas_fields_with_the_declared_defaults() -> None:
+    from lightning_debug.config import EVERY_CALLBACK, SETTINGS, Area
+    from lightning_debug.monitors.anomaly.settings import AnomalySettings
+    from lightning_debug.monitors.gradients.settings import GradientSettings
+    from lightning_debug.monitors.memory.settings import MemorySettings
+    from lightning_debug.monitors.performance.settings import PerformanceSettings
+
+    views = {Area.ANOMALY: AnomalySettings, Area.GRADIENTS: GradientSettings, Area.MEMORY: MemorySettings,
+             Area.PERFORMANCE: PerformanceSettings}
+    changed = DebugConfig(anomaly_detection_mode="skip", anomaly_check_frequency=3, gradient_checking_frequency=7,
+                          gradient_explosion_threshold=9.0, log_gradients=True, memory_profiling_frequency=5,
+                          memory_high_fraction=0.5, log_memory=False, performance_profiling_frequency=4,
+                          slow_step_factor=5.0, dataloader_bottleneck_share=0.6, log_performance=False,
+                          level="advanced")
+    for area, view in views.items():
+        read = {f.name: f.metadata["config_field"] for f in dataclasses.fields(view) if "config_field" in f.metadata}
+        assert read, view
+        for attribute, field in read.items():
+            assert area in SETTINGS[field].areas or SETTINGS[field].areas == EVERY_CALLBACK, (view, field)
+            assert getattr(view(), attribute) == getattr(DebugConfig(), field), (view, attribute)
+            assert getattr(view.from_config(changed), attribute) == getattr(changed, field), (view, attribute)
+
+
+@pytest.mark.parametrize(("callback", "page"), [
+    (AnomalyDetectionCallback, "anomaly.md"), (GradientHealthCallback, "gradients.md"),
+    (MemoryProfilerCallback, "memory.md"), (PerformanceProfilerCallback, "performance_profiler.md")])
+def test_each_callback_page_lists_the_fields_it_takes(callback: type, page: str) -> None:
+    from lightning_debug.config import fields_of
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text(encoding="utf-8")
+    paragraph = text[text.index("\nFields ("):]
+    paragraph = paragraph[paragraph.index(":", paragraph.index("configuration.md")):paragraph.index("\n\n")]
+    assert tuple(re.findall(r"`(\w+)`", paragraph)) == fields_of(callback.area)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 1e-9, 0.5, 1, 1.0, 1.5, 2, 2.5, 50, 51, 10**6, float("inf"), float("nan"), True])
+def test_each_bound_checks_the_same_at_parse_time_and_at_construction(value: Any) -> None:
+    from lightning_debug.config_types import BOUNDS
+
+    for bound in BOUNDS.values():
+        if bound.base is str:
+            continue
+        try:
+            bound.type(value)
+        except ValueError:
+            parsed = False
+        else:
+            parsed = True
+        assert parsed is (bound.read(value) is not None), (bound.name, value)
+
+
+def test_a_user_subclass_that_forwards_keywords_takes_the_callbacks_keywords() -> None:
+    """Before, a subclass's own ``__init__(self, extra=1, **kwargs)`` accepted only ``extra``: every override was
+    'no argument'."""
+
+    class Mine(GradientHealthCallback):
+        def __init__(self, extra: int = 1, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.extra = extra
+
+    mine = Mine(extra=2, gradient_checking_frequency=7)
+    assert (mine.extra, mine.config.gradient_checking_frequency) == (2, 7)
+    with pytest.raises(ValueError, match="did you mean 'gradient_checking_frequency'"):
+        Mine(gradient_checking_frequncy=7)

@@ -25,7 +25,7 @@ from unittest import mock
 import pytest
 
 from lightning_debug import DebugConfig
-from lightning_debug.callbacks.base import config_field_docs
+from lightning_debug.config import SETTINGS
 from lightning_debug.cli import main as cli
 from lightning_debug.core.timeline import Series, Timeline
 from lightning_debug.report.offline import read_events_file, read_timeline, tensorboard_files
@@ -211,7 +211,7 @@ def test_every_keyword_override_has_help_text(callback: str, capsys: pytest.Capt
     with pytest.raises(SystemExit):
         example_cli(["fit", "--trainer.callbacks.help", f"lightning_debug.{callback}"])
     help_text = " ".join(capsys.readouterr().out.split())
-    docs = config_field_docs()
+    docs = {name: declared.doc for name, declared in SETTINGS.items()}
     parameters = [p for p in inspect.signature(getattr(lightning_debug, callback)).parameters if p in docs]
     assert parameters
     for parameter in parameters:

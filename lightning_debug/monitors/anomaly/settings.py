@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel
+from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel, config_value, read_view
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,12 @@ class AnomalySettings:
         (<AnomalyMode.SKIP: 'skip'>, True, False, 1)
     """
 
-    mode: AnomalyMode = AnomalyMode.WARN
-    check_frequency: int = 1
+    mode: AnomalyMode = config_value("anomaly_detection_mode")
+    check_frequency: int = config_value("anomaly_check_frequency")
     localizes: bool = False
     records_stacks: bool = False
 
     @classmethod
     def from_config(cls, config: DebugConfig) -> AnomalySettings:
-        return cls(mode=AnomalyMode(config.anomaly_detection_mode), check_frequency=config.anomaly_check_frequency,
-                   localizes=config.level >= DebugLevel.ADVANCED, records_stacks=config.level >= DebugLevel.EXPERT)
+        return read_view(cls, config, localizes=config.level >= DebugLevel.ADVANCED,
+                         records_stacks=config.level >= DebugLevel.EXPERT)

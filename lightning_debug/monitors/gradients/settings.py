@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_view
+
 
 @dataclass(frozen=True)
 class GradientSettings:
@@ -26,23 +27,16 @@ class GradientSettings:
     judges alone), which is also the clip value suggested before the run has healthy norms of its own.
     """
 
-    check_every: int = 100
-    explosion_threshold: float | None = None
-    vanishing_threshold: float = 1e-6
-    log_gradients: bool = False
-    log_weights: bool = False
-    level: DebugLevel = DebugLevel.BASIC
+    check_every: int = config_value("gradient_checking_frequency")
+    explosion_threshold: float | None = config_value("gradient_explosion_threshold")
+    vanishing_threshold: float = config_value("gradient_vanishing_threshold")
+    log_gradients: bool = config_value("log_gradients")
+    log_weights: bool = config_value("log_weights")
+    level: DebugLevel = config_value("level")
 
     @classmethod
     def from_config(cls, config: DebugConfig) -> "GradientSettings":
-        return cls(
-            check_every=config.gradient_checking_frequency,
-            explosion_threshold=config.gradient_explosion_threshold,
-            vanishing_threshold=config.gradient_vanishing_threshold,
-            log_gradients=config.log_gradients,
-            log_weights=config.log_weights,
-            level=config.level,
-        )
+        return read_view(cls, config)
 
     @cached_property
     def measures_updates(self) -> bool:

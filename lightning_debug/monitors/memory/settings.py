@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_view
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,8 @@ class MemorySettings:
     """The memory area's settings.
 
     Attributes:
-        frequency: Read memory every N optimizer steps (``memory_profiling_frequency``).
-        high_fraction: ``memory_high`` above this share of the device or machine (``memory_high_fraction``).
-        log_memory: Log the readings as scalars (``log_memory``).
+        frequency, high_fraction, log_memory: ``DebugConfig``'s ``memory_profiling_frequency``,
+            ``memory_high_fraction`` and ``log_memory``.
         phase_readings: Read the allocator at every phase change of a check step (level ADVANCED and up).
         whole_run_history: Record every CUDA allocation for the whole run, so that an OOM leaves a
             full snapshot (level EXPERT).
@@ -35,9 +34,9 @@ class MemorySettings:
         history_entries: The longest CUDA allocation history recorded.
     """
 
-    frequency: int = 50
-    high_fraction: float = 0.9
-    log_memory: bool = True
+    frequency: int = config_value("memory_profiling_frequency")
+    high_fraction: float = config_value("memory_high_fraction")
+    log_memory: bool = config_value("log_memory")
     phase_readings: bool = False
     whole_run_history: bool = False
     window: int = 32
@@ -47,6 +46,5 @@ class MemorySettings:
 
     @classmethod
     def from_config(cls, config: DebugConfig) -> MemorySettings:
-        return cls(frequency=config.memory_profiling_frequency, high_fraction=config.memory_high_fraction,
-                   log_memory=config.log_memory, phase_readings=config.level >= DebugLevel.ADVANCED,
-                   whole_run_history=config.level >= DebugLevel.EXPERT)
+        return read_view(cls, config, phase_readings=config.level >= DebugLevel.ADVANCED,
+                         whole_run_history=config.level >= DebugLevel.EXPERT)

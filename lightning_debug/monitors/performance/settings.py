@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_debug.config import DebugConfig, DebugLevel
+from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_view
 
 # The torch.profiler window from level ADVANCED when ``profile_steps`` is not given: (start, length).
 # Two recorded steps (after one warm-up step) are enough for the operator table and keep the trace
@@ -30,10 +30,10 @@ class PerformanceSettings:
         True
     """
 
-    frequency: int = 10
-    log_performance: bool = True
-    slow_step_factor: float = 3.0
-    dataloader_bottleneck_share: float = 0.3
+    frequency: int = config_value("performance_profiling_frequency")
+    log_performance: bool = config_value("log_performance")
+    slow_step_factor: float = config_value("slow_step_factor")
+    dataloader_bottleneck_share: float = config_value("dataloader_bottleneck_share")
     profile_window: tuple[int, int] | None = None
     sync_window: tuple[int, int] | None = None
 
@@ -42,8 +42,5 @@ class PerformanceSettings:
         window = config.profile_steps
         if window is None and config.level >= DebugLevel.ADVANCED:
             window = DEFAULT_PROFILE_WINDOW
-        return cls(frequency=config.performance_profiling_frequency, log_performance=config.log_performance,
-                   slow_step_factor=config.slow_step_factor,
-                   dataloader_bottleneck_share=config.dataloader_bottleneck_share,
-                   profile_window=window if window is not None and window[1] > 0 else None,
-                   sync_window=SYNC_DEBUG_WINDOW if config.level >= DebugLevel.EXPERT else None)
+        return read_view(cls, config, profile_window=window if window is not None and window[1] > 0 else None,
+                         sync_window=SYNC_DEBUG_WINDOW if config.level >= DebugLevel.EXPERT else None)
