@@ -184,10 +184,14 @@ def summarise(rows: list[dict[str, Any]], cases: list[Case]) -> dict[str, Any]:
     per_class = {f"{klass}|{level}": score([r for r in good if r["config"] == "all" and r["level"] == level
                                             and r["klass"] == klass])
                  for klass in dict.fromkeys(c.klass for c in cases) for level in LEVELS}
+    per_class_alone = {f"{klass}|{config}|{level}": score([r for r in good if r["config"] == config
+                                                          and r["level"] == level and r["klass"] == klass])
+                       for klass in dict.fromkeys(c.klass for c in cases) for config in CALLBACKS for level in LEVELS}
     in_vocab = {f"all|{level}": score([r for r in good if r["config"] == "all" and r["level"] == level
                                        and by_name[r["case"]].kinds and not by_name[r["case"]].needs])
                 for level in LEVELS}
-    return {"per_config": per_config, "per_class": per_class, "named_today_kinds": in_vocab}
+    return {"per_config": per_config, "per_class": per_class, "per_class_alone": per_class_alone,
+            "named_today_kinds": in_vocab}
 
 
 def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Case]) -> str:
@@ -204,6 +208,14 @@ def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Ca
             klass, level = key.split("|")
             lines.append(f"| {klass} | {level} | {_share(s['recalled'], s['buggy'])} | "
                          f"{_share(s['cause_right'], s['placed'])} | {_share(s['false_alarms'], s['twins'])} |")
+    lines += ["", "| class | callback alone | recall, default | recall, ADVANCED | recall, gradients every step |",
+              "|---|---|---|---|---|"]
+    for klass in dict.fromkeys(c.klass for c in cases):
+        for config in CALLBACKS:
+            scores = [summary["per_class_alone"].get(f"{klass}|{config}|{level}", {}) for level in LEVELS]
+            if any(s.get("buggy") for s in scores):
+                lines.append(f"| {klass} | {config} | " + " | ".join(_share(s.get("recalled", 0), s.get("buggy", 0))
+                                                                   for s in scores) + " |")
     lines += ["", "| case | expected | default (all four) | ADVANCED (all four) | gradients every step (all four) "
               "| alone, default | twin alarms |", "|---|---|---|---|---|---|---|"]
     index = {(r["case"], r["variant"], r["config"], r["level"]): r for r in rows if "crash" not in r}
@@ -235,7 +247,14 @@ def main() -> None:
     parser.add_argument("--levels", nargs="*", default=list(LEVELS), choices=LEVELS)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("fault_benchmark.json"))
+    parser.add_argument("--render", type=Path, help="print the tables of an earlier --json file instead of running")
     args = parser.parse_args()
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        names = {entry["name"] for entry in saved["cases"]}
+        chosen = [c for c in all_cases() if c.name in names]
+        sys.stdout.write(markdown(summarise(saved["rows"], chosen), saved["rows"], chosen))
+        return
     os.nice(10)
     cases = [c for c in all_cases() if (not args.subset or c.name in SUBSET) and (not args.only or c.klass in args.only)
              and (not args.cases or c.name in args.cases)]
