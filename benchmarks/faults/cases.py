@@ -75,13 +75,14 @@ def dying_relu() -> Iterator[Case]:
         buggy, twin = _pair(Program(init="neg_bias", bias_value=bias, width=width, optimizer=opt, lr=lr),
                             init="default", bias_value=0.0)
         yield Case(f"dead-relu-b{bias:g}-w{width}-{opt}", "dying_relu", "AutoTrainer", buggy, twin,
-                   ("dead_activation",), (0, buggy.steps), r"acts\.\d",
+                   ("dead_activation", "vanishing_grad"), (0, buggy.steps), r"(acts|layers)\.\d",
                    f"hidden biases initialised to {bias:g}: every ReLU is 0 from the start",
-                   needs="dead_activation at the defaults (log_activations is off by default)")
+                   needs="dead_activation at the defaults (log_activations is off by default), or vanishing_grad's "
+                         "dead-part rule on the default schedule")
     for lr in (8.0, 30.0):
         buggy, twin = _pair(Program(lr=lr, width=16, depth=4), lr=0.05)
         yield Case(f"dead-relu-lr{lr:g}", "dying_relu", "AutoTrainer", buggy, twin,
-                   ("dead_activation",) + BLOW_UP, (0, buggy.steps), None,
+                   ("dead_activation", "vanishing_grad") + BLOW_UP, (0, buggy.steps), None,
                    f"SGD lr {lr:g} knocks the ReLUs below 0 in a few steps")
 
 

@@ -66,11 +66,15 @@ def configs(case: Case) -> list[str]:
 
 # --- one run ------------------------------------------------------------------------------------------
 def _init_worker() -> None:
+    """Quiet, one torch thread, and the platform's own start method for the programs' data-loader workers (a
+    spawned pool worker inherits "spawn", which makes each of them import torch again: 30 s a fit)."""
     import logging
     import warnings
 
     import torch
 
+    if sys.platform == "linux":
+        multiprocessing.set_start_method("fork", force=True)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
@@ -127,9 +131,11 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
                   for line in path.read_text().splitlines() if line.strip()]
     finite = [value for value in losses if math.isfinite(value)]
     curve = {"first": losses[0] if losses else None, "last": losses[-1] if losses else None,
-             "min": min(finite, default=None), "max": max(finite, default=None), "nonfinite_steps": len(losses) - len(finite)}
+             "min": min(finite, default=None), "max": max(finite, default=None),
+             "nonfinite_steps": len(losses) - len(finite)}
     return {"case": case.name, "variant": variant, "config": config, "level": level, "events": events,
-            "error": error, "loss": curve, "steps_done": trainer.global_step, "seconds": round(time.perf_counter() - started, 2)}
+            "error": error, "loss": curve, "steps_done": trainer.global_step,
+            "seconds": round(time.perf_counter() - started, 2)}
 
 
 def judge(case: Case, run: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +146,8 @@ def judge(case: Case, run: dict[str, Any]) -> dict[str, Any]:
     if run["variant"] == "twin":
         return dict(row, false_alarm=bool(serious))
     low, high = case.window
-    hits = [e for e in serious if e["kind"] in case.kinds and e.get("step") is not None and low <= int(e["step"]) <= high]
+    hits = [e for e in serious
+            if e["kind"] in case.kinds and e.get("step") is not None and low <= int(e["step"]) <= high]
     cause = None
     if hits and case.where is not None:
         cause = any(re.search(case.where, e.get("message", "") + " " + json.dumps(e.get("details", {}), sort_keys=True))
@@ -202,7 +209,8 @@ def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Ca
             label = "all four" if config == "all" else f"{config} alone"
             lines.append(f"| {label} | {level} | {_share(s['recalled'], s['buggy'])} | "
                          f"{_share(s['cause_right'], s['placed'])} | {_share(s['false_alarms'], s['twins'])} |")
-    lines += ["", "| class (all four) | level | recall | cause accuracy | false alarms (twins) |", "|---|---|---|---|---|"]
+    lines += ["", "| class (all four) | level | recall | cause accuracy | false alarms (twins) |",
+              "|---|---|---|---|---|"]
     for key, s in summary["per_class"].items():
         if s["buggy"]:
             klass, level = key.split("|")

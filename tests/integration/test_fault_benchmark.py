@@ -47,7 +47,8 @@ def _named(name: str) -> Any:
     if name in NAMED_TODAY:
         return name
     needs = CASES[name].needs or "the owning rule to name it at the defaults"
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"issue 45: not named at the defaults; needs {needs}"))
+    reason = f"issue 45: not named at the defaults; needs {needs}"
+    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
 
 
 @pytest.mark.parametrize("name", [_named(name) for name in SUBSET])
