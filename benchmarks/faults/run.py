@@ -174,7 +174,6 @@ def _share(part: int, whole: int) -> str:
 
 def summarise(rows: list[dict[str, Any]], cases: list[Case]) -> dict[str, Any]:
     """Recall, cause accuracy and false alarms per (callback configuration, level) and per (class, level)."""
-    by_name = {c.name: c for c in cases}
     good = [r for r in rows if "crash" not in r]
 
     def score(selected: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,11 +193,7 @@ def summarise(rows: list[dict[str, Any]], cases: list[Case]) -> dict[str, Any]:
     per_class_alone = {f"{klass}|{config}|{level}": score([r for r in good if r["config"] == config
                                                           and r["level"] == level and r["klass"] == klass])
                        for klass in dict.fromkeys(c.klass for c in cases) for config in CALLBACKS for level in LEVELS}
-    in_vocab = {f"all|{level}": score([r for r in good if r["config"] == "all" and r["level"] == level
-                                       and by_name[r["case"]].kinds and not by_name[r["case"]].needs])
-                for level in LEVELS}
-    return {"per_config": per_config, "per_class": per_class, "per_class_alone": per_class_alone,
-            "named_today_kinds": in_vocab}
+    return {"per_config": per_config, "per_class": per_class, "per_class_alone": per_class_alone}
 
 
 def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Case]) -> str:
