@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", help="case names")
     parser.add_argument("--levels", nargs="*", default=list(LEVELS), choices=LEVELS)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=Path("fault_benchmark.json"))
+    parser.add_argument("--json", type=Path, default=Path(tempfile.gettempdir()) / "fault_benchmark.json")
     parser.add_argument("--render", type=Path, help="print the tables of an earlier --json file instead of running")
     args = parser.parse_args()
     if args.render is not None:
@@ -287,7 +287,7 @@ def main() -> None:
                                      "cases": [{"name": c.name, "class": c.klass, "source": c.source, "kinds": c.kinds,
                                                 "window": c.window, "where": c.where, "what": c.what, "needs": c.needs}
                                                for c in cases]}, indent=1, default=str))
-    sys.stdout.write(table + f"\n{len(cases)} cases, {meta['seconds']} s\n")
+    sys.stdout.write(table + f"\n{len(cases)} cases, {meta['seconds']} s; everything in {args.json}\n")
 
 
 if __name__ == "__main__":
