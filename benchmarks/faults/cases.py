@@ -1,0 +1,242 @@
+"""The registry of cases: a builder per problem class, expanded over a compact table of parameters.
+
+Each :class:`Case` is a buggy :class:`~benchmarks.faults.programs.Program`, its fixed twin (the same program
+with the bug corrected, nothing else changed unless the fix needs it) and the ground truth: the kinds of
+lightning-debug's vocabulary that name the problem, the window of optimizer steps where the first finding
+must start, and, where the bug sits in one place, a regular expression the finding's message or details
+must match (a module, a parameter, the operation).
+
+Classes: AutoTrainer's eight (ICSE 2021: vanishing and exploding gradients, dying ReLU, oscillating loss,
+slow convergence, improper data, improper activation, loss issue; its monitor's thresholds: gradient
+ratio first/last layer < 1e-3 and first-layer norm < 1e-4 vanishing, ratio > 70 exploding, >= 70% zero
+gradients dying ReLU, accuracy swings >= 0.03 on 20% of epochs oscillating, < 1% accuracy gain slow),
+the numerical bugs of DeepLocalize/DeepDiagnosis (log(0), division by 0, sqrt of a negative, exp
+overflow, a learning rate far too high, NaN in the data) and TrainCheck's silent errors that run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+from benchmarks.faults.programs import Program
+
+NONFINITE = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "nonfinite_input")
+BLOW_UP = ("exploding_grad", "loss_divergence", "loss_spike", "update_ratio_high") + NONFINITE
+UNSTABLE = ("loss_divergence", "loss_spike", "update_ratio_high")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A buggy program, its twin, and what must be named (``kinds``, from step ``window[0]`` to
+    ``window[1]``, matching ``where`` when given). ``needs`` says which check would name it when no kind
+    of today's vocabulary fits (then ``kinds`` holds the kinds that would at least point at it)."""
+
+    name: str
+    klass: str
+    source: str
+    buggy: Program
+    twin: Program
+    kinds: tuple[str, ...]
+    window: tuple[int, int]
+    where: str | None = None
+    what: str = ""
+    needs: str = ""
+
+
+def _pair(buggy: Program, **fix: object) -> tuple[Program, Program]:
+    return buggy, dataclasses.replace(buggy, **fix)
+
+
+def vanishing() -> Iterator[Case]:
+    for depth, act, opt in itertools.product((8, 12), ("sigmoid", "tanh"), ("sgd", "adam")):
+        lr = 0.05 if opt == "sgd" else 1e-3
+        init = "small" if act == "tanh" else "default"
+        buggy, twin = _pair(Program(depth=depth, act=act, init=init, optimizer=opt, lr=lr),
+                            act="relu", init="kaiming")
+        yield Case(f"vanish-{act}{depth}-{opt}", "vanishing_gradient", "AutoTrainer", buggy, twin,
+                   ("vanishing_grad", "saturated_activation"), (0, buggy.steps), r"layers\.0\b",
+                   f"{depth} {act} layers ({init} init), {opt}: the first layers get ~nothing")
+
+
+def exploding() -> Iterator[Case]:
+    for lr, scale, depth in itertools.product((1.0, 5.0), (10.0, 100.0), (3, 5)):
+        buggy, twin = _pair(Program(depth=depth, lr=lr, input_scale=scale, init="large"),
+                            lr=0.05, momentum=0.9, input_scale=1.0, init="default")
+        yield Case(f"explode-lr{lr:g}-x{scale:g}-d{depth}", "exploding_gradient", "AutoTrainer", buggy, twin,
+                   ("exploding_grad", "nonfinite_grad"), (0, 3), None,
+                   f"SGD lr {lr:g}, inputs x{scale:g}, N(0, 1.5) weights, {depth} layers")
+
+
+def dying_relu() -> Iterator[Case]:
+    for bias, width, opt in itertools.product((-4.0, -20.0), (16, 64), ("sgd", "adam")):
+        lr = 0.05 if opt == "sgd" else 1e-3
+        buggy, twin = _pair(Program(init="neg_bias", bias_value=bias, width=width, optimizer=opt, lr=lr),
+                            init="default", bias_value=0.0)
+        yield Case(f"dead-relu-b{bias:g}-w{width}-{opt}", "dying_relu", "AutoTrainer", buggy, twin,
+                   ("dead_activation", "vanishing_grad"), (0, buggy.steps), r"(acts|layers)\.\d",
+                   f"hidden biases initialised to {bias:g}: every ReLU is 0 from the start",
+                   needs="dead_activation at the defaults (log_activations is off by default), or vanishing_grad's "
+                         "dead-part rule on the default schedule")
+    for lr in (8.0, 30.0):
+        buggy, twin = _pair(Program(lr=lr, width=16, depth=4), lr=0.05)
+        yield Case(f"dead-relu-lr{lr:g}", "dying_relu", "AutoTrainer", buggy, twin,
+                   ("dead_activation", "vanishing_grad") + BLOW_UP, (0, buggy.steps), None,
+                   f"SGD lr {lr:g} knocks the ReLUs below 0 in a few steps")
+
+
+def oscillating() -> Iterator[Case]:
+    needs = "an oscillation rule (the loss swings up and down by a large share of its level with no trend)"
+    for lr in (0.8, 0.9, 1.0):
+        buggy, twin = _pair(Program(task="regress", lr=lr, steps=60), lr=0.1)
+        yield Case(f"oscillate-regress-sgd{lr:g}", "oscillating_loss", "AutoTrainer", buggy, twin, UNSTABLE,
+                   (0, buggy.steps), None, f"SGD lr {lr:g} on a regression: just past the stable step size",
+                   needs=needs)
+    for lr in (0.1, 0.2, 1.0):
+        buggy, twin = _pair(Program(optimizer="adam", lr=lr, steps=60), lr=1e-3)
+        yield Case(f"oscillate-adam{lr:g}", "oscillating_loss", "AutoTrainer", buggy, twin, UNSTABLE,
+                   (0, buggy.steps), None, f"Adam lr {lr:g}: the loss falls to ~0 and jumps back", needs=needs)
+
+
+def slow_convergence() -> Iterator[Case]:
+    for lr, opt in itertools.product((1e-5, 1e-6), ("sgd", "adam")):
+        buggy, twin = _pair(Program(lr=lr, optimizer=opt, steps=60), lr=0.05 if opt == "sgd" else 1e-3)
+        yield Case(f"slow-{opt}{lr:g}", "slow_convergence", "AutoTrainer", buggy, twin, ("learning_stalled",),
+                   (0, buggy.steps), None, f"{opt} lr {lr:g}: the loss does not move in 60 steps",
+                   needs="a no-progress rule (loss flat within noise while the lr is > 0; update/weight ratio ~1e-7)")
+    buggy, twin = _pair(Program(depth=6, act="sigmoid", lr=0.01, steps=60), act="relu", optimizer="adam", lr=1e-3)
+    yield Case("slow-sigmoid6", "slow_convergence", "AutoTrainer", buggy, twin,
+               ("learning_stalled", "vanishing_grad", "saturated_activation"), (0, buggy.steps), None,
+               "6 sigmoid layers, SGD 0.01: learns far too slowly", needs="a no-progress rule")
+
+
+def improper_data() -> Iterator[Case]:
+    variants = {"sgd0.05-d2": dict(lr=0.05, depth=2), "sgd0.05-d4": dict(lr=0.05, depth=4),
+                "sgd0.005-d2": dict(lr=0.005, depth=2), "sigmoid-adam": dict(act="sigmoid", optimizer="adam", lr=1e-3)}
+    for label, options in variants.items():
+        buggy, twin = _pair(Program(input_scale=1e3, **options), input_scale=1.0)  # type: ignore[arg-type]
+        yield Case(f"data-scale1e3-{label}", "improper_data", "AutoTrainer", buggy, twin,
+                   BLOW_UP + ("saturated_activation", "dead_activation"), (0, 5), r"layers\.0\b",
+                   f"inputs at scale 1e3 (not normalised), {label}",
+                   needs="an input-scale check (first layer pre-activations ~1e3 x its init scale)")
+    for opt in ("sgd", "adam"):
+        lr = 0.05 if opt == "sgd" else 1e-3
+        buggy, twin = _pair(Program(shuffle_labels=True, optimizer=opt, lr=lr, steps=60), shuffle_labels=False)
+        yield Case(f"data-shuffled-labels-{opt}", "improper_data", "AutoTrainer", buggy, twin,
+                   ("learning_stalled",), (0, buggy.steps), None, "labels shuffled against the inputs",
+                   needs="a no-progress rule (loss stays at log(classes))")
+    for step in (3, 9):
+        buggy, twin = _pair(Program(fault="nan_input", fault_step=step, optimizer="adam", lr=1e-3), fixed=True)
+        yield Case(f"data-nan-sample-s{step}", "improper_data", "DeepDiagnosis", buggy, twin, ("nonfinite_input",),
+                   (step, step), r'"samples": \[3\]', f"a NaN in record 3 of step {step}'s batch")
+    for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(fault="const_feature", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            fixed=True)
+        yield Case(f"data-zero-std-{opt}", "improper_data", "DeepDiagnosis", buggy, twin, ("nonfinite_input",),
+                   (0, 0), None, "a constant feature standardised by its std of 0 (0/0 in every record)")
+
+
+def improper_activation() -> Iterator[Case]:
+    for width, opt in itertools.product((32, 128), ("sgd", "adam")):
+        buggy, twin = _pair(Program(out_act="relu", width=width, optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            out_act=None)
+        yield Case(f"act-relu-logits-w{width}-{opt}", "improper_activation", "AutoTrainer", buggy, twin,
+                   ("dead_activation",), (0, buggy.steps), r"out_act",
+                   "a ReLU on the output logits: classes whose logit is < 0 get no gradient",
+                   needs="dead_activation on the output at the defaults")
+    for depth in (6, 10):
+        buggy, twin = _pair(Program(depth=depth, act="sigmoid", lr=0.1), act="relu", init="kaiming", lr=0.02)
+        yield Case(f"act-sigmoid-stack{depth}", "improper_activation", "AutoTrainer", buggy, twin,
+                   ("vanishing_grad", "saturated_activation"), (0, buggy.steps), r"(layers|acts)\.0\b",
+                   f"{depth} sigmoid layers stacked: a steady fade of gradients",
+                   needs="a per-depth gradient fade rule (first/last layer ratio < 1e-3, as AutoTrainer)")
+    for scale in (5.0, 20.0):
+        buggy, twin = _pair(Program(task="regress", out_act="tanh", target_scale=scale, optimizer="adam", lr=1e-2),
+                            out_act=None)
+        yield Case(f"act-tanh-output-y{scale:g}", "improper_activation", "AutoTrainer", buggy, twin,
+                   ("saturated_activation",), (0, buggy.steps), r"out_act",
+                   f"tanh on a regression output whose targets reach +-{scale:g}",
+                   needs="saturated_activation at the defaults")
+
+
+def loss_issue() -> Iterator[Case]:
+    for opt, width in itertools.product(("sgd", "adam"), (32, 128)):
+        buggy, twin = _pair(Program(out_act="softmax", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3,
+                                    width=width, steps=60), out_act=None)
+        yield Case(f"loss-softmax-twice-{opt}-w{width}", "loss_issue", "AutoTrainer", buggy, twin,
+                   ("vanishing_grad", "learning_stalled"), (0, buggy.steps), None,
+                   "probabilities fed to cross_entropy (softmax applied twice)",
+                   needs="a loss-input check (cross_entropy's input rows sum to 1 and lie in [0, 1])")
+    for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(loss="bce_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            out_act="sigmoid")
+        yield Case(f"loss-bce-on-logits-{opt}", "loss_issue", "DeepDiagnosis", buggy, twin, ("exception",), (0, 0),
+                   r"binary_cross_entropy|between 0 and 1", "binary_cross_entropy on raw logits (raises)")
+    for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(loss="nll_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3, steps=60),
+                            loss="ce")
+        yield Case(f"loss-nll-on-logits-{opt}", "loss_issue", "AutoTrainer", buggy, twin, BLOW_UP, (0, 60), None,
+                   "nll_loss on raw logits: the loss is unbounded below and falls forever",
+                   needs="a loss-sign check (a negative-log-likelihood below 0)")
+
+
+def numerical() -> Iterator[Case]:
+    """DeepLocalize/DeepDiagnosis's NaN bugs, each at two steps and two optimizers."""
+    faults = {"log_zero": r"Cause: `[^`]*log", "div_zero": r"Cause: `[^`]*(div|/)",
+              "sqrt_neg": r"Cause: `[^`]*sqrt", "exp_overflow": r"Cause: `[^`]*(exp|div)"}
+    for (fault, where), (step, opt) in itertools.product(faults.items(), ((4, "adam"), (11, "sgd"))):
+        buggy, twin = _pair(Program(fault=fault, fault_step=step, optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            fixed=True)
+        yield Case(f"nan-{fault}-s{step}-{opt}", "numerical", "DeepDiagnosis", buggy, twin, NONFINITE, (step, step),
+                   where, f"{fault.replace('_', ' ')} planted at step {step}")
+    for lr, opt in ((1e4, "sgd"), (1e6, "sgd"), (1e3, "adam")):
+        buggy, twin = _pair(Program(lr=lr, optimizer=opt, input_scale=10.0), lr=0.05 if opt == "sgd" else 1e-3,
+                            input_scale=1.0)
+        yield Case(f"nan-lr{lr:g}-{opt}", "numerical", "DeepLocalize", buggy, twin, BLOW_UP, (0, 3), None,
+                   f"{opt} lr {lr:g} on inputs x10: overflow to Inf/NaN")
+
+
+def silent() -> Iterator[Case]:
+    """TrainCheck's silent errors that run in one CPU process (see benchmarks/faults/silent.py)."""
+    table = (
+        ("optimizer_on_copy", ("frozen_param",), (0, 5), r"layers\.0|head", {},
+         "the optimizer holds a copy of the layers, not the trained ones",
+         "frozen_param on parameters that get gradients but no optimizer holds"),
+        ("clip_before_backward", ("exploding_grad", "nonfinite_grad") + UNSTABLE, (0, 10), None,
+         {"lr": 0.5, "input_scale": 10.0, "init": "large"}, "clip_grad_norm_ before the backward: clips nothing",
+         "a clipping-has-no-effect check (norm after clipping still above max_norm)"),
+        ("scheduler_per_epoch", ("learning_stalled",), (0, 10), r"LambdaLR|learning rate", {"samples": 2048},
+         "a per-step warm-up from 0 stepped per epoch: lr 0 for the whole run",
+         "learning_stalled on the default schedule (it wants 3 gradient check steps in a row: 300 steps)"),
+        ("lr_zeroed", ("learning_stalled",), (15, 22), None, {"steps": 80},
+         "every param group's lr set to 0 at step 15 of 80",
+         "learning_stalled without a scheduler (a group without initial_lr at lr 0 reads as a base lr of 0)"),
+        ("dropout_at_eval", (), (0, 40), None, {"val": True}, "F.dropout(training=True): dropout on at validation",
+         "a train-mode-in-evaluation check (dropout/BatchNorm modules in training mode inside validation)"),
+        ("workers_share_seed", (), (0, 40), None, {}, "2 workers copy one NumPy generator: every batch twice",
+         "a repeated-batch check (a fingerprint of each batch; the same batch twice in a window)"),
+        ("no_zero_grad", ("grad_not_zeroed",), (1, 3), None, {"lr": 0.01}, "optimizer_zero_grad does nothing",
+         "grad_not_zeroed early (it looks on gradient check steps after step 0: step 100 at the defaults)"),
+        ("frozen_in_optimizer", ("frozen_param",), (0, 5), r"layers\.0", {},
+         "requires_grad_(False) on layers the optimizer still holds",
+         "requires_grad=False inside a param group as a warning (issue 45 invariant 6)"),
+    )
+    for name, kinds, window, where, extra, what, needs in table:
+        buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]
+        yield Case(f"tc-{name.replace('_', '-')}", "traincheck_silent", "TrainCheck", buggy, twin, kinds, window, where,
+                   what, needs)
+
+
+BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,
+            loss_issue, numerical, silent)
+
+
+def all_cases() -> list[Case]:
+    return [case for builder in BUILDERS for case in builder()]
+
+
+SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
+          "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
+          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed")
+"""One case per class (two of TrainCheck's), each with its twin: the suite's fast subset."""

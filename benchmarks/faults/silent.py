@@ -1,0 +1,145 @@
+"""Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning.
+
+Each is a subclass of :class:`~benchmarks.faults.programs.FaultProgram` with the user's mistake; with
+``Program(fixed=True)`` the same subclass runs the corrected line. Written from the issues' descriptions
+(TrainCheck-Evaluation-Workloads ``silent-issue-detection``: pytorch-forum-84911 and
+stackoverflow-60335387, and the classes the paper lists), not from their code.
+
+The distributed ones (replicas drifting apart after a lost sync, clipping on one rank only, the DDP
+wrapper bypassed) need two processes and are not here; AMP/GradScaler misconfiguration needs a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.faults.programs import FaultProgram, Program, data
+
+
+class OptimizerOnCopy(FaultProgram):
+    """The optimizer is built over a copy of the layers (a model re-created after the optimizer, a
+    ``deepcopy`` for an EMA swapped the wrong way): the trained module's parameters get gradients and
+    never move."""
+
+    def configure_optimizers(self) -> Any:
+        if self.program.fixed:
+            return super().configure_optimizers()
+        ghost = copy.deepcopy(torch.nn.ModuleList([self.layers, self.head]))
+        return torch.optim.SGD(ghost.parameters(), lr=self.program.lr)
+
+
+class ClipBeforeBackward(FaultProgram):
+    """Gradient clipping called where there are no gradients yet (before the backward), so it clips
+    nothing and the run it was meant to protect blows up; the twin clips where Lightning does."""
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        if not self.program.fixed:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.program.fixed:
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+
+class SchedulerPerEpoch(FaultProgram):
+    """A linear warm-up from 0 written per step but registered with ``interval: "epoch"``: the run
+    ends inside its first epoch, so the learning rate stays 0 and nothing is learnt."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.program.lr)
+        warm_up = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 10))
+        interval = "step" if self.program.fixed else "epoch"
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warm_up, "interval": interval}}
+
+
+class LearningRateZeroed(FaultProgram):
+    """User code sets every param group's learning rate to 0 at step 15 (a freeze meant for one group,
+    a pause left in): the optimizer keeps stepping and nothing changes."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.program.fixed and self.trainer.global_step == 15:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 0.0
+
+
+class DropoutAtEval(FaultProgram):
+    """Dropout written ``F.dropout(h, 0.5, training=True)``: it stays on in validation, so every
+    evaluation is a noisy sub-network."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for index, layer in enumerate(self.layers):
+            h = self.acts[index](layer(h))
+            h = F.dropout(h, 0.5, training=self.training if self.program.fixed else True)
+        return self.head(h)
+
+
+class _RandomSampleDataset(Dataset):
+    """Draws a random record (with noise) from a NumPy generator made once: forked workers copy it."""
+
+    def __init__(self, base: Any) -> None:
+        self.inputs, self.targets = base.tensors
+        self.rng = np.random.RandomState(0)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = int(self.rng.randint(len(self.targets)))
+        noise = torch.from_numpy(self.rng.normal(0, 0.1, self.inputs.shape[1]).astype("float32"))
+        return self.inputs[pick] + noise, self.targets[pick]
+
+
+def _reseed(worker: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    if info is not None:
+        info.dataset.rng = np.random.RandomState(info.seed % 2**32)
+
+
+class WorkersShareSeed(FaultProgram):
+    """Two data-loader workers each copy one NumPy generator: both draw the same records, so every batch
+    is seen twice and half the data never; the twin reseeds each worker."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_RandomSampleDataset(data(self.program)), batch_size=self.program.batch, num_workers=2,
+                          worker_init_fn=_reseed if self.program.fixed else None, persistent_workers=True)
+
+
+class NoZeroGrad(FaultProgram):
+    """``optimizer_zero_grad`` overridden to do nothing (the ``zero_grad()`` line missing of
+    stackoverflow-60335387): every update is the sum of all past gradients."""
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        if self.program.fixed:
+            optimizer.zero_grad()
+
+
+class FrozenInOptimizer(FaultProgram):
+    """Every Linear but the head frozen with ``requires_grad_(False)`` while the optimizer still holds
+    them (pytorch-forum-84911: only the normalisation layers were left trainable)."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        if not program.fixed:
+            self.layers.requires_grad_(False)
+
+
+SILENT: dict[str, type[FaultProgram]] = {
+    "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
+    "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
+    "workers_share_seed": WorkersShareSeed, "no_zero_grad": NoZeroGrad, "frozen_in_optimizer": FrozenInOptimizer,
+}
+
+
+def build_silent(program: Program) -> FaultProgram:
+    return SILENT[str(program.silent)](program)
+
+
+__all__ = ["SILENT", "build_silent"]
