@@ -83,8 +83,8 @@ def test_every_module_is_in_a_known_layer() -> None:
     assert {layer_of(path) for path in MODULES} <= known
 
 
-MAX_MODULE_LINES = 450
-MAX_CLASS_LINES = 350
+MAX_MODULE_LINES = 800
+MAX_CLASS_LINES = 600
 
 
 def module_name(path: Path) -> str:
@@ -134,7 +134,8 @@ def test_no_import_circle() -> None:
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
 def test_modules_and_classes_stay_small(path: Path) -> None:
-    """A module over 450 lines or a class over 350 is several concerns glued together: split it."""
+    """A loose bound that catches real outliers only (modules are cut by concern, not by count): a module over 800
+    lines or a class over 600 is several concerns glued together: split it."""
     source = path.read_text(encoding="utf-8")
     assert len(source.splitlines()) <= MAX_MODULE_LINES
     big = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
