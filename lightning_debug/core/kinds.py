@@ -120,6 +120,18 @@ class AtEnd(str, enum.Enum):
         return self.value
 
 
+class Until(str, enum.Enum):
+    """A condition that ends a hold, for a suspicion that lasts as long as it is suspected again."""
+
+    BACK_UNDER = "back_under"
+    """Held while each observation suspects it again; the first observation that judges it without suspecting it
+    ends it: confirmed when that observation's reading is back at or under the suspicion's bound (a burst that
+    ended), else reported as ``else_kind`` (the condition did not end: the level moved)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Confirm:
     """A kind's confirmation policy: how long a suspicion is held, what confirms it, what it becomes if not.
@@ -132,7 +144,8 @@ class Confirm:
     unconfirmed becomes (None: dismissed); ``at_end``: what one still held at the end of the run becomes;
     ``backdate``: a suspicion confirmed by persisting is recorded at every step it was held, labelled at
     the first. ``max_held``: held suspicions per scope (an optimizer) at most; past that the oldest is decided
-    as at the end of the run.
+    as at the end of the run. ``until``: a condition that ends the hold (:class:`Until`), for a suspicion held
+    as long as it lasts (a run of slow steps); what it becomes unconfirmed is again ``else_kind``.
 
     The engine that applies it is :class:`lightning_debug.core.verdicts.VerdictEngine`; a non-finite value
     is never held back, whatever the policy.
@@ -142,6 +155,8 @@ class Confirm:
         >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
         >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
         (3, 8, True, False)
+        >>> Confirm(until=Until.BACK_UNDER).holds
+        True
     """
 
     patience: int | None = None
@@ -151,6 +166,7 @@ class Confirm:
     at_end: AtEnd = AtEnd.DISMISS
     backdate: bool = True
     max_held: int = 64
+    until: Until | None = None
 
     def needed(self, variant: str = "") -> int | None:
         """Observations in a row that confirm a suspicion of ``variant`` (None: persisting does not)."""
@@ -159,7 +175,7 @@ class Confirm:
     @property
     def holds(self) -> bool:
         """Whether a suspicion of this kind waits before it is reported."""
-        return bool(self.follow_up) or any(needed > 1 for needed in (self.patience or 1, *self.variants.values()))
+        return bool(self.follow_up) or self.until is not None or any(needed > 1 for needed in (self.patience or 1, *self.variants.values()))
 
     def describe(self) -> str:
         """The policy in words, for the docs' table of policies.
@@ -168,6 +184,8 @@ class Confirm:
 
             >>> Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED).describe()
             'the 2 readings after it above its bound (or not finite); at the end: reported if every reading after it confirmed it'
+            >>> Confirm(until=Until.BACK_UNDER, else_kind=Kind.SLOW_STEP, at_end=AtEnd.REPORT).describe()
+            'as long as it lasts, then a reading back under its bound; unconfirmed: `slow_step`; at the end: reported'
         """
         parts = []
         if self.patience is not None and self.patience > 1:
@@ -176,6 +194,8 @@ class Confirm:
         if self.follow_up:
             readings = f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading"
             parts.append(f"{readings} above its bound (or not finite)")
+        if self.until is Until.BACK_UNDER:
+            parts.append("as long as it lasts, then a reading back under its bound")
         if not parts:
             return "at once"
         unconfirmed = f"; unconfirmed: `{self.else_kind.value}`" if self.else_kind is not None else ""
@@ -300,7 +320,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="Memory grows step after step: a tensor kept across steps together with its graph "
                "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
                "only grows, or gradients accumulated without `zero_grad()`.",
-        hint="a tensor kept with its graph? keep loss.item() or loss.detach()"),
+        hint="a tensor kept with its graph? keep loss.item() or loss.detach()",
+        confirm=Confirm(patience=2, backdate=False)),
     Kind.MEMORY_HIGH: KindSpec(
         Area.MEMORY, Severity.WARNING,
         advice="Close to the limit: reduce the batch size, accumulate gradients, use mixed precision or "
@@ -315,7 +336,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         Area.PERFORMANCE, Severity.WARNING,
         advice="See which phase was slow (data, forward, backward, optimizer): a checkpoint save, garbage "
                "collection, validation, or a host sync; `profile_steps` records a torch.profiler trace.",
-        hint="see the slow phase; profile_steps records a torch.profiler trace"),
+        hint="see the slow phase; profile_steps records a torch.profiler trace",
+        confirm=Confirm(until=Until.BACK_UNDER, else_kind=Kind.SLOW_STEP, at_end=AtEnd.REPORT)),
     Kind.DATALOADER_BOTTLENECK: KindSpec(
         Area.PERFORMANCE, Severity.WARNING,
         advice="The model waits for data: raise `num_workers`, set `pin_memory=True` on GPU and "

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_debug.core.findings import Finding
-from lightning_debug.core.kinds import KIND_SPECS, AtEnd, Confirm, Kind, Severity
+from lightning_debug.core.kinds import KIND_SPECS, AtEnd, Confirm, Kind, Severity, Until
 
 
 class ConfirmedBy(str, enum.Enum):
@@ -50,6 +50,8 @@ class ConfirmedBy(str, enum.Enum):
     """It ended unconfirmed and is reported as the policy's ``else_kind``."""
     AGAIN = "again"
     """A key confirmed earlier is still suspect on a later observation."""
+    BACK_UNDER = "back_under"
+    """The condition ended with a reading back at or under its bound (policies with ``until``)."""
 
     def __str__(self) -> str:
         return self.value
@@ -66,7 +68,8 @@ class Suspicion:
     optimizers apart. ``at_least``: a longer hold the run's own history asks for (observations in a row, at the
     end of the run too), e.g. twice the longest wait of a conditional parameter's replicas; ``record``: False for
     an observation between check steps, which counts toward the hold but is no step the finding is recorded at.
-    One observation per key and step counts.
+    One observation per key and step counts. ``measured``: what the rule measured over the hold so far (sums, what
+    the run looked like before it), plain values that travel with it and in the checkpoint.
     """
 
     kind: Kind
@@ -81,12 +84,14 @@ class Suspicion:
     scope: str = ""
     at_least: int = 0
     record: bool = True
+    measured: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         finding = self.finding
         return {"kind": self.kind.value, "key": self.key, "step": self.step, "flagged": list(self.flagged),
                 "where": self.where, "value": self.value, "bound": self.bound, "variant": self.variant,
                 "scope": self.scope, "at_least": self.at_least, "record": self.record,
+                "measured": dict(self.measured),
                 "finding": None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
                                                          "message": finding.message, "details": finding.details}}
 
@@ -97,7 +102,8 @@ class Suspicion:
                                                      entry["message"], dict(entry["details"]))
         return cls(Kind(state["kind"]), str(state["key"]), int(state["step"]), finding, list(state["flagged"]),
                    state.get("where"), state.get("value"), state.get("bound"), str(state.get("variant", "")),
-                   str(state.get("scope", "")), int(state.get("at_least", 0)), bool(state.get("record", True)))
+                   str(state.get("scope", "")), int(state.get("at_least", 0)), bool(state.get("record", True)),
+                   dict(state.get("measured", {})))
 
 
 @dataclass
@@ -178,6 +184,18 @@ class VerdictEngine:
         >>> nan = Suspicion(Kind.EXPLODING_GRAD, "9", 9, value=math.inf, bound=10.0)
         >>> [(c.steps, c.by.value) for c in engine.observe(Kind.EXPLODING_GRAD, 9, [nan])]
         [([9], 'not_finite')]
+
+    A policy with ``until`` holds a suspicion as long as it is suspected again; the observation that ends it
+    decides by its reading (``slow_step``: a run of slow steps back under the threshold of before is a burst,
+    one that ends above it a new level, reported as the policy's ``else_kind``)::
+
+        >>> run = lambda step: Suspicion(Kind.SLOW_STEP, "run", step, bound=50.0, measured={"steps": step - 9})
+        >>> [engine.observe(Kind.SLOW_STEP, step, [run(step)]) for step in (10, 11)]
+        [[], []]
+        >>> engine.latest(Kind.SLOW_STEP, "run").measured
+        {'steps': 2}
+        >>> [(c.kind.value, c.first.step, c.by.value) for c in engine.observe(Kind.SLOW_STEP, 12, reading=20.0)]
+        [('slow_step', 10, 'back_under')]
     """
 
     def __init__(self) -> None:
@@ -198,6 +216,11 @@ class VerdictEngine:
     def holds(self, kind: Kind, scope: str = "") -> dict[str, Hold]:
         """Every hold of ``kind`` in ``scope`` by key, oldest first; for reading only."""
         return {key: held for (k, s, key), held in self._ordered() if k == kind.value and s == scope}
+
+    def latest(self, kind: Kind, key: str, scope: str = "") -> Suspicion | None:
+        """The latest suspicion held for ``key`` (what the rule measured so far), or None."""
+        held = self._held.get((kind.value, scope, key))
+        return None if held is None else held.latest
 
     def holding(self, kind: Kind, scope: str | None = None) -> bool:
         """Whether a suspicion of ``kind`` (in ``scope``, or any) waits for readings or more observations."""
@@ -298,6 +321,14 @@ class VerdictEngine:
                 reading: float | None) -> list[Confirmed]:
         """A held key judged without being suspected again: its readings confirm it, or its hold ends."""
         kind = Kind(held_key[0])
+        if policy.until is Until.BACK_UNDER and not held.confirmed:
+            del self._held[held_key]
+            bound = held.latest.bound
+            if reading is not None and math.isfinite(reading) and (bound is None or reading <= bound):
+                return [Confirmed(kind, held.first, held.latest, [held.latest.step], ConfirmedBy.BACK_UNDER)]
+            if policy.else_kind is None:
+                return []
+            return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]
         if policy.follow_up and reading is not None and not held.confirmed:
             bound = held.latest.bound
             if not _finite(reading) or (bound is not None and reading > bound):
@@ -316,7 +347,8 @@ class VerdictEngine:
         kind, end = held.first.kind, policy.at_end
         if ((end is AtEnd.REPORT and held.streak >= held.latest.at_least)
                 or (end is AtEnd.IF_FOLLOWED and held.above and not held.below)):
-            steps = [held.first.step] if policy.follow_up else list(held.steps) or [held.latest.step]
+            steps = ([held.first.step] if policy.follow_up or policy.until
+                     else list(held.steps) or [held.latest.step])
             return [Confirmed(kind, held.first, held.latest, steps, ConfirmedBy.AT_END, held.above, held.streak)]
         if end is AtEnd.ELSE_KIND and policy.else_kind is not None:
             return [Confirmed(policy.else_kind, held.first, held.latest, [held.first.step], ConfirmedBy.UNCONFIRMED)]

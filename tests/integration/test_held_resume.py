@@ -1,15 +1,19 @@
 """A checkpoint taken while a suspicion is held: the resumed run reports it as the uninterrupted one does.
 
 Each kind with a confirmation policy is planted so that its suspicion is held, not yet confirmed, when
-the step-12 checkpoint is written: the verdict engine's held suspicions travel in the monitor's state, so
-the resumed run confirms them at the same step, labelled where they began. Before the engine, a
-``learning_stalled`` streak and a held ``update_ratio_high`` step were lost at a resume (the stall was
-named two check steps late, the update ratio not at all).
+the checkpoint is written (at the end of an epoch, so the resumed run sees the same batches): the verdict
+engine's held suspicions travel in the monitor's state, so the resumed run confirms them at the same step,
+labelled where they began. Before the engine, a ``learning_stalled`` streak and a held ``update_ratio_high``
+step were lost at a resume (the stall was named two check steps late, the update ratio not at all), and so
+were a held run of slow steps and a suspected memory growth.
 """
 
 from __future__ import annotations
 
+import gc
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_debug import DebugConfig, GradientHealthCallback
+from lightning_debug import DebugConfig, GradientHealthCallback, MemoryProfilerCallback, PerformanceProfilerCallback
 from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, regression_data
 
 STEPS = 20
@@ -89,9 +93,13 @@ class Unused(Leaps):
         return Stalls.training_step(self, batch, batch_idx)
 
 
-def fit(root: Path, model: pl.LightningModule, saver: ModelCheckpoint | None = None, **kwargs: Any) -> pl.Trainer:
-    callbacks: list[pl.Callback] = [GradientHealthCallback(CONFIG)] + ([saver] if saver else [])
-    trainer = make_trainer(root, callbacks, max_steps=getattr(model, "steps", STEPS),
+def gradient_callbacks() -> list[pl.Callback]:
+    return [GradientHealthCallback(CONFIG)]
+
+
+def fit(root: Path, model: pl.LightningModule, saver: ModelCheckpoint | None = None, *, steps: int = STEPS,
+        callbacks: Callable[[], list[pl.Callback]] = gradient_callbacks, **kwargs: Any) -> pl.Trainer:
+    trainer = make_trainer(root, callbacks() + ([saver] if saver else []), max_steps=steps,
                            enable_checkpointing=saver is not None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -99,15 +107,18 @@ def fit(root: Path, model: pl.LightningModule, saver: ModelCheckpoint | None = N
     return trainer
 
 
-def interrupted_and_resumed(root: Path, planted: type[Stalls]) -> dict[str, Any]:
+def interrupted_and_resumed(root: Path, planted: Callable[..., pl.LightningModule], *,
+                            checkpoint_step: int = CHECKPOINT_STEP, crash_step: int = CRASH_STEP,
+                            **options: Any) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
-    uninterrupted = fit(root / "uninterrupted", planted())
+    uninterrupted = fit(root / "uninterrupted", planted(), **options)
     pl.seed_everything(0, verbose=False)
-    saver = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=CHECKPOINT_STEP, save_top_k=-1)
+    saver = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=checkpoint_step, save_top_k=-1)
     with pytest.raises(SimulatedCrash):
-        fit(root / "interrupted", planted(crash_at_step=CRASH_STEP), saver)
-    checkpoint = next((root / "checkpoints").glob(f"*step={CHECKPOINT_STEP}.ckpt"))
-    resumed = fit(root / "resumed", planted(), ckpt_path=str(checkpoint))
+        fit(root / "interrupted", planted(crash_at_step=crash_step), saver, **options)
+    checkpoint = next((root / "checkpoints").glob(f"*step={checkpoint_step}.ckpt"))
+    gc.collect()
+    resumed = fit(root / "resumed", planted(), ckpt_path=str(checkpoint), **options)
     state = torch.load(checkpoint, weights_only=False)["callbacks"]
     held = [entry["first"]["kind"] for value in state.values() if isinstance(value, dict)
             for entry in value.get("verdicts", {}).get("held", [])]
@@ -131,7 +142,7 @@ def starts(trainer: pl.Trainer) -> list[tuple[str, int]]:
 ])
 def test_a_suspicion_held_at_the_checkpoint_is_reported_as_without_the_interruption(
         tmp_path: Path, planted: type[Stalls], held: set[str], expected: dict[str, int]) -> None:
-    runs = interrupted_and_resumed(tmp_path, planted)
+    runs = interrupted_and_resumed(tmp_path, planted, steps=getattr(planted, "steps", STEPS))
     assert held <= set(runs["held"]), f"the checkpoint holds {runs['held']}"
     uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
     for kind, step in expected.items():
@@ -139,3 +150,75 @@ def test_a_suspicion_held_at_the_checkpoint_is_reported_as_without_the_interrupt
         assert resumed[kind] == uninterrupted[kind], (kind, resumed, uninterrupted)
     resumed_starts = [start for start in starts(runs["resumed"]) if start[0] in expected]
     assert resumed_starts == [start for start in starts(runs["uninterrupted"]) if start[0] in expected]
+
+
+# --- process measurements: a run of slow steps, a memory growth ------------------------------------------------
+
+TIMED_STEPS, TIMED_CHECKPOINT, TIMED_CRASH = 60, 48, 50
+STALLED = (45, 46, 47)
+TIMED_CONFIG = DebugConfig(performance_profiling_frequency=1, memory_profiling_frequency=1, save_plots=False,
+                           print_summary=False)
+
+
+class SlowAndLeaking(TinyRegressor):
+    """``training_step`` sleeps 0.12 s on steps 45-47 (slow steps in a row: a burst or a new level, held at the
+    step-48 checkpoint; step 48 is back under the threshold of before, so they were a burst, labelled at 47) and
+    keeps a 1 MB tensor with its graph from every step in a cache keyed by step (a leak: growth is seen first at the
+    memory reading of step 42, held at the checkpoint, and confirmed at step 50).
+
+    Step times and memory are this process's measurements: the cache is shared by the interrupted and the resumed
+    model (a notebook that resumes in place keeps it; keyed by step, the resumed steps overwrite what the
+    interrupted run kept after the checkpoint), so the resumed run measures what the uninterrupted one did.
+    """
+
+    def __init__(self, cache: dict[int, torch.Tensor], crash_at_step: int | None = None) -> None:
+        super().__init__()
+        self.cache = cache
+        self.crash_at_step = crash_at_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        step = self.trainer.global_step
+        if step == self.crash_at_step:
+            raise SimulatedCrash(f"killed at step {step}")
+        if step in STALLED:
+            time.sleep(0.12)
+        self.cache[step] = self.inp.weight.sum() * torch.ones(256, 1024)
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(samples=16 * TIMED_CHECKPOINT), batch_size=16, shuffle=False)
+
+
+def timed_callbacks() -> list[pl.Callback]:
+    return [PerformanceProfilerCallback(TIMED_CONFIG), MemoryProfilerCallback(TIMED_CONFIG)]
+
+
+def test_a_held_run_of_slow_steps_and_a_suspected_memory_growth_are_reported_as_without_the_interruption(
+        tmp_path: Path) -> None:
+    """What must hold, and holds exactly here: the kind, the step each is labelled with, the steps it was recorded
+    at and its episodes. The details may differ: the resumed process times its steps afresh (the history of step
+    times is not checkpointed, a held run is decided by the threshold of before), and the census the growth was
+    suspected with stays in the process before, so the resumed run explains it from one taken at its first check
+    (``census_steps`` [48, 50] instead of [42, 50])."""
+    uninterrupted_cache: dict[int, torch.Tensor] = {}
+    resumed_cache: dict[int, torch.Tensor] = {}
+    models = iter([lambda **kwargs: SlowAndLeaking(uninterrupted_cache, **kwargs)]
+                  + [lambda **kwargs: SlowAndLeaking(resumed_cache, **kwargs)] * 2)
+
+    def planted(**kwargs: Any) -> pl.LightningModule:
+        return next(models)(**kwargs)
+
+    runs = interrupted_and_resumed(tmp_path, planted, checkpoint_step=TIMED_CHECKPOINT, crash_step=TIMED_CRASH,
+                                   steps=TIMED_STEPS, callbacks=timed_callbacks)
+    assert {"slow_step", "memory_growth"} <= set(runs["held"]), f"the checkpoint holds {runs['held']}"
+    uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
+    assert uninterrupted["slow_step"][0] == STALLED[-1] and uninterrupted["memory_growth"][0] == TIMED_CRASH, \
+        uninterrupted
+    for kind in ("slow_step", "memory_growth"):
+        assert resumed[kind] == uninterrupted[kind], (kind, resumed, uninterrupted)
+    planted_kinds = ("slow_step", "memory_growth")
+    assert [start for start in starts(runs["resumed"]) if start[0] in planted_kinds] == \
+        [start for start in starts(runs["uninterrupted"]) if start[0] in planted_kinds]
+    burst = [event for event in read_events(debug_dir(runs["resumed"]))
+             if event["kind"] == "slow_step" and event.get("episode") == "start"]
+    assert burst[0]["severity"] == "warning" and burst[0]["details"]["slow_steps"] == len(STALLED), burst

@@ -375,6 +375,54 @@ def test_monitor_finds_a_leak_in_a_plain_training_loop(tmp_path: Path) -> None:
     assert not [e for e in events if e["kind"] == "oom"]
 
 
+def leaking_loop(run: Any, steps: range, kept: list[torch.Tensor] | None) -> None:
+    """A plain loop; with ``kept``, each step keeps a 1 MB tensor with its graph there (a leak)."""
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    for step in steps:
+        run.batch_start(step, x)
+        loss = nn.functional.mse_loss(model(x), y)
+        if kept is not None:
+            kept.append(model.weight.sum() * torch.ones(256, 1024))
+        run.before_backward(step, loss)
+        loss.backward()
+        run.before_optimizer_step(step, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        run.after_optimizer_step(step + 1)
+        run.batch_end()
+
+
+@pytest.mark.parametrize("same_process", [True, False])
+def test_a_growth_suspected_at_a_checkpoint_is_confirmed_after_the_resume_as_memory_says(
+        tmp_path: Path, same_process: bool) -> None:
+    """The suspicion and the window travel in the checkpoint. Resumed in the same process (a notebook), memory that goes
+    on growing is named at the reading where the uninterrupted run names it (step 50), explained from a census the
+    resumed run takes at its first check. Resumed in a new process, the memory the process before leaked is gone:
+    the window starts again at the first reading that fell back, so the new process's own leak is named from its own
+    readings (with the stale window, readings below the old ones hide it for the window's length)."""
+    config = DebugConfig(memory_profiling_frequency=1)
+    before = MemoryMonitor(config, "plain_loop")
+    kept: list[torch.Tensor] = []
+    leaking_loop(plain_run([before], tmp_path / "before"), range(46), kept)
+    assert before.report_section()["growth"]["status"] == "suspected"
+    resumed = MemoryMonitor(config, "plain_loop")
+    resumed.load_state_dict(before.state_dict())
+    if not same_process:
+        kept = []
+    run = plain_run([resumed], tmp_path / "resumed")
+    leaking_loop(run, range(46, 110), kept)
+    run.finish("finished", 110)
+    growth = [e for e in read_events(tmp_path / "resumed")
+              if e["kind"] == "memory_growth" and e.get("episode") == "start"]
+    assert len(growth) == 1 and growth[0]["details"]["tensors"][0]["grad_fn"] == "MulBackward0", growth
+    if same_process:
+        assert growth[0]["step"] == 50 and growth[0]["details"]["census_steps"] == [46, 50]
+    else:
+        assert 90 <= growth[0]["step"] <= 100, growth[0]["step"]
+
+
 def test_state_dict_keeps_counts_and_statistics() -> None:
     monitor = MemoryMonitor(DebugConfig(memory_profiling_frequency=1))
     plain_run([monitor])

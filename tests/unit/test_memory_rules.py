@@ -23,11 +23,12 @@ from lightning_debug.monitors.memory.growth import (
     GROWTH_FLOORS,
     GrowthSeries,
     GrowthStatus,
-    LeakStep,
     growth_finding,
+    growth_status,
     growth_verdict,
-    next_leak_step,
+    judge_growth,
 )
+from lightning_debug.core.verdicts import ConfirmedBy, VerdictEngine
 from lightning_debug.monitors.memory import history as history_module
 from lightning_debug.monitors.memory.high import high_memory
 from lightning_debug.monitors.memory.history import AllocationHistory
@@ -47,21 +48,28 @@ def cuda_reading(allocated: float, reserved: float | None = None, total: float =
                                cuda_peak=int(allocated), cuda_total=int(total))
 
 
+SUSPECT, CONFIRM, ONGOING, HEALTHY = "suspect", "confirm", "ongoing", "healthy"
+
+
 def replay(readings: list[tuple[int, MemoryReading]], settings: MemorySettings = MemorySettings(),
-           elements: Callable[[int], int | None] = lambda step: None) -> tuple[list[LeakStep | None], GrowthSeries]:
-    """The leak rule's decisions over recorded readings, as the monitor takes them (None: skipped); ``elements``
-    gives each step's input size."""
+           elements: Callable[[int], int | None] = lambda step: None) -> tuple[list[str | None], GrowthSeries]:
+    """The leak rule's decisions over recorded readings, as the monitor takes them (None: skipped; growth seen
+    first, confirmed, going on, or none); ``elements`` gives each step's input size."""
     series = GrowthSeries(settings.window, settings.warmup_readings, settings.min_spacing)
-    suspected = explained = False
-    steps: list[LeakStep | None] = []
+    verdicts = VerdictEngine()
+    steps: list[str | None] = []
     for step, reading in readings:
         if not series.add(step, reading.leak_series(), elements(step)):
             steps.append(None)
             continue
-        action = next_leak_step(series.growing(), suspected, explained)
-        suspected = action is LeakStep.SUSPECT
-        explained = action in (LeakStep.CONFIRM, LeakStep.ONGOING)
-        steps.append(action)
+        growing = series.growing()
+        decided = judge_growth(step, growing, verdicts)
+        if not growing:
+            steps.append(HEALTHY)
+        elif decided is None:
+            steps.append(SUSPECT)
+        else:
+            steps.append(CONFIRM if decided.by is ConfirmedBy.PERSISTED else ONGOING)
     return steps, series
 
 
@@ -98,12 +106,12 @@ def test_growth_that_has_stopped_is_no_leak() -> None:
         return 200 * MB + 1.6 * MB * min(step, 250)
 
     steps, series = replay([(step, cpu_reading(cache(step))) for step in range(0, 1000, 50)])
-    assert LeakStep.SUSPECT not in steps and series.growing() == {}, steps
+    assert SUSPECT not in steps and series.growing() == {}, steps
     _, at_350 = replay([(step, cpu_reading(cache(step))) for step in range(0, 400, 50)])
     trend = at_350.trends["cpu_heap"]
     assert trend.slope > 0 and trend.consistency >= 0.7, "at step 350 the whole window's line alone calls it growth"
     leak, _ = replay([(step, cpu_reading(200 * MB + 1.6 * MB * step)) for step in range(0, 1000, 50)])
-    assert LeakStep.CONFIRM in leak
+    assert CONFIRM in leak
 
 
 def test_host_memory_that_steps_up_with_a_schedule_of_larger_inputs_is_no_leak() -> None:
@@ -119,12 +127,12 @@ def test_host_memory_that_steps_up_with_a_schedule_of_larger_inputs_is_no_leak()
     settings = MemorySettings(window=32, warmup_readings=2, min_spacing=8)
     schedule = [(step, cpu_reading(heap(step))) for step in range(0, 300)]
     blind, _ = replay(schedule, settings)
-    assert LeakStep.CONFIRM in blind, "without the input's size the steps read as growth"
+    assert CONFIRM in blind, "without the input's size the steps read as growth"
     steps, series = replay(schedule, settings, tokens)
-    assert LeakStep.SUSPECT not in steps and series.input_grew()
+    assert SUSPECT not in steps and series.input_grew()
     leak_later = [(step, cpu_reading(heap(step) + (0.2 * MB * (step - 300) if step > 300 else 0)))
                   for step in range(0, 900)]
-    assert LeakStep.CONFIRM in replay(leak_later, settings, tokens)[0], "a leak after the schedule is named"
+    assert CONFIRM in replay(leak_later, settings, tokens)[0], "a leak after the schedule is named"
 
 
 def test_a_leak_under_batches_of_random_lengths_is_still_named() -> None:
@@ -132,7 +140,7 @@ def test_a_leak_under_batches_of_random_lengths_is_still_named() -> None:
     lengths = torch.randint(8, 160, (400,), generator=torch.Generator().manual_seed(0)).tolist()
     leak = [(step, cpu_reading(200 * MB + 0.5 * MB * step)) for step in range(0, 400, 10)]
     steps, series = replay(leak, elements=lambda step: 8 * lengths[step])
-    assert LeakStep.CONFIRM in steps and not series.input_grew()
+    assert CONFIRM in steps and not series.input_grew()
 
 
 def test_a_steady_leak_is_suspected_then_confirmed_then_ongoing() -> None:
@@ -140,8 +148,8 @@ def test_a_steady_leak_is_suspected_then_confirmed_then_ongoing() -> None:
     steps, series = replay(readings)
     assert steps[:2] == [None, None], "the warm-up readings stay out"
     decided = [step for step in steps if step is not None]
-    first = decided.index(LeakStep.SUSPECT)
-    assert decided[first:first + 3] == [LeakStep.SUSPECT, LeakStep.CONFIRM, LeakStep.ONGOING]
+    first = decided.index(SUSPECT)
+    assert decided[first:first + 3] == [SUSPECT, CONFIRM, ONGOING]
     assert set(series.growing()) == {"cpu_heap"}, "the resident set stays flat"
     assert series.trends["cpu_heap"].slope == pytest.approx(0.5 * MB)
 
@@ -151,24 +159,35 @@ def test_a_noisy_flat_heap_never_reads_as_growth() -> None:
     readings = [(step, cpu_reading(300 * MB + noise.uniform(-4, 4) * MB, rss=900 * MB + noise.uniform(-64, 64) * MB))
                 for step in range(0, 1000, 10)]
     steps, _ = replay(readings)
-    assert set(steps) <= {None, LeakStep.HEALTHY}
+    assert set(steps) <= {None, HEALTHY}
 
 
 def test_a_warm_up_jump_is_no_leak() -> None:
     heap = [200 * MB] * 6 + [260 * MB] * 34  # optimizer state built lazily, then flat
     steps, _ = replay([(10 * i, cpu_reading(value)) for i, value in enumerate(heap)])
-    assert set(steps) <= {None, LeakStep.HEALTHY}
+    assert set(steps) <= {None, HEALTHY}
 
 
 def test_slow_creep_under_the_floor_is_no_leak() -> None:
     creep = 0.5 * GROWTH_FLOORS["cpu_heap"] / 300  # half the floor over the whole window
     steps, _ = replay([(step, cpu_reading(200 * MB + creep * step)) for step in range(0, 320, 10)])
-    assert set(steps) <= {None, LeakStep.HEALTHY}
+    assert set(steps) <= {None, HEALTHY}
 
 
 def test_growth_that_stops_ends_the_suspicion() -> None:
-    assert next_leak_step({}, suspected=True, explained=False) is LeakStep.HEALTHY
-    assert next_leak_step({}, suspected=False, explained=True) is LeakStep.HEALTHY
+    """Growth suspected, or confirmed, ends with the first reading that sees none: the verdict engine holds it no
+    more (the report says so) and the next growth is suspected afresh."""
+    trend = fit_trend([(step, 1e6 * step) for step in range(8)])
+    assert trend is not None
+    for readings_growing in (1, 3):
+        verdicts = VerdictEngine()
+        for step in range(readings_growing):
+            judge_growth(step, {"cpu_heap": trend}, verdicts)
+        assert growth_status(verdicts, judged=True) is (GrowthStatus.SUSPECTED if readings_growing == 1
+                                                        else GrowthStatus.GROWING)
+        assert judge_growth(readings_growing, {}, verdicts) is None
+        assert growth_status(verdicts, judged=True) is GrowthStatus.NONE
+        assert judge_growth(readings_growing + 1, {"cpu_heap": trend}, verdicts) is None  # suspected again
 
 
 def test_readings_too_close_together_are_skipped_and_the_window_is_bounded() -> None:

@@ -18,6 +18,7 @@ from lightning_debug.checks.timing import PHASES, Phase, PhaseTimer, Stopwatch, 
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.ledger import INSTRUMENTED_STEPS_KEPT, RunLedger
 from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.performance import PerformanceMonitor, loader_advice, loader_settings
 from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule
 from lightning_debug.monitors.performance.loader import describe_loader
@@ -115,6 +116,27 @@ def test_a_burst_of_slow_steps_in_a_row_is_a_warning_once_it_ends() -> None:
     burst = verdicts[23]
     assert burst is not None and burst.step == 22 and burst.recurring and burst.shift is None
     assert burst.finding().severity is Severity.WARNING and burst.key == "data"
+
+
+@pytest.mark.parametrize("after_resume", [10.0, 300.0])
+def test_a_run_of_slow_steps_held_at_a_checkpoint_is_decided_after_the_resume(after_resume: float) -> None:
+    """The run is the verdict engine's, checkpointed; the step times are not (a resumed process is timed afresh).
+    Resumed with no history, a step back under the threshold of before ends the run as the burst, labelled at its last
+    step as without the resume; a step above it holds the run on until enough steps are timed again, and slow steps
+    that stay are the new level, labelled at the run's first step."""
+    recorded = [times(step) for step in range(20)] + [times(step, data=300.0) for step in (20, 21, 22)]
+    before = SlowStepRule(VerdictEngine())
+    assert feed_slow(before, recorded) == [None] * 23
+    engine = VerdictEngine()
+    engine.load_state_dict(before.verdicts.state_dict())
+    resumed = SlowStepRule(engine)
+    after = [times(step, data=after_resume) for step in range(23, 23 + 2 * MIN_HISTORY)]
+    decided = [verdict for verdict in feed_slow(resumed, after) if verdict is not None]
+    if after_resume == 10.0:
+        assert [(v.step, v.shift is None, v.finding().severity) for v in decided] == [(22, True, Severity.WARNING)]
+    else:
+        assert [(v.step, v.shift is not None) for v in decided] == [(20, True)], decided
+        assert decided[0].finding().severity is Severity.INFO
 
 
 @pytest.mark.parametrize(("elements_after", "explained"), [(4096, True), (1024, False)])

@@ -14,8 +14,9 @@ What could make it fire on a healthy model, and how it is ruled out:
   series (:data:`GROWTH_FLOORS`) and four times the robust scatter around the line;
 - readings close together (several per step in short runs): readings fewer than ``min_spacing``
   steps apart are skipped;
-- a one-off: growth must be seen on two readings in a row (suspected, then confirmed) before the
-  finding; between them a census of live tensors is taken, so the finding names what piles up;
+- a one-off: growth must be seen on two readings in a row (suspected, then confirmed: the kind's policy,
+  ``Confirm(patience=2)``, applied by the verdict engine, which holds the suspicion and checkpoints it)
+  before the finding; between them a census of live tensors is taken, so the finding names what piles up;
 - growth that has stopped: a cache filled in the first epoch (decoded samples kept in RAM) rises, then
   stays, and the window's line still rises after it has; the latest half of the window (at least 3
   readings) must rise at least ``RECENT_SLOPE_SHARE`` as fast as the whole window. A leak keeps its
@@ -36,14 +37,23 @@ What could make it fire on a healthy model, and how it is ruled out:
 - a cache filled in the first epoch, seen through that wait: memory kept past the epoch's end is a leak only if
   it goes on growing in the next epoch. It is judged on that epoch's own readings (:meth:`GrowthSeries.goes_on`,
   from :data:`CARRIED_READINGS` on): still rising at ``RECENT_SLOPE_SHARE`` of the window's pace, it is named;
-  flat, the growth stopped with the epoch and the window starts again.
+  flat, the growth stopped with the epoch and the window starts again. While it waits the suspicion is held and
+  not observed.
+- a resume: the window and the waits travel in the checkpoint with the held suspicion. A resumed process whose
+  memory fell back from the window's peak (the one before it ended, and its memory with it) starts the window
+  again; the census a held suspicion was taken with stays in the process before, so a new one is taken at the
+  first check after the resume and the growth is confirmed at a later reading than that one.
 
 Example::
 
-    >>> series = GrowthSeries(window=32, warmup_readings=0, min_spacing=1)
-    >>> verdicts = [series.add(step, {"cpu_heap": 1e6 + 4e6 * step}) for step in range(8)]
-    >>> sorted(series.growing()), next_leak_step(series.growing(), suspected=False, explained=False)
-    (['cpu_heap'], <LeakStep.SUSPECT: 'suspect'>)
+    >>> from lightning_debug.core.verdicts import VerdictEngine
+    >>> series, verdicts = GrowthSeries(window=32, warmup_readings=0, min_spacing=1), VerdictEngine()
+    >>> decided = []
+    >>> for step in range(8):
+    ...     _ = series.add(step, {"cpu_heap": 1e6 + 4e6 * step})
+    ...     decided.append(judge_growth(step, series.growing(), verdicts))
+    >>> [(step, d.by.value) for step, d in enumerate(decided) if d], growth_status(verdicts, judged=True).value
+    ([(6, 'persisted'), (7, 'again')], 'growing')
 """
 
 from __future__ import annotations
@@ -70,6 +80,7 @@ from lightning_debug.checks.memory import (
 )
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine
 
 # Below these rises over the trend window, growth is allocator granularity or warm-up creep.
 GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
@@ -80,24 +91,17 @@ CARRIED_READINGS = 4
 """Readings of the next epoch that tell whether a growth kept past its epoch's end goes on (a leak) or stopped."""
 INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss"})
 """The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not)."""
+KEY = "growth"
+"""The key of the one ``memory_growth`` suspicion the verdict engine holds."""
 
 
 class GrowthStatus(enum.StrEnum):
-    """The leak verdict in the report (``growth.status``)."""
+    """The leak verdict in the report (``growth.status``), read from the verdict engine (:func:`growth_status`)."""
 
     NOT_ENOUGH = "not enough readings"
     NONE = "no steady growth"
     SUSPECTED = "suspected"
     GROWING = "growing"
-
-
-class LeakStep(str, enum.Enum):
-    """What the plumbing does after a reading that entered the window."""
-
-    HEALTHY = "healthy"  # no steady growth: drop a suspicion (and its allocation history) and the finding
-    SUSPECT = "suspect"  # growth seen first: take the first census, start the CUDA allocation history
-    CONFIRM = "confirm"  # growth seen again: take the second census and explain
-    ONGOING = "ongoing"  # the explained growth goes on: keep its episode open
 
 
 class GrowthSeries:
@@ -219,6 +223,31 @@ class GrowthSeries:
                 return True
         return False
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"points": {name: [list(point) for point in points] for name, points in self.points.items()},
+                "readings": self.readings, "inputs": [list(entry) for entry in self.inputs],
+                "epochs": list(self.epochs)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The window of a checkpoint (its trends fitted again).
+
+        Example::
+
+            >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_heap": 1e6 * step}, 64, epoch=0) for step in range(4)]
+            >>> restored = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
+            >>> restored.load_state_dict(series.state_dict())
+            >>> restored.trends == series.trends, restored.readings, list(restored.epochs)
+            (True, 4, [0, 0, 0, 0])
+        """
+        self.restart()
+        for name, points in state.get("points", {}).items():
+            self.points[name] = deque(((int(step), float(value)) for step, value in points), maxlen=self.window)
+        self.trends = {name: trend for name, points in self.points.items() if (trend := fit_trend(list(points)))}
+        self.readings = int(state.get("readings", 0))
+        self.inputs.extend((int(step), int(elements)) for step, elements in state.get("inputs", ()))
+        self.epochs.extend(state.get("epochs", ()))
+
     def restart(self) -> None:
         """Empty the window (the warm-up is not repeated)."""
         self.points.clear()
@@ -233,19 +262,38 @@ class GrowthSeries:
         return recent is None or recent.slope >= RECENT_SLOPE_SHARE * trend.slope
 
 
-def next_leak_step(growing: Mapping[str, Trend], suspected: bool, explained: bool) -> LeakStep:
-    """The next step of the leak rule, from the growing series and where the rule stands.
+def judge_growth(step: int, growing: Mapping[str, Trend], verdicts: VerdictEngine) -> Confirmed | None:
+    """One reading that entered the window: growth seen is a suspicion ``verdicts`` holds under the kind's policy.
+
+    Returns what it confirms: ``persisted`` the first time (explain it: the second census), ``again`` while the
+    growth goes on (the finding written at the confirmation, :func:`growth_named`, is recorded again); None while
+    it is only suspected (take the first census) or when nothing grows (a held suspicion ends).
 
     Example::
 
-        >>> next_leak_step({}, suspected=True, explained=False)
-        <LeakStep.HEALTHY: 'healthy'>
+        >>> verdicts = VerdictEngine()
+        >>> judge_growth(0, {"cpu_heap": None}, verdicts), growth_status(verdicts, judged=True).value
+        (None, 'suspected')
+        >>> judge_growth(1, {}, verdicts), growth_status(verdicts, judged=True).value
+        (None, 'no steady growth')
     """
-    if not growing:
-        return LeakStep.HEALTHY
-    if explained:
-        return LeakStep.ONGOING
-    return LeakStep.CONFIRM if suspected else LeakStep.SUSPECT
+    named = growth_named(verdicts)
+    suspicions = [Suspicion(Kind.MEMORY_GROWTH, KEY, step, finding=named)] if growing else []
+    decided = verdicts.observe(Kind.MEMORY_GROWTH, step, suspicions)
+    return decided[0] if decided else None
+
+
+def growth_named(verdicts: VerdictEngine) -> Finding | None:
+    """The ``memory_growth`` finding of a growth confirmed and still going on (None otherwise)."""
+    held = verdicts.latest(Kind.MEMORY_GROWTH, KEY)
+    return None if held is None else held.finding
+
+
+def growth_status(verdicts: VerdictEngine, judged: bool) -> GrowthStatus:
+    """Where the leak rule stands, for the report: from what the engine holds, once a reading was ``judged``."""
+    if verdicts.latest(Kind.MEMORY_GROWTH, KEY) is not None:
+        return GrowthStatus.SUSPECTED if verdicts.holding(Kind.MEMORY_GROWTH) else GrowthStatus.GROWING
+    return GrowthStatus.NONE if judged else GrowthStatus.NOT_ENOUGH
 
 
 def headroom(series: str, reading: MemoryReading) -> tuple[float, str]:

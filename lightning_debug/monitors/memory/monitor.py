@@ -41,14 +41,15 @@ from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
+from lightning_debug.core.verdicts import ConfirmedBy
 from lightning_debug.monitors.memory.growth import (
     GrowthSeries,
-    GrowthStatus,
-    LeakStep,
     growth_finding,
+    growth_named,
+    growth_status,
     growth_verdict,
+    judge_growth,
     lasts_past,
-    next_leak_step,
 )
 from lightning_debug.monitors.memory.high import high_memory
 from lightning_debug.monitors.memory.history import AllocationHistory, history_enabled
@@ -57,7 +58,10 @@ from lightning_debug.monitors.memory.settings import MemorySettings
 
 
 @dataclass
-class _Suspicion:
+class _Evidence:
+    """What this process gathered for a held ``memory_growth`` suspicion: the first census (and whether it started
+    the CUDA allocation history). It stays in the process; the suspicion itself is the verdict engine's."""
+
     step: int
     census: Census
     history: bool
@@ -91,11 +95,10 @@ class MemoryMonitor(Monitor):
         self.census_ms = RunningStats()
         self.check_ms = RunningStats()
         self.windows = GrowthSeries(self.settings.window, self.settings.warmup_readings, self.settings.min_spacing)
-        self.verdict: dict[str, Any] = {"status": GrowthStatus.NOT_ENOUGH.value}
         self.oom_files: list[str] = []
         self._device: torch.device | None = None
-        self._suspicion: _Suspicion | None = None
-        self._growth: Finding | None = None
+        self._evidence: _Evidence | None = None
+        self._resumed = False  # the window came from a checkpoint: another process may have taken it
         self._waiting: tuple[Any, list[str]] | None = None  # a growth waiting for the end of its epoch
         self._released_epochs = 0  # epochs whose growth was released at their end
         self._carried: tuple[int, list[str]] | None = None  # growth kept past its epoch: (first step after, series)
@@ -204,53 +207,62 @@ class MemoryMonitor(Monitor):
 
     # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
+        if self._evidence is None and self.verdicts.holding(Kind.MEMORY_GROWTH):  # held from before a resume
+            self._evidence = self._gather(step, reading)
         if not self.windows.add(step, reading.leak_series(), self._elements, where.get("epoch")):
-            if self._growth is not None:
-                self.record(self._growth, step, where)
+            named = growth_named(self.verdicts)
+            if named is not None:
+                self.record(named, step, where)
             return
+        if self._resumed:
+            self._resumed = False
+            if self.windows.fell_back(self.windows.points):  # the process before ended, and its memory with it
+                self._start_again(step)
+                return
         if self._waiting is not None and where.get("epoch") != self._waiting[0]:
             _, series = self._waiting
             self._waiting = None
             if self.windows.fell_back(series):
                 self._released_epochs += 1
-                self._start_again()
+                self._start_again(step)
                 return
             self._carried = (step, series)
         if self._carried is not None:
             goes_on = self.windows.goes_on(self._carried[1], self._carried[0])
             if goes_on is None:
-                self.verdict = self._verdict(GrowthStatus.SUSPECTED)
                 return
             self._carried = None
             if not goes_on:  # it stopped with its epoch (a cache filled once)
-                self._start_again()
+                self._start_again(step)
                 return
         growing = self.windows.growing()
-        action = next_leak_step(growing, suspected=self._suspicion is not None, explained=self._growth is not None)
-        if action is LeakStep.HEALTHY:
-            if self._suspicion is not None:
+        if growing and self.verdicts.holding(Kind.MEMORY_GROWTH):
+            if self._evidence is not None and self._evidence.step == step:
+                return  # its census was taken at this reading (after a resume): confirmed at a later one
+            if self._waits_for_the_epoch(step, where, growing, reading):
+                self._waiting = (where.get("epoch"), list(growing))
+                return
+        decided = judge_growth(step, growing, self.verdicts)
+        if not growing:
+            if self._evidence is not None:
                 self._end_suspicion()
-            self._growth = None
-            self.verdict = self._verdict(GrowthStatus.NONE)
             return
-        if action is LeakStep.SUSPECT:
-            self._suspicion = _Suspicion(step, self._census(), self._start_history() if reading.on_cuda else False)
-            self.verdict = self._verdict(GrowthStatus.SUSPECTED)
+        if decided is None:  # suspected: the census it is explained from, and the CUDA allocation history
+            self._evidence = self._evidence or self._gather(step, reading)
             return
-        if action is LeakStep.CONFIRM and self._waits_for_the_epoch(step, where, growing, reading):
-            self._waiting = (where.get("epoch"), list(growing))
-            self.verdict = self._verdict(GrowthStatus.SUSPECTED)
-            return
-        if action is LeakStep.CONFIRM:
-            self._growth = self._explain(step, growing, reading)
-        assert self._growth is not None
-        self.record(self._growth, step, where)
-        self.verdict = self._verdict(GrowthStatus.GROWING)
+        if decided.by is ConfirmedBy.PERSISTED:  # the finding is kept with the held suspicion (and checkpointed)
+            decided.latest.finding = self._explain(step, growing, reading)
+        finding = decided.latest.finding
+        assert finding is not None
+        self.record(finding, step, where)
 
-    def _start_again(self) -> None:
+    def _gather(self, step: int, reading: MemoryReading) -> _Evidence:
+        return _Evidence(step, self._census(), self._start_history() if reading.on_cuda else False)
+
+    def _start_again(self, step: int) -> None:
         self.windows.restart()
+        self.verdicts.observe(Kind.MEMORY_GROWTH, step)  # the suspicion held ends
         self._end_suspicion()
-        self.verdict = self._verdict(GrowthStatus.NONE)
 
     def _waits_for_the_epoch(self, step: int, where: Where, growing: dict[str, Trend], reading: MemoryReading) -> bool:
         """Whether a confirmed growth waits for the end of its epoch (see :mod:`.growth`: outputs kept for the end
@@ -283,7 +295,7 @@ class MemoryMonitor(Monitor):
             self.history.stop()
 
     def _end_suspicion(self) -> None:
-        self._suspicion = None
+        self._evidence = None
         self._stop_history()
 
     def _dump_snapshot(self, snapshot: dict[str, Any], stem: str, step: int) -> str | None:
@@ -295,9 +307,9 @@ class MemoryMonitor(Monitor):
         return str(path)
 
     def _explain(self, step: int, growing: dict[str, Trend], reading: MemoryReading) -> Finding:
-        suspicion = self._suspicion
+        suspicion = self._evidence
         assert suspicion is not None
-        self._suspicion = None
+        self._evidence = None
         steps = step - suspicion.step
         census = self._census()
         grown = census_growth(suspicion.census, census, steps)
@@ -315,8 +327,11 @@ class MemoryMonitor(Monitor):
         return growth_finding(step, growing, self.windows.trends, reading, suspicion.step, grown, graphs, sites,
                               snapshot_path, self.census_ms.last)
 
-    def _verdict(self, status: GrowthStatus) -> dict[str, Any]:
-        return growth_verdict(status, self.windows.trends, self._growth.message if self._growth is not None else None)
+    def growth_verdict(self) -> dict[str, Any]:
+        """The report's ``growth`` entry: where the leak rule stands (the verdict engine's hold) and the trends."""
+        named = growth_named(self.verdicts)
+        status = growth_status(self.verdicts, judged=self.windows.readings > self.windows.warmup_readings)
+        return growth_verdict(status, self.windows.trends, named.message if named is not None else None)
 
     # --- out of memory ---------------------------------------------------------------------------------
     def post_mortem(self, exception: BaseException, step: int, where: Where, batch: object | None) -> None:
@@ -347,7 +362,7 @@ class MemoryMonitor(Monitor):
     # --- the end ---------------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         """Close open episodes and stop the allocation history this monitor started."""
-        self._suspicion = None
+        self._evidence = None
         super().finalize(step)
         self.restore()
 
@@ -355,18 +370,30 @@ class MemoryMonitor(Monitor):
         self.history.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), stats={name: stats.state_dict() for name, stats in self.stats.items()})
+        waiting = None if self._waiting is None else [self._waiting[0], list(self._waiting[1])]
+        carried = None if self._carried is None else [self._carried[0], list(self._carried[1])]
+        return dict(super().state_dict(), stats={name: stats.state_dict() for name, stats in self.stats.items()},
+                    growth={"window": self.windows.state_dict(), "waiting": waiting, "carried": carried,
+                            "released_epochs": self._released_epochs})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for name, state in state_dict.get("stats", {}).items():
             self.stats.setdefault(name, RunningStats()).load_state_dict(state)
+        growth = state_dict.get("growth")
+        if growth is not None:
+            self.windows.load_state_dict(growth["window"])
+            waiting, carried = growth.get("waiting"), growth.get("carried")
+            self._waiting = None if waiting is None else (waiting[0], list(waiting[1]))
+            self._carried = None if carried is None else (int(carried[0]), list(carried[1]))
+            self._released_epochs = int(growth.get("released_epochs", 0))
+            self._resumed = bool(self.windows.points)
 
     def report_section(self) -> dict[str, Any]:
         return dict(
             super().report_section(),
             stats={f"memory/{name}": stats.summary() for name, stats in self.stats.items() if stats.count},
-            growth=self.verdict,
+            growth=self.growth_verdict(),
             phases={phase.value: stats.summary() for phase, stats in self.phase_stats.items()},
             phase_reading="cuda_peak" if cuda_index(self._device) is not None else "cpu_heap",
             cost_ms={"check": self.check_ms.summary(), "census": self.census_ms.summary()},

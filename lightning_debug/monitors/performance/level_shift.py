@@ -1,6 +1,10 @@
 """Slow steps that do not end: the step time moved to a new level (a schedule that grows the input, a backbone
 unfrozen, a slower machine), told apart from a burst of stalls by what the steps after them do.
 
+A run of slow steps in a row is held by the verdict engine under the ``slow_step`` policy
+(``Confirm(until=Until.BACK_UNDER)``); :class:`SlowRun` is what the rule measured over it, kept in the held
+suspicion (and so in the checkpoint) as plain values.
+
 Example::
 
     >>> shift = Shift(start=200, steps=12, before_ms=16.0, after_ms=96.0, phase_before_ms=9.0, phase_after_ms=61.0,
@@ -14,14 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from lightning_debug.checks.timing import PHASES, Phase, StepTimes
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
-
-if TYPE_CHECKING:
-    from lightning_debug.monitors.performance.slow_step import SlowStep
 
 SHIFT_ELEMENTS_RATIO = 1.5
 """Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule."""
@@ -64,7 +65,15 @@ class Shift:
 
 @dataclass
 class SlowRun:
-    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums."""
+    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums.
+
+    Example::
+
+        >>> run = SlowRun(10, 16.0, 66.0, {phase: 4.0 for phase in PHASES}, None)
+        >>> run.add(StepTimes(10, {phase: 40.0 for phase in PHASES}))
+        >>> SlowRun.from_state(run.state_dict()) == run, run.shift(Phase.DATA).after_ms
+        (True, 160.0)
+    """
 
     start: int
     base_median: float
@@ -75,8 +84,8 @@ class SlowRun:
     total_ms: float = 0.0
     phase_ms: dict[Phase, float] = field(default_factory=dict)
     elements: int = 0
-    held: SlowStep | None = None
-    """The verdict held back while the run lasts (see :class:`~.slow_step.SlowStepRule`)."""
+    held: dict[str, Any] | None = None
+    """The verdict held back while the run lasts, as its state (see :class:`~.slow_step.SlowStepRule`)."""
     explained: bool = True
     """Whether every step of the run had a larger input than usual and an ordinary time for it: if it ends, no burst."""
 
@@ -86,6 +95,21 @@ class SlowRun:
         for phase in PHASES:
             self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + times.judged(phase)
         self.elements += times.elements or 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "base_median": self.base_median, "base_threshold": self.base_threshold,
+                "base_phases": {phase.value: ms for phase, ms in self.base_phases.items()},
+                "base_elements": self.base_elements, "length": self.length, "total_ms": self.total_ms,
+                "phase_ms": {phase.value: ms for phase, ms in self.phase_ms.items()}, "elements": self.elements,
+                "held": self.held, "explained": self.explained}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SlowRun:
+        return cls(int(state["start"]), float(state["base_median"]), float(state["base_threshold"]),
+                   {Phase(name): float(ms) for name, ms in state["base_phases"].items()}, state["base_elements"],
+                   int(state["length"]), float(state["total_ms"]),
+                   {Phase(name): float(ms) for name, ms in state["phase_ms"].items()}, int(state["elements"]),
+                   state["held"], bool(state["explained"]))
 
     def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
         ratio = (self.elements / self.length / self.base_elements

@@ -105,7 +105,7 @@ class PerformanceMonitor(Monitor):
         self._gathers: deque[Readback] = deque()
         self._latest: StepTimes | None = None
         self._where: Where = {"epoch": 0, "batch": 0}
-        self.slow_steps, self.data_wait, self.stragglers = SlowStepRule(), DataWaitRule(), StragglerRule()
+        self.slow_steps, self.data_wait, self.stragglers = SlowStepRule(self.verdicts), DataWaitRule(), StragglerRule()
         output_dir = self.session.output_dir if self.bound else None
         self.windows = StepWindows(self.settings, self.stopwatch.uses_cuda, self.rank, output_dir,
                                    self._trace_written, self._sync_window_closed, self.warn)

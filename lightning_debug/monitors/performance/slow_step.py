@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_debug.checks.robust import median as robust_median, robust_sigma
@@ -12,6 +12,7 @@ from lightning_debug.checks.timing import PHASES, Phase, StepTimes
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.stats import Window
+from lightning_debug.core.verdicts import Confirmed, ConfirmedBy, Suspicion, VerdictEngine
 from lightning_debug.monitors.performance.level_shift import SlowRun, Shift
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
@@ -44,6 +45,8 @@ FAR_MIN_FRACTION = 0.1
 # A step whose input has more than SIZE_BAND times the recent median's elements (a long bucket of a length-bucketed
 # or dynamically padded loader) is judged against the recent steps whose inputs are within SIZE_BAND of its own.
 SIZE_BAND = 1.25
+RUN = "run"
+"""The key of the run of slow steps in a row the verdict engine holds (one at a time)."""
 
 PHASE_HINTS = {
     Phase.DATA: "the data wait grew: a slow sample or shard, data-loader workers restarting at an epoch boundary, "
@@ -128,6 +131,18 @@ class SlowStep:
     loader: dict[str, Any] | None = None
     shift: Shift | None = None
     """Set when the slow steps did not end but became the run's level (see :class:`Shift`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values, for the verdict engine's checkpoint (a verdict is held before any shift is known)."""
+        state = asdict(self)
+        state.update(phase=self.phase.value, phases_ms={phase.value: ms for phase, ms in self.phases_ms.items()},
+                     outlier_steps=list(self.outlier_steps), shift=None)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SlowStep:
+        return cls(**dict(state, phase=Phase(state["phase"]), outlier_steps=tuple(state["outlier_steps"]),
+                          phases_ms={Phase(name): ms for name, ms in state["phases_ms"].items()}))
 
     @property
     def minor(self) -> bool:
@@ -239,7 +254,10 @@ class SlowStepRule:
     them, the step time moved to a new level (an info from the run's first slow step, which says whether the input
     per step grew), and steps are judged against that level from then on. Consecutive timed outliers are never a
     period, whatever the timing frequency. What this gives up: stalls on every step for longer than the median
-    takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info.
+    takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info. The run is a suspicion
+    the verdict engine holds (``verdicts``, the monitor's) under the kind's policy, ``Confirm(until=BACK_UNDER)``,
+    so it travels in the checkpoint; the history of step times does not (a resumed process is timed afresh), and
+    until it is long enough again a held run is decided by the threshold of before alone.
 
     A healthy run also varies its input: a loader that buckets sequences by length, or pads each batch to its
     longest sequence, gives steps of 16 and of 512 tokens, and the long ones take ten times the median by design
@@ -269,7 +287,8 @@ class SlowStepRule:
         ('forward', False, 'forward (once)', 'info')
     """
 
-    def __init__(self) -> None:
+    def __init__(self, verdicts: VerdictEngine | None = None) -> None:
+        self.verdicts = verdicts if verdicts is not None else VerdictEngine()
         self.steps = Window(RECENT_STEPS)
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
         self.flags: deque[bool] = deque(maxlen=SLOW_WINDOW)
@@ -278,7 +297,6 @@ class SlowStepRule:
         self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
         self.elements = Window(RECENT_STEPS)
         self.sized: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (input elements, judged ms)
-        self._run: SlowRun | None = None
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
         """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a
@@ -349,26 +367,31 @@ class SlowStepRule:
 
     def judge(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
         """Judge one timed step against the history before it (flags it as an outlier or not)."""
-        if len(self.steps) < MIN_HISTORY:
+        run = self._held_run()
+        judged = times.judged_step_ms
+        if len(self.steps) < MIN_HISTORY:  # a run held at a resume is decided by the threshold of before alone
+            if run is None or judged <= run.base_threshold:
+                return None if run is None else self._end_run(times.step, judged)
+            run.add(times)
+            self._hold(times.step, run)
             return None
         median = self.steps.median()
         threshold = self._threshold(settings, median)
-        judged = times.judged_step_ms
         outlier = judged > threshold
         explained = outlier and self._explained_by_size(times, settings)
         self.flags.append(outlier and not explained)
         self.timed.append(times.step)
         if not outlier:
-            return self._end_run(judged)
-        run = self._run
+            return self._end_run(times.step, judged)
         if run is None:
-            run = self._run = SlowRun(times.step, median, threshold,
-                                      {phase: self.phases[phase].median() for phase in PHASES},
-                                      self.elements.median() if len(self.elements) else None)
+            run = SlowRun(times.step, median, threshold, {phase: self.phases[phase].median() for phase in PHASES},
+                          self.elements.median() if len(self.elements) else None)
         run.add(times)
         run.explained = run.explained and explained
-        if explained:  # slower because larger: held, and told only if it stays (a new level, see _end_run)
-            run.held = run.held or self._verdict(times, settings, median, threshold, True, None, [], None)
+        if explained:  # slower because larger: held, and told only if it stays (a new level, see _decide)
+            if run.held is None:
+                run.held = self._verdict(times, settings, median, threshold, True, None, [], None).state_dict()
+            self._hold(times.step, run)
             return None
         self.outlier_steps.append(times.step)
         far = judged >= SLOW_LONE_FACTOR * median and judged - median >= FAR_MS
@@ -382,25 +405,48 @@ class SlowStepRule:
         if recurring and period is None:
             period = self.period(PERIOD_NAMED_OUTLIERS)
         if not recurring and not (far and judged - median >= SLOW_LONE_MS):
+            self._hold(times.step, run)
             return None
         share = (time_share(judged - median, smallest_period(period, settings.frequency), median)
                  if period is not None and flagged < SLOW_MIN_FLAGGED and not frequent else None)
         verdict = self._verdict(times, settings, median, threshold, recurring, period, outliers, share)
         if recurring and period is None and run.length > 1:  # slow steps in a row: a burst or a new level, held
-            run.held = verdict
+            run.held = verdict.state_dict()
+            self._hold(times.step, run)
             return None
+        self._hold(times.step, run)
         return verdict
 
-    def _end_run(self, judged_ms: float) -> SlowStep | None:
-        """A timed step that is not an outlier ends a run of them: the burst it held, if this step is back under the
-        threshold of before, or the shift to a new level (whose outliers are then forgotten)."""
-        run, self._run = self._run, None
-        if run is None or run.held is None:
+    def _held_run(self) -> SlowRun | None:
+        held = self.verdicts.latest(Kind.SLOW_STEP, RUN)
+        return None if held is None else SlowRun.from_state(held.measured)
+
+    def _hold(self, step: int, run: SlowRun) -> None:
+        """The run goes on: the engine holds it, with what was measured so far, until a step ends it."""
+        suspicion = Suspicion(Kind.SLOW_STEP, RUN, step, bound=run.base_threshold, measured=run.state_dict())
+        self.verdicts.observe(Kind.SLOW_STEP, step, [suspicion])  # confirms nothing: a run is decided when it ends
+
+    def _end_run(self, step: int, judged_ms: float) -> SlowStep | None:
+        """A timed step that is not an outlier ends a run of them (see :meth:`_decide`)."""
+        decided = self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms)
+        return self._decide(decided[0]) if decided else None
+
+    def _decide(self, decided: Confirmed) -> SlowStep | None:
+        """What an ended run of slow steps is: back under the threshold of before, the burst it held (none when every
+        step was only larger than usual); ended above it, the shift to a new level (whose outliers are then
+        forgotten); still going at the end of the run, a shift that lasted to the end."""
+        run = SlowRun.from_state(decided.latest.measured)
+        if run.held is None:
             return None
-        if judged_ms <= run.base_threshold:
-            return None if run.explained else run.held
+        held = SlowStep.from_state(run.held)
+        if decided.by is ConfirmedBy.BACK_UNDER:
+            return None if run.explained else held
+        if decided.by is ConfirmedBy.AT_END:
+            if run.explained and run.length < MIN_HISTORY:
+                return None
+            return replace(held, step=run.start, shift=run.shift(held.phase, ended_run=True))
         self._new_level(run.start)
-        return replace(run.held, step=run.start, shift=run.shift(run.held.phase))
+        return replace(held, step=run.start, shift=run.shift(held.phase))
 
     def _new_level(self, start: int) -> None:
         """Steps are judged against the new level only: the history before it, and its outliers, are forgotten."""
@@ -414,10 +460,8 @@ class SlowStepRule:
     def flush(self) -> SlowStep | None:
         """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the
         end."""
-        run, self._run = self._run, None
-        if run is None or run.held is None or run.explained and run.length < MIN_HISTORY:
-            return None
-        return replace(run.held, step=run.start, shift=run.shift(run.held.phase, ended_run=True))
+        decided = self.verdicts.flush({Kind.SLOW_STEP})
+        return self._decide(decided[0]) if decided else None
 
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history (after it was judged)."""
