@@ -75,6 +75,12 @@ class MissingChecks:
         named = [(user_name(name), p) for name, p in self.context.named_parameters() if p.requires_grad]
         frozen, _ = frozen_by_optimizer(named, self._param_groups)
         self._outside.extend(named, frozen.get(FrozenCause.NOT_IN_OPTIMIZER, []))
+        lost = self.static_frozen.get(FrozenCause.REQUIRES_GRAD_FALSE)
+        if lost:  # made trainable since: no longer frozen
+            trainable = {name for name, _ in named}
+            self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE] = [name for name in lost if name not in trainable]
+            if not self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE]:
+                del self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE]
 
     def _judge_outside(self, pending: PendingCheck) -> None:
         frozen, info = self._outside.judge(pending.outside_with_grad)

@@ -133,14 +133,16 @@ class GradientMonitor(MissingChecks, Monitor):
                 self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
                           f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
                           "logged.")
-        self.trainability, untrainable = trainability(named)
+        self._param_groups = context.param_groups()
+        self.trainability, untrainable, lost = trainability(named, self._param_groups)
         if untrainable is not None:
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
-        self._param_groups = context.param_groups()
         self._schedule = context.schedule()
         trainable = {n: p for n, p in named if p.requires_grad}
         self.static_frozen, optimizer_check = frozen_by_optimizer(list(trainable.items()), self._param_groups)
         outside = self.static_frozen.pop(FrozenCause.NOT_IN_OPTIMIZER, [])  # judged once their gradients are seen
+        if lost:
+            self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE] = lost
         self._outside = OutsideTraining(list(trainable.items()), outside)
         if optimizer_check is not None:
             self.trainability["optimizer_check"] = optimizer_check
