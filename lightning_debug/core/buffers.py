@@ -144,6 +144,10 @@ class BufferWatch:
         self._planned: list[torch.Tensor | None] = []
         self._plan: list[tuple[str, list[torch.Tensor]]] = []
 
+    def watch(self, model: nn.Module) -> None:
+        """Find the buffers to watch now (one host read, at fit start rather than on the first check step)."""
+        self._collect(model)
+
     def _collect(self, model: nn.Module) -> None:
         if self._module_id == id(model):
             return

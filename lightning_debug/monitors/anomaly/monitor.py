@@ -85,6 +85,9 @@ class AnomalyMonitor(Monitor):
             self.warn(prose.EXPERT_STACKS)
         if self.localizes and self.context.replay() is None:
             self.warn(prose.NO_REPLAY_IN_LOOP)
+        model = self.context.module()
+        if model is not None:
+            self._watched.watch(model)
 
     def restore(self) -> None:
         if self._previous_detect_anomaly is not None:
