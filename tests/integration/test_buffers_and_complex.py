@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_debug import AnomalyDetectionCallback
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, debug_callbacks
 from tests.harness.toolkit import debug_dir, make_trainer, read_events, regression_data
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,19 +48,20 @@ class HugeInputAt(pl.LightningModule):
         return DataLoader(regression_data(), batch_size=16)
 
 
-def fit(root: Path, model: pl.LightningModule, mode: str, steps: int = 30) -> pl.Trainer:
+def fit(root: Path, model: pl.LightningModule, mode: str, steps: int = 30, all_four: bool = False) -> pl.Trainer:
     pl.seed_everything(0, verbose=False)
-    trainer = make_trainer(root, [AnomalyDetectionCallback(anomaly_detection_mode=mode)], max_steps=steps,
-                           limit_val_batches=0)
+    callbacks = (debug_callbacks(DebugConfig(mode="full_debug", anomaly_detection_mode=mode)) if all_four
+                 else [AnomalyDetectionCallback(anomaly_detection_mode=mode)])
+    trainer = make_trainer(root, callbacks, max_steps=steps, limit_val_batches=0)
     trainer.fit(model)
     return trainer
 
 
-@pytest.mark.parametrize("mode", ["warn", "skip"])
-def test_a_finite_huge_input_that_breaks_running_var_is_nonfinite_buffer_at_its_step(tmp_path: Path,
-                                                                                     mode: str) -> None:
+@pytest.mark.parametrize("mode,all_four", [("warn", False), ("skip", False), ("warn", True)])
+def test_a_finite_huge_input_that_breaks_running_var_is_nonfinite_buffer_at_its_step(tmp_path: Path, mode: str,
+                                                                                     all_four: bool) -> None:
     model = HugeInputAt(at=20)
-    trainer = fit(tmp_path, model, mode)
+    trainer = fit(tmp_path, model, mode, all_four=all_four)
     assert all(math.isfinite(loss) for loss in model.losses), "the plant: the loss stays finite"
     assert all(torch.isfinite(p).all() for p in model.parameters()), "the plant: the weights stay finite"
     events = read_events(debug_dir(trainer))
@@ -73,7 +74,8 @@ def test_a_finite_huge_input_that_breaks_running_var_is_nonfinite_buffer_at_its_
     assert {e["kind"] for e in events if e["severity"] in LOUD} == {"nonfinite_buffer"}
     if mode == "skip":
         assert torch.isfinite(model.net[1].running_var).all(), "the dropped step's statistics are put back"
-        assert trainer.global_step == 30 and trainer.callbacks[0].monitor.skipped_steps == 1
+        anomaly = next(c for c in trainer.callbacks if isinstance(c, AnomalyDetectionCallback))
+        assert trainer.global_step == 30 and anomaly.monitor.skipped_steps == 1
         assert len(buffers) == 1
     else:
         assert not torch.isfinite(model.net[1].running_var).all()

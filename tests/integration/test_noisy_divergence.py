@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, debug_callbacks
 from tests.harness.toolkit import debug_dir, make_trainer, read_events
 
 pytestmark = pytest.mark.timeout(120)
@@ -272,12 +272,14 @@ class MobileNetClimb(pl.LightningModule):
                                         torch.randint(0, 16, (320,), generator=generator)), batch_size=8)
 
 
+@pytest.mark.parametrize("all_four", [False, True])
 def test_a_climb_from_the_first_steps_that_settles_at_10x_is_loss_divergence_at_the_default_level(
-        tmp_path: Path) -> None:
+        tmp_path: Path, all_four: bool) -> None:
     """The pair of the single-example-batch case below: the best level counted from the 16th loss must not hide a
-    climb that started before it (issue 45, invariant 4)."""
+    climb that started before it (issue 45, invariant 4); with its callback alone and with all four."""
     model = MobileNetClimb()
-    trainer = fit(tmp_path, model, [AnomalyDetectionCallback()], 40)
+    callbacks = debug_callbacks("full_debug") if all_four else [AnomalyDetectionCallback()]
+    trainer = fit(tmp_path, model, callbacks, 40)
     losses = model.losses
     assert losses[0] < 5.0 and sorted(losses[-8:])[4] > 5 * max(losses[:3]), "the plant: a climb that settles at 5x+"
     assert sum(later < earlier for earlier, later in zip(losses, losses[1:])) >= 8, "the plant: a noisy climb"
