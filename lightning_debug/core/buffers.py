@@ -174,6 +174,8 @@ class BufferWatch:
             return None
         with torch.no_grad():
             highs = [_high(how, tensors) for how, tensors in self._plan]
+            if len(highs) == 1:
+                return highs[0].to(torch.float64)
             device = highs[0].device
             return torch.stack([high.to(device, torch.float64) for high in highs]).max()
 
@@ -190,7 +192,7 @@ class BufferWatch:
 def _plan(buffers: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
     """How to read ``buffers``: per device and dtype, ``torch._foreach_norm`` (one kernel per dtype on a GPU, but one
     per tensor on the CPU, where the small buffers, running statistics of one value per channel, are joined into one
-    vector and read by one ``aminmax``: flat views, made once)."""
+    vector and read by one ``abs().max()``: flat views, made once)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for buffer in buffers:
         groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
@@ -209,10 +211,7 @@ def _high(how: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude of ``tensors`` (one device and dtype), a 0-d tensor that carries NaN/Inf."""
     if how == "norm":
         return torch.stack(torch._foreach_norm(tensors, math.inf)).max()
-    joined = torch.cat(tensors)
-    if joined.is_complex():
-        joined = torch.view_as_real(joined)
-    return torch.stack(torch.aminmax(joined)).double().abs().max()
+    return torch.cat(tensors).abs().max()
 
 
 def _finite(tensors: list[torch.Tensor]) -> list[bool]:
