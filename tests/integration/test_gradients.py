@@ -605,11 +605,16 @@ class FrozenByAccident(TinyRegressor):
         return optimizer
 
 
-@pytest.mark.parametrize("on_purpose", [False, True])
+@pytest.mark.parametrize("on_purpose,all_four", [(False, False), (True, False), (False, True)])
 def test_a_layer_frozen_but_held_by_the_optimizer_is_a_warning_and_named_in_the_report(tmp_path: Path,
-                                                                                        on_purpose: bool) -> None:
-    """Invariant 6 of issue 45: "not trained by design" only when no optimizer holds the parameter."""
-    trainer, _ = fit(tmp_path, FrozenByAccident(on_purpose), [GradientHealthCallback()], 12)
+                                                                                        on_purpose: bool,
+                                                                                        all_four: bool) -> None:
+    """Invariant 6 of issue 45: "not trained by design" only when no optimizer holds the parameter; with its
+    callback alone and with all four."""
+    from lightning_debug import debug_callbacks
+
+    callbacks = debug_callbacks("full_debug") if all_four else [GradientHealthCallback()]
+    trainer, _ = fit(tmp_path, FrozenByAccident(on_purpose), callbacks, 12)
     events = read_events(debug_dir(trainer))
     loud = [e for e in events if e["severity"] in {"warning", "error", "critical"}]
     markdown = (debug_dir(trainer) / "report.md").read_text()
