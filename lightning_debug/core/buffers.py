@@ -32,6 +32,7 @@ import math
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
 
 SMALL_NUMEL_CPU = 4096
 """On the CPU, buffers of at most this many elements are joined into one vector and read at once."""
@@ -151,10 +152,13 @@ class BufferWatch:
     def _collect(self, model: nn.Module) -> None:
         if self._module_id == id(model):
             return
-        self._module_id = id(model)
-        holders = [(f"{prefix}.{name}" if prefix else name, module, name)
-                   for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
-                   if buffer is not None and (buffer.is_floating_point() or buffer.is_complex()) and buffer.numel()]
+        named = [(f"{prefix}.{name}" if prefix else name, module, name, buffer)
+                 for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
+                 if buffer is not None]
+        # a lazy module's buffers exist after its first forward: looked for again until then
+        self._module_id = None if any(is_lazy(buffer) for *_, buffer in named) else id(model)
+        holders = [(name, module, attr) for name, module, attr, buffer in named if not is_lazy(buffer)
+                   and (buffer.is_floating_point() or buffer.is_complex()) and buffer.numel()]
         self._holders = holders
         if holders:  # once per model: which buffers are finite to begin with
             finite = _finite([buffer for _, _, buffer in self._current()])
