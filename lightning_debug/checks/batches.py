@@ -34,9 +34,17 @@ def named_tensors(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tens
 
 
 def floating_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
-    """The dense, non-empty floating-point tensors of a batch (labels and token ids cannot be NaN)."""
+    """The dense, non-empty floating-point and complex tensors of a batch (labels and token ids cannot be NaN; a
+    complex signal can, in either part).
+
+    Example::
+
+        >>> batch = {"x": torch.ones(2, dtype=torch.complex64), "y": torch.tensor([1, 2])}
+        >>> [name for name, _ in floating_tensors(batch)]
+        ["batch['x']"]
+    """
     return [(name, t) for name, t in named_tensors(batch)
-            if t.is_floating_point() and not t.is_sparse and t.numel() > 0]
+            if (t.is_floating_point() or t.is_complex()) and not t.is_sparse and t.numel() > 0]
 
 
 def nonfinite_samples(tensor: torch.Tensor, limit: int = MAX_SAMPLES_LISTED) -> tuple[list[int], int]:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lightning_debug.checks.robust import median, robust_sigma
+from lightning_debug.checks.settled import SETTLED_FACTOR, SettledLevel
 
 # Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
 NORM_JUMP_FACTOR = 10.0
@@ -176,6 +177,7 @@ class LossKind(str, enum.Enum):
     SPIKE = "spike"
     DIVERGENCE = "divergence"
     CLIMB = "climb"
+    SETTLED = "settled"
     OUTLIER = "outlier"
 
 
@@ -190,6 +192,7 @@ class LossVerdict:
     limit: float = math.nan
     window: list[float] | None = None
     best: float = math.nan
+    early: float = math.nan
     next_loss: float | None = None
     """For a ``spike`` or an ``outlier``: the next check's loss, which settled it (the verdict is about the check
     before the one that returned it)."""
@@ -205,6 +208,8 @@ class LossVerdict:
             out["recent_losses"] = self.window
         if math.isfinite(self.best):
             out["best_level"] = self.best
+        if math.isfinite(self.early):
+            out["early_level"] = self.early
         return out
 
 
@@ -234,6 +239,9 @@ class LossTrend:
     best level the run has reached, :data:`CLIMB_SIGMAS` robust standard deviations of single losses (as they
     were when that best level was reached) above it, and above the start level, on :data:`CLIMB_CONFIRM`
     checks in a row, and higher at the last of them than at the first.
+    ``settled``: a climb seen from its start (:mod:`lightning_debug.checks.settled`): the level is at least
+    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the run's early level on a few checks in a row,
+    whatever the best level (a climb from the first steps has raised it by the time it counts).
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
     hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long
@@ -278,6 +286,7 @@ class LossTrend:
         self.best_level = math.inf
         self._best_spread: float | tuple[float, ...] = 0.0  # the losses at the best level until their spread is asked
         self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
+        self.far_above = SettledLevel()
         self.suspected: LossVerdict | None = None
 
     @property
@@ -307,13 +316,25 @@ class LossTrend:
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
         level = self._level()
+        far_above = self._settled(loss, level) if climb else None
         climbing = self._climb(loss, level) if climb else None
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
         if confirmed and settled is not None:
             return settled
-        return verdict or climbing or settled or LossVerdict(None, loss)
+        return verdict or climbing or far_above or settled or LossVerdict(None, loss)
+
+    def _settled(self, loss: float, level: float) -> LossVerdict | None:
+        early = self.far_above.judge(loss, self.recent)
+        cut = self._new_level_at() if self.far_above.held else None
+        if cut is not None:  # a change of data, not a climb: judged from the new level's first losses
+            self.far_above.restart(list(self.recent)[cut:])
+            return None
+        if early is None:
+            return None
+        return LossVerdict(LossKind.SETTLED, loss, level, self.start_level, SETTLED_FACTOR * early,
+                           list(self.recent)[-CLIMB_LEVEL_WINDOW:], early=early)
 
     def unsettled(self) -> LossVerdict | None:
         """At the end of the run, a suspected spike no check came to settle: an ``outlier`` (``next_loss`` None)."""
@@ -346,6 +367,7 @@ class LossTrend:
                 self.recent.popleft()
             self.best_level, self._best_spread = math.inf, 0.0
             self.climb_levels.clear()
+            self.far_above.restart(self.recent)
             return None
         self.climb_levels.append(level)
         levels = list(self.climb_levels)
@@ -404,6 +426,7 @@ class LossTrend:
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
+                "far_above": self.far_above.state_dict(),
                 "suspected": None if self.suspected is None
                 else dict(asdict(self.suspected), kind=LossKind.SPIKE.value)}
 
@@ -415,5 +438,6 @@ class LossTrend:
         self._best_spread = float(state.get("best_spread", 0.0))
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))
+        self.far_above.load_state_dict(state.get("far_above", {}))
         suspected = state.get("suspected")
         self.suspected = None if suspected is None else LossVerdict(**dict(suspected, kind=LossKind.SPIKE))

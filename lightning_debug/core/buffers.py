@@ -27,9 +27,15 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parameter import is_lazy
+
+SMALL_NUMEL_CPU = 4096
+"""On the CPU, buffers of at most this many elements are joined into one vector and read at once."""
 
 
 def _changed_by_forward(module: nn.Module, name: str) -> bool:
@@ -104,3 +110,116 @@ class BufferSnapshot:
             finite = torch.stack([torch.isfinite(buffer).all().to(floating[0][1].device) for _, buffer in floating])
         flags = finite.tolist()
         return [name for (name, _), ok in zip(floating, flags) if not ok]
+
+
+class BufferWatch:
+    """The floating and complex buffers of one model, measured together on check steps (no sync).
+
+    A forward updates BatchNorm's running statistics from the batch before anything can tell whether the step is
+    healthy: a finite input of 1e20 gives a batch variance of 1e40, Inf in float32, while the normalised output, the
+    loss, the gradients and the weights stay finite. Evaluation then runs on broken statistics for good. So on a
+    check step the largest magnitude of each buffer is taken (one fused ``torch._foreach_norm`` of order infinity
+    per dtype and device, a maximum that cannot overflow as a sum of squares can) and their maximum travels in the
+    step's one read-back: NaN or Inf when any buffer holds one.
+
+    Which buffers: every floating or complex buffer that was finite when first seen. A buffer that is not finite from
+    the start is a constant the model means (an attention mask filled with ``-inf``), not a broken statistic.
+    :meth:`nonfinite` names them, with their module's class, when the read-back says one is not finite (one sync).
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+        >>> watch = BufferWatch()
+        >>> bool(torch.isfinite(watch.measure(model)))
+        True
+        >>> _ = model(torch.tensor([[1e20, 1.0], [-1e20, 1.0]]))
+        >>> bool(torch.isfinite(watch.measure(model))), watch.nonfinite(model)
+        (False, [('1.running_var', 'BatchNorm1d')])
+    """
+
+    def __init__(self) -> None:
+        self._module_id: int | None = None
+        self._holders: list[tuple[str, nn.Module, str]] = []
+        self._planned: list[torch.Tensor | None] = []
+        self._plan: list[tuple[str, list[torch.Tensor]]] = []
+
+    def watch(self, model: nn.Module) -> None:
+        """Find the buffers to watch now (one host read, at fit start rather than on the first check step)."""
+        self._collect(model)
+
+    def _collect(self, model: nn.Module) -> None:
+        if self._module_id == id(model):
+            return
+        named = [(f"{prefix}.{name}" if prefix else name, module, name, buffer)
+                 for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
+                 if buffer is not None]
+        # a lazy module's buffers exist after its first forward: looked for again until then
+        self._module_id = None if any(is_lazy(buffer) for *_, buffer in named) else id(model)
+        holders = [(name, module, attr) for name, module, attr, buffer in named if not is_lazy(buffer)
+                   and (buffer.is_floating_point() or buffer.is_complex()) and buffer.numel()]
+        self._holders = holders
+        if holders:  # once per model: which buffers are finite to begin with
+            finite = _finite([buffer for _, _, buffer in self._current()])
+            self._holders = [holder for holder, ok in zip(holders, finite) if ok]
+
+    def _current(self) -> list[tuple[str, nn.Module, torch.Tensor]]:
+        return [(name, module, module._buffers[attr]) for name, module, attr in self._holders  # type: ignore[misc]
+                if module._buffers.get(attr) is not None]
+
+    def measure(self, model: nn.Module) -> torch.Tensor | None:
+        """The largest magnitude over the watched buffers, a 0-d float64 device tensor (None without buffers)."""
+        self._collect(model)
+        current = [module._buffers.get(attr) for _, module, attr in self._holders]
+        if len(current) != len(self._planned) or any(a is not b for a, b in zip(current, self._planned)):
+            self._planned, self._plan = current, _plan([b for b in current if b is not None])
+        if not self._plan:
+            return None
+        with torch.no_grad():
+            highs = [_high(how, tensors) for how, tensors in self._plan]
+            if len(highs) == 1:
+                return highs[0].to(torch.float64)
+            device = highs[0].device
+            return torch.stack([high.to(device, torch.float64) for high in highs]).max()
+
+    def nonfinite(self, model: nn.Module) -> list[tuple[str, str]]:
+        """The watched buffers that hold NaN/Inf now, with their module's class (one host read)."""
+        self._collect(model)
+        current = self._current()
+        if not current:
+            return []
+        finite = _finite([buffer for _, _, buffer in current])
+        return [(name, type(module).__name__) for (name, module, _), ok in zip(current, finite) if not ok]
+
+
+def _plan(buffers: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
+    """How to read ``buffers``: per device and dtype, ``torch._foreach_norm`` (one kernel per dtype on a GPU, but one
+    per tensor on the CPU, where the small buffers, running statistics of one value per channel, are joined into one
+    vector and read by one ``abs().max()``: flat views, made once)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for buffer in buffers:
+        groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+    plan: list[tuple[str, list[torch.Tensor]]] = []
+    for (device, _), group in groups.items():
+        if device.type != "cpu":
+            plan.append(("norm", group))
+            continue
+        small = [t.reshape(-1) for t in group if t.numel() <= SMALL_NUMEL_CPU]
+        large = [t for t in group if t.numel() > SMALL_NUMEL_CPU]
+        plan += [(how, tensors) for how, tensors in (("join", small), ("norm", large)) if tensors]
+    return plan
+
+
+def _high(how: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude of ``tensors`` (one device and dtype), a 0-d tensor that carries NaN/Inf."""
+    if how == "norm":
+        return torch.stack(torch._foreach_norm(tensors, math.inf)).max()
+    return torch.cat(tensors).abs().max()
+
+
+def _finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is finite everywhere: one host read for all of them."""
+    with torch.no_grad():
+        device = tensors[0].device
+        return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).tolist()

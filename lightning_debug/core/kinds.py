@@ -305,7 +305,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.FROZEN_PARAM: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
-               "for a learning rate of 0, or set `requires_grad=False` if they are frozen on purpose.",
+               "for a learning rate of 0 or a `requires_grad=False` left over, or, if they are frozen on purpose, "
+               "set `requires_grad=False` and leave them out of the optimizer.",
         hint="add them to the optimizer, or check for a learning rate of 0"),
     Kind.REQUIRES_GRAD_FALSE: KindSpec(
         Area.GRADIENTS, Severity.INFO),

@@ -585,3 +585,51 @@ def test_a_lone_expert_waiting_for_its_first_input_at_the_default_frequency(unus
     missing = starts(events, "missing_grad")
     assert [event["details"]["parameters"] for event in missing] == ([["unused.weight", "unused.bias"]] if unused
                                                                      else [])
+
+
+class FrozenByAccident(TinyRegressor):
+    """Issue 45: the first layer gets ``requires_grad=False`` after the optimizer was built over every parameter (a
+    freeze left over); with ``on_purpose`` it is frozen before and left out of the optimizer (the twin). The bulk of a
+    model frozen with the optimizer over every parameter (peft's LoRA, a frozen backbone) is the sweep's."""
+
+    def __init__(self, on_purpose: bool = False) -> None:
+        super().__init__(optimizer="adam", lr=1e-3)
+        self.on_purpose = on_purpose
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.on_purpose:
+            self.inp.requires_grad_(False)
+            return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        self.inp.requires_grad_(False)
+        return optimizer
+
+
+@pytest.mark.parametrize("on_purpose,all_four", [(False, False), (True, False), (False, True)])
+def test_a_layer_frozen_but_held_by_the_optimizer_is_a_warning_and_named_in_the_report(tmp_path: Path,
+                                                                                        on_purpose: bool,
+                                                                                        all_four: bool) -> None:
+    """Invariant 6 of issue 45: "not trained by design" only when no optimizer holds the parameter; with its
+    callback alone and with all four."""
+    from lightning_debug import debug_callbacks
+
+    callbacks = debug_callbacks("full_debug") if all_four else [GradientHealthCallback()]
+    trainer, _ = fit(tmp_path, FrozenByAccident(on_purpose), callbacks, 12)
+    events = read_events(debug_dir(trainer))
+    loud = [e for e in events if e["severity"] in {"warning", "error", "critical"}]
+    markdown = (debug_dir(trainer) / "report.md").read_text()
+    trainability = read_report(debug_dir(trainer))["sections"]["gradients"]["trainability"]
+    if on_purpose:
+        assert loud == []
+        info = [e for e in events if e["kind"] == "requires_grad_false"]
+        assert info and info[0]["details"]["parameters"] == ["inp.weight", "inp.bias"]
+        assert trainability["requires_grad_false_parameters"] == 2 and "not trained by design" in markdown
+        return
+    frozen = starts(events, "frozen_param")
+    assert [(e["step"], e["details"]["cause"], e["details"]["parameters"]) for e in frozen] == [
+        (0, "requires_grad_false", ["inp.weight", "inp.bias"])], loud
+    assert {e["kind"] for e in loud} == {"frozen_param"}, loud
+    assert not [e for e in events if e["kind"] == "requires_grad_false"]
+    assert trainability["requires_grad_false_parameters"] == 0 and trainability["requires_grad_false_in_optimizer"] == 2
+    assert "`inp.weight`" in markdown and "not trained by design" not in markdown
+    assert "No problems found" not in markdown

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, debug_callbacks
 from tests.harness.toolkit import debug_dir, make_trainer, read_events
 
 pytestmark = pytest.mark.timeout(120)
@@ -240,3 +240,53 @@ def test_single_example_batches_with_bad_records_are_outliers_not_spikes(tmp_pat
     assert first["severity"] == "info" and first["details"]["loss"] == pytest.approx(model.losses[first["step"]])
     assert first["details"]["next_loss"] < first["details"]["loss"] / 10
     assert [e for e in events if e["severity"] in LOUD] == []
+
+
+class MobileNetClimb(pl.LightningModule):
+    """MobileNetV2 (transformers, a tiny config, no weights) over 16 classes, SGD at 0.05 with momentum 0.9 (issue
+    45): the loss climbs from its first steps, 2.8-4 to about 30 in 40 steps, falling back on many of them, nothing
+    NaN. By the 16th loss, where the noisy-climb rule's best level starts counting, the level is already high."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            config = MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=16)
+            self.model = MobileNetV2ForImageClassification(config)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = self.model(pixel_values=images, labels=labels).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(320, 3, 32, 32, generator=generator),
+                                        torch.randint(0, 16, (320,), generator=generator)), batch_size=8)
+
+
+@pytest.mark.parametrize("all_four", [False, True])
+def test_a_climb_from_the_first_steps_that_settles_at_10x_is_loss_divergence_at_the_default_level(
+        tmp_path: Path, all_four: bool) -> None:
+    """The pair of the single-example-batch case below: the best level counted from the 16th loss must not hide a
+    climb that started before it (issue 45, invariant 4); with its callback alone and with all four."""
+    model = MobileNetClimb()
+    callbacks = debug_callbacks("full_debug") if all_four else [AnomalyDetectionCallback()]
+    trainer = fit(tmp_path, model, callbacks, 40)
+    losses = model.losses
+    assert losses[0] < 5.0 and sorted(losses[-8:])[4] > 5 * max(losses[:3]), "the plant: a climb that settles at 5x+"
+    assert sum(later < earlier for earlier, later in zip(losses, losses[1:])) >= 8, "the plant: a noisy climb"
+    assert all(math.isfinite(loss) for loss in losses), "the plant: no NaN"
+    events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "loss_divergence"
+              and e.get("episode") == "start"]
+    assert events and events[0]["severity"] == "warning", "the settled climb is named at the default level"
+    first = events[0]
+    assert first["step"] <= 30, (first["step"], losses)
+    assert "Lower the learning rate" in first["message"] and "learning rate 0.05" in first["message"]

@@ -473,9 +473,22 @@ def test_missing_history_survives_a_checkpoint() -> None:
 # --- trainability -----------------------------------------------------------------------------------------------
 def test_trainability_counts_and_names_the_parameters_frozen_on_purpose() -> None:
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
-    summary, finding = trainability([("a", torch.nn.Parameter(torch.ones(2))), ("b", frozen)])
+    summary, finding, accident = trainability([("a", torch.nn.Parameter(torch.ones(2))), ("b", frozen)])
     assert summary["trainable_elements"] == 2 and summary["requires_grad_false_names"] == ["b"]
-    assert finding is not None and finding.details["elements"] == 3
+    assert finding is not None and finding.details["elements"] == 3 and accident == []
+
+
+def test_the_bulk_of_a_model_frozen_under_an_optimizer_over_every_parameter_is_a_fine_tune_not_an_accident() -> None:
+    """peft's LoRA and frozen backbones build ``AdamW(model.parameters())`` and freeze most of it: info, said as
+    such; one small layer frozen while the optimizer holds it and the rest trains is the accident (issue 45)."""
+    base = torch.nn.Parameter(torch.ones(64), requires_grad=False)
+    adapter = torch.nn.Parameter(torch.ones(4))
+    summary, finding, accident = trainability([("base", base), ("adapter", adapter)], [{"params": [base, adapter]}])
+    assert accident == [] and finding is not None and finding.details["in_optimizer"] == 1
+    assert "still in an optimizer param group" in finding.message and summary["requires_grad_false_parameters"] == 1
+    layer, rest = torch.nn.Parameter(torch.ones(4), requires_grad=False), torch.nn.Parameter(torch.ones(64))
+    summary, finding, accident = trainability([("layer", layer), ("rest", rest)], [{"params": [layer, rest]}])
+    assert accident == ["layer"] and finding is None and summary["requires_grad_false_parameters"] == 0
 
 
 def test_frozen_by_optimizer_skips_an_optimizer_of_flattened_copies() -> None:

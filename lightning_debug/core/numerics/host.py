@@ -7,7 +7,7 @@ Example::
     >>> from lightning_debug.core.numerics.index import ParameterIndex
     >>> from lightning_debug.core.numerics.rows import rank_flags
     >>> index = ParameterIndex(list(nn.Linear(1, 1, bias=False).named_parameters()))
-    >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0])], index,
+    >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0, 0])], index,
     ...                     torch.tensor([9.0], dtype=torch.float64), [])
     >>> host.global_grad_norm, host.grad_norms, host.missing
     (3.0, [3.0], [])
@@ -88,6 +88,11 @@ class HostNumerics:
     @property
     def ranks_with_nonfinite_grads(self) -> list[int]:
         return [i for i, rank in enumerate(self.ranks) if rank["grad_nonfinite"] > 0]
+
+    @property
+    def ranks_with_nonfinite_buffers(self) -> list[int]:
+        """Ranks whose model buffers (BatchNorm running statistics and the like) hold NaN/Inf after the step's forward."""
+        return [i for i, rank in enumerate(self.ranks) if rank.get("buffer_nonfinite", 0) > 0]
 
     @property
     def ranks_with_nonfinite_params(self) -> list[int]:

@@ -33,13 +33,15 @@ class Observed:
         (6.0, 2, [nan, nan])
     """
 
-    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count")
+    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count", "buffer_high")
 
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
         self._ends: list[torch.Tensor] = []
         self.input_count = 0
+        self.buffer_high: torch.Tensor | None = None
+        """The largest magnitude over the model's buffers after the step's last forward (NaN/Inf if one holds it)."""
 
     def add_loss(self, loss: torch.Tensor) -> None:
         value = loss.detach().double()
@@ -49,8 +51,12 @@ class Observed:
         self.loss_count += 1
 
     def add_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Floating or complex tensors (a complex one is read as its real and imaginary parts, a view)."""
         for tensor in tensors:
-            self._ends.extend(torch.aminmax(tensor.detach()))
+            values = tensor.detach()
+            if values.is_complex():
+                values = torch.view_as_real(values.resolve_conj())
+            self._ends.extend(torch.aminmax(values))
         self.input_count += len(tensors)
 
     def input_ends(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -79,6 +79,12 @@ class NumericsQueue:
         """Add a micro-batch's floating batch tensors to this step's NaN/Inf test (one ``aminmax`` each, no sync)."""
         self.observed(step).add_inputs(tensors)
 
+    def observe_buffers(self, step: int, high: torch.Tensor | None) -> None:
+        """The largest magnitude over the model's buffers after this step's forward (no sync; the last one counts:
+        a NaN/Inf a running statistic took stays in it)."""
+        if high is not None:
+            self.observed(step).buffer_high = high
+
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
               optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
         """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its

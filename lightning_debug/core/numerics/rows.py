@@ -6,7 +6,7 @@ the finiteness of the raw sums, so the device does no comparison and no sync of 
 
 Example::
 
-    >>> rank_flags([1, 0, 0, 2.0, 0, 0, 4.0, 4.0, 0])["loss_value"], world_position()
+    >>> rank_flags([1, 0, 0, 2.0, 0, 0, 4.0, 4.0, 0, 0])["loss_value"], world_position()
     (2.0, (0, 1))
 """
 
@@ -23,7 +23,8 @@ import torch.distributed as dist
 # ``rank_flags``); the packing follows this list. The counts and ``check_failed`` are Python numbers,
 # which travel in the row only when there is a collective to carry them.
 HOST_FIELDS = ("loss_count", "input_count", "check_failed")
-DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum")
+DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum",
+                 "buffer_high")
 RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], Any]
@@ -48,15 +49,18 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
 
     Example::
 
-        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0])
+        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf")])
         >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
         (0.0, -1.0, 0.0, nan)
+        >>> flags["buffer_nonfinite"]
+        1.0
     """
-    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local = row
+    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local, buffer_high = row
     loss_finite = math.isfinite(loss_sum)
     return {"loss_finite": -1.0 if not loss_count else float(loss_finite),
             "grad_nonfinite": float(not math.isfinite(grad_local)),
             "param_nonfinite": float(not math.isfinite(param_local)),
+            "buffer_nonfinite": float(not math.isfinite(buffer_high)),
             "grad_square_sum": grad_owned,
             "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
             "check_failed": failed,

@@ -92,7 +92,9 @@ class StepNumerics:
                 pieces.append(index.param_owner.terms(param_squares, param_local)[0])
             ends = observed.input_ends() if observed is not None else None
             low, high = ends if ends is not None else (zero, zero)
-            values = [loss if loss is not None else nan, low, high, grad_local, grad_owned, param_local]
+            buffers = observed.buffer_high if observed is not None else None
+            values = [loss if loss is not None else nan, low, high, grad_local, grad_owned, param_local,
+                      buffers if buffers is not None else zero]
             values = [value if value.device == device else value.to(device, non_blocking=True) for value in values]
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
@@ -101,7 +103,7 @@ class StepNumerics:
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
                                   device=device)]
             host_row = [0.0, 0.0, 1.0]
-            values = [nan, zero, zero, zero, zero, zero]
+            values = [nan, zero, zero, zero, zero, zero, zero]
         row = torch.stack(values)
         rank, world = world_position() if all_reduce is not None else (0, 1)
         self.world_size = world

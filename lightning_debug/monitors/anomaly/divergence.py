@@ -74,4 +74,12 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"level of the run ({verdict.best:.4g}) and above where the run started ({verdict.start:.4g}), and it "
             f"kept rising over the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="smoothed_level"))
+    if verdict.kind is LossKind.SETTLED:
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss is climbing and has settled far above where the run started: its level (the median of the "
+            f"last {len(verdict.window or [])} checked losses) is {verdict.level:.4g} at step {step}, "
+            f"{verdict.level / verdict.early:.3g}x its early level ({verdict.early:.4g}, the median of its first "
+            f"checked losses), on the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
+            dict(verdict.details, learning_rates=list(learning_rates), judged_by="early_level"))
     return None

@@ -18,7 +18,7 @@ from lightning_debug.checks.localize import Cause, capture_rng
 from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.checks.trends import LossTrend
 from lightning_debug.config import AnomalyMode, Area, DebugConfig
-from lightning_debug.core.buffers import BufferSnapshot
+from lightning_debug.core.buffers import BufferSnapshot, BufferWatch
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
 from lightning_debug.core.session import Where
@@ -66,6 +66,7 @@ class AnomalyMonitor(Monitor):
         self._inputs = RecentInputs()
         self._probe = WeightProbe()
         self._buffers = BufferSnapshot()
+        self._watched = BufferWatch()
 
     @property
     def mode(self) -> AnomalyMode:
@@ -84,6 +85,9 @@ class AnomalyMonitor(Monitor):
             self.warn(prose.EXPERT_STACKS)
         if self.localizes and self.context.replay() is None:
             self.warn(prose.NO_REPLAY_IN_LOOP)
+        model = self.context.module()
+        if model is not None:
+            self._watched.watch(model)
 
     def restore(self) -> None:
         if self._previous_detect_anomaly is not None:
@@ -123,8 +127,13 @@ class AnomalyMonitor(Monitor):
         return update_may_overflow(grad_norm, self._learning_rates, lambda: self._probe.largest_value(self._index()))
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        """The loss, and the largest magnitude of the model's buffers after the forward (no sync; see
+        :class:`~lightning_debug.core.buffers.BufferWatch`), both read back with the step's numerics."""
         if self.due(step) or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
+            model = self.context.module()
+            if model is not None:
+                self.numerics.observe_buffers(step, self._watched.measure(model))
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Check this step's numerics and decide what happens to the optimizer step.
@@ -270,7 +279,11 @@ class AnomalyMonitor(Monitor):
                                self._failed("naming the non-finite samples", "the samples are not named"))
                 if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
-                                 self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows)
+                                 self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows,
+                                 bad_buffer_ranks=host.ranks_with_nonfinite_buffers)
+        model = self.context.module() if verdict.bad_buffer_ranks else None
+        if model is not None:
+            verdict.bad_buffers = call("naming the non-finite buffers", self._watched.nonfinite, model) or []
         if verdict.bad_params:
             verdict.params = call("tracing the non-finite weights", self.weights.origin, host.step,
                                   host.params_seen_after, bool(bad_grads), self._probe.flag(host.step),
@@ -306,6 +319,8 @@ class AnomalyMonitor(Monitor):
             if verdict.bad_params and not params_first:
                 self._record_params(verdict.bad_params, where, world, param_ranks,
                                     verdict.params or ParamsOrigin.unknown(step))
+        if verdict.bad_buffer_ranks and verdict.finite_but_buffers:  # else the loss or gradients lead
+            self.record(prose.checked_buffers(step, verdict, world, mode), step, where)
         judged = self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers)
         at, at_where = self._spike_at if judged.next_loss is not None and self._spike_at else (step, where)
         trend = loss_finding(judged, at, self._learning_rates)

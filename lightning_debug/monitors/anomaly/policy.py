@@ -1,6 +1,6 @@
 """The decision policy: from what a checked step shows, which kinds it has and what the run does about it.
 
-A non-finite loss, gradient, parameter or activation decides; ``nonfinite_input`` alone does not (the
+A non-finite loss, gradient, parameter, activation or buffer (BatchNorm running statistics) decides; ``nonfinite_input`` alone does not (the
 loss it leads to does), nor does an fp16 overflow the GradScaler already handles. The user's
 ``anomaly_detection_mode`` then says whether training continues, raises, skips the optimizer step or
 stops; broken weights stop a ``skip`` run too, since skipping later steps cannot repair them.
@@ -9,7 +9,7 @@ stops; broken weights stop a ``skip`` run too, since skipping later steps cannot
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lightning_debug.checks.localize import Cause, CauseSite
@@ -19,7 +19,8 @@ from lightning_debug.core.kinds import Kind
 if TYPE_CHECKING:
     from lightning_debug.monitors.anomaly.forensics import ParamsOrigin
 
-DECIDING = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION})
+DECIDING = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
+                      Kind.NONFINITE_BUFFER})
 
 
 class Action(enum.Enum):
@@ -52,6 +53,10 @@ class Verdict:
     bad_input_ranks: list[int]
     input_rows: list[dict[str, Any]]
     params: ParamsOrigin | None = None
+    bad_buffer_ranks: list[int] = field(default_factory=list)
+    """Ranks whose buffers (BatchNorm running statistics and the like) hold NaN/Inf after the step's forward."""
+    bad_buffers: list[tuple[str, str]] = field(default_factory=list)
+    """This rank's non-finite buffers and their module's class, named only when ``bad_buffer_ranks`` is not empty."""
 
     @property
     def amp_overflow(self) -> bool:
@@ -64,7 +69,12 @@ class Verdict:
 
     @property
     def finite(self) -> bool:
-        """The step's loss, gradients and weights are all finite, whatever its inputs held."""
+        """The step's loss, gradients, weights and buffers are all finite, whatever its inputs held."""
+        return not (self.bad_loss_ranks or self.bad_grads or self.bad_params or self.bad_buffer_ranks)
+
+    @property
+    def finite_but_buffers(self) -> bool:
+        """The step's loss, gradients and weights are finite: only its buffers are not."""
         return not (self.bad_loss_ranks or self.bad_grads or self.bad_params)
 
     @property
@@ -81,7 +91,8 @@ class Verdict:
         if names_activation(cause):
             kinds.append(Kind.NONFINITE_ACTIVATION)
         return kinds + [kind for kind, bad in ((Kind.NONFINITE_LOSS, self.bad_loss_ranks),
-                                               (Kind.NONFINITE_GRAD, self.bad_grads)) if bad]
+                                               (Kind.NONFINITE_GRAD, self.bad_grads),
+                                               (Kind.NONFINITE_BUFFER, self.bad_buffer_ranks)) if bad]
 
     def anomalous(self) -> bool:
         """Whether the step counts as an anomaly (a deciding kind, before any replay)."""

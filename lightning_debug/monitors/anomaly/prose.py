@@ -355,3 +355,30 @@ def nonfinite_buffer(broken: list[str], step: int, restored: bool, world_size: i
         "(module.reset_running_stats()).",
         {"buffers": broken[:NAMES_IN_DETAILS], "count": len(broken), "restored": restored,
          "world_size": world_size, "action": AnomalyMode.STOP.value})
+
+
+def checked_buffers(step: int, verdict: Verdict, world_size: int, mode: AnomalyMode) -> Finding:
+    """Buffers a check step found NaN/Inf after its forward, named with their module's class, and what the mode does.
+
+    Example::
+
+        >>> verdict = Verdict([], [], [], False, 19, [], [], bad_buffer_ranks=[0],
+        ...                   bad_buffers=[("bn.running_var", "BatchNorm1d")])
+        >>> checked_buffers(20, verdict, 1, AnomalyMode.WARN).message.split(",")[0]
+        'Buffers `bn.running_var` (BatchNorm1d) hold NaN/Inf after the forward of step 20'
+    """
+    shown = ", ".join(f"`{name}` ({module})" for name, module in verdict.bad_buffers[:NAMES_IN_DETAILS])
+    action = ("The step is dropped and the buffers are put back as they were before its forward"
+              if mode in (AnomalyMode.SKIP, AnomalyMode.STOP) else
+              "Evaluation runs on these statistics from now on: reset them (module.reset_running_stats()) or restart "
+              "from a checkpoint")
+    return Finding(
+        Kind.NONFINITE_BUFFER, Severity.ERROR,
+        f"Buffers {shown or 'of the model'} hold NaN/Inf after the forward of step {step}"
+        f"{on_ranks(verdict.bad_buffer_ranks, world_size)}, while the loss, gradients and weights are finite. A batch with extreme values (a finite 1e20 "
+        "has a variance that is Inf in float32) or a NaN sample updated the running statistics. "
+        f"{action}; find that batch (normalise or clip the inputs).",
+        {"buffers": [name for name, _ in verdict.bad_buffers[:NAMES_IN_DETAILS]],
+         "modules": [module for _, module in verdict.bad_buffers[:NAMES_IN_DETAILS]],
+         "count": len(verdict.bad_buffers), "ranks": verdict.bad_buffer_ranks, "world_size": world_size,
+         "action": mode.value})

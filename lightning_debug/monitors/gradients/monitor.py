@@ -134,10 +134,10 @@ class GradientMonitor(Monitor):
                 self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
                           f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
                           "logged.")
-        self.trainability, untrainable = trainability(named)
+        self._param_groups = context.param_groups()
+        self.trainability, untrainable, lost = trainability(named, self._param_groups)
         if untrainable is not None:
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
-        self._param_groups = context.param_groups()
         self._schedule = context.schedule()
         if self._schedule[0] is None:
             self.unavailable[Kind.LEARNING_STALLED.value] = (
@@ -147,6 +147,8 @@ class GradientMonitor(Monitor):
         trainable = {n: p for n, p in named if p.requires_grad}
         self.static_frozen, optimizer_check = frozen_by_optimizer(list(trainable.items()), self._param_groups)
         outside = self.static_frozen.pop(FrozenCause.NOT_IN_OPTIMIZER, [])  # judged once their gradients are seen
+        if lost:
+            self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE] = lost
         self._outside = OutsideTraining(list(trainable.items()), outside)
         if optimizer_check is not None:
             self.trainability["optimizer_check"] = optimizer_check
@@ -385,6 +387,12 @@ class GradientMonitor(Monitor):
         named = [(user_name(name), p) for name, p in self.context.named_parameters() if p.requires_grad]
         frozen, _ = frozen_by_optimizer(named, self._param_groups)
         self._outside.extend(named, frozen.get(FrozenCause.NOT_IN_OPTIMIZER, []))
+        lost = self.static_frozen.get(FrozenCause.REQUIRES_GRAD_FALSE)
+        if lost:  # made trainable since: no longer frozen
+            trainable = {name for name, _ in named}
+            self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE] = [name for name in lost if name not in trainable]
+            if not self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE]:
+                del self.static_frozen[FrozenCause.REQUIRES_GRAD_FALSE]
 
     def _judge_outside(self, pending: PendingCheck) -> None:
         frozen, info = self._outside.judge(pending.outside_with_grad)

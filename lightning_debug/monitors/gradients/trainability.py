@@ -30,6 +30,7 @@ class FrozenCause(enum.StrEnum):
     NOT_IN_OPTIMIZER = "not_in_optimizer"
     LR_ZERO = "lr_zero"
     NO_UPDATE = "no_update"
+    REQUIRES_GRAD_FALSE = "requires_grad_false"
 
 
 STATIC_ADVICE = {
@@ -38,6 +39,11 @@ STATIC_ADVICE = {
                                    "or call requires_grad_(False) if they are meant to stay fixed."),
     FrozenCause.LR_ZERO: ("are in a param group whose base learning rate is 0, so no scheduler can make them move. "
                           "Set a learning rate, or call requires_grad_(False) if they are meant to stay fixed."),
+    FrozenCause.REQUIRES_GRAD_FALSE: (
+        "are in an optimizer param group but have requires_grad=False, so they never get a gradient and the "
+        "optimizer never moves them. If they are meant to train, requires_grad_(True) (a freeze left over, or set "
+        "after the optimizer was built); if they are frozen on purpose, leave them out of the optimizer "
+        "(filter(lambda p: p.requires_grad, self.parameters()))."),
 }
 
 
@@ -46,27 +52,55 @@ def number_equals_zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
-def trainability(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[dict[str, Any], Finding | None]:
-    """How many parameters (and elements) are trainable, and the ``requires_grad_false`` info finding
-    naming those that are not (None when every parameter is trainable)."""
+def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]] = ()
+                 ) -> tuple[dict[str, Any], Finding | None, list[str]]:
+    """How many parameters (and elements) are trainable, the ``requires_grad_false`` info finding naming those
+    frozen on purpose (None when there are none), and the names of those frozen by accident.
+
+    A parameter with ``requires_grad=False`` that no optimizer param group holds is frozen on purpose. One an
+    optimizer holds is a contradiction: the optimizer was given it to train. It is an accident (``frozen_param``,
+    cause ``requires_grad_false``: a freeze left over, ``requires_grad_(False)`` after the optimizer was built)
+    unless it is part of the bulk of the model frozen for a fine-tune: the recipes of adapters (peft's LoRA, IA3)
+    and of frozen backbones build the optimizer over every parameter (``AdamW(model.parameters())``) and freeze
+    most of them, which torch's optimizers skip. So held parameters are an accident when they hold fewer elements
+    than the trainable ones (a layer lost from a model that trains), and frozen on purpose, said as such, when they
+    are the bulk of it.
+
+    Example::
+
+        >>> trained, lost = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+        >>> _ = lost.requires_grad_(False)
+        >>> summary, info, accident = trainability([("a", trained), ("b", lost)], [{"params": [trained, lost]}])
+        >>> accident, info, summary["requires_grad_false_in_optimizer"]
+        (['b'], None, 1)
+    """
+    held = {id(p) for group in param_groups for p in group.get("params", [])}
     trainable = [(name, p) for name, p in named if p.requires_grad]
-    untrainable = [(name, p) for name, p in named if not p.requires_grad]
+    in_optimizer = [(name, p) for name, p in named if not p.requires_grad and id(p) in held]
+    trainable_elements = sum(p.numel() for _, p in trainable)
+    accident = in_optimizer if sum(p.numel() for _, p in in_optimizer) < trainable_elements else []
+    lost = {id(p) for _, p in accident}
+    untrainable = [(name, p) for name, p in named if not p.requires_grad and id(p) not in lost]
     summary: dict[str, Any] = {
         "trainable_parameters": len(trainable),
-        "trainable_elements": sum(p.numel() for _, p in trainable),
+        "trainable_elements": trainable_elements,
         "requires_grad_false_parameters": len(untrainable),
         "requires_grad_false_elements": sum(p.numel() for _, p in untrainable),
         "requires_grad_false_names": [name for name, _ in untrainable[:NAMES_IN_DETAILS]],
+        "requires_grad_false_in_optimizer": len(accident),
     }
     if not untrainable:
-        return summary, None
+        return summary, None, [name for name, _ in accident]
+    listed = sum(id(p) in held for _, p in untrainable)
+    still = (f" ({listed} of them still in an optimizer param group, the bulk of the model frozen as a fine-tune "
+             "does: torch's optimizers skip them)") if listed else ""
     return summary, Finding(
         Kind.REQUIRES_GRAD_FALSE, Severity.INFO,
         f"{len(untrainable)} of {len(named)} parameters ({summary['requires_grad_false_elements']:,} "
-        f"elements) have requires_grad=False and are not trained by design: "
+        f"elements) have requires_grad=False and are not trained by design{still}: "
         f"{quoted(summary['requires_grad_false_names'])}.",
         {"count": len(untrainable), "elements": summary["requires_grad_false_elements"],
-         "parameters": summary["requires_grad_false_names"]})
+         "parameters": summary["requires_grad_false_names"], "in_optimizer": listed}), [name for name, _ in accident]
 
 
 def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]]
@@ -207,7 +241,8 @@ def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict
     """One ``frozen_param`` verdict per cause known before any step (repeated on every check step)."""
     return [Verdict(Finding(
         Kind.FROZEN_PARAM, Severity.WARNING,
-        f"{len(names)} trainable parameter(s) {quoted(names)} {STATIC_ADVICE[cause]}",
+        f"{len(names)} {'' if cause is FrozenCause.REQUIRES_GRAD_FALSE else 'trainable '}parameter(s) {quoted(names)} "
+        f"{STATIC_ADVICE[cause]}",
         {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "cause": cause.value}), names, cause.value)
         for cause, names in frozen.items()]
 
