@@ -44,6 +44,13 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
     if norms.get("count"):
         lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
                      f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
+    nonfinite = (section.get("nonfinite") or {}).get("gradients")
+    if nonfinite:
+        first, last = nonfinite["first_step"], nonfinite["last_step"]
+        lines.append(f"**Non-finite gradients** (global norm Inf or NaN) at {nonfinite['steps']} check step(s), "
+                     + (f"step {first}." if first == last else f"steps {first}-{last}."))
+    if section.get("scaler_overflows"):
+        lines.append(f"fp16 overflows the GradScaler skipped: {section['scaler_overflows']} check step(s).")
     counts = section["counts"]
     lines.append(f"Check steps with exploding gradients: {counts['exploding_checks']}, vanishing: "
                  f"{counts['vanishing_checks']}, missing: {counts['missing_checks']}, not updated: "

@@ -277,20 +277,26 @@ class GradientMonitor(MissingChecks, Monitor):
         norms = self.history.norms_for(optimizer)
         global_norm = host.global_grad_norm
         self.history.global_norms.add(global_norm)
+        scaled = self.context.uses_grad_scaler
+        if not math.isfinite(global_norm):
+            if scaled and not host.ranks_with_nonfinite_loss:  # fp16 overflow: the GradScaler skips the step
+                self.history.scaler_overflows += 1
+            else:
+                self.history.nonfinite.add(step)
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
-        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value)
+        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value, scaled)
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
         grads = (list(zip(host.grad_names, host.grad_norms))
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
-                                    list(self.history.healthy_norms.values), self._clipping())
-        self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding,
-                                                       suspicion.jump and not suspicion.high, where, pending.judged))
+                                    list(self.history.healthy_norms.values), self._clipping(), host.loss_value)
+        self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
+                                                       where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
