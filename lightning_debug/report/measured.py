@@ -5,7 +5,7 @@ A rule may stay quiet on purpose (a jump without history, a step its exemption c
 measured non-finite is not an opinion: a run with one is never called clean. Each area's report section
 names what it measured non-finite under ``nonfinite`` (``what -> {first_step, last_step, steps}``; the
 gradient area: ``gradients``, the check steps whose global gradient norm was Inf or NaN, fp16 overflows
-a GradScaler skipped left out); every headline is decided here from those facts and the findings, so no
+a GradScaler skipped left out, ``loss`` and, when it measures weights, ``parameters``); every headline is decided here from those facts and the findings, so no
 rule's exemption can make a report say the opposite of what was measured.
 
 Example::
@@ -25,6 +25,8 @@ from typing import Any
 from lightning_debug.core.kinds import Severity
 
 NONFINITE = "nonfinite"
+SUBJECTS = {"gradients": "gradients were", "loss": "the loss was", "parameters": "parameters were",
+            "buffers": "buffers were", "inputs": "inputs were"}
 
 
 def _span(fact: dict[str, Any]) -> str:
@@ -39,7 +41,7 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
         facts = section.get(NONFINITE) if isinstance(section, dict) else None
         for what, fact in (facts or {}).items():
             if isinstance(fact, dict) and fact.get("steps"):
-                sentences.append(f"{what} were non-finite at {_span(fact)} ({fact['steps']} check step(s), measured "
+                sentences.append(f"{SUBJECTS.get(what, what + ' were')} non-finite at {_span(fact)} ({fact['steps']} check step(s), measured "
                                  f"by the {area} checks)")
     return sentences
 

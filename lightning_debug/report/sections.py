@@ -44,10 +44,10 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
     if norms.get("count"):
         lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
                      f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
-    nonfinite = (section.get("nonfinite") or {}).get("gradients")
-    if nonfinite:
-        first, last = nonfinite["first_step"], nonfinite["last_step"]
-        lines.append(f"**Non-finite gradients** (global norm Inf or NaN) at {nonfinite['steps']} check step(s), "
+    for what, fact in (section.get("nonfinite") or {}).items():
+        first, last = fact["first_step"], fact["last_step"]
+        label = "gradients** (global norm Inf or NaN)" if what == "gradients" else f"{what}**"
+        lines.append(f"**Non-finite {label} at {fact['steps']} check step(s), "
                      + (f"step {first}." if first == last else f"steps {first}-{last}."))
     if section.get("scaler_overflows"):
         lines.append(f"fp16 overflows the GradScaler skipped: {section['scaler_overflows']} check step(s).")

@@ -31,8 +31,8 @@ HEALTHY_NORMS_KEPT = 256
 
 @dataclass
 class MeasuredSteps:
-    """The check steps on which something was measured (a non-finite global gradient norm): first, last,
-    how many. What report.md states as measured (see :mod:`lightning_debug.report.measured`), whatever
+    """The check steps on which something was measured (a non-finite global gradient norm, loss or weight):
+    first, last, how many. What report.md states as measured (see :mod:`lightning_debug.report.measured`), whatever
     the rules concluded from it.
 
     Example::
@@ -81,7 +81,7 @@ class GradientHistory:
         self.vanishing = VanishingHistory()
         self.missing = MissingHistory()
         self.update_ratio_high = UpdateRatioHistory()
-        self.nonfinite = MeasuredSteps()
+        self.nonfinite: dict[str, MeasuredSteps] = {}  # what ("gradients", "loss", "parameters") -> where
         self.scaler_overflows = 0
 
     def norms_for(self, optimizer: Any) -> NormHistory:
@@ -99,7 +99,7 @@ class GradientHistory:
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
             clip_suggestion=self.clip_suggestion, vanishing=self.vanishing.state_dict(),
-            missing=self.missing.state_dict(), nonfinite=self.nonfinite.fact(), scaler_overflows=self.scaler_overflows,
+            missing=self.missing.state_dict(), nonfinite={what: steps.fact() for what, steps in self.nonfinite.items()}, scaler_overflows=self.scaler_overflows,
             last_norm=last if math.isfinite(last := self.recent_norms.last) else str(last),  # JSON-safe
         )
 
@@ -116,7 +116,9 @@ class GradientHistory:
             self.healthy_norms.add(float(value))
         self.recent_norms.load(state_dict.get("recent_norms", []), state_dict.get("start_losses", []))
         self.recent_norms.last = float(state_dict.get("last_norm", self.recent_norms.last))
-        self.nonfinite.load(state_dict.get("nonfinite"))
+        self.nonfinite = {}
+        for what, steps in (state_dict.get("nonfinite") or {}).items():
+            self.nonfinite.setdefault(what, MeasuredSteps()).load(steps)
         self.scaler_overflows = int(state_dict.get("scaler_overflows", 0))
         for target, key in ((self.parameter_norms, "parameter_norms"),
                             (self.parameter_update_ratios, "parameter_update_ratios")):
@@ -141,8 +143,8 @@ class GradientHistory:
             most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
             trainability=trainability, clip_suggestion=self.clip_suggestion, order=order,
         )
-        if self.nonfinite.steps:  # stated by report.md whatever the findings (see lightning_debug.report.measured)
-            section["nonfinite"] = {"gradients": self.nonfinite.fact()}
+        if self.nonfinite:  # stated by report.md whatever the findings (see lightning_debug.report.measured)
+            section["nonfinite"] = {what: steps.fact() for what, steps in self.nonfinite.items()}
         if self.scaler_overflows:
             section["scaler_overflows"] = self.scaler_overflows
         if parameter_norms:

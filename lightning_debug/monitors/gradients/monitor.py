@@ -24,7 +24,7 @@ from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
-from lightning_debug.monitors.gradients.history import GradientHistory
+from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing_checks import MissingChecks
 from lightning_debug.monitors.gradients.order import ForwardOrder
@@ -160,7 +160,12 @@ class GradientMonitor(MissingChecks, Monitor):
             self._record(verdict, step, where)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        """The loss of a check step's micro-batches, for the rules that read it (whether a norm grew with the loss;
+        :func:`.overflowed`) and for what report.md states measured, also when this callback runs alone (the same
+        tensor observed by ``AnomalyDetectionCallback`` counts once). No sync: read back with the norms."""
         self._stop_watching_forward()
+        if self.due(step) or self.numerics.several_optimizers:
+            self.numerics.observe_loss(step, loss)
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
@@ -278,11 +283,7 @@ class GradientMonitor(MissingChecks, Monitor):
         global_norm = host.global_grad_norm
         self.history.global_norms.add(global_norm)
         scaled = self.context.uses_grad_scaler
-        if not math.isfinite(global_norm):
-            if scaled and not host.ranks_with_nonfinite_loss:  # fp16 overflow: the GradScaler skips the step
-                self.history.scaler_overflows += 1
-            else:
-                self.history.nonfinite.add(step)
+        self._note_nonfinite(step, host, global_norm, scaled)
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         # one max and one min over the norms; names are paired with norms only when one is out of range
@@ -332,6 +333,19 @@ class GradientMonitor(MissingChecks, Monitor):
         pending.write_histograms(self._histogram_writer)
         self.log_metrics(step, per_optimizer(metrics, optimizer))
         self.close_episodes(step, where, self.kinds)
+
+    def _note_nonfinite(self, step: int, host: HostNumerics, global_norm: float, scaled: bool) -> None:
+        """What this check step measured non-finite, for report.md to state whatever the rules say (invariant:
+        a run with one is never called clean). An fp16 overflow the GradScaler skips is counted apart."""
+        bad_loss = bool(host.ranks_with_nonfinite_loss)
+        bad_grads = not math.isfinite(global_norm)
+        if bad_grads and scaled and not bad_loss:
+            self.history.scaler_overflows += 1
+            bad_grads = False
+        bad_params = host.params_measured and bool(host.ranks_with_nonfinite_params)
+        for what, bad in (("gradients", bad_grads), ("loss", bad_loss), ("parameters", bad_params)):
+            if bad:
+                self.history.nonfinite.setdefault(what, MeasuredSteps()).add(step)
 
     def _record_explosions(self, decided: Decided) -> None:
         for step, verdict, where in decided:
