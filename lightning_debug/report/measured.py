@@ -5,8 +5,9 @@ A rule may stay quiet on purpose (a jump without history, a step its exemption c
 measured non-finite is not an opinion: a run with one is never called clean. Each area's report section
 names what it measured non-finite under ``nonfinite`` (``what -> {first_step, last_step, steps}``; the
 gradient area: ``gradients``, the check steps whose global gradient norm was Inf or NaN, fp16 overflows
-a GradScaler skipped left out, ``loss`` and, when it measures weights, ``parameters``); every headline is decided here from those facts and the findings, so no
-rule's exemption can make a report say the opposite of what was measured.
+a GradScaler skipped left out, ``loss`` and, when it measures weights, ``parameters``); every headline is
+decided here from those facts and the findings, so no rule's exemption can make a report say the opposite of
+what was measured.
 
 Example::
 
@@ -41,8 +42,9 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
         facts = section.get(NONFINITE) if isinstance(section, dict) else None
         for what, fact in (facts or {}).items():
             if isinstance(fact, dict) and fact.get("steps"):
-                sentences.append(f"{SUBJECTS.get(what, what + ' were')} non-finite at {_span(fact)} ({fact['steps']} check step(s), measured "
-                                 f"by the {area} checks)")
+                subject = SUBJECTS.get(what, f"{what} were")
+                sentences.append(f"{subject} non-finite at {_span(fact)} ({fact['steps']} check step(s), measured by "
+                                 f"the {area} checks)")
     return sentences
 
 
@@ -61,9 +63,11 @@ def measured_line(report: dict[str, Any]) -> str | None:
 
     Example::
 
-        >>> print(measured_line({"findings": {}, "sections": {"gradients": {"nonfinite": {"gradients": {
-        ...     "first_step": 3, "last_step": 3, "steps": 1}}}}}))
-        Non-finite values were measured, though no rule raised a finding: gradients were non-finite at step 3 (1 check step(s), measured by the gradients checks).
+        >>> line = measured_line({"findings": {}, "sections": {"gradients": {"nonfinite": {"gradients": {
+        ...     "first_step": 3, "last_step": 3, "steps": 1}}}}})
+        >>> print(line.replace(": ", ":\\n"))
+        Non-finite values were measured, though no rule raised a finding:
+        gradients were non-finite at step 3 (1 check step(s), measured by the gradients checks).
     """
     sentences = nonfinite_measured(report)
     if not sentences:

@@ -40,7 +40,8 @@ def test_a_non_finite_measurement_is_never_called_clean(findings: dict[str, Any]
 
 def test_the_gradient_section_states_the_steps_and_the_twin_without_them_is_clean() -> None:
     built = report({}, {"gradients": NONFINITE})
-    assert "**Non-finite gradients** (global norm Inf or NaN) at 18 check step(s), steps 2-19." in render_markdown(built)
+    stated = "**Non-finite gradients** (global norm Inf or NaN) at 18 check step(s), steps 2-19."
+    assert stated in render_markdown(built)
     clean = report({}, None)
     assert "No problems found." in render_markdown(clean) and "nothing wrong found" in summary_lines(clean, {})[0]
     assert nothing_found(clean) and not plot_worth_drawing(clean)

@@ -99,7 +99,8 @@ class GradientHistory:
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
             clip_suggestion=self.clip_suggestion, vanishing=self.vanishing.state_dict(),
-            missing=self.missing.state_dict(), nonfinite={what: steps.fact() for what, steps in self.nonfinite.items()}, scaler_overflows=self.scaler_overflows,
+            missing=self.missing.state_dict(), scaler_overflows=self.scaler_overflows,
+            nonfinite={what: steps.fact() for what, steps in self.nonfinite.items()},
             last_norm=last if math.isfinite(last := self.recent_norms.last) else str(last),  # JSON-safe
         )
 
