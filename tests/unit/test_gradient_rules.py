@@ -329,18 +329,16 @@ def test_an_explosion_in_a_heavy_tailed_run_is_still_named_where_it_began() -> N
 
 
 def replay_with_losses(norms: list[float], losses: list[float], scaled: bool = False) -> list[tuple[int, str]]:
-    """``(step, judged_by)`` of every exploding_grad recorded when every step is a check step, with its loss."""
-    history, watch, recorded = NormHistory(), ExplosionWatch(), []
+    """``(step, judged_by)`` of every exploding_grad recorded when every step is a check step, with its loss, as the
+    monitor decides them (:class:`Explosions`)."""
+    history, explosions, recorded = NormHistory(), Explosions(), []
     for step, (norm, loss) in enumerate(zip(norms, losses)):
-        recorded += [(began, v.finding.details["judged_by"]) for began, v, _ in watch.observe(step, norm)]
         suspicion = suspect_explosion(norm, norm, history, GradientSettings(), loss=loss, scaled=scaled)
         verdict = judge_exploding(step, norm, [("w", norm)], suspicion, GradientSettings(), history, [], None, loss)
-        if verdict is not None and suspicion.deferred:
-            watch.suspect(step, verdict, None, verdict.finding.details["confirm_above"])
-        elif verdict is not None:
-            recorded.append((step, verdict.finding.details["judged_by"]))
+        decided = explosions.judge(step, None, norm, verdict, suspicion.deferred, None, None)
+        recorded += [(began, v.finding.details["judged_by"]) for began, v, _ in decided]
         history.add(norm, loss)
-    return recorded + [(began, v.finding.details["judged_by"]) for began, v, _ in watch.flush()]
+    return recorded + [(began, v.finding.details["judged_by"]) for began, v, _ in explosions.read(final=True)]
 
 
 NAN, INF = math.nan, math.inf
@@ -352,7 +350,7 @@ RUNAWAY_LOSSES = [12.2, 5.3e18] + [NAN] * 18
 def test_a_norm_that_grows_a_thousandfold_at_the_second_check_step_is_named_where_it_grew() -> None:
     """No history a jump needs (3 check steps): the growth is judged, and the Inf after it confirms it at once."""
     assert replay_with_losses(RUNAWAY_NORMS, RUNAWAY_LOSSES) == [(1, "growth over the last check steps")]
-    assert replay_exploding(RUNAWAY_NORMS) == [1], "without the losses too"
+    assert replay_with_losses(RUNAWAY_NORMS, [NAN] * 20) == [(1, "growth over the last check steps")], "no loss"
 
 
 def test_a_norm_that_overflows_with_the_loss_blown_up_is_named_at_once() -> None:
@@ -365,6 +363,13 @@ def test_a_norm_that_overflows_with_the_loss_blown_up_is_named_at_once() -> None
     verdict = judge_exploding(1, INF, [("w", INF), ("b", 3.0)], suspicion, GradientSettings(), history, [], None,
                               9.0e20)
     assert verdict is not None and verdict.flagged == ["w"] and "overflowed" in verdict.finding.message
+
+
+def test_a_norm_that_rose_tenfold_then_turned_nan_with_the_loss_overflowed_at_the_nan() -> None:
+    """17.8, 16.0, then 500 (30x: no runaway, no history for a jump), then NaN with the loss NaN too: the explosion
+    is named at the NaN step; its twins below (the same NaN out of a steady norm) are not."""
+    assert replay_with_losses([17.8, 16.0, 500.0, NAN, NAN], [12.0, 11.0, 40.0, NAN, NAN]) == [
+        (3, "finite to non-finite")]
 
 
 def test_a_gradient_made_non_finite_by_one_operation_with_a_normal_loss_is_no_explosion() -> None:

@@ -55,6 +55,8 @@ RUNAWAY_GROWTH = 1000.0
 """A global norm this many times the median of the last :data:`RUNAWAY_CHECKS` check steps' norms runs away:
 judged from the second check step on, without the history a jump needs."""
 RUNAWAY_CHECKS = 3
+OVERFLOW = "finite to non-finite"
+"""``judged_by`` of a norm that overflowed (see :func:`overflowed`)."""
 OVERFLOW_LOSS_FACTOR = 10.0
 """A norm that turns non-finite while the loss is finite and this many times the largest of the run's first
 losses overflowed in an explosion (the loss blew up with it)."""
@@ -113,27 +115,52 @@ def runaway_level(global_norm: float, history: NormHistory) -> float | None:
     return level if global_norm >= RUNAWAY_GROWTH * level and global_norm > max(recent) else None
 
 
-def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool) -> bool:
-    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, the loss
-    is still finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest of the run's first losses.
+def rose_before(history: NormHistory) -> float | None:
+    """The level the previous check step's norm rose :data:`NORM_JUMP_FACTOR` times over (the median of the up
+    to :data:`RUNAWAY_CHECKS` finite norms before it), or None when it did not (or was not finite).
 
-    Not under a GradScaler (fp16 overflows while it finds its scale: the step is skipped, and
-    ``AnomalyDetectionCallback`` notes it), nor with a normal loss: a gradient that turns non-finite while the
-    loss is where it was comes from one singular operation (the square root or the norm of a zero vector),
-    not from growth; nor with a non-finite loss, which it follows from. Both are named ``nonfinite_grad`` by
-    ``AnomalyDetectionCallback`` and stated in report.md as non-finite gradients measured; an explosion that
-    grew first is named by its growth (:func:`runaway_level`), confirmed at once by the non-finite step.
+    Example::
+
+        >>> history = NormHistory()
+        >>> for norm in (17.8, 16.0, 500.0): history.add(norm)
+        >>> rose_before(history)
+        16.9
+    """
+    values = list(history.values)
+    if len(values) < 2 or history.last != values[-1]:
+        return None
+    level = median(values[-RUNAWAY_CHECKS - 1:-1])
+    return level if values[-1] >= NORM_JUMP_FACTOR * level else None
+
+
+def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool) -> bool:
+    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either
+    the loss is still finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest of the run's first losses, or
+    the norm had already risen :data:`NORM_JUMP_FACTOR` times on the check step before (:func:`rose_before`;
+    then the loss may be non-finite too: it blew up with the gradients).
+
+    Not an fp16 overflow under a GradScaler with a finite loss (it finds its scale that way: the step is skipped,
+    and ``AnomalyDetectionCallback`` notes it), nor a norm that turns non-finite out of a steady level: with the
+    loss where it was it comes from one singular operation (the square root or the norm of a zero vector), and
+    with a non-finite loss it follows from the loss (``log(0)``). Both are named ``nonfinite_grad`` /
+    ``nonfinite_loss`` by ``AnomalyDetectionCallback`` and stated in report.md as non-finite values measured; an
+    explosion that grew 1000x first is named by its growth (:func:`runaway_level`), confirmed by the non-finite
+    step at once.
 
     Example::
 
         >>> history = NormHistory(); history.add(110.0, loss=14.0)
         >>> overflowed(math.inf, history, 9.0e20, scaled=False), overflowed(math.inf, history, 14.5, scaled=False)
         (True, False)
+        >>> history.add(1500.0, loss=20.0)
+        >>> overflowed(math.nan, history, math.nan, scaled=False)
+        True
     """
-    if math.isfinite(global_norm) or not math.isfinite(history.last) or scaled or not math.isfinite(loss):
+    if math.isfinite(global_norm) or not math.isfinite(history.last) or (scaled and math.isfinite(loss)):
         return False
     start = max(history.start_losses, default=math.nan)
-    return start > 0 and loss >= OVERFLOW_LOSS_FACTOR * start
+    blown_up = math.isfinite(loss) and start > 0 and loss >= OVERFLOW_LOSS_FACTOR * start
+    return blown_up or rose_before(history) is not None
 
 
 def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
@@ -231,10 +258,15 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     level = history.level()
     judged_by = "gradient_explosion_threshold"
     if suspicion.overflow:
-        judged_by, jump_limit = "finite to non-finite", None
-        what = (f"global norm {global_norm} from {history.last:.4g} at the check step before, with the loss "
-                f"{loss:.4g}, {loss / max(history.start_losses):.3g}x where the run started: the gradients "
-                "overflowed")
+        judged_by, jump_limit = OVERFLOW, None
+        what = f"global norm {global_norm} from {history.last:.4g} at the check step before"
+        rose = rose_before(history)
+        if rose is not None:
+            what += f", itself {history.last / rose:.3g}x the {rose:.4g} before it"
+        start = max(history.start_losses, default=math.nan)
+        if math.isfinite(loss) and start > 0:
+            what += f", with the loss {loss:.4g}, {loss / start:.3g}x where the run started"
+        what += ": the gradients overflowed"
     elif jump_limit is not None:
         judged_by = "jump over recent norms"
         what = (f"global norm {global_norm:.4g}, {global_norm / level:.3g}x its median {level:.4g} over the last "
