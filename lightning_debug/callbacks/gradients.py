@@ -16,9 +16,12 @@ class GradientHealthCallback(DebugCallback):
     cost nothing. It finds:
 
     - ``exploding_grad``: the global norm jumps over 10x the median of this run's recent check steps
-      (judged once there are 3 of them), or, when you set it, exceeds
+      (judged once there are 3 of them); from the second check step, grows 1000x over the last ones or
+      turns Inf/NaN with the loss blown up; or, when you set it, exceeds
       ``gradient_explosion_threshold``; names the largest, says what a configured gradient clipping
-      did, else suggests a ``gradient_clip_val`` from this run's own healthy norms.
+      did, else suggests a ``gradient_clip_val`` from this run's own healthy norms. Check steps whose
+      gradients, loss or weights were non-finite are stated in report.md and the console summary,
+      which then never call the run clean.
     - ``vanishing_grad``: layers (modules) whose gradient norm is below ``gradient_vanishing_threshold``,
       ordered from the input side to the output side (execution order seen on the first batch); a
       parameter with a zero gradient inside a learning module (attention's key bias) is structural.

@@ -93,7 +93,9 @@ class NormHistory:
 
     A norm of exactly 0 does not enter the window: a step whose loss sent back no gradient at all (a margin loss
     such as a hinge or a triplet loss at 0 on an easy batch) says nothing about the scale of the gradients, and
-    with a median of 0 any gradient after it would be a jump.
+    with a median of 0 any gradient after it would be a jump. Nor does a non-finite one; ``last`` keeps the
+    previous check step's norm whatever it was (NaN before the first), so a norm that turns non-finite can be
+    told from one that stays so.
 
     Example::
 
@@ -107,6 +109,7 @@ class NormHistory:
         self.values: deque[float] = deque(maxlen=window)
         self.tail: deque[float] = deque(maxlen=NORM_TAIL_WINDOW)
         self.start_losses: list[float] = []
+        self.last = math.nan
 
     def limit(self) -> float | None:
         limit = jump_limit(self.values, NORM_JUMP_FACTOR, NORM_JUMP_SIGMAS, NORM_MIN_HISTORY)
@@ -133,6 +136,7 @@ class NormHistory:
     def add(self, norm: float, loss: float = math.nan) -> None:
         """This check step's global norm and loss (the first :data:`LOSS_START_VALUES` finite losses are
         the level the run started from)."""
+        self.last = norm
         if math.isfinite(norm) and norm > 0:
             self.values.append(norm)
             self.tail.append(norm)
@@ -162,6 +166,7 @@ class NormHistory:
         self.tail.clear()
         for value in values:
             self.add(float(value))
+        self.last = self.values[-1] if self.values else math.nan
         self.start_losses = [float(loss) for loss in start_losses][:LOSS_START_VALUES]
 
 

@@ -43,6 +43,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import jsonable
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
+from lightning_debug.report.measured import measured_line, nothing_found
 from lightning_debug.report.sections import SECTION_MARKDOWN, exception_markdown, number_text
 
 REPORT_SCHEMA_VERSION = 1
@@ -129,7 +130,8 @@ def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """report.md: the status, then each finding (root causes first, most severe first, each consequence after
-    its cause) with where it was and what to do."""
+    its cause) with where it was and what to do. "No problems found" only when :func:`.nothing_found` says so:
+    what a callback measured non-finite is stated under the headline whatever the findings."""
     lines = ["# lightning-debug report", ""]
     status = report["status"]
     lines.append(f"Run status: **{status}** at step {report['last_step']}"
@@ -137,17 +139,21 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append("")
     failed = report.get("failed_checks") or {}
     findings = report["findings"]
-    if not findings:
+    measured = measured_line(report)
+    if nothing_found(report):
         lines += ["No problems found." if not failed else
                   "No problems found by the checks that ran; some checks did not run (below).", ""]
+    elif not findings:
+        lines += [str(measured), ""]
     else:
         by_severity: dict[str, int] = {}
         for entry in findings.values():
             by_severity[entry["severity"]] = by_severity.get(entry["severity"], 0) + 1
         counts = ", ".join(f"{count} {severity}" for severity, count in
                            sorted(by_severity.items(), key=lambda item: severity_rank(item[0])))
-        lines += [f"Found {len(findings)} kind(s) of problem: {counts}.", "",
-                  "## Findings (root causes first, most severe first)", ""]
+        lines += [f"Found {len(findings)} kind(s) of problem: {counts}.", ""]
+        lines += [measured, ""] if measured else []
+        lines += ["## Findings (root causes first, most severe first)", ""]
         for number, (kind, entry) in enumerate(findings.items(), start=1):
             cause = entry.get("consequence_of") if entry.get("consequence_of") in findings else None
             lines += [f"### {number}. `{kind}` ({entry['severity']}" + (f", consequence of `{cause}`" if cause

@@ -44,6 +44,13 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
     if norms.get("count"):
         lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
                      f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
+    for what, fact in (section.get("nonfinite") or {}).items():
+        first, last = fact["first_step"], fact["last_step"]
+        label = "gradients** (global norm Inf or NaN)" if what == "gradients" else f"{what}**"
+        lines.append(f"**Non-finite {label} at {fact['steps']} check step(s), "
+                     + (f"step {first}." if first == last else f"steps {first}-{last}."))
+    if section.get("scaler_overflows"):
+        lines.append(f"fp16 overflows the GradScaler skipped: {section['scaler_overflows']} check step(s).")
     counts = section["counts"]
     lines.append(f"Check steps with exploding gradients: {counts['exploding_checks']}, vanishing: "
                  f"{counts['vanishing_checks']}, missing: {counts['missing_checks']}, not updated: "

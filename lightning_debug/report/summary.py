@@ -30,6 +30,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.kinds import Severity, hint_for
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD
+from lightning_debug.report.measured import nonfinite_measured, nothing_found
 
 MESSAGE_WIDTH = 110
 LINE_MESSAGE_WIDTH = 160
@@ -114,10 +115,17 @@ def _headline(report: dict[str, Any]) -> str:
     serious = [kind for kind, entry in findings.items()
                if Severity.parse(entry.get("severity")).at_least(Severity.WARNING)]
     notes = len(findings) - len(serious)
-    found = f"{len(serious)} kind(s) of finding" if serious else (
-        "nothing wrong found" if not failed else "nothing found by the checks that ran")
+    measured = nonfinite_measured(report)
+    if serious:
+        found = f"{len(serious)} kind(s) of finding"
+    elif not nothing_found(report, serious_only=True):  # the one decision (lightning_debug.report.measured)
+        found = "no finding, but non-finite values measured"
+    else:
+        found = "nothing wrong found" if not failed else "nothing found by the checks that ran"
     if notes:  # info-level findings (a profiler trace written, weight decay on norms): listed, not counted as wrong
         found += f" ({notes} note(s))" if not serious else f" and {notes} note(s)"
+    if measured:
+        found += f" ({'; '.join(measured)})"
     if failed:
         since = min(int(entry.get("first_step", 0)) for entry in failed.values())
         found += f"; {len(failed)} check(s) failed and did not run (since step {since})"
@@ -224,7 +232,6 @@ def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
 
 PLOT_MIN_STEPS = 200
 """From this many optimizer steps a healthy run's debug_analysis.png is drawn at the end of fit."""
-WORTH_A_PLOT = ("warning", "error", "critical")
 
 
 def plot_worth_drawing(report: dict[str, Any]) -> bool:
@@ -243,8 +250,7 @@ def plot_worth_drawing(report: dict[str, Any]) -> bool:
         >>> plot_worth_drawing({"status": "finished", "last_step": PLOT_MIN_STEPS, "findings": {}})
         True
     """
-    findings = report.get("findings") or {}
-    if any(str(entry.get("severity")) in WORTH_A_PLOT for entry in findings.values() if isinstance(entry, dict)):
+    if not nothing_found(report, serious_only=True):
         return True
     return str(report.get("status", "finished")) != "finished" or int(report.get("last_step") or 0) >= PLOT_MIN_STEPS
 

@@ -16,10 +16,13 @@ from lightning_debug.core.numerics import ParameterIndex
 from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.gradients.exploding import (
     ClipAlgorithm,
+    RUNAWAY_GROWTH,
     ExplosionWatch,
     Clipping,
     clipping_note,
     judge_exploding,
+    overflowed,
+    runaway_level,
     suspect_explosion,
 )
 from lightning_debug.monitors.gradients.flags import FlagCounter
@@ -324,6 +327,87 @@ def test_an_explosion_in_a_heavy_tailed_run_is_still_named_where_it_began() -> N
     304 (44.2); against the median alone it would have been step 302 (4.9, 27x the median 0.18)."""
     exploding = list(FINE_TUNE_NORMS[:300]) + [FINE_TUNE_NORMS[299] * 3.0 ** k for k in range(1, 12)]
     assert replay_exploding(exploding)[:1] == [304]
+
+
+def replay_with_losses(norms: list[float], losses: list[float], scaled: bool = False) -> list[tuple[int, str]]:
+    """``(step, judged_by)`` of every exploding_grad recorded when every step is a check step, with its loss, as the
+    monitor decides them (:class:`Explosions`)."""
+    history, explosions, recorded = NormHistory(), Explosions(), []
+    for step, (norm, loss) in enumerate(zip(norms, losses)):
+        suspicion = suspect_explosion(norm, norm, history, GradientSettings(), loss=loss, scaled=scaled)
+        verdict = judge_exploding(step, norm, [("w", norm)], suspicion, GradientSettings(), history, [], None, loss)
+        decided = explosions.judge(step, None, norm, verdict, suspicion.deferred, None, None)
+        recorded += [(began, v.finding.details["judged_by"]) for began, v, _ in decided]
+        history.add(norm, loss)
+    return recorded + [(began, v.finding.details["judged_by"]) for began, v, _ in explosions.read(final=True)]
+
+
+NAN, INF = math.nan, math.inf
+# The issue's MLP (4 hidden layers, SGD lr 5, inputs x100): 17.8, 3.0e6, Inf, then NaN; the loss NaN from step 2.
+RUNAWAY_NORMS = [17.8, 3.0e6, INF] + [NAN] * 17
+RUNAWAY_LOSSES = [12.2, 5.3e18] + [NAN] * 18
+
+
+def test_a_norm_that_grows_a_thousandfold_at_the_second_check_step_is_named_where_it_grew() -> None:
+    """No history a jump needs (3 check steps): the growth is judged, and the Inf after it confirms it at once."""
+    assert replay_with_losses(RUNAWAY_NORMS, RUNAWAY_LOSSES) == [(1, "growth over the last check steps")]
+    assert replay_with_losses(RUNAWAY_NORMS, [NAN] * 20) == [(1, "growth over the last check steps")], "no loss"
+
+
+def test_a_norm_that_overflows_with_the_loss_blown_up_is_named_at_once() -> None:
+    """110 then Inf at step 1, the loss 9e20 (finite): recorded at the step, not held by the watch."""
+    assert replay_with_losses([110.0, INF, NAN, NAN], [14.0, 9.0e20, NAN, NAN]) == [(1, "finite to non-finite")]
+    history = history_of(110.0)
+    history.start_losses = [14.0]
+    suspicion = suspect_explosion(INF, INF, history, GradientSettings(), loss=9.0e20)
+    assert suspicion.overflow and not suspicion.deferred
+    verdict = judge_exploding(1, INF, [("w", INF), ("b", 3.0)], suspicion, GradientSettings(), history, [], None,
+                              9.0e20)
+    assert verdict is not None and verdict.flagged == ["w"] and "overflowed" in verdict.finding.message
+
+
+def test_a_norm_that_rose_tenfold_then_turned_nan_with_the_loss_overflowed_at_the_nan() -> None:
+    """17.8, 16.0, then 500 (30x: no runaway, no history for a jump), then NaN with the loss NaN too: the explosion
+    is named at the NaN step; its twins below (the same NaN out of a steady norm) are not."""
+    assert replay_with_losses([17.8, 16.0, 500.0, NAN, NAN], [12.0, 11.0, 40.0, NAN, NAN]) == [
+        (3, "finite to non-finite")]
+
+
+def test_a_gradient_made_non_finite_by_one_operation_with_a_normal_loss_is_no_explosion() -> None:
+    """The twin of the overflow: sqrt of a zero vector sends back NaN while the loss is where it was, and a NaN
+    loss makes NaN gradients (named by AnomalyDetectionCallback; report.md states them, see test_measured)."""
+    assert replay_with_losses([3.1, 2.9, 3.0, NAN, NAN], [1.2, 1.1, 1.1, 1.0, 1.0]) == []
+    assert replay_with_losses([3.1, 2.9, 3.0, NAN, NAN], [1.2, 1.1, 1.1, NAN, NAN]) == []
+    assert not overflowed(INF, history_of(3.0), 9.0e20, scaled=False), "no first losses: no level to blow up from"
+
+
+def test_an_fp16_overflow_under_a_grad_scaler_is_no_explosion() -> None:
+    """The GradScaler finds its scale by overflowing: Inf gradients, finite loss, the step skipped."""
+    assert replay_with_losses([2.0, INF, 2.1, INF, 2.0], [1.0, 20.0, 1.0, 20.0, 1.0], scaled=True) == []
+    assert replay_with_losses([2.0, INF, 2.1], [1.0, 20.0, 1.0]) == [(1, "finite to non-finite")], "its twin"
+
+
+def test_a_start_above_1e4_that_falls_is_no_growth_and_a_growth_from_it_is() -> None:
+    """MobileNetV2's first check steps (1.78e4, scale invariant) stay quiet; the same start, then 1000x more, is
+    named at its second check step."""
+    start = [1.782e4, 9.1e3, 6.4e3, 5.0e3, 4.2e3]
+    assert replay_exploding(start) == []
+    assert runaway_level(1.782e4, NormHistory()) is None
+    assert replay_with_losses([1.782e4, 2.0e7, 2.5e7, 3.0e7], [2.3, 40.0, 80.0, 90.0]) == [
+        (1, "growth over the last check steps")]
+
+
+def test_growth_is_over_the_median_of_the_last_checks_not_one_tiny_norm() -> None:
+    """A margin loss whose easy batch sent back almost nothing (1e-6) is no level: 1.0 after it is no growth.
+    Its twin: 1.0 on the same run after steady norms of 1e-4 ran away."""
+    assert runaway_level(1.0, history_of(0.9, 1.1, 1e-6)) is None
+    assert runaway_level(1.0, history_of(1e-4, 1.2e-4, 1e-4)) == pytest.approx(1e-4)
+    assert RUNAWAY_GROWTH == 1000.0
+
+
+def test_a_finite_growth_that_falls_back_at_once_is_dismissed_and_one_that_stays_is_confirmed() -> None:
+    assert replay_exploding([2.0, 2.1, 5.0e3, 2.2, 2.0, 2.1]) == []
+    assert replay_exploding([2.0, 2.1, 5.0e3, 4.0e3, 6.0e3, 5.0e3]) == [2]
 
 
 # --- update ratio persistence -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -33,7 +34,7 @@ class Observed:
         (6.0, 2, [nan, nan])
     """
 
-    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count", "buffer_high")
+    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count", "buffer_high", "_losses")
 
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None
@@ -42,8 +43,21 @@ class Observed:
         self.input_count = 0
         self.buffer_high: torch.Tensor | None = None
         """The largest magnitude over the model's buffers after the step's last forward (NaN/Inf if one holds it)."""
+        self._losses: list[weakref.ref[torch.Tensor]] = []
 
     def add_loss(self, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss; the same tensor given again (by a second monitor) counts once.
+
+        Example::
+
+            >>> seen, loss = Observed(), torch.tensor(3.0)
+            >>> seen.add_loss(loss); seen.add_loss(loss)
+            >>> seen.loss_count
+            1
+        """
+        if any(seen() is loss for seen in self._losses):
+            return
+        self._losses.append(weakref.ref(loss))
         value = loss.detach().double()
         if value.dim():
             value = value.mean()

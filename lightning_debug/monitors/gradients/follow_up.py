@@ -32,7 +32,7 @@ import torch
 from lightning_debug.checks.numerics import fused_norms
 from lightning_debug.core.numerics import ParameterIndex
 from lightning_debug.core.readback import Readback
-from lightning_debug.monitors.gradients.exploding import FOLLOW_UP_STEPS, ExplosionWatch
+from lightning_debug.monitors.gradients.exploding import FOLLOW_UP_STEPS, OVERFLOW, ExplosionWatch
 from lightning_debug.monitors.gradients.verdict import Verdict
 
 Decided = list[tuple[int, Verdict, Any]]
@@ -122,12 +122,15 @@ class Explosions:
     def judge(self, step: int, optimizer: Any, global_norm: float, verdict: Verdict | None, deferred: bool,
               where: Any, index: ParameterIndex | None) -> Decided:
         """A check step's global norm (it also follows earlier jumps) and its own verdict: recorded at once,
-        or, for a jump judged against the run's history (``deferred``), waiting for the steps after it."""
+        or, for a jump judged against the run's history (``deferred``), waiting for the steps after it. A norm
+        that overflowed right after a jump it confirms is that explosion, already named where it began."""
         watch = self.watches.setdefault(optimizer, ExplosionWatch())
         decided = watch.observe(step, global_norm)
         if verdict is None:
             return decided
         if not deferred:
+            if decided and verdict.finding.details.get("judged_by") == OVERFLOW:
+                return decided  # the non-finite step confirmed the jump it follows: named where that began
             return decided + [(step, verdict, where)]
         details = verdict.finding.details
         decided += watch.suspect(step, verdict, where, float(details.get("confirm_above") or details["limit"]))

@@ -14,7 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_debug.checks.trends import NormHistory
@@ -25,6 +27,38 @@ from lightning_debug.monitors.gradients.missing import MissingHistory
 from lightning_debug.monitors.gradients.vanishing import VanishingHistory
 
 HEALTHY_NORMS_KEPT = 256
+
+
+@dataclass
+class MeasuredSteps:
+    """The check steps on which something was measured (a non-finite global gradient norm, loss or weight):
+    first, last, how many. What report.md states as measured (see :mod:`lightning_debug.report.measured`), whatever
+    the rules concluded from it.
+
+    Example::
+
+        >>> steps = MeasuredSteps()
+        >>> for step in (2, 3, 4): steps.add(step)
+        >>> steps.fact()
+        {'first_step': 2, 'last_step': 4, 'steps': 3}
+    """
+
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+
+    def add(self, step: int) -> None:
+        self.first_step = step if self.first_step is None else min(self.first_step, step)
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+        self.steps += 1
+
+    def fact(self) -> dict[str, Any] | None:
+        return asdict(self) if self.steps else None
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.first_step, self.last_step = state.get("first_step"), state.get("last_step")
+        self.steps = int(state.get("steps", 0))
 
 
 class GradientHistory:
@@ -46,6 +80,8 @@ class GradientHistory:
         self.clip_suggestion: dict[str, Any] | None = None
         self.vanishing = VanishingHistory()
         self.missing = MissingHistory(verdicts)
+        self.nonfinite: dict[str, MeasuredSteps] = {}  # what ("gradients", "loss", "parameters") -> where
+        self.scaler_overflows = 0
 
     def norms_for(self, optimizer: Any) -> NormHistory:
         """The recent global norms of ``optimizer``'s check steps (None with one optimizer), made current."""
@@ -62,7 +98,9 @@ class GradientHistory:
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
             clip_suggestion=self.clip_suggestion, vanishing=self.vanishing.state_dict(),
-            missing=self.missing.state_dict(),
+            missing=self.missing.state_dict(), scaler_overflows=self.scaler_overflows,
+            nonfinite={what: steps.fact() for what, steps in self.nonfinite.items()},
+            last_norm=last if math.isfinite(last := self.recent_norms.last) else str(last),  # JSON-safe
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -77,6 +115,11 @@ class GradientHistory:
         for value in state_dict.get("healthy_norms", []):
             self.healthy_norms.add(float(value))
         self.recent_norms.load(state_dict.get("recent_norms", []), state_dict.get("start_losses", []))
+        self.recent_norms.last = float(state_dict.get("last_norm", self.recent_norms.last))
+        self.nonfinite = {}
+        for what, steps in (state_dict.get("nonfinite") or {}).items():
+            self.nonfinite.setdefault(what, MeasuredSteps()).load(steps)
+        self.scaler_overflows = int(state_dict.get("scaler_overflows", 0))
         for target, key in ((self.parameter_norms, "parameter_norms"),
                             (self.parameter_update_ratios, "parameter_update_ratios")):
             target.clear()
@@ -100,6 +143,10 @@ class GradientHistory:
             most_flagged={kind: counter.top(10) for kind, counter in self.flagged.items() if counter.counts},
             trainability=trainability, clip_suggestion=self.clip_suggestion, order=order,
         )
+        if self.nonfinite:  # stated by report.md whatever the findings (see lightning_debug.report.measured)
+            section["nonfinite"] = {what: steps.fact() for what, steps in self.nonfinite.items()}
+        if self.scaler_overflows:
+            section["scaler_overflows"] = self.scaler_overflows
         if parameter_norms:
             section["parameter_norms"] = {name: s.summary() for name, s in self.parameter_norms.items()}
         if self.parameter_update_ratios:

@@ -24,7 +24,7 @@ from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
 from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
-from lightning_debug.monitors.gradients.history import GradientHistory
+from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
@@ -168,7 +168,12 @@ class GradientMonitor(Monitor):
             self._record(verdict, step, where)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
+        """The loss of a check step's micro-batches, for the rules that read it (whether a norm grew with the loss;
+        :func:`.overflowed`) and for what report.md states measured, also when this callback runs alone (the same
+        tensor observed by ``AnomalyDetectionCallback`` counts once). No sync: read back with the norms."""
         self._stop_watching_forward()
+        if self.due(step) or self.numerics.several_optimizers:
+            self.numerics.observe_loss(step, loss)
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
@@ -285,20 +290,22 @@ class GradientMonitor(Monitor):
         norms = self.history.norms_for(optimizer)
         global_norm = host.global_grad_norm
         self.history.global_norms.add(global_norm)
+        scaled = self.context.uses_grad_scaler
+        self._note_nonfinite(step, host, global_norm, scaled)
         metrics: dict[str, float] = {"debug/grad/global_norm": global_norm}
 
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
-        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value)
+        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value, scaled)
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
         grads = (list(zip(host.grad_names, host.grad_norms))
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
-                                    list(self.history.healthy_norms.values), self._clipping())
-        self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding,
-                                                       suspicion.jump and not suspicion.high, where, pending.judged))
+                                    list(self.history.healthy_norms.values), self._clipping(), host.loss_value)
+        self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
+                                                       where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
@@ -334,6 +341,19 @@ class GradientMonitor(Monitor):
         pending.write_histograms(self._histogram_writer)
         self.log_metrics(step, per_optimizer(metrics, optimizer))
         self.close_episodes(step, where, self.kinds)
+
+    def _note_nonfinite(self, step: int, host: HostNumerics, global_norm: float, scaled: bool) -> None:
+        """What this check step measured non-finite, for report.md to state whatever the rules say (invariant:
+        a run with one is never called clean). An fp16 overflow the GradScaler skips is counted apart."""
+        bad_loss = bool(host.ranks_with_nonfinite_loss)
+        bad_grads = not math.isfinite(global_norm)
+        if bad_grads and scaled and not bad_loss:
+            self.history.scaler_overflows += 1
+            bad_grads = False
+        bad_params = host.params_measured and bool(host.ranks_with_nonfinite_params)
+        for what, bad in (("gradients", bad_grads), ("loss", bad_loss), ("parameters", bad_params)):
+            if bad:
+                self.history.nonfinite.setdefault(what, MeasuredSteps()).add(step)
 
     def _record_explosions(self, decided: Decided) -> None:
         for step, verdict, where in decided:

@@ -1,0 +1,76 @@
+"""What the callbacks measured, stated whatever the rules concluded: the one place that decides whether a
+report may say "No problems found" (report.md) or "nothing wrong found" (the console summary).
+
+A rule may stay quiet on purpose (a jump without history, a step its exemption covers), but a value
+measured non-finite is not an opinion: a run with one is never called clean. Each area's report section
+names what it measured non-finite under ``nonfinite`` (``what -> {first_step, last_step, steps}``; the
+gradient area: ``gradients``, the check steps whose global gradient norm was Inf or NaN, fp16 overflows
+a GradScaler skipped left out, ``loss`` and, when it measures weights, ``parameters``); every headline is
+decided here from those facts and the findings, so no rule's exemption can make a report say the opposite of
+what was measured.
+
+Example::
+
+    >>> report = {"findings": {}, "sections": {"gradients": {"nonfinite": {"gradients": {
+    ...     "first_step": 2, "last_step": 19, "steps": 18}}}}}
+    >>> nonfinite_measured(report)
+    ['gradients were non-finite at steps 2-19 (18 check step(s), measured by the gradients checks)']
+    >>> nothing_found(report), nothing_found({"findings": {}, "sections": {}})
+    (False, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_debug.core.kinds import Severity
+
+NONFINITE = "nonfinite"
+SUBJECTS = {"gradients": "gradients were", "loss": "the loss was", "parameters": "parameters were",
+            "buffers": "buffers were", "inputs": "inputs were"}
+
+
+def _span(fact: dict[str, Any]) -> str:
+    first, last = fact.get("first_step"), fact.get("last_step")
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def nonfinite_measured(report: dict[str, Any]) -> list[str]:
+    """One sentence per non-finite measurement an area's section states (see the module docstring)."""
+    sentences = []
+    for area, section in (report.get("sections") or {}).items():
+        facts = section.get(NONFINITE) if isinstance(section, dict) else None
+        for what, fact in (facts or {}).items():
+            if isinstance(fact, dict) and fact.get("steps"):
+                subject = SUBJECTS.get(what, f"{what} were")
+                sentences.append(f"{subject} non-finite at {_span(fact)} ({fact['steps']} check step(s), measured by "
+                                 f"the {area} checks)")
+    return sentences
+
+
+def nothing_found(report: dict[str, Any], serious_only: bool = False) -> bool:
+    """Whether the report may say it found nothing: no finding (``serious_only``: none of severity warning
+    or above, as the console counts) and nothing measured non-finite."""
+    findings = report.get("findings") or {}
+    if serious_only:
+        findings = {kind: entry for kind, entry in findings.items()
+                    if isinstance(entry, dict) and Severity.parse(entry.get("severity")).at_least(Severity.WARNING)}
+    return not findings and not nonfinite_measured(report)
+
+
+def measured_line(report: dict[str, Any]) -> str | None:
+    """report.md's line under its headline stating what was measured non-finite (None when nothing was).
+
+    Example::
+
+        >>> line = measured_line({"findings": {}, "sections": {"gradients": {"nonfinite": {"gradients": {
+        ...     "first_step": 3, "last_step": 3, "steps": 1}}}}})
+        >>> print(line.replace(": ", ":\\n"))
+        Non-finite values were measured, though no rule raised a finding:
+        gradients were non-finite at step 3 (1 check step(s), measured by the gradients checks).
+    """
+    sentences = nonfinite_measured(report)
+    if not sentences:
+        return None
+    lead = "Non-finite values were measured" + ("" if report.get("findings") else ", though no rule raised a finding")
+    return f"{lead}: {'; '.join(sentences)}."

@@ -1,0 +1,153 @@
+"""Recall that holds (issue 45): an explosion into Inf/NaN is named by GradientHealthCallback alone, from the first
+check steps, and no report calls a run with non-finite values clean. Real Trainer runs, CPU, a few seconds each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
+from tests.harness.toolkit import (
+    TinyRegressor,
+    all_four,
+    console_lines,
+    debug_dir,
+    fit_seeded,
+    read_events,
+    read_report,
+    read_scalars,
+    regression_data,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+EVERY_STEP = DebugConfig(gradient_checking_frequency=1)
+SERIOUS = ("warning", "error", "critical")
+
+
+class DeepMLP(pl.LightningModule):
+    """4 hidden ReLU layers under plain SGD; ``lr=5`` on inputs scaled by 100 explodes into Inf and NaN at once
+    (the global norm ~40-110 at step 0, ~1e17 or Inf at step 1, NaN after), ``lr=0.01`` on the data as it is
+    trains."""
+
+    def __init__(self, lr: float, input_scale: float) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU()]
+        for _ in range(3):
+            layers += [nn.Linear(32, 32), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(32, 1))
+        self.lr, self.input_scale = lr, input_scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x * self.input_scale), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(), batch_size=16)
+
+
+class SqrtOfZero(TinyRegressor):
+    """From step 5 the loss adds the square root of a sum that is 0: the loss stays finite, its gradient is NaN."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step >= 5:
+            loss = loss + torch.sqrt(self.head.weight.pow(2).sum() * 0.0)
+        return loss
+
+
+def run(tmp_path: Path, model: Callable[[], pl.LightningModule], callbacks: list[pl.Callback],
+        steps: int = 20, seed: int = 0) -> tuple[pl.Trainer, list[dict[str, Any]], str]:
+    """Fit the model ``model()`` builds after seeding its initialisation with ``seed``."""
+    torch.manual_seed(seed)
+    trainer = fit_seeded(tmp_path, model(), callbacks, max_steps=steps)
+    directory = debug_dir(trainer)
+    return trainer, read_events(directory), (directory / "report.md").read_text()
+
+
+def serious(events: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    return [(e["step"], e["kind"]) for e in events if e.get("severity") in SERIOUS and e.get("episode") != "end"]
+
+
+def exploding_starts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == "exploding_grad" and e.get("episode") == "start"]
+
+
+def console(capsys: pytest.CaptureFixture[str]) -> str:
+    """The end-of-fit summary as printed (the headline may wrap)."""
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("seed", "judged_by", "nonfinite_from"),
+                         [(0, "growth over the last check steps", 2), (1, "finite to non-finite", 1)],
+                         ids=["grows 1e15x then NaN", "overflows to Inf"])
+def test_an_explosion_into_inf_is_named_at_its_step_by_the_gradient_callback_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], seed: int, judged_by: str, nonfinite_from: int) -> None:
+    """Seed 0: the global norm 66 at step 0, 1.3e18 at step 1, NaN from step 2 (the loss NaN with it); seed 1: 110,
+    then Inf at step 1 with the loss 9e20, finite. exploding_grad at step 1 either way, where it grew; counted; the
+    report and the console name it and the non-finite steps."""
+    with console_lines(r"\[step 1\] Gradients are exploding at step 1"):
+        trainer, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0),
+                                        [GradientHealthCallback(EVERY_STEP)], seed=seed)
+    exploding = exploding_starts(events)
+    assert [e["step"] for e in exploding] == [1], serious(events)
+    assert exploding[0]["callback"] == "GradientHealthCallback"
+    assert exploding[0]["details"]["judged_by"] == judged_by
+    assert "No problems found" not in markdown and "`exploding_grad` (warning)" in markdown
+    assert f"**Non-finite gradients** (global norm Inf or NaN) at {20 - nonfinite_from} check step(s), " \
+           f"steps {nonfinite_from}-19" in markdown
+    report = read_report(debug_dir(trainer))
+    assert report["sections"]["gradients"]["counts"]["exploding_checks"] == 1, "the check step it was labelled at"
+    assert "Check steps with exploding gradients: 1," in markdown
+    assert report["sections"]["gradients"]["nonfinite"]["gradients"]["last_step"] == 19
+    counted = dict(read_scalars(trainer.log_dir)["debug/grad/exploding_count"])
+    assert counted[0] == 0.0 and counted[19] == 1.0
+    summary = console(capsys)
+    assert "1 kind(s) of finding" in summary and "gradients were non-finite at steps" in summary
+
+
+def test_the_same_explosion_with_all_four_callbacks(tmp_path: Path) -> None:
+    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0), all_four(EVERY_STEP))
+    assert [e["step"] for e in exploding_starts(events)] == [1]
+    assert "No problems found" not in markdown and "exploding_grad" in markdown
+
+
+@pytest.mark.parametrize("callbacks", [lambda: [GradientHealthCallback(EVERY_STEP)], lambda: all_four(EVERY_STEP)],
+                         ids=["gradients alone", "all four"])
+def test_the_healthy_twin_has_no_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str], callbacks: Any) -> None:
+    """Same MLP, lr 0.01 on the inputs as they are: nothing of warning or above, and clean where it is."""
+    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=0.01, input_scale=1.0), callbacks())
+    assert serious(events) == [] and "No problems found." in markdown and "nothing wrong found" in console(capsys)
+
+
+def test_a_nan_gradient_with_a_normal_loss_is_stated_by_the_gradient_callback_alone_not_an_explosion(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Invariant 1 for GradientHealthCallback: no rule names the sqrt of 0 (a singular operation, not a growth: no
+    exploding_grad), yet neither report.md nor the console calls the run clean; both state the steps."""
+    _, events, markdown = run(tmp_path, SqrtOfZero, [GradientHealthCallback(EVERY_STEP)], steps=12)
+    assert serious(events) == []
+    assert "No problems found" not in markdown
+    assert "gradients were non-finite at steps 5-11 (7 check step(s)" in markdown
+    summary = console(capsys)
+    assert "nothing wrong found" not in summary and "no finding, but non-finite values measured" in summary
+
+
+@pytest.mark.parametrize("model", [lambda: SqrtOfZero(), lambda: TinyRegressor(log_zero_from_step=5)],
+                         ids=["nan gradient", "nan loss"])
+@pytest.mark.parametrize("callback", [GradientHealthCallback, AnomalyDetectionCallback])
+def test_no_callback_alone_calls_a_run_with_non_finite_values_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                    model: Any, callback: Any) -> None:
+    """Invariant 1, each callback that measures gradients or the loss planted alone (MemoryProfilerCallback and
+    PerformanceProfilerCallback measure neither)."""
+    _, _, markdown = run(tmp_path, model, [callback(EVERY_STEP)], steps=10)
+    assert "No problems found" not in markdown and "nothing wrong found" not in console(capsys)
