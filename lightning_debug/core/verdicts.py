@@ -333,10 +333,11 @@ class VerdictEngine:
             bound = held.latest.bound
             if not _finite(reading) or (bound is not None and reading > bound):
                 held.above += 1
-                if held.above < policy.follow_up:
-                    return []
+                if held.above < policy.follow_up and _finite(reading):
+                    return []  # a reading that is not finite confirms at once: nothing healthy falls back into it
                 del self._held[held_key]
-                return [Confirmed(kind, held.first, held.latest, [held.first.step], ConfirmedBy.FOLLOW_UP, held.above)]
+                by = ConfirmedBy.FOLLOW_UP if _finite(reading) else ConfirmedBy.NOT_FINITE
+                return [Confirmed(kind, held.first, held.latest, [held.first.step], by, held.above)]
             held.below += 1
         del self._held[held_key]
         if held.confirmed or policy.else_kind is None:

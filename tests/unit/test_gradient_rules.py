@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -13,11 +14,10 @@ from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.numerics import ParameterIndex
-from lightning_debug.core.verdicts import VerdictEngine
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 from lightning_debug.monitors.gradients.exploding import (
     ClipAlgorithm,
     RUNAWAY_GROWTH,
-    ExplosionWatch,
     Clipping,
     clipping_note,
     judge_exploding,
@@ -54,6 +54,26 @@ from lightning_debug.monitors.gradients.update_ratio import (
 )
 from lightning_debug.monitors.gradients.verdict import Verdict
 from lightning_debug.monitors.gradients.vanishing import VANISHING_DEAD_CHECKS, VanishingHistory, judge_vanishing
+
+
+class ExplosionWatch:
+    """The verdict engine as one optimizer's watch of jumps, as the monitor drives it (tests only)."""
+
+    def __init__(self) -> None:
+        self.engine = VerdictEngine()
+
+    def __bool__(self) -> bool:
+        return self.engine.holding(Kind.EXPLODING_GRAD)
+
+    def suspect(self, step: int, verdict: Verdict, where: Any, limit: float) -> list[tuple[int, Verdict, Any]]:
+        jump = Suspicion(Kind.EXPLODING_GRAD, str(step), step, verdict.finding, verdict.flagged, where, bound=limit)
+        return Explosions._decided(self.engine.observe(Kind.EXPLODING_GRAD, step, [jump], judged=()))
+
+    def observe(self, step: int, norm: float) -> list[tuple[int, Verdict, Any]]:
+        return Explosions._decided(self.engine.observe(Kind.EXPLODING_GRAD, step, reading=norm))
+
+    def flush(self) -> list[tuple[int, Verdict, Any]]:
+        return Explosions._decided(self.engine.flush())
 
 
 def history_of(*norms: float) -> NormHistory:
@@ -332,7 +352,7 @@ def test_an_explosion_in_a_heavy_tailed_run_is_still_named_where_it_began() -> N
 def replay_with_losses(norms: list[float], losses: list[float], scaled: bool = False) -> list[tuple[int, str]]:
     """``(step, judged_by)`` of every exploding_grad recorded when every step is a check step, with its loss, as the
     monitor decides them (:class:`Explosions`)."""
-    history, explosions, recorded = NormHistory(), Explosions(), []
+    history, explosions, recorded = NormHistory(), Explosions(VerdictEngine()), []
     for step, (norm, loss) in enumerate(zip(norms, losses)):
         suspicion = suspect_explosion(norm, norm, history, GradientSettings(), loss=loss, scaled=scaled)
         verdict = judge_exploding(step, norm, [("w", norm)], suspicion, GradientSettings(), history, [], None, loss)
@@ -691,14 +711,15 @@ def test_a_jump_waiting_at_a_checkpoint_is_decided_after_the_resume() -> None:
     layer = nn.Linear(3, 1)
     (layer(torch.ones(2, 3)).sum() * 100).backward()
     index = ParameterIndex(list(layer.named_parameters()))
-    before = Explosions()
+    before = Explosions(VerdictEngine())
     jump = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "jump", {"limit": 10.0}), ["weight"])
     assert before.judge(12, None, 400.0, jump, True, {"step": 12}, index) == []
-    state = before.state_dict()
-    assert [entry["step"] for entry in state[None]] == [12]
+    state = before.verdicts.state_dict()  # the monitor's engine travels in its checkpoint
+    assert [entry["first"]["step"] for entry in state["held"]] == [12]
 
-    after = Explosions()
-    after.load_state_dict(state)
+    after = Explosions(VerdictEngine())
+    after.verdicts.load_state_dict(state)
+    after.resumed()
     assert after.measuring
     for step in (13, 14):
         after.measure(step, None, lambda: None, lambda optimizer: index)
@@ -713,7 +734,7 @@ def test_a_spike_that_falls_back_at_once_is_dismissed() -> None:
     watch.suspect(17, jump, None, limit=16.6)
     # SwiftFormer's norms after its step-17 spike (37.8): back to 1.8, then two spikes in a row
     assert [watch.observe(step, norm) for step, norm in ((18, 1.81), (19, 25.5), (20, 42.9))] == [[], [], []]
-    assert watch.dismissed == 1 and not watch
+    assert not watch
     assert watch.flush() == []
 
 

@@ -27,6 +27,7 @@ from lightning_debug.checks.robust import median
 from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NORM_TAIL_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import policy_of
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
@@ -88,7 +89,7 @@ class ExplosionSuspicion:
 
     @property
     def deferred(self) -> bool:
-        """Whether the steps after it decide (:class:`ExplosionWatch`): a jump or a finite runaway, not a
+        """Whether the steps after it decide (:data:`FOLLOW_UP_STEPS`): a jump or a finite runaway, not a
         norm over the user's threshold nor one that overflowed, which are recorded at once."""
         return (self.jump or self.runaway is not None) and not (self.high or self.overflow)
 
@@ -237,7 +238,7 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     3x the norm the run reaches on one check step in 16 lately (:meth:`.NormHistory.routine`), so a jump must
     leave what this run does routinely; a run whose norms stay near their median keeps the median's limit.
 
-    A jump is confirmed by the steps after it (:class:`ExplosionWatch`) when they stay above its limit
+    A jump is confirmed by the steps after it (:data:`FOLLOW_UP_STEPS`) when they stay above its limit
     and above 3x the norm of the check step before it: in that rising phase the median lags, and a
     one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
     of the first steps says 3.4) has fallen back. A norm in a settled run sits near its median, so
@@ -303,116 +304,19 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
         [name for name, _ in named])
 
 
-FOLLOW_UP_STEPS = 2
-"""Optimizer steps after a jump that must all still be above its limit (or not finite) to confirm it;
-measured (only their global norm) where they are not check steps themselves."""
+FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up
+"""Optimizer steps after a jump that must all still be above its limit (or not finite) to confirm it: the kind's
+policy in the table of kinds (:class:`~lightning_debug.core.kinds.Confirm`), applied by the verdict engine;
+measured (only their global norm) where they are not check steps themselves.
 
-
-@dataclass
-class _Suspect:
-    verdict: Verdict
-    where: Any
-    limit: float
-    above: int = 0
-    below: int = 0
-
-
-class ExplosionWatch:
-    """Jumps of the global gradient norm waiting for the steps after them.
-
-    A healthy model's norm can spike for a step or two and fall back: window attention at a tiny
-    resolution, a model memorising a small dataset, a rare batch (SwinV2 and SwiftFormer spike 15-100x
-    their level every few steps, sometimes two steps in a row, while their loss falls). Under Adam a
-    single large gradient does not scale the update, and under SGD an update that hurts shows in the
-    steps after (the norm stays high, the loss rises, a NaN follows, which the anomaly checks report).
-    An explosion feeds itself, so a jump is reported only once the :data:`FOLLOW_UP_STEPS` optimizer
-    steps right after it are still above what confirms it (``confirm_above``: see :func:`judge_exploding`):
-    three steps in a row. A step after it whose norm is not finite confirms it at once: nothing healthy
-    falls back into Inf or NaN. It is labelled at the step where it began. At the end of the run
-    a jump is reported if the one step seen after it was still above that, and dismissed if none was seen
-    (a last-step spike cannot be told from an explosion). A limit the user set
-    (``gradient_explosion_threshold``) is applied at once, without this watch.
-
-    Bounded: at most :data:`FOLLOW_UP_STEPS` + 1 jumps wait at a time (a new one past that decides the
-    oldest with what it has).
-
-    Example::
-
-        >>> watch = ExplosionWatch()
-        >>> verdict = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "", {}))
-        >>> watch.suspect(4, verdict, None, limit=10.0)
-        []
-        >>> [watch.observe(step, norm) for step, norm in ((5, 1.0), (6, 40.0))]
-        [[], []]
-        >>> watch.suspect(9, verdict, None, limit=10.0)
-        []
-        >>> [len(watch.observe(step, norm)) for step, norm in ((10, 50.0), (11, 60.0))]
-        [0, 1]
-        >>> watch.suspect(14, verdict, None, limit=10.0)
-        []
-        >>> [began for began, _, _ in watch.observe(15, float("inf"))]
-        [14]
-    """
-
-    def __init__(self) -> None:
-        self.waiting: dict[int, _Suspect] = {}
-        self.dismissed = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.waiting)
-
-    def suspect(self, step: int, verdict: Verdict, where: Any, limit: float) -> list[tuple[int, Verdict, Any]]:
-        """A jump at ``step``: wait for the steps after it. Returns jumps decided to make room (rare)."""
-        decided = []
-        while len(self.waiting) > FOLLOW_UP_STEPS:
-            decided += self._decide(min(self.waiting), final=True)
-        self.waiting[step] = _Suspect(verdict, where, limit)
-        return decided
-
-    def observe(self, step: int, norm: float) -> list[tuple[int, Verdict, Any]]:
-        """The global norm of optimizer step ``step``; returns the jumps now confirmed, as
-        ``(step, verdict, where)``."""
-        confirmed: list[tuple[int, Verdict, Any]] = []
-        for began in sorted(self.waiting):
-            if began >= step:
-                continue
-            suspect = self.waiting[began]
-            if math.isfinite(norm) and norm <= suspect.limit:
-                suspect.below += 1
-            else:
-                suspect.above = suspect.above + 1 if math.isfinite(norm) else max(suspect.above + 1, FOLLOW_UP_STEPS)
-            confirmed += self._decide(began)
-        return confirmed
-
-    def _decide(self, began: int, final: bool = False) -> list[tuple[int, Verdict, Any]]:
-        suspect = self.waiting[began]
-        if suspect.above >= FOLLOW_UP_STEPS or (final and suspect.above and not suspect.below):
-            del self.waiting[began]
-            return [(began, suspect.verdict, suspect.where)]
-        if suspect.below or final:
-            del self.waiting[began]
-            self.dismissed += 1
-        return []
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [{"step": step, "kind": suspect.verdict.finding.kind.value,
-                 "severity": suspect.verdict.finding.severity.value, "message": suspect.verdict.finding.message,
-                 "details": suspect.verdict.finding.details, "flagged": suspect.verdict.flagged,
-                 "key": suspect.verdict.key, "where": suspect.where, "limit": suspect.limit,
-                 "above": suspect.above, "below": suspect.below} for step, suspect in self.waiting.items()]
-
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        self.waiting = {
-            int(entry["step"]): _Suspect(Verdict(Finding(Kind(entry["kind"]), Severity(entry["severity"]),
-                                                         entry["message"], dict(entry["details"])),
-                                                 list(entry["flagged"]), entry["key"]),
-                                         entry["where"], float(entry["limit"]), int(entry["above"]),
-                                         int(entry["below"]))
-            for entry in state}
-
-    def flush(self) -> list[tuple[int, Verdict, Any]]:
-        """The end of the run: decide every waiting jump with the steps seen after it."""
-        decided: list[tuple[int, Verdict, Any]] = []
-        for began in sorted(self.waiting):
-            decided += self._decide(began, final=True)
-        return decided
+A healthy model's norm can spike for a step or two and fall back: window attention at a tiny resolution, a model
+memorising a small dataset, a rare batch (SwinV2 and SwiftFormer spike 15-100x their level every few steps,
+sometimes two steps in a row, while their loss falls). Under Adam a single large gradient does not scale the
+update, and under SGD an update that hurts shows in the steps after (the norm stays high, the loss rises, a NaN
+follows). An explosion feeds itself, so a jump is reported only once the steps right after it are still above
+what confirms it (``confirm_above``: see :func:`judge_exploding`): three steps in a row. A step after it whose
+norm is not finite confirms it at once (the engine's invariant: nothing healthy falls back into Inf or NaN). It is
+labelled at the step where it began. At the end of the run a jump is reported if the one step seen after it was
+still above that, and dismissed if none was seen (a last-step spike cannot be told from an explosion). A limit the
+user set (``gradient_explosion_threshold``) is applied at once, without a hold. At most 3 jumps wait per optimizer
+(a new one past that decides the oldest with what it has)."""

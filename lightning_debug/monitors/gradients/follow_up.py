@@ -1,7 +1,7 @@
 """The global gradient norm of the few optimizer steps after a suspected jump, measured without a sync.
 
 A jump of the global norm on a check step is judged by the steps after it (see
-:class:`~lightning_debug.monitors.gradients.exploding.ExplosionWatch`). Where those steps are not check
+:data:`~lightning_debug.monitors.gradients.exploding.FOLLOW_UP_STEPS`). Where those steps are not check
 steps themselves, this measures only their global norm: one fused norm over the gradients of the index
 the check step used, on the process that reports, read back when the copy has completed. Nothing is
 measured unless a jump waits, and no collective is issued: under DDP every rank holds the same reduced
@@ -32,7 +32,9 @@ import torch
 from lightning_debug.checks.numerics import fused_norms
 from lightning_debug.core.numerics import ParameterIndex
 from lightning_debug.core.readback import Readback
-from lightning_debug.monitors.gradients.exploding import FOLLOW_UP_STEPS, OVERFLOW, ExplosionWatch
+from lightning_debug.core.kinds import Kind
+from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine
+from lightning_debug.monitors.gradients.exploding import FOLLOW_UP_STEPS, OVERFLOW
 from lightning_debug.monitors.gradients.verdict import Verdict
 
 Decided = list[tuple[int, Verdict, Any]]
@@ -87,8 +89,9 @@ class FollowUps:
 
 
 class Explosions:
-    """Per optimizer, the jumps waiting for the steps after them (:class:`ExplosionWatch`) and the
-    follow-up readings that decide them; what the gradient monitor records is what this returns.
+    """Per optimizer, the jumps waiting for the steps after them (held in the verdict engine under the kind's
+    policy, see :data:`.FOLLOW_UP_STEPS`) and the follow-up readings that decide them; what the gradient monitor
+    records is what this returns.
 
     Example::
 
@@ -99,7 +102,7 @@ class Explosions:
         >>> from lightning_debug.core.numerics import ParameterIndex
         >>> layer = nn.Linear(3, 1)
         >>> layer(torch.ones(2, 3)).sum().backward()
-        >>> explosions, index = Explosions(), ParameterIndex(list(layer.named_parameters()))
+        >>> explosions, index = Explosions(VerdictEngine()), ParameterIndex(list(layer.named_parameters()))
         >>> jump = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "", {"limit": 1.0}))
         >>> explosions.judge(4, None, 40.0, jump, True, {}, index)
         []
@@ -109,8 +112,8 @@ class Explosions:
         [4]
     """
 
-    def __init__(self) -> None:
-        self.watches: dict[Any, ExplosionWatch] = {}
+    def __init__(self, verdicts: VerdictEngine) -> None:
+        self.verdicts = verdicts
         self.follow_ups = FollowUps()
         self._rearm = False
 
@@ -124,17 +127,19 @@ class Explosions:
         """A check step's global norm (it also follows earlier jumps) and its own verdict: recorded at once,
         or, for a jump judged against the run's history (``deferred``), waiting for the steps after it. A norm
         that overflowed right after a jump it confirms is that explosion, already named where it began."""
-        watch = self.watches.setdefault(optimizer, ExplosionWatch())
-        decided = watch.observe(step, global_norm)
-        if verdict is None:
-            return decided
-        if not deferred:
+        jump = None
+        if verdict is not None and deferred:
+            details = verdict.finding.details
+            jump = Suspicion(Kind.EXPLODING_GRAD, str(step), step, verdict.finding, verdict.flagged, where,
+                             value=global_norm, bound=float(details.get("confirm_above") or details["limit"]))
+        decided = self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, [jump] if jump else [],
+                                                      scope=str(optimizer), reading=global_norm))
+        if jump is not None:
+            self.follow_ups.want(optimizer, index)
+        elif verdict is not None:
             if decided and verdict.finding.details.get("judged_by") == OVERFLOW:
                 return decided  # the non-finite step confirmed the jump it follows: named where that began
-            return decided + [(step, verdict, where)]
-        details = verdict.finding.details
-        decided += watch.suspect(step, verdict, where, float(details.get("confirm_above") or details["limit"]))
-        self.follow_ups.want(optimizer, index)
+            decided.append((step, verdict, where))
         return decided
 
     def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None],
@@ -142,7 +147,7 @@ class Explosions:
         """A non-check step after a jump: queue its global norm."""
         if self._rearm:  # resumed while a jump waited: the index its check step used is built again
             self._rearm = False
-            if self.watches.get(optimizer):
+            if self.verdicts.holding(Kind.EXPLODING_GRAD, str(optimizer)):
                 self.follow_ups.want(optimizer, index(optimizer))
         self.follow_ups.measure(step, optimizer, grad_scale)
 
@@ -152,20 +157,19 @@ class Explosions:
         decided: Decided = []
         if self.follow_ups.pending(final):
             for step, optimizer, norm in self.follow_ups.read(final):
-                watch = self.watches.get(optimizer)
-                if watch is not None:
-                    decided += watch.observe(step, norm)
-            if not any(self.watches.values()):
+                decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
+                                                               reading=norm))
+            if not self.verdicts.holding(Kind.EXPLODING_GRAD):
                 self.follow_ups.clear()
         if final:
-            for watch in self.watches.values():
-                decided += watch.flush()
+            decided += self._decided(self.verdicts.flush([Kind.EXPLODING_GRAD]))
         return decided
 
-    def state_dict(self) -> dict[Any, list[dict[str, Any]]]:
-        return {key: watch.state_dict() for key, watch in self.watches.items() if watch}
+    def resumed(self) -> None:
+        """A checkpoint was loaded: jumps held in it are measured again from the next step on."""
+        self._rearm = self.verdicts.holding(Kind.EXPLODING_GRAD)
 
-    def load_state_dict(self, state: dict[Any, list[dict[str, Any]]]) -> None:
-        for key, waiting in state.items():
-            self.watches.setdefault(key, ExplosionWatch()).load_state_dict(waiting)
-            self._rearm = True
+    @staticmethod
+    def _decided(confirmed: list[Confirmed]) -> Decided:
+        return [(c.steps[0], Verdict(c.first.finding, c.first.flagged), c.first.where)
+                for c in confirmed if c.first.finding is not None]

@@ -86,7 +86,7 @@ class GradientMonitor(Monitor):
         self._watch = CandidateWatch()
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
-        self._explosions = Explosions()
+        self._explosions = Explosions(self.verdicts)
         self.unavailable: dict[str, str] = {}
         """Kinds of this area the run cannot judge, and why (report.json ``unavailable``, report.md)."""
 
@@ -466,13 +466,12 @@ class GradientMonitor(Monitor):
         self.order.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), **self.history.state_dict(),
-                    explosions_waiting=self._explosions.state_dict())
+        return dict(super().state_dict(), **self.history.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.history.load_state_dict(state_dict)
-        self._explosions.load_state_dict(state_dict.get("explosions_waiting", {}))
+        self._explosions.resumed()
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), **self.history.report_section(

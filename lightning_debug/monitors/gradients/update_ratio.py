@@ -155,7 +155,7 @@ def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss:
     verdict = confirmed[0]
     finding = verdict.latest.finding
     assert finding is not None
-    if verdict.by is ConfirmedBy.FOLLOW_UP:
+    if verdict.by in (ConfirmedBy.FOLLOW_UP, ConfirmedBy.NOT_FINITE):  # the loss after it rose, or is not finite
         finding = verdict.first.finding
         assert finding is not None
         finding.message += (f" The loss rose from {finding.details['loss']:.4g} at that step to {loss:.4g} at the "
