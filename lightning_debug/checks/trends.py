@@ -13,7 +13,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.checks.robust import median, robust_sigma
@@ -43,10 +43,11 @@ DIVERGENCE_WINDOW = 8
 DIVERGENCE_RISES = 6
 DIVERGENCE_FACTOR = 2.0
 # Loss: a noisy climb. The level is the median of the last CLIMB_LEVEL_WINDOW checks; it climbs when it is at
-# least CLIMB_FACTOR times the best level of the run and above the start, on CLIMB_CONFIRM checks in a row.
+# least CLIMB_FACTOR times the best level of the run and above the start, on several checks in a row (how many is
+# loss_divergence's policy in the table of kinds), higher at the last of CLIMB_CHECKS of them than at the first.
 CLIMB_LEVEL_WINDOW = 8
 CLIMB_FACTOR = 2.0
-CLIMB_CONFIRM = 4
+CLIMB_CHECKS = 4
 # ... and at least CLIMB_SIGMAS robust standard deviations of single losses (measured when the best level was
 # reached) above that best level: the lowest of hundreds of noisy levels is itself an extreme of the noise.
 CLIMB_SIGMAS = 6.0
@@ -201,6 +202,15 @@ class LossVerdict:
     next_loss: float | None = None
     """For a ``spike`` or an ``outlier``: the next check's loss, which settled it (the verdict is about the check
     before the one that returned it)."""
+    step: int | None = None
+    """The check step the verdict is about (a spike's or an outlier's is the check before the one that settled it)."""
+    where: dict[str, Any] | None = None
+    """Where in the loop that check step was (epoch, batch), as the monitor gave it."""
+
+    def measured(self) -> dict[str, Any]:
+        """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""
+        return {"loss": self.loss, "level": self.level, "start": self.start, "limit": self.limit,
+                "window": None if self.window is None else list(self.window), "best": self.best, "early": self.early}
 
     @property
     def details(self) -> dict[str, Any]:
@@ -218,6 +228,29 @@ class LossVerdict:
         return out
 
 
+@dataclass
+class LossReading:
+    """What one check step's loss suggests (see :class:`LossTrend`); how long a suspicion is held before it is
+    reported is the kind's policy in the table of kinds, applied by the monitor's verdict engine.
+
+    ``spike``: a suspected spike, whose ``limit`` the next check's loss must stay above (or not be finite) to
+    confirm it; ``divergence``: a steady rise, a finding at once; ``climb``: the level is above the climb limit on
+    this check (a suspicion), and ``rising`` says whether it is higher than at the first of the last
+    ``climb_checks`` checks it was; ``settled``: the level is at
+    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the early level on this check (a suspicion);
+    ``levels_judged``: whether the level was judged at all (a finite loss, ``climb=True``): a check that did not
+    judge it neither continues nor ends a climb.
+    """
+
+    loss: float
+    spike: LossVerdict | None = None
+    divergence: LossVerdict | None = None
+    climb: LossVerdict | None = None
+    rising: bool = False
+    settled: LossVerdict | None = None
+    levels_judged: bool = False
+
+
 class LossTrend:
     """The loss of recent check steps and the level the run started from; judges each new loss.
 
@@ -230,9 +263,9 @@ class LossTrend:
     of one example is 15x its median once in a few hundred), and one batch far from the others (an outlier
     target, a mislabelled example the model is sure of). The first is ruled out by the window's own tail: a
     spike is also :data:`SPIKE_OVER_RECENT_MAX` times the highest of the recent losses. The second by time: a
-    blow-up lasts, such a batch does not. So a suspected spike is settled by the next check's loss, and the
-    verdict the next :meth:`judge` returns is about the suspected one (``next_loss`` set): ``spike`` when that
-    loss is not finite or still above the spike's limit, ``outlier`` (one batch) otherwise.
+    blow-up lasts, such a batch does not. So a spike is only suspected here, and the next check's loss settles it
+    (``loss_spike``'s policy): ``spike`` when that loss is not finite or still above the spike's limit,
+    ``loss_outlier`` (one batch) otherwise.
     ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
     :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
     above every loss of its first half and their medians at least doubled (a rise, not noise), and it
@@ -242,11 +275,13 @@ class LossTrend:
     ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the
     level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at least :data:`CLIMB_FACTOR` times the
     best level the run has reached, :data:`CLIMB_SIGMAS` robust standard deviations of single losses (as they
-    were when that best level was reached) above it, and above the start level, on :data:`CLIMB_CONFIRM`
-    checks in a row, and higher at the last of them than at the first.
+    were when that best level was reached) above it, and above the start level, on several checks in a row
+    (``loss_divergence``'s policy), and higher at the last of ``climb_checks`` of them than at the first.
     ``settled``: a climb seen from its start (:mod:`lightning_debug.checks.settled`): the level is at least
-    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the run's early level on a few checks in a row,
-    whatever the best level (a climb from the first steps has raised it by the time it counts).
+    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the run's early level on several checks in a row,
+    whatever the best level (a climb from the first steps has raised it by the time it counts). This class keeps the
+    baselines (the recent losses, the start, the best and early levels, the recent climbing levels) and says what
+    each loss suggests (:class:`LossReading`); it holds no suspicion.
 
     What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
     hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long
@@ -256,7 +291,7 @@ class LossTrend:
     the best level and its spread count from :data:`CLIMB_BEST_MIN_LOSSES` losses on (the median and spread of
     the first few single-example losses can both be low by luck, 5x under the run's true level);
     a loss that rises for a few steps and comes back (a warm-up overshoot) is not confirmed over
-    :data:`CLIMB_CONFIRM` checks at twice the best level; a loss that trains down to near zero and
+    several checks at twice the best level; a loss that trains down to near zero and
     drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
     :data:`CLIMB_LEVEL_WINDOW` losses (the warm-up, where the loss moves fastest) only make the first
     level, never a judged one; a change of data (a curriculum's next stage, another dataset, reloaded
@@ -275,24 +310,22 @@ class LossTrend:
     Example::
 
         >>> trend = LossTrend()
-        >>> [trend.judge(v).kind for v in (6.9, 7857.0, 9000.0)]
-        [None, None, <LossKind.SPIKE: 'spike'>]
-        >>> outlier = LossTrend()
-        >>> [outlier.judge(v).kind for v in (6.9, 7857.0, 6.5)]
-        [None, None, <LossKind.OUTLIER: 'outlier'>]
-        >>> calm = LossTrend()
-        >>> [calm.judge(v).kind for v in (0.7, 0.01, 0.02, 0.6)]
-        [None, None, None, None]
+        >>> readings = [trend.judge(v) for v in (6.9, 7857.0, 9000.0)]
+        >>> [r.spike is not None for r in readings], readings[1].spike.limit
+        ([False, True, False], 69.0)
+        >>> LossTrend().judge(math.nan).levels_judged
+        False
     """
 
-    def __init__(self, window: int = LOSS_WINDOW) -> None:
+    def __init__(self, window: int = LOSS_WINDOW, climb_checks: int = CLIMB_CHECKS) -> None:
         self.recent: deque[float] = deque(maxlen=window)
         self.start: list[float] = []
         self.best_level = math.inf
         self._best_spread: float | tuple[float, ...] = 0.0  # the losses at the best level until their spread is asked
-        self.climb_levels: deque[float] = deque(maxlen=CLIMB_CONFIRM)
+        self.climb_levels: deque[float] = deque(maxlen=max(climb_checks, 1))
+        """The levels of the last checks the level was above the climb limit (a baseline: the verdict engine holds
+        the streak; while it lasts these are its levels)."""
         self.far_above = SettledLevel()
-        self.suspected: LossVerdict | None = None
 
     @property
     def best_spread(self) -> float:
@@ -307,32 +340,27 @@ class LossTrend:
         """Where the run started: the highest of its first losses (NaN before any)."""
         return max(self.start) if self.start else math.nan
 
-    def judge(self, loss: float, climb: bool = True) -> LossVerdict:
-        """The verdict on ``loss``, or on the suspected spike before it (see above); ``climb=False`` leaves out
-        the noisy-climb judgement (several optimizers)."""
-        settled = self._settle(loss)
+    def judge(self, loss: float, climb: bool = True) -> LossReading:
+        """What ``loss`` suggests (see above); ``climb=False`` leaves out the level's judgements (several
+        optimizers). A non-finite loss is not judged and not remembered."""
         if not math.isfinite(loss):
-            return settled or LossVerdict(None, loss)
-        confirmed = settled is not None and settled.kind is LossKind.SPIKE
-        verdict = self._divergence(loss)
-        if verdict is None and not confirmed:  # the loss that confirms a spike is part of it, not a new one
-            self.suspected = self._spike(loss)
+            return LossReading(loss)
+        divergence = self._divergence(loss)
+        spike = self._spike(loss) if divergence is None else None
         self.recent.append(loss)
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
         level = self._level()
-        far_above = self._settled(loss, level) if climb else None
-        climbing = self._climb(loss, level) if climb else None
+        settled = self._settled(loss, level) if climb else None
+        climbing, rising = self._climb(loss, level) if climb else (None, False)
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
-        if confirmed and settled is not None:
-            return settled
-        return verdict or climbing or far_above or settled or LossVerdict(None, loss)
+        return LossReading(loss, spike, divergence, climbing, rising, settled, climb)
 
     def _settled(self, loss: float, level: float) -> LossVerdict | None:
         early = self.far_above.judge(loss, self.recent)
-        cut = self._new_level_at() if self.far_above.held else None
+        cut = self._new_level_at() if early is not None else None
         if cut is not None:  # a change of data, not a climb: judged from the new level's first losses
             self.far_above.restart(list(self.recent)[cut:])
             return None
@@ -341,31 +369,20 @@ class LossTrend:
         return LossVerdict(LossKind.SETTLED, loss, level, self.start_level, SETTLED_FACTOR * early,
                            list(self.recent)[-CLIMB_LEVEL_WINDOW:], early=early)
 
-    def unsettled(self) -> LossVerdict | None:
-        """At the end of the run, a suspected spike no check came to settle: an ``outlier`` (``next_loss`` None)."""
-        suspected, self.suspected = self.suspected, None
-        return None if suspected is None else replace(suspected, kind=LossKind.OUTLIER)
-
-    def _settle(self, loss: float) -> LossVerdict | None:
-        suspected, self.suspected = self.suspected, None
-        if suspected is None:
-            return None
-        lasting = not math.isfinite(loss) or loss > suspected.limit
-        return replace(suspected, kind=LossKind.SPIKE if lasting else LossKind.OUTLIER, next_loss=loss)
-
     def _level(self) -> float:
         recent = self.recent
         if len(recent) < CLIMB_LEVEL_WINDOW:
             return math.nan
         return median([recent[i] for i in range(-CLIMB_LEVEL_WINDOW, 0)])
 
-    def _climb(self, loss: float, level: float) -> LossVerdict | None:
+    def _climb(self, loss: float, level: float) -> tuple[LossVerdict | None, bool]:
+        """The level above the climb limit on this check (or None), and whether it is higher than at the first of
+        the last ``climb_checks`` checks it was."""
         start = self.start_level
         above = (math.isfinite(level) and 0 < self.best_level < math.inf and level > start > 0
                  and level >= self._climb_limit())
         if not above:
-            self.climb_levels.clear()
-            return None
+            return None, False
         jump = self._new_level_at()
         if jump is not None:  # a change of data, not an overshoot: judged from the new level on
             for _ in range(jump):
@@ -373,13 +390,12 @@ class LossTrend:
             self.best_level, self._best_spread = math.inf, 0.0
             self.climb_levels.clear()
             self.far_above.restart(self.recent)
-            return None
+            return None, False
         self.climb_levels.append(level)
-        levels = list(self.climb_levels)
-        if len(levels) < CLIMB_CONFIRM or levels[-1] <= levels[0]:
-            return None
+        levels = self.climb_levels
+        rising = len(levels) == levels.maxlen and levels[-1] > levels[0]
         return LossVerdict(LossKind.CLIMB, loss, level, start, self._climb_limit(),
-                           list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level)
+                           list(self.recent)[-CLIMB_LEVEL_WINDOW:], self.best_level), rising
 
     def _new_level_at(self) -> int | None:
         """Where in ``recent`` the losses split into a lower and a higher level with a gap between (None: nowhere)."""
@@ -431,9 +447,7 @@ class LossTrend:
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
-                "far_above": self.far_above.state_dict(),
-                "suspected": None if self.suspected is None
-                else dict(asdict(self.suspected), kind=LossKind.SPIKE.value)}
+                "far_above": self.far_above.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -444,5 +458,3 @@ class LossTrend:
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))
         self.far_above.load_state_dict(state.get("far_above", {}))
-        suspected = state.get("suspected")
-        self.suspected = None if suspected is None else LossVerdict(**dict(suspected, kind=LossKind.SPIKE))

@@ -401,7 +401,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="The loss jumped far above its recent level and stayed high at the next check (or became "
                "NaN/Inf), usually the first sign of a learning rate that is too high: lower it (often 10x), add a "
                "learning-rate warm-up, clip gradients (`Trainer(gradient_clip_val=1.0)`).",
-        hint="lower the learning rate, add a warm-up, clip gradients"),
+        hint="lower the learning rate, add a warm-up, clip gradients",
+        confirm=Confirm(follow_up=1, else_kind=Kind.LOSS_OUTLIER, at_end=AtEnd.ELSE_KIND)),
     Kind.LOSS_OUTLIER: KindSpec(
         Area.ANOMALY, Severity.INFO,
         advice="One check step's loss was far above its recent level and the next one was back near it: one batch "
@@ -414,7 +415,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
                "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
                "`zero_grad()` runs every step.",
-        hint="lower the learning rate, add a warm-up, clip gradients"),
+        hint="lower the learning rate, add a warm-up, clip gradients",
+        confirm=Confirm(patience=4, backdate=False)),
     Kind.UPDATE_RATIO_HIGH: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="One optimizer step changes these weights by more than their own size (a healthy ratio "

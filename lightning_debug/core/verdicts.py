@@ -69,7 +69,10 @@ class Suspicion:
     end of the run too), e.g. twice the longest wait of a conditional parameter's replicas; ``record``: False for
     an observation between check steps, which counts toward the hold but is no step the finding is recorded at.
     One observation per key and step counts. ``measured``: what the rule measured over the hold so far (sums, what
-    the run looked like before it), plain values that travel with it and in the checkpoint.
+    the run looked like before it), plain values that travel with it and in the checkpoint. ``confirms``: False when
+    a condition of the rule's own for reporting is not met on this observation (a climbing loss whose level is not
+    higher than where its last ``patience`` observations began): it keeps the hold going and counts in its streak,
+    but neither confirms it nor is reported again (a non-finite ``value`` still confirms it).
     """
 
     kind: Kind
@@ -85,13 +88,14 @@ class Suspicion:
     at_least: int = 0
     record: bool = True
     measured: dict[str, Any] = field(default_factory=dict)
+    confirms: bool = True
 
     def state_dict(self) -> dict[str, Any]:
         finding = self.finding
         return {"kind": self.kind.value, "key": self.key, "step": self.step, "flagged": list(self.flagged),
                 "where": self.where, "value": self.value, "bound": self.bound, "variant": self.variant,
                 "scope": self.scope, "at_least": self.at_least, "record": self.record,
-                "measured": dict(self.measured),
+                "measured": dict(self.measured), "confirms": self.confirms,
                 "finding": None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
                                                          "message": finding.message, "details": finding.details}}
 
@@ -103,7 +107,7 @@ class Suspicion:
         return cls(Kind(state["kind"]), str(state["key"]), int(state["step"]), finding, list(state["flagged"]),
                    state.get("where"), state.get("value"), state.get("bound"), str(state.get("variant", "")),
                    str(state.get("scope", "")), int(state.get("at_least", 0)), bool(state.get("record", True)),
-                   dict(state.get("measured", {})))
+                   dict(state.get("measured", {})), bool(state.get("confirms", True)))
 
 
 @dataclass
@@ -196,6 +200,13 @@ class VerdictEngine:
         {'steps': 2}
         >>> [(c.kind.value, c.first.step, c.by.value) for c in engine.observe(Kind.SLOW_STEP, 12, reading=20.0)]
         [('slow_step', 10, 'back_under')]
+
+    A suspicion with ``confirms=False`` keeps its hold going without confirming it (``loss_divergence``: 4 checks
+    in a row, a climbing level confirmed only on a check where it is higher than 3 checks before)::
+
+        >>> climb = lambda step: Suspicion(Kind.LOSS_DIVERGENCE, "climb", step, confirms=step == 14)
+        >>> [[c.streak for c in engine.observe(Kind.LOSS_DIVERGENCE, step, [climb(step)])] for step in range(10, 15)]
+        [[], [], [], [], [5]]
     """
 
     def __init__(self) -> None:
@@ -287,7 +298,7 @@ class VerdictEngine:
             if suspicion.record and suspicion.step not in held.steps:
                 kept = max(policy.needed(suspicion.variant) or 1, suspicion.at_least, 1)
                 held.steps = sorted(held.steps + [suspicion.step])[-kept:]
-                if held.confirmed:
+                if held.confirmed and suspicion.confirms:
                     return decided + [Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step],
                                                 ConfirmedBy.AGAIN, streak=held.streak)]
             return decided
@@ -299,10 +310,12 @@ class VerdictEngine:
                 held.steps = (held.steps + [suspicion.step])[-kept:]
         if held.confirmed:
             return decided + ([Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step], ConfirmedBy.AGAIN,
-                                         streak=held.streak)] if suspicion.record else [])
+                                         streak=held.streak)] if suspicion.record and suspicion.confirms else [])
         needed = policy.needed(suspicion.variant)
         if not _finite(suspicion.value):
             by = ConfirmedBy.NOT_FINITE
+        elif not suspicion.confirms:
+            return decided
         elif (needed is not None and max(needed, suspicion.at_least) > 1
               and held.streak >= max(needed, suspicion.at_least)):
             by = ConfirmedBy.PERSISTED

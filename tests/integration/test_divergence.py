@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
-from lightning_debug.checks.trends import LossTrend, NormHistory, jump_limit, median
+from lightning_debug.checks.trends import NormHistory, jump_limit, median
+from lightning_debug.monitors.anomaly.divergence import LossJudge
 from tests.harness.toolkit import debug_dir, fit_seeded, make_trainer, read_events, read_scalars, regression_data
 
 pytestmark = pytest.mark.timeout(120)
@@ -459,10 +460,10 @@ def test_robust_levels_and_limits() -> None:
     assert history.limit() == 600.0
     history.add(math.nan)
     assert list(history.values) == [61.0, 58.0, 60.0]
-    trend = LossTrend()
+    trend = LossJudge()
     assert [trend.judge(v).kind for v in (2.3, 0.5, 0.05, 0.01, 0.02, 0.3, 1.0)] == [None] * 7, \
         "a loss near 0 that comes back up toward where it started is no spike"
-    negative = LossTrend()
+    negative = LossJudge()
     assert [negative.judge(v).kind for v in (-5.0, -1.0, 3.0, 40.0)] == [None] * 4
 
 

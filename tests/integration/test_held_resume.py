@@ -23,7 +23,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from lightning_debug import DebugConfig, GradientHealthCallback, MemoryProfilerCallback, PerformanceProfilerCallback
+from lightning_debug import (
+    AnomalyDetectionCallback,
+    DebugConfig,
+    GradientHealthCallback,
+    MemoryProfilerCallback,
+    PerformanceProfilerCallback,
+)
 from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_report, regression_data
 
 STEPS = 20
@@ -150,6 +156,47 @@ def test_a_suspicion_held_at_the_checkpoint_is_reported_as_without_the_interrupt
         assert resumed[kind] == uninterrupted[kind], (kind, resumed, uninterrupted)
     resumed_starts = [start for start in starts(runs["resumed"]) if start[0] in expected]
     assert resumed_starts == [start for start in starts(runs["uninterrupted"]) if start[0] in expected]
+
+
+# --- the loss: a spike the next check settles ------------------------------------------------------------------
+
+class LossJumps(Leaps):
+    """The loss of step 11 (the last before the step-12 checkpoint) is 1e4 times its value: a suspected spike held at
+    the checkpoint. ``blows_up``: its gradient too, so the weights blow up and the next check's loss stays far above
+    (``loss_spike``); otherwise only the value (one batch far from the others): the next loss is back near its
+    level (``loss_outlier``). Either is labelled at step 11, where the loss jumped."""
+
+    blows_up = True
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = Stalls.training_step(self, batch, batch_idx)
+        if self.trainer.global_step != 11:
+            return loss
+        return loss * 1e4 if self.blows_up else loss + (loss * (1e4 - 1)).detach()
+
+
+class OneBatchJumps(LossJumps):
+    blows_up = False
+
+
+def anomaly_callbacks() -> list[pl.Callback]:
+    return [AnomalyDetectionCallback(DebugConfig(save_plots=False, print_summary=False))]
+
+
+@pytest.mark.parametrize("planted, kind", [(LossJumps, "loss_spike"), (OneBatchJumps, "loss_outlier")])
+def test_a_loss_spike_held_at_the_checkpoint_is_reported_as_without_the_interruption(
+        tmp_path: Path, planted: type[LossJumps], kind: str) -> None:
+    """Before the loss kinds were on the verdict engine the suspected spike was checkpointed but not the step it was
+    suspected at: the resumed run labelled it at the check that settled it (step 12), with that step in its
+    message."""
+    runs = interrupted_and_resumed(tmp_path, planted, callbacks=anomaly_callbacks)
+    assert "loss_spike" in runs["held"], f"the checkpoint holds {runs['held']}"
+    uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
+    assert uninterrupted[kind][0] == 11, uninterrupted
+    assert resumed[kind] == uninterrupted[kind], (resumed, uninterrupted)
+    events = [[(event["step"], event["message"]) for event in read_events(debug_dir(run)) if event["kind"] == kind]
+              for run in (runs["uninterrupted"], runs["resumed"])]
+    assert events[1] == events[0] and "at step 11" in events[0][0][1], events
 
 
 # --- process measurements: a run of slow steps, a memory growth ------------------------------------------------

@@ -7,11 +7,11 @@ import math
 import pytest
 
 from lightning_debug.checks.localize import Cause, CauseSite
-from lightning_debug.checks.trends import LossKind, LossTrend
+from lightning_debug.checks.trends import LossKind
 from lightning_debug.config import AnomalyMode, DebugConfig
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.anomaly import AnomalySettings, forensics, policy, prose, replay
-from lightning_debug.monitors.anomaly.divergence import loss_finding
+from lightning_debug.monitors.anomaly.divergence import LossJudge, loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
 from lightning_debug.monitors.anomaly.policy import Action, Verdict
 
@@ -292,14 +292,14 @@ def test_the_raised_error_carries_kinds_parameters_and_cause() -> None:
 
 # --- the loss: spike and divergence --------------------------------------------------------------
 def test_a_loss_that_blows_up_at_step_one_is_a_spike() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     verdicts = [trend.judge(loss) for loss in (6.9, 7857.0, 9000.0)]
     assert [v.kind for v in verdicts] == [None, None, LossKind.SPIKE]
     finding = loss_finding(verdicts[2], 1, [10.0])
     assert finding is not None and finding.kind is Kind.LOSS_SPIKE
     assert "(learning rate 10)" in finding.message and finding.details["learning_rates"] == [10.0]
     assert "at step 1" in finding.message and "next check's loss was 9000" in finding.message
-    outlier = LossTrend()
+    outlier = LossJudge()
     last = [outlier.judge(loss) for loss in (6.9, 7857.0, 6.0)][-1]
     info = loss_finding(last, 1, [1e-3])
     assert info is not None and info.kind is Kind.LOSS_OUTLIER and info.severity is Severity.INFO
@@ -307,18 +307,18 @@ def test_a_loss_that_blows_up_at_step_one_is_a_spike() -> None:
 
 
 def test_a_steady_rise_is_a_divergence_and_a_noisy_descent_is_nothing() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     kinds = [trend.judge(loss).kind for loss in [9.9, 5.0, 4.0, 3.5, 3.0, 3.4, 4.5, 6.0, 8.0, 11.0, 14.0, 19.0]]
     assert LossKind.DIVERGENCE in kinds and LossKind.SPIKE not in kinds
     first = kinds.index(LossKind.DIVERGENCE)
     assert first == 10, "the first rise above where the run started (9.9)"
-    calm = LossTrend()
+    calm = LossJudge()
     assert [calm.judge(v).kind for v in (2.3, 0.5, 0.05, 0.01, 0.02, 0.3, 1.0, NAN)] == [None] * 8
     assert loss_finding(calm.judge(0.5), 9) is None
 
 
 def test_the_divergence_finding_names_the_window() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     verdicts = [trend.judge(loss) for loss in [9.9, 5.0, 4.0, 3.5, 3.0, 3.4, 4.5, 6.0, 8.0, 11.0, 14.0]]
     finding = loss_finding(verdicts[-1], 10, [0.11])
     assert finding is not None and finding.kind is Kind.LOSS_DIVERGENCE

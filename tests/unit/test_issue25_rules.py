@@ -9,16 +9,18 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.errors import declared_labels, out_of_range_labels
-from lightning_debug.checks.trends import CLIMB_CONFIRM, CLIMB_LEVEL_WINDOW, LossKind, LossTrend
+from lightning_debug.checks.trends import CLIMB_LEVEL_WINDOW, LossKind
 from lightning_debug.checks.timing import Phase, StepTimes
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.monitors.performance.settings import PerformanceSettings
+from lightning_debug.monitors.anomaly.divergence import CLIMB_CHECKS, LossJudge
 from lightning_debug.monitors.performance.slow_step import FAR_MIN_OUTLIERS, SlowStepRule
+from tests.harness.losses import resumed
 
 
 def judge_all(losses: list[float], climb: bool = True) -> list[LossKind | None]:
-    trend = LossTrend()
+    trend = LossJudge()
     return [trend.judge(loss, climb=climb).kind for loss in losses]
 
 
@@ -34,7 +36,7 @@ def test_a_noisy_climb_is_named_within_the_confirmation_window() -> None:
     assert LossKind.CLIMB in kinds
     first = kinds.index(LossKind.CLIMB)
     doubled = next(i for i, level in enumerate(levels) if level >= 2 * 2.8)
-    assert doubled <= first <= doubled + CLIMB_LEVEL_WINDOW // 2 + CLIMB_CONFIRM, (doubled, first)
+    assert doubled <= first <= doubled + CLIMB_LEVEL_WINDOW // 2 + CLIMB_CHECKS, (doubled, first)
 
 
 def test_noisy_healthy_losses_are_no_climb() -> None:
@@ -51,12 +53,11 @@ def test_noisy_healthy_losses_are_no_climb() -> None:
 def test_a_climb_is_not_judged_where_the_monitor_says_so_and_survives_a_resume() -> None:
     levels = noisy([2.8] * 10 + [2.8 * 1.08 ** i for i in range(40)])
     assert LossKind.CLIMB not in judge_all(levels, climb=False)
-    before = LossTrend()
+    before = LossJudge()
     for loss in levels[:30]:
         before.judge(loss)
-    after = LossTrend()
-    after.load_state_dict(before.state_dict())
-    whole = LossTrend()
+    after = resumed(before)
+    whole = LossJudge()
     assert [after.judge(v).kind for v in levels[30:]] == [whole.judge(v).kind for v in levels][30:]
 
 

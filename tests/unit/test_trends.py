@@ -24,6 +24,8 @@ from lightning_debug.checks.trends import (
     NormHistory,
     jump_limit,
 )
+from lightning_debug.monitors.anomaly.divergence import LossJudge
+from tests.harness.losses import resumed
 
 NAN, INF = math.nan, math.inf
 
@@ -72,18 +74,18 @@ def test_norm_history_load_replaces_and_drops_non_finite_values() -> None:
 
 # --- LossTrend: spike -----------------------------------------------------------------------------
 
-def judge_all(trend: LossTrend, losses: list[float]) -> list[LossKind | None]:
+def judge_all(trend: LossJudge, losses: list[float]) -> list[LossKind | None]:
     return [trend.judge(loss).kind for loss in losses]
 
 
 def test_a_spike_must_also_be_far_above_where_the_run_started() -> None:
     """The loss fell to 0.01; a jump back to 5 is 500x the recent level but under 10x the start (6.9)."""
-    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 5.0]) == [None] * 6
-    assert judge_all(LossTrend(), [6.9, 1.0, 0.1, 0.01, 0.01, 70.0, 80.0])[-1] is LossKind.SPIKE
+    assert judge_all(LossJudge(), [6.9, 1.0, 0.1, 0.01, 0.01, 5.0]) == [None] * 6
+    assert judge_all(LossJudge(), [6.9, 1.0, 0.1, 0.01, 0.01, 70.0, 80.0])[-1] is LossKind.SPIKE
 
 
 def test_the_spike_verdict_carries_its_numbers() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     judge_all(trend, [2.0, 1.9, 1.8, 1.7, 1.6, 1.5])
     assert trend.judge(500.0).kind is None, "suspected: the next check settles it"
     verdict = trend.judge(400.0)
@@ -95,29 +97,28 @@ def test_the_spike_verdict_carries_its_numbers() -> None:
 
 def test_a_spike_the_next_check_does_not_confirm_is_one_outlier_batch() -> None:
     """Single-example batches of heavy-tailed targets: one loss 100x the level, the next one back at it."""
-    trend = LossTrend()
+    trend = LossJudge()
     assert judge_all(trend, [3.0, 2.5, 2.9, 2.6, 2.8, 300.0]) == [None] * 6
     verdict = trend.judge(2.7)
     assert verdict.kind is LossKind.OUTLIER and verdict.loss == 300.0 and verdict.next_loss == 2.7
-    assert trend.suspected is None and judge_all(trend, [2.5, 2.6]) == [None, None]
+    assert not trend.verdicts and judge_all(trend, [2.5, 2.6]) == [None, None]
 
 
 def test_a_spike_followed_by_a_non_finite_loss_is_confirmed_and_an_unsettled_one_is_an_outlier() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     assert judge_all(trend, [6.9, 7857.0, math.nan]) == [None, None, LossKind.SPIKE]
-    ending = LossTrend()
+    ending = LossJudge()
     judge_all(ending, [6.9, 7857.0])
-    unsettled = ending.unsettled()
-    assert unsettled is not None and unsettled.kind is LossKind.OUTLIER and unsettled.next_loss is None
-    assert ending.unsettled() is None
+    [unsettled] = ending.unsettled()
+    assert unsettled.kind is LossKind.OUTLIER and unsettled.next_loss is None and unsettled.step == 1
+    assert ending.unsettled() == []
 
 
 def test_a_suspected_spike_survives_a_checkpoint() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     judge_all(trend, [6.9, 7857.0])
-    resumed = LossTrend()
-    resumed.load_state_dict(trend.state_dict())
-    assert resumed.judge(9000.0).kind is LossKind.SPIKE
+    spike = resumed(trend).judge(9000.0)
+    assert spike.kind is LossKind.SPIKE and spike.step == 1
 
 
 def test_a_verdict_without_a_limit_leaves_it_out_of_the_details() -> None:
@@ -125,21 +126,21 @@ def test_a_verdict_without_a_limit_leaves_it_out_of_the_details() -> None:
 
 
 def test_non_finite_losses_are_not_judged_and_not_remembered() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     assert judge_all(trend, [1.0, NAN, INF, -INF]) == [None] * 4
-    assert list(trend.recent) == [1.0] and trend.start == [1.0]
+    assert list(trend.trend.recent) == [1.0] and trend.trend.start == [1.0]
 
 
 def test_a_loss_at_or_below_zero_is_never_a_spike() -> None:
-    assert judge_all(LossTrend(), [0.0, 0.0, 5.0]) == [None] * 3
-    assert judge_all(LossTrend(), [-3.0, -2.0, 100.0]) == [None] * 3
+    assert judge_all(LossJudge(), [0.0, 0.0, 5.0]) == [None] * 3
+    assert judge_all(LossJudge(), [-3.0, -2.0, 100.0]) == [None] * 3
 
 
 def test_the_start_level_is_the_highest_of_the_first_losses() -> None:
-    trend = LossTrend()
-    assert math.isnan(trend.start_level)
+    trend = LossJudge()
+    assert math.isnan(trend.trend.start_level)
     judge_all(trend, [2.0, 3.0, 1.0, 0.5, 0.4, 9.0, 0.3])
-    assert trend.start == [2.0, 3.0, 1.0, 0.5, 0.4] and trend.start_level == 3.0
+    assert trend.trend.start == [2.0, 3.0, 1.0, 0.5, 0.4] and trend.trend.start_level == 3.0
 
 
 # --- LossTrend: divergence ------------------------------------------------------------------------
@@ -151,32 +152,32 @@ def rise(start: float = 10.0, low: float = 1.0, steps: int = DIVERGENCE_WINDOW +
 
 def test_a_rise_that_stays_below_the_start_is_no_divergence() -> None:
     """A loss climbing back from 1 toward where it began (1000) is a recovery from a bad minimum, not divergence."""
-    kinds = judge_all(LossTrend(), rise(start=1000.0, steps=DIVERGENCE_WINDOW + 2))
+    kinds = judge_all(LossJudge(), rise(start=1000.0, steps=DIVERGENCE_WINDOW + 2))
     assert LossKind.DIVERGENCE not in kinds
 
 
 def test_a_rise_past_the_start_diverges() -> None:
     losses = rise()
-    kinds = judge_all(LossTrend(), losses)
+    kinds = judge_all(LossJudge(), losses)
     first = kinds.index(LossKind.DIVERGENCE)
     assert losses[first] > losses[0] and all(k is None for k in kinds[:first])
 
 
 def test_one_dip_inside_a_steady_rise_still_diverges() -> None:
     losses = [10.0, 1.0, 1.5, 2.2, 3.4, 3.0, 5.0, 7.5, 11.0, 16.0, 24.0]
-    assert LossKind.DIVERGENCE in judge_all(LossTrend(), losses)
+    assert LossKind.DIVERGENCE in judge_all(LossJudge(), losses)
 
 
 def test_an_oscillation_above_the_start_is_no_divergence() -> None:
     """High but going nowhere: every second loss falls back, the second half is not above the first."""
     losses = [1.0] + [20.0, 30.0] * 6
-    assert LossKind.DIVERGENCE not in judge_all(LossTrend(), losses)
+    assert LossKind.DIVERGENCE not in judge_all(LossJudge(), losses)
 
 
 def test_a_slow_rise_that_does_not_double_is_no_divergence() -> None:
     losses = [1.0] + [1.1 + 0.01 * i for i in range(DIVERGENCE_WINDOW + 4)]
     assert losses[-1] < DIVERGENCE_FACTOR * losses[-DIVERGENCE_WINDOW]
-    assert LossKind.DIVERGENCE not in judge_all(LossTrend(), losses)
+    assert LossKind.DIVERGENCE not in judge_all(LossJudge(), losses)
 
 
 # --- resume ---------------------------------------------------------------------------------------
@@ -184,12 +185,10 @@ def test_a_slow_rise_that_does_not_double_is_no_divergence() -> None:
 @pytest.mark.parametrize("cut", [0, 3, 7])
 def test_a_resumed_trend_judges_the_rest_of_the_run_the_same(cut: int) -> None:
     losses = rise() + [1e5]
-    whole = judge_all(LossTrend(), losses)
-    before = LossTrend()
+    whole = judge_all(LossJudge(), losses)
+    before = LossJudge()
     judge_all(before, losses[:cut])
-    after = LossTrend()
-    after.load_state_dict(before.state_dict())
-    assert judge_all(after, losses[cut:]) == whole[cut:]
+    assert judge_all(resumed(before), losses[cut:]) == whole[cut:]
 
 
 def test_loading_keeps_only_the_first_start_values() -> None:
@@ -210,7 +209,7 @@ def test_a_long_stationary_noisy_loss_is_never_a_spike_divergence_or_climb(noise
             "lognormal": lambda: math.exp(generator.gauss(0, 0.5))}[noise]
     for seed in range(3):
         generator = random.Random(seed)
-        trend = LossTrend()
+        trend = LossJudge()
         found = [(step, verdict.kind) for step in range(3000)
                  if (verdict := trend.judge(draw())).kind is not None]
         assert found == [], (seed, found[:3])
@@ -223,7 +222,7 @@ def test_a_loss_that_moves_to_a_new_level_in_one_step_is_no_climb_and_a_climb_af
     rng = random.Random(0)
     easy = [5.0 * 0.9 ** step + 0.2 + 0.05 * rng.random() for step in range(60)]
     hard = [45.0 * 0.99 ** step * (0.8 + 0.4 * rng.random()) for step in range(60)]
-    trend = LossTrend()
+    trend = LossJudge()
     kinds = [trend.judge(loss).kind for loss in easy + hard]
     assert LossKind.CLIMB not in kinds and LossKind.DIVERGENCE not in kinds and LossKind.SETTLED not in kinds
     climbing = [hard[-1] * 1.06 ** step * (0.7 + 0.6 * rng.random()) for step in range(60)]
@@ -239,7 +238,7 @@ MOBILENET_CLIMB = [2.9, 2.8, 5.1, 9.1, 8.1, 8.2, 12.4, 12.8, 16.7, 10.2, 14.3, 1
 
 def test_a_climb_from_the_first_steps_that_settles_at_5x_its_early_level_is_named() -> None:
     """The pair of the single-example case below (the best level counts from the 16th loss)."""
-    trend = LossTrend()
+    trend = LossJudge()
     verdicts = [trend.judge(loss) for loss in MOBILENET_CLIMB]
     settled = [(step, v) for step, v in enumerate(verdicts) if v.kind is LossKind.SETTLED]
     assert LossKind.CLIMB not in {v.kind for v in verdicts}, "the plant: the noisy-climb rule alone misses it"
@@ -254,15 +253,14 @@ def test_single_example_losses_are_no_settled_climb_however_low_they_start() -> 
     Measured: 2 settled climbs in 1000 runs of 1000 steps (the noisy-climb rule: 25 in 200)."""
     for seed in range(40):
         generator = random.Random(seed)
-        trend = LossTrend()
+        trend = LossJudge()
         kinds = {trend.judge(generator.gauss(0, 1) ** 2 + 1e-9).kind for _ in range(1000)}
         assert LossKind.SETTLED not in kinds, seed
 
 
 def test_a_settled_climb_survives_a_resume() -> None:
-    trend = LossTrend()
+    trend = LossJudge()
     for loss in MOBILENET_CLIMB[:15]:
         trend.judge(loss)
-    resumed = LossTrend()
-    resumed.load_state_dict(trend.state_dict())
-    assert LossKind.SETTLED in {resumed.judge(loss).kind for loss in MOBILENET_CLIMB[15:]}
+    after = resumed(trend)
+    assert LossKind.SETTLED in {after.judge(loss).kind for loss in MOBILENET_CLIMB[15:]}

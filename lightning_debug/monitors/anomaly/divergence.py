@@ -4,19 +4,99 @@ finite (the rule, :class:`~lightning_debug.checks.trends.LossTrend`, is in :mod:
 The loss is judged by the anomaly check, which runs every step by default and already reads the
 loss's finiteness; its value travels in the same read-back (no extra sync). So a learning rate that
 blows the loss up at step 1 is named a step or two later, before anything is NaN.
+
+The rule only says what one loss suggests; :class:`LossJudge` hands its suspicions to the monitor's verdict
+engine, where the policies of the table of kinds hold them: a suspected ``loss_spike`` is confirmed by the next
+check's loss (not finite, or still above the spike's limit), else it was one batch, ``loss_outlier``, labelled at
+the spike's step, as is one no check came to settle before the end of the run; a climbing or settled level is a
+``loss_divergence`` once it holds on the policy's checks in a row; a steady rise is one at once. Held in the engine,
+a suspicion travels in the monitor's checkpoint with the step and the place it began.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
-from lightning_debug.checks.trends import LossKind, LossVerdict
+from lightning_debug.checks.trends import LossKind, LossTrend, LossVerdict
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.session import Where
+from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine, policy_of
 
 FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and clip gradients "
        "(Trainer(gradient_clip_val=1.0) or torch.nn.utils.clip_grad_norm_)")
+
+
+CLIMB_CHECKS = policy_of(Kind.LOSS_DIVERGENCE).needed() or 1
+"""Checks in a row a climbing or settled level holds before it is a ``loss_divergence`` (the kind's policy); a climb
+is also higher at the last of them than at the first."""
+SPIKE, RISE, CLIMB, SETTLED = "spike", "rise", "climb", "settled"
+"""The keys of the suspicions (a steady rise is not held): at most one spike is held at a time (the next check
+settles it)."""
+
+
+class LossJudge:
+    """The loss rule and the verdict engine together, one check step per :meth:`judge`: what the anomaly monitor
+    runs on each checked loss (``verdicts`` is the monitor's engine; by default one of its own).
+
+    :meth:`judge` returns at most one verdict per check, as the rule always did: a confirmed spike, else a steady
+    rise, a confirmed climb, a confirmed settled climb or an outlier, in that order (a kind of None: nothing).
+    Its ``step`` and ``where`` are those of the check it is about (a spike's or an outlier's is the check before).
+
+    Example::
+
+        >>> judge = LossJudge()
+        >>> [judge.judge(loss, step).kind for step, loss in enumerate((6.9, 7857.0, 9000.0))]
+        [None, None, <LossKind.SPIKE: 'spike'>]
+        >>> outlier = LossJudge()
+        >>> [outlier.judge(loss, step).kind for step, loss in enumerate((6.9, 7857.0, 6.5))][-1], outlier.step
+        (<LossKind.OUTLIER: 'outlier'>, 2)
+        >>> ending = LossJudge()
+        >>> [ending.judge(loss).kind for loss in (6.9, 7857.0)], [(v.kind.value, v.step) for v in ending.unsettled()]
+        ([None, None], [('outlier', 1)])
+    """
+
+    def __init__(self, verdicts: VerdictEngine | None = None, trend: LossTrend | None = None) -> None:
+        self.verdicts = verdicts if verdicts is not None else VerdictEngine()
+        self.trend = trend if trend is not None else LossTrend(climb_checks=CLIMB_CHECKS)
+        self.step = -1
+        """The last check step judged (a call without a step takes the next one)."""
+
+    def judge(self, loss: float, step: int | None = None, where: Where | None = None,
+              climb: bool = True) -> LossVerdict:
+        """The verdict of the check step ``step`` whose loss is ``loss`` (see the class's docstring);
+        ``climb=False`` leaves the level's judgements out (several optimizers)."""
+        step = self.step + 1 if step is None else step
+        self.step, here = step, {"step": step, "where": where}
+        reading, spike = self.trend.judge(loss, climb=climb), None
+        if reading.spike is not None and not self.verdicts.holding(Kind.LOSS_SPIKE):
+            spike = Suspicion(Kind.LOSS_SPIKE, SPIKE, step, where=where, value=loss, bound=reading.spike.limit,
+                              measured=reading.spike.measured())
+        settled = self.verdicts.observe(Kind.LOSS_SPIKE, step, [spike] if spike else [], reading=loss)
+        levels = [(CLIMB, reading.climb, reading.rising), (SETTLED, reading.settled, True)]
+        held = [Suspicion(Kind.LOSS_DIVERGENCE, key, step, where=where, confirms=confirms)
+                for key, verdict, confirms in levels if verdict is not None]
+        confirmed = {item.key for item in self.verdicts.observe(Kind.LOSS_DIVERGENCE, step, held)} \
+            if reading.levels_judged else set()
+        ordered = [_held_spike(item, LossKind.SPIKE, loss) for item in settled if item.kind is Kind.LOSS_SPIKE]
+        ordered += [replace(verdict, **here) for key, verdict in ((RISE, reading.divergence), *[level[:2] for level in levels])
+                    if verdict is not None and (key == RISE or key in confirmed)]
+        ordered += [_held_spike(item, LossKind.OUTLIER, loss) for item in settled if item.kind is Kind.LOSS_OUTLIER]
+        return ordered[0] if ordered else LossVerdict(None, loss, **here)
+
+    def unsettled(self) -> list[LossVerdict]:
+        """The end of the run: a suspected spike no check came to settle is an ``outlier`` (``next_loss`` None);
+        a climb still held is dismissed (the policies' ``at_end``)."""
+        decided = self.verdicts.flush([Kind.LOSS_SPIKE, Kind.LOSS_DIVERGENCE])
+        return [_held_spike(item, LossKind.OUTLIER, None) for item in decided if item.kind is Kind.LOSS_OUTLIER]
+
+
+def _held_spike(confirmed: Confirmed, kind: LossKind, next_loss: float | None) -> LossVerdict:
+    """The verdict on a held spike the engine decided, about the check it was suspected at."""
+    first = confirmed.first
+    return LossVerdict(kind, **first.measured, next_loss=next_loss, step=first.step, where=first.where)
 
 
 def _learning_rates(learning_rates: Sequence[float]) -> str:
@@ -30,9 +110,8 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
 
     Example::
 
-        >>> from lightning_debug.checks.trends import LossTrend
-        >>> trend = LossTrend()
-        >>> quiet, _, spike = (loss_finding(trend.judge(loss), 1, [0.5]) for loss in (6.9, 7857.0, 8000.0))
+        >>> judge = LossJudge()
+        >>> quiet, _, spike = (loss_finding(judge.judge(loss), 1, [0.5]) for loss in (6.9, 7857.0, 8000.0))
         >>> quiet is None, spike.kind.value, spike.details["learning_rates"], spike.details["next_loss"]
         (True, 'loss_spike', [0.5], 8000.0)
     """

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning_debug.checks.batches import floating_tensors
 from lightning_debug.checks.localize import Cause, capture_rng
 from lightning_debug.checks.numerics import nonfinite_named
-from lightning_debug.checks.trends import LossTrend
+from lightning_debug.checks.trends import LossVerdict
 from lightning_debug.config import AnomalyMode, Area, DebugConfig
 from lightning_debug.core.buffers import BufferSnapshot, BufferWatch
 from lightning_debug.core.kinds import Kind
@@ -24,7 +24,7 @@ from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSourc
 from lightning_debug.core.session import Where
 from lightning_debug.core.numerics import HostNumerics
 from lightning_debug.monitors.anomaly import policy, prose
-from lightning_debug.monitors.anomaly.divergence import loss_finding
+from lightning_debug.monitors.anomaly.divergence import LossJudge, loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
 from lightning_debug.monitors.anomaly.inputs import RecentInputs, nonfinite_rows
 from lightning_debug.monitors.anomaly.probe import WeightProbe
@@ -56,13 +56,12 @@ class AnomalyMonitor(Monitor):
         self.restored_buffer_steps = 0
         self.localizes = self.settings.localizes
         self.weights = WeightHistory()
-        self.loss_trend = LossTrend()
+        self.losses = LossJudge(self.verdicts)
         self.bad_batches: list[dict[str, Any]] = []
         self._previous_detect_anomaly: tuple[bool, bool] | None = None
         self._positions: dict[int, Where] = {}
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._learning_rates: list[float] = []
-        self._spike_at: tuple[int, Where] | None = None  # the step of a spike the next check settles
         self._inputs = RecentInputs()
         self._probe = WeightProbe()
         self._buffers = BufferSnapshot()
@@ -250,12 +249,8 @@ class AnomalyMonitor(Monitor):
             bad = nonfinite_named(index.names, index.plan.squares(index.local_params()).sqrt())
             if bad:
                 self._record_params(bad, where, 1, [0], self.weights.final_origin(step))
-        unsettled = self.loss_trend.unsettled()
-        if unsettled is not None and self._spike_at is not None:
-            spike_step, spike_where = self._spike_at
-            finding = loss_finding(unsettled, spike_step, self._learning_rates)
-            if finding is not None:
-                self.record(finding, spike_step, spike_where)
+        for unsettled in self.losses.unsettled():
+            self._record_loss(unsettled)
         super().finalize(step)
 
     def _on_numerics(self, host: HostNumerics) -> None:
@@ -321,13 +316,7 @@ class AnomalyMonitor(Monitor):
                                     verdict.params or ParamsOrigin.unknown(step))
         if verdict.bad_buffer_ranks and verdict.finite_but_buffers:  # else the loss or gradients lead
             self.record(prose.checked_buffers(step, verdict, world, mode), step, where)
-        judged = self.loss_trend.judge(host.loss_value, climb=not self.numerics.several_optimizers)
-        at, at_where = self._spike_at if judged.next_loss is not None and self._spike_at else (step, where)
-        trend = loss_finding(judged, at, self._learning_rates)
-        if trend is not None:
-            self.record(trend, at, at_where)
-        if self.loss_trend.suspected is not None:
-            self._spike_at = (step, where)
+        self._record_loss(self.losses.judge(host.loss_value, step, where, climb=not self.numerics.several_optimizers))
         metrics = {"debug/anomaly/count": float(self.anomaly_count)}
         if host.loss_checked:
             metrics["debug/loss_finite"] = 0.0 if verdict.bad_loss_ranks else 1.0
@@ -335,6 +324,13 @@ class AnomalyMonitor(Monitor):
                 self.session.timeline.observe_loss(step, host.loss_value)
         self.log_metrics(step, metrics)
         self.close_episodes(step, where, self.closed_by_a_check)
+
+    def _record_loss(self, judged: LossVerdict) -> None:
+        """A loss verdict, at the check step it is about (a spike's is the check before the one that settled it)."""
+        step = judged.step if judged.step is not None else -1
+        finding = loss_finding(judged, step, self._learning_rates)
+        if finding is not None:
+            self.record(finding, step, judged.where)
 
     def _record_inputs(self, step: int, where: Where, rows: list[dict[str, Any]], ranks: list[int],
                        world_size: int, handled: bool) -> None:
@@ -350,14 +346,14 @@ class AnomalyMonitor(Monitor):
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
-                    last_finite_param_step=self.last_finite_param_step, loss_trend=self.loss_trend.state_dict())
+                    last_finite_param_step=self.last_finite_param_step, loss_trend=self.losses.trend.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.anomaly_count = int(state_dict.get("anomaly_count", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         self.weights.last_finite_step = int(state_dict.get("last_finite_param_step", -1))
-        self.loss_trend.load_state_dict(state_dict.get("loss_trend", {}))
+        self.losses.trend.load_state_dict(state_dict.get("loss_trend", {}))
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), anomaly_count=self.anomaly_count, skipped_steps=self.skipped_steps,
