@@ -300,12 +300,18 @@ class ErrorMonitor(Monitor):
 
     area = Area.ERRORS
     kinds = frozenset({Kind.EXCEPTION})
-    events = frozenset({Event.BATCH_START, Event.EXCEPTION})
+    events = frozenset({Event.START, Event.BATCH_START, Event.EXCEPTION})
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
         super().__init__(config, source)
         self.explanations: list[dict[str, Any]] = []
         self._captured: Any = None
+        self._trainable_at_start: list[str] = []
+
+    def start(self, step: int) -> None:
+        """The parameters that require a gradient when training starts, in the module's order: the list DDP's
+        reducer was built over (its error numbers them), whatever is frozen or unfrozen later."""
+        self._trainable_at_start = [name for name, p in self.context.named_parameters() if p.requires_grad]
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _captured=None)
@@ -321,7 +327,8 @@ class ErrorMonitor(Monitor):
         explanation = explain_error(
             step, error, module, failing_source(error), innermost_tensors(error) if module is None else {},
             self._replay_inplace,
-            lambda: [name for name, p in self.context.named_parameters() if p.requires_grad], labels)
+            lambda: self._trainable_at_start or [name for name, p in self.context.named_parameters() if p.requires_grad],
+            labels)
         self.explanations = (self.explanations + [explanation])[-EXPLANATIONS_KEPT:]
         self.emit(Finding(Kind.EXCEPTION, Severity.ERROR, explanation["message"], explanation["details"]), step)
         if not self.session.is_global_zero:

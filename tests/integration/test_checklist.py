@@ -21,6 +21,7 @@ from lightning_debug.checks.activations import metric_names
 from lightning_debug.core.kinds import ErrorCategory, Severity
 from lightning_debug.monitors.errors import classify
 from tests.harness.toolkit import (
+    TinyRegressor,
     debug_dir,
     make_trainer,
     read_events,
@@ -682,3 +683,30 @@ def test_accelerate_loop_left_in_eval_mode_after_evaluation_is_named(tmp_path: P
     found = starts(events, "eval_mode_in_training")
     assert [(e["step"], e["details"]["modules"]) for e in found] == [(2, [""])]
     assert found[0]["message"].startswith("The whole model is in eval mode while the model trains (step 2)")
+
+
+class FrozenBehindTheWrapper(TinyRegressor):
+    """``inp`` is frozen at step 2, after DDP built its reducer over every trainable parameter; at step 3 DDP
+    numbers the parameters it got no gradient for, in the order it built (the message recorded from
+    torch 2.x's DDP, raised here on one process)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == 2:
+            self.inp.requires_grad_(False)
+        if self.trainer.global_step == 3:
+            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new "
+                               "one. This error indicates that your module has parameters that were not used in "
+                               "producing loss. Parameter indices which did not receive grad for rank 0: 0 1\n")
+        return super().training_step(batch, batch_idx)
+
+
+def test_ddp_indices_are_named_through_the_parameters_ddp_was_built_over(tmp_path: Path) -> None:
+    """A stage frozen after the wrapper was built is still in DDP's numbering: indices 0 and 1 are ``inp``'s,
+    not those of the first parameters that require a gradient now."""
+    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig(save_plots=False, print_summary=False)),
+                           max_steps=6)
+    with pytest.raises(RuntimeError, match="did not receive grad"):
+        trainer.fit(FrozenBehindTheWrapper())
+    [event] = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "exception"]
+    assert event["details"]["category"] == "ddp_unused_parameters"
+    assert event["details"]["parameters"] == ["inp.weight", "inp.bias"]
