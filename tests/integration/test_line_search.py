@@ -61,13 +61,14 @@ class MiniBatchLBFGS(pl.LightningModule):
 
 
 def test_checks_run_once_per_lbfgs_step_and_a_declined_step_is_not_a_frozen_parameter(tmp_path: Path) -> None:
-    torch.manual_seed(2)  # an initialisation whose run has L-BFGS decline steps 73 to 84 on their batches
+    torch.manual_seed(2)  # an initialisation whose run has L-BFGS decline steps (73 to 84 on one CPU, 98 on another:
+    # which steps a line search declines depends on the machine's floating-point kernels)
     model = MiniBatchLBFGS()
     config = DebugConfig(level="advanced", follow_log_cadence=False, **EVERY_STEP)
     trainer = fit_seeded(tmp_path, model, all_four(config), 100, log_every_n_steps=1)
     assert model.closures > 2 * trainer.global_step, "L-BFGS evaluated its closure several times per step"
     declined = [step for step, ratio in model.ratios.items() if ratio == 0]
-    assert len(declined) >= 5, "some steps were declined by L-BFGS: the case the frozen-parameter rule must not name"
+    assert declined, "some steps were declined by L-BFGS: the case the frozen-parameter rule must not name"
     events = read_events(debug_dir(trainer))
     assert [e for e in events if e["severity"] in LOUD] == []
     logged = dict(read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio_global"])
