@@ -219,7 +219,7 @@ def _check_bool(field_name: str, value: Any) -> bool:
 
 
 def _check_output_dir(value: Any) -> str:
-    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold that is not an existing file."""
+    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold: not an existing file nor under one."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {value!r}")
@@ -230,9 +230,11 @@ def _check_output_dir(value: Any) -> str:
         raise ValueError("DebugConfig.debug_output_dir must have path components of at most 255 bytes "
                          f"and at most 4095 bytes in all (file system limits), got {len(encoded)} bytes "
                          f"with a longest component of {longest}")
-    resolved = Path(path).expanduser()
-    if resolved.is_absolute() and resolved.exists() and not resolved.is_dir():
-        raise ValueError(f"DebugConfig.debug_output_dir must be a directory, but {path!r} is an existing file")
+    resolved = Path(path).expanduser()  # a directory can never be made in or under a regular file
+    above = next((p for p in (resolved, *resolved.parents) if p.exists()), None) if resolved.is_absolute() else None
+    if above is not None and not above.is_dir():
+        raise ValueError(f"DebugConfig.debug_output_dir must be a directory that can be created, but {str(above)!r}"
+                         f"{'' if above == resolved else f' in {path!r}'} is an existing file")
     return path
 
 

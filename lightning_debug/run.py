@@ -386,11 +386,13 @@ class Run:
         if self._unroute is not None:
             self._unroute()
 
-    def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
+    def finish(self, status: RunStatus | str, step: int, error: str | None = None,
+               exit_code: int | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
         ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
-        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken. Returns the
+        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken; ``exit_code`` the status
+        a ``SystemExit`` that ended the run asked for (``exit_code`` in the report). Returns the
         report; later calls return the same report.
 
         A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report
@@ -419,6 +421,8 @@ class Run:
                                     run_id=self.context.run_id, on_render_failure=render_failed)
         if report is not None:
             report["failed_checks"] = self.failed_checks()
+            if exit_code is not None:
+                report["exit_code"] = exit_code
         self._report = report
         written = False
         if report is not None and self.session.output_dir is not None:

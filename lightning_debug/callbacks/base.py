@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_debug.config import Area, DebugConfig, rejects_unknown_keywords, resolve_config
-from lightning_debug.core.context import RunStatus
+from lightning_debug.core.context import RunStatus, exit_code
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.ledger import FrameworkWork
 from lightning_debug.core.monitor import Decision, Monitor
@@ -257,7 +257,8 @@ class DebugCallback(Callback):
             return
         if self._leads:
             self._run.exception(trainer.global_step, exception)
-            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}")
+            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}",
+                             exit_code(exception))
         self._leave()
 
     # --- resume ---------------------------------------------------------------------------------
