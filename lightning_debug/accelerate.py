@@ -315,7 +315,7 @@ class AccelerateDebugger:
             raise
         if real_step:
             self._stepping = self._next_optimizer(optimizer)
-            decision = self.run.before_optimizer_step(self.step, self._stepping)
+            decision = self.run.before_optimizer_step(self.step, self._stepping) or Decision.CONTINUE
             if decision is not Decision.CONTINUE:
                 self.run.failures.call("handing the skipped step to the GradScaler", self._hand_skip_to_grad_scaler)
             self.should_stop = self.should_stop or decision is Decision.STOP

@@ -219,20 +219,18 @@ def _check_bool(field_name: str, value: Any) -> bool:
 
 
 def _check_output_dir(value: Any) -> str:
-    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold: not an existing file nor under one."""
+    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold, not an existing file nor under one."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {value!r}")
-    if "\0" in path:
-        raise ValueError(f"DebugConfig.debug_output_dir must not contain a NUL byte, got {value!r}")
+    if "\0" in path: raise ValueError(f"DebugConfig.debug_output_dir must not contain a NUL byte, got {value!r}")
     longest = max(map(len, (encoded := os.fsencode(path)).split(b"/")))
     if longest > 255 or len(encoded) > 4095:  # NAME_MAX, and PATH_MAX less its terminating NUL
         raise ValueError("DebugConfig.debug_output_dir must have path components of at most 255 bytes "
                          f"and at most 4095 bytes in all (file system limits), got {len(encoded)} bytes "
                          f"with a longest component of {longest}")
-    resolved = Path(path).expanduser()  # a directory can never be made in or under a regular file
-    above = next((p for p in (resolved, *resolved.parents) if p.exists()), None) if resolved.is_absolute() else None
-    if above is not None and not above.is_dir():
+    resolved = Path(path).expanduser()  # no directory can be made in or under a regular file
+    if resolved.is_absolute() and not (above := next(p for p in (resolved, *resolved.parents) if p.exists())).is_dir():
         raise ValueError(f"DebugConfig.debug_output_dir must be a directory that can be created, but {str(above)!r}"
                          f"{'' if above == resolved else f' in {path!r}'} is an existing file")
     return path
