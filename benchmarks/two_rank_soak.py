@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TWO_RANK = [
     "tests/integration/test_distributed.py",
     "tests/integration/test_distributed_faults.py",
+    "tests/integration/test_fault_injection.py",
     "tests/integration/test_sharded.py",
     "tests/integration/test_straggler.py",
     # in test_accelerate.py only the tests that launch two processes (torchrun)

@@ -25,15 +25,17 @@ Issue 43: ``--nan-last`` ends the NaN at that step; ``--inject Class.method@STEP
 once on rank 1 at STEP; ``--sweep`` finds every method of the Run and of the monitors that runs during a step
 (:mod:`tests.harness.injection`) and injects each on rank 1, once at a NaN step and once at a healthy one, one
 per step, in one fit (NaN on rank 1 at odd steps from 3 in skip mode; in warn mode from the first step after
-the healthy injections, since the weights stay NaN). The result then lists the injections that fired, the
+the healthy injections, or half the fit, since the weights stay NaN). The result then lists the injections that fired, the
 methods seen and the collectives the gate made (step, name).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -162,14 +164,16 @@ class NaNOnOneRank(TinyRegressor):
             schedule.current = None
         injector.arm(None, step)
         if self.sweep:
-            if self.sweep == "warn" and self.nan_from is None and step >= 6 and \
-                    all((name, False) in schedule.done for name in injector.seen):
+            if self.sweep == "warn" and self.nan_from is None and step >= 6 and (
+                    all((name, False) in schedule.done for name in injector.seen)
+                    or step >= self.trainer.max_steps // 2):
                 self.nan_from = step
             nan = self.is_nan_step(step)
-            name = schedule.next(injector.seen, nan) if step >= 2 else None
+            name = schedule.next(injector.seen, nan, injector.recent) if step >= 2 else None
             if name is not None:
                 schedule.current = (name, nan)
                 injector.arm(name, step)
+                print(f"sweep: step {step} arms {name}{' (NaN step)' if nan else ''}", file=sys.stderr, flush=True)
             return
         for spec in self.inject:
             name, _, at = spec.partition("@")
@@ -251,7 +255,7 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
     )
     if model.injector is not None:
         model.injector.remove()
-        outcome.update(fired=model.injector.fired, seen=model.injector.seen,
+        outcome.update(fired=model.injector.fired, nan_from=model.nan_from, seen=model.injector.seen,
                        not_reached=sorted(f"{name}{' (NaN step)' if nan else ''}"
                                           for (name, nan), state in model.schedule.done.items()
                                           if state == "not reached"))
@@ -259,6 +263,7 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck rank waits
     parser = argparse.ArgumentParser()
     parser.add_argument("mode")
     parser.add_argument("out_dir", type=Path)
