@@ -66,7 +66,8 @@ def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
                 raise ValueError(f"DebugConfig.{field} is a setting of the whole run, but {chosen[field]} sets "
                                  f"{merged[field]!r} and {name} {value!r}: set it on one callback, or the same on all")
             merged[field], chosen[field] = value, name
-    return dataclasses.replace(configs[names[0]], **merged) if merged else configs[names[0]]
+    first = configs[names[0]]  # unchanged, not rebuilt: a rebuild checks the output path again, at setup
+    return dataclasses.replace(first, **merged) if any(getattr(first, f) != v for f, v in merged.items()) else first
 
 
 class DebugCallback(Callback):

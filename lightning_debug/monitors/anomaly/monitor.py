@@ -141,9 +141,10 @@ class AnomalyMonitor(Monitor):
         drop the optimizer step's gradients).
 
         Decide first, write later: everything that decides (the gathered flags, the replay and the
-        parameter scan, both collectives) comes from values every rank shares and runs on every
-        rank; the findings are written afterwards, separately guarded, so a write that fails on one
-        rank cannot change what that rank decides. A measurement that failed on any rank is a
+        parameter scan) comes from values every rank shares; their collectives are the run's gate's,
+        planned by :func:`.collectives.nan_step_plan`, so a rank on which this method fails still
+        makes them, and the ranks agree on the decision (a rank that failed follows the others). The
+        findings are written afterwards, separately guarded. A measurement that failed on any rank is a
         flag in the gathered rows, and every rank then continues this step without a decision.
         """
         if not self.optimizer_step_due(step):
