@@ -230,10 +230,9 @@ class Run:
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
         """Gradients are final: run the checks due and return what happens to this optimizer step.
 
-        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the
-        checks' frequencies count its own steps (``StepRecord.optimizer_step``). On
-        :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here; the
-        adapter stops training on STOP.
+        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the checks' frequencies
+        count its own steps (``StepRecord.optimizer_step``). The checks and the step's collectives go through the
+        gate (:meth:`.Gate.optimizer_step`). On SKIP and STOP the gradients are dropped here; the adapter stops on STOP.
 
         An optimizer that evaluates its closure several times per step (L-BFGS) calls this after each one: the
         checks run on the first (the step's gradients, the weights before it), later calls get its decision.
@@ -257,9 +256,8 @@ class Run:
 
         self._stepped = step
         due = [(name, handler, monitor) for name, handler, every, monitor in self._checks if step % every == 0]
-        decision = Decision(self.gate.optimizer_step(step, due, self.numerics.scheduled_step(step), numerics, optimizer))
-        if decision is not Decision.CONTINUE and self.gate.undo(step, [monitor for _, _, monitor in due]):
-            decision = Decision.STOP
+        decision = Decision(self.gate.optimizer_step(step, due, self.numerics.scheduled_step(step), numerics,
+                                                     optimizer))
         self.ledger.phase = MemoryPhase.OPTIMIZER
         self._stepping = (step, id(optimizer), decision)
         if decision is not Decision.CONTINUE:

@@ -218,7 +218,8 @@ class Gate:
     def optimizer_step(self, step: int, due: list[tuple[str, Callable[..., Any], Any]], scheduled: int,
                        measure: Callable[[], Any], optimizer: Any) -> int:
         """One ``before_optimizer_step``: the shared measurement and the collectives planned after it, the guarded
-        checks, the planned collectives this rank did not reach, the agreed decision.
+        checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
+        :meth:`undo` (which may turn it into STOP).
 
         ``due`` lists the handlers to call, each with its monitor (whose ``measures``, ``decides`` and
         ``plan_collectives`` are read, none of its methods called); ``scheduled`` is the step their
@@ -256,6 +257,8 @@ class Gate:
                                       "'raise'); this rank stops with it", step, [])
         if raised is not None:
             raise raised
+        if decision and self.undo(step, [monitor for _, _, monitor in due]):
+            decision = DECISIONS - 1  # STOP
         return decision
 
     def undo(self, step: int, monitors: list[Any]) -> bool:
