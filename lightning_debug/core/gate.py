@@ -62,6 +62,7 @@ class Planned:
     shape: Shape
     size: int = 0
     device: Any = field(default=None, compare=False)
+    transport: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)  # ROWS: whose gather
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Gate:
         if planned.shape is Shape.SUM:
             self.sum(planned.name, None, planned.size, planned.device)
         elif planned.shape is Shape.ROWS:
-            self.rows(planned.name, None, planned.size, planned.device)
+            self.rows(planned.name, None, planned.size, planned.device, planned.transport)
         else:
             self.gather(planned.name, None)
 
@@ -158,9 +159,10 @@ class Gate:
         return vector[:size], int(round(float(vector[size])))
 
     def rows(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
-             device: Any = None) -> torch.Tensor:
+             device: Any = None, transport: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Every rank's row of ``size`` float64 (``contribute()``, or NaN for a rank whose contribution failed or was
-        never computed), one after the other; the copy to the host is the caller's."""
+        never computed), one after the other, gathered by ``transport`` (the framework's all-gather) or
+        ``torch.distributed``; the copy to the host is the caller's."""
         self._reach(name)
         device = _device(device)
         row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
@@ -171,6 +173,8 @@ class Gate:
                 self.failures.record(f"contributing to the {name} collective", failure,
                                      "this rank sends an empty contribution")
         self.log.append((self.step, name))
+        if transport is not None:
+            return transport(row).reshape(-1)
         world = distributed()[1]
         if world < 2:
             return row

@@ -284,7 +284,8 @@ class PerformanceMonitor(Monitor):
 
     def _gather(self, failed: bool = False) -> None:
         row = None if failed else lambda: torch.tensor(gather_row(self._latest), dtype=torch.float64)
-        gathered = self.session.gate.rows("stragglers", row, len(GATHER_FIELDS))  # a row of NaN: nobody judges it
+        gathered = self.session.gate.rows("stragglers", row, len(GATHER_FIELDS), self.stopwatch.device,
+                                          self.all_gather)  # a row of NaN: nobody judges it
         self._gathers.append(Readback(gathered.reshape(-1), blocking=False))
         self._poll()
 

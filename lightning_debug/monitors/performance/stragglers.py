@@ -183,16 +183,17 @@ class StragglerRule:
 
 def straggler_plan(monitor: Any, step: int, stepped: bool) -> list[Planned]:
     """The straggler gather of a batch's end: on a check step of ``monitor`` (the performance monitor; its
-    schedule and context are read, none of its methods called) that took an optimizer step (``stepped``, the
-    run's), under several processes: values every rank shares, so every rank makes it whatever failed on it.
+    schedule, world size and the framework's all-gather, set at the start, are read, none of its methods
+    called) that took an optimizer step (``stepped``, the run's), under several processes: values every rank
+    shares, so every rank makes it whatever failed on it.
 
     Example::
 
         >>> class Alone:
-        ...     class context: world_size = 1
+        ...     world_size, all_gather = 1, None
         >>> straggler_plan(Alone(), 4, True)
         []
     """
-    if not stepped or monitor.context.world_size < 2 or not monitor.schedule.is_due(step):
+    if not stepped or monitor.world_size < 2 or monitor.all_gather is None or not monitor.schedule.is_due(step):
         return []
-    return [Planned("stragglers", Shape.ROWS, len(GATHER_FIELDS))]
+    return [Planned("stragglers", Shape.ROWS, len(GATHER_FIELDS), monitor.stopwatch.device, monitor.all_gather)]
