@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TWO_RANK = [
     "tests/integration/test_distributed.py",
     "tests/integration/test_distributed_faults.py",
+    "tests/integration/test_fault_injection.py",
     "tests/integration/test_sharded.py",
     "tests/integration/test_straggler.py",
     # in test_accelerate.py only the tests that launch two processes (torchrun)
@@ -35,11 +36,11 @@ TWO_RANK = [
 BUSY = "import time\nwhile True:\n    sum(i * i for i in range(10000))\n"
 
 
-def one_round(out: Path, index: int) -> dict[str, tuple[str, float]]:
+def one_round(out: Path, index: int, tests: list[str] = TWO_RANK) -> dict[str, tuple[str, float]]:
     """Run the two-rank tests once; per test id, its outcome and seconds."""
     report = out / f"round-{index:02d}.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-               *TWO_RANK]
+               *tests]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     with open(out / f"round-{index:02d}.log", "w") as log:
         subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600)
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("/tmp/two-rank-soak"))
     parser.add_argument("--no-busy", action="store_true", help="leave out the busy process")
+    parser.add_argument("--tests", nargs="+", default=TWO_RANK, help="these test files or ids only")
     parser.add_argument("--table-only", nargs="*", type=Path, metavar="DIR",
                         help="print the table of the outcomes.json in these directories (soaks run side by side)")
     args = parser.parse_args()
@@ -77,7 +79,7 @@ def main() -> None:
     started = time.time()
     try:
         for index in range(args.rounds):
-            for name, result in one_round(args.out, index).items():
+            for name, result in one_round(args.out, index, args.tests).items():
                 outcomes[name].append(result)
             failed = sum(result[0] == "failed" for results in outcomes.values() for result in results[-1:])
             print(f"round {index + 1}/{args.rounds}: {failed} failed, {time.time() - started:.0f} s", flush=True)

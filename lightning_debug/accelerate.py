@@ -20,7 +20,7 @@ import torch
 from lightning_debug.checks.localize import output_scalar
 from lightning_debug.config import DebugConfig, resolve_config
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus, epoch_end
+from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus, epoch_end, exit_code
 from lightning_debug.core.guard import describe
 from lightning_debug.core.monitor import Decision
 from lightning_debug.core.session import Where, new_run_id, run_directory
@@ -340,7 +340,7 @@ class AccelerateDebugger:
             raise
         if real_step:
             self._stepping = self._next_optimizer(optimizer)
-            decision = self.run.before_optimizer_step(self.step, self._stepping)
+            decision = self.run.before_optimizer_step(self.step, self._stepping) or Decision.CONTINUE
             if decision is not Decision.CONTINUE:
                 self.run.failures.call("handing the skipped step to the GradScaler", self._hand_skip_to_grad_scaler)
             self.should_stop = self.should_stop or decision is Decision.STOP
@@ -370,7 +370,8 @@ class AccelerateDebugger:
             handle.remove()
         for name in ("clip_grad_norm_", "clip_grad_value_", "log", "_lightning_debug_log"):
             self.accelerator.__dict__.pop(name, None)
-        return self.run.finish(status, self.step, None if error is None else f"{type(error).__name__}: {describe(error)}")
+        return self.run.finish(status, self.step, None if error is None else f"{type(error).__name__}: {describe(error)}",
+                               exit_code(error))
 
     def _next_optimizer(self, named: Any) -> Any:
         """The optimizer the coming step belongs to: ``named`` (one of ours, matched through Accelerate's

@@ -136,20 +136,20 @@ EVERY_CALLBACK = AREAS_BY_MODE[DebugMode.FULL_DEBUG]
 
 
 def _check_output_dir(value: Any) -> str:
-    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold that is not an existing file."""
+    """A non-empty path (``str`` or ``os.PathLike``) a file system can hold, not an existing file nor under one."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(path, str) or not path.strip():
         raise ValueError(f"DebugConfig.debug_output_dir must be a non-empty path string, got {value!r}")
-    if "\0" in path:
-        raise ValueError(f"DebugConfig.debug_output_dir must not contain a NUL byte, got {value!r}")
+    if "\0" in path: raise ValueError(f"DebugConfig.debug_output_dir must not contain a NUL byte, got {value!r}")
     longest = max(map(len, (encoded := os.fsencode(path)).split(b"/")))
     if longest > 255 or len(encoded) > 4095:  # NAME_MAX, and PATH_MAX less its terminating NUL
         raise ValueError("DebugConfig.debug_output_dir must have path components of at most 255 bytes "
                          f"and at most 4095 bytes in all (file system limits), got {len(encoded)} bytes "
                          f"with a longest component of {longest}")
-    resolved = Path(path).expanduser()
-    if resolved.is_absolute() and resolved.exists() and not resolved.is_dir():
-        raise ValueError(f"DebugConfig.debug_output_dir must be a directory, but {path!r} is an existing file")
+    resolved = Path(path).expanduser()  # no directory can be made in or under a regular file
+    if resolved.is_absolute() and not (above := next(p for p in (resolved, *resolved.parents) if p.exists())).is_dir():
+        raise ValueError(f"DebugConfig.debug_output_dir must be a directory that can be created, but {str(above)!r}"
+                         f"{'' if above == resolved else f' in {path!r}'} is an existing file")
     return path
 
 
@@ -218,7 +218,7 @@ class DebugConfig:
         "``version_N/debug_outputs``), otherwise under ``default_root_dir`` with the run id below it "
         "(``debug_outputs/<run id>``), as does an absolute path.", areas=EVERY_CALLBACK, run_wide=True,
         check=_check_output_dir, allowed="a non-empty path (``str`` or ``os.PathLike``) with no NUL byte, no "
-        "component over 255 bytes, at most 4095 bytes, that is not an existing file")
+        "component over 255 bytes, at most 4095 bytes, that is not an existing file nor under one")
     log_gradients: bool = setting(False, "Log per-parameter gradient norms and histograms.", areas=_GRADIENTS)
     log_activations: bool = setting(
         False, "Log per-module activation statistics (``debug/activation/<module>/<stat>``: mean, std, max "

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
+from lightning_debug.core.gate import drop_gradients
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
@@ -64,20 +65,13 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _own_time(method: _Method) -> _Method:
-    """Count the event's handling as the plugin's own time (the session's ``own_time``), which the
-    performance monitor leaves out of step timing: the plugin never reports its own cost."""
+    """An event's entry: its handling is the plugin's own time (the session's ``own_time``), which the performance
+    monitor leaves out of step timing, and a failure in it is one failed check (``Run.<event>``), never the
+    adapter's: the collectives an event makes are closed whatever failed (the gate)."""
     @functools.wraps(method)
     def counted(self: Run, *args: Any, **kwargs: Any) -> Any:
-        return self.session.own_time.call(method, self, *args, **kwargs)
+        return self.session.own_time.call(self.failures.call, f"Run.{method.__name__}", method, self, *args, **kwargs)
     return counted  # type: ignore[return-value]
-
-
-def drop_gradients(optimizer: Any) -> None:
-    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
-    so there is no update, no momentum and no weight decay for this step."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            parameter.grad = None
 
 
 def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], optimizer: Any) -> int | None:
@@ -130,6 +124,8 @@ class Run:
             if config.expose_callback_metrics else None,
             rows=self.logs_on_rows)
         self.session.document_writer = write_document
+        self.gate = self.session.gate  # every collective of the plugin: see lightning_debug.core.gate
+        self.numerics.flags_sum = lambda flags: self.gate.sum("scan", lambda: flags, flags.numel(), flags.device)[0]
         printer = self.failures.call("console", context.console_printer)
         self._unroute = route(printer) if printer is not None else None
         if context.is_global_zero:
@@ -146,6 +142,7 @@ class Run:
         self._optimizer_steps: dict[int, int] = {}
         self._stepping: tuple[int, int, Decision] | None = None  # (step, id(optimizer), decision) inside a step
         self._other_ranks_failures: list[Any] | None = None
+        self._stepped, self._checks = -1, []  # the last before_optimizer_step's step; its (name, handler, every, m)
         self.finished = False
         self.started = False
         if context.is_global_zero:
@@ -168,6 +165,9 @@ class Run:
                                       m.schedule.frequency if event in m.due_events else 1)
                                      for m in self.monitors if event in m.events]
         self._pollers = [(f"{type(m).__name__}.poll", m.poll) for m in self.monitors if type(m).poll is not Monitor.poll]
+        self._checks = [(f"{type(m).__name__}.before_optimizer_step", m.before_optimizer_step,
+                         m.schedule.frequency if Event.BEFORE_OPTIMIZER_STEP in m.due_events else 1, m)
+                        for m in self.monitors if Event.BEFORE_OPTIMIZER_STEP in m.events]
 
     def monitor(self, area: Area) -> Monitor | None:
         return next((m for m in self.monitors if m.area is area), None)
@@ -230,10 +230,9 @@ class Run:
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
         """Gradients are final: run the checks due and return what happens to this optimizer step.
 
-        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the
-        checks' frequencies count its own steps (``StepRecord.optimizer_step``). On
-        :attr:`Decision.SKIP` and :attr:`Decision.STOP` the step's gradients are dropped here; the
-        adapter stops training on STOP.
+        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the checks' frequencies
+        count its own steps (``StepRecord.optimizer_step``). The checks and the step's collectives go through the
+        gate (:meth:`.Gate.optimizer_step`). On SKIP and STOP the gradients are dropped here; the adapter stops on STOP.
 
         An optimizer that evaluates its closure several times per step (L-BFGS) calls this after each one: the
         checks run on the first (the step's gradients, the weights before it), later calls get its decision.
@@ -252,17 +251,13 @@ class Run:
         owner = optimizer if own is not None else None
 
         def numerics() -> StepNumerics:
-            return self.numerics.get(step, context.named_parameters, context.all_reduce(), context.grad_scale(),
-                                     optimizer=owner, plain_sharded=context.grads_sharded)
+            return self.numerics.get(step, context.named_parameters, self.gate.reducer(context.all_reduce()),
+                                     context.grad_scale(), optimizer=owner, plain_sharded=context.grads_sharded)
 
-        decision = Decision.CONTINUE
-        call = self.failures.call
-        for name, handler, every in self._handlers[Event.BEFORE_OPTIMIZER_STEP]:
-            if every != 1 and step % every:
-                continue
-            result = call(name, handler, step, optimizer, numerics)
-            if result is not None and result > decision:
-                decision = result
+        self._stepped = step
+        due = [(name, handler, monitor) for name, handler, every, monitor in self._checks if step % every == 0]
+        decision = Decision(self.gate.optimizer_step(step, due, self.numerics.scheduled_step(step), numerics,
+                                                     optimizer))
         self.ledger.phase = MemoryPhase.OPTIMIZER
         self._stepping = (step, id(optimizer), decision)
         if decision is not Decision.CONTINUE:
@@ -278,8 +273,14 @@ class Run:
 
     @_own_time
     def batch_end(self, batch: Any = None) -> None:
-        """The micro-batch opened by the last :meth:`batch_start` ends."""
-        self._emit(Event.BATCH_END, self._batch_step, batch if batch is not None else self._batch)
+        """The micro-batch opened by the last :meth:`batch_start` ends; the collectives the monitors plan for it (from
+        the step and whether it took an optimizer step) are made whatever failed before them."""
+        step = self._batch_step
+        self.gate.open(step, self.gate.plan_batch_end(self.monitors, step, self._stepped == step))
+        try:
+            self._emit(Event.BATCH_END, step, batch if batch is not None else self._batch)
+        finally:
+            self.gate.close()
         self._batch = None
         self.ledger.phase = None
 
@@ -347,7 +348,8 @@ class Run:
         """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
         run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part."""
         try:
-            self._other_ranks_failures = gather_failures(self.failures.summary())
+            self._other_ranks_failures = gather_failures(self.failures.summary(),
+                                                         functools.partial(self.gate.gather, "failed checks"))
         except Exception as failure:
             self.failures.record("gathering every rank's failed checks", failure,
                                  "this report lists this rank's failed checks only")
@@ -386,19 +388,19 @@ class Run:
         if self._unroute is not None:
             self._unroute()
 
-    def finish(self, status: RunStatus | str, step: int, error: str | None = None) -> dict[str, Any] | None:
+    def finish(self, status: RunStatus | str, step: int, error: str | None = None,
+               exit_code: int | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
 
         ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
-        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken. Returns the
+        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken; ``exit_code`` the status
+        a ``SystemExit`` that ended the run asked for (``exit_code`` in the report). Returns the
         report; later calls return the same report.
 
-        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report
-        and plot: a rank that returned early could exit while rank zero still writes, and under ``ddp_spawn`` a
-        process that ends abnormally makes ``torch.multiprocessing`` kill the others, rank zero with its report
-        half written. It costs the other ranks rank zero's writing time (about half a second with the plot), once
-        per fit, and is skipped when the gather of failed checks failed (a rank that did not come to it will not
-        come to this one either).
+        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report: a
+        rank that exited early (under ``ddp_spawn``, ``torch.multiprocessing`` then kills the others) would leave
+        it half written. It costs the others rank zero's writing time, once per fit, and is skipped when the
+        gather of failed checks failed (a rank that did not come to it will not come to this one either).
         """
         if self.finished:
             return self._report
@@ -419,6 +421,8 @@ class Run:
                                     run_id=self.context.run_id, on_render_failure=render_failed)
         if report is not None:
             report["failed_checks"] = self.failed_checks()
+            if exit_code is not None:
+                report["exit_code"] = exit_code
         self._report = report
         written = False
         if report is not None and self.session.output_dir is not None:

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_debug.config import (RUN_WIDE_FIELDS, Area, DebugConfig, fields_of, keyword_overrides, override_help,
                                     resolve_config)
 from lightning_debug.config_types import with_args
-from lightning_debug.core.context import RunStatus
+from lightning_debug.core.context import RunStatus, exit_code
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.ledger import FrameworkWork
 from lightning_debug.core.monitor import Decision, Monitor
@@ -64,7 +64,8 @@ def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
                 raise ValueError(f"DebugConfig.{field} is a setting of the whole run, but {chosen[field]} sets "
                                  f"{merged[field]!r} and {name} {value!r}: set it on one callback, or the same on all")
             merged[field], chosen[field] = value, name
-    return dataclasses.replace(configs[names[0]], **merged) if merged else configs[names[0]]
+    first = configs[names[0]]  # unchanged, not rebuilt: a rebuild checks the output path again, at setup
+    return dataclasses.replace(first, **merged) if any(getattr(first, f) != v for f, v in merged.items()) else first
 
 
 class DebugCallback(Callback):
@@ -259,7 +260,8 @@ class DebugCallback(Callback):
             return
         if self._leads:
             self._run.exception(trainer.global_step, exception)
-            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}")
+            self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}",
+                             exit_code(exception))
         self._leave()
 
     # --- resume ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import enum
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,17 @@ HistogramWriter = Callable[[str, dict[str, Any], int], None]
 Replay = Callable[[Any], "torch.Tensor | None"]
 
 
+SIGNAL_EXITS = frozenset({0, 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM})
+
+
+def exit_code(error: BaseException | None) -> int | None:
+    """The process exit status a ``SystemExit`` asks for (``sys.exit("message")`` is 1); None for other errors."""
+    if not isinstance(error, SystemExit):
+        return None
+    code = error.code
+    return 0 if code is None else int(code) if isinstance(code, int) else 1
+
+
 class RunStatus(enum.StrEnum):
     """How a run ended (``status`` of report.json); a ``str`` enum, so ``status == "finished"`` keeps working.
 
@@ -44,8 +56,8 @@ class RunStatus(enum.StrEnum):
 
         >>> RunStatus.of(None), RunStatus.of(KeyboardInterrupt()), RunStatus.of(ValueError("x"))
         (<RunStatus.FINISHED: 'finished'>, <RunStatus.INTERRUPTED: 'interrupted'>, <RunStatus.FAILED: 'failed'>)
-        >>> RunStatus.of(SystemExit(143))
-        <RunStatus.INTERRUPTED: 'interrupted'>
+        >>> RunStatus.of(SystemExit(143)), RunStatus.of(SystemExit(3)), exit_code(SystemExit(3))
+        (<RunStatus.INTERRUPTED: 'interrupted'>, <RunStatus.FAILED: 'failed'>, 3)
         >>> RunStatus.parse("failed") is RunStatus.FAILED, str(RunStatus.FINISHED)
         (True, 'finished')
     """
@@ -57,11 +69,17 @@ class RunStatus(enum.StrEnum):
 
     @classmethod
     def of(cls, error: BaseException | None) -> "RunStatus":
-        """The status of a run that ended with ``error`` (None: it finished): Ctrl-C and an exit asked from
-        outside (Lightning turns SIGTERM into ``SIGTERMException``, a ``SystemExit``) are interruptions."""
+        """The status of a run that ended with ``error`` (None: it finished). Ctrl-C, SIGTERM (Lightning's
+        ``SIGTERMException``, a ``SystemExit``) and an exit with no code or a signal's are interruptions; a
+        ``SystemExit`` with any other non-zero code (``sys.exit(3)`` in a step) failed, as any other error."""
         if error is None:
             return cls.FINISHED
-        return cls.INTERRUPTED if isinstance(error, (KeyboardInterrupt, SystemExit)) else cls.FAILED
+        if isinstance(error, KeyboardInterrupt):
+            return cls.INTERRUPTED
+        if isinstance(error, SystemExit):
+            asked = any(kind.__name__ == "SIGTERMException" for kind in type(error).__mro__)
+            return cls.INTERRUPTED if asked or exit_code(error) in SIGNAL_EXITS else cls.FAILED
+        return cls.FAILED
 
     @classmethod
     def parse(cls, value: "RunStatus | str") -> "RunStatus":

@@ -80,6 +80,18 @@ class Monitor:
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
     """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
     from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""
+    measures: bool = False
+    """Whether its ``before_optimizer_step`` reads the step's shared measurement on its check steps: the run then
+    makes that measurement (and its collective) first, whatever the monitor's own code does."""
+    decides: bool = False
+    """Whether its ``before_optimizer_step`` may return a decision other than CONTINUE (or raise): the ranks then
+    agree on the step's decision through the run's gate (:mod:`lightning_debug.core.gate`)."""
+    plan_collectives: Callable[[Any], list[Any]] | None = None
+    """A function of the step's measurement (values every rank shares) that lists the collectives this monitor
+    makes after it, in order (:class:`~lightning_debug.core.gate.Planned`); the gate makes those a failure
+    kept this rank from reaching."""
+    batch_end_collectives: Callable[[int, bool], list[Any]] | None = None
+    """The same for ``batch_end``: a function of the step and whether the batch took an optimizer step."""
     max_warnings: ClassVar[int] = 10
     episode_grace: ClassVar[int] = 3
     max_episode_events: ClassVar[int] = 25

@@ -14,6 +14,7 @@ without it (it happens only when this rank finished, and Lightning ends every ra
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -73,12 +74,15 @@ def merge_failures(own: dict[str, dict[str, Any]], gathered: list[Any], rank: in
     return merged
 
 
-def gather_failures(own: dict[str, dict[str, Any]]) -> list[Any] | None:
-    """Every rank's failed checks (one ``all_gather_object``, after :func:`bounded_wait`); call on every rank.
-    None without a process group of several ranks."""
+def gather_failures(own: dict[str, dict[str, Any]],
+                    gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[Any] | None:
+    """Every rank's failed checks (one gather, after :func:`bounded_wait`: ``gather``, the run's gate, or
+    ``all_gather_object``); call on every rank. None without a process group of several ranks."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     bounded_wait()
+    if gather is not None:
+        return gather(lambda: own)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, own)
     return gathered

@@ -22,6 +22,7 @@ from typing import Any
 
 from lightning_debug.core.events import EventLog
 from lightning_debug.core.findings import EpisodePhase, Finding
+from lightning_debug.core.gate import Gate
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.metrics import MetricsSink, MetricsWriter
 from lightning_debug.core.own_time import OwnTime
@@ -100,6 +101,7 @@ class Session:
         self.rank = rank
         self.run_id = run_id
         self.failures = failures
+        self.gate = Gate(failures)  # the run's (every collective of the plugin), shared with the monitors
         self.events = EventLog(self.output_dir, failures)
         self.timeline = Timeline()
         self.event_listeners: list[EventListener] = [self.timeline.observe_event]

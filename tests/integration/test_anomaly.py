@@ -220,8 +220,9 @@ def test_resume_keeps_counting(tmp_path: Path) -> None:
 
 def test_unwritable_output_dir_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
     blocker = tmp_path / "not_a_dir"
-    blocker.write_text("a file where the directory should be")
     callback = AnomalyDetectionCallback(debug_output_dir=str(blocker / "debug"))
+    # after construction, which rejects a directory under a file (issue 43): the file appears later
+    blocker.write_text("a file where the directory should be")
     trainer = make_trainer(tmp_path, [callback], max_steps=10)
     with console_lines() as caught:
         trainer.fit(TinyRegressor(log_zero_from_step=3))

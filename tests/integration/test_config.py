@@ -309,6 +309,8 @@ def test_path_like_and_numpy_values_are_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("value", "message"), [
     ("runs/\0debug", "must not contain a NUL byte"),
     (Path("/etc/hostname"), "is an existing file"),
+    ("/etc/hostname/sub", "'/etc/hostname' in '/etc/hostname/sub' is an existing file"),
+    (Path("/etc/hostname/a/b"), "'/etc/hostname' in '/etc/hostname/a/b' is an existing file"),
     ("runs/" + "x" * 256 + "/debug", "path components of at most 255 bytes"),
     ("runs/" + "é" * 128, "path components of at most 255 bytes"),  # 256 bytes in UTF-8
     ("/".join(["d" * 200] * 21), "at most 4095 bytes in all"),

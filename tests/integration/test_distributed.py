@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,17 +21,27 @@ TIMEOUT_S = 150
 
 
 def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 4, strategy: str = "ddp",
-                  all_four: bool = False, level: str = "basic", *faults: str) -> list[dict[str, Any]]:
+                  all_four: bool = False, level: str = "basic", *faults: str,
+                  timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(WORKER), mode, str(tmp_path), str(nan_rank), str(nan_step), strategy,
                "--level", level, *faults]
     command += ["--all-four"] if all_four else []
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=tmp_path)
+    # its own session, so that a hang ends with every rank killed (Lightning turns SIGTERM into a graceful stop
+    # that a rank stuck in a collective never reaches, and the launcher's child would outlive it)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               cwd=tmp_path, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        stderr = f"{stderr}\nHANG: killed after {timeout_s} s"
     results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
-    assert len(results) == 2, f"both ranks must finish; stderr:\n{completed.stderr[-3000:]}"
+    assert len(results) == 2, f"both ranks must finish; stderr:\n{stderr[-3000:]}"
     for result in results:
-        result["stderr_tail"] = completed.stderr[-3000:]
+        result["stderr_tail"] = stderr[-3000:]
     return results
 
 

@@ -104,6 +104,25 @@ def test_sigterm_is_reported_as_interrupted_not_failed(tmp_path: Path) -> None:
     assert report["findings"]["nonfinite_loss"]["first_step"] == 3
 
 
+def test_sys_exit_with_a_code_in_the_step_is_failed_with_the_code(tmp_path: Path) -> None:
+    """``sys.exit(3)`` in a step is a failure (before, every SystemExit read as an interruption)."""
+
+    class Exits(TinyRegressor):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if self.trainer.global_step == 6:
+                sys.exit(3)
+            return super().training_step(batch, batch_idx)
+
+    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig()), max_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SystemExit):
+            trainer.fit(Exits(log_zero_from_step=3))
+    report = read_report(debug_dir(trainer))
+    assert report["status"] == "failed" and report["exit_code"] == 3 and report["error"] == "SystemExit: 3"
+    assert report["findings"]["nonfinite_loss"]["first_step"] == 3
+
+
 # --- one file mode ------------------------------------------------------------------------------------
 def test_every_file_the_run_writes_follows_the_umask(tmp_path: Path) -> None:
     """Before, report.json, report.md and debug_analysis.png were 0600 (mkstemp) and events.jsonl 0644."""

@@ -5,6 +5,7 @@ Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATE
                                   [--gather-in-step [--sync-grads]] [--nan-in-backward] [--nan-batch]
                                   [--nan-sample-batchnorm]
                                   [--fail-rank1 {replay,rows,origin,performance}]
+                                  [--nan-last STEP] [--max-steps N] [--inject NAME@STEP ...] [--sweep]
 
 ``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
 only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
@@ -19,12 +20,22 @@ OUT_DIR/result_<rank>.json with how its training ended, the decision it took at 
 step, the steps at which it entered the plugin's collectives, a checksum of its weights and where
 its debug session writes (None on the ranks that must not write). Under ``ddp_spawn`` the ranks
 write it from inside the spawned processes (the launching process only starts them).
+
+Issue 43: ``--nan-last`` ends the NaN at that step; ``--inject Class.method@STEP`` makes that method raise
+once on rank 1 at STEP; ``--sweep`` finds every method of the Run and of the monitors that runs during a step
+(:mod:`tests.harness.injection`) and injects each on rank 1, once at a NaN step and once at a healthy one, one
+per step, in one fit (NaN on rank 1 at odd steps from 3 in skip mode; in warn mode from the first step after
+the healthy injections, or half the fit, since the weights stay NaN). The result then lists the injections that fired, the
+methods seen and the collectives the gate made (step, name).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import signal
 import sys
 import time
 import warnings
@@ -51,8 +62,14 @@ class NaNOnOneRank(TinyRegressor):
                  fail_check_rank1_step: int | None = None, gather_in_step: bool = False,
                  nan_sample_batchnorm: bool = False, sync_grads: bool = False,
                  nan_in_backward: bool = False, fail_rank1: str | None = None,
-                 nan_batch: bool = False) -> None:
+                 nan_batch: bool = False, nan_last: int | None = None, inject: list[str] | None = None,
+                 sweep: str | None = None) -> None:
         super().__init__(unused_layer=unused_layer)
+        self.nan_last, self.inject, self.sweep = nan_last, inject or [], sweep
+        self.injector: Any = None
+        self.schedule: Any = None
+        self.nan_from: int | None = None  # warn-mode sweep: the first NaN step
+        self.during = False
         self.sync_grads, self.nan_in_backward, self.fail_rank1 = sync_grads, nan_in_backward, fail_rank1
         self.nan_batch = nan_batch
         self.norm = torch.nn.BatchNorm1d(16) if nan_sample_batchnorm else None
@@ -87,12 +104,22 @@ class NaNOnOneRank(TinyRegressor):
             return loss + torch.sqrt((z - z.detach()).pow(2).sum())
         if self.nan_batch:
             return loss
-        if self.global_rank == self.nan_rank and self.trainer.global_step >= self.nan_step:
+        if self.global_rank == self.nan_rank and self.is_nan_step(self.trainer.global_step):
             loss = loss + torch.log(torch.zeros(()))
         return loss
 
+    def is_nan_step(self, step: int) -> bool:
+        if self.sweep == "skip":
+            return step >= 3 and step % 2 == 1
+        if self.sweep == "warn":
+            return self.nan_from is not None and step >= self.nan_from
+        return step >= self.nan_step and (self.nan_last is None or step <= self.nan_last)
+
     def on_train_start(self) -> None:
         """Count the plugin's collectives (every rank must enter them at the same steps); plant the faults."""
+        self.during = True
+        if self.injector is not None:
+            self.arm_next()
         strategy = self.trainer.strategy
         strategy.all_gather = self._counted(strategy.all_gather)  # type: ignore[method-assign]
         torch.distributed.all_reduce = self._counted(torch.distributed.all_reduce)
@@ -128,6 +155,37 @@ class NaNOnOneRank(TinyRegressor):
             ParameterIndex.local_grads = failing  # type: ignore[method-assign]
         if self.fail_rank1 is not None:
             self.plant_failure_on_rank1(self.fail_rank1)
+
+    def arm_next(self) -> None:
+        """On rank 1, before step ``global_step`` starts: note whether the last armed method fired, arm the next."""
+        step, injector, schedule = self.trainer.global_step, self.injector, self.schedule
+        if schedule.current is not None:
+            schedule.result(*schedule.current, fired=injector.armed is None)
+            schedule.current = None
+        injector.arm(None, step)
+        if self.sweep:
+            if self.sweep == "warn" and self.nan_from is None and step >= 6 and (
+                    all((name, False) in schedule.done for name in injector.seen)
+                    or step >= self.trainer.max_steps // 2):
+                self.nan_from = step
+            nan = self.is_nan_step(step)
+            name = schedule.next(injector.seen, nan, injector.recent) if step >= 2 else None
+            if name is not None:
+                schedule.current = (name, nan)
+                injector.arm(name, step)
+                print(f"sweep: step {step} arms {name}{' (NaN step)' if nan else ''}", file=sys.stderr, flush=True)
+            return
+        for spec in self.inject:
+            name, _, at = spec.partition("@")
+            if int(at) == step:
+                injector.arm(name, step)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.injector is not None:  # after the callbacks' batch end: the next step's injection
+            self.arm_next()
+
+    def on_train_end(self) -> None:
+        self.during = False
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self.nan_batch and self.global_rank == self.nan_rank and self.trainer.global_step == self.nan_step:
@@ -191,11 +249,21 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
         output_dir=str(output_dir) if output_dir is not None else None,
         events_path=str(events_path) if events_path is not None else None,
         is_global_zero=trainer.is_global_zero, finished_at=time.time(),
+        gate_log=[list(entry) for entry in run.gate.log] if run is not None else [],
+        failures=run.failures.summary() if run is not None else {},
+        report_failed_checks=run.failed_checks() if run is not None else {},
     )
+    if model.injector is not None:
+        model.injector.remove()
+        outcome.update(fired=model.injector.fired, nan_from=model.nan_from, seen=model.injector.seen,
+                       not_reached=sorted(f"{name}{' (NaN step)' if nan else ''}"
+                                          for (name, nan), state in model.schedule.done.items()
+                                          if state == "not reached"))
     (out_dir / f"result_{trainer.global_rank}.json").write_text(json.dumps(outcome))
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints where a stuck rank waits
     parser = argparse.ArgumentParser()
     parser.add_argument("mode")
     parser.add_argument("out_dir", type=Path)
@@ -213,6 +281,10 @@ def main() -> None:
     parser.add_argument("--nan-in-backward", action="store_true",
                         help="a NaN only in the backward (before the gather's backward with --gather-in-step)")
     parser.add_argument("--nan-batch", action="store_true", help="a NaN in the batch itself, at NAN_STEP only")
+    parser.add_argument("--nan-last", type=int, default=None, help="the last NaN step (default: to the end)")
+    parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
+    parser.add_argument("--inject", action="append", default=[], help="Class.method@STEP: raise there on rank 1")
+    parser.add_argument("--sweep", action="store_true", help="inject into every step-time method, one per step")
     parser.add_argument("--fail-rank1", default=None, choices=["replay", "rows", "origin", "performance"],
                         help="make that part of the plugin raise on rank 1 only")
     args = parser.parse_args()
@@ -224,13 +296,18 @@ def main() -> None:
     else:
         callbacks = [AnomalyDetectionCallback(anomaly_detection_mode=args.mode, level=args.level)]
     spawned = args.strategy == "ddp_spawn"
-    trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=MAX_STEPS, devices=2, strategy=args.strategy)
+    trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=args.max_steps, devices=2, strategy=args.strategy)
     model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_teardown=spawned,
                          unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
                          fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
                          nan_sample_batchnorm=args.nan_sample_batchnorm, sync_grads=args.sync_grads,
                          nan_in_backward=args.nan_in_backward, fail_rank1=args.fail_rank1,
-                         nan_batch=args.nan_batch)
+                         nan_batch=args.nan_batch, nan_last=args.nan_last, inject=args.inject,
+                         sweep=args.mode if args.sweep else None)
+    if (args.inject or args.sweep) and os.environ.get("LOCAL_RANK") == "1":  # rank 1, before the run binds
+        from tests.harness.injection import Injector, Schedule
+
+        model.injector, model.schedule = Injector(lambda: model.during), Schedule()
     outcome: dict[str, Any] = {"exception": None}
     try:
         trainer.fit(model)

@@ -49,6 +49,8 @@ class NumericsQueue:
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
         self._indexes: dict[Any, tuple[int, Any, ParameterIndex]] = {}
+        # Sums the parameter scan's flags over ranks (the run's gate); None: ``torch.distributed`` directly.
+        self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         watch_registrations()
 
     @property
@@ -159,6 +161,7 @@ class NumericsQueue:
             self._observed = None
             self._current = StepNumerics(step, index, observed, all_reduce, grad_scale, wanted, gradients)
             self._current.steps_done = lambda: self.steps_done
+            self._current.flags_sum = self.flags_sum
             self._pending.append(self._current)
         return self._current
 

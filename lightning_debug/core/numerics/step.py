@@ -126,6 +126,8 @@ class StepNumerics:
             self._host_row = host_row
         # How many optimizer steps have been taken by now (set by NumericsQueue): which update a late scan sees.
         self.steps_done: Callable[[], int] | None = None
+        # How the parameter scan sums its flags over ranks (set by NumericsQueue: the run's gate).
+        self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._readback: Readback | None = None
         self._staged = False
         self._read_blocking = False
@@ -170,7 +172,8 @@ class StepNumerics:
                 # bound to values, not to self: the host values never hold their measurement (no reference cycle,
                 # so a step's tensors are freed when the last reader drops them, not at the next garbage collection)
                 scan_parameters=functools.partial(scan_parameters, self.index,
-                                                  self._read_blocking and self.world_size > 1),
+                                                  (self.flags_sum or True) if self._read_blocking and
+                                                  self.world_size > 1 else False),
                 read_before_update=self._read_blocking, error=self.error,
                 without_gradients=self.without_gradients, steps_done=self.steps_done,
             )
@@ -183,13 +186,14 @@ class StepNumerics:
             consumer(host)
 
 
-def scan_parameters(index: ParameterIndex, reduce_flags: bool) -> list[tuple[str, float]]:
+def scan_parameters(index: ParameterIndex, reduce_flags: bool | Callable[[torch.Tensor], torch.Tensor]
+                    ) -> list[tuple[str, float]]:
     """Names and local norms of ``index``'s non-finite parameters, now (one sync; the anomaly path only).
 
     With ``reduce_flags`` (values read synchronously: every rank at the same point of the same step)
     the per-parameter flags are summed across processes, so every rank names the same parameters,
-    sharded ones included. A deferred read completes at different times on different GPUs, so it
-    issues no collective.
+    sharded ones included (through ``reduce_flags`` when it is the run's gate, which sums a vector over ranks).
+    A deferred read completes at different times on different GPUs, so it issues no collective.
 
     Example::
 
@@ -207,7 +211,9 @@ def scan_parameters(index: ParameterIndex, reduce_flags: bool) -> list[tuple[str
     except Exception:  # the flags still join the reduction (as finite), so no rank waits alone
         squares = torch.zeros(len(index), dtype=torch.float64, device=index.device)
     flags = (~torch.isfinite(squares)).double()
-    if reduce_flags and dist.is_available() and dist.is_initialized():
+    if callable(reduce_flags):
+        flags = reduce_flags(flags)
+    elif reduce_flags and dist.is_available() and dist.is_initialized():
         dist.all_reduce(flags)
     bad = flags.nonzero().flatten().tolist()
     if not bad:

@@ -1,4 +1,5 @@
-"""What a replay must not do under distributed training: run a user's collective on one rank only.
+"""The anomaly check's collectives: those of a step with a non-finite value (:func:`nan_step_plan`), and what a
+replay must not do under distributed training: run a user's collective on one rank only.
 
 A replayed ``training_step`` may call collectives of its own (``self.all_gather(z, sync_grads=True)``
 in a contrastive loss). Its forward replay runs on every rank with the same calls, so those match;
@@ -19,6 +20,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_debug.core.gate import Planned, Shape
+from lightning_debug.monitors.anomaly.policy import reads_late
 
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
@@ -100,3 +104,31 @@ class ReplayCollectives:
                 mode.watching = False
 
         return watched
+
+
+def nan_step_plan(monitor: Any, current: Any) -> list[Planned]:
+    """The collectives the anomaly check makes after the step's shared measurement, in order, chosen from values
+    every rank shares (the gathered flags, the settings, the model's structure), never from what a rank did.
+
+    ``monitor`` is the :class:`.AnomalyMonitor` (its settings are read, no method of it is called), ``current``
+    the step's :class:`~lightning_debug.core.numerics.StepNumerics`. A step read a step late (``warn`` without
+    a replay) has none, nor has one process; a synchronous step with a non-finite loss or gradient has the
+    replay's gather (when a replay is possible), the samples' gather (a non-finite input) and the parameter
+    scan's flags (when the step's own norms did not measure the weights). The :class:`~lightning_debug.core.gate.Gate`
+    makes those a failure kept a rank from reaching.
+    """
+    replay = monitor.context.replay() if monitor.localizes else None
+    if reads_late(monitor.mode, replays=replay is not None) or current.world_size < 2:
+        return []
+    host = current.read(blocking=True)
+    if host.failure is not None:
+        return []
+    nonfinite = bool(host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads)
+    plan = []
+    if nonfinite and replay is not None and not current.index.sharded and monitor.context.module() is not None:
+        plan.append(Planned("replay", Shape.OBJECTS))
+    if host.ranks_with_nonfinite_inputs:
+        plan.append(Planned("rows", Shape.OBJECTS))
+    if nonfinite and not host.params_measured and len(current.index):
+        plan.append(Planned("scan", Shape.SUM, len(current.index), current.index.device))
+    return plan

@@ -48,12 +48,14 @@ class RecentInputs:
 
 
 def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool,
-                   on_failure: Callable[[Exception], None] | None = None) -> list[dict[str, Any]]:
+                   on_failure: Callable[[Exception], None] | None = None,
+                   gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[dict[str, Any]]:
     """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
 
     Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
     rank are gathered, whatever failed on this rank (``on_failure`` is told, and the rank's rows
-    are then empty); read a step late, each rank knows only its own and rank zero writes them.
+    are then empty); read a step late, each rank knows only its own and rank zero writes them. ``gather`` makes
+    the gather (the run's :class:`~lightning_debug.core.gate.Gate`; ``all_gather_object`` without it).
 
     Example::
 
@@ -76,7 +78,10 @@ def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: b
         on_failure(error)
     per_rank = {rank: found}
     if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, found)
+        if gather is not None:
+            gathered = gather(lambda: found)
+        else:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, found)
         per_rank = {rank: rows or [] for rank, rows in enumerate(gathered)}
     return [dict(row, rank=rank) for rank, rank_rows in sorted(per_rank.items()) for row in rank_rows]

@@ -8,6 +8,7 @@ every sentence, :mod:`.prose`; a loss that spikes or climbs, :mod:`.divergence`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSourc
 from lightning_debug.core.session import Where
 from lightning_debug.core.numerics import HostNumerics
 from lightning_debug.monitors.anomaly import policy, prose
+from lightning_debug.monitors.anomaly.collectives import nan_step_plan
 from lightning_debug.monitors.anomaly.divergence import LossJudge, loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
 from lightning_debug.monitors.anomaly.inputs import RecentInputs, nonfinite_rows
@@ -66,6 +68,9 @@ class AnomalyMonitor(Monitor):
         self._probe = WeightProbe()
         self._buffers = BufferSnapshot()
         self._watched = BufferWatch()
+        self._undone: tuple[int, list[str], bool] = (-1, [], False)
+        self.measures, self.decides = True, self.mode is not AnomalyMode.WARN
+        self.plan_collectives = functools.partial(nan_step_plan, self)
 
     @property
     def mode(self) -> AnomalyMode:
@@ -144,9 +149,10 @@ class AnomalyMonitor(Monitor):
         drop the optimizer step's gradients).
 
         Decide first, write later: everything that decides (the gathered flags, the replay and the
-        parameter scan, both collectives) comes from values every rank shares and runs on every
-        rank; the findings are written afterwards, separately guarded, so a write that fails on one
-        rank cannot change what that rank decides. A measurement that failed on any rank is a
+        parameter scan) comes from values every rank shares; their collectives are the run's gate's,
+        planned by :func:`.collectives.nan_step_plan`, so a rank on which this method fails still
+        makes them, and the ranks agree on the decision (a rank that failed follows the others). The
+        findings are written afterwards, separately guarded. A measurement that failed on any rank is a
         flag in the gathered rows, and every rank then continues this step without a decision.
         """
         if not self.optimizer_step_due(step):
@@ -179,45 +185,36 @@ class AnomalyMonitor(Monitor):
         action = policy.decide(self.mode, kinds)
         if action is policy.Action.RAISE:
             raise prose.anomaly_error(host.step, kinds, verdict, len(host.ranks), cause)
-        if action is policy.Action.CONTINUE:
-            return Decision.CONTINUE
-        self.skipped_steps += 1
-        return self._undo_forward(host, where, DECISIONS[action])
+        return DECISIONS[action]
 
-    def _undo_forward(self, host: HostNumerics, where: Where, decision: Decision) -> Decision:
-        """A dropped step leaves no trace: put back the buffers its forward changed (BatchNorm running
-        statistics, copied before the forward), then check them; buffers that are still non-finite (no
-        copy of this step, or broken earlier, on an unchecked step) are named and training stops.
-
-        Runs on every rank (the decision is shared); the check's verdict is reduced across ranks, so
-        every rank stops together.
+    def undo_step(self, step: int) -> bool:
+        """The run dropped optimizer step ``step`` (every rank, once the gate agreed on it): put back the buffers
+        its forward changed (BatchNorm running statistics, copied before the forward) and say whether some are
+        still non-finite (no copy of this step, or broken earlier, on an unchecked step). The run sums that over
+        the ranks through its gate and, when any rank has, every rank stops and :meth:`buffers_broken` names them.
         """
+        self.skipped_steps += 1
+        self._undone = (step, [], False)
         model = self.context.module()
         if model is None:
-            return decision
+            return False
         try:
-            restored = self._buffers.restore(model, host.step)
+            restored = self._buffers.restore(model, step)
             broken = self._buffers.nonfinite(model)
-        except Exception as failure:  # still join the reduction below, so that no rank decides alone
+        except Exception as failure:  # the run still joins the sum, so that no rank decides alone
             self.session.failures.record("restoring the buffers of a skipped step", failure,
                                          "the buffers are left as the forward changed them")
             restored, broken = False, []
-        if not self._buffers.names:  # the same model on every rank (names come from its structure): none anywhere
-            return decision
-        device = self.session.failures.call("restoring the buffers of a skipped step", lambda: self._index().device)
-        stop = torch.tensor([1.0 if broken else 0.0], dtype=torch.float64, device=device or "cpu")
-        if len(host.ranks) > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(stop)
         if restored:
             self.restored_buffer_steps += 1
-        if not stop.item():
-            return decision
-        self.session.failures.call("writing the anomaly findings", self._record_buffers, broken, host.step, where,
-                                   restored, len(host.ranks))
-        return Decision.STOP
+        self._undone = (step, broken, restored)
+        return bool(broken)
 
-    def _record_buffers(self, broken: list[str], step: int, where: Where, restored: bool, world_size: int) -> None:
-        self.record(prose.nonfinite_buffer(broken, step, restored, world_size, self.mode), step, where)
+    def buffers_broken(self, step: int, world_size: int) -> None:
+        """Some rank's buffers are still non-finite after dropping ``step``: name them (training stops)."""
+        undone_step, broken, restored = self._undone
+        broken, restored = (broken, restored) if undone_step == step else ([], False)
+        self.record(prose.nonfinite_buffer(broken, step, restored, world_size, self.mode), step, self.context.where())
 
     def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
         """Localize the first step of an episode of non-finite loss or gradients (every rank at once, see
@@ -229,7 +226,8 @@ class AnomalyMonitor(Monitor):
         step, inputs = self._step_inputs
         origin = host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads
         return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope,
-                           origin, self._failed("replaying the step", "the cause is not named"))
+                           origin, self._failed("replaying the step", "the cause is not named"),
+                           functools.partial(self.session.gate.gather, "replay"))
 
     def _failed(self, check: str, consequence: str) -> Any:
         """A callback that records a failure of ``check`` on this rank (a part that still joins its collective)."""
@@ -271,7 +269,8 @@ class AnomalyMonitor(Monitor):
         bad_input_ranks = host.ranks_with_nonfinite_inputs
         # every collective below runs on every rank whatever failed on this one (the conditions are shared)
         rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update,
-                               self._failed("naming the non-finite samples", "the samples are not named"))
+                               self._failed("naming the non-finite samples", "the samples are not named"),
+                               functools.partial(self.session.gate.gather, "rows"))
                 if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
                                  self.context.uses_grad_scaler, self.last_finite_param_step, bad_input_ranks, rows,

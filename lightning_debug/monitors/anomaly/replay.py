@@ -129,14 +129,16 @@ def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: 
 
 def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, distributed: bool,
                 replay_scope: Callable[[], str | None], origin: Sequence[int] = (),
-                on_failure: Callable[[Exception], None] | None = None) -> Cause:
+                on_failure: Callable[[Exception], None] | None = None,
+                gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> Cause:
     """Localize a step (every rank at once): replay its micro-batches, then gather the causes.
 
     Under distributed training every rank replays each of its micro-batches with the same number of
     calls whatever it finds (``localize(same_work=True)``), so collectives inside ``training_step``
     still match, and the causes are gathered on every rank, whatever failed on this one (a failure
     is an ``error`` cause in the gather). The cause named is that of a rank in ``origin``, the
-    ranks whose loss or gradients were non-finite (:func:`across_ranks`).
+    ranks whose loss or gradients were non-finite (:func:`across_ranks`). ``gather`` makes the gather (the run's
+    :class:`~lightning_debug.core.gate.Gate`; ``all_gather_object`` without it).
     """
     try:
         causes = replay_each(model, inputs, replay, same_work=distributed)
@@ -146,7 +148,10 @@ def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
         if on_failure is not None:
             on_failure(error)
     if distributed:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, own.to_dict())
+        if gather is not None:
+            gathered = gather(own.to_dict)
+        else:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own.to_dict())
         own = across_ranks(own, gathered, origin)
     return own

@@ -9,6 +9,7 @@ the rules live in :mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers` and :
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -30,7 +31,7 @@ from lightning_debug.monitors.performance.profiler import StepWindows, host_sync
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 from lightning_debug.monitors.performance.slow_step import SlowStepRule
 from lightning_debug.monitors.performance.step_stats import StepStats, step_metrics
-from lightning_debug.monitors.performance.stragglers import StragglerRule, gather_row
+from lightning_debug.monitors.performance.stragglers import GATHER_FIELDS, StragglerRule, gather_row, straggler_plan
 
 PERF_KINDS = {Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK}
 MAX_PENDING = 16
@@ -95,6 +96,7 @@ class PerformanceMonitor(Monitor):
         self.profiler_traces: list[dict[str, Any]] = []
         self.sync_sites: list[dict[str, Any]] | None = None
         self.excluded_steps = self.dropped_measurements = 0
+        self.batch_end_collectives = functools.partial(straggler_plan, self)
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -194,13 +196,12 @@ class PerformanceMonitor(Monitor):
         step times, whatever failed on this rank before: a failure sends a row of NaN (a step no rank
         judges), then is raised for the run to record.
         """
-        gather = self.schedule.is_due(step) and self._stepped == step
         failure: Exception | None = None
         try:
             self._end_batch(step)
         except Exception as error:
             failure = error
-        if gather and self.all_gather is not None and self.world_size > 1:
+        if self.session.gate.due("stragglers"):  # planned by the run (straggler_plan), made whatever failed here
             self._gather(failed=failure is not None)
         if failure is not None:
             raise failure
@@ -282,12 +283,9 @@ class PerformanceMonitor(Monitor):
             self.close_episodes(gathered.step, self._where, {Kind.STRAGGLER_RANK})
 
     def _gather(self, failed: bool = False) -> None:
-        try:
-            host = torch.tensor(gather_row(None if failed else self._latest), dtype=torch.float64)
-            local = host.pin_memory().to(self.stopwatch.device, non_blocking=True) if self.stopwatch.uses_cuda else host
-        except Exception:  # a row of NaN still joins the gather: no rank judges this step
-            local = torch.tensor(gather_row(None), dtype=torch.float64, device=self.stopwatch.device)
-        gathered = self.all_gather(local)  # type: ignore[misc]
+        row = None if failed else lambda: torch.tensor(gather_row(self._latest), dtype=torch.float64)
+        gathered = self.session.gate.rows("stragglers", row, len(GATHER_FIELDS), self.stopwatch.device,
+                                          self.all_gather)  # a row of NaN: nobody judges it
         self._gathers.append(Readback(gathered.reshape(-1), blocking=False))
         self._poll()
 

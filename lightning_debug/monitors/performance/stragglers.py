@@ -6,10 +6,12 @@ import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_debug.checks.robust import median
 from lightning_debug.checks.timing import PHASES, StepTimes
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.gate import Planned, Shape
 from lightning_debug.core.kinds import Kind, Severity
 
 # A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
@@ -177,3 +179,21 @@ class StragglerRule:
         medians = [median(before_sync_ms(r[k]) for r in window) for k in range(len(rows))]
         wait = median(waited_for(r, rank) for r in window)
         return Gathered(step, Straggler(rank, count, means, medians, len(rows), wait))
+
+
+def straggler_plan(monitor: Any, step: int, stepped: bool) -> list[Planned]:
+    """The straggler gather of a batch's end: on a check step of ``monitor`` (the performance monitor; its
+    schedule, world size and the framework's all-gather, set at the start, are read, none of its methods
+    called) that took an optimizer step (``stepped``, the run's), under several processes: values every rank
+    shares, so every rank makes it whatever failed on it.
+
+    Example::
+
+        >>> class Alone:
+        ...     world_size, all_gather = 1, None
+        >>> straggler_plan(Alone(), 4, True)
+        []
+    """
+    if not stepped or monitor.world_size < 2 or monitor.all_gather is None or not monitor.schedule.is_due(step):
+        return []
+    return [Planned("stragglers", Shape.ROWS, len(GATHER_FIELDS), monitor.stopwatch.device, monitor.all_gather)]

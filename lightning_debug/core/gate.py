@@ -1,0 +1,301 @@
+"""One gate for every collective the plugin makes: every rank enters each one, in the same order, with a
+fixed shape, whatever failed on it.
+
+A check that fails on one rank is recorded there (:class:`~lightning_debug.core.guard.Failures`) and the
+run goes on; but a collective that sat after the failing code was then not entered on that rank, and
+every other rank waited in it forever. The gate removes the cause rather than the cases: the run does a
+step's guarded per-monitor work first, and the collectives come from the gate, which the guard never
+skips:
+
+- a step's planned collectives (:class:`Planned`, chosen from values every rank shares, such as the
+  step's gathered flags) are made in the plan's order; a collective asked for out of order makes the ones
+  before it first, and :meth:`Gate.close` makes those this rank never reached, each with an empty
+  contribution and this rank's "failed" flag;
+- a contribution that raises becomes that empty contribution, flagged, instead of a missing call;
+- :meth:`Gate.agree` makes the step's decision together: each rank's decision and whether its checks
+  failed, summed; the decision is the largest of the ranks that did not fail, so no rank decides alone.
+
+Example, one process (every collective is then local)::
+
+    >>> from lightning_debug.core.guard import Failures
+    >>> gate = Gate(Failures())
+    >>> gate.open(3, [Planned("rows", Shape.OBJECTS)])
+    >>> gate.close()
+    >>> gate.agree(1, failed=False)
+    Agreement(decision=1, raised=False, failed_ranks=[])
+    >>> list(gate.log)
+    [(3, 'rows'), (3, 'decision')]
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_debug.core.guard import Failures
+from lightning_debug.errors import AnomalyError
+
+LOG_KEPT = 256
+DECISIONS = 3  # continue, skip, stop (core.monitor.Decision), counted per value
+
+
+class Shape(enum.Enum):
+    """What a planned collective exchanges: a float64 vector summed over ranks, each rank's float64 row side by
+    side, or one object per rank."""
+
+    SUM = "sum"
+    ROWS = "rows"
+    OBJECTS = "objects"
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A collective due at this point of the step on every rank: its name, shape and (for a sum) length."""
+
+    name: str
+    shape: Shape
+    size: int = 0
+    device: Any = field(default=None, compare=False)
+    transport: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False)  # ROWS: whose gather
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The step's decision every rank takes, whether a rank raised (``raise`` mode), the ranks that failed."""
+
+    decision: int
+    raised: bool
+    failed_ranks: list[int]
+
+
+def distributed() -> tuple[int, int]:
+    """This process's rank and the world size of the default group; ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def drop_gradients(optimizer: Any) -> None:
+    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
+    so there is no update, no momentum and no weight decay for this step."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = None
+
+
+def _device(device: Any) -> Any:
+    """``device``, or where the default group's backend takes tensors (NCCL: this process's GPU)."""
+    if device is not None:
+        return device
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Gate:
+    """The collectives of one run (see the module docstring); ``log`` keeps the last (step, name) made."""
+
+    def __init__(self, failures: Failures) -> None:
+        self.failures = failures
+        self.step = -1
+        self._plan: list[Planned] = []
+        self.log: deque[tuple[int, str]] = deque(maxlen=LOG_KEPT)
+
+    def open(self, step: int, planned: Iterable[Planned]) -> None:
+        """The collectives due at ``step`` from now on, in order (computed from values every rank shares)."""
+        self.step = step
+        self._plan = list(planned)
+
+    def due(self, name: str) -> bool:
+        return any(p.name == name for p in self._plan)
+
+    def _reach(self, name: str) -> None:
+        """Make the planned collectives before ``name`` (empty contributions), then take ``name`` off the plan."""
+        if not self.due(name):
+            return
+        while self._plan and self._plan[0].name != name:
+            self._empty(self._plan.pop(0))
+        self._plan.pop(0)
+
+    def _empty(self, planned: Planned) -> None:
+        if planned.shape is Shape.SUM:
+            self.sum(planned.name, None, planned.size, planned.device)
+        elif planned.shape is Shape.ROWS:
+            self.rows(planned.name, None, planned.size, planned.device, planned.transport)
+        else:
+            self.gather(planned.name, None)
+
+    def close(self) -> None:
+        """Make every planned collective this rank has not reached (a failure skipped the code that makes it)."""
+        while self._plan:
+            self._empty(self._plan.pop(0))
+
+    def sum(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
+            device: Any = None) -> tuple[torch.Tensor, int]:
+        """The sum over ranks of ``contribute()`` (a float64 vector of ``size``), and how many ranks sent an empty
+        one (zeros) because their contribution failed or was never computed."""
+        self._reach(name)
+        empty = contribute is None
+        device = _device(device)
+        vector = torch.zeros(size + 1, dtype=torch.float64, device=device)
+        if not empty:
+            try:
+                vector[:size] = contribute().to(device=device, dtype=torch.float64).reshape(-1)  # type: ignore[misc]
+            except Exception as failure:
+                self.failures.record(f"contributing to the {name} collective", failure,
+                                     "this rank sends an empty contribution")
+                vector.zero_()
+                empty = True
+        vector[size] = 1.0 if empty else 0.0
+        self.log.append((self.step, name))
+        if distributed()[1] > 1:
+            dist.all_reduce(vector)
+        return vector[:size], int(round(float(vector[size])))
+
+    def rows(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
+             device: Any = None, transport: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Every rank's row of ``size`` float64 (``contribute()``, or NaN for a rank whose contribution failed or was
+        never computed), one after the other, gathered by ``transport`` (the framework's all-gather) or
+        ``torch.distributed``; the copy to the host is the caller's."""
+        self._reach(name)
+        device = _device(device)
+        row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
+        if contribute is not None:
+            try:
+                row = contribute().to(device=device, dtype=torch.float64).reshape(size)
+            except Exception as failure:
+                self.failures.record(f"contributing to the {name} collective", failure,
+                                     "this rank sends an empty contribution")
+        self.log.append((self.step, name))
+        if transport is not None:
+            return transport(row).reshape(-1)
+        world = distributed()[1]
+        if world < 2:
+            return row
+        rows = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(rows, row)
+        return torch.cat(rows)
+
+    def gather(self, name: str, contribute: Callable[[], Any] | None) -> list[Any]:
+        """Every rank's ``contribute()`` (None for a rank whose contribution failed or was never computed)."""
+        self._reach(name)
+        own = None
+        if contribute is not None:
+            try:
+                own = contribute()
+            except Exception as failure:
+                self.failures.record(f"contributing to the {name} collective", failure,
+                                     "this rank sends an empty contribution")
+        self.log.append((self.step, name))
+        rank, world = distributed()
+        if world < 2:
+            return [own]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, own)
+        return gathered
+
+    def agree(self, decision: int, failed: bool, raised: bool = False, device: Any = None) -> Agreement:
+        """The step's decision on every rank: the largest of those of the ranks whose checks did not fail (a
+        failed rank sends its flag, never a decision of its own), whether any of them raised, and which failed."""
+        rank, world = distributed()
+        vector = torch.zeros(DECISIONS + 1 + world, dtype=torch.float64, device=_device(device))
+        if failed:
+            vector[DECISIONS + 1 + rank] = 1.0
+        else:
+            vector[int(decision)] = 1.0
+            vector[DECISIONS] = 1.0 if raised else 0.0
+        self._reach("decision")
+        self.log.append((self.step, "decision"))
+        if world > 1:
+            dist.all_reduce(vector)
+        counts = vector.tolist()
+        agreed = max((value for value in range(DECISIONS) if counts[value] > 0), default=0)
+        failed_ranks = [r for r in range(world) if counts[DECISIONS + 1 + r] > 0]
+        return Agreement(agreed, counts[DECISIONS] > 0, failed_ranks)
+
+    def optimizer_step(self, step: int, due: list[tuple[str, Callable[..., Any], Any]], scheduled: int,
+                       measure: Callable[[], Any], optimizer: Any) -> int:
+        """One ``before_optimizer_step``: the shared measurement and the collectives planned after it, the guarded
+        checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
+        :meth:`undo` (which may turn it into STOP).
+
+        ``due`` lists the handlers to call, each with its monitor (whose ``measures``, ``decides`` and
+        ``plan_collectives`` are read, none of its methods called); ``scheduled`` is the step their
+        frequencies count. Which collectives come depends only on that, the settings and the measurement's
+        gathered values, never on what a check did here. An :class:`~lightning_debug.AnomalyError` (``raise``
+        mode) leaves after the agreement, on every rank.
+        """
+        checking = [monitor for _, _, monitor in due if monitor.schedule.is_due(scheduled)]
+        self.open(step, [])
+        current = self.failures.call("measuring the step", measure) if any(m.measures for m in checking) else None
+        plan: list[Planned] = []
+        for monitor in checking:
+            if current is not None and monitor.plan_collectives is not None:
+                plan += self.failures.call("planning the step's collectives", monitor.plan_collectives, current) or []
+        self.open(step, plan)
+        decision, failed, raised = 0, False, None
+        for name, handler, monitor in due:
+            try:
+                result = handler(step, optimizer, measure)
+            except AnomalyError as error:
+                raised = raised or error
+                continue
+            except Exception as failure:
+                self.failures.record(name, failure)
+                failed = failed or monitor.decides
+                continue
+            if result is not None and result > decision:
+                decision = int(result)
+        self.close()
+        if any(m.decides for m in checking) and distributed()[1] > 1:
+            agreement = self.agree(decision, failed, raised is not None)
+            decision = agreement.decision
+            if agreement.raised and raised is None:
+                raised = AnomalyError(f"lightning-debug: another rank raised at step {step} (anomaly_detection_mode="
+                                      "'raise'); this rank stops with it", step, [])
+        if raised is not None:
+            raise raised
+        if decision and self.undo(step, [monitor for _, _, monitor in due]):
+            decision = DECISIONS - 1  # STOP
+        return decision
+
+    def undo(self, step: int, monitors: list[Any]) -> bool:
+        """The agreed decision dropped ``step``: each deciding monitor puts back what the step's forward changed
+        (``undo_step``, guarded, on every rank), then the ranks sum whether something is still broken; when any
+        is, each names it (``buffers_broken``) and the step's decision becomes STOP, on every rank."""
+        undoers = [m for m in monitors if m.decides and hasattr(m, "undo_step")]
+        if not undoers:
+            return False
+        broken = False
+        for monitor in undoers:
+            broken = bool(self.failures.call(f"{type(monitor).__name__}.undo_step", monitor.undo_step, step)) or broken
+        world = distributed()[1]
+        if world > 1:
+            total, _ = self.sum("buffers", lambda: torch.tensor([1.0 if broken else 0.0]), 1)
+            broken = bool(total[0] > 0)
+        for monitor in undoers if broken else []:
+            self.failures.call(f"{type(monitor).__name__}.buffers_broken", monitor.buffers_broken, step, world)
+        return broken
+
+    def reducer(self, all_reduce: Callable[[torch.Tensor], Any] | None) -> Callable[[torch.Tensor], Any] | None:
+        """``all_reduce`` (the step's shared measurement), noted in :attr:`log` as ``numerics``."""
+        if all_reduce is None:
+            return None
+
+        def logged(tensor: torch.Tensor) -> Any:
+            self.log.append((self.step, "numerics"))
+            return all_reduce(tensor)
+
+        return logged
+
+    def plan_batch_end(self, monitors: list[Any], step: int, stepped: bool) -> list[Planned]:
+        """The collectives the monitors' ``batch_end_collectives`` plan for the end of a batch of ``step``."""
+        return [planned for monitor in monitors if monitor.batch_end_collectives is not None
+                for planned in self.failures.call("planning the step's collectives", monitor.batch_end_collectives,
+                                                  step, stepped) or []]
