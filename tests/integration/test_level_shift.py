@@ -20,7 +20,7 @@ from tests.harness.toolkit import debug_dir, make_trainer, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
-SMALL, LARGE, RAMP_STEP, STEPS = 16, 768, 30, 80
+SMALL, LARGE, RAMP_STEP, STEPS = 16, 4096, 30, 80  # a large step at least 50 ms slower on any CPU (the floor of a slow step)
 
 
 class BatchSizeRamp(Dataset):
