@@ -89,8 +89,8 @@ def main() -> None:
     called = sorted({name for row in rows if not row["hangs"] for name in row["methods"]})
     print(f"\nmethods called during a step, both modes together: {len(called)}")
     print("\n| mode | fits | methods called during a step | injected at a healthy step / applicable | "
-          "injected at a NaN step / applicable | not applicable (never called at that kind of step) | injections | hangs | "
-          "disagreements | time (s) |\n|---|---|---|---|---|---|---|---|---|---|")
+          "injected at a NaN step / applicable | not applicable (never called at that kind of step) | injections | "
+          "hangs | disagreements | time (s) |\n|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         if row["hangs"]:
             print(f"| {row['mode']} | - | - | - | - | - | - | 1 | {row['error'][:80]} | {row['seconds']} |")

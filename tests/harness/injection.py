@@ -117,8 +117,8 @@ class Schedule:
     """Which method to arm at each step, so that every method called during a step fails once at each kind of step
     (NaN, healthy) it is called at, one injection per step.
 
-    A method is armed at a step where it is expected: called at the step before, or a multiple of its usual
-    interval after one of its last calls (an ``epoch_start`` at the next epoch's first step). Of the expected
+    A method is armed at a step where it is expected: its usual interval after one of its last calls (the step
+    after, or an ``epoch_start`` at the next epoch's first step). Of the expected
     methods, one already called at a step of this kind goes first, the rarest first (it has the fewest chances),
     then the one first seen last (a callee before its caller, whose failure can keep the callee from running for
     good: a ``GradientMonitor._on_numerics`` that raises before its check step is marked arrived holds back every
@@ -161,13 +161,11 @@ class Schedule:
 
 
 def _expected(steps: list[int], step: int) -> bool:
-    if steps[-1] == step - 1:
-        return True
-    gaps = Counter(b - a for a, b in zip(steps, steps[1:]) if b - a > 1)
-    if not gaps:
-        return False
-    gap = max(gaps, key=lambda g: (gaps[g], g))
-    return any((step - at) % gap == 0 for at in steps[-3:])
+    """Whether a method called at ``steps`` should be called at ``step``: one usual interval (the most common
+    one between its calls, 1 when it was called once) after one of its last calls."""
+    gaps = Counter(b - a for a, b in zip(steps, steps[1:]))
+    gap = max(gaps, key=lambda g: (gaps[g], g)) if gaps else 1
+    return any(step - at == gap for at in steps[-3:])
 
 
 def coverage(passes: list[tuple[dict[str, list[int]], list[tuple[str, int]], set[int]]]) -> dict[str, Any]:

@@ -86,6 +86,6 @@ def test_the_first_injections_of_the_sweep_hold_in_one_fit(tmp_path: Path, mode:
                             str(SWEEP_STEPS), timeout_s=TIMEOUT_S)
     assert problems(results, SWEEP_STEPS) == []
     fired, covered = results[1]["fired"], results[1]["coverage"]
-    assert len(fired) >= SWEEP_STEPS - 2, fired  # one a step
+    assert len(fired) >= SWEEP_STEPS * 3 // 4, fired  # about one a step
     assert covered["methods"] > 40, covered  # the methods called during a step on rank 1
     assert covered["healthy"]["injected"] >= 10 and covered["nan"]["injected"] >= 10, covered
