@@ -118,34 +118,46 @@ class Schedule:
     (NaN, healthy) it is called at, one injection per step.
 
     A method is armed at a step where it is expected: its usual interval after one of its last calls (the step
-    after, or an ``epoch_start`` at the next epoch's first step). Of the expected
-    methods, one already called at a step of this kind goes first, the rarest first (it has the fewest chances),
-    then the one first seen last (a callee before its caller, whose failure can keep the callee from running for
-    good: a ``GradientMonitor._on_numerics`` that raises before its check step is marked arrived holds back every
-    later ``_complete``). When none is expected, or at the first step,
-    the first call of any method not yet failed at this kind of step fires. A method armed ``tries`` times
-    without being called is left; :func:`coverage` says at the end, from the steps each method was called at,
-    which (method, kind) pairs were applicable and which were reached. With ``targets``, only those pairs are
-    armed (a second fit for what the first one left, :func:`leftovers`).
+    after, or an ``epoch_start`` at the next epoch's first step), or a step listed for it in ``hints``. Of the
+    expected methods, one already called at a step of this kind goes first, the rarest first (it has the fewest
+    chances), then the one first seen last (a callee before its caller, whose failure can keep the callee from
+    running for good: a ``GradientMonitor._on_numerics`` that raises before its check step is marked arrived
+    holds back every later ``_complete``). A method called for the first time in the fit fails at once, before
+    the armed one (a method called at one step only, such as the event of the first NaN step). When none is
+    expected, or at the first step, the first call of any method not yet failed at this kind of step fires. A
+    method armed ``tries`` times without being called is left; :func:`coverage` says at the end, from the steps
+    each method was called at, which (method, kind) pairs were applicable and which were reached. With
+    ``targets``, only those pairs are armed, and ``hints`` gives the steps at which an earlier fit called each
+    (a second fit for what the first one left, :func:`leftovers`).
     """
 
-    def __init__(self, tries: int = 4, targets: set[tuple[str, bool]] | None = None) -> None:
-        self.tries, self.targets = tries, targets
+    def __init__(self, tries: int = 4, targets: set[tuple[str, bool]] | None = None,
+                 hints: dict[tuple[str, bool], set[int]] | None = None) -> None:
+        self.tries, self.targets, self.hints = tries, targets, hints or {}
         self.fired: set[tuple[str, bool]] = set()
         self.attempts: dict[tuple[str, bool], int] = {}
         self.kinds: dict[int, bool] = {}  # step -> whether it was a NaN step
 
     def next(self, step: int, nan: bool, calls: dict[str, list[int]]) -> Callable[[str], bool]:
-        """What to arm at ``step`` (of kind ``nan``): one expected method, or any method not yet fired there."""
+        """What to arm at ``step`` (of kind ``nan``): a method not called yet in this fit, else one expected
+        method, or any method not yet failed at this kind of step."""
         self.kinds[step] = nan
-        order = list(calls)
-        expected = [name for name in order if self.wanted(name, nan)
-                    and self.attempts.get((name, nan), 0) < self.tries and _expected(calls[name], step)]
+        known = set(calls)
+        order = list(calls) + sorted({name for name, kind in self.hints if kind == nan} - known)
+        expected = [name for name in order if self.wanted(name, nan) and self.attempts.get((name, nan), 0) < self.tries
+                    and (step in self.hints.get((name, nan), ()) or name in known and _expected(calls[name], step))]
+
+        def new(called: str) -> bool:
+            return called not in known and self.wanted(called, nan)
+
         if expected:
-            name = min(expected, key=lambda n: (not any(self.kinds.get(at) == nan for at in reversed(calls[n])),
-                                                len(calls[n]), -order.index(n)))
+            def kind_unseen(name: str) -> bool:
+                return step not in self.hints.get((name, nan), ()) and not any(
+                    self.kinds.get(at) == nan for at in reversed(calls.get(name, [])))
+
+            name = min(expected, key=lambda n: (kind_unseen(n), len(calls.get(n, [])), -order.index(n)))
             self.attempts[(name, nan)] = self.attempts.get((name, nan), 0) + 1
-            return lambda called: called == name
+            return lambda called: called == name or new(called)
         return lambda called: self.wanted(called, nan)
 
     def wanted(self, name: str, nan: bool) -> bool:
@@ -156,8 +168,9 @@ class Schedule:
         self.fired.update((name, nan) for name, at in fired if at == step)
 
     def finished(self, seen: list[str], nan: bool) -> bool:
-        """Every method seen is fired at this kind of step, or its tries are used up."""
-        return all(not self.wanted(name, nan) or self.attempts.get((name, nan), 0) >= self.tries for name in seen)
+        """Every method seen or hinted is fired at this kind of step, or its tries are used up."""
+        names = set(seen) | {name for (name, kind), steps in self.hints.items() if kind == nan and steps}
+        return all(not self.wanted(name, nan) or self.attempts.get((name, nan), 0) >= self.tries for name in names)
 
 
 def _expected(steps: list[int], step: int) -> bool:
@@ -185,11 +198,17 @@ def coverage(passes: list[tuple[dict[str, list[int]], list[tuple[str, int]], set
     return result
 
 
-def leftovers(result: dict[str, Any]) -> list[tuple[str, bool]]:
+def leftovers(result: dict[str, Any], passes: list[tuple[dict[str, list[int]], list[tuple[str, int]], set[int]]]
+              | None = None) -> list[tuple[str, bool, list[int]]]:
     """The (method, at a NaN step) pairs a fit left: not reached, or not applicable (a method an earlier injection
-    kept from running again): the targets of a second fit."""
-    return [(name, nan) for label, nan in (("healthy", False), ("nan", True))
-            for name in result[label]["not_reached"] + result[label]["not_applicable"]]
+    kept from running again), each with the steps of that kind at which ``passes`` called it: the targets of a
+    second fit, and where to expect them."""
+    left = []
+    for label, nan in (("healthy", False), ("nan", True)):
+        for name in result[label]["not_reached"] + result[label]["not_applicable"]:
+            steps = sorted({at for calls, _, nans in passes or [] for at in calls.get(name, []) if (at in nans) == nan})
+            left.append((name, nan, steps))
+    return left
 
 
 def problems(results: list[dict[str, Any]], steps: int) -> list[str]:

@@ -40,7 +40,8 @@ def test_a_method_never_called_at_a_kind_of_step_is_not_applicable_there() -> No
     assert result["healthy"] == {"applicable": 2, "injected": 1, "not_applicable": ["AnomalyMonitor.undo_step"],
                                  "not_reached": ["Run._emit"]}
     assert result["nan"] == {"applicable": 2, "injected": 2, "not_applicable": ["Run._emit"], "not_reached": []}
-    assert leftovers(result) == [("Run._emit", False), ("AnomalyMonitor.undo_step", False), ("Run._emit", True)]
+    assert leftovers(result, [(calls, fired, {3, 5})]) == [
+        ("Run._emit", False, [2, 4]), ("AnomalyMonitor.undo_step", False, []), ("Run._emit", True, [])]
     # a second fit that calls Run._emit at a NaN step and injects it at a healthy one: the union of the two
     again = coverage([(calls, fired, {3, 5}), ({"Run._emit": [6, 7]}, [("Run._emit", 6)], {7})])
     assert again["healthy"]["not_reached"] == [] and again["nan"]["not_reached"] == ["Run._emit"]

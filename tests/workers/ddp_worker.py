@@ -30,7 +30,8 @@ skip mode, so that every other epoch starts at a NaN step; in warn mode from the
 injections, or half the fit, since the weights stay NaN). The result then lists the injections that fired,
 the steps each method was called at, what they cover (:func:`~tests.harness.injection.coverage`) and the
 collectives the gate made (step, name). ``--sweep-targets`` limits the injections to the (method, NaN step)
-pairs listed in that JSON file: a second fit for what the first left.
+pairs listed in that JSON file, each with the steps at which the first fit called it: a second fit for what the
+first left.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument("--inject", action="append", default=[], help="Class.method@STEP: raise there on rank 1")
     parser.add_argument("--sweep", action="store_true", help="inject into every step-time method, one per step")
     parser.add_argument("--sweep-targets", type=Path, default=None,
-                        help="a JSON list of [method, at a NaN step]: inject only those (a second fit)")
+                        help="a JSON list of [method, at a NaN step, steps it ran at before]: inject only those")
     parser.add_argument("--fail-rank1", default=None, choices=["replay", "rows", "origin", "performance"],
                         help="make that part of the plugin raise on rank 1 only")
     args = parser.parse_args()
@@ -311,9 +312,10 @@ def main() -> None:
     if (args.inject or args.sweep) and os.environ.get("LOCAL_RANK") == "1":  # rank 1, before the run binds
         from tests.harness.injection import Injector, Schedule
 
-        targets = None if args.sweep_targets is None else {
-            (name, nan) for name, nan in json.loads(args.sweep_targets.read_text())}
-        model.injector, model.schedule = Injector(lambda: model.during), Schedule(targets=targets)
+        listed = [] if args.sweep_targets is None else json.loads(args.sweep_targets.read_text())
+        targets = {(name, nan) for name, nan, _ in listed} if listed else None
+        hints = {(name, nan): set(steps) for name, nan, steps in listed}
+        model.injector, model.schedule = Injector(lambda: model.during), Schedule(targets=targets, hints=hints)
     outcome: dict[str, Any] = {"exception": None}
     try:
         trainer.fit(model)
