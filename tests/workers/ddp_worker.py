@@ -5,7 +5,8 @@ Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATE
                                   [--gather-in-step [--sync-grads]] [--nan-in-backward] [--nan-batch]
                                   [--nan-sample-batchnorm]
                                   [--fail-rank1 {replay,rows,origin,performance}]
-                                  [--nan-last STEP] [--max-steps N] [--inject NAME@STEP ...] [--sweep]
+                                  [--nan-last STEP] [--max-steps N] [--inject NAME@STEP ...]
+                                  [--sweep [--sweep-targets FILE]]
 
 ``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
 only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
@@ -23,10 +24,14 @@ write it from inside the spawned processes (the launching process only starts th
 
 Issue 43: ``--nan-last`` ends the NaN at that step; ``--inject Class.method@STEP`` makes that method raise
 once on rank 1 at STEP; ``--sweep`` finds every method of the Run and of the monitors that runs during a step
-(:mod:`tests.harness.injection`) and injects each on rank 1, once at a NaN step and once at a healthy one, one
-per step, in one fit (NaN on rank 1 at odd steps from 3 in skip mode; in warn mode from the first step after
-the healthy injections, or half the fit, since the weights stay NaN). The result then lists the injections that fired, the
-methods seen and the collectives the gate made (step, name).
+(:mod:`tests.harness.injection`) and injects each on rank 1, once at each kind of step it runs at (NaN,
+healthy), one per step from step 0, in one fit of epochs of 7 batches (NaN on rank 1 at odd steps from 3 in
+skip mode, so that every other epoch starts at a NaN step; in warn mode from the first step after the healthy
+injections, or half the fit, since the weights stay NaN). The result then lists the injections that fired,
+the steps each method was called at, what they cover (:func:`~tests.harness.injection.coverage`) and the
+collectives the gate made (step, name). ``--sweep-targets`` limits the injections to the (method, NaN step)
+pairs listed in that JSON file, each with the steps at which the first fit called it: a second fit for what the
+first left.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
 from tests.harness.toolkit import TinyRegressor, end_distributed, make_trainer  # noqa: E402
 
 MAX_STEPS = 12
+SWEEP_EPOCH = 7  # batches per epoch under --sweep: odd, so that epochs start at NaN steps too in skip mode
 
 
 class NaNOnOneRank(TinyRegressor):
@@ -109,7 +115,7 @@ class NaNOnOneRank(TinyRegressor):
         return loss
 
     def is_nan_step(self, step: int) -> bool:
-        if self.sweep == "skip":
+        if self.sweep == "skip":  # with 7 batches an epoch, every other epoch starts at a NaN step
             return step >= 3 and step % 2 == 1
         if self.sweep == "warn":
             return self.nan_from is not None and step >= self.nan_from
@@ -157,28 +163,19 @@ class NaNOnOneRank(TinyRegressor):
             self.plant_failure_on_rank1(self.fail_rank1)
 
     def arm_next(self) -> None:
-        """On rank 1, before step ``global_step`` starts: note whether the last armed method fired, arm the next."""
+        """On rank 1, before step ``global_step`` starts: note what fired at the last step, arm this one's."""
         step, injector, schedule = self.trainer.global_step, self.injector, self.schedule
-        if schedule.current is not None:
-            schedule.result(*schedule.current, fired=injector.armed is None)
-            schedule.current = None
-        injector.arm(None, step)
         if self.sweep:
+            if injector.step >= 0:
+                schedule.result(injector.fired, injector.step, self.is_nan_step(injector.step))
             if self.sweep == "warn" and self.nan_from is None and step >= 6 and (
-                    all((name, False) in schedule.done for name in injector.seen)
-                    or step >= self.trainer.max_steps // 2):
+                    schedule.finished(injector.seen, False) or step >= self.trainer.max_steps // 2):
                 self.nan_from = step
             nan = self.is_nan_step(step)
-            name = schedule.next(injector.seen, nan, injector.recent) if step >= 2 else None
-            if name is not None:
-                schedule.current = (name, nan)
-                injector.arm(name, step)
-                print(f"sweep: step {step} arms {name}{' (NaN step)' if nan else ''}", file=sys.stderr, flush=True)
+            injector.arm(schedule.next(step, nan, injector.calls), step)
             return
-        for spec in self.inject:
-            name, _, at = spec.partition("@")
-            if int(at) == step:
-                injector.arm(name, step)
+        wanted = {name for name, _, at in (spec.partition("@") for spec in self.inject) if int(at) == step}
+        injector.arm((lambda called: called in wanted) if wanted else None, step)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.injector is not None:  # after the callbacks' batch end: the next step's injection
@@ -256,9 +253,13 @@ def write_outcome(trainer: pl.Trainer, model: NaNOnOneRank, out_dir: Path, outco
     if model.injector is not None:
         model.injector.remove()
         outcome.update(fired=model.injector.fired, nan_from=model.nan_from, seen=model.injector.seen,
-                       not_reached=sorted(f"{name}{' (NaN step)' if nan else ''}"
-                                          for (name, nan), state in model.schedule.done.items()
-                                          if state == "not reached"))
+                       calls=model.injector.calls)
+        if model.sweep:
+            from tests.harness.injection import coverage
+
+            nan_steps = sorted(step for step in range(trainer.global_step + 1) if model.is_nan_step(step))
+            outcome.update(nan_steps=nan_steps, coverage=coverage([(model.injector.calls, model.injector.fired,
+                                                                    set(nan_steps))]))
     (out_dir / f"result_{trainer.global_rank}.json").write_text(json.dumps(outcome))
 
 
@@ -285,6 +286,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=MAX_STEPS)
     parser.add_argument("--inject", action="append", default=[], help="Class.method@STEP: raise there on rank 1")
     parser.add_argument("--sweep", action="store_true", help="inject into every step-time method, one per step")
+    parser.add_argument("--sweep-targets", type=Path, default=None,
+                        help="a JSON list of [method, at a NaN step, steps it ran at before]: inject only those")
     parser.add_argument("--fail-rank1", default=None, choices=["replay", "rows", "origin", "performance"],
                         help="make that part of the plugin raise on rank 1 only")
     args = parser.parse_args()
@@ -296,7 +299,9 @@ def main() -> None:
     else:
         callbacks = [AnomalyDetectionCallback(anomaly_detection_mode=args.mode, level=args.level)]
     spawned = args.strategy == "ddp_spawn"
-    trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=args.max_steps, devices=2, strategy=args.strategy)
+    epochs = {"limit_train_batches": SWEEP_EPOCH} if args.sweep else {}
+    trainer = make_trainer(args.out_dir / "run", callbacks, max_steps=args.max_steps, devices=2, strategy=args.strategy,
+                           **epochs)
     model = NaNOnOneRank(args.nan_rank, args.nan_step, str(args.out_dir), write_in_teardown=spawned,
                          unused_layer=args.unused_layer, fail_writes_rank0=args.fail_writes_rank0,
                          fail_check_rank1_step=args.fail_check_rank1_step, gather_in_step=args.gather_in_step,
@@ -307,7 +312,10 @@ def main() -> None:
     if (args.inject or args.sweep) and os.environ.get("LOCAL_RANK") == "1":  # rank 1, before the run binds
         from tests.harness.injection import Injector, Schedule
 
-        model.injector, model.schedule = Injector(lambda: model.during), Schedule()
+        listed = [] if args.sweep_targets is None else json.loads(args.sweep_targets.read_text())
+        targets = {(name, nan) for name, nan, _ in listed} if listed else None
+        hints = {(name, nan): set(steps) for name, nan, steps in listed}
+        model.injector, model.schedule = Injector(lambda: model.during), Schedule(targets=targets, hints=hints)
     outcome: dict[str, Any] = {"exception": None}
     try:
         trainer.fit(model)
