@@ -180,10 +180,18 @@ class StepNumerics:
         return self._host
 
     def deliver(self) -> None:
+        """Hand the host values to every consumer; one that raises does not keep them from the others (its error is
+        raised again once all had them, for the caller's guard to record)."""
         host = self.read(blocking=True)
         subscribers, self._subscribers = self._subscribers, []
+        failure: Exception | None = None
         for consumer in subscribers:
-            consumer(host)
+            try:
+                consumer(host)
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
 
 def scan_parameters(index: ParameterIndex, reduce_flags: bool | Callable[[torch.Tensor], torch.Tensor]

@@ -117,12 +117,25 @@ class PendingChecks:
     def ready(self, final: bool = False) -> Iterator[PendingCheck]:
         """Each check step whose values have all arrived, in order, taken out as it is yielded: a step waits
         for its update and histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending; ``final``
-        yields every step that has its gradient values and drops those that never got them."""
+        yields every step that has its gradient values and drops those that never got them. Values arrive in step
+        order, so a step without them behind one that has them lost its values, and is dropped.
+
+        Example::
+
+            >>> checks = PendingChecks()
+            >>> checks.add(PendingCheck(0, {})); checks.add(PendingCheck(1, {}))
+            >>> checks.waiting[1].host = object()  # step 0's values were lost on their way
+            >>> [p.step for p in checks.ready()], checks.waiting
+            ([1], {})
+        """
         while self.waiting:
             step = min(self.waiting)
             pending = self.waiting[step]
             if pending.host is None and not final:
-                return
+                if not any(later.host is not None for later in self.waiting.values() if later.step > step):
+                    return
+                self.drop(step)  # its values were lost (a failure while they were handed over): later steps go on
+                continue
             if pending.host is not None and not (final or pending.ready() or len(self.waiting) > MAX_PENDING_CHECKS):
                 return
             self.drop(step)
