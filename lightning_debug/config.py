@@ -249,10 +249,11 @@ class DebugConfig:
         True, "At the end of fit, draw ``debug_analysis.png`` (loss, step time, memory, gradient norm, findings) "
         "next to the report when it is worth the half second it costs: a finding of warning or above, a run that "
         "did not finish, or 200+ steps (``lightning-debug report DIR`` draws it any time); needs matplotlib "
-        '(``pip install "lightning-debug[plots]"``), skipped with a note without it.', run_wide=True)
+        '(``pip install matplotlib``), skipped with a note that says how to draw it later without it.', run_wide=True)
     print_summary: bool = setting(
         True, "At the end of fit, print a short summary of the findings and where the files are, once, on the "
-        "global-zero process (with rich when it is installed).", run_wide=True)
+        "global-zero process: plain lines, whole paths and commands to copy; in colour on a terminal when rich is "
+        "installed.", run_wide=True)
     follow_log_cadence: bool = setting(
         True, "Send scalars to the loggers at the trainer's logging cadence (``log_every_n_steps``), as "
         "Lightning's own monitoring callbacks do: of the check steps in each logging window, the last one's "

@@ -114,7 +114,13 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
 
 
 def print_summary(debug_dir: Path, log_dir: Path) -> None:
-    """What to open next (the findings themselves were printed by the run's end-of-fit summary)."""
+    """What to open next (the findings themselves were printed by the run's end-of-fit summary): only files the
+    run wrote, each path whole on its line and quoted in the commands, ready to paste into a shell."""
+    import shlex
+
+    from lightning_debug.report.plots import INSTALL_HINT, PLOT_FILENAME
+    from lightning_debug.report.summary import report_command
+
     report_path = debug_dir / "report.json"
     if not report_path.exists():
         print(f"No report in {debug_dir}.")
@@ -122,10 +128,14 @@ def print_summary(debug_dir: Path, log_dir: Path) -> None:
     report = json.loads(report_path.read_text())
     first = next(iter(report["findings"]), None)
     print("\nNext:")
-    if first is not None:
+    if first is not None and (debug_dir / "report.md").is_file():
         print(f"  - read {debug_dir / 'report.md'}: `{first}` comes first, with where it happened and what to do")
-    print(f"  - look at {debug_dir / 'debug_analysis.png'} (the loss, step time, memory, gradient norm, findings "
-          "over steps)")
-    print(f"  - tensorboard --logdir {log_dir}  then open CUSTOM SCALARS (your loss next to the debug charts, by "
-          "area) and TEXT (this report, and each finding at its step)")
+    if (debug_dir / PLOT_FILENAME).is_file():
+        print(f"  - look at {debug_dir / PLOT_FILENAME} (the loss, step time, memory, gradient norm, findings "
+              "over steps)")
+    else:
+        print(f"  - {PLOT_FILENAME} was not drawn (it needs matplotlib): {INSTALL_HINT}, then "
+              f"{report_command(debug_dir)}")
+    print(f"  - tensorboard --logdir {shlex.quote(str(log_dir))}  then open CUSTOM SCALARS (your loss next to the "
+          "debug charts, by area) and TEXT (this report, and each finding at its step)")
     print(f"  - programs: {report_path} and {debug_dir / 'events.jsonl'}")

@@ -9,7 +9,7 @@ started.
 
 Drawn at the end of fit (``DebugConfig.save_plots``) and by ``lightning-debug report DIR``, from
 a :class:`~lightning_debug.core.timeline.Timeline`. matplotlib is an optional extra
-(``pip install "lightning-debug[plots]"``); it is imported only when a figure is drawn, and
+(``pip install matplotlib``, or ``pip install -e ".[plots]"`` in a checkout); it is imported only when a figure is drawn, and
 through the object-oriented Agg API, so a user's own pyplot backend and figures are untouched.
 
 Example::
@@ -36,7 +36,8 @@ from lightning_debug.core.timeline import LOSS_SERIES, Timeline
 from lightning_debug.report.document import write_atomic
 
 PLOT_FILENAME = "debug_analysis.png"
-INSTALL_HINT = 'pip install "lightning-debug[plots]"'
+INSTALL_HINT = "pip install matplotlib"
+"""Works wherever the package came from (a checkout, a wheel): the ``plots`` extra is only matplotlib."""
 SEVERITY_COLORS = {"critical": "#7b0000", "error": "#d62728", "warning": "#ff7f0e", "info": "#8c8c8c"}
 MAX_MARKED_STEPS = 8
 

@@ -1,9 +1,14 @@
 """The end of a run for a person: ``debug_analysis.png`` and a compact summary on the console.
 
 :meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
-global-zero process, after report.json is written. The summary goes through rich when it is
-installed and is plain text otherwise; both say what was found (root causes first, most severe first,
-each consequence after its cause), at which steps, which checks did not run, and where the files are.
+global-zero process, after report.json is written. The summary says what was found (root causes
+first, most severe first, each consequence after its cause), at which steps, which checks did not run,
+and where the files are. It is meant to be copied: a path or a command is always whole on one line
+(never folded at the console's width), a path in a command is quoted for the shell, and no text of a
+run (a folder named ``runs-[exp1]``, a message) is read as rich markup. It goes through rich (colours)
+only when rich is installed and the stream is a terminal as rich decides it (``FORCE_COLOR`` or
+``TTY_COMPATIBLE=1`` force it, ``TTY_COMPATIBLE=0`` turns it off); piped or redirected output is the
+plain text of :func:`summary_lines`.
 
 Example::
 
@@ -19,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -166,33 +172,58 @@ def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
 
 
 def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO | None = None) -> None:
-    """Print the summary with rich when it is installed, as plain text otherwise."""
+    """Print the summary: with rich on a terminal when it is installed, as the plain :func:`summary_lines`
+    otherwise (piped, redirected, no rich)."""
     stream = stream if stream is not None else sys.stdout
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
+    console = _rich_console(stream)
+    if console is None:
         stream.write("\n".join(summary_lines(report, files)) + "\n")
         return
-    is_terminal = bool(getattr(stream, "isatty", lambda: False)())
-    console = Console(file=stream, highlight=False, soft_wrap=False, width=None if is_terminal else 120)
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
     findings = report.get("findings") or {}
-    table = Table(title=_headline(report), title_justify="left", show_header=bool(findings), box=None,
-                  padding=(0, 1), expand=False)
-    spans = [_span(entry) for entry in findings.values()]
-    widths = [9, max([len(kind) for kind in findings] + [7]), max([len(span) for span in spans] + [5])]
-    table.add_column("severity", no_wrap=True, width=widths[0])
-    table.add_column("finding", no_wrap=True, width=widths[1])
-    table.add_column("where", no_wrap=True, width=widths[2])
-    table.add_column("what", no_wrap=True, overflow="ellipsis", width=max(20, console.width - sum(widths) - 9))
-    for kind, entry in findings.items():
-        severity = str(entry["severity"])
-        table.add_row(f"[{SEVERITY_STYLES.get(severity, '')}]{severity}[/]", kind, _span(entry), _what(entry))
-    console.print(table)
+    console.print(Text(_headline(report), style="bold"), soft_wrap=True)
+    if findings:
+        table = Table(show_header=True, box=None, padding=(0, 1), expand=False)
+        spans = [_span(entry) for entry in findings.values()]
+        widths = [9, max([len(kind) for kind in findings] + [7]), max([len(span) for span in spans] + [5])]
+        table.add_column("severity", no_wrap=True, width=widths[0])
+        table.add_column("finding", no_wrap=True, width=widths[1])
+        table.add_column("where", no_wrap=True, width=widths[2])
+        table.add_column("what", no_wrap=True, overflow="ellipsis",
+                         width=max(20, console.width - sum(widths) - 9))
+        for kind, entry in findings.items():
+            severity = str(entry["severity"])
+            table.add_row(Text(severity, style=SEVERITY_STYLES.get(severity, "")), Text(kind), Text(_span(entry)),
+                          Text(_what(entry)))
+        console.print(table)
     for line in failed_check_lines(report):
-        console.print(line, style="bold red", overflow="fold", markup=False)
+        console.print(Text(line, style="bold red"), soft_wrap=True)
     for label, where in files.items():
-        console.print(f"  [bold]{label}:[/] {where}", overflow="fold")
+        console.print(f"  [bold]{escape(label)}:[/] {escape(where)}", soft_wrap=True)
+
+
+def _rich_console(stream: TextIO) -> Any:
+    """A rich console on ``stream`` when rich is installed and ``stream`` is a terminal, else None."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return None
+    console = Console(file=stream, highlight=False, soft_wrap=True)
+    return console if console.is_terminal else None
+
+
+def report_command(directory: Path | str) -> str:
+    """The command that rebuilds a run's report and draws its plot, ready to paste into a shell.
+
+    Example::
+
+        >>> report_command("runs-[exp1]/version_0/debug_outputs")
+        "lightning-debug report 'runs-[exp1]/version_0/debug_outputs'"
+    """
+    return f"lightning-debug report {shlex.quote(str(directory))}"
 
 
 def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
@@ -211,7 +242,7 @@ def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
         elif config.save_plots:
             files["debug_analysis.png"] = (f"not drawn (a healthy run of {report.get('last_step', 0)} steps; drawn "
                                            f"with a finding or from {PLOT_MIN_STEPS} steps): "
-                                           f"lightning-debug report {directory}")
+                                           f"{report_command(directory)}")
         documents = (("report", REPORT_MD), ("json", REPORT_JSON)) if report_written else ()
         for label, name in (*documents, ("events", EVENTS_FILENAME)):
             if (directory / name).is_file():
@@ -256,9 +287,9 @@ def plot_worth_drawing(report: dict[str, Any]) -> bool:
 
 
 def _draw(directory: Path, session: Session, report: dict[str, Any]) -> dict[str, str]:
-    from lightning_debug.report.plots import PlotsUnavailable, write_debug_analysis
+    from lightning_debug.report.plots import INSTALL_HINT, PlotsUnavailable, write_debug_analysis
 
     try:
         return {"plots": str(write_debug_analysis(directory, session.timeline, report))}
-    except PlotsUnavailable as missing:
-        return {"plots": str(missing)}
+    except PlotsUnavailable:
+        return {"plots": f"not drawn, matplotlib is not installed: {INSTALL_HINT}, then {report_command(directory)}"}

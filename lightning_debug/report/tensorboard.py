@@ -31,6 +31,7 @@ Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -182,5 +183,5 @@ def attach_to_writer(writer: Any, session: Session, log_dir: str | None = None) 
             pass
     session.event_listeners.append(EventText(writer))
     if log_dir:
-        session.links.setdefault("tensorboard", f"tensorboard --logdir {log_dir}")
+        session.links.setdefault("tensorboard", f"tensorboard --logdir {shlex.quote(str(log_dir))}")
     return True
