@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, FiniteNonNegativeFloat, NonNegativeInt,
-                                          NotEmptyStr, PositiveInt, ProfileLength, Setting, UnitFraction, as_integer,
-                                          field_rule, markdown, rejects_unknown_keywords, setting, unknown_name_error,
-                                          with_args)
+from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, ConfigError, FiniteNonNegativeFloat,
+                                          NonNegativeInt, NotEmptyStr, PositiveInt, ProfileLength, Setting,
+                                          UnitFraction, as_integer, field_rule, markdown, rejects_unknown_keywords,
+                                          setting, unknown_name_error, with_args)
 
 
 class _AnyCaseNames(enum.EnumMeta):
@@ -270,7 +270,8 @@ class DebugConfig:
         for name, above in _BELOW.items():
             low, high = getattr(self, name), getattr(self, above)
             if high is not None and low >= high:
-                raise ValueError(f"DebugConfig.{name} must be below DebugConfig.{above}, got {low!r} >= {high!r}")
+                raise ConfigError(f"DebugConfig.{name} must be below DebugConfig.{above}, got {low!r} >= {high!r}",
+                                  (name, above), f"{name} must be below {above}", {name: low, above: high})
 
     def replace(self, **overrides: Any) -> "DebugConfig":
         """A copy with the given fields changed; ``None`` values keep this config's value."""

@@ -147,6 +147,30 @@ def alternatives(hint: Any) -> tuple[list[Any], bool]:
     return [hint], False
 
 
+class ConfigError(ValueError):
+    """Settings that break a rule between them, with what a program needs to say so without reading the
+    message: ``fields`` (the settings at fault), ``rule`` (what they must satisfy, in words) and ``given``
+    (their values). A ``ValueError``: ``except ValueError`` catches it as before. Under LightningCLI it is
+    printed from these attributes as a usage error (:mod:`lightning_debug.callbacks.cli_usage`).
+
+    Example::
+
+        >>> error = ConfigError("DebugConfig.a must be below DebugConfig.b, got 2 >= 1", fields=("a", "b"),
+        ...                     rule="a must be below b", given={"a": 2, "b": 1})
+        >>> isinstance(error, ValueError), error.fields, error.rule
+        (True, ('a', 'b'), 'a must be below b')
+    """
+
+    def __init__(self, message: str, fields: Iterable[str], rule: str, given: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
+        self.rule = rule
+        self.given = dict(given or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.fields, self.rule, self.given))
+
+
 def _enum_names(enum_type: Any) -> str:
     return ", ".join(member.value if isinstance(member, str) else member.name for member in enum_type)
 

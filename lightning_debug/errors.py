@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_debug.config_types import ConfigError
+
+__all__ = ["AnomalyError", "ConfigError"]
+
 
 class AnomalyError(RuntimeError):
     """Raised in ``anomaly_detection_mode="raise"`` when a loss, gradient or parameter is non-finite.

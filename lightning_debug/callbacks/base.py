@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_debug.config import (RUN_WIDE_FIELDS, Area, DebugConfig, fields_of, keyword_overrides, override_help,
                                     resolve_config)
+from lightning_debug.callbacks.cli_usage import register as register_cli_usage
 from lightning_debug.config_types import with_args
 from lightning_debug.core.context import RunStatus, exit_code
 from lightning_debug.core.guard import Failures, describe, guarded
@@ -286,3 +287,5 @@ def _configs_leader_first(leader: DebugCallback, callbacks: list[DebugCallback])
     return {(name if names.count(name) == 1 else f"{name} #{i}"): c.config
             for i, (name, c) in enumerate(zip(names, ordered), 1)}
 
+
+register_cli_usage(DebugCallback, DebugConfig)  # a cross-field error under LightningCLI: exit 2 (callbacks/cli_usage)

@@ -34,7 +34,12 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.callbacks.cli_errors import shorten
+from lightning_debug.callbacks.cli_usage import register
+from lightning_debug.config import DebugConfig
+
+register(DebugCallback, DebugConfig)  # in case a callback was imported before jsonargparse
 
 
 class CompactErrors:

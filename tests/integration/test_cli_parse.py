@@ -267,3 +267,64 @@ def test_two_callbacks_that_disagree_on_a_run_wide_setting_are_an_error_naming_b
     with pytest.raises(ValueError, match="debug_output_dir is a setting of the whole run, but "
                                          "AnomalyDetectionCallback sets 'a' and GradientHealthCallback 'b'"):
         trainer.fit(TinyRegressor())
+
+
+# --- a rule between two fields (issue 44) ---------------------------------------------------------------------------
+
+CROSS_FIELD_RULE = "gradient_vanishing_threshold must be below gradient_explosion_threshold"
+DEFAULT_PARSER_SCRIPT = """
+from lightning.pytorch.cli import LightningCLI
+from tests.harness.toolkit import TinyRegressor
+LightningCLI(TinyRegressor, save_config_callback=None)
+"""
+
+
+def _cross_field_document(nested: bool) -> dict[str, Any]:
+    threshold = {"gradient_explosion_threshold": 1e-9}
+    return {"trainer": {"logger": False, "max_steps": 1, "enable_checkpointing": False, "callbacks": [
+        {"class_path": "lightning_debug.GradientHealthCallback",
+         "init_args": {"config": threshold} if nested else threshold}]}}
+
+
+def _assert_cross_field_usage_error(code: int | None, printed: str, nested: bool) -> None:
+    lines = [line for line in printed.splitlines() if line.strip() and not line.startswith("Seed set to")]
+    owner = "lightning_debug.DebugConfig" if nested else "lightning_debug.GradientHealthCallback"
+    assert code == 2 and len(lines) <= 3, printed[-3000:]
+    assert lines[0] == f"error: {owner}: {CROSS_FIELD_RULE}", printed
+    assert lines[1] == "  given: gradient_vanishing_threshold: 1e-06 (default), gradient_explosion_threshold: 1e-09", \
+        printed
+    assert "Traceback" not in printed
+
+
+@pytest.mark.parametrize("parser, nested", [("lightning", False), ("compact", True)])
+def test_a_cross_field_error_is_a_usage_error_with_either_parser(tmp_path: Path, parser: str, nested: bool) -> None:
+    """``gradient_explosion_threshold: 1e-9`` (below the vanishing threshold) was exit 1 and 97 lines of two chained
+    tracebacks with either parser: it is exit 2 and two lines, the keys, their values and the rule."""
+    from tests.harness.toolkit import child_env
+
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(_cross_field_document(nested)))
+    command = [sys.executable, "-c", DEFAULT_PARSER_SCRIPT] if parser == "lightning" else \
+        [sys.executable, str(ROOT / "examples" / "train.py")]
+    completed = subprocess.run([*command, "fit", "--config", "bad.yaml"], cwd=tmp_path,
+                               env=child_env(PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=180)
+    _assert_cross_field_usage_error(completed.returncode, completed.stdout + completed.stderr, nested)
+
+
+@pytest.mark.parametrize("parser, nested", [("lightning", True), ("compact", False)])
+def test_a_cross_field_error_in_process_is_the_same_usage_error(tmp_path: Path, parser: str, nested: bool) -> None:
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    code, printed = _run_cli(tmp_path, _cross_field_document(nested), subcommand=True,
+                             parser=LightningArgumentParser if parser == "lightning" else None)
+    _assert_cross_field_usage_error(code, printed, nested)
+
+
+def test_a_cross_field_error_from_python_is_still_a_value_error_naming_both_fields() -> None:
+    from lightning_debug.errors import ConfigError
+
+    with pytest.raises(ValueError, match="gradient_vanishing_threshold must be below DebugConfig.gradient_explosion_"
+                                         "threshold") as raised:
+        GradientHealthCallback(gradient_explosion_threshold=1e-9)
+    assert isinstance(raised.value, ConfigError)
+    assert raised.value.fields == ("gradient_vanishing_threshold", "gradient_explosion_threshold")
+    assert raised.value.rule == CROSS_FIELD_RULE
