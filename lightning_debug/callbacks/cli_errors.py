@@ -8,7 +8,12 @@ the message by its indentation, follows that alternative down to the key that fa
 (``Expected a <class 'NoneType'>``, ``Not a valid subclass of ...``) and words what the key accepts. A
 message it does not recognise keeps its first lines, so the key that failed is never lost.
 
-This module only reads text; :mod:`lightning_debug.callbacks.cli` gives it to LightningCLI.
+This module only reads text; :mod:`lightning_debug.callbacks.cli` gives it to LightningCLI. jsonargparse
+raises one ``ArgumentError`` whose only content is this English text, so the patterns below read it;
+each is pinned by ``tests/unit/test_cli_errors.py`` to a message the installed jsonargparse really prints
+(a change of its wording fails there, by pattern, instead of silently giving the long message back).
+What the plugin knows itself is not read from text: a rule between fields comes from the
+:class:`~lightning_debug.config_types.ConfigError`'s attributes (:mod:`lightning_debug.callbacks.cli_usage`).
 
 Example::
 
