@@ -167,6 +167,10 @@ def performance_markdown(section: dict[str, Any]) -> dict[str, str]:
             f"Every {section['check_frequency']} optimizer step(s), {section['clock']}; "
             f"{summaries['step']['count']} steps measured (median and p90 over a bounded sample).\n\n"
             + phase_table_markdown(summaries))
+    window = section.get("profiler_window") or {}
+    if window.get("status") in ("skipped", "failed", "not reached"):
+        markdown["torch.profiler window"] = (f"The window of `profile_steps` (steps {window['first_step']}-"
+                                             f"{window['last_step']}) was {window['status']}: {window['reason']}.")
     for trace in section.get("profiler_traces", []):
         title = f"Top operators (torch.profiler, steps {trace['first_step']}-{trace['last_step']})"
         body = f"Trace: `{trace['path']}`\n\nBy self CPU time:\n\n{operators_markdown(trace['by_self_cpu'])}\n"
