@@ -327,6 +327,16 @@ class PerformanceMonitor(Monitor):
         if finding is not None:
             self.record(finding, step, self._where)
 
+    def _unavailable(self) -> dict[str, str]:
+        """What the run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
+        if self.loader is not None:
+            return {}
+        return {"loader settings": "no training DataLoader was given (with Accelerate: AccelerateDebugger("
+                                   "train_dataloader=loader)) or the loader has no num_workers, so "
+                                   "`dataloader_bottleneck` is still found from the step times but cannot say which of "
+                                   "num_workers, pin_memory, persistent_workers to change, and a slow first batch of an "
+                                   "epoch is not traced to the loader's workers"}
+
     def _window_outcome(self) -> dict[str, Any] | None:
         """What became of the torch.profiler window (report.json ``profiler_window``); None when none was asked."""
         outcome = self.windows.outcome
@@ -343,6 +353,7 @@ class PerformanceMonitor(Monitor):
     def report_section(self) -> dict[str, Any]:
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
         return dict(super().report_section(), stats=self.step_stats.summaries(), clock=clock, loader=self.loader,
+                    unavailable=self._unavailable(),
                     profiler_traces=list(self.profiler_traces), profiler_window=self._window_outcome(),
                     sync_sites=self.sync_sites,
                     excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
