@@ -114,8 +114,8 @@ class Validated(TinyRegressor):
 
     def configure_optimizers(self) -> Any:
         optimizer = super().configure_optimizers()
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5),
-                                                         "interval": "step"}}
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def fit_with_lightning_tools(root: Path, max_steps: int, early_stopping: EarlyStopping | None = None,

@@ -333,9 +333,9 @@ class PerformanceMonitor(Monitor):
             return {}
         return {"loader settings": "no training DataLoader was given (with Accelerate: AccelerateDebugger("
                                    "train_dataloader=loader)) or the loader has no num_workers, so "
-                                   "`dataloader_bottleneck` is still found from the step times but cannot say which of "
-                                   "num_workers, pin_memory, persistent_workers to change, and a slow first batch of an "
-                                   "epoch is not traced to the loader's workers"}
+                                   "`dataloader_bottleneck` is still found from the step times but cannot say which "
+                                   "of num_workers, pin_memory, persistent_workers to change, and a slow first batch "
+                                   "of an epoch is not traced to the loader's workers"}
 
     def _window_outcome(self) -> dict[str, Any] | None:
         """What became of the torch.profiler window (report.json ``profiler_window``); None when none was asked."""

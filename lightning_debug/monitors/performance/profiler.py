@@ -326,7 +326,8 @@ class StepWindows:
             try:
                 self._trace_ready(profiler, first, last)
             except Exception as failure:  # a full disk must not stop training
-                self._settle(WindowStatus.FAILED, f"the trace could not be written ({type(failure).__name__}: {failure})")
+                reason = f"the trace could not be written ({type(failure).__name__}: {failure})"
+                self._settle(WindowStatus.FAILED, reason)
                 self.on_failure(f"the torch.profiler trace of steps {first}-{last} could not be written "
                                 f"({type(failure).__name__}: {failure}); training continues.")
 
