@@ -64,7 +64,7 @@ def main() -> None:
 
     config = DebugConfig(anomaly_detection_mode=args.anomaly_mode, gradient_checking_frequency=10,
                          memory_profiling_frequency=10, performance_profiling_frequency=5)
-    debugger = AccelerateDebugger(accelerator, model, optimizer, config)          # added line 1
+    debugger = AccelerateDebugger(accelerator, model, optimizer, config, train_dataloader=loader)  # added line 1
     while debugger.step < args.steps and not debugger.should_stop:
         for x, y in loader:
             with accelerator.accumulate(model):

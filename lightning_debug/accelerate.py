@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,7 @@ class AccelerateContext(RunContext):
         self.world_size, self.rank = accelerator.num_processes, accelerator.process_index
         kind = getattr(accelerator.distributed_type, "name", "")
         self.grads_sharded = kind == "DEEPSPEED" or (kind == "FSDP" and not getattr(accelerator, "is_fsdp2", False))
-        self.loader = train_dataloader or next(iter(getattr(accelerator, "_dataloaders", None) or []), None)
+        self.loader = train_dataloader
 
     @property  # type: ignore[override]
     def uses_grad_scaler(self) -> bool:
@@ -68,10 +68,13 @@ class AccelerateContext(RunContext):
         return self.debugger.clipping
 
     def epoch_end_step(self, step: int, where: Where) -> int | None:
-        """From the length of the loop's DataLoader and the Accelerator's gradient accumulation, as under Lightning
-        (None for a loader without a length)."""
+        """From the length of the DataLoader given as ``train_dataloader`` and the Accelerator's gradient accumulation,
+        as under Lightning (None without one, for several or for a loader without a length)."""
+        loader = self.loader
+        if loader is None or isinstance(loader, (Mapping, list, tuple)):
+            return None
         try:
-            batches = len(self.loader) if self.loader is not None else None
+            batches = len(loader)
         except TypeError:
             return None
         return epoch_end(step, where.get("batch", -1), batches,
@@ -191,7 +194,10 @@ class AccelerateDebugger:
         accelerator, model, optimizer: The run's ``Accelerator`` and what ``prepare`` returned;
             ``optimizer`` may be a list of optimizers.
         config: The checks' settings; None means the defaults.
-        train_dataloader: Quoted in ``dataloader_bottleneck`` advice (default: the first prepared one).
+        train_dataloader: The DataLoader the loop trains on (what ``prepare`` returned), a list of them (the
+            first one's settings are quoted) or a dict of its settings (``{"num_workers": 4, ...}``): quoted in
+            ``dataloader_bottleneck`` advice, and its length tells where an epoch ends. Without it those
+            checks are listed in report.md as not judged (``Not judged: ...``), not guessed.
         total_steps: How many optimizer steps the loop will take. A loop does not say, and without it a
             learning rate that reaches 0 early cannot be told from a schedule that ends there, so
             ``learning_stalled`` is not judged (report.md says so under "Gradient health").

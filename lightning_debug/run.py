@@ -380,11 +380,12 @@ class Run:
         return True
 
     def _release(self) -> None:
-        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, unroute the
-        console."""
+        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, release the
+        process-wide module registration hooks, unroute the console."""
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()
+        self.numerics.close()
         if self._unroute is not None:
             self._unroute()
 

@@ -324,6 +324,16 @@ class LightningContext(RunContext):
     def train_loader(self) -> Any:
         return self.trainer.train_dataloader
 
+    def profiler_in_use(self) -> str | None:
+        """``Trainer(profiler="pytorch")`` (or a ``PyTorchProfiler`` instance, of ``lightning`` or
+        ``pytorch_lightning``): it records the fit with torch.profiler, and its output is the user's."""
+        profiler = self.trainer.profiler
+        if not any(cls.__name__ == "PyTorchProfiler" for cls in type(profiler).__mro__):
+            return None
+        where = getattr(profiler, "dirpath", None) or self.trainer.log_dir
+        return (f"Trainer(profiler=...) runs Lightning's {type(profiler).__name__}, which records this fit with "
+                f"torch.profiler (its report and traces go to {where})")
+
     def replay(self) -> Replay | None:
         """Recompute ``training_step``'s loss from a captured ``(batch, batch_idx)`` (automatic optimization only:
         a manual ``training_step`` steps its optimizers)."""

@@ -217,6 +217,12 @@ class RunContext:
     def train_loader(self) -> Any:
         return None
 
+    def profiler_in_use(self) -> str | None:
+        """Who else records this run with torch.profiler, in a sentence (Lightning: ``Trainer(profiler="pytorch")``);
+        None when the framework runs no such profiler. torch runs one profiler at a time, so the performance
+        monitor's ``profile_steps`` window is then skipped and says this sentence once."""
+        return None
+
     def replay(self) -> Replay | None:
         """Recomputes the loss of a captured micro-batch (``level=ADVANCED`` localization), or None."""
         return None

@@ -38,6 +38,17 @@ def _significant(summary: dict[str, Any], key: str) -> Any:
     return round_significant(summary[key], 3) if summary.get("count") else "-"
 
 
+def not_judged(section: dict[str, Any]) -> list[str]:
+    """One line per check the run could not judge, with why (an area's ``unavailable``).
+
+    Example::
+
+        >>> not_judged({"unavailable": {"learning_stalled": "the run's length is unknown"}})
+        ["Not judged: `learning_stalled`: the run's length is unknown."]
+    """
+    return [f"Not judged: `{what}`: {why}." for what, why in (section.get("unavailable") or {}).items()]
+
+
 def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
     norms = section.get("stats", {}).get("gradient_norm", {})
     lines = [f"{section['checks']} check step(s), every {section['check_frequency']} optimizer step(s)."]
@@ -60,8 +71,7 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
         lines.append(f"Suggested clipping: `Trainer(gradient_clip_val={clip['value']:g})` ({clip['basis']}).")
     elif clip:
         lines.append(f"No clip value suggested: {clip['basis']}.")
-    for kind, why in (section.get("unavailable") or {}).items():
-        lines.append(f"Not judged: `{kind}`: {why}.")
+    lines += not_judged(section)
     frozen = section.get("trainability", {}).get("requires_grad_false_parameters", 0)
     if frozen:
         lines.append(f"{frozen} parameter(s) have requires_grad=False (not trained by design).")
@@ -110,6 +120,9 @@ def memory_markdown(section: dict[str, Any]) -> dict[str, str]:
         lines += ["", f"Tensor censuses taken to explain growth: {census['count']} (mean {census['mean']:.0f} ms)."]
     for path in section.get("oom_post_mortems", []):
         lines += ["", f"Out-of-memory post-mortem: `{path}`."]
+    unavailable = not_judged(section)
+    if unavailable:
+        lines += ["", *unavailable]
     return {"Memory": "\n".join(lines)}
 
 
@@ -167,6 +180,13 @@ def performance_markdown(section: dict[str, Any]) -> dict[str, str]:
             f"Every {section['check_frequency']} optimizer step(s), {section['clock']}; "
             f"{summaries['step']['count']} steps measured (median and p90 over a bounded sample).\n\n"
             + phase_table_markdown(summaries))
+    unavailable = not_judged(section)
+    if unavailable:
+        markdown["Not judged (performance)"] = "\n\n".join(unavailable)
+    window = section.get("profiler_window") or {}
+    if window.get("status") in ("skipped", "failed", "not reached"):
+        markdown["torch.profiler window"] = (f"The window of `profile_steps` (steps {window['first_step']}-"
+                                             f"{window['last_step']}) was {window['status']}: {window['reason']}.")
     for trace in section.get("profiler_traces", []):
         title = f"Top operators (torch.profiler, steps {trace['first_step']}-{trace['last_step']})"
         body = f"Trace: `{trace['path']}`\n\nBy self CPU time:\n\n{operators_markdown(trace['by_self_cpu'])}\n"

@@ -103,7 +103,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
              evaluate_after: tuple[int, float] | None = None, oom_at: int | None = None,
              nan_in_model_at: int | None = None, lr_zero_from: int | None = None,
              scaler: torch.amp.GradScaler | None = None, config: DebugConfig | None = None,
-             **overrides: Any) -> Run:
+             pass_loader: bool = True, **overrides: Any) -> Run:
     """A plain Accelerate loop with the debugger's three lines.
 
     ``nan_input_at``: from this optimizer step on, the batch carries a NaN (NaN loss and gradients).
@@ -116,6 +116,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
     ``oom_at``: the forward of this step raises ``torch.OutOfMemoryError``.
     ``nan_in_model_at``: from this step on, the activation after ``hidden`` takes sqrt of negatives.
     ``lr_zero_from``: a LambdaLR (stepped after each optimizer step, given to the debugger) is 0 from this step on.
+    ``pass_loader``: give the prepared DataLoader to the debugger (``train_dataloader=``).
     """
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(root),
@@ -135,6 +136,8 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
         optimizer, lambda step: 1.0 if step < lr_zero_from else 0.0)))
     if schedule is not None:
         overrides["lr_scheduler"] = schedule
+    if pass_loader:
+        overrides.setdefault("train_dataloader", loader)
     debugger = AccelerateDebugger(accelerator, model, optimizer, config, **overrides)
     run = Run(accelerator, debugger, model)
     net = accelerator.unwrap_model(model)
@@ -526,6 +529,33 @@ def test_slow_data_loader_is_timed_as_data_wait_and_reported(tmp_path: Path) -> 
     assert all(forward_ms[step] < 25 for step in range(1, 8)), "the batch starts at the model's forward"
     bottleneck = starts(read_events(run.debug_dir), "dataloader_bottleneck")
     assert bottleneck and bottleneck[0]["details"]["num_workers"] == 0
+    report_md = run.report_md()
+    assert "Not judged: `loader settings`" not in report_md and "Not judged: `memory kept" not in report_md
+
+
+def test_without_a_loader_given_the_loader_checks_are_listed_as_not_judged(tmp_path: Path) -> None:
+    """The debugger reads no private list of the Accelerator's loaders: a loop that does not pass its DataLoader
+    still has its data wait found from the step times, and report.md says what could not be judged without it."""
+    run = run_loop(tmp_path, steps=8, data_delay_s=0.03, performance_profiling_frequency=1, pass_loader=False)
+    bottleneck = starts(read_events(run.debug_dir), "dataloader_bottleneck")
+    assert bottleneck and bottleneck[0]["details"]["num_workers"] is None  # not the prepared loader's, silently
+    sections = read_report(run.debug_dir)["sections"]
+    assert sections["performance"]["loader"] is None
+    assert list(sections["performance"]["unavailable"]) == ["loader settings"]
+    assert list(sections["memory"]["unavailable"]) == ["memory kept to an epoch's end"]
+    report_md = run.report_md()
+    assert "Not judged: `loader settings`: no training DataLoader was given" in report_md
+    assert "Not judged: `memory kept to an epoch's end`: the epoch's length is unknown" in report_md
+
+
+def test_several_loaders_given_quote_the_first(tmp_path: Path) -> None:
+    other = DataLoader(regression_data(), batch_size=32, num_workers=0)
+    run = run_loop(tmp_path, steps=4, performance_profiling_frequency=1, pass_loader=False,
+                   train_dataloader=[DataLoader(regression_data(), batch_size=8, pin_memory=True), other])
+    sections = read_report(run.debug_dir)["sections"]
+    assert sections["performance"]["loader"]["batch_size"] == 8 and sections["performance"]["loader"]["pin_memory"]
+    assert sections["performance"]["unavailable"] == {}
+    assert list(sections["memory"]["unavailable"]) == ["memory kept to an epoch's end"]  # whose length is the epoch's?
 
 
 def test_evaluation_between_steps_is_not_data_wait(tmp_path: Path) -> None:

@@ -80,7 +80,8 @@ def accelerate_run(root: Path) -> dict[str, int]:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     loader = DataLoader(regression_data(), batch_size=16, shuffle=False)
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
-    debugger = AccelerateDebugger(accelerator, model, optimizer, CONFIG, total_steps=STEPS, lr_scheduler=schedule)
+    debugger = AccelerateDebugger(accelerator, model, optimizer, CONFIG, train_dataloader=loader, total_steps=STEPS,
+                                  lr_scheduler=schedule)
     with debugger:
         while debugger.step < STEPS:
             for x, y in loader:

@@ -12,6 +12,7 @@ Example::
     (True, True)
     >>> queue.poll(final=True); queue.pending
     False
+    >>> queue.close()  # the run's end: the process-wide registration hooks are released
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ class NumericsQueue:
         self._indexes: dict[Any, tuple[int, Any, ParameterIndex]] = {}
         # Sums the parameter scan's flags over ranks (the run's gate); None: ``torch.distributed`` directly.
         self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-        watch_registrations()
+        self._lease = watch_registrations()
+
+    def close(self) -> None:
+        """The run ended: let the process-wide registration hooks go (:mod:`.registrations`; removed once no
+        run holds them). An index asked for afterwards holds them again."""
+        self._lease.release()
 
     @property
     def steps_done(self) -> int:
@@ -98,6 +104,8 @@ class NumericsQueue:
         ``REQUIRES_GRAD_RECHECK`` uses, the model is walked once and compared with the index's
         :func:`~lightning_debug.core.numerics.index.signature`; only a real change rebuilds it.
         """
+        if not self._lease.held:
+            self._lease = watch_registrations()
         count = registration_count()
         if optimizer is None:
             key: Any = ("model", plain_sharded)

@@ -9,10 +9,15 @@ model (:func:`watch_model`); one into a module outside every watched model (a fr
 is ignored, since attaching that container to the model is itself a counted registration. The
 count only says "may have changed": the index is then compared by identity before it is rebuilt.
 
+The two hooks are process-wide (``torch.nn.modules.module.register_module_*_registration_hook``), so they
+are held for as long as a run needs them: :func:`watch_registrations` returns a :class:`Lease`, the
+first lease installs them, and releasing the last one (a run's end, whatever ended it) removes them and
+forgets the watched models; the count itself never goes back, so an index made before stays stale-proof.
+
 Example::
 
     >>> from torch import nn
-    >>> watch_registrations()
+    >>> lease = watch_registrations()
     >>> model = nn.Sequential(nn.Linear(2, 2))
     >>> watch_model(model)
     >>> before = registration_count()
@@ -24,6 +29,10 @@ Example::
     Sequential(...)
     >>> registration_count() > before
     True
+    >>> installed(), lease.held
+    (True, True)
+    >>> lease.release(); lease.held  # the hooks go with the last lease held in the process
+    False
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import weakref
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 _registrations = [0]
 _watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -39,7 +49,8 @@ _every_module = [False]  # a model whose modules are unknown is watched: every r
 
 
 def registration_count() -> int:
-    """How many registrations that may have changed a watched model happened since :func:`watch_registrations` (plus one)."""
+    """How many registrations that may have changed a watched model happened while the hooks were installed, plus
+    one for each time they were installed (what happened in between was not seen)."""
     return _registrations[0]
 
 
@@ -62,9 +73,51 @@ def _count_module(module: nn.Module, name: str, submodule: Any) -> None:
         _registrations[0] += 1
 
 
-def watch_registrations() -> None:
-    """Install the two global registration hooks (once per process)."""
-    if _registrations[0] == 0:
-        _registrations[0] = 1
-        nn.modules.module.register_module_parameter_registration_hook(_count_parameter)
-        nn.modules.module.register_module_module_registration_hook(_count_module)
+_handles: list[RemovableHandle] = []
+_leases: set[int] = set()  # the ids of the leases not yet released
+_next_lease = [0]
+
+
+def installed() -> bool:
+    """Whether the two global registration hooks are installed now (a run holds a lease)."""
+    return bool(_handles)
+
+
+class Lease:
+    """A hold on the two global hooks: :meth:`release` (idempotent) lets them go, and so does garbage
+    collection of a lease never released (a queue dropped without its run's end)."""
+
+    def __init__(self) -> None:
+        _next_lease[0] += 1
+        self.id = _next_lease[0]
+        _leases.add(self.id)
+        self._finalizer = weakref.finalize(self, _release, self.id)
+
+    @property
+    def held(self) -> bool:
+        return self.id in _leases
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _release(lease_id: int) -> None:
+    _leases.discard(lease_id)
+    if _leases or not _handles:
+        return
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+    _watched.clear()
+    _every_module[0] = False
+
+
+def watch_registrations() -> Lease:
+    """Hold the two global registration hooks (installed by the first lease held); release the lease at the
+    run's end."""
+    lease = Lease()
+    if not _handles:
+        _registrations[0] += 1  # a change made while nothing counted: every index made before is checked again
+        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_count_parameter))
+        _handles.append(nn.modules.module.register_module_module_registration_hook(_count_module))
+    return lease

@@ -107,6 +107,8 @@ class MemoryMonitor(Monitor):
         self._peak_since_check = 0
         self._heap_step: int | None = None
         self._elements: int | None = None
+        self.unavailable: dict[str, str] = {}
+        """What this run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
 
     @property
     def current_phase(self) -> MemoryPhase | None:
@@ -118,6 +120,13 @@ class MemoryMonitor(Monitor):
         """Learn which device trains. At EXPERT level on CUDA this switches on allocation history for
         the whole run, so an OOM leaves a full snapshot."""
         device = self._device = self.context.device()
+        self.unavailable = {}
+        if self.context.epoch_end_step(step, {"epoch": 0, "batch": 0}) is None:
+            self.unavailable["memory kept to an epoch's end"] = (
+                "the epoch's length is unknown (with Accelerate: AccelerateDebugger(train_dataloader=loader); a loader "
+                "without a length), so memory that a recipe keeps until the end of the epoch and releases there "
+                "(outputs gathered for an epoch-level metric) is not told from a leak: `memory_growth` is judged "
+                "without waiting for the epoch's end")
         if self.settings.whole_run_history and cuda_index(device) is not None and not history_enabled():
             self._start_history()
             self.warn("level=EXPERT records every CUDA allocation with its Python stack for the whole run "
@@ -398,4 +407,5 @@ class MemoryMonitor(Monitor):
             phase_reading="cuda_peak" if cuda_index(self._device) is not None else "cpu_heap",
             cost_ms={"check": self.check_ms.summary(), "census": self.census_ms.summary()},
             oom_post_mortems=list(self.oom_files),
+            unavailable=dict(self.unavailable),
         )

@@ -110,7 +110,8 @@ class PerformanceMonitor(Monitor):
         self.slow_steps, self.data_wait, self.stragglers = SlowStepRule(self.verdicts), DataWaitRule(), StragglerRule()
         output_dir = self.session.output_dir if self.bound else None
         self.windows = StepWindows(self.settings, self.stopwatch.uses_cuda, self.rank, output_dir,
-                                   self._trace_written, self._sync_window_closed, self.warn)
+                                   self._trace_written, self._sync_window_closed, self.warn,
+                                   in_use=self.context.profiler_in_use if self.bound else None)
 
     # --- events ---------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -242,6 +243,7 @@ class PerformanceMonitor(Monitor):
         if held is not None:
             self.record(held.finding(), held.step, where, key=held.key)
         self.windows.stop_profiler()
+        self.windows.not_reached(step)
         self._where = where  # the sync-debug window's finding, if still open, is placed where the run ended
         self.windows.end_sync_window(step)
         super().finalize(step)
@@ -325,6 +327,21 @@ class PerformanceMonitor(Monitor):
         if finding is not None:
             self.record(finding, step, self._where)
 
+    def _unavailable(self) -> dict[str, str]:
+        """What the run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
+        if self.loader is not None:
+            return {}
+        return {"loader settings": "no training DataLoader was given (with Accelerate: AccelerateDebugger("
+                                   "train_dataloader=loader)) or the loader has no num_workers, so "
+                                   "`dataloader_bottleneck` is still found from the step times but cannot say which "
+                                   "of num_workers, pin_memory, persistent_workers to change, and a slow first batch "
+                                   "of an epoch is not traced to the loader's workers"}
+
+    def _window_outcome(self) -> dict[str, Any] | None:
+        """What became of the torch.profiler window (report.json ``profiler_window``); None when none was asked."""
+        outcome = self.windows.outcome
+        return None if outcome is None else dict(outcome, status=outcome["status"].value)
+
     # --- resume and report ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), stats=self.step_stats.state_dict())
@@ -336,6 +353,8 @@ class PerformanceMonitor(Monitor):
     def report_section(self) -> dict[str, Any]:
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
         return dict(super().report_section(), stats=self.step_stats.summaries(), clock=clock, loader=self.loader,
-                    profiler_traces=list(self.profiler_traces), sync_sites=self.sync_sites,
+                    unavailable=self._unavailable(),
+                    profiler_traces=list(self.profiler_traces), profiler_window=self._window_outcome(),
+                    sync_sites=self.sync_sites,
                     excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
                     plugin_time_ms=self.step_stats.own.summary(), cpu_wait_ms=self.step_stats.cpu_wait.summary())

@@ -4,12 +4,18 @@ Both windows change global state (a running profiler, ``torch.cuda.set_sync_debu
 :class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them whatever happened. What
 they found is summarised by pure functions (:func:`trace_summary`, :func:`sync_sites`) and turned
 into findings (:func:`trace_finding`, :func:`host_sync_finding`) that the monitor records.
+
+torch allows one profiler per thread. Where another one already records (Lightning's
+``Trainer(profiler="pytorch")``, a user's ``with torch.profiler.profile():`` around the fit), the
+window is skipped and says why once (:attr:`StepWindows.outcome`); a profiler whose ``start()``
+failed is dropped, never stepped, stopped or exported (that once ended a fit in a segmentation fault).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import linecache
 import os
 import sys
@@ -53,6 +59,42 @@ def native_stderr_quiet() -> Any:
         os.close(saved)
         os.close(null)
 SyncSink = Callable[[list[dict[str, Any]], int, int], None]
+InUse = Callable[[], "str | None"]
+
+
+class WindowStatus(enum.Enum):
+    """What became of the torch.profiler window (report.json ``performance.profiler_window.status``)."""
+
+    WRITTEN = "written"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    NOT_REACHED = "not reached"
+
+
+def torch_profiler_running() -> bool:
+    """Whether a torch profiler (autograd profiler or ``torch.profiler.profile``) records on this process now.
+
+    torch has no public query: ``torch._C._autograd._profiler_enabled()`` (torch 1.x to 2.13 at least) is read
+    when present, else the Python flag ``torch.autograd.profiler._is_profiler_enabled``; a torch that has
+    neither answers False, and the window's ``start()`` failing is then what tells (it is caught, and the
+    profiler dropped). ``tests/unit/test_profiler_window.py`` pins both names on the installed torch.
+
+    Example::
+
+        >>> torch_profiler_running()
+        False
+        >>> from torch.profiler import profile
+        >>> with native_stderr_quiet(), profile():
+        ...     torch_profiler_running()
+        True
+    """
+    query = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    if callable(query):
+        try:
+            return bool(query())
+        except Exception:
+            pass
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 
 def trace_summary(averages: Any, path: Path, first: int, last: int, uses_cuda: bool) -> dict[str, Any]:
@@ -139,7 +181,13 @@ class StepWindows:
         on_trace: Called with each trace's summary (:func:`trace_summary`) once it is written.
         on_sync: Called with the sync sites, the number of synchronizations and the step when the
             sync-debug window closes.
-        on_failure: Called with a message when a trace cannot be written (training goes on).
+        on_failure: Called with a message when a trace cannot be written or the window is skipped (training
+            goes on); called once per window.
+        in_use: Who else records with torch.profiler in this run (the framework's profiler), a sentence or
+            None; asked when the window opens, together with :func:`torch_profiler_running`.
+
+    :attr:`outcome` says what became of the profiler window: None until it opens, then a
+    :class:`WindowStatus` and why (report.json ``performance.profiler_window``).
 
     Example::
 
@@ -147,14 +195,28 @@ class StepWindows:
         ...                       print, print, print)
         >>> windows.until, windows.sync_window, [windows.boundary(step) for step in range(3)], windows.active
         (2, None, [False, False, False], False)
+
+    Another profiler records already: the window is skipped, said once, and no profiler of ours is kept::
+
+        >>> import tempfile
+        >>> busy = StepWindows(PerformanceSettings(profile_window=(1, 2)), False, 0, Path(tempfile.mkdtemp()),
+        ...                    print, print, print, in_use=lambda: "Lightning's PyTorchProfiler records this fit")
+        >>> [busy.boundary(step) for step in range(4)], busy.active
+        the torch.profiler window of profile_steps (steps 1-2) is skipped: Lightning's PyTorchProfiler records this fit; torch runs one profiler at a time.
+        ([False, False, False, False], False)
+        >>> busy.outcome["status"]
+        <WindowStatus.SKIPPED: 'skipped'>
     """
 
     def __init__(self, settings: PerformanceSettings, uses_cuda: bool, rank: int, output_dir: Path | None,
-                 on_trace: TraceSink, on_sync: SyncSink, on_failure: Callable[[str], None]) -> None:
+                 on_trace: TraceSink, on_sync: SyncSink, on_failure: Callable[[str], None],
+                 in_use: InUse | None = None) -> None:
         self.profile_window = settings.profile_window
         self.sync_window = settings.sync_window if uses_cuda else None
         self.uses_cuda, self.rank, self.output_dir = uses_cuda, rank, output_dir
         self.on_trace, self.on_sync, self.on_failure = on_trace, on_sync, on_failure
+        self.in_use = in_use
+        self.outcome: dict[str, Any] | None = None
         self.until = max((start + length for start, length in filter(None, (self.profile_window, self.sync_window))),
                          default=-1)
         self._profiler: Any = None
@@ -178,11 +240,16 @@ class StepWindows:
             end = start + length
             if self._profiler is not None and step != self._profiler_step:
                 self._profiler_step = step
-                with native_stderr_quiet():
-                    self._profiler.step()
-                if step >= end:
-                    self.stop_profiler()
-                    closed = True
+                try:
+                    with native_stderr_quiet():
+                        self._profiler.step()
+                except Exception as failure:  # dropped, never touched again (see the module's docstring)
+                    self._profiler, closed = None, True
+                    self._drop(failure, f"at step {step}")
+                else:
+                    if step >= end:
+                        self.stop_profiler()
+                        closed = True
             elif self._profiler is None and not self._profile_done and max(start - 1, 0) <= step < end:
                 self._start_profiler(step, start, end)
         if self.sync_window is not None and not self._sync_done:
@@ -194,9 +261,59 @@ class StepWindows:
                 closed = True
         return closed
 
+    def _window_text(self) -> str:
+        start, length = self.profile_window  # type: ignore[misc]
+        return f"steps {start}-{start + length - 1}"
+
+    def _settle(self, status: WindowStatus, reason: str | None = None) -> None:
+        start, length = self.profile_window  # type: ignore[misc]
+        self.outcome = {"status": status, "first_step": start, "last_step": start + length - 1, "reason": reason}
+
+    def _skip(self, reason: str) -> None:
+        self._settle(WindowStatus.SKIPPED, reason)
+        self.on_failure(f"the torch.profiler window of profile_steps ({self._window_text()}) is skipped: {reason}; "
+                        "torch runs one profiler at a time.")
+
+    def _fail(self, reason: str) -> None:
+        self._settle(WindowStatus.FAILED, reason)
+        self.on_failure(f"the torch.profiler window of profile_steps ({self._window_text()}) was dropped: {reason}; "
+                        "training continues.")
+
+    def _drop(self, failure: Exception, when: str) -> None:
+        """Our profiler raised ``when`` and is dropped: skipped when another profiler holds torch's, else failed."""
+        reason = f"{type(failure).__name__}: {failure}"
+        if "already enabled" in str(failure):
+            self._skip(f"another torch profiler records on this thread (our profiler raised {when}: {reason})")
+        else:
+            self._fail(f"torch.profiler raised {when} ({reason})")
+
+    def other_profiler(self) -> str | None:
+        """Who else records with torch.profiler now, in words (None: nobody we can see)."""
+        named = None
+        if self.in_use is not None:
+            try:
+                named = self.in_use()
+            except Exception:
+                named = None
+        if named:
+            return named
+        if torch_profiler_running():
+            return "a torch profiler is already recording on this process (torch.profiler.profile or " \
+                   "torch.autograd.profiler.profile started outside lightning-debug)"
+        return None
+
+    def not_reached(self, step: int) -> None:
+        """The run ended before the window opened: say so in :attr:`outcome`."""
+        if self.profile_window is not None and self.outcome is None and not self._profile_done:
+            self._settle(WindowStatus.NOT_REACHED, f"the run ended at step {step}, before the window")
+
     def _start_profiler(self, step: int, start: int, end: int) -> None:
         self._profile_done = True
         if self.output_dir is None:
+            return
+        other = self.other_profiler()
+        if other is not None:
+            self._skip(other)
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -209,28 +326,38 @@ class StepWindows:
             try:
                 self._trace_ready(profiler, first, last)
             except Exception as failure:  # a full disk must not stop training
+                reason = f"the trace could not be written ({type(failure).__name__}: {failure})"
+                self._settle(WindowStatus.FAILED, reason)
                 self.on_failure(f"the torch.profiler trace of steps {first}-{last} could not be written "
                                 f"({type(failure).__name__}: {failure}); training continues.")
 
-        self._profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=active,
-                                                                          repeat=1),
-                                 on_trace_ready=on_trace_ready)
-        self._profiler_step = step
-        with native_stderr_quiet():
-            self._profiler.start()
+        profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1),
+                           on_trace_ready=on_trace_ready)
+        try:
+            with native_stderr_quiet():
+                profiler.start()
+        except Exception as failure:  # never kept: stepping, stopping or exporting it can crash the process
+            self._drop(failure, "as it started")
+            return
+        self._profiler, self._profiler_step = profiler, step
 
     def _trace_ready(self, profiler: Any, first: int, last: int) -> None:
         directory = self.output_dir / "profiler"  # type: ignore[operator]
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"rank{self.rank}.steps{first}-{last}.pt.trace.json"
         profiler.export_chrome_trace(str(path))
+        self._settle(WindowStatus.WRITTEN, None)
+        self.outcome["path"] = str(path)  # type: ignore[index]
         self.on_trace(trace_summary(profiler.key_averages(), path, first, last, self.uses_cuda))
 
     def stop_profiler(self) -> None:
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
-            with native_stderr_quiet():
-                profiler.stop()
+            try:
+                with native_stderr_quiet():
+                    profiler.stop()
+            except Exception as failure:
+                self._drop(failure, "as it stopped")
 
     def _start_sync_window(self) -> None:
         self._sync_previous_mode = torch.cuda.get_sync_debug_mode()
