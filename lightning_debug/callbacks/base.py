@@ -28,6 +28,7 @@ from lightning_debug.core.monitor_states import load_monitor_states, monitor_sta
 from lightning_debug.run import Run
 from lightning_debug.callbacks.context import (LightningContext, RowLogger, count_logger_writes, lightning_logs_now,
                                               restore_logger_writes)
+from lightning_debug.callbacks.frameworks import CALLBACK_BASES, check_trainer
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
@@ -68,9 +69,11 @@ def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
     return dataclasses.replace(first, **merged) if any(getattr(first, f) != v for f, v in merged.items()) else first
 
 
-class DebugCallback(Callback):
+class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
     """Base of the four callbacks: a thin adapter from Lightning hooks to the trainer's run.
 
+    A ``Callback`` of ``lightning.pytorch`` and, where it is installed, of ``pytorch_lightning`` too
+    (:mod:`~lightning_debug.callbacks.frameworks`): the same callbacks serve a trainer of either package.
     It owns what must behave the same everywhere: the validated :class:`DebugConfig` (a config
     object and/or keyword overrides), joining the trainer's run, ``state_dict`` for resume (the
     monitor's counts and episodes), and the rule that a failing check warns once and never stops
@@ -133,6 +136,7 @@ class DebugCallback(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer(trainer)  # a pytorch_lightning too old to serve: what to install, before any step
         run = getattr(trainer, RUN_ATTRIBUTE, None)
         run_config = None
         if run is None or run.finished:  # this callback leads: the run's settings from every debug callback
