@@ -68,9 +68,9 @@ def standalone_fit(root: Path, model: StandaloneRegressor, callbacks: list[Any],
     from pytorch_lightning.loggers import TensorBoardLogger
 
     ptl.seed_everything(0, verbose=False)
+    options = dict(dict(logger=TensorBoardLogger(str(root), name="tb"), enable_checkpointing=False), **options)
     trainer = ptl.Trainer(default_root_dir=str(root), max_steps=max_steps, accelerator="cpu", devices=1,
-                          logger=TensorBoardLogger(str(root), name="tb"), enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
                           callbacks=callbacks, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -132,6 +132,25 @@ def test_a_healthy_pytorch_lightning_fit_is_quiet(tmp_path: Path) -> None:
     assert not {kind for kind, entry in report["findings"].items() if entry["severity"] in SERIOUS}
 
 
+def test_pytorch_lightning_csv_and_mlflow_loggers_get_the_folder_the_scalars_and_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from pytorch_lightning.loggers import CSVLogger, MLFlowLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    loggers = [CSVLogger(str(tmp_path), name="csv"), MLFlowLogger(tracking_uri=uri)]
+    standalone_fit(tmp_path, StandaloneRegressor(nan_from=4), [AnomalyDetectionCallback(CONFIG)], max_steps=6,
+                   logger=loggers)
+    debug = Path(loggers[0].log_dir) / "debug_outputs"
+    assert read_report(debug)["findings"]["nonfinite_loss"]["first_step"] == 4
+    client = MlflowClient(tracking_uri=uri)
+    assert sorted(Path(f.path).name for f in client.list_artifacts(loggers[1].run_id, "lightning_debug")) \
+        == ["events.jsonl", "report.json", "report.md"]
+    assert "debug/loss_finite" in client.get_run(loggers[1].run_id).data.metrics
+
+
 def test_a_lightning_fit_beside_pytorch_lightning_is_unchanged(tmp_path: Path) -> None:
     """``lightning``'s Trainer and loggers in the process that ran the standalone package's fits above."""
     import lightning.pytorch as pl
@@ -162,13 +181,15 @@ def test_a_pytorch_lightning_checkpoint_carries_the_counts_into_the_resumed_fit(
 
 
 def test_pytorch_lightning_cli_takes_the_callbacks_from_yaml_with_the_compact_parser(tmp_path: Path) -> None:
+    """``pytorch_lightning.cli.LightningCLI`` with ``parser_class=CompactArgumentParser`` (that argument exists from
+    2.5.1; before, the plain parser) builds the callbacks from YAML; a bad value is the compact usage error."""
     pytest.importorskip("jsonargparse")
     from pytorch_lightning.cli import LightningCLI
 
     from lightning_debug.callbacks.cli import CompactArgumentParser
 
-    if "parser_class" not in inspect.signature(LightningCLI).parameters:
-        pytest.skip("LightningCLI(parser_class=) exists from pytorch_lightning 2.5.1")
+    compact = "parser_class" in inspect.signature(LightningCLI).parameters
+    parser = {"parser_class": CompactArgumentParser} if compact else {}
     document = {"trainer": {"max_steps": 8, "enable_progress_bar": False, "enable_model_summary": False,
                             "enable_checkpointing": False, "log_every_n_steps": 1,
                             "logger": {"class_path": "pytorch_lightning.loggers.TensorBoardLogger",
@@ -180,19 +201,19 @@ def test_pytorch_lightning_cli_takes_the_callbacks_from_yaml_with_the_compact_pa
     path.write_text(yaml.safe_dump(document))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cli = LightningCLI(StandaloneRegressor, parser_class=CompactArgumentParser, save_config_callback=None,
-                           args=["fit", "--config", str(path)])
+        cli = LightningCLI(StandaloneRegressor, save_config_callback=None, args=["fit", "--config", str(path)],
+                           **parser)
     debug = Path(cli.trainer.logger.log_dir) / "debug_outputs"
     assert [e["step"] for e in read_events(debug) if e["kind"] == "nonfinite_loss" and e.get("episode") != "end"] \
         == [4]
-
+    if not compact:
+        return
     document["trainer"]["callbacks"][0]["init_args"]["anomaly_check_frequency"] = 0
     path.write_text(yaml.safe_dump(document))
     printed = io.StringIO()
     with pytest.raises(SystemExit) as exit_info, contextlib.redirect_stderr(printed), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        LightningCLI(StandaloneRegressor, parser_class=CompactArgumentParser, save_config_callback=None,
-                     args=["fit", "--config", str(path)])
+        LightningCLI(StandaloneRegressor, save_config_callback=None, args=["fit", "--config", str(path)], **parser)
     assert exit_info.value.code == 2
     assert printed.getvalue().startswith("error: trainer.callbacks[0] (lightning_debug.AnomalyDetectionCallback)"
                                          ".anomaly_check_frequency: invalid value"), printed.getvalue()
