@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_debug.config import (RUN_WIDE_FIELDS, Area, DebugConfig, fields_of, keyword_overrides, override_help,
                                     resolve_config)
 from lightning_debug.config_types import with_args
+from lightning_debug.callbacks.frameworks import CALLBACK_BASES, check_trainer
 from lightning_debug.core.context import RunStatus, exit_code
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.ledger import FrameworkWork
@@ -28,7 +29,6 @@ from lightning_debug.core.monitor_states import load_monitor_states, monitor_sta
 from lightning_debug.run import Run
 from lightning_debug.callbacks.context import (LightningContext, RowLogger, count_logger_writes, lightning_logs_now,
                                               restore_logger_writes)
-from lightning_debug.callbacks.frameworks import CALLBACK_BASES, check_trainer
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
