@@ -67,7 +67,7 @@ def standalone_fit(root: Path, model: StandaloneRegressor, callbacks: list[Any],
                    ckpt_path: str | None = None, **options: Any) -> Any:
     from pytorch_lightning.loggers import TensorBoardLogger
 
-    ptl.seed_everything(0, verbose=False)
+    ptl.seed_everything(0)
     options = dict(dict(logger=TensorBoardLogger(str(root), name="tb"), enable_checkpointing=False), **options)
     trainer = ptl.Trainer(default_root_dir=str(root), max_steps=max_steps, accelerator="cpu", devices=1,
                           enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
@@ -156,7 +156,7 @@ def test_a_lightning_fit_beside_pytorch_lightning_is_unchanged(tmp_path: Path) -
     import lightning.pytorch as pl
 
     assert "pytorch_lightning" in sys.modules
-    pl.seed_everything(0, verbose=False)
+    pl.seed_everything(0)
     trainer = make_trainer(tmp_path, debug_callbacks(CONFIG), max_steps=10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
