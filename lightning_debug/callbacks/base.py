@@ -20,6 +20,7 @@ from lightning_debug.config import (RUN_WIDE_FIELDS, Area, DebugConfig, fields_o
                                     resolve_config)
 from lightning_debug.callbacks.cli_usage import register as register_cli_usage
 from lightning_debug.config_types import with_args
+from lightning_debug.callbacks.frameworks import CALLBACK_BASES, check_trainer
 from lightning_debug.core.context import RunStatus, exit_code
 from lightning_debug.core.guard import Failures, describe, guarded
 from lightning_debug.core.ledger import FrameworkWork
@@ -69,9 +70,11 @@ def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
     return dataclasses.replace(first, **merged) if any(getattr(first, f) != v for f, v in merged.items()) else first
 
 
-class DebugCallback(Callback):
+class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
     """Base of the four callbacks: a thin adapter from Lightning hooks to the trainer's run.
 
+    A ``Callback`` of ``lightning.pytorch`` and, where it is installed, of ``pytorch_lightning`` too
+    (:mod:`~lightning_debug.callbacks.frameworks`): the same callbacks serve a trainer of either package.
     It owns what must behave the same everywhere: the validated :class:`DebugConfig` (a config
     object and/or keyword overrides), joining the trainer's run, ``state_dict`` for resume (the
     monitor's counts and episodes), and the rule that a failing check warns once and never stops
@@ -134,6 +137,7 @@ class DebugCallback(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
+        check_trainer(trainer)  # a pytorch_lightning too old to serve: what to install, before any step
         run = getattr(trainer, RUN_ATTRIBUTE, None)
         run_config = None
         if run is None or run.finished:  # this callback leads: the run's settings from every debug callback

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import sys
 from typing import Any, NoReturn
@@ -36,6 +37,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.callbacks.cli_errors import shorten
+from lightning_debug.callbacks.frameworks import STANDALONE, framework_of, standalone_path
 from lightning_debug.callbacks.cli_usage import register
 from lightning_debug.config import DebugConfig
 
@@ -62,7 +64,17 @@ class CompactErrors:
 
 
 class CompactArgumentParser(CompactErrors, LightningArgumentParser):
-    """Lightning's parser with :class:`CompactErrors`: give it to ``LightningCLI(parser_class=...)``."""
+    """Lightning's parser with :class:`CompactErrors`: give it to ``LightningCLI(parser_class=...)``, from
+    ``lightning.pytorch.cli`` or ``pytorch_lightning.cli``."""
+
+    def add_lightning_class_args(self, lightning_class: Any, nested_key: str, subclass_mode: bool = False,
+                                 required: bool = True) -> list[str]:
+        """Lightning's own, from the package of ``lightning_class``: ``lightning``'s parser refuses the ``Trainer``
+        that ``pytorch_lightning.cli.LightningCLI`` gives it (and the other way round); the two differ only there."""
+        parser: Any = LightningArgumentParser
+        if framework_of(lightning_class) == STANDALONE:
+            parser = importlib.import_module(standalone_path("lightning.pytorch.cli")).LightningArgumentParser
+        return parser.add_lightning_class_args(self, lightning_class, nested_key, subclass_mode, required)
 
 
 def compact_error(parser: Any, message: str) -> list[str]:

@@ -11,10 +11,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.callbacks.progress.tqdm_progress import TQDMProgressBar, Tqdm
-from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from torch import nn
+
+from lightning_debug.callbacks.frameworks import classes
 
 from lightning_debug.config import DebugConfig
 from lightning_debug.core.metrics import MetricsSink
@@ -27,6 +27,13 @@ from lightning_debug.report.tensorboard import histogram_writer
 
 # Strategies whose parameters are plain tensors holding one rank's shard (DTensor shards need no flag).
 PLAIN_SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+TQDM_MODULE = "lightning.pytorch.callbacks.progress.tqdm_progress"
+
+
+def versioned_loggers() -> tuple[type, ...]:
+    """The loggers with a version folder (TensorBoard, CSV) of ``lightning`` and ``pytorch_lightning``."""
+    return classes("lightning.fabric.loggers", "TensorBoardLogger") + classes("lightning.fabric.loggers", "CSVLogger")
+
 
 def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str, str | None]:
     """This run's directory and id, decided on global zero and shared with every rank (call on every rank).
@@ -46,7 +53,7 @@ def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path
     if config.save_debug_info and trainer.is_global_zero:
         try:
             logger = trainer.loggers[0] if trainer.loggers else None
-            versioned = isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger.log_dir is not None
+            versioned = isinstance(logger, versioned_loggers()) and logger.log_dir is not None
             base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
             directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
         except Exception as error:
@@ -286,7 +293,7 @@ class LightningContext(RunContext):
         bar = self.trainer.progress_bar_callback
         if bar is None or not self.is_global_zero:
             return None
-        if isinstance(bar, TQDMProgressBar):
+        if isinstance(bar, classes(TQDM_MODULE, "TQDMProgressBar")):  # tqdm's write clears every tqdm bar
             return lambda line: Tqdm.write(line, file=sys.stdout)
         return lambda line: bar.print(line)
 
@@ -301,9 +308,9 @@ class LightningContext(RunContext):
     def artifact_stores(self) -> list[tuple[str, Any, str | None]]:
         stores: list[tuple[str, Any, str | None]] = []
         for logger in self.trainer.loggers:
-            if isinstance(logger, WandbLogger):
+            if isinstance(logger, classes("lightning.pytorch.loggers", "WandbLogger")):
                 stores.append(("wandb", logger.experiment, None))
-            elif isinstance(logger, MLFlowLogger):
+            elif isinstance(logger, classes("lightning.pytorch.loggers", "MLFlowLogger")):
                 stores.append(("mlflow", logger.experiment, logger.run_id))
         return stores
 
@@ -319,7 +326,7 @@ class LightningContext(RunContext):
 
     def tensorboard_writers(self) -> list[tuple[Any, str | None]]:
         return [(logger.experiment, getattr(logger, "log_dir", None)) for logger in self.trainer.loggers
-                if isinstance(logger, TensorBoardLogger)]
+                if isinstance(logger, classes("lightning.fabric.loggers", "TensorBoardLogger"))]
 
     def train_loader(self) -> Any:
         return self.trainer.train_dataloader

@@ -20,12 +20,19 @@ from typing import Any
 from lightning_debug.checks.memory.readings import MB
 
 LIBRARY_PATH_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen", "/torch/", "/lightning/",
-                        "/lightning_fabric/", "/lightning_debug/")
+                        "/pytorch_lightning/", "/lightning_fabric/", "/lightning_debug/")
 
 
 def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
-    """``file:line in function`` of the innermost frame outside torch, Lightning and the standard
-    library (the user's line that allocated), else of the innermost frame."""
+    """``file:line in function`` of the innermost frame outside torch, Lightning (either import name) and the
+    standard library (the user's line that allocated), else of the innermost frame.
+
+    Example::
+
+        >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
+        ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
+        'me/train.py:41 in training_step'
+    """
     chosen = None
     for frame in frames:
         filename = str(frame.get("filename", "")).replace("\\", "/")

@@ -1,0 +1,125 @@
+"""Lightning's two import names: ``lightning.pytorch`` (the default) and the standalone ``pytorch_lightning``.
+
+They are separate packages, each with its own ``Callback``, ``Trainer``, loggers and progress bars, so an
+``isinstance`` check against one fails for the other's objects: a ``pytorch_lightning.Trainer`` refuses a
+callback that is not its own ``Callback`` (``ValueError: Expected a parent`` up to 2.5), and a
+``pytorch_lightning`` ``TensorBoardLogger`` is no ``lightning.pytorch`` one, so the run would miss the logger's
+version folder and its TensorBoard writer. The callbacks therefore derive from the ``Callback`` of each
+installed package (:data:`CALLBACK_BASES`), and the adapter checks loggers and bars against the classes of
+both (:func:`classes`). ``pytorch_lightning`` is never required: it is imported only where it is installed,
+and a version that cannot be served is named, with what to install, when a trainer of that package sets a
+debug callback up (:func:`check_trainer`), never for ``lightning`` users.
+
+Example::
+
+    >>> import lightning.pytorch as pl
+    >>> from lightning.pytorch.loggers import TensorBoardLogger
+    >>> issubclass(TensorBoardLogger, classes("lightning.fabric.loggers", "TensorBoardLogger"))
+    True
+    >>> framework_of(pl.Trainer(logger=False, enable_progress_bar=False))
+    'lightning'
+    >>> standalone_path("lightning.pytorch.loggers"), standalone_path("lightning.fabric.loggers")
+    ('pytorch_lightning.loggers', 'lightning_fabric.loggers')
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import re
+from importlib import metadata
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_debug.core.guard import describe
+
+STANDALONE = "pytorch_lightning"
+STANDALONE_DISTRIBUTION = "pytorch-lightning"
+STANDALONE_FLOOR = (2, 2)
+"""The oldest ``pytorch_lightning`` served: the same floor as ``lightning`` (the two are released together)."""
+STANDALONE_NAMES = {"lightning.pytorch": STANDALONE, "lightning.fabric": "lightning_fabric"}
+
+
+def unserved_reason(version: str) -> str | None:
+    """Why ``pytorch_lightning`` ``version`` cannot run the callbacks, with what to install; None when it can.
+
+    Example::
+
+        >>> unserved_reason("2.4.0") is None, unserved_reason("2.10.0rc1") is None
+        (True, True)
+        >>> print(unserved_reason("1.9.5"))
+        lightning-debug needs pytorch_lightning 2.2 or later, and this trainer is pytorch_lightning 1.9.5: pip install -U "pytorch-lightning>=2.2" (or build the trainer from lightning.pytorch: pip install -U lightning)
+    """
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    if numbers is None or (int(numbers[1]), int(numbers[2])) >= STANDALONE_FLOOR:
+        return None
+    floor = ".".join(map(str, STANDALONE_FLOOR))
+    return (f"lightning-debug needs {STANDALONE} {floor} or later, and this trainer is {STANDALONE} {version}: "
+            f'pip install -U "{STANDALONE_DISTRIBUTION}>={floor}" (or build the trainer from lightning.pytorch: '
+            "pip install -U lightning)")
+
+
+def _standalone_callback() -> tuple[type | None, str | None]:
+    """``pytorch_lightning.Callback`` where that package is installed and imports (else None), and why it cannot
+    serve a run (None when it can)."""
+    if importlib.util.find_spec(STANDALONE) is None:
+        return None, None
+    try:
+        module = importlib.import_module(f"{STANDALONE}.callbacks")
+    except Exception as error:  # a broken install must not take lightning users down with it
+        return None, f"{STANDALONE} is installed but does not import ({describe(error)})"
+    try:
+        version = metadata.version(STANDALONE_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        version = str(getattr(importlib.import_module(STANDALONE), "__version__", "0"))
+    callback = getattr(module, "Callback", None)
+    return (callback if isinstance(callback, type) else None), unserved_reason(version)
+
+
+STANDALONE_CALLBACK, STANDALONE_PROBLEM = _standalone_callback()
+CALLBACK_BASES: tuple[type, ...] = (Callback,) if STANDALONE_CALLBACK is None else (Callback, STANDALONE_CALLBACK)
+"""What the debug callbacks derive from: ``lightning``'s ``Callback`` first (its methods are the ones found), and
+``pytorch_lightning``'s where that package is installed, so that either trainer takes them as its own."""
+
+
+def standalone_path(path: str) -> str:
+    """The module of the standalone packages that mirrors ``path`` (a ``lightning.pytorch`` or ``lightning.fabric``
+    module path)."""
+    for prefix, name in STANDALONE_NAMES.items():
+        if path == prefix or path.startswith(prefix + "."):
+            return name + path[len(prefix):]
+    raise ValueError(f"{path} is not under lightning.pytorch or lightning.fabric")
+
+
+@functools.cache
+def classes(path: str, name: str) -> tuple[type, ...]:
+    """The class ``name`` of module ``path`` (under ``lightning.pytorch`` or ``lightning.fabric``) and, where
+    ``pytorch_lightning`` is in use, of its standalone mirror: what an ``isinstance`` check of a trainer's
+    logger or progress bar needs."""
+    found = [getattr(importlib.import_module(path), name)]
+    if STANDALONE_CALLBACK is not None:
+        try:
+            found.append(getattr(importlib.import_module(standalone_path(path)), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+def framework_of(obj: Any) -> str:
+    """``"lightning"`` or ``"pytorch_lightning"``: the package of the first class in the hierarchy of ``obj`` (a class
+    or an instance) that comes from one of them, so a user's own ``Trainer`` subclass counts as its base's;
+    ``"lightning"`` when none does."""
+    for cls in getattr(obj if isinstance(obj, type) else type(obj), "__mro__", ()):
+        root = cls.__module__.partition(".")[0]
+        if root in ("lightning", STANDALONE):
+            return root
+    return "lightning"
+
+
+def check_trainer(trainer: Any) -> None:
+    """Raise ``RuntimeError`` naming what to install when ``trainer`` is a ``pytorch_lightning`` one this package
+    cannot serve; nothing for a ``lightning`` trainer."""
+    if STANDALONE_PROBLEM is not None and framework_of(trainer) == STANDALONE:
+        raise RuntimeError(STANDALONE_PROBLEM)
