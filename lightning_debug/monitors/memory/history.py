@@ -13,12 +13,28 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+# torch's allocator history is private API (``torch.cuda.memory._record_memory_history``, ``_snapshot``, the
+# ``_cuda_isHistoryEnabled`` query): probed here, and where a torch lacks one, recording is a failure said once.
+RECORD = getattr(torch.cuda.memory, "_record_memory_history", None)
+SNAPSHOT = getattr(torch.cuda.memory, "_snapshot", None)
+IS_RECORDING = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+
+
+def snapshot() -> dict[str, Any]:
+    """The allocator's snapshot (segments and the recorded history)."""
+    if SNAPSHOT is None:
+        raise RuntimeError("this torch has no torch.cuda.memory._snapshot: no allocation sites")
+    return SNAPSHOT()
 
 
 def history_enabled() -> bool:
     """Whether the CUDA allocator records its history now (by anyone); False without CUDA."""
-    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    query = IS_RECORDING
     try:
         return bool(query()) if query is not None else False
     except Exception:
@@ -36,9 +52,11 @@ class AllocationHistory:
         """Record from now on (kept as is when already recording); the failure when it cannot."""
         if history_enabled():
             return None
+        if RECORD is None or SNAPSHOT is None:
+            return RuntimeError("this torch has no torch.cuda.memory._record_memory_history/_snapshot: no allocation "
+                                "history")
         try:
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=self.max_entries, clear_history=True)
+            RECORD(enabled="all", context="alloc", stacks="python", max_entries=self.max_entries, clear_history=True)
         except Exception as failure:
             return failure
         self.ours = True
@@ -48,4 +66,4 @@ class AllocationHistory:
         """Stop recording, if this object started it."""
         if self.ours:
             self.ours = False
-            torch.cuda.memory._record_memory_history(enabled=None)
+            RECORD(enabled=None)  # type: ignore[misc]
