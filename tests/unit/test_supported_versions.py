@@ -4,6 +4,7 @@ fallback gives the same numbers, and the Python 3.10 stand-ins behave as the 3.1
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import math
 import sys
@@ -43,9 +44,9 @@ def test_every_probe_agrees_with_the_installed_torch() -> None:
     assert fused.FOREACH == {name: hasattr(torch, name) for name in fused.FOREACH}
     assert fused.FLATTEN_DENSE == hasattr(torch._C._nn, "flatten_dense_tensors")
     assert dispatch.HAS_DISPATCH_MODE and dispatch.TorchDispatchMode.__module__ == "torch.utils._python_dispatch"
-    assert history.RECORD is getattr(torch.cuda.memory, "_record_memory_history", None)
-    assert history.SNAPSHOT is getattr(torch.cuda.memory, "_snapshot", None)
-    assert history.IS_RECORDING is getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    record = torch.cuda.memory._record_memory_history
+    takes_clear = "clear_history" in inspect.signature(record).parameters  # torch 2.3+
+    assert ("clear_history" in history.record_options(record, 5)) == takes_clear == (TORCH >= (2, 3))
     assert buffers.NORM_MODULES is torch.nn.modules.batchnorm._NormBase
 
 
@@ -101,11 +102,11 @@ def test_a_torch_whose_foreach_norm_rejects_dtype_is_probed_so(monkeypatch: pyte
 
 
 def test_without_the_allocator_history_recording_fails_once_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(history, "RECORD", None)
-    monkeypatch.setattr(history, "IS_RECORDING", None)
+    monkeypatch.setattr(history, "history_enabled", lambda: False)
+    monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
     failure = history.AllocationHistory(max_entries=10).start()
     assert isinstance(failure, RuntimeError) and "_record_memory_history" in str(failure)
-    monkeypatch.setattr(history, "SNAPSHOT", None)
+    monkeypatch.delattr(torch.cuda.memory, "_snapshot")
     with pytest.raises(RuntimeError, match="_snapshot"):
         history.snapshot()
 
