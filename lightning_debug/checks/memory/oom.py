@@ -19,7 +19,7 @@ from lightning_debug.checks.memory.readings import MemoryPhase, format_bytes, sh
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 """The allocator's out-of-memory error: ``torch.OutOfMemoryError`` (any accelerator) where the installed torch
-has it, else ``torch.cuda.OutOfMemoryError`` (torch < 2.5), the class it replaced and aliases."""
+has it, else ``torch.cuda.OutOfMemoryError`` (older torch: 2.2 has only that one), which it aliases."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
