@@ -69,7 +69,13 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'lightning_debug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except AttributeError as error:
+        # ``from lightning_debug import x`` turns an AttributeError raised here into a bare "cannot import
+        # name 'x'", hiding the real cause (a name the installed Python or torch lacks): say it.
+        raise ImportError(f"lightning_debug.{name} could not be imported from {module}: {error!r}") from error
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_debug.checks.dispatch import TorchDispatchMode, tree_leaves
 
 SOFTMAX_KERNELS = ("aten::_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax")
 # Kernels not judged: their output is no value yet (uninitialised memory, a collective's buffer before its

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks import fused
+
 HISTOGRAM_CHUNK = 1 << 24
 HISTOGRAM_BATCH = 1 << 22
 HISTOGRAM_SMALL = 1 << 16
@@ -47,7 +49,7 @@ def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
 def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
     """:func:`_summary_row` of many small dense tensors of one device at once: one buffer, per-segment
     reductions, one ``index_add_`` for every bucket of every tensor."""
-    values = torch._C._nn.flatten_dense_tensors(list(tensors)).float()
+    values = fused.flatten(tensors).float()
     lengths = torch.tensor([t.numel() for t in tensors], device=values.device)
     segment = torch.repeat_interleave(torch.arange(len(tensors), device=values.device), lengths)
     finite = torch.isfinite(values)

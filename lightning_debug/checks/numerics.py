@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks import fused
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch < 2.4
@@ -150,8 +152,7 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
         for (_, dtype), indices in groups.items():
             group = [tensors[i] for i in indices]
             # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
-            norms = (torch._foreach_norm(group, 2) if dtype == torch.float64
-                     else torch._foreach_norm(group, 2, dtype=torch.float32))
+            norms = fused.norms(group, 2, None if dtype == torch.float64 else torch.float32)
             for index, norm in zip(indices, norms):
                 results[index] = norm
         return torch.stack([norm.to(device, torch.float32) for norm in results])  # type: ignore[union-attr]
@@ -299,9 +300,7 @@ class NormPlan:
     @staticmethod
     def _foreach_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
-        norms = torch._foreach_norm(tensors, 2) if dtype == torch.float64 else \
-            torch._foreach_norm(tensors, 2, dtype=torch.float32)
-        return torch.stack(norms)
+        return torch.stack(fused.norms(tensors, 2, None if dtype == torch.float64 else torch.float32))
 
     @torch.no_grad()
     def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -328,7 +327,7 @@ class NormPlan:
         copies = [self._matrix(tensors, indices, scalars) for indices, scalars in self._rows]
         copies += [self._concat(tensors, groups) for groups, _ in self._segments]
         for indices, _ in self._foreach:
-            copies.extend(torch._foreach_mul(self._pick(tensors, indices), 1.0))
+            copies.extend(fused.scaled(self._pick(tensors, indices), 1.0))
         copies.extend(tensors[i].detach().clone() for i in self._odd)
         return copies
 
@@ -336,7 +335,7 @@ class NormPlan:
     def distance_squares(self, snapshot: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``||tensors_i - snapshot_i||²`` per slot (float64, slot order): the size of a weight update."""
         if not self.fused:
-            return fused_norms(torch._foreach_sub(list(tensors), snapshot), self.device).double().square()
+            return fused_norms(fused.subtracted(tensors, snapshot), self.device).double().square()
         norms = [self._row_norms(self._matrix(tensors, indices, scalars) - before)
                  for (indices, scalars), before in zip(self._rows, snapshot)]
         position = len(self._rows)
@@ -344,7 +343,7 @@ class NormPlan:
             norms.append(self._segment_norms(self._concat(tensors, groups) - snapshot[position], lengths))
             position += 1
         for indices, dtype in self._foreach:
-            deltas = torch._foreach_sub(list(self._pick(tensors, indices)), snapshot[position:position + len(indices)])
+            deltas = fused.subtracted(self._pick(tensors, indices), snapshot[position:position + len(indices)])
             norms.append(self._foreach_norms(deltas, dtype))
             position += len(indices)
         if self._odd:

@@ -31,15 +31,21 @@ import math
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules import batchnorm
 from torch.nn.parameter import is_lazy
 
+from lightning_debug.checks import fused
+
+# the base of torch's running-statistics norms is private: the public classes where a torch lacks it
+NORM_MODULES = getattr(batchnorm, "_NormBase", None) or (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
+    nn.InstanceNorm3d)
 SMALL_NUMEL_CPU = 4096
 """On the CPU, buffers of at most this many elements are joined into one vector and read at once."""
 
 
 def _changed_by_forward(module: nn.Module, name: str) -> bool:
-    return isinstance(module, _NormBase) or name.startswith("running_") or name == "num_batches_tracked"
+    return isinstance(module, NORM_MODULES) or name.startswith("running_") or name == "num_batches_tracked"
 
 
 class BufferSnapshot:
@@ -83,7 +89,7 @@ class BufferSnapshot:
             self._copies = [torch.empty_like(buffer) for buffer in current]
         self._ids = ids
         with torch.no_grad():
-            torch._foreach_copy_(self._copies, current)
+            fused.copy_(self._copies, current)
         self.step = step
 
     def restore(self, model: nn.Module, step: int) -> bool:
@@ -94,7 +100,7 @@ class BufferSnapshot:
         if self.step != step or list(map(id, current)) != self._ids:
             return False
         with torch.no_grad():
-            torch._foreach_copy_(current, self._copies)
+            fused.copy_(current, self._copies)
         return True
 
     def nonfinite(self, model: nn.Module | None = None) -> list[str]:
@@ -214,7 +220,7 @@ def _plan(buffers: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
 def _high(how: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The largest magnitude of ``tensors`` (one device and dtype), a 0-d tensor that carries NaN/Inf."""
     if how == "norm":
-        return torch.stack(torch._foreach_norm(tensors, math.inf)).max()
+        return torch.stack(fused.norms(tensors, math.inf)).max()
     return torch.cat(tensors).abs().max()
 
 

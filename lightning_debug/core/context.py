@@ -16,8 +16,6 @@ Example::
 from __future__ import annotations
 
 import math
-
-import enum
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,8 +27,9 @@ from torch import nn
 
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.session import Where
 from lightning_debug.core.numerics import AllGather, AllReduce
+from lightning_debug.core.session import Where
+from lightning_debug.core.strenum import StrEnum
 
 HistogramWriter = Callable[[str, dict[str, Any], int], None]
 Replay = Callable[[Any], "torch.Tensor | None"]
@@ -47,7 +46,7 @@ def exit_code(error: BaseException | None) -> int | None:
     return 0 if code is None else int(code) if isinstance(code, int) else 1
 
 
-class RunStatus(enum.StrEnum):
+class RunStatus(StrEnum):
     """How a run ended (``status`` of report.json); a ``str`` enum, so ``status == "finished"`` keeps working.
 
     ``UNKNOWN`` is only for a report rebuilt offline from a run that never wrote one.

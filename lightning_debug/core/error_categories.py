@@ -14,10 +14,10 @@ Example::
 
 from __future__ import annotations
 
-import enum
+from lightning_debug.core.strenum import StrEnum
 
 
-class ErrorCategory(enum.StrEnum):
+class ErrorCategory(StrEnum):
     """What kind of runtime error the user's step raised (``details.category`` of an ``exception`` event)."""
 
     SHAPE_MISMATCH = "shape_mismatch"

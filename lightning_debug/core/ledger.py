@@ -13,19 +13,19 @@ holds both facts; the run makes one and hands it to every monitor it binds.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.strenum import StrEnum
 
 INSTRUMENTED_STEPS_KEPT = 64
 NOTES_KEPT = 64
 
 
-class FrameworkWork(enum.StrEnum):
+class FrameworkWork(StrEnum):
     """What the framework runs between two batches that the ledger notes (:meth:`RunLedger.note`)."""
 
     VALIDATION = "validation"

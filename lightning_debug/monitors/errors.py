@@ -22,6 +22,7 @@ import torch
 
 from lightning_debug.checks.errors import (failing_module, failing_source, find_inplace, innermost_tensors,
                                            out_of_range_labels)
+from lightning_debug.checks.memory.oom import OUT_OF_MEMORY
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.guard import describe
@@ -63,7 +64,7 @@ def classify(error: BaseException) -> ErrorCategory:
         <ErrorCategory.BACKWARD_TWICE: 'backward_twice'>
     """
     message = describe(error)
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in message.lower():
+    if isinstance(error, OUT_OF_MEMORY) or "out of memory" in message.lower():
         return ErrorCategory.OOM
     checks = [
         (ErrorCategory.DEVICE_ASSERT, "device-side assert" in message),

@@ -251,11 +251,11 @@ def test_invalid_memory_high_fraction_names_the_field(value: Any) -> None:
 
 
 def test_oom_writes_a_post_mortem_and_the_original_error_propagates(tmp_path: Path) -> None:
-    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     model = KeepsLosses(fail_at_step=3, error=error)
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=2)], max_steps=10,
                            limit_val_batches=0)
-    with pytest.raises(torch.OutOfMemoryError) as raised, console_lines("Out of memory"):
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised, console_lines("Out of memory"):
         trainer.fit(model)
     assert raised.value is error
     oom = memory_events(trainer, "oom")
@@ -279,7 +279,7 @@ class OutOfMemoryIn(KeepsLosses):
     def __init__(self, phase: str) -> None:
         super().__init__()
         self.phase = phase
-        self.oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -308,7 +308,7 @@ def test_an_oom_between_check_steps_names_its_phase(tmp_path: Path, phase: str) 
     model = OutOfMemoryIn(phase)
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=2)], max_steps=10,
                            limit_val_batches=0)
-    with pytest.raises(torch.OutOfMemoryError) as raised, console_lines("Out of memory"):
+    with pytest.raises(torch.cuda.OutOfMemoryError) as raised, console_lines("Out of memory"):
         trainer.fit(model)
     assert raised.value is model.oom
     oom = memory_events(trainer, "oom")
@@ -500,7 +500,7 @@ def test_cuda_leak_sites_from_a_recorded_history() -> None:
 
 
 def test_out_of_memory_errors_are_recognised() -> None:
-    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory"))
     assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
                                          "memory: you tried to allocate 1 bytes"))
     assert is_out_of_memory(MemoryError())
@@ -563,7 +563,7 @@ def test_cuda_leak_is_found_with_its_allocation_site(tmp_path: Path) -> None:
 def test_cuda_oom_post_mortem_has_the_allocator_summary_and_snapshot(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=2, level="expert")],
                            max_steps=10, accelerator="cuda", limit_val_batches=0)
-    with pytest.raises(torch.OutOfMemoryError), console_lines("Out of memory"):
+    with pytest.raises(torch.cuda.OutOfMemoryError), console_lines("Out of memory"):
         trainer.fit(AllocatesTooMuch())
     oom = memory_events(trainer, "oom")[0]
     assert oom["step"] == 2 and oom["details"]["phase"] == "forward"

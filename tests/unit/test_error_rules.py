@@ -45,7 +45,7 @@ DDP_INDEXED = DDP_PREFIX + "Parameter indices which did not receive grad for ran
     (RuntimeError("Trying to backward through the graph a second time"), ErrorCategory.BACKWARD_TWICE),
     (RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"), ErrorCategory.NO_GRAD),
     (RuntimeError("CUDA error: device-side assert triggered"), ErrorCategory.DEVICE_ASSERT),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), ErrorCategory.OOM),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), ErrorCategory.OOM),
     (ValueError("my own bug"), ErrorCategory.OTHER),
 ])
 def test_classify_reads_type_and_message(error: BaseException, category: ErrorCategory) -> None:

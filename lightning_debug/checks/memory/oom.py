@@ -17,12 +17,15 @@ import torch
 from lightning_debug.checks.memory.readings import MemoryPhase, format_bytes, shape_text
 
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+"""The allocator's out-of-memory error: ``torch.OutOfMemoryError`` (any accelerator) where the installed torch
+has it, else ``torch.cuda.OutOfMemoryError`` (older torch: 2.2 has only that one), which it aliases."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """``torch.OutOfMemoryError`` (CUDA and other accelerators), Python's ``MemoryError``, or a
     RuntimeError whose message says an allocation failed (CPU allocator, MPS)."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(error, (OUT_OF_MEMORY, MemoryError)):
         return True
     if not isinstance(error, RuntimeError):
         return False

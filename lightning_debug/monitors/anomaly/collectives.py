@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_debug.checks.dispatch import TorchDispatchMode
 from lightning_debug.core.gate import Planned, Shape
 from lightning_debug.monitors.anomaly.policy import reads_late
 

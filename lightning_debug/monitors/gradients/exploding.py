@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,12 +26,13 @@ from lightning_debug.checks.robust import median
 from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NORM_TAIL_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import policy_of
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
 
-class ClipAlgorithm(enum.StrEnum):
+class ClipAlgorithm(StrEnum):
     """How the training loop clips gradients after the checks saw them."""
 
     NORM = "norm"

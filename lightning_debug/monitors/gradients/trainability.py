@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -20,11 +19,12 @@ import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.strenum import StrEnum
 from lightning_debug.monitors.gradients.layout import Positions, input_to_output
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict, quoted
 
 
-class FrozenCause(enum.StrEnum):
+class FrozenCause(StrEnum):
     """Why a trainable parameter does not move (the ``cause`` of a ``frozen_param`` finding)."""
 
     NOT_IN_OPTIMIZER = "not_in_optimizer"

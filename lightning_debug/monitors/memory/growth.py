@@ -58,7 +58,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 import math
 import statistics
 from collections import deque
@@ -80,6 +79,7 @@ from lightning_debug.checks.memory import (
 )
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine
 
 # Below these rises over the trend window, growth is allocator granularity or warm-up creep.
@@ -95,7 +95,7 @@ KEY = "growth"
 """The key of the one ``memory_growth`` suspicion the verdict engine holds."""
 
 
-class GrowthStatus(enum.StrEnum):
+class GrowthStatus(StrEnum):
     """The leak verdict in the report (``growth.status``), read from the verdict engine (:func:`growth_status`)."""
 
     NOT_ENOUGH = "not enough readings"

@@ -13,12 +13,53 @@ Example::
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
+
+
+# torch's allocator history is private API (``torch.cuda.memory._record_memory_history``, ``_snapshot``, the
+# ``_cuda_isHistoryEnabled`` query): each is looked up when used, and where a torch lacks one, recording is a
+# failure said once (the memory checks go on without allocation sites).
+
+
+def _private(owner: object, name: str) -> Any:
+    return getattr(owner, name, None)
+
+
+def snapshot() -> dict[str, Any]:
+    """The allocator's snapshot (segments and the recorded history)."""
+    take = _private(torch.cuda.memory, "_snapshot")
+    if take is None:
+        raise RuntimeError("this torch has no torch.cuda.memory._snapshot: no allocation sites")
+    return take()
+
+
+def record_options(record: Any, max_entries: int) -> dict[str, Any]:
+    """The keywords to switch recording on with, as far as the installed ``record`` takes them: torch < 2.3's
+    has no ``clear_history`` (the history then keeps what an earlier recording left, bounded by ``max_entries``).
+
+    Example::
+
+        >>> def old_record(enabled="all", context="all", stacks="all", max_entries=1): pass
+        >>> sorted(record_options(old_record, 10))
+        ['context', 'enabled', 'max_entries', 'stacks']
+    """
+    options: dict[str, Any] = dict(enabled="all", context="alloc", stacks="python", max_entries=max_entries,
+                                   clear_history=True)
+    try:
+        accepted = inspect.signature(record).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: pass everything
+        return options
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return options
+    return {name: value for name, value in options.items() if name in accepted}
 
 
 def history_enabled() -> bool:
     """Whether the CUDA allocator records its history now (by anyone); False without CUDA."""
-    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    query = _private(torch._C, "_cuda_isHistoryEnabled")
     try:
         return bool(query()) if query is not None else False
     except Exception:
@@ -36,9 +77,12 @@ class AllocationHistory:
         """Record from now on (kept as is when already recording); the failure when it cannot."""
         if history_enabled():
             return None
+        record = _private(torch.cuda.memory, "_record_memory_history")
+        if record is None or _private(torch.cuda.memory, "_snapshot") is None:
+            return RuntimeError("this torch has no torch.cuda.memory._record_memory_history/_snapshot: no allocation "
+                                "history")
         try:
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=self.max_entries, clear_history=True)
+            record(**record_options(record, self.max_entries))
         except Exception as failure:
             return failure
         self.ours = True

@@ -52,7 +52,7 @@ from lightning_debug.monitors.memory.growth import (
     lasts_past,
 )
 from lightning_debug.monitors.memory.high import high_memory
-from lightning_debug.monitors.memory.history import AllocationHistory, history_enabled
+from lightning_debug.monitors.memory.history import AllocationHistory, history_enabled, snapshot
 from lightning_debug.monitors.memory.post_mortem import OomEvidence, fragmentation_share, oom_document, oom_finding
 from lightning_debug.monitors.memory.settings import MemorySettings
 
@@ -328,9 +328,9 @@ class MemoryMonitor(Monitor):
         index = cuda_index(self._device)
         if suspicion.history and index is not None:
             try:
-                snapshot = torch.cuda.memory._snapshot()
-                sites = cuda_leak_sites(snapshot, index)
-                snapshot_path = self._dump_snapshot(snapshot, "memory_growth", step)
+                allocations = snapshot()
+                sites = cuda_leak_sites(allocations, index)
+                snapshot_path = self._dump_snapshot(allocations, "memory_growth", step)
             finally:
                 self._stop_history()
         return growth_finding(step, growing, self.windows.trends, reading, suspicion.step, grown, graphs, sites,
@@ -360,7 +360,7 @@ class MemoryMonitor(Monitor):
         if index is not None:
             summary = torch.cuda.memory_summary(index)
             if history_enabled():
-                snapshot_path = self._dump_snapshot(torch.cuda.memory._snapshot(), "oom_snapshot", step)
+                snapshot_path = self._dump_snapshot(snapshot(), "oom_snapshot", step)
         phase = self.current_phase.value if self.current_phase is not None else "outside a training step"
         evidence = OomEvidence(step, phase, error, reading, batch_lines, largest, fixes, summary)
         path = self.session.write_document("oom", step, oom_document(evidence, snapshot_path))
