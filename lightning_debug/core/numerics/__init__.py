@@ -17,10 +17,8 @@ Sharded parameters (``DTensor``: FSDP2, tensor parallel) are measured on their l
 rank contributes the squares of the blocks it owns (:func:`~lightning_debug.checks.numerics.owns_block`),
 so the one all-reduce that carries every rank's flags also yields exact full-parameter norms.
 
-One concern per module: :mod:`.rows` (a rank's row and its flags), :mod:`.registrations` (when a
-model changed), :mod:`.owned` and :mod:`.index` (the parameters, built once), :mod:`.observed` (the
-forward's losses and batches), :mod:`.step` (the device pass), :mod:`.host` (its values on the host)
-and :mod:`.queue` (the step's pass shared by every check, and the pending read-backs).
+:mod:`.index`: the parameters, built once, and a rank's row; :mod:`.step`: the forward's losses and batches,
+the device pass and its host values; :mod:`.queue`: the pass shared by every check, and the pending read-backs.
 
 Example::
 
@@ -35,23 +33,25 @@ Example::
 
 from __future__ import annotations
 
-from lightning_debug.core.numerics.host import HostNumerics
-from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, ParameterIndex, signature
-from lightning_debug.core.numerics.observed import Observed
-from lightning_debug.core.numerics.owned import Owned
-from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
-from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
-from lightning_debug.core.numerics.rows import (
+from lightning_debug.core.numerics.index import (
     DEVICE_FIELDS,
     HOST_FIELDS,
     RANK_FIELDS,
+    REQUIRES_GRAD_RECHECK,
     AllGather,
     AllReduce,
+    Owned,
+    ParameterIndex,
     constant,
     rank_flags,
+    registration_count,
+    signature,
+    watch_model,
+    watch_registrations,
     world_position,
 )
-from lightning_debug.core.numerics.step import StepNumerics
+from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
+from lightning_debug.core.numerics.step import HostNumerics, Observed, StepNumerics
 
 __all__ = [
     "DEVICE_FIELDS", "HOST_FIELDS", "MAX_PENDING_READBACKS", "RANK_FIELDS", "REQUIRES_GRAD_RECHECK", "AllGather",

@@ -1,19 +1,41 @@
-"""The trainable parameters of a model (or of one optimizer), worked out once and reused every step.
+"""The parameters a step is measured over, built once, and the row each rank packs for the one collective.
+
+A :class:`ParameterIndex` is rebuilt only when a registration may have changed a watched model. Not every
+registration is a change: transformers' Llama-family decoders slice their ``ModuleList`` in every forward (a
+fresh container that registers every layer again) and a router may assign the same module to its own slot. So a
+registration counts only when it puts a different object into a slot of a watched model's module
+(:func:`watch_model`); the index is then compared by identity (:func:`signature`) before it is rebuilt.
+
+Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`); the host derives the flags from their
+finiteness (:func:`rank_flags`), so the device does no comparison and no sync of its own.
 
 Example::
 
-    >>> from torch import nn
-    >>> len(ParameterIndex(list(nn.Linear(2, 2).named_parameters())))
-    2
+    >>> watch_registrations()
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> watch_model(model)
+    >>> before = registration_count()
+    >>> _ = nn.ModuleList(list(model))  # a fresh container: not the model
+    >>> model[0] = model[0]             # the same module in the same slot
+    >>> registration_count() == before
+    True
+    >>> model.append(nn.Linear(2, 2))
+    Sequential(...)
+    >>> registration_count() > before
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import is_
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_debug.checks.numerics import (
@@ -27,7 +49,128 @@ from lightning_debug.checks.numerics import (
     without_partial,
 )
 from lightning_debug.core.metrics import metric_part
-from lightning_debug.core.numerics.owned import Owned
+
+
+# One row per rank, raw values whose finiteness is the flag (the host derives the flags, see
+# ``rank_flags``); the packing follows this list. The counts and ``check_failed`` are Python numbers,
+# which travel in the row only when there is a collective to carry them.
+HOST_FIELDS = ("loss_count", "input_count", "check_failed")
+DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum",
+                 "buffer_high")
+RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
+AllGather = Callable[[torch.Tensor], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], Any]
+
+
+_constants: dict[tuple[torch.device, float | str], torch.Tensor] = {}
+
+
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A shared 0-d float64 tensor holding ``value`` on ``device``, created once (never written to)."""
+    key = (device, value if value == value else "nan")  # NaN equals no key, not even itself
+    tensor = _constants.get(key)
+    if tensor is None:
+        tensor = _constants[key] = torch.full((), value, dtype=torch.float64, device=device)
+    return tensor
+
+
+def rank_flags(row: Sequence[float]) -> dict[str, float]:
+    """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign
+    that one of its terms is not (NaN and infinities propagate; float64 sums of float32 values do not
+    overflow), so the device packs raw sums and the host tells.
+
+    Example::
+
+        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf")])
+        >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
+        (0.0, -1.0, 0.0, nan)
+        >>> flags["buffer_nonfinite"]
+        1.0
+    """
+    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local, buffer_high = row
+    loss_finite = math.isfinite(loss_sum)
+    return {"loss_finite": -1.0 if not loss_count else float(loss_finite),
+            "grad_nonfinite": float(not math.isfinite(grad_local)),
+            "param_nonfinite": float(not math.isfinite(param_local)),
+            "buffer_nonfinite": float(not math.isfinite(buffer_high)),
+            "grad_square_sum": grad_owned,
+            "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
+            "check_failed": failed,
+            "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
+
+
+def world_position() -> tuple[int, int]:
+    """This process's rank and the number of processes of the default (WORLD) group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Owned:
+    """Which slots' squares this rank adds to the sums over every process (see
+    :func:`~lightning_debug.checks.numerics.owns_block`), with the two common cases, every slot (one
+    process) and none (a replica), known on the host so that they cost no device work.
+
+    Example::
+
+        >>> squares = torch.tensor([1.0, 4.0], dtype=torch.float64)
+        >>> terms, total = Owned([True, False], squares.device).terms(squares, squares.sum())
+        >>> terms.tolist(), float(total)
+        ([1.0, 0.0], 1.0)
+    """
+
+    def __init__(self, owned: list[bool], device: torch.device) -> None:
+        self.mask = torch.tensor(owned, dtype=torch.bool, device=device)
+        self.every = all(owned)
+        self.none = bool(owned) and not any(owned)
+
+    def terms(self, squares: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned part of ``squares`` (zeros elsewhere) and its sum, given ``total``, the sum of all."""
+        if self.every:
+            return squares, total
+        zero = constant(0.0, squares.device)
+        if self.none:
+            return torch.zeros_like(squares), zero
+        terms = torch.where(self.mask, squares, zero)
+        return terms, terms.sum()
+
+
+_registrations = [0]
+_watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_every_module = [False]  # a model whose modules are unknown is watched: every registration counts
+
+
+def registration_count() -> int:
+    """How many registrations that may have changed a watched model happened since :func:`watch_registrations` (plus one)."""
+    return _registrations[0]
+
+
+def watch_model(model: nn.Module | None) -> None:
+    """Count registrations into ``model``'s modules from now on (None: a model whose modules are not
+    known, so every registration in the process counts). Called when an index is built."""
+    if model is None:
+        _every_module[0] = True
+    else:
+        _watched.update(model.modules())
+
+
+def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
+    if (_every_module[0] or module in _watched) and module._parameters.get(name) is not param:
+        _registrations[0] += 1
+
+
+def _count_module(module: nn.Module, name: str, submodule: Any) -> None:
+    if (_every_module[0] or module in _watched) and module._modules.get(name) is not submodule:
+        _registrations[0] += 1
+
+
+def watch_registrations() -> None:
+    """Install the two global registration hooks (once per process)."""
+    if _registrations[0] == 0:
+        _registrations[0] = 1
+        nn.modules.module.register_module_parameter_registration_hook(_count_parameter)
+        nn.modules.module.register_module_module_registration_hook(_count_module)
+
 
 REQUIRES_GRAD_RECHECK = 16
 

@@ -23,11 +23,16 @@ import torch
 from torch import nn
 
 from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.numerics.index import ParameterIndex, signature
-from lightning_debug.core.numerics.observed import Observed
-from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
-from lightning_debug.core.numerics.rows import AllReduce, world_position
-from lightning_debug.core.numerics.step import StepNumerics
+from lightning_debug.core.numerics.index import (
+    AllReduce,
+    ParameterIndex,
+    registration_count,
+    signature,
+    watch_model,
+    watch_registrations,
+    world_position,
+)
+from lightning_debug.core.numerics.step import Observed, StepNumerics
 
 MAX_PENDING_READBACKS = 4
 
