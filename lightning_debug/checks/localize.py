@@ -36,9 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_debug.checks.backward import first_nonfinite_backward
 from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
-from lightning_debug.checks.firstnan import OpEvent, OpWatch
+from lightning_debug.checks.firstnan import OpEvent, OpWatch, first_nonfinite_backward
 from lightning_debug.checks.numerics import user_name
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
