@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lightning_debug.checks.memory.readings import MemoryPhase
-from lightning_debug.core.schedule import CheckSchedule
 
 INSTRUMENTED_STEPS_KEPT = 64
 NOTES_KEPT = 64
@@ -71,6 +70,27 @@ class StepRecord(NamedTuple):
     def done(self, steps_done: int) -> "StepRecord":
         """``moved(steps_done=steps_done)``, the run's every batch end, at a fifth of the cost."""
         return StepRecord(self.step, steps_done, self.several_optimizers, self.optimizer_index, self.optimizer_step)
+
+
+@dataclass(frozen=True)
+class CheckSchedule:
+    """A check that runs every ``frequency`` optimizer steps (``trainer.global_step`` before the step), from step 0;
+    with several optimizers a step's checks count that optimizer's own steps (``StepRecord.optimizer_step``).
+
+    Example::
+
+        >>> [step for step in range(25) if CheckSchedule(10).is_due(step)]
+        [0, 10, 20]
+    """
+
+    frequency: int
+
+    def __post_init__(self) -> None:
+        if self.frequency < 1:
+            raise ValueError(f"frequency must be >= 1, got {self.frequency}")
+
+    def is_due(self, step: int) -> bool:
+        return step % self.frequency == 0
 
 
 @dataclass

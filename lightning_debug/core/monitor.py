@@ -24,8 +24,7 @@ from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
 from lightning_debug.core.guard import notify
 from lightning_debug.core.kinds import Kind, Severity
-from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.ledger import CheckSchedule, RunLedger
 from lightning_debug.core.session import Session, Where
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.core.verdicts import VerdictEngine
