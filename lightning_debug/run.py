@@ -47,11 +47,10 @@ from typing import Any, TypeVar
 from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
-from lightning_debug.core.gate import drop_gradients
+from lightning_debug.core.gate import bounded_wait, drop_gradients, gather_failures, merge_failures
 from lightning_debug.core.guard import Failures
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
-from lightning_debug.core.ranks import bounded_wait, gather_failures, merge_failures
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
@@ -346,7 +345,7 @@ class Run:
 
     def _gather_failures(self) -> bool:
         """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
-        run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part."""
+        run that finished: see :func:`lightning_debug.core.gate.gather_failures`); whether every rank took part."""
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary(),
                                                          functools.partial(self.gate.gather, "failed checks"))
