@@ -48,14 +48,13 @@ from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
 from lightning_debug.core.gate import bounded_wait, drop_gradients, gather_failures, merge_failures
-from lightning_debug.core.guard import Failures
+from lightning_debug.core.guard import Failures, route
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
 from lightning_debug.report.document import build_report, write_document, write_report
-from lightning_debug.core.console import route
 from lightning_debug.report.summary import FindingWarnings, conclude_run
 from lightning_debug.report.tensorboard import attach_to_writer
 
