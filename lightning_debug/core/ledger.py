@@ -1,14 +1,6 @@
-"""State that travels: where the loop is, and facts one monitor establishes that another one needs,
-kept by the run.
-
-The run alone knows which optimizer is being stepped, how many steps it took and how many optimizer
-steps are done; it writes them into one :class:`StepRecord` that every monitor, the shared gradient
-pass and the adapter's ``where()`` read, instead of each keeping a copy the run must update.
-
-The performance monitor times some steps; the activation statistics add forward hooks to some
-steps. Hooked steps are slower for a reason that is not the user's, so the profiler leaves them
-out, and the activation monitor moves its hooks off a timed step when it can. The :class:`RunLedger`
-holds both facts; the run makes one and hands it to every monitor it binds.
+"""State that travels: where the loop is (:class:`StepRecord`, written by the run alone and read by every monitor,
+the gradient pass and the adapter's ``where()``), and facts one monitor establishes that another needs
+(:class:`RunLedger`: which steps are timed, which had work added by a check, so the profiler leaves them out).
 """
 
 from __future__ import annotations

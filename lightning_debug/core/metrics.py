@@ -1,23 +1,11 @@
 """The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step.
 
-Names. Every logger must be able to hold every name: MLflow's file store keeps a metric as the
-file ``metrics/<name>``, so no name may also be the prefix ``<name>/`` of another, and it accepts
-only ``[/\\w.\\- :]`` up to 250 characters without ``//`` or a leading or trailing ``/``; Lightning's
-MLflow logger strips everything outside ``[a-zA-Z0-9_/. -]``. :func:`metric_part` turns a free text
-(a parameter or module name) into one safe path component, :func:`safe_metric_name` is the last
-guard on a whole name.
-
-Cadence. Lightning's own monitoring callbacks (``LearningRateMonitor``, ``DeviceStatsMonitor``)
-log only when the trainer logs (every ``log_every_n_steps`` steps). :class:`MetricsWriter` does the
-same for the debug scalars: steps fall into windows of ``log_every_n_steps`` (the window closes at
-the step where Lightning writes its own row), and of each window it writes, per name, the value of
-the last check step that measured it, at that step; ``debug/loss_finite`` keeps the lowest value
-(at the last step that had it) instead, so a single NaN step is never hidden by a finite one after it.
-
-Rows. Under a Trainer the scalars are no separate writes at all: the adapter asks for them (:meth:`MetricsWriter.take`)
-when Lightning writes one of its own rows and logs them through ``LightningModule.log``, so they share the user's
-rows and step axis and reach every logger the trainer has. Each row carries, per name, the last value measured
-since the previous row (the lowest for ``debug/loss_finite``).
+Names: MLflow's file store keeps a metric as the file ``metrics/<name>``, so no name may be the prefix
+``<name>/`` of another, and loggers accept few characters; :func:`metric_part` makes one safe component from free
+text, :func:`safe_metric_name` is the last guard on a whole name. Cadence: like Lightning's own monitoring
+callbacks, :class:`MetricsWriter` logs only when the trainer logs (``log_every_n_steps``), of each window the
+last value per name (the lowest for ``debug/loss_finite``, so a NaN step is never hidden). Under a Trainer the
+scalars go out on Lightning's own rows (:meth:`MetricsWriter.take`), sharing the user's step axis and loggers.
 """
 
 from __future__ import annotations
