@@ -1,19 +1,12 @@
-"""One gate for every collective the plugin makes: every rank enters each one, in the same order, with a
-fixed shape, whatever failed on it.
+"""One gate for every collective the plugin makes: every rank enters each one, in the same order, with a fixed
+shape, whatever failed on it.
 
-A check that fails on one rank is recorded there (:class:`~lightning_debug.core.guard.Failures`) and the
-run goes on; but a collective that sat after the failing code was then not entered on that rank, and
-every other rank waited in it forever. The gate removes the cause rather than the cases: the run does a
-step's guarded per-monitor work first, and the collectives come from the gate, which the guard never
-skips:
-
-- a step's planned collectives (:class:`Planned`, chosen from values every rank shares, such as the
-  step's gathered flags) are made in the plan's order; a collective asked for out of order makes the ones
-  before it first, and :meth:`Gate.close` makes those this rank never reached, each with an empty
-  contribution and this rank's "failed" flag;
-- a contribution that raises becomes that empty contribution, flagged, instead of a missing call;
-- :meth:`Gate.agree` makes the step's decision together: each rank's decision and whether its checks
-  failed, summed; the decision is the largest of the ranks that did not fail, so no rank decides alone.
+A check that fails on one rank is recorded and the run goes on; but a collective after the failing code was then
+not entered on that rank, and every other rank waited in it forever. So the run does a step's guarded work first,
+and the collectives come from the gate, which the guard never skips: a step's planned collectives
+(:class:`Planned`, chosen from values every rank shares) are made in order, those this rank never reached with an
+empty contribution and its "failed" flag (:meth:`Gate.close`), as is a contribution that raises; and
+:meth:`Gate.agree` takes the step's decision together, the largest of the ranks that did not fail.
 
 Example, one process (every collective is then local)::
 
@@ -26,9 +19,9 @@ Example, one process (every collective is then local)::
     >>> list(gate.log)
     [(3, 'rows'), (3, 'decision')]
 
-At the end of a run that finished on every rank, the ranks gather their failed checks once, for rank zero's
-report (:func:`gather_failures`), after a bounded wait (gloo's ``monitored_barrier``): a rank that does not come is
-named after :data:`WAIT_S` seconds instead of every rank waiting for the process group's timeout (30 minutes).
+At the end of a run that finished on every rank, the ranks gather their failed checks once for rank zero's report
+(:func:`gather_failures`), after a bounded wait (gloo's ``monitored_barrier``): a rank that does not come is named
+after :data:`WAIT_S` seconds instead of every rank waiting for the process group's timeout (30 minutes).
 """
 
 from __future__ import annotations

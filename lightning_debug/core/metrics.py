@@ -84,20 +84,11 @@ def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str,
 
 
 class MetricsWriter:
-    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
-
-    Args:
-        sink: Receives one dict per written step; None writes nothing.
-        failures: A failing sink is recorded there once, and no more scalars are sent to it.
-        log_every_n_steps: The trainer's logging cadence; None writes every check step, 0 nothing
-            (as Lightning with ``log_every_n_steps=0``).
-        observer: Sees every value as it is measured, before any thinning (the run's timeline).
-        exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
-        rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
-            writing them to ``sink``.
-
-    Steps are written in order once the caller says no more values for them will come
-    (:meth:`flush_before`), so values read back a step late still land at the step they describe.
+    """Collects ``debug/...`` scalars and writes them to ``sink`` (the loggers; None: nowhere) at the logging cadence
+    (``log_every_n_steps``; None: every check step, 0: nothing), in step order once :meth:`flush_before` says no more
+    values for them will come, so values read back a step late land at their step. A failing sink is recorded in
+    ``failures`` once and not called again. ``observer`` sees every value before any thinning (the timeline),
+    ``exposed`` the latest of :data:`EXPOSED_METRICS`; with ``rows`` the values wait for :meth:`take`.
 
     Example::
 
@@ -109,9 +100,6 @@ class MetricsWriter:
         ...     writer.add(step, "debug/perf/step_ms", 10.0 + step)
         >>> writer.flush_before(10); written
         [(2, {'debug/loss_finite': 0.0}), (4, {'debug/perf/step_ms': 14.0}), (9, {'debug/loss_finite': 1.0, 'debug/perf/step_ms': 19.0})]
-
-    With ``rows=True`` the caller takes what was measured since its last row::
-
         >>> rows = MetricsWriter(None, Failures(), rows=True)
         >>> for step in range(3):
         ...     rows.add_many(step, {"debug/loss_finite": 0.0 if step == 1 else 1.0, "debug/perf/step_ms": 10.0 + step})
