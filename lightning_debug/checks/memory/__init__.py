@@ -6,25 +6,10 @@ snapshot analyses; :mod:`.census` the expensive census of live tensors, taken on
 
 from __future__ import annotations
 
-from lightning_debug.checks.memory.census import (
-    GRAPHS_MEASURED_PER_GROUP,
-    STEADY_PER_STEP,
-    Census,
-    CensusKey,
-    GraphGrowth,
-    GroupGrowth,
-    census_growth,
-    explain_growth,
-    graph_growth,
-    graph_size,
-    growth_rank,
-    live_tensors,
-    take_census,
-)
+from lightning_debug.checks.memory.census import (Census, GraphGrowth, GroupGrowth, census_growth, explain_growth,
+                                                  graph_growth, take_census)
 from lightning_debug.checks.memory.readings import (
-    LIBRARY_PATH_MARKERS,
     MB,
-    OOM_PATTERNS,
     PHASES,
     SERIES_LABELS,
     MemoryPhase,
@@ -34,7 +19,6 @@ from lightning_debug.checks.memory.readings import (
     cuda_index,
     cuda_leak_sites,
     cuda_peak_and_reset,
-    cuda_total_memory,
     describe_batch,
     fit_trend,
     format_bytes,
@@ -43,15 +27,12 @@ from lightning_debug.checks.memory.readings import (
     is_steady_growth,
     oom_fixes,
     read_memory,
-    shape_text,
     steps_until_exhausted,
 )
 
 __all__ = [
-    "GRAPHS_MEASURED_PER_GROUP", "LIBRARY_PATH_MARKERS", "MB", "OOM_PATTERNS", "PHASES", "SERIES_LABELS",
-    "STEADY_PER_STEP", "Census", "CensusKey", "GraphGrowth", "GroupGrowth", "MemoryPhase", "MemoryReading", "Trend",
-    "allocation_site", "census_growth", "cuda_index", "cuda_leak_sites", "cuda_peak_and_reset",
-    "cuda_total_memory", "describe_batch", "explain_growth", "fit_trend", "format_bytes", "graph_growth",
-    "graph_size", "growth_rank", "heap_in_use", "is_out_of_memory", "is_steady_growth", "live_tensors",
-    "oom_fixes", "read_memory", "shape_text", "steps_until_exhausted", "take_census",
+    "MB", "PHASES", "SERIES_LABELS", "Census", "GraphGrowth", "GroupGrowth", "MemoryPhase", "MemoryReading", "Trend",
+    "allocation_site", "census_growth", "cuda_index", "cuda_leak_sites", "cuda_peak_and_reset", "describe_batch",
+    "explain_growth", "fit_trend", "format_bytes", "graph_growth", "heap_in_use", "is_out_of_memory",
+    "is_steady_growth", "oom_fixes", "read_memory", "steps_until_exhausted", "take_census",
 ]

@@ -66,14 +66,9 @@ def shape_text(shape: Sequence[int]) -> str:
 
 
 def heap_in_use() -> int | None:
-    """Bytes the C allocator has handed out and not taken back, or None where psutil cannot tell.
-
-    ``psutil.heap_info()``: on Linux (glibc) the bytes of chunks in use in every arena plus mmapped
-    chunks (``mallinfo2``'s ``uordblks + hblkhd``), on macOS and Windows the platform allocator's
-    equivalent. Unlike the resident set it ignores freed-but-cached pages, so the CPU tensors and
-    autograd nodes a leak keeps alive show up byte for byte. Costs about a microsecond on a fresh heap,
-    0.2-0.4 ms in a small training process and about 3 ms on a heap fragmented by 50,000 freed tensors
-    (glibc walks its free lists).
+    """Bytes the C allocator has handed out and not taken back (``psutil.heap_info()``: glibc's ``mallinfo2``
+    ``uordblks + hblkhd``), or None where psutil cannot tell. Unlike the resident set it ignores freed-but-cached
+    pages, so tensors and autograd nodes a leak keeps alive show up byte for byte; 0.2-3 ms a reading.
     """
     read = getattr(psutil, "heap_info", None)
     if read is None:
@@ -111,12 +106,9 @@ def _proc_files(pid: int) -> tuple[int, int] | None:
 
 
 def rss_and_available() -> tuple[int, int]:
-    """The process's resident set and the memory the system can still give (bytes), as psutil reports them.
-
-    psutil opens, reads and closes ``/proc/<pid>/statm`` and parses the whole of ``/proc/meminfo`` at every
-    call: 0.1 ms each inside a training process on a 2-core VM, where the system calls find cold caches. On
-    Linux both files are read here through descriptors kept open (one ``pread`` each, the fields psutil
-    reads: ``statm``'s resident pages and ``MemAvailable``); elsewhere, or when that fails, through psutil.
+    """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but on
+    Linux read through descriptors kept open (one ``pread`` each; psutil opens and parses the files at every call,
+    0.1 ms each in a training process).
 
     Example::
 

@@ -24,29 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from lightning_debug.core.numerics.index import (
-    DEVICE_FIELDS,
-    HOST_FIELDS,
-    RANK_FIELDS,
-    REQUIRES_GRAD_RECHECK,
-    AllGather,
-    AllReduce,
-    Owned,
-    ParameterIndex,
-    constant,
-    rank_flags,
-    registration_count,
-    signature,
-    watch_model,
-    watch_registrations,
-    world_position,
-)
-from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
-from lightning_debug.core.numerics.step import HostNumerics, Observed, StepNumerics
+from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, AllGather, AllReduce, ParameterIndex
+from lightning_debug.core.numerics.queue import NumericsQueue
+from lightning_debug.core.numerics.step import HostNumerics, StepNumerics
 
-__all__ = [
-    "DEVICE_FIELDS", "HOST_FIELDS", "MAX_PENDING_READBACKS", "RANK_FIELDS", "REQUIRES_GRAD_RECHECK", "AllGather",
-    "AllReduce", "HostNumerics", "NumericsQueue", "Observed", "Owned", "ParameterIndex", "StepNumerics",
-    "constant", "rank_flags", "registration_count", "signature", "watch_model", "watch_registrations",
-    "world_position",
-]
+__all__ = ["REQUIRES_GRAD_RECHECK", "AllGather", "AllReduce", "HostNumerics", "NumericsQueue", "ParameterIndex",
+           "StepNumerics"]
