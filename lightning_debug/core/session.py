@@ -64,14 +64,9 @@ def run_directory(configured: str, base: Path | None, run_id: str, base_is_per_r
 
 
 class Session:
-    """Shared writers of one run.
-
-    Args:
-        output_dir: Directory for events.jsonl, the report and documents, or None to write no files.
-        is_global_zero: Only this process writes events, reports and logger scalars.
-        sink: Where a step's scalars go (``trainer.logger.log_metrics``, ``accelerator.log``).
-        failures: The run's failure registry.
-        rank: This process's rank, added to the names of the documents it writes.
+    """Shared writers of one run: ``output_dir`` (None: no files), ``sink`` for a step's scalars
+    (``trainer.logger.log_metrics``, ``accelerator.log``); only the global-zero process writes events and scalars,
+    and ``rank`` names the documents each process writes.
 
     Example::
 

@@ -182,23 +182,17 @@ def signature(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[object, .
 
 
 class ParameterIndex:
-    """The trainable parameters of a model (or of one optimizer), built once and reused every step.
-
-    Holds the parameters in ``named_parameters`` order, their user-facing names (see
-    :func:`~lightning_debug.checks.numerics.user_name`), which are sharded, which blocks this rank
-    owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every
-    rank builds the same slots in the same order (full shapes decide, not local ones), which is
-    what lets one all-reduce line their values up. With ``plain_sharded`` (FSDP1 flat parameters,
-    DeepSpeed) plain tensors are this rank's shard: every rank's block counts, and no slot is
-    dropped for being empty here, since another rank may hold its elements.
+    """The trainable parameters of a model (or of one optimizer), their user-facing names, which are sharded, which
+    blocks this rank owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every rank
+    builds the same slots in the same order (full shapes decide), so one all-reduce lines their values up. With
+    ``plain_sharded`` (FSDP1, DeepSpeed) plain tensors are this rank's shard and no empty slot is dropped.
 
     Example::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
         >>> model[0].bias.requires_grad_(False)
         Parameter containing:...
-        >>> index = ParameterIndex(list(model.named_parameters()))
-        >>> index.names
+        >>> ParameterIndex(list(model.named_parameters())).names
         ['0.weight', '1.weight', '1.bias']
     """
 
@@ -239,12 +233,10 @@ class ParameterIndex:
         return Owned([owned(t) for t in tensors], self.device)
 
     def recheck_due(self) -> bool:
-        """Whether this use should compare the model against :attr:`signature`, which a registration
-        does not announce: a parameter's ``requires_grad`` (compared every ``REQUIRES_GRAD_RECHECK``
-        uses, a list of booleans) and, every ``REQUIRES_GRAD_RECHECK ** 2`` uses, everything else
-        (``.data`` replaced, a module cast in place, a parameter swapped into ``_parameters``).
-        Until then a changed shape, dtype or device costs speed, not correctness: the plan falls
-        back to measuring one tensor at a time."""
+        """Whether this use compares the model with :attr:`signature` for what no registration announces:
+        ``requires_grad`` every ``REQUIRES_GRAD_RECHECK`` uses, the rest (``.data`` replaced, a cast in place) every
+        ``REQUIRES_GRAD_RECHECK ** 2``. Until then a changed shape costs speed, not correctness (the plan falls back).
+        """
         self._uses += 1
         if self._uses % REQUIRES_GRAD_RECHECK:
             return False
@@ -262,11 +254,9 @@ class ParameterIndex:
         return local_tensors(self.params, self.sharded)
 
     def _zeros_for(self, slot: int) -> torch.Tensor:
-        """Zeros standing for slot ``slot``'s missing gradient (read only), kept: MoE experts that got no
-        token miss theirs on most steps, and a zero tensor of the expert's size costs an allocation, a
-        write and a read of that size each time. One 0-d zero of the slot's dtype and device, which the
-        fused norm takes whatever the slot's shape (dense, so CUDA keeps its fused kernel); a slot the
-        plan joins with others (small, on a CPU) gets that zero expanded to its shape (no memory)."""
+        """A kept, read-only zero standing for slot ``slot``'s missing gradient (MoE experts miss theirs on most steps): 0-d,
+        which the fused norm takes whatever the shape, expanded (no memory) for a slot the plan joins with others.
+        """
         zeros = self._zeros.get(slot)
         if zeros is None:
             local = local_tensor(self.params[slot])

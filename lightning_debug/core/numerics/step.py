@@ -34,13 +34,9 @@ from lightning_debug.core.readback import Readback
 
 
 class Observed:
-    """What the forward of an optimizer step showed before its gradients existed, as device values
-    (no sync): the sum of its micro-batch losses, and the extremes of its batches' floating tensors.
-
-    Sums and extremes carry NaN/Inf through, so one value per quantity is all the step needs; the
-    host tells finiteness after the read-back
-    (:func:`~lightning_debug.core.numerics.index.rank_flags`). Extremes, not sums, for the batches: a
-    mask filled with ``torch.finfo(dtype).min`` is finite and must not overflow into a false alarm.
+    """What the forward of an optimizer step showed before its gradients existed, as device values (no sync): the sum
+    of its micro-batch losses and the extremes of its batches' floating tensors, which carry NaN/Inf through (extremes,
+    not sums: a mask filled with ``torch.finfo(dtype).min`` must not overflow into a false alarm).
 
     Example::
 
@@ -285,24 +281,13 @@ class HostNumerics:
 class StepNumerics:
     """Device-side measurement of one optimizer step; see :mod:`lightning_debug.core.numerics`.
 
-    Args:
-        step: The optimizer step measured.
-        index: The parameters to measure (see :class:`ParameterIndex`).
-        observed: The step's losses and batches (:class:`Observed`), or None when nobody looked.
-        all_reduce: Sums a float64 vector over every process in place (the WORLD group); None on
-            one process. Called exactly once, by every rank, with a vector of the same length.
-        grad_scale: The loss scale still applied to the gradients (fp16 GradScaler before unscaling,
-            as in an Accelerate loop right after backward): norms are divided by it on the device.
-        with_param_norms: Also compute every parameter's norm (for weight norms and update ratios).
-            Without it, parameters are scanned only when asked (:func:`scan_parameters`), which the
-            anomaly check does when the loss or gradients are non-finite: a non-finite weight shows
-            up there on the next forward, so healthy steps skip a full pass over the weights.
-        gradients: ``index.local_grads()`` when the caller already collected them.
-
-    The device work of a healthy step is the fused norm pass and three operations (a sum, the
-    stack of the row, the concatenation), whatever the number of parameters. One process on a CPU
-    has nothing to reduce or copy: it skips the concatenation and reads the row and the squared
-    norms where they are.
+    ``observed``: the step's losses and batches, or None; ``all_reduce``: sums a float64 vector over every process
+    in place, called exactly once by every rank with a vector of the same length (None on one process);
+    ``grad_scale``: the loss scale the gradients still carry (divided out on the device); ``with_param_norms``: also
+    every parameter's norm (weight norms, update ratios); without it a non-finite weight is found by
+    :func:`scan_parameters` when the anomaly check asks, so healthy steps skip a pass over the weights;
+    ``gradients``: ``index.local_grads()`` when the caller already collected them. A healthy step's device work is
+    the fused norm pass and three operations, whatever the number of parameters.
     """
 
     def __init__(self, step: int, index: ParameterIndex, observed: Observed | None = None,
@@ -443,12 +428,9 @@ class StepNumerics:
 
 def scan_parameters(index: ParameterIndex, reduce_flags: bool | Callable[[torch.Tensor], torch.Tensor]
                     ) -> list[tuple[str, float]]:
-    """Names and local norms of ``index``'s non-finite parameters, now (one sync; the anomaly path only).
-
-    With ``reduce_flags`` (values read synchronously: every rank at the same point of the same step)
-    the per-parameter flags are summed across processes, so every rank names the same parameters,
-    sharded ones included (through ``reduce_flags`` when it is the run's gate, which sums a vector over ranks).
-    A deferred read completes at different times on different GPUs, so it issues no collective.
+    """Names and local norms of ``index``'s non-finite parameters, now (one sync; the anomaly path only). With
+    ``reduce_flags`` (a synchronous read: every rank at the same point) the flags are summed over ranks (through it
+    when it is the run's gate), so every rank names the same parameters; a deferred read issues no collective.
 
     Example::
 
