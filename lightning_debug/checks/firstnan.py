@@ -1,28 +1,19 @@
 """Which operation of a replayed step first made a value non-finite: in the forward, kernel by kernel; in the
-backward, node by node.
+backward, node by node. Runs only inside a replay, never on a training step.
 
-A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``,
-``torch.nn.functional.multi_head_attention_forward``); a ``TorchDispatchMode`` sees every kernel that
-call runs. A kernel that writes into its arguments (``x /= x.std(0)``, the ``masked_fill_`` inside
-``nn.MultiheadAttention``) is judged by its inputs *before* it ran, since afterwards they hold its own
-result; any other kernel by its inputs after it ran. Two firsts are kept:
-
-- the first kernel whose output is non-finite while its inputs were finite (an overflow, log(0), 0/0).
-  A non-finite number among its arguments (``masked_fill(mask, float("-inf"))``) is a non-finite
-  input: an infinity put there on purpose is never a cause by itself;
-- the first kernel whose output holds NaN while its inputs held none (a softmax over a row that is
-  entirely -inf, 0 x inf).
-
-:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN; when that
-kernel only passed on an infinity that an earlier kernel made from finite values (exp overflowed,
-then inf - inf), the earlier one is the cause, unless the NaN is a softmax over a row that is entirely
--inf (a fully masked row: the mask, not the -inf, is the bug). An infinity that a later kernel absorbs
-(``exp(-inf) = 0``) is no cause. Runs only inside a replay, never on a training step.
+A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``); a
+``TorchDispatchMode`` sees every kernel it runs. An in-place kernel (``x /= x.std(0)``) is judged by its inputs
+*before* it ran. Two firsts are kept: the first kernel with a non-finite output from finite inputs (an overflow,
+log(0), 0/0; an infinity put among its arguments on purpose, such as a ``-inf`` mask, is an input, never a cause),
+and the first with NaN from inputs without NaN (a softmax over an entirely ``-inf`` row, 0 x inf).
+:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN, or by the earlier one
+that made the infinity it passed on (exp overflowed, then inf - inf), unless it is a softmax over a fully masked
+row (the mask is the bug). An infinity a later kernel absorbs (``exp(-inf) = 0``) is no cause.
 
 The backward: ``detect_anomaly(check_nan=True)`` stops at the first backward that returns NaN, often not where the
-problem is (the derivative of ``sqrt`` at 0 is Inf; the NaN appears in the ``pow`` backward after it that multiplies
-it by 0). So :func:`first_nonfinite_backward` hooks every node of the graph and names the first whose finite
-incoming gradients became NaN or Inf, with the forward traceback anomaly mode keeps on it.
+problem is (``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0), so
+:func:`first_nonfinite_backward` hooks every node and names the first whose finite incoming gradients became
+NaN or Inf, with the forward traceback anomaly mode keeps on it.
 """
 
 from __future__ import annotations
@@ -138,12 +129,10 @@ class _Naming(TorchFunctionMode):
 
 
 class OpWatch(TorchDispatchMode):
-    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs
-    (``first_nonfinite``) and the first that made NaN from inputs without NaN (``first_nan``).
-
-    ``context`` gives the module now running as ``(name, type name)``; ``naming`` turns a
-    torch-level callable into its public name; ``summary`` describes tensors (rare path); ``source``
-    picks the user's frame from a stack.
+    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs (``first_nonfinite``)
+    and the first that made NaN from inputs without NaN (``first_nan``). ``context`` gives the running module as
+    ``(name, type name)``, ``naming`` a callable's public name, ``summary`` describes tensors, ``source`` picks the
+    user's frame.
 
     Example::
 
