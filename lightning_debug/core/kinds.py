@@ -1,12 +1,8 @@
-"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each.
-
-Checks name what they find with a :class:`Kind`; events.jsonl, report.json, report.md, the
-console summary and TensorBoard all read the same kind, severity and advice from here, so a
-finding reads the same wherever a person meets it.
+"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each, which
+events.jsonl, the report, the console and TensorBoard all read, so a finding reads the same everywhere.
 
 Example::
 
-    >>> from lightning_debug.core.kinds import Kind, Severity
     >>> Kind.NONFINITE_LOSS == "nonfinite_loss", Severity.ERROR.at_least(Severity.WARNING)
     (True, True)
     >>> sorted([Severity.INFO, Severity.CRITICAL, Severity.WARNING])

@@ -24,15 +24,9 @@ class FrameworkWork(enum.StrEnum):
 
 
 class StepRecord(NamedTuple):
-    """Where the training loop is, as the run last saw it.
-
-    Args:
-        step: The optimizer step the current micro-batch belongs to.
-        steps_done: Optimizer steps taken so far (which update a late parameter scan sees).
-        several_optimizers: Whether the loop steps more than one optimizer.
-        optimizer_index: With several optimizers, the position of the one being stepped; else None.
-        optimizer_step: With several optimizers, how many steps that optimizer took before this one
-            (what per-optimizer checks count their frequencies in); else None.
+    """Where the training loop is, as the run last saw it: the optimizer ``step`` of the current micro-batch, the
+    ``steps_done`` (which update a late parameter scan sees), and with several optimizers the position of the one
+    being stepped (``optimizer_index``) and how many steps it took before (``optimizer_step``, what its checks count).
 
     Example::
 

@@ -1,12 +1,9 @@
 """The protocol every area's checks implement, and what they share: findings, episodes, warnings.
 
-A monitor holds one area's state (anomaly, gradients, memory, performance) and turns
-measurements into findings, scalars and a report section. It never sees Lightning or
-Accelerate: the run (:class:`lightning_debug.run.Run`) calls the same small set of events on
-every monitor that declares it needs them (:class:`Event`), with a
-:class:`~lightning_debug.core.context.RunContext` (re-exported here) that the framework adapter
-filled in. So each check has one implementation, driven identically from a Lightning callback, an
-Accelerate loop or a hand-written loop.
+A monitor holds one area's state and turns measurements into findings, scalars and a report section. It never
+sees Lightning or Accelerate: the run calls the same events (:class:`Event`) on every monitor that declares them,
+with a :class:`~lightning_debug.core.context.RunContext` the adapter filled in, so each check has one
+implementation whatever drives it.
 """
 
 from __future__ import annotations
@@ -214,15 +211,11 @@ class Monitor:
     # --- findings -------------------------------------------------------------------------------
     def record(self, finding: Finding, step: int, where: Where | None = None, key: str = "",
                warn: bool = True) -> bool:
-        """Count a finding; write an event (and a one-line warning) when it starts a new episode.
+        """Count a finding; write an event (and a one-line warning) when it starts a new episode (returns True then).
 
-        An episode ends after ``episode_grace`` check steps without the finding. Past
-        ``max_episode_events`` (N) episodes of one kind, further episodes are not written one by one, so
-        a condition that keeps coming back cannot flood the file; instead a ``summary`` line with the
-        kind's totals so far (episodes, check steps, first and last step) is written when the count
-        reaches 2N, 4N, 8N, ... episodes and once more at the end of the run: a log-bounded number of
-        lines, and a run killed at any point leaves at least half its episodes counted in the file.
-        Returns True for a new episode.
+        Past ``max_episode_events`` (N) episodes of one kind, later ones are not written one by one; a ``summary`` line
+        with the kind's totals is written at 2N, 4N, 8N, ... episodes and at the end: a log-bounded number of lines, and
+        a run killed at any point leaves at least half its episodes counted in the file.
         """
         episode_key = (finding.kind.value, key)
         self._seen_this_check.add(episode_key)
