@@ -74,8 +74,7 @@ class Monitor:
     """Those of ``events`` (among :data:`GATED_EVENTS`) this monitor needs on its check steps only (``step`` a
     multiple of its frequency): the run does not call them on other steps, which then cost it nothing."""
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
-    """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
-    from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""
+    """Reads this monitor's check frequency from a config; set from its row of ``monitors.areas.AREA_SPECS``."""
     measures: bool = False
     """Whether its ``before_optimizer_step`` reads the step's shared measurement on its check steps: the run then
     makes that measurement (and its collective) first, whatever the monitor's own code does."""
@@ -136,29 +135,26 @@ class Monitor:
     def bound(self) -> bool:
         return self._session is not None
 
+    def _bound_to(self, value: Any) -> Any:
+        if value is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return value
+
     @property
     def session(self) -> Session:
-        if self._session is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._session
+        return self._bound_to(self._session)
 
     @property
     def context(self) -> RunContext:
-        if self._context is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._context
+        return self._bound_to(self._context)
 
     @property
     def ledger(self) -> RunLedger:
-        if self._ledger is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._ledger
+        return self._bound_to(self._ledger)
 
     @property
     def numerics(self) -> NumericsQueue:
-        if self._numerics is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._numerics
+        return self._bound_to(self._numerics)
 
     def due(self, step: int) -> bool:
         return self.schedule.is_due(step)
