@@ -41,13 +41,11 @@ class TensorStats:
 
 
 def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
-    """Shape, dtype, device, size and numeric health of one tensor, with one host sync.
-
-    Meant for a debugger prompt or a one-off check, not for the training hot path.
+    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (a debugger prompt, not the
+    training hot path).
 
     Example::
 
-        >>> import torch
         >>> stats = inspect_tensor(torch.tensor([1.0, float("nan"), 3.0]))
         >>> stats.has_nan, stats.nonfinite_count, stats.mean
         (True, 1, 2.0)
