@@ -106,7 +106,17 @@ class HostNumerics:
 
     ``squares`` holds, from position ``start``, every slot's squared gradient norm, then, when measured,
     every slot's squared parameter norm (the read-back vector as it came: on a CPU even slicing it is an
-    operation, which a step that names nothing never needs)."""
+    operation, which a step that names nothing never needs).
+
+    Example::
+
+        >>> from torch import nn
+        >>> index = ParameterIndex(list(nn.Linear(1, 1, bias=False).named_parameters()))
+        >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0, 0])], index,
+        ...                     torch.tensor([9.0], dtype=torch.float64), [])
+        >>> host.global_grad_norm, host.grad_norms, host.missing
+        (3.0, [3.0], [])
+    """
 
     def __init__(self, step: int, ranks: list[dict[str, float]], index: ParameterIndex, squares: torch.Tensor,
                  missing_slots: list[int],
