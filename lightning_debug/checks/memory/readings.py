@@ -191,11 +191,9 @@ class MemoryReading:
 
 
 def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True) -> MemoryReading:
-    """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device.
-
-    With ``reset_peak`` the CUDA peak counter restarts, so the next reading's ``cuda_peak`` is the
-    peak since this one. Without ``heap`` the C heap is not read (``cpu_heap`` None): see :func:`heap_in_use`
-    for what that costs.
+    """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device. ``reset_peak``
+    restarts the CUDA peak counter (the next ``cuda_peak`` is the peak since this reading); without ``heap`` the C
+    heap is not read (see :func:`heap_in_use` for its cost).
     """
     rss, available = rss_and_available()
     total = _total_memory()
@@ -214,12 +212,9 @@ def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool
 
 @dataclass(frozen=True)
 class Trend:
-    """A robust straight line through (step, value) readings.
-
-    ``slope`` is the Theil-Sen estimate (median of the pairwise slopes, so a warm-up jump or an odd
-    reading cannot tilt it), ``noise`` the robust scatter around the line (``MAD_TO_SIGMA`` x MAD of the
-    residuals) and ``consistency`` Kendall's tau of value against step: 1.0 when every later reading
-    is higher than every earlier one, about 0 for noise.
+    """A robust straight line through (step, value) readings: ``slope`` the Theil-Sen estimate (median of pairwise
+    slopes: a warm-up jump cannot tilt it), ``noise`` the robust scatter around it, ``consistency`` Kendall's tau
+    (1.0 when every later reading is higher, about 0 for noise).
     """
 
     slope: float
@@ -242,9 +237,8 @@ class Trend:
 
 
 def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
-    """Theil-Sen slope, residual scatter and Kendall's tau of ``points``; None below 3 distinct steps.
-
-    O(n^2) in the number of readings, which the monitor bounds (a window of a few dozen).
+    """Theil-Sen slope, residual scatter and Kendall's tau of ``points`` (O(n^2): the monitor bounds the window); None
+    below 3 distinct steps.
 
     Example::
 
@@ -276,11 +270,8 @@ def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
 
 def is_steady_growth(trend: Trend | None, floor: float, min_readings: int = 6, min_consistency: float = 0.7,
                      noise_factor: float = 4.0) -> bool:
-    """Growth beyond noise: enough readings, mostly rising (Kendall's tau), and a rise over the window
-    above both ``floor`` (allocator granularity, warm-up creep) and ``noise_factor`` times the scatter.
-
-    With 6 readings a tau of 0.7 happens by chance in about 3% of noise-only windows; the floor and
-    the noise test must hold as well.
+    """Growth beyond noise: enough readings, mostly rising (Kendall's tau; 0.7 over 6 readings happens by chance in
+    about 3% of noise-only windows), and a rise above both ``floor`` and ``noise_factor`` times the scatter.
     """
     return (trend is not None and trend.readings >= min_readings and trend.slope > 0
             and trend.consistency >= min_consistency and trend.growth >= max(floor, noise_factor * trend.noise))
