@@ -1,10 +1,8 @@
 """Monitoring never breaks training: the one failure policy of the whole package, and the console it speaks through.
 
-Every check, every write and every hook goes through :class:`Failures`. A failure becomes one
-console line per check (in one wording), is counted by check and by reason for the report, and the run
-goes on. :class:`~lightning_debug.AnomalyError`, which the user asked for with
-``anomaly_detection_mode="raise"``, passes through untouched, as does anything that is not an
-``Exception`` (``KeyboardInterrupt``).
+Every check, write and hook goes through :class:`Failures`: a failure becomes one console line per check, is
+counted by check and reason for the report, and the run goes on. :class:`~lightning_debug.AnomalyError` (asked for
+with ``anomaly_detection_mode="raise"``) and anything not an ``Exception`` pass through untouched.
 
 Example::
 
@@ -22,11 +20,9 @@ Example::
     >>> seen[0]
     'lightning-debug: gradients.check failed at step 0 (ZeroDivisionError: division by zero); this check is skipped, training continues.'
 
-Every line the plugin shows goes through the ``lightning_debug`` logger, not Python warnings, which the common
-``warnings.filterwarnings("ignore")`` of a training script silences and which land in the middle of a progress
-bar. :data:`LOGGER` carries one :class:`ConsoleHandler`: with a logging configuration of the process's own (a
-handler on the root logger) the line goes there; otherwise the handler prints it through the printer an adapter
-routes it to while a run is live (Lightning: the progress bar's ``print``), or to ``stderr``.
+Every line goes through the ``lightning_debug`` logger, not Python warnings (which ``filterwarnings("ignore")``
+silences): its :class:`ConsoleHandler` leaves it to a handler of the root logger when there is one, else prints it
+through the printer an adapter routes (Lightning: the progress bar's ``print``), or to ``stderr``.
 """
 
 from __future__ import annotations
