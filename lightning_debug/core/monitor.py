@@ -59,11 +59,7 @@ class Decision(enum.IntEnum):
 
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
-
-    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event
-    methods; every method has the same signature in every monitor. The run binds a monitor to its
-    session and context before :meth:`start` and unbinds it after :meth:`restore`.
-    """
+    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event methods."""
 
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
@@ -76,15 +72,14 @@ class Monitor:
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
     """Reads this monitor's check frequency from a config; set from its row of ``monitors.areas.AREA_SPECS``."""
     measures: bool = False
-    """Whether its ``before_optimizer_step`` reads the step's shared measurement on its check steps: the run then
-    makes that measurement (and its collective) first, whatever the monitor's own code does."""
+    """Whether its ``before_optimizer_step`` reads the step's shared measurement: the run makes it (and its
+    collective) first, whatever the monitor's own code does."""
     decides: bool = False
-    """Whether its ``before_optimizer_step`` may return a decision other than CONTINUE (or raise): the ranks then
-    agree on the step's decision through the run's gate (:mod:`lightning_debug.core.gate`)."""
+    """Whether its ``before_optimizer_step`` may return other than CONTINUE (or raise): the ranks then agree
+    through the run's gate."""
     plan_collectives: Callable[[Any], list[Any]] | None = None
-    """A function of the step's measurement (values every rank shares) that lists the collectives this monitor
-    makes after it, in order (:class:`~lightning_debug.core.gate.Planned`); the gate makes those a failure
-    kept this rank from reaching."""
+    """The collectives this monitor makes after the step's measurement, in order, from values every rank shares
+    (:class:`~lightning_debug.core.gate.Planned`): the gate makes those a failure kept this rank from reaching."""
     batch_end_collectives: Callable[[int, bool], list[Any]] | None = None
     """The same for ``batch_end``: a function of the step and whether the batch took an optimizer step."""
     max_warnings: ClassVar[int] = 10
