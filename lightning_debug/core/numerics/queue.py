@@ -38,11 +38,9 @@ MAX_PENDING_READBACKS = 4
 
 
 class NumericsQueue:
-    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by
-    the rest, the parameter indexes they are computed over, and the steps still waiting for their
-    values to reach the host.
-
-    Deferred reads are bounded: past ``max_pending`` waiting steps the oldest is read with a sync.
+    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by the rest, the
+    parameter indexes, and the steps still waiting for their values (past ``max_pending``, the oldest is read with a
+    sync).
     """
 
     def __init__(self, max_pending: int = MAX_PENDING_READBACKS, ledger: RunLedger | None = None) -> None:
@@ -94,14 +92,10 @@ class NumericsQueue:
 
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
               optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
-        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its
-        param groups, in their order) when given; cached, and rebuilt only when they changed.
-
-        Valid by identity: a use costs an integer comparison (the count of registrations that may
-        have changed a watched model, see :mod:`.registrations`) and, for an optimizer's index, the
-        sizes of its param groups (``add_param_group``). When either moved, and every
-        ``REQUIRES_GRAD_RECHECK`` uses, the model is walked once and compared with the index's
-        :func:`~lightning_debug.core.numerics.index.signature`; only a real change rebuilds it.
+        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its param groups, in order);
+        valid by identity: a use compares the count of registrations that may have changed a watched model (and an
+        optimizer's param group sizes); when either moved, and every ``REQUIRES_GRAD_RECHECK`` uses, the model is walked
+        and compared with the index's ``signature``, and only a real change rebuilds it.
         """
         count = registration_count()
         if optimizer is None:
@@ -145,11 +139,8 @@ class NumericsQueue:
     def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
             all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
             optimizer: Any = None, plain_sharded: bool = False) -> StepNumerics:
-        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first).
-
-        ``optimizer``: measure only the parameters it owns (several optimizers: each optimizer step
-        is judged on its own parameters) instead of the model's.
-        ``plain_sharded``: plain parameters are per-rank shards (see :class:`ParameterIndex`).
+        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first); with ``optimizer``, over
+        the parameters it owns only; ``plain_sharded``: plain parameters are per-rank shards.
         """
         if self._current is None or self._current.step != step:
             index = self.index(named_parameters, optimizer, plain_sharded=plain_sharded)
