@@ -85,13 +85,8 @@ def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], opt
 
 
 class Run:
-    """One training run: see the module docstring.
-
-    Args:
-        config: The run-wide settings (output files, plots, console summary); each monitor keeps
-            its own config for its checks.
-        context: What the framework tells the run.
-        monitors: The enabled monitors; more can be added with :meth:`add` before :meth:`start`.
+    """One training run (see the module docstring): ``config`` holds the run-wide settings (each monitor keeps its own
+    for its checks), ``context`` what the framework tells the run; more ``monitors`` can be added before :meth:`start`.
     """
 
     def __init__(self, config: DebugConfig, context: RunContext, monitors: Iterable[Monitor] = ()) -> None:
@@ -185,10 +180,8 @@ class Run:
 
     @_own_time
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
-        """A micro-batch of optimizer step ``step`` starts; ``captured`` is what a replay recomputes it from.
-
-        Values of earlier steps that reached the host become findings here, and the scalars of the
-        steps that can no longer change go to the logger.
+        """A micro-batch of optimizer step ``step`` starts (``captured``: what a replay recomputes it from): values of earlier
+        steps that reached the host become findings, and scalars of steps that can no longer change go to the logger.
         """
         self.failures.step = step
         self._stepping = None
