@@ -46,18 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _printable(text: str) -> str:
-    from lightning_debug.report.events_file import printable
-
-    return printable(text)
-
-
 def _write(stream_name: str, line: str) -> None:
     """One line on stdout or stderr, escaped; a closed pipe (``| head`` has read enough) is sent to
     /dev/null instead, so nothing after it fails and no traceback is printed at exit."""
+    from lightning_debug.report.events_file import printable
+
     stream = getattr(sys, stream_name)
     try:
-        stream.write(_printable(line) + "\n")
+        stream.write(printable(line) + "\n")
         stream.flush()
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -95,17 +91,11 @@ def run_report(directory: Path, plots: bool = True, quiet: bool = False) -> int:
         started = time.monotonic()
         try:
             result = rebuild(run, plots=plots, progress=None if quiet else _progress)
-        except RunDirectoryError as error:
+        except Exception as error:  # input this version did not foresee too: one line, exit 2
             failures += 1
-            _fail(str(error))
-            continue
-        except OSError as error:
-            failures += 1
-            _fail(f"cannot write the report in {run}: {error.strerror or error}")
-            continue
-        except Exception as error:  # unusable input this version did not foresee: still one line, exit 2
-            failures += 1
-            _fail(f"cannot rebuild the report of {run} ({type(error).__name__}: {error})")
+            _fail(str(error) if isinstance(error, RunDirectoryError)
+                  else f"cannot write the report in {run}: {error.strerror or error}" if isinstance(error, OSError)
+                  else f"cannot rebuild the report of {run} ({type(error).__name__}: {error})")
             continue
         if quiet:
             continue

@@ -32,12 +32,8 @@ from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, ConfigErr
 
 
 class _AnyCaseNames(enum.EnumMeta):
-    """``DebugMode["full_debug"]`` is ``DebugMode.FULL_DEBUG``.
-
-    LightningCLI (jsonargparse) reads an enum from YAML by looking its member up by name, so this
-    makes a nested ``config: {mode: full_debug, level: advanced}`` accept the same spellings as
-    ``DebugConfig(mode="full_debug")``; an unknown name is still a ``KeyError``.
-    """
+    """``DebugMode["full_debug"]`` is ``DebugMode.FULL_DEBUG``: LightningCLI looks an enum member up by name, so a
+    YAML ``config: {mode: full_debug}`` accepts the spellings ``DebugConfig(mode=...)`` does (unknown: ``KeyError``)."""
 
     def __getitem__(cls, name: Any) -> Any:
         try:
@@ -80,10 +76,7 @@ class DebugLevel(enum.Enum, metaclass=_AnyCaseNames):
 
 
 class AnomalyMode(str, enum.Enum, metaclass=_AnyCaseNames):
-    """What a non-finite loss, gradient or parameter does (``DebugConfig.anomaly_detection_mode``).
-
-    A ``str`` enum, so ``config.anomaly_detection_mode == "skip"`` keeps working.
-    """
+    """What a non-finite loss, gradient or parameter does; a ``str`` enum, so ``mode == "skip"`` keeps working."""
 
     WARN = "warn"
     RAISE = "raise"
@@ -95,22 +88,15 @@ class AnomalyMode(str, enum.Enum, metaclass=_AnyCaseNames):
 
 
 AnomalyModeName = Literal["warn", "raise", "skip", "stop"]
-"""The values of :class:`AnomalyMode`. Fields are typed ``AnomalyMode | AnomalyModeName``: LightningCLI
-(jsonargparse) then rejects any other value while it parses the YAML file (a usage error, exit code 2, no
-traceback), accepts the spellings Python accepts (``skip``, ``RAISE``, through the enum's names in any
-case) and prints the member name (``SKIP``) in ``--print_config``."""
+"""Fields are typed ``AnomalyMode | AnomalyModeName``: LightningCLI then rejects any other value while it parses
+(exit code 2, no traceback) and accepts the spellings Python accepts."""
 
 DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
 """The values of :class:`DebugLevel`: ``level`` is typed ``DebugLevel | DebugLevelName``, as above."""
 
 class Area(enum.Enum):
-    """The areas of checks, in the order the run calls them.
-
-    :class:`DebugMode` selects the four callback areas (anomaly, gradients, memory, performance).
-    ``ACTIVATIONS`` comes with the gradients area when ``log_activations`` is on; ``LOOP`` (modules
-    left in eval mode, gradients not zeroed) and ``ERRORS`` (the user's exception explained) come
-    with any of them, once per run.
-    """
+    """The areas of checks, in the order the run calls them: :class:`DebugMode` selects the four callback areas;
+    ``ACTIVATIONS`` comes with gradients when ``log_activations`` is on, ``LOOP`` and ``ERRORS`` with any of them."""
 
     ANOMALY = "anomaly"
     GRADIENTS = "gradients"
@@ -170,13 +156,9 @@ _ANOMALY, _GRADIENTS, _MEMORY, _PERFORMANCE = (Area.ANOMALY,), (Area.GRADIENTS,)
 
 @dataclass
 class DebugConfig:
-    """Settings for all lightning-debug checks.
-
-    Frequencies count optimizer steps (``trainer.global_step``), not micro-batches, so gradient
-    accumulation does not change how often a check runs. Strings are accepted for ``mode`` and
-    ``level`` (``"full_debug"``, ``"ADVANCED"``) so the class reads naturally from YAML. Each field
-    is declared once below (type and bound, default, description, the callbacks that take it); the
-    Args here, the callbacks' keywords and docs/configuration.md's table are made from them.
+    """Settings for all lightning-debug checks. Frequencies count optimizer steps (``trainer.global_step``), not
+    micro-batches. Each field is declared once below; the Args here, the callbacks' keywords and
+    docs/configuration.md's table are made from the declarations.
 
     Example::
 

@@ -1,11 +1,7 @@
-"""How a :class:`~lightning_debug.DebugConfig` field is declared: its type is its :class:`Bound` (one per kind of
-constraint), the rest is its :func:`setting`; ``lightning_debug.config`` applies the functions below to its fields.
-
-A bound gives both checks: the restricted type LightningCLI (jsonargparse) checks while it parses (a
-frequency of 0 is a usage error, exit code 2, the field named, no traceback), and the check at
-construction, which Python needs since it never checks an annotation (a ``ValueError`` naming the field
-and the bound in words). Without jsonargparse (``lightning-debug[cli]``) each type is a plain subclass of
-``int``, ``float`` or ``str`` that only names the bound.
+"""How a :class:`~lightning_debug.DebugConfig` field is declared: its type is its :class:`Bound`, the rest its
+:func:`setting`. A bound gives both checks: the restricted type LightningCLI checks while it parses (a usage
+error naming the field, exit code 2), and the check at construction (a ``ValueError`` naming the field and the
+bound in words). Without jsonargparse each type is a plain subclass of its base that only names the bound.
 
 Example::
 

@@ -21,15 +21,11 @@ CALLBACK_BY_AREA: dict[Area, type[DebugCallback]] = {
 
 
 def debug_callbacks(config: DebugConfig | dict[str, Any] | DebugMode | str | None = None) -> list[DebugCallback]:
-    """The callbacks that ``config.mode`` enables, all sharing ``config``.
-
-    ``config`` is a :class:`DebugConfig`, a mapping of its fields (``{"anomaly_detection_mode": "skip"}``),
-    a mode (``"full_debug"``, ``DebugMode.ANOMALY_DETECTION``) or None for the defaults; anything else is a
-    ``ValueError``.
+    """The callbacks that ``config.mode`` enables, all sharing ``config`` (a :class:`DebugConfig`, a mapping of its
+    fields, a mode or its name, or None for the defaults).
 
     Example::
 
-        >>> from lightning_debug import DebugConfig, debug_callbacks
         >>> [type(c).__name__ for c in debug_callbacks(DebugConfig(mode="anomaly_detection"))]
         ['AnomalyDetectionCallback']
         >>> [type(c).__name__ for c in debug_callbacks("gradient_checking")]

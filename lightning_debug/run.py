@@ -1,19 +1,12 @@
 """The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
 
-A :class:`Run` knows nothing of Lightning or Accelerate. An adapter creates it with a
-:class:`~lightning_debug.core.context.RunContext` (where files go, who writes, how to reach the
-model and the loggers) and turns its framework's hooks into the run's events, in this order for
-each micro-batch::
-
-    batch_start -> before_backward -> [before_optimizer_step -> after_optimizer_step] -> batch_end
-
-plus ``start``, ``epoch_start``, ``evaluation``, ``exception`` and ``finish``. The run calls each
-event on the monitors that declared they need it, computes the gradient pass they share once per
-step, carries out their decision (skip or stop drop the step's gradients), writes their scalars
-and events through one session, and at the end asks the presentation layer for the report.
-
-A failure inside a monitor is recorded once (:class:`~lightning_debug.core.guard.Failures`) and the
-others go on; only :class:`~lightning_debug.AnomalyError` leaves the run.
+A :class:`Run` knows nothing of Lightning or Accelerate: an adapter creates it with a
+:class:`~lightning_debug.core.context.RunContext` and turns its hooks into the run's events, per micro-batch
+``batch_start -> before_backward -> [before_optimizer_step -> after_optimizer_step] -> batch_end``, plus
+``start``, ``epoch_start``, ``evaluation``, ``exception`` and ``finish``. The run calls each event on the monitors
+that need it, computes their shared gradient pass once per step, carries out their decision, writes through one
+session and at the end asks for the report. A failure inside a monitor is recorded once and the others go on;
+only :class:`~lightning_debug.AnomalyError` leaves the run.
 
 Example, a plain loop with the anomaly checks::
 
@@ -47,16 +40,14 @@ from typing import Any, TypeVar
 from lightning_debug.checks.memory.readings import MemoryPhase
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.context import RunContext, RunStatus
-from lightning_debug.core.gate import drop_gradients
-from lightning_debug.core.guard import Failures
+from lightning_debug.core.gate import bounded_wait, drop_gradients, gather_failures, merge_failures
+from lightning_debug.core.guard import Failures, route
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
-from lightning_debug.core.ranks import bounded_wait, gather_failures, merge_failures
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
 from lightning_debug.report.document import build_report, write_document, write_report
-from lightning_debug.core.console import route
 from lightning_debug.report.summary import FindingWarnings, conclude_run
 from lightning_debug.report.tensorboard import attach_to_writer
 
@@ -94,13 +85,8 @@ def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], opt
 
 
 class Run:
-    """One training run: see the module docstring.
-
-    Args:
-        config: The run-wide settings (output files, plots, console summary); each monitor keeps
-            its own config for its checks.
-        context: What the framework tells the run.
-        monitors: The enabled monitors; more can be added with :meth:`add` before :meth:`start`.
+    """One training run (see the module docstring): ``config`` holds the run-wide settings (each monitor keeps its own
+    for its checks), ``context`` what the framework tells the run; more ``monitors`` can be added before :meth:`start`.
     """
 
     def __init__(self, config: DebugConfig, context: RunContext, monitors: Iterable[Monitor] = ()) -> None:
@@ -194,10 +180,8 @@ class Run:
 
     @_own_time
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
-        """A micro-batch of optimizer step ``step`` starts; ``captured`` is what a replay recomputes it from.
-
-        Values of earlier steps that reached the host become findings here, and the scalars of the
-        steps that can no longer change go to the logger.
+        """A micro-batch of optimizer step ``step`` starts (``captured``: what a replay recomputes it from): values of earlier
+        steps that reached the host become findings, and scalars of steps that can no longer change go to the logger.
         """
         self.failures.step = step
         self._stepping = None
@@ -228,14 +212,10 @@ class Run:
 
     @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
-        """Gradients are final: run the checks due and return what happens to this optimizer step.
-
-        With several optimizers the step is judged on the parameters ``optimizer`` owns, and the checks' frequencies
-        count its own steps (``StepRecord.optimizer_step``). The checks and the step's collectives go through the
-        gate (:meth:`.Gate.optimizer_step`). On SKIP and STOP the gradients are dropped here; the adapter stops on STOP.
-
-        An optimizer that evaluates its closure several times per step (L-BFGS) calls this after each one: the
-        checks run on the first (the step's gradients, the weights before it), later calls get its decision.
+        """Gradients are final: run the checks due (through the gate, :meth:`.Gate.optimizer_step`) and return what happens
+        to this optimizer step; on SKIP and STOP the gradients are dropped here. With several optimizers the checks
+        count ``optimizer``'s own steps. An optimizer that evaluates its closure several times (L-BFGS) calls this after
+        each: the checks run on the first, later calls get its decision.
         """
         stepping = self._stepping
         if stepping is not None and stepping[:2] == (step, id(optimizer)):
@@ -302,12 +282,9 @@ class Run:
     # --- the end --------------------------------------------------------------------------------
     @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
-        """The framework writes one of its logging rows now (call it on every rank): on rank zero ``log`` gets the
-        scalars measured since the last row (the plugin's own time, never part of the user's step or data wait).
-
-        Measurements still on their way from the device are read first, on every rank at the same moment (the
-        framework synchronizes on its logging steps anyway), so the values of a check on this very step land on
-        this row; values known only later (a step's timings, when the next one starts) are on the next row.
+        """The framework writes one of its logging rows now (call it on every rank): ``log`` gets, on rank zero, the
+        scalars measured since the last row. Pending measurements are read first, on every rank at once (the framework
+        syncs on its logging steps anyway), so a check on this very step lands on this row.
         """
         if not self.logs_on_rows:
             return
@@ -346,7 +323,7 @@ class Run:
 
     def _gather_failures(self) -> bool:
         """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
-        run that finished: see :mod:`lightning_debug.core.ranks`); whether every rank took part."""
+        run that finished: see :func:`lightning_debug.core.gate.gather_failures`); whether every rank took part."""
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary(),
                                                          functools.partial(self.gate.gather, "failed checks"))
@@ -364,14 +341,9 @@ class Run:
         return merge_failures(own, self._other_ranks_failures, self.context.rank)
 
     def abandon(self) -> bool:
-        """End, writing and printing nothing, a run whose fit ended before training started and without an
-        error; False (nothing done) for any other run, which ends with :meth:`finish`.
-
-        Lightning's ``Tuner`` ends its fit that way: the learning-rate and batch-size finders train with
-        the trainer's callbacks swapped out, restore the model and leave from ``on_fit_start``. A report of
-        that fit would say "0 steps, nothing wrong found" of a run that did train, and would take the
-        logger's directory from the fit that follows. The test uses only what every rank shares (the fit's
-        events), so no rank finishes, with its collectives, while another abandons.
+        """End, writing and printing nothing, a run whose fit ended before training started and without an error (Lightning's
+        ``Tuner``: its finders train with the callbacks swapped out and leave from ``on_fit_start``; a report would say "0
+        steps" of a run that trained); False for any other run. Decided from what every rank shares (the fit's events).
         """
         if self.finished or self.started or self._finalized:
             return False
@@ -391,17 +363,12 @@ class Run:
 
     def finish(self, status: RunStatus | str, step: int, error: str | None = None,
                exit_code: int | None = None) -> dict[str, Any] | None:
-        """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore.
+        """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore; returns the report (later
+        calls the same). ``status``: a :class:`~lightning_debug.core.context.RunStatus` or its string; ``step``: optimizer
+        steps taken; ``exit_code``: what a ``SystemExit`` that ended the run asked for.
 
-        ``status`` is a :class:`~lightning_debug.core.context.RunStatus` or its string (``"finished"``,
-        ``"failed"``, ``"interrupted"``); ``step`` is the number of optimizer steps taken; ``exit_code`` the status
-        a ``SystemExit`` that ended the run asked for (``exit_code`` in the report). Returns the
-        report; later calls return the same report.
-
-        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report: a
-        rank that exited early (under ``ddp_spawn``, ``torch.multiprocessing`` then kills the others) would leave
-        it half written. It costs the others rank zero's writing time, once per fit, and is skipped when the
-        gather of failed checks failed (a rank that did not come to it will not come to this one either).
+        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report: a rank
+        that exited early (``ddp_spawn`` then kills the others) would leave it half written.
         """
         if self.finished:
             return self._report

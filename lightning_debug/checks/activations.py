@@ -37,13 +37,9 @@ def saturation_range(module: nn.Module) -> tuple[float, float] | None:
 
 
 def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None) -> torch.Tensor:
-    """One float32 row of :data:`STATS` for a module's output, on its device (no host sync).
-
-    ``zero_fraction`` counts exact zeros (a ReLU's inactive units); ``saturated_fraction`` (NaN
-    without ``saturation``) counts values within 2% of the half-width from the range's ends; mean
-    and std are over all values (NaN when one is NaN), ``max_abs`` likewise. The std comes from the
-    sums of values and squares in float32 (one pass each): enough to watch a layer, not exact when
-    the mean is thousands of times the std.
+    """One float32 row of :data:`STATS` for a module's output, on its device (no host sync): ``zero_fraction`` counts
+    exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
+    ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer).
 
     Example::
 

@@ -1,9 +1,5 @@
-"""What is in a batch: its floating tensors by position, and which samples hold NaN/Inf.
-
-A batch is whatever the loop hands to the model: a tensor, a tuple or list, a dict (a Hugging Face
-``BatchEncoding`` is a mapping), or nests of those. The finiteness test itself is the fused norm
-pass of :func:`lightning_debug.checks.numerics.fused_norms` (no host sync); the per-sample look-up
-here runs only once a batch is known to be bad.
+"""What is in a batch (a tensor, a tuple, a list, a mapping such as a ``BatchEncoding``, or nests of those): its
+floating tensors by position, and which samples hold NaN/Inf, looked up only once a batch is known to be bad.
 """
 
 from __future__ import annotations

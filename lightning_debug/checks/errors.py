@@ -1,11 +1,8 @@
-"""Where a runtime error happened: the module, the tensors and the line, read from its traceback.
+"""Where a runtime error happened: the module, the tensors and the line, read from its traceback after the fact.
 
-Nothing here runs before an exception. A traceback keeps every frame alive, so the frame of the
-innermost ``forward`` that failed still holds ``self`` (the module) and its arguments (the input
-that did not fit): that names the module and both shapes of a shape mismatch, or the devices of a
-device mismatch, at no cost to healthy steps. An error raised by the backward has no such frames;
-:func:`find_inplace` replays the step's forward once to find the in-place operation that modified
-a tensor the backward needed.
+A traceback keeps every frame alive, so the innermost failing ``forward`` still holds ``self`` and its arguments:
+that names the module and both shapes of a mismatch at no cost to healthy steps. An error raised by the backward
+has no such frames; :func:`find_inplace` replays the forward once to find the in-place operation at fault.
 """
 
 from __future__ import annotations

@@ -1,29 +1,27 @@
-"""Which operation of a replayed forward first made a value non-finite, judged kernel by kernel.
+"""Which operation of a replayed step first made a value non-finite: in the forward, kernel by kernel; in the
+backward, node by node. Runs only inside a replay, never on a training step.
 
-A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``,
-``torch.nn.functional.multi_head_attention_forward``); a ``TorchDispatchMode`` sees every kernel that
-call runs. A kernel that writes into its arguments (``x /= x.std(0)``, the ``masked_fill_`` inside
-``nn.MultiheadAttention``) is judged by its inputs *before* it ran, since afterwards they hold its own
-result; any other kernel by its inputs after it ran. Two firsts are kept:
+A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``); a
+``TorchDispatchMode`` sees every kernel it runs. An in-place kernel (``x /= x.std(0)``) is judged by its inputs
+*before* it ran. Two firsts are kept: the first kernel with a non-finite output from finite inputs (an overflow,
+log(0), 0/0; an infinity put among its arguments on purpose, such as a ``-inf`` mask, is an input, never a cause),
+and the first with NaN from inputs without NaN (a softmax over an entirely ``-inf`` row, 0 x inf).
+:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN, or by the earlier one
+that made the infinity it passed on (exp overflowed, then inf - inf), unless it is a softmax over a fully masked
+row (the mask is the bug). An infinity a later kernel absorbs (``exp(-inf) = 0``) is no cause.
 
-- the first kernel whose output is non-finite while its inputs were finite (an overflow, log(0), 0/0).
-  A non-finite number among its arguments (``masked_fill(mask, float("-inf"))``) is a non-finite
-  input: an infinity put there on purpose is never a cause by itself;
-- the first kernel whose output holds NaN while its inputs held none (a softmax over a row that is
-  entirely -inf, 0 x inf).
-
-:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN; when that
-kernel only passed on an infinity that an earlier kernel made from finite values (exp overflowed,
-then inf - inf), the earlier one is the cause, unless the NaN is a softmax over a row that is entirely
--inf (a fully masked row: the mask, not the -inf, is the bug). An infinity that a later kernel absorbs
-(``exp(-inf) = 0``) is no cause. Runs only inside a replay, never on a training step.
+The backward: ``detect_anomaly(check_nan=True)`` stops at the first backward that returns NaN, often not where the
+problem is (``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0), so
+:func:`first_nonfinite_backward` hooks every node and names the first whose finite incoming gradients became
+NaN or Inf, with the forward traceback anomaly mode keeps on it.
 """
 
 from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,12 +129,10 @@ class _Naming(TorchFunctionMode):
 
 
 class OpWatch(TorchDispatchMode):
-    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs
-    (``first_nonfinite``) and the first that made NaN from inputs without NaN (``first_nan``).
-
-    ``context`` gives the module now running as ``(name, type name)``; ``naming`` turns a
-    torch-level callable into its public name; ``summary`` describes tensors (rare path); ``source``
-    picks the user's frame from a stack.
+    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs (``first_nonfinite``)
+    and the first that made NaN from inputs without NaN (``first_nan``). ``context`` gives the running module as
+    ``(name, type name)``, ``naming`` a callable's public name, ``summary`` describes tensors, ``source`` picks the
+    user's frame.
 
     Example::
 
@@ -247,3 +243,65 @@ class OpWatch(TorchDispatchMode):
                 return nan, earlier if nan.masked_rows else None
             return earlier, nan
         return (first, None) if first is not None else None
+
+
+def _nonfinite(tensors: Sequence[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _watch(loss: torch.Tensor, first: list[tuple[Any, str]]) -> list[Any]:
+    """A hook on every node of ``loss``'s graph keeping, in ``first``, the first node whose backward made a
+    non-finite gradient from finite incoming ones."""
+    handles: list[Any] = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+
+        def hook(grad_inputs: Sequence[Any], grad_outputs: Sequence[Any], node: Any = node) -> None:
+            if not first and not _nonfinite(grad_outputs) and _nonfinite(grad_inputs):
+                nan = any(isinstance(g, torch.Tensor) and bool(torch.isnan(g).any()) for g in grad_inputs)
+                first.append((node, "NaN" if nan else "Inf"))
+
+        handles.append(node.register_hook(hook))
+        stack.extend(function for function, _ in node.next_functions)
+    return handles
+
+
+def first_nonfinite_backward(run: Callable[[], torch.Tensor | None],
+                             parameters: Sequence[torch.Tensor]) -> tuple[str, str, str] | None:
+    """Run ``run()`` (the step's loss) and its backward to ``parameters``; return the name of the first
+    backward node that made NaN/Inf from finite gradients, ``"NaN"`` or ``"Inf"``, and the forward traceback
+    of its operation (text, empty if unknown), or None when the backward stays finite.
+
+    Example::
+
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> def step():
+        ...     d = (x - x).pow(2).sum()
+        ...     return x.sum() + d.sqrt()
+        >>> name, what, trace = first_nonfinite_backward(step, [x])
+        >>> name, what, "d.sqrt()" in trace
+        ('SqrtBackward0', 'Inf', True)
+    """
+    first: list[tuple[Any, str]] = []
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with torch.autograd.detect_anomaly(check_nan=False):  # keeps each node's forward traceback
+            loss = run()
+            if loss is None or not loss.requires_grad:
+                return None
+            handles = _watch(loss, first)
+            try:
+                torch.autograd.grad(loss, list(parameters), allow_unused=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    if not first:
+        return None
+    node, what = first[0]
+    trace = getattr(node, "metadata", {}).get("traceback_")
+    return node.name(), what, "".join(trace) if isinstance(trace, list) else str(trace or "")

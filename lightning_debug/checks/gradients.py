@@ -70,19 +70,13 @@ def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
 
 @torch.no_grad()
 def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
-    """Per tensor: min, max, count, sum, sum of squares and ``bins`` equal-width bucket counts.
-
-    Only finite values count. Computed on the tensors' device with no host sync (``torch.histc``
-    on CUDA reads min/max back to the host, so the buckets are filled with ``index_add_``). Small
-    dense tensors are measured together, a few million values at a time, so the number of
-    operations does not grow with the number of tensors; large ones one by one, in chunks that
-    bound the temporary memory. Returns a float32 tensor of shape ``[len(tensors), 5 + bins]``;
-    :func:`histogram_from_row` turns a row into the arguments of ``SummaryWriter.add_histogram_raw``.
+    """Per tensor: min, max, count, sum, sum of squares and ``bins`` equal-width bucket counts of its finite values, as
+    a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA, so
+    ``index_add_`` fills the buckets); small tensors together, large ones in chunks that bound the temporary memory.
 
     Example::
 
-        >>> row = histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0]
-        >>> row.tolist()
+        >>> histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0].tolist()
         [0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0]
     """
     if not tensors:
@@ -144,22 +138,16 @@ def round_significant(value: float, digits: int = 2) -> float:
 
 def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, quantile: float = 0.9,
                        minimum_history: int = 3) -> tuple[float | None, str]:
-    """A ``gradient_clip_val`` taken from the run's own recent healthy global norms.
-
-    Clipping at a high quantile of the norms a run has when it is healthy leaves normal steps
-    alone and caps the spikes. Without enough history it falls back to the user's
-    ``gradient_explosion_threshold`` when one is set, and suggests no value (None) otherwise: a
-    fixed number nobody chose would be a guess. Returns the value and a sentence saying where it
-    comes from (or why there is none).
+    """A ``gradient_clip_val`` from a high quantile of the run's own recent healthy global norms (normal steps left
+    alone, spikes capped), with a sentence saying where it comes from; without enough history the user's
+    ``gradient_explosion_threshold`` when set, else None (a fixed number nobody chose would be a guess).
 
     Example::
 
         >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
         (4.0, '90th percentile of the last 4 healthy global gradient norms')
-        >>> suggest_clip_value([], threshold=10.0)[0]
-        10.0
-        >>> suggest_clip_value([1.0], threshold=None)
-        (None, 'too few healthy check steps yet to learn a clip value from')
+        >>> suggest_clip_value([], threshold=10.0)[0], suggest_clip_value([1.0], threshold=None)[0]
+        (10.0, None)
     """
     finite = sorted(v for v in healthy_norms if math.isfinite(v))
     if len(finite) < minimum_history:

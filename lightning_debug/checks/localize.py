@@ -1,22 +1,11 @@
 """Find where a NaN/Inf came from by replaying one step under temporary instrumentation.
 
-Nothing here runs on a healthy step. When a check has found a non-finite loss or gradient, the
-adapter hands over a ``replay`` callable that recomputes that step's loss from the same batch with
-the parameters as they were; :func:`localize` replays it:
-
-1. the batch itself: are the inputs already non-finite?
-2. the forward, kernel by kernel (:mod:`.firstnan`) and under module hooks: the first operation that
-   produced a non-finite value from finite inputs (an in-place one judged by its inputs before it
-   overwrote them), or, for a NaN loss, the first that produced NaN (a softmax over a fully masked
-   row), the module it ran in, and the user's source line;
-3. if the forward is clean, the backward under ``torch.autograd.detect_anomaly(check_nan=True)``
-   through ``torch.autograd.grad`` (``.grad`` untouched): the backward function that produced NaN and
-   the forward source line that created it.
-
-:func:`preserved_state` restores the RNG streams and module buffers (BatchNorm running statistics)
-around the replays, so the model and its randomness continue exactly as without them. The replay
-does run the user's code again (``training_step``): :func:`is_replaying` is true meanwhile, so that
-code can leave its own lists, counters and metrics alone.
+Nothing here runs on a healthy step. Once a check found a non-finite loss or gradient, the adapter hands over a
+``replay`` that recomputes that step's loss from the same batch and parameters; :func:`localize` replays it: the
+batch itself (non-finite inputs?), then the forward kernel by kernel and under module hooks
+(:mod:`.firstnan`: the first operation, its module and the user's source line), then, if the forward is clean,
+the backward. :func:`preserved_state` restores the RNG streams and module buffers around the replays;
+:func:`is_replaying` is true meanwhile, so the user's ``training_step`` can leave its own counters alone.
 """
 
 from __future__ import annotations
@@ -36,9 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_debug.checks.backward import first_nonfinite_backward
 from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
-from lightning_debug.checks.firstnan import OpEvent, OpWatch
+from lightning_debug.checks.firstnan import OpEvent, OpWatch, first_nonfinite_backward
 from lightning_debug.checks.numerics import user_name
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
@@ -301,15 +289,10 @@ def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | N
              same_work: bool = False) -> Cause:
     """Replay one step (see the module docstring) and say where the first non-finite value came from.
 
-    Args:
-        model: The module whose submodules are instrumented.
-        batch: The step's batch, checked for non-finite inputs first.
-        replay: Recomputes the step's loss (forward only; no backward, no optimizer step).
-        rng: The RNG state at the start of the step (from :func:`capture_rng`), for dropout.
-        check_backward: Also localize a backward-only NaN when the forward is clean.
-        same_work: Call ``replay`` the same number of times whatever is found (once, and once more
-            with ``check_backward``), so that when every process of a distributed job replays its own
-            step, collectives inside the step (``self.all_gather`` in ``training_step``) still match.
+    ``replay`` recomputes the step's loss (forward only); ``rng``: the RNG state at the step's start
+    (:func:`capture_rng`), for dropout; ``check_backward``: also localize a backward-only NaN; ``same_work``: call
+    ``replay`` the same number of times whatever is found, so that collectives inside the step still match when
+    every process replays its own step.
     """
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]

@@ -1,17 +1,9 @@
 """Fused numeric health of many tensors: a constant number of kernel launches, no host sync.
 
-Everything here returns device tensors; the caller decides when (and whether) to read them back.
-
-A model has hundreds to thousands of parameter tensors, so any Python or dispatcher work *per
-tensor* on a check step grows with the model. :class:`NormPlan` is worked out once for a fixed
-list of tensor slots (shapes, dtypes, devices) and then measures any list of tensors with those
-shapes with a handful of operations: on the CPU the small tensors are concatenated into one buffer
-and reduced per segment (``torch._foreach_norm`` runs one kernel per tensor there), on CUDA one
-``torch._foreach_norm`` per dtype.
-
-Sharded tensors (``DTensor``: FSDP2, tensor parallel) are measured on their local shards without
-communication; :func:`owns_block` says which ranks' shards add up to the full tensor's squared norm
-(see its docstring), so one sum over the world gives exact full-tensor norms.
+Everything here returns device tensors; the caller decides when (and whether) to read them back. Any Python work
+per tensor on a check step grows with the model (hundreds to thousands of parameters), so :class:`NormPlan` is
+worked out once per list of slots and measures them with a handful of operations. ``DTensor`` shards are measured
+locally; :func:`owns_block` says which ranks' blocks add up to the full tensor's squared norm.
 """
 
 from __future__ import annotations
@@ -84,13 +76,9 @@ def _is_shard(placement: object) -> bool:
 def owns_block(tensor: torch.Tensor, rank: int) -> bool:
     """Whether this rank's local block counts when squared norms are summed over every process.
 
-    A ``DTensor`` is held in blocks: ranks along a mesh dimension that *shards* it hold disjoint
-    blocks (their squares add up, whatever tensor dimension is split, empty uneven shards adding
-    0); ranks along a dimension that *replicates* it hold the same block, so only coordinate 0
-    counts. When the tensor lives on a sub-mesh (``mesh["data_parallel"]`` of a 2-D mesh) the world
-    holds several copies of that sub-mesh; only the copy that contains global rank 0 counts. A plain
-    tensor is taken as replicated on every rank (DDP): rank 0's counts. Summing ``owned`` squares
-    over the world then gives each full tensor's squared norm exactly, with no division.
+    Ranks along a mesh dimension that shards a ``DTensor`` hold disjoint blocks (their squares add up); along one
+    that replicates it, the same block, so only coordinate 0 counts; on a sub-mesh, only the copy holding global rank
+    0. A plain tensor is replicated (DDP): rank 0's counts. The sum over the world is then exact, with no division.
 
     Example::
 
@@ -123,12 +111,8 @@ def _odd(tensor: torch.Tensor) -> bool:
 
 
 def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
-    """The 2-norm of each tensor as one float32 vector, for any list of tensors.
-
-    Dense floating tensors of one device and dtype go through one ``torch._foreach_norm``; sparse,
-    complex and integer tensors (rare) are handled one by one. A non-finite element makes its norm
-    non-finite, so the norms double as a finiteness test. For the same slots measured again and
-    again, :class:`NormPlan` is cheaper.
+    """The 2-norm of each tensor as one float32 vector: one ``torch._foreach_norm`` per device and dtype, sparse,
+    complex and integer tensors one by one. A non-finite element makes its norm non-finite (a finiteness test too).
 
     Example::
 
@@ -161,30 +145,14 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
 class NormPlan:
     """Squared 2-norms of a fixed list of tensor slots, worked out once and reused every step.
 
-    Built from one example per slot (a plain, local tensor with the slot's shape, dtype and
-    device). :meth:`squares` then takes any list of tensors with those shapes (the gradients, the
-    weights) and returns their squared norms as one float64 vector in slot order, with a number of
-    operations that does not depend on the number of slots.
-
-    On CUDA, and for tensors of more than ``SMALL_NUMEL_CPU`` elements, that is one
-    ``torch._foreach_norm`` per device and dtype (one fused kernel on CUDA). The CPU runs that
-    operation one kernel per tensor, so when it has at least ``FLAT_MIN_TENSORS`` small tensors
-    they are joined instead:
-
-    - tensors that share their shape with at least ``ROWS_MIN_TENSORS - 1`` others (the biases and
-      norm weights of repeated layers) become the rows of one matrix (one ``torch.cat``), whose
-      row norms are one vectorized reduction;
-    - the rest, up to ``SEGMENT_MAX_NUMEL`` elements each, are concatenated into one buffer (one
-      ``torch.cat`` per trailing shape, which needs no per-tensor view) and summed per segment,
-      a slower kernel per element that only few elements reach; larger ones, and all of them when
-      they are fewer than ``SEGMENT_MIN_TENSORS`` (the segmented sum's fixed cost exceeds a few
-      more slots in the fused norm), go with the fused norm.
-
-    Each block gives norms; they are joined and squared once (float64).
-
-    Complex and integer slots, and tensors the fused path cannot take (a sparse gradient), fall
-    back to :func:`fused_norms`. Squares are float64 so that a finite norm above ~1.8e19 does not
-    square to infinity.
+    Built from one example per slot (shape, dtype, device); :meth:`squares` then takes any tensors of those shapes
+    and returns their squared norms as one float64 vector (a finite norm above ~1.8e19 must not square to Inf), with
+    a number of operations that does not grow with the slots. On CUDA, and for tensors over ``SMALL_NUMEL_CPU``
+    elements, one ``torch._foreach_norm`` per device and dtype. The CPU runs that one kernel per tensor, so from
+    ``FLAT_MIN_TENSORS`` small tensors on they are joined: same-shape slots (the biases of repeated layers) as the rows
+    of one matrix, the rest up to ``SEGMENT_MAX_NUMEL`` elements concatenated and summed per segment (from
+    ``SEGMENT_MIN_TENSORS`` of them; fewer go with the fused norm). Complex, integer and sparse tensors fall back to
+    :func:`fused_norms`.
 
     Example::
 

@@ -1,15 +1,6 @@
-"""Robust statistics: the one place that says what a level and a spread are.
-
-Every area judges a value against a run's own history (gradient norms, losses, step times, memory
-readings). The median is the level and the median absolute deviation, scaled to a standard deviation,
-the spread: both ignore the outliers being looked for, where a mean and a standard deviation would
-be dragged by them. Pure arithmetic over Python floats.
-
-Example::
-
-    >>> from lightning_debug.checks.robust import median, robust_sigma, quantile
-    >>> median([3.0, 1.0, 2.0]), round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3), quantile([1.0, 3.0], 0.5)
-    (2.0, 1.483, 2.0)
+"""Robust statistics, the one place that says what a level and a spread are: the median, and the median absolute
+deviation scaled to a standard deviation, which ignore the outliers being looked for where a mean and a standard
+deviation would be dragged by them. Pure arithmetic over Python floats.
 """
 
 from __future__ import annotations

@@ -41,13 +41,11 @@ class TensorStats:
 
 
 def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
-    """Shape, dtype, device, size and numeric health of one tensor, with one host sync.
-
-    Meant for a debugger prompt or a one-off check, not for the training hot path.
+    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (a debugger prompt, not the
+    training hot path).
 
     Example::
 
-        >>> import torch
         >>> stats = inspect_tensor(torch.tensor([1.0, float("nan"), 3.0]))
         >>> stats.has_nan, stats.nonfinite_count, stats.mean
         (True, 1, 2.0)
@@ -104,12 +102,8 @@ MAX_LABELS_NAMED = 10
 
 
 def check_labels(target: torch.Tensor, num_classes: int, ignore_index: int | None = -100) -> None:
-    """Raise ``ValueError`` if a class label is outside ``[0, num_classes)``, naming the samples and values.
-
-    The debugging checklist's ``assert 0 <= target.max() < num_classes``, said usefully: on the GPU
-    such a label otherwise ends in ``CUDA error: device-side assert triggered`` with no hint of
-    which sample. Labels equal to ``ignore_index`` (cross_entropy's default ``-100``) are allowed.
-    One host sync per call: call it on the first batches, or every N steps, not on every step.
+    """Raise ``ValueError`` naming the samples and values when a class label is outside ``[0, num_classes)`` (other
+    than ``ignore_index``): on a GPU such a label otherwise ends in ``device-side assert triggered``. One host sync.
 
     Example::
 

@@ -1,10 +1,8 @@
 """Step-phase timing on the device's own clock, and the top operators of a torch.profiler run.
 
-Timing a GPU from the host lies: kernels are queued, so ``perf_counter`` around a forward pass
-measures how long Python took to *launch* it. CUDA events recorded on the stream at each phase
-boundary measure the GPU timeline instead, and they can be read once they have completed
-(``Event.query()``), typically a step later, without ever synchronizing. On a CPU the wall clock
-is the truth and is read at once. Nothing here knows about Lightning or Accelerate.
+Timing a GPU from the host measures how long Python took to *launch* the kernels; CUDA events recorded on the
+stream at each phase boundary measure the GPU timeline and are read once completed (``Event.query()``, typically a
+step later), never synchronizing. On a CPU the wall clock is the truth and is read at once.
 """
 
 from __future__ import annotations
@@ -14,12 +12,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
-
 
 
 class Phase(str, enum.Enum):
@@ -42,13 +38,9 @@ Mark = Union[float, "torch.cuda.Event"]
 
 
 class CpuWait:
-    """Milliseconds the calling thread has spent runnable but waiting for a CPU (Linux ``schedstat``).
-
-    On a loaded machine a step is delayed by other programs, not by itself: that wait is not held
-    against the step when judging slow steps, data waits or stragglers. Reads
-    ``/proc/thread-self/schedstat`` through a descriptor kept open per thread (about a microsecond a
-    read); where it does not exist, every reading is 0 and nothing is left out. :meth:`close` closes
-    the descriptors.
+    """Milliseconds the calling thread spent runnable but waiting for a CPU (Linux ``/proc/thread-self/schedstat``,
+    through a descriptor kept open per thread): on a loaded machine another program's delay is not held against the
+    step. Where it does not exist, every reading is 0.
 
     Example::
 
@@ -87,10 +79,8 @@ class CpuWait:
 
 
 class Stopwatch:
-    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise.
-
-    ``own_ms`` reads a monotone total of the time the debugging plugin itself spent (its checks,
-    census, logging; :class:`lightning_debug.core.own_time.OwnTime`): the phases leave it out.
+    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` reads the
+    plugin's own time so far (:class:`lightning_debug.core.own_time.OwnTime`), which the phases leave out.
 
     Example::
 
@@ -141,10 +131,8 @@ class Stopwatch:
 
 @dataclass
 class StepTimes:
-    """The measured phases of one optimizer step, in milliseconds, the plugin's own time (``own_ms``) left out.
-
-    ``cpu_waits`` is the part of each phase the training thread spent waiting for a CPU (another
-    program had it); :meth:`judged` is a phase without it, what the checks compare.
+    """The measured phases of one optimizer step in milliseconds, the plugin's own time left out; :meth:`judged` also
+    leaves out the part the training thread waited for a CPU (``cpu_waits``).
     """
 
     step: int
@@ -153,7 +141,7 @@ class StepTimes:
     tokens: int | None = None
     micro_batches: int = 1
     own_ms: float = 0.0
-    cpu_waits: dict[Phase, float] = dataclasses.field(default_factory=dict)
+    cpu_waits: dict[Phase, float] = field(default_factory=dict)
     elements: int | None = None
     """The elements of the step's input (its first tensor's, summed over micro-batches): what a longer sequence, a
     larger image or a larger batch makes grow."""
@@ -181,12 +169,9 @@ class StepTimes:
 class PhaseTimer:
     """Contiguous phase intervals of one optimizer step, summed over its micro-batches.
 
-    Each :meth:`enter` closes the phase in progress and opens the next one; :meth:`stop` (a batch
-    ends) opens the data wait that lasts until the next batch starts. The intervals tile the time
-    from the previous step's end to this step's end, so ``step = data + forward + backward +
-    optimizer`` exactly. The plugin's own time inside an interval (read from the stopwatch's
-    ``own_ms`` at both ends) is subtracted from that interval, so a check step whose checks take
-    500 ms is timed like any other step.
+    Each :meth:`enter` closes the phase in progress and opens the next; :meth:`stop` (a batch ends) opens the data
+    wait until the next batch, so ``step = data + forward + backward + optimizer`` exactly. The plugin's own time
+    inside an interval is subtracted from it, so a check step whose checks take 500 ms is timed like any other.
 
     Example::
 
@@ -321,12 +306,9 @@ class OperatorRow:
 
 
 def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_cpu_ms") -> list[OperatorRow]:
-    """The ``limit`` operators with the most self time, from ``profiler.key_averages()``.
-
-    Accepts any objects with ``key``, ``count``, ``self_cpu_time_total`` and ``cpu_time_total``
-    (microseconds, as torch reports them) and ``self_device_time_total`` (or the older
-    ``self_cuda_time_total``). ``by`` is ``"self_cpu_ms"`` or ``"self_device_ms"``. The profiler's
-    own ``ProfilerStep#N`` spans are left out.
+    """The ``limit`` operators with the most self time (``by``: ``"self_cpu_ms"`` or ``"self_device_ms"``) from
+    ``profiler.key_averages()`` (times in microseconds; ``self_cuda_time_total`` on older torch), without the
+    profiler's own ``ProfilerStep#N`` spans.
 
     Example::
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_debug.checks.robust import median, robust_sigma
-from lightning_debug.checks.settled import SETTLED_FACTOR, SettledLevel
 
 # Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
 NORM_JUMP_FACTOR = 10.0
@@ -59,17 +58,91 @@ CLIMB_BEST_MIN_LOSSES = 2 * CLIMB_LEVEL_WINDOW
 DIVERGENCE_SIGMAS = 3.0
 
 
-def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
-    """The value above which a new value is a jump over ``history``: ``factor`` times its median and
-    ``sigmas`` robust standard deviations above it, whichever is higher; None with fewer than
-    ``minimum`` values (too little history to judge).
+SETTLED_FACTOR = 5.0
+"""A level this many times the early level has settled far above where the run started (issue 45: at the default
+level, however noisy the climb)."""
+EARLY_LOSSES = 3
+"""The early level is the median of this many first losses: a learning rate far too high moves the loss from step 2."""
+SETTLED_WINDOW = 8
+SETTLED_SIGMAS = 5.0
+"""Measured on single-example squared errors (the noisiest healthy losses): 2 runs of 1000 steps in 1000 reach 5
+noise units (3 in 200 reach 4)."""
+
+
+class SettledLevel:
+    """The early losses of the run (or of its current data), against which a level is judged: a loss that settled
+    far above where the run started, however noisy the way up.
+
+    A learning rate far too high climbs from the first steps, before :class:`LossTrend`'s best level starts
+    counting (MobileNetV2, SGD 0.05 with momentum: 2.8 -> 30 in 40 steps). So the level (the median of the last
+    :data:`SETTLED_WINDOW` losses) is also judged against the median of the first :data:`EARLY_LOSSES`: at
+    :data:`SETTLED_FACTOR` times it, and :data:`SETTLED_SIGMAS` times the noise of single losses above it in
+    logarithms (early losses low by luck), on the checks ``loss_divergence``'s policy asks for. A change of data
+    restarts the early losses (:meth:`restart`); losses at or below 0 are not judged.
 
     Example::
 
-        >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3)
-        10.0
-        >>> jump_limit([1.0], factor=10, sigmas=6, minimum=3) is None
-        True
+        >>> settled = SettledLevel()
+        >>> climb = [2.9, 2.8, 5.1, 9.1, 8.1, 20.0, 25.0, 31.0, 28.0, 35.0, 30.0, 33.0, 29.0, 36.0, 40.0, 31.0]
+        >>> verdicts = [settled.judge(loss, climb[:i + 1]) for i, loss in enumerate(climb)]
+        >>> [i for i, early in enumerate(verdicts) if early is not None][:4], verdicts[-1]
+        ([9, 10, 11, 12], 2.9)
+        >>> noise = SettledLevel()
+        >>> losses = [0.01, 0.02, 0.9] + [0.3, 1.2, 0.05, 2.0, 0.4, 0.1, 0.6, 0.2] * 4
+        >>> any(noise.judge(loss, losses[:i + 1]) for i, loss in enumerate(losses))
+        False
+    """
+
+    def __init__(self) -> None:
+        self.early: list[float] = []
+
+    @property
+    def early_level(self) -> float:
+        return median(self.early) if len(self.early) >= EARLY_LOSSES else float("nan")
+
+    def judge(self, loss: float, window: Sequence[float]) -> float | None:
+        """The early level when the level of ``window`` (the recent losses, ``loss`` last) is at
+        :data:`SETTLED_FACTOR` times it on this check (a suspicion), else None."""
+        if len(self.early) < EARLY_LOSSES:
+            self.early.append(loss)
+            return None
+        early = self.early_level
+        losses = list(window)
+        recent = losses[-SETTLED_WINDOW:]
+        level = median(recent) if len(recent) == SETTLED_WINDOW else float("nan")
+        settled = (early > 0 and level >= SETTLED_FACTOR * early and min(losses) > 0 and min(self.early) > 0
+                   and self._beyond_noise(losses, level))
+        return early if settled else None
+
+    def _beyond_noise(self, losses: Sequence[float], level: float) -> bool:
+        """Whether ``level`` is :data:`SETTLED_SIGMAS` times the noise of single losses above the early level, in
+        logarithms: the noise is read from the steps between successive recent losses (a robust spread, divided by
+        the square root of 2), which a steady climb hardly moves and single-example losses make wide, and from the
+        spread of the early losses themselves (three single-example losses far apart say the early level is loose)."""
+        logs = [math.log(v) for v in losses]
+        steps = [later - earlier for earlier, later in zip(logs, logs[1:])]
+        noise = max(robust_sigma(steps) / math.sqrt(2), robust_sigma([math.log(v) for v in self.early]))
+        return math.log(level) - math.log(self.early_level) >= SETTLED_SIGMAS * noise
+
+    def restart(self, losses: Sequence[float]) -> None:
+        """The data changed (the loss moved to a new level in one step): judge from ``losses``, the new level's."""
+        self.early = list(losses)[:EARLY_LOSSES]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"early": list(self.early)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.early = [float(v) for v in state.get("early", [])][:EARLY_LOSSES]
+
+
+def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
+    """The value above which a new value is a jump over ``history``: ``factor`` times its median or ``sigmas``
+    robust standard deviations above it, whichever is higher; None with fewer than ``minimum`` values.
+
+    Example::
+
+        >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3), jump_limit([1.0], 10, 6, 3)
+        (10.0, None)
     """
     finite = [v for v in history if math.isfinite(v)]
     if len(finite) < minimum:
@@ -81,22 +154,11 @@ def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: 
 class NormHistory:
     """The recent global gradient norms of check steps, for judging the next one (see :func:`jump_limit`).
 
-    Every finite norm enters the window, flagged or not: an explosion is reported when it starts, and a
-    level that stays becomes the run's new normal instead of one endless finding.
-
-    The median says where most steps are, not how far this run's norms range. Near convergence a fine-tuned
-    classifier's batches have a loss near 0 except the few with a hard example, whose gradient is 10-170x the
-    median on one check step in ten, sometimes three in a row (a BERT fine-tune, AdamW, clipped at 1.0, 97%
-    accuracy: an ``exploding_grad`` warning). So once :data:`NORM_TAIL_WINDOW` / 2 norms are in, the limit is
-    also :data:`NORM_TAIL_FACTOR` times what the run shows routinely (:meth:`routine`, the
-    :data:`NORM_TAIL_RANK`-th largest of the last :data:`NORM_TAIL_WINDOW`). A run whose norms stayed near their
-    median has a routine level near it, and its limit is the median's; an explosion grows past any of them.
-
-    A norm of exactly 0 does not enter the window: a step whose loss sent back no gradient at all (a margin loss
-    such as a hinge or a triplet loss at 0 on an easy batch) says nothing about the scale of the gradients, and
-    with a median of 0 any gradient after it would be a jump. Nor does a non-finite one; ``last`` keeps the
-    previous check step's norm whatever it was (NaN before the first), so a norm that turns non-finite can be
-    told from one that stays so.
+    Every finite, non-zero norm enters the window, flagged or not: an explosion is reported when it starts, and a
+    level that stays becomes the new normal. Once :data:`NORM_TAIL_WINDOW` / 2 norms are in, the limit is also
+    :data:`NORM_TAIL_FACTOR` times :meth:`routine`: a fine-tuned classifier's hard examples reach 10-170x the
+    median on one check step in ten (docs/gradients.md). A zero norm (a margin loss at 0) says nothing about the
+    scale; ``last`` keeps the previous norm whatever it was, so a norm that turns non-finite is told apart.
 
     Example::
 
@@ -145,18 +207,15 @@ class NormHistory:
             self.start_losses.append(loss)
 
     def grew_while_learning(self, norm: float, loss: float) -> bool:
-        """Whether ``norm`` grew into its value gradually (within :data:`NORM_GRADUAL_GROWTH` of the previous
-        check step's norm) while the loss stayed below the level the run started from: the norm rising
-        out of its initialisation as the model learns, not a departure from a level.
+        """Whether ``norm`` grew gradually (within :data:`NORM_GRADUAL_GROWTH` of the previous norm) while the loss
+        stayed below where the run started: a norm rising out of its initialisation, not a departure from a level.
 
         Example::
 
             >>> history = NormHistory()
             >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
-            >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0)
-            (True, False)
-            >>> history.grew_while_learning(45.0, 6.0)
-            False
+            >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0), history.grew_while_learning(45.0, 6.0)
+            (True, False, False)
         """
         if not self.values or not self.start_losses or not math.isfinite(loss):
             return False
@@ -172,13 +231,7 @@ class NormHistory:
 
 
 class LossKind(str, enum.Enum):
-    """What a loss shows against the run's history (see :class:`LossTrend`): a sudden spike or a steady rise.
-
-    Example::
-
-        >>> LossKind("spike") is LossKind.SPIKE
-        True
-    """
+    """What a loss shows against the run's history (see :class:`LossTrend`)."""
 
     SPIKE = "spike"
     DIVERGENCE = "divergence"
@@ -230,16 +283,10 @@ class LossVerdict:
 
 @dataclass
 class LossReading:
-    """What one check step's loss suggests (see :class:`LossTrend`); how long a suspicion is held before it is
-    reported is the kind's policy in the table of kinds, applied by the monitor's verdict engine.
+    """What one check step's loss suggests (see :class:`LossTrend`); how long a suspicion is held is its kind's policy.
 
-    ``spike``: a suspected spike, whose ``limit`` the next check's loss must stay above (or not be finite) to
-    confirm it; ``divergence``: a steady rise, a finding at once; ``climb``: the level is above the climb limit on
-    this check (a suspicion), and ``rising`` says whether it is higher than at the first of the last
-    ``climb_checks`` checks it was; ``settled``: the level is at
-    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the early level on this check (a suspicion);
-    ``levels_judged``: whether the level was judged at all (a finite loss, ``climb=True``): a check that did not
-    judge it neither continues nor ends a climb.
+    ``rising``: the climb's level is higher than at the first of the last ``climb_checks`` checks it was;
+    ``levels_judged``: whether the level was judged at all (a check that did not neither continues nor ends a climb).
     """
 
     loss: float
@@ -252,60 +299,15 @@ class LossReading:
 
 
 class LossTrend:
-    """The loss of recent check steps and the level the run started from; judges each new loss.
+    """The loss of recent check steps and the baselines a new loss is judged against; it holds no suspicion.
 
-    ``spike``: the loss is more than :data:`LOSS_SPIKE_FACTOR` times both its recent median and the
-    level it started from, the highest of its first :data:`LOSS_START_VALUES` losses (so a loss near 0
-    that goes back up toward where it began is not a spike), and,
-    with 5 values or more, :data:`LOSS_SPIKE_SIGMAS` robust standard deviations above that median.
-    One earlier value is enough, so a learning rate that blows the loss up at step 1 is suspected at step 1.
-    What could make it fire on a healthy model: losses of single examples, whose tail is long (the squared error
-    of one example is 15x its median once in a few hundred), and one batch far from the others (an outlier
-    target, a mislabelled example the model is sure of). The first is ruled out by the window's own tail: a
-    spike is also :data:`SPIKE_OVER_RECENT_MAX` times the highest of the recent losses. The second by time: a
-    blow-up lasts, such a batch does not. So a spike is only suspected here, and the next check's loss settles it
-    (``loss_spike``'s policy): ``spike`` when that loss is not finite or still above the spike's limit,
-    ``loss_outlier`` (one batch) otherwise.
-    ``divergence``: over the last :data:`DIVERGENCE_WINDOW` checks the loss rose at least
-    :data:`DIVERGENCE_RISES` times, at least doubled, every loss of the window's second half is
-    above every loss of its first half and their medians at least doubled (a rise, not noise), and it
-    is above the start level; after :data:`DIVERGENCE_WINDOW` earlier losses, the rise between the halves'
-    medians is also :data:`DIVERGENCE_SIGMAS` robust standard deviations of those earlier losses (a run of
-    rising values in heavy-tailed noise, e.g. single-example losses, rises by about their spread).
-    ``climb``: the same overshoot seen through noise, where single losses fall as often as they rise; the
-    level (the median of the last :data:`CLIMB_LEVEL_WINDOW` losses) is at least :data:`CLIMB_FACTOR` times the
-    best level the run has reached, :data:`CLIMB_SIGMAS` robust standard deviations of single losses (as they
-    were when that best level was reached) above it, and above the start level, on several checks in a row
-    (``loss_divergence``'s policy), and higher at the last of ``climb_checks`` of them than at the first.
-    ``settled``: a climb seen from its start (:mod:`lightning_debug.checks.settled`): the level is at least
-    :data:`~lightning_debug.checks.settled.SETTLED_FACTOR` times the run's early level on several checks in a row,
-    whatever the best level (a climb from the first steps has raised it by the time it counts). This class keeps the
-    baselines (the recent losses, the start, the best and early levels, the recent climbing levels) and says what
-    each loss suggests (:class:`LossReading`); it holds no suspicion.
-
-    What could make ``climb`` fire on a healthy model, and how it is ruled out: noisy batches (one
-    hard batch, a short batch at the end of an epoch) move single losses, not the median of eight; over a long
-    run of stationary noise the best level is the lowest of hundreds of medians and the current one may be the
-    highest, 2-4x apart when single losses vary by half their mean (an MSE over random targets): the margin
-    of :data:`CLIMB_SIGMAS` spreads of single losses is beyond that range;
-    the best level and its spread count from :data:`CLIMB_BEST_MIN_LOSSES` losses on (the median and spread of
-    the first few single-example losses can both be low by luck, 5x under the run's true level);
-    a loss that rises for a few steps and comes back (a warm-up overshoot) is not confirmed over
-    several checks at twice the best level; a loss that trains down to near zero and
-    drifts back up (0.01 -> 0.05 on a memorised set) stays below where the run started; the first
-    :data:`CLIMB_LEVEL_WINDOW` losses (the warm-up, where the loss moves fastest) only make the first
-    level, never a judged one; a change of data (a curriculum's next stage, another dataset, reloaded
-    dataloaders) moves the loss to a new level in one step, and the level then rises for a few checks as the
-    median's window fills with the new losses: when the level is above the limit and the recent losses split
-    at one step with a gap (every loss after it at least :data:`CLIMB_FACTOR` times every loss before it, at
-    least :data:`REGIME_MIN_LOSSES` on each side), the losses before it are dropped and the best level is found
-    again from the new losses. An overshoot climbs over many steps, each a little above the last, which leaves no
-    such gap; a one-step blow-up that leaves one is a ``spike`` when it is large, and is judged against its new
-    level if it goes on climbing. Losses that rise by design (an adversarial generator's loss as its
-    discriminator learns, with several optimizers) are not judged: the monitor gives this rule the
-    loss of single-optimizer runs only. Both need a
-    positive loss (a ratio of negative losses means nothing); non-finite losses are not judged (the
-    anomaly check names them).
+    ``judge`` says what a loss suggests (:class:`LossReading`): a ``spike`` (over :data:`LOSS_SPIKE_FACTOR` times
+    the recent median and the start level, :data:`LOSS_SPIKE_SIGMAS` spreads above the median and
+    :data:`SPIKE_OVER_RECENT_MAX` times the recent maximum: single-example losses have a long tail), a steady
+    ``divergence`` over :data:`DIVERGENCE_WINDOW` checks, a noisy ``climb`` of the median level over the best level
+    of the run, or a ``settled`` climb over the early level. How long each is held is its kind's policy. What each
+    rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
+    docs/gradients.md, "Early divergence"; single-optimizer runs only for the level's judgements.
 
     Example::
 

@@ -1,20 +1,12 @@
-"""A device-side copy of the buffers a training forward changes, to undo a skipped step's forward.
+"""Module buffers a training forward changes: a copy to undo a skipped step's forward, and a watch for broken ones.
 
-A BatchNorm forward in training mode updates ``running_mean``, ``running_var`` and
-``num_batches_tracked`` before anything can tell whether the step is healthy: a batch with one NaN
-sample poisons them, and skipping the optimizer step leaves them poisoned (validation then runs on
-NaN statistics for good). :class:`BufferSnapshot` copies those few buffers on the device before the
-forward of a check step (one fused ``torch._foreach_copy_``, no host sync) and copies them back when
-the step is skipped.
-
-Which buffers: those of normalisation modules that track running statistics (``_NormBase``:
-BatchNorm, SyncBatchNorm, InstanceNorm with ``track_running_stats``) and any buffer named
-``running_*`` or ``num_batches_tracked`` elsewhere (custom norm layers). Constant buffers (masks,
-position ids) are not copied: a forward does not change them.
+A BatchNorm forward updates its running statistics before anything can tell whether the step is healthy: a batch
+with one NaN sample poisons them, and skipping the optimizer step leaves them poisoned. :class:`BufferSnapshot`
+copies the buffers of normalisation modules (and any ``running_*`` or ``num_batches_tracked`` buffer) on the device
+before a check step's forward (one ``torch._foreach_copy_``, no sync) and copies them back when the step is skipped.
 
 Example::
 
-    >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     >>> snapshot = BufferSnapshot()
     >>> snapshot.take(model, step=0)
@@ -49,7 +41,7 @@ def _changed_by_forward(module: nn.Module, name: str) -> bool:
 
 
 class BufferSnapshot:
-    """The copy of one model's forward-updated buffers taken at one step (see the module docstring)."""
+    """The copy of one model's forward-updated buffers taken at one step."""
 
     def __init__(self) -> None:
         self._holders: list[tuple[str, nn.Module, str]] = []
@@ -71,10 +63,6 @@ class BufferSnapshot:
         self._collect(model)
         return [module._buffers[name] for _, module, name in self._holders  # type: ignore[misc]
                 if module._buffers.get(name) is not None]
-
-    @property
-    def names(self) -> list[str]:
-        return [name for name, _, _ in self._holders]
 
     def take(self, model: nn.Module, step: int) -> None:
         """Copy the buffers now, on their devices (a no-op for a model without such buffers)."""
@@ -107,34 +95,23 @@ class BufferSnapshot:
         """The names of the floating buffers that hold NaN/Inf now (one fused pass and one host read)."""
         if model is not None:
             self._collect(model)
-        pairs = [(name, module._buffers[attr]) for name, module, attr in self._holders
-                 if module._buffers.get(attr) is not None]
-        floating = [(name, buffer) for name, buffer in pairs if buffer.is_floating_point() and buffer.numel()]
-        if not floating:
-            return []
-        with torch.no_grad():
-            finite = torch.stack([torch.isfinite(buffer).all().to(floating[0][1].device) for _, buffer in floating])
-        flags = finite.tolist()
-        return [name for (name, _), ok in zip(floating, flags) if not ok]
+        floating = [(name, buffer) for name, module, attr in self._holders
+                    if (buffer := module._buffers.get(attr)) is not None and buffer.is_floating_point() and buffer.numel()]
+        return [name for (name, _), ok in zip(floating, _finite([b for _, b in floating]))
+                if not ok] if floating else []
 
 
 class BufferWatch:
     """The floating and complex buffers of one model, measured together on check steps (no sync).
 
-    A forward updates BatchNorm's running statistics from the batch before anything can tell whether the step is
-    healthy: a finite input of 1e20 gives a batch variance of 1e40, Inf in float32, while the normalised output, the
-    loss, the gradients and the weights stay finite. Evaluation then runs on broken statistics for good. So on a
-    check step the largest magnitude of each buffer is taken (one fused ``torch._foreach_norm`` of order infinity
-    per dtype and device, a maximum that cannot overflow as a sum of squares can) and their maximum travels in the
-    step's one read-back: NaN or Inf when any buffer holds one.
-
-    Which buffers: every floating or complex buffer that was finite when first seen. A buffer that is not finite from
-    the start is a constant the model means (an attention mask filled with ``-inf``), not a broken statistic.
-    :meth:`nonfinite` names them, with their module's class, when the read-back says one is not finite (one sync).
+    A finite input of 1e20 gives a batch variance of 1e40, Inf in float32, while the loss, the gradients and the
+    weights stay finite; evaluation then runs on broken statistics for good. So on a check step each buffer's largest
+    magnitude is taken (a fused norm of order infinity, which cannot overflow as a sum of squares can) and their
+    maximum travels in the step's one read-back. A buffer not finite when first seen is a constant the model means
+    (an attention mask of ``-inf``) and is not watched.
 
     Example::
 
-        >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         >>> model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
         >>> watch = BufferWatch()

@@ -1,8 +1,6 @@
-"""What a training framework tells a run: where files go, who writes, how to reach the model and loggers.
-
-The Lightning and Accelerate adapters each subclass :class:`RunContext`; a hand-written loop or a
-test overrides only what it has (usually :meth:`RunContext.module`). Its own module, so that reading
-what the run may ask of a framework does not mean reading the monitor protocol.
+"""What a training framework tells a run: where files go, who writes, how to reach the model and loggers. The
+Lightning and Accelerate adapters each subclass :class:`RunContext`; a hand-written loop or a test overrides only
+what it has (usually :meth:`RunContext.module`).
 
 Example::
 

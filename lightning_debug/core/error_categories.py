@@ -1,15 +1,10 @@
-"""What kind of runtime error stopped the user's step, and what to do about each.
-
-The ``exception`` finding carries one :class:`ErrorCategory` in ``details.category``; the advice a
-person reads for it comes from :data:`ERROR_ADVICE`, so the console, events.jsonl and the report agree.
+"""What kind of runtime error stopped the user's step (``details.category`` of an ``exception`` finding), and the
+advice for each (:data:`ERROR_ADVICE`), so the console, events.jsonl and the report agree.
 
 Example::
 
-    >>> from lightning_debug.core.error_categories import ERROR_ADVICE, ErrorCategory
-    >>> ErrorCategory("shape_mismatch") is ErrorCategory.SHAPE_MISMATCH
-    True
-    >>> all(category in ERROR_ADVICE for category in ErrorCategory)
-    True
+    >>> ErrorCategory("shape_mismatch") is ErrorCategory.SHAPE_MISMATCH, all(c in ERROR_ADVICE for c in ErrorCategory)
+    (True, True)
 """
 
 from __future__ import annotations

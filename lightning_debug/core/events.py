@@ -30,13 +30,9 @@ def jsonable(value: Any) -> Any:
 class EventLog:
     """Appends events to ``<directory>/events.jsonl``; a ``None`` directory writes nothing.
 
-    A failed write (a full or unwritable disk for a while, an invalid path) is recorded in
-    ``failures`` (one warning) and its line is kept: the next event tries again and writes the kept
-    lines first, so a disk full for a few minutes loses nothing. At most :attr:`max_pending` lines are
-    kept; past that the oldest are dropped and counted, and a line saying how many were lost is
-    written once writing works again. A line a failed write (or a crash before this run) may have cut
-    off is ended first, so it is one bad line, not the start of the next event. Monitoring never stops
-    training.
+    A failed write (a disk full for a while) is recorded once and its line kept: the next event writes the kept lines
+    first, so nothing is lost. At most :attr:`max_pending` lines are kept (the oldest dropped, counted and said once
+    writing works again); a line cut off by a failed write or a crash is ended first.
 
     Example::
 

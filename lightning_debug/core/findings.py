@@ -75,13 +75,9 @@ class Tally:
 
 
 class Episodes:
-    """Turns a condition observed on successive check steps into start and end events.
-
-    ``observe`` returns :attr:`EpisodePhase.START` the first check step a condition holds and
-    :attr:`EpisodePhase.CONTINUE` while it keeps holding. :meth:`close_missing` ends an episode once
-    it has been absent from ``grace`` consecutive check steps, so a NaN on every step writes one
-    line, not a million, and a value hovering around a threshold does not open and close an
-    episode on every check.
+    """Turns a condition observed on successive check steps into start and end events: a NaN on every step writes one
+    line, and :meth:`close_missing` ends an episode only after ``grace`` check steps without it, so a value hovering
+    around a threshold does not open and close one on every check.
 
     Example::
 
@@ -139,19 +135,11 @@ def root_of(kind: str, findings: Mapping[str, dict[str, Any]]) -> str:
 
 
 def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Root causes first: most severe first, then by first step, then in causal order within a step
-    (input batch -> activation -> loss -> gradient -> parameter); a consequence (``consequence_of``)
-    comes right after the finding it follows from, whatever its own severity or step: within a root's
-    group the findings follow the chain of causes (a loss that is a consequence of the parameters that
-    are a consequence of the gradients comes after both, even when it was seen at an earlier step).
+    """Root causes first: most severe first, then by first step, then in causal order within a step; a consequence
+    (``consequence_of``) comes right after the finding it follows from, whatever its own severity or step.
 
     Example::
 
-        >>> list(order_findings({"nonfinite_param": {"severity": "critical", "first_step": 5,
-        ...                                         "consequence_of": "nonfinite_grad"},
-        ...                     "nonfinite_grad": {"severity": "error", "first_step": 5},
-        ...                     "nonfinite_loss": {"severity": "error", "first_step": 5}}))
-        ['nonfinite_loss', 'nonfinite_grad', 'nonfinite_param']
         >>> list(order_findings({"nonfinite_grad": {"severity": "error", "first_step": 3},
         ...                     "nonfinite_loss": {"severity": "error", "first_step": 3,
         ...                                        "consequence_of": "nonfinite_param"},

@@ -1,14 +1,11 @@
-"""Monitoring never breaks training: the one failure policy of the whole package.
+"""Monitoring never breaks training: the one failure policy of the whole package, and the console it speaks through.
 
-Every check, every write and every hook goes through :class:`Failures`. A failure becomes one
-console line per check (in one wording), is counted by check and by reason for the report, and the run
-goes on. :class:`~lightning_debug.AnomalyError`, which the user asked for with
-``anomaly_detection_mode="raise"``, passes through untouched, as does anything that is not an
-``Exception`` (``KeyboardInterrupt``).
+Every check, write and hook goes through :class:`Failures`: a failure becomes one console line per check, is
+counted by check and reason for the report, and the run goes on. :class:`~lightning_debug.AnomalyError` (asked for
+with ``anomaly_detection_mode="raise"``) and anything not an ``Exception`` pass through untouched.
 
 Example::
 
-    >>> import logging
     >>> seen = []
     >>> listener = logging.Handler()
     >>> listener.emit = lambda record: seen.append(record.getMessage())
@@ -22,18 +19,83 @@ Example::
     (1, 3)
     >>> seen[0]
     'lightning-debug: gradients.check failed at step 0 (ZeroDivisionError: division by zero); this check is skipped, training continues.'
+
+Every line goes through the ``lightning_debug`` logger, not Python warnings (which ``filterwarnings("ignore")``
+silences): its :class:`ConsoleHandler` leaves it to a handler of the root logger when there is one, else prints it
+through the printer an adapter routes (Lightning: the progress bar's ``print``), or to ``stderr``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lightning_debug.core.console import LOGGER, notify
 from lightning_debug.errors import AnomalyError
 
-__all__ = ["Failures", "LOGGER", "guarded", "notify"]
+LOGGER_NAME = "lightning_debug"
+LOGGER = logging.getLogger(LOGGER_NAME)
+Printer = Callable[[str], None]
+
+
+class ConsoleHandler(logging.Handler):
+    """Prints a record as one line: to the routed printer (the active progress bar), else ``stderr``; nothing
+    when the root logger has handlers, which then show the record (the user's logging configuration)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.printers: list[Printer] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        try:
+            line = " ".join(self.format(record).split("\n"))
+            if self.printers:
+                try:
+                    self.printers[-1](line)
+                    return
+                except Exception:
+                    pass
+            stream = sys.stderr
+            stream.write(line + "\n")
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _handler() -> ConsoleHandler:
+    handler = next((h for h in LOGGER.handlers if isinstance(h, ConsoleHandler)), None)
+    if handler is None:
+        handler = ConsoleHandler()
+        LOGGER.addHandler(handler)
+    return handler
+
+
+HANDLER = _handler()
+
+
+def notify(message: str, level: int = logging.WARNING) -> None:
+    """Show ``message`` to the user as one line through :data:`LOGGER`; never raises (a failing handler must not
+    make a write fail on one rank and keep it from what every rank does next: the line is in events.jsonl)."""
+    try:
+        LOGGER.log(level, message)
+    except Exception:
+        pass
+
+
+def route(printer: Printer) -> Callable[[], None]:
+    """Print through ``printer`` until the returned function is called (a run's lifetime)."""
+    HANDLER.printers.append(printer)
+
+    def unroute() -> None:
+        if printer in HANDLER.printers:
+            HANDLER.printers.remove(printer)
+
+    return unroute
+
 
 CallableT = TypeVar("CallableT", bound=Callable[..., Any])
 MAX_REASONS = 5

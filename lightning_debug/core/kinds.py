@@ -1,12 +1,8 @@
-"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each.
-
-Checks name what they find with a :class:`Kind`; events.jsonl, report.json, report.md, the
-console summary and TensorBoard all read the same kind, severity and advice from here, so a
-finding reads the same wherever a person meets it.
+"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each, which
+events.jsonl, the report, the console and TensorBoard all read, so a finding reads the same everywhere.
 
 Example::
 
-    >>> from lightning_debug.core.kinds import Kind, Severity
     >>> Kind.NONFINITE_LOSS == "nonfinite_loss", Severity.ERROR.at_least(Severity.WARNING)
     (True, True)
     >>> sorted([Severity.INFO, Severity.CRITICAL, Severity.WARNING])
@@ -36,7 +32,6 @@ class Severity(str, enum.Enum):
 
     @property
     def rank(self) -> int:
-        """0 for critical up to 3 for info."""
         return _SEVERITY_RANK[self]
 
     def at_least(self, other: "Severity") -> bool:
@@ -124,9 +119,8 @@ class Until(str, enum.Enum):
     """A condition that ends a hold, for a suspicion that lasts as long as it is suspected again."""
 
     BACK_UNDER = "back_under"
-    """Held while each observation suspects it again; the first observation that judges it without suspecting it
-    ends it: confirmed when that observation's reading is back at or under the suspicion's bound (a burst that
-    ended), else reported as ``else_kind`` (the condition did not end: the level moved)."""
+    """Held while suspected again; ended by the first observation that is not: confirmed when its reading is back
+    under the bound (a burst that ended), else reported as ``else_kind`` (the level moved)."""
 
     def __str__(self) -> str:
         return self.value
@@ -134,29 +128,21 @@ class Until(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Confirm:
-    """A kind's confirmation policy: how long a suspicion is held, what confirms it, what it becomes if not.
+    """A kind's confirmation policy, applied by :class:`lightning_debug.core.verdicts.VerdictEngine` (a non-finite
+    value is never held back, whatever the policy).
 
-    ``patience``: suspicious observations of the same key in a row that confirm it (None: not confirmed by
-    persisting); ``variants``: a different patience for a named variant of the suspicion (a layer whose
-    gradient is exactly zero waits longer than one that is small); ``follow_up``: readings after the
-    suspicion above its bound (or not finite) that confirm it, any reading under the bound dismissing it
-    (0: none); with neither, a suspicion is confirmed at once. ``else_kind``: what a suspicion that ends
-    unconfirmed becomes (None: dismissed); ``at_end``: what one still held at the end of the run becomes;
-    ``backdate``: a suspicion confirmed by persisting is recorded at every step it was held, labelled at
-    the first. ``max_held``: held suspicions per scope (an optimizer) at most; past that the oldest is decided
-    as at the end of the run. ``until``: a condition that ends the hold (:class:`Until`), for a suspicion held
-    as long as it lasts (a run of slow steps); what it becomes unconfirmed is again ``else_kind``.
-
-    The engine that applies it is :class:`lightning_debug.core.verdicts.VerdictEngine`; a non-finite value
-    is never held back, whatever the policy.
+    ``patience``: suspicious observations of a key in a row that confirm it (``variants``: another patience for a
+    named variant, e.g. an exactly zero gradient); ``follow_up``: readings after it above its bound (or not finite)
+    that confirm it, one under the bound dismissing it; ``until``: held as long as it lasts (:class:`Until`); with
+    none of them, confirmed at once. ``else_kind``: what an unconfirmed suspicion becomes (None: dismissed);
+    ``at_end``: what one still held at the end becomes; ``backdate``: a suspicion confirmed by persisting is
+    recorded at every step it was held; ``max_held``: held per scope at most (the oldest is then decided as at the end).
 
     Example::
 
         >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
         >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
         (3, 8, True, False)
-        >>> Confirm(until=Until.BACK_UNDER).holds
-        True
     """
 
     patience: int | None = None
@@ -212,20 +198,16 @@ _NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an eps
 
 @dataclass(frozen=True)
 class KindSpec:
-    """Everything said about one kind of finding, in one place.
-
-    ``area`` is the area whose monitor writes it; ``severity`` the severity it is written with (None when
-    it depends on what was found); ``advice`` what to do (report.md), ``hint`` its one-line console
-    version; ``common_causes`` the usual culprits; ``causal_rank`` where it sits in the chain a NaN
-    flows along within one step (see :data:`CAUSAL_ORDER`), None outside it; ``confirm`` how long a
-    suspicion of it is held and what confirms it (:class:`Confirm`, applied by the one verdict engine,
-    :class:`lightning_debug.core.verdicts.VerdictEngine`): making a rule stricter or looser is this field.
+    """Everything said about one kind of finding, in one place: the ``area`` whose monitor writes it, its
+    ``severity`` (None when it depends on what was found), ``advice`` (report.md) and its one-line ``hint``
+    (console), ``common_causes``, ``causal_rank`` in :data:`CAUSAL_ORDER`, and ``confirm``, its policy: making a
+    rule stricter or looser is this field.
 
     Example::
 
         >>> spec = KIND_SPECS[Kind.EXPLODING_GRAD]
-        >>> spec.area, spec.severity, spec.causal_rank
-        (<Area.GRADIENTS: 'gradients'>, <Severity.WARNING: 'warning'>, None)
+        >>> spec.area, spec.severity, spec.confirm.follow_up
+        (<Area.GRADIENTS: 'gradients'>, <Severity.WARNING: 'warning'>, 2)
     """
 
     area: Area
@@ -514,10 +496,7 @@ def advice_for_cause(where: str, operation: str | None) -> str:
 
 
 def policy_rows() -> list[str]:
-    """The docs' table of confirmation policies, one markdown row per kind whose suspicions are held
-    (docs/architecture.md shows it; a test keeps the two the same).
-
-    Example::
+    """docs/architecture.md's table of confirmation policies: one row per kind whose suspicions are held.
 
         >>> policy_rows()[0].startswith("| `")
         True

@@ -1,14 +1,6 @@
-"""State that travels: where the loop is, and facts one monitor establishes that another one needs,
-kept by the run.
-
-The run alone knows which optimizer is being stepped, how many steps it took and how many optimizer
-steps are done; it writes them into one :class:`StepRecord` that every monitor, the shared gradient
-pass and the adapter's ``where()`` read, instead of each keeping a copy the run must update.
-
-The performance monitor times some steps; the activation statistics add forward hooks to some
-steps. Hooked steps are slower for a reason that is not the user's, so the profiler leaves them
-out, and the activation monitor moves its hooks off a timed step when it can. The :class:`RunLedger`
-holds both facts; the run makes one and hands it to every monitor it binds.
+"""State that travels: where the loop is (:class:`StepRecord`, written by the run alone and read by every monitor,
+the gradient pass and the adapter's ``where()``), and facts one monitor establishes that another needs
+(:class:`RunLedger`: which steps are timed, which had work added by a check, so the profiler leaves them out).
 """
 
 from __future__ import annotations
@@ -18,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from lightning_debug.checks.memory.readings import MemoryPhase
-from lightning_debug.core.schedule import CheckSchedule
 from lightning_debug.core.strenum import StrEnum
 
 INSTRUMENTED_STEPS_KEPT = 64
@@ -33,15 +24,9 @@ class FrameworkWork(StrEnum):
 
 
 class StepRecord(NamedTuple):
-    """Where the training loop is, as the run last saw it.
-
-    Args:
-        step: The optimizer step the current micro-batch belongs to.
-        steps_done: Optimizer steps taken so far (which update a late parameter scan sees).
-        several_optimizers: Whether the loop steps more than one optimizer.
-        optimizer_index: With several optimizers, the position of the one being stepped; else None.
-        optimizer_step: With several optimizers, how many steps that optimizer took before this one
-            (what per-optimizer checks count their frequencies in); else None.
+    """Where the training loop is, as the run last saw it: the optimizer ``step`` of the current micro-batch, the
+    ``steps_done`` (which update a late parameter scan sees), and with several optimizers the position of the one
+    being stepped (``optimizer_index``) and how many steps it took before (``optimizer_step``, what its checks count).
 
     Example::
 
@@ -71,6 +56,27 @@ class StepRecord(NamedTuple):
     def done(self, steps_done: int) -> "StepRecord":
         """``moved(steps_done=steps_done)``, the run's every batch end, at a fifth of the cost."""
         return StepRecord(self.step, steps_done, self.several_optimizers, self.optimizer_index, self.optimizer_step)
+
+
+@dataclass(frozen=True)
+class CheckSchedule:
+    """A check that runs every ``frequency`` optimizer steps (``trainer.global_step`` before the step), from step 0;
+    with several optimizers a step's checks count that optimizer's own steps (``StepRecord.optimizer_step``).
+
+    Example::
+
+        >>> [step for step in range(25) if CheckSchedule(10).is_due(step)]
+        [0, 10, 20]
+    """
+
+    frequency: int
+
+    def __post_init__(self) -> None:
+        if self.frequency < 1:
+            raise ValueError(f"frequency must be >= 1, got {self.frequency}")
+
+    def is_due(self, step: int) -> bool:
+        return step % self.frequency == 0
 
 
 @dataclass

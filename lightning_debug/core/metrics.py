@@ -1,23 +1,11 @@
 """The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step.
 
-Names. Every logger must be able to hold every name: MLflow's file store keeps a metric as the
-file ``metrics/<name>``, so no name may also be the prefix ``<name>/`` of another, and it accepts
-only ``[/\\w.\\- :]`` up to 250 characters without ``//`` or a leading or trailing ``/``; Lightning's
-MLflow logger strips everything outside ``[a-zA-Z0-9_/. -]``. :func:`metric_part` turns a free text
-(a parameter or module name) into one safe path component, :func:`safe_metric_name` is the last
-guard on a whole name.
-
-Cadence. Lightning's own monitoring callbacks (``LearningRateMonitor``, ``DeviceStatsMonitor``)
-log only when the trainer logs (every ``log_every_n_steps`` steps). :class:`MetricsWriter` does the
-same for the debug scalars: steps fall into windows of ``log_every_n_steps`` (the window closes at
-the step where Lightning writes its own row), and of each window it writes, per name, the value of
-the last check step that measured it, at that step; ``debug/loss_finite`` keeps the lowest value
-(at the last step that had it) instead, so a single NaN step is never hidden by a finite one after it.
-
-Rows. Under a Trainer the scalars are no separate writes at all: the adapter asks for them (:meth:`MetricsWriter.take`)
-when Lightning writes one of its own rows and logs them through ``LightningModule.log``, so they share the user's
-rows and step axis and reach every logger the trainer has. Each row carries, per name, the last value measured
-since the previous row (the lowest for ``debug/loss_finite``).
+Names: MLflow's file store keeps a metric as the file ``metrics/<name>``, so no name may be the prefix
+``<name>/`` of another, and loggers accept few characters; :func:`metric_part` makes one safe component from free
+text, :func:`safe_metric_name` is the last guard on a whole name. Cadence: like Lightning's own monitoring
+callbacks, :class:`MetricsWriter` logs only when the trainer logs (``log_every_n_steps``), of each window the
+last value per name (the lowest for ``debug/loss_finite``, so a NaN step is never hidden). Under a Trainer the
+scalars go out on Lightning's own rows (:meth:`MetricsWriter.take`), sharing the user's step axis and loggers.
 """
 
 from __future__ import annotations
@@ -96,20 +84,11 @@ def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str,
 
 
 class MetricsWriter:
-    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
-
-    Args:
-        sink: Receives one dict per written step; None writes nothing.
-        failures: A failing sink is recorded there once, and no more scalars are sent to it.
-        log_every_n_steps: The trainer's logging cadence; None writes every check step, 0 nothing
-            (as Lightning with ``log_every_n_steps=0``).
-        observer: Sees every value as it is measured, before any thinning (the run's timeline).
-        exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
-        rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
-            writing them to ``sink``.
-
-    Steps are written in order once the caller says no more values for them will come
-    (:meth:`flush_before`), so values read back a step late still land at the step they describe.
+    """Collects ``debug/...`` scalars and writes them to ``sink`` (the loggers; None: nowhere) at the logging cadence
+    (``log_every_n_steps``; None: every check step, 0: nothing), in step order once :meth:`flush_before` says no more
+    values for them will come, so values read back a step late land at their step. A failing sink is recorded in
+    ``failures`` once and not called again. ``observer`` sees every value before any thinning (the timeline),
+    ``exposed`` the latest of :data:`EXPOSED_METRICS`; with ``rows`` the values wait for :meth:`take`.
 
     Example::
 
@@ -121,9 +100,6 @@ class MetricsWriter:
         ...     writer.add(step, "debug/perf/step_ms", 10.0 + step)
         >>> writer.flush_before(10); written
         [(2, {'debug/loss_finite': 0.0}), (4, {'debug/perf/step_ms': 14.0}), (9, {'debug/loss_finite': 1.0, 'debug/perf/step_ms': 19.0})]
-
-    With ``rows=True`` the caller takes what was measured since its last row::
-
         >>> rows = MetricsWriter(None, Failures(), rows=True)
         >>> for step in range(3):
         ...     rows.add_many(step, {"debug/loss_finite": 0.0 if step == 1 else 1.0, "debug/perf/step_ms": 10.0 + step})

@@ -1,12 +1,9 @@
 """The protocol every area's checks implement, and what they share: findings, episodes, warnings.
 
-A monitor holds one area's state (anomaly, gradients, memory, performance) and turns
-measurements into findings, scalars and a report section. It never sees Lightning or
-Accelerate: the run (:class:`lightning_debug.run.Run`) calls the same small set of events on
-every monitor that declares it needs them (:class:`Event`), with a
-:class:`~lightning_debug.core.context.RunContext` (re-exported here) that the framework adapter
-filled in. So each check has one implementation, driven identically from a Lightning callback, an
-Accelerate loop or a hand-written loop.
+A monitor holds one area's state and turns measurements into findings, scalars and a report section. It never
+sees Lightning or Accelerate: the run calls the same events (:class:`Event`) on every monitor that declares them,
+with a :class:`~lightning_debug.core.context.RunContext` the adapter filled in, so each check has one
+implementation whatever drives it.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
 from lightning_debug.core.guard import notify
 from lightning_debug.core.kinds import Kind, Severity
-from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.ledger import CheckSchedule, RunLedger
 from lightning_debug.core.session import Session, Where
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.core.verdicts import VerdictEngine
@@ -63,11 +59,7 @@ class Decision(enum.IntEnum):
 
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
-
-    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event
-    methods; every method has the same signature in every monitor. The run binds a monitor to its
-    session and context before :meth:`start` and unbinds it after :meth:`restore`.
-    """
+    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event methods."""
 
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
@@ -78,18 +70,16 @@ class Monitor:
     """Those of ``events`` (among :data:`GATED_EVENTS`) this monitor needs on its check steps only (``step`` a
     multiple of its frequency): the run does not call them on other steps, which then cost it nothing."""
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
-    """Reads this monitor's check frequency from a config (``config.anomaly_check_frequency``), typed; set
-    from its area's row of the one table of areas (``lightning_debug.monitors.areas.AREA_SPECS``)."""
+    """Reads this monitor's check frequency from a config; set from its row of ``monitors.areas.AREA_SPECS``."""
     measures: bool = False
-    """Whether its ``before_optimizer_step`` reads the step's shared measurement on its check steps: the run then
-    makes that measurement (and its collective) first, whatever the monitor's own code does."""
+    """Whether its ``before_optimizer_step`` reads the step's shared measurement: the run makes it (and its
+    collective) first, whatever the monitor's own code does."""
     decides: bool = False
-    """Whether its ``before_optimizer_step`` may return a decision other than CONTINUE (or raise): the ranks then
-    agree on the step's decision through the run's gate (:mod:`lightning_debug.core.gate`)."""
+    """Whether its ``before_optimizer_step`` may return other than CONTINUE (or raise): the ranks then agree
+    through the run's gate."""
     plan_collectives: Callable[[Any], list[Any]] | None = None
-    """A function of the step's measurement (values every rank shares) that lists the collectives this monitor
-    makes after it, in order (:class:`~lightning_debug.core.gate.Planned`); the gate makes those a failure
-    kept this rank from reaching."""
+    """The collectives this monitor makes after the step's measurement, in order, from values every rank shares
+    (:class:`~lightning_debug.core.gate.Planned`): the gate makes those a failure kept this rank from reaching."""
     batch_end_collectives: Callable[[int, bool], list[Any]] | None = None
     """The same for ``batch_end``: a function of the step and whether the batch took an optimizer step."""
     max_warnings: ClassVar[int] = 10
@@ -140,29 +130,26 @@ class Monitor:
     def bound(self) -> bool:
         return self._session is not None
 
+    def _bound_to(self, value: Any) -> Any:
+        if value is None:
+            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
+        return value
+
     @property
     def session(self) -> Session:
-        if self._session is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._session
+        return self._bound_to(self._session)
 
     @property
     def context(self) -> RunContext:
-        if self._context is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._context
+        return self._bound_to(self._context)
 
     @property
     def ledger(self) -> RunLedger:
-        if self._ledger is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._ledger
+        return self._bound_to(self._ledger)
 
     @property
     def numerics(self) -> NumericsQueue:
-        if self._numerics is None:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a running training loop")
-        return self._numerics
+        return self._bound_to(self._numerics)
 
     def due(self, step: int) -> bool:
         return self.schedule.is_due(step)
@@ -215,15 +202,11 @@ class Monitor:
     # --- findings -------------------------------------------------------------------------------
     def record(self, finding: Finding, step: int, where: Where | None = None, key: str = "",
                warn: bool = True) -> bool:
-        """Count a finding; write an event (and a one-line warning) when it starts a new episode.
+        """Count a finding; write an event (and a one-line warning) when it starts a new episode (returns True then).
 
-        An episode ends after ``episode_grace`` check steps without the finding. Past
-        ``max_episode_events`` (N) episodes of one kind, further episodes are not written one by one, so
-        a condition that keeps coming back cannot flood the file; instead a ``summary`` line with the
-        kind's totals so far (episodes, check steps, first and last step) is written when the count
-        reaches 2N, 4N, 8N, ... episodes and once more at the end of the run: a log-bounded number of
-        lines, and a run killed at any point leaves at least half its episodes counted in the file.
-        Returns True for a new episode.
+        Past ``max_episode_events`` (N) episodes of one kind, later ones are not written one by one; a ``summary`` line
+        with the kind's totals is written at 2N, 4N, 8N, ... episodes and at the end: a log-bounded number of lines, and
+        a run killed at any point leaves at least half its episodes counted in the file.
         """
         episode_key = (finding.kind.value, key)
         self._seen_this_check.add(episode_key)

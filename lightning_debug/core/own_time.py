@@ -1,13 +1,9 @@
 """The plugin's own time: how long the run spent in its own work, so step timing can leave it out.
 
-A tensor census, a memory snapshot, a replay, the debug scalars handed to a logger or an event
-written to disk all happen inside a training step's wall-clock interval. Timed naively they make
-the steps where the plugin works look slow (a 500 ms census reported as a ``slow_step``), inflate
-the data wait on the rank that writes files (a healthy rank 0 named a straggler), and come and go
-with the check schedule. The run handles every event through :meth:`OwnTime.call` (counted once
-the performance monitor has set :attr:`OwnTime.enabled`); the performance monitor reads
-:meth:`OwnTime.total_ms` at each phase boundary and subtracts the difference from the phase.
-Framework-free: only ``time.perf_counter``.
+A census, a replay, the scalars handed to a logger happen inside a step's wall-clock interval: timed naively they
+make those steps look slow (a 500 ms census as a ``slow_step``) and the writing rank a straggler. The run handles
+every event through :meth:`OwnTime.call`; the performance monitor reads :meth:`OwnTime.total_ms` at each phase
+boundary and subtracts the difference from the phase.
 """
 
 from __future__ import annotations

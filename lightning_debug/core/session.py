@@ -1,15 +1,8 @@
 """One run's shared outputs: its directory and id, events.jsonl, the logger scalars, the timeline, the failures.
 
-Every monitor of a run writes through the same :class:`Session`, so there is one events.jsonl and
-one stream of scalars however many areas are enabled. Only the global-zero process writes events
-and scalars; every process may write documents of its own (an out-of-memory post-mortem).
-
-Writing never raises: a failing write or listener is recorded in the run's failures and the caller
-goes on, so a write that fails on one rank only cannot keep that rank from a decision or a
-collective the others take.
-
-Each run has an id (:func:`new_run_id`) carried by every event, and its own directory
-(:func:`run_directory`), so two runs never share an events.jsonl.
+Every monitor writes through the same :class:`Session`: one events.jsonl and one stream of scalars, written by
+the global-zero process (documents, such as an OOM post-mortem, by any). Writing never raises: a failure is
+recorded and the caller goes on, so a write failing on one rank cannot keep it from a collective the others take.
 """
 
 from __future__ import annotations
@@ -71,14 +64,9 @@ def run_directory(configured: str, base: Path | None, run_id: str, base_is_per_r
 
 
 class Session:
-    """Shared writers of one run.
-
-    Args:
-        output_dir: Directory for events.jsonl, the report and documents, or None to write no files.
-        is_global_zero: Only this process writes events, reports and logger scalars.
-        sink: Where a step's scalars go (``trainer.logger.log_metrics``, ``accelerator.log``).
-        failures: The run's failure registry.
-        rank: This process's rank, added to the names of the documents it writes.
+    """Shared writers of one run: ``output_dir`` (None: no files), ``sink`` for a step's scalars
+    (``trainer.logger.log_metrics``, ``accelerator.log``); only the global-zero process writes events and scalars,
+    and ``rank`` names the documents each process writes.
 
     Example::
 

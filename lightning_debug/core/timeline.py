@@ -1,9 +1,7 @@
 """What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding.
 
-During training the session feeds a :class:`Timeline` with every batch of ``debug/`` scalars it
-hands to the logger and every event it writes; offline, ``lightning_debug.report.offline``
-rebuilds the same thing from ``events.jsonl`` and the TensorBoard event files. Either way the plots and the
-offline report are drawn from one object whose memory does not grow with the run's length.
+The session feeds a :class:`Timeline` with the ``debug/`` scalars and events it writes; offline,
+``lightning_debug.report.offline`` rebuilds it from events.jsonl and the TensorBoard files.
 """
 
 from __future__ import annotations
@@ -34,11 +32,8 @@ MAX_KINDS = 1000
 
 
 class Series:
-    """A bounded ``(step, value)`` history of one scalar.
-
-    Every point is kept until ``max_points``; then neighbouring pairs are merged (keeping the
-    larger value, so a spike survives) and only every second new point is taken, and so on. The
-    curve keeps its shape over the whole run at a constant memory cost.
+    """A bounded ``(step, value)`` history of one scalar: past ``max_points``, neighbouring pairs are merged
+    (keeping the larger value, so a spike survives) and only every second new point is taken, and so on.
 
     Example::
 
@@ -103,8 +98,6 @@ class Timeline:
 
     series: dict[str, Series] = field(default_factory=dict)
     episodes: list[Episode] = field(default_factory=list)
-    events_seen: int = 0
-    events_dropped: int = 0
     last_step: int = -1
     tags: set[str] = field(default_factory=set)
     loss_source: str = ""
@@ -165,7 +158,6 @@ class Timeline:
 
     def observe_event(self, record: dict[str, Any]) -> None:
         """An event listener: a start (or one-off) event opens an episode, an end event closes it."""
-        self.events_seen += 1
         step = int(record.get("step", -1))
         self.last_step = max(self.last_step, step)
         details = record.get("details") or {}
@@ -186,7 +178,6 @@ class Timeline:
                 episode.check_steps = int(details.get("steps", 1))
             return
         if len(self.episodes) >= MAX_EVENTS:
-            self.events_dropped += 1
             return
         episode = Episode(kind=kind, severity=str(record.get("severity", "info")), first_step=step,
                           last_step=None if record.get("episode") == "start" else step,

@@ -1,16 +1,12 @@
 """One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end.
 
-A healthy model can look wrong for a step: a gradient norm spikes and falls back, a layer's gradient is
-zero until its partner grows, a warm-up starts at a learning rate of 0. A rule therefore says only what
-one observation suggests (a :class:`Suspicion`), and how long that is held before it is reported is the
-kind's :class:`~lightning_debug.core.kinds.Confirm` policy in the table of kinds. This engine applies every
-policy the same way: it holds suspicions per kind, scope (an optimizer) and key (a layer, a parameter, a
-jump), confirms them by persisting or by the readings after them, labels a confirmed verdict at its first
-step and the steps it covered, decides what is still held at the end of the run, and travels in the
-monitor's checkpoint, so a resume in the middle of a suspicion reports it as an uninterrupted run would.
-
-Invariants no policy can override live here too: a suspicion whose value is not finite is confirmed at
-once (a finite gradient norm that became Inf or NaN is never held back for a follow-up).
+A healthy model can look wrong for a step (a gradient norm spikes and falls back, a warm-up starts at a learning
+rate of 0), so a rule says only what one observation suggests (a :class:`Suspicion`), and how long that is held is
+the kind's :class:`~lightning_debug.core.kinds.Confirm` policy. This engine applies every policy the same way: it
+holds suspicions per kind, scope (an optimizer) and key, confirms them by persisting or by the readings after them,
+labels a verdict at its first step and the steps it covered, decides what is held at the end of the run, and
+travels in the monitor's checkpoint, so a resume mid-suspicion reports it as an uninterrupted run would. Invariants
+no policy can override live here: a suspicion whose value is not finite is confirmed at once.
 
 Example::
 
@@ -61,18 +57,13 @@ class ConfirmedBy(str, enum.Enum):
 class Suspicion:
     """What a rule saw on one observation: ``kind`` may be wrong for ``key`` at ``step``.
 
-    ``finding`` is the rule's description when it can write it now (it travels with the suspicion and in the
-    checkpoint); ``value`` the measurement that made it suspect (a non-finite one confirms it at once);
-    ``bound`` what the readings after it must stay above to confirm it (policies with ``follow_up``);
-    ``variant`` picks a patience of the policy's ``variants``; ``scope`` keeps suspicions of different
-    optimizers apart. ``at_least``: a longer hold the run's own history asks for (observations in a row, at the
-    end of the run too), e.g. twice the longest wait of a conditional parameter's replicas; ``record``: False for
-    an observation between check steps, which counts toward the hold but is no step the finding is recorded at.
-    One observation per key and step counts. ``measured``: what the rule measured over the hold so far (sums, what
-    the run looked like before it), plain values that travel with it and in the checkpoint. ``confirms``: False when
-    a condition of the rule's own for reporting is not met on this observation (a climbing loss whose level is not
-    higher than where its last ``patience`` observations began): it keeps the hold going and counts in its streak,
-    but neither confirms it nor is reported again (a non-finite ``value`` still confirms it).
+    ``finding``: the rule's description when it can write it now; ``value``: the measurement (a non-finite one
+    confirms at once); ``bound``: what the readings after it must stay above (``follow_up`` policies); ``variant``
+    picks a patience of the policy's ``variants``; ``scope`` keeps optimizers apart; ``at_least``: a longer hold the
+    run's own history asks for; ``record``: False for an observation between check steps (it counts toward the hold
+    but is no step the finding is recorded at); ``measured``: what the rule measured over the hold so far, plain
+    values that travel in the checkpoint; ``confirms``: False when a condition of the rule's own is not met on this
+    observation (it keeps the hold going but neither confirms it nor is reported again).
     """
 
     kind: Kind
@@ -167,14 +158,9 @@ def _finite(value: float | None) -> bool:
 
 
 class VerdictEngine:
-    """Every held suspicion of a monitor, under the policies of the table of kinds (see the module's docstring).
-
-    :meth:`observe` takes one observation of a kind (per scope): the suspicions it raised, which keys it
-    judged (a judged key not suspected again ends its hold: it is dismissed, becomes the policy's
-    ``else_kind``, or is confirmed by ``reading`` when the policy follows up), and ``reading``, the value
-    the follow-up policies compare with each held suspicion's ``bound``. :meth:`flush` ends the run.
-    Bounded: at most ``max_held`` suspicions per kind and scope, and a held key keeps at most its
-    patience's steps.
+    """Every held suspicion of a monitor, under the policies of the table of kinds; :meth:`observe` takes one
+    observation of a kind, :meth:`flush` ends the run. Bounded: ``max_held`` suspicions per kind and scope, a
+    held key keeps at most its patience's steps.
 
     Example::
 

@@ -22,7 +22,7 @@ import torch
 
 from lightning_debug.checks.errors import (failing_module, failing_source, find_inplace, innermost_tensors,
                                            out_of_range_labels)
-from lightning_debug.checks.memory.oom import OUT_OF_MEMORY
+from lightning_debug.checks.memory.readings import OUT_OF_MEMORY
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.guard import describe

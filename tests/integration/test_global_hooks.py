@@ -13,7 +13,7 @@ import torch
 import torch.nn.modules.module as torch_module
 
 from lightning_debug import DebugConfig
-from lightning_debug.core.numerics import registrations
+from lightning_debug.core.numerics import index as registrations
 from tests.harness.toolkit import TinyRegressor, all_four, debug_dir, fit_seeded, read_events, read_scalars
 
 LOUD = ("warning", "error", "critical")

@@ -126,7 +126,7 @@ def test_a_steps_measurements_are_freed_without_the_garbage_collector(tmp_path: 
 
     from lightning_debug import AnomalyDetectionCallback, MemoryProfilerCallback, PerformanceProfilerCallback
     from lightning_debug.core.numerics import StepNumerics
-    from lightning_debug.core.numerics.host import HostNumerics
+    from lightning_debug.core.numerics import HostNumerics
 
     live: dict[int, int] = {}
 

@@ -15,7 +15,7 @@ from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally, order_findings, root_of
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Monitor
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.ledger import CheckSchedule
 from lightning_debug.run import Run
 
 KEY = ("nonfinite_loss", "")

@@ -17,7 +17,7 @@ from lightning_debug import DebugConfig
 from lightning_debug.checks.timing import PHASES, Phase, PhaseTimer, Stopwatch, StepTimes
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.ledger import INSTRUMENTED_STEPS_KEPT, RunLedger
-from lightning_debug.core.schedule import CheckSchedule
+from lightning_debug.core.ledger import CheckSchedule
 from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.performance import PerformanceMonitor, loader_advice, loader_settings
 from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule

@@ -1,13 +1,9 @@
-"""A census of live tensors: what a suspected leak keeps alive, and the sentence that names it.
-
-Expensive (one pass over every object the garbage collector tracks), so the monitor takes one only
-to confirm a suspected leak and after an out-of-memory error. Two censuses a few steps apart tell
-which group of tensors piles up and whether it carries an autograd graph.
+"""A census of live tensors: what a suspected leak keeps alive, and the sentence that names it. One pass over every
+object the garbage collector tracks, so it is taken only to confirm a suspected leak and after an OOM; two
+censuses a few steps apart tell which group piles up and whether it carries an autograd graph.
 
 Example::
 
-    >>> import torch
-    >>> from lightning_debug.checks.memory.census import take_census
     >>> census = take_census([torch.zeros(4), torch.zeros(4), torch.zeros(2, 2)])
     >>> census.tensors, census.bytes, census.largest(1)[0]["count"]
     (3, 48, 2)
@@ -163,7 +159,6 @@ def census_growth(before: Census, after: Census, steps: int) -> list[GroupGrowth
     Example: the loss kept with its graph leads, although the batch targets its graph saved are
     more tensors and more bytes::
 
-        >>> import torch
         >>> weight = torch.ones(3, requires_grad=True)
         >>> before = take_census([weight])
         >>> kept = [(weight * torch.ones(32, 3)).sum() for _ in range(10)] + [torch.ones(32) for _ in range(20)]

@@ -1,15 +1,20 @@
-"""Memory readings: host-side counters only, so taking one never waits for the device.
+"""Memory readings (host-side counters only, so taking one never waits for the device), the robust trend
+through them, the out-of-memory post-mortem's data and where leaked CUDA memory was allocated.
 
-The process's resident set and the system's available memory (``/proc`` read through descriptors kept
-open on Linux, psutil elsewhere), the bytes the C allocator has handed out
-(``psutil.heap_info``) and the CUDA caching allocator's own statistics. One reading per check step,
-taken at the same point of every such step, so that readings compare like with like.
+The readings: the process's resident set and the system's available memory (``/proc`` read through descriptors
+kept open on Linux, psutil elsewhere), the bytes the C allocator has handed out (``psutil.heap_info``) and the
+CUDA caching allocator's own statistics, one per check step at the same point of every such step. A leak shows
+as a steady rise with the steps; a warm-up jump, an allocator's granularity or the resident set's scatter must
+not read as one, so the line is Theil-Sen (median of pairwise slopes), its scatter a robust sigma and its
+steadiness Kendall's tau.
 
 Example::
 
-    >>> from lightning_debug.checks.memory.readings import format_bytes, read_memory
     >>> read_memory(None).cpu_rss > 0, format_bytes(1536)
     (True, '1.5 KB')
+    >>> trend = fit_trend([(step, 1000.0 + 50.0 * step) for step in range(0, 100, 10)])
+    >>> round(trend.slope), trend.consistency, is_steady_growth(trend, floor=100.0)
+    (50, 1.0, True)
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from __future__ import annotations
 import enum
 import functools
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
+
+from lightning_debug.checks.robust import MAD_TO_SIGMA, median
 
 MB = 2**20
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -57,14 +66,9 @@ def shape_text(shape: Sequence[int]) -> str:
 
 
 def heap_in_use() -> int | None:
-    """Bytes the C allocator has handed out and not taken back, or None where psutil cannot tell.
-
-    ``psutil.heap_info()``: on Linux (glibc) the bytes of chunks in use in every arena plus mmapped
-    chunks (``mallinfo2``'s ``uordblks + hblkhd``), on macOS and Windows the platform allocator's
-    equivalent. Unlike the resident set it ignores freed-but-cached pages, so the CPU tensors and
-    autograd nodes a leak keeps alive show up byte for byte. Costs about a microsecond on a fresh heap,
-    0.2-0.4 ms in a small training process and about 3 ms on a heap fragmented by 50,000 freed tensors
-    (glibc walks its free lists).
+    """Bytes the C allocator has handed out and not taken back (``psutil.heap_info()``: glibc's ``mallinfo2``
+    ``uordblks + hblkhd``), or None where psutil cannot tell. Unlike the resident set it ignores freed-but-cached
+    pages, so tensors and autograd nodes a leak keeps alive show up byte for byte; 0.2-3 ms a reading.
     """
     read = getattr(psutil, "heap_info", None)
     if read is None:
@@ -102,12 +106,9 @@ def _proc_files(pid: int) -> tuple[int, int] | None:
 
 
 def rss_and_available() -> tuple[int, int]:
-    """The process's resident set and the memory the system can still give (bytes), as psutil reports them.
-
-    psutil opens, reads and closes ``/proc/<pid>/statm`` and parses the whole of ``/proc/meminfo`` at every
-    call: 0.1 ms each inside a training process on a 2-core VM, where the system calls find cold caches. On
-    Linux both files are read here through descriptors kept open (one ``pread`` each, the fields psutil
-    reads: ``statm``'s resident pages and ``MemAvailable``); elsewhere, or when that fails, through psutil.
+    """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but on
+    Linux read through descriptors kept open (one ``pread`` each; psutil opens and parses the files at every call,
+    0.1 ms each in a training process).
 
     Example::
 
@@ -190,11 +191,9 @@ class MemoryReading:
 
 
 def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True) -> MemoryReading:
-    """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device.
-
-    With ``reset_peak`` the CUDA peak counter restarts, so the next reading's ``cuda_peak`` is the
-    peak since this one. Without ``heap`` the C heap is not read (``cpu_heap`` None): see :func:`heap_in_use`
-    for what that costs.
+    """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device. ``reset_peak``
+    restarts the CUDA peak counter (the next ``cuda_peak`` is the peak since this reading); without ``heap`` the C
+    heap is not read (see :func:`heap_in_use` for its cost).
     """
     rss, available = rss_and_available()
     total = _total_memory()
@@ -209,3 +208,215 @@ def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool
                          cuda_allocated=int(stats.get("allocated_bytes.all.current", 0)),
                          cuda_reserved=int(stats.get("reserved_bytes.all.current", 0)), cuda_peak=peak,
                          cuda_total=cuda_total_memory(index))
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A robust straight line through (step, value) readings: ``slope`` the Theil-Sen estimate (median of pairwise
+    slopes: a warm-up jump cannot tilt it), ``noise`` the robust scatter around it, ``consistency`` Kendall's tau
+    (1.0 when every later reading is higher, about 0 for noise).
+    """
+
+    slope: float
+    intercept: float
+    noise: float
+    consistency: float
+    readings: int
+    first_step: int
+    last_step: int
+
+    @property
+    def growth(self) -> float:
+        """What the line rises over the readings' span."""
+        return self.slope * (self.last_step - self.first_step)
+
+    def summary(self, unit: float = MB) -> dict[str, Any]:
+        return {"per_step": self.slope / unit, "growth": self.growth / unit, "noise": self.noise / unit,
+                "consistency": round(self.consistency, 3), "readings": self.readings,
+                "first_step": self.first_step, "last_step": self.last_step}
+
+
+def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
+    """Theil-Sen slope, residual scatter and Kendall's tau of ``points`` (O(n^2): the monitor bounds the window); None
+    below 3 distinct steps.
+
+    Example::
+
+        >>> trend = fit_trend([(0, 5.0), (10, 5.0), (20, 9.0), (30, 5.0), (40, 5.0)])
+        >>> trend.slope, trend.consistency
+        (0.0, 0.0)
+    """
+    if len({step for step, _ in points}) < 3:
+        return None
+    slopes: list[float] = []
+    concordance = 0
+    pairs = 0
+    for i, (step_i, value_i) in enumerate(points):
+        for step_j, value_j in points[i + 1:]:
+            if step_j == step_i:
+                continue
+            slopes.append((value_j - value_i) / (step_j - step_i))
+            direction = (value_j > value_i) - (value_j < value_i)
+            concordance += direction if step_j > step_i else -direction
+            pairs += 1
+    slope = median(slopes)
+    intercept = median(value - slope * step for step, value in points)
+    residuals = [abs(value - intercept - slope * step) for step, value in points]
+    steps = [step for step, _ in points]
+    return Trend(slope=slope, intercept=intercept, noise=MAD_TO_SIGMA * median(residuals),
+                 consistency=concordance / pairs, readings=len(points), first_step=min(steps),
+                 last_step=max(steps))
+
+
+def is_steady_growth(trend: Trend | None, floor: float, min_readings: int = 6, min_consistency: float = 0.7,
+                     noise_factor: float = 4.0) -> bool:
+    """Growth beyond noise: enough readings, mostly rising (Kendall's tau; 0.7 over 6 readings happens by chance in
+    about 3% of noise-only windows), and a rise above both ``floor`` and ``noise_factor`` times the scatter.
+    """
+    return (trend is not None and trend.readings >= min_readings and trend.slope > 0
+            and trend.consistency >= min_consistency and trend.growth >= max(floor, noise_factor * trend.noise))
+
+
+def steps_until_exhausted(bytes_per_step: float, headroom: float) -> float:
+    """How many more steps at ``bytes_per_step`` until ``headroom`` bytes are used (inf when not growing)."""
+    if bytes_per_step <= 0:
+        return float("inf")
+    return max(0.0, headroom) / bytes_per_step
+
+
+OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+"""The allocator's out-of-memory error: ``torch.OutOfMemoryError`` (any accelerator) where the installed torch
+has it, else ``torch.cuda.OutOfMemoryError`` (older torch: 2.2 has only that one), which it aliases."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """``torch.OutOfMemoryError`` (CUDA and other accelerators), Python's ``MemoryError``, or a
+    RuntimeError whose message says an allocation failed (CPU allocator, MPS).
+
+    Example::
+
+        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), len(oom_fixes(None))
+        (True, 4)
+    """
+    if isinstance(error, (OUT_OF_MEMORY, MemoryError)):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    try:
+        message = str(error).lower()
+    except Exception:  # a user's exception whose __str__ raises is not an allocator's
+        return False
+    return any(pattern in message for pattern in OOM_PATTERNS)
+
+
+def describe_batch(batch: Any, limit: int = 20) -> list[str]:
+    """``'batch[0]: [16, 8] float32 on cpu (512 B)'`` for each tensor in a (nested) batch.
+
+    Example::
+
+        >>> import torch
+        >>> describe_batch({"x": torch.zeros(2, 3)})
+        ["batch['x']: [2, 3] float32 on cpu (24 B)"]
+    """
+    lines: list[str] = []
+
+    def visit(value: Any, path: str, depth: int) -> None:
+        if len(lines) >= limit or depth > 6:
+            return
+        if isinstance(value, torch.Tensor):
+            lines.append(f"{path}: {shape_text(value.shape)} {str(value.dtype).removeprefix('torch.')} on "
+                         f"{value.device} ({format_bytes(value.element_size() * value.numel())})")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, f"{path}[{key!r}]", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for position, item in enumerate(value):
+                visit(item, f"{path}[{position}]", depth + 1)
+
+    visit(batch, "batch", 0)
+    return lines
+
+
+def oom_fixes(phase: MemoryPhase | None, fragmentation_share: float = 0.0) -> list[str]:
+    """What to try after an out-of-memory error, the most specific first."""
+    fixes = []
+    if phase is MemoryPhase.OPTIMIZER:
+        fixes.append("The optimizer step ran out: its state (Adam keeps two copies of every parameter) does "
+                     "not fit. Shard it (FSDP / DeepSpeed ZeRO), use a lighter optimizer (SGD, 8-bit Adam), "
+                     "or train fewer parameters.")
+    if fragmentation_share > 0.1:
+        fixes.append("Much memory is reserved but not allocated (fragmentation): set "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
+    fixes += [
+        "Smaller batch: lower batch_size (a half roughly halves the activations).",
+        "Gradient accumulation: keep the effective batch with Trainer(accumulate_grad_batches=k) and a batch "
+        "k times smaller.",
+        "Mixed precision: Trainer(precision='bf16-mixed') (or '16-mixed') halves activation memory.",
+        "Activation checkpointing: torch.utils.checkpoint (or FSDP activation_checkpointing_policy) recomputes "
+        "activations in backward instead of keeping them.",
+    ]
+    return fixes
+
+
+LIBRARY_PATH_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen", "/torch/", "/lightning/",
+                        "/pytorch_lightning/", "/lightning_fabric/", "/lightning_debug/")
+
+
+def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
+    """``file:line in function`` of the innermost frame outside torch, Lightning (either import name) and the
+    standard library (the user's line that allocated), else of the innermost frame.
+
+    Example::
+
+        >>> allocation_site([{"filename": "/usr/lib/python3.12/site-packages/torch/nn.py", "line": 1, "name": "f"},
+        ...                  {"filename": "/home/me/project/train.py", "line": 42, "name": "training_step"}])
+        'project/train.py:42 in training_step'
+        >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
+        ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
+        'me/train.py:41 in training_step'
+    """
+    chosen = None
+    for frame in frames:
+        filename = str(frame.get("filename", "")).replace("\\", "/")
+        if filename and not any(marker in filename for marker in LIBRARY_PATH_MARKERS):
+            chosen = frame
+            break
+    chosen = chosen or (frames[0] if frames else None)
+    if chosen is None:
+        return "unknown (no stack recorded)"
+    parts = str(chosen.get("filename", "?")).replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{chosen.get('line', '?')} in {chosen.get('name', '?')}"
+
+
+def cuda_leak_sites(snapshot: Mapping[str, Any], device_index: int = 0, min_alive: int = 2,
+                    limit: int = 5) -> list[dict[str, Any]]:
+    """Allocation sites whose allocations stay alive, from a ``torch.cuda.memory._snapshot()`` taken
+    while ``_record_memory_history`` was on.
+
+    The trace is replayed: an allocation is alive when no free follows it. A site that allocates
+    every step and frees it again (activations, gradients) has few of its allocations alive; a leak
+    keeps most of them, so sites with at least ``min_alive`` live allocations and at least half of
+    their recorded allocations alive are returned, most bytes first.
+    """
+    traces = snapshot.get("device_traces") or []
+    if device_index >= len(traces):
+        return []
+    alive: dict[int, tuple[str, int]] = {}
+    allocations: Counter[str] = Counter()
+    for entry in traces[device_index]:
+        action = entry.get("action")
+        if action == "alloc":
+            site = allocation_site(entry.get("frames") or [])
+            alive[entry["addr"]] = (site, int(entry.get("size", 0)))
+            allocations[site] += 1
+        elif action in ("free_requested", "free_completed"):
+            alive.pop(entry.get("addr"), None)
+    count: Counter[str] = Counter()
+    size: Counter[str] = Counter()
+    for site, nbytes in alive.values():
+        count[site] += 1
+        size[site] += nbytes
+    sites = [{"site": site, "alive": count[site], "alive_mb": size[site] / MB, "allocations": allocations[site]}
+             for site in count if count[site] >= min_alive and 2 * count[site] >= allocations[site]]
+    return sorted(sites, key=lambda site: -site["alive_mb"])[:limit]

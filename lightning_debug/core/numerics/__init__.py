@@ -1,26 +1,15 @@
 """Loss, gradient and parameter health of one optimizer step, computed once for every check.
 
-The anomaly and gradient checks both need gradient norms; computing them twice would double the
-cost. :class:`StepNumerics` does one fused pass, packs everything (per-rank flags included) into
-one device vector, reduces it across processes with one collective, and reads it back to the host
-at most once, now or a step later.
+The anomaly and gradient checks both need gradient norms. :class:`StepNumerics` does one fused pass, packs
+everything (per-rank flags included) into one device vector, reduces it across processes with one collective,
+and reads it back to the host at most once, now or a step later. What does not change from step to step is
+worked out once (:class:`ParameterIndex`, rebuilt only when a registration may have changed the model), so a
+healthy check step does no Python work per parameter beyond collecting the gradients. Sharded parameters are
+measured on their local shards; each rank contributes the squares of the blocks it owns, so the one all-reduce
+that carries every rank's flags also yields exact full-parameter norms.
 
-What does not change from step to step is worked out once: :class:`ParameterIndex` holds the
-trainable parameters, their names and the fused-norm plan, and is valid by identity: it is
-compared with the model (parameter names, identities, ``requires_grad``, shapes, dtypes, devices)
-only when a registration may have changed a watched model (global registration hooks bump a
-counter, ignoring re-registrations of the same object and fresh containers) and every few uses,
-and rebuilt only when that comparison differs. So a healthy check step does no Python work per parameter
-beyond collecting the gradients, and names are looked up only when something is found.
-
-Sharded parameters (``DTensor``: FSDP2, tensor parallel) are measured on their local shards; each
-rank contributes the squares of the blocks it owns (:func:`~lightning_debug.checks.numerics.owns_block`),
-so the one all-reduce that carries every rank's flags also yields exact full-parameter norms.
-
-One concern per module: :mod:`.rows` (a rank's row and its flags), :mod:`.registrations` (when a
-model changed), :mod:`.owned` and :mod:`.index` (the parameters, built once), :mod:`.observed` (the
-forward's losses and batches), :mod:`.step` (the device pass), :mod:`.host` (its values on the host)
-and :mod:`.queue` (the step's pass shared by every check, and the pending read-backs).
+:mod:`.index`: the parameters, built once, and a rank's row; :mod:`.step`: the forward's losses and batches,
+the device pass and its host values; :mod:`.queue`: the pass shared by every check, and the pending read-backs.
 
 Example::
 
@@ -35,27 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from lightning_debug.core.numerics.host import HostNumerics
-from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, ParameterIndex, signature
-from lightning_debug.core.numerics.observed import Observed
-from lightning_debug.core.numerics.owned import Owned
-from lightning_debug.core.numerics.queue import MAX_PENDING_READBACKS, NumericsQueue
-from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
-from lightning_debug.core.numerics.rows import (
-    DEVICE_FIELDS,
-    HOST_FIELDS,
-    RANK_FIELDS,
-    AllGather,
-    AllReduce,
-    constant,
-    rank_flags,
-    world_position,
-)
-from lightning_debug.core.numerics.step import StepNumerics
+from lightning_debug.core.numerics.index import REQUIRES_GRAD_RECHECK, AllGather, AllReduce, ParameterIndex
+from lightning_debug.core.numerics.queue import NumericsQueue
+from lightning_debug.core.numerics.step import HostNumerics, StepNumerics
 
-__all__ = [
-    "DEVICE_FIELDS", "HOST_FIELDS", "MAX_PENDING_READBACKS", "RANK_FIELDS", "REQUIRES_GRAD_RECHECK", "AllGather",
-    "AllReduce", "HostNumerics", "NumericsQueue", "Observed", "Owned", "ParameterIndex", "StepNumerics",
-    "constant", "rank_flags", "registration_count", "signature", "watch_model", "watch_registrations",
-    "world_position",
-]
+__all__ = ["REQUIRES_GRAD_RECHECK", "AllGather", "AllReduce", "HostNumerics", "NumericsQueue", "ParameterIndex",
+           "StepNumerics"]

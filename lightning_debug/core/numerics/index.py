@@ -1,20 +1,43 @@
-"""The trainable parameters of a model (or of one optimizer), worked out once and reused every step.
+"""The parameters a step is measured over, built once, and the row each rank packs for the one collective.
+
+A :class:`ParameterIndex` is rebuilt only when a registration may have changed a watched model. Not every
+registration is a change: transformers' Llama-family decoders slice their ``ModuleList`` in every forward (a
+fresh container that registers every layer again) and a router may assign the same module to its own slot. So a
+registration counts only when it puts a different object into a slot of a watched model's module
+(:func:`watch_model`); the index is then compared by identity (:func:`signature`) before it is rebuilt.
+
+Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`); the host derives the flags from their
+finiteness (:func:`rank_flags`), so the device does no comparison and no sync of its own.
 
 Example::
 
-    >>> from torch import nn
-    >>> len(ParameterIndex(list(nn.Linear(2, 2).named_parameters())))
-    2
+    >>> watch_registrations()
+    >>> model = nn.Sequential(nn.Linear(2, 2))
+    >>> watch_model(model)
+    >>> before = registration_count()
+    >>> _ = nn.ModuleList(list(model))  # a fresh container: not the model
+    >>> model[0] = model[0]             # the same module in the same slot
+    >>> registration_count() == before
+    True
+    >>> model.append(nn.Linear(2, 2))
+    Sequential(...)
+    >>> registration_count() > before
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import is_
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_debug.checks.numerics import (
     NormPlan,
@@ -27,7 +50,171 @@ from lightning_debug.checks.numerics import (
     without_partial,
 )
 from lightning_debug.core.metrics import metric_part
-from lightning_debug.core.numerics.owned import Owned
+
+
+# One row per rank, raw values whose finiteness is the flag (the host derives the flags, see
+# ``rank_flags``); the packing follows this list. The counts and ``check_failed`` are Python numbers,
+# which travel in the row only when there is a collective to carry them.
+HOST_FIELDS = ("loss_count", "input_count", "check_failed")
+DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum",
+                 "buffer_high")
+RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
+AllGather = Callable[[torch.Tensor], torch.Tensor]
+AllReduce = Callable[[torch.Tensor], Any]
+
+
+_constants: dict[tuple[torch.device, float | str], torch.Tensor] = {}
+
+
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A shared 0-d float64 tensor holding ``value`` on ``device``, created once (never written to)."""
+    key = (device, value if value == value else "nan")  # NaN equals no key, not even itself
+    tensor = _constants.get(key)
+    if tensor is None:
+        tensor = _constants[key] = torch.full((), value, dtype=torch.float64, device=device)
+    return tensor
+
+
+def rank_flags(row: Sequence[float]) -> dict[str, float]:
+    """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign
+    that one of its terms is not (NaN and infinities propagate; float64 sums of float32 values do not
+    overflow), so the device packs raw sums and the host tells.
+
+    Example::
+
+        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf")])
+        >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
+        (0.0, -1.0, 0.0, nan)
+        >>> flags["buffer_nonfinite"]
+        1.0
+    """
+    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local, buffer_high = row
+    loss_finite = math.isfinite(loss_sum)
+    return {"loss_finite": -1.0 if not loss_count else float(loss_finite),
+            "grad_nonfinite": float(not math.isfinite(grad_local)),
+            "param_nonfinite": float(not math.isfinite(param_local)),
+            "buffer_nonfinite": float(not math.isfinite(buffer_high)),
+            "grad_square_sum": grad_owned,
+            "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
+            "check_failed": failed,
+            "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
+
+
+def world_position() -> tuple[int, int]:
+    """This process's rank and the number of processes of the default (WORLD) group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Owned:
+    """Which slots' squares this rank adds to the sums over every process (see
+    :func:`~lightning_debug.checks.numerics.owns_block`), with the two common cases, every slot (one
+    process) and none (a replica), known on the host so that they cost no device work.
+
+    Example::
+
+        >>> squares = torch.tensor([1.0, 4.0], dtype=torch.float64)
+        >>> terms, total = Owned([True, False], squares.device).terms(squares, squares.sum())
+        >>> terms.tolist(), float(total)
+        ([1.0, 0.0], 1.0)
+    """
+
+    def __init__(self, owned: list[bool], device: torch.device) -> None:
+        self.mask = torch.tensor(owned, dtype=torch.bool, device=device)
+        self.every = all(owned)
+        self.none = bool(owned) and not any(owned)
+
+    def terms(self, squares: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned part of ``squares`` (zeros elsewhere) and its sum, given ``total``, the sum of all."""
+        if self.every:
+            return squares, total
+        zero = constant(0.0, squares.device)
+        if self.none:
+            return torch.zeros_like(squares), zero
+        terms = torch.where(self.mask, squares, zero)
+        return terms, terms.sum()
+
+
+_registrations = [0]
+_watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_every_module = [False]  # a model whose modules are unknown is watched: every registration counts
+
+
+def registration_count() -> int:
+    """How many registrations that may have changed a watched model happened while the hooks were installed, plus
+    one for each time they were installed (what happened in between was not seen)."""
+    return _registrations[0]
+
+
+def watch_model(model: nn.Module | None) -> None:
+    """Count registrations into ``model``'s modules from now on (None: a model whose modules are not
+    known, so every registration in the process counts). Called when an index is built."""
+    if model is None:
+        _every_module[0] = True
+    else:
+        _watched.update(model.modules())
+
+
+def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
+    if (_every_module[0] or module in _watched) and module._parameters.get(name) is not param:
+        _registrations[0] += 1
+
+
+def _count_module(module: nn.Module, name: str, submodule: Any) -> None:
+    if (_every_module[0] or module in _watched) and module._modules.get(name) is not submodule:
+        _registrations[0] += 1
+
+
+_handles: list[RemovableHandle] = []
+_leases: set[int] = set()  # the ids of the leases not yet released
+_next_lease = [0]
+
+
+def installed() -> bool:
+    """Whether the two global registration hooks are installed now (a run holds a lease)."""
+    return bool(_handles)
+
+
+class Lease:
+    """A hold on the two global hooks: :meth:`release` (idempotent) lets them go, and so does garbage
+    collection of a lease never released (a queue dropped without its run's end)."""
+
+    def __init__(self) -> None:
+        _next_lease[0] += 1
+        self.id = _next_lease[0]
+        _leases.add(self.id)
+        self._finalizer = weakref.finalize(self, _release, self.id)
+
+    @property
+    def held(self) -> bool:
+        return self.id in _leases
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+def _release(lease_id: int) -> None:
+    _leases.discard(lease_id)
+    if _leases or not _handles:
+        return
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+    _watched.clear()
+    _every_module[0] = False
+
+
+def watch_registrations() -> Lease:
+    """Hold the two global registration hooks (installed by the first lease held); release the lease at the
+    run's end."""
+    lease = Lease()
+    if not _handles:
+        _registrations[0] += 1  # a change made while nothing counted: every index made before is checked again
+        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_count_parameter))
+        _handles.append(nn.modules.module.register_module_module_registration_hook(_count_module))
+    return lease
+
 
 REQUIRES_GRAD_RECHECK = 16
 
@@ -39,23 +226,17 @@ def signature(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[object, .
 
 
 class ParameterIndex:
-    """The trainable parameters of a model (or of one optimizer), built once and reused every step.
-
-    Holds the parameters in ``named_parameters`` order, their user-facing names (see
-    :func:`~lightning_debug.checks.numerics.user_name`), which are sharded, which blocks this rank
-    owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every
-    rank builds the same slots in the same order (full shapes decide, not local ones), which is
-    what lets one all-reduce line their values up. With ``plain_sharded`` (FSDP1 flat parameters,
-    DeepSpeed) plain tensors are this rank's shard: every rank's block counts, and no slot is
-    dropped for being empty here, since another rank may hold its elements.
+    """The trainable parameters of a model (or of one optimizer), their user-facing names, which are sharded, which
+    blocks this rank owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every rank
+    builds the same slots in the same order (full shapes decide), so one all-reduce lines their values up. With
+    ``plain_sharded`` (FSDP1, DeepSpeed) plain tensors are this rank's shard and no empty slot is dropped.
 
     Example::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
         >>> model[0].bias.requires_grad_(False)
         Parameter containing:...
-        >>> index = ParameterIndex(list(model.named_parameters()))
-        >>> index.names
+        >>> ParameterIndex(list(model.named_parameters())).names
         ['0.weight', '1.weight', '1.bias']
     """
 
@@ -96,12 +277,10 @@ class ParameterIndex:
         return Owned([owned(t) for t in tensors], self.device)
 
     def recheck_due(self) -> bool:
-        """Whether this use should compare the model against :attr:`signature`, which a registration
-        does not announce: a parameter's ``requires_grad`` (compared every ``REQUIRES_GRAD_RECHECK``
-        uses, a list of booleans) and, every ``REQUIRES_GRAD_RECHECK ** 2`` uses, everything else
-        (``.data`` replaced, a module cast in place, a parameter swapped into ``_parameters``).
-        Until then a changed shape, dtype or device costs speed, not correctness: the plan falls
-        back to measuring one tensor at a time."""
+        """Whether this use compares the model with :attr:`signature` for what no registration announces:
+        ``requires_grad`` every ``REQUIRES_GRAD_RECHECK`` uses, the rest (``.data`` replaced, a cast in place) every
+        ``REQUIRES_GRAD_RECHECK ** 2``. Until then a changed shape costs speed, not correctness (the plan falls back).
+        """
         self._uses += 1
         if self._uses % REQUIRES_GRAD_RECHECK:
             return False
@@ -119,11 +298,9 @@ class ParameterIndex:
         return local_tensors(self.params, self.sharded)
 
     def _zeros_for(self, slot: int) -> torch.Tensor:
-        """Zeros standing for slot ``slot``'s missing gradient (read only), kept: MoE experts that got no
-        token miss theirs on most steps, and a zero tensor of the expert's size costs an allocation, a
-        write and a read of that size each time. One 0-d zero of the slot's dtype and device, which the
-        fused norm takes whatever the slot's shape (dense, so CUDA keeps its fused kernel); a slot the
-        plan joins with others (small, on a CPU) gets that zero expanded to its shape (no memory)."""
+        """A kept, read-only zero standing for slot ``slot``'s missing gradient (MoE experts miss theirs on most steps): 0-d,
+        which the fused norm takes whatever the shape, expanded (no memory) for a slot the plan joins with others.
+        """
         zeros = self._zeros.get(slot)
         if zeros is None:
             local = local_tensor(self.params[slot])

@@ -24,21 +24,24 @@ import torch
 from torch import nn
 
 from lightning_debug.core.ledger import RunLedger
-from lightning_debug.core.numerics.index import ParameterIndex, signature
-from lightning_debug.core.numerics.observed import Observed
-from lightning_debug.core.numerics.registrations import registration_count, watch_model, watch_registrations
-from lightning_debug.core.numerics.rows import AllReduce, world_position
-from lightning_debug.core.numerics.step import StepNumerics
+from lightning_debug.core.numerics.index import (
+    AllReduce,
+    ParameterIndex,
+    registration_count,
+    signature,
+    watch_model,
+    watch_registrations,
+    world_position,
+)
+from lightning_debug.core.numerics.step import Observed, StepNumerics
 
 MAX_PENDING_READBACKS = 4
 
 
 class NumericsQueue:
-    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by
-    the rest, the parameter indexes they are computed over, and the steps still waiting for their
-    values to reach the host.
-
-    Deferred reads are bounded: past ``max_pending`` waiting steps the oldest is read with a sync.
+    """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by the rest, the
+    parameter indexes, and the steps still waiting for their values (past ``max_pending``, the oldest is read with a
+    sync).
     """
 
     def __init__(self, max_pending: int = MAX_PENDING_READBACKS, ledger: RunLedger | None = None) -> None:
@@ -95,14 +98,10 @@ class NumericsQueue:
 
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
               optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
-        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its
-        param groups, in their order) when given; cached, and rebuilt only when they changed.
-
-        Valid by identity: a use costs an integer comparison (the count of registrations that may
-        have changed a watched model, see :mod:`.registrations`) and, for an optimizer's index, the
-        sizes of its param groups (``add_param_group``). When either moved, and every
-        ``REQUIRES_GRAD_RECHECK`` uses, the model is walked once and compared with the index's
-        :func:`~lightning_debug.core.numerics.index.signature`; only a real change rebuilds it.
+        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its param groups, in order);
+        valid by identity: a use compares the count of registrations that may have changed a watched model (and an
+        optimizer's param group sizes); when either moved, and every ``REQUIRES_GRAD_RECHECK`` uses, the model is walked
+        and compared with the index's ``signature``, and only a real change rebuilds it.
         """
         if not self._lease.held:
             self._lease = watch_registrations()
@@ -148,11 +147,8 @@ class NumericsQueue:
     def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
             all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
             optimizer: Any = None, plain_sharded: bool = False) -> StepNumerics:
-        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first).
-
-        ``optimizer``: measure only the parameters it owns (several optimizers: each optimizer step
-        is judged on its own parameters) instead of the model's.
-        ``plain_sharded``: plain parameters are per-rank shards (see :class:`ParameterIndex`).
+        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first); with ``optimizer``, over
+        the parameters it owns only; ``plain_sharded``: plain parameters are per-rank shards.
         """
         if self._current is None or self._current.step != step:
             index = self.index(named_parameters, optimizer, plain_sharded=plain_sharded)
