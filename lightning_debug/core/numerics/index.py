@@ -5,13 +5,15 @@ registration is a change: transformers' Llama-family decoders slice their ``Modu
 fresh container that registers every layer again) and a router may assign the same module to its own slot. So a
 registration counts only when it puts a different object into a slot of a watched model's module
 (:func:`watch_model`); the index is then compared by identity (:func:`signature`) before it is rebuilt.
+The two hooks are process-wide, so a run holds them by a :class:`Lease` (:func:`watch_registrations`): the first
+lease installs them, releasing the last (a run's end, whatever ended it) removes them.
 
 Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`); the host derives the flags from their
 finiteness (:func:`rank_flags`), so the device does no comparison and no sync of its own.
 
 Example::
 
-    >>> watch_registrations()
+    >>> lease = watch_registrations()
     >>> model = nn.Sequential(nn.Linear(2, 2))
     >>> watch_model(model)
     >>> before = registration_count()
@@ -23,6 +25,10 @@ Example::
     Sequential(...)
     >>> registration_count() > before
     True
+    >>> installed(), lease.held
+    (True, True)
+    >>> lease.release(); lease.held  # the hooks go with the last lease held in the process
+    False
 """
 
 from __future__ import annotations
