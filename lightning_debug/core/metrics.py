@@ -73,6 +73,20 @@ def safe_metric_name(name: str) -> str:
     return cleaned
 
 
+@functools.lru_cache(maxsize=65536)
+def is_counter(name: str) -> bool:
+    """A count or share of what the checks found wrong (``debug/anomaly/count``, ``debug/grad/missing_count``, an
+    activation's ``nonfinite_count`` or ``zero_fraction``): 0 all along in a healthy run, so it is first written
+    once it is not 0.
+
+    Example::
+
+        >>> is_counter("debug/anomaly/count"), is_counter("debug/activation/fc/zero_fraction"), is_counter("debug/loss_finite")
+        (True, True, False)
+    """
+    return name.endswith(("_count", "/count", "_fraction"))
+
+
 PER_OPTIMIZER = frozenset({"debug/grad/global_norm", "debug/weight/update_ratio_global"})
 """Whole-model numbers that mean something else for each optimizer: one series per optimizer when several step."""
 
@@ -108,6 +122,10 @@ class MetricsWriter:
         rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
             writing them to ``sink``.
 
+    A counter (:func:`is_counter`) is first written, and observed, once it is not 0: a healthy run's TensorBoard opens
+    on the debug charts that move next to the user's own loss, not on a card of zeros per counter (``exposed`` still
+    gets its zeros, for ``EarlyStopping``); from then on every value is written, 0 included.
+
     Steps are written in order once the caller says no more values for them will come
     (:meth:`flush_before`), so values read back a step late still land at the step they describe.
 
@@ -142,6 +160,8 @@ class MetricsWriter:
         self._observer = observer
         self._exposed = exposed
         self._pending: dict[int, dict[str, tuple[int, float]]] = {}
+        self._counting: set[str] = set()
+        """The counters that were not 0 once: written from then on, 0 included."""
 
     @property
     def window(self) -> int:
@@ -158,12 +178,19 @@ class MetricsWriter:
                     if math.isfinite(float(value))}
         if not measured:
             return
-        if self._observer is not None:
-            self._failures.call("observing debug scalars", self._observer, measured, step)
         if self._exposed is not None:
             exposed = {name: value for name, value in measured.items() if name in EXPOSED_METRICS}
             if exposed:
                 self._failures.call("exposing debug scalars to callback_metrics", self._exposed, exposed)
+        for name in [name for name in measured if is_counter(name) and name not in self._counting]:
+            if measured[name] == 0.0:
+                del measured[name]
+            else:
+                self._counting.add(name)
+        if not measured:
+            return
+        if self._observer is not None:
+            self._failures.call("observing debug scalars", self._observer, measured, step)
         if self.rows:
             window = self._row
         elif self._sink is None:
