@@ -260,6 +260,8 @@ class DebugCallback(Callback):
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._run is not None:
+            if self._leads:  # before the report: its end time bounds the run's points in TensorBoard
+                self.failures.call("logging debug scalars", self._rows.flush)
             if self._leads and not self._run.abandon():  # abandoned: a Tuner's fit, which trains nothing we see
                 self._run.finish(RunStatus.FINISHED, trainer.global_step)
             self._leave()
@@ -268,6 +270,7 @@ class DebugCallback(Callback):
         if self._run is None:
             return
         if self._leads:
+            self.failures.call("logging debug scalars", self._rows.flush)
             self._run.exception(trainer.global_step, exception)
             self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}",
                              exit_code(exception))
