@@ -265,10 +265,11 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     spans: list[TimeSpan] = []
 
     def own_span() -> TimeSpan:
-        start = parse_moment(existing.get("started")) or run_id_start(existing.get("run") or scan.run)
+        run_id = existing.get("run") or scan.run
+        start = parse_moment(existing.get("started")) or run_id_start(run_id)
         end = parse_moment(existing.get("ended"))
         if end is None and start is not None:
-            end = next_run_start(searched[1:], start)
+            end = next_run_start(searched[1:], start, run_id)
         spans.append(TimeSpan(start, end))
         return spans[0]
 

@@ -13,6 +13,7 @@ two trainers: then one file holds both), so only the points of the run's own tim
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -91,13 +92,33 @@ class TimeSpan:
         return f"{when(self.start)} to {when(self.end)}"
 
 
-def next_run_start(directories: Iterable[Path], after: float) -> float | None:
-    """The earliest start after ``after`` of another run whose directory (named by its run id, as a run's is when
-    a folder already holds one) lies under ``directories``: where a run with no recorded end stopped writing."""
-    starts = [start for directory in directories if directory.is_dir()
-              for marker in RUN_MARKERS for path in directory.rglob(marker)
-              if (start := run_id_start(path.parent.name)) is not None and start > after]
+def next_run_start(directories: Iterable[Path], after: float, own: str | None = None) -> float | None:
+    """The earliest start after ``after`` of another run (not ``own``) whose directory, named by its run id as a
+    run's is when a folder already holds one, lies under ``directories``: where a run with no recorded end stopped
+    writing. The start is its report.json's ``started`` where there is one (to the millisecond: two short runs
+    can begin in the same second), else its run id's."""
+    starts = []
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for folder in {path.parent for marker in RUN_MARKERS for path in directory.rglob(marker)}:
+            start = run_id_start(folder.name) if folder.name != own else None
+            if start is not None:
+                start = _recorded_start(folder / RUN_MARKERS[1]) or start
+                if start > after:
+                    starts.append(start)
     return min(starts, default=None)
+
+
+def _recorded_start(report: Path) -> float | None:
+    """report.json's ``started`` (None when there is no readable one)."""
+    try:
+        if not report.is_file() or report.stat().st_size > 64 << 20:
+            return None
+        raw = json.loads(report.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return parse_moment(raw.get("started")) if isinstance(raw, dict) else None
 
 
 def tensorboard_files(directories: Iterable[Path]) -> list[Path]:

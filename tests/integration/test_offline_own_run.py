@@ -57,3 +57,25 @@ def test_the_offline_report_of_a_run_reads_only_its_own_tensorboard_points(tmp_p
     assert named["findings"]["nonfinite_loss"]["first_step"] == 9
     assert named["rebuilt"]["tensorboard"], "the second run's own TensorBoard points are read too"
     capsys.readouterr()
+
+
+def test_a_run_without_its_report_is_read_up_to_the_next_runs_start(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A killed run has no report.json, so no recorded end: its points end where the next run in the folder began."""
+    directories = []
+    for planted, steps in ((3, 10), (12, 20)):  # both with a NaN loss: the first at steps 3-9, the second 12-19
+        trainer = pl.Trainer(default_root_dir=str(tmp_path), max_steps=steps, log_every_n_steps=1,
+                             logger=TensorBoardLogger(str(tmp_path), name="tb", version=0),
+                             callbacks=[AnomalyDetectionCallback(DebugConfig(print_summary=False, save_plots=False))],
+                             **QUIET)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(TinyRegressor(log_zero_from_step=planted))
+        directories.append(getattr(trainer, RUN_ATTRIBUTE).session.output_dir)
+    first, _ = directories
+    (first / "report.json").unlink()
+    (first / "report.md").unlink()
+    assert cli(["report", str(first), "--no-plots"]) == 0
+    finding = read_report(first)["findings"]["nonfinite_loss"]
+    assert (finding["first_step"], finding["last_step"]) == (3, 9), "nothing of the second run's NaN at 12-19"
+    capsys.readouterr()
