@@ -34,6 +34,7 @@ Example, a plain loop with the anomaly checks::
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -47,7 +48,7 @@ from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
 from lightning_debug.report.attach import attach_files
-from lightning_debug.report.document import build_report, write_document, write_report
+from lightning_debug.report.document import build_report, moment, write_document, write_report
 from lightning_debug.report.summary import FindingWarnings, conclude_run
 from lightning_debug.report.tensorboard import attach_to_writer
 
@@ -92,6 +93,8 @@ class Run:
     def __init__(self, config: DebugConfig, context: RunContext, monitors: Iterable[Monitor] = ()) -> None:
         self.config = config
         self.context = context
+        self.began = time.time()
+        """When the run began (before any of its scalars): with its end, the span of its TensorBoard points."""
         self.failures = Failures()
         self.ledger = RunLedger()
         context.ledger = self.ledger
@@ -391,6 +394,7 @@ class Run:
             report["failed_checks"] = self.failed_checks()
             if exit_code is not None:
                 report["exit_code"] = exit_code
+            report["started"], report["ended"] = moment(self.began), moment(time.time())
         self._report = report
         written = False
         if report is not None and self.session.output_dir is not None:

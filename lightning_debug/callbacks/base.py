@@ -28,8 +28,7 @@ from lightning_debug.core.monitor import Decision, Monitor
 from lightning_debug.monitors import AREA_SPECS, companion_monitors, run_monitors
 from lightning_debug.core.monitor_states import load_monitor_states, monitor_states
 from lightning_debug.run import Run
-from lightning_debug.callbacks.context import (LightningContext, RowLogger, count_logger_writes, lightning_logs_now,
-                                              restore_logger_writes)
+from lightning_debug.callbacks.context import LightningContext, RowLogger, count_logger_writes, restore_logger_writes
 
 RUN_ATTRIBUTE = "_lightning_debug_run"
 # Hooks Lightning calls for every callback on every batch; see DebugCallback._unsubscribe_idle_hooks.
@@ -162,9 +161,10 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
             run.add(monitor)
         run.ledger.notes_hooks = True
         self._run, self._leads, self._run_monitors = run, leads, run_wide
-        if leads:
-            self._timed_loggers = count_logger_writes(trainer.loggers, run.session.own_time)
         self._rows = RowLogger()
+        if leads:
+            self._timed_loggers = count_logger_writes(trainer.loggers, run.session.own_time,
+                                                      self._rows if run.logs_on_rows else None)
         self._unsubscribe_idle_hooks()
 
     def _unsubscribe_idle_hooks(self) -> None:
@@ -187,6 +187,8 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
                 del self.__dict__[name]
 
     def _leave(self) -> None:
+        if self._leads:
+            self.failures.call("logging debug scalars", self._rows.flush)
         restore_logger_writes(self.__dict__.pop("_timed_loggers", []))
         self._run, self._leads, self._run_monitors = None, False, []
         self._restore_hooks()
@@ -194,6 +196,7 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
     # --- hooks -> run events (the leading callback only) ----------------------------------------
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:
+            self._rows.start(trainer, pl_module)
             self._run.start(trainer.global_step)  # type: ignore[union-attr]
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -204,8 +207,9 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
                              batch_idx: int) -> None:
         if self._leads:
             run = self._run
-            run.session.own_time.call(run.failures.call, "logging debug scalars",  # type: ignore[union-attr]
-                                      self._rows.settle, trainer)
+            if self._rows.holds:  # the last row's scalars, where Lightning wrote no row to take them
+                run.session.own_time.call(run.failures.call, "logging debug scalars",  # type: ignore[union-attr]
+                                          self._rows.flush)
             run.context.batch_idx = batch_idx  # type: ignore[union-attr]
             run.context.epoch = trainer.current_epoch  # type: ignore[union-attr]
             run.batch_start(trainer.global_step, batch, (batch, batch_idx))  # type: ignore[union-attr]
@@ -226,8 +230,13 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
             run = self._run
             run.after_optimizer_step(trainer.global_step)  # type: ignore[union-attr]
             run.batch_end(batch)  # type: ignore[union-attr]
-            if run.logs_on_rows and lightning_logs_now(trainer, pl_module):  # type: ignore[union-attr]
-                run.logging_row(lambda values: self._rows.log(trainer, pl_module, values))  # type: ignore[union-attr]
+            if run.logs_on_rows and self._rows.batch_end(trainer, pl_module, batch_idx):  # type: ignore[union-attr]
+                run.logging_row(lambda values: self._rows.log(trainer, values))  # type: ignore[union-attr]
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._leads and self._rows.holds:
+            self._run.session.own_time.call(self.failures.call, "logging debug scalars",  # type: ignore[union-attr]
+                                            self._rows.flush)
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -256,6 +265,8 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit" and self._run is not None:
+            if self._leads:  # before the report: its end time bounds the run's points in TensorBoard
+                self.failures.call("logging debug scalars", self._rows.flush)
             if self._leads and not self._run.abandon():  # abandoned: a Tuner's fit, which trains nothing we see
                 self._run.finish(RunStatus.FINISHED, trainer.global_step)
             self._leave()
@@ -264,6 +275,7 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
         if self._run is None:
             return
         if self._leads:
+            self.failures.call("logging debug scalars", self._rows.flush)
             self._run.exception(trainer.global_step, exception)
             self._run.finish(RunStatus.of(exception), trainer.global_step, f"{type(exception).__name__}: {describe(exception)}",
                              exit_code(exception))

@@ -74,18 +74,10 @@ def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
         del pl_module.log, pl_module.log_dict
 
 
-def lightning_logs_now(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> bool:
-    """Whether Lightning writes a row of step metrics at the end of this training batch (the cadence that
-    ``LearningRateMonitor`` follows: every ``log_every_n_steps`` batches that stepped, and when training stops)."""
-    connector = trainer._logger_connector
-    if not (connector.should_update_logs or trainer.fast_dev_run):
-        return False
-    return not (pl_module.automatic_optimization and trainer.fit_loop._should_accumulate())
-
-
-def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime) -> list[Any]:
-    """Make each logger's ``log_metrics`` count as the plugin's own time for this fit; the loggers wrapped (give
-    them to :func:`restore_logger_writes`).
+def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime, rows: "RowLogger | None" = None) -> list[Any]:
+    """Make each logger's ``log_metrics`` count as the plugin's own time for this fit, and add the debug scalars
+    ``rows`` holds to the row Lightning writes through it; the loggers wrapped (give them to
+    :func:`restore_logger_writes`).
 
     The data wait is timed from one batch's end to the next one's start, and Lightning writes its logging rows
     in between: with ``log_every_n_steps=1`` the write of every row (2 ms on a tiny model with ``log_gradients``,
@@ -99,8 +91,11 @@ def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime) -> list[Any]:
             continue
         original = logger.log_metrics
 
-        def log_metrics(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            return own_time.call(_original, *args, **kwargs)
+        def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *args: Any,
+                        _original: Callable[..., Any] = original, _logger: Any = logger, **kwargs: Any) -> Any:
+            if rows is not None and rows.holds:
+                metrics = rows.merged(_logger, metrics, step)
+            return own_time.call(_original, metrics, step, *args, **kwargs)
 
         logger.log_metrics = log_metrics
         wrapped.append(logger)
@@ -113,87 +108,119 @@ def restore_logger_writes(loggers: Iterable[Any]) -> None:
 
 
 class RowLogger:
-    """Debug scalars on Lightning's own rows, through ``LightningModule.log`` from ``on_train_batch_end``.
+    """Debug scalars on the rows Lightning writes, through the loggers' public ``log_metrics``: the user's rows and
+    step axis at the trainer's cadence, with nothing written into Lightning's result collection.
 
-    Lightning keeps a value logged on an earlier row in its result collection and writes it again on
-    every later row of the epoch; a debug value measured once (a check every 50 steps) would then repeat
-    on rows where nothing was measured, so the names this logger wrote before and not now are reset.
-    Values are CPU tensors: logging them moves nothing to the device.
+    Lightning writes a row of step metrics after a training batch's ``on_train_batch_end`` hooks, every
+    ``log_every_n_steps`` batches that stepped (and when training stops), at the number of batches that stepped
+    before it (its step axis counts batches, not optimizer steps). :meth:`batch_end` follows that cadence from
+    the trainer's public state, once per batch; on a row, :meth:`hold` keeps the scalars measured since the last
+    one, and each logger's ``log_metrics`` (wrapped by :func:`count_logger_writes`) adds them to the row Lightning
+    writes through it (:meth:`merged`): one CSV line, not two. Lightning's row is the call that carries its
+    ``epoch`` column; other callbacks' writes (``DeviceStatsMonitor``) get nothing. A row Lightning does not write
+    (the user logs nothing per step) is written on its own through ``log_metrics`` at the row's step, as
+    ``LearningRateMonitor`` writes, when the next batch starts or the epoch ends (:meth:`flush`).
 
-    Once Lightning has written the row, :meth:`settle` takes them out too: Lightning walks every name of
-    its result collection at the end of every batch (for ``callback_metrics``), and dozens of debug names
-    that only change on rows would cost that walk on every step. ``callback_metrics`` and
-    ``logged_metrics`` keep the row's values (Lightning updates those dictionaries, it does not replace
-    them).
+    What ``LightningModule.log`` would cost is avoided, not worked around: it validates and moves the stored metric
+    on every call (0.2 ms per name per row on a CPU), Lightning walks every logged name at the end of every batch,
+    and it writes a value logged once again on every later row of the epoch.
+
+    Example (a logger that records its rows; Lightning's own row carries ``epoch``)::
+
+        >>> class Rows:
+        ...     def __init__(self): self.rows = []
+        ...     def log_metrics(self, metrics, step=None): self.rows.append((step, dict(metrics)))
+        >>> logger, rows = Rows(), RowLogger()
+        >>> _ = count_logger_writes([logger], OwnTime(), rows)
+        >>> rows.loggers = [logger]
+        >>> rows.hold({"debug/loss_finite": 1.0}, step=4)
+        >>> logger.log_metrics({"train_loss": 0.5, "epoch": 0}, step=4)
+        >>> rows.hold({"debug/loss_finite": 0.0}, step=9); rows.flush()
+        >>> logger.rows
+        [(4, {'train_loss': 0.5, 'epoch': 0, 'debug/loss_finite': 1.0}), (9, {'debug/loss_finite': 0.0})]
     """
 
-    HOOK = "on_train_batch_end"
-
     def __init__(self) -> None:
-        self._logged: set[str] = set()
-        self._unsettled = False
+        self.stepped = 0
+        """Batches that stepped so far: the step of Lightning's next row."""
+        self.loggers: list[Any] = []
+        self._held: dict[str, float] | None = None
+        self._step = 0
+        self._served: set[int] = set()
 
-    def settle(self, trainer: "pl.Trainer") -> None:
-        """After Lightning wrote the last row (call it from the next batch's start): take this logger's names out
-        of the result collection's walk until the next row updates them."""
-        if not self._unsettled:
+    @property
+    def holds(self) -> bool:
+        return self._held is not None
+
+    def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """The fit starts (``on_train_start``, after a checkpoint's restore): the batches that stepped so far."""
+        self.loggers = list(trainer.loggers)
+        self._held = None
+        if pl_module.automatic_optimization:  # one optimizer, one optimizer step per batch that stepped
+            self.stepped = trainer.global_step
+        else:  # every batch counts, however many optimizers it stepped
+            progress = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "batch_progress", None)
+            self.stepped = int(getattr(getattr(progress, "total", None), "completed", trainer.global_step))
+
+    def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_idx: int) -> bool:
+        """Count this training batch (call at every batch end); whether Lightning writes a row of step metrics after
+        it: every ``log_every_n_steps`` batches that stepped, when training stops, and on every batch of a
+        ``fast_dev_run`` (a batch that only accumulates gradients writes none)."""
+        if pl_module.automatic_optimization and _accumulates(trainer, batch_idx):
+            return False
+        step = self.stepped
+        self.stepped += 1
+        every = trainer.log_every_n_steps
+        if not (trainer.fast_dev_run or (every > 0 and ((step + 1) % every == 0 or trainer.should_stop))):
+            return False
+        self._step = step
+        return True
+
+    def log(self, trainer: "pl.Trainer", values: dict[str, float]) -> None:
+        """Hold ``values`` for this batch's row; ``trainer.callback_metrics`` and ``logged_metrics`` get them too, as
+        they get every logged value."""
+        self.hold(values)
+        if values:
+            scalars = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64).unbind()))
+            trainer.callback_metrics.update(scalars)
+            trainer.logged_metrics.update(scalars)
+
+    def hold(self, values: dict[str, float], step: int | None = None) -> None:
+        """The scalars of the row Lightning writes next (its step from :meth:`batch_end`, or ``step``)."""
+        self.flush()
+        if step is not None:
+            self._step = step
+        if values:
+            self._held, self._served = dict(values), set()
+
+    def merged(self, logger: Any, metrics: Mapping[str, Any], step: int | None) -> Mapping[str, Any]:
+        """``metrics`` with the held scalars when this is Lightning's row (it carries ``epoch``) and ``logger`` has
+        not had them yet; the row's step is Lightning's own from then on."""
+        if self._held is None or "epoch" not in metrics or id(logger) in self._served:
+            return metrics
+        self._served.add(id(logger))
+        if step is not None and step != self._step:
+            self._step, self.stepped = step, step + 1
+        return {**metrics, **self._held}
+
+    def flush(self) -> None:
+        """Write the held scalars to each logger whose row did not take them (Lightning wrote none)."""
+        held, self._held = self._held, None
+        if held is None:
             return
-        self._unsettled = False
-        results = getattr(trainer, "_results", None)
-        if results is not None:
-            self._hide(results, self._logged)
+        for logger in self.loggers:
+            if id(logger) not in self._served:
+                logger.log_metrics(held, step=self._step)
 
-    def _hide(self, results: Any, names: Iterable[str]) -> None:
-        """Leave ``names`` out of Lightning's rows and walks until they are logged again: the flag Lightning's own
-        reset sets. A value logged only on steps (these) is replaced, not accumulated, by the next ``log``, so the
-        stored state needs no reset (which costs a tensor copy per state and name)."""
-        for name in names:
-            result = results.get(f"{self.HOOK}.{name}")
-            if result is not None:
-                result.has_reset = True
 
-    def log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", values: dict[str, float]) -> None:
-        results = getattr(trainer, "_results", None)
-        if results is not None:
-            self._hide(results, self._logged - values.keys())
-        self._logged = set(values)
-        if not values:
-            return
-        self._unsettled = True
-        scalars = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64).unbind()))
-        fresh = self._update_known(trainer, pl_module, results, scalars)
-        if fresh:
-            pl_module.log_dict(fresh, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1,
-                               rank_zero_only=True)
-
-    def _update_known(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", results: Any,
-                      scalars: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Give Lightning the new value of each name it already holds as this logger registered it; return the
-        others, for ``log_dict``.
-
-        ``LightningModule.log`` validates its arguments and moves the stored metric to the value's device on
-        every call (a walk over the metric's attributes): about 0.2 ms per name on a CPU, several times a
-        launch-bound step. For a name Lightning already holds, with the metadata this logger always gives,
-        the update is what ``log`` ends with; a new epoch (Lightning resets the hook's values on its first
-        ``log``) or anything unexpected takes the public path.
-        """
-        connector = getattr(trainer, "_logger_connector", None)
-        if results is None or connector is None or getattr(results, "dataloader_idx", 0) is not None:
-            return scalars
-        try:
-            if connector.should_reset_tensors(pl_module._current_fx_name):
-                return scalars
-            fresh = {}
-            for name, value in scalars.items():
-                metric = results.get(f"{self.HOOK}.{name}")
-                meta = getattr(metric, "meta", None)
-                if meta is None or not meta.on_step or meta.on_epoch or not meta.logger or meta.prog_bar:
-                    fresh[name] = value
-                else:
-                    results.update_metrics(f"{self.HOOK}.{name}", value, 1)
-            return fresh
-        except (AttributeError, TypeError, KeyError):
-            return scalars
+def _accumulates(trainer: "pl.Trainer", batch_idx: int) -> bool:
+    """Whether this batch only accumulates gradients (no optimizer step, no row), as Lightning decides it: short of
+    ``accumulate_grad_batches``, unless it is the epoch's last batch and the strategy does not accumulate itself."""
+    every = trainer.accumulate_grad_batches
+    if every <= 1 or (batch_idx + 1) % every == 0:
+        return False
+    last = batch_idx + 1 >= trainer.num_training_batches
+    return trainer.strategy.handles_gradient_accumulation or not last
 
 
 class LightningContext(RunContext):

@@ -61,6 +61,20 @@ def safe_metric_name(name: str) -> str:
     return cleaned
 
 
+@functools.lru_cache(maxsize=65536)
+def is_counter(name: str) -> bool:
+    """A count or share of what the checks found wrong (``debug/anomaly/count``, ``debug/grad/missing_count``, an
+    activation's ``nonfinite_count`` or ``zero_fraction``): 0 all along in a healthy run, so it is first written
+    once it is not 0.
+
+    Example::
+
+        >>> is_counter("debug/anomaly/count"), is_counter("debug/activation/fc/zero_fraction"), is_counter("debug/loss_finite")
+        (True, True, False)
+    """
+    return name.endswith(("_count", "/count", "_fraction"))
+
+
 PER_OPTIMIZER = frozenset({"debug/grad/global_norm", "debug/weight/update_ratio_global"})
 """Whole-model numbers that mean something else for each optimizer: one series per optimizer when several step."""
 
@@ -84,11 +98,24 @@ def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str,
 
 
 class MetricsWriter:
-    """Collects ``debug/...`` scalars and writes them to ``sink`` (the loggers; None: nowhere) at the logging cadence
-    (``log_every_n_steps``; None: every check step, 0: nothing), in step order once :meth:`flush_before` says no more
-    values for them will come, so values read back a step late land at their step. A failing sink is recorded in
-    ``failures`` once and not called again. ``observer`` sees every value before any thinning (the timeline),
-    ``exposed`` the latest of :data:`EXPOSED_METRICS`; with ``rows`` the values wait for :meth:`take`.
+    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
+
+    Args:
+        sink: Receives one dict per written step; None writes nothing.
+        failures: A failing sink is recorded there once, and no more scalars are sent to it.
+        log_every_n_steps: The trainer's logging cadence; None writes every check step, 0 nothing
+            (as Lightning with ``log_every_n_steps=0``).
+        observer: Sees every value as it is measured, before any thinning (the run's timeline).
+        exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
+        rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
+            writing them to ``sink``.
+
+    A counter (:func:`is_counter`) is first written, and observed, once it is not 0: a healthy run's TensorBoard opens
+    on the debug charts that move next to the user's own loss, not on a card of zeros per counter (``exposed`` still
+    gets its zeros, for ``EarlyStopping``); from then on every value is written, 0 included.
+
+    Steps are written in order once the caller says no more values for them will come
+    (:meth:`flush_before`), so values read back a step late still land at the step they describe.
 
     Example::
 
@@ -118,6 +145,8 @@ class MetricsWriter:
         self._observer = observer
         self._exposed = exposed
         self._pending: dict[int, dict[str, tuple[int, float]]] = {}
+        self._counting: set[str] = set()
+        """The counters that were not 0 once: written from then on, 0 included."""
 
     @property
     def window(self) -> int:
@@ -134,12 +163,19 @@ class MetricsWriter:
                     if math.isfinite(float(value))}
         if not measured:
             return
-        if self._observer is not None:
-            self._failures.call("observing debug scalars", self._observer, measured, step)
         if self._exposed is not None:
             exposed = {name: value for name, value in measured.items() if name in EXPOSED_METRICS}
             if exposed:
                 self._failures.call("exposing debug scalars to callback_metrics", self._exposed, exposed)
+        for name in [name for name in measured if is_counter(name) and name not in self._counting]:
+            if measured[name] == 0.0:
+                del measured[name]
+            else:
+                self._counting.add(name)
+        if not measured:
+            return
+        if self._observer is not None:
+            self._failures.call("observing debug scalars", self._observer, measured, step)
         if self.rows:
             window = self._row
         elif self._sink is None:

@@ -96,6 +96,18 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
     }
 
 
+def moment(seconds: float) -> str:
+    """A time as report.json writes the run's span (``started``, ``ended``): UTC, to the millisecond, so the
+    offline report can tell two runs a second apart in one TensorBoard file.
+
+    Example::
+
+        >>> moment(0.25)
+        '1970-01-01T00:00:00.250+00:00'
+    """
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
 def sort_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Root causes first, each consequence right after its cause (see :func:`~lightning_debug.core.findings.order_findings`)."""
     return order_findings(findings)

@@ -16,7 +16,9 @@ only in the parts that have the types the report needs. When an events.jsonl hol
 (written before runs had their own directories), the report is of the last run only. When events
 are missing or stop early (a killed run), findings the TensorBoard scalars show (``debug/loss_finite``
 at 0, a rising ``debug/grad/exploding_count``) are reported or completed from there
-(:mod:`~lightning_debug.report.scalars_file`), marked with their source. The rebuilt files are written atomically and never
+(:mod:`~lightning_debug.report.scalars_file`), marked with their source. Only the TensorBoard points of the run's
+own time span are read (:class:`~lightning_debug.report.scalars_file.TimeSpan`): a logger folder that two runs
+wrote to holds both runs' files, or one file with both, and the other run's NaN is not this one's. The rebuilt files are written atomically and never
 through a symlink. Input with nothing usable in it is a :class:`RunDirectoryError` with a one-line
 message.
 
@@ -49,8 +51,13 @@ from lightning_debug.core.guard import describe
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
 from lightning_debug.report.scalars_file import (  # tensorboard_files: re-exported for tools and tests
+    RUN_ID,
     ScalarFindings,
+    TimeSpan,
     merge_scalar_findings,
+    next_run_start,
+    parse_moment,
+    run_id_start,
     scalar_values,
     tensorboard_files,
 )
@@ -79,9 +86,12 @@ class RunDirectoryError(ValueError):
 
 def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorboard: list[Path],
                   progress: Progress | None = None, progress_every_s: float = 1.0,
-                  scalars: ScalarFindings | None = None) -> tuple[Timeline, list[str]]:
+                  scalars: ScalarFindings | None = None,
+                  span: Callable[[], TimeSpan] | None = None) -> tuple[Timeline, list[str]]:
     """A timeline from events and TensorBoard files; returns it and notes on files it skipped. A
-    ``{}`` in ``events`` (see :func:`~lightning_debug.report.events_file.last_run`) starts the timeline afresh."""
+    ``{}`` in ``events`` (see :func:`~lightning_debug.report.events_file.last_run`) starts the timeline afresh.
+    ``span``, asked once the events are read (they name the run), keeps the TensorBoard points of the run's own
+    time span only."""
     timeline = Timeline()
     notes: list[str] = []
     for record in events.records if isinstance(events, EventsFile) else events or []:
@@ -89,11 +99,14 @@ def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorbo
             timeline.observe_event(record)
         else:
             timeline = Timeline()
+    within = span() if span is not None else None
     for path in tensorboard:
+        if within is not None and not within.may_hold(path):
+            continue
         started = last_said = time.monotonic()
         points = 0
         try:
-            for tag, step, value in scalar_values(path):
+            for tag, step, value in scalar_values(path, within):
                 timeline.observe_metrics({tag: value}, step)
                 if scalars is not None:
                     scalars.observe(tag, step, value)
@@ -171,7 +184,7 @@ def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
         kept["status"] = raw["status"]
     if is_int(raw.get("last_step")) and raw["last_step"] >= 0:
         kept["last_step"] = raw["last_step"]
-    for key in ("error", "run"):
+    for key in ("error", "run", "started", "ended"):
         if isinstance(raw.get(key), str):
             kept[key] = raw[key][:MAX_TEXT]
     for key, valid in (("findings", _valid_finding), ("stats", _valid_stat), ("failed_checks", _valid_failure),
@@ -244,14 +257,33 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     has_events = events_path.is_file()
     if not has_events:
         notes.append("no events.jsonl (a run that found nothing writes none)")
-    tensorboard = tensorboard_files([directory, directory.parent])
+    searched = [directory, directory.parent]
+    if RUN_ID.fullmatch(directory.name):  # <logger folder>/debug_outputs/<run id>: a folder that held a run already
+        searched.append(directory.parent.parent)
+    tensorboard = tensorboard_files(searched)
+    existing = _existing_report(directory, notes)
+    spans: list[TimeSpan] = []
+
+    def own_span() -> TimeSpan:
+        run_id = existing.get("run") or scan.run
+        start = parse_moment(existing.get("started")) or run_id_start(run_id)
+        end = parse_moment(existing.get("ended"))
+        if end is None and start is not None:
+            end = next_run_start(searched[1:], start, run_id)
+        spans.append(TimeSpan(start, end))
+        return spans[0]
+
     if progress is not None and tensorboard:
         progress(f"reading {len(tensorboard)} TensorBoard file(s) next to {directory}")
     scalars = ScalarFindings()
     records = last_run(iter_events(events_path, scan), scan) if has_events else None
-    timeline, skipped = read_timeline(records, tensorboard, progress, scalars=scalars)
+    timeline, skipped = read_timeline(records, tensorboard, progress, scalars=scalars, span=own_span)
     notes += skipped
-    existing = _existing_report(directory, notes)
+    others = [path for path in tensorboard if not spans[0].may_hold(path)]
+    tensorboard = [path for path in tensorboard if path not in others]
+    if spans[0] != TimeSpan():
+        notes.append(f"TensorBoard points of this run's time span only ({spans[0].describe()})"
+                     + (f"; {len(others)} file(s) of other runs left out" if others else ""))
     if scan.bad:
         notes.append(f"skipped {scan.bad} malformed line(s) of events.jsonl, e.g. {'; '.join(scan.bad_examples)}")
     if scan.earlier_runs or scan.other_run_events:
@@ -279,6 +311,7 @@ def rebuild(directory: Path, plots: bool = True, progress: Progress | None = Non
     report = build_report(status=existing.get("status", RunStatus.UNKNOWN), step=last_step, sections={},
                           config=existing.get("config") or {}, error=existing.get("error"),
                           run_id=existing.get("run") or scan.run)
+    report.update({key: existing[key] for key in ("started", "ended") if key in existing})
     report["findings"] = _merge_findings(merged, existing.get("findings") or {})
     report["stats"] = dict(timeline.stats(), **(existing.get("stats") or {}))
     report["sections"] = existing.get("sections") or {}

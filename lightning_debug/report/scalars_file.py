@@ -3,12 +3,21 @@
 What they show completes events.jsonl: a run killed after its last event, or one past the episodes
 written one by one, has the rest of its NaN steps and rising counts only here. Read one point at a
 time; what is kept is a few numbers per tag.
+
+A logger's version folder can hold the files of several runs (a fixed ``version``, one logger given to
+two trainers: then one file holds both), so only the points of the run's own time span are read
+(:class:`TimeSpan`): from its start (report.json's ``started``, else the time in its run id) to its end
+(report.json's ``ended``, else the start of the next run whose directory is under the same folders).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +27,98 @@ TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
     "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
 }
+
+
+RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")
+"""A run id (:func:`lightning_debug.core.session.new_run_id`): its start, UTC, to the second."""
+RUN_MARKERS = ("events.jsonl", "report.json")
+
+
+def parse_moment(text: Any) -> float | None:
+    """Seconds since the epoch of an ISO time (report.json's ``started``/``ended``), None when it is not one."""
+    if not isinstance(text, str) or len(text) > 64:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
+def run_id_start(run_id: Any) -> float | None:
+    """The start of the run ``run_id`` names, to the second (None when it is no run id).
+
+    Example::
+
+        >>> run_id_start("20260102-030405-3fa2c1"), run_id_start("mine")
+        (1767323045.0, None)
+    """
+    match = RUN_ID.fullmatch(run_id) if isinstance(run_id, str) else None
+    if match is None:
+        return None
+    moment = datetime.datetime.strptime(match.group(1), "%Y%m%d-%H%M%S")
+    return moment.replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+@dataclass(frozen=True)
+class TimeSpan:
+    """The wall-clock span of one run's TensorBoard points (seconds since the epoch; None: open).
+
+    Example::
+
+        >>> span = TimeSpan(100.0, 200.0)
+        >>> span.holds(150.0), span.holds(250.0), TimeSpan(None, None).holds(250.0)
+        (True, False, True)
+    """
+
+    start: float | None = None
+    end: float | None = None
+
+    def holds(self, wall_time: float) -> bool:
+        return (self.start is None or wall_time >= self.start) and (self.end is None or wall_time <= self.end)
+
+    def may_hold(self, path: Path) -> bool:
+        """Whether the event file ``path`` can hold a point of the span: not created after its end (the time in the
+        file's name) nor last written before its start."""
+        created = re.match(r"events\.out\.tfevents\.(\d+)\.", path.name)
+        if self.end is not None and created is not None and int(created.group(1)) > self.end:
+            return False
+        return self.start is None or path.stat().st_mtime >= self.start
+
+    def describe(self) -> str:
+        def when(seconds: float | None) -> str:
+            return "open" if seconds is None else datetime.datetime.fromtimestamp(
+                seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
+        return f"{when(self.start)} to {when(self.end)}"
+
+
+def next_run_start(directories: Iterable[Path], after: float, own: str | None = None) -> float | None:
+    """The earliest start after ``after`` of another run (not ``own``) whose directory, named by its run id as a
+    run's is when a folder already holds one, lies under ``directories``: where a run with no recorded end stopped
+    writing. The start is its report.json's ``started`` where there is one (to the millisecond: two short runs
+    can begin in the same second), else its run id's."""
+    starts = []
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for folder in {path.parent for marker in RUN_MARKERS for path in directory.rglob(marker)}:
+            start = run_id_start(folder.name) if folder.name != own else None
+            if start is not None:
+                start = _recorded_start(folder / RUN_MARKERS[1]) or start
+                if start > after:
+                    starts.append(start)
+    return min(starts, default=None)
+
+
+def _recorded_start(report: Path) -> float | None:
+    """report.json's ``started`` (None when there is no readable one)."""
+    try:
+        if not report.is_file() or report.stat().st_size > 64 << 20:
+            return None
+        raw = json.loads(report.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return parse_moment(raw.get("started")) if isinstance(raw, dict) else None
 
 
 def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
@@ -30,12 +131,13 @@ def tensorboard_files(directories: Iterable[Path]) -> list[Path]:
     return found
 
 
-def scalar_values(path: Path) -> Iterator[tuple[str, int, float]]:
+def scalar_values(path: Path, span: TimeSpan | None = None) -> Iterator[tuple[str, int, float]]:
+    """The debug scalars of an event file (those written within ``span`` only, when given)."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.util import tensor_util
 
     for event in EventFileLoader(str(path)).Load():
-        if not event.HasField("summary"):
+        if not event.HasField("summary") or (span is not None and not span.holds(event.wall_time)):
             continue
         for value in event.summary.value:
             if not value.tag.startswith("debug/"):

@@ -173,8 +173,9 @@ def test_vanishing_gradients_name_the_earliest_layers_in_execution_order(tmp_pat
     assert "forward execution order" in event["details"]["order"]
     assert "sigmoid" in event["message"] and any("vanishing" in m or "below" in m for m in ours(caught))
     scalars = read_scalars(trainer.logger.log_dir)
-    # confirmed on the third check step in a row (step 4), then counted on each of the three
-    assert scalars["debug/grad/vanishing_count"] == [(0, 0.0), (2, 0.0), (4, 3.0), (6, 4.0), (8, 5.0)]
+    # confirmed on the third check step in a row (step 4), then counted on each of the three; a count is first
+    # written once it is not 0
+    assert scalars["debug/grad/vanishing_count"] == [(4, 3.0), (6, 4.0), (8, 5.0)]
     report = read_report(debug_dir(trainer))
     assert report["findings"]["vanishing_grad"]["steps"] == 5
     assert report["sections"]["gradients"]["most_flagged"]["vanishing_grad"][0][1] == 5
@@ -206,8 +207,8 @@ def test_huge_learning_rate_on_unnormalized_inputs_explodes_with_a_clip_value_fr
     assert f"gradient_clip_val={details['suggested_clip_val']:g}" in exploding[0]["message"]
     assert any("exploding" in m for m in ours(caught))
     counts = dict(scalars["debug/grad/exploding_count"])
-    assert counts[first_above + 1] == 0.0, "a jump is confirmed by the 2 steps after it, then counted"
-    assert counts[first_above + 2] == 1.0
+    assert min(counts) == first_above + 2 and counts[first_above + 2] == 1.0, \
+        "a jump is confirmed by the 2 steps after it, then counted (a count is first written once it is not 0)"
 
 
 def test_unused_layer_is_named_as_missing_gradient(tmp_path: Path) -> None:

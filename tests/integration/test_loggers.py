@@ -222,7 +222,7 @@ def test_scalars_follow_log_every_n_steps_and_a_nan_step_is_never_hidden(tmp_pat
     assert debug == {4: 1.0, 9: 1.0, 14: 0.0, 19: 1.0, 24: 1.0, 29: 1.0, 34: 1.0, 39: 1.0}, \
         "debug values on Lightning's rows; the row after the NaN step holds its 0"
     counts = {int(r["step"]) for r in rows if r["debug/anomaly/count"]}
-    assert counts == {4, 9, 14, 19, 24, 29, 34, 39}
+    assert counts == {14, 19, 24, 29, 34, 39}, "a count is first written once it is not 0"
     assert len(rows) == 8, "Lightning's 8 rows, no row of the plugin's own"
     every = {int(r["step"]) for r in fit(False) if r["debug/loss_finite"]}
     assert every == set(range(40)), "follow_log_cadence=False logs every check step"

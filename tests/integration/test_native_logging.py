@@ -1,6 +1,6 @@
 """Debug scalars through Lightning's own logging and at the Accelerate loop's steps (issue 26).
 
-Under a Trainer the scalars are logged with ``LightningModule.log`` on the rows Lightning writes
+Under a Trainer the scalars are added to the rows Lightning writes
 (``log_every_n_steps``), on the user's step axis, also in manual optimization with two optimizers;
 read back from CSVLogger's metrics.csv. Under Accelerate they are logged at the loop's steps, so a
 tracker that drops lower steps (W&B) keeps every one; read back from the offline W&B run file.
@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -77,8 +78,9 @@ def test_debug_scalars_are_on_the_trainers_own_rows_and_add_none(tmp_path: Path,
     lightning_steps = [int(row["step"]) for row in rows]
     assert lightning_steps == [int(row["step"]) for row in plain] == list(range(4, 60, 5))
     columns = [column for column in rows[0] if column.startswith("debug/")]
-    assert {"debug/loss_finite", "debug/anomaly/count", "debug/grad/global_norm", "debug/perf/step_ms",
+    assert {"debug/loss_finite", "debug/grad/global_norm", "debug/perf/step_ms",
             "debug/memory/cpu_rss_mb"} <= set(columns), columns
+    assert "debug/anomaly/count" not in columns, "a count is first written once it is not 0"
     for row in rows:
         assert row["train_loss"], "every row is one of the user's rows"
     run = getattr(trainer, RUN_ATTRIBUTE)
@@ -122,6 +124,32 @@ def test_debug_names_leave_lightnings_per_batch_walk_once_their_row_is_written(t
     run = getattr(trainer, RUN_ATTRIBUTE)
     assert not [kind for kind, entry in run.session.timeline.findings().items()
                 if entry.get("severity") in ("warning", "error", "critical")], "a healthy run is quiet"
+
+
+def test_debug_scalars_share_the_users_rows_beside_lightnings_monitors_and_with_accumulation(tmp_path: Path) -> None:
+    """Lightning's row is told from the writes of ``DeviceStatsMonitor`` (after the plugin, at the same step) and
+    ``LearningRateMonitor``; batches that only accumulate write no row."""
+
+    def monitors() -> list[pl.Callback]:
+        return [DeviceStatsMonitor(cpu_stats=True), LearningRateMonitor()]
+
+    options = dict(max_steps=20, accumulate_grad_batches=2)
+    plain = csv_rows(fit_csv(tmp_path, "plain", LoggingRegressor(), monitors(), **options))
+    config = DebugConfig(print_summary=False, save_plots=False)
+    rows = csv_rows(fit_csv(tmp_path, "debug", LoggingRegressor(), [*debug_callbacks(config), *monitors()], **options))
+    assert len(rows) == len(plain), "no row more than the run without the plugin"
+    user_steps = [int(row["step"]) for row in rows if row["train_loss"]]
+    assert user_steps == [4, 9, 14, 19]
+    debug_steps = [int(row["step"]) for row in rows if row["debug/loss_finite"]]
+    assert debug_steps == user_steps
+    assert all(row["train_loss"] for row in rows if row["debug/loss_finite"]), "on the user's own rows"
+
+
+def test_debug_scalars_have_rows_of_their_own_when_the_user_logs_nothing_per_step(tmp_path: Path) -> None:
+    config = DebugConfig(print_summary=False, save_plots=False)
+    rows = csv_rows(fit_csv(tmp_path, "silent", TinyRegressor(), debug_callbacks(config), max_steps=30))
+    assert [int(row["step"]) for row in rows if row["debug/loss_finite"]] == list(range(4, 30, 5))
+    assert len(rows) == 6, "one row per logging step"
 
 
 def test_a_nan_between_two_rows_shows_on_the_next_row(tmp_path: Path) -> None:

@@ -144,7 +144,9 @@ class NaNOnOneRank(TinyRegressor):
                 raise OSError(28, "No space left on device")
 
             run.session.emit = disk_full  # every event write
-            self.log_dict = disk_full  # the debug scalars, which go through Lightning's logging on its rows
+            for callback in self.trainer.callbacks:  # the debug scalars, handed to the loggers' rows
+                if getattr(callback, "_rows", None) is not None:
+                    callback._rows.hold = disk_full
             for logger in self.trainer.loggers:
                 logger.experiment.add_text = disk_full  # TensorBoard text
             warnings.filterwarnings("error", message="lightning-debug")  # a user's -W error
