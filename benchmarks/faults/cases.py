@@ -177,7 +177,8 @@ def loss_issue() -> Iterator[Case]:
     for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(loss="nll_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             loss="ce")
-        yield Case(f"loss-nll-on-logits-{opt}", "loss_issue", "AutoTrainer", buggy, twin, BLOW_UP, (0, buggy.steps), None,
+        yield Case(f"loss-nll-on-logits-{opt}", "loss_issue", "AutoTrainer", buggy, twin, BLOW_UP, (0, buggy.steps),
+                   None,
                    "nll_loss on raw logits: the loss is unbounded below and falls forever",
                    needs="a loss-sign check (a negative-log-likelihood below 0)")
 

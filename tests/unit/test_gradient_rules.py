@@ -746,6 +746,8 @@ def test_a_learning_rate_far_too_small_is_a_stall_and_its_twins_are_not() -> Non
     for name, (drift, loss, lrs, total) in twins.items():
         twin = VerdictEngine()
         assert all(judge_progress(step, drift, loss, 1.40, lrs, twin, total) is None for step in (100, 200, 300)), name
+    early = VerdictEngine()  # checked every step: the first steps of any run leave the loss near its start
+    assert all(judge_progress(step, frozen, 1.39, 1.40, [(1e-6, 1e-6)], early, 400) is None for step in range(1, 99))
     resumed = WeightDrift()  # a run resumed at step 500 has no reference loss: not judged
     assert resumed.reference(500, 1.39) is None and resumed.reference(600, 1.39) is None
     assert WeightDrift().reference(0, 1.40) == 1.40

@@ -15,7 +15,8 @@ little, but its loss fell far below its first check step's; a warm-up that start
 near 0 make the updates tiny, but the learning rate is then under :data:`SCHEDULE_SHARE` of its base (and the
 rule judges before 90% of a run of known length only); a base learning rate of 0 or a learning rate set to 0 is
 the other ``learning_stalled`` (``lr_zero``) or ``frozen_param``; a run resumed from a checkpoint is not judged
-(its first check step is not the start of training, so its loss is no reference). Not ruled out: fine-tuning a
+(its first check step is not the start of training, so its loss is no reference); nothing is judged in the
+first :data:`MIN_STEPS` steps, where a loss within 10% of its start is the norm. Not ruled out: fine-tuning a
 model on data it has already fitted with a small learning rate also leaves weights and loss where they were.
 
 Example::
@@ -55,6 +56,9 @@ PROGRESS = 0.1
 SCHEDULE_SHARE = 0.1
 """A learning rate under this share of its base is a warm-up's start or a decay's end, not judged."""
 END_SHARE = 0.9
+MIN_STEPS = 100
+"""Optimizer steps of training before the rule judges: a loss within 10% of its start after a few steps is the
+norm, not a stall."""
 KEY = "negligible_updates"
 
 
@@ -132,8 +136,8 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     plain = all(isinstance(lr, (int, float)) and isinstance(base, (int, float)) for lr, base in lrs)
     scheduled = plain and bool(lrs) and all(lr > 0 and lr >= SCHEDULE_SHARE * base for lr, base in lrs)
     far_from_end = total_steps is None or step < END_SHARE * total_steps
-    suspect = (scheduled and far_from_end and drift.per_step < NEGLIGIBLE_DRIFT and math.isfinite(loss)
-               and loss >= (1 - PROGRESS) * first_loss)
+    suspect = (step >= MIN_STEPS and scheduled and far_from_end and drift.per_step < NEGLIGIBLE_DRIFT
+               and math.isfinite(loss) and loss >= (1 - PROGRESS) * first_loss)
     measured = {"per_step": drift.per_step, "loss": loss}
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step,
                                  [Suspicion(Kind.LEARNING_STALLED, KEY, step, measured=measured)] if suspect else [],
