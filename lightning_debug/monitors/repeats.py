@@ -75,9 +75,10 @@ def batch_fingerprint(batch: Any) -> torch.Tensor | None:
         flat = tensor.reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
+        exact = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
         stride = max(1, flat.numel() // SAMPLED)
-        picked = flat[::stride][:SAMPLED].to(torch.float64)
-        parts.append(torch.cat([flat.sum(dtype=torch.float64).reshape(1), picked]))
+        picked = flat[::stride][:SAMPLED].to(exact)
+        parts.append(torch.cat([flat.sum(dtype=exact).reshape(1), picked]))
     return torch.cat([part.to(parts[0].device) for part in parts])
 
 

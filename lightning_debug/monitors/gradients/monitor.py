@@ -91,7 +91,7 @@ class GradientMonitor(Monitor):
         self._trainable = 0
         self._explosions = Explosions(self.verdicts)
         self._drift = WeightDrift()
-        self._drifts: dict[int, Readback | None] = {}
+        self._drifts: dict[int, tuple[Readback, int] | None] = {}
         self.unavailable: dict[str, str] = {}
         """Kinds of this area the run cannot judge, and why (report.json ``unavailable``, report.md)."""
 
@@ -247,11 +247,12 @@ class GradientMonitor(Monitor):
         self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers, self._start_lrs),
                      step, self.context.where())
 
-    def _judge_progress(self, step: int, readback: Readback | None, host: HostNumerics, where: Where) -> None:
+    def _judge_progress(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
+                        where: Where) -> None:
         """Weights that barely move at a learning rate above 0, with a loss where it started (:mod:`.progress`)."""
         first = self._drift.reference(step, step_loss(host))
-        values = readback.values() if readback is not None and readback.ready() else None
-        drift = None if values is None else Drift(values[0], values[1], int(values[2]))
+        values = measured[0].values() if measured is not None and measured[0].ready() else None
+        drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
         lrs = [(group.get("lr"), base_lr(group, index, self._start_lrs))
                for index, group in enumerate(self._param_groups) if group.get("params")]
         self._record(judge_progress(step, drift, step_loss(host), first, lrs, self.verdicts, self._schedule[0]),

@@ -88,9 +88,9 @@ class WeightDrift:
         >>> drift.measure(0, weights) is None
         True
         >>> with torch.no_grad(): _ = weights[0].add_(0.01)
-        >>> moved = drift.measure(100, weights)
-        >>> round(moved.values()[0], 4), moved.values()[2]
-        (0.0316, 100.0)
+        >>> moved, steps = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), steps
+        (0.0316, 100)
     """
 
     def __init__(self) -> None:
@@ -101,8 +101,9 @@ class WeightDrift:
         self.first_loss: float | None = None
         self.first_step: int | None = None
 
-    def measure(self, step: int, params: Sequence[Any]) -> Readback | None:
-        """Keep this check step's sample; a read-back of (moved, size, steps) since the last one (None at first)."""
+    def measure(self, step: int, params: Sequence[Any]) -> tuple[Readback, int] | None:
+        """Keep this check step's sample; a read-back of (moved, size) and the optimizer steps since the last one
+        (None at first)."""
         if params is not self._params:
             self._params, self._kept = params, None
             trained = [p for p in params if p.requires_grad and p.numel() > 0]
@@ -115,8 +116,8 @@ class WeightDrift:
             steps, self._step = step - self._step, step
             if kept is None or kept.shape != sample.shape or steps <= 0:
                 return None
-            moved = torch.stack([(sample - kept).norm(), kept.norm(), torch.tensor(float(steps), device=kept.device)])
-        return Readback(moved, blocking=False)
+            moved = torch.stack([(sample - kept).norm(), kept.norm()])
+        return Readback(moved, blocking=False), steps
 
     def reference(self, step: int, loss: float) -> float | None:
         """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
