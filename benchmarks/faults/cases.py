@@ -214,13 +214,13 @@ def silent() -> Iterator[Case]:
          "learning_stalled on the default schedule (it wants 3 gradient check steps in a row: 300 steps)"),
         ("lr_zeroed", ("learning_stalled",), (15, STEPS), None, {},
          f"every param group's lr set to 0 at step 15 of {STEPS}",
-         "learning_stalled without a scheduler (a group without initial_lr at lr 0 reads as a base lr of 0)"),
+         "learning_stalled without a scheduler (the base of a group without initial_lr is its lr at fit start)"),
         ("dropout_at_eval", (), (0, STEPS), None, {"val": True}, "F.dropout(training=True): dropout on at validation",
          "a train-mode-in-evaluation check (dropout/BatchNorm modules in training mode inside validation)"),
         ("workers_share_seed", ("repeated_batch",), (0, STEPS), None, {},
          "2 workers copy one NumPy generator: every batch twice", ""),
         ("no_zero_grad", ("grad_not_zeroed",), (1, STEPS), None, {"lr": 0.01}, "optimizer_zero_grad does nothing",
-         "grad_not_zeroed early (it looks on gradient check steps after step 0: step 100 at the defaults)"),
+         "grad_not_zeroed on a gradient check step after step 0 (step 100 at the defaults)"),
         ("frozen_in_optimizer", ("frozen_param",), (0, 5), r"layers\.0", {},
          "requires_grad_(False) on layers the optimizer still holds",
          "requires_grad=False inside a param group as a warning (issue 45 invariant 6)"),
@@ -241,5 +241,5 @@ def all_cases() -> list[Case]:
 
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
-          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed")
-"""One case per class (two of TrainCheck's), each with its twin: the suite's fast subset."""
+          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed")
+"""One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

@@ -746,6 +746,10 @@ def test_a_learning_rate_far_too_small_is_a_stall_and_its_twins_are_not() -> Non
     for name, (drift, loss, lrs, total) in twins.items():
         twin = VerdictEngine()
         assert all(judge_progress(step, drift, loss, 1.40, lrs, twin, total) is None for step in (100, 200, 300)), name
+    still = VerdictEngine()  # weights that do not move at all: no small lr, the optimizer does not step them
+    moved_none = [judge_progress(step, Drift(0.0, 5.0, 100), 1.39, 1.40, [(0.05, 0.05)], still, 400)
+                  for step in (100, 200, 300)]
+    assert moved_none[2] is not None and "did not move at all" in moved_none[2].finding.message
     early = VerdictEngine()  # checked every step: the first steps of any run leave the loss near its start
     assert all(judge_progress(step, frozen, 1.39, 1.40, [(1e-6, 1e-6)], early, 400) is None for step in range(1, 99))
     resumed = WeightDrift()  # a run resumed at step 500 has no reference loss: not judged

@@ -147,12 +147,20 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         return None
     since = confirmed[0].first.step
     rates = sorted({float(lr) for lr, _ in lrs})
+    shown = ", ".join(f"{lr:g}" for lr in rates)
+    if drift.per_step > 0:
+        what = (f"the weights move by {drift.per_step:.1e} of their size per step (a healthy step moves them by about "
+                f"1e-3) at learning rate {shown}")
+        cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
+                "finder helps)."
+    else:  # not a small learning rate: nothing moved them at all
+        what = f"the trained weights did not move at all, although the learning rate is {shown}"
+        cause = "The optimizer does not step the parameters the model trains (an optimizer built over a copy of " \
+                "the model, or over parameters replaced since), or every gradient is 0."
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"Training is not learning since step {since}: the weights move by {drift.per_step:.1e} of their size per "
-        f"step (a healthy step moves them by about 1e-3) at learning rate {', '.join(f'{lr:g}' for lr in rates)}, "
-        f"and the loss ({loss:.4g}) is where it started ({first_loss:.4g}). The learning rate is far too small for "
-        "this model: raise it (often 100x-1000x; a learning-rate finder helps).",
+        f"Training is not learning since step {since}: {what}, and the loss ({loss:.4g}) is where it started "
+        f"({first_loss:.4g}). {cause}",
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
