@@ -247,8 +247,8 @@ class LoopMonitor(Monitor):
 
     area = Area.LOOP
     kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED, Kind.REPEATED_BATCH})
-    events = frozenset({Event.START, Event.EPOCH_START, Event.BATCH_START, Event.BEFORE_BACKWARD,
-                        Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
+    events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
+                        Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
         super().__init__(config, source)
@@ -272,11 +272,6 @@ class LoopMonitor(Monitor):
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow())
 
-    def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
-        """The batches of each gradient check step's window, fingerprinted (see :mod:`.repeats`)."""
-        if self._batches.collecting or self.due(step):
-            where = self.context.where()
-            self._batches.add(step, self.due(step), where.get("epoch"), batch, where)
 
     # --- eval mode --------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -373,6 +368,9 @@ class LoopMonitor(Monitor):
         self._close_window()
         if self._checked_backward:
             self._armed = self._checked_backward = False
+        if self._batches.collecting or self.due(step):  # the batches of each check step's window (:mod:`.repeats`)
+            where = self.context.where()
+            self._batches.add(step, self.due(step), where.get("epoch"), batch, where)
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self._close_window(evaluate=False)

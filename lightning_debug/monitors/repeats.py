@@ -5,8 +5,8 @@ Data-loader workers that share one random state (a NumPy or Python generator mad
 records: with N workers every batch arrives N times in a row and most of the data is never seen. Nothing
 in the loss, the gradients or the weights shows it (TrainCheck's silent-error set: 97% of batches repeated).
 
-On each gradient check step the run fingerprints that step's batch and the next ones, :data:`WINDOW` batches
-in all: per tensor of the batch, its sum and a few values at fixed positions (:func:`batch_fingerprint`,
+On each gradient check step the loop's monitor fingerprints that step's batch and the next ones when each
+ends (the event it already takes every step, so other steps cost one comparison), :data:`WINDOW` batches in all: per tensor of the batch, its sum and a few values at fixed positions (:func:`batch_fingerprint`,
 device work read back without a sync, as every read-back of the loop's checks). A batch whose fingerprint
 equals an earlier one of the same window and the same epoch is a repeat; a window with :data:`MIN_REPEATS` or
 more is a suspicion, which the verdict engine confirms under the kind's policy (two windows in a row).
