@@ -5,7 +5,7 @@ Data-loader workers that share one random state (a NumPy or Python generator mad
 records: with N workers every batch arrives N times in a row and most of the data is never seen. Nothing
 in the loss, the gradients or the weights shows it (TrainCheck's silent-error set: 97% of batches repeated).
 
-On each gradient check step the loop's monitor fingerprints that step's batch and the next ones when each
+On each gradient check step (at most one every :data:`WINDOW_EVERY` steps) the loop's monitor fingerprints that step's batch and the next ones when each
 ends (the event it already takes every step, so other steps cost one comparison), :data:`WINDOW` batches in all: per tensor of the batch, its sum and a few values at fixed positions (:func:`batch_fingerprint`,
 device work read back without a sync, as every read-back of the loop's checks). A batch whose fingerprint
 equals an earlier one of the same window and the same epoch is a repeat; a window with :data:`MIN_REPEATS` or
@@ -51,6 +51,8 @@ MIN_VALUES = 64
 """Values a batch must hold to be judged: two different tiny batches can agree by chance."""
 SAMPLED = 16
 """Values at fixed positions of each tensor that enter its fingerprint (besides its sum)."""
+WINDOW_EVERY = 100
+"""Optimizer steps at least between two windows: with checks every step, windows are not back to back."""
 KEY = "batches"
 
 
@@ -136,6 +138,7 @@ class BatchWindow:
 
     def __init__(self) -> None:
         self.opened_at: int | None = None
+        self.last_opened: int | None = None
         self.where: Any = None
         self._prints: list[tuple[Any, Readback]] = []
         self._done: list[tuple[int, Any, list[tuple[Any, Readback]]]] = []
@@ -147,9 +150,9 @@ class BatchWindow:
     def add(self, step: int, due: bool, epoch: Any, batch: Any, where: Any = None) -> None:
         """A training batch of ``step`` (``due``: a check step, which opens a window unless one is open)."""
         if self.opened_at is None:
-            if not due:
+            if not due or (self.last_opened is not None and 0 <= step - self.last_opened < WINDOW_EVERY):
                 return
-            self.opened_at, self.where, self._prints = step, where, []
+            self.opened_at, self.last_opened, self.where, self._prints = step, step, where, []
         fingerprint = batch_fingerprint(batch)
         if fingerprint is not None:
             self._prints.append((epoch, Readback(fingerprint, blocking=False)))
@@ -167,6 +170,6 @@ class BatchWindow:
         return step, repeated_batches([(epoch, readback.values()) for epoch, readback in prints]), len(prints), where
 
     def clear(self) -> None:
-        self.opened_at, self._prints, self._done = None, [], []
+        self.opened_at, self.last_opened, self._prints, self._done = None, None, [], []
 
 __all__ = ["MIN_REPEATS", "WINDOW", "BatchWindow", "batch_fingerprint", "judge_repeats", "repeated_batches"]

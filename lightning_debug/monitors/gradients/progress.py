@@ -4,7 +4,8 @@ A learning rate far too small for the model (1e-6 where 1e-2 was meant, an extra
 nothing, with no NaN, no error and a loss that looks merely flat. On each gradient check step the rule measures
 how far a fixed sample of the trained weights moved since the previous check step, per optimizer step and
 relative to their size (:class:`WeightDrift`: up to :data:`SAMPLED_PARAMETERS` parameters spread over the
-model, their first :data:`SAMPLED_VALUES` values; device work, read back without a sync, on check steps only).
+model, their first :data:`SAMPLED_VALUES` values; device work, read back without a sync, on check steps at least
+:data:`SAMPLE_EVERY` steps apart).
 A check step is suspect when that drift is under :data:`NEGLIGIBLE_DRIFT` per step (a healthy step moves weights
 by about 1e-3 of their size; a learning rate 1e4 times too small, by 1e-7), every learning rate is above 0 and
 at least :data:`SCHEDULE_SHARE` of its base, and the loss is not below ``1 - PROGRESS`` times the loss of the
@@ -46,6 +47,8 @@ from lightning_debug.core.readback import Readback
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 from lightning_debug.monitors.gradients.verdict import Verdict
 
+SAMPLE_EVERY = 100
+"""Optimizer steps at least between two samples of the weights (with checks every step, one in 100 is measured)."""
 SAMPLED_PARAMETERS = 64
 SAMPLED_VALUES = 4096
 NEGLIGIBLE_DRIFT = 1e-5
@@ -108,7 +111,7 @@ class WeightDrift:
             self._params, self._kept = params, None
             trained = [p for p in params if p.requires_grad and p.numel() > 0]
             self._picked = trained[::max(1, len(trained) // SAMPLED_PARAMETERS)][:SAMPLED_PARAMETERS]
-        if not self._picked:
+        if not self._picked or (self._kept is not None and 0 <= step - self._step < SAMPLE_EVERY):
             return None
         with torch.no_grad():
             sample = torch.cat([p.detach().reshape(-1)[:SAMPLED_VALUES].float() for p in self._picked])
