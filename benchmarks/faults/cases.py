@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 
-from benchmarks.faults.programs import Program
+from benchmarks.faults.programs import STEPS, Program
 
 NONFINITE = ("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation", "nonfinite_input")
 BLOW_UP = ("exploding_grad", "loss_divergence", "loss_spike", "update_ratio_high") + NONFINITE
@@ -89,23 +89,23 @@ def dying_relu() -> Iterator[Case]:
 def oscillating() -> Iterator[Case]:
     needs = "an oscillation rule (the loss swings up and down by a large share of its level with no trend)"
     for lr in (0.8, 0.9, 1.0):
-        buggy, twin = _pair(Program(task="regress", lr=lr, steps=60), lr=0.1)
+        buggy, twin = _pair(Program(task="regress", lr=lr), lr=0.1)
         yield Case(f"oscillate-regress-sgd{lr:g}", "oscillating_loss", "AutoTrainer", buggy, twin, UNSTABLE,
                    (0, buggy.steps), None, f"SGD lr {lr:g} on a regression: just past the stable step size",
                    needs=needs)
     for lr in (0.1, 0.2, 1.0):
-        buggy, twin = _pair(Program(optimizer="adam", lr=lr, steps=60), lr=1e-3)
+        buggy, twin = _pair(Program(optimizer="adam", lr=lr), lr=1e-3)
         yield Case(f"oscillate-adam{lr:g}", "oscillating_loss", "AutoTrainer", buggy, twin, UNSTABLE,
                    (0, buggy.steps), None, f"Adam lr {lr:g}: the loss falls to ~0 and jumps back", needs=needs)
 
 
 def slow_convergence() -> Iterator[Case]:
     for lr, opt in itertools.product((1e-5, 1e-6), ("sgd", "adam")):
-        buggy, twin = _pair(Program(lr=lr, optimizer=opt, steps=60), lr=0.05 if opt == "sgd" else 1e-3)
+        buggy, twin = _pair(Program(lr=lr, optimizer=opt), lr=0.05 if opt == "sgd" else 1e-3)
         yield Case(f"slow-{opt}{lr:g}", "slow_convergence", "AutoTrainer", buggy, twin, ("learning_stalled",),
-                   (0, buggy.steps), None, f"{opt} lr {lr:g}: the loss does not move in 60 steps",
+                   (0, buggy.steps), None, f"{opt} lr {lr:g}: the loss does not move in {STEPS} steps",
                    needs="a no-progress rule (loss flat within noise while the lr is > 0; update/weight ratio ~1e-7)")
-    buggy, twin = _pair(Program(depth=6, act="sigmoid", lr=0.01, steps=60), act="relu", optimizer="adam", lr=1e-3)
+    buggy, twin = _pair(Program(depth=6, act="sigmoid", lr=0.01), act="relu", optimizer="adam", lr=1e-3)
     yield Case("slow-sigmoid6", "slow_convergence", "AutoTrainer", buggy, twin,
                ("learning_stalled", "vanishing_grad", "saturated_activation"), (0, buggy.steps), None,
                "6 sigmoid layers, SGD 0.01: learns far too slowly", needs="a no-progress rule")
@@ -122,7 +122,8 @@ def improper_data() -> Iterator[Case]:
                    needs="an input-scale check (first layer pre-activations ~1e3 x its init scale)")
     for opt in ("sgd", "adam"):
         lr = 0.05 if opt == "sgd" else 1e-3
-        buggy, twin = _pair(Program(shuffle_labels=True, optimizer=opt, lr=lr, steps=60), shuffle_labels=False)
+        buggy, twin = _pair(Program(shuffle_labels=True, optimizer=opt, lr=lr, samples=STEPS * 32),
+                            shuffle_labels=False)
         yield Case(f"data-shuffled-labels-{opt}", "improper_data", "AutoTrainer", buggy, twin,
                    ("learning_stalled",), (0, buggy.steps), None, "labels shuffled against the inputs",
                    needs="a no-progress rule (loss stays at log(classes))")
@@ -163,7 +164,7 @@ def improper_activation() -> Iterator[Case]:
 def loss_issue() -> Iterator[Case]:
     for opt, width in itertools.product(("sgd", "adam"), (32, 128)):
         buggy, twin = _pair(Program(out_act="softmax", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3,
-                                    width=width, steps=60), out_act=None)
+                                    width=width), out_act=None)
         yield Case(f"loss-softmax-twice-{opt}-w{width}", "loss_issue", "AutoTrainer", buggy, twin,
                    ("vanishing_grad", "learning_stalled"), (0, buggy.steps), None,
                    "probabilities fed to cross_entropy (softmax applied twice)",
@@ -174,9 +175,10 @@ def loss_issue() -> Iterator[Case]:
         yield Case(f"loss-bce-on-logits-{opt}", "loss_issue", "DeepDiagnosis", buggy, twin, ("exception",), (0, 0),
                    r"binary_cross_entropy|between 0 and 1", "binary_cross_entropy on raw logits (raises)")
     for opt in ("sgd", "adam"):
-        buggy, twin = _pair(Program(loss="nll_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3, steps=60),
+        buggy, twin = _pair(Program(loss="nll_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             loss="ce")
-        yield Case(f"loss-nll-on-logits-{opt}", "loss_issue", "AutoTrainer", buggy, twin, BLOW_UP, (0, 60), None,
+        yield Case(f"loss-nll-on-logits-{opt}", "loss_issue", "AutoTrainer", buggy, twin, BLOW_UP, (0, buggy.steps),
+                   None,
                    "nll_loss on raw logits: the loss is unbounded below and falls forever",
                    needs="a loss-sign check (a negative-log-likelihood below 0)")
 
@@ -206,18 +208,19 @@ def silent() -> Iterator[Case]:
         ("clip_before_backward", ("exploding_grad", "nonfinite_grad") + UNSTABLE, (0, 10), None,
          {"lr": 0.5, "input_scale": 10.0, "init": "large"}, "clip_grad_norm_ before the backward: clips nothing",
          "a clipping-has-no-effect check (norm after clipping still above max_norm)"),
-        ("scheduler_per_epoch", ("learning_stalled",), (0, 10), r"LambdaLR|learning rate", {"samples": 2048},
+        ("scheduler_per_epoch", ("learning_stalled",), (0, STEPS), r"LambdaLR|learning rate",
+         {"samples": 2 * STEPS * 32},
          "a per-step warm-up from 0 stepped per epoch: lr 0 for the whole run",
          "learning_stalled on the default schedule (it wants 3 gradient check steps in a row: 300 steps)"),
-        ("lr_zeroed", ("learning_stalled",), (15, 22), None, {"steps": 80},
-         "every param group's lr set to 0 at step 15 of 80",
-         "learning_stalled without a scheduler (a group without initial_lr at lr 0 reads as a base lr of 0)"),
-        ("dropout_at_eval", (), (0, 40), None, {"val": True}, "F.dropout(training=True): dropout on at validation",
+        ("lr_zeroed", ("learning_stalled",), (15, STEPS), None, {},
+         f"every param group's lr set to 0 at step 15 of {STEPS}",
+         "learning_stalled without a scheduler (the base of a group without initial_lr is its lr at fit start)"),
+        ("dropout_at_eval", (), (0, STEPS), None, {"val": True}, "F.dropout(training=True): dropout on at validation",
          "a train-mode-in-evaluation check (dropout/BatchNorm modules in training mode inside validation)"),
-        ("workers_share_seed", (), (0, 40), None, {}, "2 workers copy one NumPy generator: every batch twice",
-         "a repeated-batch check (a fingerprint of each batch; the same batch twice in a window)"),
-        ("no_zero_grad", ("grad_not_zeroed",), (1, 3), None, {"lr": 0.01}, "optimizer_zero_grad does nothing",
-         "grad_not_zeroed early (it looks on gradient check steps after step 0: step 100 at the defaults)"),
+        ("workers_share_seed", ("repeated_batch",), (0, STEPS), None, {},
+         "2 workers copy one NumPy generator: every batch twice", ""),
+        ("no_zero_grad", ("grad_not_zeroed",), (1, STEPS), None, {"lr": 0.01}, "optimizer_zero_grad does nothing",
+         "grad_not_zeroed on a gradient check step after step 0 (step 100 at the defaults)"),
         ("frozen_in_optimizer", ("frozen_param",), (0, 5), r"layers\.0", {},
          "requires_grad_(False) on layers the optimizer still holds",
          "requires_grad=False inside a param group as a warning (issue 45 invariant 6)"),
@@ -238,5 +241,5 @@ def all_cases() -> list[Case]:
 
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
-          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed")
-"""One case per class (two of TrainCheck's), each with its twin: the suite's fast subset."""
+          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed")
+"""One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

@@ -20,6 +20,12 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
+STEPS = 400
+"""Optimizer steps of every program: long enough that the default schedule (gradient checks every 100 steps)
+looks at steps 0, 100, 200 and 300, as it would in any real run of a few hundred steps or more (and that
+300 is before 90% of the run, where a learning rate of 0 stops being a schedule's end)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """What a user wrote. Defaults are a healthy 4-class MLP trained with SGD.
@@ -51,7 +57,7 @@ class Program:
     fault_step: int = 5
     fixed: bool = False
     silent: str | None = None
-    steps: int = 40
+    steps: int = STEPS
     batch: int = 32
     samples: int = 512
     seed: int = 0

@@ -49,7 +49,8 @@ OWNER = {
                      "learning_stalled", "dead_activation", "saturated_activation"), ("gradients",)),
     **dict.fromkeys(("memory_growth", "memory_high", "oom"), ("memory",)),
     **dict.fromkeys(("slow_step", "dataloader_bottleneck", "straggler_rank", "host_sync"), ("performance",)),
-    **dict.fromkeys(("eval_mode_in_training", "grad_not_zeroed", "exception"), ("anomaly", "gradients")),
+    **dict.fromkeys(("eval_mode_in_training", "grad_not_zeroed", "repeated_batch", "exception"),
+                    ("anomaly", "gradients")),
 }
 """The callback whose area writes each kind (docs' tables of kinds; activations come with the gradients
 callback, the loop and error areas with any callback)."""
@@ -157,11 +158,13 @@ def judge(case: Case, run: dict[str, Any]) -> dict[str, Any]:
                 message=(first or {}).get("message", "")[:240])
 
 
-def run_case(case_name: str, variant: str, levels: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Every configuration and level of one case's buggy program or twin (one pool task)."""
+def run_case(case_name: str, variant: str, levels: tuple[str, ...],
+             only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every configuration (of ``only`` when given) and level of one case's buggy program or twin (one pool task)."""
     case = {c.name: c for c in all_cases()}[case_name]
     try:
-        return [judge(case, fit(case, variant, config, level)) for config in configs(case) for level in levels]
+        return [judge(case, fit(case, variant, config, level)) for config in configs(case)
+                if not only or config in only for level in levels]
     except Exception as error:  # noqa: BLE001 - recorded, the benchmark goes on
         return [{"case": case.name, "klass": case.klass, "variant": variant, "config": "?", "level": "?",
                  "crash": f"{type(error).__name__}: {error}"}]
@@ -248,6 +251,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="problem classes (vanishing_gradient, numerical, ...)")
     parser.add_argument("--cases", nargs="*", help="case names")
     parser.add_argument("--levels", nargs="*", default=list(LEVELS), choices=LEVELS)
+    parser.add_argument("--configs", nargs="*", default=[], choices=(*CALLBACKS, "all"),
+                        help="only these configurations (a callback alone, or all four)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path(tempfile.gettempdir()) / "fault_benchmark.json")
     parser.add_argument("--render", type=Path, help="print the tables of an earlier --json file instead of running")
@@ -265,7 +270,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context, initializer=_init_worker) as pool:
-        jobs = {pool.submit(run_case, c.name, v, tuple(args.levels)): (c.name, v)
+        jobs = {pool.submit(run_case, c.name, v, tuple(args.levels), tuple(args.configs)): (c.name, v)
                 for c in cases for v in ("buggy", "twin")}
         for done in concurrent.futures.as_completed(jobs):
             for row in done.result():

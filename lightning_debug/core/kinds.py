@@ -96,6 +96,7 @@ class Kind(str, enum.Enum):
     INTERMITTENT_GRAD = "intermittent_grad"
     WEIGHT_DECAY_ON_NORM = "weight_decay_on_norm"
     LEARNING_STALLED = "learning_stalled"
+    REPEATED_BATCH = "repeated_batch"
 
     def __str__(self) -> str:
         return self.value
@@ -423,11 +424,23 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="put biases, norm weights and embeddings in a param group with weight_decay=0"),
     Kind.LEARNING_STALLED: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
-        advice="Every param group's learning rate is 0 far from the end of the run, so the weights no longer "
-               "change: a scheduler that reaches 0 early (a LambdaLR factor, a step schedule with gamma 0, a "
-               "decay written for fewer steps). Print scheduler.get_last_lr() around that step and fix it.",
-        hint="the learning rate is 0 mid-run: check the scheduler",
+        advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
+               "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
+               "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
+               "around that step), or it is so small that the weights move by ~1e-7 of their size per step and "
+               "the loss stays where it started (raise it, often 100x-1000x).",
+        hint="the learning rate is 0 or far too small: check the scheduler and the lr",
         confirm=Confirm(patience=3, backdate=False)),
+    Kind.REPEATED_BATCH: KindSpec(
+        Area.LOOP, Severity.WARNING,
+        advice="The data loader hands the model the same batch several times within an epoch: data-loader workers "
+               "that share one random state (a NumPy or Python generator created in the dataset's `__init__` and "
+               "copied into every worker) draw the same records, so each batch is trained on once per worker and "
+               "most of the data never. Reseed each worker (`worker_init_fn=lambda i: np.random.seed("
+               "torch.initial_seed() % 2**32)`), or draw with `torch`'s generator, which the DataLoader seeds per "
+               "worker.",
+        hint="data-loader workers share one random seed: reseed them in worker_init_fn",
+        confirm=Confirm(patience=2, backdate=False)),
 }
 """The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
 views of it."""

@@ -39,6 +39,7 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
+from lightning_debug.monitors.repeats import BatchWindow, judge_repeats
 
 NAMES_SHOWN = 5
 NAMES_IN_DETAILS = 20
@@ -245,7 +246,7 @@ class LoopMonitor(Monitor):
     """See the module docstring; one per run, on gradient check steps (``gradient_checking_frequency``)."""
 
     area = Area.LOOP
-    kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED})
+    kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED, Kind.REPEATED_BATCH})
     events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
 
@@ -265,9 +266,12 @@ class LoopMonitor(Monitor):
         self._walked_epoch: int | None = None
         self._window: Window | None = None
         self._pending: list[tuple[int, Where, list[str], Readback]] = []
+        self._batches = BatchWindow()
+        self.repeated_batches = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(super().__getstate__(), _window=None, _pending=[])
+        return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow())
+
 
     # --- eval mode --------------------------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -364,6 +368,9 @@ class LoopMonitor(Monitor):
         self._close_window()
         if self._checked_backward:
             self._armed = self._checked_backward = False
+        if self._batches.collecting or self.due(step):  # the batches of each check step's window (:mod:`.repeats`)
+            where = self.context.where()
+            self._batches.add(step, self.due(step), where.get("epoch"), batch, where)
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self._close_window(evaluate=False)
@@ -384,6 +391,15 @@ class LoopMonitor(Monitor):
                                   Readback(norms, blocking=False)))
 
     def poll(self, final: bool = False) -> None:
+        window = self._batches.take(final)
+        while window is not None:
+            step, repeats, judged, where = window
+            finding = judge_repeats(step, repeats, judged, self.verdicts)
+            if finding is not None:
+                self.repeated_batches = repeats
+                self.record(finding, step, where, key=finding.kind.value)
+            self.close_episodes(step, where, {Kind.REPEATED_BATCH})
+            window = self._batches.take(final)
         while self._pending and (final or self._pending[0][3].ready()):
             step, where, names, readback = self._pending.pop(0)
             stale = stale_gradients(names, readback.values())
@@ -400,8 +416,9 @@ class LoopMonitor(Monitor):
 
     def restore(self) -> None:
         self._close_window(evaluate=False)
+        self._batches.clear()
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), mode_checks=self.mode_checks, eval_modules=dict(self.eval_modules),
                     frozen_statistics=list(self.frozen_statistics),
-                    accumulating=list(self.accumulating))
+                    accumulating=list(self.accumulating), repeated_batches=self.repeated_batches)

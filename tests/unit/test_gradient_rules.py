@@ -705,6 +705,58 @@ def test_what_a_stall_is_not() -> None:
     assert all(judge_stalled(step, [base_zero], never, 60, []) is None for step in range(10))
 
 
+def test_a_learning_rate_set_to_zero_without_a_scheduler_is_a_stall_and_one_zero_from_the_start_is_not() -> None:
+    """Issue 45: code that sets every group's lr to 0 mid-run (no scheduler, so no ``initial_lr``) stalls the run
+    as a scheduler reaching 0 does; its twin, a group whose lr was 0 when training started, stays frozen_param's."""
+    from lightning_debug.monitors.gradients.stalled import judge_stalled
+
+    zeroed = [{"params": [torch.zeros(1)], "lr": 0.0}]
+    history = VerdictEngine()
+    found = [judge_stalled(step, zeroed, history, 400, [], start_lrs=[0.05]) for step in (100, 200, 300)]
+    assert found[:2] == [None, None] and found[2] is not None
+    finding = found[2].finding
+    assert finding.details["since_step"] == 100 and finding.details["initial_lr"] == [0.05]
+    assert "no scheduler" in finding.message
+    from_start = VerdictEngine()
+    assert all(judge_stalled(step, zeroed, from_start, 400, [], start_lrs=[0.0]) is None for step in (100, 200, 300))
+    assert not from_start.held_keys(Kind.LEARNING_STALLED)
+
+
+def test_a_learning_rate_far_too_small_is_a_stall_and_its_twins_are_not() -> None:
+    """Issue 45 (slow convergence): weights that move by 1e-7 of their size per step at lr > 0 while the loss stays
+    where it started are ``learning_stalled`` after three check steps; the same drift after the loss fell (a converged
+    model), in a warm-up's first steps, at the end of the run or with the lr at 0 (the other stall) is not."""
+    from lightning_debug.monitors.gradients.progress import Drift, WeightDrift, judge_progress
+
+    frozen = Drift(moved=1e-7 * 100 * 5.0, size=5.0, steps=100)
+    engine = VerdictEngine()
+    found = [judge_progress(step, frozen, 1.39, 1.40, [(1e-6, 1e-6)], engine, 400) for step in (100, 200, 300)]
+    assert found[:2] == [None, None] and found[2] is not None
+    finding = found[2].finding
+    assert finding.kind is Kind.LEARNING_STALLED and finding.details["since_step"] == 100
+    assert finding.details["cause"] == "negligible_updates" and finding.details["learning_rates"] == [1e-6]
+    healthy = Drift(moved=1e-3 * 100 * 5.0, size=5.0, steps=100)
+    twins = {
+        "converged": (frozen, 0.01, [(0.05, 0.05)], 400),
+        "learning": (healthy, 1.39, [(0.05, 0.05)], 400),
+        "warm-up start": (frozen, 1.39, [(1e-6, 1e-3)], 400),
+        "lr zero": (frozen, 1.39, [(0.0, 0.05)], 400),
+        "run's end": (frozen, 1.39, [(1e-6, 1e-6)], 320),
+    }
+    for name, (drift, loss, lrs, total) in twins.items():
+        twin = VerdictEngine()
+        assert all(judge_progress(step, drift, loss, 1.40, lrs, twin, total) is None for step in (100, 200, 300)), name
+    still = VerdictEngine()  # weights that do not move at all: no small lr, the optimizer does not step them
+    moved_none = [judge_progress(step, Drift(0.0, 5.0, 100), 1.39, 1.40, [(0.05, 0.05)], still, 400)
+                  for step in (100, 200, 300)]
+    assert moved_none[2] is not None and "did not move at all" in moved_none[2].finding.message
+    early = VerdictEngine()  # checked every step: the first steps of any run leave the loss near its start
+    assert all(judge_progress(step, frozen, 1.39, 1.40, [(1e-6, 1e-6)], early, 400) is None for step in range(1, 99))
+    resumed = WeightDrift()  # a run resumed at step 500 has no reference loss: not judged
+    assert resumed.reference(500, 1.39) is None and resumed.reference(600, 1.39) is None
+    assert WeightDrift().reference(0, 1.40) == 1.40
+
+
 def test_a_jump_waiting_at_a_checkpoint_is_decided_after_the_resume() -> None:
     """The watch's state travels with the checkpoint; the resumed run measures the steps after the jump
     over the index it builds again, and confirms the explosion where it began."""

@@ -187,3 +187,49 @@ def test_a_module_left_in_eval_mode_is_named_at_the_start() -> None:
     findings, monitor = train(model, steps=2)
     assert findings["eval_mode_in_training"]["first_step"] == 0 and monitor.eval_modules == {"1": ["1"]}
     assert monitor.report_section()["mode_checks"] >= 1
+
+
+# --- repeated batches (issue 45: data-loader workers sharing one random seed) ------------------------------------
+def _window(batches: list[torch.Tensor], epochs: list[int] | None = None, opened_at: int = 0) -> Any:
+    from lightning_debug.monitors.repeats import BatchWindow
+
+    window = BatchWindow()
+    for index, batch in enumerate(batches):
+        window.add(opened_at + index, index == 0, (epochs or [0] * len(batches))[index], (batch, torch.arange(4)))
+    return window.take()
+
+
+def test_workers_sharing_a_seed_repeat_batches_and_two_windows_in_a_row_name_it() -> None:
+    from lightning_debug.core.verdicts import VerdictEngine
+    from lightning_debug.monitors.repeats import WINDOW, judge_repeats
+
+    g = torch.Generator().manual_seed(0)
+    draws = [torch.randn(32, 16, generator=g) for _ in range(WINDOW // 2)]
+    pairs = [draw for draw in draws for _ in range(2)]  # two workers, one generator: every batch twice in a row
+    step, repeats, judged, _ = _window(pairs)
+    assert (step, repeats, judged) == (0, WINDOW // 2, WINDOW)
+    engine = VerdictEngine()
+    assert judge_repeats(0, repeats, judged, engine) is None  # one window is held
+    finding = judge_repeats(100, repeats, judged, engine)
+    assert finding is not None and finding.kind is Kind.REPEATED_BATCH and finding.severity is Severity.WARNING
+    assert finding.details["repeats"] == WINDOW // 2 and finding.details["since_step"] == 0
+
+
+def test_what_a_repeated_batch_is_not() -> None:
+    """The twins: the same batch in another epoch (an unshuffled loader, a full-batch run), one chance repeat,
+    and batches too small to judge."""
+    from lightning_debug.core.verdicts import VerdictEngine
+    from lightning_debug.monitors.repeats import WINDOW, BatchWindow, judge_repeats
+
+    same = torch.ones(32, 16)
+    assert _window([same] * WINDOW, epochs=list(range(WINDOW)))[1] == 0  # full batch: one batch per epoch
+    g = torch.Generator().manual_seed(1)
+    fresh = [torch.randn(32, 16, generator=g) for _ in range(WINDOW)]
+    assert _window(fresh)[1] == 0
+    once = fresh[:-1] + fresh[:1]  # one chance repeat
+    engine = VerdictEngine()
+    assert all(judge_repeats(step, _window(once)[1], WINDOW, engine) is None for step in (0, 100, 200))
+    tiny = BatchWindow()  # labels only: two different batches can agree by chance
+    for index in range(WINDOW):
+        tiny.add(index, index == 0, 0, torch.tensor([1, 0]))
+    assert tiny.take(final=True) is None and not tiny.collecting

@@ -19,6 +19,7 @@ from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.metrics import metric_part, per_optimizer
 from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
+from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
@@ -29,11 +30,12 @@ from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_grou
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
+from lightning_debug.monitors.gradients.progress import Drift, WeightDrift, judge_progress
 from lightning_debug.monitors.gradients.settings import GradientSettings
-from lightning_debug.monitors.gradients.stalled import judge_stalled
+from lightning_debug.monitors.gradients.stalled import base_lr, judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
-from lightning_debug.monitors.gradients.updates import read_updates
+from lightning_debug.monitors.gradients.updates import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 from lightning_debug.monitors.gradients.watch import CandidateWatch
@@ -72,6 +74,7 @@ class GradientMonitor(Monitor):
         self._outside = OutsideTraining([], [])
         self._audited: dict[Any, ParameterIndex] = {}  # per optimizer: the index whose parameters were audited
         self._param_groups: Sequence[dict[str, Any]] = []
+        self._start_lrs: list[Any] = []  # each param group's lr at fit start: the base of one no scheduler drives
         self.order = ForwardOrder()
         self.order_source = "registration order (named_parameters)"
         self._positions: dict[str, tuple[int, int]] = {}
@@ -87,6 +90,8 @@ class GradientMonitor(Monitor):
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
         self._explosions = Explosions(self.verdicts)
+        self._drift = WeightDrift()
+        self._drifts: dict[int, tuple[Readback, int] | None] = {}
         self.unavailable: dict[str, str] = {}
         """Kinds of this area the run cannot judge, and why (report.json ``unavailable``, report.md)."""
 
@@ -135,6 +140,7 @@ class GradientMonitor(Monitor):
                           f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
                           "logged.")
         self._param_groups = context.param_groups()
+        self._start_lrs = [group.get("lr") for group in self._param_groups]
         self.trainability, untrainable, lost = trainability(named, self._param_groups)
         if untrainable is not None:
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
@@ -214,6 +220,9 @@ class GradientMonitor(Monitor):
         self._wheres[step] = pending.where
         while len(self._wheres) > WHERES_KEPT:
             del self._wheres[min(self._wheres)]
+        if not index.sharded:
+            self._drifts = {s: r for s, r in self._drifts.items() if s in self._wheres}
+            self._drifts[step] = self._drift.measure(step, index.params)
         awaiting, self._checks.awaiting_update = self._checks.awaiting_update, None
         if awaiting is not None:
             if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
@@ -235,8 +244,19 @@ class GradientMonitor(Monitor):
 
     def _judge_stalled(self, step: int) -> None:
         total, schedulers = self._schedule
-        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers), step,
-                     self.context.where())
+        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers, self._start_lrs),
+                     step, self.context.where())
+
+    def _judge_progress(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
+                        where: Where) -> None:
+        """Weights that barely move at a learning rate above 0, with a loss where it started (:mod:`.progress`)."""
+        first = self._drift.reference(step, step_loss(host))
+        values = measured[0].values() if measured is not None and measured[0].ready() else None
+        drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
+        lrs = [(group.get("lr"), base_lr(group, index, self._start_lrs))
+               for index, group in enumerate(self._param_groups) if group.get("params")]
+        self._record(judge_progress(step, drift, step_loss(host), first, lrs, self.verdicts, self._schedule[0]),
+                     step, where)
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
@@ -313,6 +333,7 @@ class GradientMonitor(Monitor):
                                      self.verdicts, host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         self._judge_outside(pending)
+        self._judge_progress(step, self._drifts.pop(step, None), host, where)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)
         not_updated = False

@@ -12,6 +12,10 @@ run's steps, which it needs to know (``max_steps`` or Lightning's estimate; with
 nothing); a param group frozen on purpose with lr 0 beside groups that learn is not a stall (every
 group must be at 0), and a base learning rate of 0 from the start is ``frozen_param`` (``lr_zero``).
 
+The base learning rate of a group is its ``initial_lr`` (a scheduler's) or, without a scheduler, the learning
+rate it had when training started (``start_lrs``, the run's history): code that sets every group's lr to 0
+mid-run, with no scheduler at all, is the same stall (its twin, a group trained at lr 0 from the start, is not).
+
 Each check step with every learning rate at 0 is a suspicion the verdict engine holds under the kind's
 policy (:data:`STALL_CHECKS` check steps in a row).
 
@@ -25,6 +29,9 @@ Example::
     [False, False, True]
     >>> [judge_stalled(step, groups, VerdictEngine(), total_steps=60, schedulers=[]) for step in (55, 56, 57)]
     [None, None, None]
+    >>> zeroed, no_scheduler = [{"params": [object()], "lr": 0.0}], VerdictEngine()
+    >>> [judge_stalled(step, zeroed, no_scheduler, 60, [], start_lrs=[0.05]) is not None for step in (10, 11, 12)]
+    [False, False, True]
 """
 
 from __future__ import annotations
@@ -45,22 +52,42 @@ END_SHARE = 0.9
 KEY = "lr_zero"
 
 
+def base_lr(group: Mapping[str, Any], index: int, start_lrs: Sequence[Any]) -> Any:
+    """A group's base learning rate: its scheduler's ``initial_lr``, else its lr when training started.
+
+    Example::
+
+        >>> base_lr({"lr": 0.0, "initial_lr": 0.1}, 0, [0.0]), base_lr({"lr": 0.0}, 0, [0.05])
+        (0.1, 0.05)
+        >>> base_lr({"lr": 0.2}, 1, [])
+        0.2
+    """
+    if "initial_lr" in group:
+        return group["initial_lr"]
+    return start_lrs[index] if index < len(start_lrs) else group.get("lr")
+
+
 def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
-                  total_steps: int | None, schedulers: Sequence[str]) -> Verdict | None:
-    """The ``learning_stalled`` finding of check step ``step``, or None (see the module's docstring)."""
-    groups = [group for group in param_groups if group.get("params")]
+                  total_steps: int | None, schedulers: Sequence[str],
+                  start_lrs: Sequence[Any] = ()) -> Verdict | None:
+    """The ``learning_stalled`` finding of check step ``step``, or None (see the module's docstring);
+    ``start_lrs``: each param group's learning rate when training started (the base of a group no scheduler
+    drives)."""
+    based = [(group, base_lr(group, index, start_lrs)) for index, group in enumerate(param_groups)
+             if group.get("params")]
+    groups = [group for group, _ in based]
     stalled = bool(groups) and all(number_equals_zero(group.get("lr")) for group in groups)
-    if stalled and all(number_equals_zero(group.get("initial_lr", group.get("lr"))) for group in groups):
+    if stalled and all(number_equals_zero(base) for _, base in based):
         return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
     far_from_end = total_steps is not None and step < END_SHARE * total_steps
     suspicions = [Suspicion(Kind.LEARNING_STALLED, KEY, step)] if stalled and far_from_end else []
-    confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions)
+    confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[KEY])
     if not confirmed or total_steps is None:
         return None
     since = confirmed[0].first.step
-    bases = sorted({float(group["initial_lr"]) for group in groups if isinstance(group.get("initial_lr"), (int, float))})
+    bases = sorted({float(base) for _, base in based if isinstance(base, (int, float))})
     started = f" (it started at {', '.join(f'{lr:g}' for lr in bases)})" if bases else ""
-    by = f" by {', '.join(schedulers)}" if schedulers else ""
+    by = f" by {', '.join(schedulers)}" if schedulers else " by the training code (no scheduler)"
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"Training stopped learning at step {since}: the learning rate of every param group "

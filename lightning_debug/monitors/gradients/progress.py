@@ -1,0 +1,172 @@
+"""``learning_stalled`` at a learning rate above 0: the weights barely move and the loss does not fall.
+
+A learning rate far too small for the model (1e-6 where 1e-2 was meant, an extra factor in a formula) trains
+nothing, with no NaN, no error and a loss that looks merely flat. On each gradient check step the rule measures
+how far a fixed sample of the trained weights moved since the previous check step, per optimizer step and
+relative to their size (:class:`WeightDrift`: up to :data:`SAMPLED_PARAMETERS` parameters spread over the
+model, their first :data:`SAMPLED_VALUES` values; device work, read back without a sync, on check steps at least
+:data:`SAMPLE_EVERY` steps apart).
+A check step is suspect when that drift is under :data:`NEGLIGIBLE_DRIFT` per step (a healthy step moves weights
+by about 1e-3 of their size; a learning rate 1e4 times too small, by 1e-7), every learning rate is above 0 and
+at least :data:`SCHEDULE_SHARE` of its base, and the loss is not below ``1 - PROGRESS`` times the loss of the
+run's first check step. Three suspect check steps in a row (the kind's policy) are a stall.
+
+What could make it fire on a healthy model, and how it is ruled out: a converged model moves its weights very
+little, but its loss fell far below its first check step's; a warm-up that starts near 0 and a decay that ends
+near 0 make the updates tiny, but the learning rate is then under :data:`SCHEDULE_SHARE` of its base (and the
+rule judges before 90% of a run of known length only); a base learning rate of 0 or a learning rate set to 0 is
+the other ``learning_stalled`` (``lr_zero``) or ``frozen_param``; a run resumed from a checkpoint is not judged
+(its first check step is not the start of training, so its loss is no reference); nothing is judged in the
+first :data:`MIN_STEPS` steps, where a loss within 10% of its start is the norm. Not ruled out: fine-tuning a
+model on data it has already fitted with a small learning rate also leaves weights and loss where they were.
+
+Example::
+
+    >>> from lightning_debug.core.verdicts import VerdictEngine
+    >>> engine = VerdictEngine()
+    >>> drift = Drift(moved=1e-7 * 100 * 5.0, size=5.0, steps=100)  # 1e-7 of the weights per step
+    >>> [judge_progress(step, drift, 1.39, 1.40, [(1e-6, 1e-6)], engine, 400) is not None for step in (100, 200, 300)]
+    [False, False, True]
+    >>> converged = VerdictEngine()  # the same drift, after the loss fell from 1.4 to 0.01
+    >>> [judge_progress(step, drift, 0.01, 1.40, [(0.05, 0.05)], converged, 400) for step in (100, 200, 300)]
+    [None, None, None]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine
+from lightning_debug.monitors.gradients.verdict import Verdict
+
+SAMPLE_EVERY = 100
+"""Optimizer steps at least between two samples of the weights (with checks every step, one in 100 is measured)."""
+SAMPLED_PARAMETERS = 64
+SAMPLED_VALUES = 4096
+NEGLIGIBLE_DRIFT = 1e-5
+"""Relative weight change per optimizer step under which nothing is learnt (healthy: ~1e-3; a converged model's
+is small too, which the loss tells apart)."""
+PROGRESS = 0.1
+"""The share by which the loss must have fallen since the first check step for a run to be making progress."""
+SCHEDULE_SHARE = 0.1
+"""A learning rate under this share of its base is a warm-up's start or a decay's end, not judged."""
+END_SHARE = 0.9
+MIN_STEPS = 100
+"""Optimizer steps of training before the rule judges: a loss within 10% of its start after a few steps is the
+norm, not a stall."""
+KEY = "negligible_updates"
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How far the sampled weights moved (``moved``, a norm) over ``steps`` optimizer steps, against their ``size``."""
+
+    moved: float
+    size: float
+    steps: int
+
+    @property
+    def per_step(self) -> float:
+        """The relative change per optimizer step (``inf`` when it cannot be told)."""
+        if not (self.size > 0 and self.steps > 0 and math.isfinite(self.moved)):
+            return math.inf
+        return self.moved / self.size / self.steps
+
+
+class WeightDrift:
+    """A sample of the trained weights kept from one check step to the next, and the loss of the first one.
+
+    Example::
+
+        >>> weights = [torch.nn.Parameter(torch.ones(10))]
+        >>> drift = WeightDrift()
+        >>> drift.measure(0, weights) is None
+        True
+        >>> with torch.no_grad(): _ = weights[0].add_(0.01)
+        >>> moved, steps = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), steps
+        (0.0316, 100)
+    """
+
+    def __init__(self) -> None:
+        self._params: Sequence[Any] | None = None
+        self._picked: list[Any] = []
+        self._kept: torch.Tensor | None = None
+        self._step = -1
+        self.first_loss: float | None = None
+        self.first_step: int | None = None
+
+    def measure(self, step: int, params: Sequence[Any]) -> tuple[Readback, int] | None:
+        """Keep this check step's sample; a read-back of (moved, size) and the optimizer steps since the last one
+        (None at first)."""
+        if params is not self._params:
+            self._params, self._kept = params, None
+            trained = [p for p in params if p.requires_grad and p.numel() > 0]
+            self._picked = trained[::max(1, len(trained) // SAMPLED_PARAMETERS)][:SAMPLED_PARAMETERS]
+        if not self._picked or (self._kept is not None and 0 <= step - self._step < SAMPLE_EVERY):
+            return None
+        with torch.no_grad():
+            sample = torch.cat([p.detach().reshape(-1)[:SAMPLED_VALUES].float() for p in self._picked])
+            kept, self._kept = self._kept, sample
+            steps, self._step = step - self._step, step
+            if kept is None or kept.shape != sample.shape or steps <= 0:
+                return None
+            moved = torch.stack([(sample - kept).norm(), kept.norm()])
+        return Readback(moved, blocking=False), steps
+
+    def reference(self, step: int, loss: float) -> float | None:
+        """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
+        if self.first_step is None:
+            self.first_step = step
+            self.first_loss = loss if step == 0 and math.isfinite(loss) else None
+        return self.first_loss
+
+
+def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: float | None,
+                   lrs: Sequence[tuple[Any, Any]], verdicts: VerdictEngine, total_steps: int | None) -> Verdict | None:
+    """``learning_stalled`` (``negligible_updates``) at check step ``step``: ``drift`` since the previous check step
+    (None: not measured, nothing judged), this step's ``loss`` against ``first_loss``, ``lrs`` (learning rate, base)
+    per param group. See the module's docstring."""
+    if drift is None or first_loss is None:
+        return None
+    plain = all(isinstance(lr, (int, float)) and isinstance(base, (int, float)) for lr, base in lrs)
+    scheduled = plain and bool(lrs) and all(lr > 0 and lr >= SCHEDULE_SHARE * base for lr, base in lrs)
+    far_from_end = total_steps is None or step < END_SHARE * total_steps
+    suspect = (step >= MIN_STEPS and scheduled and far_from_end and drift.per_step < NEGLIGIBLE_DRIFT
+               and math.isfinite(loss) and loss >= (1 - PROGRESS) * first_loss)
+    measured = {"per_step": drift.per_step, "loss": loss}
+    confirmed = verdicts.observe(Kind.LEARNING_STALLED, step,
+                                 [Suspicion(Kind.LEARNING_STALLED, KEY, step, measured=measured)] if suspect else [],
+                                 judged=[KEY])
+    if not confirmed:
+        return None
+    since = confirmed[0].first.step
+    rates = sorted({float(lr) for lr, _ in lrs})
+    shown = ", ".join(f"{lr:g}" for lr in rates)
+    if drift.per_step > 0:
+        what = (f"the weights move by {drift.per_step:.1e} of their size per step (a healthy step moves them by about "
+                f"1e-3) at learning rate {shown}")
+        cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
+                "finder helps)."
+    else:  # not a small learning rate: nothing moved them at all
+        what = f"the trained weights did not move at all, although the learning rate is {shown}"
+        cause = "The optimizer does not step the parameters the model trains (an optimizer built over a copy of " \
+                "the model, or over parameters replaced since), or every gradient is 0."
+    return Verdict(Finding(
+        Kind.LEARNING_STALLED, Severity.WARNING,
+        f"Training is not learning since step {since}: {what}, and the loss ({loss:.4g}) is where it started "
+        f"({first_loss:.4g}). {cause}",
+        {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
+         "first_loss": first_loss, "cause": KEY}),
+        [f"param group {index}" for index in range(len(lrs))], key=KEY)
+
+
+__all__ = ["Drift", "WeightDrift", "judge_progress"]

@@ -1,0 +1,175 @@
+"""``repeated_batch``: the data loader hands the model the same batch more than once within an epoch.
+
+Data-loader workers that share one random state (a NumPy or Python generator made in the dataset's
+``__init__`` and copied into every forked worker, with no ``worker_init_fn`` to reseed it) draw the same
+records: with N workers every batch arrives N times in a row and most of the data is never seen. Nothing
+in the loss, the gradients or the weights shows it (TrainCheck's silent-error set: 97% of batches repeated).
+
+On each gradient check step (at most one every :data:`WINDOW_EVERY` steps) the loop's monitor fingerprints that step's batch and the next ones when each
+ends (the event it already takes every step, so other steps cost one comparison), :data:`WINDOW` batches in all: per tensor of the batch, its sum and a few values at fixed positions (:func:`batch_fingerprint`,
+device work read back without a sync, as every read-back of the loop's checks). A batch whose fingerprint
+equals an earlier one of the same window and the same epoch is a repeat; a window with :data:`MIN_REPEATS` or
+more is a suspicion, which the verdict engine confirms under the kind's policy (two windows in a row).
+
+What could make it fire on a healthy model, and how it is ruled out: an epoch starts the data over (an
+unshuffled loader repeats every batch once per epoch, a full-batch run gives the same batch every step), so
+only batches of one epoch are compared; a sampler with replacement can draw the same record twice, but the
+same whole batch is another matter, and tiny batches (labels only, a few values), where two different
+batches can agree by chance, are not judged (fewer than :data:`MIN_VALUES` values); one chance repeat is not
+enough (:data:`MIN_REPEATS` in a window, two windows in a row).
+
+Example::
+
+    >>> import torch
+    >>> from lightning_debug.core.verdicts import VerdictEngine
+    >>> engine, x = VerdictEngine(), torch.arange(64.0)
+    >>> prints = [batch_fingerprint((x + k // 2, torch.zeros(4))).tolist() for k in range(8)]  # each batch twice
+    >>> repeated_batches([(0, p) for p in prints])
+    4
+    >>> [judge_repeats(step, 4, 8, engine) is not None for step in (0, 100)]
+    [False, True]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_debug.checks.batches import named_tensors
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine
+
+WINDOW = 8
+"""Batches fingerprinted from each gradient check step on (the check step's own included)."""
+MIN_REPEATS = 2
+"""Repeated batches in one window that make it suspect (N workers sharing a seed repeat N-1 of every N)."""
+MIN_VALUES = 64
+"""Values a batch must hold to be judged: two different tiny batches can agree by chance."""
+SAMPLED = 16
+"""Values at fixed positions of each tensor that enter its fingerprint (besides its sum)."""
+WINDOW_EVERY = 100
+"""Optimizer steps at least between two windows: with checks every step, windows are not back to back."""
+KEY = "batches"
+
+
+def batch_fingerprint(batch: Any) -> torch.Tensor | None:
+    """A float64 vector that two different batches practically never share: per dense tensor of the batch its
+    sum and :data:`SAMPLED` values at evenly spread positions (no host read; None for a batch with fewer than
+    :data:`MIN_VALUES` values, which is not judged).
+
+    Example::
+
+        >>> a = batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})
+        >>> bool((a == batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})).all()), a.shape
+        (True, torch.Size([26]))
+        >>> batch_fingerprint(torch.arange(4)) is None
+        True
+    """
+    tensors = [t.detach() for _, t in named_tensors(batch) if not t.is_sparse and t.numel() > 0]
+    if sum(t.numel() for t in tensors) < MIN_VALUES:
+        return None
+    parts = []
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        exact = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
+        stride = max(1, flat.numel() // SAMPLED)
+        picked = flat[::stride][:SAMPLED].to(exact)
+        parts.append(torch.cat([flat.sum(dtype=exact).reshape(1), picked]))
+    return torch.cat([part.to(parts[0].device) for part in parts])
+
+
+def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
+    """How many batches of ``window`` ((epoch, fingerprint) in order) equal an earlier one of the same epoch.
+
+    Example::
+
+        >>> repeated_batches([(0, [1.0]), (0, [1.0]), (1, [1.0]), (1, [2.0])])
+        1
+    """
+    seen: set[tuple[Any, tuple[float, ...]]] = set()
+    repeats = 0
+    for epoch, values in window:
+        key = (epoch, tuple(values))
+        repeats += key in seen
+        seen.add(key)
+    return repeats
+
+
+def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine) -> Finding | None:
+    """The ``repeated_batch`` finding of the window opened at check step ``step`` (``repeats`` of the ``judged``
+    batches equal an earlier one), once the kind's policy confirms it; None otherwise."""
+    suspicions = [Suspicion(Kind.REPEATED_BATCH, KEY, step, measured={"repeats": repeats, "judged": judged})] \
+        if repeats >= MIN_REPEATS else []
+    confirmed = verdicts.observe(Kind.REPEATED_BATCH, step, suspicions)
+    if not confirmed:
+        return None
+    since = confirmed[0].first.step
+    return Finding(
+        Kind.REPEATED_BATCH, Severity.WARNING,
+        f"The data loader repeats batches: of the {judged} batches that followed check step {step}, {repeats} were "
+        f"identical to an earlier one of the same epoch (also after step {since}). Data-loader workers that share one "
+        "random state (a NumPy/Python generator made in the dataset's __init__, copied into every worker) draw the "
+        "same records, so each batch is trained on several times and most of the data never: seed each worker "
+        "(worker_init_fn, or draw with torch's generator, which the DataLoader seeds per worker).",
+        {"repeats": repeats, "batches": judged, "window": WINDOW, "since_step": since})
+
+
+
+
+
+class BatchWindow:
+    """The fingerprints of the batches that follow one check step, read back without a sync.
+
+    Example::
+
+        >>> window = BatchWindow()
+        >>> for step in range(10): window.add(step, step == 0, 0, torch.full((8, 8), float(step // 2)))
+        >>> window.take()
+        (0, 4, 8, None)
+        >>> window.take() is None
+        True
+    """
+
+    def __init__(self) -> None:
+        self.opened_at: int | None = None
+        self.last_opened: int | None = None
+        self.where: Any = None
+        self._prints: list[tuple[Any, Readback]] = []
+        self._done: list[tuple[int, Any, list[tuple[Any, Readback]]]] = []
+
+    @property
+    def collecting(self) -> bool:
+        return self.opened_at is not None
+
+    def add(self, step: int, due: bool, epoch: Any, batch: Any, where: Any = None) -> None:
+        """A training batch of ``step`` (``due``: a check step, which opens a window unless one is open)."""
+        if self.opened_at is None:
+            if not due or (self.last_opened is not None and 0 <= step - self.last_opened < WINDOW_EVERY):
+                return
+            self.opened_at, self.last_opened, self.where, self._prints = step, step, where, []
+        fingerprint = batch_fingerprint(batch)
+        if fingerprint is not None:
+            self._prints.append((epoch, Readback(fingerprint, blocking=False)))
+        if len(self._prints) >= WINDOW or fingerprint is None:
+            if len(self._prints) >= WINDOW:
+                self._done.append((self.opened_at, self.where, self._prints))
+            self.opened_at, self._prints = None, []
+
+    def take(self, final: bool = False) -> tuple[int, int, int, Any] | None:
+        """(check step, repeated batches, batches judged, where) of the oldest complete window whose values
+        arrived (``final``: whether or not they did)."""
+        if not self._done or not (final or all(readback.ready() for _, readback in self._done[0][2])):
+            return None
+        step, where, prints = self._done.pop(0)
+        return step, repeated_batches([(epoch, readback.values()) for epoch, readback in prints]), len(prints), where
+
+    def clear(self) -> None:
+        self.opened_at, self.last_opened, self._prints, self._done = None, None, [], []
+
+__all__ = ["MIN_REPEATS", "WINDOW", "BatchWindow", "batch_fingerprint", "judge_repeats", "repeated_batches"]
