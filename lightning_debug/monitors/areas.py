@@ -1,11 +1,6 @@
-"""The one table of areas: for each :class:`~lightning_debug.config.Area`, its monitor, how often it checks,
-the settings that name its callback, the areas that come with it, and whether it is run-wide.
-
-Everything that needs one of these facts reads it here: :func:`lightning_debug.monitors.monitors_for`
-and the callbacks build their monitors from it, ``presets.CALLBACK_BY_AREA`` and the callbacks'
-``own_fields`` are derived from it, and each monitor reads its check frequency through its row's
-typed reader (``config.anomaly_check_frequency``), so following a setting leads here. Callbacks are
-named by string: monitors never import the framework adapters.
+"""The one table of areas: per :class:`~lightning_debug.config.Area`, its monitor, check frequency, the
+settings that name its callback, its companions and whether it is run-wide; ``monitors_for``, the
+callbacks and ``presets.CALLBACK_BY_AREA`` read it (callbacks by name: monitors never import adapters).
 
 Example::
 

@@ -1,26 +1,12 @@
 """The training loop's silent killers: modules left in eval mode, gradients never zeroed.
 
-Neither raises an error; both make a run train worse without a trace in the loss curve's shape.
-
-- ``eval_mode_in_training``: at the start of training, at each epoch, and on gradient check steps
-  (the model as a whole), modules in eval mode while the model trains, found where their mode
-  changes something (Dropout, BatchNorm/InstanceNorm with running statistics) and they are
-  trained. A frozen backbone in eval mode (no trainable parameter) is left alone; normalization layers
-  put in eval mode one by one while their parents train (frozen statistics, trained affine parameters:
-  the ``norm_eval`` recipe of small-batch fine-tuning) are an info.
-- ``grad_not_zeroed``: on the backwards of a gradient check step that follow an optimizer step, the
-  gradients they add to are looked at: a parameter that receives its first gradient of the step
-  while still holding the previous step's non-zero one accumulates across steps (a loop without
-  ``optimizer.zero_grad()``). A second backward of the same step adding to the first one's
-  gradients (two losses, two backward calls) is not counted. Parameters are hooked only on that backward and only if they
-  still hold a gradient (``zero_grad()`` sets them to None, so a healthy loop hooks nothing, and a
-  few parameters of each param group, which ``zero_grad()`` clears together, tell so); the
-  old gradients' norms are one fused kernel, read back without a sync. Intentional accumulation over
-  micro-batches is not affected: it happens between optimizer steps. Only parameters an optimizer
-  holds are looked at (the gradient of one no optimizer steps changes nothing; ``frozen_param``
-  names it). With several optimizers, only those of the optimizer that steps after the backward: a
-  GAN's generator backward runs through the discriminator, whose gradients its own step used and its
-  own ``zero_grad()`` clears before its next backward.
+- ``eval_mode_in_training``: modules in eval mode where it changes something (Dropout, norms with running
+  statistics) while they train; a frozen backbone is left alone, norms put in eval one by one under training
+  parents (``norm_eval``) are an info.
+- ``grad_not_zeroed``: on the backward after an optimizer step, a parameter an optimizer holds that gets its
+  first gradient while still holding the previous step's non-zero one. Only parameters still holding a
+  gradient are hooked (a healthy ``zero_grad()`` leaves none), micro-batch accumulation happens between
+  optimizer steps, and with several optimizers only the stepping one's parameters count (a GAN).
 """
 
 from __future__ import annotations

@@ -38,12 +38,9 @@ settles it)."""
 
 
 class LossJudge:
-    """The loss rule and the verdict engine together, one check step per :meth:`judge`: what the anomaly monitor
-    runs on each checked loss (``verdicts`` is the monitor's engine; by default one of its own).
-
-    :meth:`judge` returns at most one verdict per check, as the rule always did: a confirmed spike, else a steady
-    rise, a confirmed climb, a confirmed settled climb or an outlier, in that order (a kind of None: nothing).
-    Its ``step`` and ``where`` are those of the check it is about (a spike's or an outlier's is the check before).
+    """The loss rule and the monitor's verdict engine, one check per :meth:`judge`, which returns at most one
+    verdict: a confirmed spike, else a steady rise, a confirmed climb or settled climb, or an outlier (its
+    ``step`` and ``where`` are the check it is about: a spike's or outlier's is the check before).
 
     Example::
 

@@ -65,15 +65,9 @@ losses overflowed in an explosion (the loss blew up with it)."""
 
 @dataclass(frozen=True)
 class ExplosionSuspicion:
-    """What the global norm and the largest norm suggest before per-parameter norms are read.
-
-    ``jump``: the global norm is above the limit learnt from the run's recent norms (``limit``; None
-    without enough history, when no jump is judged); ``high``: the user's threshold is set
-    and a norm is above it (or not finite); ``confirm``: what the steps after a jump must stay above to
-    confirm it (the limit, and :data:`NORM_GRADUAL_GROWTH` times the norm of the check step before it).
-    ``runaway``: the level the norm grew :data:`RUNAWAY_GROWTH` times over within the last
-    :data:`RUNAWAY_CHECKS` check steps (None when it did not); ``overflow``: the norm turned non-finite
-    from a finite one in an explosion (see :func:`overflowed`).
+    """What the global and largest norms suggest before per-parameter norms are read: ``jump`` over the run's
+    ``limit``, ``high`` over the user's threshold (or not finite), ``confirm`` what the steps after a jump must
+    stay above, ``runaway`` the level it grew from (:func:`runaway_level`), ``overflow`` (:func:`overflowed`).
     """
 
     jump: bool
@@ -95,13 +89,9 @@ class ExplosionSuspicion:
 
 
 def runaway_level(global_norm: float, history: NormHistory) -> float | None:
-    """The level ``global_norm`` ran away from: the median of the last :data:`RUNAWAY_CHECKS` finite norms
-    when it is :data:`RUNAWAY_GROWTH` times that and above each of them; None otherwise (or without a
-    finite norm before it).
-
-    A growth, not a level: a BatchNorm'd network initialised small starts above 1e4 (harmless, scale
-    invariant) and falls from there; a healthy run's rare hard batch is 10-200x its median. The median of
-    three keeps one near-zero norm (a margin loss on an easy batch) from being the level.
+    """The level ``global_norm`` ran away from (the median of the last :data:`RUNAWAY_CHECKS` finite norms, when it
+    is :data:`RUNAWAY_GROWTH` times that and above each), else None. A growth, not a level: a healthy rare hard
+    batch is 10-200x its median, and a median of three keeps one near-zero norm from being the level.
 
     Example::
 
@@ -135,18 +125,10 @@ def rose_before(history: NormHistory) -> float | None:
 
 
 def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool) -> bool:
-    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either
-    the loss is still finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest of the run's first losses, or
-    the norm had already risen :data:`NORM_JUMP_FACTOR` times on the check step before (:func:`rose_before`;
-    then the loss may be non-finite too: it blew up with the gradients).
-
-    Not an fp16 overflow under a GradScaler with a finite loss (it finds its scale that way: the step is skipped,
-    and ``AnomalyDetectionCallback`` notes it), nor a norm that turns non-finite out of a steady level: with the
-    loss where it was it comes from one singular operation (the square root or the norm of a zero vector), and
-    with a non-finite loss it follows from the loss (``log(0)``). Both are named ``nonfinite_grad`` /
-    ``nonfinite_loss`` by ``AnomalyDetectionCallback`` and stated in report.md as non-finite values measured; an
-    explosion that grew 1000x first is named by its growth (:func:`runaway_level`), confirmed by the non-finite
-    step at once.
+    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either the
+    loss is finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen
+    (:func:`rose_before`). Not an fp16 overflow a GradScaler skips, nor one singular operation out of a steady
+    level (``nonfinite_grad`` / ``nonfinite_loss`` name those).
 
     Example::
 
@@ -212,37 +194,13 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
                     loss: float = math.nan) -> Verdict | None:
     """The ``exploding_grad`` finding of a check step, or None when its norms are healthy.
 
-    ``history`` holds the run's recent global norms (this step's not yet added), ``grads`` every
-    parameter's norm (read only when the step is suspect). A healthy model's gradient norm varies by
-    orders of magnitude between architectures (a ResNet starts near 60, a small MLP near 0.5), so no
-    fixed number is used unless the user sets one: the norm must jump 10x over the median of this
-    run's recent norms (and 6 robust sigmas). Before the run has that history (3 check steps) no jump
-    is judged: a BatchNorm'd convolution initialised small has a gradient norm above 1e4 at its first
-    steps because normalisation makes it scale-invariant (MobileNet), harmless, so no absolute level
-    from step 0 can tell an explosion from a healthy start. A growth can: from the second check step on, a
-    norm :data:`RUNAWAY_GROWTH` times the median of the (up to 3) check steps before it runs away
-    (:func:`runaway_level`: an MLP under SGD lr 5 on unscaled inputs, 17.8 then 3.0e6, then Inf), and a norm
-    that turns non-finite with the loss blown up with it overflowed (:func:`overflowed`, ``loss``: this
-    step's, NaN when not finite); the overflow is recorded at once, with or without history.
-
-    Nor is a median of the first steps a level: a wide network's norm grows 2x a step out of its
-    initialisation for its first ten steps while its loss falls (an MLP of width 1024 with Adam: 1 to 25
-    in 4 steps, and 100 with a loss blip it recovers from at once). A norm within 3x of the previous
-    check step's, with the loss under the level the run started from, grew into the limit and is not a
-    jump. A gradual rise that hurts is still judged: once the loss is above its start (an SGD step too
-    large for the curvature doubles the norm every step and quadruples the loss), and any abrupt jump
-    at once.
-
-    Nor does the median say how far a healthy run's norms range: near convergence, a batch with a hard example
-    has a gradient 10-170x the median on one check step in ten, sometimes three in a row. The limit is also
-    3x the norm the run reaches on one check step in 16 lately (:meth:`.NormHistory.routine`), so a jump must
-    leave what this run does routinely; a run whose norms stay near their median keeps the median's limit.
-
-    A jump is confirmed by the steps after it (:data:`FOLLOW_UP_STEPS`) when they stay above its limit
-    and above 3x the norm of the check step before it: in that rising phase the median lags, and a
-    one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
-    of the first steps says 3.4) has fallen back. A norm in a settled run sits near its median, so
-    there the limit decides.
+    ``history`` holds the run's recent global norms (not this step's), ``grads`` every parameter's norm (read
+    only when the step is suspect). Norms differ by orders of magnitude between healthy architectures, so no
+    fixed number is used unless the user sets one: a jump is judged against the run's own recent and routine
+    norms (:meth:`.NormHistory.limit`, not before 3 check steps: a small BatchNorm'd network starts above 1e4),
+    a norm within 3x of the previous one while the loss is under its start grew into the limit and is no jump,
+    and from the second check a :func:`runaway_level` growth or an :func:`overflowed` norm is judged without
+    that history. Jumps are held for the steps after them (:data:`FOLLOW_UP_STEPS`); see docs/gradients.md.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -305,18 +263,6 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
 
 
 FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up
-"""Optimizer steps after a jump that must all still be above its limit (or not finite) to confirm it: the kind's
-policy in the table of kinds (:class:`~lightning_debug.core.kinds.Confirm`), applied by the verdict engine;
-measured (only their global norm) where they are not check steps themselves.
-
-A healthy model's norm can spike for a step or two and fall back: window attention at a tiny resolution, a model
-memorising a small dataset, a rare batch (SwinV2 and SwiftFormer spike 15-100x their level every few steps,
-sometimes two steps in a row, while their loss falls). Under Adam a single large gradient does not scale the
-update, and under SGD an update that hurts shows in the steps after (the norm stays high, the loss rises, a NaN
-follows). An explosion feeds itself, so a jump is reported only once the steps right after it are still above
-what confirms it (``confirm_above``: see :func:`judge_exploding`): three steps in a row. A step after it whose
-norm is not finite confirms it at once (the engine's invariant: nothing healthy falls back into Inf or NaN). It is
-labelled at the step where it began. At the end of the run a jump is reported if the one step seen after it was
-still above that, and dismissed if none was seen (a last-step spike cannot be told from an explosion). A limit the
-user set (``gradient_explosion_threshold``) is applied at once, without a hold. At most 3 jumps wait per optimizer
-(a new one past that decides the oldest with what it has)."""
+"""Optimizer steps after a jump that must stay above its ``confirm_above`` to confirm it (the kind's policy):
+healthy models (SwinV2, a rare batch) spike for a step or two and fall back, an explosion feeds itself.
+Measured (their global norm only) where they are not check steps."""

@@ -1,47 +1,14 @@
 """``missing_grad`` and ``intermittent_grad``: parameters that never receive a gradient, and those that
 receive one on some steps only.
 
-A healthy model can leave a parameter without a gradient on a step: a mixture of experts routes no
-token to some experts, LayerDrop skips whole layers, a branch runs on some inputs only, multi-task
-training samples one task's head per batch. What tells that apart from a layer that is never used is
-the run's history and the first forward pass, so the rule keeps, per parameter that was ever without a
-gradient, whether it ever had one: one that had a gradient before is conditional computation
-(``intermittent_grad``, info, with the fraction of check steps it got one); one that never had any is a
-candidate, watched on every optimizer step (``.grad is None``, which costs no device work) and confirmed
-as ``missing_grad`` once it went without a gradient on enough optimizer steps in a row, or on every step
-of a shorter run. The finding is labelled with the check step that first saw it. Parameters are assumed to
-exist from their optimizer's first check step (one created later and left without a gradient reads as
-intermittent).
-
-How many steps is enough depends on what the first forward pass showed (module pre-hooks,
-:class:`~lightning_debug.monitors.gradients.order.ForwardOrder`, which cost nothing after it):
-
-- the parameter's module ran in it without building a graph (its output needs no gradient: it ran under
-  ``no_grad()`` or ``inference_mode()``, or inside ``checkpoint(use_reentrant=True)`` on inputs that need
-  none, or its output is integer, such as the indices of a top-k selector): nothing can reach it, confirmed
-  after :data:`MISSING_CONFIRM_STEPS` steps;
-- every other case waits :data:`UNCALLED_CONFIRM_STEPS` steps. A module that ran with its output in the graph
-  may have its output ignored (a pooler under a token-level loss) or cut after it (``detach()``, ``.data``), and
-  just as well used by the loss on some batches only: a classifier head run on every batch of a semi-supervised
-  run, whose loss counts on the labelled batches. A module that did not run, or is not known to have run
-  (inside a compiled module), is a layer no forward uses or one used on some batches only, such as a task's
-  head sampled on a fraction ``p`` of the batches. Either goes ``k`` steps without a gradient with probability
-  ``(1 - p) ** k``: 64 steps make that 0.1% of runs for a head used on 10% of the batches, 3.7% at 5%, where 8
-  steps would be 43% and 66%.
-
-What could still make it fire on a healthy model: an expert of a sparse MoE (many experts, few
-tokens per step) that no token reaches for longer than the window, which an untrained router does
-for tens of steps. The run's history and the model's structure rule it out together. A parameter
-whose replicas (:func:`~lightning_debug.monitors.gradients.layout.replica_groups`: the same path
-and shape inside sibling modules of one type) are seen to get their gradient on some steps only
-(one waited and then got it, or one had it and then went without) is conditional itself: it is
-confirmed only once it has waited more than :data:`WAIT_FACTOR` times the longest wait that any
-candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`), at the end of a
-run too. Between check steps the replicas of a waiting candidate are looked at with it (at most
-:data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. What remains:
-an expert that waits longer than the window while every one of its replicas gets a gradient on every step
-of that window; a head whose loss counts on fewer than 5% of the batches; and, at the end of a run shorter
-than the window, a head that no batch of the whole run used (it was not trained in that run).
+A healthy model leaves parameters without a gradient on some steps (MoE experts no token reached,
+LayerDrop, a task head sampled per batch), so the run's history decides: a parameter that had a gradient
+before is ``intermittent_grad`` (info); one that never had any is a candidate, watched on every optimizer
+step (``.grad is None``: no device work) and confirmed under the kind's policy (a module that ran without
+building a graph: :data:`MISSING_CONFIRM_STEPS`, else :data:`UNCALLED_CONFIRM_STEPS`, long enough for a head
+used on one batch in ten). A candidate whose replicas (:func:`.replica_groups`) are seen to be conditional
+waits more than :data:`WAIT_FACTOR` times the run's longest wait. docs/gradients.md ("Missing") gives the
+cases and what can still fire.
 
 Example::
 

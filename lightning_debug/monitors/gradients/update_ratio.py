@@ -1,13 +1,9 @@
 """``update_ratio_high``: optimizer steps that move a layer's weights by more than their own norm.
 
-One such step happens in healthy training: the first steps of a network whose convolutions are
-initialised small (std 0.02) under BatchNorm, which makes them scale-invariant, move them by several
-times their norm and the loss still falls; on the next step the ratio is below 1 (momentum 0.9 carries
-90% of the first update over weights that grew by it) and falls toward 1e-3. A learning
-rate far too high keeps the ratios high or blows the loss up. So a high step is held back
-(:func:`confirm_update_ratios`) and reported only when the next check step of the same optimizer is
-high too, or its loss rose by more than :data:`UPDATE_RATIO_LOSS_RISE` of this step's (or is not
-finite); it is then labelled with the first high step (the kind's policy, applied by the verdict engine).
+A small-initialised convolution under BatchNorm (scale-invariant) moves by several times its norm on its
+first step while the loss falls, then below 1; a learning rate far too high keeps the ratios high or
+blows the loss up. So a high step is held (:func:`confirm_update_ratios`, the kind's policy) and
+labelled at the first high step.
 
 Example::
 
@@ -95,23 +91,9 @@ def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, w
         [module or "(root)" for module, _ in high])
 
 
-def loss_rose(before: float, after: float) -> bool:
-    """Whether the loss went from ``before`` to ``after`` up by more than batch-to-batch noise, or to a
-    non-finite value (``after`` is NaN when no loss was observed: then it says nothing).
-
-    Example::
-
-        >>> loss_rose(1.0, 1.5), loss_rose(1.0, 300.0), loss_rose(1.0, math.inf), loss_rose(1.0, math.nan)
-        (False, True, True, False)
-    """
-    if not math.isfinite(before) or math.isnan(after):
-        return False
-    return after == math.inf or after - before > UPDATE_RATIO_LOSS_RISE * abs(before)
-
-
 def rise_bound(loss: float) -> float:
-    """The loss above which the next check step confirms a high step whose own loss was ``loss``
-    (:func:`loss_rose`); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
+    """The loss above which the next check step confirms a high step whose own loss was ``loss`` (a rise past
+    batch-to-batch noise); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
 
     Example::
 
@@ -123,12 +105,9 @@ def rise_bound(loss: float) -> float:
 
 def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
                           verdicts: VerdictEngine) -> Verdict | None:
-    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any.
-
-    ``high`` is this step's :func:`judge_update_ratios`, ``loss`` its loss (``inf`` when not finite, NaN
-    when not observed). A high step is a suspicion the verdict engine holds under the kind's policy: it is
-    reported when the next check step is high too (recorded at both steps, then on every step the condition
-    lasts) or the loss rose after it (:func:`loss_rose`).
+    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any: ``high`` (this
+    step's :func:`judge_update_ratios`) is held under the kind's policy and reported when the next check is
+    high too (at both steps) or its ``loss`` rose past the bound (``inf``: not finite, NaN: not observed).
 
     Example::
 

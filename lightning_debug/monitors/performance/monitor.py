@@ -41,8 +41,8 @@ SizeFn = Callable[[Any], int]
 class PerformanceMonitor(Monitor):
     """Step-phase timing, throughput, slow steps, data-loader stalls, stragglers, torch.profiler.
 
-    See :class:`lightning_debug.PerformanceProfilerCallback` for the behaviour users rely on. A
-    plain training loop drives it through a run, with one call per phase boundary::
+    See :class:`lightning_debug.PerformanceProfilerCallback`. ``batch_size_fn`` / ``tokens_fn``: samples and
+    tokens of a batch, when the first tensor's dimension 0 is not it. A plain loop drives it through a run::
 
         >>> import torch
         >>> from lightning_debug import DebugConfig
@@ -62,16 +62,6 @@ class PerformanceMonitor(Monitor):
         >>> run.finalize(2)
         >>> monitor.report_section()["stats"]["step_time_ms"]["count"]
         3
-
-    Args:
-        config: The run's configuration (frequency, level, thresholds, profiler window).
-        source: The name written into events (``"callback"``).
-        batch_size_fn: ``batch -> number of samples``, when the first tensor's dimension 0 is not it.
-        tokens_fn: ``batch -> number of tokens``, to log ``debug/perf/tokens_per_sec``.
-
-    The device, the number of processes (samples/s is this process's times the world size), the
-    rank (names trace files) and the all-gather (per-rank step times compared on check steps)
-    come from the run's context at :meth:`start`.
     """
 
     area = Area.PERFORMANCE

@@ -230,48 +230,14 @@ class SlowStep:
 class SlowStepRule:
     """Whether a timed step is slow for this run, judged against the last ``RECENT_STEPS`` timed steps.
 
-    What could make it fire on a healthy model: ordinary jitter (a garbage collection, a busy
-    machine, a logging step), which a plain factor over the median flags on a fast model. A step
-    counts as an outlier only above the median by ``slow_step_factor - 1`` medians, by
-    ``SLOW_MAD_Z`` robust standard deviations of the run's own spread and by ``MIN_SLOW_EXCESS_MS``;
-    times are judged without the plugin's own time and the measured wait for a CPU. It warns only
-    when outliers recur; a lone outlier is an info, and only when it is far out. The history is
-    bounded (``RECENT_STEPS`` times per phase, ``SLOW_WINDOW`` flags, the last ``RECENT_STEPS``
-    timed steps and outliers by step).
-
-    Outliers recur in three ways: clustered (``SLOW_MIN_FLAGGED`` of the last ``SLOW_WINDOW`` timed
-    steps); with a period (the last ``PERIOD_MIN_OUTLIERS`` outliers at one fixed distance of two
-    steps or more: a checkpoint, a flush or a collection every k-th step); or as a share of steps
-    far above the median (``FAR_MIN_OUTLIERS`` of the last ``RECENT_STEPS`` timed steps, and at least
-    ``FAR_MIN_FRACTION`` of them, each ``SLOW_LONE_FACTOR`` times the median and ``FAR_MS`` above it).
-    A busy machine's hiccups are irregular and rarely that far out: four of them exactly
-    equidistant, or five 20x-and-100-ms stalls in fifty steps, are not what jitter looks like.
-
-    A healthy run can also change its level: a sequence-length or batch-size schedule, progressive resizing or a
-    backbone unfrozen makes every step from one on slower, by design. Outliers on consecutive timed steps are
-    therefore held from the second: when a step comes back under the threshold of before, they were a burst
-    (the warning, labelled at its step); when one stops being an outlier only because the recent median followed
-    them, the step time moved to a new level (an info from the run's first slow step, which says whether the input
-    per step grew), and steps are judged against that level from then on. Consecutive timed outliers are never a
-    period, whatever the timing frequency. What this gives up: stalls on every step for longer than the median
-    takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info. The run is a suspicion
-    the verdict engine holds (``verdicts``, the monitor's) under the kind's policy, ``Confirm(until=BACK_UNDER)``,
-    so it travels in the checkpoint; the history of step times does not (a resumed process is timed afresh), and
-    until it is long enough again a held run is decided by the threshold of before alone.
-
-    A healthy run also varies its input: a loader that buckets sequences by length, or pads each batch to its
-    longest sequence, gives steps of 16 and of 512 tokens, and the long ones take ten times the median by design
-    (with every step timed, a small transformer on such batches had a ``slow_step`` warning every few dozen
-    steps). A step whose input (its first tensor's elements) is more than ``SIZE_BAND`` times the recent median's
-    is therefore judged against the recent steps of its own size (within ``SIZE_BAND``), and taken as explained by
-    its size while fewer than ``MIN_HISTORY`` of them were timed. Larger steps that stay (a sequence-length schedule)
-    are still a new level, an info; a stall on a step of ordinary size is judged as before.
-
-    A healthy run also has a rhythm: an epoch boundary, a checkpoint or a validation every few
-    hundred steps makes one step in that many slow, by design. A stall that recurs only with its
-    period is therefore a warning only when it costs ``MIN_PERIODIC_SHARE`` of the time or more
-    (its excess over the median step, over the period's steps; with sparse timing, over the
-    shortest period the timed steps allow); below that it is an info that says what it costs.
+    Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
+    sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
+    when outliers recur (clustered, periodic, or far out often), a periodic stall only when it costs
+    ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
+    consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
+    before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a
+    much larger input (``SIZE_BAND``: length-bucketed batches) is judged against steps of its size. See
+    docs/performance.md.
 
     Example::
 
