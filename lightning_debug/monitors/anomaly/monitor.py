@@ -140,20 +140,11 @@ class AnomalyMonitor(Monitor):
                 self.numerics.observe_buffers(step, self._watched.measure(model))
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Check this step's numerics and decide what happens to the optimizer step.
-
-        In ``warn`` mode (below ADVANCED) the values are read later without a sync and the step
-        continues. Otherwise they are read now (one sync), the cause is named by replaying the step
-        when ``level >= ADVANCED`` and a replay is possible, and :func:`.policy.decide` says whether
-        to raise :class:`AnomalyError` or return the decision the run carries out (``skip``/``stop``
-        drop the optimizer step's gradients).
-
-        Decide first, write later: everything that decides (the gathered flags, the replay and the
-        parameter scan) comes from values every rank shares; their collectives are the run's gate's,
-        planned by :func:`.collectives.nan_step_plan`, so a rank on which this method fails still
-        makes them, and the ranks agree on the decision (a rank that failed follows the others). The
-        findings are written afterwards, separately guarded. A measurement that failed on any rank is a
-        flag in the gathered rows, and every rank then continues this step without a decision.
+        """Check this step's numerics and decide what happens to the optimizer step: in ``warn`` below ADVANCED the
+        values are read later without a sync; otherwise now (one sync), replayed at ADVANCED, and
+        :func:`.policy.decide` raises or returns the decision. What decides comes from values every rank shares
+        and its collectives are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever
+        failed; findings are written afterwards.
         """
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE

@@ -30,6 +30,8 @@ from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import ConfirmedBy, Hold, Suspicion, VerdictEngine, policy_of
@@ -341,3 +343,59 @@ def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Position
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "received_fraction": fractions}),
         list(names))
+
+
+class CandidateWatch:
+    """The candidates, looked at on every optimizer step of their optimizer until they get a gradient or are
+    confirmed (``.grad is None``: no device work, no sync). ``anchors``, the parameters that had a gradient on
+    the check step: all of them without one says no backward ran (a ``training_step`` that returned None).
+
+    Example::
+
+        >>> import torch
+        >>> used, unused = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+        >>> used.grad = torch.ones(1)
+        >>> watch = CandidateWatch()
+        >>> watch.replace(None, ["unused"], ["used"], ["used", "unused"], [used, unused])
+        >>> watch.look(None)
+        ([], ['unused'])
+        >>> used.grad = None; watch.look(None) is None  # no backward ran on this step: nothing to learn
+        True
+    """
+
+    def __init__(self) -> None:
+        self.watched: list[tuple[str, torch.Tensor, Any]] = []
+        self.anchors: dict[Any, list[torch.Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.watched)
+
+    def replace(self, optimizer: Any, names: Sequence[str], anchors: Sequence[str], index_names: Sequence[str],
+                params: Sequence[torch.Tensor]) -> None:
+        """Watch ``names`` on ``optimizer``'s steps from now on (instead of what was watched for it), with
+        ``anchors`` (the parameters that had a gradient); ``index_names`` and ``params`` say which tensor is
+        which."""
+        self.watched = [entry for entry in self.watched if entry[2] != optimizer]
+        if not names:
+            return
+        position = {name: i for i, name in enumerate(index_names)}
+        self.watched += [(name, params[position[name]], optimizer) for name in names if name in position]
+        self.anchors[optimizer] = [params[position[name]] for name in anchors if name in position]
+
+    def look(self, optimizer: Any) -> tuple[list[str], list[str]] | None:
+        """The watched parameters of ``optimizer`` with and without a gradient now (None: nothing to look at,
+        or no backward ran)."""
+        mine = [(name, param) for name, param, owner in self.watched if owner == optimizer]
+        anchors = self.anchors.get(optimizer)
+        if not mine or (anchors and all(param.grad is None for param in anchors)):
+            return None
+        return ([name for name, param in mine if param.grad is not None],
+                [name for name, param in mine if param.grad is None])
+
+    def drop(self, names: Iterable[str]) -> None:
+        done = set(names)
+        if done:
+            self.watched = [entry for entry in self.watched if entry[0] not in done]
+
+    def clear(self) -> None:
+        self.watched, self.anchors = [], {}

@@ -22,8 +22,8 @@ from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monit
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
-from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
-from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
+from lightning_debug.monitors.gradients.exploding import (ClipAlgorithm, Clipping, Decided, Explosions, judge_exploding,
+                                                          suspect_explosion)
 from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
@@ -33,10 +33,10 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.stalled import judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
-from lightning_debug.monitors.gradients.updates import read_updates
+from lightning_debug.monitors.gradients.update_ratio import read_updates
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
-from lightning_debug.monitors.gradients.watch import CandidateWatch
+from lightning_debug.monitors.gradients.missing import CandidateWatch
 from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
 
 WHERES_KEPT = 64
