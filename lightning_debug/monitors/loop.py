@@ -87,13 +87,9 @@ def keeps_statistics(module: nn.Module) -> bool:
 
 
 def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
-    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents train.
-
-    What could make the eval-mode rule fire on a healthy model: the frozen-statistics recipe of small-batch
-    fine-tuning (detection backbones' ``norm_eval``, a ``set_bn_eval`` applied to every BatchNorm), where the
-    running statistics stay as pretrained and the affine parameters train. The forgotten ``.train()`` the rule is
-    for leaves a model or a block in eval mode, with its Dropout layers, not each normalization layer on its own;
-    so layers that are exactly the normalization layers, set one by one, are told as an info.
+    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents
+    train: the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not the forgotten
+    ``.train()`` the rule is for, which leaves a block in eval with its Dropout.
 
     Example::
 
@@ -111,12 +107,8 @@ def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
 
 
 def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
-    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected``
-    Dropout/BatchNorm layers run as in inference.
-
-    On a healthy model it cannot fire where it matters not: :func:`modules_left_in_eval` only names
-    modules whose mode changes their output and that are trained (a frozen backbone kept in eval mode
-    on purpose has no trainable parameter).
+    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected`` Dropout/BatchNorm
+    layers run as in inference (:func:`modules_left_in_eval` names only trained modules whose mode matters).
 
     Example::
 
@@ -165,10 +157,8 @@ def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set
 
 
 def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[str]:
-    """The parameters a backward reached while they still held a non-zero gradient of an earlier step.
-
-    ``optimizer.zero_grad(set_to_none=False)`` leaves zeros, which are no accumulation, hence the
-    strict ``> 0``.
+    """The parameters a backward reached while still holding a non-zero gradient of an earlier step
+    (``zero_grad(set_to_none=False)`` leaves zeros: no accumulation).
 
     Example::
 
@@ -179,11 +169,7 @@ def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[st
 
 
 def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Finding:
-    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters the backward added to held the previous
-    step's gradient.
-
-    Intentional accumulation over micro-batches happens between optimizer steps and a second backward of
-    one step adds to gradients of this step, so neither reaches this rule (see :func:`held_gradients`).
+    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient.
 
     Example::
 

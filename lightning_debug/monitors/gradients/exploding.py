@@ -277,16 +277,13 @@ Decided = list[tuple[int, Verdict, Any]]
 
 
 class FollowUps:
-    """The global norm of the few optimizer steps after a suspected jump that are not check steps: one fused
-    norm over the check step's index, on the process that reports, read back without a sync; no collective
-    (DDP ranks hold the same reduced gradients; sharded parameters get no follow-up, their check steps decide).
-    Bounded: :data:`FOLLOW_UP_STEPS` per optimizer.
+    """The global norm of the few non-check optimizer steps after a suspected jump: one fused norm over the check
+    step's index on the reporting process, read back without a sync, no collective (sharded parameters get
+    none). Bounded: :data:`FOLLOW_UP_STEPS` per optimizer.
 
     Example::
 
-        >>> import torch
         >>> from torch import nn
-        >>> from lightning_debug.core.numerics import ParameterIndex
         >>> layer = nn.Linear(3, 1)
         >>> layer(torch.ones(2, 3)).sum().backward()
         >>> follow_ups = FollowUps()
@@ -341,17 +338,13 @@ class FollowUps:
 
 
 class Explosions:
-    """Per optimizer, the jumps waiting for the steps after them (held in the verdict engine under the kind's
-    policy, see :data:`.FOLLOW_UP_STEPS`) and the follow-up readings that decide them; what the gradient monitor
-    records is what this returns.
+    """Per optimizer, the jumps held in the verdict engine for the steps after them, and the follow-up readings
+    that decide them; what the gradient monitor records is what this returns.
 
     Example::
 
-        >>> import torch
         >>> from torch import nn
         >>> from lightning_debug.core.findings import Finding
-        >>> from lightning_debug.core.kinds import Kind, Severity
-        >>> from lightning_debug.core.numerics import ParameterIndex
         >>> layer = nn.Linear(3, 1)
         >>> layer(torch.ones(2, 3)).sum().backward()
         >>> explosions, index = Explosions(VerdictEngine()), ParameterIndex(list(layer.named_parameters()))

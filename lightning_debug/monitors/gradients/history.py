@@ -1,7 +1,5 @@
-"""What the gradient area keeps across check steps: counts, norm histories and flagged names.
-
-Everything is bounded (windows, capped counters) and travels in the monitor's ``state_dict``, so a
-resumed run judges against the history it had.
+"""What the gradient area keeps across check steps: counts, norm histories and flagged names, bounded, and
+in the monitor's ``state_dict``.
 
 Example::
 

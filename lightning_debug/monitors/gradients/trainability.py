@@ -237,22 +237,12 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
                       had_grad: Sequence[bool], lr_zero_now: Sequence[bool], already_frozen: Collection[str],
                       positions: Positions, line_search: bool = False,
                       weights: torch.Tensor | None = None) -> Verdict | None:
-    """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step
-    left exactly unchanged (``||Δw|| = 0``). A healthy model does this with a learning rate of 0 right now
-    (a warm-up or schedule at 0, ``lr_zero_now``), which is not flagged, nor are parameters already
-    reported as frozen before the run; and with a gradient that is only rounding noise: a parameter whose
-    contributions cancel (the last bias of a triplet embedder, which drops out of every distance) gets a
-    gradient of float32's epsilon times the model's, and an update far below what its weights can hold.
-    So a gradient counts only when its norm is above :data:`NOISE_FRACTION` of the global norm. An optimizer
-    that evaluates its closure several times per step (``line_search``: L-BFGS) declines a step whose
-    direction does not descend on this batch and leaves every weight as it was: with such an optimizer a
-    step where no parameter moved is its own decision, and only a parameter left behind while others moved
-    is named. At the tail of a schedule that decays to 0 (a cosine to ``eta_min=0``) the updates shrink to a
-    millionth of the weights, and a parameter whose update is under half a unit in the last place of its
-    values rounds to no change: so when the parameters that moved changed by less than
-    :data:`NOISE_FRACTION` of their norm (``weights``, per slot), the step is at the weights' precision and
-    nothing is judged. Weights too coarse for a learning rate that is not small (bf16) still move by more
-    than that where they move at all."""
+    """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step left
+    exactly unchanged. Not flagged: a learning rate of 0 now (``lr_zero_now``), parameters already frozen, a
+    gradient under :data:`NOISE_FRACTION` of the global norm (rounding noise: contributions that cancel), a step
+    where nothing moved under a ``line_search`` optimizer (L-BFGS declines steps), and a step at the weights'
+    precision (those that moved changed by less than :data:`NOISE_FRACTION`: the tail of a decay to 0).
+    """
     moved = deltas != 0
     if bool(moved.any()):
         if weights is not None and float(torch.linalg.vector_norm(deltas[moved])) \
