@@ -171,12 +171,8 @@ class PendingStats:
 
 
 class ActivationMonitor(Monitor):
-    """Per-module output statistics on gradient check steps; ``dead_activation`` and ``saturated_activation``.
-
-    Scalars ``debug/activation/<module>/<stat>`` (mean, std, max_abs, zero_fraction, nonfinite_count,
-    and saturated_fraction for sigmoid/tanh-like modules); histograms ``debug/activation_hist/<module>``
-    at level EXPERT. A module called several times in one forward gets one entry per call
-    (``<module>_call2``, ...).
+    """Per-module output statistics on gradient check steps (``debug/activation/<module>/<stat>``, histograms at
+    EXPERT, ``<module>_call2`` for a second call); ``dead_activation`` and ``saturated_activation``.
     """
 
     area = Area.ACTIVATIONS

@@ -312,11 +312,8 @@ class LoopMonitor(Monitor):
             window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
 
     def _probes(self) -> list[torch.nn.Parameter]:
-        """A few trainable parameters of every param group, spread over it (built once per layout).
-
-        ``optimizer.zero_grad()`` clears every parameter an optimizer holds, so when these hold no
-        gradient the loop zeroes its gradients, and a check step need not touch every parameter (each
-        touch of a parameter the backward left cache-cold costs about half a microsecond).
+        """A few trainable parameters of every param group (built once per layout): ``zero_grad()`` clears a whole
+        optimizer, so when these hold no gradient no other parameter need be touched (half a microsecond each).
         """
         groups = self.context.param_groups()
         layout = (self.numerics.index(self.context.named_parameters), tuple(len(g.get("params", [])) for g in groups))

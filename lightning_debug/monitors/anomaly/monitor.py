@@ -100,12 +100,11 @@ class AnomalyMonitor(Monitor):
             self._previous_detect_anomaly = None
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        """On check steps, count the batch's floating tensors that hold NaN/Inf (fused, read back with the
-        loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
-        the micro-batch and the RNG state, for a replay. With several optimizers every batch is observed
-        (cheap device work, no sync): which optimizer steps next, and whether its check is due, is not
-        known yet. After an update that may have overflowed the weights, also flag on the device whether
-        they are finite before this forward (:meth:`.WeightHistory.wants_measure_before`, rare)."""
+        """On check steps, count the batch's floating tensors holding NaN/Inf (fused, read back with the loss flag) and
+        keep them to name the samples; from ADVANCED also the micro-batch and RNG state, for a replay. With several
+        optimizers every batch is observed (which one steps next is not known yet). After an update that may have
+        overflowed the weights, flag whether they are finite before this forward (rare).
+        """
         if not (self.due(step) or self.numerics.several_optimizers):
             return
         if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
@@ -227,10 +226,8 @@ class AnomalyMonitor(Monitor):
         return record
 
     def finalize(self, step: int) -> None:
-        """The last update has not been checked yet: check the parameters once more (one sync).
-
-        This can run on an exception path, where other ranks may not follow, so it issues no
-        collective: each rank checks its own shards and rank 0 writes what it finds.
+        """Check the parameters once more after the last update (one sync), with no collective: this can run on an
+        exception path, so each rank checks its own shards and rank 0 writes what it finds.
         """
         where = self.context.where()
         index = self._index()

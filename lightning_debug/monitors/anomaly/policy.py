@@ -60,10 +60,8 @@ class Verdict:
 
     @property
     def amp_overflow(self) -> bool:
-        """fp16 overflow the GradScaler handles: non-finite gradients with a finite loss and weights.
-
-        This is how fp16 training with a GradScaler finds its scale on a healthy model, so it is an
-        ``info`` that decides nothing; a non-finite loss or weights rule it out.
+        """fp16 overflow the GradScaler handles (non-finite gradients, finite loss and weights): how a healthy run
+        finds its scale, an ``info`` that decides nothing.
         """
         return self.uses_grad_scaler and bool(self.bad_grads) and not self.bad_loss_ranks and not self.bad_params
 

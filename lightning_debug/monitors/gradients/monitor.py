@@ -192,20 +192,19 @@ class GradientMonitor(Monitor):
 
     # --- check step -----------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Register a check step before the optimizer step: no host sync, no norm computed twice.
-
-        The verdicts come when the shared numerics are read back (a step later, or at fit end).
-        Weight snapshots (update ratios) and histograms are taken here, only on check steps and
-        only on the global-zero process, the one that reports them.
+        """Register a check step before the optimizer step (no sync, no norm computed twice); its verdicts come when the
+        shared numerics are read back. Weight snapshots and histograms are taken on check steps on global zero only.
         """
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
             if self._explosions.measuring:
                 self._explosions.measure(step, self.context.where().get("optimizer"), self.context.grad_scale,
-                                         self._index_of)
+                                         lambda optimizer: self.numerics.index(self.context.named_parameters))
             return Decision.CONTINUE
-        self._judge_stalled(step)
+        total, schedulers = self._schedule
+        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers), step,
+                     self.context.where())
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
@@ -232,11 +231,6 @@ class GradientMonitor(Monitor):
         self._checks.add(pending)
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
-
-    def _judge_stalled(self, step: int) -> None:
-        total, schedulers = self._schedule
-        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers), step,
-                     self.context.where())
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
@@ -300,10 +294,12 @@ class GradientMonitor(Monitor):
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
+        clipping = self.context.gradient_clipping()
         grads = (list(zip(host.grad_names, host.grad_norms))
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
-                                    list(self.history.healthy_norms.values), self._clipping(), host.loss_value)
+                                    list(self.history.healthy_norms.values),
+                                    clipping and Clipping(clipping[0], ClipAlgorithm.parse(clipping[1])), host.loss_value)
         self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
                                                        where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
@@ -361,13 +357,6 @@ class GradientMonitor(Monitor):
             details = verdict.finding.details
             self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
                                             "step": step}
-
-    def _index_of(self, optimizer: Any) -> ParameterIndex:
-        return self.numerics.index(self.context.named_parameters)
-
-    def _clipping(self) -> Clipping | None:
-        clipping = self.context.gradient_clipping()
-        return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
 
     # --- parameters left out of training: missing gradients and outside training --------------------
     def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:

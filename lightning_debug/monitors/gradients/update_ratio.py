@@ -69,11 +69,9 @@ def learning_rates(param_groups: Sequence[dict[str, Any]]) -> list[float]:
 
 def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, weights: torch.Tensor,
                         lrs: Sequence[float]) -> Verdict | None:
-    """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm.
-
-    Judged per module, so a zero-initialised bias next to its weight does not count, and only for
-    modules whose weights are not (near) zero: a parameter that starts at 0 has an infinite ratio
-    on its first step by construction, which would fire on every healthy model.
+    """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm; per module
+    (a zero-initialised bias beside its weight does not count), and not for (near) zero weights, whose first
+    ratio is infinite by construction.
     """
     moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
     ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()

@@ -109,15 +109,10 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
                     positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
                     loss: float = math.nan) -> Verdict | None:
-    """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
-
-    ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
-    threshold: no layer is low and every hold ends); ``loss`` is the step's loss (NaN when unknown).
-    Each layer's first norm is kept from the first check step that read them. A parameter whose gradient is
-    exactly zero while the rest of its module learns is structural (the key bias of attention: softmax
-    ignores a shift shared by every key): judging the module's norm rules it out; a whole module at zero is
-    a dead layer. Each low layer is a suspicion keyed by the layer; ``verdicts`` holds it under the kind's
-    policy (3 check steps in a row, 8 for :data:`EXACTLY_ZERO`).
+    """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
+    none was read (no norm below the threshold: every hold ends); ``loss``: NaN when unknown. Judged per module,
+    so a parameter that is exactly zero while its module learns (attention's key bias) is not a dead layer; each
+    low layer is a suspicion ``verdicts`` holds under the kind's policy.
     """
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
         return None

@@ -179,12 +179,8 @@ class PerformanceMonitor(Monitor):
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
-        """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
-        batch in which the optimizer step started (or when a batch of a later step starts).
-
-        On a check step that took an optimizer step (the same on every rank) the ranks gather their
-        step times, whatever failed on this rank before: a failure sends a row of NaN (a step no rank
-        judges), then is raised for the run to record.
+        """A batch of optimizer step ``step`` ends (under accumulation, with the batch the optimizer step started in).
+        On a check step the ranks gather their step times whatever failed here (a failure sends NaN, then raises).
         """
         failure: Exception | None = None
         try:
