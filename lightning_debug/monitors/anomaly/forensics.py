@@ -1,10 +1,6 @@
-"""Which optimizer update made the weights non-finite, and whether its gradients did.
-
-A parameter scan read a step late sees the weights after this step's update; one read before the
-update sees the weights this step's forward used. Either way the scan alone cannot tell which update
-broke them. The earlier checks can: their gradients' finiteness and norm, and whether an update with
-finite gradients was large enough to overflow the parameters' dtype (then the weights are measured
-once more before the next forward). Host arithmetic over a few numbers, no tensor.
+"""Which optimizer update made the weights non-finite, and whether its gradients did: a scan alone cannot
+tell, the earlier checks can (their gradients' finiteness and norm, and whether an update could overflow
+the dtype). Host arithmetic over a few numbers, no tensor.
 """
 
 from __future__ import annotations

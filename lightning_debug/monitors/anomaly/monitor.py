@@ -1,9 +1,5 @@
-"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check.
-
-Events in, findings out: which batches and read-backs a check step keeps, the state a resumed run
-carries, and recording. What a step shows and what the run does about it is :mod:`.policy`; which
-update broke the weights, :mod:`.forensics`; naming the cause by replaying the step, :mod:`.replay`;
-every sentence, :mod:`.prose`; a loss that spikes or climbs, :mod:`.divergence`.
+"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check (which batches and read-backs a
+check step keeps, the state a resume carries, recording); the judging is in the sibling modules.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The replay orchestration: when to replay a non-finite step, over which micro-batches, and which cause wins.
-
-:func:`~lightning_debug.checks.localize.localize` replays one micro-batch; this module decides
-whether a step is worth it (the first step of an episode of non-finite loss or gradients, never an
-fp16 overflow the GradScaler handles), replays each captured micro-batch, and merges the causes
-(of every rank, under distributed training) into the one the findings name.
+"""The replay orchestration: when to replay a non-finite step (the first of an episode, never a GradScaler's
+overflow), over which micro-batches, and which cause (of every rank) the findings name.
 """
 
 from __future__ import annotations

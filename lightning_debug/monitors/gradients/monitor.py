@@ -1,9 +1,6 @@
-"""The gradient monitor's plumbing: events, pending read-backs, scalars, state and recording.
-
-The monitor reads the shared :class:`~lightning_debug.core.numerics.StepNumerics` of a check
-step (computed once for every callback), so gradient norms are never computed twice. Everything it
-measures itself (weight updates, histograms) is fused device work read back without a sync. The
-verdicts are the rules' (one module each): this module only feeds them and records what they return.
+"""The gradient monitor's plumbing: it reads the shared numerics of a check step (norms computed once for every
+callback), measures updates and histograms as fused device work read back without a sync, feeds the rules
+and records what they return.
 """
 
 from __future__ import annotations

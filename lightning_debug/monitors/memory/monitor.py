@@ -1,8 +1,5 @@
-"""The memory monitor's plumbing: events, readings, the census and allocation history, recording.
-
-What is judged lives beside it, pure: ``memory_high`` in :mod:`.high`, the leak rule in
-:mod:`.growth`, the OOM post-mortem in :mod:`.post_mortem`; the settings in :mod:`.settings`; the
-CUDA allocation history is switched on and off by :mod:`.history`.
+"""The memory monitor's plumbing: events, readings, the census and allocation history, recording; what is
+judged lives beside it, pure.
 """
 
 from __future__ import annotations

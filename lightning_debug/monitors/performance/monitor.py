@@ -1,10 +1,5 @@
-"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps.
-
-The monitor is driven by the run's events at phase boundaries (a batch starts, backward starts,
-the optimizer step starts, a batch ends), so a Lightning callback, an Accelerate loop and a plain
-training loop use it the same way. On a non-check step it does nothing but an integer comparison
-per boundary. This module is the plumbing (events, pending read-backs, scalars, state, recording);
-the rules live in :mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers` and :mod:`.profiler`.
+"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps: the plumbing,
+driven by the run's events at phase boundaries (an integer comparison per boundary on other steps).
 """
 
 from __future__ import annotations
