@@ -291,12 +291,12 @@ class GradientMonitor(Monitor):
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
-        clipping = self.context.gradient_clipping()
+        clip = self.context.gradient_clipping()
+        clipping = None if clip is None else Clipping(clip[0], ClipAlgorithm.parse(clip[1]))
         grads = (list(zip(host.grad_names, host.grad_norms))
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
-                                    list(self.history.healthy_norms.values),
-                                    clipping and Clipping(clipping[0], ClipAlgorithm.parse(clipping[1])), host.loss_value)
+                                    list(self.history.healthy_norms.values), clipping, host.loss_value)
         self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
                                                        where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
