@@ -1,11 +1,6 @@
-"""The areas of checks: framework-free monitors that the run (:mod:`lightning_debug.run`) drives
-through the same events in every framework.
-
-The four callback areas (anomaly, gradients, memory, performance) follow ``DebugConfig.mode``;
-activation statistics come with the gradients area when ``log_activations`` is on
-(:func:`companion_monitors`); the training loop's silent killers and the explained exception come
-once per run whatever areas are on (:func:`run_monitors`). Which monitor, settings, companions and
-callback each area has is the one table of areas, :data:`~lightning_debug.monitors.areas.AREA_SPECS`."""
+"""The areas of checks: framework-free monitors the run drives through the same events in every framework;
+which ones a config gets is the table of areas (:data:`~lightning_debug.monitors.areas.AREA_SPECS`).
+"""
 
 from __future__ import annotations
 

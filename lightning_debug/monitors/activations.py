@@ -1,12 +1,8 @@
 """Activation statistics (``log_activations``): what each layer outputs, dead ReLUs, saturated sigmoids.
 
-On a gradient check step (or the step after it, when the performance profiler times the check
-step), forward hooks are put on the model's leaf modules when the step's first micro-batch starts
-and taken off when its forward ends (the loss is computed), so no other forward pays anything. Each hook computes its module's output statistics on the device right away (the
-output may be modified in place later, e.g. by ``ReLU(inplace=True)`` or ``out += identity``);
-the rows of all modules are stacked into one vector and read back once, without a host sync,
-when the copy has completed (usually at the next step). With ``log_activations`` off this
-monitor does not exist.
+Forward hooks go on the leaf modules for the forward of a check step's first micro-batch only (the step
+after it when the profiler times the check step); each computes its statistics on the device at once (the
+output may be changed in place later), and the rows are read back once, without a sync.
 
 Example::
 
@@ -175,12 +171,8 @@ class PendingStats:
 
 
 class ActivationMonitor(Monitor):
-    """Per-module output statistics on gradient check steps; ``dead_activation`` and ``saturated_activation``.
-
-    Scalars ``debug/activation/<module>/<stat>`` (mean, std, max_abs, zero_fraction, nonfinite_count,
-    and saturated_fraction for sigmoid/tanh-like modules); histograms ``debug/activation_hist/<module>``
-    at level EXPERT. A module called several times in one forward gets one entry per call
-    (``<module>_call2``, ...).
+    """Per-module output statistics on gradient check steps (``debug/activation/<module>/<stat>``, histograms at
+    EXPERT, ``<module>_call2`` for a second call); ``dead_activation`` and ``saturated_activation``.
     """
 
     area = Area.ACTIVATIONS

@@ -1,11 +1,6 @@
-"""The one table of areas: for each :class:`~lightning_debug.config.Area`, its monitor, how often it checks,
-the settings that name its callback, the areas that come with it, and whether it is run-wide.
-
-Everything that needs one of these facts reads it here: :func:`lightning_debug.monitors.monitors_for`
-and the callbacks build their monitors from it, ``presets.CALLBACK_BY_AREA`` and the callbacks'
-``own_fields`` are derived from it, and each monitor reads its check frequency through its row's
-typed reader (``config.anomaly_check_frequency``), so following a setting leads here. Callbacks are
-named by string: monitors never import the framework adapters.
+"""The one table of areas: per :class:`~lightning_debug.config.Area`, its monitor, check frequency, the
+settings that name its callback, its companions and whether it is run-wide; ``monitors_for``, the
+callbacks and ``presets.CALLBACK_BY_AREA`` read it (callbacks by name: monitors never import adapters).
 
 Example::
 
@@ -44,18 +39,10 @@ def _always(config: DebugConfig) -> bool:
 
 @dataclass(frozen=True)
 class AreaSpec:
-    """One area's row.
-
-    Args:
-        area: The area.
-        monitor: Its monitor class.
-        frequency: Reads its check frequency (optimizer steps) from a config.
-        settings: The ``DebugConfig`` fields that tell two of its callbacks apart (the callback's state
-            key, ``own_fields``), its frequency field included.
-        companions: Areas whose monitors come with this one's when their ``enabled`` says so.
-        callback: The name of its Lightning callback; None for areas without one.
-        run_wide: Once per run whatever areas are on (the loop's silent killers, the explained exception).
-        enabled: For a companion: whether ``config`` turns it on.
+    """One area's row: its monitor class, the reader of its check frequency, the ``DebugConfig`` fields that tell
+    two of its callbacks apart (``own_fields``, the state key), the companion areas that come with it when their
+    ``enabled`` says so, its Lightning callback's name (None: none), and whether it is ``run_wide`` (once per run
+    whatever areas are on).
     """
 
     area: Area

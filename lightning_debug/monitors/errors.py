@@ -1,14 +1,9 @@
 """The user's exception, explained: what kind of error, in which module, with which shapes or devices.
 
-When the training step raises, the run calls :meth:`ErrorMonitor.exception` and the error then
-propagates unchanged. The monitor classifies the message (:class:`~lightning_debug.core.kinds.ErrorCategory`),
-reads the traceback's frames for the module and tensors involved
-(:mod:`lightning_debug.checks.errors`), and writes one ``exception`` event with
-``details.category`` plus a "Runtime error" section of report.md (on other ranks, an
-``exception_step<N>_rank<r>.md`` file). An in-place error, which is raised by the backward and has
-no module on its traceback, is traced by replaying the step's forward once (one process only: a
-replay on one rank could break the collectives of the others). Nothing runs before an error
-but keeping a reference to the current batch.
+The run calls :meth:`ErrorMonitor.exception` and the error propagates unchanged; the monitor classifies the
+message, reads the traceback's frames (:mod:`lightning_debug.checks.errors`) and writes one ``exception``
+event and a "Runtime error" section. An in-place error (raised by the backward, no module on its traceback)
+is traced by replaying the forward once, on one process only.
 """
 
 from __future__ import annotations
@@ -261,14 +256,9 @@ def explain_error(step: int, error: BaseException, module: dict[str, Any] | None
                   replay_inplace: InplaceReplay = _no_replay,
                   trainable_names: Callable[[], list[str]] = list,
                   labels: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The explanation of a training-step error: ``step``, ``category``, ``message``, ``advice`` and
-    ``details`` (the ``exception`` event's), from the error and what its traceback showed (``module``:
-    :func:`~lightning_debug.checks.errors.failing_module`, ``source``, ``innermost`` tensors, and for a
-    label out of range the ``labels`` :func:`~lightning_debug.checks.errors.out_of_range_labels` found).
-
-    It only explains an error that already happened, so it cannot fire on a healthy model; what it names
-    comes from the message and the traceback, never guessed: with nothing to read, it says only what
-    PyTorch said and the category's advice.
+    """The explanation of a training-step error (the ``exception`` event's ``step``, ``category``, ``message``,
+    ``advice``, ``details``) from the error and what its traceback showed; never guessed: with nothing to
+    read, only what PyTorch said and the category's advice.
 
     Example::
 

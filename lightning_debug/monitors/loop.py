@@ -1,26 +1,12 @@
 """The training loop's silent killers: modules left in eval mode, gradients never zeroed.
 
-Neither raises an error; both make a run train worse without a trace in the loss curve's shape.
-
-- ``eval_mode_in_training``: at the start of training, at each epoch, and on gradient check steps
-  (the model as a whole), modules in eval mode while the model trains, found where their mode
-  changes something (Dropout, BatchNorm/InstanceNorm with running statistics) and they are
-  trained. A frozen backbone in eval mode (no trainable parameter) is left alone; normalization layers
-  put in eval mode one by one while their parents train (frozen statistics, trained affine parameters:
-  the ``norm_eval`` recipe of small-batch fine-tuning) are an info.
-- ``grad_not_zeroed``: on the backwards of a gradient check step that follow an optimizer step, the
-  gradients they add to are looked at: a parameter that receives its first gradient of the step
-  while still holding the previous step's non-zero one accumulates across steps (a loop without
-  ``optimizer.zero_grad()``). A second backward of the same step adding to the first one's
-  gradients (two losses, two backward calls) is not counted. Parameters are hooked only on that backward and only if they
-  still hold a gradient (``zero_grad()`` sets them to None, so a healthy loop hooks nothing, and a
-  few parameters of each param group, which ``zero_grad()`` clears together, tell so); the
-  old gradients' norms are one fused kernel, read back without a sync. Intentional accumulation over
-  micro-batches is not affected: it happens between optimizer steps. Only parameters an optimizer
-  holds are looked at (the gradient of one no optimizer steps changes nothing; ``frozen_param``
-  names it). With several optimizers, only those of the optimizer that steps after the backward: a
-  GAN's generator backward runs through the discriminator, whose gradients its own step used and its
-  own ``zero_grad()`` clears before its next backward.
+- ``eval_mode_in_training``: modules in eval mode where it changes something (Dropout, norms with running
+  statistics) while they train; a frozen backbone is left alone, norms put in eval one by one under training
+  parents (``norm_eval``) are an info.
+- ``grad_not_zeroed``: on the backward after an optimizer step, a parameter an optimizer holds that gets its
+  first gradient while still holding the previous step's non-zero one. Only parameters still holding a
+  gradient are hooked (a healthy ``zero_grad()`` leaves none), micro-batch accumulation happens between
+  optimizer steps, and with several optimizers only the stepping one's parameters count (a GAN).
 """
 
 from __future__ import annotations
@@ -102,13 +88,9 @@ def keeps_statistics(module: nn.Module) -> bool:
 
 
 def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
-    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents train.
-
-    What could make the eval-mode rule fire on a healthy model: the frozen-statistics recipe of small-batch
-    fine-tuning (detection backbones' ``norm_eval``, a ``set_bn_eval`` applied to every BatchNorm), where the
-    running statistics stay as pretrained and the affine parameters train. The forgotten ``.train()`` the rule is
-    for leaves a model or a block in eval mode, with its Dropout layers, not each normalization layer on its own;
-    so layers that are exactly the normalization layers, set one by one, are told as an info.
+    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents
+    train: the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not the forgotten
+    ``.train()`` the rule is for, which leaves a block in eval with its Dropout.
 
     Example::
 
@@ -126,12 +108,8 @@ def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
 
 
 def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
-    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected``
-    Dropout/BatchNorm layers run as in inference.
-
-    On a healthy model it cannot fire where it matters not: :func:`modules_left_in_eval` only names
-    modules whose mode changes their output and that are trained (a frozen backbone kept in eval mode
-    on purpose has no trainable parameter).
+    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected`` Dropout/BatchNorm
+    layers run as in inference (:func:`modules_left_in_eval` names only trained modules whose mode matters).
 
     Example::
 
@@ -180,10 +158,8 @@ def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set
 
 
 def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[str]:
-    """The parameters a backward reached while they still held a non-zero gradient of an earlier step.
-
-    ``optimizer.zero_grad(set_to_none=False)`` leaves zeros, which are no accumulation, hence the
-    strict ``> 0``.
+    """The parameters a backward reached while still holding a non-zero gradient of an earlier step
+    (``zero_grad(set_to_none=False)`` leaves zeros: no accumulation).
 
     Example::
 
@@ -194,11 +170,7 @@ def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[st
 
 
 def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Finding:
-    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters the backward added to held the previous
-    step's gradient.
-
-    Intentional accumulation over micro-batches happens between optimizer steps and a second backward of
-    one step adds to gradients of this step, so neither reaches this rule (see :func:`held_gradients`).
+    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient.
 
     Example::
 
@@ -344,11 +316,8 @@ class LoopMonitor(Monitor):
             window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
 
     def _probes(self) -> list[torch.nn.Parameter]:
-        """A few trainable parameters of every param group, spread over it (built once per layout).
-
-        ``optimizer.zero_grad()`` clears every parameter an optimizer holds, so when these hold no
-        gradient the loop zeroes its gradients, and a check step need not touch every parameter (each
-        touch of a parameter the backward left cache-cold costs about half a microsecond).
+        """A few trainable parameters of every param group (built once per layout): ``zero_grad()`` clears a whole
+        optimizer, so when these hold no gradient no other parameter need be touched (half a microsecond each).
         """
         groups = self.context.param_groups()
         layout = (self.numerics.index(self.context.named_parameters), tuple(len(g.get("params", [])) for g in groups))

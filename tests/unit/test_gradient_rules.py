@@ -25,8 +25,8 @@ from lightning_debug.monitors.gradients.exploding import (
     runaway_level,
     suspect_explosion,
 )
-from lightning_debug.monitors.gradients.flags import FlagCounter
-from lightning_debug.monitors.gradients.follow_up import Explosions
+from lightning_debug.monitors.gradients.history import FlagCounter
+from lightning_debug.monitors.gradients.exploding import Explosions
 from lightning_debug.monitors.gradients.layout import ModuleLayout, input_to_output
 from lightning_debug.monitors.gradients.missing import (
     MISSING_CONFIRM_STEPS,

@@ -89,3 +89,19 @@ def test_every_monitor_writes_only_the_kinds_its_row_of_the_table_gives_its_area
             if KIND_SPECS[Kind[name]].area.value != area:
                 wrong.append((path.name, name, KIND_SPECS[Kind[name]].area.value))
     assert wrong == []
+
+
+def test_every_kind_is_made_in_its_areas_monitor_package_and_each_monitor_closes_only_its_areas_kinds() -> None:
+    """Adding a check: a kind added to the table with no rule making it, or a monitor's ``kinds`` (the episodes it
+    closes) naming a kind of another area, fails here (docs/architecture.md, "Adding a check")."""
+    from lightning_debug.monitors.areas import AREA_SPECS
+
+    monitors = Path(__file__).resolve().parents[2] / "lightning_debug" / "monitors"
+    made: set[str] = set()
+    for path in monitors.rglob("*.py"):
+        if MONITOR_AREAS.get(path.relative_to(monitors).parts[0].removesuffix(".py")) is not None:
+            made.update(re.findall(r"(?:Finding|Suspicion)\(\s*Kind\.([A-Z_]+)", path.read_text(encoding="utf-8")))
+    assert [kind.name for kind in KIND_SPECS if kind.name not in made] == []
+    wrong = {area.value: sorted(kind.value for kind in spec.monitor.kinds if KIND_SPECS[kind].area is not area)
+             for area, spec in AREA_SPECS.items()}
+    assert {area: kinds for area, kinds in wrong.items() if kinds} == {}

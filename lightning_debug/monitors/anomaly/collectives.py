@@ -1,16 +1,8 @@
-"""The anomaly check's collectives: those of a step with a non-finite value (:func:`nan_step_plan`), and what a
-replay must not do under distributed training: run a user's collective on one rank only.
-
-A replayed ``training_step`` may call collectives of its own (``self.all_gather(z, sync_grads=True)``
-in a contrastive loss). Its forward replay runs on every rank with the same calls, so those match;
-but the backward replay stops at the first NaN on the rank that has it, so a collective in the
-backward (the gather's own backward) would be entered on the other ranks only, and every rank would
-wait forever. :class:`ReplayCollectives` notices the collectives of the forward replay (the c10d
-operations it dispatches) and then leaves the backward replay out, saying so.
-
-It also makes the replay's uninitialized allocations defined: ``torch.empty_like`` (the buffers a
-gather fills) returns whatever the memory held, sometimes a NaN bit pattern, which the replay would
-otherwise name as the operation that produced NaN from finite inputs.
+"""The anomaly check's collectives (:func:`nan_step_plan`), and what a replay must not do under distributed
+training: run a user's collective on one rank only. A backward replay stops at the first NaN on the rank
+that has it, so a collective in it (the backward of ``self.all_gather(z, sync_grads=True)``) would hang the
+others: :class:`ReplayCollectives` sees the forward replay's c10d operations and leaves the backward out. It
+also zero-fills the replay's uninitialized allocations, whose garbage could read as a NaN an operation made.
 """
 
 from __future__ import annotations
@@ -53,12 +45,9 @@ class _ReplayMode(TorchDispatchMode):
 
 
 class ReplayCollectives:
-    """The collectives one micro-batch's replay dispatched, and whether its backward was left out.
-
-    Enter it around :func:`~lightning_debug.checks.localize.localize` and give ``localize`` the
-    replay through :meth:`wrap`: the first call (the forward replay) runs and is watched; a later call
-    with gradients enabled (the backward replay) is left out when the first dispatched a collective.
-    While entered, uninitialized floating-point allocations come back zero-filled.
+    """The collectives one micro-batch's replay dispatched, and whether its backward was left out: the first call of
+    :meth:`wrap` (the forward replay) runs and is watched, a later one with gradients enabled is left out when the
+    first dispatched a collective.
 
     Example::
 
@@ -107,15 +96,10 @@ class ReplayCollectives:
 
 
 def nan_step_plan(monitor: Any, current: Any) -> list[Planned]:
-    """The collectives the anomaly check makes after the step's shared measurement, in order, chosen from values
-    every rank shares (the gathered flags, the settings, the model's structure), never from what a rank did.
-
-    ``monitor`` is the :class:`.AnomalyMonitor` (its settings are read, no method of it is called), ``current``
-    the step's :class:`~lightning_debug.core.numerics.StepNumerics`. A step read a step late (``warn`` without
-    a replay) has none, nor has one process; a synchronous step with a non-finite loss or gradient has the
-    replay's gather (when a replay is possible), the samples' gather (a non-finite input) and the parameter
-    scan's flags (when the step's own norms did not measure the weights). The :class:`~lightning_debug.core.gate.Gate`
-    makes those a failure kept a rank from reaching.
+    """The collectives the anomaly check makes after the step's shared measurement, in order, chosen only from
+    values every rank shares (so the :class:`~lightning_debug.core.gate.Gate` can make those a failure kept a
+    rank from): none when read a step late or on one process; else the replay's gather, the samples' gather and
+    the parameter scan's flags, as the step needs them.
     """
     replay = monitor.context.replay() if monitor.localizes else None
     if reads_late(monitor.mode, replays=replay is not None) or current.world_size < 2:

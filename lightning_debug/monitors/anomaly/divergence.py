@@ -1,16 +1,7 @@
-"""Early divergence: the findings a loss that spikes or climbs turns into, while everything is still
-finite (the rule, :class:`~lightning_debug.checks.trends.LossTrend`, is in :mod:`lightning_debug.checks.trends`).
-
-The loss is judged by the anomaly check, which runs every step by default and already reads the
-loss's finiteness; its value travels in the same read-back (no extra sync). So a learning rate that
-blows the loss up at step 1 is named a step or two later, before anything is NaN.
-
-The rule only says what one loss suggests; :class:`LossJudge` hands its suspicions to the monitor's verdict
-engine, where the policies of the table of kinds hold them: a suspected ``loss_spike`` is confirmed by the next
-check's loss (not finite, or still above the spike's limit), else it was one batch, ``loss_outlier``, labelled at
-the spike's step, as is one no check came to settle before the end of the run; a climbing or settled level is a
-``loss_divergence`` once it holds on the policy's checks in a row; a steady rise is one at once. Held in the engine,
-a suspicion travels in the monitor's checkpoint with the step and the place it began.
+"""Early divergence: the findings a loss that spikes or climbs turns into while everything is still finite
+(the rule is :class:`~lightning_debug.checks.trends.LossTrend`). The loss comes in the anomaly check's
+read-back (no extra sync); :class:`LossJudge` hands its suspicions to the monitor's verdict engine, whose
+policies (the table of kinds) confirm, label and checkpoint them.
 """
 
 from __future__ import annotations
@@ -38,12 +29,9 @@ settles it)."""
 
 
 class LossJudge:
-    """The loss rule and the verdict engine together, one check step per :meth:`judge`: what the anomaly monitor
-    runs on each checked loss (``verdicts`` is the monitor's engine; by default one of its own).
-
-    :meth:`judge` returns at most one verdict per check, as the rule always did: a confirmed spike, else a steady
-    rise, a confirmed climb, a confirmed settled climb or an outlier, in that order (a kind of None: nothing).
-    Its ``step`` and ``where`` are those of the check it is about (a spike's or an outlier's is the check before).
+    """The loss rule and the monitor's verdict engine, one check per :meth:`judge`, which returns at most one
+    verdict: a confirmed spike, else a steady rise, a confirmed climb or settled climb, or an outlier (its
+    ``step`` and ``where`` are the check it is about: a spike's or outlier's is the check before).
 
     Example::
 

@@ -1,10 +1,6 @@
-"""Which optimizer update made the weights non-finite, and whether its gradients did.
-
-A parameter scan read a step late sees the weights after this step's update; one read before the
-update sees the weights this step's forward used. Either way the scan alone cannot tell which update
-broke them. The earlier checks can: their gradients' finiteness and norm, and whether an update with
-finite gradients was large enough to overflow the parameters' dtype (then the weights are measured
-once more before the next forward). Host arithmetic over a few numbers, no tensor.
+"""Which optimizer update made the weights non-finite, and whether its gradients did: a scan alone cannot
+tell, the earlier checks can (their gradients' finiteness and norm, and whether an update could overflow
+the dtype). Host arithmetic over a few numbers, no tensor.
 """
 
 from __future__ import annotations
@@ -59,13 +55,8 @@ class LastCheck:
 
 
 def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], largest_value: Callable[[], float]) -> bool:
-    """Whether an update with finite gradients of norm ``grad_norm`` could reach the largest value of
-    the parameters' dtype (``largest_value``, asked only when needed): per element at most about
-    lr x norm x :data:`UPDATE_GROWTH`.
-
-    A healthy run's updates are many orders of magnitude below the dtype's range (fp16: 65504), so
-    this only holds for a learning rate or gradient norm that is already absurd; a non-finite norm
-    or no learning rate says nothing.
+    """Whether an update with finite gradients of norm ``grad_norm`` could reach the dtype's largest value (per
+    element about lr x norm x :data:`UPDATE_GROWTH`): only for an absurd learning rate or norm.
 
     Example::
 
@@ -109,15 +100,9 @@ class WeightHistory:
     def origin(self, step: int, seen_after: int | None, grads_bad: bool, broken_before: object | None,
                may_overflow: Callable[[float], bool]) -> ParamsOrigin:
         """Which update made the parameters non-finite, and whether its gradients did (see :class:`ParamsOrigin`).
-
-        ``seen_after``: the last update the scan saw (None: before this step's update);
-        ``broken_before``: this step's flag of non-finite weights before its forward (read with
-        ``bool`` only when needed), None when not measured. A scan read a step late sees the weights
-        after this step's update: with this step's gradients non-finite, that update wrote them,
-        unless the weights were already broken before its forward, which the previous check tells
-        (already found non-finite; or its update, with finite gradients, was large enough to overflow
-        the parameters' dtype). A scan before the update sees the weights the forward used: they broke
-        in an earlier update, by non-finite gradients when the previous checked step had them.
+        ``seen_after``: the last update the scan saw (None: before this step's); ``broken_before``: the flag of
+        weights non-finite before this forward (None: not measured). A late scan blames this step's update unless
+        the weights broke before its forward; an early one, an earlier update.
         """
         seen_after = seen_after if seen_after is not None else step - 1
         last = self.last_check

@@ -1,9 +1,5 @@
-"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check.
-
-Events in, findings out: which batches and read-backs a check step keeps, the state a resumed run
-carries, and recording. What a step shows and what the run does about it is :mod:`.policy`; which
-update broke the weights, :mod:`.forensics`; naming the cause by replaying the step, :mod:`.replay`;
-every sentence, :mod:`.prose`; a loss that spikes or climbs, :mod:`.divergence`.
+"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check (which batches and read-backs a
+check step keeps, the state a resume carries, recording); the judging is in the sibling modules.
 """
 
 from __future__ import annotations
@@ -100,12 +96,11 @@ class AnomalyMonitor(Monitor):
             self._previous_detect_anomaly = None
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        """On check steps, count the batch's floating tensors that hold NaN/Inf (fused, read back with the
-        loss flag) and keep a reference to them, to name the samples if they do; from ADVANCED also keep
-        the micro-batch and the RNG state, for a replay. With several optimizers every batch is observed
-        (cheap device work, no sync): which optimizer steps next, and whether its check is due, is not
-        known yet. After an update that may have overflowed the weights, also flag on the device whether
-        they are finite before this forward (:meth:`.WeightHistory.wants_measure_before`, rare)."""
+        """On check steps, count the batch's floating tensors holding NaN/Inf (fused, read back with the loss flag) and
+        keep them to name the samples; from ADVANCED also the micro-batch and RNG state, for a replay. With several
+        optimizers every batch is observed (which one steps next is not known yet). After an update that may have
+        overflowed the weights, flag whether they are finite before this forward (rare).
+        """
         if not (self.due(step) or self.numerics.several_optimizers):
             return
         if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
@@ -140,20 +135,11 @@ class AnomalyMonitor(Monitor):
                 self.numerics.observe_buffers(step, self._watched.measure(model))
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Check this step's numerics and decide what happens to the optimizer step.
-
-        In ``warn`` mode (below ADVANCED) the values are read later without a sync and the step
-        continues. Otherwise they are read now (one sync), the cause is named by replaying the step
-        when ``level >= ADVANCED`` and a replay is possible, and :func:`.policy.decide` says whether
-        to raise :class:`AnomalyError` or return the decision the run carries out (``skip``/``stop``
-        drop the optimizer step's gradients).
-
-        Decide first, write later: everything that decides (the gathered flags, the replay and the
-        parameter scan) comes from values every rank shares; their collectives are the run's gate's,
-        planned by :func:`.collectives.nan_step_plan`, so a rank on which this method fails still
-        makes them, and the ranks agree on the decision (a rank that failed follows the others). The
-        findings are written afterwards, separately guarded. A measurement that failed on any rank is a
-        flag in the gathered rows, and every rank then continues this step without a decision.
+        """Check this step's numerics and decide what happens to the optimizer step: in ``warn`` below ADVANCED the
+        values are read later without a sync; otherwise now (one sync), replayed at ADVANCED, and
+        :func:`.policy.decide` raises or returns the decision. What decides comes from values every rank shares
+        and its collectives are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever
+        failed; findings are written afterwards.
         """
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
@@ -236,10 +222,8 @@ class AnomalyMonitor(Monitor):
         return record
 
     def finalize(self, step: int) -> None:
-        """The last update has not been checked yet: check the parameters once more (one sync).
-
-        This can run on an exception path, where other ranks may not follow, so it issues no
-        collective: each rank checks its own shards and rank 0 writes what it finds.
+        """Check the parameters once more after the last update (one sync), with no collective: this can run on an
+        exception path, so each rank checks its own shards and rank 0 writes what it finds.
         """
         where = self.context.where()
         index = self._index()

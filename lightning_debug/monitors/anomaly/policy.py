@@ -1,9 +1,6 @@
 """The decision policy: from what a checked step shows, which kinds it has and what the run does about it.
-
-A non-finite loss, gradient, parameter, activation or buffer (BatchNorm running statistics) decides; ``nonfinite_input`` alone does not (the
-loss it leads to does), nor does an fp16 overflow the GradScaler already handles. The user's
-``anomaly_detection_mode`` then says whether training continues, raises, skips the optimizer step or
-stops; broken weights stop a ``skip`` run too, since skipping later steps cannot repair them.
+``nonfinite_input`` alone decides nothing (the loss it leads to does), nor does a GradScaler's overflow;
+broken weights stop a ``skip`` run too, since skipping later steps cannot repair them.
 """
 
 from __future__ import annotations
@@ -60,10 +57,8 @@ class Verdict:
 
     @property
     def amp_overflow(self) -> bool:
-        """fp16 overflow the GradScaler handles: non-finite gradients with a finite loss and weights.
-
-        This is how fp16 training with a GradScaler finds its scale on a healthy model, so it is an
-        ``info`` that decides nothing; a non-finite loss or weights rule it out.
+        """fp16 overflow the GradScaler handles (non-finite gradients, finite loss and weights): how a healthy run
+        finds its scale, an ``info`` that decides nothing.
         """
         return self.uses_grad_scaler and bool(self.bad_grads) and not self.bad_loss_ranks and not self.bad_params
 

@@ -1,10 +1,6 @@
 """The wording of every anomaly finding: what was seen, what it follows from, what to do and what the run does.
-
-Each function turns what a check decided (a :class:`~.policy.Verdict`, a replay's
-:class:`~lightning_debug.checks.localize.Cause`, a :class:`~.forensics.ParamsOrigin`) into a
-:class:`Finding`; nothing here judges or reads a tensor, so a changed sentence is a change of this
-module only. ``consequence_of`` names the finding that explains this one, so the report leads with
-the root.
+Nothing here judges or reads a tensor; ``consequence_of`` names the finding that explains this one, so the
+report leads with the root.
 """
 
 from __future__ import annotations

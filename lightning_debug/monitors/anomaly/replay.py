@@ -1,9 +1,5 @@
-"""The replay orchestration: when to replay a non-finite step, over which micro-batches, and which cause wins.
-
-:func:`~lightning_debug.checks.localize.localize` replays one micro-batch; this module decides
-whether a step is worth it (the first step of an episode of non-finite loss or gradients, never an
-fp16 overflow the GradScaler handles), replays each captured micro-batch, and merges the causes
-(of every rank, under distributed training) into the one the findings name.
+"""The replay orchestration: when to replay a non-finite step (the first of an episode, never a GradScaler's
+overflow), over which micro-batches, and which cause (of every rank) the findings name.
 """
 
 from __future__ import annotations
@@ -31,11 +27,8 @@ Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the R
 
 def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad_scaler: bool,
                  open_kinds: Iterable[str]) -> bool:
-    """Whether to replay this step: its loss or gradients are non-finite and no such episode is open yet.
-
-    Non-finite gradients under a GradScaler with a finite loss are its overflow (a healthy fp16 run
-    sees them while it finds its scale), so they are not replayed; one replay per episode keeps a
-    NaN that persists from costing a replay each step. Depends only on values every rank shares.
+    """Whether to replay this step: its loss or gradients are non-finite (not a GradScaler's overflow with a finite
+    loss) and no such episode is open yet (one replay per episode). Depends only on values every rank shares.
 
     Example::
 
@@ -48,12 +41,8 @@ def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad
 
 
 def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, same_work: bool) -> list[Cause]:
-    """Replay the step's micro-batches until one names a cause (all of them with ``same_work``, so
-    that every rank makes the same calls); a replay that raises becomes an ``error`` cause.
-
-    A micro-batch whose forward replay dispatched a collective of its own (the user's
-    ``all_gather`` in ``training_step``) gets no backward replay (:class:`.ReplayCollectives`):
-    that backward could enter a collective on one rank only. Its cause then says so.
+    """Replay the step's micro-batches until one names a cause (all of them with ``same_work``); a replay that
+    raises is an ``error`` cause, and one whose forward dispatched a collective gets no backward replay.
 
     Example::
 
@@ -131,14 +120,9 @@ def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
                 replay_scope: Callable[[], str | None], origin: Sequence[int] = (),
                 on_failure: Callable[[Exception], None] | None = None,
                 gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> Cause:
-    """Localize a step (every rank at once): replay its micro-batches, then gather the causes.
-
-    Under distributed training every rank replays each of its micro-batches with the same number of
-    calls whatever it finds (``localize(same_work=True)``), so collectives inside ``training_step``
-    still match, and the causes are gathered on every rank, whatever failed on this one (a failure
-    is an ``error`` cause in the gather). The cause named is that of a rank in ``origin``, the
-    ranks whose loss or gradients were non-finite (:func:`across_ranks`). ``gather`` makes the gather (the run's
-    :class:`~lightning_debug.core.gate.Gate`; ``all_gather_object`` without it).
+    """Localize a step (every rank at once): replay its micro-batches with the same calls on every rank
+    (``same_work``), then gather the causes whatever failed here; the cause named is that of a rank in
+    ``origin`` (:func:`across_ranks`). ``gather``: the run's :class:`~lightning_debug.core.gate.Gate`.
     """
     try:
         causes = replay_each(model, inputs, replay, same_work=distributed)

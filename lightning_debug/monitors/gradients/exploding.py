@@ -17,17 +17,22 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_debug.checks.gradients import clip_advice, suggest_clip_value
+from lightning_debug.checks.numerics import fused_norms
 from lightning_debug.checks.robust import median
 from lightning_debug.checks.trends import NORM_GRADUAL_GROWTH, NORM_JUMP_FACTOR, NORM_TAIL_FACTOR, NormHistory
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.strenum import StrEnum
-from lightning_debug.core.verdicts import policy_of
+from lightning_debug.core.numerics import ParameterIndex
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine, policy_of
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
@@ -65,15 +70,9 @@ losses overflowed in an explosion (the loss blew up with it)."""
 
 @dataclass(frozen=True)
 class ExplosionSuspicion:
-    """What the global norm and the largest norm suggest before per-parameter norms are read.
-
-    ``jump``: the global norm is above the limit learnt from the run's recent norms (``limit``; None
-    without enough history, when no jump is judged); ``high``: the user's threshold is set
-    and a norm is above it (or not finite); ``confirm``: what the steps after a jump must stay above to
-    confirm it (the limit, and :data:`NORM_GRADUAL_GROWTH` times the norm of the check step before it).
-    ``runaway``: the level the norm grew :data:`RUNAWAY_GROWTH` times over within the last
-    :data:`RUNAWAY_CHECKS` check steps (None when it did not); ``overflow``: the norm turned non-finite
-    from a finite one in an explosion (see :func:`overflowed`).
+    """What the global and largest norms suggest before per-parameter norms are read: ``jump`` over the run's
+    ``limit``, ``high`` over the user's threshold (or not finite), ``confirm`` what the steps after a jump must
+    stay above, ``runaway`` the level it grew from (:func:`runaway_level`), ``overflow`` (:func:`overflowed`).
     """
 
     jump: bool
@@ -95,13 +94,9 @@ class ExplosionSuspicion:
 
 
 def runaway_level(global_norm: float, history: NormHistory) -> float | None:
-    """The level ``global_norm`` ran away from: the median of the last :data:`RUNAWAY_CHECKS` finite norms
-    when it is :data:`RUNAWAY_GROWTH` times that and above each of them; None otherwise (or without a
-    finite norm before it).
-
-    A growth, not a level: a BatchNorm'd network initialised small starts above 1e4 (harmless, scale
-    invariant) and falls from there; a healthy run's rare hard batch is 10-200x its median. The median of
-    three keeps one near-zero norm (a margin loss on an easy batch) from being the level.
+    """The level ``global_norm`` ran away from (the median of the last :data:`RUNAWAY_CHECKS` finite norms, when it
+    is :data:`RUNAWAY_GROWTH` times that and above each), else None. A growth, not a level: a healthy rare hard
+    batch is 10-200x its median, and a median of three keeps one near-zero norm from being the level.
 
     Example::
 
@@ -135,18 +130,10 @@ def rose_before(history: NormHistory) -> float | None:
 
 
 def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool) -> bool:
-    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either
-    the loss is still finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest of the run's first losses, or
-    the norm had already risen :data:`NORM_JUMP_FACTOR` times on the check step before (:func:`rose_before`;
-    then the loss may be non-finite too: it blew up with the gradients).
-
-    Not an fp16 overflow under a GradScaler with a finite loss (it finds its scale that way: the step is skipped,
-    and ``AnomalyDetectionCallback`` notes it), nor a norm that turns non-finite out of a steady level: with the
-    loss where it was it comes from one singular operation (the square root or the norm of a zero vector), and
-    with a non-finite loss it follows from the loss (``log(0)``). Both are named ``nonfinite_grad`` /
-    ``nonfinite_loss`` by ``AnomalyDetectionCallback`` and stated in report.md as non-finite values measured; an
-    explosion that grew 1000x first is named by its growth (:func:`runaway_level`), confirmed by the non-finite
-    step at once.
+    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either the
+    loss is finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen
+    (:func:`rose_before`). Not an fp16 overflow a GradScaler skips, nor one singular operation out of a steady
+    level (``nonfinite_grad`` / ``nonfinite_loss`` name those).
 
     Example::
 
@@ -212,37 +199,13 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
                     loss: float = math.nan) -> Verdict | None:
     """The ``exploding_grad`` finding of a check step, or None when its norms are healthy.
 
-    ``history`` holds the run's recent global norms (this step's not yet added), ``grads`` every
-    parameter's norm (read only when the step is suspect). A healthy model's gradient norm varies by
-    orders of magnitude between architectures (a ResNet starts near 60, a small MLP near 0.5), so no
-    fixed number is used unless the user sets one: the norm must jump 10x over the median of this
-    run's recent norms (and 6 robust sigmas). Before the run has that history (3 check steps) no jump
-    is judged: a BatchNorm'd convolution initialised small has a gradient norm above 1e4 at its first
-    steps because normalisation makes it scale-invariant (MobileNet), harmless, so no absolute level
-    from step 0 can tell an explosion from a healthy start. A growth can: from the second check step on, a
-    norm :data:`RUNAWAY_GROWTH` times the median of the (up to 3) check steps before it runs away
-    (:func:`runaway_level`: an MLP under SGD lr 5 on unscaled inputs, 17.8 then 3.0e6, then Inf), and a norm
-    that turns non-finite with the loss blown up with it overflowed (:func:`overflowed`, ``loss``: this
-    step's, NaN when not finite); the overflow is recorded at once, with or without history.
-
-    Nor is a median of the first steps a level: a wide network's norm grows 2x a step out of its
-    initialisation for its first ten steps while its loss falls (an MLP of width 1024 with Adam: 1 to 25
-    in 4 steps, and 100 with a loss blip it recovers from at once). A norm within 3x of the previous
-    check step's, with the loss under the level the run started from, grew into the limit and is not a
-    jump. A gradual rise that hurts is still judged: once the loss is above its start (an SGD step too
-    large for the curvature doubles the norm every step and quadruples the loss), and any abrupt jump
-    at once.
-
-    Nor does the median say how far a healthy run's norms range: near convergence, a batch with a hard example
-    has a gradient 10-170x the median on one check step in ten, sometimes three in a row. The limit is also
-    3x the norm the run reaches on one check step in 16 lately (:meth:`.NormHistory.routine`), so a jump must
-    leave what this run does routinely; a run whose norms stay near their median keeps the median's limit.
-
-    A jump is confirmed by the steps after it (:data:`FOLLOW_UP_STEPS`) when they stay above its limit
-    and above 3x the norm of the check step before it: in that rising phase the median lags, and a
-    one-step spike that falls back to where the norm was heading (13 -> 68 -> 396 -> 38 while the median
-    of the first steps says 3.4) has fallen back. A norm in a settled run sits near its median, so
-    there the limit decides.
+    ``history`` holds the run's recent global norms (not this step's), ``grads`` every parameter's norm (read
+    only when the step is suspect). Norms differ by orders of magnitude between healthy architectures, so no
+    fixed number is used unless the user sets one: a jump is judged against the run's own recent and routine
+    norms (:meth:`.NormHistory.limit`, not before 3 check steps: a small BatchNorm'd network starts above 1e4),
+    a norm within 3x of the previous one while the loss is under its start grew into the limit and is no jump,
+    and from the second check a :func:`runaway_level` growth or an :func:`overflowed` norm is judged without
+    that history. Jumps are held for the steps after them (:data:`FOLLOW_UP_STEPS`); see docs/gradients.md.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -305,18 +268,153 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
 
 
 FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up
-"""Optimizer steps after a jump that must all still be above its limit (or not finite) to confirm it: the kind's
-policy in the table of kinds (:class:`~lightning_debug.core.kinds.Confirm`), applied by the verdict engine;
-measured (only their global norm) where they are not check steps themselves.
+"""Optimizer steps after a jump that must stay above its ``confirm_above`` to confirm it (the kind's policy):
+healthy models (SwinV2, a rare batch) spike for a step or two and fall back, an explosion feeds itself.
+Measured (their global norm only) where they are not check steps."""
+Decided = list[tuple[int, Verdict, Any]]
 
-A healthy model's norm can spike for a step or two and fall back: window attention at a tiny resolution, a model
-memorising a small dataset, a rare batch (SwinV2 and SwiftFormer spike 15-100x their level every few steps,
-sometimes two steps in a row, while their loss falls). Under Adam a single large gradient does not scale the
-update, and under SGD an update that hurts shows in the steps after (the norm stays high, the loss rises, a NaN
-follows). An explosion feeds itself, so a jump is reported only once the steps right after it are still above
-what confirms it (``confirm_above``: see :func:`judge_exploding`): three steps in a row. A step after it whose
-norm is not finite confirms it at once (the engine's invariant: nothing healthy falls back into Inf or NaN). It is
-labelled at the step where it began. At the end of the run a jump is reported if the one step seen after it was
-still above that, and dismissed if none was seen (a last-step spike cannot be told from an explosion). A limit the
-user set (``gradient_explosion_threshold``) is applied at once, without a hold. At most 3 jumps wait per optimizer
-(a new one past that decides the oldest with what it has)."""
+
+
+
+class FollowUps:
+    """The global norm of the few non-check optimizer steps after a suspected jump: one fused norm over the check
+    step's index on the reporting process, read back without a sync, no collective (sharded parameters get
+    none). Bounded: :data:`FOLLOW_UP_STEPS` per optimizer.
+
+    Example::
+
+        >>> from torch import nn
+        >>> layer = nn.Linear(3, 1)
+        >>> layer(torch.ones(2, 3)).sum().backward()
+        >>> follow_ups = FollowUps()
+        >>> follow_ups.want("adam", ParameterIndex(list(layer.named_parameters())))
+        >>> follow_ups.measure(5, "adam", lambda: None)
+        >>> [(step, optimizer, round(norm, 3)) for step, optimizer, norm in follow_ups.read(final=True)]
+        [(5, 'adam', 4.0)]
+    """
+
+    def __init__(self) -> None:
+        self._wanted: dict[Any, tuple[ParameterIndex, int]] = {}
+        self._readings: list[tuple[int, Any, Readback]] = []
+
+    def __bool__(self) -> bool:
+        """Whether a step is wanted or a reading is on its way."""
+        return bool(self._wanted) or bool(self._readings)
+
+    def want(self, optimizer: Any, index: ParameterIndex | None) -> None:
+        """Measure the next :data:`FOLLOW_UP_STEPS` non-check steps of ``optimizer`` over ``index``."""
+        if index is not None and not index.sharded and len(index):
+            self._wanted[optimizer] = (index, FOLLOW_UP_STEPS)
+
+    def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None]) -> None:
+        """Queue the global norm of this (non-check) optimizer step's gradients, if one is wanted."""
+        entry = self._wanted.get(optimizer)
+        if entry is None:
+            return
+        index, left = entry
+        if left <= 1:
+            del self._wanted[optimizer]
+        else:
+            self._wanted[optimizer] = (index, left - 1)
+        grads, _ = index.local_grads()
+        norm = fused_norms(grads).double().square().sum().sqrt()
+        scale = grad_scale()
+        if scale is not None:
+            norm = norm / scale.detach().to(device=norm.device, dtype=norm.dtype)
+        self._readings.append((step, optimizer, Readback(norm, blocking=False)))
+
+    def pending(self, final: bool = False) -> bool:
+        """Whether a reading can be taken now."""
+        return bool(self._readings) and (final or self._readings[0][2].ready())
+
+    def read(self, final: bool = False) -> Iterator[tuple[int, Any, float]]:
+        """``(step, optimizer, global norm)`` of each reading that has reached the host, in order."""
+        while self._readings and (final or self._readings[0][2].ready()):
+            step, optimizer, reading = self._readings.pop(0)
+            yield step, optimizer, reading.values()[0]
+
+    def clear(self) -> None:
+        self._wanted.clear()
+
+
+class Explosions:
+    """Per optimizer, the jumps held in the verdict engine for the steps after them, and the follow-up readings
+    that decide them; what the gradient monitor records is what this returns.
+
+    Example::
+
+        >>> from torch import nn
+        >>> from lightning_debug.core.findings import Finding
+        >>> layer = nn.Linear(3, 1)
+        >>> layer(torch.ones(2, 3)).sum().backward()
+        >>> explosions, index = Explosions(VerdictEngine()), ParameterIndex(list(layer.named_parameters()))
+        >>> jump = Verdict(Finding(Kind.EXPLODING_GRAD, Severity.WARNING, "", {"limit": 1.0}))
+        >>> explosions.judge(4, None, 40.0, jump, True, {}, index)
+        []
+        >>> explosions.measure(5, None, lambda: None, lambda optimizer: index)
+        >>> explosions.measure(6, None, lambda: None, lambda optimizer: index)
+        >>> [step for step, _, _ in explosions.read(final=True)]
+        [4]
+    """
+
+    def __init__(self, verdicts: VerdictEngine) -> None:
+        self.verdicts = verdicts
+        self.follow_ups = FollowUps()
+        self._rearm = False
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a non-check step has anything to measure (one attribute test on every other step)."""
+        return self._rearm or bool(self.follow_ups)
+
+    def judge(self, step: int, optimizer: Any, global_norm: float, verdict: Verdict | None, deferred: bool,
+              where: Any, index: ParameterIndex | None) -> Decided:
+        """A check step's global norm (it also follows earlier jumps) and its own verdict: recorded at once,
+        or, for a jump judged against the run's history (``deferred``), waiting for the steps after it. A norm
+        that overflowed right after a jump it confirms is that explosion, already named where it began."""
+        jump = None
+        if verdict is not None and deferred:
+            details = verdict.finding.details
+            jump = Suspicion(Kind.EXPLODING_GRAD, str(step), step, verdict.finding, verdict.flagged, where,
+                             value=global_norm, bound=float(details.get("confirm_above") or details["limit"]))
+        decided = self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, [jump] if jump else [],
+                                                      scope=str(optimizer), reading=global_norm))
+        if jump is not None:
+            self.follow_ups.want(optimizer, index)
+        elif verdict is not None:
+            if decided and verdict.finding.details.get("judged_by") == OVERFLOW:
+                return decided  # the non-finite step confirmed the jump it follows: named where that began
+            decided.append((step, verdict, where))
+        return decided
+
+    def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None],
+                index: Callable[[Any], ParameterIndex]) -> None:
+        """A non-check step after a jump: queue its global norm."""
+        if self._rearm:  # resumed while a jump waited: the index its check step used is built again
+            self._rearm = False
+            if self.verdicts.holding(Kind.EXPLODING_GRAD, str(optimizer)):
+                self.follow_ups.want(optimizer, index(optimizer))
+        self.follow_ups.measure(step, optimizer, grad_scale)
+
+    def read(self, final: bool = False) -> Decided:
+        """The jumps decided by the readings that reached the host (``final``: all of them, then every jump
+        still waiting)."""
+        decided: Decided = []
+        if self.follow_ups.pending(final):
+            for step, optimizer, norm in self.follow_ups.read(final):
+                decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
+                                                               reading=norm))
+            if not self.verdicts.holding(Kind.EXPLODING_GRAD):
+                self.follow_ups.clear()
+        if final:
+            decided += self._decided(self.verdicts.flush([Kind.EXPLODING_GRAD]))
+        return decided
+
+    def resumed(self) -> None:
+        """A checkpoint was loaded: jumps held in it are measured again from the next step on."""
+        self._rearm = self.verdicts.holding(Kind.EXPLODING_GRAD)
+
+    @staticmethod
+    def _decided(confirmed: list[Confirmed]) -> Decided:
+        return [(c.steps[0], Verdict(c.first.finding, c.first.flagged), c.first.where)
+                for c in confirmed if c.first.finding is not None]

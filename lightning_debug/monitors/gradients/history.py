@@ -1,7 +1,5 @@
-"""What the gradient area keeps across check steps: counts, norm histories and flagged names.
-
-Everything is bounded (windows, capped counters) and travels in the monitor's ``state_dict``, so a
-resumed run judges against the history it had.
+"""What the gradient area keeps across check steps: counts, norm histories and flagged names, bounded, and
+in the monitor's ``state_dict``.
 
 Example::
 
@@ -22,11 +20,37 @@ from typing import Any
 from lightning_debug.checks.trends import NormHistory
 from lightning_debug.core.stats import RunningStats, Window
 from lightning_debug.core.verdicts import VerdictEngine
-from lightning_debug.monitors.gradients.flags import FlagCounter
 from lightning_debug.monitors.gradients.missing import MissingHistory
 from lightning_debug.monitors.gradients.vanishing import VanishingHistory
 
 HEALTHY_NORMS_KEPT = 256
+FLAGGED_KEPT = 200
+
+
+class FlagCounter:
+    """How often each parameter was flagged, bounded: past ``limit`` names the rarest are dropped.
+
+    Example::
+
+        >>> counter = FlagCounter(limit=4)
+        >>> counter.add(["a", "b"]); counter.add(["a"]); counter.top(1)
+        [['a', 2]]
+    """
+
+    def __init__(self, limit: int = FLAGGED_KEPT) -> None:
+        self.limit = limit
+        self.counts: dict[str, int] = {}
+
+    def add(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        if len(self.counts) > self.limit:
+            kept = sorted(self.counts.items(), key=lambda item: -item[1])[:self.limit // 2]
+            self.counts = dict(kept)
+
+    def top(self, count: int) -> list[list[Any]]:
+        ordered = sorted(self.counts.items(), key=lambda item: (-item[1], item[0]))
+        return [[name, hits] for name, hits in ordered[:count]]
 
 
 @dataclass

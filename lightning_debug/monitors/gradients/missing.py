@@ -1,47 +1,14 @@
 """``missing_grad`` and ``intermittent_grad``: parameters that never receive a gradient, and those that
 receive one on some steps only.
 
-A healthy model can leave a parameter without a gradient on a step: a mixture of experts routes no
-token to some experts, LayerDrop skips whole layers, a branch runs on some inputs only, multi-task
-training samples one task's head per batch. What tells that apart from a layer that is never used is
-the run's history and the first forward pass, so the rule keeps, per parameter that was ever without a
-gradient, whether it ever had one: one that had a gradient before is conditional computation
-(``intermittent_grad``, info, with the fraction of check steps it got one); one that never had any is a
-candidate, watched on every optimizer step (``.grad is None``, which costs no device work) and confirmed
-as ``missing_grad`` once it went without a gradient on enough optimizer steps in a row, or on every step
-of a shorter run. The finding is labelled with the check step that first saw it. Parameters are assumed to
-exist from their optimizer's first check step (one created later and left without a gradient reads as
-intermittent).
-
-How many steps is enough depends on what the first forward pass showed (module pre-hooks,
-:class:`~lightning_debug.monitors.gradients.order.ForwardOrder`, which cost nothing after it):
-
-- the parameter's module ran in it without building a graph (its output needs no gradient: it ran under
-  ``no_grad()`` or ``inference_mode()``, or inside ``checkpoint(use_reentrant=True)`` on inputs that need
-  none, or its output is integer, such as the indices of a top-k selector): nothing can reach it, confirmed
-  after :data:`MISSING_CONFIRM_STEPS` steps;
-- every other case waits :data:`UNCALLED_CONFIRM_STEPS` steps. A module that ran with its output in the graph
-  may have its output ignored (a pooler under a token-level loss) or cut after it (``detach()``, ``.data``), and
-  just as well used by the loss on some batches only: a classifier head run on every batch of a semi-supervised
-  run, whose loss counts on the labelled batches. A module that did not run, or is not known to have run
-  (inside a compiled module), is a layer no forward uses or one used on some batches only, such as a task's
-  head sampled on a fraction ``p`` of the batches. Either goes ``k`` steps without a gradient with probability
-  ``(1 - p) ** k``: 64 steps make that 0.1% of runs for a head used on 10% of the batches, 3.7% at 5%, where 8
-  steps would be 43% and 66%.
-
-What could still make it fire on a healthy model: an expert of a sparse MoE (many experts, few
-tokens per step) that no token reaches for longer than the window, which an untrained router does
-for tens of steps. The run's history and the model's structure rule it out together. A parameter
-whose replicas (:func:`~lightning_debug.monitors.gradients.layout.replica_groups`: the same path
-and shape inside sibling modules of one type) are seen to get their gradient on some steps only
-(one waited and then got it, or one had it and then went without) is conditional itself: it is
-confirmed only once it has waited more than :data:`WAIT_FACTOR` times the longest wait that any
-candidate of the run went through and ended (:attr:`MissingHistory.longest_wait`), at the end of a
-run too. Between check steps the replicas of a waiting candidate are looked at with it (at most
-:data:`REPLICAS_WATCHED`), so that one of them going without a gradient is seen in time. What remains:
-an expert that waits longer than the window while every one of its replicas gets a gradient on every step
-of that window; a head whose loss counts on fewer than 5% of the batches; and, at the end of a run shorter
-than the window, a head that no batch of the whole run used (it was not trained in that run).
+A healthy model leaves parameters without a gradient on some steps (MoE experts no token reached,
+LayerDrop, a task head sampled per batch), so the run's history decides: a parameter that had a gradient
+before is ``intermittent_grad`` (info); one that never had any is a candidate, watched on every optimizer
+step (``.grad is None``: no device work) and confirmed under the kind's policy (a module that ran without
+building a graph: :data:`MISSING_CONFIRM_STEPS`, else :data:`UNCALLED_CONFIRM_STEPS`, long enough for a head
+used on one batch in ten). A candidate whose replicas (:func:`.replica_groups`) are seen to be conditional
+waits more than :data:`WAIT_FACTOR` times the run's longest wait. docs/gradients.md ("Missing") gives the
+cases and what can still fire.
 
 Example::
 
@@ -62,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -374,3 +343,59 @@ def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Position
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "received_fraction": fractions}),
         list(names))
+
+
+class CandidateWatch:
+    """The candidates, looked at on every optimizer step of their optimizer until they get a gradient or are
+    confirmed (``.grad is None``: no device work, no sync). ``anchors``, the parameters that had a gradient on
+    the check step: all of them without one says no backward ran (a ``training_step`` that returned None).
+
+    Example::
+
+        >>> import torch
+        >>> used, unused = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+        >>> used.grad = torch.ones(1)
+        >>> watch = CandidateWatch()
+        >>> watch.replace(None, ["unused"], ["used"], ["used", "unused"], [used, unused])
+        >>> watch.look(None)
+        ([], ['unused'])
+        >>> used.grad = None; watch.look(None) is None  # no backward ran on this step: nothing to learn
+        True
+    """
+
+    def __init__(self) -> None:
+        self.watched: list[tuple[str, torch.Tensor, Any]] = []
+        self.anchors: dict[Any, list[torch.Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.watched)
+
+    def replace(self, optimizer: Any, names: Sequence[str], anchors: Sequence[str], index_names: Sequence[str],
+                params: Sequence[torch.Tensor]) -> None:
+        """Watch ``names`` on ``optimizer``'s steps from now on (instead of what was watched for it), with
+        ``anchors`` (the parameters that had a gradient); ``index_names`` and ``params`` say which tensor is
+        which."""
+        self.watched = [entry for entry in self.watched if entry[2] != optimizer]
+        if not names:
+            return
+        position = {name: i for i, name in enumerate(index_names)}
+        self.watched += [(name, params[position[name]], optimizer) for name in names if name in position]
+        self.anchors[optimizer] = [params[position[name]] for name in anchors if name in position]
+
+    def look(self, optimizer: Any) -> tuple[list[str], list[str]] | None:
+        """The watched parameters of ``optimizer`` with and without a gradient now (None: nothing to look at,
+        or no backward ran)."""
+        mine = [(name, param) for name, param, owner in self.watched if owner == optimizer]
+        anchors = self.anchors.get(optimizer)
+        if not mine or (anchors and all(param.grad is None for param in anchors)):
+            return None
+        return ([name for name, param in mine if param.grad is not None],
+                [name for name, param in mine if param.grad is None])
+
+    def drop(self, names: Iterable[str]) -> None:
+        done = set(names)
+        if done:
+            self.watched = [entry for entry in self.watched if entry[0] not in done]
+
+    def clear(self) -> None:
+        self.watched, self.anchors = [], {}

@@ -1,9 +1,6 @@
-"""The gradient monitor's plumbing: events, pending read-backs, scalars, state and recording.
-
-The monitor reads the shared :class:`~lightning_debug.core.numerics.StepNumerics` of a check
-step (computed once for every callback), so gradient norms are never computed twice. Everything it
-measures itself (weight updates, histograms) is fused device work read back without a sync. The
-verdicts are the rules' (one module each): this module only feeds them and records what they return.
+"""The gradient monitor's plumbing: it reads the shared numerics of a check step (norms computed once for every
+callback), measures updates and histograms as fused device work read back without a sync, feeds the rules
+and records what they return.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
-from lightning_debug.monitors.gradients.exploding import ClipAlgorithm, Clipping, judge_exploding, suspect_explosion
-from lightning_debug.monitors.gradients.follow_up import Decided, Explosions
+from lightning_debug.monitors.gradients.exploding import (ClipAlgorithm, Clipping, Decided, Explosions, judge_exploding,
+                                                          suspect_explosion)
 from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
@@ -35,10 +32,10 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.stalled import base_lr, judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
-from lightning_debug.monitors.gradients.updates import read_updates, step_loss
+from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
-from lightning_debug.monitors.gradients.watch import CandidateWatch
+from lightning_debug.monitors.gradients.missing import CandidateWatch
 from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
 
 WHERES_KEPT = 64
@@ -198,20 +195,19 @@ class GradientMonitor(Monitor):
 
     # --- check step -----------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Register a check step before the optimizer step: no host sync, no norm computed twice.
-
-        The verdicts come when the shared numerics are read back (a step later, or at fit end).
-        Weight snapshots (update ratios) and histograms are taken here, only on check steps and
-        only on the global-zero process, the one that reports them.
+        """Register a check step before the optimizer step (no sync, no norm computed twice); its verdicts come when the
+        shared numerics are read back. Weight snapshots and histograms are taken on check steps on global zero only.
         """
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
             if self._explosions.measuring:
                 self._explosions.measure(step, self.context.where().get("optimizer"), self.context.grad_scale,
-                                         self._index_of)
+                                         lambda optimizer: self.numerics.index(self.context.named_parameters))
             return Decision.CONTINUE
-        self._judge_stalled(step)
+        total, schedulers = self._schedule
+        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers, self._start_lrs),
+                     step, self.context.where())
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
@@ -241,11 +237,6 @@ class GradientMonitor(Monitor):
         self._checks.add(pending)
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
-
-    def _judge_stalled(self, step: int) -> None:
-        total, schedulers = self._schedule
-        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers, self._start_lrs),
-                     step, self.context.where())
 
     def _judge_progress(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
                         where: Where) -> None:
@@ -320,10 +311,12 @@ class GradientMonitor(Monitor):
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
+        clip = self.context.gradient_clipping()
+        clipping = None if clip is None else Clipping(clip[0], ClipAlgorithm.parse(clip[1]))
         grads = (list(zip(host.grad_names, host.grad_norms))
                  if suspicion.any or suspect_low or first_check or settings.per_parameter_always else [])
         exploding = judge_exploding(step, global_norm, grads, suspicion, settings, norms,
-                                    list(self.history.healthy_norms.values), self._clipping(), host.loss_value)
+                                    list(self.history.healthy_norms.values), clipping, host.loss_value)
         self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
                                                        where, pending.judged))
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
@@ -382,13 +375,6 @@ class GradientMonitor(Monitor):
             details = verdict.finding.details
             self.history.clip_suggestion = {"value": details["suggested_clip_val"], "basis": details["clip_basis"],
                                             "step": step}
-
-    def _index_of(self, optimizer: Any) -> ParameterIndex:
-        return self.numerics.index(self.context.named_parameters)
-
-    def _clipping(self) -> Clipping | None:
-        clipping = self.context.gradient_clipping()
-        return None if clipping is None else Clipping(clipping[0], ClipAlgorithm.parse(clipping[1]))
 
     # --- parameters left out of training: missing gradients and outside training --------------------
     def _judge_missing(self, pending: PendingCheck, host: HostNumerics, optimizer: Any) -> None:

@@ -15,14 +15,10 @@ from lightning_debug.monitors.gradients.layout import module_of
 class ForwardOrder:
     """The order in which modules first run in a forward pass, recorded once with pre-hooks.
 
-    Registration order (``named_parameters``) often differs from execution order, so "the earliest
-    layers" are found by watching one forward pass and then removing the hooks: a one-time cost
-    on the first training batch, nothing afterwards. A parameter owned directly by a container
-    module takes the position where that module is entered; a parameter shared by several modules
-    (tied embeddings: named once, after the first module that registered it) takes the position of
-    the first of them that runs; parameters of modules never entered come last, in registration order.
-    Inside a ``torch.compile``d module no hook is registered (Dynamo would trace it and recompile once it
-    is removed): its parameters take the compiled module's position, in registration order.
+    Registration order often differs from execution order, so one forward pass is watched and the hooks
+    removed (a one-time cost). A parameter of a container takes the position where it is entered, a shared
+    one that of the first module to run, those of modules never entered come last; no hook goes inside a
+    ``torch.compile``d module (Dynamo would recompile), its parameters take its position.
 
     Example::
 
@@ -40,9 +36,8 @@ class ForwardOrder:
         >>> order.called(["head.weight", "head.bias", "embed.bias"])
         {'head.weight': True, 'head.bias': False, 'embed.bias': True}
 
-    It also keeps which modules ran without building a graph (every tensor of their output needs no gradient,
-    though they hold trainable parameters: under ``torch.no_grad()``, ``inference_mode()`` or a reentrant
-    checkpoint, or an integer output such as top-k indices): nothing they hold can get a gradient from that pass.
+    It also keeps which modules ran without building a graph (no output needs a gradient): nothing they hold
+    can get one from that pass.
 
         >>> order.watch(model)
         >>> with torch.no_grad():

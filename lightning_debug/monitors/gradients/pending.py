@@ -115,10 +115,9 @@ class PendingChecks:
             self.awaiting_update = None
 
     def ready(self, final: bool = False) -> Iterator[PendingCheck]:
-        """Each check step whose values have all arrived, in order, taken out as it is yielded: a step waits
-        for its update and histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending; ``final``
-        yields every step that has its gradient values and drops those that never got them. Values arrive in step
-        order, so a step without them behind one that has them lost its values, and is dropped.
+        """Each check step whose values have all arrived, in order, taken out as yielded: a step waits for its update
+        and histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending; ``final`` yields every step with its
+        gradient values. A step without values behind one that has them lost them, and is dropped.
 
         Example::
 

@@ -1,8 +1,5 @@
 """The settings the gradient rules read, typed and frozen, made once from :class:`DebugConfig`.
 
-A rule takes a :class:`GradientSettings` instead of the whole configuration, so a unit test builds
-one in a line and a rule shows in its signature exactly what it depends on.
-
 Example::
 
     >>> from lightning_debug import DebugConfig

@@ -1,23 +1,12 @@
 """``learning_stalled``: every param group's learning rate is 0 far from the end of the run.
 
-A scheduler that reaches 0 early (a ``LambdaLR`` whose factor becomes 0 after some step, a step
-schedule with ``gamma=0``, a decay written for fewer steps than the run takes) stops training
-without a NaN or an error: the loss goes flat and nothing else changes. The rule reads the learning
-rates the optimizer is about to use on a check step (plain numbers on the host, no device work).
+A schedule that reaches 0 early stops training with no NaN and no error. A warm-up from 0 is ruled out
+by the kind's policy (check steps in a row), a decay to 0 at the end by judging only before
+:data:`END_SHARE` of the run's known length (unknown length: no verdict), a group frozen on purpose by
+needing every group at 0; a base learning rate of 0 from the start is ``frozen_param``.
 
-What could make it fire on a healthy model, and how it is ruled out: a warm-up that starts at 0 is 0
-for one step, and the rule needs 3 check steps in a row; a schedule that decays to 0 at the end of
-the run (cosine, linear) is 0 only in its last steps, and the rule judges only before 90% of the
-run's steps, which it needs to know (``max_steps`` or Lightning's estimate; with no known end it says
-nothing); a param group frozen on purpose with lr 0 beside groups that learn is not a stall (every
-group must be at 0), and a base learning rate of 0 from the start is ``frozen_param`` (``lr_zero``).
-
-The base learning rate of a group is its ``initial_lr`` (a scheduler's) or, without a scheduler, the learning
-rate it had when training started (``start_lrs``, the run's history): code that sets every group's lr to 0
-mid-run, with no scheduler at all, is the same stall (its twin, a group trained at lr 0 from the start, is not).
-
-Each check step with every learning rate at 0 is a suspicion the verdict engine holds under the kind's
-policy (:data:`STALL_CHECKS` check steps in a row).
+Without a scheduler a group's base learning rate is the one it had when training started (``start_lrs``): code
+that sets every group's lr to 0 mid-run is the same stall (a group trained at lr 0 from the start is not).
 
 Example::
 

@@ -54,17 +54,10 @@ def number_equals_zero(value: Any) -> bool:
 
 def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]] = ()
                  ) -> tuple[dict[str, Any], Finding | None, list[str]]:
-    """How many parameters (and elements) are trainable, the ``requires_grad_false`` info finding naming those
-    frozen on purpose (None when there are none), and the names of those frozen by accident.
-
-    A parameter with ``requires_grad=False`` that no optimizer param group holds is frozen on purpose. One an
-    optimizer holds is a contradiction: the optimizer was given it to train. It is an accident (``frozen_param``,
-    cause ``requires_grad_false``: a freeze left over, ``requires_grad_(False)`` after the optimizer was built)
-    unless it is part of the bulk of the model frozen for a fine-tune: the recipes of adapters (peft's LoRA, IA3)
-    and of frozen backbones build the optimizer over every parameter (``AdamW(model.parameters())``) and freeze
-    most of them, which torch's optimizers skip. So held parameters are an accident when they hold fewer elements
-    than the trainable ones (a layer lost from a model that trains), and frozen on purpose, said as such, when they
-    are the bulk of it.
+    """How many parameters (and elements) are trainable, the ``requires_grad_false`` info naming those frozen on
+    purpose (None: none), and the names of those frozen by accident: held by an optimizer with
+    ``requires_grad=False`` and fewer elements than the trainable ones (the bulk of a model frozen for a
+    fine-tune under ``AdamW(model.parameters())`` is on purpose).
 
     Example::
 
@@ -105,13 +98,10 @@ def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequen
 
 def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]]
                         ) -> tuple[dict[FrozenCause, list[str]], str | None]:
-    """Trainable parameters in no param group, or in one whose base learning rate is 0, and how the
-    check went (None: not done, no optimizer or nothing trainable).
-
-    Two healthy setups would make it fire: a warm-up schedule that starts at lr 0 (the group's
-    ``initial_lr``, its base, is read, not the current ``lr``), and an optimizer that holds wrapped or
-    flattened copies of the parameters (FSDP, DeepSpeed): when it holds none of the module's
-    parameters, nothing is said."""
+    """Trainable parameters in no param group, or in one whose base learning rate (``initial_lr``: a warm-up
+    from 0 is no freeze) is 0, and how the check went (None: not done). An optimizer holding none of the
+    module's parameters (FSDP, DeepSpeed copies) is skipped.
+    """
     if not param_groups or not trainable:
         return {}, None
     names = {id(p): name for name, p in trainable}
@@ -131,27 +121,12 @@ def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_gro
 
 
 class OutsideTraining:
-    """Trainable parameters (``requires_grad=True``) that gradients do not train on purpose, told apart from the
-    mistakes ``frozen_param`` and ``missing_grad`` are for.
-
-    Two healthy setups keep such parameters: an averaged copy of the model held as a submodule (torch's
-    ``AveragedModel`` deep-copies the weights with ``requires_grad=True`` and updates them itself) and a teacher
-    or reference model run under ``torch.no_grad()`` without ``requires_grad_(False)``. Neither gets a gradient,
-    since nothing in the loss's graph reaches them. Named at fit start as in no optimizer param group, and later
-    as without a gradient, both were warnings on healthy runs. So:
-
-    - a parameter in no param group is ``frozen_param`` (``not_in_optimizer``) once it has a gradient, which a
-      layer the loss uses and ``configure_optimizers`` left out has on every step that uses it. ``.grad`` is
-      looked at on gradient check steps, before the optimizer step (attributes only; the optimizers' ``zero_grad``
-      does not clear it, since they do not hold these parameters). One that never has one is
-      ``outside_training`` (info), once;
-    - a parameter confirmed without a gradient (over the missing-gradient rule's window, looked at on every step)
-      but whose values changed since the fit started (its version counter, bumped by every in-place write through
-      it or a ``detach()``, read on the host) is updated by the user's code, not by gradients: an averaged copy
-      kept in the optimizer's param groups (``AdamW(self.parameters())``), or weights copied in. An optimizer
-      never writes a parameter without a gradient (torch's optimizers skip it), so a layer that is really unused
-      keeps its version and is still ``missing_grad``. Writes through ``.data`` bump no version: such copies are
-      still named; nor is a parameter that is a view (its version counter is its base's) judged this way.
+    """Trainable parameters that gradients do not train on purpose (an ``AveragedModel`` copy, a teacher under
+    ``no_grad``), told apart from ``frozen_param`` and ``missing_grad``: one in no param group is
+    ``frozen_param`` once it has a gradient (a layer left out of ``configure_optimizers``), else
+    ``outside_training`` (info), once; one confirmed without a gradient whose version counter moved is updated
+    by the user's code (an optimizer never writes a parameter without a gradient). ``.data`` writes and views
+    are not seen this way.
 
     Example::
 
@@ -262,22 +237,12 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
                       had_grad: Sequence[bool], lr_zero_now: Sequence[bool], already_frozen: Collection[str],
                       positions: Positions, line_search: bool = False,
                       weights: torch.Tensor | None = None) -> Verdict | None:
-    """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step
-    left exactly unchanged (``||Δw|| = 0``). A healthy model does this with a learning rate of 0 right now
-    (a warm-up or schedule at 0, ``lr_zero_now``), which is not flagged, nor are parameters already
-    reported as frozen before the run; and with a gradient that is only rounding noise: a parameter whose
-    contributions cancel (the last bias of a triplet embedder, which drops out of every distance) gets a
-    gradient of float32's epsilon times the model's, and an update far below what its weights can hold.
-    So a gradient counts only when its norm is above :data:`NOISE_FRACTION` of the global norm. An optimizer
-    that evaluates its closure several times per step (``line_search``: L-BFGS) declines a step whose
-    direction does not descend on this batch and leaves every weight as it was: with such an optimizer a
-    step where no parameter moved is its own decision, and only a parameter left behind while others moved
-    is named. At the tail of a schedule that decays to 0 (a cosine to ``eta_min=0``) the updates shrink to a
-    millionth of the weights, and a parameter whose update is under half a unit in the last place of its
-    values rounds to no change: so when the parameters that moved changed by less than
-    :data:`NOISE_FRACTION` of their norm (``weights``, per slot), the step is at the weights' precision and
-    nothing is judged. Weights too coarse for a learning rate that is not small (bf16) still move by more
-    than that where they move at all."""
+    """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step left
+    exactly unchanged. Not flagged: a learning rate of 0 now (``lr_zero_now``), parameters already frozen, a
+    gradient under :data:`NOISE_FRACTION` of the global norm (rounding noise: contributions that cancel), a step
+    where nothing moved under a ``line_search`` optimizer (L-BFGS declines steps), and a step at the weights'
+    precision (those that moved changed by less than :data:`NOISE_FRACTION`: the tail of a decay to 0).
+    """
     moved = deltas != 0
     if bool(moved.any()):
         if weights is not None and float(torch.linalg.vector_norm(deltas[moved])) \

@@ -1,13 +1,9 @@
 """``update_ratio_high``: optimizer steps that move a layer's weights by more than their own norm.
 
-One such step happens in healthy training: the first steps of a network whose convolutions are
-initialised small (std 0.02) under BatchNorm, which makes them scale-invariant, move them by several
-times their norm and the loss still falls; on the next step the ratio is below 1 (momentum 0.9 carries
-90% of the first update over weights that grew by it) and falls toward 1e-3. A learning
-rate far too high keeps the ratios high or blows the loss up. So a high step is held back
-(:func:`confirm_update_ratios`) and reported only when the next check step of the same optimizer is
-high too, or its loss rose by more than :data:`UPDATE_RATIO_LOSS_RISE` of this step's (or is not
-finite); it is then labelled with the first high step (the kind's policy, applied by the verdict engine).
+A small-initialised convolution under BatchNorm (scale-invariant) moves by several times its norm on its
+first step while the loss falls, then below 1; a learning rate far too high keeps the ratios high or
+blows the loss up. So a high step is held (:func:`confirm_update_ratios`, the kind's policy) and
+labelled at the first high step.
 
 Example::
 
@@ -21,15 +17,20 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.numerics import HostNumerics
+from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.verdicts import ConfirmedBy, Suspicion, VerdictEngine
-from lightning_debug.monitors.gradients.layout import ModuleLayout
+from lightning_debug.monitors.gradients.history import GradientHistory
+from lightning_debug.monitors.gradients.layout import ModuleLayout, Positions
+from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.trainability import judge_not_updated
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
 
 # A module whose update moves its weights by more than their own norm in one step (healthy: ~1e-3)...
@@ -68,11 +69,9 @@ def learning_rates(param_groups: Sequence[dict[str, Any]]) -> list[float]:
 
 def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, weights: torch.Tensor,
                         lrs: Sequence[float]) -> Verdict | None:
-    """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm.
-
-    Judged per module, so a zero-initialised bias next to its weight does not count, and only for
-    modules whose weights are not (near) zero: a parameter that starts at 0 has an infinite ratio
-    on its first step by construction, which would fire on every healthy model.
+    """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm; per module
+    (a zero-initialised bias beside its weight does not count), and not for (near) zero weights, whose first
+    ratio is infinite by construction.
     """
     moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
     ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
@@ -95,23 +94,9 @@ def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, w
         [module or "(root)" for module, _ in high])
 
 
-def loss_rose(before: float, after: float) -> bool:
-    """Whether the loss went from ``before`` to ``after`` up by more than batch-to-batch noise, or to a
-    non-finite value (``after`` is NaN when no loss was observed: then it says nothing).
-
-    Example::
-
-        >>> loss_rose(1.0, 1.5), loss_rose(1.0, 300.0), loss_rose(1.0, math.inf), loss_rose(1.0, math.nan)
-        (False, True, True, False)
-    """
-    if not math.isfinite(before) or math.isnan(after):
-        return False
-    return after == math.inf or after - before > UPDATE_RATIO_LOSS_RISE * abs(before)
-
-
 def rise_bound(loss: float) -> float:
-    """The loss above which the next check step confirms a high step whose own loss was ``loss``
-    (:func:`loss_rose`); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
+    """The loss above which the next check step confirms a high step whose own loss was ``loss`` (a rise past
+    batch-to-batch noise); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
 
     Example::
 
@@ -123,12 +108,9 @@ def rise_bound(loss: float) -> float:
 
 def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
                           verdicts: VerdictEngine) -> Verdict | None:
-    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any.
-
-    ``high`` is this step's :func:`judge_update_ratios`, ``loss`` its loss (``inf`` when not finite, NaN
-    when not observed). A high step is a suspicion the verdict engine holds under the kind's policy: it is
-    reported when the next check step is high too (recorded at both steps, then on every step the condition
-    lasts) or the loss rose after it (:func:`loss_rose`).
+    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any: ``high`` (this
+    step's :func:`judge_update_ratios`) is held under the kind's policy and reported when the next check is
+    high too (at both steps) or its ``loss`` rose past the bound (``inf``: not finite, NaN: not observed).
 
     Example::
 
@@ -166,3 +148,37 @@ def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss:
         finding.message += f" The ratios were above {UPDATE_RATIO_LIMIT:g} at step {verdict.steps[0]} too."
     finding.details["confirmed_by"] = "persisted"
     return Verdict(finding, verdict.latest.flagged, steps=verdict.steps if len(verdict.steps) > 1 else [])
+
+
+def step_loss(host: HostNumerics) -> float:
+    """The check step's loss: ``inf`` when it was not finite, NaN when no loss was observed."""
+    return math.inf if host.ranks_with_nonfinite_loss else host.loss_value if host.loss_checked else math.nan
+
+
+def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNumerics, layout: ModuleLayout | None,
+                 had_grad: Sequence[bool], lr_zero_now: Sequence[bool], settings: GradientSettings,
+                 history: GradientHistory, param_groups: Sequence[dict[str, Any]], already_frozen: Collection[str],
+                 positions: Positions, verdicts: VerdictEngine,
+                 line_search: bool = False) -> tuple[dict[str, float], list[Verdict]]:
+    """Scalars and verdicts of check step ``step`` from ``deltas`` (``||Δw||`` per parameter slot), read back after
+    its optimizer step: the update-ratio scalars and statistics, ``update_ratio_high`` and ``frozen_param``
+    (``no_update``), over every parameter at once."""
+    deltas = deltas.double()
+    weights, names = host.param_norms_by_slot(), host.param_names
+    metrics: dict[str, float] = {}
+    ratios = update_ratios(deltas, weights)
+    if settings.log_weights:
+        metrics.update(zip(host.tags("debug/weight/update_ratio/"), ratios.tolist()))
+    if settings.keeps_update_ratios:
+        for name, ratio in zip(names, ratios.tolist()):
+            history.parameter_update_ratios.setdefault(name, RunningStats()).add(ratio)
+    overall = overall_ratio(deltas, weights)
+    if overall is not None:
+        history.update_ratios.add(overall)
+        metrics["debug/weight/update_ratio_global"] = overall
+    high = (judge_update_ratios(step, layout, deltas, weights, learning_rates(param_groups))
+            if layout is not None and layout.slot_module.numel() == len(names) else None)
+    verdicts = [confirm_update_ratios(step, optimizer, high, step_loss(host), verdicts),
+                judge_not_updated(step, names, deltas, host.grad_norms_by_slot(), had_grad, lr_zero_now,
+                                  already_frozen, positions, line_search, weights)]
+    return metrics, [verdict for verdict in verdicts if verdict is not None]

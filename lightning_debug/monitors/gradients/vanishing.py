@@ -1,32 +1,12 @@
 """``vanishing_grad``: the gradient signal dies on its way back toward the input, and stays so.
 
-A fixed number read on one step fires on healthy models: a parameter whose partner starts at zero
-gets an exactly zero gradient on the first step (a low-rank adapter's A while B = 0, the layers behind
-a zero-initialised gate or adaLN-zero modulation); a layer scaled by a learnt 1e-6 (ConvNeXt's layer
-scale) gets gradients a million times smaller than its neighbours until the scale grows; attention's
-query and key projections get gradients about 1e-3 of their neighbours' while attention is still
-uniform; a model trained with a small loss scale has small gradients everywhere. What these have
-in common is that the gradient is healthy again on the input side of them (residual connections
-carry it around) or grows by orders of magnitude within a step or two. So, per layer (module, in
-forward execution order), a layer is *low* when its gradient norm is below
-``gradient_vanishing_threshold`` and has not grown over :data:`VANISHING_GROWTH` times the layer's own
-first norm (batch-to-batch noise of tiny norms stays within ~20x); and a run of consecutive low
-layers *vanishes* when
-
-- it reaches the input side (no healthy layer runs before it) and the healthy layer right after it
-  has a gradient at least :data:`VANISHING_DROP` times larger: the signal fades toward the input;
-- or all its gradients are exactly zero on :data:`VANISHING_DEAD_CHECKS` check steps in a row: a dead
-  part of the model (a mask, dead ReLUs) wherever it is. A shorter streak of zeros between healthy
-  layers is how a stochastic router's straight-through estimator looks (zero on some steps).
-
-A fading layer is reported once it vanished on :data:`VANISHING_CONFIRM_CHECKS` check steps in a row (the
-kind's confirmation policy in the table of kinds, applied by the verdict engine).
-
-A margin loss (hinge, triplet, a contrastive loss with a margin) is exactly 0 on a batch whose margins all
-hold, and sends back no gradient at all: every layer is exactly zero on that step, and on every step once
-the training set is separated. A check step whose loss is 0 and whose every gradient is zero is therefore
-not judged (nor counted in a streak). A loss that is not 0 with every gradient zero is judged: the loss is
-flat in the model's output (a round, argmax, comparison or saturated clamp between them), a bug.
+One low norm fires on healthy models (a LoRA A while B = 0, ConvNeXt's layer scale, uniform attention,
+a small loss scale); there the gradient is healthy again on the input side or grows within a step or
+two. So a layer (module, in forward order) is *low* below ``gradient_vanishing_threshold`` when it has
+not grown :data:`VANISHING_GROWTH` times over its first norm, and a run of low layers vanishes when it
+reaches the input side with a healthy layer after it :data:`VANISHING_DROP` times larger, or is exactly
+zero (held longer: a straight-through router is zero on some steps). The engine confirms it under the
+kind's policy. A check whose loss is 0 with every gradient zero (a margin loss that holds) is not judged.
 
 Example::
 
@@ -129,15 +109,10 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
                     positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
                     loss: float = math.nan) -> Verdict | None:
-    """The ``vanishing_grad`` finding of a check step (see the module's docstring), or None.
-
-    ``grads`` holds every parameter's norm, or nothing when none was read (no norm was below the
-    threshold: no layer is low and every hold ends); ``loss`` is the step's loss (NaN when unknown).
-    Each layer's first norm is kept from the first check step that read them. A parameter whose gradient is
-    exactly zero while the rest of its module learns is structural (the key bias of attention: softmax
-    ignores a shift shared by every key): judging the module's norm rules it out; a whole module at zero is
-    a dead layer. Each low layer is a suspicion keyed by the layer; ``verdicts`` holds it under the kind's
-    policy (3 check steps in a row, 8 for :data:`EXACTLY_ZERO`).
+    """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
+    none was read (no norm below the threshold: every hold ends); ``loss``: NaN when unknown. Judged per module,
+    so a parameter that is exactly zero while its module learns (attention's key bias) is not a dead layer; each
+    low layer is a suspicion ``verdicts`` holds under the kind's policy.
     """
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
         return None

@@ -1,7 +1,4 @@
-"""What a gradient rule returns: a finding, the names it flags and its episode key.
-
-Rules build their findings (message and details) themselves; the monitor only records them, so the
-same verdict reads the same in a unit test and in a run.
+"""What a gradient rule returns: a finding it wrote itself, the names it flags and its episode key.
 
 Example::
 

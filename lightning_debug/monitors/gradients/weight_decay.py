@@ -1,20 +1,9 @@
-"""``weight_decay_on_norm``: weight decay on parameters that are not meant to be decayed.
+"""``weight_decay_on_norm``: weight decay on biases, normalisation gains and embedding tables.
 
-Weight decay pulls every parameter of its param group toward zero. On a weight matrix that is the
-regulariser people want; on a bias, a normalisation layer's gain or shift, or an embedding table it
-fights the model: a LayerNorm gain decayed toward 0 shrinks the scale the layer is there to restore,
-and the rows of rare tokens are pulled toward zero between their updates. The usual recipes (BERT,
-GPT-2, timm, nanoGPT) keep them in a param group with ``weight_decay=0``; passing
-``model.parameters()`` to ``AdamW(weight_decay=0.01)`` decays them all, silently.
-
-The rule judges from structure only: a parameter with at most one dimension is a bias or a
-normalisation gain or shift, whatever its module is called (LayerNorm, BatchNorm, RMSNorm, a custom
-norm); a two-dimensional parameter of a module that looks rows up by index (``nn.Embedding``,
-``nn.EmbeddingBag``) is an embedding table. What could make it fire on a healthy run: a recipe that
-decays biases on purpose, which is why the finding is info and said once per run; and an optimizer
-holding flattened or sharded copies that are one-dimensional by construction (FSDP1's flat
-parameters), which the rule never sees, because it judges only parameters that the module itself
-names and a param group holds by identity.
+Decay on those fights the model (a LayerNorm gain pulled to 0); the usual recipes give them
+``weight_decay=0``. Judged from structure only (at most one dimension: a bias or a gain; 2-D in a module that
+looks rows up: an embedding), on parameters the module names and a param group holds by identity (so never
+FSDP1's flat copies). A recipe may decay biases on purpose: info, once.
 
 Example::
 

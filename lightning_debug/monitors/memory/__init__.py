@@ -1,11 +1,7 @@
 """Memory over the run: readings, ``memory_high``, leaks found and explained, the OOM post-mortem.
 
-The plumbing (:mod:`.monitor`) follows the events and gathers readings, censuses and allocation
-history; the rules it applies are pure (:mod:`.high`, :mod:`.growth`, :mod:`.post_mortem`) and take
-typed settings (:mod:`.settings`).
-
-Framework-free: the run drives it through the same events in a Lightning callback, an Accelerate
-loop or a plain training loop::
+The plumbing (:mod:`.monitor`) gathers readings, censuses and allocation history; the rules are pure
+(:mod:`.high`, :mod:`.growth`, :mod:`.post_mortem`)::
 
     >>> from lightning_debug import DebugConfig
     >>> from lightning_debug.core.monitor import RunContext

@@ -1,48 +1,13 @@
 """The leak rule: steady growth of a byte count with the steps, suspected, confirmed, explained.
 
-Pure: it takes the readings (as ``{series: bytes}``), the census diff and allocation sites the
-plumbing gathered, and returns what to do next, the verdict for the report and the finding. A
-reading per check step goes into a bounded window per series; a robust trend through each window
-(:func:`~lightning_debug.checks.memory.fit_trend`) says whether it grows steadily.
-
-What could make it fire on a healthy model, and how it is ruled out:
-
-- warm-up (allocator pools, cuDNN workspaces, lazily built optimizer state, the first validation):
-  the first ``warmup_readings`` readings stay out of the window, the trend is Theil-Sen (a jump is
-  one outlier among the pairwise slopes) and it must be mostly rising (Kendall's tau >= 0.7);
-- allocator granularity and resident-set noise: the rise over the window must exceed a floor per
-  series (:data:`GROWTH_FLOORS`) and four times the robust scatter around the line;
-- readings close together (several per step in short runs): readings fewer than ``min_spacing``
-  steps apart are skipped;
-- a one-off: growth must be seen on two readings in a row (suspected, then confirmed: the kind's policy,
-  ``Confirm(patience=2)``, applied by the verdict engine, which holds the suspicion and checkpoints it)
-  before the finding; between them a census of live tensors is taken, so the finding names what piles up;
-- growth that has stopped: a cache filled in the first epoch (decoded samples kept in RAM) rises, then
-  stays, and the window's line still rises after it has; the latest half of the window (at least 3
-  readings) must rise at least ``RECENT_SLOPE_SHARE`` as fast as the whole window. A leak keeps its
-  pace; at worst a noisy half delays its finding by a reading;
-- a schedule that grows each step's input (sequence length, batch size, image size): the host's heap and
-  resident set grow with it, in steps, as the allocator sizes its arenas to larger activations. While
-  the window's later half was given :data:`INPUT_GROWTH` times the input elements of its earlier half
-  (medians; the batch's first tensor, read on check steps, so batches of random lengths do not count),
-  the host series are not judged. A leak shows again once the window holds one input size.
-- outputs kept for the end of the epoch (Lightning's recipe: ``self.training_step_outputs.append(...)`` in
-  ``training_step``, read and cleared in ``on_train_epoch_end``; a feature bank for an epoch-level metric):
-  memory grows all through an epoch and is released at its end. While every reading of the window is from
-  the current epoch, another epoch follows before the run ends, and memory at that rate lasts past the
-  epoch's end, a confirmed growth waits for the epoch to end (still ``suspected``). At the first reading of
-  the next epoch, memory that fell back at least halfway from its peak to where the window began was
-  released: the window starts again. In the last epoch, which ends with the run, growth waits the same way
-  once an earlier epoch's growth was released.
-- a cache filled in the first epoch, seen through that wait: memory kept past the epoch's end is a leak only if
-  it goes on growing in the next epoch. It is judged on that epoch's own readings (:meth:`GrowthSeries.goes_on`,
-  from :data:`CARRIED_READINGS` on): still rising at ``RECENT_SLOPE_SHARE`` of the window's pace, it is named;
-  flat, the growth stopped with the epoch and the window starts again. While it waits the suspicion is held and
-  not observed.
-- a resume: the window and the waits travel in the checkpoint with the held suspicion. A resumed process whose
-  memory fell back from the window's peak (the one before it ended, and its memory with it) starts the window
-  again; the census a held suspicion was taken with stays in the process before, so a new one is taken at the
-  first check after the resume and the growth is confirmed at a later reading than that one.
+Pure: readings per check step go into a bounded window per series, and a robust trend
+(:func:`~lightning_debug.checks.memory.fit_trend`) says whether it grows steadily. What a healthy run does
+and how it is ruled out (docs/memory.md gives each case): warm-up (readings left out, Theil-Sen, Kendall's
+tau), allocator noise (:data:`GROWTH_FLOORS`, the scatter), a one-off (the kind's policy: two readings in a
+row, a census between them), growth that stopped (the later half must keep ``RECENT_SLOPE_SHARE`` of the
+pace), a growing input (:data:`INPUT_GROWTH`: host series not judged), outputs kept for the end of the
+epoch (a confirmed growth waits for the epoch's end, then is judged on the next epoch's own readings), a
+resume (the window and the waits travel with the held suspicion).
 
 Example::
 

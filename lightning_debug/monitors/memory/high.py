@@ -1,10 +1,6 @@
-"""The ``memory_high`` rule: a device or the machine nearly full at a check step.
-
-What could make it fire on a healthy model, and how it is ruled out: the CUDA caching allocator
-keeps freed blocks reserved, so a healthy run's reserved memory sits near its peak; the limit
-(``memory_high_fraction``, 0.9 by default) leaves that peak room, and the finding is one episode
-per device (``cuda`` or ``cpu``), not one per check step. On the CPU the page cache is not counted
-as used: ``available`` memory, not ``free``, is compared.
+"""The ``memory_high`` rule: a device or the machine nearly full at a check step. The caching allocator keeps
+a healthy run's reserved memory near its peak, which ``memory_high_fraction`` leaves room for; one episode
+per device; on the CPU ``available`` memory (not ``free``: the page cache) is compared.
 
 Example::
 

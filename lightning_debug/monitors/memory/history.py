@@ -1,8 +1,6 @@
-"""The CUDA allocator's history of every allocation with its Python stack, on only while needed.
-
-Recording costs a few microseconds per allocation, so the memory monitor switches it on when a
-leak is suspected (or for the whole run at EXPERT level, so that an OOM leaves a full snapshot) and
-off again once the leak is explained, never switching off a recording someone else started.
+"""The CUDA allocator's history of every allocation with its Python stack, on only while needed (it costs a
+few microseconds per allocation): from a suspected leak until it is explained, or the whole run at EXPERT;
+a recording someone else started is never switched off.
 
 Example::
 

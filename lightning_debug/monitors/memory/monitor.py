@@ -1,8 +1,5 @@
-"""The memory monitor's plumbing: events, readings, the census and allocation history, recording.
-
-What is judged lives beside it, pure: ``memory_high`` in :mod:`.high`, the leak rule in
-:mod:`.growth`, the OOM post-mortem in :mod:`.post_mortem`; the settings in :mod:`.settings`; the
-CUDA allocation history is switched on and off by :mod:`.history`.
+"""The memory monitor's plumbing: events, readings, the census and allocation history, recording; what is
+judged lives beside it, pure.
 """
 
 from __future__ import annotations
@@ -68,14 +65,9 @@ class _Evidence:
 
 
 class MemoryMonitor(Monitor):
-    """See :class:`lightning_debug.MemoryProfilerCallback` for the behaviour users rely on.
-
-    On check steps the readings are taken before the optimizer step, at the same point of every such
-    step; an out-of-memory exception gets a post-mortem that names the phase of the step the run was in
-    (:attr:`RunLedger.phase <lightning_debug.core.ledger.RunLedger.phase>`, which the run keeps). Other
-    steps cost nothing: the run calls the step's events on check steps only (``due_events``), and the
-    phase boundaries only from ADVANCED level on, which reads memory at each of them (below it, the batch's
-    start on check steps only notes the input's size).
+    """See :class:`lightning_debug.MemoryProfilerCallback`. Readings are taken before the optimizer step of check
+    steps (like with like); other steps cost nothing (``due_events``), and phase boundaries are read only from
+    ADVANCED on. An OOM's post-mortem names the phase the run was in (:attr:`.RunLedger.phase`).
     """
 
     area = Area.MEMORY
@@ -160,11 +152,8 @@ class MemoryMonitor(Monitor):
         self.post_mortem(error, step, self.context.where(), batch)
 
     def phase(self, phase: MemoryPhase | None, step: int | None = None) -> None:
-        """``phase`` starts now (None: the current one ends, outside any phase).
-
-        From ADVANCED level on, on check steps (every call when ``step`` is None), read host-side
-        counters: on CUDA the peak allocated during the phase that ends, on the CPU the heap in use
-        when it ends.
+        """``phase`` starts now (None: the current one ends). From ADVANCED, on check steps, read host-side counters:
+        the CUDA peak of the phase that ends, or the CPU heap when it ends.
         """
         if not self.settings.phase_readings:
             return
@@ -185,12 +174,9 @@ class MemoryMonitor(Monitor):
 
     # --- the check step -----------------------------------------------------------------------------
     def measure(self, step: int, where: Where, device: torch.device | None) -> None:
-        """Read memory (scalars), test ``memory_high`` and look for steady growth.
-
-        Call at the same point of every check step so that readings compare like with like. The C heap
-        (glibc walks its free lists: 0.2 ms to milliseconds on a fragmented heap) is read on the readings
-        the growth trend takes and at least once per logging row and every ``min_spacing`` steps, so checks
-        every step do not pay it every step and every row that shows memory shows the heap.
+        """Read memory (scalars), test ``memory_high`` and look for steady growth, at the same point of every check
+        step. The C heap (a glibc walk: up to milliseconds) is read only on the trend's readings, once per logging
+        row and every ``min_spacing`` steps.
         """
         started = time.perf_counter()
         self._device = device

@@ -1,9 +1,5 @@
-"""The out-of-memory post-mortem: the document written after an OOM and its ``oom`` finding.
-
-Pure: the plumbing gathers the reading, the batch, the census and the allocator's summary; here
-they become the ``oom_step<N>`` document and the critical finding that points at it. It cannot
-fire on a healthy model: only an exception that is an out-of-memory error
-(:func:`~lightning_debug.checks.memory.is_out_of_memory`) gets one.
+"""The out-of-memory post-mortem: the ``oom_step<N>`` document and the critical ``oom`` finding pointing at it,
+from what the plumbing gathered; only an out-of-memory exception gets one.
 
 Example::
 

@@ -1,8 +1,5 @@
 """What the memory area reads from :class:`~lightning_debug.config.DebugConfig`, typed and frozen.
 
-Made once per monitor; the rules take it instead of the whole configuration, so a unit test builds
-one directly and a reader sees every knob of the area in one place.
-
 Example::
 
     >>> from lightning_debug import DebugConfig
@@ -20,18 +17,9 @@ from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_v
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """The memory area's settings.
-
-    Attributes:
-        frequency, high_fraction, log_memory: ``DebugConfig``'s ``memory_profiling_frequency``,
-            ``memory_high_fraction`` and ``log_memory``.
-        phase_readings: Read the allocator at every phase change of a check step (level ADVANCED and up).
-        whole_run_history: Record every CUDA allocation for the whole run, so that an OOM leaves a
-            full snapshot (level EXPERT).
-        window: Readings the growth trend is fitted over (the oldest drop out).
-        warmup_readings: First readings left out of the trend (allocator and cache warm-up).
-        min_spacing: Fewest optimizer steps between two readings of the trend.
-        history_entries: The longest CUDA allocation history recorded.
+    """The memory area's settings: ``DebugConfig``'s fields, the allocator read at every phase of a check step
+    (ADVANCED), every CUDA allocation recorded for the whole run (EXPERT), the growth trend's ``window``,
+    ``warmup_readings`` left out and ``min_spacing`` between readings, and the longest allocation history.
     """
 
     frequency: int = config_value("memory_profiling_frequency")

@@ -1,9 +1,5 @@
 """The performance area: step-phase timing, slow steps, data-loader stalls, stragglers, torch.profiler.
 
-:mod:`.monitor` is the plumbing that the run's events drive; each rule is a module of its own
-(:mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers`, the profiler and sync-debug windows in
-:mod:`.profiler`, the DataLoader advice in :mod:`.loader`), with its settings in :mod:`.settings`.
-
 Example::
 
     >>> from lightning_debug.monitors.performance import PerformanceMonitor, PerformanceSettings

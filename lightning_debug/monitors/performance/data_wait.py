@@ -59,12 +59,9 @@ class DataWait:
 class DataWaitRule:
     """Whether the loop waits for data over ``dataloader_bottleneck_share`` of the step, over the last timed steps.
 
-    What could make it fire on a healthy model: a single slow batch (a new shard, workers restarting
-    at an epoch), time outside training steps counted as waiting (the monitor restarts the clock
-    after validation and at epoch starts), or a tiny model whose steps are so short that a
-    millisecond of loop overhead is a large share. It fires only on the median share over
-    ``DATA_WINDOW`` timed steps, with ``DATA_MIN_SHARE_OF_STEPS`` of them above the share and a
-    median wait of at least ``MIN_DATA_WAIT_MS``; the wait for a CPU another program had is left out.
+    A single slow batch, time outside training steps and a tiny model's loop overhead are ruled out by
+    judging the median share over ``DATA_WINDOW`` timed steps, ``DATA_MIN_SHARE_OF_STEPS`` of them above it,
+    a median wait of ``MIN_DATA_WAIT_MS`` and no CPU wait.
 
     Example::
 

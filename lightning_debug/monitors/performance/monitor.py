@@ -1,10 +1,5 @@
-"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps.
-
-The monitor is driven by the run's events at phase boundaries (a batch starts, backward starts,
-the optimizer step starts, a batch ends), so a Lightning callback, an Accelerate loop and a plain
-training loop use it the same way. On a non-check step it does nothing but an integer comparison
-per boundary. This module is the plumbing (events, pending read-backs, scalars, state, recording);
-the rules live in :mod:`.slow_step`, :mod:`.data_wait`, :mod:`.stragglers` and :mod:`.profiler`.
+"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps: the plumbing,
+driven by the run's events at phase boundaries (an integer comparison per boundary on other steps).
 """
 
 from __future__ import annotations
@@ -41,8 +36,8 @@ SizeFn = Callable[[Any], int]
 class PerformanceMonitor(Monitor):
     """Step-phase timing, throughput, slow steps, data-loader stalls, stragglers, torch.profiler.
 
-    See :class:`lightning_debug.PerformanceProfilerCallback` for the behaviour users rely on. A
-    plain training loop drives it through a run, with one call per phase boundary::
+    See :class:`lightning_debug.PerformanceProfilerCallback`. ``batch_size_fn`` / ``tokens_fn``: samples and
+    tokens of a batch, when the first tensor's dimension 0 is not it. A plain loop drives it through a run::
 
         >>> import torch
         >>> from lightning_debug import DebugConfig
@@ -62,16 +57,6 @@ class PerformanceMonitor(Monitor):
         >>> run.finalize(2)
         >>> monitor.report_section()["stats"]["step_time_ms"]["count"]
         3
-
-    Args:
-        config: The run's configuration (frequency, level, thresholds, profiler window).
-        source: The name written into events (``"callback"``).
-        batch_size_fn: ``batch -> number of samples``, when the first tensor's dimension 0 is not it.
-        tokens_fn: ``batch -> number of tokens``, to log ``debug/perf/tokens_per_sec``.
-
-    The device, the number of processes (samples/s is this process's times the world size), the
-    rank (names trace files) and the all-gather (per-rank step times compared on check steps)
-    come from the run's context at :meth:`start`.
     """
 
     area = Area.PERFORMANCE
@@ -190,12 +175,8 @@ class PerformanceMonitor(Monitor):
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
-        """A batch of optimizer step ``step`` ends. Under gradient accumulation the step ends with the
-        batch in which the optimizer step started (or when a batch of a later step starts).
-
-        On a check step that took an optimizer step (the same on every rank) the ranks gather their
-        step times, whatever failed on this rank before: a failure sends a row of NaN (a step no rank
-        judges), then is raised for the run to record.
+        """A batch of optimizer step ``step`` ends (under accumulation, with the batch the optimizer step started in).
+        On a check step the ranks gather their step times whatever failed here (a failure sends NaN, then raises).
         """
         failure: Exception | None = None
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from lightning_debug.checks.robust import median as robust_median, robust_sigma
@@ -13,7 +13,6 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.stats import Window
 from lightning_debug.core.verdicts import Confirmed, ConfirmedBy, Suspicion, VerdictEngine
-from lightning_debug.monitors.performance.level_shift import SlowRun, Shift
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
 RECENT_STEPS = 50
@@ -47,6 +46,109 @@ FAR_MIN_FRACTION = 0.1
 SIZE_BAND = 1.25
 RUN = "run"
 """The key of the run of slow steps in a row the verdict engine holds (one at a time)."""
+
+SHIFT_ELEMENTS_RATIO = 1.5
+"""Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule."""
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Slow steps in a row that did not end: the run's step time moved to a new level at ``start`` (a schedule
+    that grows the input, a backbone unfrozen, a slower machine), because the recent median followed them.
+
+    Example::
+
+        >>> shift = Shift(start=200, steps=12, before_ms=16.0, after_ms=96.0, phase_before_ms=9.0, phase_after_ms=61.0,
+        ...               elements_ratio=4.0)
+        >>> finding = shift.finding(Phase.FORWARD)
+        >>> finding.severity.value, finding.details["factor"], "4.0x the elements" in finding.message
+        ('info', 6.0, True)
+    """
+
+    start: int
+    steps: int
+    before_ms: float
+    after_ms: float
+    phase_before_ms: float
+    phase_after_ms: float
+    elements_ratio: float | None
+    ended_run: bool = False
+    """The shift lasted to the end of the run, too few steps to tell it from a stall at the end."""
+
+    def finding(self, phase: Phase) -> Finding:
+        factor = self.after_ms / self.before_ms if self.before_ms > 0 else math.inf
+        if self.elements_ratio is not None and self.elements_ratio >= SHIFT_ELEMENTS_RATIO:
+            why = (f"each step's input has {self.elements_ratio:.1f}x the elements it had: a longer sequence, a larger "
+                   "image or a larger batch (a schedule that grows them) costs this by design")
+        else:
+            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
+                   "path in training_step, or a slower machine (another process, throttling) would do this")
+        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
+                  else "and stayed there: a new level, not a stall")
+        return Finding(
+            Kind.SLOW_STEP, Severity.INFO,
+            f"From step {self.start} on, steps take {self.after_ms:.1f} ms instead of {self.before_ms:.1f} ms "
+            f"({factor:.1f}x), {self.steps} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
+            f"most ({self.phase_before_ms:.1f} -> {self.phase_after_ms:.1f} ms). {why[0].upper()}{why[1:]}.",
+            {"phase": phase.value, "shift_step": self.start, "before_ms": self.before_ms,
+             "after_ms": self.after_ms, "factor": factor, "timed_steps": self.steps,
+             "elements_ratio": self.elements_ratio, "ended_run": self.ended_run, "recurring": False})
+
+
+@dataclass
+class SlowRun:
+    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums.
+
+    Example::
+
+        >>> run = SlowRun(10, 16.0, 66.0, {phase: 4.0 for phase in PHASES}, None)
+        >>> run.add(StepTimes(10, {phase: 40.0 for phase in PHASES}))
+        >>> SlowRun.from_state(run.state_dict()) == run, run.shift(Phase.DATA).after_ms
+        (True, 160.0)
+    """
+
+    start: int
+    base_median: float
+    base_threshold: float
+    base_phases: dict[Phase, float]
+    base_elements: float | None
+    length: int = 0
+    total_ms: float = 0.0
+    phase_ms: dict[Phase, float] = field(default_factory=dict)
+    elements: int = 0
+    held: dict[str, Any] | None = None
+    """The verdict held back while the run lasts, as its state (see :class:`~.slow_step.SlowStepRule`)."""
+    explained: bool = True
+    """Whether every step of the run had a larger input than usual and an ordinary time for it: if it ends, no burst."""
+
+    def add(self, times: StepTimes) -> None:
+        self.length += 1
+        self.total_ms += times.judged_step_ms
+        for phase in PHASES:
+            self.phase_ms[phase] = self.phase_ms.get(phase, 0.0) + times.judged(phase)
+        self.elements += times.elements or 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "base_median": self.base_median, "base_threshold": self.base_threshold,
+                "base_phases": {phase.value: ms for phase, ms in self.base_phases.items()},
+                "base_elements": self.base_elements, "length": self.length, "total_ms": self.total_ms,
+                "phase_ms": {phase.value: ms for phase, ms in self.phase_ms.items()}, "elements": self.elements,
+                "held": self.held, "explained": self.explained}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> SlowRun:
+        return cls(int(state["start"]), float(state["base_median"]), float(state["base_threshold"]),
+                   {Phase(name): float(ms) for name, ms in state["base_phases"].items()}, state["base_elements"],
+                   int(state["length"]), float(state["total_ms"]),
+                   {Phase(name): float(ms) for name, ms in state["phase_ms"].items()}, int(state["elements"]),
+                   state["held"], bool(state["explained"]))
+
+    def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
+        ratio = (self.elements / self.length / self.base_elements
+                 if self.elements and self.base_elements else None)
+        return Shift(self.start, self.length, self.base_median, self.total_ms / self.length,
+                     self.base_phases[phase], self.phase_ms[phase] / self.length, ratio, ended_run)
+
 
 PHASE_HINTS = {
     Phase.DATA: "the data wait grew: a slow sample or shard, data-loader workers restarting at an epoch boundary, "
@@ -230,48 +332,14 @@ class SlowStep:
 class SlowStepRule:
     """Whether a timed step is slow for this run, judged against the last ``RECENT_STEPS`` timed steps.
 
-    What could make it fire on a healthy model: ordinary jitter (a garbage collection, a busy
-    machine, a logging step), which a plain factor over the median flags on a fast model. A step
-    counts as an outlier only above the median by ``slow_step_factor - 1`` medians, by
-    ``SLOW_MAD_Z`` robust standard deviations of the run's own spread and by ``MIN_SLOW_EXCESS_MS``;
-    times are judged without the plugin's own time and the measured wait for a CPU. It warns only
-    when outliers recur; a lone outlier is an info, and only when it is far out. The history is
-    bounded (``RECENT_STEPS`` times per phase, ``SLOW_WINDOW`` flags, the last ``RECENT_STEPS``
-    timed steps and outliers by step).
-
-    Outliers recur in three ways: clustered (``SLOW_MIN_FLAGGED`` of the last ``SLOW_WINDOW`` timed
-    steps); with a period (the last ``PERIOD_MIN_OUTLIERS`` outliers at one fixed distance of two
-    steps or more: a checkpoint, a flush or a collection every k-th step); or as a share of steps
-    far above the median (``FAR_MIN_OUTLIERS`` of the last ``RECENT_STEPS`` timed steps, and at least
-    ``FAR_MIN_FRACTION`` of them, each ``SLOW_LONE_FACTOR`` times the median and ``FAR_MS`` above it).
-    A busy machine's hiccups are irregular and rarely that far out: four of them exactly
-    equidistant, or five 20x-and-100-ms stalls in fifty steps, are not what jitter looks like.
-
-    A healthy run can also change its level: a sequence-length or batch-size schedule, progressive resizing or a
-    backbone unfrozen makes every step from one on slower, by design. Outliers on consecutive timed steps are
-    therefore held from the second: when a step comes back under the threshold of before, they were a burst
-    (the warning, labelled at its step); when one stops being an outlier only because the recent median followed
-    them, the step time moved to a new level (an info from the run's first slow step, which says whether the input
-    per step grew), and steps are judged against that level from then on. Consecutive timed outliers are never a
-    period, whatever the timing frequency. What this gives up: stalls on every step for longer than the median
-    takes to follow (about half of ``RECENT_STEPS`` timed steps) become the level, an info. The run is a suspicion
-    the verdict engine holds (``verdicts``, the monitor's) under the kind's policy, ``Confirm(until=BACK_UNDER)``,
-    so it travels in the checkpoint; the history of step times does not (a resumed process is timed afresh), and
-    until it is long enough again a held run is decided by the threshold of before alone.
-
-    A healthy run also varies its input: a loader that buckets sequences by length, or pads each batch to its
-    longest sequence, gives steps of 16 and of 512 tokens, and the long ones take ten times the median by design
-    (with every step timed, a small transformer on such batches had a ``slow_step`` warning every few dozen
-    steps). A step whose input (its first tensor's elements) is more than ``SIZE_BAND`` times the recent median's
-    is therefore judged against the recent steps of its own size (within ``SIZE_BAND``), and taken as explained by
-    its size while fewer than ``MIN_HISTORY`` of them were timed. Larger steps that stay (a sequence-length schedule)
-    are still a new level, an info; a stall on a step of ordinary size is judged as before.
-
-    A healthy run also has a rhythm: an epoch boundary, a checkpoint or a validation every few
-    hundred steps makes one step in that many slow, by design. A stall that recurs only with its
-    period is therefore a warning only when it costs ``MIN_PERIODIC_SHARE`` of the time or more
-    (its excess over the median step, over the period's steps; with sparse timing, over the
-    shortest period the timed steps allow); below that it is an info that says what it costs.
+    Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
+    sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
+    when outliers recur (clustered, periodic, or far out often), a periodic stall only when it costs
+    ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
+    consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
+    before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a
+    much larger input (``SIZE_BAND``: length-bucketed batches) is judged against steps of its size. See
+    docs/performance.md.
 
     Example::
 

@@ -115,20 +115,11 @@ class Gathered:
 class StragglerRule:
     """Which rank, if any, the others keep waiting for, from the per-rank rows gathered on check steps.
 
-    What could make it fire on a healthy model: lazy initialisation that differs between ranks, one
-    noisy step, and above all rank 0's extra work (writing logs, events, histograms, checkpoints). That
-    work makes the *other* ranks wait for rank 0 at whatever collective comes next, and when that
-    collective is not the gradient all-reduce the wait lands in their data wait + forward: Lightning
-    broadcasts rank 0's SIGTERM flag before every batch, so with ``log_every_n_steps=1`` and two CPU
-    ranks rank 1's data wait was 20 ms longer than rank 0's on every step of a healthy run, and rank 1,
-    the one waiting, looked slowest before the all-reduce. A rank is therefore judged by the time the others wait for it
-    *at the all-reduce*: each rank's backward holds its own wait there, so a rank that arrives late has a
-    shorter backward than the others by that wait, while a rank that waited earlier (and arrives with
-    them) does not. The wait counted is the smaller of its lead in data wait + forward over the median of
-    the others and the others' longer backward; it must reach ``STRAGGLER_STEP_SHARE`` of the step and
-    ``STRAGGLER_MIN_MS``, with data wait + forward ``STRAGGLER_MARGIN`` above the others', on
-    ``STRAGGLER_MIN_FLAGGED`` of ``STRAGGLER_WINDOW`` check steps, after the first ``STRAGGLER_WARMUP``
-    gathered steps.
+    Rank 0's extra work (logs, events, checkpoints) makes the others wait at the next collective, which lands
+    in their data wait + forward, so a rank is judged by what the others wait for it *at the all-reduce*: the
+    smaller of its lead in data wait + forward and the others' longer backward, at least
+    ``STRAGGLER_STEP_SHARE`` of the step and ``STRAGGLER_MIN_MS``, on ``STRAGGLER_MIN_FLAGGED`` of
+    ``STRAGGLER_WINDOW`` check steps after ``STRAGGLER_WARMUP``.
 
     Example::
 
