@@ -73,7 +73,15 @@ def test_each_callback_says_every_kind_its_areas_report(name: str) -> None:
 
 
 MONITOR_AREAS = {"anomaly": "anomaly", "gradients": "gradients", "memory": "memory", "performance": "performance",
-                 "activations": "activations", "loop": "loop", "errors": "errors"}
+                 "activations": "activations", "loop": "loop", "repeats": "loop", "errors": "errors"}
+NOT_A_MONITOR = {"__init__", "areas"}
+
+
+def test_every_module_of_monitors_belongs_to_an_area() -> None:
+    """A new module in ``monitors/`` names its area here, so the two tests below read its kinds."""
+    monitors = Path(__file__).resolve().parents[2] / "lightning_debug" / "monitors"
+    tops = {path.relative_to(monitors).parts[0].removesuffix(".py") for path in monitors.rglob("*.py")}
+    assert sorted(tops - set(MONITOR_AREAS) - NOT_A_MONITOR) == []
 
 
 def test_every_monitor_writes_only_the_kinds_its_row_of_the_table_gives_its_area() -> None:
