@@ -17,7 +17,8 @@ class GradientHealthCallback(DebugCallback):
 
     - ``exploding_grad``: the global norm jumps over 10x the median of this run's recent check steps
       (judged once there are 3 of them); from the second check step, grows 1000x over the last ones or
-      turns Inf/NaN with the loss blown up; or, when you set it, exceeds
+      turns Inf/NaN with the loss blown up or with the steps since the finite check step before unchecked (at the
+      default frequency, an explosion between check steps 0 and 100); or, when you set it, exceeds
       ``gradient_explosion_threshold``; names the largest, says what a configured gradient clipping
       did, else suggests a ``gradient_clip_val`` from this run's own healthy norms. Check steps whose
       gradients, loss or weights were non-finite are stated in report.md and the console summary,

@@ -108,6 +108,10 @@ class RunLedger:
     reevaluates: bool = False
     """Whether an optimizer evaluated its closure again inside one step (L-BFGS, a line search): such an
     optimizer chooses for itself how far a step goes, and may decline to move at all."""
+    nonfinite_grads_at: int | None = None
+    """The latest optimizer step whose gradients the anomaly area measured non-finite (it checks every step by
+    default): the gradient area, checking every 100th, leaves a blow-up between its check steps to the finding
+    that names its step (``nonfinite_grad``) rather than guess where it began."""
     phase: MemoryPhase | None = None
     """The phase of the step the loop is in (None between batches), as the run last saw it: what an OOM
     post-mortem names. The run sets it at every event, so a monitor called only on its check steps still knows."""

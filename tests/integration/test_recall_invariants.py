@@ -151,3 +151,38 @@ def test_no_callback_alone_calls_a_run_with_non_finite_values_clean(tmp_path: Pa
     PerformanceProfilerCallback measure neither)."""
     _, _, markdown = run(tmp_path, model, [callback(EVERY_STEP)], steps=10)
     assert "No problems found" not in markdown and "nothing wrong found" not in console(capsys)
+
+
+
+SPARSE = DebugConfig(gradient_checking_frequency=10)
+
+
+def test_an_explosion_between_two_check_steps_is_named_by_the_gradient_callback_alone(tmp_path: Path) -> None:
+    """Invariants 2 and 3 at a check frequency over 1 (the default is 100): the MLP blows up into Inf/NaN at steps
+    1-2, between the check steps 0 and 10. The norm went from finite at step 0 to NaN at step 10 with nothing seen
+    between: exploding_grad, labelled at step 1 (the earliest it can have begun), its message saying the steps
+    between were not checked."""
+    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0),
+                              [GradientHealthCallback(SPARSE)], steps=12)
+    exploding = exploding_starts(events)
+    assert [e["step"] for e in exploding] == [1], serious(events)
+    assert exploding[0]["callback"] == "GradientHealthCallback"
+    details = exploding[0]["details"]
+    assert details["judged_by"] == "finite to non-finite"
+    assert (details["last_finite_step"], details["measured_step"]) == (0, 10)
+    message = exploding[0]["message"]
+    assert "Gradients exploded between steps 0 and 10" in message and "at step 10" in message
+    assert "9 optimizer steps between were not checked" in message
+    assert "No problems found" not in markdown and "`exploding_grad` (warning)" in markdown
+
+
+def test_beside_the_anomaly_callback_the_blow_up_between_check_steps_is_its_nonfinite_grad_at_its_step(
+        tmp_path: Path) -> None:
+    """All four at the same frequencies: AnomalyDetectionCallback checks every step and names the first NaN gradient
+    at its step (root cause first); the gradient area does not add a guess labelled at the first unchecked step."""
+    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0), all_four(SPARSE), steps=12)
+    found = serious(events)
+    first_nan = min(step for step, kind in found if kind == "nonfinite_grad")
+    assert first_nan <= 3, found
+    assert not [e for e in exploding_starts(events) if e["details"].get("last_finite_step") is not None], found
+    assert "No problems found" not in markdown and "nonfinite_grad" in markdown

@@ -247,6 +247,8 @@ class AnomalyMonitor(Monitor):
         scan, a collective, runs on every rank when the gathered flags ask for it). Writes nothing."""
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
+        if host.ranks_with_nonfinite_grads:
+            self.ledger.nonfinite_grads_at = host.step
         scan = bool(bad_loss_ranks or host.ranks_with_nonfinite_grads or host.params_measured)
         call = self.session.failures.call
         inputs = call("naming the non-finite samples", self._inputs.take, host.step) or []

@@ -81,6 +81,9 @@ class ExplosionSuspicion:
     confirm: float | None = None
     runaway: float | None = None
     overflow: bool = False
+    since: int | None = None
+    """The finite check step before this one when optimizer steps between them went unchecked (None when it was the
+    step right before): a non-finite norm after it overflowed somewhere in between (see :func:`overflowed`)."""
 
     @property
     def any(self) -> bool:
@@ -129,11 +132,13 @@ def rose_before(history: NormHistory) -> float | None:
     return level if values[-1] >= NORM_JUMP_FACTOR * level else None
 
 
-def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool) -> bool:
+def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool, unchecked: bool = False) -> bool:
     """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either the
     loss is finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen
-    (:func:`rose_before`). Not an fp16 overflow a GradScaler skips, nor one singular operation out of a steady
-    level (``nonfinite_grad`` / ``nonfinite_loss`` name those).
+    (:func:`rose_before`), or optimizer steps between the two check steps went ``unchecked`` (no healthy run has
+    non-finite gradients, and the unseen steps hide how it got there: the message says so). Not an fp16 overflow
+    a GradScaler skips, nor one singular operation out of a steady level (``nonfinite_grad`` / ``nonfinite_loss``
+    name those).
 
     Example::
 
@@ -143,19 +148,26 @@ def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bo
         >>> history.add(1500.0, loss=20.0)
         >>> overflowed(math.nan, history, math.nan, scaled=False)
         True
+        >>> steady = NormHistory(); steady.add(1.0, loss=2.0)
+        >>> overflowed(math.nan, steady, math.nan, scaled=False), overflowed(math.nan, steady, math.nan, False, True)
+        (False, True)
     """
     if math.isfinite(global_norm) or not math.isfinite(history.last) or (scaled and math.isfinite(loss)):
         return False
+    if unchecked:
+        return True
     start = max(history.start_losses, default=math.nan)
     blown_up = math.isfinite(loss) and start > 0 and loss >= OVERFLOW_LOSS_FACTOR * start
     return blown_up or rose_before(history) is not None
 
 
 def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
-                      settings: GradientSettings, loss: float = math.nan, scaled: bool = False) -> ExplosionSuspicion:
+                      settings: GradientSettings, loss: float = math.nan, scaled: bool = False,
+                      since: int | None = None) -> ExplosionSuspicion:
     """Whether this check step may be exploding, from its global and largest norms and its ``loss`` alone
     (a norm that grew into the limit gradually while the loss stayed under its start is no jump: see
-    :func:`judge_exploding`); ``scaled``: the loop trains with a GradScaler."""
+    :func:`judge_exploding`); ``scaled``: the loop trains with a GradScaler; ``since``: the previous check step
+    when optimizer steps between it and this one were not checked."""
     limit = history.limit()
     jump = (limit is not None and math.isfinite(global_norm) and global_norm > limit
             and not history.grew_while_learning(global_norm, loss))
@@ -165,8 +177,9 @@ def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
     runaway = runaway_level(global_norm, history)
     if confirm is None and runaway is not None:
         confirm = NORM_JUMP_FACTOR * runaway
-    return ExplosionSuspicion(jump, suspect_high, limit, confirm, runaway,
-                              overflowed(global_norm, history, loss, scaled))
+    overflow = overflowed(global_norm, history, loss, scaled, since is not None)
+    return ExplosionSuspicion(jump, suspect_high, limit, confirm, runaway, overflow,
+                              since if overflow else None)
 
 
 def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, dict[str, Any]]:
@@ -221,7 +234,16 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
     shown = ", ".join(f"`{name}` {norm:.3g}" for name, norm in (named if suspicion.overflow else worst)[:WORST_SHOWN])
     level = history.level()
     judged_by = "gradient_explosion_threshold"
-    if suspicion.overflow:
+    began: list[int] = []
+    if suspicion.overflow and suspicion.since is not None:
+        judged_by, jump_limit, began = OVERFLOW, None, [suspicion.since + 1]
+        unseen = step - suspicion.since - 1
+        what = (f"the global norm went from {history.last:.4g} at step {suspicion.since} to non-finite ({global_norm}) "
+                f"at step {step}; the {unseen} optimizer step{'s' if unseen != 1 else ''} between were not checked "
+                f"(gradient_checking_frequency), so it blew up into Inf/NaN at step {suspicion.since + 1} at the "
+                "earliest, or one operation turned NaN there (AnomalyDetectionCallback, checking every step, names "
+                "the first non-finite step)")
+    elif suspicion.overflow:
         judged_by, jump_limit = OVERFLOW, None
         what = f"global norm {global_norm} from {history.last:.4g} at the check step before"
         rose = rose_before(history)
@@ -256,15 +278,17 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
         fix = clip_advice(clip, basis)
     return Verdict(Finding(
         Kind.EXPLODING_GRAD, Severity.WARNING,
-        f"Gradients are exploding at step {step}: {what}; largest: {shown}.{clip_note} {fix}",
+        (f"Gradients exploded between steps {suspicion.since} and {step}" if began else
+         f"Gradients are exploding at step {step}") + f": {what}; largest: {shown}.{clip_note} {fix}",
         {"global_norm": global_norm, "threshold": high if judged_by == "gradient_explosion_threshold" else None,
          "judged_by": judged_by,
          "recent_median": level if math.isfinite(level) else None,
          "limit": jump_limit, "confirm_above": suspicion.confirm if jump_limit is not None else None,
          "parameters": [name for name, _ in named[:NAMES_IN_DETAILS]],
          "worst": [[name, norm] for name, norm in worst], "count": len(named),
-         "suggested_clip_val": clip, "clip_basis": basis, **clip_details}),
-        [name for name, _ in named])
+         "suggested_clip_val": clip, "clip_basis": basis, **clip_details,
+         **({"last_finite_step": suspicion.since, "measured_step": step} if began else {})}),
+        [name for name, _ in named], steps=began)
 
 
 FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up

@@ -83,6 +83,7 @@ class GradientMonitor(Monitor):
         self._wheres: dict[int, Where] = {}
         self._last_recorded: dict[str, int] = {}
         self._norms_read: set[Any] = set()
+        self._checked: dict[Any, int] = {}  # per optimizer: its last check step, to know which steps went unchecked
         self._watch = CandidateWatch()
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
@@ -307,7 +308,10 @@ class GradientMonitor(Monitor):
 
         # one max and one min over the norms; names are paired with norms only when one is out of range
         largest, smallest = host.grad_norm_extremes()
-        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value, scaled)
+        before, self._checked[optimizer] = self._checked.get(optimizer), step
+        named_between = before is not None and before < (self.ledger.nonfinite_grads_at or -1) <= step
+        unchecked = before if before is not None and step - before > 1 and not named_between else None
+        suspicion = suspect_explosion(global_norm, largest, norms, settings, host.loss_value, scaled, unchecked)
         suspect_low = not smallest >= settings.vanishing_threshold
         first_check = optimizer not in self._norms_read  # the layers' first norms, for the vanishing trend
         self._norms_read.add(optimizer)
