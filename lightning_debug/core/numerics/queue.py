@@ -26,6 +26,7 @@ from torch import nn
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.numerics.index import (
     AllReduce,
+    Lease,
     ParameterIndex,
     registration_count,
     signature,
@@ -55,12 +56,13 @@ class NumericsQueue:
         self._indexes: dict[Any, tuple[int, Any, ParameterIndex]] = {}
         # Sums the parameter scan's flags over ranks (the run's gate); None: ``torch.distributed`` directly.
         self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self._lease = watch_registrations()
+        self._lease: Lease | None = None  # taken with the first index: a run built and never started holds nothing
 
     def close(self) -> None:
-        """The run ended: let the process-wide registration hooks go (:mod:`.registrations`; removed once no
-        run holds them). An index asked for afterwards holds them again."""
-        self._lease.release()
+        """The run ended: let the process-wide registration hooks go (removed once no run holds them). An index
+        asked for afterwards holds them again."""
+        if self._lease is not None:
+            self._lease.release()
 
     @property
     def steps_done(self) -> int:
@@ -103,7 +105,7 @@ class NumericsQueue:
         optimizer's param group sizes); when either moved, and every ``REQUIRES_GRAD_RECHECK`` uses, the model is walked
         and compared with the index's ``signature``, and only a real change rebuilds it.
         """
-        if not self._lease.held:
+        if self._lease is None or not self._lease.held:
             self._lease = watch_registrations()
         count = registration_count()
         if optimizer is None:
