@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_debug.core.kinds import Kind, Severity, causal_rank, severity_rank
+from lightning_debug.core.strenum import StrEnum
 
 
 @dataclass
@@ -32,16 +32,13 @@ def quoted(names: Sequence[str], shown: int = 5) -> str:
     return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-class EpisodePhase(str, enum.Enum):
+class EpisodePhase(StrEnum):
     """Where an observation stands in its episode (the ``episode`` field of an event)."""
 
     START = "start"
     CONTINUE = "continue"
     END = "end"
     SUMMARY = "summary"  # a kind's totals, for the episodes past the ones written one by one
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class Tally:

@@ -11,24 +11,21 @@ Example::
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_debug.config import Area
 from lightning_debug.core.error_categories import ERROR_ADVICE, ErrorCategory
+from lightning_debug.core.strenum import StrEnum
 
 
-class Severity(str, enum.Enum):
+class Severity(StrEnum):
     """How bad a finding is; sorting puts the most severe first."""
 
     CRITICAL = "critical"
     ERROR = "error"
     WARNING = "warning"
     INFO = "info"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def rank(self) -> int:
@@ -60,7 +57,7 @@ def severity_rank(value: Any) -> int:
         return len(_SEVERITY_RANK)
 
 
-class Kind(str, enum.Enum):
+class Kind(StrEnum):
     """Every kind of finding the checks write (the ``kind`` of an event)."""
 
     NONFINITE_LOSS = "nonfinite_loss"
@@ -98,12 +95,8 @@ class Kind(str, enum.Enum):
     LEARNING_STALLED = "learning_stalled"
     REPEATED_BATCH = "repeated_batch"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-
-class AtEnd(str, enum.Enum):
+class AtEnd(StrEnum):
     """What a suspicion still held when the run ends becomes."""
 
     DISMISS = "dismiss"
@@ -112,19 +105,13 @@ class AtEnd(str, enum.Enum):
     """Reported when at least one reading came after it and every one confirmed it; dismissed otherwise."""
     ELSE_KIND = "else_kind"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Until(str, enum.Enum):
+class Until(StrEnum):
     """A condition that ends a hold, for a suspicion that lasts as long as it is suspected again."""
 
     BACK_UNDER = "back_under"
     """Held while suspected again; ended by the first observation that is not: confirmed when its reading is back
     under the bound (a burst that ended), else reported as ``else_kind`` (the level moved)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -32,9 +31,10 @@ from typing import Any
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import KIND_SPECS, AtEnd, Confirm, Kind, Severity, Until
+from lightning_debug.core.strenum import StrEnum
 
 
-class ConfirmedBy(str, enum.Enum):
+class ConfirmedBy(StrEnum):
     """Why a suspicion became a finding."""
 
     AT_ONCE = "at_once"
@@ -48,9 +48,6 @@ class ConfirmedBy(str, enum.Enum):
     """A key confirmed earlier is still suspect on a later observation."""
     BACK_UNDER = "back_under"
     """The condition ended with a reading back at or under its bound (policies with ``until``)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
