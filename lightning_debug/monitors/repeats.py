@@ -120,9 +120,6 @@ def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine)
         {"repeats": repeats, "batches": judged, "window": WINDOW, "since_step": since})
 
 
-
-
-
 class BatchWindow:
     """The fingerprints of the batches that follow one check step, read back without a sync.
 
@@ -171,5 +168,6 @@ class BatchWindow:
 
     def clear(self) -> None:
         self.opened_at, self.last_opened, self._prints, self._done = None, None, [], []
+
 
 __all__ = ["MIN_REPEATS", "WINDOW", "BatchWindow", "batch_fingerprint", "judge_repeats", "repeated_batches"]

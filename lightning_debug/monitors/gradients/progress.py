@@ -45,6 +45,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
+from lightning_debug.monitors.gradients.stalled import END_SHARE
 from lightning_debug.monitors.gradients.verdict import Verdict
 
 SAMPLE_EVERY = 100
@@ -58,7 +59,6 @@ PROGRESS = 0.1
 """The share by which the loss must have fallen since the first check step for a run to be making progress."""
 SCHEDULE_SHARE = 0.1
 """A learning rate under this share of its base is a warm-up's start or a decay's end, not judged."""
-END_SHARE = 0.9
 MIN_STEPS = 100
 """Optimizer steps of training before the rule judges: a loss within 10% of its start after a few steps is the
 norm, not a stall."""
