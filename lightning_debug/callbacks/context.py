@@ -144,18 +144,18 @@ class RowLogger:
         self.stepped = 0
         """Batches that stepped so far: the step of Lightning's next row."""
         self.loggers: list[Any] = []
-        self._held: dict[str, float] | None = None
+        self._row: dict[str, float] | None = None  # the scalars of Lightning's next row, until a logger takes them
         self._step = 0
         self._served: set[int] = set()
 
     @property
     def holds(self) -> bool:
-        return self._held is not None
+        return self._row is not None
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """The fit starts (``on_train_start``, after a checkpoint's restore): the batches that stepped so far."""
         self.loggers = list(trainer.loggers)
-        self._held = None
+        self._row = None
         if pl_module.automatic_optimization:  # one optimizer, one optimizer step per batch that stepped
             self.stepped = trainer.global_step
         else:  # every batch counts, however many optimizers it stepped
@@ -191,26 +191,26 @@ class RowLogger:
         if step is not None:
             self._step = step
         if values:
-            self._held, self._served = dict(values), set()
+            self._row, self._served = dict(values), set()
 
     def merged(self, logger: Any, metrics: Mapping[str, Any], step: int | None) -> Mapping[str, Any]:
         """``metrics`` with the held scalars when this is Lightning's row (it carries ``epoch``) and ``logger`` has
         not had them yet; the row's step is Lightning's own from then on."""
-        if self._held is None or "epoch" not in metrics or id(logger) in self._served:
+        if self._row is None or "epoch" not in metrics or id(logger) in self._served:
             return metrics
         self._served.add(id(logger))
         if step is not None and step != self._step:
             self._step, self.stepped = step, step + 1
-        return {**metrics, **self._held}
+        return {**metrics, **self._row}
 
     def flush(self) -> None:
         """Write the held scalars to each logger whose row did not take them (Lightning wrote none)."""
-        held, self._held = self._held, None
-        if held is None:
+        row, self._row = self._row, None
+        if row is None:
             return
         for logger in self.loggers:
             if id(logger) not in self._served:
-                logger.log_metrics(held, step=self._step)
+                logger.log_metrics(row, step=self._step)
 
 
 def _accumulates(trainer: "pl.Trainer", batch_idx: int) -> bool:
