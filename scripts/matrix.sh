@@ -19,7 +19,7 @@ LOW_PYTHON=3.10
 LOW_TORCH="torch==2.2.2 numpy<2"   # torch 2.2 was built against numpy 1
 LOW_PINS=("lightning==2.2.5" "pytorch_lightning==2.2.5" "accelerate==0.30.0"
           "jsonargparse[signatures]==4.27.7" "psutil==7.2.0" "tensorboard==2.14.0")
-NEW_PYTHON=3.11
+NEW_PYTHON=3.13
 NEW_TORCH="torch==2.14.1"
 NEW_PINS=("lightning==2.6.6" "pytorch_lightning==2.6.6" "accelerate==1.15.0"
           "jsonargparse[signatures]==4.53.0" "rich")
@@ -45,7 +45,7 @@ build() {  # build (or reuse) the venv $1 with python $2, torch pins $3 (one wor
   local name=$1 version=$2 torch_pins=$3
   shift 3
   local venv="$MATRIX_DIR/$name" stamp="$MATRIX_DIR/$name/.pins" want python
-  want="$torch_pins $(printf '%s ' "$@")"
+  want="python$version $torch_pins $(printf '%s ' "$@")"
   if [ -x "$venv/bin/python" ] && [ -z "${MATRIX_FRESH:-}" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     pip_in "$venv" install -q --no-deps -e "$ROOT" || return 1
     return 0

@@ -7,7 +7,8 @@ Each step runs in a process of its own (a crash is a failed step, not a dead mat
 the run wrote: a planted NaN must be named in events.jsonl at its step, report.md must not say
 "No problems found", and no check may have failed on these versions (report.json's ``failed_checks``).
 Steps: ``fit`` (lightning.pytorch), ``pl_fit`` (the standalone ``pytorch_lightning`` package), ``demo``
-(``lightning-debug demo``), ``cli`` (a LightningCLI run from a YAML file), ``accelerate``
+(``lightning-debug demo``), ``cli`` (a LightningCLI run from a YAML file), ``cli_error`` (a bad value in that
+file: exit 2 and a short error naming the key), ``accelerate``
 (examples/accelerate_loop.py). Exit status 0 when every step passed.
 """
 
@@ -84,13 +85,12 @@ CLI = textwrap.dedent('''
             torch.manual_seed(0)
             return DataLoader(TensorDataset(torch.randn(256, 8), torch.randn(256, 1)), batch_size=8)
 
-    try:  # LightningCLI(parser_class=) is lightning 2.5.1+; older ones get the plain parser
-        from lightning_debug.callbacks.cli import CompactArgumentParser
-        import inspect
-        extra = {"parser_class": CompactArgumentParser} if "parser_class" in inspect.signature(LightningCLI).parameters else {}
-    except ImportError:
-        extra = {}
-    LightningCLI(Planted, args=sys.argv[1:], save_config_kwargs={"overwrite": True}, **extra)
+    from lightning_debug.callbacks.cli import CompactCLI
+
+    class CLI(CompactCLI, LightningCLI):  # short usage errors on every Lightning version (parser_class: 2.5.1+)
+        pass
+
+    CLI(Planted, args=sys.argv[1:], save_config_kwargs={"overwrite": True})
 ''')
 
 CLI_YAML = textwrap.dedent('''
@@ -173,6 +173,25 @@ def step_cli(work: Path) -> str:
     return check_run(work / "logs", NAN_STEP)
 
 
+def step_cli_error(work: Path) -> str:
+    """A bad value in the YAML: a usage error (exit 2) of a few lines that names the key, on these versions'
+    jsonargparse and LightningCLI."""
+    (work / "cli.py").write_text(CLI)
+    bad = CLI_YAML.format(save_dir=work / "logs", nan_step=NAN_STEP).replace("gradient_checking_frequency: 4",
+                                                                             "gradient_checking_frequency: 0")
+    (work / "bad.yaml").write_text(bad)
+    log = work / "output.log"
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "cli.py", "fit", "--config", "bad.yaml"], cwd=work, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=300).returncode
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert code == 2, f"exit {code}, expected 2; output:\n" + "\n".join(lines[-25:])
+    assert errors and "gradient_checking_frequency" in errors[0] and len(lines) - lines.index(errors[0]) <= 8, \
+        "expected a short error naming the key; output:\n" + "\n".join(lines[-25:])
+    return errors[0][:100]
+
+
 def step_accelerate(work: Path) -> str:
     command = [sys.executable, str(ROOT / "examples" / "accelerate_loop.py"), "--plant", "nan", "--anomaly-mode",
                "warn", "--steps", "40", "--project-dir", str(work / "runs")]
@@ -180,7 +199,8 @@ def step_accelerate(work: Path) -> str:
     return check_run(work / "runs", 30)
 
 
-STEPS = {"fit": step_fit, "pl_fit": step_pl_fit, "demo": step_demo, "cli": step_cli, "accelerate": step_accelerate}
+STEPS = {"fit": step_fit, "pl_fit": step_pl_fit, "demo": step_demo, "cli": step_cli, "cli_error": step_cli_error,
+         "accelerate": step_accelerate}
 
 
 def main(argv: list[str]) -> int:

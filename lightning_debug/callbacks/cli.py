@@ -1,4 +1,5 @@
-"""LightningCLI usage errors in a few lines: ``LightningCLI(..., parser_class=CompactArgumentParser)``.
+"""LightningCLI usage errors in a few lines: ``LightningCLI(..., parser_class=CompactArgumentParser)``, or
+``class CLI(CompactCLI, LightningCLI)`` on every supported Lightning version.
 
 A bad value in a LightningCLI configuration is a usage error (exit code 2) that jsonargparse prints as the
 usage synopsis of every option (about 50 lines for a Trainer) followed by the explanation of every
@@ -13,7 +14,9 @@ class prints the innermost failing key with its whole path, the value given, wha
 
 ``parser_class`` is LightningCLI's own argument for the class of every parser it builds (subcommand parsers
 included), so this works for any ``LightningCLI`` subclass, with subcommands or ``run=False``; nothing of
-jsonargparse is patched. A project with its own parser class mixes :class:`CompactErrors` in first. Only
+jsonargparse is patched. ``parser_class`` arrived in Lightning 2.5.1; :class:`CompactCLI` gives the same parsers
+through ``LightningCLI.init_parser``, the method every Lightning release builds each parser with, so it serves
+2.2 to 2.5.0 too. A project with its own parser class mixes :class:`CompactErrors` in first. Only
 what is printed changes: the full message still goes to the parser's logger, ``exit_on_error=False`` still
 raises it, and ``JSONARGPARSE_DEBUG=true`` still raises it with its whole explanation.
 
@@ -22,12 +25,15 @@ Example::
     >>> from lightning.pytorch.cli import LightningCLI
     >>> issubclass(CompactArgumentParser, CompactErrors)
     True
-    >>> # LightningCLI(MyModel, parser_class=CompactArgumentParser)
+    >>> # LightningCLI(MyModel, parser_class=CompactArgumentParser)          # lightning >= 2.5.1
+    >>> class CLI(CompactCLI, LightningCLI): ...                                # every supported version
+    >>> # CLI(MyModel)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import sys
@@ -75,6 +81,37 @@ class CompactArgumentParser(CompactErrors, LightningArgumentParser):
         if framework_of(lightning_class) == STANDALONE:
             parser = importlib.import_module(standalone_path("lightning.pytorch.cli")).LightningArgumentParser
         return parser.add_lightning_class_args(self, lightning_class, nested_key, subclass_mode, required)
+
+
+class CompactCLI:
+    """Mix into a ``LightningCLI`` class (first) to give every parser it builds :class:`CompactErrors`.
+
+    ``init_parser`` is the public method through which every ``LightningCLI`` release builds its main and
+    subcommand parsers; the parser it returns (with its ``--config`` option and every argument added later) is
+    kept and only its class changes, to one that adds :class:`CompactErrors`'s methods: Lightning's parser
+    becomes a :class:`CompactArgumentParser`, any other (``pytorch_lightning``'s, a project's own) a subclass
+    of its class. A parser that already has compact errors (from ``parser_class=``) is kept as it is.
+    """
+
+    def init_parser(self, **kwargs: Any) -> Any:
+        parser = super().init_parser(**kwargs)  # type: ignore[misc]
+        if not isinstance(parser, CompactErrors):
+            parser.__class__ = compact_class(type(parser))
+        return parser
+
+
+@functools.cache
+def compact_class(parser_class: type) -> type:
+    """``parser_class`` with :class:`CompactErrors` mixed in first (:class:`CompactArgumentParser` for Lightning's).
+
+    Example::
+
+        >>> compact_class(LightningArgumentParser) is CompactArgumentParser
+        True
+    """
+    if parser_class is LightningArgumentParser:
+        return CompactArgumentParser
+    return type(f"Compact{parser_class.__name__}", (CompactErrors, parser_class), {"__module__": __name__})
 
 
 def compact_error(parser: Any, message: str) -> list[str]:

@@ -237,6 +237,43 @@ def test_a_user_cli_subclass_and_parser_class_get_the_short_error_and_exit_on_er
     assert code == 2 and printed.startswith("error: tag: ") and "allowed: an integer" in printed, printed
 
 
+def test_the_compact_cli_mixin_gives_every_parser_the_short_error_without_parser_class(tmp_path: Path) -> None:
+    """``class CLI(CompactCLI, LightningCLI)``: the route for Lightning 2.2-2.5.0, which has no ``parser_class``
+    (the matrix's lowest combination runs it on 2.2.5). Subcommand parsers too, and a project's own parser class
+    keeps its own methods."""
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+    from lightning_debug.callbacks.cli import CompactCLI, CompactErrors
+    from tests.harness.toolkit import TinyRegressor
+
+    class CLI(CompactCLI, LightningCLI):
+        pass
+
+    bad = {"trainer": {"callbacks": [
+        {"class_path": "lightning_debug.GradientHealthCallback", "init_args": {"gradient_checking_frequency": 0}}]}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    for args in (["fit", "--config", str(path)], ["--config", str(path)]):
+        code, printed = _printed(lambda: CLI(TinyRegressor, run=args[0] == "fit", save_config_callback=None,
+                                             args=args))
+        assert code == 2 and len(printed.splitlines()) <= MAX_LINES, printed
+        assert printed.startswith("error: trainer.callbacks[0] (lightning_debug.GradientHealthCallback)"
+                                  ".gradient_checking_frequency: ") and "allowed: an integer >= 1" in printed
+
+    class OwnParser(LightningArgumentParser):
+        def marker(self) -> str:
+            return "own"
+
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        parser = CLI(TinyRegressor, run=False, save_config_callback=None, args=["--trainer.logger=false"],
+                     **({"parser_class": OwnParser} if "parser_class" in inspect.signature(LightningCLI).parameters
+                        else {})).parser
+    assert isinstance(parser, CompactErrors) and isinstance(parser, LightningArgumentParser)
+    if "parser_class" in inspect.signature(LightningCLI).parameters:
+        assert isinstance(parser, OwnParser) and parser.marker() == "own"
+
+
 # --- run-wide settings on any callback -----------------------------------------------------------------------------
 
 
