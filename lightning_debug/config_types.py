@@ -224,19 +224,25 @@ def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
     """``doc`` (a class docstring) with ``name: text`` entries added first to its ``Args:`` section (made before
     its ``Example::`` when it has none), wrapped as Google-style docstrings are, for jsonargparse and ``help()``.
 
+    The docstring is cleaned first (``inspect.cleandoc``): Python 3.13 compiles docstrings already dedented and
+    earlier versions do not, so the sections are found, and added, at one indentation on every version (added
+    at another, the section would read as the expected output of the example above it).
+
     Example::
 
         >>> with_args("Summary.\\n\\n    Example::\\n        1 + 1\\n", [("x", "An x.")]).splitlines()[2:5]
-        ['    Args:', '        x: An x.', '']
+        ['Args:', '    x: An x.', '']
+        >>> "Args:" in with_args("Summary.\\n\\nExample::\\n    1 + 1\\n", [("x", "An x.")]).split("Example::")[0]
+        True
     """
-    lines = [textwrap.fill(f"{name}: {text}", 112, initial_indent=" " * 8, subsequent_indent=" " * 12)
+    lines = [textwrap.fill(f"{name}: {text}", 112, initial_indent=" " * 4, subsequent_indent=" " * 8)
              for name, text in entries]
-    doc = (doc or "").rstrip() + "\n"
-    if "\n    Args:\n" not in doc:
-        at = doc.index("\n    Example::") if "\n    Example::" in doc else len(doc) - 1
-        doc = doc[:at] + "\n    Args:\n" + doc[at:]
-    before, _, after = doc.partition("\n    Args:\n")
-    return before + "\n    Args:\n" + "\n".join(lines) + "\n" + after
+    doc = inspect.cleandoc(doc or "") + "\n"
+    if "\nArgs:\n" not in doc:
+        at = doc.index("\nExample::") if "\nExample::" in doc else len(doc) - 1
+        doc = doc[:at] + "\nArgs:\n" + doc[at:]
+    before, _, after = doc.partition("\nArgs:\n")
+    return before + "\nArgs:\n" + "\n".join(lines) + "\n" + after
 
 
 def markdown(text: str) -> str:

@@ -8,7 +8,8 @@ the run wrote: a planted NaN must be named in events.jsonl at its step, report.m
 "No problems found", and no check may have failed on these versions (report.json's ``failed_checks``).
 Steps: ``fit`` (lightning.pytorch), ``pl_fit`` (the standalone ``pytorch_lightning`` package), ``demo``
 (``lightning-debug demo``), ``cli`` (a LightningCLI run from a YAML file), ``cli_error`` (a bad value in that
-file: exit 2 and a short error naming the key), ``accelerate``
+file: exit 2 and a short error naming the key), ``exception`` (a shape mismatch explained with its module
+and shapes), ``accelerate``
 (examples/accelerate_loop.py). Exit status 0 when every step passed.
 """
 
@@ -192,6 +193,50 @@ def step_cli_error(work: Path) -> str:
     return errors[0][:100]
 
 
+SHAPE_ERROR = textwrap.dedent('''
+    import sys, torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning.pytorch as pl
+    from lightning_debug import debug_callbacks
+
+    class Mismatched(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(12, 1))
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=sys.argv[1],
+                         callbacks=debug_callbacks())
+    trainer.fit(Mismatched(), DataLoader(data, batch_size=8))
+''')
+
+
+def step_exception(work: Path) -> str:
+    """A shape mismatch: the user's RuntimeError propagates (exit 1) and events.jsonl explains it, naming the
+    module and the shape it got (read from the traceback's frames, which each Python version exposes its way)."""
+    (work / "mismatch.py").write_text(SHAPE_ERROR)
+    log = work / "output.log"
+    with log.open("w") as out:
+        code = subprocess.run([sys.executable, "mismatch.py", str(work / "root")], cwd=work, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=300).returncode
+    output = log.read_text(errors="replace")
+    assert code == 1 and "RuntimeError" in output, f"exit {code}; output:\n{output[-2000:]}"
+    found = sorted((work / "root").rglob("events.jsonl"))
+    events = [json.loads(line) for path in found for line in path.read_text().splitlines() if line.strip()]
+    explained = [event for event in events if event.get("kind") == "exception"]
+    assert explained, f"no exception event in {found}"
+    message = explained[0]["message"]
+    assert "in module `net.2`" in message and "[8, 16]" in message, message
+    return message[:100]
+
+
 def step_accelerate(work: Path) -> str:
     command = [sys.executable, str(ROOT / "examples" / "accelerate_loop.py"), "--plant", "nan", "--anomaly-mode",
                "warn", "--steps", "40", "--project-dir", str(work / "runs")]
@@ -200,7 +245,7 @@ def step_accelerate(work: Path) -> str:
 
 
 STEPS = {"fit": step_fit, "pl_fit": step_pl_fit, "demo": step_demo, "cli": step_cli, "cli_error": step_cli_error,
-         "accelerate": step_accelerate}
+         "exception": step_exception, "accelerate": step_accelerate}
 
 
 def main(argv: list[str]) -> int:

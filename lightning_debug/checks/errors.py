@@ -54,7 +54,7 @@ def frames_of(error: BaseException) -> list[tuple[FrameType, int]]:
 
 def _tensor_locals(frame: FrameType, names: Iterator[str] | None = None) -> dict[str, dict[str, Any]]:
     found: dict[str, dict[str, Any]] = {}
-    local = frame.f_locals
+    local = dict(frame.f_locals)  # a dict: Python 3.13's f_locals is a FrameLocalsProxy, a mapping but no dict
     for name in names if names is not None else list(local):
         value: Any = local
         for part in name.split("."):
