@@ -71,7 +71,7 @@ def test_slow_step_needs_history_before_judging() -> None:
     rule = SlowStepRule()
     assert feed_slow(rule, [times(step, forward=5000.0 if step == MIN_HISTORY - 1 else 10.0)
                             for step in range(MIN_HISTORY)]) == [None] * MIN_HISTORY
-    assert rule.threshold_ms(SETTINGS) is not None
+    assert rule.judge(times(MIN_HISTORY, forward=5000.0), SETTINGS) is not None
 
 
 def test_slow_step_ignores_ordinary_jitter() -> None:
@@ -243,7 +243,9 @@ def test_slow_step_factor_setting_raises_the_threshold() -> None:
     low, high = SlowStepRule(), SlowStepRule()
     feed_slow(low, history)
     feed_slow(high, history, PerformanceSettings(slow_step_factor=10.0))
-    assert high.threshold_ms(PerformanceSettings(slow_step_factor=10.0)) > low.threshold_ms(SETTINGS)
+    low.judge(times(10, forward=600.0), SETTINGS)
+    high.judge(times(10, forward=600.0), PerformanceSettings(slow_step_factor=10.0))
+    assert list(low.flags)[-1] and not list(high.flags)[-1]
 
 
 def test_slow_step_history_is_bounded() -> None:

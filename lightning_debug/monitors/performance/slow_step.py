@@ -396,12 +396,6 @@ class SlowStepRule:
         oldest = self.timed[0] if self.timed else 0
         return [step for step in steps if step >= oldest]
 
-    def threshold_ms(self, settings: PerformanceSettings) -> float | None:
-        """The step time above which a step is an outlier of this run (None until enough history)."""
-        if len(self.steps) < MIN_HISTORY:
-            return None
-        return self._threshold(settings, self.steps.median())
-
     def _threshold(self, settings: PerformanceSettings, median: float, values: list[float] | None = None) -> float:
         sigma = robust_sigma(list(self.steps.values) if values is None else values, median)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
