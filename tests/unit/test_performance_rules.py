@@ -19,9 +19,9 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.ledger import INSTRUMENTED_STEPS_KEPT, RunLedger
 from lightning_debug.core.ledger import CheckSchedule
 from lightning_debug.core.verdicts import VerdictEngine
-from lightning_debug.monitors.performance import PerformanceMonitor, loader_advice, loader_settings
+from lightning_debug.monitors.performance import PerformanceMonitor
 from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule
-from lightning_debug.monitors.performance.loader import describe_loader
+from lightning_debug.monitors.performance.loader import describe_loader, loader_advice, loader_settings
 from lightning_debug.monitors.performance.profiler import (
     StepWindows,
     host_sync_finding,
