@@ -17,25 +17,18 @@ from lightning_debug.monitors.performance.settings import PerformanceSettings
 
 RECENT_STEPS = 50
 MIN_HISTORY = 5
-# A slow step is a robust outlier: above the median by (slow_step_factor - 1) medians, by SLOW_MAD_Z
-# robust standard deviations and by MIN_SLOW_EXCESS_MS. It is a warning when it recurs
-# (SLOW_MIN_FLAGGED of the last SLOW_WINDOW timed steps); one outlier alone is reported (info) only
-# when it is far out (SLOW_LONE_FACTOR x the median and SLOW_LONE_MS more). A busy machine delays
-# bursts of steps by tens of milliseconds beyond the measured wait for a CPU (a busy hyperthread
-# sibling, a hypervisor's steal time), hence the absolute floor.
+# The rule's bounds (see SlowStepRule). A busy machine delays bursts of steps by tens of milliseconds beyond the
+# measured wait for a CPU (a busy hyperthread sibling, a hypervisor's steal time), hence MIN_SLOW_EXCESS_MS.
 SLOW_MAD_Z = 6.0
 MIN_SLOW_EXCESS_MS = 50.0
 SLOW_WINDOW = 10
 SLOW_MIN_FLAGGED = 3
 SLOW_LONE_FACTOR = 20.0
 SLOW_LONE_MS = 250.0
-# A stall that recurs: the last PERIOD_MIN_OUTLIERS outliers at one fixed distance k >= 2 (every k-th step), or
-# FAR_MIN_OUTLIERS far outliers (SLOW_LONE_FACTOR x the median and FAR_MS more) in the last RECENT_STEPS timed
-# steps, at least FAR_MIN_FRACTION of them. Both are read from bounded histories of the timed steps.
+# A stall recurs with a period (the last PERIOD_MIN_OUTLIERS outliers every k-th step, k >= 2) or often
+# (FAR_MIN_OUTLIERS far outliers, FAR_MS over the median, at least FAR_MIN_FRACTION of the recent timed steps).
 PERIOD_MIN_OUTLIERS = 4
-# A stall that recurs only with a period (not clustered, not frequent) is a warning when it costs at least this share
-# of the time over its period (its excess over the median step); below, an info: a checkpoint or an epoch boundary
-# every thousand steps that costs 1% of the run is the run's normal rhythm, not something to fix.
+# Only a periodic stall costing this share of the time is a warning: a checkpoint every thousand steps is a rhythm.
 MIN_PERIODIC_SHARE = 0.05
 PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from three equidistant outliers
 FAR_MS = 100.0
@@ -334,7 +327,8 @@ class SlowStepRule:
 
     Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
     sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
-    when outliers recur (clustered, periodic, or far out often), a periodic stall only when it costs
+    when outliers recur (``SLOW_MIN_FLAGGED`` of ``SLOW_WINDOW``, periodic, or far out often; one alone is an
+    info past ``SLOW_LONE_FACTOR`` x the median and ``SLOW_LONE_MS``), a periodic stall only when it costs
     ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
     consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
     before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a

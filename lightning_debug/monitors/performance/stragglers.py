@@ -14,11 +14,8 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.gate import Planned, Shape
 from lightning_debug.core.kinds import Kind, Severity
 
-# A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
-# other ranks by STRAGGLER_MARGIN of theirs, and the others wait for it there (their backward, which holds
-# that wait, is longer than its own) by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS, on
-# STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered check
-# steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
+# The rule's bounds (see StragglerRule); the first STRAGGLER_WARMUP gathered check steps are not judged (lazy
+# initialisation differs between ranks), and a rank must lead the others' median by STRAGGLER_MARGIN of it.
 STRAGGLER_WARMUP = 5
 STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_FLAGGED = 6
