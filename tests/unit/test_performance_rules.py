@@ -21,7 +21,7 @@ from lightning_debug.core.ledger import CheckSchedule
 from lightning_debug.core.verdicts import VerdictEngine
 from lightning_debug.monitors.performance import PerformanceMonitor
 from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule
-from lightning_debug.monitors.performance.loader import describe_loader, loader_advice, loader_settings
+from lightning_debug.monitors.performance.loader import describe_loader, loader_advice
 from lightning_debug.monitors.performance.profiler import (
     StepWindows,
     host_sync_finding,
@@ -439,8 +439,8 @@ def test_windows_without_an_output_directory_or_cuda_do_nothing() -> None:
 def test_loader_settings_and_advice() -> None:
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=0)
     combined = SimpleNamespace(iterables={"train": [loader]})
-    assert loader_settings(combined)["batch_size"] == 4  # type: ignore[index]
-    assert loader_settings(object()) is None and describe_loader({"num_workers": 3}) == {"num_workers": 3}
+    assert describe_loader(combined)["batch_size"] == 4  # type: ignore[index]
+    assert describe_loader(object()) is None and describe_loader({"num_workers": 3}) == {"num_workers": 3}
     advice = loader_advice({"num_workers": 2, "persistent_workers": False, "pin_memory": True}, True, 16)
     assert advice[0].startswith("2 worker(s) cannot keep up") and "persistent_workers=True" in advice[1]
     assert len(advice) == 2
