@@ -1,14 +1,8 @@
 """The torch.profiler window and the sync-debug window over a few steps, and what they found.
 
-Both windows change global state (a running profiler, ``torch.cuda.set_sync_debug_mode``), so
-:class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them whatever happened. What
-they found is summarised by pure functions (:func:`trace_summary`, :func:`sync_sites`) and turned
-into findings (:func:`trace_finding`, :func:`host_sync_finding`) that the monitor records.
-
-torch allows one profiler per thread. Where another one already records (Lightning's
-``Trainer(profiler="pytorch")``, a user's ``with torch.profiler.profile():`` around the fit), the
-window is skipped and says why once (:attr:`StepWindows.outcome`); a profiler whose ``start()``
-failed is dropped, never stepped, stopped or exported (that once ended a fit in a segmentation fault).
+Both windows change global state, so :class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them
+whatever happened. torch allows one profiler per thread: where another one already records, the window is
+skipped, and a profiler whose ``start()`` failed is never touched again (docs/performance_profiler.md).
 """
 
 from __future__ import annotations
