@@ -123,13 +123,11 @@ class MissingHistory:
         held = {name: Candidate.of(hold) for name, hold in self.verdicts.holds(Kind.MISSING_GRAD).items()}
         return {**self._ended, **held}
 
-    def _variant(self, name: str) -> str:
-        return NO_GRAPH if name in self.without_graph else ""
-
     def _suspect(self, name: str, step: int, record: bool) -> Suspicion:
         """A step on which ``name`` (a candidate) had no gradient; a conditional one waits past its replicas."""
         at_least = WAIT_FACTOR * self.longest_wait + 1 if self._conditional(name) else 0
-        return Suspicion(Kind.MISSING_GRAD, name, step, variant=self._variant(name), at_least=at_least, record=record)
+        variant = NO_GRAPH if name in self.without_graph else ""
+        return Suspicion(Kind.MISSING_GRAD, name, step, variant=variant, at_least=at_least, record=record)
 
     def is_candidate(self, name: str) -> bool:
         """Whether ``name`` is held as a candidate (a dictionary look-up: called on steps between checks)."""
