@@ -80,13 +80,8 @@ def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
         >>> repeated_batches([(0, [1.0]), (0, [1.0]), (1, [1.0]), (1, [2.0])])
         1
     """
-    seen: set[tuple[Any, tuple[float, ...]]] = set()
-    repeats = 0
-    for epoch, values in window:
-        key = (epoch, tuple(values))
-        repeats += key in seen
-        seen.add(key)
-    return repeats
+    keys = [(epoch, tuple(values)) for epoch, values in window]
+    return len(keys) - len(set(keys))
 
 
 def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine) -> Finding | None:

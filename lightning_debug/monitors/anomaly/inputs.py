@@ -42,8 +42,7 @@ class RecentInputs:
     def take(self, step: int) -> InputRows:
         """The inputs of ``step``, forgetting them and those of every earlier step."""
         inputs = self.steps.pop(step, [])
-        for old in [s for s in self.steps if s < step]:
-            del self.steps[old]
+        self.steps = {later: rows for later, rows in self.steps.items() if later > step}
         return inputs
 
 
