@@ -1,22 +1,10 @@
 """``repeated_batch``: the data loader hands the model the same batch more than once within an epoch.
 
-Data-loader workers that share one random state (a NumPy or Python generator made in the dataset's
-``__init__`` and copied into every forked worker, with no ``worker_init_fn`` to reseed it) draw the same
-records: with N workers every batch arrives N times in a row and most of the data is never seen. Nothing
-in the loss, the gradients or the weights shows it (TrainCheck's silent-error set: 97% of batches repeated).
-
-On each gradient check step (at most one every :data:`WINDOW_EVERY` steps) the loop's monitor fingerprints that step's batch and the next ones when each
-ends (the event it already takes every step, so other steps cost one comparison), :data:`WINDOW` batches in all: per tensor of the batch, its sum and a few values at fixed positions (:func:`batch_fingerprint`,
-device work read back without a sync, as every read-back of the loop's checks). A batch whose fingerprint
-equals an earlier one of the same window and the same epoch is a repeat; a window with :data:`MIN_REPEATS` or
-more is a suspicion, which the verdict engine confirms under the kind's policy (two windows in a row).
-
-What could make it fire on a healthy model, and how it is ruled out: an epoch starts the data over (an
-unshuffled loader repeats every batch once per epoch, a full-batch run gives the same batch every step), so
-only batches of one epoch are compared; a sampler with replacement can draw the same record twice, but the
-same whole batch is another matter, and tiny batches (labels only, a few values), where two different
-batches can agree by chance, are not judged (fewer than :data:`MIN_VALUES` values); one chance repeat is not
-enough (:data:`MIN_REPEATS` in a window, two windows in a row).
+Data-loader workers that share one random state draw the same records, silently (docs/errors.md gives the
+case and the window of fingerprints read). What could make it fire on a healthy model, and how it is ruled
+out: an epoch starts the data over (an unshuffled loader, a full-batch run), so only batches of one epoch are
+compared; two different tiny batches can agree by chance, so fewer than :data:`MIN_VALUES` values are not
+judged; one chance repeat is not enough (:data:`MIN_REPEATS` in a window, two windows in a row).
 
 Example::
 
@@ -92,13 +80,8 @@ def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
         >>> repeated_batches([(0, [1.0]), (0, [1.0]), (1, [1.0]), (1, [2.0])])
         1
     """
-    seen: set[tuple[Any, tuple[float, ...]]] = set()
-    repeats = 0
-    for epoch, values in window:
-        key = (epoch, tuple(values))
-        repeats += key in seen
-        seen.add(key)
-    return repeats
+    keys = [(epoch, tuple(values)) for epoch, values in window]
+    return len(keys) - len(set(keys))
 
 
 def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine) -> Finding | None:

@@ -19,9 +19,9 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.ledger import INSTRUMENTED_STEPS_KEPT, RunLedger
 from lightning_debug.core.ledger import CheckSchedule
 from lightning_debug.core.verdicts import VerdictEngine
-from lightning_debug.monitors.performance import PerformanceMonitor, loader_advice, loader_settings
+from lightning_debug.monitors.performance import PerformanceMonitor
 from lightning_debug.monitors.performance.data_wait import DATA_WINDOW, MIN_DATA_HISTORY, DataWaitRule
-from lightning_debug.monitors.performance.loader import describe_loader
+from lightning_debug.monitors.performance.loader import describe_loader, loader_advice
 from lightning_debug.monitors.performance.profiler import (
     StepWindows,
     host_sync_finding,
@@ -71,7 +71,7 @@ def test_slow_step_needs_history_before_judging() -> None:
     rule = SlowStepRule()
     assert feed_slow(rule, [times(step, forward=5000.0 if step == MIN_HISTORY - 1 else 10.0)
                             for step in range(MIN_HISTORY)]) == [None] * MIN_HISTORY
-    assert rule.threshold_ms(SETTINGS) is not None
+    assert rule.judge(times(MIN_HISTORY, forward=5000.0), SETTINGS) is not None
 
 
 def test_slow_step_ignores_ordinary_jitter() -> None:
@@ -243,7 +243,9 @@ def test_slow_step_factor_setting_raises_the_threshold() -> None:
     low, high = SlowStepRule(), SlowStepRule()
     feed_slow(low, history)
     feed_slow(high, history, PerformanceSettings(slow_step_factor=10.0))
-    assert high.threshold_ms(PerformanceSettings(slow_step_factor=10.0)) > low.threshold_ms(SETTINGS)
+    low.judge(times(10, forward=600.0), SETTINGS)
+    high.judge(times(10, forward=600.0), PerformanceSettings(slow_step_factor=10.0))
+    assert list(low.flags)[-1] and not list(high.flags)[-1]
 
 
 def test_slow_step_history_is_bounded() -> None:
@@ -437,8 +439,8 @@ def test_windows_without_an_output_directory_or_cuda_do_nothing() -> None:
 def test_loader_settings_and_advice() -> None:
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=4, num_workers=0)
     combined = SimpleNamespace(iterables={"train": [loader]})
-    assert loader_settings(combined)["batch_size"] == 4  # type: ignore[index]
-    assert loader_settings(object()) is None and describe_loader({"num_workers": 3}) == {"num_workers": 3}
+    assert describe_loader(combined)["batch_size"] == 4  # type: ignore[index]
+    assert describe_loader(object()) is None and describe_loader({"num_workers": 3}) == {"num_workers": 3}
     advice = loader_advice({"num_workers": 2, "persistent_workers": False, "pin_memory": True}, True, 16)
     assert advice[0].startswith("2 worker(s) cannot keep up") and "persistent_workers=True" in advice[1]
     assert len(advice) == 2

@@ -42,25 +42,24 @@ class RecentInputs:
     def take(self, step: int) -> InputRows:
         """The inputs of ``step``, forgetting them and those of every earlier step."""
         inputs = self.steps.pop(step, [])
-        for old in [s for s in self.steps if s < step]:
-            del self.steps[old]
+        self.steps = {later: rows for later, rows in self.steps.items() if later > step}
         return inputs
 
 
 def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool,
-                   on_failure: Callable[[Exception], None] | None = None,
-                   gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[dict[str, Any]]:
+                   on_failure: Callable[[Exception], None],
+                   gather: Callable[[Callable[[], Any]], list[Any]]) -> list[dict[str, Any]]:
     """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
 
     Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
-    rank are gathered, whatever failed on this rank (``on_failure`` is told, and the rank's rows
-    are then empty); read a step late, each rank knows only its own and rank zero writes them. ``gather`` makes
-    the gather (the run's :class:`~lightning_debug.core.gate.Gate`; ``all_gather_object`` without it).
+    rank are gathered (``gather``: the run's :class:`~lightning_debug.core.gate.Gate`), whatever failed on this
+    rank (``on_failure`` is told, and the rank's rows are then empty); read a step late, each rank knows only its
+    own and rank zero writes them.
 
     Example::
 
         >>> x = torch.tensor([[1.0], [float("nan")]])
-        >>> nonfinite_rows([({"epoch": 0, "batch": 3}, [("x", x)])], 0, 1, True)
+        >>> nonfinite_rows([({"epoch": 0, "batch": 3}, [("x", x)])], 0, 1, True, print, print)
         [{'tensor': 'x', 'shape': [2, 1], 'samples': [1], 'count': 1, 'epoch': 0, 'batch': 3, 'rank': 0}]
     """
     found: list[dict[str, Any]] = []
@@ -73,15 +72,8 @@ def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: b
                                   "epoch": batch_where.get("epoch", -1), "batch": batch_where.get("batch", -1)})
     except Exception as error:  # still join the gather below
         found = []
-        if on_failure is None:
-            raise
         on_failure(error)
     per_rank = {rank: found}
     if synchronous and world_size > 1 and dist.is_available() and dist.is_initialized():
-        if gather is not None:
-            gathered = gather(lambda: found)
-        else:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, found)
-        per_rank = {rank: rows or [] for rank, rows in enumerate(gathered)}
+        per_rank = {rank: rows or [] for rank, rows in enumerate(gather(lambda: found))}
     return [dict(row, rank=rank) for rank, rank_rows in sorted(per_rank.items()) for row in rank_rows]

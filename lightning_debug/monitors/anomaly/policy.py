@@ -91,9 +91,7 @@ class Verdict:
 
     def anomalous(self) -> bool:
         """Whether the step counts as an anomaly (a deciding kind, before any replay)."""
-        if self.finite:  # a healthy step: no kind to decide
-            return False
-        return any(kind in DECIDING for kind in self.kinds(None))
+        return not self.finite and bool(deciding(self.kinds(None)))
 
 
 def names_activation(cause: Cause | None) -> bool:

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_debug.checks.localize import Cause, CauseSite, localize
 from lightning_debug.core.kinds import Kind
@@ -117,9 +116,8 @@ def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: 
 
 
 def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, distributed: bool,
-                replay_scope: Callable[[], str | None], origin: Sequence[int] = (),
-                on_failure: Callable[[Exception], None] | None = None,
-                gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> Cause:
+                replay_scope: Callable[[], str | None], origin: Sequence[int], on_failure: Callable[[Exception], None],
+                gather: Callable[[Callable[[], Any]], list[Any]]) -> Cause:
     """Localize a step (every rank at once): replay its micro-batches with the same calls on every rank
     (``same_work``), then gather the causes whatever failed here; the cause named is that of a rank in
     ``origin`` (:func:`across_ranks`). ``gather``: the run's :class:`~lightning_debug.core.gate.Gate`.
@@ -129,13 +127,5 @@ def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
         own = own_cause(causes, replay_scope() if causes else None)
     except Exception as error:  # still join the gather below
         own = Cause(CauseSite.ERROR, replay_failed(error))
-        if on_failure is not None:
-            on_failure(error)
-    if distributed:
-        if gather is not None:
-            gathered = gather(own.to_dict)
-        else:
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, own.to_dict())
-        own = across_ranks(own, gathered, origin)
-    return own
+        on_failure(error)
+    return across_ranks(own, gather(own.to_dict), origin) if distributed else own

@@ -72,8 +72,7 @@ losses overflowed in an explosion (the loss blew up with it)."""
 class ExplosionSuspicion:
     """What the global and largest norms suggest before per-parameter norms are read: ``jump`` over the run's
     ``limit``, ``high`` over the user's threshold (or not finite), ``confirm`` what the steps after a jump must
-    stay above, ``runaway`` the level it grew from (:func:`runaway_level`), ``overflow`` (:func:`overflowed`).
-    """
+    stay above, ``runaway`` the level it grew from (:func:`runaway_level`), ``overflow`` (:func:`overflowed`)."""
 
     jump: bool
     high: bool
@@ -214,11 +213,8 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
 
     ``history`` holds the run's recent global norms (not this step's), ``grads`` every parameter's norm (read
     only when the step is suspect). Norms differ by orders of magnitude between healthy architectures, so no
-    fixed number is used unless the user sets one: a jump is judged against the run's own recent and routine
-    norms (:meth:`.NormHistory.limit`, not before 3 check steps: a small BatchNorm'd network starts above 1e4),
-    a norm within 3x of the previous one while the loss is under its start grew into the limit and is no jump,
-    and from the second check a :func:`runaway_level` growth or an :func:`overflowed` norm is judged without
-    that history. Jumps are held for the steps after them (:data:`FOLLOW_UP_STEPS`); see docs/gradients.md.
+    fixed number is used unless the user sets one: a jump is judged against the run's own norms
+    (:meth:`.NormHistory.limit`) and held for the steps after it (:data:`FOLLOW_UP_STEPS`); see docs/gradients.md.
     """
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
@@ -298,8 +294,6 @@ Measured (their global norm only) where they are not check steps."""
 Decided = list[tuple[int, Verdict, Any]]
 
 
-
-
 class FollowUps:
     """The global norm of the few non-check optimizer steps after a suspected jump: one fused norm over the check
     step's index on the reporting process, read back without a sync, no collective (sharded parameters get
@@ -322,8 +316,7 @@ class FollowUps:
         self._readings: list[tuple[int, Any, Readback]] = []
 
     def __bool__(self) -> bool:
-        """Whether a step is wanted or a reading is on its way."""
-        return bool(self._wanted) or bool(self._readings)
+        return bool(self._wanted or self._readings)
 
     def want(self, optimizer: Any, index: ParameterIndex | None) -> None:
         """Measure the next :data:`FOLLOW_UP_STEPS` non-check steps of ``optimizer`` over ``index``."""

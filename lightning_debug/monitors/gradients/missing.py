@@ -1,14 +1,10 @@
 """``missing_grad`` and ``intermittent_grad``: parameters that never receive a gradient, and those that
 receive one on some steps only.
 
-A healthy model leaves parameters without a gradient on some steps (MoE experts no token reached,
-LayerDrop, a task head sampled per batch), so the run's history decides: a parameter that had a gradient
-before is ``intermittent_grad`` (info); one that never had any is a candidate, watched on every optimizer
-step (``.grad is None``: no device work) and confirmed under the kind's policy (a module that ran without
-building a graph: :data:`MISSING_CONFIRM_STEPS`, else :data:`UNCALLED_CONFIRM_STEPS`, long enough for a head
-used on one batch in ten). A candidate whose replicas (:func:`.replica_groups`) are seen to be conditional
-waits more than :data:`WAIT_FACTOR` times the run's longest wait. docs/gradients.md ("Missing") gives the
-cases and what can still fire.
+A healthy model leaves parameters without a gradient on some steps (MoE experts, LayerDrop, a head sampled
+per batch), so the run's history decides: one that had a gradient before is ``intermittent_grad`` (info); one
+that never had any is a candidate, watched on every optimizer step (``.grad is None``: no device work) and
+confirmed under the kind's policy. docs/gradients.md ("Missing") gives the cases and what can still fire.
 
 Example::
 
@@ -41,13 +37,9 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 NO_GRAPH = "no_graph"
 """The variant of a missing-gradient suspicion whose module ran without building a graph (its policy is shorter)."""
 MISSING_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed(NO_GRAPH) or 1
-"""Optimizer steps in a row without a gradient, from the check step that first saw none, that confirm a
-parameter whose module ran without building a graph in the first forward pass never gets one, unless its
-replicas are seen to be conditional (see :data:`WAIT_FACTOR`): the kind's policy in the table of kinds."""
+"""Optimizer steps in a row without a gradient that confirm a parameter whose module ran without a graph."""
 UNCALLED_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed() or 1
-"""The same for every other parameter (its module ran with its output in the graph, did not run, or is not
-known to have run): long enough for a head whose loss counts on one batch in ten, for LayerDrop to keep a
-layer and for a router with few experts to pick each one."""
+"""The same for every other parameter: long enough for a head whose loss counts on one batch in ten."""
 REPLICAS_WATCHED = 256
 """At most this many replicas of waiting candidates are looked at between check steps."""
 WAIT_FACTOR = 2
@@ -131,17 +123,11 @@ class MissingHistory:
         held = {name: Candidate.of(hold) for name, hold in self.verdicts.holds(Kind.MISSING_GRAD).items()}
         return {**self._ended, **held}
 
-    def window(self, name: str) -> int:
-        """Steps without a gradient that confirm ``name`` (see the module's docstring)."""
-        return policy_of(Kind.MISSING_GRAD).needed(self._variant(name)) or 1
-
-    def _variant(self, name: str) -> str:
-        return NO_GRAPH if name in self.without_graph else ""
-
     def _suspect(self, name: str, step: int, record: bool) -> Suspicion:
         """A step on which ``name`` (a candidate) had no gradient; a conditional one waits past its replicas."""
         at_least = WAIT_FACTOR * self.longest_wait + 1 if self._conditional(name) else 0
-        return Suspicion(Kind.MISSING_GRAD, name, step, variant=self._variant(name), at_least=at_least, record=record)
+        variant = NO_GRAPH if name in self.without_graph else ""
+        return Suspicion(Kind.MISSING_GRAD, name, step, variant=variant, at_least=at_least, record=record)
 
     def is_candidate(self, name: str) -> bool:
         """Whether ``name`` is held as a candidate (a dictionary look-up: called on steps between checks)."""

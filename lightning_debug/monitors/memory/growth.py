@@ -2,12 +2,8 @@
 
 Pure: readings per check step go into a bounded window per series, and a robust trend
 (:func:`~lightning_debug.checks.memory.fit_trend`) says whether it grows steadily. What a healthy run does
-and how it is ruled out (docs/memory.md gives each case): warm-up (readings left out, Theil-Sen, Kendall's
-tau), allocator noise (:data:`GROWTH_FLOORS`, the scatter), a one-off (the kind's policy: two readings in a
-row, a census between them), growth that stopped (the later half must keep ``RECENT_SLOPE_SHARE`` of the
-pace), a growing input (:data:`INPUT_GROWTH`: host series not judged), outputs kept for the end of the
-epoch (a confirmed growth waits for the epoch's end, then is judged on the next epoch's own readings), a
-resume (the window and the waits travel with the held suspicion).
+and how it is ruled out, docs/memory.md gives case by case: warm-up, allocator noise (:data:`GROWTH_FLOORS`), a
+one-off, growth that stopped, a growing input (:data:`INPUT_GROWTH`), outputs kept to the epoch's end, a resume.
 
 Example::
 

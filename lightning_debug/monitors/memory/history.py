@@ -22,13 +22,9 @@ import torch
 # failure said once (the memory checks go on without allocation sites).
 
 
-def _private(owner: object, name: str) -> Any:
-    return getattr(owner, name, None)
-
-
 def snapshot() -> dict[str, Any]:
     """The allocator's snapshot (segments and the recorded history)."""
-    take = _private(torch.cuda.memory, "_snapshot")
+    take = getattr(torch.cuda.memory, "_snapshot", None)
     if take is None:
         raise RuntimeError("this torch has no torch.cuda.memory._snapshot: no allocation sites")
     return take()
@@ -57,7 +53,7 @@ def record_options(record: Any, max_entries: int) -> dict[str, Any]:
 
 def history_enabled() -> bool:
     """Whether the CUDA allocator records its history now (by anyone); False without CUDA."""
-    query = _private(torch._C, "_cuda_isHistoryEnabled")
+    query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     try:
         return bool(query()) if query is not None else False
     except Exception:
@@ -75,8 +71,8 @@ class AllocationHistory:
         """Record from now on (kept as is when already recording); the failure when it cannot."""
         if history_enabled():
             return None
-        record = _private(torch.cuda.memory, "_record_memory_history")
-        if record is None or _private(torch.cuda.memory, "_snapshot") is None:
+        record = getattr(torch.cuda.memory, "_record_memory_history", None)
+        if record is None or getattr(torch.cuda.memory, "_snapshot", None) is None:
             return RuntimeError("this torch has no torch.cuda.memory._record_memory_history/_snapshot: no allocation "
                                 "history")
         try:

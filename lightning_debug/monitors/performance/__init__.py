@@ -8,13 +8,7 @@ Example::
     4.0
 """
 
-from lightning_debug.monitors.performance.loader import loader_advice, loader_settings, usable_cpus
-from lightning_debug.monitors.performance.monitor import PERF_KINDS, PerformanceMonitor
-from lightning_debug.monitors.performance.settings import (
-    DEFAULT_PROFILE_WINDOW,
-    SYNC_DEBUG_WINDOW,
-    PerformanceSettings,
-)
+from lightning_debug.monitors.performance.monitor import PerformanceMonitor
+from lightning_debug.monitors.performance.settings import PerformanceSettings
 
-__all__ = ["DEFAULT_PROFILE_WINDOW", "PERF_KINDS", "SYNC_DEBUG_WINDOW", "PerformanceMonitor", "PerformanceSettings",
-           "loader_advice", "loader_settings", "usable_cpus"]
+__all__ = ["PerformanceMonitor", "PerformanceSettings"]

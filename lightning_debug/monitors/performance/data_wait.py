@@ -14,10 +14,8 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.performance.loader import loader_advice
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
-# The data wait is a bottleneck when its median share over DATA_WINDOW timed steps is above the
-# configured share, DATA_MIN_SHARE_OF_STEPS of those steps are above it too, and the median wait is
-# at least MIN_DATA_WAIT_MS (the loop's own overhead between batches is a millisecond or two, more
-# on a loaded machine).
+# The rule's bounds (see DataWaitRule): the loop's own overhead between batches is a millisecond or two, more on a
+# loaded machine, hence MIN_DATA_WAIT_MS.
 DATA_WINDOW = 10
 MIN_DATA_HISTORY = 6
 MIN_DATA_WAIT_MS = 5.0

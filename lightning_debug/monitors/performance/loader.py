@@ -7,18 +7,20 @@ from collections.abc import Mapping
 from typing import Any
 
 
-def loader_settings(loader: Any) -> dict[str, Any] | None:
+def describe_loader(loader: Any) -> dict[str, Any] | None:
     """The settings of a DataLoader that decide its throughput (duck-typed; None if unknown).
 
-    Accepts a DataLoader, a list or dict of them (the first one counts), or an object with
-    ``iterables`` (Lightning's CombinedLoader).
+    Accepts a DataLoader, a list or dict of them (the first one counts), an object with ``iterables``
+    (Lightning's CombinedLoader), or a settings dict given as is (a loop that knows them but has no DataLoader).
 
     Example::
 
         >>> from torch.utils.data import DataLoader
-        >>> loader_settings(DataLoader(list(range(8)), batch_size=4))["num_workers"]
-        0
+        >>> describe_loader(DataLoader(list(range(8)), batch_size=4))["num_workers"], describe_loader({"num_workers": 2})
+        (0, {'num_workers': 2})
     """
+    if isinstance(loader, Mapping) and "num_workers" in loader:
+        return dict(loader)
     for _ in range(4):
         if loader is None or hasattr(loader, "num_workers"):
             break
@@ -36,19 +38,6 @@ def loader_settings(loader: Any) -> dict[str, Any] | None:
             "persistent_workers": bool(getattr(loader, "persistent_workers", False)),
             "prefetch_factor": getattr(loader, "prefetch_factor", None),
             "batch_size": getattr(loader, "batch_size", None)}
-
-
-def describe_loader(loader: Any) -> dict[str, Any] | None:
-    """A loader's settings, or a settings dict given as is (a loop that knows them but has no DataLoader).
-
-    Example::
-
-        >>> describe_loader({"num_workers": 2})
-        {'num_workers': 2}
-    """
-    if isinstance(loader, Mapping) and "num_workers" in loader:
-        return dict(loader)
-    return loader_settings(loader)
 
 
 def usable_cpus() -> int:

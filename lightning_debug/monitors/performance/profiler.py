@@ -1,14 +1,8 @@
 """The torch.profiler window and the sync-debug window over a few steps, and what they found.
 
-Both windows change global state (a running profiler, ``torch.cuda.set_sync_debug_mode``), so
-:class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them whatever happened. What
-they found is summarised by pure functions (:func:`trace_summary`, :func:`sync_sites`) and turned
-into findings (:func:`trace_finding`, :func:`host_sync_finding`) that the monitor records.
-
-torch allows one profiler per thread. Where another one already records (Lightning's
-``Trainer(profiler="pytorch")``, a user's ``with torch.profiler.profile():`` around the fit), the
-window is skipped and says why once (:attr:`StepWindows.outcome`); a profiler whose ``start()``
-failed is dropped, never stepped, stopped or exported (that once ended a fit in a segmentation fault).
+Both windows change global state, so :class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them
+whatever happened. torch allows one profiler per thread: where another one already records, the window is
+skipped, and a profiler whose ``start()`` failed is never touched again (docs/performance_profiler.md).
 """
 
 from __future__ import annotations
@@ -90,10 +84,8 @@ def torch_profiler_running() -> bool:
     """
     query = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
     if callable(query):
-        try:
+        with contextlib.suppress(Exception):
             return bool(query())
-        except Exception:
-            pass
     return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
 
 
@@ -261,40 +253,33 @@ class StepWindows:
                 closed = True
         return closed
 
-    def _window_text(self) -> str:
-        start, length = self.profile_window  # type: ignore[misc]
-        return f"steps {start}-{start + length - 1}"
-
     def _settle(self, status: WindowStatus, reason: str | None = None) -> None:
         start, length = self.profile_window  # type: ignore[misc]
         self.outcome = {"status": status, "first_step": start, "last_step": start + length - 1, "reason": reason}
 
-    def _skip(self, reason: str) -> None:
-        self._settle(WindowStatus.SKIPPED, reason)
-        self.on_failure(f"the torch.profiler window of profile_steps ({self._window_text()}) is skipped: {reason}; "
-                        "torch runs one profiler at a time.")
-
-    def _fail(self, reason: str) -> None:
-        self._settle(WindowStatus.FAILED, reason)
-        self.on_failure(f"the torch.profiler window of profile_steps ({self._window_text()}) was dropped: {reason}; "
-                        "training continues.")
+    def _give_up(self, status: WindowStatus, reason: str) -> None:
+        """The window is skipped (another profiler holds torch's) or dropped: said once, and in :attr:`outcome`."""
+        self._settle(status, reason)
+        start, length = self.profile_window  # type: ignore[misc]
+        outcome = (f"is skipped: {reason}; torch runs one profiler at a time" if status is WindowStatus.SKIPPED
+                   else f"was dropped: {reason}; training continues")
+        self.on_failure(f"the torch.profiler window of profile_steps (steps {start}-{start + length - 1}) {outcome}.")
 
     def _drop(self, failure: Exception, when: str) -> None:
         """Our profiler raised ``when`` and is dropped: skipped when another profiler holds torch's, else failed."""
         reason = f"{type(failure).__name__}: {failure}"
         if "already enabled" in str(failure):
-            self._skip(f"another torch profiler records on this thread (our profiler raised {when}: {reason})")
+            self._give_up(WindowStatus.SKIPPED,
+                          f"another torch profiler records on this thread (our profiler raised {when}: {reason})")
         else:
-            self._fail(f"torch.profiler raised {when} ({reason})")
+            self._give_up(WindowStatus.FAILED, f"torch.profiler raised {when} ({reason})")
 
     def other_profiler(self) -> str | None:
         """Who else records with torch.profiler now, in words (None: nobody we can see)."""
         named = None
         if self.in_use is not None:
-            try:
+            with contextlib.suppress(Exception):
                 named = self.in_use()
-            except Exception:
-                named = None
         if named:
             return named
         if torch_profiler_running():
@@ -313,7 +298,7 @@ class StepWindows:
             return
         other = self.other_profiler()
         if other is not None:
-            self._skip(other)
+            self._give_up(WindowStatus.SKIPPED, other)
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -370,9 +355,7 @@ class StepWindows:
         """Close the sync-debug window (if open): re-issue other warnings, hand the sync sites on."""
         if self._sync_catcher is None:
             return
-        torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
-        self._sync_catcher.__exit__(None, None, None)
-        self._sync_catcher = None
+        self._close_sync()
         self._sync_done = True
         records, self._sync_records = self._sync_records, []
         counts = count_sync_sites(records)
@@ -382,14 +365,15 @@ class StepWindows:
         """Undo global changes (profiler running, sync debug mode) whatever happened."""
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
-            try:
+            with contextlib.suppress(Exception):
                 profiler.stop()
-            except Exception:
-                pass
         if self._sync_catcher is not None:
-            torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
-            self._sync_catcher.__exit__(None, None, None)
-            self._sync_catcher = None
+            self._close_sync()
+
+    def _close_sync(self) -> None:
+        torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
+        self._sync_catcher.__exit__(None, None, None)
+        self._sync_catcher = None
 
 
 def count_sync_sites(records: Iterable[warnings.WarningMessage]) -> Counter[tuple[str, int]]:

@@ -17,25 +17,18 @@ from lightning_debug.monitors.performance.settings import PerformanceSettings
 
 RECENT_STEPS = 50
 MIN_HISTORY = 5
-# A slow step is a robust outlier: above the median by (slow_step_factor - 1) medians, by SLOW_MAD_Z
-# robust standard deviations and by MIN_SLOW_EXCESS_MS. It is a warning when it recurs
-# (SLOW_MIN_FLAGGED of the last SLOW_WINDOW timed steps); one outlier alone is reported (info) only
-# when it is far out (SLOW_LONE_FACTOR x the median and SLOW_LONE_MS more). A busy machine delays
-# bursts of steps by tens of milliseconds beyond the measured wait for a CPU (a busy hyperthread
-# sibling, a hypervisor's steal time), hence the absolute floor.
+# The rule's bounds (see SlowStepRule). A busy machine delays bursts of steps by tens of milliseconds beyond the
+# measured wait for a CPU (a busy hyperthread sibling, a hypervisor's steal time), hence MIN_SLOW_EXCESS_MS.
 SLOW_MAD_Z = 6.0
 MIN_SLOW_EXCESS_MS = 50.0
 SLOW_WINDOW = 10
 SLOW_MIN_FLAGGED = 3
 SLOW_LONE_FACTOR = 20.0
 SLOW_LONE_MS = 250.0
-# A stall that recurs: the last PERIOD_MIN_OUTLIERS outliers at one fixed distance k >= 2 (every k-th step), or
-# FAR_MIN_OUTLIERS far outliers (SLOW_LONE_FACTOR x the median and FAR_MS more) in the last RECENT_STEPS timed
-# steps, at least FAR_MIN_FRACTION of them. Both are read from bounded histories of the timed steps.
+# A stall recurs with a period (the last PERIOD_MIN_OUTLIERS outliers every k-th step, k >= 2) or often
+# (FAR_MIN_OUTLIERS far outliers, FAR_MS over the median, at least FAR_MIN_FRACTION of the recent timed steps).
 PERIOD_MIN_OUTLIERS = 4
-# A stall that recurs only with a period (not clustered, not frequent) is a warning when it costs at least this share
-# of the time over its period (its excess over the median step); below, an info: a checkpoint or an epoch boundary
-# every thousand steps that costs 1% of the run is the run's normal rhythm, not something to fix.
+# Only a periodic stall costing this share of the time is a warning: a checkpoint every thousand steps is a rhythm.
 MIN_PERIODIC_SHARE = 0.05
 PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from three equidistant outliers
 FAR_MS = 100.0
@@ -129,25 +122,26 @@ class SlowRun:
         self.elements += times.elements or 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "base_median": self.base_median, "base_threshold": self.base_threshold,
-                "base_phases": {phase.value: ms for phase, ms in self.base_phases.items()},
-                "base_elements": self.base_elements, "length": self.length, "total_ms": self.total_ms,
-                "phase_ms": {phase.value: ms for phase, ms in self.phase_ms.items()}, "elements": self.elements,
-                "held": self.held, "explained": self.explained}
+        return dict(asdict(self), base_phases=by_name(self.base_phases), phase_ms=by_name(self.phase_ms))
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SlowRun:
-        return cls(int(state["start"]), float(state["base_median"]), float(state["base_threshold"]),
-                   {Phase(name): float(ms) for name, ms in state["base_phases"].items()}, state["base_elements"],
-                   int(state["length"]), float(state["total_ms"]),
-                   {Phase(name): float(ms) for name, ms in state["phase_ms"].items()}, int(state["elements"]),
-                   state["held"], bool(state["explained"]))
+        return cls(**dict(state, base_phases=by_phase(state["base_phases"]), phase_ms=by_phase(state["phase_ms"])))
 
     def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
         ratio = (self.elements / self.length / self.base_elements
                  if self.elements and self.base_elements else None)
         return Shift(self.start, self.length, self.base_median, self.total_ms / self.length,
                      self.base_phases[phase], self.phase_ms[phase] / self.length, ratio, ended_run)
+
+
+def by_name(times: dict[Phase, float]) -> dict[str, float]:
+    """Times by phase name, for a checkpoint or an event (:func:`by_phase` reads them back)."""
+    return {phase.value: ms for phase, ms in times.items()}
+
+
+def by_phase(times: dict[str, float]) -> dict[Phase, float]:
+    return {Phase(name): float(ms) for name, ms in times.items()}
 
 
 PHASE_HINTS = {
@@ -237,14 +231,13 @@ class SlowStep:
     def state_dict(self) -> dict[str, Any]:
         """Plain values, for the verdict engine's checkpoint (a verdict is held before any shift is known)."""
         state = asdict(self)
-        state.update(phase=self.phase.value, phases_ms={phase.value: ms for phase, ms in self.phases_ms.items()},
-                     outlier_steps=list(self.outlier_steps), shift=None)
-        return state
+        return dict(state, phase=self.phase.value, phases_ms=by_name(self.phases_ms),
+                    outlier_steps=list(self.outlier_steps), shift=None)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> SlowStep:
         return cls(**dict(state, phase=Phase(state["phase"]), outlier_steps=tuple(state["outlier_steps"]),
-                          phases_ms={Phase(name): ms for name, ms in state["phases_ms"].items()}))
+                          phases_ms=by_phase(state["phases_ms"])))
 
     @property
     def minor(self) -> bool:
@@ -317,7 +310,7 @@ class SlowStep:
             "phase": self.phase.value, "step_ms": self.step_ms, "median_step_ms": self.median_step_ms,
             "factor": factor, "phase_ms": self.phase_ms, "median_phase_ms": self.median_phase_ms,
             "threshold_ms": self.threshold_ms, "slow_steps": self.slow_steps, "window_steps": self.window_steps,
-            "recurring": self.recurring, "phases_ms": {phase.value: ms for phase, ms in self.phases_ms.items()},
+            "recurring": self.recurring, "phases_ms": by_name(self.phases_ms),
             "plugin_ms": self.plugin_ms, "cpu_wait_ms": self.cpu_wait_ms, "threshold_factor": self.threshold_factor,
             "period": self.period, "outliers": self.outliers, "timed_steps": self.timed_steps,
             "fraction": self.fraction, "outlier_steps": list(self.outlier_steps), "hooks": self.hooks,
@@ -334,7 +327,8 @@ class SlowStepRule:
 
     Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
     sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
-    when outliers recur (clustered, periodic, or far out often), a periodic stall only when it costs
+    when outliers recur (``SLOW_MIN_FLAGGED`` of ``SLOW_WINDOW``, periodic, or far out often; one alone is an
+    info past ``SLOW_LONE_FACTOR`` x the median and ``SLOW_LONE_MS``), a periodic stall only when it costs
     ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
     consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
     before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a
@@ -396,25 +390,15 @@ class SlowStepRule:
         oldest = self.timed[0] if self.timed else 0
         return [step for step in steps if step >= oldest]
 
-    def threshold_ms(self, settings: PerformanceSettings) -> float | None:
-        """The step time above which a step is an outlier of this run (None until enough history)."""
-        if len(self.steps) < MIN_HISTORY:
-            return None
-        return self._threshold(settings, self.steps.median())
-
-    def _threshold(self, settings: PerformanceSettings, median: float) -> float:
-        sigma = robust_sigma(list(self.steps.values), median)
+    def _threshold(self, settings: PerformanceSettings, median: float, values: list[float] | None = None) -> float:
+        sigma = robust_sigma(list(self.steps.values) if values is None else values, median)
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
     def _size_threshold(self, settings: PerformanceSettings, elements: int) -> float | None:
         """The outlier threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (None
         with fewer than ``MIN_HISTORY`` of them)."""
         peers = [ms for size, ms in self.sized if elements / SIZE_BAND <= size <= elements * SIZE_BAND]
-        if len(peers) < MIN_HISTORY:
-            return None
-        median = robust_median(peers)
-        return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * robust_sigma(peers, median),
-                            MIN_SLOW_EXCESS_MS)
+        return self._threshold(settings, robust_median(peers), peers) if len(peers) >= MIN_HISTORY else None
 
     def _explained_by_size(self, times: StepTimes, settings: PerformanceSettings) -> bool:
         """Whether an outlier's input is larger than usual and its time ordinary for that size (or unknown)."""

@@ -54,16 +54,11 @@ class StepStats:
         self.cpu_wait = DistributionStats()  # waiting for a CPU another program had: not held against steps
 
     def add(self, times: StepTimes, world_size: int, cpu_waits_read: bool) -> None:
-        for phase in PHASES:
-            self.stats[phase.value].add(times.phases[phase])
-        self.stats["step"].add(times.step_ms)
+        for tag, value in step_metrics(times, world_size).items():  # the scalars' values, by their name
+            self.stats[tag.removeprefix("debug/perf/").removesuffix("_ms")].add(value)
         self.own.add(times.own_ms)
         if cpu_waits_read:
             self.cpu_wait.add(sum(times.cpu_waits.values()))
-        if times.samples_per_sec is not None:
-            self.stats["samples_per_sec"].add(times.samples_per_sec * world_size)
-        if times.tokens_per_sec is not None:
-            self.stats["tokens_per_sec"].add(times.tokens_per_sec * world_size)
 
     def summaries(self) -> dict[str, Any]:
         """The report's ``stats``: ``<phase>_time_ms`` always, throughput once measured."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import dataclass
+from statistics import median_high
 from typing import Any
 
 from lightning_debug.checks.robust import median
@@ -14,11 +14,8 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.gate import Planned, Shape
 from lightning_debug.core.kinds import Kind, Severity
 
-# A straggler is slower before the gradient all-reduce (data wait + forward) than the median of the
-# other ranks by STRAGGLER_MARGIN of theirs, and the others wait for it there (their backward, which holds
-# that wait, is longer than its own) by STRAGGLER_STEP_SHARE of the step and by STRAGGLER_MIN_MS, on
-# STRAGGLER_MIN_FLAGGED of STRAGGLER_WINDOW check steps, after the first STRAGGLER_WARMUP gathered check
-# steps (lazy initialisation differs between ranks). Rank 0's extra logging is no straggler.
+# The rule's bounds (see StragglerRule); the first STRAGGLER_WARMUP gathered check steps are not judged (lazy
+# initialisation differs between ranks), and a rank must lead the others' median by STRAGGLER_MARGIN of it.
 STRAGGLER_WARMUP = 5
 STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_FLAGGED = 6
@@ -61,15 +58,9 @@ def waited_for(rows: list[list[float]], rank: int) -> float:
         >>> waited_for(late, 1), waited_for(waited_before, 1)
         (30.0, 2.0)
     """
-    lead = before_sync_ms(rows[rank]) - _typical(before_sync_ms(row) for k, row in enumerate(rows) if k != rank)
+    lead = before_sync_ms(rows[rank]) - median_high(before_sync_ms(row) for k, row in enumerate(rows) if k != rank)
     others = median(row[_BACKWARD] for k, row in enumerate(rows) if k != rank)
     return min(lead, others - rows[rank][_BACKWARD])
-
-
-def _typical(values: Iterable[float]) -> float:
-    """The middle value (the upper one of an even count): what the other ranks typically take."""
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 @dataclass(frozen=True)
@@ -89,12 +80,12 @@ class Straggler:
 
     def finding(self) -> Finding:
         medians = self.median_before_sync_ms_by_rank
-        rest = sorted(medians[k] for k in range(len(medians)) if k != self.rank)
+        others = median_high(ms for k, ms in enumerate(medians) if k != self.rank)
         return Finding(
             Kind.STRAGGLER_RANK, Severity.WARNING,
             f"Rank {self.rank} is the slowest on {self.flagged_check_steps} of the last {STRAGGLER_WINDOW} check "
             f"steps: its data wait + forward take {medians[self.rank]:.1f} ms (median) against "
-            f"{rest[len(rest) // 2]:.1f} ms on the other ranks, which wait {self.median_wait_ms:.1f} ms (median) "
+            f"{others:.1f} ms on the other ranks, which wait {self.median_wait_ms:.1f} ms (median) "
             "for it in the gradient all-reduce (their backward phase is longer). Check that rank's data (uneven "
             "sample sizes or a slow shard), its GPU (clocks, temperature, other processes) and its CPU and "
             "data-loader workers.",
@@ -152,7 +143,7 @@ class StragglerRule:
             return None
         before_sync = [before_sync_ms(row) for row in rows]
         slowest = max(range(len(rows)), key=lambda rank: before_sync[rank])
-        typical = _typical(v for rank, v in enumerate(before_sync) if rank != slowest)
+        typical = median_high(v for rank, v in enumerate(before_sync) if rank != slowest)
         step_ms = median(row[1] for row in rows)
         waited = waited_for(rows, slowest)
         slow = before_sync[slowest] > (1 + STRAGGLER_MARGIN) * typical and waited >= max(
