@@ -218,7 +218,6 @@ class LoopMonitor(Monitor):
     """See the module docstring; one per run, on gradient check steps (``gradient_checking_frequency``)."""
 
     area = Area.LOOP
-    kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED, Kind.REPEATED_BATCH})
     events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
 

@@ -56,9 +56,6 @@ class GradientMonitor(Monitor):
     """
 
     area = Area.GRADIENTS
-    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
-                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM,
-                       Kind.LEARNING_STALLED, Kind.OUTSIDE_TRAINING})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
 

@@ -71,7 +71,6 @@ class MemoryMonitor(Monitor):
     """
 
     area = Area.MEMORY
-    kinds = frozenset({Kind.MEMORY_HIGH, Kind.MEMORY_GROWTH})  # an ``oom`` is one event, never an open episode
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
     due_events = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
