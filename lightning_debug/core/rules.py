@@ -58,12 +58,14 @@ class Moment(StrEnum):
 class FitStart:
     """What a run knows before any tensor work.
 
-    ``parameters``: (name, parameter, owning module) of every named parameter, in registration order;
-    ``param_groups``: the optimizers' groups; ``total_steps``/``schedulers``: the run's known length (None: unknown)
-    and its schedulers' class names; ``start_lrs``: each group's learning rate at fit start.
+    ``module``: the model (None: the loop cannot reach it); ``parameters``: (name, parameter, owning module, None
+    without a module) of every named parameter, in registration order; ``param_groups``: the optimizers' groups;
+    ``total_steps``/``schedulers``: the run's known length (None: unknown) and its schedulers' class names;
+    ``start_lrs``: each group's learning rate at fit start.
     """
 
     step: int
+    module: Any = None
     parameters: Sequence[tuple[str, Any, Any]] = ()
     param_groups: Sequence[Mapping[str, Any]] = ()
     total_steps: int | None = None
@@ -91,16 +93,17 @@ class CheckStep:
 class CheckRead:
     """A check step whose numbers reached the host: ``numbers`` is the area's reading (the gradient pass's
     ``HostNumerics``, a ``MemoryReading``), ``loss`` the step's loss, ``first_loss`` the run's reference loss,
-    ``lrs`` (learning rate, base) per param group, ``drift`` what the area measured across check steps (None:
-    not measured this time), ``history`` the area's bounded run history."""
+    ``drift`` what the area measured across check steps (None: not measured this time), ``param_groups`` and
+    ``start_lrs`` as at :class:`CheckStep`, ``history`` the area's bounded run history."""
 
     step: int
     numbers: Any = None
     where: Mapping[str, Any] = field(default_factory=dict)
     loss: float = float("nan")
     first_loss: float | None = None
-    lrs: Sequence[tuple[Any, Any]] = ()
     drift: Any = None
+    param_groups: Sequence[Mapping[str, Any]] = ()
+    start_lrs: Sequence[Any] = ()
     total_steps: int | None = None
     history: Any = None
     verdicts: VerdictEngine = field(default_factory=VerdictEngine)
