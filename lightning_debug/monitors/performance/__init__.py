@@ -8,6 +8,7 @@ Example::
     4.0
 """
 
+from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.performance.loader import loader_advice, loader_settings, usable_cpus
 from lightning_debug.monitors.performance.monitor import PERF_KINDS, PerformanceMonitor
 from lightning_debug.monitors.performance.settings import (
@@ -15,6 +16,10 @@ from lightning_debug.monitors.performance.settings import (
     SYNC_DEBUG_WINDOW,
     PerformanceSettings,
 )
+
+RULE_MODULES = import_rules(__name__, __path__)
+"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
+edit)."""
 
 __all__ = ["DEFAULT_PROFILE_WINDOW", "PERF_KINDS", "SYNC_DEBUG_WINDOW", "PerformanceMonitor", "PerformanceSettings",
            "loader_advice", "loader_settings", "usable_cpus"]
