@@ -280,7 +280,8 @@ class Monitor:
         suspicions = [item for item in results if isinstance(item, Suspicion)]
         if known.suspects:
             for kind in known.kinds:
-                confirmed = self.verdicts.observe(kind, step, [s for s in suspicions if s.kind is kind])
+                confirmed = self.verdicts.observe(kind, step, [s for s in suspicions if s.kind is kind],
+                                                  scope=known.name)  # its own holds: no other rule's key ends
                 for decided in confirmed:
                     self.record_confirmed(decided, step, where)
         elif suspicions:
