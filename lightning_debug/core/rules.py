@@ -161,7 +161,9 @@ def make_rule(judge: Callable[[Any], Any], *kinds: Kind, at: Moment, suspects: b
 
 def rule(*kinds: Kind, at: Moment, suspects: bool = False) -> Callable[[Judge], Judge]:
     """Register the decorated function as the rule that makes ``kinds`` at moment ``at``; it is returned unchanged,
-    so it stays callable (and tested) as a plain function."""
+    so it stays callable (and tested) as a plain function. Kinds of several areas are a ValueError here."""
+    area_of(kinds)
+
     def register(judge: Judge) -> Judge:
         add(make_rule(judge, *kinds, at=at, suspects=suspects))
         return judge
