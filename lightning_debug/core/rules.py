@@ -2,7 +2,7 @@
 monitor runs it there, so adding a check edits no monitor.
 
 A rule is a function of one *facts* object, which the monitor builds once per moment for every rule of that
-moment (:class:`FitStart`, :class:`CheckStep`, :class:`CheckRead`). What it returns goes down one path, by type:
+moment (:class:`FitStart`, :class:`CheckStep`, :class:`CheckRead`, :class:`ModuleWalk`). What it returns goes down one path, by type:
 a :class:`~lightning_debug.core.findings.Finding` is a one-off fact (``Monitor.emit``: counted, no episode), a
 :class:`Recorded` (or an area's verdict of the same shape) opens or continues an episode (``Monitor.record``), and
 the :class:`~lightning_debug.core.verdicts.Suspicion` objects of a rule declared with ``suspects=True`` go to the
@@ -52,6 +52,9 @@ class Moment(StrEnum):
     work): :class:`CheckStep`."""
     CHECK_READ = "check_read"
     """A check step's numbers are on the host (read back without a sync): :class:`CheckRead`."""
+    MODULE_WALK = "module_walk"
+    """The module tree as it is now, walked at fit start, at each epoch's start and at the end of the run:
+    :class:`ModuleWalk`."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,16 @@ class CheckRead:
     settings: Any = None
 
 
-Facts = FitStart | CheckStep | CheckRead
+@dataclass(frozen=True)
+class ModuleWalk:
+    """The model (never None: without one nothing is walked) at optimizer step ``step``."""
+
+    step: int
+    module: Any
+    settings: Any = None
+
+
+Facts = FitStart | CheckStep | CheckRead | ModuleWalk
 
 
 @dataclass
@@ -209,5 +221,5 @@ def import_rules(package: str, path: Iterable[str]) -> list[str]:
     return names
 
 
-__all__ = ["CheckRead", "CheckStep", "Facts", "FitStart", "Moment", "Recorded", "Rule", "add", "all_rules",
+__all__ = ["CheckRead", "CheckStep", "Facts", "FitStart", "ModuleWalk", "Moment", "Recorded", "Rule", "add", "all_rules",
            "area_of", "import_rules", "registered", "remove", "rule", "rules_for"]
