@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.config import Area
+from lightning_debug.core.kinds import with_kinds
 
 
 class AnomalyDetectionCallback(DebugCallback):
@@ -21,21 +22,14 @@ class AnomalyDetectionCallback(DebugCallback):
     - ``"skip"``: the optimizer step does not happen (gradients dropped before ``optimizer.step``).
     - ``"stop"``: the bad update is dropped and ``trainer.should_stop`` ends training cleanly.
 
-    It names ``nonfinite_input`` (the batch, with the sample indices), ``nonfinite_activation`` (the first
-    module whose output is not finite), ``nonfinite_loss``, ``nonfinite_grad`` (finite loss, non-finite
-    gradients), ``nonfinite_param`` (the weights themselves) and ``nonfinite_buffer`` (BatchNorm running
-    statistics and other buffers).
-
     The deciding modes read the flags with one host sync per check step. Under DDP/FSDP the per-rank
     flags are gathered, so every rank takes the same decision at the same step. With fp16 and a
-    GradScaler, non-finite gradients with a finite loss are the scaler doing its job and are recorded
-    as ``amp_overflow_skipped``. ``level=EXPERT`` also runs backward under
+    GradScaler, non-finite gradients with a finite loss are the scaler doing its job, recorded as an
+    info. ``level=EXPERT`` also runs backward under
     ``torch.autograd.set_detect_anomaly`` (several times slower).
 
-    The same check judges the loss value against its recent level, while it is still finite:
-    ``loss_spike`` (10x above its recent level and its start) and ``loss_divergence`` (rising on most
-    of the last 8 checked steps and at least doubled), the early signs of a learning rate far too high; a
-    loss far above its level whose next check is back near it is ``loss_outlier`` (info: one bad batch).
+    The same check judges the loss value against its recent level, while it is still finite: a spike that
+    stays and a steady rise are the early signs of a learning rate far too high.
 
     From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, same
     RNG state, parameters as they were, BatchNorm statistics and RNG restored afterwards) to name
@@ -57,3 +51,6 @@ class AnomalyDetectionCallback(DebugCallback):
     """
 
     area = Area.ANOMALY
+
+
+AnomalyDetectionCallback.__doc__ = with_kinds(AnomalyDetectionCallback.__doc__, (Area.ANOMALY,))

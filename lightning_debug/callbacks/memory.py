@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.config import Area
+from lightning_debug.core.kinds import with_kinds
 
 
 class MemoryProfilerCallback(DebugCallback):
@@ -17,20 +18,16 @@ class MemoryProfilerCallback(DebugCallback):
     free lists (milliseconds on a fragmented heap), is read at least once per logging row and every 8
     steps, and on the readings the growth trend takes, not necessarily at every check.
 
-    - ``memory_high``: CUDA reserved above ``memory_high_fraction`` of the device, or system memory
-      used above that fraction of the machine.
-    - ``memory_growth``: a robust (Theil-Sen) trend over the last readings rises steadily beyond
-      allocator and warm-up noise. A census of live tensors (and on CUDA an allocation history) is
-      taken only then and again one check later; the event gives MB per step, the step at which
-      memory runs out, and which tensors pile up, e.g. "~1 tensor/step with grad_fn
-      MseLossBackward0 stays alive: a list keeps losses with their graphs; store loss.detach() or
-      loss.item()".
-    - ``oom``: on an out-of-memory error, ``oom_step<N>.md`` in the debug output directory (phase,
-      step, batch shapes, largest live tensors, ``torch.cuda.memory_summary()``, a snapshot for
-      pytorch.org/memory_viz when allocation history was on, the fixes), then the error propagates
-      unchanged.
-    - ``level=ADVANCED``: per-phase memory (forward, backward, optimizer) on check steps;
-      ``level=EXPERT`` records CUDA allocation history for the whole run.
+    A steady rise is told from allocator and warm-up noise by a robust (Theil-Sen) trend over the last
+    readings; a census of live tensors (and on CUDA an allocation history) is taken only then and again one
+    check later, and the finding gives MB per step, the step at which memory runs out, and which tensors pile
+    up, e.g. "~1 tensor/step with grad_fn MseLossBackward0 stays alive: a list keeps losses with their graphs;
+    store loss.detach() or loss.item()". After an out-of-memory error, ``oom_step<N>.md`` in the debug output
+    directory holds the phase, step, batch shapes, largest live tensors, ``torch.cuda.memory_summary()``, a
+    snapshot for pytorch.org/memory_viz when allocation history was on, and the fixes.
+
+    ``level=ADVANCED`` measures per-phase memory (forward, backward, optimizer) on check steps;
+    ``level=EXPERT`` records CUDA allocation history for the whole run.
 
     Example::
 
@@ -41,3 +38,6 @@ class MemoryProfilerCallback(DebugCallback):
     """
 
     area = Area.MEMORY
+
+
+MemoryProfilerCallback.__doc__ = with_kinds(MemoryProfilerCallback.__doc__, (Area.MEMORY,))

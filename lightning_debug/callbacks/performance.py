@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_debug.callbacks.base import DebugCallback
 from lightning_debug.config import Area, DebugConfig
+from lightning_debug.core.kinds import with_kinds
 from lightning_debug.core.monitor import Monitor
 from lightning_debug.monitors import AREA_SPECS
 
@@ -24,18 +25,15 @@ class PerformanceProfilerCallback(DebugCallback):
     The plugin's own work inside a step (checks, census, replays, logging) and, on CPU, the time the
     training thread waited for a CPU another program had are not held against the step.
 
-    Findings: ``slow_step`` (steps ``slow_step_factor`` times slower than the recent median, a
-    robust outlier that recurs, with the phase that was slow), ``dataloader_bottleneck`` (a sustained
-    data wait above ``dataloader_bottleneck_share`` of the step time, with the loader's ``num_workers``,
-    ``pin_memory``, ``persistent_workers`` and what to change), ``straggler_rank`` under DDP (per-rank
-    times gathered on check steps; the rank that is consistently slowest before the gradient
-    all-reduce) and, at ``level=EXPERT`` on CUDA, ``host_sync`` (the lines that forced host-device
-    synchronizations during a short ``torch.cuda.set_sync_debug_mode("warn")`` window).
+    A slow step is a robust outlier that recurs, reported with the phase that was slow; a data wait with the
+    loader's ``num_workers``, ``pin_memory``, ``persistent_workers`` and what to change; under DDP per-rank
+    times are gathered on check steps; at ``level=EXPERT`` on CUDA a short
+    ``torch.cuda.set_sync_debug_mode("warn")`` window names the lines that forced host-device synchronizations.
 
     ``profile_steps=(start, length)`` (a default window from ``level=ADVANCED``) runs
     ``torch.profiler`` over those steps only, writes ``profiler/rank0.steps<a>-<b>.pt.trace.json``
     under the debug output directory (Perfetto, chrome://tracing, TensorBoard's profiler plugin),
-    records a ``profiler_trace`` event and adds the top operators by self CPU and CUDA time to
+    records an event and adds the top operators by self CPU and CUDA time to
     report.md. Steps inside the profiler or sync-debug windows are left out of the statistics.
 
     Args:
@@ -62,3 +60,6 @@ class PerformanceProfilerCallback(DebugCallback):
     def make_monitor(self) -> Monitor:
         return AREA_SPECS[self.area].build(self.config, type(self).__name__, batch_size_fn=self.batch_size_fn,
                                            tokens_fn=self.tokens_fn)
+
+
+PerformanceProfilerCallback.__doc__ = with_kinds(PerformanceProfilerCallback.__doc__, (Area.PERFORMANCE,))

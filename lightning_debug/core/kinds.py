@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,9 +189,11 @@ _NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an eps
 @dataclass(frozen=True)
 class KindSpec:
     """Everything said about one kind of finding, in one place: the ``area`` whose monitor writes it, its
-    ``severity`` (None when it depends on what was found), ``advice`` (report.md) and its one-line ``hint``
-    (console), ``common_causes``, ``causal_rank`` in :data:`CAUSAL_ORDER`, and ``confirm``, its policy: making a
-    rule stricter or looser is this field.
+    ``severity`` (None when it depends on what was found), ``summary`` (what it finds, one line: its callback's
+    docstring, ``help()`` and ``--help`` list it), ``advice`` (report.md) and its one-line ``hint`` (console),
+    ``common_causes``, ``causal_rank`` in :data:`CAUSAL_ORDER`, ``one_off`` (written once through the session,
+    it opens no episode: not among its monitor's ``kinds``), and ``confirm``, its policy: making a rule stricter
+    or looser is this field.
 
     Example::
 
@@ -200,16 +204,20 @@ class KindSpec:
 
     area: Area
     severity: Severity | None = None
+    summary: str = ""
     advice: str | None = None
     hint: str | None = None
     common_causes: str | None = None
     causal_rank: int | None = None
     confirm: Confirm = Confirm()
+    one_off: bool = False
 
 
 KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.NONFINITE_LOSS: KindSpec(
         Area.ANOMALY, Severity.ERROR,
+        summary="the loss is NaN/Inf at a check step (with ``level=ADVANCED``, the replay names the operation "
+                "and its source line)",
         advice=f"Find the operation that produces it: a {_NONFINITE_LOSS_CAUSES}. "
                "`level: ADVANCED` replays the step to name the operation and its source line; "
                "`anomaly_detection_mode: skip` keeps training past rare bad batches.",
@@ -218,6 +226,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         causal_rank=2),
     Kind.NONFINITE_GRAD: KindSpec(
         Area.ANOMALY, Severity.ERROR,
+        summary="a finite loss with NaN/Inf gradients: the backward pass is at fault; names the parameters",
         advice="With a finite loss the backward pass is at fault (sqrt/pow/norm at 0, division by a tiny "
                "value, an overflow): clamp inputs of those operations, clip gradients "
                "(`Trainer(gradient_clip_val=1.0)`), lower the learning rate.",
@@ -225,6 +234,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         causal_rank=3),
     Kind.NONFINITE_PARAM: KindSpec(
         Area.ANOMALY, Severity.CRITICAL,
+        summary="the weights themselves hold NaN/Inf",
         advice="The weights are already broken; skipping steps cannot repair them. Restart from the last "
                "good checkpoint with a lower learning rate, gradient clipping, and check weight decay and "
                "fp16 loss scaling.",
@@ -232,12 +242,14 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         causal_rank=4),
     Kind.NONFINITE_ACTIVATION: KindSpec(
         Area.ANOMALY, Severity.ERROR,
+        summary="the first module whose output is not finite, found by the replay of the step",
         advice="A layer's output is not finite: look at the named module's inputs and its "
                "normalisation; clamp or add epsilons where it divides, logs or exponentiates.",
         hint="look at that module's inputs; clamp or add epsilons",
         causal_rank=1),
     Kind.NONFINITE_BUFFER: KindSpec(
         Area.ANOMALY, Severity.CRITICAL,
+        summary="BatchNorm running statistics or other module buffers hold NaN/Inf",
         advice="Module buffers (BatchNorm running statistics) hold NaN/Inf: evaluation uses them, so "
                "every validation loss is NaN. Restart from a checkpoint or call "
                "`module.reset_running_stats()`; with `anomaly_detection_mode='skip'` check every step "
@@ -246,11 +258,16 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         causal_rank=4),
     Kind.AMP_OVERFLOW_SKIPPED: KindSpec(
         Area.ANOMALY, Severity.INFO,
+        summary="with fp16 and a GradScaler, non-finite gradients with a finite loss: the scaler skipped the "
+                "step",
         advice="Nothing to do unless it happens on most steps; then values overflow fp16: scale "
                "inputs down or train in bf16.",
         hint="expected with fp16 unless it happens on most steps"),
     Kind.EXPLODING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="the global gradient norm jumps over 10x the median of the recent check steps, grows 1000x, "
+                "turns Inf/NaN, or exceeds ``gradient_explosion_threshold``; names the largest and suggests a "
+                "``gradient_clip_val`` from the run's healthy norms",
         advice="Clip gradients (`Trainer(gradient_clip_val=...)`, see the suggestion under Gradient "
                "health), lower the learning rate, use a learning-rate warm-up, check initialisation and "
                "normalisation.",
@@ -258,6 +275,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED, max_held=3)),
     Kind.VANISHING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="layers whose gradient norm stays below ``gradient_vanishing_threshold``, from the input side to "
+                "the output side",
         advice="Gradients do not reach these layers: prefer ReLU/GELU to saturating sigmoid/tanh, use "
                "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                "the loss is not detached or scaled to nothing.",
@@ -265,6 +284,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=3, variants={"exactly_zero": 8})),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="trainable parameters that never receive a gradient (a layer not used in forward, a detached "
+                "branch)",
         advice="A trainable parameter never got a gradient on any step observed (a confirmation window, "
                "so experts and dropped layers that skip some steps are not it): a layer defined but not used "
                "in forward, a branch cut by `.detach()`/`.item()`/`torch.no_grad()`, or an output left out of "
@@ -274,20 +295,27 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=64, variants={"no_graph": 8}, at_end=AtEnd.REPORT)),
     Kind.FROZEN_PARAM: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="trainable parameters the optimizer cannot move (in no param group, base lr 0), or, with "
+                "``log_weights`` or level ADVANCED, left unchanged by the optimizer step",
         advice="The optimizer cannot move these parameters: add them to the optimizer's param groups, check "
                "for a learning rate of 0 or a `requires_grad=False` left over, or, if they are frozen on purpose, "
                "set `requires_grad=False` and leave them out of the optimizer.",
         hint="add them to the optimizer, or check for a learning rate of 0"),
     Kind.REQUIRES_GRAD_FALSE: KindSpec(
-        Area.GRADIENTS, Severity.INFO),
+        Area.GRADIENTS, Severity.INFO,
+        summary="parameters frozen on purpose, counted at fit start",
+        one_off=True),
     Kind.OUTSIDE_TRAINING: KindSpec(
         Area.GRADIENTS, Severity.INFO,
+        summary="parameters gradients do not train on purpose: an EMA copy, a teacher under ``no_grad``",
         advice="Parameters with `requires_grad=True` that no optimizer holds and that get no gradient: not part "
                "of this run's training (an averaged copy of the model, a teacher or reference model under "
                "`torch.no_grad()`). `requires_grad_(False)` on them says so.",
         hint="requires_grad_(False) on them says they are not trained"),
     Kind.MEMORY_GROWTH: KindSpec(
         Area.MEMORY, Severity.WARNING,
+        summary="memory rises steadily over the last readings (a robust trend beyond allocator and warm-up "
+                "noise), explained from a census of live tensors",
         advice="Memory grows step after step: a tensor kept across steps together with its graph "
                "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
                "only grows, or gradients accumulated without `zero_grad()`.",
@@ -295,42 +323,57 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=2, backdate=False)),
     Kind.MEMORY_HIGH: KindSpec(
         Area.MEMORY, Severity.WARNING,
+        summary="CUDA reserved memory, or the machine's used memory, above ``memory_high_fraction``",
         advice="Close to the limit: reduce the batch size, accumulate gradients, use mixed precision or "
                "activation checkpointing, and free tensors you keep between steps.",
         hint="smaller batch, gradient accumulation, mixed precision"),
     Kind.OOM: KindSpec(
         Area.MEMORY, Severity.CRITICAL,
+        summary="an out-of-memory error: ``oom_step<N>.md`` says what held the memory and the fixes, then the "
+                "error propagates unchanged",
+        one_off=True,
         advice="Out of memory: see the post-mortem for what held the memory; reduce the batch size, accumulate "
                "gradients, use mixed precision or activation checkpointing.",
         hint="see the post-mortem; smaller batch, mixed precision, checkpointing"),
     Kind.SLOW_STEP: KindSpec(
         Area.PERFORMANCE, Severity.WARNING,
+        summary="steps ``slow_step_factor`` times slower than the recent median, a robust outlier that recurs, "
+                "with the phase that was slow",
         advice="See which phase was slow (data, forward, backward, optimizer): a checkpoint save, garbage "
                "collection, validation, or a host sync; `profile_steps` records a torch.profiler trace.",
         hint="see the slow phase; profile_steps records a torch.profiler trace",
         confirm=Confirm(until=Until.BACK_UNDER, else_kind=Kind.SLOW_STEP, at_end=AtEnd.REPORT)),
     Kind.DATALOADER_BOTTLENECK: KindSpec(
         Area.PERFORMANCE, Severity.WARNING,
+        summary="a sustained data wait above ``dataloader_bottleneck_share`` of the step time, with the loader's "
+                "settings and what to change",
         advice="The model waits for data: raise `num_workers`, set `pin_memory=True` on GPU and "
                "`persistent_workers=True`, and move heavy preprocessing out of `__getitem__`.",
         hint="raise num_workers; pin_memory and persistent_workers"),
     Kind.STRAGGLER_RANK: KindSpec(
         Area.PERFORMANCE, Severity.WARNING,
+        summary="under DDP, the rank that is consistently slowest before the gradient all-reduce",
         advice="One rank is consistently slower: check its data shard, its device (clocks, temperature) "
                "and other jobs on that node.",
         hint="check that rank's data shard, device and node"),
     Kind.HOST_SYNC: KindSpec(
         Area.PERFORMANCE, Severity.WARNING,
+        summary="at ``level=EXPERT`` on CUDA, the lines that forced host-device synchronizations during a short "
+                "sync-debug window",
+        one_off=True,
         advice="Keep values on the device inside the step: log tensors instead of `.item()`, and do not print "
                "or branch on tensor values.",
         hint="keep values on the device inside the step (no .item())"),
     Kind.PROFILER_TRACE: KindSpec(
         Area.PERFORMANCE, Severity.INFO,
+        summary="the ``torch.profiler`` trace of ``profile_steps`` was written",
+        one_off=True,
         advice="Open the trace in https://ui.perfetto.dev, chrome://tracing or TensorBoard's profiler "
                "plugin; the top operators are listed below.",
         hint="open it in https://ui.perfetto.dev"),
     Kind.NONFINITE_INPUT: KindSpec(
         Area.ANOMALY, Severity.ERROR,
+        summary="the batch holds NaN/Inf before the model sees it, with the sample indices",
         advice="The data holds NaN/Inf before the model sees it: find the samples named in the event "
                "(a missing value, a division by a zero std in normalisation, a corrupt file), clean or drop "
                "them, or guard with torch.nan_to_num in the dataset.",
@@ -338,6 +381,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         causal_rank=0),
     Kind.DEAD_ACTIVATION: KindSpec(
         Area.ACTIVATIONS, Severity.WARNING,
+        summary="with ``log_activations``, a ReLU whose outputs are almost all zero",
         advice="The layer outputs (almost) only zeros, so no gradient flows through it: usually a large "
                "negative bias or a too-large step pushed every pre-activation below zero. Use Kaiming "
                "initialisation, normalisation before the activation, a lower learning rate (or a warm-up), "
@@ -345,12 +389,14 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="lower the learning rate, check the bias init, or use LeakyReLU/GELU"),
     Kind.SATURATED_ACTIVATION: KindSpec(
         Area.ACTIVATIONS, Severity.WARNING,
+        summary="with ``log_activations``, a sigmoid/tanh pinned at its limits",
         advice="The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
                "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
                "lower the learning rate, or use ReLU/GELU in hidden layers.",
         hint="normalise the inputs, a better initialisation, or ReLU/GELU"),
     Kind.EVAL_MODE_IN_TRAINING: KindSpec(
         Area.LOOP, Severity.WARNING,
+        summary="modules left in eval mode during training (dropout off, frozen BatchNorm statistics)",
         advice="Dropout and BatchNorm of these modules behave as in inference during training "
                "(no dropout, frozen running statistics). Call `model.train()` after evaluating, and "
                "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
@@ -358,16 +404,21 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="call .train() on it, unless it is frozen on purpose"),
     Kind.GRAD_NOT_ZEROED: KindSpec(
         Area.LOOP, Severity.ERROR,
+        summary="gradients accumulate across optimizer steps: ``zero_grad()`` is not called",
         advice="Gradients accumulate across optimizer steps, so each update uses the sum of all past "
                "gradients: call `optimizer.zero_grad()` after `optimizer.step()` (or before the backward).",
         hint="call optimizer.zero_grad() once per optimizer step"),
     Kind.EXCEPTION: KindSpec(
         Area.ERRORS, Severity.ERROR,
+        summary="the training step raised: report.md explains it (module, shapes, devices) and the error "
+                "propagates unchanged",
+        one_off=True,
         advice="The step raised; report.md's \"Runtime error\" section says what the plugin could name (the "
                "module, the shapes, devices or parameters involved) and the fix for that kind of error.",
         hint="see the explanation in report.md; your exception is raised unchanged"),
     Kind.LOSS_SPIKE: KindSpec(
         Area.ANOMALY, Severity.WARNING,
+        summary="the loss jumps 10x above its recent level and its start and stays high at the next check",
         advice="The loss jumped far above its recent level and stayed high at the next check (or became "
                "NaN/Inf), usually the first sign of a learning rate that is too high: lower it (often 10x), add a "
                "learning-rate warm-up, clip gradients (`Trainer(gradient_clip_val=1.0)`).",
@@ -375,6 +426,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(follow_up=1, else_kind=Kind.LOSS_OUTLIER, at_end=AtEnd.ELSE_KIND)),
     Kind.LOSS_OUTLIER: KindSpec(
         Area.ANOMALY, Severity.INFO,
+        summary="one check step's loss far above its level, the next one back near it: one bad batch",
         advice="One check step's loss was far above its recent level and the next one was back near it: one batch "
                "far from the others (an outlier target under a squared error, a mislabelled example, single-example "
                "batches of heavy-tailed data), not a blow-up. Look at that batch if it recurs; a robust loss "
@@ -382,6 +434,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="one batch far from the others: look at it if it recurs"),
     Kind.LOSS_DIVERGENCE: KindSpec(
         Area.ANOMALY, Severity.WARNING,
+        summary="the loss rises on most of the last checked steps and at least doubled",
         advice="The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
                "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
                "`zero_grad()` runs every step.",
@@ -389,6 +442,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=4, backdate=False)),
     Kind.UPDATE_RATIO_HIGH: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="with ``log_weights`` or level ADVANCED, a layer whose optimizer step moved its weights by more "
+                "than their own norm",
         advice="One optimizer step changes these weights by more than their own size (a healthy ratio "
                "||update||/||weight|| is around 1e-3): the learning rate is far too high for them. Lower "
                "it, add a warm-up, clip gradients.",
@@ -396,6 +451,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=2, follow_up=1)),
     Kind.INTERMITTENT_GRAD: KindSpec(
         Area.GRADIENTS, Severity.INFO,
+        summary="parameters with a gradient on some steps only: experts, LayerDrop",
         advice="Parameters that had gradients on earlier steps got none on this one: conditional "
                "computation (experts a router did not pick, layers LayerDrop skipped, branches taken "
                "on some inputs only). Expected for such models; under DDP they need "
@@ -403,6 +459,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="conditional computation (routing, LayerDrop): expected; DDP needs find_unused_parameters"),
     Kind.WEIGHT_DECAY_ON_NORM: KindSpec(
         Area.GRADIENTS, Severity.INFO,
+        summary="weight decay on biases, normalization weights or embeddings, at fit start",
         advice="Weight decay pulls these biases, normalization weights or embedding rows toward 0, which "
                "shrinks the scale a LayerNorm/BatchNorm restores and erodes rare tokens' embeddings between "
                "their updates. Give them a param group of their own with `weight_decay=0.0`: "
@@ -411,6 +468,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="put biases, norm weights and embeddings in a param group with weight_decay=0"),
     Kind.LEARNING_STALLED: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
+        summary="every param group's learning rate is 0 far from the end of the run, or the weights barely move "
+                "and the loss stays where it started",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
@@ -420,6 +479,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         confirm=Confirm(patience=3, backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
+        summary="the data loader hands the model the same batch several times within an epoch (workers sharing "
+                "one random seed)",
         advice="The data loader hands the model the same batch several times within an epoch: data-loader workers "
                "that share one random state (a NumPy or Python generator created in the dataset's `__init__` and "
                "copied into every worker) draw the same records, so each batch is trained on once per worker and "
@@ -441,6 +502,57 @@ CAUSAL_ORDER: dict[Kind, int] = {kind: spec.causal_rank for kind, spec in KIND_S
                                  if spec.causal_rank is not None}
 """Within one step a NaN flows input batch -> activation -> loss -> gradient -> parameter: the report lists
 findings of the same step in this order, so the root cause comes before what follows from it."""
+
+
+def kinds_of(area: Area) -> frozenset[Kind]:
+    """The kinds whose episodes ``area``'s monitor closes: its rows of the table, less the one-off ones.
+
+    Example::
+
+        >>> sorted(kind.value for kind in kinds_of(Area.MEMORY))
+        ['memory_growth', 'memory_high']
+    """
+    return frozenset(kind for kind, spec in KIND_SPECS.items() if spec.area is area and not spec.one_off)
+
+
+def kind_lines(areas: Iterable[Area], indent: int = 4, width: int = 112) -> list[str]:
+    """One docstring line per kind of ``areas`` (table order): ``- ``kind`` (severity): summary``, wrapped.
+
+    Example::
+
+        >>> print(kind_lines([Area.MEMORY], indent=0, width=200)[1])
+        - ``memory_high`` (warning): CUDA reserved memory, or the machine's used memory, above ``memory_high_fraction``
+    """
+    wanted = set(areas)
+    lines: list[str] = []
+    for kind, spec in KIND_SPECS.items():
+        if spec.area in wanted:
+            severity = f" ({spec.severity.value})" if spec.severity is not None else ""
+            lines += textwrap.wrap(f"- ``{kind.value}``{severity}: {spec.summary}", width, initial_indent=" " * indent,
+                                   subsequent_indent=" " * (indent + 2), break_on_hyphens=False)
+    return lines
+
+
+KINDS_HEADING = "What it reports, one line per kind (from the table of kinds, ``lightning_debug.core.kinds``):"
+
+
+def with_kinds(doc: str | None, areas: Iterable[Area]) -> str:
+    """``doc`` (a callback's docstring) with the list of the kinds of ``areas`` made from the table, placed before
+    its ``Args:`` section, else before its ``Example::``: a new kind appears in ``help()`` and ``--help`` without
+    an edit of the callback.
+
+    Example::
+
+        >>> with_kinds("Summary.\\n\\n    Example::\\n        1 + 1\\n", [Area.ERRORS]).splitlines()[2:4]
+        ['    What it reports, one line per kind (from the table of kinds, ``lightning_debug.core.kinds``):', '']
+    """
+    doc = (doc or "").rstrip() + "\n"
+    block = "\n    " + KINDS_HEADING + "\n\n" + "\n".join(kind_lines(areas)) + "\n"
+    for marker in ("\n    Args:\n", "\n    Example::"):
+        if marker in doc:
+            at = doc.index(marker)
+            return doc[:at] + block + doc[at:]
+    return doc + block
 
 
 def causal_rank(kind: Any) -> int:

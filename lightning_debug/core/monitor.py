@@ -20,11 +20,12 @@ from lightning_debug.core.context import Replay as Replay  # re-exported
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import EpisodePhase, Episodes, Finding, Tally
 from lightning_debug.core.guard import notify
-from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.kinds import Kind, Severity, kinds_of
 from lightning_debug.core.ledger import CheckSchedule, RunLedger
 from lightning_debug.core.session import Session, Where
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
-from lightning_debug.core.verdicts import VerdictEngine
+from lightning_debug.core.rules import Facts, Moment, Recorded, Rule, rules_for
+from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine
 
 NumericsSource = Callable[[], StepNumerics]
 
@@ -59,10 +60,13 @@ class Decision(enum.IntEnum):
 
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
-    Subclasses set ``area``, ``kinds`` and the ``events`` they need, and override those event methods."""
+    Subclasses set ``area`` and the ``events`` they need, and override those event methods; their ``kinds`` come
+    from the table of kinds, and the rules registered for their area run through :meth:`run_rules`."""
 
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
+    """The kinds whose episodes this monitor closes: its area's rows of the table of kinds, less the one-off ones
+    (``KindSpec.one_off``), set for each subclass that names an ``area``."""
     events: frozenset[Event] = frozenset()
     """The events the run calls this monitor at (a class's choice, which an instance may narrow for its settings
     before it joins a run)."""
@@ -85,6 +89,11 @@ class Monitor:
     max_warnings: ClassVar[int] = 10
     episode_grace: ClassVar[int] = 3
     max_episode_events: ClassVar[int] = 25
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "area" in cls.__dict__:
+            cls.kinds = kinds_of(cls.area)
 
     def __init__(self, config: DebugConfig, source: str, frequency: int | None = None) -> None:
         self.config = config
@@ -193,7 +202,12 @@ class Monitor:
         """Turn values that have reached the host into findings (called once per optimizer step)."""
 
     def finalize(self, step: int) -> None:
-        """The end of the run (or an exception): evaluate what is left and close open episodes."""
+        """The end of the run (or an exception): decide what the registered rules that suspect still hold (by
+        their kinds' policies), evaluate what is left and close open episodes."""
+        held = {kind for known in rules_for(self.area, Moment.CHECK_STEP) + rules_for(self.area, Moment.CHECK_READ)
+                if known.suspects for kind in known.kinds}
+        for decided in self.verdicts.flush(held) if held else []:
+            self.record_confirmed(decided, step)
         self.close_episodes(step, self.context.where(), set(self.kinds), final=True)
 
     def restore(self) -> None:
@@ -250,6 +264,48 @@ class Monitor:
         """Write a one-off event that is counted but opens no episode (a profiler trace, a fit-start fact)."""
         self.tally.record(step, finding, True)
         self._write_event(finding, step, where)
+
+    # --- registered rules -------------------------------------------------------------------------
+    def run_rules(self, moment: Moment, facts: Facts, step: int, where: Where | None = None) -> None:
+        """Run every rule registered for this monitor's area at ``moment`` on ``facts`` and hand what each returns
+        to :meth:`take`; a rule declared with ``suspects`` has its suspicions observed by the engine, every time."""
+        for known in rules_for(self.area, moment):
+            self.take(known, known.judge(facts), step, where)
+
+    def take(self, known: Rule, result: Any, step: int, where: Where | None = None) -> None:
+        """One path for what a rule returns, by its type: a ``Finding`` is one-off (:meth:`emit`), a suspicion goes
+        to the engine (what it confirms is recorded), anything with a ``finding`` (:class:`Recorded`, an area's
+        verdict) is recorded (:meth:`record_verdict`); a list or tuple holds several."""
+        results = list(result) if isinstance(result, (list, tuple)) else [] if result is None else [result]
+        suspicions = [item for item in results if isinstance(item, Suspicion)]
+        if known.suspects:
+            for kind in known.kinds:
+                confirmed = self.verdicts.observe(kind, step, [s for s in suspicions if s.kind is kind],
+                                                  scope=known.name)  # its own holds: no other rule's key ends
+                for decided in confirmed:
+                    self.record_confirmed(decided, step, where)
+        elif suspicions:
+            raise TypeError(f"rule {known.name} returned suspicions; register it with suspects=True")
+        for item in results:
+            if isinstance(item, Finding):
+                self.emit(item, step, where)
+            elif not isinstance(item, Suspicion):
+                self.record_verdict(item, step, where)
+
+    def record_confirmed(self, decided: Confirmed, step: int, where: Where | None = None) -> None:
+        """Record what the engine confirmed: the rule's finding, at each step the policy labels it at."""
+        finding = decided.latest.finding or decided.first.finding
+        if finding is not None:
+            if finding.kind is not decided.kind:
+                finding = Finding(decided.kind, finding.severity, finding.message, finding.details)
+            self.record_verdict(Recorded(finding, list(decided.latest.flagged), decided.key, list(decided.steps)),
+                                step, where)
+
+    def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
+        """Record a rule's verdict (``finding``, ``key``, ``steps``): at each of its steps, or at ``step``. An area
+        with its own bookkeeping (counts, names flagged) overrides it."""
+        for at in getattr(verdict, "steps", None) or [step]:
+            self.record(verdict.finding, at, where, key=getattr(verdict, "key", ""))
 
     def _write_event(self, finding: Finding, step: int, where: Where | None, **options: Any) -> None:
         """Hand an event to the session; a failure there is recorded and never reaches the caller, so a

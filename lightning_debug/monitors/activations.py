@@ -176,7 +176,6 @@ class ActivationMonitor(Monitor):
     """
 
     area = Area.ACTIVATIONS
-    kinds = frozenset({Kind.DEAD_ACTIVATION, Kind.SATURATED_ACTIVATION})
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EXCEPTION})
 
     def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:

@@ -290,7 +290,6 @@ class ErrorMonitor(Monitor):
     """Explains the exception that ends a run (see the module docstring); one per run, whatever the callbacks."""
 
     area = Area.ERRORS
-    kinds = frozenset({Kind.EXCEPTION})
     events = frozenset({Event.START, Event.BATCH_START, Event.EXCEPTION})
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:

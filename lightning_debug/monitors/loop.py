@@ -24,6 +24,7 @@ from lightning_debug.core.findings import Finding, quoted
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, Monitor
 from lightning_debug.core.readback import Readback
+from lightning_debug.core.rules import ModuleWalk, Moment, Recorded, rule
 from lightning_debug.core.session import Where
 from lightning_debug.monitors.repeats import BatchWindow, judge_repeats
 
@@ -187,6 +188,30 @@ def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Findin
         {"parameters": stale[:NAMES_IN_DETAILS], "count": len(stale)})
 
 
+@rule(Kind.EVAL_MODE_IN_TRAINING, at=Moment.MODULE_WALK)
+def modules_in_eval(facts: ModuleWalk) -> list[Recorded]:
+    """The registered rule: one ``eval_mode_in_training`` episode per module left in eval, and one info for the
+    normalization layers put in eval one by one (:func:`frozen_statistics_finding`).
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout()).train()
+        >>> _ = model[1].eval()
+        >>> [(found.key, found.finding.severity.value) for found in modules_in_eval(ModuleWalk(3, model))]
+        [('1', 'warning')]
+    """
+    found: list[Recorded] = []
+    frozen: list[str] = []
+    for name, affected in modules_left_in_eval(facts.module):
+        if affected == [name] and keeps_statistics(facts.module.get_submodule(name)):
+            frozen.append(name)
+        else:
+            found.append(Recorded(eval_mode_finding(facts.step, name, affected), key=name))
+    if frozen:
+        found.append(Recorded(frozen_statistics_finding(facts.step, frozen), key=FROZEN_STATISTICS))
+    return found
+
+
 @dataclass
 class Window:
     """The parameters hooked during one backward, with the norms of the gradients they held before it."""
@@ -218,7 +243,6 @@ class LoopMonitor(Monitor):
     """See the module docstring; one per run, on gradient check steps (``gradient_checking_frequency``)."""
 
     area = Area.LOOP
-    kinds = frozenset({Kind.EVAL_MODE_IN_TRAINING, Kind.GRAD_NOT_ZEROED, Kind.REPEATED_BATCH})
     events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
 
@@ -260,20 +284,19 @@ class LoopMonitor(Monitor):
         where = self.context.where()
         self._walked_epoch = where.get("epoch")
         self.mode_checks += 1
-        frozen: list[str] = []
-        for name, affected in modules_left_in_eval(model):
-            if affected == [name] and keeps_statistics(model.get_submodule(name)):
-                frozen.append(name)
-            else:
-                self._record_eval(step, where, name, affected)
-        if frozen:
-            self.frozen_statistics = frozen[:NAMES_IN_DETAILS]
-            self.record(frozen_statistics_finding(step, frozen), step, where, key=FROZEN_STATISTICS)
+        self.run_rules(Moment.MODULE_WALK, ModuleWalk(step, model), step, where)
         self.close_episodes(step, where, {Kind.EVAL_MODE_IN_TRAINING})
 
-    def _record_eval(self, step: int, where: Where, name: str, affected: list[str]) -> None:
-        self.eval_modules[name] = affected[:NAMES_IN_DETAILS]
-        self.record(eval_mode_finding(step, name, affected), step, where, key=name)
+    def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
+        """Recorded as every verdict is, keeping what report.json lists: the modules left in eval, the
+        normalization layers with frozen statistics."""
+        details = verdict.finding.details
+        if verdict.finding.kind is Kind.EVAL_MODE_IN_TRAINING:
+            if details.get("frozen_statistics"):
+                self.frozen_statistics = list(details["modules"])
+            else:
+                self.eval_modules[details["modules"][0]] = list(details["affected"])
+        super().record_verdict(verdict, step, where)
 
     # --- gradients accumulated across steps ------------------------------------------------------
     def after_optimizer_step(self, steps_done: int) -> None:
@@ -291,8 +314,9 @@ class LoopMonitor(Monitor):
             return
         model = self.context.module()
         if model is not None and not model.training:
-            self._record_eval(step, self.context.where(), "", [
-                name or "(the model)" for name, m in model.named_modules() if _mode_matters(m)])
+            self.record_verdict(Recorded(eval_mode_finding(step, "", [
+                name or "(the model)" for name, m in model.named_modules() if _mode_matters(m)]), key=""),
+                step, self.context.where())
         elif self.context.where().get("epoch") != self._walked_epoch:
             self._check_modes(step)
         if not self._armed:

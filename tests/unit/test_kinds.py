@@ -113,3 +113,106 @@ def test_every_kind_is_made_in_its_areas_monitor_package_and_each_monitor_closes
     wrong = {area.value: sorted(kind.value for kind in spec.monitor.kinds if KIND_SPECS[kind].area is not area)
              for area, spec in AREA_SPECS.items()}
     assert {area: kinds for area, kinds in wrong.items() if kinds} == {}
+
+
+DIRECT = {
+    Kind.NONFINITE_LOSS: "the anomaly check: one decision per check step for every rank (skip, stop, raise)",
+    Kind.NONFINITE_GRAD: "the anomaly check",
+    Kind.NONFINITE_PARAM: "the anomaly check",
+    Kind.NONFINITE_ACTIVATION: "the anomaly check's replay",
+    Kind.NONFINITE_BUFFER: "the anomaly check, after a skipped step",
+    Kind.AMP_OVERFLOW_SKIPPED: "the anomaly check",
+    Kind.NONFINITE_INPUT: "the anomaly check of a batch",
+    Kind.LOSS_SPIKE: "LossJudge: baselines of the run's losses across checks",
+    Kind.LOSS_OUTLIER: "LossJudge",
+    Kind.LOSS_DIVERGENCE: "LossJudge",
+    Kind.EXPLODING_GRAD: "follow-up norms measured on the steps after a jump (Explosions)",
+    Kind.VANISHING_GRAD: "per-layer positions and the first check's norms, kept by the plumbing",
+    Kind.MISSING_GRAD: "candidates watched between check steps (CandidateWatch)",
+    Kind.INTERMITTENT_GRAD: "missing_grad's history",
+    Kind.FROZEN_PARAM: "the optimizer's groups at fit start and the update measured after the step",
+    Kind.OUTSIDE_TRAINING: "parameters watched from fit start on",
+    Kind.UPDATE_RATIO_HIGH: "the update measured after the optimizer step",
+    Kind.MEMORY_GROWTH: "the trend's windows, censuses and allocation history across readings",
+    Kind.SLOW_STEP: "the run of slow steps and its level",
+    Kind.DATALOADER_BOTTLENECK: "the data wait's history and the loader",
+    Kind.STRAGGLER_RANK: "per-rank times gathered by a collective",
+    Kind.DEAD_ACTIVATION: "forward hooks of one check step",
+    Kind.SATURATED_ACTIVATION: "forward hooks of one check step",
+    Kind.GRAD_NOT_ZEROED: "backward hooks and the norms read back",
+    Kind.REPEATED_BATCH: "the window of batches of a check step",
+}
+"""Kinds whose rules the plumbing still calls directly, and the state that keeps them there
+(docs/architecture.md, "Adding a check"); a new kind is made by a registered rule or is listed here."""
+
+
+def test_every_kind_is_made_by_a_registered_rule_a_one_off_path_or_a_rule_listed_as_called_directly() -> None:
+    import lightning_debug.monitors  # noqa: F401  (registers every area's rules)
+    from lightning_debug.core.rules import all_rules
+
+    registered = {kind for known in all_rules() for kind in known.kinds}
+    one_off = {kind for kind, spec in KIND_SPECS.items() if spec.one_off}
+    assert {Kind.WEIGHT_DECAY_ON_NORM, Kind.LEARNING_STALLED, Kind.MEMORY_HIGH, Kind.EVAL_MODE_IN_TRAINING} <= registered
+    assert sorted(set(Kind) - registered - one_off - set(DIRECT)) == []
+    assert sorted(registered & set(DIRECT)) == []  # a kind moved to a registered rule leaves the list
+
+
+def test_a_rule_makes_kinds_of_one_area_and_runs_in_that_area() -> None:
+    from lightning_debug.core.rules import Moment, all_rules, rule
+
+    import lightning_debug.monitors  # noqa: F401
+    assert all(KIND_SPECS[kind].area is known.area for known in all_rules() for kind in known.kinds)
+    with pytest.raises(ValueError, match="one area"):
+        rule(Kind.MEMORY_HIGH, Kind.SLOW_STEP, at=Moment.CHECK_READ)
+
+
+def test_each_monitors_kinds_are_its_areas_rows_of_the_table_less_the_one_off_kinds() -> None:
+    """No monitor keeps a list of its kinds: ``Monitor.kinds`` is made from ``KindSpec.area`` and ``one_off``."""
+    import ast
+
+    from lightning_debug.core.kinds import kinds_of
+    from lightning_debug.monitors.areas import AREA_SPECS
+
+    for area, spec in AREA_SPECS.items():
+        assert spec.monitor.kinds == kinds_of(area) == {
+            kind for kind, row in KIND_SPECS.items() if row.area is area and not row.one_off}
+    monitors = Path(__file__).resolve().parents[2] / "lightning_debug" / "monitors"
+    assigned = [path.name for path in monitors.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ClassDef) for item in node.body
+                if isinstance(item, ast.Assign) and any(getattr(t, "id", "") == "kinds" for t in item.targets)]
+    assert assigned == []
+
+
+def test_no_monitor_imports_a_registered_rules_judges_by_hand() -> None:
+    """The plumbing runs registered rules through ``Monitor.run_rules``: a monitor module that imports a judge of
+    a module that registers rules calls it by hand (a second path, and an edit per new rule)."""
+    import ast
+    import sys
+
+    import lightning_debug.monitors  # noqa: F401
+    from lightning_debug.core.rules import all_rules
+
+    judges: dict[str, set[str]] = {}  # per registering module: its rules and the functions of its own they call
+    for known in all_rules():
+        module = known.judge.__module__
+        own = {name for name, value in vars(sys.modules[module]).items()
+               if callable(value) and getattr(value, "__module__", None) == module}
+        judges.setdefault(module, set()).update({known.judge.__name__} | (own & set(known.judge.__code__.co_names)))
+    monitors = Path(__file__).resolve().parents[2] / "lightning_debug" / "monitors"
+    by_hand = [(path.name, node.module, alias.name)
+               for path in monitors.rglob("*.py") if path.stem in ("monitor", "loop", "errors", "activations")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+               for alias in node.names if node.module in judges and alias.name in judges[node.module]]
+    assert judges and by_hand == []
+
+
+def test_each_callback_lists_its_kinds_as_the_table_words_them() -> None:
+    import lightning_debug
+    from lightning_debug.core.kinds import kind_lines
+    from lightning_debug.monitors.areas import AREA_SPECS
+
+    for area, spec in AREA_SPECS.items():
+        if spec.callback is None:
+            continue
+        doc = getattr(lightning_debug, spec.callback).__doc__
+        assert "\n".join(kind_lines((area, *spec.companions))) in doc

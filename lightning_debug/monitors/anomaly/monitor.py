@@ -16,7 +16,7 @@ from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.checks.trends import LossVerdict
 from lightning_debug.config import AnomalyMode, Area, DebugConfig
 from lightning_debug.core.buffers import BufferSnapshot, BufferWatch
-from lightning_debug.core.kinds import Kind
+from lightning_debug.core.kinds import Kind, kinds_of
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource, Replay
 from lightning_debug.core.session import Where
 from lightning_debug.core.numerics import HostNumerics
@@ -39,10 +39,7 @@ class AnomalyMonitor(Monitor):
     """See :class:`lightning_debug.AnomalyDetectionCallback` for the behaviour users rely on."""
 
     area = Area.ANOMALY
-    kinds = frozenset({Kind.NONFINITE_LOSS, Kind.NONFINITE_GRAD, Kind.NONFINITE_PARAM, Kind.NONFINITE_ACTIVATION,
-                       Kind.AMP_OVERFLOW_SKIPPED, Kind.NONFINITE_INPUT, Kind.NONFINITE_BUFFER, Kind.LOSS_SPIKE,
-                       Kind.LOSS_DIVERGENCE, Kind.LOSS_OUTLIER})
-    closed_by_a_check = kinds - {Kind.NONFINITE_ACTIVATION}  # an activation is only seen by a replay
+    closed_by_a_check = kinds_of(Area.ANOMALY) - {Kind.NONFINITE_ACTIVATION}  # an activation is only seen by a replay
     deciding = policy.DECIDING
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP})
 

@@ -17,6 +17,7 @@ from lightning_debug.core.kinds import Kind
 from lightning_debug.core.metrics import metric_part, per_optimizer
 from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
 from lightning_debug.core.readback import Readback
+from lightning_debug.core.rules import CheckRead, CheckStep, FitStart, Moment
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
@@ -27,16 +28,14 @@ from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_grou
 from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
-from lightning_debug.monitors.gradients.progress import Drift, WeightDrift, judge_progress
+from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
 from lightning_debug.monitors.gradients.settings import GradientSettings
-from lightning_debug.monitors.gradients.stalled import base_lr, judge_stalled
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 from lightning_debug.monitors.gradients.missing import CandidateWatch
-from lightning_debug.monitors.gradients.weight_decay import judge_weight_decay
 
 WHERES_KEPT = 64
 
@@ -56,9 +55,6 @@ class GradientMonitor(Monitor):
     """
 
     area = Area.GRADIENTS
-    kinds = frozenset({Kind.EXPLODING_GRAD, Kind.VANISHING_GRAD, Kind.MISSING_GRAD, Kind.FROZEN_PARAM,
-                       Kind.UPDATE_RATIO_HIGH, Kind.INTERMITTENT_GRAD, Kind.WEIGHT_DECAY_ON_NORM,
-                       Kind.LEARNING_STALLED, Kind.OUTSIDE_TRAINING})
     events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
                         Event.BATCH_END})
 
@@ -103,6 +99,10 @@ class GradientMonitor(Monitor):
             return False
         checks = self.numerics.scheduled_step(step) // self.config.gradient_checking_frequency
         return checks % self.settings.histogram_every_checks == 0
+
+    def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
+        """A registered rule's verdict, recorded as every gradient verdict is (:meth:`_record`)."""
+        self._record(verdict, step, where or self.context.where())
 
     def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
         """Record a rule's verdict at ``step``, or at each of its ``steps`` not recorded yet (a condition
@@ -159,11 +159,10 @@ class GradientMonitor(Monitor):
         self._record_static_frozen(step, where)
         self._static_recorded_step = step
         module = context.module()
-        if module is not None and step == 0:
-            owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
-            decayed = judge_weight_decay([(name, p, owners.get(id(p))) for name, p in named], self._param_groups)
-            if decayed is not None:
-                self.emit(decayed, step, where)
+        owners = {} if module is None else {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
+        self.run_rules(Moment.FIT_START, FitStart(
+            step, module, [(name, p, owners.get(id(p))) for name, p in named], self._param_groups,
+            self._schedule[0], self._schedule[1], self._start_lrs, self.verdicts, self.settings), step, where)
         if module is not None:
             self.order.watch(module)
 
@@ -207,8 +206,8 @@ class GradientMonitor(Monitor):
                                          lambda optimizer: self.numerics.index(self.context.named_parameters))
             return Decision.CONTINUE
         total, schedulers = self._schedule
-        self._record(judge_stalled(step, self._param_groups, self.verdicts, total, schedulers, self._start_lrs),
-                     step, self.context.where())
+        self.run_rules(Moment.CHECK_STEP, CheckStep(step, self._param_groups, self._start_lrs, total, schedulers,
+                                                    self.verdicts, self.settings), step, self.context.where())
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index)
@@ -239,16 +238,16 @@ class GradientMonitor(Monitor):
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
 
-    def _judge_progress(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
-                        where: Where) -> None:
-        """Weights that barely move at a learning rate above 0, with a loss where it started (:mod:`.progress`)."""
+    def _read_rules(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
+                    where: Where) -> None:
+        """The rules registered for a check step's host numbers (:data:`Moment.CHECK_READ`), with what this monitor
+        measured for them: the drift of the sampled weights since the previous check step, the run's first loss."""
         first = self._drift.reference(step, step_loss(host))
         values = measured[0].values() if measured is not None and measured[0].ready() else None
         drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
-        lrs = [(group.get("lr"), base_lr(group, index, self._start_lrs))
-               for index, group in enumerate(self._param_groups) if group.get("params")]
-        self._record(judge_progress(step, drift, step_loss(host), first, lrs, self.verdicts, self._schedule[0]),
-                     step, where)
+        self.run_rules(Moment.CHECK_READ, CheckRead(
+            step, host, where, step_loss(host), first, drift, self._param_groups, self._start_lrs, self._schedule[0],
+            self.history, self.verdicts, self.settings), step, where)
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
@@ -330,7 +329,7 @@ class GradientMonitor(Monitor):
                                      self.verdicts, host.loss_value), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         self._judge_outside(pending)
-        self._judge_progress(step, self._drifts.pop(step, None), host, where)
+        self._read_rules(step, self._drifts.pop(step, None), host, where)
         if step != self._static_recorded_step:
             self._record_static_frozen(step, where)
         not_updated = False

@@ -44,8 +44,9 @@ import torch
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
+from lightning_debug.core.rules import CheckRead, Moment, rule
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
-from lightning_debug.monitors.gradients.stalled import END_SHARE
+from lightning_debug.monitors.gradients.stalled import END_SHARE, base_lr
 from lightning_debug.monitors.gradients.verdict import Verdict
 
 SAMPLE_EVERY = 100
@@ -169,4 +170,14 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
 
 
-__all__ = ["Drift", "WeightDrift", "judge_progress"]
+@rule(Kind.LEARNING_STALLED, at=Moment.CHECK_READ)
+def progress_at_check_read(facts: CheckRead) -> Verdict | None:
+    """The registered rule: :func:`judge_progress` once a gradient check step's numbers are on the host, with each
+    trained param group's (learning rate, base)."""
+    lrs = [(group.get("lr"), base_lr(group, index, facts.start_lrs))
+           for index, group in enumerate(facts.param_groups) if group.get("params")]
+    return judge_progress(facts.step, facts.drift, facts.loss, facts.first_loss, lrs, facts.verdicts,
+                          facts.total_steps)
+
+
+__all__ = ["Drift", "WeightDrift", "judge_progress", "progress_at_check_read"]

@@ -30,6 +30,7 @@ from typing import Any
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.rules import CheckStep, Moment, rule
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine, policy_of
 from lightning_debug.monitors.gradients.trainability import number_equals_zero
 from lightning_debug.monitors.gradients.verdict import Verdict
@@ -86,3 +87,10 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
         {"since_step": since, "param_groups": len(groups), "initial_lr": bases,
          "schedulers": list(schedulers), "total_steps": total_steps}),
         [f"param group {index}" for index in range(len(groups))], key=KEY)
+
+
+@rule(Kind.LEARNING_STALLED, at=Moment.CHECK_STEP)
+def stalled_at_check_step(facts: CheckStep) -> Verdict | None:
+    """The registered rule: :func:`judge_stalled` on every gradient check step, before the optimizer step."""
+    return judge_stalled(facts.step, facts.param_groups, facts.verdicts, facts.total_steps, facts.schedulers,
+                         facts.start_lrs)

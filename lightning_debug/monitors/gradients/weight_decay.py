@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.rules import FitStart, Moment, rule
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, quoted
 
 LOOKUP_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -80,3 +81,12 @@ def judge_weight_decay(named: Iterable[tuple[str, torch.Tensor, nn.Module | None
         "0; the usual recipe gives them a param group with weight_decay=0.0.",
         {"parameters": names[:NAMES_IN_DETAILS], "count": len(found), "roles": dict(roles),
          "weight_decay": rates})
+
+
+@rule(Kind.WEIGHT_DECAY_ON_NORM, at=Moment.FIT_START)
+def weight_decay_at_fit_start(facts: FitStart) -> Finding | None:
+    """The registered rule: judged once, at a fit that starts at step 0 (a resumed run was told at its start),
+    when the loop can reach the module (a parameter's owner is what tells an embedding)."""
+    if facts.step != 0 or facts.module is None:
+        return None
+    return judge_weight_decay(facts.parameters, facts.param_groups)

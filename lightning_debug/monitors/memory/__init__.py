@@ -19,7 +19,12 @@ The plumbing (:mod:`.monitor`) gathers readings, censuses and allocation history
 
 from __future__ import annotations
 
+from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.memory.monitor import MemoryMonitor
 from lightning_debug.monitors.memory.settings import MemorySettings
+
+RULE_MODULES = import_rules(__name__, __path__)
+"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
+edit)."""
 
 __all__ = ["MemoryMonitor", "MemorySettings"]

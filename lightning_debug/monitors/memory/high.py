@@ -16,6 +16,7 @@ from __future__ import annotations
 from lightning_debug.checks.memory import MB, MemoryReading, format_bytes
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.rules import CheckRead, Moment, Recorded, rule
 
 
 def high_memory(reading: MemoryReading, step: int, limit: float) -> list[tuple[str, Finding]]:
@@ -45,3 +46,10 @@ def high_memory(reading: MemoryReading, step: int, limit: float) -> list[tuple[s
             {"device": "cpu", "fraction": used, "available_mb": reading.cpu_available / MB,
              "total_mb": reading.cpu_total / MB, "rss_mb": reading.cpu_rss / MB, "limit": limit})))
     return found
+
+
+@rule(Kind.MEMORY_HIGH, at=Moment.CHECK_READ)
+def high_at_check(facts: CheckRead) -> list[Recorded]:
+    """The registered rule: :func:`high_memory` on each check step's reading, one episode per device."""
+    return [Recorded(finding, key=key) for key, finding in high_memory(facts.numbers, facts.step,
+                                                                        facts.settings.high_fraction)]

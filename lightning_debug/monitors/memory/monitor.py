@@ -36,6 +36,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.guard import describe
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.monitor import Decision, Event, Monitor, NumericsSource
+from lightning_debug.core.rules import CheckRead, Moment
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.verdicts import ConfirmedBy
@@ -48,7 +49,6 @@ from lightning_debug.monitors.memory.growth import (
     judge_growth,
     lasts_past,
 )
-from lightning_debug.monitors.memory.high import high_memory
 from lightning_debug.monitors.memory.history import AllocationHistory, history_enabled, snapshot
 from lightning_debug.monitors.memory.post_mortem import OomEvidence, fragmentation_share, oom_document, oom_finding
 from lightning_debug.monitors.memory.settings import MemorySettings
@@ -71,7 +71,6 @@ class MemoryMonitor(Monitor):
     """
 
     area = Area.MEMORY
-    kinds = frozenset({Kind.MEMORY_HIGH, Kind.MEMORY_GROWTH})  # an ``oom`` is one event, never an open episode
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
                         Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
     due_events = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
@@ -193,8 +192,8 @@ class MemoryMonitor(Monitor):
             self.stats.setdefault(name, RunningStats()).add(value)
         if self.settings.log_memory:
             self.log_metrics(step, {f"debug/memory/{name}": value for name, value in metrics.items()})
-        for key, finding in high_memory(reading, step, self.settings.high_fraction):
-            self.record(finding, step, where, key=key)
+        self.run_rules(Moment.CHECK_READ, CheckRead(step, reading, where, verdicts=self.verdicts,
+                                                    settings=self.settings), step, where)
         if self.session.is_global_zero:
             self._check_growth(reading, step, where)
         self.close_episodes(step, where, self.kinds)

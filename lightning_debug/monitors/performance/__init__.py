@@ -8,7 +8,12 @@ Example::
     4.0
 """
 
+from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.performance.monitor import PerformanceMonitor
 from lightning_debug.monitors.performance.settings import PerformanceSettings
+
+RULE_MODULES = import_rules(__name__, __path__)
+"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
+edit)."""
 
 __all__ = ["PerformanceMonitor", "PerformanceSettings"]

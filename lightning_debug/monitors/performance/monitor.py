@@ -60,7 +60,6 @@ class PerformanceMonitor(Monitor):
     """
 
     area = Area.PERFORMANCE
-    kinds = frozenset({Kind.SLOW_STEP, Kind.DATALOADER_BOTTLENECK, Kind.STRAGGLER_RANK})
     events = frozenset({Event.START, Event.EPOCH_START, Event.BATCH_START, Event.BEFORE_BACKWARD,
                         Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END, Event.EVALUATION})
     # the phases inside a step matter on timed steps only; a batch's start and end also hand a step's start over
