@@ -34,6 +34,10 @@ class GradientHealthCallback(DebugCallback):
       that the optimizer step left unchanged (``||Δw|| = 0``).
     - ``learning_stalled``: every param group's learning rate is 0 far from the end of the run (a scheduler
       that reaches 0 early).
+    - ``replicas_diverged`` (error, several processes): the ranks of a data-parallel (DDP) run hold different
+      copies of parameters every rank holds whole (compared from their norms on check steps; shards of FSDP2 or
+      tensor parallelism are not replicas): clipping or a gradient edit on one rank, a reload or re-initialisation
+      there, a forward around the DDP wrapper.
     - Infos: ``intermittent_grad`` (parameters with a gradient on some steps only: experts, LayerDrop),
       ``requires_grad_false`` (parameters frozen on purpose, at fit start), ``outside_training``
       (parameters gradients do not train on purpose: an EMA copy, a teacher under ``no_grad``) and
