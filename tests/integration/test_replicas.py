@@ -83,3 +83,24 @@ def test_healthy_ddp_replicas_find_nothing(tmp_path: Path, strategy: str) -> Non
     assert zero["checksum"] == one["checksum"], "DDP replicas are bit-identical"
     debug_dir = Path(zero["output_dir"])
     assert not [e for e in read_events(debug_dir) if e["severity"] in ("warning", "error")]
+
+
+def test_one_process_compares_nothing(tmp_path: Path) -> None:
+    """Without several processes there is nothing to compare: no replica norm is measured, no finding."""
+    import lightning.pytorch as pl
+
+    from lightning_debug import GradientHealthCallback
+    from lightning_debug.callbacks.base import RUN_ATTRIBUTE
+    from tests.harness.toolkit import TinyRegressor, fit_seeded
+
+    compared: list[list[str]] = []
+
+    class Observer(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+            compared.append(getattr(trainer, RUN_ATTRIBUTE).numerics._current.read().replica_names)
+
+    trainer = fit_seeded(tmp_path, TinyRegressor(), [GradientHealthCallback(gradient_checking_frequency=1),
+                                                     Observer()], max_steps=3, logger=False)
+    assert compared == [[], [], []]
+    events = read_events(Path(getattr(trainer, RUN_ATTRIBUTE).session.output_dir))
+    assert not [e for e in events if e["severity"] in ("warning", "error")]
