@@ -113,8 +113,11 @@ def replica_slots(tensors: Sequence[torch.Tensor], world: int, plain_sharded: bo
         return []
     if not any(is_dtensor(t) for t in tensors):
         return list(range(len(tensors)))
-    return [i for i, t in enumerate(tensors) if is_dtensor(t) and t.device_mesh.size() == world  # type: ignore[attr-defined]
-            and all(p.is_replicate() for p in t.placements)]  # type: ignore[attr-defined]
+    return [i for i, t in enumerate(tensors) if is_dtensor(t) and _replicated_over(t, world)]
+
+
+def _replicated_over(tensor: Any, world: int) -> bool:
+    return tensor.device_mesh.size() == world and all(p.is_replicate() for p in tensor.placements)
 
 
 def has_partial(tensor: torch.Tensor) -> bool:

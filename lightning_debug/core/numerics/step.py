@@ -313,7 +313,7 @@ class StepNumerics:
     :func:`scan_parameters` when the anomaly check asks, so healthy steps skip a pass over the weights;
     ``gradients``: ``index.local_grads()`` when the caller already collected them; ``with_replicas``: with several
     processes, also every rank's norm of each parameter it holds whole (``index.replicas``), each rank in its own
-    block of the same all-reduce, so every rank reads every rank's norms (:mod:`~lightning_debug.monitors.gradients.replicas`).
+    block of the same all-reduce, so every rank reads every rank's norms (``replicas_diverged``).
     A healthy step's device work is the fused norm pass and three operations, whatever the number of parameters.
     """
 
