@@ -1,45 +1,46 @@
 """Two CPU processes (gloo) under DDP, ``GradientHealthCallback`` at its defaults (issue 45, TrainCheck's
 distributed silent errors): replicas that drift apart are ``replicas_diverged`` at the first check step after the
 drift (step 100), naming the parameters and rank 1; the healthy twins (plain DDP, DDP with
-``find_unused_parameters``) find nothing. FSDP2 and tensor parallelism (not replicas) are quiet in
-``test_sharded.py``; one process compares nothing (``tests/unit/test_replicas.py``)."""
+``find_unused_parameters``) find nothing; one process compares nothing. FSDP2 and tensor parallelism (shards are not
+replicas) are quiet in ``test_sharded.py``. The two-process cases are fits one after the other in one torchrun job
+(``tests/workers/replicas_worker.py``), so its imports, most of the time, are paid once."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness.toolkit import read_events, read_report
+from tests.harness.toolkit import REPO, read_events, read_report, run_children
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "replicas_worker.py"
-TIMEOUT_S = 120
+TIMEOUT_S = 240
 CHECK_STEP = 100  # the default gradient_checking_frequency's second check step, after the drift at step 30
 EVERY_PARAMETER = ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "head.weight", "head.bias"]
+HEALTHY = ["none:ddp", "none:ddp_find_unused_parameters_true"]
 
 
-def run_replicas(tmp_path: Path, fault: str, strategy: str = "ddp") -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    process = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), fault, strategy], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        stderr = f"{stderr}\nHANG: killed after {TIMEOUT_S} s"
-    results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("result_*.json")), key=lambda r: r["rank"])
-    assert len(results) == 2, f"both ranks must finish; stderr:\n{stderr[-3000:]}"
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of this file, one fit after the other in one two-process job (torchrun, gloo)."""
+    out = tmp_path_factory.mktemp("replicas")
+    cases = [fault for fault, _ in PLANTED] + HEALTHY
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
+               str(out), *cases]
+    completed = run_children(command, TIMEOUT_S, REPO)
+    assert completed.returncode == 0, f"torchrun exited with {completed.returncode}:\n{completed.stdout[-5000:]}"
+    return out
+
+
+def results(out: Path, case: str) -> list[dict[str, Any]]:
+    results = [json.loads((out / case / f"result_{rank}.json").read_text()) for rank in (0, 1)]
     for result in results:
         assert result["exception"] is None and result["global_step"] == 101, result
         assert result["failed_checks"] == []
+        assert result["seconds"] < 60, "a fit of 101 steps of a tiny MLP"
     assert results[0]["gate_log"] == results[1]["gate_log"], "the same collectives at the same steps on both ranks"
     assert [entry for entry in results[0]["gate_log"] if entry[1] == "numerics"] == [[0, "numerics"],
                                                                                     [CHECK_STEP, "numerics"]], \
@@ -59,10 +60,10 @@ PLANTED = [  # fault, the parameters named
 @pytest.mark.timeout(TIMEOUT_S + 30)
 @pytest.mark.parametrize(("fault", "parameters"), PLANTED, ids=[fault for fault, _ in PLANTED])
 def test_replicas_drifting_apart_are_named_with_the_parameters_and_the_rank(
-        tmp_path: Path, fault: str, parameters: list[str]) -> None:
+        fits: Path, fault: str, parameters: list[str]) -> None:
     """Clipping on rank 1 only, rank 1's gradients zeroed after the all-reduce, a layer re-initialised on rank 1,
     three steps without DDP's gradient sync: each is named at check step 100, with what drifted and rank 1."""
-    zero, one = run_replicas(tmp_path, fault)
+    zero, one = results(fits, fault)
     assert zero["checksum"] != one["checksum"], "the planted fault made the replicas differ"
     debug_dir = Path(zero["output_dir"])
     found = [e for e in read_events(debug_dir) if e["kind"] == "replicas_diverged" and e.get("episode") == "start"]
@@ -77,9 +78,9 @@ def test_replicas_drifting_apart_are_named_with_the_parameters_and_the_rank(
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_find_unused_parameters_true"])
-def test_healthy_ddp_replicas_find_nothing(tmp_path: Path, strategy: str) -> None:
-    zero, one = run_replicas(tmp_path, "none", strategy)
+@pytest.mark.parametrize("case", HEALTHY)
+def test_healthy_ddp_replicas_find_nothing(fits: Path, case: str) -> None:
+    zero, one = results(fits, case)
     assert zero["checksum"] == one["checksum"], "DDP replicas are bit-identical"
     debug_dir = Path(zero["output_dir"])
     assert not [e for e in read_events(debug_dir) if e["severity"] in ("warning", "error")]
