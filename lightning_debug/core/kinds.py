@@ -96,6 +96,7 @@ class Kind(StrEnum):
     WEIGHT_DECAY_ON_NORM = "weight_decay_on_norm"
     LEARNING_STALLED = "learning_stalled"
     REPEATED_BATCH = "repeated_batch"
+    REPLICAS_DIVERGED = "replicas_diverged"
 
 
 class AtEnd(StrEnum):
@@ -489,6 +490,21 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "worker.",
         hint="data-loader workers share one random seed: reseed them in worker_init_fn",
         confirm=Confirm(patience=2, backdate=False)),
+    Kind.REPLICAS_DIVERGED: KindSpec(
+        Area.GRADIENTS, Severity.ERROR,
+        advice="Under DDP every rank must hold the same weights; these ranks now train different models, and "
+               "averaging their gradients no longer means anything. DDP keeps them equal only if every rank applies "
+               "the same all-reduced gradients to the same weights: look for code that runs on some ranks only "
+               "(`if self.global_rank == ...`, `if trainer.is_global_zero`) and changes gradients after the "
+               "backward (`clip_grad_norm_`, scaling, zeroing in `on_before_optimizer_step`) or weights outside the "
+               "optimizer (re-initialising a module, loading a state dict, `.to()`/`.data =` replacing a tensor), "
+               "and for a forward through the unwrapped module (`model.module(x)`), whose gradients DDP never "
+               "reduces. Do such things on every rank, before wrapping, or broadcast the weights from rank 0 after.",
+        hint="gradients or weights changed on some ranks only: clipping, a reload or a forward around DDP",
+        summary="(several processes) the ranks of a data-parallel (DDP) run hold different copies of parameters "
+                "every rank holds whole, compared from their norms on check steps (shards of FSDP2 or tensor "
+                "parallelism are not replicas): clipping or a gradient edit on one rank, a reload or "
+                "re-initialisation there, a forward around the DDP wrapper"),
 }
 """The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
 views of it."""

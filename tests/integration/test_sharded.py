@@ -62,7 +62,7 @@ def assert_reported_once(results: list[dict[str, Any]], names: list[str]) -> Non
     starts = {e["kind"]: e for e in read_events(debug_dir) if e.get("episode") == "start"}
     assert starts["nonfinite_loss"]["step"] == NAN_STEP and starts["nonfinite_loss"]["details"]["ranks"] == [1]
     assert starts["nonfinite_grad"]["step"] == NAN_STEP
-    assert not {"exploding_grad", "vanishing_grad", "missing_grad", "frozen_param"} & set(starts)
+    assert not {"exploding_grad", "vanishing_grad", "missing_grad", "frozen_param", "replicas_diverged"} & set(starts)
     report = read_report(debug_dir)
     assert report["failed_checks"] == {} and report["sections"]["anomaly"]["skipped_steps"] == 1
     scalars = read_scalars(results[0]["log_dir"])
@@ -83,6 +83,8 @@ def test_fsdp2_finds_a_nan_on_one_rank_skips_on_every_rank_with_exact_norms(tmp_
     for result in results:
         assert_exact_norms(result, ["0", "3", "8", "11"])
     assert_reported_once(results, ["model.inp.weight", "model.extra.weight", "model.head.bias"])
+    assert all(r["measured"][step]["replicas"] == [] for r in results for step in r["measured"]), \
+        "FSDP2's shards are not replicas: none is compared across ranks (replicas_diverged)"
     warned = " ".join(results[0]["warnings"])
     assert "cannot replay a step of a model with sharded" in warned and "histograms are not available" in warned
 
@@ -94,3 +96,5 @@ def test_tensor_parallel_on_a_1x2_mesh_with_a_plain_layer(tmp_path: Path) -> Non
     for result in results:
         assert_exact_norms(result, ["0", "5", "11"])
     assert_reported_once(results, ["model.inp.weight", "model.hidden.bias", "model.head.weight"])
+    assert all(r["measured"][step]["replicas"] == ["model.hidden.bias"] for r in results for step in r["measured"]), \
+        "only the bias a row-wise layer replicates over the whole mesh is compared across ranks, on every check step"

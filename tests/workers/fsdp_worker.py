@@ -151,7 +151,8 @@ class Observer(pl.Callback):
         numerics = getattr(trainer, RUN_ATTRIBUTE).numerics._current
         host = numerics.read()
         self.measured[step] = {"global_norm": host.global_grad_norm, "names": host.grad_names,
-                               "grad_norms": host.grad_norms, "sharded": numerics.index.sharded}
+                               "grad_norms": host.grad_norms, "sharded": numerics.index.sharded,
+                               "replicas": host.replica_names}
         if step == self.nan_step:
             self.before = local_state(pl_module, optimizer)
 

@@ -52,6 +52,7 @@ from lightning_debug.checks.numerics import (
     local_tensor,
     local_tensors,
     owns_block,
+    replica_slots,
     user_name,
     without_partial,
 )
@@ -262,6 +263,9 @@ class ParameterIndex:
         self.plain_sharded = plain_sharded
         self.sharded = plain_sharded or any(is_dtensor(p) for p in self.params)
         self.sharded_names = [name for name, p in trainable if plain_sharded or is_dtensor(p)]
+        self.replicas = replica_slots(self.params, world_position()[1], plain_sharded)
+        """The slots every rank holds whole and identical (data parallelism), whose norms the ranks compare."""
+        self._replica_positions: torch.Tensor | None = None
         self.plan = NormPlan(local_tensors(self.params, self.sharded))
         self.device = self.plan.device
         self.param_owner = self._owner_mask(self.params)
@@ -302,6 +306,14 @@ class ParameterIndex:
 
     def local_params(self) -> list[torch.Tensor]:
         return local_tensors(self.params, self.sharded)
+
+    def replica_values(self, per_slot: torch.Tensor) -> torch.Tensor:
+        """The values of ``per_slot`` (one per slot) at :attr:`replicas`, in one gather kernel."""
+        if len(self.replicas) == len(self):
+            return per_slot
+        if self._replica_positions is None:
+            self._replica_positions = torch.tensor(self.replicas, dtype=torch.long, device=per_slot.device)
+        return per_slot.index_select(0, self._replica_positions)
 
     def _zeros_for(self, slot: int) -> torch.Tensor:
         """A kept, read-only zero standing for slot ``slot``'s missing gradient (MoE experts miss theirs on most steps): 0-d,

@@ -50,6 +50,8 @@ class NumericsQueue:
         self.ledger = ledger if ledger is not None else RunLedger()
         # Checks that need every weight's norm on their steps (weight logging, update ratios).
         self.param_norms_wanted: list[Callable[[int], bool]] = []
+        # Checks that compare the ranks' norms of the parameters each holds whole on their steps (replicas in sync).
+        self.replicas_wanted: list[Callable[[int], bool]] = []
         self._observed: tuple[int, Observed] | None = None
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
@@ -163,9 +165,10 @@ class NumericsQueue:
             except Exception:
                 gradients = None
             wanted = any(wants(step) for wants in self.param_norms_wanted)
+            replicas = any(wants(step) for wants in self.replicas_wanted)
             observed = self._observed[1] if self._observed is not None and self._observed[0] == step else None
             self._observed = None
-            self._current = StepNumerics(step, index, observed, all_reduce, grad_scale, wanted, gradients)
+            self._current = StepNumerics(step, index, observed, all_reduce, grad_scale, wanted, gradients, replicas)
             self._current.steps_done = lambda: self.steps_done
             self._current.flags_sum = self.flags_sum
             self._pending.append(self._current)

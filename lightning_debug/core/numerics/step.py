@@ -122,7 +122,8 @@ class HostNumerics:
                  missing_slots: list[int],
                  scan_parameters: Callable[[], list[tuple[str, float]]] | None = None,
                  read_before_update: bool = True, error: Exception | None = None,
-                 without_gradients: bool = False, steps_done: Callable[[], int] | None = None, start: int = 0) -> None:
+                 without_gradients: bool = False, steps_done: Callable[[], int] | None = None, start: int = 0,
+                 replicas: Sequence[int] = ()) -> None:
         self.step = step
         self.without_gradients = without_gradients
         self.error = error
@@ -132,6 +133,9 @@ class HostNumerics:
         self._squares = squares
         self._start = start
         self._count = len(index)
+        self._replicas = list(replicas)
+        self._replica_width = len(self._replicas) * len(ranks)  # the last values: every rank's replica norms
+        self._names = index.names
         self._missing_slots = missing_slots
         self.scan_parameters = scan_parameters
         self.read_before_update = read_before_update
@@ -147,7 +151,18 @@ class HostNumerics:
 
     @cached_property
     def _param_squares(self) -> torch.Tensor:
-        return self._squares[self._start + self._count:]
+        return self._squares[self._start + self._count:self._squares.numel() - self._replica_width]
+
+    @property
+    def replica_names(self) -> list[str]:
+        """The parameters every rank holds whole whose norms the ranks exchanged (empty when not measured)."""
+        return [self._names[i] for i in self._replicas]
+
+    def replica_squares(self) -> torch.Tensor:
+        """Each rank's squared norm of each of :attr:`replica_names` (a CPU tensor, one row per rank)."""
+        if not self._replica_width:
+            return torch.zeros((len(self.ranks), 0), dtype=torch.float64)
+        return self._squares[self._squares.numel() - self._replica_width:].reshape(len(self.ranks), -1)
 
     @property
     def loss_checked(self) -> bool:
@@ -253,7 +268,7 @@ class HostNumerics:
     @property
     def params_measured(self) -> bool:
         """Whether this step measured every parameter's norm (see ``with_param_norms``)."""
-        return self._squares.numel() > self._start + self._count
+        return self._squares.numel() - self._replica_width > self._start + self._count
 
     @cached_property
     def param_norms(self) -> list[float]:
@@ -296,20 +311,24 @@ class StepNumerics:
     ``grad_scale``: the loss scale the gradients still carry (divided out on the device); ``with_param_norms``: also
     every parameter's norm (weight norms, update ratios); without it a non-finite weight is found by
     :func:`scan_parameters` when the anomaly check asks, so healthy steps skip a pass over the weights;
-    ``gradients``: ``index.local_grads()`` when the caller already collected them. A healthy step's device work is
-    the fused norm pass and three operations, whatever the number of parameters.
+    ``gradients``: ``index.local_grads()`` when the caller already collected them; ``with_replicas``: with several
+    processes, also every rank's norm of each parameter it holds whole (``index.replicas``), each rank in its own
+    block of the same all-reduce, so every rank reads every rank's norms (``replicas_diverged``).
+    A healthy step's device work is the fused norm pass and three operations, whatever the number of parameters.
     """
 
     def __init__(self, step: int, index: ParameterIndex, observed: Observed | None = None,
                  all_reduce: AllReduce | None = None, grad_scale: torch.Tensor | None = None,
                  with_param_norms: bool = False,
-                 gradients: tuple[list[torch.Tensor], list[int]] | None = None) -> None:
+                 gradients: tuple[list[torch.Tensor], list[int]] | None = None, with_replicas: bool = False) -> None:
         self.step = step
         self.index = index
         self.error: Exception | None = None
         loss = observed.loss_sum if observed is not None else None
         device = index.device if len(index) else loss.device if loss is not None else torch.device("cpu")
         self.with_param_norms = with_param_norms and len(index) > 0
+        self.replica_slots = index.replicas if with_replicas and all_reduce is not None else []
+        replica_row: torch.Tensor | None = None
         zero, nan = constant(0.0, device), constant(math.nan, device)
         host_row = [float(observed.loss_count), float(observed.input_count), 0.0] if observed is not None \
             else [0.0, 0.0, 0.0]
@@ -328,10 +347,13 @@ class StepNumerics:
             grad_terms, grad_owned = index.grad_owner.terms(grad_squares, grad_local)
             pieces = [grad_terms]
             param_local = zero
-            if self.with_param_norms:
+            if self.with_param_norms or self.replica_slots:
                 param_squares = index.plan.squares(index.local_params())
-                param_local = param_squares.sum()
-                pieces.append(index.param_owner.terms(param_squares, param_local)[0])
+                if self.replica_slots:
+                    replica_row = index.replica_values(param_squares)
+                if self.with_param_norms:
+                    param_local = param_squares.sum()
+                    pieces.append(index.param_owner.terms(param_squares, param_local)[0])
             ends = observed.input_ends() if observed is not None else None
             low, high = ends if ends is not None else (zero, zero)
             buffers = observed.buffer_high if observed is not None else None
@@ -340,6 +362,7 @@ class StepNumerics:
             values = [value if value.device == device else value.to(device, non_blocking=True) for value in values]
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
+            replica_row = None
             self.missing_slots = []
             self.without_gradients = False
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
@@ -350,12 +373,14 @@ class StepNumerics:
         rank, world = world_position() if all_reduce is not None else (0, 1)
         self.world_size = world
         if world > 1:
-            width = len(RANK_FIELDS)
-            packed = torch.zeros(world * width + sum(piece.numel() for piece in pieces), dtype=torch.float64,
-                                 device=device)
+            width, replicas = len(RANK_FIELDS), len(self.replica_slots)
+            shared = world * width + sum(piece.numel() for piece in pieces)
+            packed = torch.zeros(shared + world * replicas, dtype=torch.float64, device=device)
             packed[rank * width:(rank + 1) * width] = torch.cat([torch.tensor(host_row, dtype=torch.float64,
                                                                               device=device), row])
-            packed[world * width:] = torch.cat(pieces)
+            packed[world * width:shared] = torch.cat(pieces)
+            if replica_row is not None:  # zeros in the other ranks' blocks: the sum is every rank's row, exactly
+                packed[shared + rank * replicas:shared + (rank + 1) * replicas] = replica_row
             all_reduce(packed)  # type: ignore[misc]
             self.packed = packed
             self._host_row: list[float] | None = None
@@ -418,6 +443,7 @@ class StepNumerics:
                                                   self.world_size > 1 else False),
                 read_before_update=self._read_blocking, error=self.error,
                 without_gradients=self.without_gradients, steps_done=self.steps_done,
+                replicas=self.replica_slots if self._host_row is None else (),
             )
         return self._host
 

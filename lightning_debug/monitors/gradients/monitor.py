@@ -29,6 +29,7 @@ from lightning_debug.monitors.gradients.missing import check_verdicts, judge_mis
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
+from lightning_debug.monitors.gradients.replicas import judge_replicas
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
@@ -91,6 +92,7 @@ class GradientMonitor(Monitor):
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
+        numerics.replicas_wanted.append(self.optimizer_step_due)  # the ranks' replicas compared (several processes)
         if self.settings.measures_updates:  # weight norms and update ratios need every weight's norm on check steps
             numerics.param_norms_wanted.append(self.optimizer_step_due)
 
@@ -297,6 +299,7 @@ class GradientMonitor(Monitor):
             self.history.steps_without_gradients += 1
             return
         self.history.checks += 1
+        self._record(judge_replicas(step, host.replica_names, host.replica_squares()), step, where)
         optimizer = where.get("optimizer")
         norms = self.history.norms_for(optimizer)
         global_norm = host.global_grad_norm

@@ -1,0 +1,117 @@
+"""``replicas_diverged``: under data parallelism, ranks whose copies of a replicated parameter differ.
+
+DDP keeps its replicas identical by construction: the weights are broadcast from rank 0 when the model is wrapped,
+every rank's gradients are all-reduced to the same bits and the same optimizer kernel applies them. So on every check
+step each rank's norm of a parameter it holds whole is the same, bit for bit (the shared gradient pass exchanges them
+in its one all-reduce, :class:`~lightning_debug.core.numerics.StepNumerics` ``with_replicas``). A rank whose norm
+differs trained on something else: gradients changed on one rank after DDP's all-reduce (clipping there only, a
+broken link delivering zeros), a forward that bypassed the wrapper (its gradients never reduced), or weights changed
+outside the optimizer on one rank (a module re-initialised, reloaded or replaced by a `.to()` done there only).
+
+What could make it fire on a healthy run, and how it is ruled out: a parameter that is not a replica (a shard of
+FSDP2 or tensor parallelism) is never compared (:func:`~lightning_debug.checks.numerics.replica_slots` judges what the
+parameters are); the norm kernel itself summing in another order on another rank (another CPU instruction set or
+thread count) moves a float32 norm of positive squares by a few units in the last place (a tree reduction's error
+grows with log2 of the size: about 1.5e-6 for 16M elements), so :data:`RELATIVE_TOLERANCE` is 1e-5, while one
+optimizer step taken apart moves a norm by about the learning rate over the weights' scale (1e-4 and more) and the
+difference stays; a norm that is not finite is left to the non-finite checks. Which ranks are named: those outside
+the largest group of ranks that agree (on a tie, the group of rank 0), so with two ranks, rank 1.
+
+Example::
+
+    >>> squares = torch.tensor([[4.0, 1.0], [4.0, 1.21]], dtype=torch.float64)  # norms 2, 1 / 2, 1.1
+    >>> verdict = judge_replicas(100, ["a", "b"], squares)
+    >>> verdict.finding.kind.value, verdict.finding.details["parameters"], verdict.finding.details["ranks"]
+    ('replicas_diverged', ['b'], [1])
+    >>> judge_replicas(100, ["a", "b"], torch.tensor([[4.0, 1.0], [4.0, 1.0]], dtype=torch.float64)) is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict, quoted
+
+RELATIVE_TOLERANCE = 1e-5
+"""How far two ranks' norms of one replica may be apart (relative to the larger): the reduction order, not a step."""
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def agreeing_groups(values: Sequence[float], tolerance: float = RELATIVE_TOLERANCE) -> list[list[int]]:
+    """The ranks grouped by the value they hold (within ``tolerance`` of the group's first), in rank order.
+
+    Example::
+
+        >>> agreeing_groups([1.0, 2.0, 1.0])
+        [[0, 2], [1]]
+    """
+    groups: list[list[int]] = []
+    for rank, value in enumerate(values):
+        group = next((g for g in groups if _close(value, values[g[0]], tolerance)), None)
+        if group is None:
+            groups.append([rank])
+        else:
+            group.append(rank)
+    return groups
+
+
+def judge_replicas(step: int, names: Sequence[str], squares: torch.Tensor,
+                   tolerance: float = RELATIVE_TOLERANCE) -> Verdict | None:
+    """The ``replicas_diverged`` verdict of a check step from ``squares`` (one row per rank, the squared norm of each
+    parameter of ``names`` that every rank holds whole), or None when every rank holds the same. The healthy case is
+    two vectorised comparisons on the host; parameters are named only when some differ."""
+    if squares.dim() != 2 or squares.shape[0] < 2 or squares.shape[1] == 0:
+        return None
+    norms = squares.sqrt()
+    reference = norms[0]
+    scale = torch.maximum(norms, reference)
+    apart = ((norms - reference).abs() > tolerance * scale).any(0) & torch.isfinite(norms).all(0)
+    slots = apart.nonzero().flatten().tolist()
+    if not slots:
+        return None
+    columns = norms[:, slots].T.tolist()
+    diverged: list[str] = []
+    ranks: set[int] = set()
+    references: set[int] = set()
+    differences: dict[str, float] = {}
+    per_rank: dict[str, list[float]] = {}
+    for slot, column in zip(slots, columns):
+        groups = agreeing_groups(column, tolerance)
+        agreed = max(groups, key=len)  # the first of the largest: rank 0's group on a tie
+        name = names[slot]
+        diverged.append(name)
+        references.update(agreed)
+        ranks.update(rank for group in groups if group is not agreed for rank in group)
+        base = column[agreed[0]]
+        differences[name] = max(abs(value - base) / max(abs(value), abs(base)) for value in column)
+        if len(per_rank) < WORST_SHOWN:
+            per_rank[name] = column
+    off = sorted(ranks)
+    agreeing = sorted(references - ranks) or sorted(references)
+    first = diverged[0]
+    shown = ", ".join(f"{per_rank[first][rank]:.6g} on rank {rank}" for rank in [agreeing[0], *off][:4])
+    finding = Finding(
+        Kind.REPLICAS_DIVERGED, Severity.ERROR,
+        f"The data-parallel replicas differ at step {step}: {_ranks(off)} hold{'s' if len(off) == 1 else ''} other "
+        f"values than {_ranks(agreeing)} for {len(diverged)} of {len(names)} replicated parameter(s), "
+        f"{quoted(diverged)} (`{first}`: norm {shown}; relative difference {differences[first]:.2g}). Under DDP "
+        "every rank holds the same weights; these ranks now train different models. Something changed the gradients "
+        "or the weights on some ranks only: clipping or a gradient edit after DDP's all-reduce, a forward through "
+        "the unwrapped module, weights re-initialised, reloaded or moved on one rank.",
+        {"parameters": diverged[:NAMES_IN_DETAILS], "count": len(diverged), "judged": len(names), "ranks": off,
+         "agreeing_ranks": agreeing, "norms": per_rank,
+         "relative_difference": {name: differences[name] for name in diverged[:NAMES_IN_DETAILS]},
+         "tolerance": tolerance})
+    return Verdict(finding, diverged, key="replicas")
