@@ -1,16 +1,9 @@
 """``debug_analysis.png``: the loss, step time, memory, gradient norm and findings over the steps of one run.
 
 The loss comes first: it is the curve a person debugging a NaN or a divergence looks at, and every
-other panel shares its step axis. Findings are markers at the step they started; a bar is drawn only
-for an episode seen on more than one check step. A line is drawn only for a threshold in effect (the
-user's ``gradient_explosion_threshold``, when set). Memory readings differ by hundreds of MB (process
-RSS and the C heap), so each is drawn as its change since its first reading, labelled with where it
-started.
-
-Drawn at the end of fit (``DebugConfig.save_plots``) and by ``lightning-debug report DIR``, from
-a :class:`~lightning_debug.core.timeline.Timeline`. matplotlib is an optional extra
-(``pip install matplotlib``, or ``pip install -e ".[plots]"`` in a checkout); it is imported only when a figure is drawn, and
-through the object-oriented Agg API, so a user's own pyplot backend and figures are untouched.
+other panel shares its step axis (docs/index.md describes the panels). matplotlib is an optional extra,
+imported only when a figure is drawn and through the object-oriented Agg API, so a user's own pyplot
+backend and figures are untouched.
 
 Example::
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.report.document import moment
+
 EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
@@ -86,10 +88,7 @@ class TimeSpan:
         return self.start is None or path.stat().st_mtime >= self.start
 
     def describe(self) -> str:
-        def when(seconds: float | None) -> str:
-            return "open" if seconds is None else datetime.datetime.fromtimestamp(
-                seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
-        return f"{when(self.start)} to {when(self.end)}"
+        return " to ".join("open" if seconds is None else moment(seconds) for seconds in (self.start, self.end))
 
 
 def next_run_start(directories: Iterable[Path], after: float, own: str | None = None) -> float | None:

@@ -1,20 +1,10 @@
 """TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text
 at their step, and at the end the report (Text tab).
 
-Every TensorBoard tab groups tags into sections by the text before the first ``/``, so all
-``debug/...`` charts share one "debug" section there (names are kept: dashboards depend on them).
-The grouping by area lives in the Custom Scalars tab: when the run logs to TensorBoard, it writes,
-when it is created on the global-zero process, a layout with five groups (anomalies, gradients,
-activations, memory, performance); the first chart of the anomalies group is the user's own loss tags, so the
-loss sits next to ``debug/loss_finite``. At the end of the run the layout is written again
-without the debug charts that received no data (TensorBoard shows the latest), and the report as
-text ``debug/report`` (debug_analysis.png stays a file: as an image it would open the Time Series tab
-above the user's own loss). Every event written
-to events.jsonl also becomes a text entry ``debug/events/<kind>`` at its step (Text tab), so a
-spike in a chart can be matched with what was found there. docs/tensorboard.md shows what each
-tab looks like.
-At the end, checks that failed (raised instead of running) are listed under
-``debug/failed_checks``, so a quiet Text tab never passes for a clean run.
+Every tab groups tags by the text before the first ``/``, and dashboards depend on the ``debug/...`` names,
+so the grouping by area lives in a Custom Scalars layout instead, with the user's loss first; each event
+becomes a text entry at its step so a spike in a chart can be matched with what was found there
+(docs/tensorboard.md shows each tab).
 
 Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
