@@ -90,9 +90,6 @@ class AccelerateContext(RunContext):
     def module(self) -> torch.nn.Module:
         return self.debugger.module
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for optimizer in self.debugger.optimizers for group in optimizer.param_groups]
-
     def optimizers(self) -> list[Any]:
         return list(self.debugger.optimizers)
 

@@ -287,12 +287,6 @@ class LightningContext(RunContext):
     def module(self) -> nn.Module:
         return self.pl_module
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.pl_module.named_parameters()
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for optimizer in self.trainer.optimizers for group in optimizer.param_groups]
-
     def optimizers(self) -> list[Any]:
         return self.trainer.optimizers
 

@@ -239,8 +239,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
     numbers after a replay as without it."""
     numpy = sys.modules.get("numpy")
     host_rng = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    torch_rng = capture_rng()
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         yield
@@ -248,9 +247,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         random.setstate(host_rng[0])
         if numpy is not None:
             numpy.random.set_state(host_rng[1])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        _set_rng(torch_rng)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

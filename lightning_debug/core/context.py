@@ -146,7 +146,7 @@ class RunContext:
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The param groups of every optimizer of the run."""
-        return []
+        return [group for optimizer in self.optimizers() for group in optimizer.param_groups]
 
     def optimizers(self) -> list[Any]:
         """The run's optimizers, in the user's order. With more than one, each optimizer step is judged

@@ -23,9 +23,8 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
