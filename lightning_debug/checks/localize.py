@@ -1,11 +1,9 @@
 """Find where a NaN/Inf came from by replaying one step under temporary instrumentation.
 
 Nothing here runs on a healthy step. Once a check found a non-finite loss or gradient, the adapter hands over a
-``replay`` that recomputes that step's loss from the same batch and parameters; :func:`localize` replays it: the
-batch itself (non-finite inputs?), then the forward kernel by kernel and under module hooks
-(:mod:`.firstnan`: the first operation, its module and the user's source line), then, if the forward is clean,
-the backward. :func:`preserved_state` restores the RNG streams and module buffers around the replays;
-:func:`is_replaying` is true meanwhile, so the user's ``training_step`` can leave its own counters alone.
+``replay`` that recomputes that step's loss; :func:`localize` looks at the batch, the forward (:mod:`.firstnan`)
+and the backward in turn (docs/anomaly.md, "Naming the cause"), with the RNG streams and module buffers restored
+around the replays (:func:`preserved_state`).
 """
 
 from __future__ import annotations
@@ -101,11 +99,8 @@ class _Replays:
 
 
 def is_replaying() -> bool:
-    """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``).
-
-    The replay calls ``training_step`` (or, under Accelerate, the model's forward) once more on the
-    step's batch; ``self.log`` is muted, but the user's own lists, counters and metric updates would see
-    the batch twice. Guard them with ``if not lightning_debug.is_replaying(): ...``.
+    """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``): the user's own
+    counters and metric updates would see the batch twice (docs/anomaly.md).
 
     Example::
 
