@@ -41,7 +41,6 @@ from operator import is_
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -104,13 +103,6 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
             "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
             "check_failed": failed,
             "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
-
-
-def world_position() -> tuple[int, int]:
-    """This process's rank and the number of processes of the default (WORLD) group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class Owned:

@@ -28,8 +28,8 @@ from lightning_debug.core.numerics.index import (
     ParameterIndex,
     constant,
     rank_flags,
-    world_position,
 )
+from lightning_debug.core.gate import distributed
 from lightning_debug.core.readback import Readback
 
 
@@ -347,7 +347,7 @@ class StepNumerics:
             host_row = [0.0, 0.0, 1.0]
             values = [nan, zero, zero, zero, zero, zero, zero]
         row = torch.stack(values)
-        rank, world = world_position() if all_reduce is not None else (0, 1)
+        rank, world = distributed() if all_reduce is not None else (0, 1)
         self.world_size = world
         if world > 1:
             width = len(RANK_FIELDS)
