@@ -2,11 +2,9 @@
 shape, whatever failed on it.
 
 A check that fails on one rank is recorded and the run goes on; but a collective after the failing code was then
-not entered on that rank, and every other rank waited in it forever. So the run does a step's guarded work first,
-and the collectives come from the gate, which the guard never skips: a step's planned collectives
-(:class:`Planned`, chosen from values every rank shares) are made in order, those this rank never reached with an
-empty contribution and its "failed" flag (:meth:`Gate.close`), as is a contribution that raises; and
-:meth:`Gate.agree` takes the step's decision together, the largest of the ranks that did not fail.
+not entered on that rank, and every other rank waited in it forever. So a step's planned collectives
+(:class:`Planned`, chosen from values every rank shares) are made by the gate, which the guard never skips, those
+this rank never reached with an empty contribution (:meth:`Gate.close`); :meth:`Gate.agree` takes the decision.
 
 Example, one process (every collective is then local)::
 
@@ -221,11 +219,9 @@ class Gate:
         checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
         :meth:`undo` (which may turn it into STOP).
 
-        ``due`` lists the handlers to call, each with its monitor (whose ``measures``, ``decides`` and
-        ``plan_collectives`` are read, none of its methods called); ``scheduled`` is the step their
-        frequencies count. Which collectives come depends only on that, the settings and the measurement's
-        gathered values, never on what a check did here. An :class:`~lightning_debug.AnomalyError` (``raise``
-        mode) leaves after the agreement, on every rank.
+        ``due`` lists the handlers to call, each with its monitor; ``scheduled`` is the step their frequencies count.
+        Which collectives come never depends on what a check did here; an :class:`~lightning_debug.AnomalyError`
+        leaves after the agreement, on every rank.
         """
         checking = [monitor for _, _, monitor in due if monitor.schedule.is_due(scheduled)]
         self.open(step, [])

@@ -1,15 +1,9 @@
 """The parameters a step is measured over, built once, and the row each rank packs for the one collective.
 
-A :class:`ParameterIndex` is rebuilt only when a registration may have changed a watched model. Not every
-registration is a change: transformers' Llama-family decoders slice their ``ModuleList`` in every forward (a
-fresh container that registers every layer again) and a router may assign the same module to its own slot. So a
-registration counts only when it puts a different object into a slot of a watched model's module
-(:func:`watch_model`); the index is then compared by identity (:func:`signature`) before it is rebuilt.
-The two hooks are process-wide, so a run holds them by a :class:`Lease` (:func:`watch_registrations`): the first
-lease installs them, releasing the last (a run's end, whatever ended it) removes them.
-
-Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`); the host derives the flags from their
-finiteness (:func:`rank_flags`), so the device does no comparison and no sync of its own.
+A :class:`ParameterIndex` is rebuilt only when a registration puts a different object into a slot of a watched
+model's module (transformers' Llama-family decoders register every layer again in each forward, so not every
+registration is a change). The two registration hooks are process-wide: a run holds them by a :class:`Lease`.
+Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`) whose finiteness the host reads as flags.
 
 Example::
 
