@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     elif not findings:
         lines += [str(measured), ""]
     else:
-        by_severity: dict[str, int] = {}
-        for entry in findings.values():
-            by_severity[entry["severity"]] = by_severity.get(entry["severity"], 0) + 1
+        by_severity = Counter(entry["severity"] for entry in findings.values())
         counts = ", ".join(f"{count} {severity}" for severity, count in
                            sorted(by_severity.items(), key=lambda item: severity_rank(item[0])))
         lines += [f"Found {len(findings)} kind(s) of problem: {counts}.", ""]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.session import RUN_MARKERS
 from lightning_debug.report.document import moment
 
 EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
@@ -33,7 +34,6 @@ TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
 
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")
 """A run id (:func:`lightning_debug.core.session.new_run_id`): its start, UTC, to the second."""
-RUN_MARKERS = ("events.jsonl", "report.json")
 
 
 def parse_moment(text: Any) -> float | None:
