@@ -170,7 +170,7 @@ class Run:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
         self.started = True
-        several = self.failures.call("listing the optimizers", self._several_optimizers)
+        several = self.failures.call("listing the optimizers", lambda: len(self.context.optimizers()) > 1)
         self.ledger.record = self.ledger.record.moved(step=step, steps_done=step, several_optimizers=bool(several))
         self._emit(Event.START, step)
 
@@ -206,9 +206,6 @@ class Run:
             return
         self._emit(Event.BEFORE_BACKWARD, step, loss)
         self.ledger.phase = MemoryPhase.BACKWARD
-
-    def _several_optimizers(self) -> bool:
-        return len(self.context.optimizers()) > 1
 
     @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:

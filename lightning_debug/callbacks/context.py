@@ -30,11 +30,6 @@ PLAIN_SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 TQDM_MODULE = "lightning.pytorch.callbacks.progress.tqdm_progress"
 
 
-def versioned_loggers() -> tuple[type, ...]:
-    """The loggers with a version folder (TensorBoard, CSV) of ``lightning`` and ``pytorch_lightning``."""
-    return classes("lightning.fabric.loggers", "TensorBoardLogger") + classes("lightning.fabric.loggers", "CSVLogger")
-
-
 def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str, str | None]:
     """This run's directory and id, decided on global zero and shared with every rank (call on every rank); where
     it goes is ``DebugConfig.debug_output_dir``'s description. A directory that cannot be used is None with the
@@ -46,7 +41,9 @@ def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path
     if config.save_debug_info and trainer.is_global_zero:
         try:
             logger = trainer.loggers[0] if trainer.loggers else None
-            versioned = isinstance(logger, versioned_loggers()) and logger.log_dir is not None
+            with_version = classes("lightning.fabric.loggers", "TensorBoardLogger") + classes(
+                "lightning.fabric.loggers", "CSVLogger")  # of lightning and pytorch_lightning
+            versioned = isinstance(logger, with_version) and logger.log_dir is not None
             base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
             directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
         except Exception as error:

@@ -36,16 +36,12 @@ _SKIPPED_PATH_PARTS = (os.sep + "lightning" + os.sep, os.sep + "lightning_fabric
 _DEMO = os.path.join(_OWN_DIR, "demo.py")  # the demo's model is user code, though it ships in the package
 
 
-def _is_user_frame(filename: str) -> bool:
-    own = filename.startswith(_OWN_DIR) and filename != _DEMO
-    return not (filename.startswith(_LIBRARY_DIRS) or own or filename.startswith("<")
-                or any(part in filename for part in _SKIPPED_PATH_PARTS))
-
-
 def user_source(frames: list[traceback.FrameSummary]) -> dict[str, Any] | None:
     """The innermost frame of the user's own code (not torch, Lightning, Accelerate or this package)."""
     for frame in reversed(frames):
-        if _is_user_frame(frame.filename):
+        name = frame.filename
+        own = name.startswith(_OWN_DIR) and name != _DEMO
+        if not (own or name.startswith((*_LIBRARY_DIRS, "<")) or any(part in name for part in _SKIPPED_PATH_PARTS)):
             return {"file": frame.filename, "line": frame.lineno, "function": frame.name, "code": (frame.line or "").strip()}
     return None
 

@@ -41,8 +41,8 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
         for what, fact in (facts or {}).items():
             if isinstance(fact, dict) and fact.get("steps"):
                 subject = SUBJECTS.get(what, f"{what} were")
-                sentences.append(f"{subject} non-finite at {step_span(fact)} ({fact['steps']} check step(s), measured by "
-                                 f"the {area} checks)")
+                sentences.append(f"{subject} non-finite at {step_span(fact)} ({fact['steps']} check step(s), "
+                                 f"measured by the {area} checks)")
     return sentences
 
 

@@ -88,12 +88,8 @@ class Census:
     def largest(self, limit: int = 10) -> list[dict[str, Any]]:
         """The groups holding the most bytes, largest first."""
         ordered = sorted(self.groups.items(), key=lambda item: -item[1][1])[:limit]
-        return [dict(_describe_key(key), count=count, mb=size / MB) for key, (count, size) in ordered]
-
-
-def _describe_key(key: CensusKey) -> dict[str, Any]:
-    shape, dtype, device, grad_fn = key
-    return {"shape": list(shape), "dtype": dtype, "device": device, "grad_fn": grad_fn or None}
+        return [{"shape": list(shape), "dtype": dtype, "device": device, "grad_fn": grad_fn or None, "count": count,
+                 "mb": size / MB} for (shape, dtype, device, grad_fn), (count, size) in ordered]
 
 
 def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
