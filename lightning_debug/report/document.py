@@ -39,13 +39,9 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
                  error: str | None = None, failures: dict[str, Any] | None = None,
                  run_id: str | None = None,
                  on_render_failure: Callable[[str, Exception], None] | None = None) -> dict[str, Any]:
-    """Merge the monitors' sections into one report.
-
-    Each section may hold ``findings`` (a :class:`~lightning_debug.core.findings.Tally` state) and
-    ``stats`` (area name -> summary dict); everything else stays under ``sections``, with the
-    Markdown of the area's report.md sections added as ``markdown``. A section whose Markdown cannot be
-    rendered is left without it and given to ``on_render_failure`` (the run records a failed check), so one
-    area's odd section never costs the whole report.
+    """Merge the monitors' sections (``findings``, ``stats``, the rest under ``sections`` with its ``markdown``)
+    into one report. A section whose Markdown cannot be rendered is left without it and given to
+    ``on_render_failure``, so one area's odd section never costs the whole report.
     """
     findings: dict[str, dict[str, Any]] = {}
     stats: dict[str, Any] = {}

@@ -1,13 +1,8 @@
 """The debug scalars of the TensorBoard event files next to a run, for ``lightning-debug report``.
 
-What they show completes events.jsonl: a run killed after its last event, or one past the episodes
-written one by one, has the rest of its NaN steps and rising counts only here. Read one point at a
-time; what is kept is a few numbers per tag.
-
-A logger's version folder can hold the files of several runs (a fixed ``version``, one logger given to
-two trainers: then one file holds both), so only the points of the run's own time span are read
-(:class:`TimeSpan`): from its start (report.json's ``started``, else the time in its run id) to its end
-(report.json's ``ended``, else the start of the next run whose directory is under the same folders).
+What they show completes events.jsonl: a run killed after its last event has the rest of its NaN steps and
+rising counts only here. A logger's version folder can hold the files of several runs, so only the points of
+the run's own time span are read (:class:`TimeSpan`, docs/index.md); what is kept is a few numbers per tag.
 """
 
 from __future__ import annotations

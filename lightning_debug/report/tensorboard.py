@@ -113,10 +113,9 @@ def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 
 
 class EventText:
-    """Session event listener writing each event as a text entry at its step (bounded per run); at the
-    end of the run it rewrites the layout with only the charts that have data and adds the report
-    (text). The analysis plot stays a file: as an image it would be the first card of the Time Series tab,
-    above the user's own loss, and the Custom Scalars and Text tabs already tell its story."""
+    """Session event listener writing each event as a text entry at its step (bounded per run); at the end it
+    rewrites the layout with only the charts that have data and adds the report. The plot stays a file: as an
+    image it would be the first card of the Time Series tab, above the user's own loss."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
