@@ -1,7 +1,9 @@
 """The planted-bug demo behind ``lightning-debug demo``: a small CPU run whose loss takes ``log(0)``.
 
-It trains an MLP with all four callbacks at level ADVANCED, so the replay of the first bad step names
-``torch.log`` at its source line, then says where the files went and how to open them.
+It trains an MLP with all four callbacks on at level ADVANCED, plants a ``log`` of zero in the loss
+from step 40, and prints progress lines with each finding as it happens (the replay of the first bad
+step names ``torch.log`` at its source line), then what lightning-debug found, where the files went
+and how to open them.
 """
 
 from __future__ import annotations
