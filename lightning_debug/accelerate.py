@@ -1,9 +1,8 @@
 """AccelerateDebugger: the lightning-debug checks in a plain Hugging Face Accelerate loop.
 
-A hand-written loop has no hooks, so this adapter takes the run's events from what every such loop
-already does: the model's forward pre-hook opens a batch, :meth:`AccelerateDebugger.backward` carries
-the loss and the gradients, the optimizer's step post-hook ends the step. The checks, files and scalars
-are the :class:`~lightning_debug.run.Run` the Lightning callbacks drive (docs/accelerate.md).
+A hand-written loop has no hooks, so this adapter takes the run's events from what every such loop already does
+(a forward, :meth:`AccelerateDebugger.backward`, the optimizer's step) and drives the same
+:class:`~lightning_debug.run.Run` as the Lightning callbacks (docs/accelerate.md).
 """
 
 from __future__ import annotations

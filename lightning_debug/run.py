@@ -280,8 +280,7 @@ class Run:
     @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
         """The framework writes one of its logging rows now (call it on every rank): ``log`` gets, on rank zero, the
-        scalars measured since the last row. Pending measurements are read first, on every rank at once (the framework
-        syncs on its logging steps anyway), so a check on this very step lands on this row.
+        scalars measured since the last row, pending ones read first (the framework syncs on its logging steps anyway).
         """
         if not self.logs_on_rows:
             return

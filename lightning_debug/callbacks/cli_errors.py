@@ -64,10 +64,8 @@ class _Node:
 
 @dataclass
 class ShortError:
-    """The failing key (``path``), the problem in a few words, the value given and what is allowed.
-
-    ``key`` is the outermost key of the path and ``class_path`` the first class in it: with them the
-    parser names the ``--help`` that lists that class's options.
+    """The failing key (``path``), the problem in a few words, the value given and what is allowed; ``key`` and
+    ``class_path`` (the outermost key and the first class of the path) name the ``--help`` that lists its options.
     """
 
     path: str = ""

@@ -287,9 +287,8 @@ class LightningContext(RunContext):
         return sink
 
     def console_printer(self) -> Callable[[str], None] | None:
-        """Lines that respect the progress bar: TQDM's ``write`` on the bars' stream (it clears the bars, prints the
-        line and redraws them; Lightning's own ``print`` writes nothing while no bar is open), else the bar's
-        ``print`` (rich: its console); None without a bar (``stderr``)."""
+        """Lines that respect the progress bar: TQDM's ``write`` (Lightning's own ``print`` writes nothing while no
+        bar is open), else the bar's ``print`` (rich: its console); None without a bar (``stderr``)."""
         bar = self.trainer.progress_bar_callback
         if bar is None or not self.is_global_zero:
             return None

@@ -17,9 +17,8 @@ Example, one process (every collective is then local)::
     >>> list(gate.log)
     [(3, 'rows'), (3, 'decision')]
 
-At the end of a run that finished on every rank, the ranks gather their failed checks once for rank zero's report
-(:func:`gather_failures`), after a bounded wait (gloo's ``monitored_barrier``): a rank that does not come is named
-after :data:`WAIT_S` seconds instead of every rank waiting for the process group's timeout (30 minutes).
+At the end of a finished run the ranks gather their failed checks once (:func:`gather_failures`) after a bounded
+wait: a rank that does not come is named after :data:`WAIT_S` seconds, not the process group's 30-minute timeout.
 """
 
 from __future__ import annotations

@@ -102,11 +102,8 @@ MAX_REASONS = 5
 
 
 class Failures:
-    """Which checks failed, how often, since when and why; each warns once.
-
-    ``step`` is the run's current step, kept up to date by whoever drives the run, so that a
-    failure can say since when a check has not run.
-    """
+    """Which checks failed, how often, since when and why; each warns once. ``step`` is the run's current step,
+    kept up to date by whoever drives the run, so that a failure can say since when a check has not run."""
 
     def __init__(self) -> None:
         self.step = -1

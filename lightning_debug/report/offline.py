@@ -232,10 +232,8 @@ class RebuildResult:
 
 
 def rebuild(directory: Path, plots: bool = True, progress: Progress | None = None) -> RebuildResult:
-    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files.
-
-    Raises :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used.
-    """
+    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files; a
+    :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used."""
     notes: list[str] = []
     events_path = directory / EVENTS_FILENAME
     scan = EventsScan()

@@ -41,11 +41,8 @@ _ATTACHED = "_lightning_debug_layout_written"
 
 
 def debug_layout() -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]``.
-
-    Regexes (Python ``re.match``) rather than fixed tags, so per-parameter charts and scalars
-    added later fall into their group.
-    """
+    """The custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]`` (regexes, so
+    per-parameter charts and scalars added later fall into their group)."""
     return {
         "lightning-debug: anomalies": {
             "your loss (every tag with 'loss' outside debug/)": ["Multiline", [USER_LOSS_PATTERN]],
@@ -158,10 +155,8 @@ def histogram_writer(candidates: Iterable[Any]) -> HistogramWriter | None:
 
 
 def attach_to_writer(writer: Any, session: Session, log_dir: str | None = None) -> bool:
-    """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it.
-
-    Returns False when ``writer`` cannot write custom scalars (not a TensorBoard writer).
-    """
+    """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it; False when
+    ``writer`` cannot write custom scalars (not a TensorBoard writer)."""
     if not callable(getattr(writer, "add_custom_scalars", None)) or not callable(getattr(writer, "add_text", None)):
         return False
     if not getattr(writer, _ATTACHED, False):
