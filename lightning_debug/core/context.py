@@ -105,11 +105,8 @@ def epoch_end(step: int, batch: Any, batches: Any, accumulate: int) -> int | Non
 
 
 class RunContext:
-    """What a training framework tells a run: where files go, who writes, how to reach the model.
-
-    The Lightning and Accelerate adapters each fill one in; the defaults describe a single process
-    that writes no files and logs nowhere, which is what a hand-written loop or a test starts from.
-    """
+    """What a training framework tells a run; the defaults describe a single process that writes no files and logs
+    nowhere, which is what a hand-written loop or a test starts from."""
 
     output_dir: Path | None = None
     output_problem: str | None = None  # why output_dir is None although files were asked for

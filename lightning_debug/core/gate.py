@@ -216,11 +216,8 @@ class Gate:
                        measure: Callable[[], Any], optimizer: Any) -> int:
         """One ``before_optimizer_step``: the shared measurement and the collectives planned after it, the guarded
         checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
-        :meth:`undo` (which may turn it into STOP).
-
-        ``due`` lists the handlers to call, each with its monitor; ``scheduled`` is the step their frequencies count.
-        Which collectives come never depends on what a check did here; an :class:`~lightning_debug.AnomalyError`
-        leaves after the agreement, on every rank.
+        :meth:`undo` (which may turn it into STOP). ``due``: the handlers to call, each with its monitor; ``scheduled``:
+        the step their frequencies count. An :class:`~lightning_debug.AnomalyError` leaves after the agreement.
         """
         checking = [monitor for _, _, monitor in due if monitor.schedule.is_due(scheduled)]
         self.open(step, [])

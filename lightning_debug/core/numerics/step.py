@@ -270,12 +270,8 @@ class HostNumerics:
         return [(n, v) for n, v in zip(self.grad_names, self.grad_norms) if not math.isfinite(v)]
 
     def nonfinite_params(self) -> list[tuple[str, float]]:
-        """Non-finite parameters: from the step's norms when they were computed, else scanned now.
-
-        :attr:`params_seen_after` says which weights these are: a scan now, read a step late, sees the
-        weights after this step's update (and any update since); the step's own norms, or a scan
-        read synchronously, the weights its forward used.
-        """
+        """Non-finite parameters: from the step's norms when they were computed, else scanned now (a scan read a
+        step late sees the weights after this step's update: :attr:`params_seen_after` says which)."""
         if not self.params_measured:
             if self.scan_parameters is None:
                 return []
