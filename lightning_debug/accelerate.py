@@ -1,9 +1,8 @@
 """AccelerateDebugger: the lightning-debug checks in a plain Hugging Face Accelerate loop.
 
-A hand-written loop has no hooks, so this adapter takes the run's events from what every such loop
-already does: the model's forward pre-hook opens a batch, :meth:`AccelerateDebugger.backward` carries
-the loss and the gradients, the optimizer's step post-hook ends the step. The checks, files and scalars
-are the :class:`~lightning_debug.run.Run` the Lightning callbacks drive (docs/accelerate.md).
+A hand-written loop has no hooks, so this adapter takes the run's events from what every such loop already does
+(a forward, :meth:`AccelerateDebugger.backward`, the optimizer's step) and drives the same
+:class:`~lightning_debug.run.Run` as the Lightning callbacks (docs/accelerate.md).
 """
 
 from __future__ import annotations
@@ -90,9 +89,6 @@ class AccelerateContext(RunContext):
     def module(self) -> torch.nn.Module:
         return self.debugger.module
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for optimizer in self.debugger.optimizers for group in optimizer.param_groups]
-
     def optimizers(self) -> list[Any]:
         return list(self.debugger.optimizers)
 
@@ -103,14 +99,8 @@ class AccelerateContext(RunContext):
         return where
 
     def metrics_sink(self) -> MetricsSink:
-        """Scalars to every tracker the user configured (looked up per write); nothing while there is none.
-
-        A tracker such as W&B drops every value logged at a step below the last one it saw. A check's values are
-        logged at the optimizer step they describe (0-based, as :attr:`AccelerateDebugger.step` counts), or at the
-        highest step the loop itself passed to ``accelerator.log`` when that is higher: a loop that logs after
-        ``optimizer.step()`` at the number of steps done (one more), or counts micro-batches, never sees a debug
-        value dropped, and the values share its step axis.
-        """
+        """Scalars to every tracker the user configured (looked up per write), never below the highest step the
+        loop itself passed to ``accelerator.log``: a tracker such as W&B drops every value logged at a lower step."""
         accelerator, debugger = self.accelerator, self.debugger
 
         def sink(metrics: dict[str, float], step: int) -> None:
@@ -179,31 +169,20 @@ class AccelerateDebugger:
     """NaN/Inf detection, gradient health, memory and performance checks for an Accelerate loop.
 
     Build it after ``accelerator.prepare``, call :meth:`backward` instead of ``accelerator.backward``
-    and :meth:`finish` after the loop (before ``accelerator.end_training()``), on every process. The
-    areas follow ``config.mode`` as :func:`~lightning_debug.debug_callbacks` does, with the same
-    frequencies, levels, events and ``debug/...`` scalars (through ``accelerator.log``). :attr:`step`
-    counts real optimizer steps (``backward`` calls with ``accelerator.sync_gradients``), which label
-    events and drive the frequencies. In ``skip``/``stop`` mode the gradients of a non-finite step are
-    dropped so that ``optimizer.step()`` changes nothing, and ``stop`` sets :attr:`should_stop`.
-
-    With several optimizers (a GAN: pass them as a list), name the one that steps next in
-    ``backward(loss, optimizer=...)``: that step is then judged on the parameters this optimizer
-    owns, and the frequencies count its own steps (docs/accelerate.md, "Several optimizers").
+    and :meth:`finish` after the loop (before ``accelerator.end_training()``), on every process; the
+    areas, frequencies, events and scalars are those of :func:`~lightning_debug.debug_callbacks`.
+    :attr:`step` counts real optimizer steps (``backward`` calls with ``accelerator.sync_gradients``).
 
     Args:
         accelerator, model, optimizer: The run's ``Accelerator`` and what ``prepare`` returned;
-            ``optimizer`` may be a list of optimizers.
+            ``optimizer`` may be a list of optimizers (name the one that steps next in :meth:`backward`).
         config: The checks' settings; None means the defaults.
-        train_dataloader: The DataLoader the loop trains on (what ``prepare`` returned), a list of them (the
-            first one's settings are quoted) or a dict of its settings (``{"num_workers": 4, ...}``): quoted in
-            ``dataloader_bottleneck`` advice, and its length tells where an epoch ends. Without it those
-            checks are listed in report.md as not judged (``Not judged: ...``), not guessed.
-        total_steps: How many optimizer steps the loop will take. A loop does not say, and without it a
-            learning rate that reaches 0 early cannot be told from a schedule that ends there, so
-            ``learning_stalled`` is not judged (report.md says so under "Gradient health").
+        train_dataloader: The DataLoader the loop trains on, a list of them or a dict of its settings: quoted
+            in ``dataloader_bottleneck`` advice, and its length tells where an epoch ends.
+        total_steps: How many optimizer steps the loop will take; without it ``learning_stalled`` is not judged.
         lr_scheduler: The loop's learning-rate scheduler(s), named in ``learning_stalled``.
         batch_size_fn, tokens_fn: ``batch -> samples / tokens``; the batch is what the model is called with.
-        **overrides: :class:`~lightning_debug.DebugConfig` fields to change.
+        **overrides: :class:`~lightning_debug.DebugConfig` fields to change (docs/accelerate.md has the details).
 
     Example::
 
@@ -296,13 +275,8 @@ class AccelerateDebugger:
 
     def _watch_logging(self) -> None:
         """Wrap ``accelerator.log`` (on this instance only, undone by :meth:`finish`) to learn the steps the loop
-        logs at, so that the debug values never land below them (a tracker would drop them).
-
-        The write counts as the plugin's own time, left out of step timing, as the Lightning adapter does with a
-        logger's rows: the loop logs between one step's end and the next forward, where the data wait is timed,
-        and a tracker that writes each call through (MLflow's store took 10 ms per call on a CPU machine, 84% of a
-        small model's step) made a healthy loop a ``dataloader_bottleneck`` with the advice to add workers.
-        """
+        logs at, so that the debug values never land below them; the write counts as the plugin's own time, since
+        it falls in the timed data wait (docs/accelerate.md, "Timing")."""
         accelerator = self.accelerator
         if "log" in accelerator.__dict__:
             return
@@ -321,15 +295,9 @@ class AccelerateDebugger:
 
     # --- what the loop calls ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
-        """``accelerator.backward(loss, **kwargs)`` with the checks around it.
-
-        The loss is checked before backward (no host sync); after the backward of a real optimizer
-        step the gradients are checked and the anomaly mode acts before the ``optimizer.step()`` that
-        follows. An out-of-memory error in backward leaves a post-mortem and propagates unchanged.
-
-        ``optimizer``: with several optimizers, the one whose ``step()`` follows this backward; its
-        step is judged on the parameters it owns. Without it, all of them are judged together.
-        """
+        """``accelerator.backward(loss, **kwargs)`` with the checks around it (docs/accelerate.md, "What each line
+        does"). ``optimizer``: with several optimizers, the one whose ``step()`` follows; without it, all of them
+        are judged together."""
         if self.run.finished or self._in_step and self._evaluated:  # after the run, or a closure evaluated again
             self.accelerator.backward(loss, **kwargs)
             return
@@ -359,13 +327,9 @@ class AccelerateDebugger:
             self.epoch, self.batch = self.epoch + 1, 0
 
     def finish(self, error: BaseException | None = None) -> dict[str, Any] | None:
-        """Deliver pending measurements, log the last scalars, write report.json and report.md.
-
-        Call it once after the loop, before ``accelerator.end_training()``, on every process. Pass the
-        exception when the loop failed (the report says ``failed``; an out-of-memory error gets its
-        post-mortem), or use the debugger as a context manager. Returns the report; later calls return
-        None, and :meth:`backward` is then plain ``accelerator.backward``.
-        """
+        """Deliver pending measurements, log the last scalars, write the report; on every process, with the
+        exception when the loop failed (or use the debugger as a context manager). Returns the report; later calls
+        return None, and :meth:`backward` is then plain ``accelerator.backward``."""
         if self.run.finished:
             return None
         status = RunStatus.of(error)

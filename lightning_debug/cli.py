@@ -1,10 +1,7 @@
 """The ``lightning-debug`` command: ``demo`` (a planted NaN, on CPU) and ``report DIR`` (rebuild a run's report).
 
-Exit codes: 0 done (malformed lines of events.jsonl are skipped, counted and named in a note), 2
-unusable input (a missing directory, no run files, nothing valid in them, a report that cannot be
-written), with one line on stderr per run that failed. Everything printed from a run's files has its
-control characters and terminal escapes escaped; a reader that goes away (``| head``) ends the
-printing quietly while the remaining runs are still rebuilt.
+Exit codes: 0 done, 2 unusable input with one line on stderr per run that failed (docs/reliability.md).
+Everything printed from a run's files is escaped; a reader that goes away (``| head``) ends the printing quietly.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
 
 A :class:`Run` knows nothing of Lightning or Accelerate: an adapter creates it with a
-:class:`~lightning_debug.core.context.RunContext` and turns its hooks into the run's events, per micro-batch
-``batch_start -> before_backward -> [before_optimizer_step -> after_optimizer_step] -> batch_end``, plus
-``start``, ``epoch_start``, ``evaluation``, ``exception`` and ``finish``. The run calls each event on the monitors
-that need it, computes their shared gradient pass once per step, carries out their decision, writes through one
-session and at the end asks for the report. A failure inside a monitor is recorded once and the others go on;
-only :class:`~lightning_debug.AnomalyError` leaves the run.
+:class:`~lightning_debug.core.context.RunContext` and turns its hooks into the run's events (docs/architecture.md,
+"The run and its events"). A failure inside a monitor is recorded once and the others go on; only
+:class:`~lightning_debug.AnomalyError` leaves the run.
 
 Example, a plain loop with the anomaly checks::
 
@@ -173,7 +170,7 @@ class Run:
         """Training starts (or resumes after a checkpoint) at optimizer step ``step``."""
         self.failures.step = step
         self.started = True
-        several = self.failures.call("listing the optimizers", self._several_optimizers)
+        several = self.failures.call("listing the optimizers", lambda: len(self.context.optimizers()) > 1)
         self.ledger.record = self.ledger.record.moved(step=step, steps_done=step, several_optimizers=bool(several))
         self._emit(Event.START, step)
 
@@ -209,9 +206,6 @@ class Run:
             return
         self._emit(Event.BEFORE_BACKWARD, step, loss)
         self.ledger.phase = MemoryPhase.BACKWARD
-
-    def _several_optimizers(self) -> bool:
-        return len(self.context.optimizers()) > 1
 
     @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
@@ -286,8 +280,7 @@ class Run:
     @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
         """The framework writes one of its logging rows now (call it on every rank): ``log`` gets, on rank zero, the
-        scalars measured since the last row. Pending measurements are read first, on every rank at once (the framework
-        syncs on its logging steps anyway), so a check on this very step lands on this row.
+        scalars measured since the last row, pending ones read first (the framework syncs on its logging steps anyway).
         """
         if not self.logs_on_rows:
             return
@@ -345,9 +338,8 @@ class Run:
 
     def abandon(self) -> bool:
         """End, writing and printing nothing, a run whose fit ended before training started and without an error (Lightning's
-        ``Tuner``: its finders train with the callbacks swapped out and leave from ``on_fit_start``; a report would say "0
-        steps" of a run that trained); False for any other run. Decided from what every rank shares (the fit's events).
-        """
+        ``Tuner`` leaves from ``on_fit_start``: a report would say "0 steps" of a run that trained); False for any other
+        run. Decided from what every rank shares (the fit's events)."""
         if self.finished or self.started or self._finalized:
             return False
         self.finished = True
@@ -367,12 +359,9 @@ class Run:
     def finish(self, status: RunStatus | str, step: int, error: str | None = None,
                exit_code: int | None = None) -> dict[str, Any] | None:
         """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore; returns the report (later
-        calls the same). ``status``: a :class:`~lightning_debug.core.context.RunStatus` or its string; ``step``: optimizer
-        steps taken; ``exit_code``: what a ``SystemExit`` that ended the run asked for.
-
-        A run that finished on several ranks ends with a second bounded wait, after rank zero wrote its report: a rank
-        that exited early (``ddp_spawn`` then kills the others) would leave it half written.
-        """
+        calls the same). ``step``: optimizer steps taken; ``exit_code``: what a ``SystemExit`` that ended the run asked
+        for. A run that finished on several ranks ends with a second bounded wait, so that no rank exits (``ddp_spawn``
+        then kills the others) while rank zero still writes."""
         if self.finished:
             return self._report
         status = RunStatus.parse(status)
@@ -411,7 +400,7 @@ class Run:
                 return attach_files(self.context.artifact_stores(), files)
 
             self.failures.call("concluding the run", conclude_run, self.session, report, self.config, attach, written)
-        if together:  # no rank exits while rank zero still writes (see above)
+        if together:
             self.failures.call("waiting for every rank at the end of the run", bounded_wait)
         self._release()
         return report

@@ -1,19 +1,11 @@
 """A jsonargparse usage error in a few lines: the innermost key that failed, the value, what is allowed.
 
 jsonargparse explains a value that fits none of a Union's types with every alternative, nested once per
-level (``trainer.callbacks`` is a list or a callback or None; the callback's ``memory_high_fraction`` is a
-``UnitFraction`` or None), about 25 lines for one bad number. The one that matters is the deepest: the
-alternative that got furthest (a class path that was found, a key that was parsed). :func:`shorten` walks
-the message by its indentation, follows that alternative down to the key that failed, drops the others
-(``Expected a <class 'NoneType'>``, ``Not a valid subclass of ...``) and words what the key accepts. A
-message it does not recognise keeps its first lines, so the key that failed is never lost.
-
-This module only reads text; :mod:`lightning_debug.callbacks.cli` gives it to LightningCLI. jsonargparse
-raises one ``ArgumentError`` whose only content is this English text, so the patterns below read it;
-each is pinned by ``tests/unit/test_cli_errors.py`` to a message the installed jsonargparse really prints
-(a change of its wording fails there, by pattern, instead of silently giving the long message back).
-What the plugin knows itself is not read from text: a rule between fields comes from the
-:class:`~lightning_debug.config_types.ConfigError`'s attributes (:mod:`lightning_debug.callbacks.cli_usage`).
+level: about 25 lines for one bad number. The one that matters is the deepest alternative, the one that got
+furthest; :func:`shorten` follows it down by indentation to the key that failed and words what the key
+accepts. A message it does not recognise keeps its first lines, so the key that failed is never lost.
+jsonargparse's ``ArgumentError`` holds only this English text, so each pattern below is pinned by
+``tests/unit/test_cli_errors.py`` to a message the installed jsonargparse really prints.
 
 Example::
 
@@ -72,10 +64,8 @@ class _Node:
 
 @dataclass
 class ShortError:
-    """The failing key (``path``), the problem in a few words, the value given and what is allowed.
-
-    ``key`` is the outermost key of the path and ``class_path`` the first class in it: with them the
-    parser names the ``--help`` that lists that class's options.
+    """The failing key (``path``), the problem in a few words, the value given and what is allowed; ``key`` and
+    ``class_path`` (the outermost key and the first class of the path) name the ``--help`` that lists its options.
     """
 
     path: str = ""

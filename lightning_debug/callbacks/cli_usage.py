@@ -1,19 +1,11 @@
 """A setting that breaks a rule between fields, given through LightningCLI, is a usage error (exit 2, a few lines).
 
-A value out of its own range is caught by jsonargparse while it parses (the annotations of
-:mod:`lightning_debug.config_types`). A rule between two fields (``gradient_vanishing_threshold`` must be
-below ``gradient_explosion_threshold``) can only be checked when the callback is built, after parsing:
-jsonargparse wrapped the :class:`~lightning_debug.config_types.ConfigError` into a ``ValueError`` of every
-Union alternative, LightningCLI let it out, and the user read two chained tracebacks (97 lines, exit 1)
-with Lightning's parser or ours alike.
-
-:func:`register` adds, through jsonargparse's public ``add_instantiator``, one instantiator for this
-package's callbacks and :class:`~lightning_debug.config.DebugConfig`: it builds them as jsonargparse would
-(``cls(**init_args)``) and, on a ``ConfigError``, prints the class, the rule and the values from the
-error's attributes (never its message text) and exits 2, as a parse error does. Nothing else changes: other
-classes, other exceptions, and ``JSONARGPARSE_DEBUG`` (the whole traceback) are left to jsonargparse. It is
-registered when a callback module is imported while jsonargparse is loaded (LightningCLI imports the
-``class_path`` of a YAML file while it parses), and when :mod:`lightning_debug.callbacks.cli` is imported.
+A value out of its own range is caught by jsonargparse while it parses; a rule between two fields can only be
+checked when the callback is built, and jsonargparse then let the
+:class:`~lightning_debug.config_types.ConfigError` out as two chained tracebacks (97 lines, exit 1).
+:func:`register` adds, through jsonargparse's public ``add_instantiator``, an instantiator for this package's
+classes that prints the class, the rule and the values from the error's attributes and exits 2, as a parse
+error does; other classes, other exceptions and ``JSONARGPARSE_DEBUG`` are left to jsonargparse.
 
 Example::
 

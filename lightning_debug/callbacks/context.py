@@ -30,22 +30,10 @@ PLAIN_SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 TQDM_MODULE = "lightning.pytorch.callbacks.progress.tqdm_progress"
 
 
-def versioned_loggers() -> tuple[type, ...]:
-    """The loggers with a version folder (TensorBoard, CSV) of ``lightning`` and ``pytorch_lightning``."""
-    return classes("lightning.fabric.loggers", "TensorBoardLogger") + classes("lightning.fabric.loggers", "CSVLogger")
-
-
 def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str, str | None]:
-    """This run's directory and id, decided on global zero and shared with every rank (call on every rank).
-
-    A relative ``debug_output_dir`` goes into the first logger's version directory when it has one
-    (TensorBoard, CSV: ``version_N/debug_outputs``), else under ``default_root_dir`` with the run id
-    below it (``debug_outputs/<run id>``); an absolute one always gets the run id below it. So two
-    runs never share a directory, whatever the logger (W&B, MLflow, none, ``fast_dev_run``).
-
-    A directory that cannot be used (a path the file system cannot hold once joined to the logger's)
-    is None with the reason as the third value: the run then writes no files, and the broadcast
-    still happens on every rank.
+    """This run's directory and id, decided on global zero and shared with every rank (call on every rank); where
+    it goes is ``DebugConfig.debug_output_dir``'s description. A directory that cannot be used is None with the
+    reason as the third value: the run then writes no files, and the broadcast still happens on every rank.
     """
     run_id = new_run_id()
     directory: str | None = None
@@ -53,7 +41,9 @@ def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path
     if config.save_debug_info and trainer.is_global_zero:
         try:
             logger = trainer.loggers[0] if trainer.loggers else None
-            versioned = isinstance(logger, versioned_loggers()) and logger.log_dir is not None
+            with_version = classes("lightning.fabric.loggers", "TensorBoardLogger") + classes(
+                "lightning.fabric.loggers", "CSVLogger")  # of lightning and pytorch_lightning
+            versioned = isinstance(logger, with_version) and logger.log_dir is not None
             base = Path(logger.log_dir) if versioned else Path(trainer.default_root_dir)  # type: ignore[union-attr]
             directory = str(run_directory(config.debug_output_dir, base, run_id, versioned))
         except Exception as error:
@@ -77,13 +67,8 @@ def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
 def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime, rows: "RowLogger | None" = None) -> list[Any]:
     """Make each logger's ``log_metrics`` count as the plugin's own time for this fit, and add the debug scalars
     ``rows`` holds to the row Lightning writes through it; the loggers wrapped (give them to
-    :func:`restore_logger_writes`).
-
-    The data wait is timed from one batch's end to the next one's start, and Lightning writes its logging rows
-    in between: with ``log_every_n_steps=1`` the write of every row (2 ms on a tiny model with ``log_gradients``,
-    more through a logger that sends each row over the network) read as data wait, and a healthy tiny model was
-    a ``dataloader_bottleneck``. The rows carry the plugin's scalars, and the write is no data wait whoever's
-    values it holds, so it is left out of step timing as the plugin's own work is.
+    :func:`restore_logger_writes`). Lightning writes its rows inside the timed data wait, and a row's write (2 ms
+    on a tiny model with ``log_gradients``) made a healthy tiny model a ``dataloader_bottleneck``.
     """
     wrapped = []
     for logger in loggers:
@@ -111,19 +96,13 @@ class RowLogger:
     """Debug scalars on the rows Lightning writes, through the loggers' public ``log_metrics``: the user's rows and
     step axis at the trainer's cadence, with nothing written into Lightning's result collection.
 
-    Lightning writes a row of step metrics after a training batch's ``on_train_batch_end`` hooks, every
-    ``log_every_n_steps`` batches that stepped (and when training stops), at the number of batches that stepped
-    before it (its step axis counts batches, not optimizer steps). :meth:`batch_end` follows that cadence from
-    the trainer's public state, once per batch; on a row, :meth:`hold` keeps the scalars measured since the last
-    one, and each logger's ``log_metrics`` (wrapped by :func:`count_logger_writes`) adds them to the row Lightning
-    writes through it (:meth:`merged`): one CSV line, not two. Lightning's row is the call that carries its
-    ``epoch`` column; other callbacks' writes (``DeviceStatsMonitor``) get nothing. A row Lightning does not write
-    (the user logs nothing per step) is written on its own through ``log_metrics`` at the row's step, as
-    ``LearningRateMonitor`` writes, when the next batch starts or the epoch ends (:meth:`flush`).
-
-    What ``LightningModule.log`` would cost is avoided, not worked around: it validates and moves the stored metric
-    on every call (0.2 ms per name per row on a CPU), Lightning walks every logged name at the end of every batch,
-    and it writes a value logged once again on every later row of the epoch.
+    :meth:`batch_end` follows Lightning's row cadence from the trainer's public state; on a row, :meth:`hold` keeps
+    the scalars measured since the last one, and each logger's ``log_metrics`` (wrapped by
+    :func:`count_logger_writes`) adds them to Lightning's row, the call that carries its ``epoch`` column
+    (:meth:`merged`): one CSV line, not two. A row Lightning does not write is written on its own when the next
+    batch starts or the epoch ends (:meth:`flush`), as docs/configuration.md describes. ``LightningModule.log``
+    would validate and move the stored metric on every call (0.2 ms per name per row on a CPU) and write a value
+    logged once again on every later row of the epoch.
 
     Example (a logger that records its rows; Lightning's own row carries ``epoch``)::
 
@@ -287,12 +266,6 @@ class LightningContext(RunContext):
     def module(self) -> nn.Module:
         return self.pl_module
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.pl_module.named_parameters()
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [group for optimizer in self.trainer.optimizers for group in optimizer.param_groups]
-
     def optimizers(self) -> list[Any]:
         return self.trainer.optimizers
 
@@ -314,9 +287,8 @@ class LightningContext(RunContext):
         return sink
 
     def console_printer(self) -> Callable[[str], None] | None:
-        """Lines that respect the progress bar: TQDM's ``write`` on the bars' stream (it clears the bars, prints the
-        line and redraws them; Lightning's own ``print`` writes nothing while no bar is open), else the bar's
-        ``print`` (rich: its console); None without a bar (``stderr``)."""
+        """Lines that respect the progress bar: TQDM's ``write`` (Lightning's own ``print`` writes nothing while no
+        bar is open), else the bar's ``print`` (rich: its console); None without a bar (``stderr``)."""
         bar = self.trainer.progress_bar_callback
         if bar is None or not self.is_global_zero:
             return None

@@ -1,14 +1,10 @@
 """Lightning's two import names: ``lightning.pytorch`` (the default) and the standalone ``pytorch_lightning``.
 
 They are separate packages, each with its own ``Callback``, ``Trainer``, loggers and progress bars, so an
-``isinstance`` check against one fails for the other's objects: a ``pytorch_lightning.Trainer`` refuses a
-callback that is not its own ``Callback`` (``ValueError: Expected a parent`` up to 2.5), and a
-``pytorch_lightning`` ``TensorBoardLogger`` is no ``lightning.pytorch`` one, so the run would miss the logger's
-version folder and its TensorBoard writer. The callbacks therefore derive from the ``Callback`` of each
+``isinstance`` check against one fails for the other's objects (a ``pytorch_lightning.Trainer`` refuses a
+callback that is not its own ``Callback``). The callbacks therefore derive from the ``Callback`` of each
 installed package (:data:`CALLBACK_BASES`), and the adapter checks loggers and bars against the classes of
-both (:func:`classes`). ``pytorch_lightning`` is never required: it is imported only where it is installed,
-and a version that cannot be served is named, with what to install, when a trainer of that package sets a
-debug callback up (:func:`check_trainer`), never for ``lightning`` users.
+both (:func:`classes`). ``pytorch_lightning`` is never required: it is imported only where it is installed.
 
 Example::
 

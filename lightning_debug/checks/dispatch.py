@@ -1,11 +1,8 @@
 """Torch's dispatch-mode hook and pytree flattening, behind import probes.
 
-The replay that names the first kernel making a NaN (:mod:`lightning_debug.checks.firstnan`) and the replay of
-a step without its collectives subclass ``TorchDispatchMode``, which torch keeps in the private
-``torch.utils._python_dispatch``; pytree flattening (``torch.utils._pytree``) is private too, and public as ``torch.utils.pytree`` in
-newer releases. Where a torch lacks the mode, :class:`TorchDispatchMode` is a stand-in whose ``__enter__``
-raises: the replay fails once, loudly, through the failure policy, and the checks that do not replay still
-run. ``tree_leaves`` falls back to flattening lists, tuples and dicts.
+The replays subclass ``TorchDispatchMode``, which torch keeps in a private module, as it does pytree flattening.
+Where a torch lacks the mode, :class:`TorchDispatchMode` is a stand-in whose ``__enter__`` raises: the replay
+fails once through the failure policy and the checks that do not replay still run.
 
 Example::
 

@@ -44,12 +44,7 @@ def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
 
 def frames_of(error: BaseException) -> list[tuple[FrameType, int]]:
     """The traceback's frames, outermost first, with the line each was at."""
-    frames = []
-    tb = error.__traceback__
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    return frames
+    return list(traceback.walk_tb(error.__traceback__))
 
 
 def _tensor_locals(frame: FrameType, names: Iterator[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -1,19 +1,11 @@
 """Which operation of a replayed step first made a value non-finite: in the forward, kernel by kernel; in the
 backward, node by node. Runs only inside a replay, never on a training step.
 
-A ``TorchFunctionMode`` names the call the user wrote (``torch.softmax``, ``Tensor.__itruediv__``); a
-``TorchDispatchMode`` sees every kernel it runs. An in-place kernel (``x /= x.std(0)``) is judged by its inputs
-*before* it ran. Two firsts are kept: the first kernel with a non-finite output from finite inputs (an overflow,
-log(0), 0/0; an infinity put among its arguments on purpose, such as a ``-inf`` mask, is an input, never a cause),
-and the first with NaN from inputs without NaN (a softmax over an entirely ``-inf`` row, 0 x inf).
-:meth:`OpWatch.verdict` picks: a NaN loss is explained by the first kernel that made NaN, or by the earlier one
-that made the infinity it passed on (exp overflowed, then inf - inf), unless it is a softmax over a fully masked
-row (the mask is the bug). An infinity a later kernel absorbs (``exp(-inf) = 0``) is no cause.
-
-The backward: ``detect_anomaly(check_nan=True)`` stops at the first backward that returns NaN, often not where the
-problem is (``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0), so
-:func:`first_nonfinite_backward` hooks every node and names the first whose finite incoming gradients became
-NaN or Inf, with the forward traceback anomaly mode keeps on it.
+A ``TorchFunctionMode`` names the call the user wrote and a ``TorchDispatchMode`` sees every kernel it runs;
+:meth:`OpWatch.verdict` picks the cause as docs/anomaly.md ("Naming the cause") describes. In the backward,
+``detect_anomaly(check_nan=True)`` stops at the first backward that returns NaN, often not where the problem is
+(``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0), so
+:func:`first_nonfinite_backward` names the first node whose finite incoming gradients became NaN or Inf.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Torch's fused multi-tensor operations, behind feature probes with public fallbacks.
 
-``torch._foreach_*`` and ``flatten_dense_tensors`` are private: a torch release may add a keyword
-(``_foreach_norm(..., dtype=)`` arrived in torch 2.4) or drop a name. Each is probed once, at import,
-against the installed torch; where one is missing, the same numbers come from public per-tensor
-operations (one launch per tensor: slower on a GPU, never a host sync, never a failed check). The
-probes are module constants so that a test can pin each one to the installed torch and run the fallback
-on the torch it has.
+``torch._foreach_*`` and ``flatten_dense_tensors`` are private: a torch release may add a keyword or drop a name.
+Each is probed once, at import (module constants a test can pin); where one is missing, the same numbers come
+from public per-tensor operations (slower on a GPU, never a host sync, never a failed check).
 
 Example::
 

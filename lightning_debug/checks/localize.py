@@ -1,11 +1,9 @@
 """Find where a NaN/Inf came from by replaying one step under temporary instrumentation.
 
 Nothing here runs on a healthy step. Once a check found a non-finite loss or gradient, the adapter hands over a
-``replay`` that recomputes that step's loss from the same batch and parameters; :func:`localize` replays it: the
-batch itself (non-finite inputs?), then the forward kernel by kernel and under module hooks
-(:mod:`.firstnan`: the first operation, its module and the user's source line), then, if the forward is clean,
-the backward. :func:`preserved_state` restores the RNG streams and module buffers around the replays;
-:func:`is_replaying` is true meanwhile, so the user's ``training_step`` can leave its own counters alone.
+``replay`` that recomputes that step's loss; :func:`localize` looks at the batch, the forward (:mod:`.firstnan`)
+and the backward in turn (docs/anomaly.md, "Naming the cause"), with the RNG streams and module buffers restored
+around the replays (:func:`preserved_state`).
 """
 
 from __future__ import annotations
@@ -38,16 +36,12 @@ _SKIPPED_PATH_PARTS = (os.sep + "lightning" + os.sep, os.sep + "lightning_fabric
 _DEMO = os.path.join(_OWN_DIR, "demo.py")  # the demo's model is user code, though it ships in the package
 
 
-def _is_user_frame(filename: str) -> bool:
-    own = filename.startswith(_OWN_DIR) and filename != _DEMO
-    return not (filename.startswith(_LIBRARY_DIRS) or own or filename.startswith("<")
-                or any(part in filename for part in _SKIPPED_PATH_PARTS))
-
-
 def user_source(frames: list[traceback.FrameSummary]) -> dict[str, Any] | None:
     """The innermost frame of the user's own code (not torch, Lightning, Accelerate or this package)."""
     for frame in reversed(frames):
-        if _is_user_frame(frame.filename):
+        name = frame.filename
+        own = name.startswith(_OWN_DIR) and name != _DEMO
+        if not (own or name.startswith((*_LIBRARY_DIRS, "<")) or any(part in name for part in _SKIPPED_PATH_PARTS)):
             return {"file": frame.filename, "line": frame.lineno, "function": frame.name, "code": (frame.line or "").strip()}
     return None
 
@@ -101,11 +95,8 @@ class _Replays:
 
 
 def is_replaying() -> bool:
-    """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``).
-
-    The replay calls ``training_step`` (or, under Accelerate, the model's forward) once more on the
-    step's batch; ``self.log`` is muted, but the user's own lists, counters and metric updates would see
-    the batch twice. Guard them with ``if not lightning_debug.is_replaying(): ...``.
+    """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``): the user's own
+    counters and metric updates would see the batch twice (docs/anomaly.md).
 
     Example::
 
@@ -239,8 +230,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
     numbers after a replay as without it."""
     numpy = sys.modules.get("numpy")
     host_rng = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    torch_rng = capture_rng()
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         yield
@@ -248,9 +238,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
         random.setstate(host_rng[0])
         if numpy is not None:
             numpy.random.set_state(host_rng[1])
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        _set_rng(torch_rng)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)

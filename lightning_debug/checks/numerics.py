@@ -68,11 +68,6 @@ def user_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def _is_shard(placement: object) -> bool:
-    # _StridedShard (FSDP over tensor parallel on one dim) is not a Shard subclass in torch 2.13.
-    return isinstance(placement, (Shard, _StridedShard))
-
-
 def owns_block(tensor: torch.Tensor, rank: int) -> bool:
     """Whether this rank's local block counts when squared norms are summed over every process.
 
@@ -91,8 +86,10 @@ def owns_block(tensor: torch.Tensor, rank: int) -> bool:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False
+    placements = tensor.placements  # type: ignore[attr-defined]
+    # _StridedShard (FSDP over tensor parallel on one dim) is not a Shard subclass in torch 2.13
     return bool((mesh.mesh == 0).any()) and all(
-        c == 0 for c, placement in zip(coordinate, tensor.placements) if not _is_shard(placement))  # type: ignore[attr-defined]
+        c == 0 for c, placement in zip(coordinate, placements) if not isinstance(placement, (Shard, _StridedShard)))
 
 
 def replica_slots(tensors: Sequence[torch.Tensor], world: int, plain_sharded: bool = False) -> list[int]:

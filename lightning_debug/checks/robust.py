@@ -6,6 +6,7 @@ deviation would be dragged by them. Pure arithmetic over Python floats.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 
 # The median absolute deviation of a normal distribution times this is its standard deviation.
@@ -20,11 +21,8 @@ def median(values: Iterable[float]) -> float:
         >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
         (2.0, 2.5)
     """
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    values = list(values)
+    return statistics.median(values) if values else math.nan
 
 
 def mad(values: Sequence[float], level: float | None = None) -> float:

@@ -1,9 +1,8 @@
 """Module buffers a training forward changes: a copy to undo a skipped step's forward, and a watch for broken ones.
 
-A BatchNorm forward updates its running statistics before anything can tell whether the step is healthy: a batch
-with one NaN sample poisons them, and skipping the optimizer step leaves them poisoned. :class:`BufferSnapshot`
-copies the buffers of normalisation modules (and any ``running_*`` or ``num_batches_tracked`` buffer) on the device
-before a check step's forward (one ``torch._foreach_copy_``, no sync) and copies them back when the step is skipped.
+A BatchNorm forward updates its running statistics before anything can tell whether the step is healthy, so
+skipping the optimizer step would leave them poisoned (docs/anomaly.md, "skip"): :class:`BufferSnapshot` copies
+them on the device before a check step's forward (no sync) and copies them back when the step is skipped.
 
 Example::
 

@@ -105,11 +105,8 @@ def epoch_end(step: int, batch: Any, batches: Any, accumulate: int) -> int | Non
 
 
 class RunContext:
-    """What a training framework tells a run: where files go, who writes, how to reach the model.
-
-    The Lightning and Accelerate adapters each fill one in; the defaults describe a single process
-    that writes no files and logs nowhere, which is what a hand-written loop or a test starts from.
-    """
+    """What a training framework tells a run; the defaults describe a single process that writes no files and logs
+    nowhere, which is what a hand-written loop or a test starts from."""
 
     output_dir: Path | None = None
     output_problem: str | None = None  # why output_dir is None although files were asked for
@@ -146,7 +143,7 @@ class RunContext:
 
     def param_groups(self) -> list[dict[str, Any]]:
         """The param groups of every optimizer of the run."""
-        return []
+        return [group for optimizer in self.optimizers() for group in optimizer.param_groups]
 
     def optimizers(self) -> list[Any]:
         """The run's optimizers, in the user's order. With more than one, each optimizer step is judged

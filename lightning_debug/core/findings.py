@@ -43,10 +43,8 @@ class EpisodePhase(StrEnum):
 
 class Tally:
     """Per kind: episodes, affected check steps, first and last step, first message, and the kind it
-    follows from (``consequence_of``, when its first finding named one: the report lists it after that kind).
-
-    Kept in each monitor's ``state_dict`` so counts continue across a resume.
-    """
+    follows from (``consequence_of``, when its first finding named one: the report lists it after that kind). Kept
+    in each monitor's ``state_dict`` so counts continue across a resume."""
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}

@@ -2,11 +2,9 @@
 shape, whatever failed on it.
 
 A check that fails on one rank is recorded and the run goes on; but a collective after the failing code was then
-not entered on that rank, and every other rank waited in it forever. So the run does a step's guarded work first,
-and the collectives come from the gate, which the guard never skips: a step's planned collectives
-(:class:`Planned`, chosen from values every rank shares) are made in order, those this rank never reached with an
-empty contribution and its "failed" flag (:meth:`Gate.close`), as is a contribution that raises; and
-:meth:`Gate.agree` takes the step's decision together, the largest of the ranks that did not fail.
+not entered on that rank, and every other rank waited in it forever. So a step's planned collectives
+(:class:`Planned`, chosen from values every rank shares) are made by the gate, which the guard never skips, those
+this rank never reached with an empty contribution (:meth:`Gate.close`); :meth:`Gate.agree` takes the decision.
 
 Example, one process (every collective is then local)::
 
@@ -19,9 +17,8 @@ Example, one process (every collective is then local)::
     >>> list(gate.log)
     [(3, 'rows'), (3, 'decision')]
 
-At the end of a run that finished on every rank, the ranks gather their failed checks once for rank zero's report
-(:func:`gather_failures`), after a bounded wait (gloo's ``monitored_barrier``): a rank that does not come is named
-after :data:`WAIT_S` seconds instead of every rank waiting for the process group's timeout (30 minutes).
+At the end of a finished run the ranks gather their failed checks once (:func:`gather_failures`) after a bounded
+wait: a rank that does not come is named after :data:`WAIT_S` seconds, not the process group's 30-minute timeout.
 """
 
 from __future__ import annotations
@@ -129,6 +126,20 @@ class Gate:
         else:
             self.gather(planned.name, None)
 
+    def _contribution(self, name: str, contribute: Callable[[], Any] | None, device: Any = None,
+                      size: int | None = None) -> Any:
+        """``contribute()`` (a float64 vector of ``size`` on ``device`` when a size is given); None when there is
+        none or it raised, which is recorded: the rank then sends an empty contribution."""
+        if contribute is None:
+            return None
+        try:
+            own = contribute()
+            return own if size is None else own.to(device=device, dtype=torch.float64).reshape(size)
+        except Exception as failure:
+            self.failures.record(f"contributing to the {name} collective", failure,
+                                 "this rank sends an empty contribution")
+            return None
+
     def close(self) -> None:
         """Make every planned collective this rank has not reached (a failure skipped the code that makes it)."""
         while self._plan:
@@ -139,18 +150,12 @@ class Gate:
         """The sum over ranks of ``contribute()`` (a float64 vector of ``size``), and how many ranks sent an empty
         one (zeros) because their contribution failed or was never computed."""
         self._reach(name)
-        empty = contribute is None
         device = _device(device)
         vector = torch.zeros(size + 1, dtype=torch.float64, device=device)
-        if not empty:
-            try:
-                vector[:size] = contribute().to(device=device, dtype=torch.float64).reshape(-1)  # type: ignore[misc]
-            except Exception as failure:
-                self.failures.record(f"contributing to the {name} collective", failure,
-                                     "this rank sends an empty contribution")
-                vector.zero_()
-                empty = True
-        vector[size] = 1.0 if empty else 0.0
+        own = self._contribution(name, contribute, device, size)
+        if own is not None:
+            vector[:size] = own
+        vector[size] = 1.0 if own is None else 0.0
         self.log.append((self.step, name))
         if distributed()[1] > 1:
             dist.all_reduce(vector)
@@ -163,13 +168,9 @@ class Gate:
         ``torch.distributed``; the copy to the host is the caller's."""
         self._reach(name)
         device = _device(device)
-        row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
-        if contribute is not None:
-            try:
-                row = contribute().to(device=device, dtype=torch.float64).reshape(size)
-            except Exception as failure:
-                self.failures.record(f"contributing to the {name} collective", failure,
-                                     "this rank sends an empty contribution")
+        row = self._contribution(name, contribute, device, size)
+        if row is None:
+            row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
         self.log.append((self.step, name))
         if transport is not None:
             return transport(row).reshape(-1)
@@ -183,13 +184,7 @@ class Gate:
     def gather(self, name: str, contribute: Callable[[], Any] | None) -> list[Any]:
         """Every rank's ``contribute()`` (None for a rank whose contribution failed or was never computed)."""
         self._reach(name)
-        own = None
-        if contribute is not None:
-            try:
-                own = contribute()
-            except Exception as failure:
-                self.failures.record(f"contributing to the {name} collective", failure,
-                                     "this rank sends an empty contribution")
+        own = self._contribution(name, contribute)
         self.log.append((self.step, name))
         rank, world = distributed()
         if world < 2:
@@ -221,13 +216,8 @@ class Gate:
                        measure: Callable[[], Any], optimizer: Any) -> int:
         """One ``before_optimizer_step``: the shared measurement and the collectives planned after it, the guarded
         checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
-        :meth:`undo` (which may turn it into STOP).
-
-        ``due`` lists the handlers to call, each with its monitor (whose ``measures``, ``decides`` and
-        ``plan_collectives`` are read, none of its methods called); ``scheduled`` is the step their
-        frequencies count. Which collectives come depends only on that, the settings and the measurement's
-        gathered values, never on what a check did here. An :class:`~lightning_debug.AnomalyError` (``raise``
-        mode) leaves after the agreement, on every rank.
+        :meth:`undo` (which may turn it into STOP). ``due``: the handlers to call, each with its monitor; ``scheduled``:
+        the step their frequencies count. An :class:`~lightning_debug.AnomalyError` leaves after the agreement.
         """
         checking = [monitor for _, _, monitor in due if monitor.schedule.is_due(scheduled)]
         self.open(step, [])
@@ -309,9 +299,7 @@ class RankNotResponding(RuntimeError):
 def bounded_wait(seconds: float = WAIT_S) -> None:
     """Wait at most ``seconds`` for every rank (gloo's ``monitored_barrier``, which names the ranks that did
     not come); a no-op on one process and on backends without it. Raises :class:`RankNotResponding`."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return
-    if dist.get_backend() != "gloo":
+    if distributed()[1] < 2 or dist.get_backend() != "gloo":
         return
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds), wait_all_ranks=True)
@@ -358,11 +346,12 @@ def gather_failures(own: dict[str, dict[str, Any]],
                     gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[Any] | None:
     """Every rank's failed checks (one gather, after :func:`bounded_wait`: ``gather``, the run's gate, or
     ``all_gather_object``); call on every rank. None without a process group of several ranks."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    world = distributed()[1]
+    if world < 2:
         return None
     bounded_wait()
     if gather is not None:
         return gather(lambda: own)
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, own)
     return gathered

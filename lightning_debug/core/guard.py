@@ -102,11 +102,8 @@ MAX_REASONS = 5
 
 
 class Failures:
-    """Which checks failed, how often, since when and why; each warns once.
-
-    ``step`` is the run's current step, kept up to date by whoever drives the run, so that a
-    failure can say since when a check has not run.
-    """
+    """Which checks failed, how often, since when and why; each warns once. ``step`` is the run's current step,
+    kept up to date by whoever drives the run, so that a failure can say since when a check has not run."""
 
     def __init__(self) -> None:
         self.step = -1
@@ -131,18 +128,14 @@ class Failures:
         entry = self.failed.get(name)
         if entry is None:
             entry = self.failed[name] = {"count": 0, "first_step": step, "last_step": step, "reasons": {}}
-            notify(f"lightning-debug: {name} failed{self._at(step)} ({reason}); {consequence}, training "
-                   "continues.")
+            at = f" at step {step}" if step >= 0 else ""
+            notify(f"lightning-debug: {name} failed{at} ({reason}); {consequence}, training continues.")
         entry["count"] += 1
         entry["first_step"] = min(entry["first_step"], step)
         entry["last_step"] = max(entry["last_step"], step)
         reasons = entry["reasons"]
         if reason in reasons or len(reasons) < MAX_REASONS:
             reasons[reason] = reasons.get(reason, 0) + 1
-
-    @staticmethod
-    def _at(step: int) -> str:
-        return f" at step {step}" if step >= 0 else ""
 
     def __bool__(self) -> bool:
         return bool(self.failed)

@@ -1,11 +1,8 @@
 """The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step.
 
-Names: MLflow's file store keeps a metric as the file ``metrics/<name>``, so no name may be the prefix
-``<name>/`` of another, and loggers accept few characters; :func:`metric_part` makes one safe component from free
-text, :func:`safe_metric_name` is the last guard on a whole name. Cadence: like Lightning's own monitoring
-callbacks, :class:`MetricsWriter` logs only when the trainer logs (``log_every_n_steps``), of each window the
-last value per name (the lowest for ``debug/loss_finite``, so a NaN step is never hidden). Under a Trainer the
-scalars go out on Lightning's own rows (:meth:`MetricsWriter.take`), sharing the user's step axis and loggers.
+Loggers accept few characters in a name and MLflow's file store cannot hold ``a/b`` next to ``a``
+(:func:`metric_part`, :func:`safe_metric_name`); the cadence and the rows follow docs/configuration.md
+("Scalars and the trainer's logging cadence").
 """
 
 from __future__ import annotations
@@ -110,12 +107,9 @@ class MetricsWriter:
         rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
             writing them to ``sink``.
 
-    A counter (:func:`is_counter`) is first written, and observed, once it is not 0: a healthy run's TensorBoard opens
-    on the debug charts that move next to the user's own loss, not on a card of zeros per counter (``exposed`` still
-    gets its zeros, for ``EarlyStopping``); from then on every value is written, 0 included.
-
-    Steps are written in order once the caller says no more values for them will come
-    (:meth:`flush_before`), so values read back a step late still land at the step they describe.
+    A counter (:func:`is_counter`) is first written once it is not 0, so a healthy run's TensorBoard opens on the
+    charts that move, not on cards of zeros. Steps are written in order once the caller says no more values for
+    them will come (:meth:`flush_before`), so values read back a step late land at the step they describe.
 
     Example::
 

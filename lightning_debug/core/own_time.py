@@ -1,9 +1,7 @@
 """The plugin's own time: how long the run spent in its own work, so step timing can leave it out.
 
 A census, a replay, the scalars handed to a logger happen inside a step's wall-clock interval: timed naively they
-make those steps look slow (a 500 ms census as a ``slow_step``) and the writing rank a straggler. The run handles
-every event through :meth:`OwnTime.call`; the performance monitor reads :meth:`OwnTime.total_ms` at each phase
-boundary and subtracts the difference from the phase.
+make those steps look slow (a 500 ms census as a ``slow_step``), so the performance monitor subtracts them.
 """
 
 from __future__ import annotations

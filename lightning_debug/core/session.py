@@ -128,11 +128,8 @@ class Session:
                                          "it was removed (events.jsonl still has every event)")
 
     def write_document(self, stem: str, step: int, document: Any) -> Path | None:
-        """Write a document (e.g. an OOM post-mortem) for people next to the events, on any rank.
-
-        The run's presentation layer renders it (``document_writer``); returns the path, or None
-        when this run writes no files.
-        """
+        """Write a document (e.g. an OOM post-mortem) for people next to the events, on any rank, rendered by
+        ``document_writer``; returns the path, or None when this run writes no files."""
         if self.files_dir is None or self.document_writer is None:
             return None
         name = f"{stem}_step{step}" + (f"_rank{self.rank}" if self.rank else "")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 from lightning_debug.checks.robust import quantile

@@ -1,9 +1,7 @@
 """A string enum that reads as its value everywhere, on every supported Python.
 
-``enum.StrEnum`` is Python 3.11+; the package supports 3.10. On 3.10 a plain ``(str, enum.Enum)``
-member prints as ``Class.NAME`` and formats as its value, on 3.11+ it does both as ``Class.NAME``.
-:class:`StrEnum` pins ``str()`` and ``format()`` to the value on all of them, as ``enum.StrEnum``
-does, so events.jsonl, report text and f-strings stay the same whatever Python runs the training.
+``enum.StrEnum`` is Python 3.11+ and a plain ``(str, enum.Enum)`` formats differently on 3.10 and 3.11+;
+:class:`StrEnum` pins ``str()`` and ``format()`` to the value, so events.jsonl and report text never change.
 
 Example::
 

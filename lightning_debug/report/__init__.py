@@ -1,6 +1,3 @@
-"""Everything a person reads: report.json and report.md, the console summary, the plots, the
-TensorBoard layout and text, the out-of-memory post-mortem, and the offline rebuild of all of them.
-
-Nothing here measures or decides; it presents what the monitors recorded. Finding kinds, their
-severities and the advice for each come from :mod:`lightning_debug.core.kinds`.
+"""Everything a person reads: report.json and report.md, the console summary, the plots, the TensorBoard layout
+and text, the out-of-memory post-mortem, and the offline rebuild of all of them. Nothing here measures or decides.
 """

@@ -1,10 +1,7 @@
 """The report files in the logger's own run: an artifact of the W&B run, artifacts of the MLflow run.
 
-At the end of a run, report.md, report.json, events.jsonl and debug_analysis.png are attached to
-every run of a logger that stores files, so they are found where the run's charts are (TensorBoard
-gets the report as text and the plot as an image: :mod:`lightning_debug.report.tensorboard`). Both
-work offline: a W&B offline run stages the artifact with the run, an MLflow file store copies the
-files under the run's ``artifacts/lightning_debug/``.
+The report files are attached to every run of a logger that stores files, so they are found where the run's
+charts are; both work offline (a W&B offline run stages the artifact, an MLflow file store copies the files).
 
 Example::
 

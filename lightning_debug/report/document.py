@@ -1,24 +1,7 @@
 """report.json (for programs) and report.md (for people), built from what the monitors hold.
 
-report.json's top-level keys are stable (``schema_version`` changes if one ever has to change):
-
-- ``schema_version`` (int), ``lightning_debug_version`` (str), ``generated`` (ISO-8601 UTC)
-- ``run``: the run id its events carry (null for a report rebuilt from events without one)
-- ``status``: ``finished``, ``failed``, ``interrupted`` (or ``unknown`` for a report rebuilt
-  offline from a run that never wrote one), ``error`` (the exception, or null), ``last_step``
-- ``findings``: kind -> ``{episodes, steps, first_step, last_step, severity, first_message,
-  callback}`` and ``consequence_of`` (the kind it follows from) when it is a consequence; root causes
-  most severe first, then by first step and causal order, each consequence right after its cause
-- ``stats``: area (``gradient_norm``, ``step_time_ms``, ``memory/cpu_rss_mb``, ...) -> ``{count, mean,
-  min, max, ...}``
-- ``sections``: area -> what else its monitor reports (tables, suggestions, and the ``markdown``
-  of its report.md sections)
-- ``failed_checks``: check -> ``{count, first_step, last_step, reasons}`` for every check that
-  raised instead of running (empty when every check ran)
-- ``config``: the DebugConfig, enums by name
-
-A report rebuilt by ``lightning-debug report DIR`` adds ``rebuilt`` (the files it was read from).
-Each area's report.md sections are rendered in :mod:`lightning_debug.report.sections`.
+report.json's top-level keys are stable (docs/index.md lists them; ``schema_version`` changes if one ever has
+to); each area's report.md sections are rendered in :mod:`lightning_debug.report.sections`.
 
 Example::
 
@@ -34,7 +17,8 @@ import datetime
 import json
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +27,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import jsonable
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
-from lightning_debug.report.measured import measured_line, nothing_found
+from lightning_debug.report.measured import measured_line, nothing_found, step_span
 from lightning_debug.report.sections import SECTION_MARKDOWN, exception_markdown, number_text
 
 REPORT_SCHEMA_VERSION = 1
@@ -55,13 +39,9 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
                  error: str | None = None, failures: dict[str, Any] | None = None,
                  run_id: str | None = None,
                  on_render_failure: Callable[[str, Exception], None] | None = None) -> dict[str, Any]:
-    """Merge the monitors' sections into one report.
-
-    Each section may hold ``findings`` (a :class:`~lightning_debug.core.findings.Tally` state) and
-    ``stats`` (area name -> summary dict); everything else stays under ``sections``, with the
-    Markdown of the area's report.md sections added as ``markdown``. A section whose Markdown cannot be
-    rendered is left without it and given to ``on_render_failure`` (the run records a failed check), so one
-    area's odd section never costs the whole report.
+    """Merge the monitors' sections (``findings``, ``stats``, the rest under ``sections`` with its ``markdown``)
+    into one report. A section whose Markdown cannot be rendered is left without it and given to
+    ``on_render_failure``, so one area's odd section never costs the whole report.
     """
     findings: dict[str, dict[str, Any]] = {}
     stats: dict[str, Any] = {}
@@ -88,7 +68,7 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
         "status": RunStatus.parse(status).value,
         "error": error,
         "last_step": step,
-        "findings": sort_findings(findings),
+        "findings": order_findings(findings),
         "stats": stats,
         "sections": kept,
         "failed_checks": dict(failures or {}),
@@ -106,17 +86,6 @@ def moment(seconds: float) -> str:
         '1970-01-01T00:00:00.250+00:00'
     """
     return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def sort_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Root causes first, each consequence right after its cause (see :func:`~lightning_debug.core.findings.order_findings`)."""
-    return order_findings(findings)
-
-
-def _span(entry: dict[str, Any]) -> str:
-    if entry["first_step"] == entry["last_step"]:
-        return f"step {entry['first_step']}"
-    return f"steps {entry['first_step']}-{entry['last_step']}"
 
 
 def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
@@ -158,9 +127,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     elif not findings:
         lines += [str(measured), ""]
     else:
-        by_severity: dict[str, int] = {}
-        for entry in findings.values():
-            by_severity[entry["severity"]] = by_severity.get(entry["severity"], 0) + 1
+        by_severity = Counter(entry["severity"] for entry in findings.values())
         counts = ", ".join(f"{count} {severity}" for severity, count in
                            sorted(by_severity.items(), key=lambda item: severity_rank(item[0])))
         lines += [f"Found {len(findings)} kind(s) of problem: {counts}.", ""]
@@ -170,7 +137,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             cause = entry.get("consequence_of") if entry.get("consequence_of") in findings else None
             lines += [f"### {number}. `{kind}` ({entry['severity']}" + (f", consequence of `{cause}`" if cause
                                                                         else "") + ")", "",
-                      f"- **Where**: {_span(entry)}; {entry['episodes']} episode(s) over {entry['steps']} check "
+                      f"- **Where**: {step_span(entry)}; {entry['episodes']} episode(s) over {entry['steps']} check "
                       f"step(s); reported by `{entry.get('callback', '?')}`.",
                       f"- **What**: {entry['first_message']}"]
             if entry.get("source") == "tensorboard":

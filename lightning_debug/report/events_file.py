@@ -1,9 +1,7 @@
 """Reading events.jsonl defensively: streamed, every line checked against the event schema.
 
-Files from a crash, a full disk or someone else: a line over 1 MiB, JSON nested too deep, a
-``step`` that is not an integer or ``details`` that is not an object is skipped and counted (with a
-few examples), a cut-off last line (a crash in the middle of a write) is noted as such, and the
-events of the last run are told from those of earlier runs appended to the same file.
+Files from a crash, a full disk or someone else: a bad line is skipped and counted (with a few examples), a
+cut-off last line is noted as such, and the last run's events are told from earlier runs' (docs/reliability.md).
 
 Example::
 

@@ -1,13 +1,10 @@
 """What the callbacks measured, stated whatever the rules concluded: the one place that decides whether a
 report may say "No problems found" (report.md) or "nothing wrong found" (the console summary).
 
-A rule may stay quiet on purpose (a jump without history, a step its exemption covers), but a value
-measured non-finite is not an opinion: a run with one is never called clean. Each area's report section
-names what it measured non-finite under ``nonfinite`` (``what -> {first_step, last_step, steps}``; the
-gradient area: ``gradients``, the check steps whose global gradient norm was Inf or NaN, fp16 overflows
-a GradScaler skipped left out, ``loss`` and, when it measures weights, ``parameters``); every headline is
-decided here from those facts and the findings, so no rule's exemption can make a report say the opposite of
-what was measured.
+A rule may stay quiet on purpose (a step its exemption covers), but a value measured non-finite is not an
+opinion: a run with one is never called clean. Each area's report section names what it measured non-finite
+under ``nonfinite`` (``what -> {first_step, last_step, steps}``), and every headline is decided here from
+those facts and the findings.
 
 Example::
 
@@ -30,7 +27,8 @@ SUBJECTS = {"gradients": "gradients were", "loss": "the loss was", "parameters":
             "buffers": "buffers were", "inputs": "inputs were"}
 
 
-def _span(fact: dict[str, Any]) -> str:
+def step_span(fact: dict[str, Any]) -> str:
+    """``step 3`` or ``steps 3-9``: where a finding or a measurement was."""
     first, last = fact.get("first_step"), fact.get("last_step")
     return f"step {first}" if first == last else f"steps {first}-{last}"
 
@@ -43,8 +41,8 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
         for what, fact in (facts or {}).items():
             if isinstance(fact, dict) and fact.get("steps"):
                 subject = SUBJECTS.get(what, f"{what} were")
-                sentences.append(f"{subject} non-finite at {_span(fact)} ({fact['steps']} check step(s), measured by "
-                                 f"the {area} checks)")
+                sentences.append(f"{subject} non-finite at {step_span(fact)} ({fact['steps']} check step(s), "
+                                 f"measured by the {area} checks)")
     return sentences
 
 

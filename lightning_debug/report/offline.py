@@ -1,26 +1,11 @@
 """``lightning-debug report DIR``: rebuild report.json, report.md and the plots of a run after the fact.
 
-For a run that died without writing its report (killed, out of memory on the host), or one whose
-report you want again with a newer version: everything is rebuilt from ``events.jsonl`` and the
-TensorBoard event files next to it (the debug directory itself and the log directory holding it);
-events.jsonl is read by :mod:`lightning_debug.report.events_file`.
-A report.json already there contributes what only a live run knows (status, configuration,
-per-callback sections); findings and statistics come from the files.
-
-Files from a crash, a full disk or someone else are read defensively: events.jsonl is streamed
-(bounded memory whatever its length), every line is checked against the event schema and a bad
-one is skipped and counted (a line over 1 MiB, JSON nested too deep, a ``step`` that is not an
-integer, ``details`` that is not an object), and what is kept of a good one is cut (messages to
-2,000 characters) and escaped, so memory follows what is kept, not the file; report.json is used
-only in the parts that have the types the report needs. When an events.jsonl holds several runs
-(written before runs had their own directories), the report is of the last run only. When events
-are missing or stop early (a killed run), findings the TensorBoard scalars show (``debug/loss_finite``
-at 0, a rising ``debug/grad/exploding_count``) are reported or completed from there
-(:mod:`~lightning_debug.report.scalars_file`), marked with their source. Only the TensorBoard points of the run's
-own time span are read (:class:`~lightning_debug.report.scalars_file.TimeSpan`): a logger folder that two runs
-wrote to holds both runs' files, or one file with both, and the other run's NaN is not this one's. The rebuilt files are written atomically and never
-through a symlink. Input with nothing usable in it is a :class:`RunDirectoryError` with a one-line
-message.
+For a run that died without writing its report, or one whose report you want again with a newer version:
+findings and statistics come from ``events.jsonl`` (read defensively by
+:mod:`~lightning_debug.report.events_file`) and the TensorBoard scalars of the run's own time span
+(:mod:`~lightning_debug.report.scalars_file`); a report.json already there contributes only what a live run
+knows (status, configuration, sections), in the parts that have the types a report needs. Input with nothing
+usable is a :class:`RunDirectoryError` with a one-line message (docs/index.md, docs/reliability.md).
 
 Example::
 
@@ -38,20 +23,21 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import EVENTS_FILENAME
+from lightning_debug.core.findings import order_findings
 from lightning_debug.core.guard import describe
 from lightning_debug.core.timeline import Timeline
-from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, sort_findings, write_report
+from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, write_report
 from lightning_debug.report.scalars_file import (  # tensorboard_files: re-exported for tools and tests
     RUN_ID,
+    RUN_MARKERS,
     ScalarFindings,
     TimeSpan,
     merge_scalar_findings,
@@ -216,7 +202,7 @@ def _merge_findings(from_events: dict[str, Any], existing: dict[str, Any]) -> di
         newer = from_events.get(kind)
         if newer is None or entry.get("last_step", -1) >= newer.get("last_step", -1):
             merged[kind] = entry
-    return sort_findings(merged)
+    return order_findings(merged)
 
 
 # --- the verb ----------------------------------------------------------------------------------------
@@ -226,8 +212,7 @@ def find_run_directories(root: Path) -> list[Path]:
         raise RunDirectoryError(f"no such directory: {root}")
     if not root.is_dir():
         raise RunDirectoryError(f"not a directory: {root}")
-    markers = (EVENTS_FILENAME, REPORT_JSON)
-    found = sorted({path.parent for marker in markers for path in root.rglob(marker) if path.is_file()})
+    found = sorted({path.parent for marker in RUN_MARKERS for path in root.rglob(marker) if path.is_file()})
     if not found:
         raise RunDirectoryError(f"no events.jsonl under {root}: give a run's debug_outputs directory or the log "
                                 "directory that holds it")
@@ -247,10 +232,8 @@ class RebuildResult:
 
 
 def rebuild(directory: Path, plots: bool = True, progress: Progress | None = None) -> RebuildResult:
-    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files.
-
-    Raises :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used.
-    """
+    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files; a
+    :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used."""
     notes: list[str] = []
     events_path = directory / EVENTS_FILENAME
     scan = EventsScan()

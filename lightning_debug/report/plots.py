@@ -1,16 +1,9 @@
 """``debug_analysis.png``: the loss, step time, memory, gradient norm and findings over the steps of one run.
 
 The loss comes first: it is the curve a person debugging a NaN or a divergence looks at, and every
-other panel shares its step axis. Findings are markers at the step they started; a bar is drawn only
-for an episode seen on more than one check step. A line is drawn only for a threshold in effect (the
-user's ``gradient_explosion_threshold``, when set). Memory readings differ by hundreds of MB (process
-RSS and the C heap), so each is drawn as its change since its first reading, labelled with where it
-started.
-
-Drawn at the end of fit (``DebugConfig.save_plots``) and by ``lightning-debug report DIR``, from
-a :class:`~lightning_debug.core.timeline.Timeline`. matplotlib is an optional extra
-(``pip install matplotlib``, or ``pip install -e ".[plots]"`` in a checkout); it is imported only when a figure is drawn, and
-through the object-oriented Agg API, so a user's own pyplot backend and figures are untouched.
+other panel shares its step axis (docs/index.md describes the panels). matplotlib is an optional extra,
+imported only when a figure is drawn and through the object-oriented Agg API, so a user's own pyplot
+backend and figures are untouched.
 
 Example::
 
@@ -60,32 +53,20 @@ def _nothing(axis: Any, text: str) -> None:
     axis.text(0.5, 0.5, text, transform=axis.transAxes, ha="center", va="center", color="#777777", fontsize=9)
 
 
-def _lines(axis: Any, timeline: Timeline, curves: list[tuple[str, str]]) -> bool:
+def _lines(axis: Any, timeline: Timeline, curves: list[tuple[str, str]], changes: bool = False) -> bool:
+    """Draw each curve that has points; with ``changes``, as its change since its first reading (MB)."""
     drawn = False
     for tag, label in curves:
         steps, values = timeline.values(tag)
         if steps:
+            if changes:
+                start = values[0]
+                values, label = [value - start for value in values], f"{label} (from {start:,.0f} MB)"
             axis.plot(steps, values, label=label, linewidth=1.2, marker="." if len(steps) < 60 else None)
             drawn = True
     if drawn:
-        axis.legend(loc="upper left", fontsize=8, frameon=False)
-        axis.grid(alpha=0.3)
-    return drawn
-
-
-def _memory_changes(axis: Any, timeline: Timeline) -> bool:
-    drawn = False
-    for tag, label in (("debug/memory/cpu_rss_mb", "process RSS"), ("debug/memory/cpu_heap_mb", "C heap in use"),
-                       ("debug/memory/cuda_allocated_mb", "CUDA allocated"),
-                       ("debug/memory/cuda_reserved_mb", "CUDA reserved")):
-        steps, values = timeline.values(tag)
-        if steps:
-            start = values[0]
-            axis.plot(steps, [value - start for value in values], label=f"{label} (from {start:,.0f} MB)",
-                      linewidth=1.2, marker="." if len(steps) < 60 else None)
-            drawn = True
-    if drawn:
-        axis.axhline(0, color="#bbbbbb", linewidth=0.8)
+        if changes:
+            axis.axhline(0, color="#bbbbbb", linewidth=0.8)
         axis.legend(loc="upper left", fontsize=8, frameon=False)
         axis.grid(alpha=0.3)
     return drawn
@@ -164,7 +145,9 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
 
     memory_axis.set_title("Memory: change since the first reading", loc="left", fontsize=10)
     memory_axis.set_ylabel("MB")
-    if not _memory_changes(memory_axis, timeline):
+    memory = [("debug/memory/cpu_rss_mb", "process RSS"), ("debug/memory/cpu_heap_mb", "C heap in use"),
+              ("debug/memory/cuda_allocated_mb", "CUDA allocated"), ("debug/memory/cuda_reserved_mb", "CUDA reserved")]
+    if not _lines(memory_axis, timeline, memory, changes=True):
         _nothing(memory_axis, "no memory readings: add MemoryProfilerCallback (log_memory: true)")
 
     grad_axis.set_title("Global gradient norm", loc="left", fontsize=10)

@@ -1,13 +1,8 @@
 """The debug scalars of the TensorBoard event files next to a run, for ``lightning-debug report``.
 
-What they show completes events.jsonl: a run killed after its last event, or one past the episodes
-written one by one, has the rest of its NaN steps and rising counts only here. Read one point at a
-time; what is kept is a few numbers per tag.
-
-A logger's version folder can hold the files of several runs (a fixed ``version``, one logger given to
-two trainers: then one file holds both), so only the points of the run's own time span are read
-(:class:`TimeSpan`): from its start (report.json's ``started``, else the time in its run id) to its end
-(report.json's ``ended``, else the start of the next run whose directory is under the same folders).
+What they show completes events.jsonl: a run killed after its last event has the rest of its NaN steps and
+rising counts only here. A logger's version folder can hold the files of several runs, so only the points of
+the run's own time span are read (:class:`TimeSpan`, docs/index.md); what is kept is a few numbers per tag.
 """
 
 from __future__ import annotations
@@ -21,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.session import RUN_MARKERS
+from lightning_debug.report.document import moment
+
 EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
@@ -31,7 +29,6 @@ TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
 
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")
 """A run id (:func:`lightning_debug.core.session.new_run_id`): its start, UTC, to the second."""
-RUN_MARKERS = ("events.jsonl", "report.json")
 
 
 def parse_moment(text: Any) -> float | None:
@@ -86,10 +83,7 @@ class TimeSpan:
         return self.start is None or path.stat().st_mtime >= self.start
 
     def describe(self) -> str:
-        def when(seconds: float | None) -> str:
-            return "open" if seconds is None else datetime.datetime.fromtimestamp(
-                seconds, datetime.timezone.utc).isoformat(timespec="milliseconds")
-        return f"{when(self.start)} to {when(self.end)}"
+        return " to ".join("open" if seconds is None else moment(seconds) for seconds in (self.start, self.end))
 
 
 def next_run_start(directories: Iterable[Path], after: float, own: str | None = None) -> float | None:

@@ -19,6 +19,7 @@ from lightning_debug.checks.gradients import round_significant
 from lightning_debug.checks.memory import PHASES as MEMORY_PHASES
 from lightning_debug.checks.memory import SERIES_LABELS
 from lightning_debug.checks.timing import PHASES
+from lightning_debug.report.measured import step_span
 
 
 def number_text(value: Any) -> str:
@@ -56,10 +57,9 @@ def gradients_markdown(section: dict[str, Any]) -> dict[str, str]:
         lines.append(f"Global gradient norm: mean {norms['mean']:.4g}, min {norms['min']:.4g}, "
                      f"max {norms['max']:.4g}, last {norms['last']:.4g}.")
     for what, fact in (section.get("nonfinite") or {}).items():
-        first, last = fact["first_step"], fact["last_step"]
         label = "gradients** (global norm Inf or NaN)" if what == "gradients" else f"{what}**"
         lines.append(f"**Non-finite {label} at {fact['steps']} check step(s), "
-                     + (f"step {first}." if first == last else f"steps {first}-{last}."))
+                     f"{step_span(fact)}.")
     if section.get("scaler_overflows"):
         lines.append(f"fp16 overflows the GradScaler skipped: {section['scaler_overflows']} check step(s).")
     counts = section["counts"]

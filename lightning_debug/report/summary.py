@@ -1,14 +1,9 @@
 """The end of a run for a person: ``debug_analysis.png`` and a compact summary on the console.
 
 :meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
-global-zero process, after report.json is written. The summary says what was found (root causes
-first, most severe first, each consequence after its cause), at which steps, which checks did not run,
-and where the files are. It is meant to be copied: a path or a command is always whole on one line
-(never folded at the console's width), a path in a command is quoted for the shell, and no text of a
-run (a folder named ``runs-[exp1]``, a message) is read as rich markup. It goes through rich (colours)
-only when rich is installed and the stream is a terminal as rich decides it (``FORCE_COLOR`` or
-``TTY_COMPATIBLE=1`` force it, ``TTY_COMPATIBLE=0`` turns it off); piped or redirected output is the
-plain text of :func:`summary_lines`.
+global-zero process, after report.json is written. The summary is meant to be copied: a path or a command
+is always whole on one line, quoted for the shell, and no text of a run is read as rich markup; colours only
+on a terminal with rich installed, else the plain text of :func:`summary_lines`.
 
 Example::
 
@@ -36,19 +31,13 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.kinds import Severity, hint_for
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD
-from lightning_debug.report.measured import nonfinite_measured, nothing_found
+from lightning_debug.report.measured import nonfinite_measured, nothing_found, step_span
 
 MESSAGE_WIDTH = 110
 LINE_MESSAGE_WIDTH = 160
 HINT_WIDTH = 90
 WARNINGS_PER_SOURCE = 10
 SEVERITY_STYLES = {"critical": "bold white on red", "error": "bold red", "warning": "yellow", "info": "dim"}
-
-
-def _span(entry: dict[str, Any]) -> str:
-    if entry["first_step"] == entry["last_step"]:
-        return f"step {entry['first_step']}"
-    return f"steps {entry['first_step']}-{entry['last_step']}"
 
 
 def _short(message: str, width: int = MESSAGE_WIDTH) -> str:
@@ -164,7 +153,7 @@ def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
     if report.get("findings"):
         lines.append(f"  {'severity':<9} {'finding':<22} {'where':<12} what")
     for kind, entry in (report.get("findings") or {}).items():
-        lines.append(f"  {entry['severity']:<9} {kind:<22} {_span(entry):<12} {_what(entry)}")
+        lines.append(f"  {entry['severity']:<9} {kind:<22} {step_span(entry):<12} {_what(entry)}")
     lines += failed_check_lines(report)
     for label, where in files.items():
         lines.append(f"  {label + ':':<9} {where}")
@@ -187,7 +176,7 @@ def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO 
     console.print(Text(_headline(report), style="bold"), soft_wrap=True)
     if findings:
         table = Table(show_header=True, box=None, padding=(0, 1), expand=False)
-        spans = [_span(entry) for entry in findings.values()]
+        spans = [step_span(entry) for entry in findings.values()]
         widths = [9, max([len(kind) for kind in findings] + [7]), max([len(span) for span in spans] + [5])]
         table.add_column("severity", no_wrap=True, width=widths[0])
         table.add_column("finding", no_wrap=True, width=widths[1])
@@ -196,7 +185,7 @@ def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO 
                          width=max(20, console.width - sum(widths) - 9))
         for kind, entry in findings.items():
             severity = str(entry["severity"])
-            table.add_row(Text(severity, style=SEVERITY_STYLES.get(severity, "")), Text(kind), Text(_span(entry)),
+            table.add_row(Text(severity, style=SEVERITY_STYLES.get(severity, "")), Text(kind), Text(step_span(entry)),
                           Text(_what(entry)))
         console.print(table)
     for line in failed_check_lines(report):
@@ -228,11 +217,9 @@ def report_command(directory: Path | str) -> str:
 
 def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
                  attach: Any = None, report_written: bool = True) -> dict[str, str]:
-    """Draw the plots (``save_plots``), finish the TensorBoard layout, attach the files to the
-    loggers' runs (``attach(files)``, a list of what it attached to), and print the summary
-    (``print_summary``) listing only files this run wrote (not report.md when ``report_written`` is
-    False, e.g. on a full disk, even if an earlier version is there). A failure in any step is
-    recorded and the others go on. Returns the files and links listed."""
+    """Draw the plots, finish the TensorBoard layout, attach the files to the loggers' runs (``attach(files)``)
+    and print the summary listing only files this run wrote (not report.md when ``report_written`` is False).
+    A failure in any step is recorded and the others go on. Returns the files and links listed."""
     files: dict[str, str] = {}
     failures = session.failures
     directory = session.output_dir
@@ -267,10 +254,7 @@ PLOT_MIN_STEPS = 200
 
 def plot_worth_drawing(report: dict[str, Any]) -> bool:
     """Whether the end of fit draws debug_analysis.png (``save_plots``): drawing costs about half a
-    second, so a short healthy fit (a test, a smoke run) skips it. It is drawn when the run has a
-    finding of severity warning or above, when it did not finish normally, or when it is at least
-    ``PLOT_MIN_STEPS`` steps long (a chart worth reading); ``lightning-debug report DIR`` draws it
-    from the run's files at any time.
+    second, so a short healthy fit skips it (docs/index.md says when it is drawn).
 
     Example::
 

@@ -1,20 +1,10 @@
 """TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text
 at their step, and at the end the report (Text tab).
 
-Every TensorBoard tab groups tags into sections by the text before the first ``/``, so all
-``debug/...`` charts share one "debug" section there (names are kept: dashboards depend on them).
-The grouping by area lives in the Custom Scalars tab: when the run logs to TensorBoard, it writes,
-when it is created on the global-zero process, a layout with five groups (anomalies, gradients,
-activations, memory, performance); the first chart of the anomalies group is the user's own loss tags, so the
-loss sits next to ``debug/loss_finite``. At the end of the run the layout is written again
-without the debug charts that received no data (TensorBoard shows the latest), and the report as
-text ``debug/report`` (debug_analysis.png stays a file: as an image it would open the Time Series tab
-above the user's own loss). Every event written
-to events.jsonl also becomes a text entry ``debug/events/<kind>`` at its step (Text tab), so a
-spike in a chart can be matched with what was found there. docs/tensorboard.md shows what each
-tab looks like.
-At the end, checks that failed (raised instead of running) are listed under
-``debug/failed_checks``, so a quiet Text tab never passes for a clean run.
+Every tab groups tags by the text before the first ``/``, and dashboards depend on the ``debug/...`` names,
+so the grouping by area lives in a Custom Scalars layout instead, with the user's loss first; each event
+becomes a text entry at its step so a spike in a chart can be matched with what was found there
+(docs/tensorboard.md shows each tab).
 
 Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
@@ -51,11 +41,8 @@ _ATTACHED = "_lightning_debug_layout_written"
 
 
 def debug_layout() -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]``.
-
-    Regexes (Python ``re.match``) rather than fixed tags, so per-parameter charts and scalars
-    added later fall into their group.
-    """
+    """The custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]`` (regexes, so
+    per-parameter charts and scalars added later fall into their group)."""
     return {
         "lightning-debug: anomalies": {
             "your loss (every tag with 'loss' outside debug/)": ["Multiline", [USER_LOSS_PATTERN]],
@@ -123,10 +110,9 @@ def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 
 
 class EventText:
-    """Session event listener writing each event as a text entry at its step (bounded per run); at the
-    end of the run it rewrites the layout with only the charts that have data and adds the report
-    (text). The analysis plot stays a file: as an image it would be the first card of the Time Series tab,
-    above the user's own loss, and the Custom Scalars and Text tabs already tell its story."""
+    """Session event listener writing each event as a text entry at its step (bounded per run); at the end it
+    rewrites the layout with only the charts that have data and adds the report. The plot stays a file: as an
+    image it would be the first card of the Time Series tab, above the user's own loss."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
@@ -169,10 +155,8 @@ def histogram_writer(candidates: Iterable[Any]) -> HistogramWriter | None:
 
 
 def attach_to_writer(writer: Any, session: Session, log_dir: str | None = None) -> bool:
-    """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it.
-
-    Returns False when ``writer`` cannot write custom scalars (not a TensorBoard writer).
-    """
+    """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it; False when
+    ``writer`` cannot write custom scalars (not a TensorBoard writer)."""
     if not callable(getattr(writer, "add_custom_scalars", None)) or not callable(getattr(writer, "add_text", None)):
         return False
     if not getattr(writer, _ATTACHED, False):

@@ -39,11 +39,8 @@ def _tensor_types() -> set[type]:
 
 
 def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the Python garbage collector tracks (tensors held only inside C++, such as the
-    activations an autograd graph saved, have no Python object and are not included).
-
-    One pass over all gc-tracked objects in C (no per-object Python code); drop the list soon.
-    """
+    """Every tensor the Python garbage collector tracks (not those held only inside C++, such as the activations
+    an autograd graph saved), in one pass over all gc-tracked objects in C; drop the list soon."""
     objects = gc.get_objects()
     kinds = _tensor_types()
     try:
@@ -67,11 +64,8 @@ def graph_size(grad_fn: Any, limit: int = 100_000) -> int:
 
 @dataclass
 class Census:
-    """Live tensors grouped by (shape, dtype, device, grad_fn): count and bytes per group.
-
-    ``graph_nodes`` holds, for groups whose tensors carry a ``grad_fn``, the largest autograd graph
-    among their first few members; ``seconds`` what taking the census cost.
-    """
+    """Live tensors grouped by (shape, dtype, device, grad_fn): count and bytes per group; ``graph_nodes``, the
+    largest autograd graph among a group's first few members; ``seconds``, what taking the census cost."""
 
     groups: dict[CensusKey, list[int]] = field(default_factory=dict)
     graph_nodes: dict[CensusKey, int] = field(default_factory=dict)
@@ -88,19 +82,13 @@ class Census:
     def largest(self, limit: int = 10) -> list[dict[str, Any]]:
         """The groups holding the most bytes, largest first."""
         ordered = sorted(self.groups.items(), key=lambda item: -item[1][1])[:limit]
-        return [dict(_describe_key(key), count=count, mb=size / MB) for key, (count, size) in ordered]
-
-
-def _describe_key(key: CensusKey) -> dict[str, Any]:
-    shape, dtype, device, grad_fn = key
-    return {"shape": list(shape), "dtype": dtype, "device": device, "grad_fn": grad_fn or None}
+        return [{"shape": list(shape), "dtype": dtype, "device": device, "grad_fn": grad_fn or None, "count": count,
+                 "mb": size / MB} for (shape, dtype, device, grad_fn), (count, size) in ordered]
 
 
 def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
-    """Group ``tensors`` (by default every live tensor, see :func:`live_tensors`) for a census.
-
-    Reads only metadata (shape, dtype, device, ``grad_fn``): no device sync, no data access.
-    """
+    """Group ``tensors`` (by default every live tensor, see :func:`live_tensors`) for a census, from their metadata
+    only: no device sync, no data access."""
     started = time.perf_counter()
     census = Census()
     items = live_tensors() if tensors is None else tensors

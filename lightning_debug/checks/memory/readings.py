@@ -1,12 +1,8 @@
 """Memory readings (host-side counters only, so taking one never waits for the device), the robust trend
 through them, the out-of-memory post-mortem's data and where leaked CUDA memory was allocated.
 
-The readings: the process's resident set and the system's available memory (``/proc`` read through descriptors
-kept open on Linux, psutil elsewhere), the bytes the C allocator has handed out (``psutil.heap_info``) and the
-CUDA caching allocator's own statistics, one per check step at the same point of every such step. A leak shows
-as a steady rise with the steps; a warm-up jump, an allocator's granularity or the resident set's scatter must
-not read as one, so the line is Theil-Sen (median of pairwise slopes), its scatter a robust sigma and its
-steadiness Kendall's tau.
+A leak shows as a steady rise with the steps; a warm-up jump, an allocator's granularity or the resident set's
+scatter must not read as one, so the trend is robust (docs/memory.md, "memory_growth").
 
 Example::
 

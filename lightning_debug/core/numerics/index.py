@@ -1,15 +1,9 @@
 """The parameters a step is measured over, built once, and the row each rank packs for the one collective.
 
-A :class:`ParameterIndex` is rebuilt only when a registration may have changed a watched model. Not every
-registration is a change: transformers' Llama-family decoders slice their ``ModuleList`` in every forward (a
-fresh container that registers every layer again) and a router may assign the same module to its own slot. So a
-registration counts only when it puts a different object into a slot of a watched model's module
-(:func:`watch_model`); the index is then compared by identity (:func:`signature`) before it is rebuilt.
-The two hooks are process-wide, so a run holds them by a :class:`Lease` (:func:`watch_registrations`): the first
-lease installs them, releasing the last (a run's end, whatever ended it) removes them.
-
-Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`); the host derives the flags from their
-finiteness (:func:`rank_flags`), so the device does no comparison and no sync of its own.
+A :class:`ParameterIndex` is rebuilt only when a registration puts a different object into a slot of a watched
+model's module (transformers' Llama-family decoders register every layer again in each forward, so not every
+registration is a change). The two registration hooks are process-wide: a run holds them by a :class:`Lease`.
+Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`) whose finiteness the host reads as flags.
 
 Example::
 
@@ -41,7 +35,6 @@ from operator import is_
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -105,13 +98,6 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
             "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
             "check_failed": failed,
             "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
-
-
-def world_position() -> tuple[int, int]:
-    """This process's rank and the number of processes of the default (WORLD) group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class Owned:

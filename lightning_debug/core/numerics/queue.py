@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_debug.core.gate import distributed
 from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.numerics.index import (
     AllReduce,
@@ -32,7 +33,6 @@ from lightning_debug.core.numerics.index import (
     signature,
     watch_model,
     watch_registrations,
-    world_position,
 )
 from lightning_debug.core.numerics.step import Observed, StepNumerics
 
@@ -128,7 +128,7 @@ class NumericsQueue:
             named = self._named(named_parameters, optimizer)
         if len(self._indexes) > 8:
             self._indexes.clear()
-        index = ParameterIndex(named, world_position()[0], plain_sharded)
+        index = ParameterIndex(named, distributed()[0], plain_sharded)
         watch_model(_model_of(named_parameters))
         self._indexes[key] = (count, layout, index)
         return index

@@ -28,8 +28,8 @@ from lightning_debug.core.numerics.index import (
     ParameterIndex,
     constant,
     rank_flags,
-    world_position,
 )
+from lightning_debug.core.gate import distributed
 from lightning_debug.core.readback import Readback
 
 
@@ -285,12 +285,8 @@ class HostNumerics:
         return [(n, v) for n, v in zip(self.grad_names, self.grad_norms) if not math.isfinite(v)]
 
     def nonfinite_params(self) -> list[tuple[str, float]]:
-        """Non-finite parameters: from the step's norms when they were computed, else scanned now.
-
-        :attr:`params_seen_after` says which weights these are: a scan now, read a step late, sees the
-        weights after this step's update (and any update since); the step's own norms, or a scan
-        read synchronously, the weights its forward used.
-        """
+        """Non-finite parameters: from the step's norms when they were computed, else scanned now (a scan read a
+        step late sees the weights after this step's update: :attr:`params_seen_after` says which)."""
         if not self.params_measured:
             if self.scan_parameters is None:
                 return []
@@ -370,7 +366,7 @@ class StepNumerics:
             host_row = [0.0, 0.0, 1.0]
             values = [nan, zero, zero, zero, zero, zero, zero]
         row = torch.stack(values)
-        rank, world = world_position() if all_reduce is not None else (0, 1)
+        rank, world = distributed() if all_reduce is not None else (0, 1)
         self.world_size = world
         if world > 1:
             width, replicas = len(RANK_FIELDS), len(self.replica_slots)
