@@ -67,7 +67,7 @@ def test_every_ranks_norms_come_after_the_shared_values_in_the_one_all_reduce(mo
     model(torch.ones(1, 2)).sum().backward()
     index = ParameterIndex(list(model.named_parameters()), rank=1)
     index.replicas = [0, 2]
-    monkeypatch.setattr(step_module, "world_position", lambda: (1, 2))
+    monkeypatch.setattr(step_module, "distributed", lambda: (1, 2))
     other = torch.tensor([5.0, 7.0], dtype=torch.float64)
     reductions: list[int] = []
 

@@ -49,6 +49,7 @@ from lightning_debug.checks.numerics import (
     user_name,
     without_partial,
 )
+from lightning_debug.core.gate import distributed
 from lightning_debug.core.metrics import metric_part
 
 
@@ -249,7 +250,7 @@ class ParameterIndex:
         self.plain_sharded = plain_sharded
         self.sharded = plain_sharded or any(is_dtensor(p) for p in self.params)
         self.sharded_names = [name for name, p in trainable if plain_sharded or is_dtensor(p)]
-        self.replicas = replica_slots(self.params, world_position()[1], plain_sharded)
+        self.replicas = replica_slots(self.params, distributed()[1], plain_sharded)
         """The slots every rank holds whole and identical (data parallelism), whose norms the ranks compare."""
         self._replica_positions: torch.Tensor | None = None
         self.plan = NormPlan(local_tensors(self.params, self.sharded))
