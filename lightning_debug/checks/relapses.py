@@ -79,7 +79,6 @@ class Relapses:
         if not math.isfinite(loss):
             return None
         self.checks += 1
-        bound = self._bound(recent, start)
         if self.open is not None:
             first, limit, peak = self.open
             if loss >= limit:
@@ -87,8 +86,8 @@ class Relapses:
             else:
                 self.back.append((first, peak))
                 self.open = None
-        elif bound is not None and loss >= bound:
-            self.open = (self.checks, bound, loss)
+        elif loss >= start and (bound := self._bound(recent, start)) is not None and loss >= bound:
+            self.open = (self.checks, bound, loss)  # the bound is worked out only for a loss over the start
         full = len(self.back) == RELAPSES and self.checks - self.back[0][0] < RELAPSE_WINDOW
         return [peak for _, peak in self.back] if full else None
 
