@@ -262,7 +262,8 @@ class LossVerdict:
     where: dict[str, Any] | None = None
     """Where in the loop that check step was (epoch, batch), as the monitor gave it."""
     peaks: list[float] | None = None
-    """For ``oscillating``: the highest loss of each of the last relapses (:class:`~lightning_debug.checks.relapses.Relapses`)."""
+    """For ``oscillating``: the highest loss of each of the last relapses
+    (:class:`~lightning_debug.checks.relapses.Relapses`)."""
 
     def measured(self) -> dict[str, Any]:
         """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""

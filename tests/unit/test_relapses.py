@@ -11,8 +11,9 @@ from lightning_debug.checks.trends import LossKind
 from lightning_debug.monitors.anomaly.divergence import LossJudge, loss_finding
 from tests.harness.losses import resumed
 
-# oscillate-adam0.1: Adam at lr 0.1 on a 4-class MLP (batch 32, 512 samples, unshuffled): the loss falls to 0 (exactly,
-# in float32) by step 11 and jumps back, to 5-48 for single steps, until step 91. Losses under 1e-3 are 0 here.
+# oscillate-adam0.1: Adam at lr 0.1 on a 4-class MLP (batch 32, 512 samples, unshuffled): the loss falls to 0
+# (exactly, in float32) by step 11 and jumps back, to 5-48 for single steps, until step 91. Losses under 1e-3 are 0
+# here.
 ADAM_JUMPS = {0: 1.4, 1: 1.69, 2: 1.78, 3: 1.32, 4: 1.04, 5: 0.188, 6: 0.0477, 7: 0.0138, 8: 0.00584, 37: 0.225,
               40: 5.14, 49: 5.54, 51: 0.261, 59: 1.02, 67: 1.51, 70: 47.8, 74: 3.73, 78: 0.833, 84: 0.0549, 91: 8.71}
 ADAM_OSCILLATING = [ADAM_JUMPS.get(step, 0.0) for step in range(200)]
@@ -27,8 +28,8 @@ SGD_FIRST = [0.414, 0.545, 0.794, 0.891, 0.33, 0.368, 0.365, 0.41, 0.353, 0.414,
              0.96, 0.907, 0.908, 0.745, 0.276, 0.335, 0.259, 0.136, 0.127, 0.607, 1.7, 2.23, 0.908, 0.401, 0.471, 0.245,
              0.333, 0.215, 0.603, 2.62, 1.04, 0.57, 0.513, 0.494, 0.375, 0.395, 0.403, 0.402, 0.543, 1.14, 1.15, 0.697,
              0.891, 0.757, 0.567, 0.52, 0.258, 0.454, 0.411, 0.45, 0.401, 0.467, 0.397, 0.35, 0.412, 0.938, 0.997, 0.598]
-SGD_CYCLE = [0.802, 0.696, 0.538, 0.5, 0.261, 0.466, 0.419, 0.456, 0.406, 0.472, 0.398, 0.349, 0.409, 0.932, 0.993,
-             0.595]
+SGD_CYCLE = [0.802, 0.696, 0.538, 0.5, 0.261, 0.466, 0.419, 0.456, 0.406, 0.472, 0.398, 0.349, 0.409, 0.932,
+             0.993, 0.595]
 SGD_OSCILLATING = SGD_FIRST + SGD_CYCLE * 16
 
 

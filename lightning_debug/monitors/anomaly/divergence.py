@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from lightning_debug.checks.relapses import RELAPSE_WINDOW
 from lightning_debug.checks.trends import LossKind, LossTrend, LossVerdict
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -145,11 +146,12 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="smoothed_level"))
     if verdict.kind is LossKind.OSCILLATING:
         peaks = verdict.peaks or []
+        listed = ", ".join(f"{peak:.3g}" for peak in peaks)
         return Finding(
             Kind.LOSS_DIVERGENCE, Severity.WARNING,
-            f"The loss oscillates and does not settle: {len(peaks)} times within the last checked steps, up to step "
-            f"{step}, it jumped back to where the run started ({verdict.start:.4g}) or above, far above its level "
-            f"({verdict.level:.4g}), and came back down (peaks {', '.join(f'{p:.3g}' for p in peaks)}){lr}; "
+            f"The loss oscillates and does not settle: {len(peaks)} times within the last {RELAPSE_WINDOW} checked "
+            f"steps, up to step {step}, it jumped back to where the run started ({verdict.start:.4g}) or above, far "
+            f"above its level ({verdict.level:.4g}), and came back down (peaks {listed}){lr}; "
             f"everything is still finite. The optimizer overshoots at this learning rate. {FIX}. (Many bad records, "
             "one batch in 20 far off, look the same: check those batches if the learning rate is not the cause.)",
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="relapses"))
