@@ -313,8 +313,9 @@ class LossTrend:
     the recent median and the start level, :data:`LOSS_SPIKE_SIGMAS` spreads above the median and
     :data:`SPIKE_OVER_RECENT_MAX` times the recent maximum: single-example losses have a long tail), a steady
     ``divergence`` over :data:`DIVERGENCE_WINDOW` checks, a noisy ``climb`` of the median level over the best level
-    of the run, or a ``settled`` climb over the early level. How long each is held is its kind's policy. What each
-    rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
+    of the run, a ``settled`` climb over the early level, or an ``oscillating`` loss that keeps jumping back to where
+    the run started (:class:`~lightning_debug.checks.relapses.Relapses`). How long each is held is its kind's policy.
+    What each rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
     docs/gradients.md, "Early divergence"; single-optimizer runs only for the level's judgements.
 
     Example::
