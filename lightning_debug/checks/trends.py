@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_debug.checks.relapses import Relapses
 from lightning_debug.checks.robust import median, robust_sigma
 
 # Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
@@ -237,6 +238,7 @@ class LossKind(str, enum.Enum):
     DIVERGENCE = "divergence"
     CLIMB = "climb"
     SETTLED = "settled"
+    OSCILLATING = "oscillating"
     OUTLIER = "outlier"
 
 
@@ -259,6 +261,9 @@ class LossVerdict:
     """The check step the verdict is about (a spike's or an outlier's is the check before the one that settled it)."""
     where: dict[str, Any] | None = None
     """Where in the loop that check step was (epoch, batch), as the monitor gave it."""
+    peaks: list[float] | None = None
+    """For ``oscillating``: the highest loss of each of the last relapses
+    (:class:`~lightning_debug.checks.relapses.Relapses`)."""
 
     def measured(self) -> dict[str, Any]:
         """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""
@@ -278,6 +283,8 @@ class LossVerdict:
             out["best_level"] = self.best
         if math.isfinite(self.early):
             out["early_level"] = self.early
+        if self.peaks:
+            out["relapse_peaks"] = self.peaks
         return out
 
 
@@ -296,6 +303,7 @@ class LossReading:
     rising: bool = False
     settled: LossVerdict | None = None
     levels_judged: bool = False
+    oscillating: LossVerdict | None = None
 
 
 class LossTrend:
@@ -305,8 +313,9 @@ class LossTrend:
     the recent median and the start level, :data:`LOSS_SPIKE_SIGMAS` spreads above the median and
     :data:`SPIKE_OVER_RECENT_MAX` times the recent maximum: single-example losses have a long tail), a steady
     ``divergence`` over :data:`DIVERGENCE_WINDOW` checks, a noisy ``climb`` of the median level over the best level
-    of the run, or a ``settled`` climb over the early level. How long each is held is its kind's policy. What each
-    rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
+    of the run, a ``settled`` climb over the early level, or an ``oscillating`` loss that keeps jumping back to where
+    the run started (:class:`~lightning_debug.checks.relapses.Relapses`). How long each is held is its kind's policy.
+    What each rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
     docs/gradients.md, "Early divergence"; single-optimizer runs only for the level's judgements.
 
     Example::
@@ -328,6 +337,7 @@ class LossTrend:
         """The levels of the last checks the level was above the climb limit (a baseline: the verdict engine holds
         the streak; while it lasts these are its levels)."""
         self.far_above = SettledLevel()
+        self.relapses = Relapses()
 
     @property
     def best_spread(self) -> float:
@@ -349,6 +359,7 @@ class LossTrend:
             return LossReading(loss)
         divergence = self._divergence(loss)
         spike = self._spike(loss) if divergence is None else None
+        oscillating = self._oscillating(loss) if climb else None
         self.recent.append(loss)
         if len(self.start) < LOSS_START_VALUES:
             self.start.append(loss)
@@ -358,7 +369,14 @@ class LossTrend:
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
-        return LossReading(loss, spike, divergence, climbing, rising, settled, climb)
+        return LossReading(loss, spike, divergence, climbing, rising, settled, climb, oscillating)
+
+    def _oscillating(self, loss: float) -> LossVerdict | None:
+        peaks = self.relapses.judge(loss, self.recent, self.start_level)
+        if peaks is None:
+            return None
+        return LossVerdict(LossKind.OSCILLATING, loss, median(self.recent), self.start_level,
+                           window=list(self.recent)[-DIVERGENCE_WINDOW:], peaks=peaks)
 
     def _settled(self, loss: float, level: float) -> LossVerdict | None:
         early = self.far_above.judge(loss, self.recent)
@@ -449,7 +467,7 @@ class LossTrend:
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
-                "far_above": self.far_above.state_dict()}
+                "far_above": self.far_above.state_dict(), "relapses": self.relapses.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -460,3 +478,4 @@ class LossTrend:
         self.climb_levels.clear()
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))
         self.far_above.load_state_dict(state.get("far_above", {}))
+        self.relapses.load_state_dict(state.get("relapses", {}))

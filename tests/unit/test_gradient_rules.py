@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -596,13 +597,28 @@ def test_the_bulk_of_a_model_frozen_under_an_optimizer_over_every_parameter_is_a
 
 
 def test_frozen_by_optimizer_skips_an_optimizer_of_flattened_copies() -> None:
-    a = torch.nn.Parameter(torch.ones(1))
-    found, check = frozen_by_optimizer([("a", a)], [{"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.1}])
+    a = torch.nn.Parameter(torch.ones(2, 2))
+    found, check = frozen_by_optimizer([("a", a)], [{"params": [torch.nn.Parameter(torch.ones(4))], "lr": 0.1}])
+    assert found == {} and check is not None and check.startswith("skipped")
+    master = torch.nn.Parameter(torch.ones(2, 2, dtype=torch.float64))  # fp32/fp64 masters of a lower precision
+    found, check = frozen_by_optimizer([("a", a)], [{"params": [master], "lr": 0.1}])
     assert found == {} and check is not None and check.startswith("skipped")
     found, check = frozen_by_optimizer([("a", a)], [{"params": [a], "lr": 0.0, "initial_lr": 0.1}])
     assert found == {} and check == "done"  # a schedule that starts at 0 is not frozen
     verdicts = static_frozen_verdicts({FrozenCause.LR_ZERO: ["a"]})
     assert verdicts[0].key == "lr_zero" and verdicts[0].finding.details["cause"] == "lr_zero"
+
+
+def test_an_optimizer_over_a_copy_of_the_layers_leaves_every_trainable_parameter_in_no_group() -> None:
+    """tc-optimizer-on-copy (TrainCheck): ``SGD(copy.deepcopy(layers).parameters())``; the pair of the flattened
+    copies above, which stay skipped. An optimizer over a subset of the module is no copy."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    named = list(model.named_parameters())
+    found, check = frozen_by_optimizer(named, [{"params": list(copy.deepcopy(model).parameters()), "lr": 0.1}])
+    assert found == {FrozenCause.NOT_IN_OPTIMIZER: ["0.weight", "0.bias", "1.weight", "1.bias"]}
+    assert check is not None and "copy" in check
+    found, check = frozen_by_optimizer(named, [{"params": list(model[1].parameters()), "lr": 0.1}])
+    assert found == {FrozenCause.NOT_IN_OPTIMIZER: ["0.weight", "0.bias"]} and check == "done"
 
 
 def test_not_updated_ignores_parameters_resting_at_lr_zero_and_without_gradient() -> None:

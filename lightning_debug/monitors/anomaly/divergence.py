@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from lightning_debug.checks.relapses import RELAPSE_WINDOW
 from lightning_debug.checks.trends import LossKind, LossTrend, LossVerdict
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -23,7 +24,7 @@ FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and
 CLIMB_CHECKS = policy_of(Kind.LOSS_DIVERGENCE).needed() or 1
 """Checks in a row a climbing or settled level holds before it is a ``loss_divergence`` (the kind's policy); a climb
 is also higher at the last of them than at the first."""
-SPIKE, RISE, CLIMB, SETTLED = "spike", "rise", "climb", "settled"
+SPIKE, RISE, CLIMB, SETTLED, OSCILLATING = "spike", "rise", "climb", "settled", "oscillating"
 """The keys of the suspicions (a steady rise is not held): at most one spike is held at a time (the next check
 settles it)."""
 
@@ -63,7 +64,8 @@ class LossJudge:
             spike = Suspicion(Kind.LOSS_SPIKE, SPIKE, step, where=where, value=loss, bound=reading.spike.limit,
                               measured=reading.spike.measured())
         settled = self.verdicts.observe(Kind.LOSS_SPIKE, step, [spike] if spike else [], reading=loss)
-        levels = [(CLIMB, reading.climb, reading.rising), (SETTLED, reading.settled, True)]
+        levels = [(CLIMB, reading.climb, reading.rising), (SETTLED, reading.settled, True),
+                  (OSCILLATING, reading.oscillating, True)]
         held = [Suspicion(Kind.LOSS_DIVERGENCE, key, step, where=where, confirms=confirms)
                 for key, verdict, confirms in levels if verdict is not None]
         confirmed = {item.key for item in self.verdicts.observe(Kind.LOSS_DIVERGENCE, step, held)} \
@@ -106,8 +108,9 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
     if verdict.kind is None:
         return None
     lr = _learning_rates(learning_rates)
-    jumped = (f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
-              f"level {verdict.level:.4g} (the run started at {verdict.start:.4g})")
+    jumped = "" if verdict.kind not in (LossKind.SPIKE, LossKind.OUTLIER) else (
+        f"The loss jumped to {verdict.loss:.4g} at step {step}, {verdict.loss / verdict.level:.3g}x its recent "
+        f"level {verdict.level:.4g} (the run started at {verdict.start:.4g})")
     if verdict.kind is LossKind.SPIKE:
         after = "" if verdict.next_loss is None else (
             f", and the next check's loss was {verdict.next_loss:.4g}" if math.isfinite(verdict.next_loss)
@@ -141,6 +144,17 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"level of the run ({verdict.best:.4g}) and above where the run started ({verdict.start:.4g}), and it "
             f"kept rising over the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="smoothed_level"))
+    if verdict.kind is LossKind.OSCILLATING:
+        peaks = verdict.peaks or []
+        listed = ", ".join(f"{peak:.3g}" for peak in peaks)
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss oscillates and does not settle: {len(peaks)} times within the last {RELAPSE_WINDOW} checked "
+            f"steps, up to step {step}, it jumped back to where the run started ({verdict.start:.4g}) or above, far "
+            f"above its level ({verdict.level:.4g}), and came back down (peaks {listed}){lr}; "
+            f"everything is still finite. The optimizer overshoots at this learning rate. {FIX}. (Many bad records, "
+            "one batch in 20 far off, look the same: check those batches if the learning rate is not the cause.)",
+            dict(verdict.details, learning_rates=list(learning_rates), judged_by="relapses"))
     if verdict.kind is LossKind.SETTLED:
         return Finding(
             Kind.LOSS_DIVERGENCE, Severity.WARNING,

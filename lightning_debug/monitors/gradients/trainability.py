@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -35,8 +36,10 @@ class FrozenCause(StrEnum):
 
 STATIC_ADVICE = {
     FrozenCause.NOT_IN_OPTIMIZER: ("get gradients but are in no optimizer param group, so the optimizer never changes "
-                                   "them. Pass them to the optimizer in configure_optimizers (e.g. self.parameters()), "
-                                   "or call requires_grad_(False) if they are meant to stay fixed."),
+                                   "them (an optimizer built over a copy of them, a deepcopy or a model re-created "
+                                   "after it, steps the copy). Pass them to the optimizer in configure_optimizers "
+                                   "(e.g. self.parameters()), or call requires_grad_(False) if they are meant to stay "
+                                   "fixed."),
     FrozenCause.LR_ZERO: ("are in a param group whose base learning rate is 0, so no scheduler can make them move. "
                           "Set a learning rate, or call requires_grad_(False) if they are meant to stay fixed."),
     FrozenCause.REQUIRES_GRAD_FALSE: (
@@ -100,21 +103,38 @@ def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_gro
                         ) -> tuple[dict[FrozenCause, list[str]], str | None]:
     """Trainable parameters in no param group, or in one whose base learning rate (``initial_lr``: a warm-up
     from 0 is no freeze) is 0, and how the check went (None: not done). An optimizer holding none of the
-    module's parameters (FSDP, DeepSpeed copies) is skipped.
+    module's parameters is skipped (FSDP/DeepSpeed flatten or partition them, or keep masters in another dtype),
+    unless what it holds are copies of them (:func:`holds_copies`): then every trainable parameter is in no group.
+
+    Example::
+
+        >>> import copy
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> ghost = copy.deepcopy(layer)
+        >>> found, check = frozen_by_optimizer(list(layer.named_parameters()), [{"params": list(ghost.parameters())}])
+        >>> found[FrozenCause.NOT_IN_OPTIMIZER], check.startswith("done")
+        (['weight', 'bias'], True)
     """
     if not param_groups or not trainable:
         return {}, None
     names = {id(p): name for name, p in trainable}
     in_optimizer: set[int] = set()
     zero_lr: set[int] = set()
+    held: list[torch.Tensor] = []
     for group in param_groups:
-        ids = {id(p) for p in group.get("params", [])}
+        params = list(group.get("params", []))
+        ids = {id(p) for p in params}
+        held += [p for p in params if id(p) not in in_optimizer]
         in_optimizer |= ids
         if number_equals_zero(group.get("initial_lr", group.get("lr"))):
             zero_lr |= ids
     if not in_optimizer & set(names):
-        return {}, ("skipped: the optimizer holds none of the module's parameters "
-                    "(wrapped or flattened copies, e.g. FSDP/DeepSpeed)")
+        if not holds_copies(held, [p for _, p in trainable]):
+            return {}, ("skipped: the optimizer holds none of the module's parameters "
+                        "(wrapped or flattened copies, e.g. FSDP/DeepSpeed)")
+        return ({FrozenCause.NOT_IN_OPTIMIZER: list(names.values())},
+                f"done: the optimizer holds {len(held)} tensor(s) of the shapes and dtypes of the module's parameters, "
+                "but none of them (a copy)")
     found = {FrozenCause.NOT_IN_OPTIMIZER: [n for i, n in names.items() if i not in in_optimizer],
              FrozenCause.LR_ZERO: [n for i, n in names.items() if i in zero_lr]}
     return {cause: found_names for cause, found_names in found.items() if found_names}, "done"
@@ -220,6 +240,29 @@ def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict
         f"{STATIC_ADVICE[cause]}",
         {"parameters": names[:NAMES_IN_DETAILS], "count": len(names), "cause": cause.value}), names, cause.value)
         for cause, names in frozen.items()]
+
+
+def holds_copies(held: Sequence[torch.Tensor], trainable: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors an optimizer holds (none of them the module's) are copies of the module's trainable
+    parameters: each has the shape and dtype of a distinct one (a ``deepcopy`` of the layers, a model re-created
+    after the optimizer was built). Sharded or flattened parameters (FSDP, DeepSpeed's partitions) have other
+    shapes and master weights another dtype, so those optimizers stay skipped; no tensor is read.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.ones(3, 2))
+        >>> holds_copies([torch.nn.Parameter(torch.zeros(3, 2))], [weight])
+        True
+        >>> holds_copies([torch.nn.Parameter(torch.zeros(6))], [weight]), holds_copies([], [weight])
+        (False, False)
+        >>> holds_copies([torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))], [weight])
+        False
+    """
+    if not held:
+        return False
+    available = Counter((tuple(p.shape), p.dtype) for p in trainable)
+    wanted = Counter((tuple(p.shape), p.dtype) for p in held)
+    return all(available[key] >= count for key, count in wanted.items())
 
 
 def resting_slots(param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor]) -> list[bool]:
