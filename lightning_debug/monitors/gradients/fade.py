@@ -1,0 +1,122 @@
+"""``vanishing_grad`` by a steady fade through depth: the first layer's gradient a thousandth of the last's.
+
+The absolute rule (:mod:`.vanishing`) needs a layer under ``gradient_vanishing_threshold`` next to one a
+thousand times larger; eight sigmoid layers lose the signal 4x per layer instead, so every layer stays above
+the threshold and no two neighbours differ much, yet the input side gets ~1e-5 of what the head gets and does
+not learn. AutoTrainer's criterion (ICSE 2021) is the ratio of gradient norms between the first and the last
+layer: under :data:`FADE_RATIO`. Here the layers are the modules that own a weight (a parameter of two or more
+dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only.
+
+On healthy models the ratio stays far above it (the fixed twins of the fault benchmark: 0.13 to 1.5; residual
+connections and normalisation carry the gradient to the input side). What could still look like it is ruled
+out: an exactly zero norm (a LoRA A while B is 0, a zero-initialised gate; dead layers are the absolute
+rule's), a fade that is not steady (fewer than :data:`STEADY_SHARE` of the neighbouring layers shrink toward
+the input: one odd layer, not depth), models of fewer than :data:`MIN_LAYERS` layers and a first layer the
+absolute rule already holds (one finding, not two). It must persist: the suspicion is held under
+``vanishing_grad``'s policy (three check steps in a row) in a scope of its own; a network that starts to
+recover (the ratio growing from 1e-7 to 1e-4 over the hold, the loss falling) is still fading.
+
+Example::
+
+    >>> from lightning_debug.core.verdicts import VerdictEngine
+    >>> norms = [("l0.weight", 1e-6), ("l1.weight", 1e-5), ("l2.weight", 1e-4), ("l3.weight", 1e-3),
+    ...          ("head.weight", 0.3)]
+    >>> history, verdicts, dims = FadeHistory(), VerdictEngine(), dict.fromkeys([n for n, _ in norms], 2)
+    >>> [judge_fade(s, norms, dims, {}, "registration", history, verdicts) is None for s in (0, 100)]
+    [True, True]
+    >>> verdict = judge_fade(200, norms, dims, {}, "registration", history, verdicts)
+    >>> verdict.finding.kind.value, verdict.steps, f"{verdict.finding.details['ratio']:.2g}"
+    ('vanishing_grad', [0, 100, 200], '3.3e-06')
+    >>> healthy = [(name, 0.1 * (i + 1)) for i, (name, _) in enumerate(norms)]
+    >>> judge_fade(300, healthy, dims, {}, "registration", FadeHistory(), VerdictEngine()) is None
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine
+from lightning_debug.monitors.gradients.layout import Positions, module_of
+from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
+
+FADE_RATIO = 1e-3
+STEADY_SHARE = 0.6
+MIN_LAYERS = 4
+SCOPE = "fade"
+
+
+class FadeHistory:
+    """Each layer's first gradient norm, and the first ratio of a run (report.json details)."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+
+
+def weighted_layers(grads: Sequence[tuple[str, float]], dims: Mapping[str, int],
+                    positions: Positions) -> list[tuple[str, float]]:
+    """``(module, gradient norm)`` of the modules owning a parameter of two or more dimensions, in forward order
+    (modules whose position is unknown are left out: their place in depth is not known)."""
+    squares: dict[str, float] = {}
+    weighted: dict[str, None] = {}  # in the order given, for registration order without positions
+    place: dict[str, tuple[int, int]] = {}
+    for name, norm in grads:
+        module = module_of(name)
+        squares[module] = squares.get(module, 0.0) + norm * norm
+        if dims.get(name, 0) >= 2:
+            weighted[module] = None
+        if name in positions:
+            place[module] = min(place.get(module, positions[name]), positions[name])
+    known = [module for module in weighted if module in place or not positions]
+    known.sort(key=lambda module: place.get(module, (0, 0)))
+    return [(module, math.sqrt(squares[module])) for module in known]
+
+
+def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str, int], positions: Positions,
+               order_source: str, history: FadeHistory, verdicts: VerdictEngine) -> Verdict | None:
+    """The ``vanishing_grad`` finding of a steady fade confirmed at this check step, or None (see the module)."""
+    layers = weighted_layers(grads, dims, positions)
+    for module, norm in layers:
+        if math.isfinite(norm):
+            history.first.setdefault(module, norm)
+    suspicions = []
+    if len(layers) >= MIN_LAYERS:
+        (first, low), (last, high) = layers[0], layers[-1]
+        norms = [norm for _, norm in layers]
+        shrinking = sum(1 for a, b in zip(norms, norms[1:]) if a < b)
+        if (all(math.isfinite(n) for n in norms) and 0 < low < FADE_RATIO * high
+                and verdicts.hold(Kind.VANISHING_GRAD, first) is None
+                and shrinking >= STEADY_SHARE * (len(norms) - 1)):
+            suspicions.append(Suspicion(Kind.VANISHING_GRAD, first, step, value=low / high,
+                                        measured={"last": last}))
+    confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, suspicions, scope=SCOPE)
+    if not confirmed:
+        return None
+    held = confirmed[0]
+    finding = fade_finding(step, layers, order_source, held.first.step)
+    steps = held.steps if len(held.steps) > 1 else []
+    return Verdict(finding, [name for name, _ in grads if module_of(name) == held.key], steps=steps, key=held.key)
+
+
+def fade_finding(step: int, layers: Sequence[tuple[str, float]], order_source: str, since: int) -> Finding:
+    (first, low), (last, high) = layers[0], layers[-1]
+    ratio = low / high
+    per_layer = ratio ** (1 / (len(layers) - 1))
+    shown = ", ".join(f"`{m or '(root)'}` {n:.3g}" for m, n in layers[:NAMES_IN_DETAILS])
+    details: dict[str, Any] = {
+        "layers": [first], "first_layer": first, "last_layer": last, "ratio": ratio, "threshold": FADE_RATIO,
+        "per_layer_factor": per_layer, "since_step": since, "order": order_source,
+        "layer_norms": dict(layers[:NAMES_IN_DETAILS]), "rule": "fade"}
+    return Finding(
+        Kind.VANISHING_GRAD, Severity.WARNING,
+        f"The gradient fades steadily through depth: the first layer `{first or '(root)'}` gets {ratio:.2g} of the "
+        f"gradient norm of the last layer `{last or '(root)'}` ({low:.3g} vs {high:.3g}, about {per_layer:.2g}x per "
+        f"layer over {len(layers)} layers) at step {step}, on every check step since step {since}; under "
+        f"{FADE_RATIO:g}, the layers near the input barely learn. In forward order: {shown}. Saturating "
+        "activations (sigmoid/tanh) or too small an initialisation shrink the gradient at every layer: prefer "
+        "ReLU/GELU, Kaiming/Xavier initialisation, normalisation layers or residual connections.",
+        details)
