@@ -96,7 +96,8 @@ DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
 
 class Area(enum.Enum):
     """The areas of checks, in the order the run calls them: :class:`DebugMode` selects the four callback areas;
-    ``ACTIVATIONS`` comes with gradients when ``log_activations`` is on, ``LOOP`` and ``ERRORS`` with any of them."""
+    ``ACTIVATIONS`` comes with gradients (its scalars when ``log_activations`` is on), ``LOOP`` and ``ERRORS`` with any
+    of them."""
 
     ANOMALY = "anomaly"
     GRADIENTS = "gradients"

@@ -348,7 +348,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
                "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
                "lower the learning rate, or use ReLU/GELU in hidden layers.",
-        hint="normalise the inputs, a better initialisation, or ReLU/GELU"),
+        hint="normalise the inputs, a better initialisation, or ReLU/GELU",
+        confirm=Confirm(patience=2)),
     Kind.EVAL_MODE_IN_TRAINING: KindSpec(
         Area.LOOP, Severity.WARNING,
         advice="Dropout and BatchNorm of these modules behave as in inference during training "

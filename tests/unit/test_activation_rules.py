@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import STATS, output_stats, saturation_range
+from lightning_debug.checks.activations import ROW, output_stats, saturation_range
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.monitors.activations import (
     DEAD_FRACTION,
+    LOSS_KEPT,
     MIN_ELEMENTS,
     SATURATED_FRACTION,
     ActivationMonitor,
@@ -94,6 +95,53 @@ def test_the_models_last_output_may_be_saturated() -> None:
     assert kinds([linear(), sigmoid()], [stats(), stats(saturated=1.0)]) == []
 
 
+def regression_output(saturated: float, loss: float, first_loss: float = 9.5) -> list[tuple[Kind, str]]:
+    outputs = [relu("act"), Output("out_act", "Tanh", [32, 1], relu_like=False, saturating=True, fed_by=None)]
+    found = activation_findings(4, outputs, [stats(), stats(saturated=saturated)], loss, first_loss)
+    return [(f.kind, f.details["modules"][0]) for f in found]
+
+
+def test_the_models_output_saturated_while_the_loss_stays_where_it_was_is_named_a_confident_one_is_not() -> None:
+    """A tanh on a regression output whose targets reach +-5: 97% of the batch of 32 at +-1, the loss 47% of its
+    first value; the same outputs after the loss fell under LOSS_KEPT are a classifier's confident predictions."""
+    assert regression_output(0.97, loss=4.46) == [(Kind.SATURATED_ACTIVATION, "out_act")]
+    assert regression_output(0.97, loss=LOSS_KEPT * 9.5 * 0.9) == []
+    assert regression_output(0.97, loss=math.nan) == []  # the loss unknown: not judged
+    assert regression_output(SATURATED_FRACTION - 1e-6, loss=4.46) == []
+
+
+def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_is_not() -> None:
+    """A ReLU on the logits: one class of four gets no gradient; a hidden ReLU with dead units is ordinary."""
+    logits = Output("out_act", "ReLU", [32, 4], relu_like=True, saturating=False, fed_by="head (Linear)")
+    one_dead = dict(stats(zero=0.6), dead_unit_fraction=0.25)
+    assert kinds([linear(), logits], [stats(), one_dead]) == [(Kind.DEAD_ACTIVATION, "out_act")]
+    assert kinds([relu("hidden", [32, 32]), linear()], [one_dead, stats()]) == []
+    assert kinds([linear(), logits], [stats(), dict(stats(zero=0.6), dead_unit_fraction=0.0)]) == []
+    assert kinds([linear(), logits], [stats(), stats(zero=0.6)]) == []  # fewer than MIN_SAMPLES rows: not measured
+
+
+def test_saturation_is_held_two_check_steps_and_recorded_from_the_first() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Sigmoid(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(1000.0)
+    config = DebugConfig(gradient_checking_frequency=1, save_debug_info=False, print_summary=False,
+                         save_plots=False)
+    monitor = ActivationMonitor(config, "test")
+    run = Run(config, Loop(model), [monitor])
+    run.start(0)
+    for step in range(2):
+        run.batch_start(step, None)
+        run.before_backward(step, model(torch.randn(8, 4)).sum())
+        run.batch_end()
+        run.after_optimizer_step(step + 1)
+        monitor.poll(final=True)
+        assert bool(monitor.flagged["saturated_activation"]) == (step == 1)
+    report = run.finish("finished", 2)
+    assert report is not None and report["findings"]["saturated_activation"]["first_step"] == 0
+    assert report["sections"]["activations"]["latest"] == {}  # the table of statistics is log_activations'
+
+
 def test_findings_come_in_forward_order() -> None:
     outputs = [relu("a"), sigmoid("b"), relu("c"), linear()]
     rows = [stats(zero=1.0), stats(saturated=1.0), stats(zero=1.0), stats()]
@@ -102,10 +150,10 @@ def test_findings_come_in_forward_order() -> None:
 
 
 def test_split_stats_keeps_the_saturated_fraction_of_bounded_modules_only() -> None:
-    values = list(range(2 * len(STATS)))
+    values = list(range(2 * len(ROW)))
     rows = split_stats([float(v) for v in values], [relu(), sigmoid()])
-    assert "saturated_fraction" not in rows[0] and rows[1]["saturated_fraction"] == float(len(STATS) + 4)
-    assert rows[1]["mean"] == float(len(STATS))
+    assert "saturated_fraction" not in rows[0] and rows[1]["saturated_fraction"] == float(len(ROW) + 4)
+    assert rows[1]["mean"] == float(len(ROW))
 
 
 def test_measured_outputs_of_a_dead_and_a_saturated_layer() -> None:

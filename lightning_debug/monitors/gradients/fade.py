@@ -5,7 +5,9 @@ thousand times larger; eight sigmoid layers lose the signal 4x per layer instead
 the threshold and no two neighbours differ much, yet the input side gets ~1e-5 of what the head gets and does
 not learn. AutoTrainer's criterion (ICSE 2021) is the ratio of gradient norms between the first and the last
 layer: under :data:`FADE_RATIO`. Here the layers are the modules that own a weight (a parameter of two or more
-dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only.
+dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only, and the
+"first layer" is the smallest of the input half (with Adam the very first layer can move back up a little while
+the ones after it stay faded).
 
 On healthy models the ratio stays far above it (the fixed twins of the fault benchmark: 0.13 to 1.5; residual
 connections and normalisation carry the gradient to the input side). What could still look like it is ruled
@@ -85,27 +87,38 @@ def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str,
             history.first.setdefault(module, norm)
     suspicions = []
     if len(layers) >= MIN_LAYERS:
-        (first, low), (last, high) = layers[0], layers[-1]
+        first, low = input_side(layers)
+        last, high = layers[-1]
         norms = [norm for _, norm in layers]
         shrinking = sum(1 for a, b in zip(norms, norms[1:]) if a < b)
         if (all(math.isfinite(n) for n in norms) and 0 < low < FADE_RATIO * high
                 and verdicts.hold(Kind.VANISHING_GRAD, first) is None
                 and shrinking >= STEADY_SHARE * (len(norms) - 1)):
-            suspicions.append(Suspicion(Kind.VANISHING_GRAD, first, step, value=low / high,
+            suspicions.append(Suspicion(Kind.VANISHING_GRAD, layers[0][0], step, value=low / high,
                                         measured={"last": last}))
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, suspicions, scope=SCOPE)
     if not confirmed:
         return None
     held = confirmed[0]
-    finding = fade_finding(step, layers, order_source, held.first.step)
+    first = input_side(layers)[0]
+    finding = fade_finding(step, layers, first, order_source, held.first.step)
     steps = held.steps if len(held.steps) > 1 else []
-    return Verdict(finding, [name for name, _ in grads if module_of(name) == held.key], steps=steps, key=held.key)
+    return Verdict(finding, [name for name, _ in grads if module_of(name) == first], steps=steps, key=held.key)
 
 
-def fade_finding(step: int, layers: Sequence[tuple[str, float]], order_source: str, since: int) -> Finding:
-    (first, low), (last, high) = layers[0], layers[-1]
+def input_side(layers: Sequence[tuple[str, float]]) -> tuple[str, float]:
+    """The layer with the smallest gradient of the input half (the key of the hold is the first layer, so a
+    minimum that moves between neighbours does not restart it)."""
+    return min(layers[:max(1, len(layers) // 2)], key=lambda layer: layer[1])
+
+
+def fade_finding(step: int, layers: Sequence[tuple[str, float]], first: str, order_source: str,
+                 since: int) -> Finding:
+    norms = dict(layers)
+    low, (last, high) = norms[first], layers[-1]
     ratio = low / high
-    per_layer = ratio ** (1 / (len(layers) - 1))
+    depth = [module for module, _ in layers].index(first)
+    per_layer = ratio ** (1 / max(1, len(layers) - 1 - depth))
     shown = ", ".join(f"`{m or '(root)'}` {n:.3g}" for m, n in layers[:NAMES_IN_DETAILS])
     details: dict[str, Any] = {
         "layers": [first], "first_layer": first, "last_layer": last, "ratio": ratio, "threshold": FADE_RATIO,
@@ -113,9 +126,9 @@ def fade_finding(step: int, layers: Sequence[tuple[str, float]], order_source: s
         "layer_norms": dict(layers[:NAMES_IN_DETAILS]), "rule": "fade"}
     return Finding(
         Kind.VANISHING_GRAD, Severity.WARNING,
-        f"The gradient fades steadily through depth: the first layer `{first or '(root)'}` gets {ratio:.2g} of the "
+        f"The gradient fades steadily through depth: the input-side layer `{first or '(root)'}` gets {ratio:.2g} of the "
         f"gradient norm of the last layer `{last or '(root)'}` ({low:.3g} vs {high:.3g}, about {per_layer:.2g}x per "
-        f"layer over {len(layers)} layers) at step {step}, on every check step since step {since}; under "
+        f"layer over {len(layers) - depth} layers) at step {step}, on every check step since step {since}; under "
         f"{FADE_RATIO:g}, the layers near the input barely learn. In forward order: {shown}. Saturating "
         "activations (sigmoid/tanh) or too small an initialisation shrink the gradient at every layer: prefer "
         "ReLU/GELU, Kaiming/Xavier initialisation, normalisation layers or residual connections.",
