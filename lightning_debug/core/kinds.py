@@ -262,7 +262,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                "the loss is not detached or scaled to nothing.",
         hint="ReLU/GELU, a better initialisation, normalisation or residual connections",
-        confirm=Confirm(patience=3, variants={"exactly_zero": 8})),
+        confirm=Confirm(patience=3, variants={"exactly_zero": 8, "fade": 2})),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         advice="A trainable parameter never got a gradient on any step observed (a confirmation window, "

@@ -5,18 +5,19 @@ thousand times larger; eight sigmoid layers lose the signal 4x per layer instead
 the threshold and no two neighbours differ much, yet the input side gets ~1e-5 of what the head gets and does
 not learn. AutoTrainer's criterion (ICSE 2021) is the ratio of gradient norms between the first and the last
 layer: under :data:`FADE_RATIO`. Here the layers are the modules that own a weight (a parameter of two or more
-dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only, and the
-"first layer" is the smallest of the input half (with Adam the very first layer can move back up a little while
-the ones after it stay faded).
+dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only. The "first
+layer" is the smallest of the input half (Adam can lift the very first layer back over the ratio while the ones
+after it stay faded), and the fade must be steady from there to the output: attention's query and key get ~1e-5
+of the head's gradient while attention is uniform on a healthy BERT, between feed-forward layers that do not.
 
 On healthy models the ratio stays far above it (the fixed twins of the fault benchmark: 0.13 to 1.5; residual
 connections and normalisation carry the gradient to the input side). What could still look like it is ruled
 out: an exactly zero norm (a LoRA A while B is 0, a zero-initialised gate; dead layers are the absolute
-rule's), a fade that is not steady (fewer than :data:`STEADY_SHARE` of the neighbouring layers shrink toward
-the input: one odd layer, not depth), models of fewer than :data:`MIN_LAYERS` layers and a first layer the
+rule's), a fade that is not steady (the rank correlation of the layers' norms with their depth, from that
+smallest layer to the output, under :data:`STEADY_CORRELATION`: one odd layer, or small and large layers alternating, as LoRA's A and B while B grows
+from 0, or attention's query and key beside the feed-forward), models of fewer than :data:`MIN_LAYERS` layers and a first layer the
 absolute rule already holds (one finding, not two). It must persist: the suspicion is held under
-``vanishing_grad``'s policy (three check steps in a row) in a scope of its own; a network that starts to
-recover (the ratio growing from 1e-7 to 1e-4 over the hold, the loss falling) is still fading.
+``vanishing_grad``'s policy for the ``fade`` variant (two check steps in a row) in a scope of its own.
 
 Example::
 
@@ -24,11 +25,11 @@ Example::
     >>> norms = [("l0.weight", 1e-6), ("l1.weight", 1e-5), ("l2.weight", 1e-4), ("l3.weight", 1e-3),
     ...          ("head.weight", 0.3)]
     >>> history, verdicts, dims = FadeHistory(), VerdictEngine(), dict.fromkeys([n for n, _ in norms], 2)
-    >>> [judge_fade(s, norms, dims, {}, "registration", history, verdicts) is None for s in (0, 100)]
-    [True, True]
-    >>> verdict = judge_fade(200, norms, dims, {}, "registration", history, verdicts)
+    >>> judge_fade(0, norms, dims, {}, "registration", history, verdicts) is None
+    True
+    >>> verdict = judge_fade(100, norms, dims, {}, "registration", history, verdicts)
     >>> verdict.finding.kind.value, verdict.steps, f"{verdict.finding.details['ratio']:.2g}"
-    ('vanishing_grad', [0, 100, 200], '3.3e-06')
+    ('vanishing_grad', [0, 100], '3.3e-06')
     >>> healthy = [(name, 0.1 * (i + 1)) for i, (name, _) in enumerate(norms)]
     >>> judge_fade(300, healthy, dims, {}, "registration", FadeHistory(), VerdictEngine()) is None
     True
@@ -47,9 +48,9 @@ from lightning_debug.monitors.gradients.layout import Positions, module_of
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 FADE_RATIO = 1e-3
-STEADY_SHARE = 0.6
+STEADY_CORRELATION = 0.8
 MIN_LAYERS = 4
-SCOPE = "fade"
+SCOPE = FADE = "fade"
 
 
 class FadeHistory:
@@ -87,29 +88,56 @@ def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str,
             history.first.setdefault(module, norm)
     suspicions = []
     if len(layers) >= MIN_LAYERS:
-        first, low = input_side(layers)
-        last, high = layers[-1]
         norms = [norm for _, norm in layers]
-        shrinking = sum(1 for a, b in zip(norms, norms[1:]) if a < b)
+        deepest = input_side(norms)
+        low, (last, high) = norms[deepest], layers[-1]
         if (all(math.isfinite(n) for n in norms) and 0 < low < FADE_RATIO * high
-                and verdicts.hold(Kind.VANISHING_GRAD, first) is None
-                and shrinking >= STEADY_SHARE * (len(norms) - 1)):
-            suspicions.append(Suspicion(Kind.VANISHING_GRAD, layers[0][0], step, value=low / high,
+                and verdicts.hold(Kind.VANISHING_GRAD, layers[deepest][0]) is None
+                and len(norms) - deepest >= MIN_LAYERS and rank_correlation(norms[deepest:]) >= STEADY_CORRELATION):
+            suspicions.append(Suspicion(Kind.VANISHING_GRAD, layers[0][0], step, value=low / high, variant=FADE,
                                         measured={"last": last}))
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, suspicions, scope=SCOPE)
     if not confirmed:
         return None
     held = confirmed[0]
-    first = input_side(layers)[0]
+    first = layers[input_side([norm for _, norm in layers])][0]
     finding = fade_finding(step, layers, first, order_source, held.first.step)
     steps = held.steps if len(held.steps) > 1 else []
     return Verdict(finding, [name for name, _ in grads if module_of(name) == first], steps=steps, key=held.key)
 
 
-def input_side(layers: Sequence[tuple[str, float]]) -> tuple[str, float]:
-    """The layer with the smallest gradient of the input half (the key of the hold is the first layer, so a
+
+def input_side(norms: Sequence[float]) -> int:
+    """The index of the smallest norm of the input half (the hold's key is the first layer all the same, so a
     minimum that moves between neighbours does not restart it)."""
-    return min(layers[:max(1, len(layers) // 2)], key=lambda layer: layer[1])
+    half = norms[:max(1, len(norms) // 2)]
+    return half.index(min(half))
+
+
+def rank_correlation(values: Sequence[float]) -> float:
+    """Spearman's correlation of ``values`` with their order (1: strictly growing; tied values share their mean
+    rank, so a flat run adds no trend; 0 when every value is the same).
+
+    Example::
+
+        >>> rank_correlation([1e-6, 1e-5, 1e-4, 1e-3]), round(rank_correlation([1e-5, 0.3, 1e-5, 0.3, 1e-5, 0.3]), 2)
+        (1.0, 0.29)
+    """
+    n = len(values)
+    order = sorted(range(n), key=lambda i: values[i])
+    ranks = [0.0] * n
+    start = 0
+    while start < n:
+        end = start
+        while end + 1 < n and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            ranks[i] = (start + end) / 2
+        start = end + 1
+    mean = (n - 1) / 2
+    covariance = sum((rank - mean) * (index - mean) for index, rank in enumerate(ranks))
+    spread = math.sqrt(sum((rank - mean) ** 2 for rank in ranks) * sum((i - mean) ** 2 for i in range(n)))
+    return covariance / spread if spread > 0 else 0.0
 
 
 def fade_finding(step: int, layers: Sequence[tuple[str, float]], first: str, order_source: str,
