@@ -5,6 +5,9 @@ after it when the profiler times the check step); each computes its statistics o
 output may be changed in place later), and the rows are read back once, without a sync. The verdicts
 (``dead_activation``, ``saturated_activation``) run at every level with the gradient checks; the
 ``debug/activation/*`` scalars, histograms and report.md's table of statistics only with ``log_activations``.
+Without it a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps, so the verdicts cost
+what they cost at the default frequency (one hooked forward per 100 steps) whatever ``gradient_checking_frequency``
+is: dead and saturated layers last, and every-step hooks slow a many-module model by a third.
 
 Example::
 
@@ -60,6 +63,7 @@ DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
 LOSS_KEPT = 0.25
 WHERES_KEPT = 8
+VERDICT_SPACING = 100
 MIN_ELEMENTS = 64
 MIN_OUTPUT_ELEMENTS = 16
 MAX_OUTPUTS = 1024
@@ -258,10 +262,14 @@ class ActivationMonitor(Monitor):
 
     # --- the check step's forward -----------------------------------------------------------------
     def _measures(self, step: int) -> bool:
-        """A gradient check step, or the next step when the performance profiler times the check step
+        """A gradient check step (without ``log_activations``, :data:`VERDICT_SPACING` steps after the last one
+        measured), or the next step when the performance profiler times the check step
         (and not the next one): the profiler never times the hooks. When it times every step, every
         other check step is measured, and the profiler leaves those out of its timings."""
         if step == self._instrumented_step:
+            return False
+        if (not self.config.log_activations and self._instrumented_step >= 0
+                and step - self._instrumented_step < VERDICT_SPACING):
             return False
         if self._deferred is not None and step > self._deferred:
             self._deferred = None

@@ -18,6 +18,7 @@ from lightning_debug.monitors.activations import (
     LOSS_KEPT,
     MIN_ELEMENTS,
     SATURATED_FRACTION,
+    VERDICT_SPACING,
     ActivationMonitor,
     Output,
     activation_findings,
@@ -120,26 +121,40 @@ def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_
     assert kinds([linear(), logits], [stats(), stats(zero=0.6)]) == []  # fewer than MIN_SAMPLES rows: not measured
 
 
-def test_saturation_is_held_two_check_steps_and_recorded_from_the_first() -> None:
+def saturated_run(steps: int, **options: Any) -> tuple[ActivationMonitor, dict[str, Any] | None, list[bool]]:
+    """A hidden sigmoid saturated from the start (inputs x1000), measured on ``steps`` steps of frequency 1."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 32), nn.Sigmoid(), nn.Linear(32, 1))
     with torch.no_grad():
         model[0].weight.mul_(1000.0)
     config = DebugConfig(gradient_checking_frequency=1, save_debug_info=False, print_summary=False,
-                         save_plots=False)
+                         save_plots=False, **options)
     monitor = ActivationMonitor(config, "test")
     run = Run(config, Loop(model), [monitor])
     run.start(0)
-    for step in range(2):
+    flagged = []
+    for step in range(steps):
         run.batch_start(step, None)
         run.before_backward(step, model(torch.randn(8, 4)).sum())
         run.batch_end()
         run.after_optimizer_step(step + 1)
         monitor.poll(final=True)
-        assert bool(monitor.flagged["saturated_activation"]) == (step == 1)
-    report = run.finish("finished", 2)
+        flagged.append(bool(monitor.flagged["saturated_activation"]))
+    return monitor, run.finish("finished", steps), flagged
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_saturation_is_held_two_check_steps_and_recorded_from_the_first() -> None:
+    _, report, flagged = saturated_run(2, log_activations=True)
+    assert flagged == [False, True]
     assert report is not None and report["findings"]["saturated_activation"]["first_step"] == 0
-    assert report["sections"]["activations"]["latest"] == {}  # the table of statistics is log_activations'
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_without_log_activations_a_forward_is_measured_once_per_spacing_and_no_table_is_kept() -> None:
+    monitor, report, flagged = saturated_run(VERDICT_SPACING + 1)
+    assert monitor.checks == 2 and flagged[-1] and not flagged[-2]  # steps 0 and VERDICT_SPACING
+    assert report is not None and report["sections"]["activations"]["latest"] == {}
 
 
 def test_findings_come_in_forward_order() -> None:
