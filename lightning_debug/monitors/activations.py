@@ -241,6 +241,7 @@ class ActivationMonitor(Monitor):
         self._histogram_writer: HistogramWriter | None = None
         self._handles: list[Any] = []
         self._instrumented_step = -1
+        self._spaced_from = -1  # the check step last measured (or deferred to the next step)
         self._alternate = False
         self._deferred: int | None = None
         self._where: Where = {}
@@ -262,27 +263,29 @@ class ActivationMonitor(Monitor):
 
     # --- the check step's forward -----------------------------------------------------------------
     def _measures(self, step: int) -> bool:
-        """A gradient check step (without ``log_activations``, :data:`VERDICT_SPACING` steps after the last one
+        """A gradient check step (without ``log_activations``, :data:`VERDICT_SPACING` steps after the last check step
         measured), or the next step when the performance profiler times the check step
         (and not the next one): the profiler never times the hooks. When it times every step, every
         other check step is measured, and the profiler leaves those out of its timings."""
         if step == self._instrumented_step:
-            return False
-        if (not self.config.log_activations and self._instrumented_step >= 0
-                and step - self._instrumented_step < VERDICT_SPACING):
             return False
         if self._deferred is not None and step > self._deferred:
             self._deferred = None
             return True
         if not self.due(step):
             return False
+        if not self.config.log_activations and 0 <= self._spaced_from and step - self._spaced_from < VERDICT_SPACING:
+            return False
         ledger = self.ledger
         if ledger.is_timed(step):
             if not ledger.is_timed(step + 1):
-                self._deferred = step
+                self._deferred = self._spaced_from = step
                 return False
             self._alternate = not self._alternate
+            if self._alternate:
+                self._spaced_from = step
             return self._alternate
+        self._spaced_from = step
         return True
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
