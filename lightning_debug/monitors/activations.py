@@ -427,4 +427,5 @@ class ActivationMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), checks=self.checks, latest_step=self.latest_step,
+                    logged=self.config.log_activations,
                     latest=dict(self.latest), flagged={kind: dict(c) for kind, c in self.flagged.items() if c})

@@ -217,3 +217,13 @@ def test_the_monitor_counts_flagged_modules_and_resumes_them() -> None:
     restored = ActivationMonitor(config, "test")
     restored.load_state_dict(monitor.state_dict())
     assert restored.checks == 3 and restored.flagged["dead_activation"] == {"1": 3}
+
+
+def test_report_md_has_an_activations_section_at_the_defaults_only_when_a_module_was_flagged() -> None:
+    from lightning_debug.report.sections import activations_markdown
+
+    quiet = {"logged": False, "checks": 3, "check_frequency": 100, "flagged": {}, "latest": {}}
+    assert activations_markdown(quiet) == {}
+    flagged = dict(quiet, flagged={"dead_activation": {"out_act": 2}})
+    assert "| dead_activation | `out_act` | 2 |" in activations_markdown(flagged)["Activations"]
+    assert "Activations" in activations_markdown(dict(quiet, logged=True))
