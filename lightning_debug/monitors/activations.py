@@ -176,7 +176,8 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
 
 
 def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
-                        loss: float = math.nan, first_loss: float = math.nan) -> list[Finding]:
+                        loss: float = math.nan, first_loss: float = math.nan,
+                        first_saturated: float = math.nan) -> list[Finding]:
     """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
 
     Dead: a ReLU-like output with at least :data:`DEAD_FRACTION` exact zeros, or the model's output (the last
@@ -185,7 +186,8 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its
     range; what could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a
     handful of units is noise; the model's output, judged with the loss and held, needs
-    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated while the loss has fallen under :data:`LOSS_KEPT`
+    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated already at the
+    first check (``first_saturated``: built confident, not pushed there by training), the model's output saturated while the loss has fallen under :data:`LOSS_KEPT`
     of the first check's (a classifier's confident sigmoid is its job; saturated with the loss where it was,
     the targets are out of its reach), and a NaN statistic (compares false). Saturation is a suspicion held
     under the kind's policy (two check steps in a row: a gate that saturates for a step is not it).
@@ -209,7 +211,8 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
             continue
         if not last:
             found.append(saturated_finding(step, output, stats))
-        elif math.isfinite(loss) and first_loss > 0 and loss >= LOSS_KEPT * first_loss:
+        elif (math.isfinite(loss) and first_loss > 0 and loss >= LOSS_KEPT * first_loss
+              and not first_saturated >= SATURATED_FRACTION):
             found.append(saturated_output_finding(step, output, stats, loss, first_loss))
     return found
 
@@ -252,7 +255,7 @@ class ActivationMonitor(Monitor):
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
         self._pending: list[PendingStats] = []
         self._wheres: dict[int, Where] = {}
-        self.first_loss = math.nan
+        self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
@@ -362,8 +365,9 @@ class ActivationMonitor(Monitor):
         names = metric_names([output.label for output in outputs])
         values = pending.stats.values()
         rows, loss = split_stats(values[:-1], outputs), values[-1]
-        if math.isnan(self.first_loss) and math.isfinite(loss):
+        if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
             self.first_loss = loss
+            self.first_saturated = rows[-1].get("saturated_fraction", math.nan)
         metrics: dict[str, float] = {}
         logged = self.config.log_activations
         self.latest, self.latest_step = {}, step
@@ -375,7 +379,7 @@ class ActivationMonitor(Monitor):
         self._wheres[step] = where
         while len(self._wheres) > WHERES_KEPT:
             del self._wheres[min(self._wheres)]
-        found = activation_findings(step, outputs, rows, loss, self.first_loss)
+        found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated)
         saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f)
                      for f in found if f.kind is Kind.SATURATED_ACTIVATION]
         for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
@@ -416,12 +420,14 @@ class ActivationMonitor(Monitor):
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
+                    first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.checks = int(state_dict.get("checks", 0))
         self.first_loss = float(state_dict.get("first_loss", math.nan))
+        self.first_saturated = float(state_dict.get("first_saturated", math.nan))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

@@ -96,9 +96,10 @@ def test_the_models_last_output_may_be_saturated() -> None:
     assert kinds([linear(), sigmoid()], [stats(), stats(saturated=1.0)]) == []
 
 
-def regression_output(saturated: float, loss: float, first_loss: float = 9.5) -> list[tuple[Kind, str]]:
+def regression_output(saturated: float, loss: float, first_loss: float = 9.5,
+                      first_saturated: float = 0.0) -> list[tuple[Kind, str]]:
     outputs = [relu("act"), Output("out_act", "Tanh", [32, 1], relu_like=False, saturating=True, fed_by=None)]
-    found = activation_findings(4, outputs, [stats(), stats(saturated=saturated)], loss, first_loss)
+    found = activation_findings(4, outputs, [stats(), stats(saturated=saturated)], loss, first_loss, first_saturated)
     return [(f.kind, f.details["modules"][0]) for f in found]
 
 
@@ -109,6 +110,8 @@ def test_the_models_output_saturated_while_the_loss_stays_where_it_was_is_named_
     assert regression_output(0.97, loss=LOSS_KEPT * 9.5 * 0.9) == []
     assert regression_output(0.97, loss=math.nan) == []  # the loss unknown: not judged
     assert regression_output(SATURATED_FRACTION - 1e-6, loss=4.46) == []
+    assert regression_output(0.97, loss=4.46, first_saturated=1.0) == []  # built saturated: not pushed by training
+    assert regression_output(0.97, loss=4.46, first_saturated=math.nan) == [(Kind.SATURATED_ACTIVATION, "out_act")]
 
 
 def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_is_not() -> None:
