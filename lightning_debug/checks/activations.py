@@ -39,7 +39,8 @@ def saturation_range(module: nn.Module) -> tuple[float, float] | None:
     return None
 
 
-def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None, units: bool = False) -> torch.Tensor:
+def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None,
+                 units: bool = False) -> torch.Tensor:
     """One float32 row of :data:`ROW` for a module's output, on its device (no host sync): ``zero_fraction`` counts
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
     ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,

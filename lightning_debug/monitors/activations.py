@@ -186,11 +186,12 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its
     range; what could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a
     handful of units is noise; the model's output, judged with the loss and held, needs
-    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated already at the
-    first check (``first_saturated``: built confident, not pushed there by training), the model's output saturated while the loss has fallen under :data:`LOSS_KEPT`
-    of the first check's (a classifier's confident sigmoid is its job; saturated with the loss where it was,
-    the targets are out of its reach), and a NaN statistic (compares false). Saturation is a suspicion held
-    under the kind's policy (two check steps in a row: a gate that saturates for a step is not it).
+    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated already
+    at the first check (``first_saturated``: built confident, not pushed there by training), the model's
+    output saturated while the loss has fallen under :data:`LOSS_KEPT` of the first check's (a classifier's
+    confident sigmoid is its job; saturated with the loss where it was, the targets are out of its reach), and
+    a NaN statistic (compares false). Saturation is a suspicion held under the kind's policy (two check steps
+    in a row: a gate that saturates for a step is not it).
 
     Example::
 

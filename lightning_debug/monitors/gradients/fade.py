@@ -14,9 +14,10 @@ On healthy models the ratio stays far above it (the fixed twins of the fault ben
 connections and normalisation carry the gradient to the input side). What could still look like it is ruled
 out: an exactly zero norm (a LoRA A while B is 0, a zero-initialised gate; dead layers are the absolute
 rule's), a fade that is not steady (the rank correlation of the layers' norms with their depth, from that
-smallest layer to the output, under :data:`STEADY_CORRELATION`: one odd layer, or small and large layers alternating, as LoRA's A and B while B grows
-from 0, or attention's query and key beside the feed-forward), models of fewer than :data:`MIN_LAYERS` layers and a first layer the
-absolute rule already holds (one finding, not two). It must persist: the suspicion is held under
+smallest layer to the output, under :data:`STEADY_CORRELATION`: one odd layer, or small and large layers
+alternating, as LoRA's A and B while B grows from 0, or attention's query and key beside the feed-forward),
+fewer than :data:`MIN_LAYERS` layers from it to the output, and a layer the absolute rule already holds (one
+finding, not two). It must persist: the suspicion is held under
 ``vanishing_grad``'s policy for the ``fade`` variant (two check steps in a row) in a scope of its own.
 
 Example::
@@ -54,7 +55,7 @@ SCOPE = FADE = "fade"
 
 
 class FadeHistory:
-    """Each layer's first gradient norm, and the first ratio of a run (report.json details)."""
+    """Each layer's first gradient norm (kept for the rule's details; one float per layer)."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
@@ -106,7 +107,6 @@ def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str,
     return Verdict(finding, [name for name, _ in grads if module_of(name) == first], steps=steps, key=held.key)
 
 
-
 def input_side(norms: Sequence[float]) -> int:
     """The index of the smallest norm of the input half (the hold's key is the first layer all the same, so a
     minimum that moves between neighbours does not restart it)."""
@@ -154,7 +154,8 @@ def fade_finding(step: int, layers: Sequence[tuple[str, float]], first: str, ord
         "layer_norms": dict(layers[:NAMES_IN_DETAILS]), "rule": "fade"}
     return Finding(
         Kind.VANISHING_GRAD, Severity.WARNING,
-        f"The gradient fades steadily through depth: the input-side layer `{first or '(root)'}` gets {ratio:.2g} of the "
+        f"The gradient fades steadily through depth: the input-side layer `{first or '(root)'}` gets {ratio:.2g} of "
+        "the "
         f"gradient norm of the last layer `{last or '(root)'}` ({low:.3g} vs {high:.3g}, about {per_layer:.2g}x per "
         f"layer over {len(layers) - depth} layers) at step {step}, on every check step since step {since}; under "
         f"{FADE_RATIO:g}, the layers near the input barely learn. In forward order: {shown}. Saturating "
