@@ -96,7 +96,8 @@ DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
 
 class Area(enum.Enum):
     """The areas of checks, in the order the run calls them: :class:`DebugMode` selects the four callback areas;
-    ``ACTIVATIONS`` comes with gradients when ``log_activations`` is on, ``LOOP`` and ``ERRORS`` with any of them."""
+    ``ACTIVATIONS`` comes with gradients (its scalars when ``log_activations`` is on), ``LOOP`` and ``ERRORS`` with any
+    of them."""
 
     ANOMALY = "anomaly"
     GRADIENTS = "gradients"
@@ -205,8 +206,9 @@ class DebugConfig:
     log_activations: bool = setting(
         False, "Log per-module activation statistics (``debug/activation/<module>/<stat>``: mean, std, max "
         "abs, zero and saturated fractions, non-finite count) of the leaf modules' outputs on gradient check steps, "
-        "and report dead ReLUs (``dead_activation``) and saturated sigmoid/tanh layers (``saturated_activation``); "
-        "with the gradients area (``GradientHealthCallback``, docs/activations.md).", areas=_GRADIENTS)
+        "with the gradients area (``GradientHealthCallback``, docs/activations.md); dead ReLUs (``dead_activation``) "
+        "and saturated sigmoid/tanh layers (``saturated_activation``) are judged with or without it.",
+        areas=_GRADIENTS)
     log_weights: bool = setting(False, "Log per-parameter weight norms, update ratios and histograms.",
                                 areas=_GRADIENTS)
     log_memory: bool = setting(True, "Log memory scalars to the trainer's logger.", areas=_MEMORY)

@@ -99,7 +99,7 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
     def __init__(self, config: DebugConfig | None = None, **overrides: Any) -> None:
         self.config = resolve_config(config, **overrides)
         self.monitor: Monitor = self.make_monitor()
-        self.companions: list[Monitor] = []
+        self.companions: list[Monitor] = companion_monitors(self.monitor.area, self.config, type(self).__name__)
         self._run_monitors: list[Monitor] = []
         self._run: Run | None = None
         self._leads = False

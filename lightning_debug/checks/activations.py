@@ -14,6 +14,9 @@ import torch
 from torch import nn
 
 STATS = ("mean", "std", "max_abs", "zero_fraction", "saturated_fraction", "nonfinite_count")
+ROW = STATS + ("dead_unit_fraction",)
+"""What :func:`output_stats` measures: the logged :data:`STATS`, then what only the rules read."""
+MIN_SAMPLES = 8
 SATURATION_MARGIN = 0.02
 RELU_LIKE = (nn.ReLU, nn.ReLU6)
 _METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -36,10 +39,13 @@ def saturation_range(module: nn.Module) -> tuple[float, float] | None:
     return None
 
 
-def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None) -> torch.Tensor:
-    """One float32 row of :data:`STATS` for a module's output, on its device (no host sync): ``zero_fraction`` counts
+def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = None,
+                 units: bool = False) -> torch.Tensor:
+    """One float32 row of :data:`ROW` for a module's output, on its device (no host sync): ``zero_fraction`` counts
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
-    ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer).
+    ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,
+    ``dead_unit_fraction`` is the share of the units (the last dimension) that are zero for every sample (every
+    other index), when there are at least :data:`MIN_SAMPLES` samples (NaN otherwise).
 
     Example::
 
@@ -48,11 +54,13 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
         ([1.0, 1.225, 3.0, 0.5], True, 0.0)
         >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
         0.6667
+        >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
+        0.25
     """
     x = output.detach()
     count = x.numel()
     if count == 0:
-        return torch.full((len(STATS),), math.nan, dtype=torch.float32, device=x.device)
+        return torch.full((len(ROW),), math.nan, dtype=torch.float32, device=x.device)
     # a handful of single-pass reductions (var_mean and inf-norms cost several times more on CPU)
     total = x.sum(dtype=torch.float32)
     squares = torch.linalg.vector_norm(x, dtype=torch.float32).square()
@@ -67,7 +75,12 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
         saturated = ((x - center).abs() >= half * (1 - SATURATION_MARGIN)).sum() / count
     else:
         saturated = torch.full((), math.nan, device=x.device)
-    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float()])
+    width = x.shape[-1] if x.dim() >= 2 else 0
+    if units and width and count // width >= MIN_SAMPLES:
+        dead = (width - torch.count_nonzero(x.reshape(-1, width).ne(0).any(0))) / width
+    else:
+        dead = torch.full((), math.nan, device=x.device)
+    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float()])
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -282,7 +282,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                "the loss is not detached or scaled to nothing.",
         hint="ReLU/GELU, a better initialisation, normalisation or residual connections",
-        confirm=Confirm(patience=3, variants={"exactly_zero": 8})),
+        confirm=Confirm(patience=3, variants={"exactly_zero": 8, "fade": 2})),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         summary="trainable parameters that never receive a gradient (a layer not used in forward, a detached "
@@ -394,7 +394,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="The sigmoid/tanh outputs sit at their limits, where the derivative is ~0 and gradients "
                "vanish: normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, "
                "lower the learning rate, or use ReLU/GELU in hidden layers.",
-        hint="normalise the inputs, a better initialisation, or ReLU/GELU"),
+        hint="normalise the inputs, a better initialisation, or ReLU/GELU",
+        confirm=Confirm(patience=2)),
     Kind.EVAL_MODE_IN_TRAINING: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="modules left in eval mode during training (dropout off, frozen BatchNorm statistics)",

@@ -31,11 +31,11 @@ def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any]
 
 
 def companion_monitors(area: Area, config: DebugConfig, source: str) -> list[Monitor]:
-    """The monitors that come with ``area``'s: activation statistics with the gradients, when ``log_activations``.
+    """The monitors that come with ``area``'s: the activation verdicts with the gradients (their scalars when ``log_activations``).
 
     Example::
 
-        >>> [type(m).__name__ for m in companion_monitors(Area.GRADIENTS, DebugConfig(log_activations=True), "loop")]
+        >>> [type(m).__name__ for m in companion_monitors(Area.GRADIENTS, DebugConfig(), "loop")]
         ['ActivationMonitor']
     """
     companions = (AREA_SPECS[companion] for companion in AREA_SPECS[area].companions)

@@ -1,8 +1,13 @@
-"""Activation statistics (``log_activations``): what each layer outputs, dead ReLUs, saturated sigmoids.
+"""Activation statistics: what each layer outputs, dead ReLUs, saturated sigmoids.
 
 Forward hooks go on the leaf modules for the forward of a check step's first micro-batch only (the step
 after it when the profiler times the check step); each computes its statistics on the device at once (the
-output may be changed in place later), and the rows are read back once, without a sync.
+output may be changed in place later), and the rows are read back once, without a sync. The verdicts
+(``dead_activation``, ``saturated_activation``) run at every level with the gradient checks; the
+``debug/activation/*`` scalars, histograms and report.md's table of statistics only with ``log_activations``.
+Without it a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps, so the verdicts cost
+what they cost at the default frequency (one hooked forward per 100 steps) whatever ``gradient_checking_frequency``
+is: dead and saturated layers last, and every-step hooks slow a many-module model by a third.
 
 Example::
 
@@ -16,8 +21,7 @@ Example::
     ...     _ = model[0].bias.fill_(-100.0)
     >>> class Loop(RunContext):
     ...     def module(self): return model
-    >>> config = DebugConfig(log_activations=True, gradient_checking_frequency=1, save_debug_info=False,
-    ...                      print_summary=False)
+    >>> config = DebugConfig(gradient_checking_frequency=1, save_debug_info=False, print_summary=False)
     >>> monitor = ActivationMonitor(config, "my_loop")
     >>> run = Run(config, Loop(), [monitor]); run.start(0)
     >>> run.batch_start(0, None); loss = model(torch.randn(8, 4)).sum(); run.before_backward(0, loss)
@@ -38,6 +42,7 @@ from torch import nn
 
 from lightning_debug.checks.activations import (
     RELU_LIKE,
+    ROW,
     STATS,
     first_floating,
     leaf_modules,
@@ -52,10 +57,15 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
+from lightning_debug.core.verdicts import Suspicion
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
+LOSS_KEPT = 0.25
+WHERES_KEPT = 8
+VERDICT_SPACING = 100
 MIN_ELEMENTS = 64
+MIN_OUTPUT_ELEMENTS = 16
 MAX_OUTPUTS = 1024
 MAX_PENDING = 4
 HISTOGRAM_BINS = 30
@@ -85,21 +95,24 @@ class Output:
 
 
 def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict[str, float]]:
-    """The stacked read-back of a forward's :data:`STATS` rows, as one dict per output (no
-    ``saturated_fraction`` for a module whose range is not bounded).
+    """The stacked read-back of a forward's :data:`ROW` rows, as one dict per output (no
+    ``saturated_fraction`` for a module whose range is not bounded, no ``dead_unit_fraction`` where it was not
+    measured).
 
     Example::
 
         >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
-        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0], [out])
+        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan")], [out])
         [{'mean': 0.1, 'std': 0.2, 'max_abs': 0.3, 'zero_fraction': 0.5, 'nonfinite_count': 0.0}]
     """
-    width = len(STATS)
+    width = len(ROW)
     rows = []
     for index, output in enumerate(outputs):
-        stats = dict(zip(STATS, values[index * width:(index + 1) * width]))
+        stats = dict(zip(ROW, values[index * width:(index + 1) * width]))
         if not output.saturating:
             stats.pop("saturated_fraction")
+        if not math.isfinite(stats["dead_unit_fraction"]):
+            stats.pop("dead_unit_fraction")
         rows.append(stats)
     return rows
 
@@ -122,6 +135,35 @@ def dead_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
          "shape": output.shape, "zero_fraction": stats["zero_fraction"], "max_abs": stats["max_abs"]})
 
 
+def dead_output_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
+    units = output.shape[-1]
+    dead = round(stats["dead_unit_fraction"] * units)
+    return Finding(
+        Kind.DEAD_ACTIVATION, Severity.WARNING,
+        f"{describe(output)} gives the model's output, and {dead} of its {units} output units are zero for every "
+        f"sample at step {step} (shape {output.shape}): a ReLU-like activation on the output clamps what it "
+        "predicts at 0, and no gradient flows back through a unit stuck there (a class whose logit is below 0 "
+        "can never be learnt). Remove the activation from the output layer (cross_entropy takes raw logits); for "
+        "a non-negative target use softplus or predict its log.",
+        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+         "shape": output.shape, "dead_units": dead, "dead_unit_fraction": stats["dead_unit_fraction"],
+         "zero_fraction": stats["zero_fraction"], "output": True})
+
+
+def saturated_output_finding(step: int, output: Output, stats: dict[str, float], loss: float,
+                             first_loss: float) -> Finding:
+    return Finding(
+        Kind.SATURATED_ACTIVATION, Severity.WARNING,
+        f"{describe(output)} gives the model's output, and {stats['saturated_fraction']:.1%} of its "
+        f"{output.numel} outputs sit at the ends of its range at step {step} while the loss is still "
+        f"{loss:.4g} ({loss / first_loss:.0%} of {first_loss:.4g} at the first check): the targets lie beyond "
+        "what a bounded output can reach, so the model pushes it into saturation, where its derivative is ~0. "
+        "Remove the bounded activation from the output (or scale the targets into its range).",
+        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
+         "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"],
+         "loss": loss, "first_loss": first_loss, "output": True})
+
+
 def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
     return Finding(
         Kind.SATURATED_ACTIVATION, Severity.WARNING,
@@ -133,15 +175,23 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
          "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"]})
 
 
-def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]]) -> list[Finding]:
+def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
+                        loss: float = math.nan, first_loss: float = math.nan,
+                        first_saturated: float = math.nan) -> list[Finding]:
     """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
 
-    Dead: a ReLU-like output with at least :data:`DEAD_FRACTION` exact zeros. Saturated: a sigmoid/tanh-like
-    output with at least :data:`SATURATED_FRACTION` of its values at the ends of its range. On a healthy
-    model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its range; what
-    could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a handful of
-    units is noise), the model's last output (a classifier's confident sigmoid is its job), and a NaN
-    statistic (compares false).
+    Dead: a ReLU-like output with at least :data:`DEAD_FRACTION` exact zeros, or the model's output (the last
+    one of the forward) with a unit that is zero for every sample (of at least eight). Saturated: a
+    sigmoid/tanh-like output with at least :data:`SATURATED_FRACTION` of its values at the ends of its range.
+    On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its
+    range; what could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a
+    handful of units is noise; the model's output, judged with the loss and held, needs
+    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated already
+    at the first check (``first_saturated``: built confident, not pushed there by training), the model's
+    output saturated while the loss has fallen under :data:`LOSS_KEPT` of the first check's (a classifier's
+    confident sigmoid is its job; saturated with the loss where it was, the targets are out of its reach), and
+    a NaN statistic (compares false). Saturation is a suspicion held under the kind's policy (two check steps
+    in a row: a gate that saturates for a step is not it).
 
     Example::
 
@@ -151,13 +201,20 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     """
     found = []
     for index, (output, stats) in enumerate(zip(outputs, rows)):
-        if output.numel < MIN_ELEMENTS:
+        last = index == len(outputs) - 1
+        if output.numel < (MIN_OUTPUT_ELEMENTS if last else MIN_ELEMENTS):
             continue
         if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
             found.append(dead_finding(step, output, stats))
-        last = index == len(outputs) - 1
-        if output.saturating and not last and stats["saturated_fraction"] >= SATURATED_FRACTION:
+        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0:
+            found.append(dead_output_finding(step, output, stats))
+        if not output.saturating or not stats["saturated_fraction"] >= SATURATED_FRACTION:
+            continue
+        if not last:
             found.append(saturated_finding(step, output, stats))
+        elif (math.isfinite(loss) and first_loss > 0 and loss >= LOSS_KEPT * first_loss
+              and not first_saturated >= SATURATED_FRACTION):
+            found.append(saturated_output_finding(step, output, stats, loss, first_loss))
     return found
 
 
@@ -187,6 +244,7 @@ class ActivationMonitor(Monitor):
         self._histogram_writer: HistogramWriter | None = None
         self._handles: list[Any] = []
         self._instrumented_step = -1
+        self._spaced_from = -1  # the check step last measured (or deferred to the next step)
         self._alternate = False
         self._deferred: int | None = None
         self._where: Where = {}
@@ -196,17 +254,20 @@ class ActivationMonitor(Monitor):
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
         self._pending: list[PendingStats] = []
+        self._wheres: dict[int, Where] = {}
+        self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
 
     def start(self, step: int) -> None:
-        if self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
+        if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
             self._histogram_writer = self.context.histogram_writer()[0]
 
     # --- the check step's forward -----------------------------------------------------------------
     def _measures(self, step: int) -> bool:
-        """A gradient check step, or the next step when the performance profiler times the check step
+        """A gradient check step (without ``log_activations``, :data:`VERDICT_SPACING` steps after the last check step
+        measured), or the next step when the performance profiler times the check step
         (and not the next one): the profiler never times the hooks. When it times every step, every
         other check step is measured, and the profiler leaves those out of its timings."""
         if step == self._instrumented_step:
@@ -216,13 +277,18 @@ class ActivationMonitor(Monitor):
             return True
         if not self.due(step):
             return False
+        if not self.config.log_activations and 0 <= self._spaced_from and step - self._spaced_from < VERDICT_SPACING:
+            return False
         ledger = self.ledger
         if ledger.is_timed(step):
             if not ledger.is_timed(step + 1):
-                self._deferred = step
+                self._deferred = self._spaced_from = step
                 return False
             self._alternate = not self._alternate
+            if self._alternate:
+                self._spaced_from = step
             return self._alternate
+        self._spaced_from = step
         return True
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
@@ -248,7 +314,7 @@ class ActivationMonitor(Monitor):
             previous = self._previous
             fed_by = previous[0] if previous is not None and args and args[0] is previous[1] else None
             saturation = saturation_range(module)
-            self._rows.append(output_stats(tensor, saturation))
+            self._rows.append(output_stats(tensor, saturation, units=isinstance(module, RELU_LIKE)))
             if self._histogram_writer is not None:
                 self._histogram_rows.append(histogram_summaries([tensor], HISTOGRAM_BINS)[0])
             self._outputs.append(Output(label, type(module).__name__, list(tensor.shape),
@@ -257,7 +323,7 @@ class ActivationMonitor(Monitor):
         return observe
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        self._end_forward()
+        self._end_forward(loss)
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._end_forward()
@@ -270,15 +336,19 @@ class ActivationMonitor(Monitor):
             handle.remove()
         self._handles, self._previous = [], None
 
-    def _end_forward(self) -> None:
-        """The forward is over: take the hooks off and start reading the stacked statistics back."""
+    def _end_forward(self, loss: torch.Tensor | None = None) -> None:
+        """The forward is over: take the hooks off and start reading the stacked statistics back (and the loss,
+        last, NaN when unknown)."""
         if not self._handles:
             return
         self._remove_hooks()
         if not self._rows:
             return
         device = self._rows[0].device
-        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows]), blocking=False)
+        measured = (loss.detach().float().mean().reshape(1).to(device, non_blocking=True)
+                    if isinstance(loss, torch.Tensor) and loss.numel() else torch.full((1,), math.nan, device=device))
+        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows] + [measured]),
+                         blocking=False)
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
         self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms))
@@ -293,20 +363,37 @@ class ActivationMonitor(Monitor):
     def _complete(self, pending: PendingStats) -> None:
         step, where, outputs = pending.step, pending.where, pending.outputs
         names = metric_names([output.label for output in outputs])
-        rows = split_stats(pending.stats.values(), outputs)
+        values = pending.stats.values()
+        rows, loss = split_stats(values[:-1], outputs), values[-1]
+        if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
+            self.first_loss = loss
+            self.first_saturated = rows[-1].get("saturated_fraction", math.nan)
         metrics: dict[str, float] = {}
+        logged = self.config.log_activations
         self.latest, self.latest_step = {}, step
         for output, name, stats in zip(outputs, names, rows):
-            metrics.update({f"debug/activation/{name}/{stat}": value for stat, value in stats.items()})
-            if len(self.latest) < TABLE_ROWS:
+            if logged:
+                metrics.update({f"debug/activation/{name}/{stat}": stats[stat] for stat in STATS if stat in stats})
+            if logged and len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
-        for finding in activation_findings(step, outputs, rows):
-            label = finding.details["modules"][0]
-            counts = self.flagged[finding.kind.value]
-            counts[label] = counts.get(label, 0) + 1
-            self.record(finding, step, where, key=label)
+        self._wheres[step] = where
+        while len(self._wheres) > WHERES_KEPT:
+            del self._wheres[min(self._wheres)]
+        found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated)
+        saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f)
+                     for f in found if f.kind is Kind.SATURATED_ACTIVATION]
+        for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
+            for at in confirmed.steps:
+                first = at == confirmed.first.step and confirmed.first.finding is not None
+                finding = confirmed.first.finding if first else confirmed.latest.finding
+                if finding is not None:
+                    self._flag(finding, at, self._wheres.get(at, where))
+        for finding in found:
+            if finding.kind is Kind.DEAD_ACTIVATION:
+                self._flag(finding, step, where)
         self.checks += 1
-        self.log_metrics(step, metrics)
+        if metrics:
+            self.log_metrics(step, metrics)
         if pending.histograms is not None and self._histogram_writer is not None:
             histograms = pending.histograms.values()
             size = 5 + HISTOGRAM_BINS
@@ -315,6 +402,12 @@ class ActivationMonitor(Monitor):
                                        histogram_from_row(histograms[index * size:(index + 1) * size], HISTOGRAM_BINS),
                                        step)
         self.close_episodes(step, where, self.kinds)
+
+    def _flag(self, finding: Finding, step: int, where: Where) -> None:
+        label = finding.details["modules"][0]
+        counts = self.flagged[finding.kind.value]
+        counts[label] = counts.get(label, 0) + 1
+        self.record(finding, step, where, key=label)
 
     # --- the end ----------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
@@ -326,15 +419,19 @@ class ActivationMonitor(Monitor):
         self._remove_hooks()
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), checks=self.checks,
+        return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
+                    first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.checks = int(state_dict.get("checks", 0))
+        self.first_loss = float(state_dict.get("first_loss", math.nan))
+        self.first_saturated = float(state_dict.get("first_saturated", math.nan))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), checks=self.checks, latest_step=self.latest_step,
+                    logged=self.config.log_activations,
                     latest=dict(self.latest), flagged={kind: dict(c) for kind, c in self.flagged.items() if c})

@@ -215,10 +215,13 @@ def anomaly_markdown(section: dict[str, Any]) -> dict[str, str]:
 
 
 def activations_markdown(section: dict[str, Any]) -> dict[str, str]:
-    """The modules flagged dead or saturated, and the last check's statistics per module."""
+    """The modules flagged dead or saturated, and the last check's statistics per module (without
+    ``log_activations``: only when a module was flagged)."""
+    flagged = section.get("flagged") or {}
+    if section.get("logged") is False and not flagged:
+        return {}
     lines = [f"{section.get('checks', 0)} check step(s), every {section['check_frequency']} optimizer step(s); "
              "statistics of each leaf module's output (one row per call)."]
-    flagged = section.get("flagged") or {}
     if flagged:
         lines += ["", "| finding | module | check steps flagged |", "|---|---|---|"]
         lines += [f"| {kind} | `{name}` | {count} |"

@@ -16,7 +16,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback, check_labels, debug_callbacks
-from lightning_debug.callbacks.base import RUN_ATTRIBUTE
 from lightning_debug.checks.activations import metric_names
 from lightning_debug.core.kinds import ErrorCategory, Severity
 from lightning_debug.monitors.errors import classify
@@ -183,8 +182,9 @@ def test_a_saturated_sigmoid_is_named_and_expert_level_writes_histograms(tmp_pat
 
 
 def test_activation_hooks_exist_only_during_a_check_steps_forward(tmp_path: Path) -> None:
-    """Zero cost elsewhere: no hook on any other forward, none at all with log_activations off. (The first forward
-    also has the gradient check's one-time hooks that record the modules' order, removed before its backward.)"""
+    """Zero cost elsewhere: no hook on any other forward; with log_activations off one hooked forward per 100 steps,
+    for the verdicts. (The first forward also has the gradient check's one-time hooks that record the modules' order,
+    removed before its backward.)"""
     seen: list[tuple[int, int]] = []
     ordering: list[int] = []
 
@@ -207,9 +207,8 @@ def test_activation_hooks_exist_only_during_a_check_steps_forward(tmp_path: Path
     seen.clear()
     seen.clear()
     trainer = fit(tmp_path / "off", Probe(), gradient_checking_frequency=1)
-    assert seen == [(step, 0) for step in range(8)]
-    run_areas = [m.area.value for m in getattr(trainer, RUN_ATTRIBUTE).monitors]
-    assert "activations" not in run_areas
+    # without log_activations the verdicts measure one forward per 100 steps: step 0's, deferred past the profiler
+    assert seen == [(step, 7 if step == 1 else 0) for step in range(8)]
     assert not any(tag.startswith("debug/activation/") for tag in read_scalars(trainer.log_dir))
 
 

@@ -10,13 +10,15 @@ import torch
 from torch import nn
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import STATS, output_stats, saturation_range
+from lightning_debug.checks.activations import ROW, output_stats, saturation_range
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.monitors.activations import (
     DEAD_FRACTION,
+    LOSS_KEPT,
     MIN_ELEMENTS,
     SATURATED_FRACTION,
+    VERDICT_SPACING,
     ActivationMonitor,
     Output,
     activation_findings,
@@ -94,6 +96,70 @@ def test_the_models_last_output_may_be_saturated() -> None:
     assert kinds([linear(), sigmoid()], [stats(), stats(saturated=1.0)]) == []
 
 
+def regression_output(saturated: float, loss: float, first_loss: float = 9.5,
+                      first_saturated: float = 0.0) -> list[tuple[Kind, str]]:
+    outputs = [relu("act"), Output("out_act", "Tanh", [32, 1], relu_like=False, saturating=True, fed_by=None)]
+    found = activation_findings(4, outputs, [stats(), stats(saturated=saturated)], loss, first_loss, first_saturated)
+    return [(f.kind, f.details["modules"][0]) for f in found]
+
+
+def test_the_models_output_saturated_while_the_loss_stays_where_it_was_is_named_a_confident_one_is_not() -> None:
+    """A tanh on a regression output whose targets reach +-5: 97% of the batch of 32 at +-1, the loss 47% of its
+    first value; the same outputs after the loss fell under LOSS_KEPT are a classifier's confident predictions."""
+    assert regression_output(0.97, loss=4.46) == [(Kind.SATURATED_ACTIVATION, "out_act")]
+    assert regression_output(0.97, loss=LOSS_KEPT * 9.5 * 0.9) == []
+    assert regression_output(0.97, loss=math.nan) == []  # the loss unknown: not judged
+    assert regression_output(SATURATED_FRACTION - 1e-6, loss=4.46) == []
+    assert regression_output(0.97, loss=4.46, first_saturated=1.0) == []  # built saturated: not pushed by training
+    assert regression_output(0.97, loss=4.46, first_saturated=math.nan) == [(Kind.SATURATED_ACTIVATION, "out_act")]
+
+
+def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_is_not() -> None:
+    """A ReLU on the logits: one class of four gets no gradient; a hidden ReLU with dead units is ordinary."""
+    logits = Output("out_act", "ReLU", [32, 4], relu_like=True, saturating=False, fed_by="head (Linear)")
+    one_dead = dict(stats(zero=0.6), dead_unit_fraction=0.25)
+    assert kinds([linear(), logits], [stats(), one_dead]) == [(Kind.DEAD_ACTIVATION, "out_act")]
+    assert kinds([relu("hidden", [32, 32]), linear()], [one_dead, stats()]) == []
+    assert kinds([linear(), logits], [stats(), dict(stats(zero=0.6), dead_unit_fraction=0.0)]) == []
+    assert kinds([linear(), logits], [stats(), stats(zero=0.6)]) == []  # fewer than MIN_SAMPLES rows: not measured
+
+
+def saturated_run(steps: int, **options: Any) -> tuple[ActivationMonitor, dict[str, Any] | None, list[bool]]:
+    """A hidden sigmoid saturated from the start (inputs x1000), measured on ``steps`` steps of frequency 1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Sigmoid(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(1000.0)
+    config = DebugConfig(gradient_checking_frequency=1, save_debug_info=False, print_summary=False,
+                         save_plots=False, **options)
+    monitor = ActivationMonitor(config, "test")
+    run = Run(config, Loop(model), [monitor])
+    run.start(0)
+    flagged = []
+    for step in range(steps):
+        run.batch_start(step, None)
+        run.before_backward(step, model(torch.randn(8, 4)).sum())
+        run.batch_end()
+        run.after_optimizer_step(step + 1)
+        monitor.poll(final=True)
+        flagged.append(bool(monitor.flagged["saturated_activation"]))
+    return monitor, run.finish("finished", steps), flagged
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_saturation_is_held_two_check_steps_and_recorded_from_the_first() -> None:
+    _, report, flagged = saturated_run(2, log_activations=True)
+    assert flagged == [False, True]
+    assert report is not None and report["findings"]["saturated_activation"]["first_step"] == 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_without_log_activations_a_forward_is_measured_once_per_spacing_and_no_table_is_kept() -> None:
+    monitor, report, flagged = saturated_run(VERDICT_SPACING + 1)
+    assert monitor.checks == 2 and flagged[-1] and not flagged[-2]  # steps 0 and VERDICT_SPACING
+    assert report is not None and report["sections"]["activations"]["latest"] == {}
+
+
 def test_findings_come_in_forward_order() -> None:
     outputs = [relu("a"), sigmoid("b"), relu("c"), linear()]
     rows = [stats(zero=1.0), stats(saturated=1.0), stats(zero=1.0), stats()]
@@ -102,10 +168,10 @@ def test_findings_come_in_forward_order() -> None:
 
 
 def test_split_stats_keeps_the_saturated_fraction_of_bounded_modules_only() -> None:
-    values = list(range(2 * len(STATS)))
+    values = list(range(2 * len(ROW)))
     rows = split_stats([float(v) for v in values], [relu(), sigmoid()])
-    assert "saturated_fraction" not in rows[0] and rows[1]["saturated_fraction"] == float(len(STATS) + 4)
-    assert rows[1]["mean"] == float(len(STATS))
+    assert "saturated_fraction" not in rows[0] and rows[1]["saturated_fraction"] == float(len(ROW) + 4)
+    assert rows[1]["mean"] == float(len(ROW))
 
 
 def test_measured_outputs_of_a_dead_and_a_saturated_layer() -> None:
@@ -154,3 +220,13 @@ def test_the_monitor_counts_flagged_modules_and_resumes_them() -> None:
     restored = ActivationMonitor(config, "test")
     restored.load_state_dict(monitor.state_dict())
     assert restored.checks == 3 and restored.flagged["dead_activation"] == {"1": 3}
+
+
+def test_report_md_has_an_activations_section_at_the_defaults_only_when_a_module_was_flagged() -> None:
+    from lightning_debug.report.sections import activations_markdown
+
+    quiet = {"logged": False, "checks": 3, "check_frequency": 100, "flagged": {}, "latest": {}}
+    assert activations_markdown(quiet) == {}
+    flagged = dict(quiet, flagged={"dead_activation": {"out_act": 2}})
+    assert "| dead_activation | `out_act` | 2 |" in activations_markdown(flagged)["Activations"]
+    assert "Activations" in activations_markdown(dict(quiet, logged=True))

@@ -53,11 +53,10 @@ def test_callbacks_and_their_state_keys_come_from_the_table() -> None:
 
 
 def test_companions_and_run_wide_monitors() -> None:
-    assert companion_monitors(Area.GRADIENTS, DebugConfig(), "test") == []
-    assert [m.area for m in companion_monitors(Area.GRADIENTS, DebugConfig(log_activations=True), "test")] == [
-        Area.ACTIVATIONS]
+    for config in (DebugConfig(), DebugConfig(log_activations=True)):  # verdicts always, scalars with the setting
+        assert [m.area for m in companion_monitors(Area.GRADIENTS, config, "test")] == [Area.ACTIVATIONS]
     assert [m.area for m in run_monitors(DebugConfig(), "test")] == [Area.LOOP, Area.ERRORS]
-    assert [m.area for m in monitors_for(DebugConfig(log_activations=True), "test")] == list(Area)
+    assert [m.area for m in monitors_for(DebugConfig(), "test")] == list(Area)
     assert monitors_for(DebugConfig(mode="none"), "test") == []
 
 

@@ -1,0 +1,110 @@
+"""Issue 45: the activation and fade classes named at the default level (``log_activations`` off), each beside its
+fixed twin, through a real Trainer: a steady fade of gradients through eight sigmoid layers (``vanishing_grad``),
+a ReLU on the output logits (``dead_activation``) and a tanh on a regression output whose targets it cannot reach
+(``saturated_activation``). The ``debug/activation/*`` scalars stay behind ``log_activations``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_debug import DebugConfig, GradientHealthCallback
+from tests.harness.toolkit import debug_dir, fit_seeded, read_events, read_scalars
+
+WARNING_OR_ABOVE = ("warning", "error", "critical")
+
+
+class Net(pl.LightningModule):
+    """An MLP: ``layers.N`` and ``acts.N``, a ``head`` and an optional ``out_act`` on the output."""
+
+    def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
+                 regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
+                 kaiming: bool = False) -> None:
+        super().__init__()
+        sizes = [16] + [32] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.acts = nn.ModuleList(act() for _ in sizes[1:])
+        self.head = nn.Linear(32, 1 if regress else 4)
+        self.out_act = out_act
+        self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
+        if kaiming:
+            for layer in self.layers:
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, act in zip(self.layers, self.acts):
+            x = act(layer(x))
+        z = self.head(x)
+        return self.out_act(z) if self.out_act is not None else z
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        z = self(x)
+        return F.mse_loss(z, y) if self.regress else F.cross_entropy(z, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        if self.regress:
+            x = torch.randn(512, 16, generator=g)
+            y = torch.tanh(x @ torch.randn(16, 1, generator=g) / 4) * self.target_scale
+        else:
+            labels = torch.randint(0, 4, (512,), generator=g)
+            x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(512, 16, generator=g)
+            y = labels
+        return DataLoader(TensorDataset(x, y), batch_size=32)
+
+
+def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int) -> tuple[list[dict[str, Any]], Path]:
+    config = DebugConfig(gradient_checking_frequency=every, print_summary=False, save_plots=False)
+    trainer = fit_seeded(tmp_path, model, [GradientHealthCallback(config)], max_steps=steps)
+    return read_events(debug_dir(trainer)), Path(trainer.log_dir)
+
+
+def warnings_of(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    return [(e["kind"], e["step"]) for e in events if e.get("severity") in WARNING_OR_ABOVE]
+
+
+def test_a_steady_fade_through_eight_sigmoid_layers_is_vanishing_grad_and_its_relu_twin_is_quiet(
+        tmp_path: Path) -> None:
+    events, _ = fit(tmp_path / "buggy", Net(act=nn.Sigmoid, depth=8), steps=11, every=5)
+    fades = [e for e in events if e["kind"] == "vanishing_grad"]
+    assert fades and fades[0]["step"] == 0, warnings_of(events)
+    assert fades[0]["details"]["rule"] == "fade" and fades[0]["details"]["ratio"] < 1e-3
+    assert fades[0]["details"]["first_layer"].startswith("layers.")
+    twin, _ = fit(tmp_path / "twin", Net(act=nn.ReLU, depth=8, kaiming=True), steps=11, every=5)
+    assert warnings_of(twin) == []
+
+
+def test_a_relu_on_the_output_logits_is_dead_activation_at_the_defaults_without_activation_scalars(
+        tmp_path: Path) -> None:
+    events, log_dir = fit(tmp_path / "buggy", Net(out_act=nn.ReLU(), optimizer="adam", lr=1e-3), steps=101, every=20)
+    dead = [e for e in events if e["kind"] == "dead_activation"]
+    assert dead and dead[0]["details"]["modules"] == ["out_act"] and dead[0]["details"]["output"], warnings_of(events)
+    assert not [tag for tag in read_scalars(log_dir) if tag.startswith("debug/activation/")]
+    twin, _ = fit(tmp_path / "twin", Net(optimizer="adam", lr=1e-3), steps=101, every=20)
+    assert warnings_of(twin) == []
+
+
+@pytest.mark.parametrize("scale", [20.0])
+def test_a_tanh_on_a_regression_output_beyond_its_range_is_saturated_activation(tmp_path: Path, scale: float) -> None:
+    buggy = Net(out_act=nn.Tanh(), regress=True, target_scale=scale, optimizer="adam", lr=1e-2)
+    events, _ = fit(tmp_path / "buggy", buggy, steps=201, every=20)  # measured at 0, 100, 200: held 2 checks
+    saturated = [e for e in events if e["kind"] == "saturated_activation"]
+    assert saturated and saturated[0]["details"]["modules"] == ["out_act"], warnings_of(events)
+    assert saturated[0]["details"]["loss"] >= 0.25 * saturated[0]["details"]["first_loss"]
+    twin, _ = fit(tmp_path / "twin", Net(regress=True, target_scale=scale, optimizer="adam", lr=1e-2), steps=201,
+                  every=20)
+    assert warnings_of(twin) == []
