@@ -84,8 +84,29 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules without children (the ones whose outputs are the layers' activations), by name."""
-    return [(name, module) for name, module in model.named_modules() if next(module.children(), None) is None]
+    """The modules without children (the ones whose outputs are the layers' activations), by name.
+
+    A module compiled with ``torch.compile`` (a wrapper holding the original as ``_orig_mod``) counts as one leaf,
+    observed from outside: a hook on a module inside it would be traced by Dynamo and recompile the graph at every
+    measured step (a new hook each time), until Dynamo gives up compiling it.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+        >>> [name for name, _ in leaf_modules(model)]
+        ['0', '1.0', '1.1']
+    """
+    leaves: list[tuple[str, nn.Module]] = []
+    compiled: list[str] = []
+    for name, module in model.named_modules():
+        if any(not prefix or name.startswith(prefix + ".") for prefix in compiled):
+            continue
+        if isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            compiled.append(name)
+            leaves.append((name, module))
+        elif next(module.children(), None) is None:
+            leaves.append((name, module))
+    return leaves
 
 
 def first_floating(output: object) -> torch.Tensor | None:
