@@ -78,7 +78,8 @@ def test_a_sleep_every_5th_step_is_a_slow_step_warning_naming_the_period(tmp_pat
     assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
     first = found[0]
     details = first["details"]
-    assert first["step"] % 5 == 0 and first["step"] <= 20, first
+    # step 0 is the step the activation verdicts hook (one forward per 100 steps), which the profiler does not time
+    assert first["step"] % 5 == 0 and first["step"] <= 25, first
     assert details["period"] == 5 and details["phase"] == "forward"
     assert details["step_ms"] > 20 * details["median_step_ms"], "the plant: a stall far above the median"
     assert 0.1 < details["fraction"] <= 0.25, details

@@ -43,7 +43,8 @@ def test_healthy_ddp_run_logging_every_step_names_no_straggler(tmp_path: Path) -
     assert [e["message"] for e in events if e["kind"] == "straggler_rank"] == []
     report = read_report(Path((tmp_path / "log_dir.txt").read_text()) / "debug_outputs")
     assert report["status"] == "finished" and "straggler_rank" not in report["findings"]
-    assert report["sections"]["performance"]["plugin_time_ms"]["count"] == 30, "every step was timed"
+    # every step but the one the activation verdicts hook (one forward per 100 steps, never timed)
+    assert report["sections"]["performance"]["plugin_time_ms"]["count"] == 29, "every other step was timed"
 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
