@@ -43,12 +43,14 @@ from torch import nn
 from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
+    SIMPLEX,
     STATS,
     first_floating,
     leaf_modules,
     metric_names,
     output_stats,
     saturation_range,
+    simplex_stats,
 )
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
 from lightning_debug.config import Area, DebugConfig, DebugLevel
@@ -58,6 +60,7 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
+from lightning_debug.monitors.probabilities import KEY as PROBABILITIES, probability_finding, simplex_tolerance
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
@@ -225,6 +228,7 @@ class PendingStats:
     outputs: list[Output]
     stats: Readback
     histograms: Readback | None
+    tolerance: float = 1e-3  # of the model's output on the simplex, for its dtype
 
 
 class ActivationMonitor(Monitor):
@@ -253,12 +257,15 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
+        self._last: torch.Tensor | None = None  # the last module call's output, once the forward is over
+        self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
         self._pending: list[PendingStats] = []
         self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
+        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _last=None,
+                    _pending=[])
 
     def start(self, step: int) -> None:
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
@@ -334,6 +341,7 @@ class ActivationMonitor(Monitor):
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self._last = self._previous[1] if self._previous is not None else None  # the model's output
         self._handles, self._previous = [], None
 
     def _end_forward(self, loss: torch.Tensor | None = None) -> None:
@@ -345,14 +353,19 @@ class ActivationMonitor(Monitor):
         if not self._rows:
             return
         device = self._rows[0].device
+        last = self._last
+        simplex = (simplex_stats(last) if last is not None
+                   else torch.full((len(SIMPLEX),), math.nan, device=device))
+        tolerance = simplex_tolerance(last.dtype) if last is not None else 1e-3
         measured = (loss.detach().float().mean().reshape(1).to(device, non_blocking=True)
                     if isinstance(loss, torch.Tensor) and loss.numel() else torch.full((1,), math.nan, device=device))
-        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows] + [measured]),
-                         blocking=False)
+        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows]
+                                   + [simplex.to(device, non_blocking=True), measured]), blocking=False)
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
-        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms))
-        self._rows, self._histogram_rows, self._outputs = [], [], []
+        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms,
+                                          tolerance))
+        self._rows, self._histogram_rows, self._outputs, self._last = [], [], [], None
         self.poll()
 
     # --- verdicts ---------------------------------------------------------------------------------
@@ -364,7 +377,8 @@ class ActivationMonitor(Monitor):
         step, where, outputs = pending.step, pending.where, pending.outputs
         names = metric_names([output.label for output in outputs])
         values = pending.stats.values()
-        rows, loss = split_stats(values[:-1], outputs), values[-1]
+        width = len(SIMPLEX)
+        rows, simplex, loss = split_stats(values[:-1 - width], outputs), values[-1 - width:-1], values[-1]
         if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
             self.first_loss = loss
             self.first_saturated = rows[-1].get("saturated_fraction", math.nan)
@@ -391,6 +405,7 @@ class ActivationMonitor(Monitor):
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
+        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -401,7 +416,26 @@ class ActivationMonitor(Monitor):
                 self._histogram_writer(f"debug/activation_hist/{name}",
                                        histogram_from_row(histograms[index * size:(index + 1) * size], HISTOGRAM_BINS),
                                        step)
-        self.close_episodes(step, where, self.kinds)
+        self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED})
+
+    def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
+                             loss: float, tolerance: float) -> None:
+        """``learning_stalled`` (``probabilities_into_log_softmax``, :mod:`lightning_debug.monitors.probabilities`):
+        the model's output (the last module call) on the simplex with the loss cross-entropy gives on it, held by
+        the kind's policy; never again once a loss under the floor proved it is not the case."""
+        if not outputs or self.probabilities_cleared:
+            return
+        output = outputs[-1]
+        held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
+        finding, below = probability_finding(step, step if held is None else held.first.step, describe(output),
+                                             output.label,
+                                             output.shape, simplex, loss, tolerance)
+        self.probabilities_cleared = below
+        suspicions = ([Suspicion(Kind.LEARNING_STALLED, PROBABILITIES, step, finding=finding, variant=PROBABILITIES)]
+                      if finding is not None and output.numel >= MIN_OUTPUT_ELEMENTS else [])
+        for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[PROBABILITIES]):
+            if confirmed.latest.finding is not None:
+                self.record(confirmed.latest.finding, step, where, key=PROBABILITIES)
 
     def _flag(self, finding: Finding, step: int, where: Where) -> None:
         label = finding.details["modules"][0]
@@ -414,12 +448,14 @@ class ActivationMonitor(Monitor):
         self._remove_hooks()
         self.poll(final=True)
         super().finalize(step)
+        self.close_episodes(step, self.context.where(), {Kind.LEARNING_STALLED}, final=True)
 
     def restore(self) -> None:
         self._remove_hooks()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
+                    probabilities_cleared=self.probabilities_cleared,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -428,6 +464,7 @@ class ActivationMonitor(Monitor):
         self.checks = int(state_dict.get("checks", 0))
         self.first_loss = float(state_dict.get("first_loss", math.nan))
         self.first_saturated = float(state_dict.get("first_saturated", math.nan))
+        self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

@@ -1,0 +1,106 @@
+"""``learning_stalled`` (``probabilities_into_log_softmax``): the model outputs probabilities and the loss applies a
+softmax to them again.
+
+``F.cross_entropy`` applies ``log_softmax`` itself; fed rows that are already probabilities (a ``nn.Softmax`` at
+the end of the model) it can never go below ``log(1 + (C - 1) / e)`` (0.744 for 4 classes: the loss of a one-hot
+row), its gradients shrink as the outputs sharpen, and training looks as if it had converged. Nothing is NaN and
+the loss falls at first, so no other rule sees it.
+
+Judged from numbers only, on the check steps the activation monitor measures (:func:`simplex_stats` of the last
+module call of the forward, read back with the other statistics): the output's rows lie on the probability simplex
+(every value in [0, 1], each row summing to 1 within the dtype's tolerance), they are clearly not uniform (their
+``logit_loss`` is under :data:`UNIFORM_SHARE` of the way from ``log C`` down to the floor: at the start every loss
+of a uniform output is ``log C``), and the step's loss is within :data:`BAND` of that way of ``logit_loss``, what
+``cross_entropy`` gives on these rows as logits when each row's largest value is the target's. That is ``log C``
+falling to the floor as the model learns to predict, and exactly the floor once it predicts every sample. The
+kind's policy holds it (two check steps in a row for this cause).
+
+What could make it fire on a healthy model, and how it is ruled out: a softmax output trained with
+``nll_loss(log(p))`` has a loss far below ``logit_loss`` once the output is not uniform (0.04 against 0.77 when
+it predicts well), and a loss below the floor proves the loss is not cross-entropy on these probabilities: the
+rule then never judges this run again; MSE against one-hot targets is far below it too (0.1 against 1.1); an
+output not on the simplex (logits, a sigmoid's independent probabilities) is not judged. Not seen: a softmax
+applied by a function (not a module) is not the last module call; a loss scaled (gradient accumulation divides it)
+no longer matches, and a loss below the floor then clears the run.
+
+Example::
+
+    >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
+    >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
+    >>> finding.details["cause"], round(finding.details["floor"], 4), below
+    ('probabilities_into_log_softmax', 0.7437, False)
+    >>> probability_finding(300, 300, "`out` (Softmax)", "out", [32, 4], values, 0.02, 1e-3)  # nll_loss(log(p))
+    (None, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+
+KEY = "probabilities_into_log_softmax"
+BAND = 0.1
+"""The loss's distance from ``logit_loss`` that counts as equal, as a share of ``log C`` minus the floor (0.064 for
+4 classes)."""
+UNIFORM_SHARE = 0.25
+"""Rows whose ``logit_loss`` has not come down this share of the way from ``log C`` to the floor are still near
+uniform, where every loss reads ``log C``: not judged."""
+
+
+def floor_of(classes: int) -> float:
+    """The smallest value ``cross_entropy`` reaches on rows that are probabilities: a one-hot row's.
+
+    Example::
+
+        >>> round(floor_of(4), 4), round(floor_of(2), 4)
+        (0.7437, 0.3133)
+    """
+    return math.log(1 + (classes - 1) / math.e)
+
+
+def simplex_tolerance(dtype: torch.dtype) -> float:
+    """How far a row's sum may be from 1 (and a value out of [0, 1]) in ``dtype`` and still be a softmax's.
+
+    Example::
+
+        >>> simplex_tolerance(torch.float32), round(simplex_tolerance(torch.bfloat16), 4)
+        (0.001, 0.0312)
+    """
+    return max(1e-3, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+
+
+def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
+                        values: Sequence[float], loss: float, tolerance: float) -> tuple[Finding | None, bool]:
+    """This check step's suspicion of ``probabilities_into_log_softmax`` (its finding, or None), and whether the loss
+    proves it is not the case for good (below the floor of the output's classes). ``values``: ``SIMPLEX`` of the
+    model's output ``described``; ``since``: the step the hold began. See the module's docstring."""
+    classes = shape[-1] if shape else 0
+    low, high, row_error, logit_loss = (float(value) for value in values)
+    if classes < 2 or not all(math.isfinite(value) for value in (low, high, row_error, logit_loss, loss)):
+        return None, False
+    if not (low >= -tolerance and high <= 1 + tolerance and row_error <= tolerance):
+        return None, False
+    floor, uniform = floor_of(classes), math.log(classes)
+    span = uniform - floor
+    if loss < floor - tolerance:
+        return None, True
+    if logit_loss > uniform - UNIFORM_SHARE * span or abs(loss - logit_loss) > BAND * span:
+        return None, False
+    return Finding(
+        Kind.LEARNING_STALLED, Severity.WARNING,
+        f"The model's output {described} is probabilities (every value in [0, 1], each of its rows of {classes} "
+        f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is what cross_entropy gives "
+        f"when it softmaxes them again: it can never go below log(1 + ({classes} - 1)/e) = {floor:.4g}, and its "
+        "gradients shrink as the outputs sharpen, so training stalls short of what the model can learn. "
+        "cross_entropy applies log_softmax itself: drop the softmax from the model (apply it at inference only), or "
+        "keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then nll_loss).",
+        {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor, "classes": classes,
+         "logit_loss": logit_loss, "shape": list(shape)}), False
+
+
+__all__ = ["KEY", "floor_of", "probability_finding", "simplex_tolerance"]
