@@ -60,7 +60,8 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
-from lightning_debug.monitors.probabilities import KEY as PROBABILITIES, probability_finding, simplex_tolerance
+from lightning_debug.monitors.gradients.probabilities import KEY as PROBABILITIES
+from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
@@ -420,19 +421,18 @@ class ActivationMonitor(Monitor):
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, :mod:`lightning_debug.monitors.probabilities`):
-        the model's output (the last module call) on the simplex with the loss cross-entropy gives on it, held by
-        the kind's policy; never again once a loss under the floor proved it is not the case."""
+        """``learning_stalled`` (``probabilities_into_log_softmax``, a rule of the gradient area,
+        :mod:`lightning_debug.monitors.gradients.probabilities`, judged on what only this monitor measures): the
+        model's output (the last module call) on the simplex with the loss cross-entropy gives on it, held by the
+        kind's policy; never again once a loss under the floor proved it is not the case."""
         if not outputs or self.probabilities_cleared:
             return
         output = outputs[-1]
         held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
-        finding, below = probability_finding(step, step if held is None else held.first.step, describe(output),
-                                             output.label,
-                                             output.shape, simplex, loss, tolerance)
+        suspicion, below = probability_suspicion(step, step if held is None else held.first.step, describe(output),
+                                                 output.label, output.shape, simplex, loss, tolerance)
         self.probabilities_cleared = below
-        suspicions = ([Suspicion(Kind.LEARNING_STALLED, PROBABILITIES, step, finding=finding, variant=PROBABILITIES)]
-                      if finding is not None and output.numel >= MIN_OUTPUT_ELEMENTS else [])
+        suspicions = [suspicion] if suspicion is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
         for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[PROBABILITIES]):
             if confirmed.latest.finding is not None:
                 self.record(confirmed.latest.finding, step, where, key=PROBABILITIES)

@@ -19,7 +19,7 @@ from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.verdicts import policy_of
 from lightning_debug.monitors.activations import ActivationMonitor
-from lightning_debug.monitors.probabilities import KEY, floor_of, probability_finding, simplex_tolerance
+from lightning_debug.monitors.gradients.probabilities import KEY, floor_of, probability_finding, simplex_tolerance
 from lightning_debug.run import Run
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

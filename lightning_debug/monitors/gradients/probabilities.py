@@ -6,8 +6,10 @@ the end of the model) it can never go below ``log(1 + (C - 1) / e)`` (0.744 for 
 row), its gradients shrink as the outputs sharpen, and training looks as if it had converged. Nothing is NaN and
 the loss falls at first, so no other rule sees it.
 
-Judged from numbers only, on the check steps the activation monitor measures (:func:`simplex_stats` of the last
-module call of the forward, read back with the other statistics): the output's rows lie on the probability simplex
+Judged from numbers only, on the check steps the activation monitor measures (the gradient area's companion:
+``simplex_stats`` of the last module call of the forward, read back with the other statistics; the monitor hands
+what :func:`probability_suspicion` returns to its verdict engine, and the finding goes out under
+GradientHealthCallback like the other ``learning_stalled``): the output's rows lie on the probability simplex
 (every value in [0, 1], each row summing to 1 within the dtype's tolerance), they are clearly not uniform (their
 ``logit_loss`` is under :data:`UNIFORM_SHARE` of the way from ``log C`` down to the floor: at the start every loss
 of a uniform output is ``log C``), and the step's loss is within :data:`BAND` of that way of ``logit_loss``, what
@@ -42,6 +44,7 @@ import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import Suspicion
 
 KEY = "probabilities_into_log_softmax"
 BAND = 0.1
@@ -103,4 +106,22 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
          "logit_loss": logit_loss, "shape": list(shape)}), False
 
 
-__all__ = ["KEY", "floor_of", "probability_finding", "simplex_tolerance"]
+def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
+                          values: Sequence[float], loss: float, tolerance: float) -> tuple[Suspicion | None, bool]:
+    """:func:`probability_finding` as the suspicion the kind's policy holds (its ``variant``: two check steps in a
+    row), and whether the run is cleared for good.
+
+    Example::
+
+        >>> suspicion, _ = probability_suspicion(200, 100, "`out` (Softmax)", "out", [32, 4], [0, 1, 0, 0.75], 0.75,
+        ...                                      1e-3)
+        >>> suspicion.key, suspicion.variant, suspicion.finding.details["since_step"]
+        ('probabilities_into_log_softmax', 'probabilities_into_log_softmax', 100)
+    """
+    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance)
+    if finding is None:
+        return None, below
+    return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY), below
+
+
+__all__ = ["KEY", "floor_of", "probability_finding", "probability_suspicion", "simplex_tolerance"]
