@@ -95,7 +95,8 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
     its smallest and largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean over
     rows of ``logsumexp(row) - max(row)``: what ``cross_entropy`` returns on this output when each row's largest
     value is the target's, so what it returns on rows that are already probabilities (the loss of a softmax applied
-    twice) on a model that predicts well.
+    twice) on a model that predicts well. A large output is read in its first rows only (:data:`SIMPLEX_ROWS_ELEMENTS`
+    values), without a copy of the whole tensor.
 
     Example::
 
@@ -105,8 +106,13 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
         >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
         0.9732
     """
-    width = output.shape[-1] if output.dim() else 1
-    rows = output.detach().reshape(-1, width)[:max(1, SIMPLEX_ROWS_ELEMENTS // max(width, 1))].float()
+    x = output.detach()
+    width = x.shape[-1] if x.dim() else 1
+    if x.numel() == 0:
+        return torch.full((len(SIMPLEX),), math.nan, dtype=torch.float32, device=x.device)
+    if x.dim() > 1 and not x.is_contiguous():  # reshape would copy it whole: first keep the leading items needed
+        x = x[:max(1, SIMPLEX_ROWS_ELEMENTS // max(1, x[0].numel()))]
+    rows = x.reshape(-1, width)[:max(1, SIMPLEX_ROWS_ELEMENTS // width)].float()
     low, high = torch.aminmax(rows)
     error = (rows.sum(-1) - 1).abs().max()
     logit_loss = (torch.logsumexp(rows, -1) - rows.amax(-1)).mean()

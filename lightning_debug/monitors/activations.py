@@ -258,15 +258,13 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
-        self._last: torch.Tensor | None = None  # the last module call's output, once the forward is over
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
         self._pending: list[PendingStats] = []
         self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _last=None,
-                    _pending=[])
+        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
 
     def start(self, step: int) -> None:
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
@@ -342,7 +340,6 @@ class ActivationMonitor(Monitor):
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._last = self._previous[1] if self._previous is not None else None  # the model's output
         self._handles, self._previous = [], None
 
     def _end_forward(self, loss: torch.Tensor | None = None) -> None:
@@ -350,11 +347,11 @@ class ActivationMonitor(Monitor):
         last, NaN when unknown)."""
         if not self._handles:
             return
+        last = self._previous[1] if self._previous is not None else None  # the model's output: the last call's
         self._remove_hooks()
         if not self._rows:
             return
         device = self._rows[0].device
-        last = self._last
         simplex = (simplex_stats(last) if last is not None
                    else torch.full((len(SIMPLEX),), math.nan, device=device))
         tolerance = simplex_tolerance(last.dtype) if last is not None else 1e-3
@@ -366,7 +363,7 @@ class ActivationMonitor(Monitor):
                                blocking=False) if self._histogram_rows else None)
         self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms,
                                           tolerance))
-        self._rows, self._histogram_rows, self._outputs, self._last = [], [], [], None
+        self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
     # --- verdicts ---------------------------------------------------------------------------------

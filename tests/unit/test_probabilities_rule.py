@@ -144,3 +144,13 @@ def test_once_the_loss_went_below_the_floor_the_run_is_never_judged_again() -> N
     assert flagged == [False] * 4 and monitor.probabilities_cleared
     assert report is not None and "learning_stalled" not in report["findings"]
     assert monitor.state_dict()["probabilities_cleared"] is True
+
+
+def test_simplex_stats_of_an_empty_or_non_contiguous_output() -> None:
+    assert simplex_stats(torch.empty(0, 4)).isnan().all()
+    p = torch.softmax(torch.randn(3, 4, 5), -1)
+    strided = torch.softmax(torch.randn(4, 3, 5), -1).transpose(0, 1)
+    assert not strided.is_contiguous()
+    for output in (p, strided):
+        low, high, error, _ = simplex_stats(output).tolist()
+        assert 0 <= low <= high <= 1 and error < 1e-5
