@@ -60,7 +60,7 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
-from lightning_debug.monitors.gradients.probabilities import KEY as PROBABILITIES
+from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
 from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
 
 DEAD_FRACTION = 0.99
@@ -259,6 +259,7 @@ class ActivationMonitor(Monitor):
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
+        self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
@@ -420,10 +421,13 @@ class ActivationMonitor(Monitor):
                              loss: float, tolerance: float) -> None:
         """``learning_stalled`` (``probabilities_into_log_softmax``, a rule of the gradient area,
         :mod:`lightning_debug.monitors.gradients.probabilities`, judged on what only this monitor measures): the
-        model's output (the last module call) on the simplex with the loss cross-entropy gives on it, held by the
-        kind's policy; never again once a loss under the floor proved it is not the case."""
-        if not outputs or self.probabilities_cleared:
+        model's output (the last module call) on the simplex with the loss cross-entropy gives on it, judged at most
+        once every ``JUDGED_EVERY`` steps and held by the kind's policy; never again once a loss under the floor proved
+        it is not the case."""
+        if (not outputs or self.probabilities_cleared
+                or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
             return
+        self.probabilities_judged = step
         output = outputs[-1]
         held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
         suspicion, below = probability_suspicion(step, step if held is None else held.first.step, describe(output),
@@ -452,7 +456,7 @@ class ActivationMonitor(Monitor):
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
-                    probabilities_cleared=self.probabilities_cleared,
+                    probabilities_cleared=self.probabilities_cleared, probabilities_judged=self.probabilities_judged,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -462,6 +466,7 @@ class ActivationMonitor(Monitor):
         self.first_loss = float(state_dict.get("first_loss", math.nan))
         self.first_saturated = float(state_dict.get("first_saturated", math.nan))
         self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
+        self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 
