@@ -5,6 +5,9 @@ after it when the profiler times the check step); each computes its statistics o
 output may be changed in place later), and the rows are read back once, without a sync. The verdicts
 (``dead_activation``, ``saturated_activation``) run at every level with the gradient checks; the
 ``debug/activation/*`` scalars, histograms and report.md's table of statistics only with ``log_activations``.
+The model's output (the last module call) is also measured against the probability simplex and judged with the
+step's loss by the gradient area's ``learning_stalled`` rule for probabilities fed to ``cross_entropy``
+(:mod:`lightning_debug.monitors.gradients.probabilities`), which this monitor records.
 Without it a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps, so the verdicts cost
 what they cost at the default frequency (one hooked forward per 100 steps) whatever ``gradient_checking_frequency``
 is: dead and saturated layers last, and every-step hooks slow a many-module model by a third.
