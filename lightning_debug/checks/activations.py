@@ -83,6 +83,42 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float()])
 
 
+SIMPLEX_ROWS_ELEMENTS = 1 << 22
+"""At most this many values of the model's output are read by :func:`simplex_stats` (its first rows): a language
+model's logits (batch x sequence x vocabulary) are not copied whole."""
+SIMPLEX = ("low", "high", "row_sum_error", "logit_loss")
+"""What :func:`simplex_stats` measures."""
+
+
+def simplex_stats(output: torch.Tensor) -> torch.Tensor:
+    """:data:`SIMPLEX` of a model's output, on its device (no host sync), over its rows (the last dimension):
+    its smallest and largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean over
+    rows of ``logsumexp(row) - max(row)``: what ``cross_entropy`` returns on this output when each row's largest
+    value is the target's, so what it returns on rows that are already probabilities (the loss of a softmax applied
+    twice) on a model that predicts well. A large output is read in its first rows only (:data:`SIMPLEX_ROWS_ELEMENTS`
+    values), without a copy of the whole tensor.
+
+    Example::
+
+        >>> p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
+        >>> [round(v, 4) for v in simplex_stats(p).tolist()]
+        [0.1, 0.7, 0.0, 0.9732]
+        >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
+        0.9732
+    """
+    x = output.detach()
+    width = x.shape[-1] if x.dim() else 1
+    if x.numel() == 0:
+        return torch.full((len(SIMPLEX),), math.nan, dtype=torch.float32, device=x.device)
+    if x.dim() > 1 and not x.is_contiguous():  # reshape would copy it whole: first keep the leading items needed
+        x = x[:max(1, SIMPLEX_ROWS_ELEMENTS // max(1, x[0].numel()))]
+    rows = x.reshape(-1, width)[:max(1, SIMPLEX_ROWS_ELEMENTS // width)].float()
+    low, high = torch.aminmax(rows)
+    error = (rows.sum(-1) - 1).abs().max()
+    logit_loss = (torch.logsumexp(rows, -1) - rows.amax(-1)).mean()
+    return torch.stack([low, high, error, logit_loss])
+
+
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules without children (the ones whose outputs are the layers' activations), by name.
 

@@ -471,14 +471,19 @@ KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.LEARNING_STALLED: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         summary="every param group's learning rate is 0 far from the end of the run, or the weights barely move "
-                "and the loss stays where it started",
+                "and the loss stays where it started, or the model's output is probabilities that cross_entropy "
+                "softmaxes again (the loss sits at its floor)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
                "around that step), or it is so small that the weights move by ~1e-7 of their size per step and "
-               "the loss stays where it started (raise it, often 100x-1000x).",
-        hint="the learning rate is 0 or far too small: check the scheduler and the lr",
-        confirm=Confirm(patience=3, backdate=False)),
+               "the loss stays where it started (raise it, often 100x-1000x). When the model's output is "
+               "probabilities (a softmax as its last layer) and the loss is cross_entropy, the loss is stuck at "
+               "log(1 + (C-1)/e): drop the softmax (cross_entropy applies log_softmax itself) or use "
+               "nll_loss(torch.log(p)).",
+        hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy): check the "
+             "scheduler, the lr and the model's last layer",
+        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2}, backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

@@ -5,6 +5,9 @@ after it when the profiler times the check step); each computes its statistics o
 output may be changed in place later), and the rows are read back once, without a sync. The verdicts
 (``dead_activation``, ``saturated_activation``) run at every level with the gradient checks; the
 ``debug/activation/*`` scalars, histograms and report.md's table of statistics only with ``log_activations``.
+The model's output (the last module call) is also measured against the probability simplex and judged with the
+step's loss by the gradient area's ``learning_stalled`` rule for probabilities fed to ``cross_entropy``
+(:mod:`lightning_debug.monitors.gradients.probabilities`), which this monitor records.
 Without it a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps, so the verdicts cost
 what they cost at the default frequency (one hooked forward per 100 steps) whatever ``gradient_checking_frequency``
 is: dead and saturated layers last, and every-step hooks slow a many-module model by a third.
@@ -43,12 +46,14 @@ from torch import nn
 from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
+    SIMPLEX,
     STATS,
     first_floating,
     leaf_modules,
     metric_names,
     output_stats,
     saturation_range,
+    simplex_stats,
 )
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
 from lightning_debug.config import Area, DebugConfig, DebugLevel
@@ -58,6 +63,8 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
+from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
+from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
@@ -225,6 +232,7 @@ class PendingStats:
     outputs: list[Output]
     stats: Readback
     histograms: Readback | None
+    tolerance: float = 1e-3  # of the model's output on the simplex, for its dtype
 
 
 class ActivationMonitor(Monitor):
@@ -253,6 +261,8 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
+        self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
+        self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
@@ -341,17 +351,22 @@ class ActivationMonitor(Monitor):
         last, NaN when unknown)."""
         if not self._handles:
             return
+        last = self._previous[1] if self._previous is not None else None  # the model's output: the last call's
         self._remove_hooks()
         if not self._rows:
             return
         device = self._rows[0].device
+        simplex = (simplex_stats(last) if last is not None
+                   else torch.full((len(SIMPLEX),), math.nan, device=device))
+        tolerance = simplex_tolerance(last.dtype) if last is not None else 1e-3
         measured = (loss.detach().float().mean().reshape(1).to(device, non_blocking=True)
                     if isinstance(loss, torch.Tensor) and loss.numel() else torch.full((1,), math.nan, device=device))
-        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows] + [measured]),
-                         blocking=False)
+        stats = Readback(torch.cat([row.to(device, non_blocking=True) for row in self._rows]
+                                   + [simplex.to(device, non_blocking=True), measured]), blocking=False)
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
-        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms))
+        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms,
+                                          tolerance))
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
@@ -364,7 +379,8 @@ class ActivationMonitor(Monitor):
         step, where, outputs = pending.step, pending.where, pending.outputs
         names = metric_names([output.label for output in outputs])
         values = pending.stats.values()
-        rows, loss = split_stats(values[:-1], outputs), values[-1]
+        width = len(SIMPLEX)
+        rows, simplex, loss = split_stats(values[:-1 - width], outputs), values[-1 - width:-1], values[-1]
         if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
             self.first_loss = loss
             self.first_saturated = rows[-1].get("saturated_fraction", math.nan)
@@ -391,6 +407,7 @@ class ActivationMonitor(Monitor):
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
+        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -401,7 +418,28 @@ class ActivationMonitor(Monitor):
                 self._histogram_writer(f"debug/activation_hist/{name}",
                                        histogram_from_row(histograms[index * size:(index + 1) * size], HISTOGRAM_BINS),
                                        step)
-        self.close_episodes(step, where, self.kinds)
+        self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED})
+
+    def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
+                             loss: float, tolerance: float) -> None:
+        """``learning_stalled`` (``probabilities_into_log_softmax``, a rule of the gradient area,
+        :mod:`lightning_debug.monitors.gradients.probabilities`, judged on what only this monitor measures): the
+        model's output (the last module call) on the simplex with the loss cross-entropy gives on it, judged at most
+        once every ``JUDGED_EVERY`` steps and held by the kind's policy; never again once a loss under the floor proved
+        it is not the case."""
+        if (not outputs or self.probabilities_cleared
+                or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
+            return
+        self.probabilities_judged = step
+        output = outputs[-1]
+        held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
+        suspicion, below = probability_suspicion(step, step if held is None else held.first.step, describe(output),
+                                                 output.label, output.shape, simplex, loss, tolerance)
+        self.probabilities_cleared = below
+        suspicions = [suspicion] if suspicion is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
+        for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[PROBABILITIES]):
+            if confirmed.latest.finding is not None:
+                self.record(confirmed.latest.finding, step, where, key=PROBABILITIES)
 
     def _flag(self, finding: Finding, step: int, where: Where) -> None:
         label = finding.details["modules"][0]
@@ -414,12 +452,14 @@ class ActivationMonitor(Monitor):
         self._remove_hooks()
         self.poll(final=True)
         super().finalize(step)
+        self.close_episodes(step, self.context.where(), {Kind.LEARNING_STALLED}, final=True)
 
     def restore(self) -> None:
         self._remove_hooks()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
+                    probabilities_cleared=self.probabilities_cleared, probabilities_judged=self.probabilities_judged,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -428,6 +468,8 @@ class ActivationMonitor(Monitor):
         self.checks = int(state_dict.get("checks", 0))
         self.first_loss = float(state_dict.get("first_loss", math.nan))
         self.first_saturated = float(state_dict.get("first_saturated", math.nan))
+        self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
+        self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

@@ -1,7 +1,8 @@
 """Issue 45: the activation and fade classes named at the default level (``log_activations`` off), each beside its
 fixed twin, through a real Trainer: a steady fade of gradients through eight sigmoid layers (``vanishing_grad``),
-a ReLU on the output logits (``dead_activation``) and a tanh on a regression output whose targets it cannot reach
-(``saturated_activation``). The ``debug/activation/*`` scalars stay behind ``log_activations``.
+a ReLU on the output logits (``dead_activation``), a tanh on a regression output whose targets it cannot reach
+(``saturated_activation``) and a softmax on the output that ``cross_entropy`` softmaxes again (``learning_stalled``,
+``probabilities_into_log_softmax``). The ``debug/activation/*`` scalars stay behind ``log_activations``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Net(pl.LightningModule):
 
     def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
-                 kaiming: bool = False) -> None:
+                 kaiming: bool = False, loss: str = "ce") -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -35,6 +36,7 @@ class Net(pl.LightningModule):
         self.head = nn.Linear(32, 1 if regress else 4)
         self.out_act = out_act
         self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
+        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot
         if kaiming:
             for layer in self.layers:
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
@@ -48,7 +50,13 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         z = self(x)
-        return F.mse_loss(z, y) if self.regress else F.cross_entropy(z, y)
+        if self.regress:
+            return F.mse_loss(z, y)
+        if self.loss == "nll_log":
+            return F.nll_loss(torch.log(z), y)
+        if self.loss == "mse_one_hot":
+            return F.mse_loss(z, F.one_hot(y, 4).float())
+        return F.cross_entropy(z, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adam":
@@ -108,3 +116,24 @@ def test_a_tanh_on_a_regression_output_beyond_its_range_is_saturated_activation(
     twin, _ = fit(tmp_path / "twin", Net(regress=True, target_scale=scale, optimizer="adam", lr=1e-2), steps=201,
                   every=20)
     assert warnings_of(twin) == []
+
+
+def test_a_softmax_output_fed_to_cross_entropy_is_learning_stalled_at_its_floor(tmp_path: Path) -> None:
+    buggy = Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3)
+    events, _ = fit(tmp_path / "buggy", buggy, steps=201, every=20)  # measured at 0, 100, 200: held 2 checks
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(200, "probabilities_into_log_softmax")], \
+        warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["out_act"] and details["classes"] == 4 and details["since_step"] == 100
+    assert details["floor"] <= details["loss"] < details["floor"] + 0.05
+    assert "nll_loss(torch.log(p))" in stalled[0]["message"]
+
+
+@pytest.mark.parametrize("twin", ["nll_log", "mse_one_hot", "logits"])
+def test_a_softmax_output_trained_with_a_loss_on_probabilities_and_plain_logits_are_quiet(tmp_path: Path,
+                                                                                          twin: str) -> None:
+    model = (Net(optimizer="adam", lr=1e-3) if twin == "logits"
+             else Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3, loss=twin))
+    events, _ = fit(tmp_path, model, steps=201, every=20)
+    assert warnings_of(events) == []

@@ -1,0 +1,139 @@
+"""``learning_stalled`` (``probabilities_into_log_softmax``): the model outputs probabilities and the loss applies a
+softmax to them again.
+
+``F.cross_entropy`` applies ``log_softmax`` itself; fed rows that are already probabilities (a ``nn.Softmax`` at
+the end of the model) it can never go below ``log(1 + (C - 1) / e)`` (0.744 for 4 classes: the loss of a one-hot
+row), its gradients shrink as the outputs sharpen, and training looks as if it had converged. Nothing is NaN and
+the loss falls at first, so no other rule sees it.
+
+Judged from numbers only, on the check steps the activation monitor measures (the gradient area's companion:
+``simplex_stats`` of the last module call of the forward, read back with the other statistics; the monitor hands
+what :func:`probability_suspicion` returns to its verdict engine, and the finding goes out under
+GradientHealthCallback like the other ``learning_stalled``): the output's rows lie on the probability simplex
+(every value in [0, 1], each row summing to 1 within the dtype's tolerance), they are confident (their
+``logit_loss`` is within :data:`CONFIDENT_SHARE` of the way from the floor up to ``log C``), and the step's loss
+is ``logit_loss`` or at most :data:`BAND` of that way above it (:data:`BELOW` under it for rounding), where
+``logit_loss`` is what ``cross_entropy`` gives on these rows as logits when each row's largest value is the
+target's: on probabilities its loss is ``logit_loss`` plus the mean of ``max(p) - p[target]``, never less. That is
+the loss falling to the floor as the model learns to predict, and exactly the floor once it predicts every
+sample. The rule judges at most once every :data:`JUDGED_EVERY` optimizer steps (whatever the check frequency)
+and the kind's policy holds it two judgements in a row, so the condition lasts a hundred steps or more.
+
+What could make it fire on a healthy model, and how it is ruled out: a softmax output trained with
+``nll_loss(log(p))`` has a loss far below ``logit_loss`` once it predicts well (0.04 against 0.77), and a loss
+below the floor proves the loss is not cross-entropy on these probabilities: the rule then never judges this run
+again; on a hard task with ``nll_loss(log(p))`` at about half its samples right, the loss crosses ``logit_loss``
+often (rows of maximum ~0.5, ``logit_loss`` ~1.1-1.2 for 4 classes), hence the confidence bound (such rows are
+not judged) and the narrow one-sided band: on 96 such runs (4 and 10 classes, 2 seeds, SGD and Adam, blobs from
+hardly separable to easy, 600 steps) 0.02% of the steps are suspect (0.8% in the worst run, never two in a row),
+where a first version (rows judged up to 0.75 of the way, a band of 0.1 on both sides) suspected 1.7% (25% in
+one run) and named 13 of the 96 when judging every step;
+MSE against one-hot targets is far below it (0.1 against 1.1); an output not on the simplex (logits, a
+sigmoid's independent probabilities) is not judged. The bug on a task the model cannot learn well (about half its
+samples right) is not named either: its loss is then well above ``logit_loss``. Not seen: a softmax
+applied by a function (not a module) is not the last module call; a loss scaled (gradient accumulation divides it)
+no longer matches, and a loss below the floor then clears the run.
+
+Example::
+
+    >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
+    >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
+    >>> finding.details["cause"], round(finding.details["floor"], 4), below
+    ('probabilities_into_log_softmax', 0.7437, False)
+    >>> probability_finding(300, 300, "`out` (Softmax)", "out", [32, 4], values, 0.02, 1e-3)  # nll_loss(log(p))
+    (None, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_debug.core.findings import Finding
+from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.verdicts import Suspicion
+
+KEY = "probabilities_into_log_softmax"
+BAND = 0.05
+"""How far above ``logit_loss`` the loss may be, as a share of ``log C`` minus the floor (0.032 for 4 classes)."""
+BELOW = 0.01
+"""How far under ``logit_loss`` the loss may be (rounding, a large output read in its first rows), the same way."""
+CONFIDENT_SHARE = 0.35
+"""Rows whose ``logit_loss`` is more than this share of the way from the floor up to ``log C`` are not judged: near
+uniform every loss reads ``log C``, and half-confident rows are where ``nll_loss(log(p))`` crosses it."""
+JUDGED_EVERY = 100
+"""Optimizer steps at least between two judgements (the hold of two means the condition lasted this long)."""
+
+
+def floor_of(classes: int) -> float:
+    """The smallest value ``cross_entropy`` reaches on rows that are probabilities: a one-hot row's.
+
+    Example::
+
+        >>> round(floor_of(4), 4), round(floor_of(2), 4)
+        (0.7437, 0.3133)
+    """
+    return math.log(1 + (classes - 1) / math.e)
+
+
+def simplex_tolerance(dtype: torch.dtype) -> float:
+    """How far a row's sum may be from 1 (and a value out of [0, 1]) in ``dtype`` and still be a softmax's.
+
+    Example::
+
+        >>> simplex_tolerance(torch.float32), round(simplex_tolerance(torch.bfloat16), 4)
+        (0.001, 0.0312)
+    """
+    return max(1e-3, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+
+
+def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
+                        values: Sequence[float], loss: float, tolerance: float) -> tuple[Finding | None, bool]:
+    """This check step's suspicion of ``probabilities_into_log_softmax`` (its finding, or None), and whether the loss
+    proves it is not the case for good (below the floor of the output's classes). ``values``: ``SIMPLEX`` of the
+    model's output ``described``; ``since``: the step the hold began. See the module's docstring."""
+    classes = shape[-1] if shape else 0
+    low, high, row_error, logit_loss = (float(value) for value in values)
+    if classes < 2 or not all(math.isfinite(value) for value in (low, high, row_error, logit_loss, loss)):
+        return None, False
+    if not (low >= -tolerance and high <= 1 + tolerance and row_error <= tolerance):
+        return None, False
+    floor, uniform = floor_of(classes), math.log(classes)
+    span = uniform - floor
+    if loss < floor - tolerance:
+        return None, True
+    if logit_loss > floor + CONFIDENT_SHARE * span or not -BELOW * span <= loss - logit_loss <= BAND * span:
+        return None, False
+    return Finding(
+        Kind.LEARNING_STALLED, Severity.WARNING,
+        f"The model's output {described} is probabilities (every value in [0, 1], each of its rows of {classes} "
+        f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is what cross_entropy gives "
+        f"when it softmaxes them again: it can never go below log(1 + ({classes} - 1)/e) = {floor:.4g}, and its "
+        "gradients shrink as the outputs sharpen, so training stalls short of what the model can learn. "
+        "cross_entropy applies log_softmax itself: drop the softmax from the model (apply it at inference only), or "
+        "keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then nll_loss).",
+        {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor, "classes": classes,
+         "logit_loss": logit_loss, "shape": list(shape)}), False
+
+
+def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
+                          values: Sequence[float], loss: float, tolerance: float) -> tuple[Suspicion | None, bool]:
+    """:func:`probability_finding` as the suspicion the kind's policy holds (its ``variant``: two check steps in a
+    row), and whether the run is cleared for good.
+
+    Example::
+
+        >>> suspicion, _ = probability_suspicion(200, 100, "`out` (Softmax)", "out", [32, 4], [0, 1, 0, 0.75], 0.75,
+        ...                                      1e-3)
+        >>> suspicion.key, suspicion.variant, suspicion.finding.details["since_step"]
+        ('probabilities_into_log_softmax', 'probabilities_into_log_softmax', 100)
+    """
+    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance)
+    if finding is None:
+        return None, below
+    return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY), below
+
+
+__all__ = ["JUDGED_EVERY", "KEY", "floor_of", "probability_finding", "probability_suspicion", "simplex_tolerance"]
