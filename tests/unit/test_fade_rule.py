@@ -68,3 +68,14 @@ def test_a_fade_whose_first_layer_the_absolute_rule_holds_is_not_named_twice() -
     verdicts.observe(Kind.VANISHING_GRAD, 0, [Suspicion(Kind.VANISHING_GRAD, "layers.0", 0)])
     norms = grads(sigmoid_fade())
     assert [judge_fade(s, norms, dims(norms), {}, "", history, verdicts) for s in (0, 100, 200)] == [None] * 3
+
+
+def test_one_small_layer_on_the_input_side_with_healthy_layers_around_it_is_no_fade() -> None:
+    """ALBERT at random init (the sweep, every check every step): attention's query gets ~1e-4 of the head's
+    gradient while the layers beside it on the input side get a normal share, and the norms still rise towards
+    the output. A fade shrinks the whole input side: its median must be under the ratio too."""
+    norms = [0.05, 3e-5, 0.02, 0.03, 0.05, 0.08, 0.1, 0.2, 0.5]
+    assert norms[1] / norms[-1] < FADE_RATIO
+    assert judged([norms] * 3) == [None, None, None]
+    faded = [1e-5, 3e-5, 8e-5, 2e-4, 0.05, 0.08, 0.1, 0.2, 0.5]  # the same ends, the whole input side faded
+    assert judged([faded] * 2)[1] is not None

@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,6 +94,7 @@ def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str,
         deepest = input_side(norms)
         low, (last, high) = norms[deepest], layers[-1]
         if (all(math.isfinite(n) for n in norms) and 0 < low < FADE_RATIO * high
+                and statistics.median(norms[:max(1, len(norms) // 2)]) < FADE_RATIO * high
                 and verdicts.hold(Kind.VANISHING_GRAD, layers[deepest][0]) is None
                 and len(norms) - deepest >= MIN_LAYERS and rank_correlation(norms[deepest:]) >= STEADY_CORRELATION):
             suspicions.append(Suspicion(Kind.VANISHING_GRAD, layers[0][0], step, value=low / high, variant=FADE,
