@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
-from lightning_debug.monitors.gradients.fade import FADE_RATIO, FadeHistory, judge_fade
+from lightning_debug.monitors.gradients.fade import FADE_RATIO, judge_fade
 
 DEPTH = 8
 
@@ -26,8 +26,8 @@ def sigmoid_fade(factor: float = 4.0) -> list[float]:
 
 
 def judged(series: list[list[float]]) -> list[object]:
-    history, verdicts = FadeHistory(), VerdictEngine()
-    return [judge_fade(100 * i, grads(norms), dims(grads(norms)), {}, "registration", history, verdicts)
+    verdicts = VerdictEngine()
+    return [judge_fade(100 * i, grads(norms), dims(grads(norms)), {}, "registration", verdicts)
             for i, norms in enumerate(series)]
 
 
@@ -64,10 +64,10 @@ def test_a_shallow_fade_and_exact_zeros_are_left_out_but_four_faded_layers_are_n
 
 
 def test_a_fade_whose_first_layer_the_absolute_rule_holds_is_not_named_twice() -> None:
-    history, verdicts = FadeHistory(), VerdictEngine()
+    verdicts = VerdictEngine()
     verdicts.observe(Kind.VANISHING_GRAD, 0, [Suspicion(Kind.VANISHING_GRAD, "layers.0", 0)])
     norms = grads(sigmoid_fade())
-    assert [judge_fade(s, norms, dims(norms), {}, "", history, verdicts) for s in (0, 100, 200)] == [None] * 3
+    assert [judge_fade(s, norms, dims(norms), {}, "", verdicts) for s in (0, 100, 200)] == [None] * 3
 
 
 def test_one_small_layer_on_the_input_side_with_healthy_layers_around_it_is_no_fade() -> None:

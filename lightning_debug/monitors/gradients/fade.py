@@ -25,14 +25,14 @@ Example::
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> norms = [("l0.weight", 1e-6), ("l1.weight", 1e-5), ("l2.weight", 1e-4), ("l3.weight", 1e-3),
     ...          ("head.weight", 0.3)]
-    >>> history, verdicts, dims = FadeHistory(), VerdictEngine(), dict.fromkeys([n for n, _ in norms], 2)
-    >>> judge_fade(0, norms, dims, {}, "registration", history, verdicts) is None
+    >>> verdicts, dims = VerdictEngine(), dict.fromkeys([n for n, _ in norms], 2)
+    >>> judge_fade(0, norms, dims, {}, "registration", verdicts) is None
     True
-    >>> verdict = judge_fade(100, norms, dims, {}, "registration", history, verdicts)
+    >>> verdict = judge_fade(100, norms, dims, {}, "registration", verdicts)
     >>> verdict.finding.kind.value, verdict.steps, f"{verdict.finding.details['ratio']:.2g}"
     ('vanishing_grad', [0, 100], '3.3e-06')
     >>> healthy = [(name, 0.1 * (i + 1)) for i, (name, _) in enumerate(norms)]
-    >>> judge_fade(300, healthy, dims, {}, "registration", FadeHistory(), VerdictEngine()) is None
+    >>> judge_fade(300, healthy, dims, {}, "registration", VerdictEngine()) is None
     True
 """
 
@@ -55,13 +55,6 @@ MIN_LAYERS = 4
 SCOPE = FADE = "fade"
 
 
-class FadeHistory:
-    """Each layer's first gradient norm (kept for the rule's details; one float per layer)."""
-
-    def __init__(self) -> None:
-        self.first: dict[str, float] = {}
-
-
 def weighted_layers(grads: Sequence[tuple[str, float]], dims: Mapping[str, int],
                     positions: Positions) -> list[tuple[str, float]]:
     """``(module, gradient norm)`` of the modules owning a parameter of two or more dimensions, in forward order
@@ -82,12 +75,9 @@ def weighted_layers(grads: Sequence[tuple[str, float]], dims: Mapping[str, int],
 
 
 def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str, int], positions: Positions,
-               order_source: str, history: FadeHistory, verdicts: VerdictEngine) -> Verdict | None:
+               order_source: str, verdicts: VerdictEngine) -> Verdict | None:
     """The ``vanishing_grad`` finding of a steady fade confirmed at this check step, or None (see the module)."""
     layers = weighted_layers(grads, dims, positions)
-    for module, norm in layers:
-        if math.isfinite(norm):
-            history.first.setdefault(module, norm)
     suspicions = []
     if len(layers) >= MIN_LAYERS:
         norms = [norm for _, norm in layers]

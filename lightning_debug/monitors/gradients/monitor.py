@@ -21,7 +21,7 @@ from lightning_debug.core.rules import CheckRead, CheckStep, FitStart, Moment
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
-from lightning_debug.monitors.gradients.fade import FadeHistory, judge_fade
+from lightning_debug.monitors.gradients.fade import judge_fade
 from lightning_debug.monitors.gradients.exploding import (ClipAlgorithm, Clipping, Decided, Explosions, judge_exploding,
                                                           suspect_explosion)
 from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
@@ -71,7 +71,7 @@ class GradientMonitor(Monitor):
         self._param_groups: Sequence[dict[str, Any]] = []
         self._start_lrs: list[Any] = []  # each param group's lr at fit start: the base of one no scheduler drives
         self.order = ForwardOrder()
-        self._fade, self._dims = FadeHistory(), (None, {})  # the dimensions of the parameters of an index
+        self._dims: tuple[Any, dict[str, int]] = (None, {})  # the dimensions of the parameters of an index
         self.order_source = "registration order (named_parameters)"
         self._positions: dict[str, tuple[int, int]] = {}
         self._static_recorded_step = -1
@@ -335,7 +335,7 @@ class GradientMonitor(Monitor):
         if pending.judged is not None and self._dims[0] is not pending.judged:
             self._dims = (pending.judged, {n: p.dim() for n, p in zip(pending.judged.names, pending.judged.params)})
         self._record(judge_fade(step, list(zip(host.grad_names, host.grad_norms)), self._dims[1], self._positions,
-                                self.order_source, self._fade, self.verdicts), step, where, "vanishing")
+                                self.order_source, self.verdicts), step, where, "vanishing")
         self._judge_missing(pending, host, optimizer)
         self._judge_outside(pending)
         self._read_rules(step, self._drifts.pop(step, None), host, where)
