@@ -177,31 +177,35 @@ class HostNumerics:
             return math.nan
         return sum(values) / len(values)
 
+    def _ranks_counting(self, key: str) -> list[int]:
+        """The ranks whose reduced row counts something under ``key`` (a NaN/Inf count, a failure flag)."""
+        return [i for i, rank in enumerate(self.ranks) if rank.get(key, 0) > 0]
+
     @property
     def ranks_with_nonfinite_loss(self) -> list[int]:
         return [i for i, rank in enumerate(self.ranks) if rank["loss_finite"] == 0]
 
     @property
     def ranks_with_nonfinite_inputs(self) -> list[int]:
-        return [i for i, rank in enumerate(self.ranks) if rank["input_nonfinite"] > 0]
+        return self._ranks_counting("input_nonfinite")
 
     @property
     def ranks_with_nonfinite_grads(self) -> list[int]:
-        return [i for i, rank in enumerate(self.ranks) if rank["grad_nonfinite"] > 0]
+        return self._ranks_counting("grad_nonfinite")
 
     @property
     def ranks_with_nonfinite_buffers(self) -> list[int]:
         """Ranks whose model buffers (BatchNorm running statistics and the like) hold NaN/Inf after the step's forward."""
-        return [i for i, rank in enumerate(self.ranks) if rank.get("buffer_nonfinite", 0) > 0]
+        return self._ranks_counting("buffer_nonfinite")
 
     @property
     def ranks_with_nonfinite_params(self) -> list[int]:
-        return [i for i, rank in enumerate(self.ranks) if rank["param_nonfinite"] > 0]
+        return self._ranks_counting("param_nonfinite")
 
     @property
     def ranks_with_failed_check(self) -> list[int]:
         """Ranks whose own measurement raised: every rank learns it from the reduced rows, in the same step."""
-        return [i for i, rank in enumerate(self.ranks) if rank["check_failed"] > 0]
+        return self._ranks_counting("check_failed")
 
     @property
     def failure(self) -> Exception | None:
