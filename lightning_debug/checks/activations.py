@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from lightning_debug.checks.numerics import compiled_wrapper
+
 STATS = ("mean", "std", "max_abs", "zero_fraction", "saturated_fraction", "nonfinite_count")
 ROW = STATS + ("dead_unit_fraction",)
 """What :func:`output_stats` measures: the logged :data:`STATS`, then what only the rules read."""
@@ -137,7 +139,7 @@ def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if any(not prefix or name.startswith(prefix + ".") for prefix in compiled):
             continue
-        if isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        if compiled_wrapper(module):
             compiled.append(name)
             leaves.append((name, module))
         elif next(module.children(), None) is None:

@@ -54,6 +54,18 @@ def local_tensors(tensors: Sequence[torch.Tensor], sharded: bool) -> list[torch.
     return [_local_of(t) if is_dtensor(t) else t for t in tensors]
 
 
+def compiled_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper, holding the original as ``_orig_mod``: a hook on a module
+    inside it would be traced by Dynamo (and recompile the graph), one on the wrapper runs outside.
+
+    Example::
+
+        >>> compiled_wrapper(torch.nn.Linear(2, 2))
+        False
+    """
+    return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
+
+
 def user_name(name: str) -> str:
     """A parameter or module name as the user wrote the model, without the segments that
     ``torch.compile`` (``_orig_mod``), FSDP1 and activation checkpointing insert.

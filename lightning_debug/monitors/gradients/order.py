@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from lightning_debug.checks.localize import tensors_in
-from lightning_debug.checks.numerics import user_name
+from lightning_debug.checks.numerics import compiled_wrapper, user_name
 from lightning_debug.monitors.gradients.layout import module_of
 
 
@@ -72,7 +72,7 @@ class ForwardOrder:
             name = user_name(name)
             if any(name == c or name.startswith(c + ".") for c in self._compiled):
                 continue
-            if type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+            if compiled_wrapper(module):
                 self._compiled.append(name)
             self._handles.append(module.register_forward_pre_hook(self._hook_for(name)))
             if any(True for _ in module.parameters(recurse=False)):
