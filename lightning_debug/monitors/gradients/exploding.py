@@ -71,8 +71,9 @@ losses overflowed in an explosion (the loss blew up with it)."""
 @dataclass(frozen=True)
 class ExplosionSuspicion:
     """What the global and largest norms suggest before per-parameter norms are read: ``jump`` over the run's
-    ``limit``, ``high`` over the user's threshold (or not finite), ``confirm`` what the steps after a jump must
-    stay above, ``runaway`` the level it grew from (:func:`runaway_level`), ``overflow`` (:func:`overflowed`)."""
+    ``limit``, ``high`` over the user's threshold (or not finite), ``confirm`` what the steps after a jump must stay
+    above, ``runaway`` the level it grew from, ``overflow`` (:func:`overflowed`), ``since`` the finite check step
+    before it when the steps between went unchecked."""
 
     jump: bool
     high: bool
@@ -81,8 +82,6 @@ class ExplosionSuspicion:
     runaway: float | None = None
     overflow: bool = False
     since: int | None = None
-    """The finite check step before this one when optimizer steps between them went unchecked (None when it was the
-    step right before): a non-finite norm after it overflowed somewhere in between (see :func:`overflowed`)."""
 
     @property
     def any(self) -> bool:
@@ -90,8 +89,8 @@ class ExplosionSuspicion:
 
     @property
     def deferred(self) -> bool:
-        """Whether the steps after it decide (:data:`FOLLOW_UP_STEPS`): a jump or a finite runaway, not a
-        norm over the user's threshold nor one that overflowed, which are recorded at once."""
+        """Whether the steps after it decide: a jump or a runaway, not a norm over the user's threshold nor one that
+        overflowed (recorded at once)."""
         return (self.jump or self.runaway is not None) and not (self.high or self.overflow)
 
 
@@ -132,12 +131,10 @@ def rose_before(history: NormHistory) -> float | None:
 
 
 def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bool, unchecked: bool = False) -> bool:
-    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and either the
-    loss is finite and :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen
-    (:func:`rose_before`), or optimizer steps between the two check steps went ``unchecked`` (no healthy run has
-    non-finite gradients, and the unseen steps hide how it got there: the message says so). Not an fp16 overflow
-    a GradScaler skips, nor one singular operation out of a steady level (``nonfinite_grad`` / ``nonfinite_loss``
-    name those).
+    """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and the loss is
+    :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen (:func:`rose_before`),
+    or steps in between went ``unchecked`` (they hide how it got there). Not a GradScaler's skipped fp16 overflow,
+    nor one singular operation out of a steady level: ``nonfinite_grad`` names those.
 
     Example::
 
@@ -164,9 +161,8 @@ def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
                       settings: GradientSettings, loss: float = math.nan, scaled: bool = False,
                       since: int | None = None) -> ExplosionSuspicion:
     """Whether this check step may be exploding, from its global and largest norms and its ``loss`` alone
-    (a norm that grew into the limit gradually while the loss stayed under its start is no jump: see
-    :func:`judge_exploding`); ``scaled``: the loop trains with a GradScaler; ``since``: the previous check step
-    when optimizer steps between it and this one were not checked."""
+    (a norm that grew into the limit while the loss stayed under its start is no jump); ``since``: the previous
+    check step when the steps between were not checked."""
     limit = history.limit()
     jump = (limit is not None and math.isfinite(global_norm) and global_norm > limit
             and not history.grew_while_learning(global_norm, loss))
@@ -209,13 +205,10 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
                     suspicion: ExplosionSuspicion, settings: GradientSettings, history: NormHistory,
                     healthy_norms: Sequence[float], clipping: Clipping | None,
                     loss: float = math.nan) -> Verdict | None:
-    """The ``exploding_grad`` finding of a check step, or None when its norms are healthy.
-
-    ``history`` holds the run's recent global norms (not this step's), ``grads`` every parameter's norm (read
-    only when the step is suspect). Norms differ by orders of magnitude between healthy architectures, so no
-    fixed number is used unless the user sets one: a jump is judged against the run's own norms
-    (:meth:`.NormHistory.limit`) and held for the steps after it (:data:`FOLLOW_UP_STEPS`); see docs/gradients.md.
-    """
+    """The ``exploding_grad`` finding of a check step, or None. ``history``: the run's recent global norms (not
+    this step's); ``grads``: every parameter's norm (read only when the step is suspect). Norms differ by orders of
+    magnitude between healthy models, so unless the user sets a limit a jump is judged against the run's own norms
+    (:meth:`.NormHistory.limit`); see docs/gradients.md."""
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
              if suspicion.high and high is not None else [])
@@ -294,69 +287,10 @@ Measured (their global norm only) where they are not check steps."""
 Decided = list[tuple[int, Verdict, Any]]
 
 
-class FollowUps:
-    """The global norm of the few non-check optimizer steps after a suspected jump: one fused norm over the check
-    step's index on the reporting process, read back without a sync, no collective (sharded parameters get
-    none). Bounded: :data:`FOLLOW_UP_STEPS` per optimizer.
-
-    Example::
-
-        >>> from torch import nn
-        >>> layer = nn.Linear(3, 1)
-        >>> layer(torch.ones(2, 3)).sum().backward()
-        >>> follow_ups = FollowUps()
-        >>> follow_ups.want("adam", ParameterIndex(list(layer.named_parameters())))
-        >>> follow_ups.measure(5, "adam", lambda: None)
-        >>> [(step, optimizer, round(norm, 3)) for step, optimizer, norm in follow_ups.read(final=True)]
-        [(5, 'adam', 4.0)]
-    """
-
-    def __init__(self) -> None:
-        self._wanted: dict[Any, tuple[ParameterIndex, int]] = {}
-        self._readings: list[tuple[int, Any, Readback]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._wanted or self._readings)
-
-    def want(self, optimizer: Any, index: ParameterIndex | None) -> None:
-        """Measure the next :data:`FOLLOW_UP_STEPS` non-check steps of ``optimizer`` over ``index``."""
-        if index is not None and not index.sharded and len(index):
-            self._wanted[optimizer] = (index, FOLLOW_UP_STEPS)
-
-    def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None]) -> None:
-        """Queue the global norm of this (non-check) optimizer step's gradients, if one is wanted."""
-        entry = self._wanted.get(optimizer)
-        if entry is None:
-            return
-        index, left = entry
-        if left <= 1:
-            del self._wanted[optimizer]
-        else:
-            self._wanted[optimizer] = (index, left - 1)
-        grads, _ = index.local_grads()
-        norm = fused_norms(grads).double().square().sum().sqrt()
-        scale = grad_scale()
-        if scale is not None:
-            norm = norm / scale.detach().to(device=norm.device, dtype=norm.dtype)
-        self._readings.append((step, optimizer, Readback(norm, blocking=False)))
-
-    def pending(self, final: bool = False) -> bool:
-        """Whether a reading can be taken now."""
-        return bool(self._readings) and (final or self._readings[0][2].ready())
-
-    def read(self, final: bool = False) -> Iterator[tuple[int, Any, float]]:
-        """``(step, optimizer, global norm)`` of each reading that has reached the host, in order."""
-        while self._readings and (final or self._readings[0][2].ready()):
-            step, optimizer, reading = self._readings.pop(0)
-            yield step, optimizer, reading.values()[0]
-
-    def clear(self) -> None:
-        self._wanted.clear()
-
-
 class Explosions:
-    """Per optimizer, the jumps held in the verdict engine for the steps after them, and the follow-up readings
-    that decide them; what the gradient monitor records is what this returns.
+    """Per optimizer, the jumps held in the verdict engine, and the global norms of the non-check steps after them
+    that decide them: one fused norm over the check step's index on the reporting process, read back without a
+    sync, no collective (sharded parameters get none); bounded, :data:`FOLLOW_UP_STEPS` per optimizer.
 
     Example::
 
@@ -369,6 +303,8 @@ class Explosions:
         >>> explosions.judge(4, None, 40.0, jump, True, {}, index)
         []
         >>> explosions.measure(5, None, lambda: None, lambda optimizer: index)
+        >>> [round(reading.values()[0], 3) for _, _, reading in explosions._readings]
+        [4.0]
         >>> explosions.measure(6, None, lambda: None, lambda optimizer: index)
         >>> [step for step, _, _ in explosions.read(final=True)]
         [4]
@@ -376,13 +312,14 @@ class Explosions:
 
     def __init__(self, verdicts: VerdictEngine) -> None:
         self.verdicts = verdicts
-        self.follow_ups = FollowUps()
+        self._wanted: dict[Any, tuple[ParameterIndex, int]] = {}
+        self._readings: list[tuple[int, Any, Readback]] = []
         self._rearm = False
 
     @property
     def measuring(self) -> bool:
         """Whether a non-check step has anything to measure (one attribute test on every other step)."""
-        return self._rearm or bool(self.follow_ups)
+        return self._rearm or bool(self._wanted or self._readings)
 
     def judge(self, step: int, optimizer: Any, global_norm: float, verdict: Verdict | None, deferred: bool,
               where: Any, index: ParameterIndex | None) -> Decided:
@@ -397,12 +334,16 @@ class Explosions:
         decided = self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, [jump] if jump else [],
                                                       scope=str(optimizer), reading=global_norm))
         if jump is not None:
-            self.follow_ups.want(optimizer, index)
+            self._want(optimizer, index)
         elif verdict is not None:
             if decided and verdict.finding.details.get("judged_by") == OVERFLOW:
                 return decided  # the non-finite step confirmed the jump it follows: named where that began
             decided.append((step, verdict, where))
         return decided
+
+    def _want(self, optimizer: Any, index: ParameterIndex | None) -> None:
+        if index is not None and not index.sharded and len(index):
+            self._wanted[optimizer] = (index, FOLLOW_UP_STEPS)
 
     def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None],
                 index: Callable[[Any], ParameterIndex]) -> None:
@@ -410,19 +351,34 @@ class Explosions:
         if self._rearm:  # resumed while a jump waited: the index its check step used is built again
             self._rearm = False
             if self.verdicts.holding(Kind.EXPLODING_GRAD, str(optimizer)):
-                self.follow_ups.want(optimizer, index(optimizer))
-        self.follow_ups.measure(step, optimizer, grad_scale)
+                self._want(optimizer, index(optimizer))
+        entry = self._wanted.get(optimizer)
+        if entry is None:
+            return
+        measured, left = entry
+        if left <= 1:
+            del self._wanted[optimizer]
+        else:
+            self._wanted[optimizer] = (measured, left - 1)
+        grads, _ = measured.local_grads()
+        norm = fused_norms(grads).double().square().sum().sqrt()
+        scale = grad_scale()
+        if scale is not None:
+            norm = norm / scale.detach().to(device=norm.device, dtype=norm.dtype)
+        self._readings.append((step, optimizer, Readback(norm, blocking=False)))
 
     def read(self, final: bool = False) -> Decided:
-        """The jumps decided by the readings that reached the host (``final``: all of them, then every jump
-        still waiting)."""
+        """The jumps decided by the readings that reached the host, in order (``final``: all of them, then every
+        jump still waiting)."""
         decided: Decided = []
-        if self.follow_ups.pending(final):
-            for step, optimizer, norm in self.follow_ups.read(final):
-                decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
-                                                               reading=norm))
-            if not self.verdicts.holding(Kind.EXPLODING_GRAD):
-                self.follow_ups.clear()
+        read = 0
+        while self._readings and (final or self._readings[0][2].ready()):
+            step, optimizer, reading = self._readings.pop(0)
+            read += 1
+            decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
+                                                           reading=reading.values()[0]))
+        if read and not self.verdicts.holding(Kind.EXPLODING_GRAD):
+            self._wanted.clear()
         if final:
             decided += self._decided(self.verdicts.flush([Kind.EXPLODING_GRAD]))
         return decided

@@ -1,24 +1,14 @@
 """``vanishing_grad`` by a steady fade through depth: the first layer's gradient a thousandth of the last's.
 
-The absolute rule (:mod:`.vanishing`) needs a layer under ``gradient_vanishing_threshold`` next to one a
-thousand times larger; eight sigmoid layers lose the signal 4x per layer instead, so every layer stays above
-the threshold and no two neighbours differ much, yet the input side gets ~1e-5 of what the head gets and does
-not learn. AutoTrainer's criterion (ICSE 2021) is the ratio of gradient norms between the first and the last
-layer: under :data:`FADE_RATIO`. Here the layers are the modules that own a weight (a parameter of two or more
-dimensions: a matrix, a kernel, a table), in forward execution order, judged from their norms only. The "first
-layer" is the smallest of the input half (Adam can lift the very first layer back over the ratio while the ones
-after it stay faded), and the fade must be steady from there to the output: attention's query and key get ~1e-5
-of the head's gradient while attention is uniform on a healthy BERT, between feed-forward layers that do not.
-
-On healthy models the ratio stays far above it (the fixed twins of the fault benchmark: 0.13 to 1.5; residual
-connections and normalisation carry the gradient to the input side). What could still look like it is ruled
-out: an exactly zero norm (a LoRA A while B is 0, a zero-initialised gate; dead layers are the absolute
-rule's), a fade that is not steady (the rank correlation of the layers' norms with their depth, from that
-smallest layer to the output, under :data:`STEADY_CORRELATION`: one odd layer, or small and large layers
-alternating, as LoRA's A and B while B grows from 0, or attention's query and key beside the feed-forward),
-fewer than :data:`MIN_LAYERS` layers from it to the output, and a layer the absolute rule already holds (one
-finding, not two). It must persist: the suspicion is held under
-``vanishing_grad``'s policy for the ``fade`` variant (two check steps in a row) in a scope of its own.
+Eight sigmoid layers lose the signal 4x per layer: every layer stays above ``gradient_vanishing_threshold`` and no
+two neighbours differ much, so the absolute rule (:mod:`.vanishing`) never fires, yet the input side does not
+learn. AutoTrainer's criterion (ICSE 2021) is the ratio of the first layer's gradient norm to the last's, under
+:data:`FADE_RATIO`; healthy models stay far above it (0.13 to 1.5 on the fault benchmark's twins). The layers are
+the modules owning a weight (2+ dimensions) in forward order; the "first layer" is the smallest of the input half
+(Adam can lift the very first layer back while those after it stay faded), and the fade must be steady from there
+to the output (:data:`STEADY_CORRELATION`), so attention's query and key, ~1e-5 of the head's on a healthy BERT
+between feed-forward layers that are not, are no fade. docs/gradients.md lists the other exclusions. Held under
+``vanishing_grad``'s ``fade`` variant in a scope of its own.
 
 Example::
 

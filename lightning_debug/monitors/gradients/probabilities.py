@@ -1,38 +1,14 @@
 """``learning_stalled`` (``probabilities_into_log_softmax``): the model outputs probabilities and the loss applies a
 softmax to them again.
 
-``F.cross_entropy`` applies ``log_softmax`` itself; fed rows that are already probabilities (a ``nn.Softmax`` at
-the end of the model) it can never go below ``log(1 + (C - 1) / e)`` (0.744 for 4 classes: the loss of a one-hot
-row), its gradients shrink as the outputs sharpen, and training looks as if it had converged. Nothing is NaN and
-the loss falls at first, so no other rule sees it.
-
-Judged from numbers only, on the check steps the activation monitor measures (the gradient area's companion:
-``simplex_stats`` of the last module call of the forward, read back with the other statistics; the monitor hands
-what :func:`probability_suspicion` returns to its verdict engine, and the finding goes out under
-GradientHealthCallback like the other ``learning_stalled``): the output's rows lie on the probability simplex
-(every value in [0, 1], each row summing to 1 within the dtype's tolerance), they are confident (their
-``logit_loss`` is within :data:`CONFIDENT_SHARE` of the way from the floor up to ``log C``), and the step's loss
-is ``logit_loss`` or at most :data:`BAND` of that way above it (:data:`BELOW` under it for rounding), where
-``logit_loss`` is what ``cross_entropy`` gives on these rows as logits when each row's largest value is the
-target's: on probabilities its loss is ``logit_loss`` plus the mean of ``max(p) - p[target]``, never less. That is
-the loss falling to the floor as the model learns to predict, and exactly the floor once it predicts every
-sample. The rule judges at most once every :data:`JUDGED_EVERY` optimizer steps (whatever the check frequency)
-and the kind's policy holds it two judgements in a row, so the condition lasts a hundred steps or more.
-
-What could make it fire on a healthy model, and how it is ruled out: a softmax output trained with
-``nll_loss(log(p))`` has a loss far below ``logit_loss`` once it predicts well (0.04 against 0.77), and a loss
-below the floor proves the loss is not cross-entropy on these probabilities: the rule then never judges this run
-again; on a hard task with ``nll_loss(log(p))`` at about half its samples right, the loss crosses ``logit_loss``
-often (rows of maximum ~0.5, ``logit_loss`` ~1.1-1.2 for 4 classes), hence the confidence bound (such rows are
-not judged) and the narrow one-sided band: on 96 such runs (4 and 10 classes, 2 seeds, SGD and Adam, blobs from
-hardly separable to easy, 600 steps) 0.02% of the steps are suspect (0.8% in the worst run, never two in a row),
-where a first version (rows judged up to 0.75 of the way, a band of 0.1 on both sides) suspected 1.7% (25% in
-one run) and named 13 of the 96 when judging every step;
-MSE against one-hot targets is far below it (0.1 against 1.1); an output not on the simplex (logits, a
-sigmoid's independent probabilities) is not judged. The bug on a task the model cannot learn well (about half its
-samples right) is not named either: its loss is then well above ``logit_loss``. Not seen: a softmax
-applied by a function (not a module) is not the last module call; a loss scaled (gradient accumulation divides it)
-no longer matches, and a loss below the floor then clears the run.
+``F.cross_entropy`` fed rows that are already probabilities can never go below ``log(1 + (C - 1) / e)`` (the
+loss of a one-hot row), its gradients shrink as the outputs sharpen, and nothing is NaN: no other rule sees it.
+Judged on the output's ``simplex_stats`` the activation monitor reads back (docs/gradients.md gives the
+conditions). The bounds are narrow on purpose: ``nll_loss(log(p))`` at about half its samples right crosses
+``logit_loss`` often, so only confident rows are judged, in a one-sided band; on 96 such healthy runs 0.02% of
+steps were suspect and never two in a row, where a wider band named 13 of them. A loss below the floor proves the
+loss is not cross-entropy on these probabilities and clears the run for good. Not seen: a softmax applied by a
+function (not the last module call), a loss scaled by gradient accumulation.
 
 Example::
 
@@ -91,9 +67,8 @@ def simplex_tolerance(dtype: torch.dtype) -> float:
 
 def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
                         values: Sequence[float], loss: float, tolerance: float) -> tuple[Finding | None, bool]:
-    """This check step's suspicion of ``probabilities_into_log_softmax`` (its finding, or None), and whether the loss
-    proves it is not the case for good (below the floor of the output's classes). ``values``: ``SIMPLEX`` of the
-    model's output ``described``; ``since``: the step the hold began. See the module's docstring."""
+    """This check step's suspicion (its finding, or None), and whether the loss proves it is not the case for good
+    (below the floor). ``values``: ``SIMPLEX`` of the model's output; ``since``: the step the hold began."""
     classes = shape[-1] if shape else 0
     low, high, row_error, logit_loss = (float(value) for value in values)
     if classes < 2 or not all(math.isfinite(value) for value in (low, high, row_error, logit_loss, loss)):

@@ -1,24 +1,11 @@
 """``learning_stalled`` at a learning rate above 0: the weights barely move and the loss does not fall.
 
-A learning rate far too small for the model (1e-6 where 1e-2 was meant, an extra factor in a formula) trains
-nothing, with no NaN, no error and a loss that looks merely flat. On each gradient check step the rule measures
-how far a fixed sample of the trained weights moved since the previous check step, per optimizer step and
-relative to their size (:class:`WeightDrift`: up to :data:`SAMPLED_PARAMETERS` parameters spread over the
-model, their first :data:`SAMPLED_VALUES` values; device work, read back without a sync, on check steps at least
-:data:`SAMPLE_EVERY` steps apart).
-A check step is suspect when that drift is under :data:`NEGLIGIBLE_DRIFT` per step (a healthy step moves weights
-by about 1e-3 of their size; a learning rate 1e4 times too small, by 1e-7), every learning rate is above 0 and
-at least :data:`SCHEDULE_SHARE` of its base, and the loss is not below ``1 - PROGRESS`` times the loss of the
-run's first check step. Three suspect check steps in a row (the kind's policy) are a stall.
-
-What could make it fire on a healthy model, and how it is ruled out: a converged model moves its weights very
-little, but its loss fell far below its first check step's; a warm-up that starts near 0 and a decay that ends
-near 0 make the updates tiny, but the learning rate is then under :data:`SCHEDULE_SHARE` of its base (and the
-rule judges before 90% of a run of known length only); a base learning rate of 0 or a learning rate set to 0 is
-the other ``learning_stalled`` (``lr_zero``) or ``frozen_param``; a run resumed from a checkpoint is not judged
-(its first check step is not the start of training, so its loss is no reference); nothing is judged in the
-first :data:`MIN_STEPS` steps, where a loss within 10% of its start is the norm. Not ruled out: fine-tuning a
-model on data it has already fitted with a small learning rate also leaves weights and loss where they were.
+A learning rate far too small (1e-6 where 1e-2 was meant) trains nothing, with no NaN and a loss that looks merely
+flat. On check steps at least :data:`SAMPLE_EVERY` apart, :class:`WeightDrift` measures how far a fixed sample of
+the trained weights moved per step, relative to their size (device work, read back without a sync). Healthy
+look-alikes are ruled out by the conditions of :func:`judge_progress` (docs/gradients.md lists them): a converged
+model's loss fell, a warm-up's start or a decay's end is under :data:`SCHEDULE_SHARE` of the base, a resumed run
+has no first loss to compare with. Not ruled out: fine-tuning with a small learning rate on data already fitted.
 
 Example::
 

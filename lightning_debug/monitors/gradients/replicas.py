@@ -1,21 +1,13 @@
 """``replicas_diverged``: under data parallelism, ranks whose copies of a replicated parameter differ.
 
-DDP keeps its replicas identical by construction: the weights are broadcast from rank 0 when the model is wrapped,
-every rank's gradients are all-reduced to the same bits and the same optimizer kernel applies them. So on every check
-step each rank's norm of a parameter it holds whole is the same, bit for bit (the shared gradient pass exchanges them
-in its one all-reduce, :class:`~lightning_debug.core.numerics.StepNumerics` ``with_replicas``). A rank whose norm
-differs trained on something else: gradients changed on one rank after DDP's all-reduce (clipping there only, a
-broken link delivering zeros), a forward that bypassed the wrapper (its gradients never reduced), or weights changed
-outside the optimizer on one rank (a module re-initialised, reloaded or replaced by a `.to()` done there only).
-
-What could make it fire on a healthy run, and how it is ruled out: a parameter that is not a replica (a shard of
-FSDP2 or tensor parallelism) is never compared (:func:`~lightning_debug.checks.numerics.replica_slots` judges what the
-parameters are); the norm kernel itself summing in another order on another rank (another CPU instruction set or
-thread count) moves a float32 norm of positive squares by a few units in the last place (a tree reduction's error
-grows with log2 of the size: about 1.5e-6 for 16M elements), so :data:`RELATIVE_TOLERANCE` is 1e-5, while one
-optimizer step taken apart moves a norm by about the learning rate over the weights' scale (1e-4 and more) and the
-difference stays; a norm that is not finite is left to the non-finite checks. Which ranks are named: those outside
-the largest group of ranks that agree (on a tie, the group of rank 0), so with two ranks, rank 1.
+DDP keeps its replicas bit-identical (one broadcast at wrap time, the same all-reduced gradients, the same optimizer
+kernel), so each rank's norm of a parameter it holds whole is the same on every check step (exchanged in the shared
+gradient pass's one all-reduce). A rank that differs trained on something else: a gradient changed after the
+all-reduce on one rank, a forward around the wrapper, weights re-initialised or reloaded there only. Only true
+replicas are compared (:func:`~lightning_debug.checks.numerics.replica_slots`), and :data:`RELATIVE_TOLERANCE`
+is for norm kernels that sum in another order on another rank (~1.5e-6 for 16M float32 elements), while one step
+taken apart moves a norm by 1e-4 and more. Named: the ranks outside the largest group that agrees (on a tie, rank
+0's). docs/distributed.md says more.
 
 Example::
 
