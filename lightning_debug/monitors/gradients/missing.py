@@ -1,10 +1,10 @@
 """``missing_grad`` and ``intermittent_grad``: parameters that never receive a gradient, and those that
 receive one on some steps only.
 
-A healthy model leaves parameters without a gradient on some steps (MoE experts, LayerDrop, a head sampled
-per batch), so the run's history decides: one that had a gradient before is ``intermittent_grad`` (info); one
-that never had any is a candidate, watched on every optimizer step (``.grad is None``: no device work) and
-confirmed under the kind's policy. docs/gradients.md ("Missing") gives the cases and what can still fire.
+A healthy model leaves parameters without a gradient on some steps (MoE experts, LayerDrop, a head sampled per
+batch), so the run's history decides: one that had a gradient before is ``intermittent_grad`` (info); one that
+never had any is a candidate, watched on every optimizer step and held under the kind's policy (docs/gradients.md,
+"Missing").
 
 Example::
 
@@ -35,13 +35,10 @@ from lightning_debug.monitors.gradients.layout import Positions, input_to_output
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict, quoted
 
 NO_GRAPH = "no_graph"
-"""The variant of a missing-gradient suspicion whose module ran without building a graph (its policy is shorter)."""
+"""The variant of a candidate whose module ran without building a graph: nothing can reach it, its hold is shorter."""
 MISSING_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed(NO_GRAPH) or 1
-"""Optimizer steps in a row without a gradient that confirm a parameter whose module ran without a graph."""
 UNCALLED_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed() or 1
-"""The same for every other parameter: long enough for a head whose loss counts on one batch in ten."""
 REPLICAS_WATCHED = 256
-"""At most this many replicas of waiting candidates are looked at between check steps."""
 WAIT_FACTOR = 2
 """A candidate whose replicas get their gradient on some steps only is confirmed only after more than this
 many times the longest wait for a first gradient that a candidate of the run went through and ended."""
@@ -53,9 +50,8 @@ DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strate
 
 @dataclass(frozen=True)
 class Candidate:
-    """A parameter that has never had a gradient since the check step ``first_step`` first saw it without: a
-    view of its hold in the verdict engine (``steps_without``: optimizer steps in a row, ``check_steps``: the
-    check steps among them)."""
+    """A candidate as its hold in the verdict engine shows it: ``steps_without`` optimizer steps in a row since
+    ``first_step``, ``check_steps`` the check steps among them."""
 
     first_step: int
     steps_without: int
@@ -69,8 +65,8 @@ class Candidate:
 
 @dataclass
 class MissingCheck:
-    """What one check step showed: ``candidates`` never had a gradient (``confirmed`` of them: for long
-    enough, ``newly_confirmed``: from this check on), ``intermittent`` had one on earlier steps."""
+    """What one check step showed: ``candidates`` never had a gradient (``confirmed`` of them: for long enough,
+    ``newly_confirmed``: from this check on), ``intermittent`` had one on earlier steps."""
 
     candidates: list[str] = field(default_factory=list)
     confirmed: list[str] = field(default_factory=list)
@@ -79,30 +75,23 @@ class MissingCheck:
 
 
 class MissingHistory:
-    """Per parameter ever seen without a gradient: on how many check steps, and whether it ever had one.
-
-    Bounded by the model's parameters; only parameters that were once without a gradient are kept.
+    """Per parameter ever seen without a gradient: on how many check steps, and whether it ever had one (bounded by
+    the model's parameters). The candidates are held in ``verdicts``, the monitor's engine, checkpointed with it.
     """
 
     def __init__(self, verdicts: VerdictEngine | None = None) -> None:
         self.verdicts = verdicts if verdicts is not None else VerdictEngine()
-        """Holds the candidates (under the kind's policy); the monitor's own engine, checkpointed with it."""
         self._ended: dict[str, Candidate] = {}
-        self.called: Mapping[str, bool] = {}
-        """Per parameter, whether its module ran in the first forward pass (absent: not known)."""
+        self.called: Mapping[str, bool] = {}  # whether its module ran in the first forward (absent: unknown)
         self.without_graph: set[str] = set()
-        """The parameters whose modules ran without building a graph in the first forward pass."""
         self.checks: dict[Any, int] = {}
         self.absent: dict[str, int] = {}
         self.had_gradient: set[str] = set()
-        self.longest_wait = 0
-        """The most optimizer steps a candidate went without a gradient before it got one (0: none waited)."""
-        self.groups: Mapping[str, Sequence[Hashable]] = {}
-        """Per parameter name, its replica groups (:meth:`set_groups`, from the model's module tree)."""
+        self.longest_wait = 0  # the most steps a candidate went without a gradient before it got one
+        self.groups: Mapping[str, Sequence[Hashable]] = {}  # per parameter, its replica groups
         self.members: dict[Hashable, list[str]] = {}
         self._gap_start: dict[str, int] = {}  # watched replicas without a gradient: since which step
-        self.conditional: set[Hashable] = set()
-        """The replica groups with a member seen to get its gradient on some steps only."""
+        self.conditional: set[Hashable] = set()  # groups with a member seen to get its gradient on some steps only
 
     def set_groups(self, groups: Mapping[str, Sequence[Hashable]]) -> None:
         self.groups = groups
@@ -118,8 +107,7 @@ class MissingHistory:
 
     @property
     def candidates(self) -> dict[str, Candidate]:
-        """The parameters that never had a gradient since a check step saw them without (and, once the run ended,
-        those it confirmed then), by name."""
+        """The candidates by name (and, once the run ended, those it confirmed then)."""
         held = {name: Candidate.of(hold) for name, hold in self.verdicts.holds(Kind.MISSING_GRAD).items()}
         return {**self._ended, **held}
 
@@ -151,8 +139,8 @@ class MissingHistory:
         return list(names)
 
     def replicas_after_check(self, missing: Collection[str]) -> list[str]:
-        """:meth:`replicas_to_watch` on a check step where ``missing`` had no gradient: the replicas not among
-        them had one there, so a gap of theirs that starts after it counts as a wait."""
+        """:meth:`replicas_to_watch` on a check step where ``missing`` had no gradient: the others had one there,
+        so a gap of theirs that starts after it counts as a wait."""
         replicas = self.replicas_to_watch()
         absent = set(missing)
         self.had_gradient.update(name for name in replicas if name not in absent)
@@ -214,10 +202,8 @@ class MissingHistory:
                 if confirmed.by is not ConfirmedBy.AGAIN]
 
     def confirm_the_rest(self) -> list[str]:
-        """At the end of a run: candidates that never had a gradient on any step observed are confirmed (the kind's
-        policy reports what is held at the end), except conditional ones that have not waited more than
-        :data:`WAIT_FACTOR` times the longest wait seen (a short run of a sparse MoE: an expert no token has
-        reached yet)."""
+        """At the end of a run: candidates still held are confirmed by the kind's policy, except conditional ones
+        that waited no more than :data:`WAIT_FACTOR` times the longest wait (an expert no token has reached yet)."""
         held = self.candidates
         rest = [confirmed.key for confirmed in self.verdicts.flush([Kind.MISSING_GRAD])]
         self._ended = {name: held[name] for name in rest}
@@ -253,9 +239,8 @@ class MissingHistory:
 
 def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Positions,
                   history: MissingHistory, newly: Collection[str] = ()) -> Verdict | None:
-    """The ``missing_grad`` finding for the confirmed parameters ``names`` (never a gradient since their
-    candidate's first check step); those ``newly`` confirmed are recorded at every check step they were
-    seen without a gradient, labelled where that began."""
+    """The ``missing_grad`` finding for the confirmed parameters ``names``; those ``newly`` confirmed are recorded at
+    every check step they were seen without a gradient."""
     if not names:
         return None
     candidates = history.candidates
@@ -302,15 +287,6 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
         list(names), steps=steps)
 
 
-def check_verdicts(step: int, seen: MissingCheck, optimizer: Any, trainable: int, positions: Positions,
-                   history: MissingHistory) -> list[Verdict]:
-    """The verdicts of one check step: confirmed parameters still without a gradient, and intermittent ones."""
-    verdicts = [judge_missing(step, seen.confirmed + seen.newly_confirmed, trainable, positions, history,
-                              seen.newly_confirmed),
-                judge_intermittent(seen.intermittent, optimizer, positions, history)]
-    return [verdict for verdict in verdicts if verdict is not None]
-
-
 def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Positions,
                        history: MissingHistory) -> Verdict | None:
     """``intermittent_grad`` (info): parameters without a gradient now that had one on earlier steps."""
@@ -332,9 +308,9 @@ def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Position
 
 
 class CandidateWatch:
-    """The candidates, looked at on every optimizer step of their optimizer until they get a gradient or are
-    confirmed (``.grad is None``: no device work, no sync). ``anchors``, the parameters that had a gradient on
-    the check step: all of them without one says no backward ran (a ``training_step`` that returned None).
+    """The candidates, looked at on every step of their optimizer until they get a gradient or are confirmed
+    (``.grad is None``: no device work). ``anchors`` had a gradient on the check step: all of them without one
+    says no backward ran (a ``training_step`` that returned None).
 
     Example::
 
@@ -358,9 +334,8 @@ class CandidateWatch:
 
     def replace(self, optimizer: Any, names: Sequence[str], anchors: Sequence[str], index_names: Sequence[str],
                 params: Sequence[torch.Tensor]) -> None:
-        """Watch ``names`` on ``optimizer``'s steps from now on (instead of what was watched for it), with
-        ``anchors`` (the parameters that had a gradient); ``index_names`` and ``params`` say which tensor is
-        which."""
+        """Watch ``names`` (instead of what was watched) and ``anchors`` on ``optimizer``'s steps; ``index_names``
+        and ``params`` say which tensor is which."""
         self.watched = [entry for entry in self.watched if entry[2] != optimizer]
         if not names:
             return
@@ -369,8 +344,7 @@ class CandidateWatch:
         self.anchors[optimizer] = [params[position[name]] for name in anchors if name in position]
 
     def look(self, optimizer: Any) -> tuple[list[str], list[str]] | None:
-        """The watched parameters of ``optimizer`` with and without a gradient now (None: nothing to look at,
-        or no backward ran)."""
+        """The watched parameters of ``optimizer`` with and without a gradient now (None: none, or no backward)."""
         mine = [(name, param) for name, param, owner in self.watched if owner == optimizer]
         anchors = self.anchors.get(optimizer)
         if not mine or (anchors and all(param.grad is None for param in anchors)):

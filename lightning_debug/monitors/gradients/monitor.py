@@ -26,7 +26,7 @@ from lightning_debug.monitors.gradients.exploding import (ClipAlgorithm, Clippin
                                                           suspect_explosion)
 from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
-from lightning_debug.monitors.gradients.missing import check_verdicts, judge_missing
+from lightning_debug.monitors.gradients.missing import CandidateWatch, judge_intermittent, judge_missing
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
@@ -37,17 +37,14 @@ from lightning_debug.monitors.gradients.trainability import (FrozenCause, Outsid
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
-from lightning_debug.monitors.gradients.missing import CandidateWatch
 
 WHERES_KEPT = 64
 
 
 class GradientMonitor(Monitor):
-    """See :class:`lightning_debug.GradientHealthCallback` for the behaviour users rely on.
-
-    Per check step: :meth:`before_optimizer_step` registers it (gradients are final, not yet
-    clipped), :meth:`after_optimizer_step` measures the weight update once the step is taken, and
-    :meth:`poll` turns the values into findings and scalars once they have reached the host.
+    """See :class:`lightning_debug.GradientHealthCallback`. Per check step: :meth:`before_optimizer_step` registers
+    it (gradients final, not yet clipped), :meth:`after_optimizer_step` measures the weight update, and :meth:`poll`
+    turns the values into findings and scalars once they have reached the host.
 
     Example::
 
@@ -89,8 +86,7 @@ class GradientMonitor(Monitor):
         self._explosions = Explosions(self.verdicts)
         self._drift = WeightDrift()
         self._drifts: dict[int, tuple[Readback, int] | None] = {}
-        self.unavailable: dict[str, str] = {}
-        """Kinds of this area the run cannot judge, and why (report.json ``unavailable``, report.md)."""
+        self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -105,7 +101,6 @@ class GradientMonitor(Monitor):
         return checks % self.settings.histogram_every_checks == 0
 
     def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
-        """A registered rule's verdict, recorded as every gradient verdict is (:meth:`_record`)."""
         self._record(verdict, step, where or self.context.where())
 
     def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
@@ -175,9 +170,8 @@ class GradientMonitor(Monitor):
             self._record(verdict, step, where)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        """The loss of a check step's micro-batches, for the rules that read it (whether a norm grew with the loss;
-        :func:`.overflowed`) and for what report.md states measured, also when this callback runs alone (the same
-        tensor observed by ``AnomalyDetectionCallback`` counts once). No sync: read back with the norms."""
+        """The loss of a check step's micro-batches, for the rules that read it and for report.md, also when this
+        callback runs alone (the same tensor observed by ``AnomalyDetectionCallback`` counts once). No sync."""
         self._stop_watching_forward()
         if self.due(step) or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
@@ -186,8 +180,7 @@ class GradientMonitor(Monitor):
         self._stop_watching_forward()
 
     def _stop_watching_forward(self) -> None:
-        """The first forward pass is over: keep the module execution order (see :class:`ForwardOrder`) and which
-        modules ran (how long a parameter without a gradient waits, see :mod:`.missing`)."""
+        """The first forward pass is over: keep the module execution order and which modules ran (:mod:`.missing`)."""
         if not self.order.watching:
             return
         self.order.stop()
@@ -199,9 +192,8 @@ class GradientMonitor(Monitor):
 
     # --- check step -----------------------------------------------------------------------------
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Register a check step before the optimizer step (no sync, no norm computed twice); its verdicts come when the
-        shared numerics are read back. Weight snapshots and histograms are taken on check steps on global zero only.
-        """
+        """Register a check step (no sync, no norm computed twice); its verdicts come when the shared numerics are
+        read back. Weight snapshots and histograms are taken on global zero only."""
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
@@ -244,8 +236,8 @@ class GradientMonitor(Monitor):
 
     def _read_rules(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
                     where: Where) -> None:
-        """The rules registered for a check step's host numbers (:data:`Moment.CHECK_READ`), with what this monitor
-        measured for them: the drift of the sampled weights since the previous check step, the run's first loss."""
+        """The rules registered for :data:`Moment.CHECK_READ`, with the drift of the sampled weights and the run's
+        first loss."""
         first = self._drift.reference(step, step_loss(host))
         values = measured[0].values() if measured is not None and measured[0].ready() else None
         drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
@@ -262,8 +254,8 @@ class GradientMonitor(Monitor):
         pending.measure_update()
 
     def _sharded_outputs_off(self, index: ParameterIndex) -> bool:
-        """Weight updates and histograms are measured on rank zero's tensors, which for sharded parameters
-        (DTensor, FSDP1 flat parameters) are one shard: they are switched off, saying so once. Returns True."""
+        """Weight updates and histograms read rank zero's tensors, one shard of sharded parameters: switched off,
+        saying so once. Returns True."""
         wanted = [what for what, on in (("update ratios and the frozen-parameter update check",
                                          self.settings.measures_updates),
                                         ("histograms", self.settings.wants_histograms)) if on]
@@ -369,8 +361,8 @@ class GradientMonitor(Monitor):
         self.close_episodes(step, where, self.kinds)
 
     def _note_nonfinite(self, step: int, host: HostNumerics, global_norm: float, scaled: bool) -> None:
-        """What this check step measured non-finite, for report.md to state whatever the rules say (invariant:
-        a run with one is never called clean). An fp16 overflow the GradScaler skips is counted apart."""
+        """What this check step measured non-finite, which report.md states whatever the rules say (a run with one is
+        never called clean); an fp16 overflow the GradScaler skips is counted apart."""
         bad_loss = bool(host.ranks_with_nonfinite_loss)
         bad_grads = not math.isfinite(global_norm)
         if bad_grads and scaled and not bad_loss:
@@ -404,8 +396,10 @@ class GradientMonitor(Monitor):
             seen.newly_confirmed = [n for n in seen.newly_confirmed if n not in self._outside.names]
         if seen.candidates:
             self.history.counts["missing"] += 1
-        for verdict in check_verdicts(pending.step, seen, optimizer, self._trainable, self._positions, missing):
-            self._record(verdict, pending.step, pending.where)
+        self._record(judge_missing(pending.step, seen.confirmed + seen.newly_confirmed, self._trainable,
+                                   self._positions, missing, seen.newly_confirmed), pending.step, pending.where)
+        self._record(judge_intermittent(seen.intermittent, optimizer, self._positions, missing), pending.step,
+                     pending.where)
         if pending.judged is not None:
             waiting = [n for n in seen.candidates if not missing.is_confirmed(n)]
             replicas = missing.replicas_after_check(without) if waiting else []
@@ -413,9 +407,8 @@ class GradientMonitor(Monitor):
                                 pending.judged.params)
 
     def _audit_trainable(self, optimizer: Any, index: Any) -> None:
-        """Parameters made trainable during the run (``requires_grad_(True)`` on a frozen backbone, which a loop must
-        also hand to its optimizer) are looked up in the param groups as at fit start. Done when ``optimizer``'s
-        index of the trainable parameters was built again (rare: it is valid by the parameters' identity)."""
+        """Parameters made trainable during the run (a backbone unfrozen) are looked up in the param groups as at
+        fit start, when ``optimizer``'s index of the trainable parameters was built again (rare)."""
         audited = self._audited.get(optimizer)
         if index is audited:
             return
@@ -458,8 +451,8 @@ class GradientMonitor(Monitor):
         self._record_confirmed(confirmed, step)
 
     def _left_out(self, names: list[str], step: int, where: Where) -> list[str]:
-        """``names`` (confirmed without a gradient) less those whose values changed all the same, which from now on
-        are :class:`.OutsideTraining`'s (an info, once for them)."""
+        """``names`` (confirmed without a gradient) less those whose values changed all the same (from now on
+        :class:`.OutsideTraining`'s)."""
         kept, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
         if info is not None:
             self.emit(info, step, where)

@@ -101,10 +101,9 @@ def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequen
 
 def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]]
                         ) -> tuple[dict[FrozenCause, list[str]], str | None]:
-    """Trainable parameters in no param group, or in one whose base learning rate (``initial_lr``: a warm-up
-    from 0 is no freeze) is 0, and how the check went (None: not done). An optimizer holding none of the
-    module's parameters is skipped (FSDP/DeepSpeed flatten or partition them, or keep masters in another dtype),
-    unless what it holds are copies of them (:func:`holds_copies`): then every trainable parameter is in no group.
+    """Trainable parameters in no param group, or in one whose base learning rate (``initial_lr``: a warm-up from 0
+    is no freeze) is 0, and how the check went (None: not done). An optimizer holding none of the module's
+    parameters (FSDP/DeepSpeed's flat copies) is skipped, unless it holds copies of them (:func:`holds_copies`).
 
     Example::
 
@@ -142,11 +141,9 @@ def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_gro
 
 class OutsideTraining:
     """Trainable parameters that gradients do not train on purpose (an ``AveragedModel`` copy, a teacher under
-    ``no_grad``), told apart from ``frozen_param`` and ``missing_grad``: one in no param group is
-    ``frozen_param`` once it has a gradient (a layer left out of ``configure_optimizers``), else
-    ``outside_training`` (info), once; one confirmed without a gradient whose version counter moved is updated
-    by the user's code (an optimizer never writes a parameter without a gradient). ``.data`` writes and views
-    are not seen this way.
+    ``no_grad``): one in no param group is ``frozen_param`` once it has a gradient, else ``outside_training``
+    (info, once); one confirmed without a gradient whose version counter moved is updated by the user's code (an
+    optimizer never writes a parameter without a gradient; ``.data`` writes are not seen).
 
     Example::
 
@@ -166,8 +163,7 @@ class OutsideTraining:
     """
 
     def __init__(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
-        self.names: set[str] = set()
-        """Judged by this class, not by the missing-gradient rule."""
+        self.names: set[str] = set()  # judged here, not by the missing-gradient rule
         self._versions: dict[str, tuple[torch.Tensor, int]] = {}
         self._waiting: list[tuple[str, torch.Tensor]] = []
         self._with_gradient: list[str] = []
@@ -175,9 +171,8 @@ class OutsideTraining:
         self.extend(trainable, not_in_optimizer)
 
     def extend(self, trainable: Sequence[tuple[str, torch.Tensor]], not_in_optimizer: Collection[str]) -> None:
-        """The trainable parameters (at fit start, and again after they changed during the run, a backbone
-        unfrozen): new ones are followed from now on, and those of them in no param group are watched for a
-        gradient."""
+        """The trainable parameters (at fit start, again after a backbone was unfrozen): new ones are followed, those
+        in no param group watched for a gradient."""
         for name, p in trainable:
             # a view shares its base's version counter, which a step of the other parameters it holds bumps (FSDP1's
             # original parameters are views of one flat parameter): only parameters that own their storage are read
@@ -193,8 +188,8 @@ class OutsideTraining:
         return [name for name, parameter in self._waiting if parameter.grad is not None]
 
     def judge(self, seen: Sequence[str]) -> tuple[list[str], Finding | None]:
-        """Every name in no param group seen with a gradient so far (what ``frozen_param`` names), and on the
-        first check the ``outside_training`` info for those without one."""
+        """Every name in no param group seen with a gradient so far, and on the first check the
+        ``outside_training`` info for those without one."""
         if seen:
             newly = set(seen)
             self._with_gradient += [name for name, _ in self._waiting if name in newly]
@@ -208,8 +203,8 @@ class OutsideTraining:
 
     def updated_elsewhere(self, names: Sequence[str],
                           had_gradient: Collection[str]) -> tuple[list[str], Finding | None]:
-        """``names`` (parameters without a gradient) less those judged here, and the ``outside_training`` info
-        for those that never had a gradient and whose values changed since the fit started (judged from then on)."""
+        """``names`` (without a gradient) less those judged here, and the ``outside_training`` info for those that
+        never had one and whose values changed since the fit started (judged here from then on)."""
         versions = self._versions
         changed = [name for name in names if name not in self.names and name not in had_gradient
                    and name in versions and versions[name][0]._version != versions[name][1]]
@@ -243,10 +238,9 @@ def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict
 
 
 def holds_copies(held: Sequence[torch.Tensor], trainable: Sequence[torch.Tensor]) -> bool:
-    """Whether the tensors an optimizer holds (none of them the module's) are copies of the module's trainable
-    parameters: each has the shape and dtype of a distinct one (a ``deepcopy`` of the layers, a model re-created
-    after the optimizer was built). Sharded or flattened parameters (FSDP, DeepSpeed's partitions) have other
-    shapes and master weights another dtype, so those optimizers stay skipped; no tensor is read.
+    """Whether the tensors an optimizer holds (none of them the module's) are copies of its trainable parameters,
+    each of the shape and dtype of a distinct one (a ``deepcopy``). Flattened shards have other shapes and master
+    weights another dtype, so those optimizers stay skipped; no tensor is read.
 
     Example::
 
@@ -281,10 +275,9 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
                       positions: Positions, line_search: bool = False,
                       weights: torch.Tensor | None = None) -> Verdict | None:
     """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step left
-    exactly unchanged. Not flagged: a learning rate of 0 now (``lr_zero_now``), parameters already frozen, a
-    gradient under :data:`NOISE_FRACTION` of the global norm (rounding noise: contributions that cancel), a step
-    where nothing moved under a ``line_search`` optimizer (L-BFGS declines steps), and a step at the weights'
-    precision (those that moved changed by less than :data:`NOISE_FRACTION`: the tail of a decay to 0).
+    exactly unchanged. Not flagged: a learning rate of 0 now, parameters already frozen, a gradient under
+    :data:`NOISE_FRACTION` of the global norm (contributions that cancel), a step where nothing moved under a
+    ``line_search`` optimizer (L-BFGS declines steps), a step at the weights' precision (the tail of a decay to 0).
     """
     moved = deltas != 0
     if bool(moved.any()):

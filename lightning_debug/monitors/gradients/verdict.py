@@ -1,4 +1,5 @@
-"""What a gradient rule returns: a finding it wrote itself, the names it flags and its episode key.
+"""What a gradient rule returns: :class:`~lightning_debug.core.rules.Recorded`, the one shape every area's rules
+record (a finding, the names it flags, its episode key, the steps it is recorded at), and the bounds on names shown.
 
 Example::
 
@@ -9,26 +10,10 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from lightning_debug.core.findings import Finding, quoted
+from lightning_debug.core.rules import Recorded as Verdict
 
 NAMES_IN_DETAILS = 20
 WORST_SHOWN = 5
-
-
-@dataclass
-class Verdict:
-    """One finding of a rule, the names it counts in ``most_flagged`` and the key of its episode.
-
-    ``steps``: the check steps it is recorded at, in order, when a rule confirms over several check steps
-    a condition that began before this one (empty: the step being judged).
-    """
-
-    finding: Finding
-    flagged: list[str] = field(default_factory=list)
-    key: str = ""
-    steps: list[int] = field(default_factory=list)
-
 
 __all__ = ["NAMES_IN_DETAILS", "WORST_SHOWN", "Verdict", "quoted"]
