@@ -1,5 +1,4 @@
-"""What the gradient area keeps across check steps: counts, norm histories and flagged names, bounded, and
-in the monitor's ``state_dict``.
+"""What the gradient area keeps across check steps (bounded, in the monitor's ``state_dict``).
 
 Example::
 
@@ -55,9 +54,8 @@ class FlagCounter:
 
 @dataclass
 class MeasuredSteps:
-    """The check steps on which something was measured (a non-finite global gradient norm, loss or weight):
-    first, last, how many. What report.md states as measured (see :mod:`lightning_debug.report.measured`), whatever
-    the rules concluded from it.
+    """The check steps on which something non-finite was measured: first, last, how many (what report.md states,
+    whatever the rules concluded; :mod:`lightning_debug.report.measured`).
 
     Example::
 

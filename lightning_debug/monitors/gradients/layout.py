@@ -31,8 +31,7 @@ def input_to_output(names: Iterable[str], positions: Positions) -> list[str]:
 
 @dataclass
 class ModuleLayout:
-    """Which module owns each parameter slot of an index, built once per index: per-module sums of
-    per-parameter values are then one ``index_add_`` (no Python loop over parameters per check).
+    """Which module owns each parameter slot of an index: per-module sums are then one ``index_add_``.
 
     Example::
 
@@ -59,9 +58,8 @@ class ModuleLayout:
 
 
 def replica_groups(model: torch.nn.Module) -> dict[str, list[tuple[object, ...]]]:
-    """Per parameter name, the groups of replicas it belongs to, from the module tree alone: where a module has
-    two or more children of one type, the parameters at the same path inside each of them, with the same shape,
-    are replicas (the experts of an MoE layer, the layers of a stack). Names are ``named_parameters`` names.
+    """Per parameter name, its replica groups from the module tree alone: the parameters at the same path and of the
+    same shape inside sibling modules of one type (the experts of an MoE layer, the layers of a stack).
 
     Example::
 

@@ -13,12 +13,9 @@ from lightning_debug.monitors.gradients.layout import module_of
 
 
 class ForwardOrder:
-    """The order in which modules first run in a forward pass, recorded once with pre-hooks.
-
-    Registration order often differs from execution order, so one forward pass is watched and the hooks
-    removed (a one-time cost). A parameter of a container takes the position where it is entered, a shared
-    one that of the first module to run, those of modules never entered come last; no hook goes inside a
-    ``torch.compile``d module (Dynamo would recompile), its parameters take its position.
+    """The order in which modules first run in a forward pass (registration order often differs), recorded once
+    with pre-hooks. A shared parameter takes the position of the first module to run, those of modules never
+    entered come last; no hook goes inside a ``torch.compile``d module (Dynamo would recompile).
 
     Example::
 
@@ -36,8 +33,7 @@ class ForwardOrder:
         >>> order.called(["head.weight", "head.bias", "embed.bias"])
         {'head.weight': True, 'head.bias': False, 'embed.bias': True}
 
-    It also keeps which modules ran without building a graph (no output needs a gradient): nothing they hold
-    can get one from that pass.
+    It also keeps which modules ran without building a graph (no output needs a gradient).
 
         >>> order.watch(model)
         >>> with torch.no_grad():
@@ -99,8 +95,7 @@ class ForwardOrder:
         self._handles = []
 
     def called(self, parameter_names: Sequence[str]) -> dict[str, bool]:
-        """Per parameter, whether a module holding it ran in the watched forward pass; parameters inside a
-        compiled module (not watched) are left out: unknown."""
+        """Per parameter, whether a module holding it ran (inside a compiled module: left out, unknown)."""
         seen = set(self.module_names)
 
         def inside_compiled(module: str) -> bool:
@@ -116,7 +111,7 @@ class ForwardOrder:
         return called
 
     def without_graph(self, parameter_names: Sequence[str]) -> set[str]:
-        """The parameters whose every holding module that ran built no graph with its output (see the class)."""
+        """The parameters whose every holding module that ran built no graph with its output."""
         found = set()
         for name in parameter_names:
             holders = [holder for holder in self._holders.get(name) or [module_of(name)] if holder in self._outputs]

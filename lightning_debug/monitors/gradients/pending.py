@@ -1,7 +1,5 @@
-"""A check step between its measurement on the device and the moment its values are on the host.
-
-Nothing here syncs: snapshots, weight distances and histograms are device work wrapped in
-non-blocking :class:`~lightning_debug.core.readback.Readback` objects, read once they are ready.
+"""A check step between its measurement on the device and the moment its values are on the host: nothing here
+syncs (snapshots, weight distances and histograms are non-blocking :class:`~lightning_debug.core.readback.Readback`).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ MAX_PENDING_CHECKS = 4
 
 @dataclass
 class PendingCheck:
-    """One check step between its measurement and the moment all its values are on the host.
+    """One check step until all its values are on the host.
 
     Example::
 
@@ -91,8 +89,7 @@ class PendingCheck:
 
 
 class PendingChecks:
-    """The check steps waiting for their values, in step order, and the one whose weight update is still
-    to be measured (its optimizer step not taken yet).
+    """The check steps waiting for their values, and the one whose weight update is still to be measured.
 
     Example::
 
@@ -115,9 +112,9 @@ class PendingChecks:
             self.awaiting_update = None
 
     def ready(self, final: bool = False) -> Iterator[PendingCheck]:
-        """Each check step whose values have all arrived, in order, taken out as yielded: a step waits for its update
-        and histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending; ``final`` yields every step with its
-        gradient values. A step without values behind one that has them lost them, and is dropped.
+        """Each check step whose values have all arrived, in order, taken out: a step waits for its update and
+        histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending (``final``: not at all). A step without
+        values behind one that has them lost them, and is dropped.
 
         Example::
 

@@ -18,11 +18,8 @@ from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_v
 
 @dataclass(frozen=True)
 class GradientSettings:
-    """What the gradient rules read from the configuration.
-
-    ``explosion_threshold`` is the user's fixed limit, None when not set (the run's own history
-    judges alone), which is also the clip value suggested before the run has healthy norms of its own.
-    """
+    """What the gradient rules read from the configuration; ``explosion_threshold``: None when not set (the run's
+    own history judges alone), also the clip suggested before the run has healthy norms."""
 
     check_every: int = config_value("gradient_checking_frequency")
     explosion_threshold: float | None = config_value("gradient_explosion_threshold")

@@ -1,12 +1,9 @@
 """``learning_stalled``: every param group's learning rate is 0 far from the end of the run.
 
-A schedule that reaches 0 early stops training with no NaN and no error. A warm-up from 0 is ruled out
-by the kind's policy (check steps in a row), a decay to 0 at the end by judging only before
-:data:`END_SHARE` of the run's known length (unknown length: no verdict), a group frozen on purpose by
-needing every group at 0; a base learning rate of 0 from the start is ``frozen_param``.
-
-Without a scheduler a group's base learning rate is the one it had when training started (``start_lrs``): code
-that sets every group's lr to 0 mid-run is the same stall (a group trained at lr 0 from the start is not).
+A schedule that reaches 0 early stops training with no NaN and no error. A warm-up from 0 is ruled out by the
+kind's policy, a decay to 0 at the end by judging only before :data:`END_SHARE` of a run of known length, a group
+frozen on purpose by needing every group at 0; a base learning rate of 0 is ``frozen_param``. Without a scheduler
+the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall.
 
 Example::
 
@@ -31,12 +28,10 @@ from typing import Any
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.rules import CheckStep, Moment, rule
-from lightning_debug.core.verdicts import Suspicion, VerdictEngine, policy_of
+from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 from lightning_debug.monitors.gradients.trainability import number_equals_zero
 from lightning_debug.monitors.gradients.verdict import Verdict
 
-STALL_CHECKS = policy_of(Kind.LEARNING_STALLED).needed() or 1
-"""Check steps in a row with every learning rate at 0 before the rule speaks (the kind's policy)."""
 END_SHARE = 0.9
 """Past this share of the run's steps a learning rate of 0 is a schedule ending, not a stall."""
 KEY = "lr_zero"
@@ -60,9 +55,8 @@ def base_lr(group: Mapping[str, Any], index: int, start_lrs: Sequence[Any]) -> A
 def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
                   total_steps: int | None, schedulers: Sequence[str],
                   start_lrs: Sequence[Any] = ()) -> Verdict | None:
-    """The ``learning_stalled`` finding of check step ``step``, or None (see the module's docstring);
-    ``start_lrs``: each param group's learning rate when training started (the base of a group no scheduler
-    drives)."""
+    """The ``learning_stalled`` finding of check step ``step``, or None; ``start_lrs``: each group's lr when
+    training started."""
     based = [(group, base_lr(group, index, start_lrs)) for index, group in enumerate(param_groups)
              if group.get("params")]
     groups = [group for group, _ in based]

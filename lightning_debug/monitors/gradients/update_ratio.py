@@ -1,9 +1,8 @@
 """``update_ratio_high``: optimizer steps that move a layer's weights by more than their own norm.
 
-A small-initialised convolution under BatchNorm (scale-invariant) moves by several times its norm on its
-first step while the loss falls, then below 1; a learning rate far too high keeps the ratios high or
-blows the loss up. So a high step is held (:func:`confirm_update_ratios`, the kind's policy) and
-labelled at the first high step.
+A small-initialised convolution under BatchNorm (scale-invariant) moves by several times its norm on its first step
+while the loss falls; a learning rate far too high keeps the ratios high or blows the loss up. So a high step is
+held under the kind's policy (:func:`confirm_update_ratios`) and labelled at the first high step.
 
 Example::
 
@@ -70,9 +69,7 @@ def learning_rates(param_groups: Sequence[dict[str, Any]]) -> list[float]:
 def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, weights: torch.Tensor,
                         lrs: Sequence[float]) -> Verdict | None:
     """``update_ratio_high``: a layer (module) whose step moved its weights by more than their own norm; per module
-    (a zero-initialised bias beside its weight does not count), and not for (near) zero weights, whose first
-    ratio is infinite by construction.
-    """
+    (a zero-initialised bias beside its weight does not count), not for (near) zero weights (infinite ratio)."""
     moved, size = layout.sums(deltas.square()), layout.sums(weights.square())
     ratio = (moved / size.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
     over = (torch.isfinite(moved) & torch.isfinite(size) & (size > 0) & (ratio > UPDATE_RATIO_LIMIT)
@@ -108,9 +105,8 @@ def rise_bound(loss: float) -> float:
 
 def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
                           verdicts: VerdictEngine) -> Verdict | None:
-    """The ``update_ratio_high`` verdict to record at this check step of ``optimizer``, if any: ``high`` (this
-    step's :func:`judge_update_ratios`) is held under the kind's policy and reported when the next check is
-    high too (at both steps) or its ``loss`` rose past the bound (``inf``: not finite, NaN: not observed).
+    """The ``update_ratio_high`` verdict of this check step, if any: ``high`` (:func:`judge_update_ratios`) is held
+    and reported when the next check is high too or its ``loss`` rose past :func:`rise_bound` (NaN: not observed).
 
     Example::
 
@@ -160,9 +156,8 @@ def read_updates(step: int, optimizer: Any, deltas: torch.Tensor, host: HostNume
                  history: GradientHistory, param_groups: Sequence[dict[str, Any]], already_frozen: Collection[str],
                  positions: Positions, verdicts: VerdictEngine,
                  line_search: bool = False) -> tuple[dict[str, float], list[Verdict]]:
-    """Scalars and verdicts of check step ``step`` from ``deltas`` (``||Δw||`` per parameter slot), read back after
-    its optimizer step: the update-ratio scalars and statistics, ``update_ratio_high`` and ``frozen_param``
-    (``no_update``), over every parameter at once."""
+    """Scalars and verdicts of check step ``step`` from ``deltas`` (``||Δw||`` per parameter slot, after its optimizer
+    step): update-ratio scalars, ``update_ratio_high`` and ``frozen_param`` (``no_update``)."""
     deltas = deltas.double()
     weights, names = host.param_norms_by_slot(), host.param_names
     metrics: dict[str, float] = {}

@@ -1,12 +1,10 @@
 """``vanishing_grad``: the gradient signal dies on its way back toward the input, and stays so.
 
-One low norm fires on healthy models (a LoRA A while B = 0, ConvNeXt's layer scale, uniform attention,
-a small loss scale); there the gradient is healthy again on the input side or grows within a step or
-two. So a layer (module, in forward order) is *low* below ``gradient_vanishing_threshold`` when it has
-not grown :data:`VANISHING_GROWTH` times over its first norm, and a run of low layers vanishes when it
-reaches the input side with a healthy layer after it :data:`VANISHING_DROP` times larger, or is exactly
-zero (held longer: a straight-through router is zero on some steps). The engine confirms it under the
-kind's policy. A check whose loss is 0 with every gradient zero (a margin loss that holds) is not judged.
+One low norm fires on healthy models (a LoRA A while B = 0, ConvNeXt's layer scale, uniform attention), where the
+gradient is healthy again on the input side or grows within a step or two. So a layer is *low* when it has not grown
+:data:`VANISHING_GROWTH` times over its first norm, and a run of low layers vanishes when it reaches the input side
+with a layer after it :data:`VANISHING_DROP` times larger, or is exactly zero (held longer: a straight-through
+router is zero on some steps). docs/gradients.md gives the cases.
 
 Example::
 
@@ -42,13 +40,11 @@ VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
 EXACTLY_ZERO = "exactly_zero"
 """The variant of a vanishing suspicion whose layers are all exactly zero (its policy waits longer)."""
-VANISHING_CONFIRM_CHECKS = policy_of(Kind.VANISHING_GRAD).needed() or 1
 VANISHING_DEAD_CHECKS = policy_of(Kind.VANISHING_GRAD).needed(EXACTLY_ZERO) or 1
 
 
 class VanishingHistory:
-    """Each layer's first gradient norm (one float per layer: the baseline a low layer must not have grown
-    from). How long a low layer has been low is the verdict engine's, under the kind's policy."""
+    """Each layer's first gradient norm: the baseline a low layer must not have grown from."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
@@ -110,10 +106,9 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
                     positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
                     loss: float = math.nan) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
-    none was read (no norm below the threshold: every hold ends); ``loss``: NaN when unknown. Judged per module,
-    so a parameter that is exactly zero while its module learns (attention's key bias) is not a dead layer; each
-    low layer is a suspicion ``verdicts`` holds under the kind's policy.
-    """
+    none was read (every hold ends). Judged per module, so a parameter exactly zero while its module learns
+    (attention's key bias) is no dead layer. A check whose loss is 0 with every gradient 0 (a margin loss that
+    holds) is not judged."""
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
         return None
     low = settings.vanishing_threshold
@@ -141,8 +136,7 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
 def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],
                       module_norms: dict[str, float], low: float, positions: Positions,
                       order_source: str, since: int | None = None, loss: float = math.nan) -> Finding:
-    """The finding for the parameters ``below`` (of vanishing layers), input side first, compared with
-    their neighbouring layers, with advice that fits whether they are exactly zero."""
+    """The finding for the parameters ``below``, input side first, with their neighbouring layers."""
     norms = dict(grads)
     ordered = input_to_output(below, positions)
     everything = input_to_output((name for name, _ in grads), positions)

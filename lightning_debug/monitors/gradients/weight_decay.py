@@ -1,9 +1,8 @@
 """``weight_decay_on_norm``: weight decay on biases, normalisation gains and embedding tables.
 
-Decay on those fights the model (a LayerNorm gain pulled to 0); the usual recipes give them
-``weight_decay=0``. Judged from structure only (at most one dimension: a bias or a gain; 2-D in a module that
-looks rows up: an embedding), on parameters the module names and a param group holds by identity (so never
-FSDP1's flat copies). A recipe may decay biases on purpose: info, once.
+Decay on those fights the model (a LayerNorm gain pulled to 0). Judged from structure only (at most one dimension,
+or 2-D in a module that looks rows up), on parameters a param group holds by identity (never FSDP1's flat copies).
+A recipe may decay biases on purpose: info, once.
 
 Example::
 
@@ -56,8 +55,7 @@ def role_of(parameter: torch.Tensor, owner: nn.Module | None) -> ParameterRole |
 
 def judge_weight_decay(named: Iterable[tuple[str, torch.Tensor, nn.Module | None]],
                        param_groups: Sequence[Mapping[str, Any]]) -> Finding | None:
-    """The ``weight_decay_on_norm`` finding for ``named`` (name, parameter, the module that owns it) and
-    the optimizers' ``param_groups``, or None when no such parameter is decayed."""
+    """The ``weight_decay_on_norm`` finding for ``named`` (name, parameter, owning module), or None."""
     decay: dict[int, float] = {}
     for group in param_groups:
         rate = group.get("weight_decay", 0.0)
@@ -85,8 +83,7 @@ def judge_weight_decay(named: Iterable[tuple[str, torch.Tensor, nn.Module | None
 
 @rule(Kind.WEIGHT_DECAY_ON_NORM, at=Moment.FIT_START)
 def weight_decay_at_fit_start(facts: FitStart) -> Finding | None:
-    """The registered rule: judged once, at a fit that starts at step 0 (a resumed run was told at its start),
-    when the loop can reach the module (a parameter's owner is what tells an embedding)."""
+    """Judged once, at a fit that starts at step 0, when the loop can reach the module (owners tell embeddings)."""
     if facts.step != 0 or facts.module is None:
         return None
     return judge_weight_decay(facts.parameters, facts.param_groups)
