@@ -323,9 +323,8 @@ class Explosions:
 
     def judge(self, step: int, optimizer: Any, global_norm: float, verdict: Verdict | None, deferred: bool,
               where: Any, index: ParameterIndex | None) -> Decided:
-        """A check step's global norm (it also follows earlier jumps) and its own verdict: recorded at once,
-        or, for a jump judged against the run's history (``deferred``), waiting for the steps after it. A norm
-        that overflowed right after a jump it confirms is that explosion, already named where it began."""
+        """A check step's global norm (it follows earlier jumps too) and its verdict: recorded at once, or held for
+        the steps after it (``deferred``). An overflow that confirms a jump is that explosion, named where it began."""
         jump = None
         if verdict is not None and deferred:
             details = verdict.finding.details

@@ -184,9 +184,8 @@ class MissingHistory:
         return seen
 
     def observe_step(self, step: int, with_gradient: Iterable[str], without: Iterable[str]) -> list[str]:
-        """Candidates (and their watched replicas) looked at on an optimizer step (``.grad is None`` or not);
-        returns the candidates it confirms. A replica that had a gradient and has none now makes its groups
-        conditional, and how long it has been without one counts as a wait."""
+        """Candidates and their watched replicas looked at on an optimizer step; returns the candidates it confirms.
+        A replica without a gradient after it had one makes its groups conditional; its gap counts as a wait."""
         with_gradient = list(with_gradient)
         self._had_gradient(with_gradient)
         for name in with_gradient:

@@ -104,8 +104,7 @@ class GradientMonitor(Monitor):
         self._record(verdict, step, where or self.context.where())
 
     def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
-        """Record a rule's verdict at ``step``, or at each of its ``steps`` not recorded yet (a condition
-        confirmed over several check steps is counted on each of them, labelled where it began)."""
+        """Record a verdict at ``step``, or at each of its ``steps`` not recorded yet for its kind."""
         if verdict is None:
             return False
         kind = verdict.finding.kind.value
@@ -236,8 +235,7 @@ class GradientMonitor(Monitor):
 
     def _read_rules(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
                     where: Where) -> None:
-        """The rules registered for :data:`Moment.CHECK_READ`, with the drift of the sampled weights and the run's
-        first loss."""
+        """The rules of :data:`Moment.CHECK_READ`, with the weights' drift and the run's first loss."""
         first = self._drift.reference(step, step_loss(host))
         values = measured[0].values() if measured is not None and measured[0].ready() else None
         drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
@@ -254,8 +252,7 @@ class GradientMonitor(Monitor):
         pending.measure_update()
 
     def _sharded_outputs_off(self, index: ParameterIndex) -> bool:
-        """Weight updates and histograms read rank zero's tensors, one shard of sharded parameters: switched off,
-        saying so once. Returns True."""
+        """Updates and histograms of sharded parameters would read one shard: off, said once. Returns True."""
         wanted = [what for what, on in (("update ratios and the frozen-parameter update check",
                                          self.settings.measures_updates),
                                         ("histograms", self.settings.wants_histograms)) if on]
@@ -361,8 +358,7 @@ class GradientMonitor(Monitor):
         self.close_episodes(step, where, self.kinds)
 
     def _note_nonfinite(self, step: int, host: HostNumerics, global_norm: float, scaled: bool) -> None:
-        """What this check step measured non-finite, which report.md states whatever the rules say (a run with one is
-        never called clean); an fp16 overflow the GradScaler skips is counted apart."""
+        """What was measured non-finite, for report.md whatever the rules say (GradScaler overflows apart)."""
         bad_loss = bool(host.ranks_with_nonfinite_loss)
         bad_grads = not math.isfinite(global_norm)
         if bad_grads and scaled and not bad_loss:
@@ -407,8 +403,7 @@ class GradientMonitor(Monitor):
                                 pending.judged.params)
 
     def _audit_trainable(self, optimizer: Any, index: Any) -> None:
-        """Parameters made trainable during the run (a backbone unfrozen) are looked up in the param groups as at
-        fit start, when ``optimizer``'s index of the trainable parameters was built again (rare)."""
+        """Parameters made trainable since (an index built again: rare) are looked up in the param groups."""
         audited = self._audited.get(optimizer)
         if index is audited:
             return
@@ -451,8 +446,7 @@ class GradientMonitor(Monitor):
         self._record_confirmed(confirmed, step)
 
     def _left_out(self, names: list[str], step: int, where: Where) -> list[str]:
-        """``names`` (confirmed without a gradient) less those whose values changed all the same (from now on
-        :class:`.OutsideTraining`'s)."""
+        """``names`` less those whose values changed all the same (:class:`.OutsideTraining`'s from now on)."""
         kept, info = self._outside.updated_elsewhere(names, self.history.missing.had_gradient)
         if info is not None:
             self.emit(info, step, where)

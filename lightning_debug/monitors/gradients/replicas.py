@@ -61,9 +61,8 @@ def agreeing_groups(values: Sequence[float], tolerance: float = RELATIVE_TOLERAN
 
 def judge_replicas(step: int, names: Sequence[str], squares: torch.Tensor,
                    tolerance: float = RELATIVE_TOLERANCE) -> Verdict | None:
-    """The ``replicas_diverged`` verdict of a check step from ``squares`` (one row per rank, the squared norm of each
-    parameter of ``names`` that every rank holds whole), or None when every rank holds the same. The healthy case is
-    two vectorised comparisons on the host; parameters are named only when some differ."""
+    """The ``replicas_diverged`` verdict from ``squares`` (per rank, the squared norm of each of ``names``), or None.
+    The healthy case is two vectorised comparisons on the host; names are read only when some differ."""
     if squares.dim() != 2 or squares.shape[0] < 2 or squares.shape[1] == 0:
         return None
     norms = squares.sqrt()
