@@ -1,6 +1,4 @@
-"""``exploding_grad``: a global gradient norm far above what this run has shown, or above the user's limit.
-
-Example::
+"""``exploding_grad``: a global gradient norm far above what this run has shown, or above the user's limit::
 
     >>> from lightning_debug.checks.trends import NormHistory
     >>> history = NormHistory()
@@ -97,9 +95,7 @@ class ExplosionSuspicion:
 def runaway_level(global_norm: float, history: NormHistory) -> float | None:
     """The level ``global_norm`` ran away from (the median of the last :data:`RUNAWAY_CHECKS` finite norms, when it
     is :data:`RUNAWAY_GROWTH` times that and above each), else None. A growth, not a level: a healthy rare hard
-    batch is 10-200x its median, and a median of three keeps one near-zero norm from being the level.
-
-    Example::
+    batch is 10-200x its median, and a median of three keeps one near-zero norm from being the level::
 
         >>> history = NormHistory(); history.add(17.8)
         >>> runaway_level(3.0e6, history), runaway_level(1.5e4, history)
@@ -114,9 +110,7 @@ def runaway_level(global_norm: float, history: NormHistory) -> float | None:
 
 def rose_before(history: NormHistory) -> float | None:
     """The level the previous check step's norm rose :data:`NORM_JUMP_FACTOR` times over (the median of the up
-    to :data:`RUNAWAY_CHECKS` finite norms before it), or None when it did not (or was not finite).
-
-    Example::
+    to :data:`RUNAWAY_CHECKS` finite norms before it), or None when it did not (or was not finite)::
 
         >>> history = NormHistory()
         >>> for norm in (17.8, 16.0, 500.0): history.add(norm)
@@ -134,9 +128,7 @@ def overflowed(global_norm: float, history: NormHistory, loss: float, scaled: bo
     """Whether a finite norm turned non-finite in an explosion: the check step before was finite, and the loss is
     :data:`OVERFLOW_LOSS_FACTOR` times the largest first loss, or the norm had already risen (:func:`rose_before`),
     or steps in between went ``unchecked`` (they hide how it got there). Not a GradScaler's skipped fp16 overflow,
-    nor one singular operation out of a steady level: ``nonfinite_grad`` names those.
-
-    Example::
+    nor one singular operation out of a steady level: ``nonfinite_grad`` names those::
 
         >>> history = NormHistory(); history.add(110.0, loss=14.0)
         >>> overflowed(math.inf, history, 9.0e20, scaled=False), overflowed(math.inf, history, 14.5, scaled=False)
@@ -178,9 +170,7 @@ def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
 
 
 def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, dict[str, Any]]:
-    """What the loop's own clipping did to this step (the checks see the gradients before it).
-
-    Example::
+    """What the loop's own clipping did to this step (the checks see the gradients before it)::
 
         >>> clipping_note(4.0, Clipping(1.0, ClipAlgorithm.NORM))[1]
         {'clip_val': 1.0, 'clip_algorithm': 'norm', 'clip_factor': 4.0}
@@ -290,9 +280,7 @@ Decided = list[tuple[int, Verdict, Any]]
 class Explosions:
     """Per optimizer, the jumps held in the verdict engine, and the global norms of the non-check steps after them
     that decide them: one fused norm over the check step's index on the reporting process, read back without a
-    sync, no collective (sharded parameters get none); bounded, :data:`FOLLOW_UP_STEPS` per optimizer.
-
-    Example::
+    sync, no collective (sharded parameters get none); bounded, :data:`FOLLOW_UP_STEPS` per optimizer::
 
         >>> from torch import nn
         >>> from lightning_debug.core.findings import Finding

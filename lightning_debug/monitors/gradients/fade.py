@@ -8,9 +8,7 @@ the modules owning a weight (2+ dimensions) in forward order; the "first layer" 
 (Adam can lift the very first layer back while those after it stay faded), and the fade must be steady from there
 to the output (:data:`STEADY_CORRELATION`), so attention's query and key, ~1e-5 of the head's on a healthy BERT
 between feed-forward layers that are not, are no fade. docs/gradients.md lists the other exclusions. Held under
-``vanishing_grad``'s ``fade`` variant in a scope of its own.
-
-Example::
+``vanishing_grad``'s ``fade`` variant in a scope of its own::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> norms = [("l0.weight", 1e-6), ("l1.weight", 1e-5), ("l2.weight", 1e-4), ("l3.weight", 1e-3),
@@ -93,9 +91,7 @@ def input_side(norms: Sequence[float]) -> int:
 
 def rank_correlation(values: Sequence[float]) -> float:
     """Spearman's correlation of ``values`` with their order (1: strictly growing; tied values share their mean
-    rank, so a flat run adds no trend; 0 when every value is the same).
-
-    Example::
+    rank, so a flat run adds no trend; 0 when every value is the same)::
 
         >>> rank_correlation([1e-6, 1e-5, 1e-4, 1e-3]), round(rank_correlation([1e-5, 0.3, 1e-5, 0.3, 1e-5, 0.3]), 2)
         (1.0, 0.29)

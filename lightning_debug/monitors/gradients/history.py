@@ -1,6 +1,4 @@
-"""What the gradient area keeps across check steps (bounded, in the monitor's ``state_dict``).
-
-Example::
+"""What the gradient area keeps across check steps (bounded, in the monitor's ``state_dict``)::
 
     >>> history = GradientHistory(["exploding_grad"])
     >>> history.norms_for(None).add(2.0); history.counts["exploding"] += 1
@@ -27,9 +25,7 @@ FLAGGED_KEPT = 200
 
 
 class FlagCounter:
-    """How often each parameter was flagged, bounded: past ``limit`` names the rarest are dropped.
-
-    Example::
+    """How often each parameter was flagged, bounded: past ``limit`` names the rarest are dropped::
 
         >>> counter = FlagCounter(limit=4)
         >>> counter.add(["a", "b"]); counter.add(["a"]); counter.top(1)
@@ -55,9 +51,7 @@ class FlagCounter:
 @dataclass
 class MeasuredSteps:
     """The check steps on which something non-finite was measured: first, last, how many (what report.md states,
-    whatever the rules concluded; :mod:`lightning_debug.report.measured`).
-
-    Example::
+    whatever the rules concluded; :mod:`lightning_debug.report.measured`)::
 
         >>> steps = MeasuredSteps()
         >>> for step in (2, 3, 4): steps.add(step)

@@ -1,6 +1,4 @@
-"""Where a parameter sits: the module (layer) that owns it and its place from input to output.
-
-Example::
+"""Where a parameter sits: the module (layer) that owns it and its place from input to output::
 
     >>> module_of("encoder.0.weight")
     'encoder.0'
@@ -31,9 +29,7 @@ def input_to_output(names: Iterable[str], positions: Positions) -> list[str]:
 
 @dataclass
 class ModuleLayout:
-    """Which module owns each parameter slot of an index: per-module sums are then one ``index_add_``.
-
-    Example::
+    """Which module owns each parameter slot of an index: per-module sums are then one ``index_add_``::
 
         >>> layout = ModuleLayout.of(["a.w", "a.b", "c.w"], [torch.ones(2), torch.ones(1), torch.ones(3)])
         >>> layout.modules, layout.sums(torch.tensor([1.0, 2.0, 4.0])).tolist()
@@ -59,9 +55,7 @@ class ModuleLayout:
 
 def replica_groups(model: torch.nn.Module) -> dict[str, list[tuple[object, ...]]]:
     """Per parameter name, its replica groups from the module tree alone: the parameters at the same path and of the
-    same shape inside sibling modules of one type (the experts of an MoE layer, the layers of a stack).
-
-    Example::
+    same shape inside sibling modules of one type (the experts of an MoE layer, the layers of a stack)::
 
         >>> from torch import nn
         >>> groups = replica_groups(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1)))

@@ -4,9 +4,7 @@ receive one on some steps only.
 A healthy model leaves parameters without a gradient on some steps (MoE experts, LayerDrop, a head sampled per
 batch), so the run's history decides: one that had a gradient before is ``intermittent_grad`` (info); one that
 never had any is a candidate, watched on every optimizer step and held under the kind's policy (docs/gradients.md,
-"Missing").
-
-Example::
+"Missing")::
 
     >>> history = MissingHistory()
     >>> seen = history.observe_check(0, None, ["expert.w", "unused.w"], ["expert.w", "unused.w", "head.w"])
@@ -309,9 +307,7 @@ def judge_intermittent(names: Sequence[str], optimizer: Any, positions: Position
 class CandidateWatch:
     """The candidates, looked at on every step of their optimizer until they get a gradient or are confirmed
     (``.grad is None``: no device work). ``anchors`` had a gradient on the check step: all of them without one
-    says no backward ran (a ``training_step`` that returned None).
-
-    Example::
+    says no backward ran (a ``training_step`` that returned None)::
 
         >>> import torch
         >>> used, unused = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))

@@ -44,9 +44,7 @@ WHERES_KEPT = 64
 class GradientMonitor(Monitor):
     """See :class:`lightning_debug.GradientHealthCallback`. Per check step: :meth:`before_optimizer_step` registers
     it (gradients final, not yet clipped), :meth:`after_optimizer_step` measures the weight update, and :meth:`poll`
-    turns the values into findings and scalars once they have reached the host.
-
-    Example::
+    turns the values into findings and scalars once they have reached the host::
 
         >>> monitor = GradientMonitor(DebugConfig(gradient_checking_frequency=10))
         >>> [step for step in range(25) if monitor.due(step)]

@@ -15,9 +15,7 @@ from lightning_debug.monitors.gradients.layout import module_of
 class ForwardOrder:
     """The order in which modules first run in a forward pass (registration order often differs), recorded once
     with pre-hooks. A shared parameter takes the position of the first module to run, those of modules never
-    entered come last; no hook goes inside a ``torch.compile``d module (Dynamo would recompile).
-
-    Example::
+    entered come last; no hook goes inside a ``torch.compile``d module (Dynamo would recompile)::
 
         >>> import torch
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))

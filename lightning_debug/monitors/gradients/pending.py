@@ -23,9 +23,7 @@ MAX_PENDING_CHECKS = 4
 
 @dataclass
 class PendingCheck:
-    """One check step until all its values are on the host.
-
-    Example::
+    """One check step until all its values are on the host::
 
         >>> pending = PendingCheck(4, {"epoch": 0, "batch": 4})
         >>> pending.ready()
@@ -89,9 +87,7 @@ class PendingCheck:
 
 
 class PendingChecks:
-    """The check steps waiting for their values, and the one whose weight update is still to be measured.
-
-    Example::
+    """The check steps waiting for their values, and the one whose weight update is still to be measured::
 
         >>> checks = PendingChecks()
         >>> checks.add(PendingCheck(0, {})); checks.add(PendingCheck(1, {}))
@@ -114,9 +110,7 @@ class PendingChecks:
     def ready(self, final: bool = False) -> Iterator[PendingCheck]:
         """Each check step whose values have all arrived, in order, taken out: a step waits for its update and
         histograms while fewer than :data:`MAX_PENDING_CHECKS` are pending (``final``: not at all). A step without
-        values behind one that has them lost them, and is dropped.
-
-        Example::
+        values behind one that has them lost them, and is dropped::
 
             >>> checks = PendingChecks()
             >>> checks.add(PendingCheck(0, {})); checks.add(PendingCheck(1, {}))

@@ -8,9 +8,7 @@ conditions). The bounds are narrow on purpose: ``nll_loss(log(p))`` at about hal
 ``logit_loss`` often, so only confident rows are judged, in a one-sided band; on 96 such healthy runs 0.02% of
 steps were suspect and never two in a row, where a wider band named 13 of them. A loss below the floor proves the
 loss is not cross-entropy on these probabilities and clears the run for good. Not seen: a softmax applied by a
-function (not the last module call), a loss scaled by gradient accumulation.
-
-Example::
+function (not the last module call), a loss scaled by gradient accumulation::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
     >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
@@ -44,9 +42,7 @@ JUDGED_EVERY = 100
 
 
 def floor_of(classes: int) -> float:
-    """The smallest value ``cross_entropy`` reaches on rows that are probabilities: a one-hot row's.
-
-    Example::
+    """The smallest value ``cross_entropy`` reaches on rows that are probabilities: a one-hot row's::
 
         >>> round(floor_of(4), 4), round(floor_of(2), 4)
         (0.7437, 0.3133)
@@ -55,9 +51,7 @@ def floor_of(classes: int) -> float:
 
 
 def simplex_tolerance(dtype: torch.dtype) -> float:
-    """How far a row's sum may be from 1 (and a value out of [0, 1]) in ``dtype`` and still be a softmax's.
-
-    Example::
+    """How far a row's sum may be from 1 (and a value out of [0, 1]) in ``dtype`` and still be a softmax's::
 
         >>> simplex_tolerance(torch.float32), round(simplex_tolerance(torch.bfloat16), 4)
         (0.001, 0.0312)
@@ -96,9 +90,7 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
 def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
                           values: Sequence[float], loss: float, tolerance: float) -> tuple[Suspicion | None, bool]:
     """:func:`probability_finding` as the suspicion the kind's policy holds (its ``variant``: two check steps in a
-    row), and whether the run is cleared for good.
-
-    Example::
+    row), and whether the run is cleared for good::
 
         >>> suspicion, _ = probability_suspicion(200, 100, "`out` (Softmax)", "out", [32, 4], [0, 1, 0, 0.75], 0.75,
         ...                                      1e-3)

@@ -5,9 +5,7 @@ flat. On check steps at least :data:`SAMPLE_EVERY` apart, :class:`WeightDrift` m
 the trained weights moved per step, relative to their size (device work, read back without a sync). Healthy
 look-alikes are ruled out by the conditions of :func:`judge_progress` (docs/gradients.md lists them): a converged
 model's loss fell, a warm-up's start or a decay's end is under :data:`SCHEDULE_SHARE` of the base, a resumed run
-has no first loss to compare with. Not ruled out: fine-tuning with a small learning rate on data already fitted.
-
-Example::
+has no first loss to compare with. Not ruled out: fine-tuning with a small learning rate on data already fitted::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> engine = VerdictEngine()
@@ -70,9 +68,7 @@ class Drift:
 
 
 class WeightDrift:
-    """A sample of the trained weights kept from one check step to the next, and the loss of the first one.
-
-    Example::
+    """A sample of the trained weights kept from one check step to the next, and the loss of the first one::
 
         >>> weights = [torch.nn.Parameter(torch.ones(10))]
         >>> drift = WeightDrift()

@@ -7,9 +7,7 @@ all-reduce on one rank, a forward around the wrapper, weights re-initialised or 
 replicas are compared (:func:`~lightning_debug.checks.numerics.replica_slots`), and :data:`RELATIVE_TOLERANCE`
 is for norm kernels that sum in another order on another rank (~1.5e-6 for 16M float32 elements), while one step
 taken apart moves a norm by 1e-4 and more. Named: the ranks outside the largest group that agrees (on a tie, rank
-0's). docs/distributed.md says more.
-
-Example::
+0's). docs/distributed.md says more::
 
     >>> squares = torch.tensor([[4.0, 1.0], [4.0, 1.21]], dtype=torch.float64)  # norms 2, 1 / 2, 1.1
     >>> verdict = judge_replicas(100, ["a", "b"], squares)
@@ -42,9 +40,7 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def agreeing_groups(values: Sequence[float], tolerance: float = RELATIVE_TOLERANCE) -> list[list[int]]:
-    """The ranks grouped by the value they hold (within ``tolerance`` of the group's first), in rank order.
-
-    Example::
+    """The ranks grouped by the value they hold (within ``tolerance`` of the group's first), in rank order::
 
         >>> agreeing_groups([1.0, 2.0, 1.0])
         [[0, 2], [1]]

@@ -1,6 +1,4 @@
-"""The settings the gradient rules read, typed and frozen, made once from :class:`DebugConfig`.
-
-Example::
+"""The settings the gradient rules read, typed and frozen, made once from :class:`DebugConfig`::
 
     >>> from lightning_debug import DebugConfig
     >>> settings = GradientSettings.from_config(DebugConfig(level="advanced"))

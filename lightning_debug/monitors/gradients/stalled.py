@@ -3,9 +3,7 @@
 A schedule that reaches 0 early stops training with no NaN and no error. A warm-up from 0 is ruled out by the
 kind's policy, a decay to 0 at the end by judging only before :data:`END_SHARE` of a run of known length, a group
 frozen on purpose by needing every group at 0; a base learning rate of 0 is ``frozen_param``. Without a scheduler
-the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall.
-
-Example::
+the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> verdicts = VerdictEngine()
@@ -38,9 +36,7 @@ KEY = "lr_zero"
 
 
 def base_lr(group: Mapping[str, Any], index: int, start_lrs: Sequence[Any]) -> Any:
-    """A group's base learning rate: its scheduler's ``initial_lr``, else its lr when training started.
-
-    Example::
+    """A group's base learning rate: its scheduler's ``initial_lr``, else its lr when training started::
 
         >>> base_lr({"lr": 0.0, "initial_lr": 0.1}, 0, [0.0]), base_lr({"lr": 0.0}, 0, [0.05])
         (0.1, 0.05)

@@ -1,7 +1,5 @@
 """``frozen_param`` and ``requires_grad_false``: parameters that are trainable but never move, and those
-frozen on purpose.
-
-Example::
+frozen on purpose::
 
     >>> import torch
     >>> a, b = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
@@ -103,9 +101,7 @@ def frozen_by_optimizer(trainable: Sequence[tuple[str, torch.Tensor]], param_gro
                         ) -> tuple[dict[FrozenCause, list[str]], str | None]:
     """Trainable parameters in no param group, or in one whose base learning rate (``initial_lr``: a warm-up from 0
     is no freeze) is 0, and how the check went (None: not done). An optimizer holding none of the module's
-    parameters (FSDP/DeepSpeed's flat copies) is skipped, unless it holds copies of them (:func:`holds_copies`).
-
-    Example::
+    parameters (FSDP/DeepSpeed's flat copies) is skipped, unless it holds copies of them (:func:`holds_copies`)::
 
         >>> import copy
         >>> layer = torch.nn.Linear(2, 2)
@@ -143,9 +139,7 @@ class OutsideTraining:
     """Trainable parameters that gradients do not train on purpose (an ``AveragedModel`` copy, a teacher under
     ``no_grad``): one in no param group is ``frozen_param`` once it has a gradient, else ``outside_training``
     (info, once); one confirmed without a gradient whose version counter moved is updated by the user's code (an
-    optimizer never writes a parameter without a gradient; ``.data`` writes are not seen).
-
-    Example::
+    optimizer never writes a parameter without a gradient; ``.data`` writes are not seen)::
 
         >>> used, copy = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
         >>> averaged = torch.nn.Parameter(torch.ones(1))
@@ -240,9 +234,7 @@ def static_frozen_verdicts(frozen: dict[FrozenCause, list[str]]) -> list[Verdict
 def holds_copies(held: Sequence[torch.Tensor], trainable: Sequence[torch.Tensor]) -> bool:
     """Whether the tensors an optimizer holds (none of them the module's) are copies of its trainable parameters,
     each of the shape and dtype of a distinct one (a ``deepcopy``). Flattened shards have other shapes and master
-    weights another dtype, so those optimizers stay skipped; no tensor is read.
-
-    Example::
+    weights another dtype, so those optimizers stay skipped; no tensor is read::
 
         >>> weight = torch.nn.Parameter(torch.ones(3, 2))
         >>> holds_copies([torch.nn.Parameter(torch.zeros(3, 2))], [weight])

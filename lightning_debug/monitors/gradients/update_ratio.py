@@ -2,9 +2,7 @@
 
 A small-initialised convolution under BatchNorm (scale-invariant) moves by several times its norm on its first step
 while the loss falls; a learning rate far too high keeps the ratios high or blows the loss up. So a high step is
-held under the kind's policy (:func:`confirm_update_ratios`) and labelled at the first high step.
-
-Example::
+held under the kind's policy (:func:`confirm_update_ratios`) and labelled at the first high step::
 
     >>> import torch
     >>> layout = ModuleLayout.of(["a.weight", "b.weight"], [torch.ones(4), torch.ones(4)])
@@ -42,9 +40,7 @@ UPDATE_RATIO_LOSS_RISE = 1.0
 
 
 def update_ratios(deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``||Δw|| / ||w||`` per parameter: infinite for a zero weight that moved, 0 for one that did not.
-
-    Example::
+    """``||Δw|| / ||w||`` per parameter: infinite for a zero weight that moved, 0 for one that did not::
 
         >>> update_ratios(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([2.0, 0.0, 0.0])).tolist()
         [0.5, inf, 0.0]
@@ -93,9 +89,7 @@ def judge_update_ratios(step: int, layout: ModuleLayout, deltas: torch.Tensor, w
 
 def rise_bound(loss: float) -> float:
     """The loss above which the next check step confirms a high step whose own loss was ``loss`` (a rise past
-    batch-to-batch noise); infinite when ``loss`` is not finite (only a non-finite loss then confirms it).
-
-    Example::
+    batch-to-batch noise); infinite when ``loss`` is not finite (only a non-finite loss then confirms it)::
 
         >>> rise_bound(1.5), rise_bound(-2.0), rise_bound(math.inf)
         (3.0, 0.0, inf)
@@ -106,9 +100,7 @@ def rise_bound(loss: float) -> float:
 def confirm_update_ratios(step: int, optimizer: Any, high: Verdict | None, loss: float,
                           verdicts: VerdictEngine) -> Verdict | None:
     """The ``update_ratio_high`` verdict of this check step, if any: ``high`` (:func:`judge_update_ratios`) is held
-    and reported when the next check is high too or its ``loss`` rose past :func:`rise_bound` (NaN: not observed).
-
-    Example::
+    and reported when the next check is high too or its ``loss`` rose past :func:`rise_bound` (NaN: not observed)::
 
         >>> from lightning_debug.core.kinds import Kind, Severity
         >>> verdicts = VerdictEngine()

@@ -4,9 +4,7 @@ One low norm fires on healthy models (a LoRA A while B = 0, ConvNeXt's layer sca
 gradient is healthy again on the input side or grows within a step or two. So a layer is *low* when it has not grown
 :data:`VANISHING_GROWTH` times over its first norm, and a run of low layers vanishes when it reaches the input side
 with a layer after it :data:`VANISHING_DROP` times larger, or is exactly zero (held longer: a straight-through
-router is zero on some steps). docs/gradients.md gives the cases.
-
-Example::
+router is zero on some steps). docs/gradients.md gives the cases::
 
     >>> history, verdicts = VanishingHistory(), VerdictEngine()
     >>> grads = [("a.weight", 1e-9), ("b.weight", 0.5)]
@@ -70,9 +68,7 @@ def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], d
 def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
                      positions: Positions, first: dict[str, float]) -> dict[str, str]:
     """The layers of this check step in vanishing runs (see the module's docstring), input side first,
-    with the variant of their suspicion (:data:`EXACTLY_ZERO` for a dead run away from the input side).
-
-    Example::
+    with the variant of their suspicion (:data:`EXACTLY_ZERO` for a dead run away from the input side)::
 
         >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5, "gate": 0.0, "out": 0.1}
         >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})

@@ -1,7 +1,5 @@
 """What a gradient rule returns: :class:`~lightning_debug.core.rules.Recorded`, the one shape every area's rules
-record (a finding, the names it flags, its episode key, the steps it is recorded at), and the bounds on names shown.
-
-Example::
+record (a finding, the names it flags, its episode key, the steps it is recorded at), and the bounds on names shown::
 
     >>> from lightning_debug.core.kinds import Kind, Severity
     >>> Verdict(Finding(Kind.MISSING_GRAD, Severity.WARNING, "m"), ["a"]).finding.kind

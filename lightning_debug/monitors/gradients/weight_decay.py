@@ -2,9 +2,7 @@
 
 Decay on those fights the model (a LayerNorm gain pulled to 0). Judged from structure only (at most one dimension,
 or 2-D in a module that looks rows up), on parameters a param group holds by identity (never FSDP1's flat copies).
-A recipe may decay biases on purpose: info, once.
-
-Example::
+A recipe may decay biases on purpose: info, once::
 
     >>> import torch
     >>> layer, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
