@@ -56,14 +56,12 @@ class Clipping:
 
 
 RUNAWAY_GROWTH = 1000.0
-"""A global norm this many times the median of the last :data:`RUNAWAY_CHECKS` check steps' norms runs away:
-judged from the second check step on, without the history a jump needs."""
+"""A norm this many times the median of the last :data:`RUNAWAY_CHECKS` check steps' runs away (no history needed)."""
 RUNAWAY_CHECKS = 3
 OVERFLOW = "finite to non-finite"
 """``judged_by`` of a norm that overflowed (see :func:`overflowed`)."""
 OVERFLOW_LOSS_FACTOR = 10.0
-"""A norm that turns non-finite while the loss is finite and this many times the largest of the run's first
-losses overflowed in an explosion (the loss blew up with it)."""
+"""A norm that turns non-finite with the loss this many times the largest first loss overflowed (it blew up)."""
 
 
 @dataclass(frozen=True)
@@ -271,9 +269,8 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
 
 
 FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up
-"""Optimizer steps after a jump that must stay above its ``confirm_above`` to confirm it (the kind's policy):
-healthy models (SwinV2, a rare batch) spike for a step or two and fall back, an explosion feeds itself.
-Measured (their global norm only) where they are not check steps."""
+"""Steps after a jump that must stay above its ``confirm_above`` (the kind's policy): healthy models (SwinV2, a rare
+batch) spike for a step or two and fall back, an explosion feeds itself."""
 Decided = list[tuple[int, Verdict, Any]]
 
 

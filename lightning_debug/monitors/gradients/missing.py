@@ -38,8 +38,7 @@ MISSING_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed(NO_GRAPH) or 1
 UNCALLED_CONFIRM_STEPS = policy_of(Kind.MISSING_GRAD).needed() or 1
 REPLICAS_WATCHED = 256
 WAIT_FACTOR = 2
-"""A candidate whose replicas get their gradient on some steps only is confirmed only after more than this
-many times the longest wait for a first gradient that a candidate of the run went through and ended."""
+"""A candidate whose replicas get gradients on some steps only waits more than this times the run's longest wait."""
 
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "

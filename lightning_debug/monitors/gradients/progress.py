@@ -39,15 +39,13 @@ SAMPLE_EVERY = 100
 SAMPLED_PARAMETERS = 64
 SAMPLED_VALUES = 4096
 NEGLIGIBLE_DRIFT = 1e-5
-"""Relative weight change per optimizer step under which nothing is learnt (healthy: ~1e-3; a converged model's
-is small too, which the loss tells apart)."""
+"""Relative weight change per step under which nothing is learnt (healthy: ~1e-3; the loss tells a converged model)."""
 PROGRESS = 0.1
 """The share by which the loss must have fallen since the first check step for a run to be making progress."""
 SCHEDULE_SHARE = 0.1
 """A learning rate under this share of its base is a warm-up's start or a decay's end, not judged."""
 MIN_STEPS = 100
-"""Optimizer steps of training before the rule judges: a loss within 10% of its start after a few steps is the
-norm, not a stall."""
+"""Steps before the rule judges: a loss within 10% of its start after a few steps is the norm, not a stall."""
 KEY = "negligible_updates"
 
 
