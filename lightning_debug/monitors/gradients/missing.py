@@ -53,11 +53,10 @@ class Candidate:
     first_step: int
     steps_without: int
     check_steps: list[int]
-    confirmed: bool
 
     @classmethod
     def of(cls, hold: Hold) -> "Candidate":
-        return cls(hold.first.step, hold.streak, list(hold.steps), hold.confirmed)
+        return cls(hold.first.step, hold.streak, list(hold.steps))
 
 
 @dataclass
