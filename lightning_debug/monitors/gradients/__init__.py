@@ -1,7 +1,5 @@
-"""Gradient health: exploding, vanishing, missing gradients and parameters the optimizer never moves.
-
-Every module of this package is imported here (:func:`~lightning_debug.core.rules.import_rules`), so a rule module
-registers its rules without an import edit anywhere.
+"""Gradient health: exploding, vanishing, missing gradients and parameters the optimizer never moves. Every module
+here is imported (:func:`~lightning_debug.core.rules.import_rules`): a rule module registers without an import edit.
 """
 
 from lightning_debug.core.rules import import_rules

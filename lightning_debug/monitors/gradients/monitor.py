@@ -1,7 +1,5 @@
-"""The gradient monitor's plumbing: it reads the shared numerics of a check step (norms computed once for every
-callback), measures updates and histograms as fused device work read back without a sync, feeds the rules
-and records what they return.
-"""
+"""The gradient monitor's plumbing: it reads a check step's shared numerics (norms computed once for every callback),
+measures updates and histograms as fused device work read back without a sync, feeds the rules, records verdicts."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """``replicas_diverged``: under data parallelism, ranks whose copies of a replicated parameter differ.
 
-DDP keeps its replicas bit-identical (one broadcast at wrap time, the same all-reduced gradients, the same optimizer
-kernel), so each rank's norm of a parameter it holds whole is the same on every check step (exchanged in the shared
-gradient pass's one all-reduce). A rank that differs trained on something else: a gradient changed after the
-all-reduce on one rank, a forward around the wrapper, weights re-initialised or reloaded there only. Only true
-replicas are compared (:func:`~lightning_debug.checks.numerics.replica_slots`), and :data:`RELATIVE_TOLERANCE`
+DDP keeps its replicas bit-identical, so each rank's norm of a parameter it holds whole is the same on every check
+step (exchanged in the shared gradient pass's one all-reduce); a rank that differs trained on something else.
+Only true replicas are compared (:func:`~lightning_debug.checks.numerics.replica_slots`); :data:`RELATIVE_TOLERANCE`
 is for norm kernels that sum in another order on another rank (~1.5e-6 for 16M float32 elements), while one step
 taken apart moves a norm by 1e-4 and more. Named: the ranks outside the largest group that agrees (on a tie, rank
-0's). docs/distributed.md says more::
+0's). docs/distributed.md gives the causes::
 
     >>> squares = torch.tensor([[4.0, 1.0], [4.0, 1.21]], dtype=torch.float64)  # norms 2, 1 / 2, 1.1
     >>> verdict = judge_replicas(100, ["a", "b"], squares)

@@ -17,7 +17,8 @@ router is zero on some steps). docs/gradients.md gives the cases::
     True
     >>> verdicts.held_keys(Kind.VANISHING_GRAD)
     ['a']
-    >>> judge_vanishing(1, waking[1], GradientSettings(), {}, "", history, verdicts), verdicts.held_keys(Kind.VANISHING_GRAD)
+    >>> verdict = judge_vanishing(1, waking[1], GradientSettings(), {}, "", history, verdicts)
+    >>> verdict, verdicts.held_keys(Kind.VANISHING_GRAD)
     (None, [])
 """
 
