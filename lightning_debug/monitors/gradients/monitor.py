@@ -99,10 +99,10 @@ class GradientMonitor(Monitor):
     def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
         self._record(verdict, step, where or self.context.where())
 
-    def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> bool:
+    def _record(self, verdict: Verdict | None, step: int, where: Where, count: str | None = None) -> None:
         """Record a verdict at ``step``, or at each of its ``steps`` not recorded yet for its kind."""
         if verdict is None:
-            return False
+            return
         kind = verdict.finding.kind.value
         for at in verdict.steps or [step]:
             if verdict.steps and at <= self._last_recorded.get(kind, -1):
@@ -112,7 +112,6 @@ class GradientMonitor(Monitor):
                 self.history.counts[count] += 1
             self.history.flagged[kind].add(verdict.flagged)
             self.record(verdict.finding, at, self._wheres.get(at, where), key=verdict.key)
-        return True
 
     # --- fit start and forward order -----------------------------------------------------------
     def start(self, step: int) -> None:
