@@ -50,6 +50,6 @@ def high_memory(reading: MemoryReading, step: int, limit: float) -> list[tuple[s
 
 @rule(Kind.MEMORY_HIGH, at=Moment.CHECK_READ)
 def high_at_check(facts: CheckRead) -> list[Recorded]:
-    """The registered rule: :func:`high_memory` on each check step's reading, one episode per device."""
+    """The registered rule: one episode per device."""
     return [Recorded(finding, key=key) for key, finding in high_memory(facts.numbers, facts.step,
                                                                         facts.settings.high_fraction)]
