@@ -31,7 +31,7 @@ def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any]
 
 
 def companion_monitors(area: Area, config: DebugConfig, source: str) -> list[Monitor]:
-    """The monitors that come with ``area``'s: the activation verdicts with the gradients (their scalars when ``log_activations``).
+    """The monitors that come with ``area``'s: the activation verdicts with the gradients.
 
     Example::
 
@@ -39,7 +39,7 @@ def companion_monitors(area: Area, config: DebugConfig, source: str) -> list[Mon
         ['ActivationMonitor']
     """
     companions = (AREA_SPECS[companion] for companion in AREA_SPECS[area].companions)
-    return [spec.build(config, source) for spec in companions if spec.enabled(config)]
+    return [spec.build(config, source) for spec in companions]
 
 
 def run_monitors(config: DebugConfig, source: str) -> list[Monitor]:
