@@ -5,9 +5,7 @@ place later), read back once without a sync. The model's output is also measured
 for the gradient area's ``learning_stalled`` rule (:mod:`lightning_debug.monitors.gradients.probabilities`).
 Without ``log_activations`` a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps
 whatever ``gradient_checking_frequency`` is: dead and saturated layers last, and every-step hooks slow a
-many-module model by a third.
-
-Example::
+many-module model by a third::
 
     >>> import torch
     >>> from torch import nn
@@ -101,9 +99,7 @@ class Output:
 
 
 def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict[str, float]]:
-    """The stacked read-back of a forward's :data:`ROW` rows, one dict per output (without what was not measured).
-
-    Example::
+    """The stacked read-back of a forward's :data:`ROW` rows, one dict per output (without what was not measured)::
 
         >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
         >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan")], [out])
@@ -184,9 +180,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     Ruled out: outputs under :data:`MIN_ELEMENTS` values (noise; the model's output, held, needs
     :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32), the model's output saturated already at the first
     check (built confident), or while the loss fell under :data:`LOSS_KEPT` of the first check's (a classifier's
-    confident sigmoid is its job), and a NaN statistic. Saturation is held by the kind's policy.
-
-    Example::
+    confident sigmoid is its job), and a NaN statistic. Saturation is held by the kind's policy::
 
         >>> relu = Output("act", "ReLU", [8, 16], relu_like=True, saturating=False, fed_by="fc (Linear)")
         >>> [f.kind.value for f in activation_findings(3, [relu], [{"zero_fraction": 1.0, "max_abs": 0.0}])]

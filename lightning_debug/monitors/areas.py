@@ -1,7 +1,5 @@
 """The one table of areas; ``monitors_for``, the callbacks and ``presets.CALLBACK_BY_AREA`` read it (callbacks by
-name: monitors never import adapters).
-
-Example::
+name: monitors never import adapters)::
 
     >>> from lightning_debug import DebugConfig
     >>> spec = AREA_SPECS[Area.ANOMALY]

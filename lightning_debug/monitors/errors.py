@@ -47,9 +47,7 @@ _DEVICES = re.compile(r"found at least two devices, (\S+) and (\S+?)!|Tensor on 
 
 
 def classify(error: BaseException) -> ErrorCategory:
-    """The category of a training-step error, from its type and message.
-
-    Example::
+    """The category of a training-step error, from its type and message::
 
         >>> classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 16x1)"))
         <ErrorCategory.SHAPE_MISMATCH: 'shape_mismatch'>
@@ -250,9 +248,7 @@ def explain_error(step: int, error: BaseException, module: dict[str, Any] | None
                   trainable_names: Callable[[], list[str]] = list,
                   labels: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``exception`` event of a training-step error; never guessed: with nothing to read, only what PyTorch said
-    and the category's advice.
-
-    Example::
+    and the category's advice::
 
         >>> explained = explain_error(3, RuntimeError(
         ...     "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"))

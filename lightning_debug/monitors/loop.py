@@ -39,9 +39,7 @@ def _mode_matters(module: nn.Module) -> bool:
 
 def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
     """The outermost trained modules in eval mode inside a training ``root``, with the Dropout/BatchNorm layers
-    that changes (a frozen backbone is left alone).
-
-    Example::
+    that changes (a frozen backbone is left alone)::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
         >>> _ = model[1].eval()
@@ -72,9 +70,7 @@ def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 def keeps_statistics(module: nn.Module) -> bool:
-    """Whether ``module`` is itself a normalization layer with running statistics (eval mode only freezes them).
-
-    Example::
+    """Whether ``module`` is itself a normalization layer with running statistics (eval mode only freezes them)::
 
         >>> keeps_statistics(nn.BatchNorm2d(4)), keeps_statistics(nn.Dropout()), keeps_statistics(nn.InstanceNorm1d(2))
         (True, False, False)
@@ -85,9 +81,7 @@ def keeps_statistics(module: nn.Module) -> bool:
 
 def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
     """``eval_mode_in_training`` (info) for normalization layers put in eval one by one while their parents train:
-    the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not a forgotten ``.train()``.
-
-    Example::
+    the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not a forgotten ``.train()``::
 
         >>> finding = frozen_statistics_finding(0, ["net.1", "net.4"])
         >>> finding.severity.value, finding.details["count"]
@@ -103,9 +97,7 @@ def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
 
 
 def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
-    """``eval_mode_in_training`` for module ``name`` ("" for the whole model).
-
-    Example::
+    """``eval_mode_in_training`` for module ``name`` ("" for the whole model)::
 
         >>> finding = eval_mode_finding(4, "encoder", ["encoder.drop"])
         >>> finding.kind.value, finding.details
@@ -126,9 +118,7 @@ def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set
                    fresh: set[int]) -> tuple[list[tuple[str, torch.nn.Parameter]], set[int]]:
     """The parameters a backward is about to add to while they hold an older gradient, and the ids of those that
     hold none. Only ``stepped`` ids count (empty: all); one in ``fresh`` got this step's gradient from an earlier
-    backward (two losses): adding to it is no accumulation across steps.
-
-    Example::
+    backward (two losses): adding to it is no accumulation across steps::
 
         >>> a, b, c = (torch.nn.Parameter(torch.ones(1)) for _ in range(3))
         >>> a.grad, b.grad = torch.ones(1), torch.ones(1)
@@ -149,9 +139,7 @@ def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set
 
 
 def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[str]:
-    """The parameters holding a non-zero earlier gradient (``zero_grad(set_to_none=False)`` leaves zeros).
-
-    Example::
+    """The parameters holding a non-zero earlier gradient (``zero_grad(set_to_none=False)`` leaves zeros)::
 
         >>> stale_gradients(["a", "b", "c"], [0.0, 2.5, 0.0])
         ['b']
@@ -160,9 +148,7 @@ def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[st
 
 
 def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Finding:
-    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient.
-
-    Example::
+    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient::
 
         >>> grad_not_zeroed_finding(3, ["w"], 2).message[:60]
         'Gradients are not zeroed between optimizer steps: at step 3 '
@@ -179,9 +165,7 @@ def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Findin
 
 @rule(Kind.EVAL_MODE_IN_TRAINING, at=Moment.MODULE_WALK)
 def modules_in_eval(facts: ModuleWalk) -> list[Recorded]:
-    """The registered rule: one episode per module left in eval, one info for norms put in eval one by one.
-
-    Example::
+    """The registered rule: one episode per module left in eval, one info for norms put in eval one by one::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout()).train()
         >>> _ = model[1].eval()
@@ -214,9 +198,7 @@ class Window:
     owned: set[int] | None = None  # with several optimizers: the parameters of the one that steps next
 
     def judged(self) -> list[int]:
-        """The positions the backward reached, of the optimizer that steps next when known.
-
-        Example::
+        """The positions the backward reached, of the optimizer that steps next when known::
 
             >>> window = Window(0, {}, ["a", "b", "c"], [10, 11, 12], torch.zeros(3), touched={2, 0}, owned={12})
             >>> window.judged()

@@ -3,9 +3,7 @@
 Data-loader workers that share one random state draw the same records, silently. On a healthy model: an epoch
 starts the data over, so only batches of one epoch are compared; tiny batches can agree by chance (under
 :data:`MIN_VALUES` values are not judged); one chance repeat is not enough (:data:`MIN_REPEATS` in a window, two
-windows in a row).
-
-Example::
+windows in a row)::
 
     >>> import torch
     >>> from lightning_debug.core.verdicts import VerdictEngine
@@ -40,9 +38,7 @@ KEY = "batches"
 
 def batch_fingerprint(batch: Any) -> torch.Tensor | None:
     """A float64 vector two different batches practically never share: per tensor its sum and :data:`SAMPLED`
-    spread values (no host read; None under :data:`MIN_VALUES` values).
-
-    Example::
+    spread values (no host read; None under :data:`MIN_VALUES` values)::
 
         >>> a = batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})
         >>> bool((a == batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})).all()), a.shape
@@ -66,9 +62,7 @@ def batch_fingerprint(batch: Any) -> torch.Tensor | None:
 
 
 def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
-    """How many batches of ``window`` ((epoch, fingerprint) in order) equal an earlier one of the same epoch.
-
-    Example::
+    """How many batches of ``window`` ((epoch, fingerprint) in order) equal an earlier one of the same epoch::
 
         >>> repeated_batches([(0, [1.0]), (0, [1.0]), (1, [1.0]), (1, [2.0])])
         1
@@ -96,9 +90,7 @@ def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine)
 
 
 class BatchWindow:
-    """The fingerprints of the batches that follow one check step, read back without a sync.
-
-    Example::
+    """The fingerprints of the batches that follow one check step, read back without a sync::
 
         >>> window = BatchWindow()
         >>> for step in range(10): window.add(step, step == 0, 0, torch.full((8, 8), float(step // 2)))

@@ -43,9 +43,7 @@ class _ReplayMode(TorchDispatchMode):
 
 class ReplayCollectives:
     """The collectives one micro-batch's replay dispatched: the first call of :meth:`wrap` (the forward) is watched, a
-    later one with gradients enabled is left out when the first dispatched a collective.
-
-    Example::
+    later one with gradients enabled is left out when the first dispatched a collective::
 
         >>> watch = ReplayCollectives()
         >>> with watch:

@@ -23,9 +23,7 @@ SPIKE, RISE, CLIMB, SETTLED, OSCILLATING = "spike", "rise", "climb", "settled", 
 
 class LossJudge:
     """The loss rule and the monitor's verdict engine: :meth:`judge` returns at most one verdict per check, at the
-    check it is about (a spike's or outlier's is the check before).
-
-    Example::
+    check it is about (a spike's or outlier's is the check before)::
 
         >>> judge = LossJudge()
         >>> [judge.judge(loss, step).kind for step, loss in enumerate((6.9, 7857.0, 9000.0))]
@@ -83,9 +81,7 @@ def _learning_rates(learning_rates: Sequence[float]) -> str:
 
 
 def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
-    """``loss_spike``, ``loss_outlier`` or ``loss_divergence`` for a judged loss at ``step``, None when it shows none.
-
-    Example::
+    """``loss_spike``, ``loss_outlier`` or ``loss_divergence`` for a judged loss at ``step``, None when it shows none::
 
         >>> judge = LossJudge()
         >>> quiet, _, spike = (loss_finding(judge.judge(loss), 1, [0.5]) for loss in (6.9, 7857.0, 8000.0))

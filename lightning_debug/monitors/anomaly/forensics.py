@@ -20,9 +20,7 @@ SMALLEST_DTYPE_MAX = 240.0
 class ParamsOrigin:
     """When and why the parameters of a checked step became non-finite: ``update_step`` (None: not known),
     ``by_gradients`` (a consequence of ``nonfinite_grad``), ``before_forward`` (the step's loss and gradients
-    follow from them), ``label``: the step the finding is recorded at.
-
-    Example::
+    follow from them), ``label``: the step the finding is recorded at::
 
         >>> ParamsOrigin.unknown(7).since
         'before step 7'
@@ -50,9 +48,7 @@ class LastCheck:
 
 def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], largest_value: Callable[[], float]) -> bool:
     """Whether an update with finite gradients could reach the dtype's largest value: only for an absurd learning
-    rate or norm.
-
-    Example::
+    rate or norm::
 
         >>> update_may_overflow(1e3, [1e3], lambda: 65504.0), update_may_overflow(2.0, [1e-3], lambda: 65504.0)
         (True, False)
@@ -66,9 +62,7 @@ def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], large
 
 class WeightHistory:
     """What the earlier checks said about the weights. Nothing here fires on a healthy model: :meth:`origin` runs once
-    a scan found non-finite weights, :meth:`wants_measure_before` only after an update that could overflow.
-
-    Example::
+    a scan found non-finite weights, :meth:`wants_measure_before` only after an update that could overflow::
 
         >>> history = WeightHistory()
         >>> history.after_check(4, None, grads_bad=False, grad_norm=2.0, anomalous=False)
@@ -116,9 +110,7 @@ class WeightHistory:
         return ParamsOrigin(step, None, False, True, since)
 
     def final_origin(self, step: int) -> ParamsOrigin:
-        """The origin of weights found non-finite after the last update.
-
-        Example::
+        """The origin of weights found non-finite after the last update::
 
             >>> history = WeightHistory()
             >>> history.after_check(9, None, grads_bad=True, grad_norm=float("nan"), anomalous=True)

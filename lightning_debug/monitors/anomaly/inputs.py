@@ -16,9 +16,7 @@ InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
 
 
 class RecentInputs:
-    """The floating tensors of the micro-batches of the last observed steps.
-
-    Example::
+    """The floating tensors of the micro-batches of the last observed steps::
 
         >>> recent = RecentInputs(kept=2)
         >>> for step in range(3): recent.add(step, {"epoch": 0, "batch": step}, [("x", torch.zeros(1))])
@@ -46,9 +44,7 @@ def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: b
                    on_failure: Callable[[Exception], None],
                    gather: Callable[[Callable[[], Any]], list[Any]]) -> list[dict[str, Any]]:
     """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path). Read
-    synchronously, every rank's rows are gathered whatever failed on this one; read a step late, only its own.
-
-    Example::
+    synchronously, every rank's rows are gathered whatever failed on this one; read a step late, only its own::
 
         >>> x = torch.tensor([[1.0], [float("nan")]])
         >>> nonfinite_rows([({"epoch": 0, "batch": 3}, [("x", x)])], 0, 1, True, print, print)

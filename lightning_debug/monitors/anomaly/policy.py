@@ -31,9 +31,7 @@ class Action(enum.Enum):
 
 @dataclass
 class Verdict:
-    """What one checked step shows, before anything is written: the same on every rank.
-
-    Example::
+    """What one checked step shows, before anything is written: the same on every rank::
 
         >>> overflow = Verdict([], [("w", float("inf"))], [], True, 3, [], [])
         >>> overflow.amp_overflow, overflow.kinds(None)
@@ -91,9 +89,7 @@ class Verdict:
 
 
 def names_activation(cause: Cause | None) -> bool:
-    """Whether a replay caught one forward operation producing NaN/Inf (a ``nonfinite_activation``).
-
-    Example::
+    """Whether a replay caught one forward operation producing NaN/Inf (a ``nonfinite_activation``)::
 
         >>> names_activation(Cause(CauseSite.FORWARD, "`torch.log` produced NaN", operation="torch.log"))
         True
@@ -109,9 +105,7 @@ def deciding(kinds: list[Kind]) -> list[Kind]:
 
 def decide(mode: AnomalyMode, kinds: list[Kind]) -> Action:
     """What the run does with a step of ``kinds`` (deciding kinds only) under ``mode``. A healthy step shows no
-    deciding kind (the GradScaler's overflow is not one), so it always continues.
-
-    Example::
+    deciding kind (the GradScaler's overflow is not one), so it always continues::
 
         >>> decide(AnomalyMode.SKIP, [Kind.NONFINITE_LOSS]), decide(AnomalyMode.SKIP, [Kind.NONFINITE_PARAM])
         (<Action.SKIP: 'skip'>, <Action.STOP: 'stop'>)
@@ -126,9 +120,7 @@ def decide(mode: AnomalyMode, kinds: list[Kind]) -> Action:
 
 
 def reads_late(mode: AnomalyMode, replays: bool) -> bool:
-    """Whether the step's values can be read a step late without a sync: nothing waits on them.
-
-    Example::
+    """Whether the step's values can be read a step late without a sync: nothing waits on them::
 
         >>> reads_late(AnomalyMode.WARN, replays=False), reads_late(AnomalyMode.SKIP, replays=False)
         (True, False)

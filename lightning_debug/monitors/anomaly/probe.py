@@ -12,9 +12,7 @@ if TYPE_CHECKING:
 
 
 class WeightProbe:
-    """The last step whose weights were flagged before its forward, and the flag (a device tensor).
-
-    Example::
+    """The last step whose weights were flagged before its forward, and the flag (a device tensor)::
 
         >>> probe = WeightProbe()
         >>> probe.step, probe.flag(0)

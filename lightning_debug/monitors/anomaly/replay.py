@@ -24,9 +24,7 @@ Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the R
 
 def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad_scaler: bool,
                  open_kinds: Iterable[str]) -> bool:
-    """Whether to replay: the first step of an episode of non-finite loss or gradients (not a GradScaler's overflow).
-
-    Example::
+    """Whether to replay: the first step of an episode of non-finite loss or gradients (not a GradScaler's overflow)::
 
         >>> wants_replay([0], [], False, []), wants_replay([], [0], True, []), wants_replay([0], [0], False, ["nonfinite_loss"])
         (True, False, False)
@@ -38,9 +36,7 @@ def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad
 
 def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, same_work: bool) -> list[Cause]:
     """Replay the step's micro-batches until one names a cause (all of them with ``same_work``); one whose forward
-    dispatched a collective gets no backward replay.
-
-    Example::
+    dispatched a collective gets no backward replay::
 
         >>> model = torch.nn.Linear(2, 1)
         >>> batch = torch.tensor([[1.0, float("nan")]])
@@ -67,9 +63,7 @@ def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
 
 def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
     """This rank's cause: the first that names one; ``outside`` (what the replay does not cover, e.g. the loss
-    function) explains a NaN the replayed model did not reproduce.
-
-    Example::
+    function) explains a NaN the replayed model did not reproduce::
 
         >>> causes = [Cause(CauseSite.NOT_REPRODUCED, "finite", replay_ms=2.0), Cause(CauseSite.INPUTS, "bad", replay_ms=3.0)]
         >>> own = own_cause(causes, None)
@@ -89,9 +83,7 @@ def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
 def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: Sequence[int] = ()) -> Cause:
     """The cause every rank names: that of the first rank in ``origin`` (whose own loss or gradients were non-finite)
     that reproduced the NaN. A rank that had no NaN can "reproduce" one only by accident (a kernel's
-    non-determinism), so its cause is never the one named; without ``origin`` every rank counts.
-
-    Example::
+    non-determinism), so its cause is never the one named; without ``origin`` every rank counts::
 
         >>> gathered = [Cause(CauseSite.NOT_REPRODUCED, "finite").to_dict(), Cause(CauseSite.INPUTS, "bad").to_dict()]
         >>> cause = across_ranks(Cause.from_dict(gathered[0]), gathered)

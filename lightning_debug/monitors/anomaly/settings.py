@@ -9,9 +9,7 @@ from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel, config_
 
 @dataclass(frozen=True)
 class AnomalySettings:
-    """The fields, ``localizes`` (replay to name a NaN's cause, ADVANCED) and ``records_stacks`` (EXPERT).
-
-    Example::
+    """The fields, ``localizes`` (replay to name a NaN's cause, ADVANCED) and ``records_stacks`` (EXPERT)::
 
         >>> settings = AnomalySettings.from_config(DebugConfig(level="advanced", anomaly_detection_mode="skip"))
         >>> settings.mode, settings.localizes, settings.records_stacks, settings.check_frequency

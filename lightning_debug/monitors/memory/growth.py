@@ -1,9 +1,7 @@
 """The leak rule: steady growth of a byte count with the steps, suspected, confirmed, explained.
 
 Readings go into a bounded window per series and a robust trend (:func:`~lightning_debug.checks.memory.fit_trend`)
-says whether it grows steadily; docs/memory.md gives the healthy cases ruled out.
-
-Example::
+says whether it grows steadily; docs/memory.md gives the healthy cases ruled out::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> series, verdicts = GrowthSeries(window=32, warmup_readings=0, min_spacing=1), VerdictEngine()
@@ -63,9 +61,7 @@ class GrowthStatus(StrEnum):
 
 
 class GrowthSeries:
-    """Bounded windows of (step, bytes) per series and their trends.
-
-    Example::
+    """Bounded windows of (step, bytes) per series and their trends::
 
         >>> series = GrowthSeries(window=4, warmup_readings=1, min_spacing=10)
         >>> [series.add(step, {"cpu_rss": 1.0}) for step in (0, 10, 15, 20)]
@@ -112,9 +108,7 @@ class GrowthSeries:
                 and self._still_rising(name, trend)}
 
     def input_grew(self) -> bool:
-        """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half.
-
-        Example::
+        """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_rss": 1.0}, 1024 if step < 4 else 4096) for step in range(8)]
@@ -129,9 +123,7 @@ class GrowthSeries:
         return statistics.median(sizes[half:]) >= INPUT_GROWTH * statistics.median(sizes[:half])
 
     def one_epoch(self) -> int | None:
-        """The epoch of every reading in the window, when they are all from one (else None).
-
-        Example::
+        """The epoch of every reading in the window, when they are all from one (else None)::
 
             >>> series = GrowthSeries(window=3, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_rss": 1.0}, epoch=step // 4) for step in range(6)]
@@ -142,9 +134,7 @@ class GrowthSeries:
         return epochs.pop() if len(epochs) == 1 else None
 
     def fell_back(self, names: Iterable[str]) -> bool:
-        """Whether one of ``names`` fell back at least halfway from the window's peak to its start (memory released).
-
-        Example::
+        """Whether one of ``names`` fell back at least halfway from the window's peak to its start (memory released)::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": value}) for step, value in enumerate((1.0, 5.0, 9.0, 2.0))]
@@ -159,9 +149,7 @@ class GrowthSeries:
 
     def goes_on(self, names: Iterable[str], since: int) -> bool | None:
         """Whether one of ``names`` still rises from step ``since`` on, at least ``RECENT_SLOPE_SHARE`` as fast as
-        its window; None while fewer than ``CARRIED_READINGS`` readings are that recent.
-
-        Example::
+        its window; None while fewer than ``CARRIED_READINGS`` readings are that recent::
 
             >>> series = GrowthSeries(window=16, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": 1e6 * min(step, 8)}) for step in range(11)]
@@ -184,9 +172,7 @@ class GrowthSeries:
                 "epochs": list(self.epochs)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The window of a checkpoint (its trends fitted again).
-
-        Example::
+        """The window of a checkpoint (its trends fitted again)::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": 1e6 * step}, 64, epoch=0) for step in range(4)]
@@ -219,9 +205,7 @@ class GrowthSeries:
 
 def judge_growth(step: int, growing: Mapping[str, Trend], verdicts: VerdictEngine) -> Confirmed | None:
     """One reading in the window: growth is a suspicion held under the kind's policy; returns what it confirms
-    (``persisted`` first: explain it from a second census; ``again`` while it goes on), else None.
-
-    Example::
+    (``persisted`` first: explain it from a second census; ``again`` while it goes on), else None::
 
         >>> verdicts = VerdictEngine()
         >>> judge_growth(0, {"cpu_heap": None}, verdicts), growth_status(verdicts, judged=True).value
@@ -262,9 +246,7 @@ def lasts_past(step: int, end_step: int, growing: Mapping[str, Trend], reading: 
 
 
 def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: str | None = None) -> dict[str, Any]:
-    """The report's ``growth`` entry: the status, every series' trend and whether it is significant.
-
-    Example::
+    """The report's ``growth`` entry: the status, every series' trend and whether it is significant::
 
         >>> growth_verdict(GrowthStatus.NONE, {})
         {'status': 'no steady growth', 'trends': {}}
@@ -281,9 +263,7 @@ def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str,
                    census_step: int, grown: Sequence[GroupGrowth], graphs: Sequence[GraphGrowth],
                    sites: Sequence[dict[str, Any]], snapshot: str | None, census_ms: float) -> Finding:
     """The ``memory_growth`` finding: the rate, when memory runs out, and the cause from the census diff since
-    ``census_step`` and the CUDA allocation sites still holding memory.
-
-    Example::
+    ``census_step`` and the CUDA allocation sites still holding memory::
 
         >>> from lightning_debug.checks.memory import fit_trend
         >>> trend = fit_trend([(step, 2.0**20 * step) for step in range(0, 80, 10)])

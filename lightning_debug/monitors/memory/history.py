@@ -1,7 +1,5 @@
 """The CUDA allocator's history with Python stacks, on only while needed (a few microseconds per allocation):
-from a suspected leak until it is explained, or the whole run at EXPERT; another's recording is never stopped.
-
-Example::
+from a suspected leak until it is explained, or the whole run at EXPERT; another's recording is never stopped::
 
     >>> history = AllocationHistory(max_entries=1000)
     >>> history.ours, history.stop(), history.ours
@@ -28,9 +26,7 @@ def snapshot() -> dict[str, Any]:
 
 
 def record_options(record: Any, max_entries: int) -> dict[str, Any]:
-    """The keywords the installed ``record`` takes: torch < 2.3's has no ``clear_history``.
-
-    Example::
+    """The keywords the installed ``record`` takes: torch < 2.3's has no ``clear_history``::
 
         >>> def old_record(enabled="all", context="all", stacks="all", max_entries=1): pass
         >>> sorted(record_options(old_record, 10))

@@ -1,6 +1,4 @@
-"""The out-of-memory post-mortem: the ``oom_step<N>`` document and the critical ``oom`` finding pointing at it.
-
-Example::
+"""The out-of-memory post-mortem: the ``oom_step<N>`` document and the critical ``oom`` finding pointing at it::
 
     >>> from lightning_debug.checks.memory import MemoryPhase, MemoryReading, oom_fixes
     >>> evidence = OomEvidence(step=3, phase="backward", error="OutOfMemoryError: CUDA out of memory",
@@ -36,9 +34,7 @@ class OomEvidence:
 
 def fragmentation_share(reading: MemoryReading) -> float:
     """The share of the device reserved but not allocated (0 off CUDA): above a tenth, the fixes start with
-    ``expandable_segments``.
-
-    Example::
+    ``expandable_segments``::
 
         >>> fragmentation_share(MemoryReading(1, 2, 3, None, cuda_allocated=50, cuda_reserved=70, cuda_total=100))
         0.2
