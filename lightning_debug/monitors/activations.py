@@ -62,7 +62,6 @@ from lightning_debug.monitors.gradients.probabilities import probability_suspici
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
 LOSS_KEPT = 0.25
-WHERES_KEPT = 8
 VERDICT_SPACING = 100
 MIN_ELEMENTS = 64
 MIN_OUTPUT_ELEMENTS = 16
@@ -243,7 +242,6 @@ class ActivationMonitor(Monitor):
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
-        self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
@@ -253,7 +251,6 @@ class ActivationMonitor(Monitor):
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
             self._histogram_writer = self.context.histogram_writer()[0]
 
-    # --- the check step's forward -----------------------------------------------------------------
     def _measures(self, step: int) -> bool:
         """A gradient check step (spaced without ``log_activations``), or the next one when the profiler times it:
         the profiler never times the hooks; when it times every step, every other check step is measured."""
@@ -345,7 +342,6 @@ class ActivationMonitor(Monitor):
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
-    # --- verdicts ---------------------------------------------------------------------------------
     def poll(self, final: bool = False) -> None:
         while self._pending and (final or len(self._pending) > MAX_PENDING or self._pending[0].stats.ready()):
             self._complete(self._pending.pop(0))
@@ -367,18 +363,15 @@ class ActivationMonitor(Monitor):
                 metrics.update({f"debug/activation/{name}/{stat}": stats[stat] for stat in STATS if stat in stats})
             if logged and len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
-        self._wheres[step] = where
-        while len(self._wheres) > WHERES_KEPT:
-            del self._wheres[min(self._wheres)]
         found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated)
-        saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f)
+        saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f, where=where)
                      for f in found if f.kind is Kind.SATURATED_ACTIVATION]
         for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
-            for at in confirmed.steps:
-                first = at == confirmed.first.step and confirmed.first.finding is not None
-                finding = confirmed.first.finding if first else confirmed.latest.finding
+            for at in confirmed.steps:  # the first step's suspicion, where it was seen, or the latest
+                seen = confirmed.first if at == confirmed.first.step else confirmed.latest
+                finding = seen.finding or confirmed.latest.finding
                 if finding is not None:
-                    self._flag(finding, at, self._wheres.get(at, where))
+                    self._flag(finding, at, seen.where if seen.where is not None else where)
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
@@ -420,7 +413,6 @@ class ActivationMonitor(Monitor):
         counts[label] = counts.get(label, 0) + 1
         self.record(finding, step, where, key=label)
 
-    # --- the end ----------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         self._remove_hooks()
         self.poll(final=True)

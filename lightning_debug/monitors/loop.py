@@ -238,7 +238,6 @@ class LoopMonitor(Monitor):
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow())
 
-    # --- eval mode --------------------------------------------------------------------------------
     def start(self, step: int) -> None:
         self._steps_done = step
         self._check_modes(step)
@@ -266,7 +265,6 @@ class LoopMonitor(Monitor):
                 self.eval_modules[details["modules"][0]] = list(details["affected"])
         super().record_verdict(verdict, step, where)
 
-    # --- gradients accumulated across steps ------------------------------------------------------
     def after_optimizer_step(self, steps_done: int) -> None:
         if steps_done > self._steps_done:
             self._close_window()  # the step's backwards are over
@@ -367,7 +365,6 @@ class LoopMonitor(Monitor):
                 self.record(grad_not_zeroed_finding(step, stale, len(names)), step, where)
             self.close_episodes(step, where, {Kind.GRAD_NOT_ZEROED})
 
-    # --- the end ---------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         self._close_window()
         self.poll(final=True)

@@ -101,7 +101,6 @@ class MemoryMonitor(Monitor):
         """The phase of the step the run is in (None between batches or when not bound to a run)."""
         return self._ledger.phase if self._ledger is not None else None
 
-    # --- events ---------------------------------------------------------------------------------
     def start(self, step: int) -> None:
         """At EXPERT on CUDA, record the allocation history for the whole run: an OOM leaves a full snapshot."""
         device = self._device = self.context.device()
@@ -164,7 +163,6 @@ class MemoryMonitor(Monitor):
                 self.log_metrics(step, {f"debug/memory/phase/{self._open_phase.value}_mb": value / MB})
         self._open_phase = phase
 
-    # --- the check step -----------------------------------------------------------------------------
     def measure(self, step: int, where: Where, device: torch.device | None) -> None:
         """Read memory, test ``memory_high`` and look for steady growth. The C heap (a glibc walk: up to
         milliseconds) is read only on the trend's readings, once per logging row and every ``min_spacing`` steps."""
@@ -190,7 +188,6 @@ class MemoryMonitor(Monitor):
         self.close_episodes(step, where, self.kinds)
         self.check_ms.add((time.perf_counter() - started) * 1000)
 
-    # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
         if self._evidence is None and self.verdicts.holding(Kind.MEMORY_GROWTH):  # held from before a resume
             self._evidence = self._gather(step, reading)
@@ -317,7 +314,6 @@ class MemoryMonitor(Monitor):
         status = growth_status(self.verdicts, judged=self.windows.readings > self.windows.warmup_readings)
         return growth_verdict(status, self.windows.trends, named.message if named is not None else None)
 
-    # --- out of memory ---------------------------------------------------------------------------------
     def post_mortem(self, exception: BaseException, step: int, where: Where, batch: object | None) -> None:
         """After an out-of-memory error: write ``oom_step<N>.md`` and an ``oom`` event (the caller re-raises)."""
         if not is_out_of_memory(exception):
@@ -342,7 +338,6 @@ class MemoryMonitor(Monitor):
             self.oom_files.append(str(path))
         self.record(oom_finding(evidence, str(path) if path else None, snapshot_path), step, where, key=str(step))
 
-    # --- the end ---------------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         self._evidence = None
         super().finalize(step)
