@@ -27,8 +27,6 @@ from lightning_debug.monitors.loop import LoopMonitor
 from lightning_debug.monitors.memory import MemoryMonitor
 from lightning_debug.monitors.performance import PerformanceMonitor
 
-FrequencyReader = Callable[[DebugConfig], int]
-
 
 @dataclass(frozen=True)
 class AreaSpec:
@@ -37,7 +35,7 @@ class AreaSpec:
 
     area: Area
     monitor: type[Monitor]
-    frequency: FrequencyReader
+    frequency: Callable[[DebugConfig], int]
     settings: tuple[str, ...] = ()
     companions: tuple[Area, ...] = ()
     callback: str | None = None

@@ -36,9 +36,9 @@ class LossJudge:
         ([None, None], [('outlier', 1)])
     """
 
-    def __init__(self, verdicts: VerdictEngine | None = None, trend: LossTrend | None = None) -> None:
+    def __init__(self, verdicts: VerdictEngine | None = None) -> None:
         self.verdicts = verdicts if verdicts is not None else VerdictEngine()
-        self.trend = trend if trend is not None else LossTrend(climb_checks=CLIMB_CHECKS)
+        self.trend = LossTrend(climb_checks=CLIMB_CHECKS)
         self.step = -1  # the last check step judged (a call without a step takes the next one)
 
     def judge(self, loss: float, step: int | None = None, where: Where | None = None,

@@ -196,15 +196,10 @@ class AnomalyMonitor(Monitor):
         distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
         step, inputs = self._step_inputs
         origin = host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads
+        failed = functools.partial(self.session.failures.record, "replaying the step",
+                                   consequence="the cause is not named")
         return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope,
-                           origin, self._failed("replaying the step", "the cause is not named"),
-                           functools.partial(self.session.gate.gather, "replay"))
-
-    def _failed(self, check: str, consequence: str) -> Any:
-        """Records a failure of ``check`` on this rank (a part that still joins its collective)."""
-        def record(error: Exception) -> None:
-            self.session.failures.record(check, error, consequence)
-        return record
+                           origin, failed, functools.partial(self.session.gate.gather, "replay"))
 
     def finalize(self, step: int) -> None:
         """Check the parameters after the last update (one sync) with no collective: this can run on an exception
@@ -237,8 +232,9 @@ class AnomalyMonitor(Monitor):
         inputs = call("naming the non-finite samples", self._inputs.take, host.step) or []
         bad_input_ranks = host.ranks_with_nonfinite_inputs
         # every collective below runs on every rank whatever failed on this one (the conditions are shared)
-        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update,
-                               self._failed("naming the non-finite samples", "the samples are not named"),
+        failed = functools.partial(self.session.failures.record, "naming the non-finite samples",
+                                   consequence="the samples are not named")
+        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update, failed,
                                functools.partial(self.session.gate.gather, "rows"))
                 if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
