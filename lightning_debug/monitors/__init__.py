@@ -16,9 +16,7 @@ __all__ = ["AREA_SPECS", "AreaSpec", "companion_monitors", "monitors_for", "run_
 
 def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any], int] | None = None,
                  tokens_fn: Callable[[Any], int] | None = None) -> list[Monitor]:
-    """One monitor per area that ``config.mode`` enables, writing events as ``source``.
-
-    Example::
+    """One monitor per area that ``config.mode`` enables, writing events as ``source``::
 
         >>> [type(m).__name__ for m in monitors_for(DebugConfig(mode="anomaly_detection"), "loop")]
         ['AnomalyMonitor', 'LoopMonitor', 'ErrorMonitor']
@@ -31,15 +29,13 @@ def monitors_for(config: DebugConfig, source: str, batch_size_fn: Callable[[Any]
 
 
 def companion_monitors(area: Area, config: DebugConfig, source: str) -> list[Monitor]:
-    """The monitors that come with ``area``'s: the activation verdicts with the gradients (their scalars when ``log_activations``).
-
-    Example::
+    """The monitors that come with ``area``'s: the activation verdicts with the gradients::
 
         >>> [type(m).__name__ for m in companion_monitors(Area.GRADIENTS, DebugConfig(), "loop")]
         ['ActivationMonitor']
     """
     companions = (AREA_SPECS[companion] for companion in AREA_SPECS[area].companions)
-    return [spec.build(config, source) for spec in companions if spec.enabled(config)]
+    return [spec.build(config, source) for spec in companions]
 
 
 def run_monitors(config: DebugConfig, source: str) -> list[Monitor]:

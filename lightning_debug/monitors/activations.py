@@ -1,18 +1,11 @@
 """Activation statistics: what each layer outputs, dead ReLUs, saturated sigmoids.
 
-Forward hooks go on the leaf modules for the forward of a check step's first micro-batch only (the step
-after it when the profiler times the check step); each computes its statistics on the device at once (the
-output may be changed in place later), and the rows are read back once, without a sync. The verdicts
-(``dead_activation``, ``saturated_activation``) run at every level with the gradient checks; the
-``debug/activation/*`` scalars, histograms and report.md's table of statistics only with ``log_activations``.
-The model's output (the last module call) is also measured against the probability simplex and judged with the
-step's loss by the gradient area's ``learning_stalled`` rule for probabilities fed to ``cross_entropy``
-(:mod:`lightning_debug.monitors.gradients.probabilities`), which this monitor records.
-Without it a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps, so the verdicts cost
-what they cost at the default frequency (one hooked forward per 100 steps) whatever ``gradient_checking_frequency``
-is: dead and saturated layers last, and every-step hooks slow a many-module model by a third.
-
-Example::
+Forward hooks on the leaf modules compute their statistics on the device at once (the output may be changed in
+place later), read back once without a sync. The model's output is also measured against the probability simplex
+for the gradient area's ``learning_stalled`` rule (:mod:`lightning_debug.monitors.gradients.probabilities`).
+Without ``log_activations`` a forward is measured at most once every :data:`VERDICT_SPACING` optimizer steps
+whatever ``gradient_checking_frequency`` is: dead and saturated layers last, and every-step hooks slow a
+many-module model by a third::
 
     >>> import torch
     >>> from torch import nn
@@ -69,7 +62,6 @@ from lightning_debug.monitors.gradients.probabilities import probability_suspici
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
 LOSS_KEPT = 0.25
-WHERES_KEPT = 8
 VERDICT_SPACING = 100
 MIN_ELEMENTS = 64
 MIN_OUTPUT_ELEMENTS = 16
@@ -100,13 +92,13 @@ class Output:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def details(self, **more: Any) -> dict[str, Any]:
+        return {"modules": [self.label], "module_type": self.module_type, "fed_by": self.fed_by, "shape": self.shape,
+                **more}
+
 
 def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict[str, float]]:
-    """The stacked read-back of a forward's :data:`ROW` rows, as one dict per output (no
-    ``saturated_fraction`` for a module whose range is not bounded, no ``dead_unit_fraction`` where it was not
-    measured).
-
-    Example::
+    """The stacked read-back of a forward's :data:`ROW` rows, one dict per output (without what was not measured)::
 
         >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
         >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan")], [out])
@@ -138,8 +130,7 @@ def dead_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
         f"{fed}the layers before. Usually a large negative bias or a too-large step pushed every "
         "pre-activation below zero: Kaiming initialisation, normalisation before the activation, a lower "
         "learning rate, or LeakyReLU/GELU.",
-        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-         "shape": output.shape, "zero_fraction": stats["zero_fraction"], "max_abs": stats["max_abs"]})
+        output.details(zero_fraction=stats["zero_fraction"], max_abs=stats["max_abs"]))
 
 
 def dead_output_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
@@ -152,9 +143,8 @@ def dead_output_finding(step: int, output: Output, stats: dict[str, float]) -> F
         "predicts at 0, and no gradient flows back through a unit stuck there (a class whose logit is below 0 "
         "can never be learnt). Remove the activation from the output layer (cross_entropy takes raw logits); for "
         "a non-negative target use softplus or predict its log.",
-        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-         "shape": output.shape, "dead_units": dead, "dead_unit_fraction": stats["dead_unit_fraction"],
-         "zero_fraction": stats["zero_fraction"], "output": True})
+        output.details(dead_units=dead, dead_unit_fraction=stats["dead_unit_fraction"],
+                       zero_fraction=stats["zero_fraction"], output=True))
 
 
 def saturated_output_finding(step: int, output: Output, stats: dict[str, float], loss: float,
@@ -166,9 +156,8 @@ def saturated_output_finding(step: int, output: Output, stats: dict[str, float],
         f"{loss:.4g} ({loss / first_loss:.0%} of {first_loss:.4g} at the first check): the targets lie beyond "
         "what a bounded output can reach, so the model pushes it into saturation, where its derivative is ~0. "
         "Remove the bounded activation from the output (or scale the targets into its range).",
-        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-         "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"],
-         "loss": loss, "first_loss": first_loss, "output": True})
+        output.details(saturated_fraction=stats["saturated_fraction"], mean=stats["mean"], loss=loss,
+                       first_loss=first_loss, output=True))
 
 
 def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
@@ -178,8 +167,7 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
         f"{output.numel} outputs sit at the ends of its range, where its derivative is ~0, so gradients vanish "
         "through it. Normalise the layer's inputs (BatchNorm/LayerNorm), use Xavier initialisation, a lower "
         "learning rate, or ReLU/GELU in hidden layers.",
-        {"modules": [output.label], "module_type": output.module_type, "fed_by": output.fed_by,
-         "shape": output.shape, "saturated_fraction": stats["saturated_fraction"], "mean": stats["mean"]})
+        output.details(saturated_fraction=stats["saturated_fraction"], mean=stats["mean"]))
 
 
 def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
@@ -187,20 +175,11 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
                         first_saturated: float = math.nan) -> list[Finding]:
     """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
 
-    Dead: a ReLU-like output with at least :data:`DEAD_FRACTION` exact zeros, or the model's output (the last
-    one of the forward) with a unit that is zero for every sample (of at least eight). Saturated: a
-    sigmoid/tanh-like output with at least :data:`SATURATED_FRACTION` of its values at the ends of its range.
-    On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its
-    range; what could still fire is ruled out: outputs under :data:`MIN_ELEMENTS` values (a fraction of a
-    handful of units is noise; the model's output, judged with the loss and held, needs
-    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32 predictions), the model's output saturated already
-    at the first check (``first_saturated``: built confident, not pushed there by training), the model's
-    output saturated while the loss has fallen under :data:`LOSS_KEPT` of the first check's (a classifier's
-    confident sigmoid is its job; saturated with the loss where it was, the targets are out of its reach), and
-    a NaN statistic (compares false). Saturation is a suspicion held under the kind's policy (two check steps
-    in a row: a gate that saturates for a step is not it).
-
-    Example::
+    On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its range.
+    Ruled out: outputs under :data:`MIN_ELEMENTS` values (noise; the model's output, held, needs
+    :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32), the model's output saturated already at the first
+    check (built confident), or while the loss fell under :data:`LOSS_KEPT` of the first check's (a classifier's
+    confident sigmoid is its job), and a NaN statistic. Saturation is held by the kind's policy::
 
         >>> relu = Output("act", "ReLU", [8, 16], relu_like=True, saturating=False, fed_by="fc (Linear)")
         >>> [f.kind.value for f in activation_findings(3, [relu], [{"zero_fraction": 1.0, "max_abs": 0.0}])]
@@ -237,8 +216,7 @@ class PendingStats:
 
 class ActivationMonitor(Monitor):
     """Per-module output statistics on gradient check steps (``debug/activation/<module>/<stat>``, histograms at
-    EXPERT, ``<module>_call2`` for a second call); ``dead_activation`` and ``saturated_activation``.
-    """
+    EXPERT, ``<module>_call2`` for a second call); ``dead_activation`` and ``saturated_activation``."""
 
     area = Area.ACTIVATIONS
     events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BATCH_END, Event.EXCEPTION})
@@ -264,7 +242,6 @@ class ActivationMonitor(Monitor):
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
-        self._wheres: dict[int, Where] = {}
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
@@ -274,12 +251,9 @@ class ActivationMonitor(Monitor):
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
             self._histogram_writer = self.context.histogram_writer()[0]
 
-    # --- the check step's forward -----------------------------------------------------------------
     def _measures(self, step: int) -> bool:
-        """A gradient check step (without ``log_activations``, :data:`VERDICT_SPACING` steps after the last check step
-        measured), or the next step when the performance profiler times the check step
-        (and not the next one): the profiler never times the hooks. When it times every step, every
-        other check step is measured, and the profiler leaves those out of its timings."""
+        """A gradient check step (spaced without ``log_activations``), or the next one when the profiler times it:
+        the profiler never times the hooks; when it times every step, every other check step is measured."""
         if step == self._instrumented_step:
             return False
         if self._deferred is not None and step > self._deferred:
@@ -302,7 +276,6 @@ class ActivationMonitor(Monitor):
         return True
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        """Hook the leaf modules for the first micro-batch of the step measured."""
         if not self._measures(step):
             return
         model = self.context.module()
@@ -347,8 +320,7 @@ class ActivationMonitor(Monitor):
         self._handles, self._previous = [], None
 
     def _end_forward(self, loss: torch.Tensor | None = None) -> None:
-        """The forward is over: take the hooks off and start reading the stacked statistics back (and the loss,
-        last, NaN when unknown)."""
+        """The forward is over: take the hooks off and read the statistics and the loss back."""
         if not self._handles:
             return
         last = self._previous[1] if self._previous is not None else None  # the model's output: the last call's
@@ -370,7 +342,6 @@ class ActivationMonitor(Monitor):
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
-    # --- verdicts ---------------------------------------------------------------------------------
     def poll(self, final: bool = False) -> None:
         while self._pending and (final or len(self._pending) > MAX_PENDING or self._pending[0].stats.ready()):
             self._complete(self._pending.pop(0))
@@ -392,18 +363,15 @@ class ActivationMonitor(Monitor):
                 metrics.update({f"debug/activation/{name}/{stat}": stats[stat] for stat in STATS if stat in stats})
             if logged and len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
-        self._wheres[step] = where
-        while len(self._wheres) > WHERES_KEPT:
-            del self._wheres[min(self._wheres)]
         found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated)
-        saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f)
+        saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f, where=where)
                      for f in found if f.kind is Kind.SATURATED_ACTIVATION]
         for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
-            for at in confirmed.steps:
-                first = at == confirmed.first.step and confirmed.first.finding is not None
-                finding = confirmed.first.finding if first else confirmed.latest.finding
+            for at in confirmed.steps:  # the first step's suspicion, where it was seen, or the latest
+                seen = confirmed.first if at == confirmed.first.step else confirmed.latest
+                finding = seen.finding or confirmed.latest.finding
                 if finding is not None:
-                    self._flag(finding, at, self._wheres.get(at, where))
+                    self._flag(finding, at, seen.where if seen.where is not None else where)
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
@@ -422,11 +390,9 @@ class ActivationMonitor(Monitor):
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, a rule of the gradient area,
-        :mod:`lightning_debug.monitors.gradients.probabilities`, judged on what only this monitor measures): the
-        model's output (the last module call) on the simplex with the loss cross-entropy gives on it, judged at most
-        once every ``JUDGED_EVERY`` steps and held by the kind's policy; never again once a loss under the floor proved
-        it is not the case."""
+        """``learning_stalled`` (``probabilities_into_log_softmax``, the gradient area's rule on what only this
+        monitor measures), at most once every ``JUDGED_EVERY`` steps; never again once a loss under the floor
+        proved it is not the case."""
         if (not outputs or self.probabilities_cleared
                 or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
             return
@@ -447,7 +413,6 @@ class ActivationMonitor(Monitor):
         counts[label] = counts.get(label, 0) + 1
         self.record(finding, step, where, key=label)
 
-    # --- the end ----------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         self._remove_hooks()
         self.poll(final=True)

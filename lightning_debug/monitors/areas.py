@@ -1,8 +1,5 @@
-"""The one table of areas: per :class:`~lightning_debug.config.Area`, its monitor, check frequency, the
-settings that name its callback, its companions and whether it is run-wide; ``monitors_for``, the
-callbacks and ``presets.CALLBACK_BY_AREA`` read it (callbacks by name: monitors never import adapters).
-
-Example::
+"""The one table of areas; ``monitors_for``, the callbacks and ``presets.CALLBACK_BY_AREA`` read it (callbacks by
+name: monitors never import adapters)::
 
     >>> from lightning_debug import DebugConfig
     >>> spec = AREA_SPECS[Area.ANOMALY]
@@ -30,36 +27,26 @@ from lightning_debug.monitors.loop import LoopMonitor
 from lightning_debug.monitors.memory import MemoryMonitor
 from lightning_debug.monitors.performance import PerformanceMonitor
 
-FrequencyReader = Callable[[DebugConfig], int]
-
-
-def _always(config: DebugConfig) -> bool:
-    return True
-
 
 @dataclass(frozen=True)
 class AreaSpec:
-    """One area's row: its monitor class, the reader of its check frequency, the ``DebugConfig`` fields that tell
-    two of its callbacks apart (``own_fields``, the state key), the companion areas that come with it when their
-    ``enabled`` says so, its Lightning callback's name (None: none), and whether it is ``run_wide`` (once per run
-    whatever areas are on).
-    """
+    """One area's row: ``settings`` tell two of its callbacks apart (``own_fields``, the state key), ``callback``
+    is its Lightning callback's name, ``run_wide`` areas come once per run whatever areas are on."""
 
     area: Area
     monitor: type[Monitor]
-    frequency: FrequencyReader
+    frequency: Callable[[DebugConfig], int]
     settings: tuple[str, ...] = ()
     companions: tuple[Area, ...] = ()
     callback: str | None = None
     run_wide: bool = False
-    enabled: Callable[[DebugConfig], bool] = _always
 
     def build(self, config: DebugConfig, source: str, **options: Any) -> Monitor:
-        """This area's monitor for ``config``, writing events as ``source``; ``options`` go to its constructor."""
+        """This area's monitor, writing events as ``source``."""
         return self.monitor(config, source, **options)
 
 
-AREA_SPECS: dict[Area, AreaSpec] = {spec.area: spec for spec in (
+AREA_SPECS: dict[Area, AreaSpec] = {spec.area: spec for spec in (  # in Area order, the order the run calls them in
     AreaSpec(Area.ANOMALY, AnomalyMonitor, lambda config: config.anomaly_check_frequency,
              settings=("anomaly_detection_mode", "anomaly_check_frequency"), callback="AnomalyDetectionCallback"),
     AreaSpec(Area.GRADIENTS, GradientMonitor, lambda config: config.gradient_checking_frequency,
@@ -73,7 +60,6 @@ AREA_SPECS: dict[Area, AreaSpec] = {spec.area: spec for spec in (
     AreaSpec(Area.LOOP, LoopMonitor, lambda config: config.gradient_checking_frequency, run_wide=True),
     AreaSpec(Area.ERRORS, ErrorMonitor, lambda config: config.anomaly_check_frequency, run_wide=True),
 )}
-"""Every area, in :class:`~lightning_debug.config.Area` order (the order the run calls them in)."""
 
 for _spec in AREA_SPECS.values():
     # A monitor built directly (``AnomalyMonitor(config, source)``, as tests and hand-written loops do) reads

@@ -1,9 +1,7 @@
 """The user's exception, explained: what kind of error, in which module, with which shapes or devices.
 
-The run calls :meth:`ErrorMonitor.exception` and the error propagates unchanged; the monitor classifies the
-message, reads the traceback's frames (:mod:`lightning_debug.checks.errors`) and writes one ``exception``
-event and a "Runtime error" section. An in-place error (raised by the backward, no module on its traceback)
-is traced by replaying the forward once, on one process only.
+The error propagates unchanged. An in-place error (raised by the backward, no module on its traceback) is traced
+by replaying the forward once, on one process only.
 """
 
 from __future__ import annotations
@@ -49,9 +47,7 @@ _DEVICES = re.compile(r"found at least two devices, (\S+) and (\S+?)!|Tensor on 
 
 
 def classify(error: BaseException) -> ErrorCategory:
-    """The category of a training-step error, from its type and message.
-
-    Example::
+    """The category of a training-step error, from its type and message::
 
         >>> classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x32 and 16x1)"))
         <ErrorCategory.SHAPE_MISMATCH: 'shape_mismatch'>
@@ -89,9 +85,8 @@ def _no_replay(node: str, shape: list[int]) -> dict[str, Any] | None:
 
 @dataclass
 class Failure:
-    """What the traceback shows about one error, the event details being built for it, and how to look
-    further: ``replay_inplace(node, shape)`` finds the in-place operation by replaying the forward (None:
-    no replay), ``trainable_names()`` lists the trainable parameters in DDP's order."""
+    """What the traceback shows about one error and the details being built; ``replay_inplace(node, shape)``
+    finds an in-place operation by replaying the forward, ``trainable_names()`` lists them in DDP's order."""
 
     error: BaseException
     details: dict[str, Any]
@@ -115,8 +110,7 @@ class Failure:
         return where
 
     def operands(self, field: str, wants: str = "") -> str:
-        """The tensors involved and their ``field`` (shape, device, dtype), most specific first; ``wants``
-        says what the module expects instead."""
+        """The tensors involved and their ``field`` (shape, device, dtype); ``wants``: what the module expects."""
         module = self.module
         if module is not None and module["inputs"]:
             text = f"it was called with {_tensors(module['inputs'], field)}{wants}"
@@ -138,7 +132,6 @@ SENTENCES = {
 }
 
 
-# --- what each category can name -------------------------------------------------------------------
 def explain_shapes(failure: Failure) -> str:
     """The operands' shapes and the sizes the failing module expects (``in_features``, ...)."""
     expects = failure.module["expects"] if failure.module is not None else {}
@@ -151,7 +144,7 @@ def explain_dtypes(failure: Failure) -> str:
 
 
 def explain_devices(failure: Failure) -> str:
-    """The operands' devices; the two devices the message names go to ``details.devices``."""
+    """The operands' devices (the two the message names go to ``details.devices``)."""
     match = _DEVICES.search(failure.text)
     if match:
         failure.details["devices"] = [device for device in match.groups() if device]
@@ -178,8 +171,7 @@ def _labels_out_of_range(failure: Failure) -> str:
 
 
 def explain_index(failure: Failure) -> str:
-    """A class label against the logits' class count (with the label's index and the model's declared
-    ``num_labels`` where there is one), or an index against ``num_embeddings``."""
+    """A class label against the logits' class count, or an index against ``num_embeddings``."""
     if failure.labels:
         return _labels_out_of_range(failure)
     target = re.search(r"Target (-?\d+) is out of bounds", failure.text)
@@ -195,8 +187,7 @@ def explain_index(failure: Failure) -> str:
 
 
 def explain_inplace(failure: Failure) -> str:
-    """The modified tensor read from the message (``details.modified``) and, when the replay finds it,
-    the in-place operation, its module and line (``details.inplace``)."""
+    """The modified tensor (``details.modified``) and, when the replay finds it, the operation (``details.inplace``)."""
     details = failure.details
     match = _INPLACE.search(failure.text)
     if match is None:
@@ -256,11 +247,8 @@ def explain_error(step: int, error: BaseException, module: dict[str, Any] | None
                   replay_inplace: InplaceReplay = _no_replay,
                   trainable_names: Callable[[], list[str]] = list,
                   labels: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The explanation of a training-step error (the ``exception`` event's ``step``, ``category``, ``message``,
-    ``advice``, ``details``) from the error and what its traceback showed; never guessed: with nothing to
-    read, only what PyTorch said and the category's advice.
-
-    Example::
+    """The ``exception`` event of a training-step error; never guessed: with nothing to read, only what PyTorch said
+    and the category's advice::
 
         >>> explained = explain_error(3, RuntimeError(
         ...     "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"))
@@ -299,8 +287,7 @@ class ErrorMonitor(Monitor):
         self._trainable_at_start: list[str] = []
 
     def start(self, step: int) -> None:
-        """The parameters that require a gradient when training starts, in the module's order: the list DDP's
-        reducer was built over (its error numbers them), whatever is frozen or unfrozen later."""
+        """The trainable parameters at the start: the list DDP's reducer numbers, whatever is unfrozen later."""
         self._trainable_at_start = [name for name, p in self.context.named_parameters() if p.requires_grad]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -345,4 +332,3 @@ class ErrorMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), explanations=list(self.explanations))
-

@@ -1,12 +1,8 @@
 """The training loop's silent killers: modules left in eval mode, gradients never zeroed.
 
-- ``eval_mode_in_training``: modules in eval mode where it changes something (Dropout, norms with running
-  statistics) while they train; a frozen backbone is left alone, norms put in eval one by one under training
-  parents (``norm_eval``) are an info.
-- ``grad_not_zeroed``: on the backward after an optimizer step, a parameter an optimizer holds that gets its
-  first gradient while still holding the previous step's non-zero one. Only parameters still holding a
-  gradient are hooked (a healthy ``zero_grad()`` leaves none), micro-batch accumulation happens between
-  optimizer steps, and with several optimizers only the stepping one's parameters count (a GAN).
+``grad_not_zeroed`` hooks only parameters still holding a gradient after an optimizer step (a healthy
+``zero_grad()`` leaves none); micro-batch accumulation happens between optimizer steps, and with several
+optimizers only the stepping one's parameters count (a GAN).
 """
 
 from __future__ import annotations
@@ -42,10 +38,8 @@ def _mode_matters(module: nn.Module) -> bool:
 
 
 def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
-    """The outermost modules in eval mode inside a training ``root`` whose mode matters, with the
-    Dropout/BatchNorm layers it changes; frozen ones (no trainable parameter) are left out.
-
-    Example::
+    """The outermost trained modules in eval mode inside a training ``root``, with the Dropout/BatchNorm layers
+    that changes (a frozen backbone is left alone)::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Dropout()))
         >>> _ = model[1].eval()
@@ -76,10 +70,7 @@ def modules_left_in_eval(root: nn.Module) -> list[tuple[str, list[str]]]:
 
 
 def keeps_statistics(module: nn.Module) -> bool:
-    """Whether ``module`` is itself a normalization layer with running statistics (BatchNorm, InstanceNorm that tracks
-    them): in eval mode it normalizes with frozen statistics and nothing else changes.
-
-    Example::
+    """Whether ``module`` is itself a normalization layer with running statistics (eval mode only freezes them)::
 
         >>> keeps_statistics(nn.BatchNorm2d(4)), keeps_statistics(nn.Dropout()), keeps_statistics(nn.InstanceNorm1d(2))
         (True, False, False)
@@ -89,11 +80,8 @@ def keeps_statistics(module: nn.Module) -> bool:
 
 
 def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
-    """``eval_mode_in_training`` (info) for normalization layers put in eval mode one by one while their parents
-    train: the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not the forgotten
-    ``.train()`` the rule is for, which leaves a block in eval with its Dropout.
-
-    Example::
+    """``eval_mode_in_training`` (info) for normalization layers put in eval one by one while their parents train:
+    the frozen-statistics recipe of small-batch fine-tuning (``norm_eval``), not a forgotten ``.train()``::
 
         >>> finding = frozen_statistics_finding(0, ["net.1", "net.4"])
         >>> finding.severity.value, finding.details["count"]
@@ -109,10 +97,7 @@ def frozen_statistics_finding(step: int, layers: list[str]) -> Finding:
 
 
 def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
-    """``eval_mode_in_training`` for module ``name`` ("" for the whole model) whose ``affected`` Dropout/BatchNorm
-    layers run as in inference (:func:`modules_left_in_eval` names only trained modules whose mode matters).
-
-    Example::
+    """``eval_mode_in_training`` for module ``name`` ("" for the whole model)::
 
         >>> finding = eval_mode_finding(4, "encoder", ["encoder.drop"])
         >>> finding.kind.value, finding.details
@@ -131,14 +116,9 @@ def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
 
 def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set[int],
                    fresh: set[int]) -> tuple[list[tuple[str, torch.nn.Parameter]], set[int]]:
-    """The parameters a backward is about to add to while they hold an older gradient, and the ids of
-    those that hold none (their next gradient is this step's own).
-
-    Only parameters an optimizer steps count (``stepped``, ids; empty: all of them). A parameter in
-    ``fresh`` already received this step's gradient from an earlier backward (two losses, two backward
-    calls): adding to it is no accumulation across steps.
-
-    Example::
+    """The parameters a backward is about to add to while they hold an older gradient, and the ids of those that
+    hold none. Only ``stepped`` ids count (empty: all); one in ``fresh`` got this step's gradient from an earlier
+    backward (two losses): adding to it is no accumulation across steps::
 
         >>> a, b, c = (torch.nn.Parameter(torch.ones(1)) for _ in range(3))
         >>> a.grad, b.grad = torch.ones(1), torch.ones(1)
@@ -159,10 +139,7 @@ def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set
 
 
 def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[str]:
-    """The parameters a backward reached while still holding a non-zero gradient of an earlier step
-    (``zero_grad(set_to_none=False)`` leaves zeros: no accumulation).
-
-    Example::
+    """The parameters holding a non-zero earlier gradient (``zero_grad(set_to_none=False)`` leaves zeros)::
 
         >>> stale_gradients(["a", "b", "c"], [0.0, 2.5, 0.0])
         ['b']
@@ -171,9 +148,7 @@ def stale_gradients(names: Sequence[str], old_norms: Iterable[float]) -> list[st
 
 
 def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Finding:
-    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient.
-
-    Example::
+    """``grad_not_zeroed``: ``stale`` of the ``reached`` parameters held the previous step's gradient::
 
         >>> grad_not_zeroed_finding(3, ["w"], 2).message[:60]
         'Gradients are not zeroed between optimizer steps: at step 3 '
@@ -190,10 +165,7 @@ def grad_not_zeroed_finding(step: int, stale: list[str], reached: int) -> Findin
 
 @rule(Kind.EVAL_MODE_IN_TRAINING, at=Moment.MODULE_WALK)
 def modules_in_eval(facts: ModuleWalk) -> list[Recorded]:
-    """The registered rule: one ``eval_mode_in_training`` episode per module left in eval, and one info for the
-    normalization layers put in eval one by one (:func:`frozen_statistics_finding`).
-
-    Example::
+    """The registered rule: one episode per module left in eval, one info for norms put in eval one by one::
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout()).train()
         >>> _ = model[1].eval()
@@ -226,9 +198,7 @@ class Window:
     owned: set[int] | None = None  # with several optimizers: the parameters of the one that steps next
 
     def judged(self) -> list[int]:
-        """The positions judged: those the backward reached, of the optimizer that steps next when known.
-
-        Example::
+        """The positions the backward reached, of the optimizer that steps next when known::
 
             >>> window = Window(0, {}, ["a", "b", "c"], [10, 11, 12], torch.zeros(3), touched={2, 0}, owned={12})
             >>> window.judged()
@@ -268,8 +238,6 @@ class LoopMonitor(Monitor):
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow())
 
-
-    # --- eval mode --------------------------------------------------------------------------------
     def start(self, step: int) -> None:
         self._steps_done = step
         self._check_modes(step)
@@ -288,8 +256,7 @@ class LoopMonitor(Monitor):
         self.close_episodes(step, where, {Kind.EVAL_MODE_IN_TRAINING})
 
     def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
-        """Recorded as every verdict is, keeping what report.json lists: the modules left in eval, the
-        normalization layers with frozen statistics."""
+        """Recorded as every verdict is, keeping the modules report.json lists."""
         details = verdict.finding.details
         if verdict.finding.kind is Kind.EVAL_MODE_IN_TRAINING:
             if details.get("frozen_statistics"):
@@ -298,7 +265,6 @@ class LoopMonitor(Monitor):
                 self.eval_modules[details["modules"][0]] = list(details["affected"])
         super().record_verdict(verdict, step, where)
 
-    # --- gradients accumulated across steps ------------------------------------------------------
     def after_optimizer_step(self, steps_done: int) -> None:
         if steps_done > self._steps_done:
             self._close_window()  # the step's backwards are over
@@ -340,9 +306,8 @@ class LoopMonitor(Monitor):
             window.handles.append(parameter.register_hook(lambda grad, index=index: window.touched.add(index)))
 
     def _probes(self) -> list[torch.nn.Parameter]:
-        """A few trainable parameters of every param group (built once per layout): ``zero_grad()`` clears a whole
-        optimizer, so when these hold no gradient no other parameter need be touched (half a microsecond each).
-        """
+        """A few trainable parameters of every param group: ``zero_grad()`` clears a whole optimizer, so when these
+        hold no gradient no other parameter need be touched (half a microsecond each)."""
         groups = self.context.param_groups()
         layout = (self.numerics.index(self.context.named_parameters), tuple(len(g.get("params", [])) for g in groups))
         if self._probe_layout is None or self._probe_layout[0] is not layout[0] or self._probe_layout[1] != layout[1]:
@@ -369,8 +334,7 @@ class LoopMonitor(Monitor):
         self._close_window(evaluate=False)
 
     def _close_window(self, evaluate: bool = True) -> None:
-        """The backward is over (the next backward or the batch's end): drop the hooks; the old norms of
-        the parameters it reached are read later."""
+        """The backward is over: drop the hooks; the old norms of the parameters it reached are read later."""
         window, self._window = self._window, None
         if window is None:
             return
@@ -401,7 +365,6 @@ class LoopMonitor(Monitor):
                 self.record(grad_not_zeroed_finding(step, stale, len(names)), step, where)
             self.close_episodes(step, where, {Kind.GRAD_NOT_ZEROED})
 
-    # --- the end ---------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
         self._close_window()
         self.poll(final=True)

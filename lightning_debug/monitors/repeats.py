@@ -1,12 +1,9 @@
 """``repeated_batch``: the data loader hands the model the same batch more than once within an epoch.
 
-Data-loader workers that share one random state draw the same records, silently (docs/errors.md gives the
-case and the window of fingerprints read). What could make it fire on a healthy model, and how it is ruled
-out: an epoch starts the data over (an unshuffled loader, a full-batch run), so only batches of one epoch are
-compared; two different tiny batches can agree by chance, so fewer than :data:`MIN_VALUES` values are not
-judged; one chance repeat is not enough (:data:`MIN_REPEATS` in a window, two windows in a row).
-
-Example::
+Data-loader workers that share one random state draw the same records, silently. On a healthy model: an epoch
+starts the data over, so only batches of one epoch are compared; tiny batches can agree by chance (under
+:data:`MIN_VALUES` values are not judged); one chance repeat is not enough (:data:`MIN_REPEATS` in a window, two
+windows in a row)::
 
     >>> import torch
     >>> from lightning_debug.core.verdicts import VerdictEngine
@@ -31,25 +28,17 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 
-WINDOW = 8
-"""Batches fingerprinted from each gradient check step on (the check step's own included)."""
-MIN_REPEATS = 2
-"""Repeated batches in one window that make it suspect (N workers sharing a seed repeat N-1 of every N)."""
+WINDOW = 8  # batches fingerprinted from each gradient check step on
+MIN_REPEATS = 2  # N workers sharing a seed repeat N-1 of every N
 MIN_VALUES = 64
-"""Values a batch must hold to be judged: two different tiny batches can agree by chance."""
-SAMPLED = 16
-"""Values at fixed positions of each tensor that enter its fingerprint (besides its sum)."""
-WINDOW_EVERY = 100
-"""Optimizer steps at least between two windows: with checks every step, windows are not back to back."""
+SAMPLED = 16  # values at fixed positions of each tensor in its fingerprint, besides its sum
+WINDOW_EVERY = 100  # optimizer steps at least between two windows (checks every step: not back to back)
 KEY = "batches"
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor | None:
-    """A float64 vector that two different batches practically never share: per dense tensor of the batch its
-    sum and :data:`SAMPLED` values at evenly spread positions (no host read; None for a batch with fewer than
-    :data:`MIN_VALUES` values, which is not judged).
-
-    Example::
+    """A float64 vector two different batches practically never share: per tensor its sum and :data:`SAMPLED`
+    spread values (no host read; None under :data:`MIN_VALUES` values)::
 
         >>> a = batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})
         >>> bool((a == batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})).all()), a.shape
@@ -73,9 +62,7 @@ def batch_fingerprint(batch: Any) -> torch.Tensor | None:
 
 
 def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
-    """How many batches of ``window`` ((epoch, fingerprint) in order) equal an earlier one of the same epoch.
-
-    Example::
+    """How many batches of ``window`` ((epoch, fingerprint) in order) equal an earlier one of the same epoch::
 
         >>> repeated_batches([(0, [1.0]), (0, [1.0]), (1, [1.0]), (1, [2.0])])
         1
@@ -85,8 +72,7 @@ def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:
 
 
 def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine) -> Finding | None:
-    """The ``repeated_batch`` finding of the window opened at check step ``step`` (``repeats`` of the ``judged``
-    batches equal an earlier one), once the kind's policy confirms it; None otherwise."""
+    """The ``repeated_batch`` finding of the window opened at ``step``, once the kind's policy confirms it."""
     suspicions = [Suspicion(Kind.REPEATED_BATCH, KEY, step, measured={"repeats": repeats, "judged": judged})] \
         if repeats >= MIN_REPEATS else []
     confirmed = verdicts.observe(Kind.REPEATED_BATCH, step, suspicions)
@@ -104,9 +90,7 @@ def judge_repeats(step: int, repeats: int, judged: int, verdicts: VerdictEngine)
 
 
 class BatchWindow:
-    """The fingerprints of the batches that follow one check step, read back without a sync.
-
-    Example::
+    """The fingerprints of the batches that follow one check step, read back without a sync::
 
         >>> window = BatchWindow()
         >>> for step in range(10): window.add(step, step == 0, 0, torch.full((8, 8), float(step // 2)))
@@ -128,7 +112,7 @@ class BatchWindow:
         return self.opened_at is not None
 
     def add(self, step: int, due: bool, epoch: Any, batch: Any, where: Any = None) -> None:
-        """A training batch of ``step`` (``due``: a check step, which opens a window unless one is open)."""
+        """A training batch of ``step`` (``due``: a check step, which opens a window)."""
         if self.opened_at is None:
             if not due or (self.last_opened is not None and 0 <= step - self.last_opened < WINDOW_EVERY):
                 return
@@ -142,8 +126,7 @@ class BatchWindow:
             self.opened_at, self._prints = None, []
 
     def take(self, final: bool = False) -> tuple[int, int, int, Any] | None:
-        """(check step, repeated batches, batches judged, where) of the oldest complete window whose values
-        arrived (``final``: whether or not they did)."""
+        """(check step, repeats, batches judged, where) of the oldest complete window read back (or ``final``)."""
         if not self._done or not (final or all(readback.ready() for _, readback in self._done[0][2])):
             return None
         step, where, prints = self._done.pop(0)

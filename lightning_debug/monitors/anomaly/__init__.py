@@ -4,8 +4,6 @@ from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.anomaly.monitor import AnomalyMonitor
 from lightning_debug.monitors.anomaly.settings import AnomalySettings
 
-RULE_MODULES = import_rules(__name__, __path__)
-"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
-edit)."""
+RULE_MODULES = import_rules(__name__, __path__)  # each module registers its rules
 
 __all__ = ["AnomalyMonitor", "AnomalySettings"]

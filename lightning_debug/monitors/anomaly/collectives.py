@@ -1,8 +1,7 @@
-"""The anomaly check's collectives (:func:`nan_step_plan`), and what a replay must not do under distributed
-training: run a user's collective on one rank only. A backward replay stops at the first NaN on the rank
-that has it, so a collective in it (the backward of ``self.all_gather(z, sync_grads=True)``) would hang the
-others: :class:`ReplayCollectives` sees the forward replay's c10d operations and leaves the backward out. It
-also zero-fills the replay's uninitialized allocations, whose garbage could read as a NaN an operation made.
+"""The anomaly check's collectives, and what a replay must not do: run a user's collective on one rank only. A
+backward replay stops at the first NaN on the rank that has it, so a collective in it (the backward of
+``self.all_gather(z, sync_grads=True)``) would hang the others: :class:`ReplayCollectives` leaves that backward
+out. It also zero-fills the replay's uninitialized allocations, whose garbage could read as a NaN.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", 
 
 
 class _ReplayMode(TorchDispatchMode):
-    """Notes the collectives dispatched while ``watching``; zero-fills uninitialized floating allocations.
-
-    Entered before (below) the localizer's own modes, function or dispatch ones, so that they see the
-    filled allocation."""
+    """Notes the collectives dispatched while ``watching``; zero-fills uninitialized floating allocations. Entered
+    below the localizer's own modes, so that they see the filled allocation."""
 
     def __init__(self, seen: list[str]) -> None:
         super().__init__()
@@ -45,11 +42,8 @@ class _ReplayMode(TorchDispatchMode):
 
 
 class ReplayCollectives:
-    """The collectives one micro-batch's replay dispatched, and whether its backward was left out: the first call of
-    :meth:`wrap` (the forward replay) runs and is watched, a later one with gradients enabled is left out when the
-    first dispatched a collective.
-
-    Example::
+    """The collectives one micro-batch's replay dispatched: the first call of :meth:`wrap` (the forward) is watched, a
+    later one with gradients enabled is left out when the first dispatched a collective::
 
         >>> watch = ReplayCollectives()
         >>> with watch:
@@ -96,11 +90,8 @@ class ReplayCollectives:
 
 
 def nan_step_plan(monitor: Any, current: Any) -> list[Planned]:
-    """The collectives the anomaly check makes after the step's shared measurement, in order, chosen only from
-    values every rank shares (so the :class:`~lightning_debug.core.gate.Gate` can make those a failure kept a
-    rank from): none when read a step late or on one process; else the replay's gather, the samples' gather and
-    the parameter scan's flags, as the step needs them.
-    """
+    """The collectives the anomaly check makes after the step's measurement, chosen only from values every rank
+    shares, so the gate can make those a failure kept a rank from."""
     replay = monitor.context.replay() if monitor.localizes else None
     if reads_late(monitor.mode, replays=replay is not None) or current.world_size < 2:
         return []

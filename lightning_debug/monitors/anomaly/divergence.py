@@ -1,7 +1,5 @@
-"""Early divergence: the findings a loss that spikes or climbs turns into while everything is still finite
-(the rule is :class:`~lightning_debug.checks.trends.LossTrend`). The loss comes in the anomaly check's
-read-back (no extra sync); :class:`LossJudge` hands its suspicions to the monitor's verdict engine, whose
-policies (the table of kinds) confirm, label and checkpoint them.
+"""Early divergence: a loss that spikes or climbs while everything is still finite (the rule:
+:class:`~lightning_debug.checks.trends.LossTrend`), read back with the anomaly check (no extra sync).
 """
 
 from __future__ import annotations
@@ -19,22 +17,13 @@ from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine, p
 
 FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and clip gradients "
        "(Trainer(gradient_clip_val=1.0) or torch.nn.utils.clip_grad_norm_)")
-
-
 CLIMB_CHECKS = policy_of(Kind.LOSS_DIVERGENCE).needed() or 1
-"""Checks in a row a climbing or settled level holds before it is a ``loss_divergence`` (the kind's policy); a climb
-is also higher at the last of them than at the first."""
-SPIKE, RISE, CLIMB, SETTLED, OSCILLATING = "spike", "rise", "climb", "settled", "oscillating"
-"""The keys of the suspicions (a steady rise is not held): at most one spike is held at a time (the next check
-settles it)."""
+SPIKE, RISE, CLIMB, SETTLED, OSCILLATING = "spike", "rise", "climb", "settled", "oscillating"  # suspicions' keys
 
 
 class LossJudge:
-    """The loss rule and the monitor's verdict engine, one check per :meth:`judge`, which returns at most one
-    verdict: a confirmed spike, else a steady rise, a confirmed climb or settled climb, or an outlier (its
-    ``step`` and ``where`` are the check it is about: a spike's or outlier's is the check before).
-
-    Example::
+    """The loss rule and the monitor's verdict engine: :meth:`judge` returns at most one verdict per check, at the
+    check it is about (a spike's or outlier's is the check before)::
 
         >>> judge = LossJudge()
         >>> [judge.judge(loss, step).kind for step, loss in enumerate((6.9, 7857.0, 9000.0))]
@@ -47,16 +36,14 @@ class LossJudge:
         ([None, None], [('outlier', 1)])
     """
 
-    def __init__(self, verdicts: VerdictEngine | None = None, trend: LossTrend | None = None) -> None:
+    def __init__(self, verdicts: VerdictEngine | None = None) -> None:
         self.verdicts = verdicts if verdicts is not None else VerdictEngine()
-        self.trend = trend if trend is not None else LossTrend(climb_checks=CLIMB_CHECKS)
-        self.step = -1
-        """The last check step judged (a call without a step takes the next one)."""
+        self.trend = LossTrend(climb_checks=CLIMB_CHECKS)
+        self.step = -1  # the last check step judged (a call without a step takes the next one)
 
     def judge(self, loss: float, step: int | None = None, where: Where | None = None,
               climb: bool = True) -> LossVerdict:
-        """The verdict of the check step ``step`` whose loss is ``loss`` (see the class's docstring);
-        ``climb=False`` leaves the level's judgements out (several optimizers)."""
+        """The verdict of check step ``step``; ``climb=False`` leaves the level out (several optimizers)."""
         step = self.step + 1 if step is None else step
         self.step, here = step, {"step": step, "where": where}
         reading, spike = self.trend.judge(loss, climb=climb), None
@@ -77,14 +64,13 @@ class LossJudge:
         return ordered[0] if ordered else LossVerdict(None, loss, **here)
 
     def unsettled(self) -> list[LossVerdict]:
-        """The end of the run: a suspected spike no check came to settle is an ``outlier`` (``next_loss`` None);
-        a climb still held is dismissed (the policies' ``at_end``)."""
+        """The end of the run: a spike no check settled is an ``outlier``; a climb still held is dismissed."""
         decided = self.verdicts.flush([Kind.LOSS_SPIKE, Kind.LOSS_DIVERGENCE])
         return [_held_spike(item, LossKind.OUTLIER, None) for item in decided if item.kind is Kind.LOSS_OUTLIER]
 
 
 def _held_spike(confirmed: Confirmed, kind: LossKind, next_loss: float | None) -> LossVerdict:
-    """The verdict on a held spike the engine decided, about the check it was suspected at."""
+    """The verdict on a held spike, about the check it was suspected at."""
     first = confirmed.first
     return LossVerdict(kind, **first.measured, next_loss=next_loss, step=first.step, where=first.where)
 
@@ -95,10 +81,7 @@ def _learning_rates(learning_rates: Sequence[float]) -> str:
 
 
 def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float] = ()) -> Finding | None:
-    """``loss_spike``, ``loss_outlier`` or ``loss_divergence`` for a judged loss, None when it shows none; a spike
-    or an outlier is about the check step before (``step`` is that step).
-
-    Example::
+    """``loss_spike``, ``loss_outlier`` or ``loss_divergence`` for a judged loss at ``step``, None when it shows none::
 
         >>> judge = LossJudge()
         >>> quiet, _, spike = (loss_finding(judge.judge(loss), 1, [0.5]) for loss in (6.9, 7857.0, 8000.0))

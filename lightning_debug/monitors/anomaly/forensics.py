@@ -1,7 +1,5 @@
-"""Which optimizer update made the weights non-finite, and whether its gradients did: a scan alone cannot
-tell, the earlier checks can (their gradients' finiteness and norm, and whether an update could overflow
-the dtype). Host arithmetic over a few numbers, no tensor.
-"""
+"""Which optimizer update made the weights non-finite, and whether its gradients did: a scan alone cannot tell,
+the earlier checks can. Host arithmetic over a few numbers."""
 
 from __future__ import annotations
 
@@ -20,15 +18,9 @@ SMALLEST_DTYPE_MAX = 240.0
 
 @dataclass
 class ParamsOrigin:
-    """When and why the non-finite parameters of a checked step became non-finite, as far as it is known.
-
-    ``update_step``: the optimizer step whose update made them non-finite (None when it cannot be
-    told); ``by_gradients``: that update applied non-finite gradients (so the parameters are a
-    consequence of ``nonfinite_grad``); ``before_forward``: the weights this step's forward used
-    were already non-finite (so its loss and gradients follow from them); ``label``: the step the
-    finding is recorded at.
-
-    Example::
+    """When and why the parameters of a checked step became non-finite: ``update_step`` (None: not known),
+    ``by_gradients`` (a consequence of ``nonfinite_grad``), ``before_forward`` (the step's loss and gradients
+    follow from them), ``label``: the step the finding is recorded at::
 
         >>> ParamsOrigin.unknown(7).since
         'before step 7'
@@ -47,7 +39,7 @@ class ParamsOrigin:
 
 @dataclass(frozen=True)
 class LastCheck:
-    """The last checked step: its number, whether its gradients were non-finite, its global gradient norm."""
+    """The last checked step."""
 
     step: int = -1
     grads_bad: bool = False
@@ -55,10 +47,8 @@ class LastCheck:
 
 
 def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], largest_value: Callable[[], float]) -> bool:
-    """Whether an update with finite gradients of norm ``grad_norm`` could reach the dtype's largest value (per
-    element about lr x norm x :data:`UPDATE_GROWTH`): only for an absurd learning rate or norm.
-
-    Example::
+    """Whether an update with finite gradients could reach the dtype's largest value: only for an absurd learning
+    rate or norm::
 
         >>> update_may_overflow(1e3, [1e3], lambda: 65504.0), update_may_overflow(2.0, [1e-3], lambda: 65504.0)
         (True, False)
@@ -71,12 +61,8 @@ def update_may_overflow(grad_norm: float, learning_rates: Sequence[float], large
 
 
 class WeightHistory:
-    """What the earlier checks said about the weights (a few numbers), and the verdicts drawn from it.
-
-    Nothing here fires on a healthy model: :meth:`origin` runs only once a scan found non-finite
-    weights, and :meth:`wants_measure_before` only after an update that could overflow the dtype.
-
-    Example::
+    """What the earlier checks said about the weights. Nothing here fires on a healthy model: :meth:`origin` runs once
+    a scan found non-finite weights, :meth:`wants_measure_before` only after an update that could overflow::
 
         >>> history = WeightHistory()
         >>> history.after_check(4, None, grads_bad=False, grad_norm=2.0, anomalous=False)
@@ -91,19 +77,16 @@ class WeightHistory:
         self.last_grad_norm = math.nan
 
     def wants_measure_before(self, step: int, measured_step: int, may_overflow: Callable[[float], bool]) -> bool:
-        """Whether to flag the weights' finiteness before ``step``'s forward: only when the previous step was
-        checked with finite gradients, the weights were fine, and its update may have overflowed them."""
+        """Whether to flag the weights before ``step``'s forward: the previous update may have overflowed them."""
         last = self.last_check
         return not (measured_step == step or last.step != step - 1 or last.grads_bad or self.broken_at is not None
                     or not may_overflow(last.grad_norm))
 
     def origin(self, step: int, seen_after: int | None, grads_bad: bool, broken_before: object | None,
                may_overflow: Callable[[float], bool]) -> ParamsOrigin:
-        """Which update made the parameters non-finite, and whether its gradients did (see :class:`ParamsOrigin`).
-        ``seen_after``: the last update the scan saw (None: before this step's); ``broken_before``: the flag of
-        weights non-finite before this forward (None: not measured). A late scan blames this step's update unless
-        the weights broke before its forward; an early one, an earlier update.
-        """
+        """Which update made the parameters non-finite. ``seen_after``: the last update the scan saw (None: before
+        this step's); ``broken_before``: the flag taken before this forward (None: not measured). A late scan blames
+        this step's update unless the weights broke before its forward; an early one, an earlier update."""
         seen_after = seen_after if seen_after is not None else step - 1
         last = self.last_check
         if self.broken_at is not None and self.broken_at < step:
@@ -127,9 +110,7 @@ class WeightHistory:
         return ParamsOrigin(step, None, False, True, since)
 
     def final_origin(self, step: int) -> ParamsOrigin:
-        """The origin of weights found non-finite after the last update, which no check has seen yet.
-
-        Example::
+        """The origin of weights found non-finite after the last update::
 
             >>> history = WeightHistory()
             >>> history.after_check(9, None, grads_bad=True, grad_norm=float("nan"), anomalous=True)
@@ -143,7 +124,7 @@ class WeightHistory:
 
     def after_check(self, step: int, origin: ParamsOrigin | None, grads_bad: bool, grad_norm: float,
                     anomalous: bool) -> None:
-        """Remember a judged step: its weights' origin when they are non-finite (None: they are finite)."""
+        """Remember a judged step (``origin`` None: its weights are finite)."""
         if origin is not None:
             self.broken_at = origin.update_step if origin.update_step is not None else step
         else:

@@ -1,8 +1,4 @@
-"""The batches of recent check steps, kept by reference to name the samples that hold NaN/Inf.
-
-Keeping a reference costs nothing on a healthy step (no copy, no read); the samples are read only
-when the step's fused input flag, read back with the loss, says a batch holds NaN/Inf.
-"""
+"""The batches of recent check steps, kept by reference (no copy, no read) to name the samples that hold NaN/Inf."""
 
 from __future__ import annotations
 
@@ -20,9 +16,7 @@ InputRows = list[tuple[Where, list[tuple[str, torch.Tensor]]]]
 
 
 class RecentInputs:
-    """The floating tensors of the micro-batches of the last :data:`INPUT_STEPS_KEPT` observed steps.
-
-    Example::
+    """The floating tensors of the micro-batches of the last observed steps::
 
         >>> recent = RecentInputs(kept=2)
         >>> for step in range(3): recent.add(step, {"epoch": 0, "batch": step}, [("x", torch.zeros(1))])
@@ -49,14 +43,8 @@ class RecentInputs:
 def nonfinite_rows(inputs: InputRows, rank: int, world_size: int, synchronous: bool,
                    on_failure: Callable[[Exception], None],
                    gather: Callable[[Callable[[], Any]], list[Any]]) -> list[dict[str, Any]]:
-    """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path).
-
-    Read synchronously (every rank at the same point, as the shared flags asked), the rows of every
-    rank are gathered (``gather``: the run's :class:`~lightning_debug.core.gate.Gate`), whatever failed on this
-    rank (``on_failure`` is told, and the rank's rows are then empty); read a step late, each rank knows only its
-    own and rank zero writes them.
-
-    Example::
+    """Which tensor of which micro-batch holds NaN/Inf, and which samples (a host read, rare path). Read
+    synchronously, every rank's rows are gathered whatever failed on this one; read a step late, only its own::
 
         >>> x = torch.tensor([[1.0], [float("nan")]])
         >>> nonfinite_rows([({"epoch": 0, "batch": 3}, [("x", x)])], 0, 1, True, print, print)

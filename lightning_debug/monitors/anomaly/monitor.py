@@ -1,6 +1,4 @@
-"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check (which batches and read-backs a
-check step keeps, the state a resume carries, recording); the judging is in the sibling modules.
-"""
+"""Non-finite loss, gradients and parameters: the plumbing of the anomaly check; the judging is in the siblings."""
 
 from __future__ import annotations
 
@@ -93,11 +91,9 @@ class AnomalyMonitor(Monitor):
             self._previous_detect_anomaly = None
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        """On check steps, count the batch's floating tensors holding NaN/Inf (fused, read back with the loss flag) and
-        keep them to name the samples; from ADVANCED also the micro-batch and RNG state, for a replay. With several
-        optimizers every batch is observed (which one steps next is not known yet). After an update that may have
-        overflowed the weights, flag whether they are finite before this forward (rare).
-        """
+        """On check steps, flag the batch's NaN/Inf (read back with the loss) and keep it to name the samples; from
+        ADVANCED also the micro-batch and RNG state, for a replay. With several optimizers every batch is observed
+        (which one steps next is not known yet)."""
         if not (self.due(step) or self.numerics.several_optimizers):
             return
         if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
@@ -123,8 +119,7 @@ class AnomalyMonitor(Monitor):
         return update_may_overflow(grad_norm, self._learning_rates, lambda: self._probe.largest_value(self._index()))
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        """The loss, and the largest magnitude of the model's buffers after the forward (no sync; see
-        :class:`~lightning_debug.core.buffers.BufferWatch`), both read back with the step's numerics."""
+        """The loss and the largest magnitude of the model's buffers after the forward, read back with the numerics."""
         if self.due(step) or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
             model = self.context.module()
@@ -132,12 +127,9 @@ class AnomalyMonitor(Monitor):
                 self.numerics.observe_buffers(step, self._watched.measure(model))
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Check this step's numerics and decide what happens to the optimizer step: in ``warn`` below ADVANCED the
-        values are read later without a sync; otherwise now (one sync), replayed at ADVANCED, and
-        :func:`.policy.decide` raises or returns the decision. What decides comes from values every rank shares
-        and its collectives are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever
-        failed; findings are written afterwards.
-        """
+        """Check this step's numerics and decide the optimizer step: in ``warn`` below ADVANCED read later without a
+        sync; otherwise now (one sync), replayed at ADVANCED. What decides comes from values every rank shares and
+        its collectives are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever failed."""
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
         current = numerics()
@@ -171,11 +163,8 @@ class AnomalyMonitor(Monitor):
         return DECISIONS[action]
 
     def undo_step(self, step: int) -> bool:
-        """The run dropped optimizer step ``step`` (every rank, once the gate agreed on it): put back the buffers
-        its forward changed (BatchNorm running statistics, copied before the forward) and say whether some are
-        still non-finite (no copy of this step, or broken earlier, on an unchecked step). The run sums that over
-        the ranks through its gate and, when any rank has, every rank stops and :meth:`buffers_broken` names them.
-        """
+        """The run dropped ``step`` on every rank: put back the buffers its forward changed and say whether some are
+        still non-finite (no copy, or broken on an unchecked step); when any rank has, every rank stops."""
         self.skipped_steps += 1
         self._undone = (step, [], False)
         model = self.context.module()
@@ -200,28 +189,21 @@ class AnomalyMonitor(Monitor):
         self.record(prose.nonfinite_buffer(broken, step, restored, world_size, self.mode), step, self.context.where())
 
     def _replay(self, host: HostNumerics, model: torch.nn.Module, replay: Replay) -> Cause | None:
-        """Localize the first step of an episode of non-finite loss or gradients (every rank at once, see
-        :func:`.replay.replay_step`); whether to replay depends only on values every rank shares."""
+        """Localize the first step of an episode (every rank at once: the decision uses shared values only)."""
         if not wants_replay(host.ranks_with_nonfinite_loss, host.ranks_with_nonfinite_grads,
                             self.context.uses_grad_scaler, (kind for kind, _ in self.episodes.open)):
             return None
         distributed = len(host.ranks) > 1 and dist.is_available() and dist.is_initialized()
         step, inputs = self._step_inputs
         origin = host.ranks_with_nonfinite_loss or host.ranks_with_nonfinite_grads
+        failed = functools.partial(self.session.failures.record, "replaying the step",
+                                   consequence="the cause is not named")
         return replay_step(model, inputs if step == host.step else [], replay, distributed, self.context.replay_scope,
-                           origin, self._failed("replaying the step", "the cause is not named"),
-                           functools.partial(self.session.gate.gather, "replay"))
-
-    def _failed(self, check: str, consequence: str) -> Any:
-        """A callback that records a failure of ``check`` on this rank (a part that still joins its collective)."""
-        def record(error: Exception) -> None:
-            self.session.failures.record(check, error, consequence)
-        return record
+                           origin, failed, functools.partial(self.session.gate.gather, "replay"))
 
     def finalize(self, step: int) -> None:
-        """Check the parameters once more after the last update (one sync), with no collective: this can run on an
-        exception path, so each rank checks its own shards and rank 0 writes what it finds.
-        """
+        """Check the parameters after the last update (one sync) with no collective: this can run on an exception
+        path, so each rank checks its own shards."""
         where = self.context.where()
         index = self._index()
         if len(index):
@@ -240,8 +222,7 @@ class AnomalyMonitor(Monitor):
         self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), None, self._judge(host))
 
     def _judge(self, host: HostNumerics) -> policy.Verdict:
-        """What ``host`` shows, and the counts that follow from it; the same on every rank (the parameter
-        scan, a collective, runs on every rank when the gathered flags ask for it). Writes nothing."""
+        """What ``host`` shows, the same on every rank (the scan, a collective, runs when the shared flags ask)."""
         bad_loss_ranks = host.ranks_with_nonfinite_loss
         bad_grads = host.nonfinite_grads()
         if host.ranks_with_nonfinite_grads:
@@ -251,8 +232,9 @@ class AnomalyMonitor(Monitor):
         inputs = call("naming the non-finite samples", self._inputs.take, host.step) or []
         bad_input_ranks = host.ranks_with_nonfinite_inputs
         # every collective below runs on every rank whatever failed on this one (the conditions are shared)
-        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update,
-                               self._failed("naming the non-finite samples", "the samples are not named"),
+        failed = functools.partial(self.session.failures.record, "naming the non-finite samples",
+                                   consequence="the samples are not named")
+        rows = (nonfinite_rows(inputs, self.context.rank, len(host.ranks), host.read_before_update, failed,
                                functools.partial(self.session.gate.gather, "rows"))
                 if bad_input_ranks else [])
         verdict = policy.Verdict(bad_loss_ranks, bad_grads, host.nonfinite_params() if scan else [],
@@ -273,7 +255,7 @@ class AnomalyMonitor(Monitor):
         return verdict
 
     def _write_findings(self, host: HostNumerics, where: Where, cause: Cause | None, verdict: policy.Verdict) -> None:
-        """Record the findings of a judged step, root first: events (global zero), episodes, scalars."""
+        """Record the findings of a judged step, root first."""
         step, world, mode = host.step, len(host.ranks), self.mode
         if verdict.bad_input_ranks:
             self._record_inputs(step, where, verdict.input_rows, verdict.bad_input_ranks, world, verdict.finite)
@@ -308,7 +290,7 @@ class AnomalyMonitor(Monitor):
         self.close_episodes(step, where, self.closed_by_a_check)
 
     def _record_loss(self, judged: LossVerdict) -> None:
-        """A loss verdict, at the check step it is about (a spike's is the check before the one that settled it)."""
+        """A loss verdict, at the check step it is about (a spike's is the check before)."""
         step = judged.step if judged.step is not None else -1
         finding = loss_finding(judged, step, self._learning_rates)
         if finding is not None:

@@ -31,9 +31,7 @@ class Action(enum.Enum):
 
 @dataclass
 class Verdict:
-    """What one checked step shows, before anything is written: the same on every rank.
-
-    Example::
+    """What one checked step shows, before anything is written: the same on every rank::
 
         >>> overflow = Verdict([], [("w", float("inf"))], [], True, 3, [], [])
         >>> overflow.amp_overflow, overflow.kinds(None)
@@ -50,21 +48,17 @@ class Verdict:
     bad_input_ranks: list[int]
     input_rows: list[dict[str, Any]]
     params: ParamsOrigin | None = None
-    bad_buffer_ranks: list[int] = field(default_factory=list)
-    """Ranks whose buffers (BatchNorm running statistics and the like) hold NaN/Inf after the step's forward."""
-    bad_buffers: list[tuple[str, str]] = field(default_factory=list)
-    """This rank's non-finite buffers and their module's class, named only when ``bad_buffer_ranks`` is not empty."""
+    bad_buffer_ranks: list[int] = field(default_factory=list)  # buffers NaN/Inf after the forward (BatchNorm's)
+    bad_buffers: list[tuple[str, str]] = field(default_factory=list)  # this rank's, with their module's class
 
     @property
     def amp_overflow(self) -> bool:
-        """fp16 overflow the GradScaler handles (non-finite gradients, finite loss and weights): how a healthy run
-        finds its scale, an ``info`` that decides nothing.
-        """
+        """fp16 overflow the GradScaler handles: how a healthy run finds its scale, an ``info`` that decides nothing."""
         return self.uses_grad_scaler and bool(self.bad_grads) and not self.bad_loss_ranks and not self.bad_params
 
     @property
     def finite(self) -> bool:
-        """The step's loss, gradients, weights and buffers are all finite, whatever its inputs held."""
+        """The step's loss, gradients, weights and buffers are finite, whatever its inputs held."""
         return not (self.bad_loss_ranks or self.bad_grads or self.bad_params or self.bad_buffer_ranks)
 
     @property
@@ -95,9 +89,7 @@ class Verdict:
 
 
 def names_activation(cause: Cause | None) -> bool:
-    """Whether a replay caught one forward operation producing NaN/Inf (a ``nonfinite_activation``).
-
-    Example::
+    """Whether a replay caught one forward operation producing NaN/Inf (a ``nonfinite_activation``)::
 
         >>> names_activation(Cause(CauseSite.FORWARD, "`torch.log` produced NaN", operation="torch.log"))
         True
@@ -112,12 +104,8 @@ def deciding(kinds: list[Kind]) -> list[Kind]:
 
 
 def decide(mode: AnomalyMode, kinds: list[Kind]) -> Action:
-    """What the run does with a step of ``kinds`` (deciding kinds only) under ``mode``.
-
-    A healthy step shows no deciding kind (non-finite values are never part of healthy training;
-    the GradScaler's overflow is not one), so it always continues.
-
-    Example::
+    """What the run does with a step of ``kinds`` (deciding kinds only) under ``mode``. A healthy step shows no
+    deciding kind (the GradScaler's overflow is not one), so it always continues::
 
         >>> decide(AnomalyMode.SKIP, [Kind.NONFINITE_LOSS]), decide(AnomalyMode.SKIP, [Kind.NONFINITE_PARAM])
         (<Action.SKIP: 'skip'>, <Action.STOP: 'stop'>)
@@ -132,9 +120,7 @@ def decide(mode: AnomalyMode, kinds: list[Kind]) -> Action:
 
 
 def reads_late(mode: AnomalyMode, replays: bool) -> bool:
-    """Whether the step's values can be read a step late without a sync: nothing waits on them.
-
-    Example::
+    """Whether the step's values can be read a step late without a sync: nothing waits on them::
 
         >>> reads_late(AnomalyMode.WARN, replays=False), reads_late(AnomalyMode.SKIP, replays=False)
         (True, False)

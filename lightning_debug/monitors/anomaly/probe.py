@@ -1,8 +1,5 @@
-"""The device side of :mod:`.forensics`: the weights' finiteness flagged before a forward, and their dtype's range.
-
-Both run only after an update that :func:`.forensics.update_may_overflow` finds risky (rare): one
-fused pass over the weights left on the device, read only if the step turns out non-finite.
-"""
+"""The device side of :mod:`.forensics`, only after a risky update: one fused pass over the weights left on the
+device, read only if the step turns out non-finite."""
 
 from __future__ import annotations
 
@@ -15,9 +12,7 @@ if TYPE_CHECKING:
 
 
 class WeightProbe:
-    """The last step whose weights were flagged before its forward, and the flag (a device tensor).
-
-    Example::
+    """The last step whose weights were flagged before its forward, and the flag (a device tensor)::
 
         >>> probe = WeightProbe()
         >>> probe.step, probe.flag(0)
@@ -33,7 +28,7 @@ class WeightProbe:
         return self._before[0]
 
     def flag(self, step: int) -> torch.Tensor | None:
-        """The flag of ``step`` (true where a weight was non-finite before its forward), None if not measured."""
+        """The flag of ``step``, None if not measured."""
         return self._before[1] if self._before[0] == step else None
 
     def measure(self, step: int, index: ParameterIndex) -> None:
@@ -41,7 +36,7 @@ class WeightProbe:
             self._before = (step, (~torch.isfinite(index.plan.squares(index.local_params()))).any())
 
     def largest_value(self, index: ParameterIndex) -> float:
-        """The largest finite value of the smallest floating dtype among the trainable parameters (cached)."""
+        """The largest finite value of the parameters' smallest floating dtype (cached)."""
         cached = self._largest.get(id(index))
         if cached is None:
             dtypes = {p.dtype for p in index.params if p.is_floating_point()}

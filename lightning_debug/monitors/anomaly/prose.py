@@ -37,9 +37,7 @@ NO_BATCH_CAPTURED = "no batch was captured for this step"
 
 
 def names(items: Sequence[tuple[str, float]]) -> str:
-    """The first five names, quoted, and how many more.
-
-    Example::
+    """The first five names, quoted, and how many more::
 
         >>> names([(f"w{i}", 0.0) for i in range(7)])
         '`w0`, `w1`, `w2`, `w3`, `w4` and 2 more'
@@ -48,9 +46,7 @@ def names(items: Sequence[tuple[str, float]]) -> str:
 
 
 def on_ranks(ranks: Sequence[int], world_size: int) -> str:
-    """`` on rank 1, 3`` under distributed training, nothing on one process.
-
-    Example::
+    """`` on rank 1, 3`` under distributed training, nothing on one process::
 
         >>> on_ranks([1, 3], 4), on_ranks([0], 1)
         (' on rank 1, 3', '')
@@ -59,9 +55,7 @@ def on_ranks(ranks: Sequence[int], world_size: int) -> str:
 
 
 def no_replay_on_sharded(sharded: Sequence[str]) -> str:
-    """Why level=ADVANCED names no cause on a model with sharded parameters.
-
-    Example::
+    """Why level=ADVANCED names no cause on a model with sharded parameters::
 
         >>> no_replay_on_sharded(["layer.weight"]).split(":")[0]
         'level=ADVANCED cannot replay a step of a model with sharded parameters (FSDP, tensor parallel'
@@ -73,9 +67,7 @@ def no_replay_on_sharded(sharded: Sequence[str]) -> str:
 
 
 def replay_failed(error: Exception) -> str:
-    """The cause of a replay that raised.
-
-    Example::
+    """The cause of a replay that raised::
 
         >>> replay_failed(RuntimeError("shape mismatch"))
         'the replay failed (RuntimeError: shape mismatch)'
@@ -84,9 +76,7 @@ def replay_failed(error: Exception) -> str:
 
 
 def outside_the_replay(scope: str) -> str:
-    """The cause when the replayed model is finite and the step's loss computation lies outside the replay.
-
-    Example::
+    """The cause when the replayed model is finite and the step's loss computation lies outside the replay::
 
         >>> outside_the_replay("the loss function")[:89]
         'the replayed forward of the model gave finite outputs, so the NaN/Inf comes from the loss'
@@ -101,9 +91,7 @@ MASKED_ROW_ADVICE = ("Every key of that row is masked: keep at least one unmaske
 
 
 def cause_advice(cause: Cause) -> str:
-    """The fix for what a replay found: a fully masked softmax row has its own, else the operation's.
-
-    Example::
+    """The fix for what a replay found: a fully masked softmax row has its own, else the operation's::
 
         >>> masked = Cause(CauseSite.FORWARD, "softmax over a row that is entirely -inf", operation="torch.softmax",
         ...                inputs={"fully_masked_rows": 1})
@@ -116,9 +104,7 @@ def cause_advice(cause: Cause) -> str:
 
 
 def backward_left_out(collectives: Sequence[str]) -> str:
-    """The cause when the forward replay is finite and its backward was left out for the step's own collectives.
-
-    Example::
+    """The cause when the forward replay is finite and its backward was left out for the step's own collectives::
 
         >>> backward_left_out(["c10d.allgather_"])[:72]
         'the replayed forward gave finite values; the backward was not replayed: '
@@ -132,9 +118,7 @@ def backward_left_out(collectives: Sequence[str]) -> str:
 
 def anomaly_error(step: int, kinds: Sequence[Kind], verdict: Verdict, world_size: int,
                   cause: Cause | None) -> AnomalyError:
-    """What ``anomaly_detection_mode='raise'`` raises: the kinds, the parameters and the cause.
-
-    Example::
+    """What ``anomaly_detection_mode='raise'`` raises: the kinds, the parameters and the cause::
 
         >>> verdict = Verdict([0], [], [], False, -1, [], [])
         >>> str(anomaly_error(3, [Kind.NONFINITE_LOSS], verdict, 1, None))
@@ -151,9 +135,7 @@ def anomaly_error(step: int, kinds: Sequence[Kind], verdict: Verdict, world_size
 
 
 def amp_overflow(step: int, bad_grads: Sequence[tuple[str, float]]) -> Finding:
-    """An fp16 overflow the GradScaler handles: an ``info``, as designed.
-
-    Example::
+    """An fp16 overflow the GradScaler handles: an ``info``, as designed::
 
         >>> amp_overflow(2, [("w", float("inf"))]).message
         'fp16 gradients overflowed at step 2 (1 parameters); the GradScaler skips this step and lowers its scale, as designed.'
@@ -165,9 +147,7 @@ def amp_overflow(step: int, bad_grads: Sequence[tuple[str, float]]) -> Finding:
 
 
 def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding:
-    """The forward operation the replay caught producing NaN/Inf from finite inputs, with the fix for it.
-
-    Example::
+    """The forward operation the replay caught producing NaN/Inf from finite inputs, with the fix for it::
 
         >>> cause = Cause(CauseSite.FORWARD, "`torch.log` in module `head` produced NaN/Inf", operation="torch.log")
         >>> nonfinite_activation(3, cause, params_first=False).message
@@ -180,9 +160,7 @@ def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding
 
 def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | None, mode: AnomalyMode,
                    params_first: bool, activation: bool) -> Finding:
-    """The loss: on which ranks, what it follows from (weights, batch, an activation), the fix and the action.
-
-    Example::
+    """The loss: on which ranks, what it follows from (weights, batch, an activation), the fix and the action::
 
         >>> verdict = Verdict([0], [], [], False, -1, [], [])
         >>> finding = nonfinite_loss(5, verdict, 1, None, AnomalyMode.WARN, False, False)
@@ -211,9 +189,7 @@ def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | 
 
 def nonfinite_grad(step: int, verdict: Verdict, gradients: int, grad_ranks: list[int], cause: Cause | None,
                    mode: AnomalyMode, params_first: bool) -> Finding:
-    """The gradients: how many of ``gradients``, and whether the loss or weights explain them or the backward does.
-
-    Example::
+    """The gradients: how many of ``gradients``, and whether the loss or weights explain them or the backward does::
 
         >>> verdict = Verdict([0], [("w", float("nan"))], [], False, -1, [], [])
         >>> finding = nonfinite_grad(5, verdict, 3, [0], None, AnomalyMode.WARN, False)
@@ -240,9 +216,7 @@ def nonfinite_grad(step: int, verdict: Verdict, gradients: int, grad_ranks: list
 
 
 def optimizer_context(learning_rates: Sequence[float], last_grad_norm: float) -> str:
-    """`` (lr 0.1; last finite gradient norm 3.2)``: what a weight overflow is read against.
-
-    Example::
+    """`` (lr 0.1; last finite gradient norm 3.2)``: what a weight overflow is read against::
 
         >>> optimizer_context([0.1, 0.1], 3.21), optimizer_context([], math.nan)
         (' (lr 0.1; last finite gradient norm 3.21)', '')
@@ -258,9 +232,7 @@ def nonfinite_param(bad_params: Sequence[tuple[str, float]], origin: ParamsOrigi
                     ranks: list[int], mode: AnomalyMode, last_finite_step: int, context: str) -> Finding:
     """``nonfinite_param``, with what made the weights non-finite: non-finite gradients applied by an
     update (a consequence: the advice is to fix those), or an update with finite gradients (the
-    optimizer overflowed them: the learning rate), or not known (both named).
-
-    Example::
+    optimizer overflowed them: the learning rate), or not known (both named)::
 
         >>> origin = ParamsOrigin(4, 4, True, False, "in the optimizer step at step 4")
         >>> finding = nonfinite_param([("w", 0.0)], origin, 1, [0], AnomalyMode.SKIP, 3, "")
@@ -297,9 +269,7 @@ def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], wor
     NaN is also how tabular and sensor data mark a missing value, which the model masks or imputes
     (``torch.nan_to_num``, ``torch.where(x.isnan(), ...)``, a loss over the labelled entries only): then the
     step's loss, gradients and weights are finite, and the finding is an ``info`` (``handled``) that still
-    names the samples. An error only when the step is not finite.
-
-    Example::
+    names the samples. An error only when the step is not finite::
 
         >>> row = {"tensor": "x", "shape": [4, 2], "samples": [1], "count": 1, "epoch": 0, "batch": 7, "rank": 0}
         >>> nonfinite_input(7, [row], [0], 1).message.split(". The data")[0]
@@ -332,9 +302,7 @@ def nonfinite_input(step: int, rows: list[dict[str, Any]], ranks: list[int], wor
 
 
 def nonfinite_buffer(broken: list[str], step: int, restored: bool, world_size: int, mode: AnomalyMode) -> Finding:
-    """Buffers a dropped step could not put back: why, and that training stops.
-
-    Example::
+    """Buffers a dropped step could not put back: why, and that training stops::
 
         >>> nonfinite_buffer(["bn.running_var"], 6, False, 1, AnomalyMode.SKIP).message.split(":")[0]
         'Buffers `bn.running_var` are NaN/Inf at step 6 and could not be restored'
@@ -354,9 +322,7 @@ def nonfinite_buffer(broken: list[str], step: int, restored: bool, world_size: i
 
 
 def checked_buffers(step: int, verdict: Verdict, world_size: int, mode: AnomalyMode) -> Finding:
-    """Buffers a check step found NaN/Inf after its forward, named with their module's class, and what the mode does.
-
-    Example::
+    """Buffers a check step found NaN/Inf after its forward, named with their module's class, and what the mode does::
 
         >>> verdict = Verdict([], [], [], False, 19, [], [], bad_buffer_ranks=[0],
         ...                   bad_buffers=[("bn.running_var", "BatchNorm1d")])

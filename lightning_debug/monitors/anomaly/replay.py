@@ -1,6 +1,4 @@
-"""The replay orchestration: when to replay a non-finite step (the first of an episode, never a GradScaler's
-overflow), over which micro-batches, and which cause (of every rank) the findings name.
-"""
+"""When to replay a non-finite step, over which micro-batches, and which rank's cause the findings name."""
 
 from __future__ import annotations
 
@@ -26,10 +24,7 @@ Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the R
 
 def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad_scaler: bool,
                  open_kinds: Iterable[str]) -> bool:
-    """Whether to replay this step: its loss or gradients are non-finite (not a GradScaler's overflow with a finite
-    loss) and no such episode is open yet (one replay per episode). Depends only on values every rank shares.
-
-    Example::
+    """Whether to replay: the first step of an episode of non-finite loss or gradients (not a GradScaler's overflow)::
 
         >>> wants_replay([0], [], False, []), wants_replay([], [0], True, []), wants_replay([0], [0], False, ["nonfinite_loss"])
         (True, False, False)
@@ -40,10 +35,8 @@ def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad
 
 
 def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, same_work: bool) -> list[Cause]:
-    """Replay the step's micro-batches until one names a cause (all of them with ``same_work``); a replay that
-    raises is an ``error`` cause, and one whose forward dispatched a collective gets no backward replay.
-
-    Example::
+    """Replay the step's micro-batches until one names a cause (all of them with ``same_work``); one whose forward
+    dispatched a collective gets no backward replay::
 
         >>> model = torch.nn.Linear(2, 1)
         >>> batch = torch.tensor([[1.0, float("nan")]])
@@ -69,10 +62,8 @@ def replay_each(model: torch.nn.Module, inputs: Sequence[Captured], replay: Repl
 
 
 def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
-    """This rank's cause: the first that names one, else the first; ``outside`` (what the replay does not
-    cover, e.g. the loss function) explains a NaN the replayed model did not reproduce.
-
-    Example::
+    """This rank's cause: the first that names one; ``outside`` (what the replay does not cover, e.g. the loss
+    function) explains a NaN the replayed model did not reproduce::
 
         >>> causes = [Cause(CauseSite.NOT_REPRODUCED, "finite", replay_ms=2.0), Cause(CauseSite.INPUTS, "bad", replay_ms=3.0)]
         >>> own = own_cause(causes, None)
@@ -90,12 +81,9 @@ def own_cause(causes: Sequence[Cause], outside: str | None) -> Cause:
 
 
 def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: Sequence[int] = ()) -> Cause:
-    """The cause every rank names: that of the first rank in ``origin`` (the ranks whose own loss or
-    gradients were non-finite) that reproduced the NaN, else that rank's replay as it ended, with
-    each rank's summary. A rank that had no NaN can "reproduce" one only by accident (a kernel's
-    non-determinism), so its cause is never the one named; without ``origin`` every rank counts.
-
-    Example::
+    """The cause every rank names: that of the first rank in ``origin`` (whose own loss or gradients were non-finite)
+    that reproduced the NaN. A rank that had no NaN can "reproduce" one only by accident (a kernel's
+    non-determinism), so its cause is never the one named; without ``origin`` every rank counts::
 
         >>> gathered = [Cause(CauseSite.NOT_REPRODUCED, "finite").to_dict(), Cause(CauseSite.INPUTS, "bad").to_dict()]
         >>> cause = across_ranks(Cause.from_dict(gathered[0]), gathered)
@@ -118,10 +106,7 @@ def across_ranks(own: Cause, gathered: Sequence[dict[str, Any] | None], origin: 
 def replay_step(model: torch.nn.Module, inputs: Sequence[Captured], replay: Replay, distributed: bool,
                 replay_scope: Callable[[], str | None], origin: Sequence[int], on_failure: Callable[[Exception], None],
                 gather: Callable[[Callable[[], Any]], list[Any]]) -> Cause:
-    """Localize a step (every rank at once): replay its micro-batches with the same calls on every rank
-    (``same_work``), then gather the causes whatever failed here; the cause named is that of a rank in
-    ``origin`` (:func:`across_ranks`). ``gather``: the run's :class:`~lightning_debug.core.gate.Gate`.
-    """
+    """Localize a step: every rank replays with the same calls, then the causes are gathered whatever failed here."""
     try:
         causes = replay_each(model, inputs, replay, same_work=distributed)
         own = own_cause(causes, replay_scope() if causes else None)

@@ -9,14 +9,7 @@ from lightning_debug.config import AnomalyMode, DebugConfig, DebugLevel, config_
 
 @dataclass(frozen=True)
 class AnomalySettings:
-    """What the anomaly check does, made once from the user's flat :class:`DebugConfig`.
-
-    ``mode``: what a non-finite loss, gradient or parameter does; ``check_frequency``: every how many
-    optimizer steps the numerics are checked; ``localizes``: name the cause of a NaN by replaying the
-    step (level ADVANCED and up); ``records_stacks``: record every forward operation's stack with
-    ``torch.autograd.set_detect_anomaly`` (level EXPERT).
-
-    Example::
+    """The fields, ``localizes`` (replay to name a NaN's cause, ADVANCED) and ``records_stacks`` (EXPERT)::
 
         >>> settings = AnomalySettings.from_config(DebugConfig(level="advanced", anomaly_detection_mode="skip"))
         >>> settings.mode, settings.localizes, settings.records_stacks, settings.check_frequency

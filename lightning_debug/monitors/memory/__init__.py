@@ -1,7 +1,4 @@
-"""Memory over the run: readings, ``memory_high``, leaks found and explained, the OOM post-mortem.
-
-The plumbing (:mod:`.monitor`) gathers readings, censuses and allocation history; the rules are pure
-(:mod:`.high`, :mod:`.growth`, :mod:`.post_mortem`)::
+"""Memory over the run: readings, ``memory_high``, leaks found and explained, the OOM post-mortem::
 
     >>> from lightning_debug import DebugConfig
     >>> from lightning_debug.core.monitor import RunContext
@@ -23,8 +20,6 @@ from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.memory.monitor import MemoryMonitor
 from lightning_debug.monitors.memory.settings import MemorySettings
 
-RULE_MODULES = import_rules(__name__, __path__)
-"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
-edit)."""
+RULE_MODULES = import_rules(__name__, __path__)  # each module registers its rules
 
 __all__ = ["MemoryMonitor", "MemorySettings"]

@@ -1,11 +1,7 @@
 """The leak rule: steady growth of a byte count with the steps, suspected, confirmed, explained.
 
-Pure: readings per check step go into a bounded window per series, and a robust trend
-(:func:`~lightning_debug.checks.memory.fit_trend`) says whether it grows steadily. What a healthy run does
-and how it is ruled out, docs/memory.md gives case by case: warm-up, allocator noise (:data:`GROWTH_FLOORS`), a
-one-off, growth that stopped, a growing input (:data:`INPUT_GROWTH`), outputs kept to the epoch's end, a resume.
-
-Example::
+Readings go into a bounded window per series and a robust trend (:func:`~lightning_debug.checks.memory.fit_trend`)
+says whether it grows steadily; docs/memory.md gives the healthy cases ruled out::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> series, verdicts = GrowthSeries(window=32, warmup_readings=0, min_spacing=1), VerdictEngine()
@@ -48,12 +44,11 @@ GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32
 # The latest half of the window must rise at least this share as fast as the whole: growth that goes on.
 RECENT_SLOPE_SHARE = 0.5
 INPUT_GROWTH = 1.5
+# Readings of the next epoch that tell whether a growth kept past its epoch's end goes on (a leak) or stopped.
 CARRIED_READINGS = 4
-"""Readings of the next epoch that tell whether a growth kept past its epoch's end goes on (a leak) or stopped."""
+# The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not).
 INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss"})
-"""The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not)."""
 KEY = "growth"
-"""The key of the one ``memory_growth`` suspicion the verdict engine holds."""
 
 
 class GrowthStatus(StrEnum):
@@ -66,9 +61,7 @@ class GrowthStatus(StrEnum):
 
 
 class GrowthSeries:
-    """Bounded windows of (step, bytes) per series and their trends.
-
-    Example::
+    """Bounded windows of (step, bytes) per series and their trends::
 
         >>> series = GrowthSeries(window=4, warmup_readings=1, min_spacing=10)
         >>> [series.add(step, {"cpu_rss": 1.0}) for step in (0, 10, 15, 20)]
@@ -88,14 +81,13 @@ class GrowthSeries:
         self.epochs: deque[int | None] = deque(maxlen=window)
 
     def takes(self, step: int) -> bool:
-        """Whether :meth:`add` would take the next reading, at ``step`` (a reader may skip what it costs otherwise)."""
+        """Whether :meth:`add` would take a reading at ``step`` (a reader may skip what it costs otherwise)."""
         latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
         return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= self.min_spacing)
 
     def add(self, step: int, values: Mapping[str, float], elements: int | None = None,
             epoch: int | None = None) -> bool:
-        """Add a reading (and the elements of that step's input and its epoch, when known); False (and nothing
-        added) during warm-up or fewer than ``min_spacing`` steps after the last reading of the window."""
+        """Add a reading; False (nothing added) during warm-up or under ``min_spacing`` steps after the last one."""
         takes = self.takes(step)
         self.readings += 1
         if not takes:
@@ -109,17 +101,14 @@ class GrowthSeries:
         return True
 
     def growing(self) -> dict[str, Trend]:
-        """The series that grow steadily (:func:`~lightning_debug.checks.memory.is_steady_growth`), in
-        the order of the reading (exact counts first, the resident set last)."""
+        """The series that grow steadily and still rise, in the order of the reading (the resident set last)."""
         skipped = INPUT_DRIVEN if self.input_grew() else frozenset()
         return {name: trend for name, trend in self.trends.items()
                 if name not in skipped and is_steady_growth(trend, GROWTH_FLOORS[name])
                 and self._still_rising(name, trend)}
 
     def input_grew(self) -> bool:
-        """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half.
-
-        Example::
+        """Whether the window's later half was given ``INPUT_GROWTH`` times the input elements of its earlier half::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_rss": 1.0}, 1024 if step < 4 else 4096) for step in range(8)]
@@ -134,9 +123,7 @@ class GrowthSeries:
         return statistics.median(sizes[half:]) >= INPUT_GROWTH * statistics.median(sizes[:half])
 
     def one_epoch(self) -> int | None:
-        """The epoch of every reading in the window, when they are all from one (None otherwise or unknown).
-
-        Example::
+        """The epoch of every reading in the window, when they are all from one (else None)::
 
             >>> series = GrowthSeries(window=3, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_rss": 1.0}, epoch=step // 4) for step in range(6)]
@@ -147,10 +134,7 @@ class GrowthSeries:
         return epochs.pop() if len(epochs) == 1 else None
 
     def fell_back(self, names: Iterable[str]) -> bool:
-        """Whether the latest reading of one of ``names`` is back at most halfway from the window's peak to where
-        the window began (memory released).
-
-        Example::
+        """Whether one of ``names`` fell back at least halfway from the window's peak to its start (memory released)::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": value}) for step, value in enumerate((1.0, 5.0, 9.0, 2.0))]
@@ -165,9 +149,7 @@ class GrowthSeries:
 
     def goes_on(self, names: Iterable[str], since: int) -> bool | None:
         """Whether one of ``names`` still rises from step ``since`` on, at least ``RECENT_SLOPE_SHARE`` as fast as
-        its window; None while fewer than :data:`CARRIED_READINGS` readings are that recent.
-
-        Example::
+        its window; None while fewer than ``CARRIED_READINGS`` readings are that recent::
 
             >>> series = GrowthSeries(window=16, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": 1e6 * min(step, 8)}) for step in range(11)]
@@ -190,9 +172,7 @@ class GrowthSeries:
                 "epochs": list(self.epochs)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The window of a checkpoint (its trends fitted again).
-
-        Example::
+        """The window of a checkpoint (its trends fitted again)::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": 1e6 * step}, 64, epoch=0) for step in range(4)]
@@ -217,20 +197,15 @@ class GrowthSeries:
         self.epochs.clear()
 
     def _still_rising(self, name: str, trend: Trend) -> bool:
-        """Whether the latest half of ``name``'s window rises at least ``RECENT_SLOPE_SHARE`` as fast as ``trend``."""
+        """Whether the latest half of the window rises at least ``RECENT_SLOPE_SHARE`` as fast as ``trend``."""
         points = list(self.points[name])
         recent = fit_trend(points[-max(3, len(points) // 2):])
         return recent is None or recent.slope >= RECENT_SLOPE_SHARE * trend.slope
 
 
 def judge_growth(step: int, growing: Mapping[str, Trend], verdicts: VerdictEngine) -> Confirmed | None:
-    """One reading that entered the window: growth seen is a suspicion ``verdicts`` holds under the kind's policy.
-
-    Returns what it confirms: ``persisted`` the first time (explain it: the second census), ``again`` while the
-    growth goes on (the finding written at the confirmation, :func:`growth_named`, is recorded again); None while
-    it is only suspected (take the first census) or when nothing grows (a held suspicion ends).
-
-    Example::
+    """One reading in the window: growth is a suspicion held under the kind's policy; returns what it confirms
+    (``persisted`` first: explain it from a second census; ``again`` while it goes on), else None::
 
         >>> verdicts = VerdictEngine()
         >>> judge_growth(0, {"cpu_heap": None}, verdicts), growth_status(verdicts, judged=True).value
@@ -251,30 +226,27 @@ def growth_named(verdicts: VerdictEngine) -> Finding | None:
 
 
 def growth_status(verdicts: VerdictEngine, judged: bool) -> GrowthStatus:
-    """Where the leak rule stands, for the report: from what the engine holds, once a reading was ``judged``."""
+    """Where the leak rule stands, for the report, once a reading was ``judged``."""
     if verdicts.latest(Kind.MEMORY_GROWTH, KEY) is not None:
         return GrowthStatus.SUSPECTED if verdicts.holding(Kind.MEMORY_GROWTH) else GrowthStatus.GROWING
     return GrowthStatus.NONE if judged else GrowthStatus.NOT_ENOUGH
 
 
 def headroom(series: str, reading: MemoryReading) -> tuple[float, str]:
-    """The bytes ``series`` can still grow by, and what runs out: the GPU's free memory for CUDA, else the
-    machine's available memory."""
+    """The bytes ``series`` can still grow by, and what runs out (the GPU, else the machine's available memory)."""
     if series == "cuda_allocated":
         return (reading.cuda_total or 0) - (reading.cuda_allocated or 0), "this GPU"
     return reading.cpu_available, "this machine's available memory"
 
 
 def lasts_past(step: int, end_step: int, growing: Mapping[str, Trend], reading: MemoryReading) -> bool:
-    """Whether memory lasts past ``end_step`` at the rate of the first growing series (see :func:`headroom`)."""
+    """Whether memory lasts past ``end_step`` at the rate of the first growing series."""
     name, trend = next(iter(growing.items()))
     return steps_until_exhausted(trend.slope, headroom(name, reading)[0]) > end_step - step
 
 
 def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: str | None = None) -> dict[str, Any]:
-    """The report's ``growth`` entry: the status, every series' trend and whether it is significant.
-
-    Example::
+    """The report's ``growth`` entry: the status, every series' trend and whether it is significant::
 
         >>> growth_verdict(GrowthStatus.NONE, {})
         {'status': 'no steady growth', 'trends': {}}
@@ -290,10 +262,8 @@ def growth_verdict(status: GrowthStatus, trends: Mapping[str, Trend], message: s
 def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str, Trend], reading: MemoryReading,
                    census_step: int, grown: Sequence[GroupGrowth], graphs: Sequence[GraphGrowth],
                    sites: Sequence[dict[str, Any]], snapshot: str | None, census_ms: float) -> Finding:
-    """The ``memory_growth`` finding: the rate, when memory runs out at that rate, and the cause from
-    the census diff since ``census_step`` (and the CUDA allocation sites still holding memory).
-
-    Example::
+    """The ``memory_growth`` finding: the rate, when memory runs out, and the cause from the census diff since
+    ``census_step`` and the CUDA allocation sites still holding memory::
 
         >>> from lightning_debug.checks.memory import fit_trend
         >>> trend = fit_trend([(step, 2.0**20 * step) for step in range(0, 80, 10)])

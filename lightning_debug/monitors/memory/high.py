@@ -1,8 +1,6 @@
 """The ``memory_high`` rule: a device or the machine nearly full at a check step. The caching allocator keeps
 a healthy run's reserved memory near its peak, which ``memory_high_fraction`` leaves room for; one episode
-per device; on the CPU ``available`` memory (not ``free``: the page cache) is compared.
-
-Example::
+per device; on the CPU ``available`` memory (not ``free``: the page cache) is compared::
 
     >>> from lightning_debug.checks.memory import MemoryReading
     >>> reading = MemoryReading(cpu_rss=2**30, cpu_available=2**30, cpu_total=2**34, cpu_heap=None)
@@ -50,6 +48,6 @@ def high_memory(reading: MemoryReading, step: int, limit: float) -> list[tuple[s
 
 @rule(Kind.MEMORY_HIGH, at=Moment.CHECK_READ)
 def high_at_check(facts: CheckRead) -> list[Recorded]:
-    """The registered rule: :func:`high_memory` on each check step's reading, one episode per device."""
+    """The registered rule: one episode per device."""
     return [Recorded(finding, key=key) for key, finding in high_memory(facts.numbers, facts.step,
                                                                         facts.settings.high_fraction)]

@@ -1,8 +1,5 @@
-"""The CUDA allocator's history of every allocation with its Python stack, on only while needed (it costs a
-few microseconds per allocation): from a suspected leak until it is explained, or the whole run at EXPERT;
-a recording someone else started is never switched off.
-
-Example::
+"""The CUDA allocator's history with Python stacks, on only while needed (a few microseconds per allocation):
+from a suspected leak until it is explained, or the whole run at EXPERT; another's recording is never stopped::
 
     >>> history = AllocationHistory(max_entries=1000)
     >>> history.ours, history.stop(), history.ours
@@ -16,10 +13,8 @@ from typing import Any
 
 import torch
 
-
-# torch's allocator history is private API (``torch.cuda.memory._record_memory_history``, ``_snapshot``, the
-# ``_cuda_isHistoryEnabled`` query): each is looked up when used, and where a torch lacks one, recording is a
-# failure said once (the memory checks go on without allocation sites).
+# torch's allocator history is private API: each function is looked up when used, and where a torch lacks one,
+# recording is a failure said once (the memory checks go on without allocation sites).
 
 
 def snapshot() -> dict[str, Any]:
@@ -31,10 +26,7 @@ def snapshot() -> dict[str, Any]:
 
 
 def record_options(record: Any, max_entries: int) -> dict[str, Any]:
-    """The keywords to switch recording on with, as far as the installed ``record`` takes them: torch < 2.3's
-    has no ``clear_history`` (the history then keeps what an earlier recording left, bounded by ``max_entries``).
-
-    Example::
+    """The keywords the installed ``record`` takes: torch < 2.3's has no ``clear_history``::
 
         >>> def old_record(enabled="all", context="all", stacks="all", max_entries=1): pass
         >>> sorted(record_options(old_record, 10))
@@ -52,7 +44,7 @@ def record_options(record: Any, max_entries: int) -> dict[str, Any]:
 
 
 def history_enabled() -> bool:
-    """Whether the CUDA allocator records its history now (by anyone); False without CUDA."""
+    """Whether the CUDA allocator records its history now (by anyone)."""
     query = getattr(torch._C, "_cuda_isHistoryEnabled", None)
     try:
         return bool(query()) if query is not None else False
@@ -61,14 +53,14 @@ def history_enabled() -> bool:
 
 
 class AllocationHistory:
-    """Switches the recording on and off, remembering whether it was this object that switched it on."""
+    """Switches the recording on and off, remembering whether it switched it on."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
         self.ours = False
 
     def start(self) -> Exception | None:
-        """Record from now on (kept as is when already recording); the failure when it cannot."""
+        """Record from now on (unless already recording); the failure when it cannot."""
         if history_enabled():
             return None
         record = getattr(torch.cuda.memory, "_record_memory_history", None)

@@ -1,6 +1,4 @@
-"""The memory monitor's plumbing: events, readings, the census and allocation history, recording; what is
-judged lives beside it, pure.
-"""
+"""The memory monitor's plumbing: events, readings, the census and allocation history; the rules live beside it."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ from lightning_debug.monitors.memory.settings import MemorySettings
 
 @dataclass
 class _Evidence:
-    """What this process gathered for a held ``memory_growth`` suspicion: the first census (and whether it started
-    the CUDA allocation history). It stays in the process; the suspicion itself is the verdict engine's."""
+    """The first census of a held ``memory_growth`` suspicion (the suspicion itself is the engine's, checkpointed)."""
 
     step: int
     census: Census
@@ -66,8 +63,7 @@ class _Evidence:
 
 class MemoryMonitor(Monitor):
     """See :class:`lightning_debug.MemoryProfilerCallback`. Readings are taken before the optimizer step of check
-    steps (like with like); other steps cost nothing (``due_events``), and phase boundaries are read only from
-    ADVANCED on. An OOM's post-mortem names the phase the run was in (:attr:`.RunLedger.phase`).
+    steps (like with like); other steps cost nothing, and phase boundaries are read only from ADVANCED on.
     """
 
     area = Area.MEMORY
@@ -98,18 +94,15 @@ class MemoryMonitor(Monitor):
         self._peak_since_check = 0
         self._heap_step: int | None = None
         self._elements: int | None = None
-        self.unavailable: dict[str, str] = {}
-        """What this run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
+        self.unavailable: dict[str, str] = {}  # what this run cannot judge, and why (report.json ``unavailable``)
 
     @property
     def current_phase(self) -> MemoryPhase | None:
         """The phase of the step the run is in (None between batches or when not bound to a run)."""
         return self._ledger.phase if self._ledger is not None else None
 
-    # --- events ---------------------------------------------------------------------------------
     def start(self, step: int) -> None:
-        """Learn which device trains. At EXPERT level on CUDA this switches on allocation history for
-        the whole run, so an OOM leaves a full snapshot."""
+        """At EXPERT on CUDA, record the allocation history for the whole run: an OOM leaves a full snapshot."""
         device = self._device = self.context.device()
         self.unavailable = {}
         if self.context.epoch_end_step(step, {"epoch": 0, "batch": 0}) is None:
@@ -151,9 +144,8 @@ class MemoryMonitor(Monitor):
         self.post_mortem(error, step, self.context.where(), batch)
 
     def phase(self, phase: MemoryPhase | None, step: int | None = None) -> None:
-        """``phase`` starts now (None: the current one ends). From ADVANCED, on check steps, read host-side counters:
-        the CUDA peak of the phase that ends, or the CPU heap when it ends.
-        """
+        """``phase`` starts now (None: the current one ends); from ADVANCED, on check steps, read the CUDA peak of
+        the phase that ends, or the CPU heap."""
         if not self.settings.phase_readings:
             return
         if step is not None and not self.due(step):
@@ -171,12 +163,9 @@ class MemoryMonitor(Monitor):
                 self.log_metrics(step, {f"debug/memory/phase/{self._open_phase.value}_mb": value / MB})
         self._open_phase = phase
 
-    # --- the check step -----------------------------------------------------------------------------
     def measure(self, step: int, where: Where, device: torch.device | None) -> None:
-        """Read memory (scalars), test ``memory_high`` and look for steady growth, at the same point of every check
-        step. The C heap (a glibc walk: up to milliseconds) is read only on the trend's readings, once per logging
-        row and every ``min_spacing`` steps.
-        """
+        """Read memory, test ``memory_high`` and look for steady growth. The C heap (a glibc walk: up to
+        milliseconds) is read only on the trend's readings, once per logging row and every ``min_spacing`` steps."""
         started = time.perf_counter()
         self._device = device
         spacing = min(self.settings.min_spacing, self.session.metrics.window if self.bound else 1)
@@ -199,7 +188,6 @@ class MemoryMonitor(Monitor):
         self.close_episodes(step, where, self.kinds)
         self.check_ms.add((time.perf_counter() - started) * 1000)
 
-    # --- leaks ----------------------------------------------------------------------------------------
     def _check_growth(self, reading: MemoryReading, step: int, where: Where) -> None:
         if self._evidence is None and self.verdicts.holding(Kind.MEMORY_GROWTH):  # held from before a resume
             self._evidence = self._gather(step, reading)
@@ -259,10 +247,9 @@ class MemoryMonitor(Monitor):
         self._end_suspicion()
 
     def _waits_for_the_epoch(self, step: int, where: Where, growing: dict[str, Trend], reading: MemoryReading) -> bool:
-        """Whether a confirmed growth waits for the end of its epoch (see :mod:`.growth`: outputs kept for the end
-        of the epoch): the window is within this epoch, memory lasts past its end, and another epoch follows
-        before the run ends, or an earlier epoch's growth was released at its end (the last epoch's ends with
-        the run)."""
+        """Whether a confirmed growth waits for its epoch's end (outputs kept for an epoch-level metric): the window
+        is within this epoch, memory lasts past its end, and another epoch follows (or an earlier one's growth was
+        released at its end: the last epoch's ends with the run)."""
         epoch = where.get("epoch")
         if epoch is None or self.windows.one_epoch() != epoch:
             return False
@@ -322,15 +309,13 @@ class MemoryMonitor(Monitor):
                               snapshot_path, self.census_ms.last)
 
     def growth_verdict(self) -> dict[str, Any]:
-        """The report's ``growth`` entry: where the leak rule stands (the verdict engine's hold) and the trends."""
+        """The report's ``growth`` entry: where the leak rule stands and the trends."""
         named = growth_named(self.verdicts)
         status = growth_status(self.verdicts, judged=self.windows.readings > self.windows.warmup_readings)
         return growth_verdict(status, self.windows.trends, named.message if named is not None else None)
 
-    # --- out of memory ---------------------------------------------------------------------------------
     def post_mortem(self, exception: BaseException, step: int, where: Where, batch: object | None) -> None:
-        """After an out-of-memory error (anything else is ignored): write ``oom_step<N>.md`` and an
-        ``oom`` event. Reads only; the caller re-raises ``exception`` unchanged."""
+        """After an out-of-memory error: write ``oom_step<N>.md`` and an ``oom`` event (the caller re-raises)."""
         if not is_out_of_memory(exception):
             return
         index = cuda_index(self._device)
@@ -353,9 +338,7 @@ class MemoryMonitor(Monitor):
             self.oom_files.append(str(path))
         self.record(oom_finding(evidence, str(path) if path else None, snapshot_path), step, where, key=str(step))
 
-    # --- the end ---------------------------------------------------------------------------------------
     def finalize(self, step: int) -> None:
-        """Close open episodes and stop the allocation history this monitor started."""
         self._evidence = None
         super().finalize(step)
         self.restore()

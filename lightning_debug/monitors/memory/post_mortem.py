@@ -1,7 +1,4 @@
-"""The out-of-memory post-mortem: the ``oom_step<N>`` document and the critical ``oom`` finding pointing at it,
-from what the plumbing gathered; only an out-of-memory exception gets one.
-
-Example::
+"""The out-of-memory post-mortem: the ``oom_step<N>`` document and the critical ``oom`` finding pointing at it::
 
     >>> from lightning_debug.checks.memory import MemoryPhase, MemoryReading, oom_fixes
     >>> evidence = OomEvidence(step=3, phase="backward", error="OutOfMemoryError: CUDA out of memory",
@@ -23,8 +20,7 @@ from lightning_debug.core.kinds import Kind, Severity
 
 @dataclass(frozen=True)
 class OomEvidence:
-    """What was seen when memory ran out: the phase (or "outside a training step"), the error text,
-    a reading, the batch's tensors, the largest census groups and the fixes to try."""
+    """What was seen when memory ran out."""
 
     step: int
     phase: str
@@ -37,10 +33,8 @@ class OomEvidence:
 
 
 def fragmentation_share(reading: MemoryReading) -> float:
-    """The share of the device reserved by the caching allocator but not allocated (0 off CUDA): above
-    a tenth, the fixes start with ``expandable_segments``.
-
-    Example::
+    """The share of the device reserved but not allocated (0 off CUDA): above a tenth, the fixes start with
+    ``expandable_segments``::
 
         >>> fragmentation_share(MemoryReading(1, 2, 3, None, cuda_allocated=50, cuda_reserved=70, cuda_total=100))
         0.2
@@ -58,7 +52,7 @@ def oom_document(evidence: OomEvidence, snapshot: str | None) -> dict[str, Any]:
 
 
 def oom_finding(evidence: OomEvidence, path: str | None, snapshot: str | None) -> Finding:
-    """The critical ``oom`` finding, pointing at the post-mortem written to ``path`` (None: not written)."""
+    """The critical ``oom`` finding, pointing at the post-mortem at ``path``."""
     fixes = evidence.fixes
     first_line = evidence.error.splitlines()[0][:300]
     message = (f"Out of memory at step {evidence.step} during {evidence.phase} ({first_line})."

@@ -1,6 +1,4 @@
-"""What the memory area reads from :class:`~lightning_debug.config.DebugConfig`, typed and frozen.
-
-Example::
+"""What the memory area reads from :class:`~lightning_debug.config.DebugConfig`, typed and frozen::
 
     >>> from lightning_debug import DebugConfig
     >>> settings = MemorySettings.from_config(DebugConfig(memory_profiling_frequency=5, level="advanced"))
@@ -17,10 +15,7 @@ from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_v
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """The memory area's settings: ``DebugConfig``'s fields, the allocator read at every phase of a check step
-    (ADVANCED), every CUDA allocation recorded for the whole run (EXPERT), the growth trend's ``window``,
-    ``warmup_readings`` left out and ``min_spacing`` between readings, and the longest allocation history.
-    """
+    """The fields, the phase readings (ADVANCED), the whole-run allocation history (EXPERT), the growth window."""
 
     frequency: int = config_value("memory_profiling_frequency")
     high_fraction: float = config_value("memory_high_fraction")
