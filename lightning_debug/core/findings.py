@@ -42,9 +42,8 @@ class EpisodePhase(StrEnum):
 
 
 class Tally:
-    """Per kind: episodes, affected check steps, first and last step, first message, and the kind it
-    follows from (``consequence_of``, when its first finding named one: the report lists it after that kind). Kept
-    in each monitor's ``state_dict`` so counts continue across a resume."""
+    """Per kind: episodes, check steps, first and last step, first message, and ``consequence_of`` (the report lists
+    it after that kind). Kept in each monitor's ``state_dict`` so counts continue across a resume."""
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}
@@ -70,11 +69,8 @@ class Tally:
 
 
 class Episodes:
-    """Turns a condition observed on successive check steps into start and end events: a NaN on every step writes one
-    line, and :meth:`close_missing` ends an episode only after ``grace`` check steps without it, so a value hovering
-    around a threshold does not open and close one on every check.
-
-    Example::
+    """Turns a condition observed on successive check steps into start and end events: :meth:`close_missing` ends an
+    episode only after ``grace`` check steps without it, so a value hovering at a threshold does not flap.
 
         >>> episodes = Episodes()
         >>> [str(episodes.observe(("nonfinite_loss", ""), step=s)) for s in (5, 6)]
@@ -130,10 +126,8 @@ def root_of(kind: str, findings: Mapping[str, dict[str, Any]]) -> str:
 
 
 def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Root causes first: most severe first, then by first step, then in causal order within a step; a consequence
-    (``consequence_of``) comes right after the finding it follows from, whatever its own severity or step.
-
-    Example::
+    """Root causes first (most severe, then first step, then causal order within a step); a consequence comes right
+    after the finding it follows from, whatever its own severity or step.
 
         >>> list(order_findings({"nonfinite_grad": {"severity": "error", "first_step": 3},
         ...                     "nonfinite_loss": {"severity": "error", "first_step": 3,

@@ -115,7 +115,7 @@ class DistributionStats(RunningStats):
 
 
 class Window:
-    """The last ``size`` values, for medians and trends over recent steps."""
+    """The last ``size`` finite values, for medians and trends over recent steps."""
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)

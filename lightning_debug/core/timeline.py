@@ -1,8 +1,5 @@
-"""What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding.
-
-The session feeds a :class:`Timeline` with the ``debug/`` scalars and events it writes; offline,
-``lightning_debug.report.offline`` rebuilds it from events.jsonl and the TensorBoard files.
-"""
+"""What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding
+(fed by the session; rebuilt offline by ``lightning_debug.report.offline``)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ PER_OPTIMIZER_NORM = "debug/grad/global_norm_optimizer_"
 """With several optimizers the global norm is one series per optimizer (``..._optimizer_<i>``), plotted too."""
 MAX_OPTIMIZER_SERIES = 8
 LOSS_SERIES = "loss"
-"""The series of the training loss: what the anomaly check read on its check steps, or, rebuilt offline,
-the first logged tag outside ``debug/`` whose name holds ``loss`` (``train_loss``)."""
+"""The training loss: what the anomaly check read, else the first logged tag outside ``debug/`` holding ``loss``."""
 MAX_POINTS = 2048
 MAX_EVENTS = 4096
 MAX_TAGS = 10_000
@@ -34,8 +30,6 @@ MAX_KINDS = 1000
 class Series:
     """A bounded ``(step, value)`` history of one scalar: past ``max_points``, neighbouring pairs are merged
     (keeping the larger value, so a spike survives) and only every second new point is taken, and so on.
-
-    Example::
 
         >>> series = Series(max_points=4)
         >>> for step in range(8):
@@ -126,8 +120,6 @@ class Timeline:
     def optimizer_norms(self) -> list[str]:
         """The per-optimizer global norm series held, in the optimizers' order.
 
-        Example::
-
             >>> timeline = Timeline()
             >>> timeline.observe_metrics({"debug/grad/global_norm_optimizer_1": 2.0,
             ...                           "debug/grad/global_norm_optimizer_0": 1.0}, 3)
@@ -138,10 +130,8 @@ class Timeline:
                       key=lambda tag: (len(tag), tag))
 
     def observe_loss(self, step: int, value: float) -> None:
-        """The training loss of optimizer step ``step``, as the anomaly check read it (host float); it
-        replaces a loss taken from logged tags, and a NaN/Inf loss leaves a gap.
-
-        Example::
+        """The training loss of ``step`` as the anomaly check read it: it replaces a loss taken from logged tags, and
+        a NaN/Inf loss leaves a gap.
 
             >>> timeline = Timeline()
             >>> timeline.observe_metrics({"train_loss": 2.5, "debug/grad/global_norm": 1.0}, 0)
