@@ -143,17 +143,23 @@ class Gate:
         while self._plan:
             self._empty(self._plan.pop(0))
 
+    def _enter(self, name: str, contribute: Callable[[], Any] | None, device: Any = None,
+               size: int | None = None) -> Any:
+        """Reach ``name`` on the plan, note it in :attr:`log` and return this rank's contribution (None: empty)."""
+        self._reach(name)
+        own = self._contribution(name, contribute, device, size)
+        self.log.append((self.step, name))
+        return own
+
     def sum(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
             device: Any = None) -> tuple[torch.Tensor, int]:
         """The sum over ranks of ``contribute()`` and how many ranks sent an empty one (zeros)."""
-        self._reach(name)
         device = _device(device)
+        own = self._enter(name, contribute, device, size)
         vector = torch.zeros(size + 1, dtype=torch.float64, device=device)
-        own = self._contribution(name, contribute, device, size)
         if own is not None:
             vector[:size] = own
         vector[size] = 1.0 if own is None else 0.0
-        self.log.append((self.step, name))
         if distributed()[1] > 1:
             dist.all_reduce(vector)
         return vector[:size], int(round(float(vector[size])))
@@ -162,12 +168,10 @@ class Gate:
              device: Any = None, transport: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Every rank's row of ``size`` float64 (NaN for an empty one), one after the other, gathered by ``transport``
         (the framework's all-gather) or ``torch.distributed``; the copy to the host is the caller's."""
-        self._reach(name)
         device = _device(device)
-        row = self._contribution(name, contribute, device, size)
+        row = self._enter(name, contribute, device, size)
         if row is None:
             row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
-        self.log.append((self.step, name))
         if transport is not None:
             return transport(row).reshape(-1)
         world = distributed()[1]
@@ -179,10 +183,8 @@ class Gate:
 
     def gather(self, name: str, contribute: Callable[[], Any] | None) -> list[Any]:
         """Every rank's ``contribute()`` (None for an empty one)."""
-        self._reach(name)
-        own = self._contribution(name, contribute)
-        self.log.append((self.step, name))
-        rank, world = distributed()
+        own = self._enter(name, contribute)
+        world = distributed()[1]
         if world < 2:
             return [own]
         gathered: list[Any] = [None] * world
@@ -334,14 +336,10 @@ def merge_failures(own: dict[str, dict[str, Any]], gathered: list[Any], rank: in
 
 
 def gather_failures(own: dict[str, dict[str, Any]],
-                    gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[Any] | None:
-    """Every rank's failed checks (one gather after :func:`bounded_wait`); call on every rank. None on one."""
-    world = distributed()[1]
-    if world < 2:
+                    gather: Callable[[Callable[[], Any]], list[Any]]) -> list[Any] | None:
+    """Every rank's failed checks (``gather``, the run's gate, after :func:`bounded_wait`); call on every rank. None
+    on one process."""
+    if distributed()[1] < 2:
         return None
     bounded_wait()
-    if gather is not None:
-        return gather(lambda: own)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, own)
-    return gathered
+    return gather(lambda: own)

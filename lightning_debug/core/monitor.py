@@ -242,11 +242,6 @@ class Monitor:
                                   dict(totals, written=self.max_episode_events)),
                           entry["last_step"], where, episode=EpisodePhase.SUMMARY, console=False)
 
-    def _close_summaries(self, kinds: set[str], where: Where | None) -> None:
-        for kind in sorted(kinds):
-            if self.tally.kinds.get(kind, {}).get("episodes", 0) > self.max_episode_events:
-                self._write_summary(kind, where)
-
     def emit(self, finding: Finding, step: int, where: Where | None = None) -> None:
         """Write a one-off event that is counted but opens no episode (a profiler trace, a fit-start fact)."""
         self.tally.record(step, finding, True)
@@ -307,8 +302,9 @@ class Monitor:
         if healthy and not final:
             return
         kinds = {str(kind) for kind in kinds}
-        if final:
-            self._close_summaries(kinds, where)
+        for kind in sorted(kinds) if final else []:
+            if self.tally.kinds.get(kind, {}).get("episodes", 0) > self.max_episode_events:
+                self._write_summary(kind, where)
         if healthy:
             return
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):

@@ -10,12 +10,15 @@ from typing import Any
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import severity_rank
 
-PLOTTED_TAGS = (
-    "debug/perf/step_ms", "debug/perf/data_ms",
-    "debug/memory/cpu_rss_mb", "debug/memory/cpu_heap_mb", "debug/memory/cuda_allocated_mb", "debug/memory/cuda_reserved_mb",
-    "debug/memory/cuda_peak_mb",
-    "debug/grad/global_norm", "debug/anomaly/count", "debug/loss_finite",
-)
+AREA_NAMES = {
+    "debug/perf/step_ms": "step_time_ms", "debug/perf/data_ms": "data_time_ms",
+    "debug/memory/cpu_rss_mb": "memory/cpu_rss_mb", "debug/memory/cpu_heap_mb": "memory/cpu_heap_mb",
+    "debug/memory/cuda_allocated_mb": "memory/cuda_allocated_mb",
+    "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
+    "debug/grad/global_norm": "gradient_norm",
+}
+"""report.json's ``stats`` name of each plotted series that has one."""
+PLOTTED_TAGS = (*AREA_NAMES, "debug/anomaly/count", "debug/loss_finite")
 PER_OPTIMIZER_NORM = "debug/grad/global_norm_optimizer_"
 """With several optimizers the global norm is one series per optimizer (``..._optimizer_<i>``), plotted too."""
 MAX_OPTIMIZER_SERIES = 8
@@ -216,12 +219,3 @@ class Timeline:
                 out[AREA_NAMES[tag]] = {"count": len(values), "mean": sum(values) / len(values),
                                         "min": min(values), "max": max(values), "last": values[-1]}
         return out
-
-
-AREA_NAMES = {
-    "debug/perf/step_ms": "step_time_ms", "debug/perf/data_ms": "data_time_ms",
-    "debug/memory/cpu_rss_mb": "memory/cpu_rss_mb", "debug/memory/cpu_heap_mb": "memory/cpu_heap_mb",
-    "debug/memory/cuda_allocated_mb": "memory/cuda_allocated_mb",
-    "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
-    "debug/grad/global_norm": "gradient_norm",
-}

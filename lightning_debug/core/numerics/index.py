@@ -138,14 +138,12 @@ def watch_model(model: nn.Module | None) -> None:
         _watched.update(model.modules())
 
 
-def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
-    if (_every_module[0] or module in _watched) and module._parameters.get(name) is not param:
-        _registrations[0] += 1
-
-
-def _count_module(module: nn.Module, name: str, submodule: Any) -> None:
-    if (_every_module[0] or module in _watched) and module._modules.get(name) is not submodule:
-        _registrations[0] += 1
+def _counter(table: str) -> Callable[[nn.Module, str, Any], None]:
+    """A registration hook that counts a new object in a slot of ``module.<table>`` of a watched module."""
+    def count(module: nn.Module, name: str, value: Any) -> None:
+        if (_every_module[0] or module in _watched) and getattr(module, table).get(name) is not value:
+            _registrations[0] += 1
+    return count
 
 
 _handles: list[RemovableHandle] = []
@@ -191,8 +189,8 @@ def watch_registrations() -> Lease:
     lease = Lease()
     if not _handles:
         _registrations[0] += 1  # a change made while nothing counted: every index made before is checked again
-        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_count_parameter))
-        _handles.append(nn.modules.module.register_module_module_registration_hook(_count_module))
+        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_counter("_parameters")))
+        _handles.append(nn.modules.module.register_module_module_registration_hook(_counter("_modules")))
     return lease
 
 
