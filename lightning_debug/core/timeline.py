@@ -204,10 +204,9 @@ class Timeline:
             entry = out.get(kind)
             if entry is None:
                 continue
-            entry["episodes"] = max(entry["episodes"], totals["episodes"])
-            entry["steps"] = max(entry["steps"], totals["steps"])
+            for name in ("episodes", "steps", "last_step"):
+                entry[name] = max(entry[name], totals[name])
             entry["first_step"] = min(entry["first_step"], totals["first_step"])
-            entry["last_step"] = max(entry["last_step"], totals["last_step"])
         return order_findings(out)
 
     def stats(self) -> dict[str, dict[str, Any]]:
