@@ -3,7 +3,6 @@
 A BatchNorm forward updates its running statistics before anything can tell whether the step is healthy, so
 skipping the optimizer step would leave them poisoned (docs/anomaly.md, "skip"): :class:`BufferSnapshot` copies
 them on the device before a check step's forward and back when the step is skipped.
-
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     >>> snapshot = BufferSnapshot()
     >>> snapshot.take(model, step=0)
@@ -106,7 +105,6 @@ class BufferWatch:
     weights stay finite. So each buffer's largest magnitude is taken (a fused norm of order infinity, which cannot
     overflow as a sum of squares can) and their maximum travels in the step's one read-back. A buffer not finite
     when first seen is a constant the model means (an attention mask of ``-inf``) and is not watched.
-
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         >>> model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
         >>> watch = BufferWatch()

@@ -32,7 +32,6 @@ class EventLog:
 
     A failed write (a disk full for a while) is recorded once and its line kept for the next write, so nothing is
     lost; past :attr:`max_pending` lines the oldest are dropped and counted; a line cut off by a crash is ended first.
-
         >>> import tempfile
         >>> log = EventLog(Path(tempfile.mkdtemp()), Failures())
         >>> log.write({"step": 1, "kind": "slow_step"}); log.pending, log.path.read_text().count("\\n")

@@ -122,7 +122,6 @@ class Confirm:
     held as long as it lasts; none: confirmed at once. ``else_kind``: what an unconfirmed suspicion becomes (None:
     dismissed); ``backdate``: one confirmed by persisting is recorded at every step it was held; ``max_held``: held
     per scope at most (the oldest is then decided as at the end).
-
         >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
         >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
         (3, 8, True, False)

@@ -87,7 +87,6 @@ class MetricsWriter:
     A counter is first written once it is not 0, so a healthy run's TensorBoard opens on the charts that move.
     Steps are written in order once the caller says no more values for them will come (:meth:`flush_before`), so
     values read back a step late land at the step they describe.
-
         >>> written = []
         >>> writer = MetricsWriter(lambda metrics, step: written.append((step, metrics)), Failures(),
         ...                        log_every_n_steps=5)

@@ -4,7 +4,6 @@ monitor runs it there, so adding a check edits no monitor.
 A rule is a function of one *facts* object, built once per moment for every rule of that moment; what it returns
 goes down one path by type (``Monitor.take``). The kind's area (``KindSpec.area``) is the rule's area. An area
 package imports its rule modules itself (:func:`import_rules`), so a new rule module needs no import edit anywhere.
-
     >>> from lightning_debug.core.findings import Finding
     >>> from lightning_debug.core.kinds import Kind, Severity
     >>> def judge(facts: FitStart) -> Finding:

@@ -3,7 +3,6 @@
 The anomaly and gradient checks both need gradient norms: :class:`StepNumerics` does one fused pass, packs it
 (per-rank flags included) into one device vector, reduces it with one collective and reads it back at most once,
 now or a step later; docs/architecture.md describes it.
-
     >>> import torch
     >>> from torch import nn
     >>> from lightning_debug.core.numerics import NumericsQueue

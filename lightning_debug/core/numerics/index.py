@@ -3,7 +3,6 @@
 A :class:`ParameterIndex` is rebuilt only when a registration puts a different object into a slot of a watched
 module (Llama-family decoders register every layer again in each forward, so not every registration is a change).
 The two registration hooks are process-wide: a run holds them by a :class:`Lease`.
-
     >>> lease = watch_registrations()
     >>> model = nn.Sequential(nn.Linear(2, 2))
     >>> watch_model(model)
