@@ -114,14 +114,9 @@ class Until(StrEnum):
 
 @dataclass(frozen=True)
 class Confirm:
-    """A kind's confirmation policy, applied by :class:`lightning_debug.core.verdicts.VerdictEngine` (a non-finite
-    value is never held back).
-
-    ``patience``: suspicious observations in a row that confirm a key (``variants``: another patience for a named
-    variant); ``follow_up``: readings after it above its bound that confirm it, one under dismissing it; ``until``:
-    held as long as it lasts; none: confirmed at once. ``else_kind``: what an unconfirmed suspicion becomes (None:
-    dismissed); ``backdate``: one confirmed by persisting is recorded at every step it was held; ``max_held``: held
-    per scope at most (the oldest is then decided as at the end).
+    """A kind's confirmation policy, applied by :class:`lightning_debug.core.verdicts.VerdictEngine`; its fields are
+    in docs/architecture.md ("Suspect, hold, confirm"). ``max_held``: held per scope at most (the oldest is then
+    decided as at the end). A non-finite value is never held back.
         >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
         >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
         (3, 8, True, False)

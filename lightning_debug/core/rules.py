@@ -1,9 +1,6 @@
 """The registry of rules: a rule module says which kinds it makes and at which moment it runs, and its area's
-monitor runs it there, so adding a check edits no monitor.
-
-A rule is a function of one *facts* object, built once per moment for every rule of that moment; what it returns
-goes down one path by type (``Monitor.take``). The kind's area (``KindSpec.area``) is the rule's area. An area
-package imports its rule modules itself (:func:`import_rules`), so a new rule module needs no import edit anywhere.
+monitor runs it there on one *facts* object (docs/architecture.md, "A check is a rule"). An area package imports its
+rule modules itself (:func:`import_rules`), so a new rule module needs no import edit anywhere.
     >>> from lightning_debug.core.findings import Finding
     >>> from lightning_debug.core.kinds import Kind, Severity
     >>> def judge(facts: FitStart) -> Finding:

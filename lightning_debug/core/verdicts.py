@@ -1,10 +1,6 @@
-"""One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end.
-
-A healthy model can look wrong for a step (a norm spikes and falls back, a warm-up starts at a learning rate of 0),
-so a rule says only what one observation suggests (a :class:`Suspicion`); how long it is held is the kind's
-:class:`~lightning_debug.core.kinds.Confirm` policy, applied here for every kind the same way and checkpointed with
-the monitor, so a resume mid-suspicion reports it as an uninterrupted run would. An invariant no policy overrides: a
-suspicion whose value is not finite is confirmed at once.
+"""One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end
+(docs/architecture.md, "Suspect, hold, confirm"). An invariant no policy overrides: a suspicion whose value is not
+finite is confirmed at once.
 
 Example::
 
