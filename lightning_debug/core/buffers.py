@@ -2,10 +2,7 @@
 
 A BatchNorm forward updates its running statistics before anything can tell whether the step is healthy, so
 skipping the optimizer step would leave them poisoned (docs/anomaly.md, "skip"): :class:`BufferSnapshot` copies
-them on the device before a check step's forward (no sync) and copies them back when the step is skipped.
-
-Example::
-
+them on the device before a check step's forward and back when the step is skipped.
     >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     >>> snapshot = BufferSnapshot()
     >>> snapshot.take(model, step=0)
@@ -31,12 +28,14 @@ from lightning_debug.checks import fused
 NORM_MODULES = getattr(batchnorm, "_NormBase", None) or (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d,
     nn.InstanceNorm3d)
-SMALL_NUMEL_CPU = 4096
-"""On the CPU, buffers of at most this many elements are joined into one vector and read at once."""
+SMALL_NUMEL_CPU = 4096  # on the CPU, buffers this small are joined into one vector and read at once
 
 
-def _changed_by_forward(module: nn.Module, name: str) -> bool:
-    return isinstance(module, NORM_MODULES) or name.startswith("running_") or name == "num_batches_tracked"
+def _named_buffers(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(dotted name, module, attribute, buffer) of every buffer of ``model``."""
+    return [(f"{prefix}.{name}" if prefix else name, module, name, buffer)
+            for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
+            if buffer is not None]
 
 
 class BufferSnapshot:
@@ -52,10 +51,9 @@ class BufferSnapshot:
     def _collect(self, model: nn.Module) -> None:
         if self._module_id != id(model):
             self._module_id = id(model)
-            self._holders = [(f"{prefix}.{name}" if prefix else name, module, name)
-                             for prefix, module in model.named_modules()
-                             for name, buffer in module._buffers.items()
-                             if buffer is not None and _changed_by_forward(module, name)]
+            self._holders = [(name, module, attr) for name, module, attr, _ in _named_buffers(model)
+                             if isinstance(module, NORM_MODULES) or attr.startswith("running_")
+                             or attr == "num_batches_tracked"]
 
     def buffers(self, model: nn.Module) -> list[torch.Tensor]:
         """The current tensors (``.to()`` replaces buffer objects, so they are looked up each time)."""
@@ -104,13 +102,9 @@ class BufferWatch:
     """The floating and complex buffers of one model, measured together on check steps (no sync).
 
     A finite input of 1e20 gives a batch variance of 1e40, Inf in float32, while the loss, the gradients and the
-    weights stay finite; evaluation then runs on broken statistics for good. So on a check step each buffer's largest
-    magnitude is taken (a fused norm of order infinity, which cannot overflow as a sum of squares can) and their
-    maximum travels in the step's one read-back. A buffer not finite when first seen is a constant the model means
-    (an attention mask of ``-inf``) and is not watched.
-
-    Example::
-
+    weights stay finite. So each buffer's largest magnitude is taken (a fused norm of order infinity, which cannot
+    overflow as a sum of squares can) and their maximum travels in the step's one read-back. A buffer not finite
+    when first seen is a constant the model means (an attention mask of ``-inf``) and is not watched.
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
         >>> model.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
         >>> watch = BufferWatch()
@@ -134,9 +128,7 @@ class BufferWatch:
     def _collect(self, model: nn.Module) -> None:
         if self._module_id == id(model):
             return
-        named = [(f"{prefix}.{name}" if prefix else name, module, name, buffer)
-                 for prefix, module in model.named_modules() for name, buffer in module._buffers.items()
-                 if buffer is not None]
+        named = _named_buffers(model)
         # a lazy module's buffers exist after its first forward: looked for again until then
         self._module_id = None if any(is_lazy(buffer) for *_, buffer in named) else id(model)
         holders = [(name, module, attr) for name, module, attr, buffer in named if not is_lazy(buffer)
@@ -177,8 +169,7 @@ class BufferWatch:
 
 def _plan(buffers: list[torch.Tensor]) -> list[tuple[str, list[torch.Tensor]]]:
     """How to read ``buffers``: per device and dtype, ``torch._foreach_norm`` (one kernel per dtype on a GPU, but one
-    per tensor on the CPU, where the small buffers, running statistics of one value per channel, are joined into one
-    vector and read by one ``abs().max()``: flat views, made once)."""
+    per tensor on the CPU, where the small buffers are joined into one vector read by one ``abs().max()``)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for buffer in buffers:
         groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)

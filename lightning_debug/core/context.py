@@ -1,6 +1,5 @@
-"""What a training framework tells a run: where files go, who writes, how to reach the model and loggers. The
-Lightning and Accelerate adapters each subclass :class:`RunContext`; a hand-written loop or a test overrides only
-what it has (usually :meth:`RunContext.module`).
+"""What a training framework tells a run: where files go, who writes, how to reach the model and loggers. Each
+adapter subclasses :class:`RunContext`; a hand-written loop or a test overrides only what it has.
 
 Example::
 
@@ -45,11 +44,7 @@ def exit_code(error: BaseException | None) -> int | None:
 
 
 class RunStatus(StrEnum):
-    """How a run ended (``status`` of report.json); a ``str`` enum, so ``status == "finished"`` keeps working.
-
-    ``UNKNOWN`` is only for a report rebuilt offline from a run that never wrote one.
-
-    Example::
+    """How a run ended (``status`` of report.json); ``UNKNOWN``: a report rebuilt offline from a run that wrote none.
 
         >>> RunStatus.of(None), RunStatus.of(KeyboardInterrupt()), RunStatus.of(ValueError("x"))
         (<RunStatus.FINISHED: 'finished'>, <RunStatus.INTERRUPTED: 'interrupted'>, <RunStatus.FAILED: 'failed'>)
@@ -66,9 +61,8 @@ class RunStatus(StrEnum):
 
     @classmethod
     def of(cls, error: BaseException | None) -> "RunStatus":
-        """The status of a run that ended with ``error`` (None: it finished). Ctrl-C, SIGTERM (Lightning's
-        ``SIGTERMException``, a ``SystemExit``) and an exit with no code or a signal's are interruptions; a
-        ``SystemExit`` with any other non-zero code (``sys.exit(3)`` in a step) failed, as any other error."""
+        """The status of a run that ended with ``error`` (None: finished). Ctrl-C, SIGTERM (Lightning's
+        ``SIGTERMException``) and an exit with no code or a signal's are interruptions; any other error failed."""
         if error is None:
             return cls.FINISHED
         if isinstance(error, KeyboardInterrupt):
@@ -80,7 +74,7 @@ class RunStatus(StrEnum):
 
     @classmethod
     def parse(cls, value: "RunStatus | str") -> "RunStatus":
-        """A status given as the enum or its string (``"finished"``, ``"failed"``, ``"interrupted"``)."""
+        """A status given as the enum or its string."""
         try:
             return cls(str(value).strip().lower())
         except ValueError:
@@ -89,11 +83,8 @@ class RunStatus(StrEnum):
 
 
 def epoch_end(step: int, batch: Any, batches: Any, accumulate: int) -> int | None:
-    """The last optimizer step of the epoch that optimizer step ``step`` belongs to, from the index ``batch`` of
-    its (first) micro-batch within the epoch, the epoch's ``batches`` and the micro-batches per optimizer step
-    (None when either is unknown).
-
-    Example::
+    """The last optimizer step of ``step``'s epoch, from its first micro-batch's index ``batch``, the epoch's
+    ``batches`` and the micro-batches per step (None when either is unknown).
 
         >>> epoch_end(12, batch=2, batches=10, accumulate=1), epoch_end(3, batch=4, batches=8, accumulate=2)
         (19, 4)
@@ -105,8 +96,7 @@ def epoch_end(step: int, batch: Any, batches: Any, accumulate: int) -> int | Non
 
 
 class RunContext:
-    """What a training framework tells a run; the defaults describe a single process that writes no files and logs
-    nowhere, which is what a hand-written loop or a test starts from."""
+    """What a training framework tells a run; the defaults: a single process that writes no files and logs nowhere."""
 
     output_dir: Path | None = None
     output_problem: str | None = None  # why output_dir is None although files were asked for
@@ -117,18 +107,14 @@ class RunContext:
     # Plain (non-DTensor) parameters are per-rank shards: FSDP1 flat parameters, DeepSpeed ZeRO.
     grads_sharded: bool = False
     uses_grad_scaler: bool = False
-    log_every_n_steps: int | None = None
-    """The framework's logging cadence for scalars (None: every check step; 0: none)."""
+    log_every_n_steps: int | None = None  # the framework's logging cadence (None: every check step; 0: none)
     logs_rows: bool = False
-    """Whether the adapter takes the scalars (``MetricsWriter.take``) and logs them on the framework's own rows
-    (Lightning: through ``LightningModule.log``) rather than through :meth:`metrics_sink`."""
-    ledger: RunLedger | None = None
-    """The run's ledger (given by the run that uses this context): where the loop is."""
+    """Whether the adapter logs the scalars on the framework's own rows (``MetricsWriter.take``), not the sink."""
+    ledger: RunLedger | None = None  # set by the run that uses this context: where the loop is
 
     @property
     def optimizer_index(self) -> int | None:
-        """With several optimizers, the position in :meth:`optimizers` of the one being stepped (the run's
-        :class:`StepRecord`; events then carry it as ``optimizer``); None otherwise."""
+        """With several optimizers, the position of the one being stepped (events carry it); None otherwise."""
         return self.ledger.record.optimizer_index if self.ledger is not None else None
 
     def device(self) -> torch.device | None:
@@ -146,8 +132,7 @@ class RunContext:
         return [group for optimizer in self.optimizers() for group in optimizer.param_groups]
 
     def optimizers(self) -> list[Any]:
-        """The run's optimizers, in the user's order. With more than one, each optimizer step is judged
-        on the parameters that optimizer owns, and its checks count that optimizer's own steps."""
+        """The run's optimizers, in the user's order (with several, each step is judged on the one stepped)."""
         return []
 
     def where(self) -> Where:
@@ -158,8 +143,7 @@ class RunContext:
         return None
 
     def console_printer(self) -> Callable[[str], None] | None:
-        """Where the run's console lines go while it is live (Lightning: the active progress bar's ``print``;
-        Accelerate: ``accelerator.print``, the main process only); None: ``stderr``."""
+        """Where console lines go while the run is live (the progress bar's ``print``); None: ``stderr``."""
         return None
 
     def exposed_metrics_sink(self) -> Callable[[dict[str, float]], None] | None:
@@ -175,8 +159,7 @@ class RunContext:
         return None
 
     def all_reduce(self) -> AllReduce | None:
-        """Sums a tensor over every process in place (``torch.distributed``, the WORLD group); None on one
-        process. The shared gradient pass makes exactly one such call per check step, on every rank."""
+        """Sums a tensor over every process in place (the WORLD group); None on one process."""
         if self.world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return lambda tensor: dist.all_reduce(tensor)
         return None
@@ -194,27 +177,24 @@ class RunContext:
         return None
 
     def gradient_clipping(self) -> tuple[float, str] | None:
-        """The gradient clipping the loop applies after the checks saw the gradients: ``(value, "norm")`` or
-        ``(value, "value")``, None when it does not clip (or the framework does not say)."""
+        """The clipping applied after the checks saw the gradients: ``(value, "norm" | "value")``, or None."""
         return None
 
     def schedule(self) -> tuple[int | None, list[str]]:
-        """How many optimizer steps the run will take (None: not known) and the class names of its
-        learning-rate schedulers: what tells a schedule that ends at 0 from one that stops training early."""
+        """The run's length in optimizer steps (None: unknown) and its schedulers' class names: what tells a
+        schedule that ends at 0 from one that stops training early."""
         return None, []
 
     def epoch_end_step(self, step: int, where: Where) -> int | None:
-        """The last optimizer step of the epoch that optimizer step ``step`` (at ``where``) belongs to, when the
-        epoch's length is known (None: not known, as for an iterable dataset)."""
+        """The last optimizer step of ``step``'s epoch (None: unknown, as for an iterable dataset)."""
         return None
 
     def train_loader(self) -> Any:
         return None
 
     def profiler_in_use(self) -> str | None:
-        """Who else records this run with torch.profiler, in a sentence (Lightning: ``Trainer(profiler="pytorch")``);
-        None when the framework runs no such profiler. torch runs one profiler at a time, so the performance
-        monitor's ``profile_steps`` window is then skipped and says this sentence once."""
+        """Who else records this run with torch.profiler, in a sentence (None: nobody). torch runs one profiler at a
+        time, so the ``profile_steps`` window is then skipped and says this sentence once."""
         return None
 
     def replay(self) -> Replay | None:
@@ -222,6 +202,6 @@ class RunContext:
         return None
 
     def replay_scope(self) -> str | None:
-        """What the last replay could not recompute, when the loss lies outside it (None: it recomputed the
-        loss). A replay that reproduces nothing then points there instead of at non-determinism."""
+        """What the last replay could not recompute (None: it recomputed the loss): a replay that reproduces nothing
+        then points there instead of at non-determinism."""
         return None

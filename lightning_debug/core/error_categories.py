@@ -1,7 +1,5 @@
 """What kind of runtime error stopped the user's step (``details.category`` of an ``exception`` finding), and the
-advice for each (:data:`ERROR_ADVICE`), so the console, events.jsonl and the report agree.
-
-Example::
+advice for each, so the console, events.jsonl and the report agree.
 
     >>> ErrorCategory("shape_mismatch") is ErrorCategory.SHAPE_MISMATCH, all(c in ERROR_ADVICE for c in ErrorCategory)
     (True, True)

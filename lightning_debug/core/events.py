@@ -30,12 +30,8 @@ def jsonable(value: Any) -> Any:
 class EventLog:
     """Appends events to ``<directory>/events.jsonl``; a ``None`` directory writes nothing.
 
-    A failed write (a disk full for a while) is recorded once and its line kept: the next event writes the kept lines
-    first, so nothing is lost. At most :attr:`max_pending` lines are kept (the oldest dropped, counted and said once
-    writing works again); a line cut off by a failed write or a crash is ended first.
-
-    Example::
-
+    A failed write (a disk full for a while) is recorded once and its line kept for the next write, so nothing is
+    lost; past :attr:`max_pending` lines the oldest are dropped and counted; a line cut off by a crash is ended first.
         >>> import tempfile
         >>> log = EventLog(Path(tempfile.mkdtemp()), Failures())
         >>> log.write({"step": 1, "kind": "slow_step"}); log.pending, log.path.read_text().count("\\n")

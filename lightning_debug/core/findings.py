@@ -42,9 +42,8 @@ class EpisodePhase(StrEnum):
 
 
 class Tally:
-    """Per kind: episodes, affected check steps, first and last step, first message, and the kind it
-    follows from (``consequence_of``, when its first finding named one: the report lists it after that kind). Kept
-    in each monitor's ``state_dict`` so counts continue across a resume."""
+    """Per kind: episodes, check steps, first and last step, first message, and ``consequence_of`` (the report lists
+    it after that kind). Kept in each monitor's ``state_dict`` so counts continue across a resume."""
 
     def __init__(self) -> None:
         self.kinds: dict[str, dict[str, Any]] = {}
@@ -70,11 +69,8 @@ class Tally:
 
 
 class Episodes:
-    """Turns a condition observed on successive check steps into start and end events: a NaN on every step writes one
-    line, and :meth:`close_missing` ends an episode only after ``grace`` check steps without it, so a value hovering
-    around a threshold does not open and close one on every check.
-
-    Example::
+    """Turns a condition observed on successive check steps into start and end events: :meth:`close_missing` ends an
+    episode only after ``grace`` check steps without it, so a value hovering at a threshold does not flap.
 
         >>> episodes = Episodes()
         >>> [str(episodes.observe(("nonfinite_loss", ""), step=s)) for s in (5, 6)]
@@ -118,22 +114,22 @@ class Episodes:
         self.open = {tuple(key): dict(value) for key, value in state.get("open", [])}  # type: ignore[misc]
 
 
+def _causes(kind: str, findings: Mapping[str, dict[str, Any]]) -> list[str]:
+    """``kind``, then each finding it follows from up its ``consequence_of`` chain (a cycle ends it)."""
+    chain = [kind]
+    while (cause := findings.get(chain[-1], {}).get("consequence_of")) and cause in findings and cause not in chain:
+        chain.append(cause)
+    return chain
+
+
 def root_of(kind: str, findings: Mapping[str, dict[str, Any]]) -> str:
     """The finding ``kind`` follows from, through its ``consequence_of`` chain (itself when it is a root)."""
-    seen = {kind}
-    while True:
-        cause = findings.get(kind, {}).get("consequence_of")
-        if not cause or cause not in findings or cause in seen:
-            return kind
-        seen.add(cause)
-        kind = cause
+    return _causes(kind, findings)[-1]
 
 
 def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Root causes first: most severe first, then by first step, then in causal order within a step; a consequence
-    (``consequence_of``) comes right after the finding it follows from, whatever its own severity or step.
-
-    Example::
+    """Root causes first (most severe, then first step, then causal order within a step); a consequence comes right
+    after the finding it follows from, whatever its own severity or step.
 
         >>> list(order_findings({"nonfinite_grad": {"severity": "error", "first_step": 3},
         ...                     "nonfinite_loss": {"severity": "error", "first_step": 3,
@@ -142,14 +138,8 @@ def order_findings(findings: Mapping[str, dict[str, Any]]) -> dict[str, dict[str
         ...                                         "consequence_of": "nonfinite_grad"}}))
         ['nonfinite_grad', 'nonfinite_param', 'nonfinite_loss']
     """
-    def chain(kind: str) -> list[str]:  # the kinds from the root down to ``kind``, as root_of walks up
-        up = [kind]
-        while up[-1] != (root := root_of(kind, findings)):
-            up.append(findings[up[-1]]["consequence_of"])
-        return up[::-1]
-
     def key(item: tuple[str, dict[str, Any]]) -> tuple[Any, ...]:
-        path = chain(item[0])
+        path = _causes(item[0], findings)[::-1]  # from the root down to the kind
         root, anchor = path[0], findings[path[0]]
         # within a root's group a consequence sorts by its whole chain of causes, so each follows its own cause
         return (severity_rank(anchor.get("severity")), anchor.get("first_step", 0), causal_rank(root), root,

@@ -1,10 +1,10 @@
 """One gate for every collective the plugin makes: every rank enters each one, in the same order, with a fixed
 shape, whatever failed on it.
 
-A check that fails on one rank is recorded and the run goes on; but a collective after the failing code was then
-not entered on that rank, and every other rank waited in it forever. So a step's planned collectives
-(:class:`Planned`, chosen from values every rank shares) are made by the gate, which the guard never skips, those
-this rank never reached with an empty contribution (:meth:`Gate.close`); :meth:`Gate.agree` takes the decision.
+A check that fails on one rank is recorded and the run goes on, but a collective after the failing code would then
+not be entered there and every other rank would wait forever. So a step's planned collectives (:class:`Planned`,
+chosen from values every rank shares) are made by the gate, those this rank never reached with an empty
+contribution (:meth:`Gate.close`).
 
 Example, one process (every collective is then local)::
 
@@ -17,8 +17,8 @@ Example, one process (every collective is then local)::
     >>> list(gate.log)
     [(3, 'rows'), (3, 'decision')]
 
-At the end of a finished run the ranks gather their failed checks once (:func:`gather_failures`) after a bounded
-wait: a rank that does not come is named after :data:`WAIT_S` seconds, not the process group's 30-minute timeout.
+At the end the ranks gather their failed checks once (:func:`gather_failures`) after a bounded wait: a rank that
+does not come is named after :data:`WAIT_S` seconds, not the process group's 30-minute timeout.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ DECISIONS = 3  # continue, skip, stop (core.monitor.Decision), counted per value
 
 
 class Shape(enum.Enum):
-    """What a planned collective exchanges: a float64 vector summed over ranks, each rank's float64 row side by
-    side, or one object per rank."""
+    """What a planned collective exchanges: a summed float64 vector, each rank's float64 row, one object per rank."""
 
     SUM = "sum"
     ROWS = "rows"
@@ -77,8 +76,8 @@ def distributed() -> tuple[int, int]:
 
 
 def drop_gradients(optimizer: Any) -> None:
-    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None,
-    so there is no update, no momentum and no weight decay for this step."""
+    """Make ``optimizer.step()`` a no-op: torch optimizers skip parameters whose ``.grad`` is None (no update, no
+    momentum, no weight decay)."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             parameter.grad = None
@@ -128,8 +127,7 @@ class Gate:
 
     def _contribution(self, name: str, contribute: Callable[[], Any] | None, device: Any = None,
                       size: int | None = None) -> Any:
-        """``contribute()`` (a float64 vector of ``size`` on ``device`` when a size is given); None when there is
-        none or it raised, which is recorded: the rank then sends an empty contribution."""
+        """``contribute()`` (a float64 vector of ``size`` when given); None when there is none or it raised."""
         if contribute is None:
             return None
         try:
@@ -145,33 +143,35 @@ class Gate:
         while self._plan:
             self._empty(self._plan.pop(0))
 
+    def _enter(self, name: str, contribute: Callable[[], Any] | None, device: Any = None,
+               size: int | None = None) -> Any:
+        """Reach ``name`` on the plan, note it in :attr:`log` and return this rank's contribution (None: empty)."""
+        self._reach(name)
+        own = self._contribution(name, contribute, device, size)
+        self.log.append((self.step, name))
+        return own
+
     def sum(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
             device: Any = None) -> tuple[torch.Tensor, int]:
-        """The sum over ranks of ``contribute()`` (a float64 vector of ``size``), and how many ranks sent an empty
-        one (zeros) because their contribution failed or was never computed."""
-        self._reach(name)
+        """The sum over ranks of ``contribute()`` and how many ranks sent an empty one (zeros)."""
         device = _device(device)
+        own = self._enter(name, contribute, device, size)
         vector = torch.zeros(size + 1, dtype=torch.float64, device=device)
-        own = self._contribution(name, contribute, device, size)
         if own is not None:
             vector[:size] = own
         vector[size] = 1.0 if own is None else 0.0
-        self.log.append((self.step, name))
         if distributed()[1] > 1:
             dist.all_reduce(vector)
         return vector[:size], int(round(float(vector[size])))
 
     def rows(self, name: str, contribute: Callable[[], torch.Tensor] | None, size: int,
              device: Any = None, transport: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Every rank's row of ``size`` float64 (``contribute()``, or NaN for a rank whose contribution failed or was
-        never computed), one after the other, gathered by ``transport`` (the framework's all-gather) or
-        ``torch.distributed``; the copy to the host is the caller's."""
-        self._reach(name)
+        """Every rank's row of ``size`` float64 (NaN for an empty one), one after the other, gathered by ``transport``
+        (the framework's all-gather) or ``torch.distributed``; the copy to the host is the caller's."""
         device = _device(device)
-        row = self._contribution(name, contribute, device, size)
+        row = self._enter(name, contribute, device, size)
         if row is None:
             row = torch.full((size,), float("nan"), dtype=torch.float64, device=device)
-        self.log.append((self.step, name))
         if transport is not None:
             return transport(row).reshape(-1)
         world = distributed()[1]
@@ -182,11 +182,9 @@ class Gate:
         return torch.cat(rows)
 
     def gather(self, name: str, contribute: Callable[[], Any] | None) -> list[Any]:
-        """Every rank's ``contribute()`` (None for a rank whose contribution failed or was never computed)."""
-        self._reach(name)
-        own = self._contribution(name, contribute)
-        self.log.append((self.step, name))
-        rank, world = distributed()
+        """Every rank's ``contribute()`` (None for an empty one)."""
+        own = self._enter(name, contribute)
+        world = distributed()[1]
         if world < 2:
             return [own]
         gathered: list[Any] = [None] * world
@@ -194,8 +192,8 @@ class Gate:
         return gathered
 
     def agree(self, decision: int, failed: bool, raised: bool = False, device: Any = None) -> Agreement:
-        """The step's decision on every rank: the largest of those of the ranks whose checks did not fail (a
-        failed rank sends its flag, never a decision of its own), whether any of them raised, and which failed."""
+        """The step's decision on every rank: the largest of those of the ranks whose checks did not fail (a failed
+        rank sends its flag, never a decision), whether any raised, and which failed."""
         rank, world = distributed()
         vector = torch.zeros(DECISIONS + 1 + world, dtype=torch.float64, device=_device(device))
         if failed:
@@ -214,10 +212,9 @@ class Gate:
 
     def optimizer_step(self, step: int, due: list[tuple[str, Callable[..., Any], Any]], scheduled: int,
                        measure: Callable[[], Any], optimizer: Any) -> int:
-        """One ``before_optimizer_step``: the shared measurement and the collectives planned after it, the guarded
-        checks, the planned collectives this rank did not reach, the agreed decision, and on a dropped step
-        :meth:`undo` (which may turn it into STOP). ``due``: the handlers to call, each with its monitor; ``scheduled``:
-        the step their frequencies count. An :class:`~lightning_debug.AnomalyError` leaves after the agreement.
+        """One ``before_optimizer_step``: the shared measurement, the guarded checks, the planned collectives this rank
+        did not reach, the agreed decision, and on a dropped step :meth:`undo`. An
+        :class:`~lightning_debug.AnomalyError` leaves after the agreement.
         """
         checking = [monitor for _, _, monitor in due if monitor.schedule.is_due(scheduled)]
         self.open(step, [])
@@ -254,9 +251,8 @@ class Gate:
         return decision
 
     def undo(self, step: int, monitors: list[Any]) -> bool:
-        """The agreed decision dropped ``step``: each deciding monitor puts back what the step's forward changed
-        (``undo_step``, guarded, on every rank), then the ranks sum whether something is still broken; when any
-        is, each names it (``buffers_broken``) and the step's decision becomes STOP, on every rank."""
+        """The agreed decision dropped ``step``: each deciding monitor puts back what its forward changed
+        (``undo_step``), then the ranks sum whether something is still broken; if so the decision becomes STOP."""
         undoers = [m for m in monitors if m.decides and hasattr(m, "undo_step")]
         if not undoers:
             return False
@@ -283,7 +279,7 @@ class Gate:
         return logged
 
     def plan_batch_end(self, monitors: list[Any], step: int, stepped: bool) -> list[Planned]:
-        """The collectives the monitors' ``batch_end_collectives`` plan for the end of a batch of ``step``."""
+        """The collectives the monitors plan for the end of a batch of ``step``."""
         return [planned for monitor in monitors if monitor.batch_end_collectives is not None
                 for planned in self.failures.call("planning the step's collectives", monitor.batch_end_collectives,
                                                   step, stepped) or []]
@@ -297,8 +293,8 @@ class RankNotResponding(RuntimeError):
 
 
 def bounded_wait(seconds: float = WAIT_S) -> None:
-    """Wait at most ``seconds`` for every rank (gloo's ``monitored_barrier``, which names the ranks that did
-    not come); a no-op on one process and on backends without it. Raises :class:`RankNotResponding`."""
+    """Wait at most ``seconds`` for every rank (gloo's ``monitored_barrier``, which names the missing ranks); a
+    no-op elsewhere."""
     if distributed()[1] < 2 or dist.get_backend() != "gloo":
         return
     try:
@@ -309,10 +305,7 @@ def bounded_wait(seconds: float = WAIT_S) -> None:
 
 
 def merge_failures(own: dict[str, dict[str, Any]], gathered: list[Any], rank: int) -> dict[str, dict[str, Any]]:
-    """``own`` failed checks (of rank ``rank``) with those every rank gathered: counts added, steps widened,
-    each reason prefixed with its rank, and ``ranks`` listing where the check failed.
-
-    Example::
+    """``own`` failed checks (of rank ``rank``) with those every rank gathered, each reason prefixed with its rank.
 
         >>> one = {"count": 1, "first_step": 3, "last_step": 3, "reasons": {"RuntimeError: boom": 1}}
         >>> merged = merge_failures({}, [{}, {"PerformanceMonitor.batch_end": one}], 0)
@@ -343,15 +336,10 @@ def merge_failures(own: dict[str, dict[str, Any]], gathered: list[Any], rank: in
 
 
 def gather_failures(own: dict[str, dict[str, Any]],
-                    gather: Callable[[Callable[[], Any]], list[Any]] | None = None) -> list[Any] | None:
-    """Every rank's failed checks (one gather, after :func:`bounded_wait`: ``gather``, the run's gate, or
-    ``all_gather_object``); call on every rank. None without a process group of several ranks."""
-    world = distributed()[1]
-    if world < 2:
+                    gather: Callable[[Callable[[], Any]], list[Any]]) -> list[Any] | None:
+    """Every rank's failed checks (``gather``, the run's gate, after :func:`bounded_wait`); call on every rank. None
+    on one process."""
+    if distributed()[1] < 2:
         return None
     bounded_wait()
-    if gather is not None:
-        return gather(lambda: own)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, own)
-    return gathered
+    return gather(lambda: own)

@@ -1,8 +1,8 @@
 """Monitoring never breaks training: the one failure policy of the whole package, and the console it speaks through.
 
 Every check, write and hook goes through :class:`Failures`: a failure becomes one console line per check, is
-counted by check and reason for the report, and the run goes on. :class:`~lightning_debug.AnomalyError` (asked for
-with ``anomaly_detection_mode="raise"``) and anything not an ``Exception`` pass through untouched.
+counted for the report, and the run goes on. :class:`~lightning_debug.AnomalyError` and anything not an
+``Exception`` pass through untouched.
 
 Example::
 
@@ -20,9 +20,7 @@ Example::
     >>> seen[0]
     'lightning-debug: gradients.check failed at step 0 (ZeroDivisionError: division by zero); this check is skipped, training continues.'
 
-Every line goes through the ``lightning_debug`` logger, not Python warnings (which ``filterwarnings("ignore")``
-silences): its :class:`ConsoleHandler` leaves it to a handler of the root logger when there is one, else prints it
-through the printer an adapter routes (Lightning: the progress bar's ``print``), or to ``stderr``.
+Lines go through the ``lightning_debug`` logger, not Python warnings (which ``filterwarnings("ignore")`` silences).
 """
 
 from __future__ import annotations
@@ -41,8 +39,8 @@ Printer = Callable[[str], None]
 
 
 class ConsoleHandler(logging.Handler):
-    """Prints a record as one line: to the routed printer (the active progress bar), else ``stderr``; nothing
-    when the root logger has handlers, which then show the record (the user's logging configuration)."""
+    """Prints a record as one line: to the routed printer (the progress bar), else ``stderr``; nothing when the
+    root logger has handlers (the user's logging configuration shows it)."""
 
     def __init__(self) -> None:
         super().__init__(logging.NOTSET)
@@ -78,8 +76,8 @@ HANDLER = _handler()
 
 
 def notify(message: str, level: int = logging.WARNING) -> None:
-    """Show ``message`` to the user as one line through :data:`LOGGER`; never raises (a failing handler must not
-    make a write fail on one rank and keep it from what every rank does next: the line is in events.jsonl)."""
+    """Show ``message`` as one line through :data:`LOGGER`; never raises (a failing handler must not keep one rank
+    from what every rank does next)."""
     try:
         LOGGER.log(level, message)
     except Exception:
@@ -102,8 +100,7 @@ MAX_REASONS = 5
 
 
 class Failures:
-    """Which checks failed, how often, since when and why; each warns once. ``step`` is the run's current step,
-    kept up to date by whoever drives the run, so that a failure can say since when a check has not run."""
+    """Which checks failed, how often, since when and why; each warns once. ``step``: the run's current step."""
 
     def __init__(self) -> None:
         self.step = -1
@@ -121,8 +118,7 @@ class Failures:
 
     def record(self, name: str, failure: BaseException, consequence: str = "this check is skipped",
                step: int | None = None) -> None:
-        """Count ``failure`` of check ``name`` at ``step`` (default: the run's current step); the first one of
-        each check becomes a warning."""
+        """Count ``failure`` of check ``name``; the first one of each check becomes a warning."""
         step = self.step if step is None else step
         reason = f"{type(failure).__name__}: {describe(failure)}"
         entry = self.failed.get(name)
@@ -146,10 +142,7 @@ class Failures:
 
 
 def describe(error: BaseException) -> str:
-    """``str(error)``, or a note saying that it raised: a user's exception whose ``__str__`` is broken
-    must still propagate untouched, so nothing that reports it may call ``str`` unguarded.
-
-    Example::
+    """``str(error)``, or a note that it raised: a user's exception with a broken ``__str__`` must still propagate.
 
         >>> class Broken(Exception):
         ...     def __str__(self): raise RuntimeError("no")

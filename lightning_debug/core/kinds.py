@@ -1,7 +1,5 @@
-"""The vocabulary of findings: their kinds, severities, and the one table of what to do about each, which
-events.jsonl, the report, the console and TensorBoard all read, so a finding reads the same everywhere.
-
-Example::
+"""The vocabulary of findings: kinds, severities, and the one table of what to do about each, which events.jsonl,
+the report, the console and TensorBoard all read, so a finding reads the same everywhere.
 
     >>> Kind.NONFINITE_LOSS == "nonfinite_loss", Severity.ERROR.at_least(Severity.WARNING)
     (True, True)
@@ -31,7 +29,7 @@ class Severity(StrEnum):
 
     @property
     def rank(self) -> int:
-        return _SEVERITY_RANK[self]
+        return list(Severity).index(self)
 
     def at_least(self, other: "Severity") -> bool:
         return self.rank <= other.rank
@@ -48,15 +46,12 @@ class Severity(StrEnum):
             return cls.INFO
 
 
-_SEVERITY_RANK = {Severity.CRITICAL: 0, Severity.ERROR: 1, Severity.WARNING: 2, Severity.INFO: 3}
-
-
 def severity_rank(value: Any) -> int:
     """The sort rank of a severity given as an enum or a string (unknown strings sort last)."""
     try:
         return Severity(str(value)).rank
     except ValueError:
-        return len(_SEVERITY_RANK)
+        return len(Severity)
 
 
 class Kind(StrEnum):
@@ -119,18 +114,9 @@ class Until(StrEnum):
 
 @dataclass(frozen=True)
 class Confirm:
-    """A kind's confirmation policy, applied by :class:`lightning_debug.core.verdicts.VerdictEngine` (a non-finite
-    value is never held back, whatever the policy).
-
-    ``patience``: suspicious observations of a key in a row that confirm it (``variants``: another patience for a
-    named variant, e.g. an exactly zero gradient); ``follow_up``: readings after it above its bound (or not finite)
-    that confirm it, one under the bound dismissing it; ``until``: held as long as it lasts (:class:`Until`); with
-    none of them, confirmed at once. ``else_kind``: what an unconfirmed suspicion becomes (None: dismissed);
-    ``at_end``: what one still held at the end becomes; ``backdate``: a suspicion confirmed by persisting is
-    recorded at every step it was held; ``max_held``: held per scope at most (the oldest is then decided as at the end).
-
-    Example::
-
+    """A kind's confirmation policy, applied by :class:`lightning_debug.core.verdicts.VerdictEngine`; its fields are
+    in docs/architecture.md ("Suspect, hold, confirm"). ``max_held``: held per scope at most (the oldest is then
+    decided as at the end). A non-finite value is never held back.
         >>> policy = Confirm(patience=3, variants={"exactly_zero": 8})
         >>> policy.needed(""), policy.needed("exactly_zero"), policy.holds, Confirm().holds
         (3, 8, True, False)
@@ -156,8 +142,6 @@ class Confirm:
 
     def describe(self) -> str:
         """The policy in words, for the docs' table of policies.
-
-        Example::
 
             >>> Confirm(follow_up=2, at_end=AtEnd.IF_FOLLOWED).describe()
             'the 2 readings after it above its bound (or not finite); at the end: reported if every reading after it confirmed it'
@@ -189,14 +173,10 @@ _NONFINITE_LOSS_CAUSES = ("log or division of a value that reaches 0 (add an eps
 
 @dataclass(frozen=True)
 class KindSpec:
-    """Everything said about one kind of finding, in one place: the ``area`` whose monitor writes it, its
-    ``severity`` (None when it depends on what was found), ``summary`` (what it finds, one line: its callback's
-    docstring, ``help()`` and ``--help`` list it), ``advice`` (report.md) and its one-line ``hint`` (console),
-    ``common_causes``, ``causal_rank`` in :data:`CAUSAL_ORDER`, ``one_off`` (written once through the session,
-    it opens no episode: not among its monitor's ``kinds``), and ``confirm``, its policy: making a rule stricter
-    or looser is this field.
-
-    Example::
+    """Everything said about one kind of finding: the ``area`` whose monitor writes it, its ``severity`` (None: it
+    depends on what was found), ``summary`` (one line for the callback's docstring and ``--help``), ``advice``
+    (report.md), ``hint`` (console), ``causal_rank`` in :data:`CAUSAL_ORDER`, ``one_off`` (opens no episode: not among
+    its monitor's ``kinds``) and ``confirm``, its policy: making a rule stricter or looser is this field.
 
         >>> spec = KIND_SPECS[Kind.EXPLODING_GRAD]
         >>> spec.area, spec.severity, spec.confirm.follow_up
@@ -512,12 +492,10 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                 "parallelism are not replicas): clipping or a gradient edit on one rank, a reload or "
                 "re-initialisation there, a forward around the DDP wrapper"),
 }
-"""The one table of kinds; :data:`ADVICE`, :data:`HINTS`, :data:`COMMON_CAUSES` and :data:`CAUSAL_ORDER` are
-views of it."""
+"""The one table of kinds; the dicts below are views of it."""
 
 ADVICE: dict[Kind, str] = {kind: spec.advice for kind, spec in KIND_SPECS.items() if spec.advice is not None}
 HINTS: dict[Kind, str] = {kind: spec.hint for kind, spec in KIND_SPECS.items() if spec.hint is not None}
-"""The console's one-line version of :data:`ADVICE` (a kind without one shows the start of its advice)."""
 COMMON_CAUSES: dict[Kind, str] = {kind: spec.common_causes for kind, spec in KIND_SPECS.items()
                                   if spec.common_causes is not None}
 CAUSAL_ORDER: dict[Kind, int] = {kind: spec.causal_rank for kind, spec in KIND_SPECS.items()
@@ -529,8 +507,6 @@ findings of the same step in this order, so the root cause comes before what fol
 def kinds_of(area: Area) -> frozenset[Kind]:
     """The kinds whose episodes ``area``'s monitor closes: its rows of the table, less the one-off ones.
 
-    Example::
-
         >>> sorted(kind.value for kind in kinds_of(Area.MEMORY))
         ['memory_growth', 'memory_high']
     """
@@ -539,8 +515,6 @@ def kinds_of(area: Area) -> frozenset[Kind]:
 
 def kind_lines(areas: Iterable[Area], indent: int = 4, width: int = 112) -> list[str]:
     """One docstring line per kind of ``areas`` (table order): ``- ``kind`` (severity): summary``, wrapped.
-
-    Example::
 
         >>> print(kind_lines([Area.MEMORY], indent=0, width=200)[1])
         - ``memory_high`` (warning): CUDA reserved memory, or the machine's used memory, above ``memory_high_fraction``
@@ -559,11 +533,8 @@ KINDS_HEADING = "What it reports, one line per kind (from the table of kinds, ``
 
 
 def with_kinds(doc: str | None, areas: Iterable[Area]) -> str:
-    """``doc`` (a callback's docstring) with the list of the kinds of ``areas`` made from the table, placed before
-    its ``Args:`` section, else before its ``Example::``: a new kind appears in ``help()`` and ``--help`` without
-    an edit of the callback.
-
-    Example::
+    """``doc`` (a callback's docstring) with the list of the kinds of ``areas``, before its ``Args:`` section, else
+    its ``Example::``: a new kind appears in ``help()`` and ``--help`` without an edit of the callback.
 
         >>> with_kinds("Summary.\\n\\n    Example::\\n        1 + 1\\n", [Area.ERRORS]).splitlines()[2:4]
         ['    What it reports, one line per kind (from the table of kinds, ``lightning_debug.core.kinds``):', '']
@@ -577,27 +548,27 @@ def with_kinds(doc: str | None, areas: Iterable[Area]) -> str:
     return doc + block
 
 
+def _known(kind: Any) -> Kind | None:
+    """``kind`` given as an enum or a string; None for kinds this version does not know."""
+    try:
+        return Kind(str(kind))
+    except ValueError:
+        return None
+
+
 def causal_rank(kind: Any) -> int:
     """Where ``kind`` sits in :data:`CAUSAL_ORDER` (kinds outside the chain come after it)."""
-    try:
-        return CAUSAL_ORDER.get(Kind(str(kind)), len(CAUSAL_ORDER))
-    except ValueError:
-        return len(CAUSAL_ORDER)
+    return CAUSAL_ORDER.get(_known(kind), len(CAUSAL_ORDER))  # type: ignore[arg-type]
 
 
 def hint_for(kind: Any, width: int = 90) -> str | None:
     """A short hint for a console line: :data:`HINTS`, else the advice cut to ``width`` at a word.
 
-    Example::
-
         >>> hint_for("exploding_grad")
         'clip gradients (Trainer(gradient_clip_val=...)), lower the learning rate'
     """
-    try:
-        known = Kind(str(kind))
-    except ValueError:
-        return None
-    text = HINTS.get(known) or ADVICE.get(known)
+    known = _known(kind)
+    text = HINTS.get(known) or ADVICE.get(known)  # type: ignore[arg-type]
     if text is None or len(text) <= width:
         return text
     return text[:width - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
@@ -605,10 +576,7 @@ def hint_for(kind: Any, width: int = 90) -> str | None:
 
 def advice_for(kind: Any) -> str | None:
     """The advice of a kind given as an enum or a string (None for kinds this version does not know)."""
-    try:
-        return ADVICE.get(Kind(str(kind)))
-    except ValueError:
-        return None
+    return ADVICE.get(_known(kind))  # type: ignore[arg-type]
 
 
 def advice_for_cause(where: str, operation: str | None) -> str:

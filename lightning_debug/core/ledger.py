@@ -1,7 +1,5 @@
-"""State that travels: where the loop is (:class:`StepRecord`, written by the run alone and read by every monitor,
-the gradient pass and the adapter's ``where()``), and facts one monitor establishes that another needs
-(:class:`RunLedger`: which steps are timed, which had work added by a check, so the profiler leaves them out).
-"""
+"""State that travels: where the loop is (:class:`StepRecord`, written by the run alone), and facts one monitor
+establishes that another needs (:class:`RunLedger`)."""
 
 from __future__ import annotations
 
@@ -24,11 +22,8 @@ class FrameworkWork(StrEnum):
 
 
 class StepRecord(NamedTuple):
-    """Where the training loop is, as the run last saw it: the optimizer ``step`` of the current micro-batch, the
-    ``steps_done`` (which update a late parameter scan sees), and with several optimizers the position of the one
-    being stepped (``optimizer_index``) and how many steps it took before (``optimizer_step``, what its checks count).
-
-    Example::
+    """Where the training loop is, as the run last saw it; with several optimizers, the one being stepped
+    (``optimizer_index``) and how many steps it took before (``optimizer_step``, what its checks count).
 
         >>> record = StepRecord(step=3, steps_done=3)
         >>> record.moved(optimizer_index=1).optimizer_index, record.optimizer_index
@@ -44,26 +39,22 @@ class StepRecord(NamedTuple):
     optimizer_step: int | None = None
 
     def moved(self, **changes: Any) -> "StepRecord":
-        """A copy with ``changes``: records are replaced, never edited, so a reader holds a consistent one
-        (a named tuple: the run replaces it several times per step, so it must cost next to nothing)."""
+        """A copy with ``changes``: records are replaced, never edited, so a reader holds a consistent one (a named
+        tuple: the run replaces it several times per step)."""
         return self._replace(**changes)
 
     def at_batch(self, step: int) -> "StepRecord":
-        """``moved(step=step, optimizer_index=None, optimizer_step=None)``, the run's every batch, without
-        ``_replace``'s keyword handling (a fifth of the cost)."""
+        """``moved(step=step, optimizer_index=None, optimizer_step=None)`` at a fifth of the cost (every batch)."""
         return StepRecord(step, self.steps_done, self.several_optimizers, None, None)
 
     def done(self, steps_done: int) -> "StepRecord":
-        """``moved(steps_done=steps_done)``, the run's every batch end, at a fifth of the cost."""
+        """``moved(steps_done=steps_done)`` at a fifth of the cost (every batch end)."""
         return StepRecord(self.step, steps_done, self.several_optimizers, self.optimizer_index, self.optimizer_step)
 
 
 @dataclass(frozen=True)
 class CheckSchedule:
-    """A check that runs every ``frequency`` optimizer steps (``trainer.global_step`` before the step), from step 0;
-    with several optimizers a step's checks count that optimizer's own steps (``StepRecord.optimizer_step``).
-
-    Example::
+    """A check that runs every ``frequency`` optimizer steps (``trainer.global_step`` before the step), from step 0.
 
         >>> [step for step in range(25) if CheckSchedule(10).is_due(step)]
         [0, 10, 20]
@@ -81,9 +72,7 @@ class CheckSchedule:
 
 @dataclass
 class RunLedger:
-    """Which steps are timed and which recent steps had work added by a check.
-
-    Example::
+    """Which steps are timed and which recent steps had work added by a check (the profiler leaves them out).
 
         >>> ledger = RunLedger()
         >>> ledger.is_timed(0)  # nobody times steps
@@ -106,15 +95,14 @@ class RunLedger:
     notes_hooks: bool = False
     """Whether the adapter notes the framework's work between steps (validation, checkpoint saving)."""
     reevaluates: bool = False
-    """Whether an optimizer evaluated its closure again inside one step (L-BFGS, a line search): such an
-    optimizer chooses for itself how far a step goes, and may decline to move at all."""
+    """Whether an optimizer evaluated its closure again inside one step (L-BFGS, a line search): it chooses for
+    itself how far a step goes, and may decline to move at all."""
     nonfinite_grads_at: int | None = None
-    """The latest optimizer step whose gradients the anomaly area measured non-finite (it checks every step by
-    default): the gradient area, checking every 100th, leaves a blow-up between its check steps to the finding
-    that names its step (``nonfinite_grad``) rather than guess where it began."""
+    """The latest step whose gradients the anomaly area (every step by default) measured non-finite: the gradient
+    area, checking every 100th, leaves a blow-up between its checks to ``nonfinite_grad`` rather than guess."""
     phase: MemoryPhase | None = None
-    """The phase of the step the loop is in (None between batches), as the run last saw it: what an OOM
-    post-mortem names. The run sets it at every event, so a monitor called only on its check steps still knows."""
+    """The phase of the step the loop is in (None between batches), set at every event: what an OOM post-mortem
+    names."""
 
     def is_timed(self, step: int) -> bool:
         """Whether the performance monitor times optimizer step ``step``."""
@@ -133,10 +121,8 @@ class RunLedger:
             self.notes.append((step, what))
 
     def forget_notes(self, step: int) -> None:
-        """The time of optimizer step ``step`` starts again from here (a new epoch): what was noted in it so far
-        (the last epoch's validation and checkpoint) is not in it.
-
-        Example::
+        """The time of ``step`` starts again from here (a new epoch): the last epoch's validation and checkpoint are
+        not in it.
 
             >>> ledger = RunLedger(); ledger.note(16, "validation"); ledger.note(5, "checkpoint saving")
             >>> ledger.forget_notes(16); ledger.noted([5, 16])
@@ -146,7 +132,7 @@ class RunLedger:
             self.notes = deque(((noted, what) for noted, what in self.notes if noted != step), maxlen=NOTES_KEPT)
 
     def ran(self, step: int, what: FrameworkWork) -> bool:
-        """Whether the framework ran ``what`` in the time of optimizer step ``step`` (one of the last notes)."""
+        """Whether the framework ran ``what`` in the time of ``step`` (one of the last notes)."""
         return (step, what) in self.notes
 
     def noted(self, steps: Any) -> dict[str, list[int]]:

@@ -1,9 +1,5 @@
-"""The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step.
-
-Loggers accept few characters in a name and MLflow's file store cannot hold ``a/b`` next to ``a``
-(:func:`metric_part`, :func:`safe_metric_name`); the cadence and the rows follow docs/configuration.md
-("Scalars and the trainer's logging cadence").
-"""
+"""The one place scalars leave the plugin: logger-safe names, the trainer's logging cadence, one sink call per step
+(docs/configuration.md, "Scalars and the trainer's logging cadence")."""
 
 from __future__ import annotations
 
@@ -28,10 +24,8 @@ _UNSAFE_IN_NAME = re.compile(r"[^A-Za-z0-9_.\-/]")
 
 
 def metric_part(text: object) -> str:
-    """One component of a metric name from free text (a parameter or module name): every character
-    outside ``[A-Za-z0-9_.-]``, ``/`` included, becomes ``_``, so a name cannot grow extra levels.
-
-    Example::
+    """One component of a metric name from free text: every character outside ``[A-Za-z0-9_.-]``, ``/`` included,
+    becomes ``_``, so a name cannot grow extra levels.
 
         >>> metric_part("blocks.0.attn/qkv weight"), metric_part(""), metric_part("λ.scale")
         ('blocks.0.attn_qkv_weight', '_', '_.scale')
@@ -41,10 +35,8 @@ def metric_part(text: object) -> str:
 
 @functools.lru_cache(maxsize=65536)
 def safe_metric_name(name: str) -> str:
-    """``name`` with unsafe characters replaced, no empty levels, at most 250 characters (a long
-    name keeps its start and gets a short hash of the whole, so two long names stay distinct).
-
-    Example::
+    """``name`` with unsafe characters replaced, no empty levels, at most 250 characters (a long name keeps its start
+    and gets a short hash of the whole, so two long names stay distinct).
 
         >>> safe_metric_name("debug/activation//mean"), safe_metric_name("debug/grad/norm/a[0]")
         ('debug/activation/mean', 'debug/grad/norm/a_0_')
@@ -60,11 +52,7 @@ def safe_metric_name(name: str) -> str:
 
 @functools.lru_cache(maxsize=65536)
 def is_counter(name: str) -> bool:
-    """A count or share of what the checks found wrong (``debug/anomaly/count``, ``debug/grad/missing_count``, an
-    activation's ``nonfinite_count`` or ``zero_fraction``): 0 all along in a healthy run, so it is first written
-    once it is not 0.
-
-    Example::
+    """A count or share of what the checks found wrong: 0 all along in a healthy run, so first written once not 0.
 
         >>> is_counter("debug/anomaly/count"), is_counter("debug/activation/fc/zero_fraction"), is_counter("debug/loss_finite")
         (True, True, False)
@@ -77,11 +65,8 @@ PER_OPTIMIZER = frozenset({"debug/grad/global_norm", "debug/weight/update_ratio_
 
 
 def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str, float]:
-    """``metrics`` of a check of optimizer ``optimizer`` (None: the model has one): the names of
-    :data:`PER_OPTIMIZER` get the suffix ``_optimizer_<index>``, so a GAN's generator and discriminator
-    norms are two series, not one that zig-zags between them.
-
-    Example::
+    """``metrics`` of a check of optimizer ``optimizer`` (None: one): :data:`PER_OPTIMIZER` names get the suffix
+    ``_optimizer_<index>``, so a GAN's generator and discriminator norms are two series, not one that zig-zags.
 
         >>> per_optimizer({"debug/grad/global_norm": 2.0, "debug/grad/missing_count": 0.0}, 1)
         {'debug/grad/global_norm_optimizer_1': 2.0, 'debug/grad/missing_count': 0.0}
@@ -95,24 +80,13 @@ def per_optimizer(metrics: dict[str, float], optimizer: int | None) -> dict[str,
 
 
 class MetricsWriter:
-    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence.
+    """Collects ``debug/...`` scalars and writes them to a sink (the loggers) at the logging cadence
+    (``log_every_n_steps``: None every check step, 0 nothing), or keeps them for :meth:`take` with ``rows``;
+    ``observer`` sees every value before any thinning (the run's timeline).
 
-    Args:
-        sink: Receives one dict per written step; None writes nothing.
-        failures: A failing sink is recorded there once, and no more scalars are sent to it.
-        log_every_n_steps: The trainer's logging cadence; None writes every check step, 0 nothing
-            (as Lightning with ``log_every_n_steps=0``).
-        observer: Sees every value as it is measured, before any thinning (the run's timeline).
-        exposed: Receives the latest values of :data:`EXPOSED_METRICS` as they are measured.
-        rows: Keep the values for :meth:`take` (the framework logs them on its own rows) instead of
-            writing them to ``sink``.
-
-    A counter (:func:`is_counter`) is first written once it is not 0, so a healthy run's TensorBoard opens on the
-    charts that move, not on cards of zeros. Steps are written in order once the caller says no more values for
-    them will come (:meth:`flush_before`), so values read back a step late land at the step they describe.
-
-    Example::
-
+    A counter is first written once it is not 0, so a healthy run's TensorBoard opens on the charts that move.
+    Steps are written in order once the caller says no more values for them will come (:meth:`flush_before`), so
+    values read back a step late land at the step they describe.
         >>> written = []
         >>> writer = MetricsWriter(lambda metrics, step: written.append((step, metrics)), Failures(),
         ...                        log_every_n_steps=5)
@@ -139,13 +113,11 @@ class MetricsWriter:
         self._observer = observer
         self._exposed = exposed
         self._pending: dict[int, dict[str, tuple[int, float]]] = {}
-        self._counting: set[str] = set()
-        """The counters that were not 0 once: written from then on, 0 included."""
+        self._counting: set[str] = set()  # the counters that were not 0 once: written from then on
 
     @property
     def window(self) -> int:
-        """Steps per logging row (1 when every check step is written): a value measured at least this often is on
-        every row."""
+        """Steps per logging row: a value measured at least this often is on every row."""
         return self._window
 
     def add(self, step: int, name: str, value: float) -> None:

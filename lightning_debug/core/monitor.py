@@ -1,9 +1,7 @@
 """The protocol every area's checks implement, and what they share: findings, episodes, warnings.
 
-A monitor holds one area's state and turns measurements into findings, scalars and a report section. It never
-sees Lightning or Accelerate: the run calls the same events (:class:`Event`) on every monitor that declares them,
-with a :class:`~lightning_debug.core.context.RunContext` the adapter filled in, so each check has one
-implementation whatever drives it.
+A monitor never sees Lightning or Accelerate: the run calls the same events (:class:`Event`) with a
+:class:`~lightning_debug.core.context.RunContext` the adapter filled in, so each check has one implementation.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ class Event(enum.Enum):
 
 
 GATED_EVENTS = frozenset({Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.BATCH_END})
-"""The events whose first argument is the optimizer step, which the run can skip on a monitor's other steps."""
+"""The events the run can skip on a monitor's other steps (their first argument is the optimizer step)."""
 
 
 class Decision(enum.IntEnum):
@@ -60,30 +58,25 @@ class Decision(enum.IntEnum):
 
 class Monitor:
     """Base of the four areas: findings with episodes and tallies, rate-limited warnings, scalars, resume.
-    Subclasses set ``area`` and the ``events`` they need, and override those event methods; their ``kinds`` come
-    from the table of kinds, and the rules registered for their area run through :meth:`run_rules`."""
+    Subclasses set ``area`` and the ``events`` they need and override those methods; their ``kinds`` come from the
+    table of kinds, and the rules registered for their area run through :meth:`run_rules`."""
 
     area: ClassVar[Area]
     kinds: ClassVar[frozenset[Kind]] = frozenset()
-    """The kinds whose episodes this monitor closes: its area's rows of the table of kinds, less the one-off ones
-    (``KindSpec.one_off``), set for each subclass that names an ``area``."""
+    """The kinds whose episodes this monitor closes (:func:`~lightning_debug.core.kinds.kinds_of` its area)."""
     events: frozenset[Event] = frozenset()
-    """The events the run calls this monitor at (a class's choice, which an instance may narrow for its settings
-    before it joins a run)."""
+    """The events the run calls this monitor at (an instance may narrow them before it joins a run)."""
     due_events: frozenset[Event] = frozenset()
-    """Those of ``events`` (among :data:`GATED_EVENTS`) this monitor needs on its check steps only (``step`` a
-    multiple of its frequency): the run does not call them on other steps, which then cost it nothing."""
+    """Those of ``events`` needed on check steps only: the run skips them on other steps, which then cost nothing."""
     frequency_of: ClassVar[Callable[[DebugConfig], int] | None] = None
-    """Reads this monitor's check frequency from a config; set from its row of ``monitors.areas.AREA_SPECS``."""
+    """Reads this monitor's check frequency from a config (its row of ``monitors.areas.AREA_SPECS``)."""
     measures: bool = False
-    """Whether its ``before_optimizer_step`` reads the step's shared measurement: the run makes it (and its
-    collective) first, whatever the monitor's own code does."""
+    """Whether its ``before_optimizer_step`` reads the step's shared measurement: the run makes it first."""
     decides: bool = False
-    """Whether its ``before_optimizer_step`` may return other than CONTINUE (or raise): the ranks then agree
-    through the run's gate."""
+    """Whether its ``before_optimizer_step`` may return other than CONTINUE (or raise): the ranks then agree."""
     plan_collectives: Callable[[Any], list[Any]] | None = None
-    """The collectives this monitor makes after the step's measurement, in order, from values every rank shares
-    (:class:`~lightning_debug.core.gate.Planned`): the gate makes those a failure kept this rank from reaching."""
+    """The collectives it makes after the step's measurement, in order, from values every rank shares: the gate
+    makes those a failure kept this rank from reaching."""
     batch_end_collectives: Callable[[int, bool], list[Any]] | None = None
     """The same for ``batch_end``: a function of the step and whether the batch took an optimizer step."""
     max_warnings: ClassVar[int] = 10
@@ -98,7 +91,12 @@ class Monitor:
     def __init__(self, config: DebugConfig, source: str, frequency: int | None = None) -> None:
         self.config = config
         self.source = source
-        self.frequency = frequency if frequency is not None else self.configured_frequency(config)
+        if frequency is None:
+            if self.frequency_of is None:
+                raise TypeError(f"{type(self).__name__} has no row in the table of areas "
+                                "(lightning_debug.monitors.areas) to read its check frequency from; pass frequency=")
+            frequency = self.frequency_of(config)
+        self.frequency = frequency
         self.schedule = CheckSchedule(self.frequency)
         self.tally = Tally()
         self.episodes = Episodes(grace=self.episode_grace)
@@ -112,14 +110,6 @@ class Monitor:
         self._numerics: NumericsQueue | None = None
         self._ledger: RunLedger | None = None
 
-    @classmethod
-    def configured_frequency(cls, config: DebugConfig) -> int:
-        """How often this monitor checks (optimizer steps) under ``config``, through :attr:`frequency_of`."""
-        if cls.frequency_of is None:
-            raise TypeError(f"{cls.__name__} has no row in the table of areas (lightning_debug.monitors.areas) "
-                            "to read its check frequency from; pass frequency=")
-        return cls.frequency_of(config)
-
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _session=None, _context=None, _numerics=None, _ledger=None)
 
@@ -128,7 +118,7 @@ class Monitor:
         self._session, self._context, self._numerics = session, context, numerics
 
     def share(self, ledger: RunLedger) -> None:
-        """The run's ledger, where monitors leave facts for each other (bound with the session)."""
+        """The run's ledger, where monitors leave facts for each other."""
         self._ledger = ledger
 
     def unbind(self) -> None:
@@ -164,9 +154,8 @@ class Monitor:
         return self.schedule.is_due(step)
 
     def optimizer_step_due(self, step: int) -> bool:
-        """Whether a check of one optimizer step runs at ``step`` (inside ``before_optimizer_step``): with
-        several optimizers the frequency counts the steps of the optimizer being stepped, so each of them
-        is checked every ``frequency`` of its own steps, whatever their order."""
+        """Whether a check of one optimizer step runs at ``step``: with several optimizers the frequency counts the
+        steps of the one being stepped, so each is checked every ``frequency`` of its own steps."""
         return self.schedule.is_due(self.numerics.scheduled_step(step))
 
     # --- events (the run calls those listed in ``events``) ---------------------------------------
@@ -202,8 +191,7 @@ class Monitor:
         """Turn values that have reached the host into findings (called once per optimizer step)."""
 
     def finalize(self, step: int) -> None:
-        """The end of the run (or an exception): decide what the registered rules that suspect still hold (by
-        their kinds' policies), evaluate what is left and close open episodes."""
+        """The end of the run (or an exception): decide what the rules that suspect still hold, close episodes."""
         held = {kind for known in rules_for(self.area, Moment.CHECK_STEP) + rules_for(self.area, Moment.CHECK_READ)
                 if known.suspects for kind in known.kinds}
         for decided in self.verdicts.flush(held) if held else []:
@@ -218,9 +206,8 @@ class Monitor:
                warn: bool = True) -> bool:
         """Count a finding; write an event (and a one-line warning) when it starts a new episode (returns True then).
 
-        Past ``max_episode_events`` (N) episodes of one kind, later ones are not written one by one; a ``summary`` line
-        with the kind's totals is written at 2N, 4N, 8N, ... episodes and at the end: a log-bounded number of lines, and
-        a run killed at any point leaves at least half its episodes counted in the file.
+        Past ``max_episode_events`` (N) episodes of one kind, a ``summary`` line with the kind's totals is written at
+        2N, 4N, 8N, ... and at the end: few lines, and a run killed at any point leaves at least half counted.
         """
         episode_key = (finding.kind.value, key)
         self._seen_this_check.add(episode_key)
@@ -242,7 +229,7 @@ class Monitor:
         return new
 
     def _write_summary(self, kind: str, where: Where | None) -> None:
-        """A ``summary`` line: the totals of ``kind`` so far, for the episodes no longer written one by one."""
+        """A ``summary`` line: the totals of ``kind`` so far."""
         entry = self.tally.kinds[kind]
         if self._summarized.get(kind) == entry["episodes"]:
             return
@@ -255,11 +242,6 @@ class Monitor:
                                   dict(totals, written=self.max_episode_events)),
                           entry["last_step"], where, episode=EpisodePhase.SUMMARY, console=False)
 
-    def _close_summaries(self, kinds: set[str], where: Where | None) -> None:
-        for kind in sorted(kinds):
-            if self.tally.kinds.get(kind, {}).get("episodes", 0) > self.max_episode_events:
-                self._write_summary(kind, where)
-
     def emit(self, finding: Finding, step: int, where: Where | None = None) -> None:
         """Write a one-off event that is counted but opens no episode (a profiler trace, a fit-start fact)."""
         self.tally.record(step, finding, True)
@@ -267,15 +249,14 @@ class Monitor:
 
     # --- registered rules -------------------------------------------------------------------------
     def run_rules(self, moment: Moment, facts: Facts, step: int, where: Where | None = None) -> None:
-        """Run every rule registered for this monitor's area at ``moment`` on ``facts`` and hand what each returns
-        to :meth:`take`; a rule declared with ``suspects`` has its suspicions observed by the engine, every time."""
+        """Run every rule registered for this monitor's area at ``moment`` on ``facts``, through :meth:`take`."""
         for known in rules_for(self.area, moment):
             self.take(known, known.judge(facts), step, where)
 
     def take(self, known: Rule, result: Any, step: int, where: Where | None = None) -> None:
-        """One path for what a rule returns, by its type: a ``Finding`` is one-off (:meth:`emit`), a suspicion goes
-        to the engine (what it confirms is recorded), anything with a ``finding`` (:class:`Recorded`, an area's
-        verdict) is recorded (:meth:`record_verdict`); a list or tuple holds several."""
+        """One path for what a rule returns, by type: a ``Finding`` is one-off (:meth:`emit`), a suspicion goes to the
+        engine (every time: a hold not suspected again ends), anything with a ``finding`` is recorded; a list or tuple
+        holds several."""
         results = list(result) if isinstance(result, (list, tuple)) else [] if result is None else [result]
         suspicions = [item for item in results if isinstance(item, Suspicion)]
         if known.suspects:
@@ -302,14 +283,13 @@ class Monitor:
                                 step, where)
 
     def record_verdict(self, verdict: Any, step: int, where: Where | None = None) -> None:
-        """Record a rule's verdict (``finding``, ``key``, ``steps``): at each of its steps, or at ``step``. An area
-        with its own bookkeeping (counts, names flagged) overrides it."""
+        """Record a rule's verdict (``finding``, ``key``, ``steps``) at each of its steps, or at ``step``."""
         for at in getattr(verdict, "steps", None) or [step]:
             self.record(verdict.finding, at, where, key=getattr(verdict, "key", ""))
 
     def _write_event(self, finding: Finding, step: int, where: Where | None, **options: Any) -> None:
-        """Hand an event to the session; a failure there is recorded and never reaches the caller, so a
-        write that fails on one rank cannot keep that rank from the decisions and collectives that follow."""
+        """Hand an event to the session; a failure is recorded, never raised: a write failing on one rank must not
+        keep it from the decisions and collectives that follow."""
         try:
             self.session.emit(finding, step=step, where=where or self.context.where(), callback=self.source,
                               **options)
@@ -322,8 +302,9 @@ class Monitor:
         if healthy and not final:
             return
         kinds = {str(kind) for kind in kinds}
-        if final:
-            self._close_summaries(kinds, where)
+        for kind in sorted(kinds) if final else []:
+            if self.tally.kinds.get(kind, {}).get("episodes", 0) > self.max_episode_events:
+                self._write_summary(kind, where)
         if healthy:
             return
         for (kind, key), episode in self.episodes.close_missing(self._seen_this_check, step, kinds, final):
@@ -338,8 +319,7 @@ class Monitor:
         self._seen_this_check = {key for key in self._seen_this_check if key[0] not in kinds}
 
     def measurement_failed(self, failure: Exception, consequence: str, step: int) -> None:
-        """The shared measurement of check step ``step`` failed (on this rank or, learnt from the reduced
-        flags, on another): recorded under this monitor's check, the same on every rank."""
+        """The shared measurement of ``step`` failed (here or on another rank): recorded the same on every rank."""
         self.session.failures.record(f"{type(self).__name__}.before_optimizer_step", failure, consequence, step)
 
     def warn(self, message: str) -> None:

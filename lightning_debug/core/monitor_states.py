@@ -9,12 +9,8 @@ from lightning_debug.core.monitor import Monitor
 
 
 def monitor_states(monitors: Iterable[Monitor]) -> dict[str, Any]:
-    """The one checkpoint format of monitors: each one's ``state_dict`` under its area's name.
-
-    Both adapters save it (Lightning under each callback's key, Accelerate through
-    ``register_for_checkpointing``) and give it back to :func:`load_monitor_states` on resume.
-
-    Example::
+    """Each monitor's ``state_dict`` under its area's name (Lightning: under each callback's key; Accelerate:
+    ``register_for_checkpointing``).
 
         >>> from lightning_debug import DebugConfig
         >>> from lightning_debug.monitors import monitors_for
@@ -26,8 +22,7 @@ def monitor_states(monitors: Iterable[Monitor]) -> dict[str, Any]:
 
 
 def load_monitor_states(monitors: Iterable[Monitor], states: dict[str, Any]) -> None:
-    """Give each of ``monitors`` its part of ``states`` (made by :func:`monitor_states`); an area the
-    checkpoint lacks (a callback added since) starts fresh."""
+    """Give each of ``monitors`` its part of ``states``; an area the checkpoint lacks starts fresh."""
     for monitor in monitors:
         if monitor.area.value in states:
             monitor.load_state_dict(states[monitor.area.value])

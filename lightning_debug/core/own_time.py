@@ -1,7 +1,7 @@
 """The plugin's own time: how long the run spent in its own work, so step timing can leave it out.
 
-A census, a replay, the scalars handed to a logger happen inside a step's wall-clock interval: timed naively they
-make those steps look slow (a 500 ms census as a ``slow_step``), so the performance monitor subtracts them.
+A census, a replay or a logger call inside a step would make it look slow (a 500 ms census as a ``slow_step``),
+so the performance monitor subtracts them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,8 @@ T = TypeVar("T")
 
 
 class OwnTime:
-    """A monotone total of host time spent inside ``with own_time:`` blocks (re-entrant).
-
-    :meth:`total_ms` includes the block in progress, so a reading taken from inside the plugin (the
-    performance monitor marks a phase boundary while the run is handling an event) splits that
-    block exactly between the phase before and the phase after.
-
-    Example::
+    """A monotone total of host time spent inside ``with own_time:`` blocks (re-entrant). :meth:`total_ms` includes
+    the block in progress, so a phase boundary marked inside the plugin splits that block exactly.
 
         >>> own = OwnTime()
         >>> before = own.total_ms()
@@ -42,8 +37,6 @@ class OwnTime:
 
     def call(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``function(*args, **kwargs)``, counted when :attr:`enabled` (the run's cheap path for every event).
-
-        Example::
 
             >>> own = OwnTime(); own.enabled = True
             >>> own.call(time.sleep, 0.01); own.total_ms() >= 9.0
@@ -72,6 +65,6 @@ class OwnTime:
             self._done += time.perf_counter() - self._since
 
     def total_ms(self) -> float:
-        """Milliseconds spent in the plugin since this accumulator was created, the open block included."""
+        """Milliseconds spent in the plugin so far, the open block included."""
         open_s = time.perf_counter() - self._since if self._depth else 0.0
         return (self._done + open_s) * 1000.0

@@ -1,9 +1,5 @@
-"""Moving device values to the host without stalling the GPU.
-
-On CUDA a blocking read waits for every kernel queued so far. A deferred read instead copies into
-pinned host memory behind a CUDA event and is consumed once the event has completed, typically a
-step later, at the cost of no synchronization at all.
-"""
+"""Moving device values to the host without stalling the GPU: on CUDA a blocking read waits for every kernel queued
+so far; a deferred one copies into pinned memory behind a CUDA event, read once it completed (a step later)."""
 
 from __future__ import annotations
 
@@ -11,12 +7,8 @@ import torch
 
 
 class Readback:
-    """A 1-d device tensor on its way to the host.
-
-    ``blocking=True`` reads it now (one sync on CUDA, nothing on CPU); otherwise the copy is
-    asynchronous and :meth:`ready` tells when :meth:`values` can be called without waiting.
-
-    Example::
+    """A 1-d device tensor on its way to the host: ``blocking=True`` reads it now (one sync on CUDA); otherwise
+    :meth:`ready` tells when :meth:`values` can be called without waiting.
 
         >>> Readback(torch.tensor([1.0, 2.0]), blocking=False).values()
         [1.0, 2.0]

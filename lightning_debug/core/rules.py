@@ -1,20 +1,6 @@
 """The registry of rules: a rule module says which kinds it makes and at which moment it runs, and its area's
-monitor runs it there, so adding a check edits no monitor.
-
-A rule is a function of one *facts* object, which the monitor builds once per moment for every rule of that
-moment (:class:`FitStart`, :class:`CheckStep`, :class:`CheckRead`, :class:`ModuleWalk`). What it returns goes down one path, by type:
-a :class:`~lightning_debug.core.findings.Finding` is a one-off fact (``Monitor.emit``: counted, no episode), a
-:class:`Recorded` (or an area's verdict of the same shape) opens or continues an episode (``Monitor.record``), and
-the :class:`~lightning_debug.core.verdicts.Suspicion` objects of a rule declared with ``suspects=True`` go to the
-monitor's :class:`~lightning_debug.core.verdicts.VerdictEngine`, which holds them by the kind's policy; what it
-confirms is recorded. A list holds several results. The kind's area (its ``KindSpec.area``) is the rule's area:
-a rule cannot make a kind of another area.
-
-An area package finds its rule modules itself (:func:`import_rules` over the package's own folder, called by its
-``__init__``), so a new rule module needs no import edit anywhere.
-
-Example::
-
+monitor runs it there on one *facts* object (docs/architecture.md, "A check is a rule"). An area package imports its
+rule modules itself (:func:`import_rules`), so a new rule module needs no import edit anywhere.
     >>> from lightning_debug.core.findings import Finding
     >>> from lightning_debug.core.kinds import Kind, Severity
     >>> def judge(facts: FitStart) -> Finding:
@@ -46,26 +32,19 @@ class Moment(StrEnum):
     """When a rule runs, and so which facts it is given."""
 
     FIT_START = "fit_start"
-    """Training starts at step 0 or resumes: :class:`FitStart` (the parameters and what the optimizer holds)."""
+    """Training starts at step 0 or resumes: :class:`FitStart`."""
     CHECK_STEP = "check_step"
-    """A check step of the area, before its optimizer step, from what the optimizer and the schedule say (no device
-    work): :class:`CheckStep`."""
+    """A check step of the area, before its optimizer step (no device work): :class:`CheckStep`."""
     CHECK_READ = "check_read"
     """A check step's numbers are on the host (read back without a sync): :class:`CheckRead`."""
     MODULE_WALK = "module_walk"
-    """The module tree as it is now, walked at fit start, at each epoch's start and at the end of the run:
-    :class:`ModuleWalk`."""
+    """The module tree at fit start, at each epoch's start and at the end of the run: :class:`ModuleWalk`."""
 
 
 @dataclass(frozen=True)
 class FitStart:
-    """What a run knows before any tensor work.
-
-    ``module``: the model (None: the loop cannot reach it); ``parameters``: (name, parameter, owning module, None
-    without a module) of every named parameter, in registration order; ``param_groups``: the optimizers' groups;
-    ``total_steps``/``schedulers``: the run's known length (None: unknown) and its schedulers' class names;
-    ``start_lrs``: each group's learning rate at fit start.
-    """
+    """What a run knows before any tensor work; ``parameters``: (name, parameter, owning module or None), in
+    registration order; ``total_steps``: None when unknown."""
 
     step: int
     module: Any = None
@@ -80,8 +59,7 @@ class FitStart:
 
 @dataclass(frozen=True)
 class CheckStep:
-    """A check step before its optimizer step: the optimizers' groups as they are now, the schedule and the run's
-    engine (for rules that hold)."""
+    """A check step before its optimizer step: the optimizers' groups as they are now and the schedule."""
 
     step: int
     param_groups: Sequence[Mapping[str, Any]] = ()
@@ -94,10 +72,9 @@ class CheckStep:
 
 @dataclass(frozen=True)
 class CheckRead:
-    """A check step whose numbers reached the host: ``numbers`` is the area's reading (the gradient pass's
-    ``HostNumerics``, a ``MemoryReading``), ``loss`` the step's loss, ``first_loss`` the run's reference loss,
-    ``drift`` what the area measured across check steps (None: not measured this time), ``param_groups`` and
-    ``start_lrs`` as at :class:`CheckStep`, ``history`` the area's bounded run history."""
+    """A check step whose numbers reached the host: ``numbers`` is the area's reading (``HostNumerics``, a
+    ``MemoryReading``), ``drift`` what it measured across check steps (None: not this time), ``history`` the area's
+    bounded run history."""
 
     step: int
     numbers: Any = None
@@ -127,8 +104,8 @@ Facts = FitStart | CheckStep | CheckRead | ModuleWalk
 
 @dataclass
 class Recorded:
-    """A finding that opens or continues an episode of ``key``, recorded at each of ``steps`` (empty: the step
-    judged); ``flagged``: the names it counts (report.json's ``most_flagged``)."""
+    """A finding that opens or continues an episode of ``key`` at each of ``steps`` (empty: the step judged);
+    ``flagged``: the names it counts (report.json's ``most_flagged``)."""
 
     finding: Finding
     flagged: list[str] = field(default_factory=list)
@@ -138,9 +115,8 @@ class Recorded:
 
 @dataclass(frozen=True)
 class Rule:
-    """One registered rule: its ``judge`` function, the ``kinds`` it makes, its ``moment`` and ``area``, and whether
-    it ``suspects`` (its suspicions go to the engine, observed every time it runs so a hold not suspected again
-    ends)."""
+    """One registered rule; with ``suspects`` its suspicions go to the engine, every time it runs (so a hold not
+    suspected again ends)."""
 
     judge: Callable[[Any], Any]
     kinds: tuple[Kind, ...]
@@ -172,8 +148,8 @@ def make_rule(judge: Callable[[Any], Any], *kinds: Kind, at: Moment, suspects: b
 
 
 def rule(*kinds: Kind, at: Moment, suspects: bool = False) -> Callable[[Judge], Judge]:
-    """Register the decorated function as the rule that makes ``kinds`` at moment ``at``; it is returned unchanged,
-    so it stays callable (and tested) as a plain function. Kinds of several areas are a ValueError here."""
+    """Register the decorated function as the rule that makes ``kinds`` at ``at``; it is returned unchanged, so it
+    stays callable (and tested) as a plain function."""
     area_of(kinds)
 
     def register(judge: Judge) -> Judge:
@@ -213,8 +189,7 @@ def all_rules() -> tuple[Rule, ...]:
 
 
 def import_rules(package: str, path: Iterable[str]) -> list[str]:
-    """Import every module of ``package`` (whose folder is ``path``, its ``__path__``), so each registers its rules;
-    returns their names. An area package calls it from its ``__init__``."""
+    """Import every module of ``package`` (``path``: its ``__path__``), so each registers its rules."""
     names = [f"{package}.{info.name}" for info in pkgutil.iter_modules(list(path)) if not info.ispkg]
     for name in names:
         importlib.import_module(name)

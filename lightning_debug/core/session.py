@@ -1,8 +1,7 @@
 """One run's shared outputs: its directory and id, events.jsonl, the logger scalars, the timeline, the failures.
 
-Every monitor writes through the same :class:`Session`: one events.jsonl and one stream of scalars, written by
-the global-zero process (documents, such as an OOM post-mortem, by any). Writing never raises: a failure is
-recorded and the caller goes on, so a write failing on one rank cannot keep it from a collective the others take.
+Writing never raises: a failure is recorded and the caller goes on, so a write failing on one rank cannot keep it
+from a collective the others take.
 """
 
 from __future__ import annotations
@@ -40,12 +39,9 @@ def new_run_id(now: datetime.datetime | None = None) -> str:
 
 
 def run_directory(configured: str, base: Path | None, run_id: str, base_is_per_run: bool) -> Path:
-    """Where a run's files go: ``debug_output_dir`` under ``base`` when ``base`` is already this run's
-    own directory (a logger's ``version_N``) and holds no earlier run's files; otherwise a
-    ``<run_id>`` directory below it. Decide on one process and share the result (the file system
-    may differ between nodes).
-
-    Example::
+    """Where a run's files go: ``debug_output_dir`` under ``base`` when ``base`` is already this run's own directory
+    (a logger's ``version_N``) without an earlier run's files, else a ``<run_id>`` directory below it. Decide on
+    one process and share the result (the file system may differ between nodes).
 
         >>> import tempfile
         >>> base = Path(tempfile.mkdtemp())
@@ -64,11 +60,8 @@ def run_directory(configured: str, base: Path | None, run_id: str, base_is_per_r
 
 
 class Session:
-    """Shared writers of one run: ``output_dir`` (None: no files), ``sink`` for a step's scalars
-    (``trainer.logger.log_metrics``, ``accelerator.log``); only the global-zero process writes events and scalars,
-    and ``rank`` names the documents each process writes.
-
-    Example::
+    """Shared writers of one run (``output_dir`` None: no files); only the global-zero process writes events and
+    scalars, and ``rank`` names the documents each process writes.
 
         >>> from lightning_debug.core.kinds import Kind, Severity
         >>> session = Session(None, True, None, Failures())
@@ -98,13 +91,11 @@ class Session:
                                      observer=self.timeline.observe_metrics if is_global_zero else None,
                                      exposed=exposed, rows=rows and is_global_zero)
         self.document_writer: DocumentWriter | None = None
-        # the run's own host time (checks, census, replays, logging): step timing leaves it out
-        self.own_time = OwnTime()
+        self.own_time = OwnTime()  # the run's own host time: step timing leaves it out
 
     def emit(self, finding: Finding, *, step: int, where: Where, callback: str,
              episode: EpisodePhase | None = None, console: bool = True) -> None:
-        """Write one event (global zero only) and hand it to the listeners (timeline, TensorBoard text, and,
-        with ``console``, the one-line warning); never raises."""
+        """Write one event (global zero only) and hand it to the listeners (timeline, TensorBoard text, console)."""
         record: dict[str, Any] = {
             "step": step, "epoch": where.get("epoch", -1), "batch": where.get("batch", -1),
             "kind": finding.kind.value, "severity": finding.severity.value, "callback": callback,
@@ -128,8 +119,7 @@ class Session:
                                          "it was removed (events.jsonl still has every event)")
 
     def write_document(self, stem: str, step: int, document: Any) -> Path | None:
-        """Write a document (e.g. an OOM post-mortem) for people next to the events, on any rank, rendered by
-        ``document_writer``; returns the path, or None when this run writes no files."""
+        """Write a document (an OOM post-mortem) next to the events, on any rank; None when this run writes no files."""
         if self.files_dir is None or self.document_writer is None:
             return None
         name = f"{stem}_step{step}" + (f"_rank{self.rank}" if self.rank else "")

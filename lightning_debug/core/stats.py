@@ -45,13 +45,12 @@ class RunningStats:
                 "max": self.maximum, "last": self.last}
 
     def state_dict(self) -> dict[str, float]:
-        return {"count": self.count, "total": self.total, "minimum": self.minimum, "maximum": self.maximum,
-                "last": self.last}
+        return {name: getattr(self, name) for name in ("count", "total", "minimum", "maximum", "last")}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.count = int(state["count"])
-        self.total, self.minimum = float(state["total"]), float(state["minimum"])
-        self.maximum, self.last = float(state["maximum"]), float(state["last"])
+        for name in ("total", "minimum", "maximum", "last"):
+            setattr(self, name, float(state[name]))
 
 
 class Reservoir:
@@ -115,7 +114,7 @@ class DistributionStats(RunningStats):
 
 
 class Window:
-    """The last ``size`` values, for medians and trends over recent steps."""
+    """The last ``size`` finite values, for medians and trends over recent steps."""
 
     def __init__(self, size: int) -> None:
         self.values: deque[float] = deque(maxlen=size)

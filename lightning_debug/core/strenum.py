@@ -1,10 +1,7 @@
 """A string enum that reads as its value everywhere, on every supported Python.
 
-``enum.StrEnum`` is Python 3.11+ and a plain ``(str, enum.Enum)`` formats differently on 3.10 and 3.11+;
-:class:`StrEnum` pins ``str()`` and ``format()`` to the value, so events.jsonl and report text never change.
-
-Example::
-
+``enum.StrEnum`` is Python 3.11+ and a plain ``(str, enum.Enum)`` formats differently on 3.10 and 3.11+; this pins
+``str()`` and ``format()`` to the value, so events.jsonl and report text never change.
     >>> from lightning_debug.core.strenum import StrEnum
     >>> class Colour(StrEnum):
     ...     RED = "red"

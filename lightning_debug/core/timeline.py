@@ -1,8 +1,5 @@
-"""What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding.
-
-The session feeds a :class:`Timeline` with the ``debug/`` scalars and events it writes; offline,
-``lightning_debug.report.offline`` rebuilds it from events.jsonl and the TensorBoard files.
-"""
+"""What happened over the steps of a run, bounded: the series the plots draw and the episodes of each finding
+(fed by the session; rebuilt offline by ``lightning_debug.report.offline``)."""
 
 from __future__ import annotations
 
@@ -13,18 +10,20 @@ from typing import Any
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import severity_rank
 
-PLOTTED_TAGS = (
-    "debug/perf/step_ms", "debug/perf/data_ms",
-    "debug/memory/cpu_rss_mb", "debug/memory/cpu_heap_mb", "debug/memory/cuda_allocated_mb", "debug/memory/cuda_reserved_mb",
-    "debug/memory/cuda_peak_mb",
-    "debug/grad/global_norm", "debug/anomaly/count", "debug/loss_finite",
-)
+AREA_NAMES = {
+    "debug/perf/step_ms": "step_time_ms", "debug/perf/data_ms": "data_time_ms",
+    "debug/memory/cpu_rss_mb": "memory/cpu_rss_mb", "debug/memory/cpu_heap_mb": "memory/cpu_heap_mb",
+    "debug/memory/cuda_allocated_mb": "memory/cuda_allocated_mb",
+    "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
+    "debug/grad/global_norm": "gradient_norm",
+}
+"""report.json's ``stats`` name of each plotted series that has one."""
+PLOTTED_TAGS = (*AREA_NAMES, "debug/anomaly/count", "debug/loss_finite")
 PER_OPTIMIZER_NORM = "debug/grad/global_norm_optimizer_"
 """With several optimizers the global norm is one series per optimizer (``..._optimizer_<i>``), plotted too."""
 MAX_OPTIMIZER_SERIES = 8
 LOSS_SERIES = "loss"
-"""The series of the training loss: what the anomaly check read on its check steps, or, rebuilt offline,
-the first logged tag outside ``debug/`` whose name holds ``loss`` (``train_loss``)."""
+"""The training loss: what the anomaly check read, else the first logged tag outside ``debug/`` holding ``loss``."""
 MAX_POINTS = 2048
 MAX_EVENTS = 4096
 MAX_TAGS = 10_000
@@ -34,8 +33,6 @@ MAX_KINDS = 1000
 class Series:
     """A bounded ``(step, value)`` history of one scalar: past ``max_points``, neighbouring pairs are merged
     (keeping the larger value, so a spike survives) and only every second new point is taken, and so on.
-
-    Example::
 
         >>> series = Series(max_points=4)
         >>> for step in range(8):
@@ -126,8 +123,6 @@ class Timeline:
     def optimizer_norms(self) -> list[str]:
         """The per-optimizer global norm series held, in the optimizers' order.
 
-        Example::
-
             >>> timeline = Timeline()
             >>> timeline.observe_metrics({"debug/grad/global_norm_optimizer_1": 2.0,
             ...                           "debug/grad/global_norm_optimizer_0": 1.0}, 3)
@@ -138,10 +133,8 @@ class Timeline:
                       key=lambda tag: (len(tag), tag))
 
     def observe_loss(self, step: int, value: float) -> None:
-        """The training loss of optimizer step ``step``, as the anomaly check read it (host float); it
-        replaces a loss taken from logged tags, and a NaN/Inf loss leaves a gap.
-
-        Example::
+        """The training loss of ``step`` as the anomaly check read it: it replaces a loss taken from logged tags, and
+        a NaN/Inf loss leaves a gap.
 
             >>> timeline = Timeline()
             >>> timeline.observe_metrics({"train_loss": 2.5, "debug/grad/global_norm": 1.0}, 0)
@@ -211,10 +204,9 @@ class Timeline:
             entry = out.get(kind)
             if entry is None:
                 continue
-            entry["episodes"] = max(entry["episodes"], totals["episodes"])
-            entry["steps"] = max(entry["steps"], totals["steps"])
+            for name in ("episodes", "steps", "last_step"):
+                entry[name] = max(entry[name], totals[name])
             entry["first_step"] = min(entry["first_step"], totals["first_step"])
-            entry["last_step"] = max(entry["last_step"], totals["last_step"])
         return order_findings(out)
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -226,12 +218,3 @@ class Timeline:
                 out[AREA_NAMES[tag]] = {"count": len(values), "mean": sum(values) / len(values),
                                         "min": min(values), "max": max(values), "last": values[-1]}
         return out
-
-
-AREA_NAMES = {
-    "debug/perf/step_ms": "step_time_ms", "debug/perf/data_ms": "data_time_ms",
-    "debug/memory/cpu_rss_mb": "memory/cpu_rss_mb", "debug/memory/cpu_heap_mb": "memory/cpu_heap_mb",
-    "debug/memory/cuda_allocated_mb": "memory/cuda_allocated_mb",
-    "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
-    "debug/grad/global_norm": "gradient_norm",
-}

@@ -1,12 +1,6 @@
-"""One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end.
-
-A healthy model can look wrong for a step (a gradient norm spikes and falls back, a warm-up starts at a learning
-rate of 0), so a rule says only what one observation suggests (a :class:`Suspicion`), and how long that is held is
-the kind's :class:`~lightning_debug.core.kinds.Confirm` policy. This engine applies every policy the same way: it
-holds suspicions per kind, scope (an optimizer) and key, confirms them by persisting or by the readings after them,
-labels a verdict at its first step and the steps it covered, decides what is held at the end of the run, and
-travels in the monitor's checkpoint, so a resume mid-suspicion reports it as an uninterrupted run would. Invariants
-no policy can override live here: a suspicion whose value is not finite is confirmed at once.
+"""One lifecycle for every finding that needs more than one observation: suspect, hold, confirm, label, end
+(docs/architecture.md, "Suspect, hold, confirm"). An invariant no policy overrides: a suspicion whose value is not
+finite is confirmed at once.
 
 Example::
 
@@ -26,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_debug.core.findings import Finding
@@ -54,13 +48,11 @@ class ConfirmedBy(StrEnum):
 class Suspicion:
     """What a rule saw on one observation: ``kind`` may be wrong for ``key`` at ``step``.
 
-    ``finding``: the rule's description when it can write it now; ``value``: the measurement (a non-finite one
-    confirms at once); ``bound``: what the readings after it must stay above (``follow_up`` policies); ``variant``
-    picks a patience of the policy's ``variants``; ``scope`` keeps optimizers apart; ``at_least``: a longer hold the
-    run's own history asks for; ``record``: False for an observation between check steps (it counts toward the hold
-    but is no step the finding is recorded at); ``measured``: what the rule measured over the hold so far, plain
-    values that travel in the checkpoint; ``confirms``: False when a condition of the rule's own is not met on this
-    observation (it keeps the hold going but neither confirms it nor is reported again).
+    ``value``: the measurement (a non-finite one confirms at once); ``bound``: what later readings must stay above
+    (``follow_up``); ``variant`` picks a patience of the policy's ``variants``; ``at_least``: a longer hold the run's
+    history asks for; ``record``: False between check steps (it counts toward the hold, but is no step the finding is
+    recorded at); ``measured``: plain values that travel in the checkpoint; ``confirms``: False when a condition of the
+    rule's own is not met (it keeps the hold going but neither confirms it nor is reported again).
     """
 
     kind: Kind
@@ -80,32 +72,24 @@ class Suspicion:
 
     def state_dict(self) -> dict[str, Any]:
         finding = self.finding
-        return {"kind": self.kind.value, "key": self.key, "step": self.step, "flagged": list(self.flagged),
-                "where": self.where, "value": self.value, "bound": self.bound, "variant": self.variant,
-                "scope": self.scope, "at_least": self.at_least, "record": self.record,
-                "measured": dict(self.measured), "confirms": self.confirms,
-                "finding": None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
-                                                         "message": finding.message, "details": finding.details}}
+        return dict(vars(self), kind=self.kind.value, flagged=list(self.flagged), measured=dict(self.measured),
+                    finding=None if finding is None else {"kind": finding.kind.value, "severity": finding.severity.value,
+                                                          "message": finding.message, "details": finding.details})
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Suspicion":
         entry = state.get("finding")
         finding = None if entry is None else Finding(Kind(entry["kind"]), Severity(entry["severity"]),
                                                      entry["message"], dict(entry["details"]))
-        return cls(Kind(state["kind"]), str(state["key"]), int(state["step"]), finding, list(state["flagged"]),
-                   state.get("where"), state.get("value"), state.get("bound"), str(state.get("variant", "")),
-                   str(state.get("scope", "")), int(state.get("at_least", 0)), bool(state.get("record", True)),
-                   dict(state.get("measured", {})), bool(state.get("confirms", True)))
+        known = {name: state[name] for name in (f.name for f in fields(cls)) if name in state}
+        return cls(**dict(known, kind=Kind(state["kind"]), step=int(state["step"]), finding=finding,
+                          flagged=list(state["flagged"]), measured=dict(state.get("measured", {}))))
 
 
 @dataclass
 class Confirmed:
-    """A suspicion that became a finding: record it at each of ``steps`` (oldest first), as ``kind``.
-
-    ``first`` is the suspicion that opened the hold (the step the condition began), ``latest`` the one
-    that confirmed it; ``readings`` how many readings after it confirmed it; ``streak`` how many observations
-    in a row held it.
-    """
+    """A suspicion that became a finding: record it at each of ``steps`` (oldest first), as ``kind``; ``first``
+    opened the hold, ``latest`` confirmed it."""
 
     kind: Kind
     first: Suspicion
@@ -122,9 +106,8 @@ class Confirmed:
 
 @dataclass
 class Hold:
-    """One held key: the suspicion that opened it, the latest, the steps to record it at, its streak, the readings
-    after it (``above``/``below`` its bound) and whether it is confirmed (then further suspicions are reported
-    as they come)."""
+    """One held key; ``above``/``below``: readings after it over and under its bound; once ``confirmed``, further
+    suspicions are reported as they come."""
 
     first: Suspicion
     latest: Suspicion
@@ -135,14 +118,12 @@ class Hold:
     confirmed: bool = False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": self.first.state_dict(), "latest": self.latest.state_dict(), "steps": list(self.steps),
-                "streak": self.streak, "above": self.above, "below": self.below, "confirmed": self.confirmed}
+        return dict(vars(self), first=self.first.state_dict(), latest=self.latest.state_dict(), steps=list(self.steps))
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Hold":
-        return cls(Suspicion.from_state(state["first"]), Suspicion.from_state(state["latest"]),
-                   [int(step) for step in state["steps"]], int(state["streak"]), int(state["above"]),
-                   int(state["below"]), bool(state["confirmed"]))
+        return cls(**dict(state, first=Suspicion.from_state(state["first"]), latest=Suspicion.from_state(state["latest"]),
+                          steps=[int(step) for step in state["steps"]]))
 
 
 def policy_of(kind: Kind) -> Confirm:
@@ -155,11 +136,8 @@ def _finite(value: float | None) -> bool:
 
 
 class VerdictEngine:
-    """Every held suspicion of a monitor, under the policies of the table of kinds; :meth:`observe` takes one
-    observation of a kind, :meth:`flush` ends the run. Bounded: ``max_held`` suspicions per kind and scope, a
-    held key keeps at most its patience's steps.
-
-    Example::
+    """Every held suspicion of a monitor; :meth:`observe` takes one observation of a kind, :meth:`flush` ends the
+    run. Bounded: ``max_held`` suspicions per kind and scope, a held key keeps at most its patience's steps.
 
         >>> from lightning_debug.core.kinds import Kind
         >>> engine = VerdictEngine()
@@ -172,9 +150,8 @@ class VerdictEngine:
         >>> [(c.steps, c.by.value) for c in engine.observe(Kind.EXPLODING_GRAD, 9, [nan])]
         [([9], 'not_finite')]
 
-    A policy with ``until`` holds a suspicion as long as it is suspected again; the observation that ends it
-    decides by its reading (``slow_step``: a run of slow steps back under the threshold of before is a burst,
-    one that ends above it a new level, reported as the policy's ``else_kind``)::
+    ``until`` holds a suspicion while it is suspected again; the reading that ends it decides (``slow_step``: a run
+    back under the threshold of before is a burst, one that ends above it a new level, the policy's ``else_kind``)::
 
         >>> run = lambda step: Suspicion(Kind.SLOW_STEP, "run", step, bound=50.0, measured={"steps": step - 9})
         >>> [engine.observe(Kind.SLOW_STEP, step, [run(step)]) for step in (10, 11)]
@@ -184,8 +161,8 @@ class VerdictEngine:
         >>> [(c.kind.value, c.first.step, c.by.value) for c in engine.observe(Kind.SLOW_STEP, 12, reading=20.0)]
         [('slow_step', 10, 'back_under')]
 
-    A suspicion with ``confirms=False`` keeps its hold going without confirming it (``loss_divergence``: 4 checks
-    in a row, a climbing level confirmed only on a check where it is higher than 3 checks before)::
+    ``confirms=False`` keeps a hold going without confirming it (``loss_divergence``: 4 checks in a row, confirmed
+    only on a check where the level is higher than 3 checks before)::
 
         >>> climb = lambda step: Suspicion(Kind.LOSS_DIVERGENCE, "climb", step, confirms=step == 14)
         >>> [[c.streak for c in engine.observe(Kind.LOSS_DIVERGENCE, step, [climb(step)])] for step in range(10, 15)]
@@ -225,9 +202,8 @@ class VerdictEngine:
                 judged: Collection[str] | None = None, reading: float | None = None) -> list[Confirmed]:
         """One observation of ``kind`` in ``scope`` at ``step``; returns what it confirms, in step order.
 
-        ``judged``: the keys this observation looked at (None: every key of the kind and scope); a held key
-        judged and not suspected again ends. ``reading``: the value the suspicions held before ``step``
-        compare with their bound (policies with ``follow_up``); None when there is none.
+        ``judged``: the keys looked at (None: all); a held key judged and not suspected again ends. ``reading``: what
+        the suspicions held before ``step`` compare with their bound (``follow_up``).
         """
         policy = policy_of(kind)
         suspicions = list(suspicions)
@@ -274,26 +250,25 @@ class VerdictEngine:
         held_key = (suspicion.kind.value, scope, suspicion.key)
         held = self._held.get(held_key)
         decided: list[Confirmed] = []
+        late = False
         if held is None:
             decided += self._make_room(suspicion.kind, scope, policy)
             held = self._held[held_key] = Hold(suspicion, suspicion, [suspicion.step] if suspicion.record else [])
-        elif held.latest.step >= suspicion.step:  # observed already (looked at between checks, or read back late)
-            if suspicion.record and suspicion.step not in held.steps:
-                kept = max(policy.needed(suspicion.variant) or 1, suspicion.at_least, 1)
-                held.steps = sorted(held.steps + [suspicion.step])[-kept:]
-                if held.confirmed and suspicion.confirms:
-                    return decided + [Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step],
-                                                ConfirmedBy.AGAIN, streak=held.streak)]
-            return decided
         else:
-            held.latest = suspicion
-            held.streak += 1
+            late = held.latest.step >= suspicion.step  # observed already (looked at between checks, or read back late)
+            if late and (not suspicion.record or suspicion.step in held.steps):
+                return decided
+            if not late:
+                held.latest = suspicion
+                held.streak += 1
             if suspicion.record:
                 kept = max(policy.needed(suspicion.variant) or 1, suspicion.at_least, 1)
-                held.steps = (held.steps + [suspicion.step])[-kept:]
+                held.steps = sorted(held.steps + [suspicion.step])[-kept:]
         if held.confirmed:
             return decided + ([Confirmed(suspicion.kind, held.first, suspicion, [suspicion.step], ConfirmedBy.AGAIN,
                                          streak=held.streak)] if suspicion.record and suspicion.confirms else [])
+        if late:
+            return decided
         needed = policy.needed(suspicion.variant)
         if not _finite(suspicion.value):
             by = ConfirmedBy.NOT_FINITE

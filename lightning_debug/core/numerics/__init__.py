@@ -1,13 +1,8 @@
 """Loss, gradient and parameter health of one optimizer step, computed once for every check.
 
-The anomaly and gradient checks both need gradient norms. :class:`StepNumerics` does one fused pass, packs
-everything (per-rank flags included) into one device vector, reduces it with one collective and reads it back
-at most once, now or a step later; what does not change between steps is worked out once
-(:class:`ParameterIndex`). docs/architecture.md describes the pass; :mod:`.index`, :mod:`.step` and
-:mod:`.queue` hold the parameters, one step's measurement and the pending read-backs.
-
-Example::
-
+The anomaly and gradient checks both need gradient norms: :class:`StepNumerics` does one fused pass, packs it
+(per-rank flags included) into one device vector, reduces it with one collective and reads it back at most once,
+now or a step later; docs/architecture.md describes it.
     >>> import torch
     >>> from torch import nn
     >>> from lightning_debug.core.numerics import NumericsQueue

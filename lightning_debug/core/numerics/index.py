@@ -1,12 +1,8 @@
 """The parameters a step is measured over, built once, and the row each rank packs for the one collective.
 
 A :class:`ParameterIndex` is rebuilt only when a registration puts a different object into a slot of a watched
-model's module (transformers' Llama-family decoders register every layer again in each forward, so not every
-registration is a change). The two registration hooks are process-wide: a run holds them by a :class:`Lease`.
-Each rank packs raw sums into a float64 row (:data:`RANK_FIELDS`) whose finiteness the host reads as flags.
-
-Example::
-
+module (Llama-family decoders register every layer again in each forward, so not every registration is a change).
+The two registration hooks are process-wide: a run holds them by a :class:`Lease`.
     >>> lease = watch_registrations()
     >>> model = nn.Sequential(nn.Linear(2, 2))
     >>> watch_model(model)
@@ -53,9 +49,7 @@ from lightning_debug.core.gate import distributed
 from lightning_debug.core.metrics import metric_part
 
 
-# One row per rank, raw values whose finiteness is the flag (the host derives the flags, see
-# ``rank_flags``); the packing follows this list. The counts and ``check_failed`` are Python numbers,
-# which travel in the row only when there is a collective to carry them.
+# One row per rank (see ``rank_flags``); the host fields travel in the row only when a collective carries them.
 HOST_FIELDS = ("loss_count", "input_count", "check_failed")
 DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum",
                  "buffer_high")
@@ -77,11 +71,8 @@ def constant(value: float, device: torch.device) -> torch.Tensor:
 
 
 def rank_flags(row: Sequence[float]) -> dict[str, float]:
-    """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign
-    that one of its terms is not (NaN and infinities propagate; float64 sums of float32 values do not
-    overflow), so the device packs raw sums and the host tells.
-
-    Example::
+    """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign that one of its
+    terms is not (float64 sums of float32 values do not overflow), so the device packs raw sums and the host tells.
 
         >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf")])
         >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
@@ -102,11 +93,8 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
 
 
 class Owned:
-    """Which slots' squares this rank adds to the sums over every process (see
-    :func:`~lightning_debug.checks.numerics.owns_block`), with the two common cases, every slot (one
-    process) and none (a replica), known on the host so that they cost no device work.
-
-    Example::
+    """Which slots' squares this rank adds to the sums over every process; the two common cases, every slot (one
+    process) and none (a replica), are known on the host and cost no device work.
 
         >>> squares = torch.tensor([1.0, 4.0], dtype=torch.float64)
         >>> terms, total = Owned([True, False], squares.device).terms(squares, squares.sum())
@@ -136,28 +124,25 @@ _every_module = [False]  # a model whose modules are unknown is watched: every r
 
 
 def registration_count() -> int:
-    """How many registrations that may have changed a watched model happened while the hooks were installed, plus
-    one for each time they were installed (what happened in between was not seen)."""
+    """Registrations that may have changed a watched model, plus one per installation of the hooks (what happened
+    while none was installed was not seen)."""
     return _registrations[0]
 
 
 def watch_model(model: nn.Module | None) -> None:
-    """Count registrations into ``model``'s modules from now on (None: a model whose modules are not
-    known, so every registration in the process counts). Called when an index is built."""
+    """Count registrations into ``model``'s modules from now on (None: unknown, every registration counts)."""
     if model is None:
         _every_module[0] = True
     else:
         _watched.update(model.modules())
 
 
-def _count_parameter(module: nn.Module, name: str, param: Any) -> None:
-    if (_every_module[0] or module in _watched) and module._parameters.get(name) is not param:
-        _registrations[0] += 1
-
-
-def _count_module(module: nn.Module, name: str, submodule: Any) -> None:
-    if (_every_module[0] or module in _watched) and module._modules.get(name) is not submodule:
-        _registrations[0] += 1
+def _counter(table: str) -> Callable[[nn.Module, str, Any], None]:
+    """A registration hook that counts a new object in a slot of ``module.<table>`` of a watched module."""
+    def count(module: nn.Module, name: str, value: Any) -> None:
+        if (_every_module[0] or module in _watched) and getattr(module, table).get(name) is not value:
+            _registrations[0] += 1
+    return count
 
 
 _handles: list[RemovableHandle] = []
@@ -171,8 +156,7 @@ def installed() -> bool:
 
 
 class Lease:
-    """A hold on the two global hooks: :meth:`release` (idempotent) lets them go, and so does garbage
-    collection of a lease never released (a queue dropped without its run's end)."""
+    """A hold on the two global hooks, let go by :meth:`release` (idempotent) or by garbage collection."""
 
     def __init__(self) -> None:
         _next_lease[0] += 1
@@ -200,13 +184,12 @@ def _release(lease_id: int) -> None:
 
 
 def watch_registrations() -> Lease:
-    """Hold the two global registration hooks (installed by the first lease held); release the lease at the
-    run's end."""
+    """Hold the two global registration hooks (installed by the first lease held)."""
     lease = Lease()
     if not _handles:
         _registrations[0] += 1  # a change made while nothing counted: every index made before is checked again
-        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_count_parameter))
-        _handles.append(nn.modules.module.register_module_module_registration_hook(_count_module))
+        _handles.append(nn.modules.module.register_module_parameter_registration_hook(_counter("_parameters")))
+        _handles.append(nn.modules.module.register_module_module_registration_hook(_counter("_modules")))
     return lease
 
 
@@ -214,18 +197,15 @@ REQUIRES_GRAD_RECHECK = 16
 
 
 def signature(named: Sequence[tuple[str, nn.Parameter]]) -> list[tuple[object, ...]]:
-    """What an index depends on, parameter by parameter: name, identity, ``requires_grad``, shape,
-    dtype and device. Two walks of a model with equal signatures give the same index."""
+    """What an index depends on, parameter by parameter: equal signatures give the same index."""
     return [(name, id(p), p.requires_grad, p.shape, p.dtype, p.device) for name, p in named]
 
 
 class ParameterIndex:
-    """The trainable parameters of a model (or of one optimizer), their user-facing names, which are sharded, which
-    blocks this rank owns and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every rank
-    builds the same slots in the same order (full shapes decide), so one all-reduce lines their values up. With
-    ``plain_sharded`` (FSDP1, DeepSpeed) plain tensors are this rank's shard and no empty slot is dropped.
-
-    Example::
+    """The trainable parameters of a model (or of one optimizer), their user-facing names, which blocks this rank owns
+    and the :class:`~lightning_debug.checks.numerics.NormPlan` of their local shards. Every rank builds the same slots
+    in the same order (full shapes decide), so one all-reduce lines their values up. With ``plain_sharded`` (FSDP1,
+    DeepSpeed) plain tensors are this rank's shard and no empty slot is dropped.
 
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
         >>> model[0].bias.requires_grad_(False)
@@ -250,8 +230,7 @@ class ParameterIndex:
         self.plain_sharded = plain_sharded
         self.sharded = plain_sharded or any(is_dtensor(p) for p in self.params)
         self.sharded_names = [name for name, p in trainable if plain_sharded or is_dtensor(p)]
-        self.replicas = replica_slots(self.params, distributed()[1], plain_sharded)
-        """The slots every rank holds whole and identical (data parallelism), whose norms the ranks compare."""
+        self.replicas = replica_slots(self.params, distributed()[1], plain_sharded)  # held whole by every rank
         self._replica_positions: torch.Tensor | None = None
         self.plan = NormPlan(local_tensors(self.params, self.sharded))
         self.device = self.plan.device
@@ -276,7 +255,7 @@ class ParameterIndex:
     def recheck_due(self) -> bool:
         """Whether this use compares the model with :attr:`signature` for what no registration announces:
         ``requires_grad`` every ``REQUIRES_GRAD_RECHECK`` uses, the rest (``.data`` replaced, a cast in place) every
-        ``REQUIRES_GRAD_RECHECK ** 2``. Until then a changed shape costs speed, not correctness (the plan falls back).
+        ``REQUIRES_GRAD_RECHECK ** 2``: until then a changed shape costs speed, not correctness (the plan falls back).
         """
         self._uses += 1
         if self._uses % REQUIRES_GRAD_RECHECK:
@@ -303,9 +282,8 @@ class ParameterIndex:
         return per_slot.index_select(0, self._replica_positions)
 
     def _zeros_for(self, slot: int) -> torch.Tensor:
-        """A kept, read-only zero standing for slot ``slot``'s missing gradient (MoE experts miss theirs on most steps): 0-d,
-        which the fused norm takes whatever the shape, expanded (no memory) for a slot the plan joins with others.
-        """
+        """A kept zero for ``slot``'s missing gradient (MoE experts miss theirs on most steps): 0-d, which the fused
+        norm takes whatever the shape, expanded (no memory) for a slot the plan joins with others."""
         zeros = self._zeros.get(slot)
         if zeros is None:
             local = local_tensor(self.params[slot])

@@ -41,39 +41,34 @@ MAX_PENDING_READBACKS = 4
 
 class NumericsQueue:
     """The current step's :class:`StepNumerics`, computed by the first check that asks and shared by the rest, the
-    parameter indexes, and the steps still waiting for their values (past ``max_pending``, the oldest is read with a
-    sync).
+    parameter indexes, and the steps waiting for their values (past ``max_pending``, the oldest is read with a sync).
     """
 
     def __init__(self, max_pending: int = MAX_PENDING_READBACKS, ledger: RunLedger | None = None) -> None:
         self.max_pending = max_pending
         self.ledger = ledger if ledger is not None else RunLedger()
-        # Checks that need every weight's norm on their steps (weight logging, update ratios).
-        self.param_norms_wanted: list[Callable[[int], bool]] = []
-        # Checks that compare the ranks' norms of the parameters each holds whole on their steps (replicas in sync).
+        self.param_norms_wanted: list[Callable[[int], bool]] = []  # weight logging, update ratios
         self.replicas_wanted: list[Callable[[int], bool]] = []
         self._observed: tuple[int, Observed] | None = None
         self._current: StepNumerics | None = None
         self._pending: list[StepNumerics] = []
         self._indexes: dict[Any, tuple[int, Any, ParameterIndex]] = {}
-        # Sums the parameter scan's flags over ranks (the run's gate); None: ``torch.distributed`` directly.
         self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._lease: Lease | None = None  # taken with the first index: a run built and never started holds nothing
 
     def close(self) -> None:
-        """The run ended: let the process-wide registration hooks go (removed once no run holds them). An index
-        asked for afterwards holds them again."""
+        """The run ended: let the process-wide registration hooks go (an index asked for later holds them again)."""
         if self._lease is not None:
             self._lease.release()
 
     @property
     def steps_done(self) -> int:
-        """Optimizer steps taken so far (the run's :class:`StepRecord`): which update a late parameter scan sees."""
+        """Optimizer steps taken so far: which update a late parameter scan sees."""
         return self.ledger.record.steps_done
 
     @property
     def optimizer_step(self) -> int | None:
-        """With several optimizers, how many steps the optimizer being stepped took before this one; else None."""
+        """With several optimizers, the steps the one being stepped took before this one; else None."""
         return self.ledger.record.optimizer_step
 
     @property
@@ -91,21 +86,19 @@ class NumericsQueue:
         self.observed(step).add_loss(loss)
 
     def observe_inputs(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Add a micro-batch's floating batch tensors to this step's NaN/Inf test (one ``aminmax`` each, no sync)."""
+        """Add a micro-batch's floating tensors to this step's NaN/Inf test (no sync)."""
         self.observed(step).add_inputs(tensors)
 
     def observe_buffers(self, step: int, high: torch.Tensor | None) -> None:
-        """The largest magnitude over the model's buffers after this step's forward (no sync; the last one counts:
-        a NaN/Inf a running statistic took stays in it)."""
+        """The largest magnitude over the buffers after this step's forward (the last counts: a NaN/Inf stays)."""
         if high is not None:
             self.observed(step).buffer_high = high
 
     def index(self, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
               optimizer: Any = None, rebuild: bool = False, plain_sharded: bool = False) -> ParameterIndex:
-        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns (its param groups, in order);
-        valid by identity: a use compares the count of registrations that may have changed a watched model (and an
-        optimizer's param group sizes); when either moved, and every ``REQUIRES_GRAD_RECHECK`` uses, the model is walked
-        and compared with the index's ``signature``, and only a real change rebuilds it.
+        """The :class:`ParameterIndex` of the model, or of the parameters ``optimizer`` owns: a use compares the count
+        of registrations (and the param group sizes); when either moved, and every ``REQUIRES_GRAD_RECHECK`` uses, the
+        model is walked and compared with the index's ``signature``; only a real change rebuilds it.
         """
         if self._lease is None or not self._lease.held:
             self._lease = watch_registrations()
@@ -144,16 +137,13 @@ class NumericsQueue:
         return named
 
     def scheduled_step(self, step: int) -> int:
-        """The step a per-optimizer-step check's frequency counts: ``step`` itself, or, with several
-        optimizers, how many steps the optimizer being stepped has taken before this one."""
+        """The step a check's frequency counts: ``step``, or with several optimizers :attr:`optimizer_step`."""
         return step if self.optimizer_step is None else self.optimizer_step
 
     def get(self, step: int, named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]],
             all_reduce: AllReduce | None, grad_scale: torch.Tensor | None = None,
             optimizer: Any = None, plain_sharded: bool = False) -> StepNumerics:
-        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first); with ``optimizer``, over
-        the parameters it owns only; ``plain_sharded``: plain parameters are per-rank shards.
-        """
+        """This step's :class:`StepNumerics` (one fused pass, one collective, whoever asks first)."""
         if self._current is None or self._current.step != step:
             index = self.index(named_parameters, optimizer, plain_sharded=plain_sharded)
             gradients: tuple[list[torch.Tensor], list[int]] | None = None
@@ -192,8 +182,7 @@ class NumericsQueue:
 
 
 def _model_of(named_parameters: Callable[[], Iterable[tuple[str, nn.Parameter]]]) -> nn.Module | None:
-    """The module whose ``named_parameters`` this is (a module's bound method, or a run context's with
-    a ``module()``), so only registrations into it count; None when it cannot be told."""
+    """The module whose ``named_parameters`` this is, so only registrations into it count; None when unknown."""
     owner = getattr(named_parameters, "__self__", None)
     if isinstance(owner, nn.Module):
         return owner

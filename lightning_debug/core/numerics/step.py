@@ -34,11 +34,9 @@ from lightning_debug.core.readback import Readback
 
 
 class Observed:
-    """What the forward of an optimizer step showed before its gradients existed, as device values (no sync): the sum
-    of its micro-batch losses and the extremes of its batches' floating tensors, which carry NaN/Inf through (extremes,
-    not sums: a mask filled with ``torch.finfo(dtype).min`` must not overflow into a false alarm).
-
-    Example::
+    """What the forward of an optimizer step showed, as device values (no sync): the sum of its micro-batch losses and
+    the extremes of its batch tensors, which carry NaN/Inf through (extremes, not sums: a mask filled with
+    ``torch.finfo(dtype).min`` must not overflow into a false alarm).
 
         >>> seen = Observed()
         >>> seen.add_loss(torch.tensor(2.0)); seen.add_loss(torch.tensor(4.0))
@@ -54,14 +52,11 @@ class Observed:
         self.loss_count = 0
         self._ends: list[torch.Tensor] = []
         self.input_count = 0
-        self.buffer_high: torch.Tensor | None = None
-        """The largest magnitude over the model's buffers after the step's last forward (NaN/Inf if one holds it)."""
+        self.buffer_high: torch.Tensor | None = None  # the largest magnitude over the buffers after the last forward
         self._losses: list[weakref.ref[torch.Tensor]] = []
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-batch's loss; the same tensor given again (by a second monitor) counts once.
-
-        Example::
 
             >>> seen, loss = Observed(), torch.tensor(3.0)
             >>> seen.add_loss(loss); seen.add_loss(loss)
@@ -100,15 +95,9 @@ class Observed:
 
 
 class HostNumerics:
-    """The host-side values of a :class:`StepNumerics`: per-rank flags as Python numbers, the
-    per-parameter squared norms as CPU tensors, turned into names and Python floats only when asked
-    (that is, when something was found or per-parameter scalars are logged).
-
-    ``squares`` holds, from position ``start``, every slot's squared gradient norm, then, when measured,
-    every slot's squared parameter norm (the read-back vector as it came: on a CPU even slicing it is an
-    operation, which a step that names nothing never needs).
-
-    Example::
+    """The host-side values of a :class:`StepNumerics`: per-rank flags as Python numbers, the squared norms as the
+    read-back CPU vector (from ``start``: every slot's gradient, then, when measured, every parameter), turned into
+    names and floats only when asked: on a CPU even slicing is an operation, which a step that names nothing skips.
 
         >>> from torch import nn
         >>> index = ParameterIndex(list(nn.Linear(1, 1, bias=False).named_parameters()))
@@ -140,8 +129,7 @@ class HostNumerics:
         self.scan_parameters = scan_parameters
         self.read_before_update = read_before_update
         self._steps_done = steps_done
-        # The last optimizer step whose update the parameters seen by nonfinite_params() had received.
-        self.params_seen_after: int | None = None
+        self.params_seen_after: int | None = None  # the last update the weights nonfinite_params() saw had received
 
     @cached_property
     def _grad_squares(self) -> torch.Tensor:
@@ -170,8 +158,7 @@ class HostNumerics:
 
     @property
     def loss_value(self) -> float:
-        """The step's loss (mean over micro-batches, then over the ranks that measured one); NaN when no
-        loss was observed or it is not finite. Read with the flags, so it costs no sync of its own."""
+        """The step's loss (mean over micro-batches, then ranks); NaN when none was observed or it is not finite."""
         values = [rank.get("loss_value", math.nan) for rank in self.ranks]
         if not values or not all(math.isfinite(v) for v in values):
             return math.nan
@@ -195,7 +182,6 @@ class HostNumerics:
 
     @property
     def ranks_with_nonfinite_buffers(self) -> list[int]:
-        """Ranks whose model buffers (BatchNorm running statistics and the like) hold NaN/Inf after the step's forward."""
         return self._ranks_counting("buffer_nonfinite")
 
     @property
@@ -204,12 +190,12 @@ class HostNumerics:
 
     @property
     def ranks_with_failed_check(self) -> list[int]:
-        """Ranks whose own measurement raised: every rank learns it from the reduced rows, in the same step."""
+        """Ranks whose own measurement raised: every rank learns it from the reduced rows."""
         return self._ranks_counting("check_failed")
 
     @property
     def failure(self) -> Exception | None:
-        """Why this step's measurement is missing: this rank's own error, or which rank failed (None when it ran)."""
+        """Why this step's measurement is missing (None when it ran)."""
         ranks = self.ranks_with_failed_check
         if not ranks:
             return None
@@ -239,9 +225,8 @@ class HostNumerics:
 
     @cached_property
     def _present(self) -> list[float]:
-        """The squared norms of the gradients present, as Python floats: one read of the vector, then
-        Python, which on a CPU costs less than the tensor operations it replaces (a mask, a sqrt, a max,
-        a min)."""
+        """The squared norms of the gradients present as floats: on a CPU one read then Python costs less than the
+        tensor operations it replaces (a mask, a sqrt, a max, a min)."""
         values = self._grad_squares.tolist()
         if self._missing_slots:
             missing = set(self._missing_slots)
@@ -306,15 +291,11 @@ class HostNumerics:
 class StepNumerics:
     """Device-side measurement of one optimizer step; see :mod:`lightning_debug.core.numerics`.
 
-    ``observed``: the step's losses and batches, or None; ``all_reduce``: sums a float64 vector over every process
-    in place, called exactly once by every rank with a vector of the same length (None on one process);
-    ``grad_scale``: the loss scale the gradients still carry (divided out on the device); ``with_param_norms``: also
-    every parameter's norm (weight norms, update ratios); without it a non-finite weight is found by
+    ``all_reduce`` is called exactly once by every rank with a vector of the same length (None on one process);
+    ``grad_scale`` is divided out on the device; without ``with_param_norms`` a non-finite weight is found by
     :func:`scan_parameters` when the anomaly check asks, so healthy steps skip a pass over the weights;
-    ``gradients``: ``index.local_grads()`` when the caller already collected them; ``with_replicas``: with several
-    processes, also every rank's norm of each parameter it holds whole (``index.replicas``), each rank in its own
-    block of the same all-reduce, so every rank reads every rank's norms (``replicas_diverged``).
-    A healthy step's device work is the fused norm pass and three operations, whatever the number of parameters.
+    ``with_replicas``: every rank's norm of each parameter it holds whole, in its own block of the same all-reduce
+    (``replicas_diverged``). A healthy step's device work is the fused pass and three operations.
     """
 
     def __init__(self, step: int, index: ParameterIndex, observed: Observed | None = None,
@@ -336,8 +317,7 @@ class StepNumerics:
             grads, missing = gradients if gradients is not None else index.local_grads()
             # with plain shards a gradient missing here may live on another rank: none is reported missing
             self.missing_slots = [] if index.plain_sharded else missing
-            # no parameter has a gradient: no backward ran for this optimizer step (a training_step that
-            # returned None, which Lightning skips); such a step has nothing to judge
+            # no gradient at all: no backward ran (a training_step that returned None); nothing to judge
             self.without_gradients = bool(missing) and len(missing) == len(index) and not index.plain_sharded
             grad_squares = (index.plan.squares(grads) if len(index)
                             else torch.zeros(0, dtype=torch.float64, device=device))
@@ -391,9 +371,7 @@ class StepNumerics:
         else:
             self.packed = torch.cat([row, *pieces])
             self._host_row = host_row
-        # How many optimizer steps have been taken by now (set by NumericsQueue): which update a late scan sees.
-        self.steps_done: Callable[[], int] | None = None
-        # How the parameter scan sums its flags over ranks (set by NumericsQueue: the run's gate).
+        self.steps_done: Callable[[], int] | None = None  # set by NumericsQueue: which update a late scan sees
         self.flags_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._readback: Readback | None = None
         self._staged = False
@@ -449,7 +427,7 @@ class StepNumerics:
 
     def deliver(self) -> None:
         """Hand the host values to every consumer; one that raises does not keep them from the others (its error is
-        raised again once all had them, for the caller's guard to record)."""
+        raised once all had them)."""
         host = self.read(blocking=True)
         subscribers, self._subscribers = self._subscribers, []
         failure: Exception | None = None
@@ -466,9 +444,7 @@ def scan_parameters(index: ParameterIndex, reduce_flags: bool | Callable[[torch.
                     ) -> list[tuple[str, float]]:
     """Names and local norms of ``index``'s non-finite parameters, now (one sync; the anomaly path only). With
     ``reduce_flags`` (a synchronous read: every rank at the same point) the flags are summed over ranks (through it
-    when it is the run's gate), so every rank names the same parameters; a deferred read issues no collective.
-
-    Example::
+    when callable), so every rank names the same parameters; a deferred read issues no collective.
 
         >>> from torch import nn
         >>> model = nn.Linear(2, 1)
