@@ -1,6 +1,6 @@
 """Robust statistics, the one place that says what a level and a spread are: the median, and the median absolute
 deviation scaled to a standard deviation, which ignore the outliers being looked for where a mean and a standard
-deviation would be dragged by them. Pure arithmetic over Python floats.
+deviation would be dragged by them.
 """
 
 from __future__ import annotations
@@ -25,27 +25,17 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def mad(values: Sequence[float], level: float | None = None) -> float:
-    """The median absolute deviation of ``values`` around ``level`` (their median when None).
-
-    Example::
-
-        >>> mad([1.0, 2.0, 3.0, 100.0])
-        1.0
-    """
-    centre = median(values) if level is None else level
-    return median([abs(v - centre) for v in values])
-
-
 def robust_sigma(values: Sequence[float], level: float | None = None) -> float:
-    """The spread of ``values`` as a standard deviation estimated from the median absolute deviation.
+    """The spread of ``values`` as a standard deviation estimated from their median absolute deviation around
+    ``level`` (their median when None).
 
     Example::
 
         >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
         1.483
     """
-    return MAD_TO_SIGMA * mad(values, level)
+    centre = median(values) if level is None else level
+    return MAD_TO_SIGMA * median([abs(v - centre) for v in values])
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -41,8 +41,7 @@ class TensorStats:
 
 
 def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
-    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (a debugger prompt, not the
-    training hot path).
+    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (for a debugger prompt).
 
     Example::
 
@@ -70,20 +69,15 @@ def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
                            std=None, **base)
     if data.is_complex():
         data = data.abs()
-    if not data.is_floating_point():
-        values = data.double()
-        summary = torch.stack([values.min(), values.max(), values.mean(), values.std(unbiased=False),
-                               values.new_zeros(()), values.new_zeros(())]).tolist()
+    values = data.double()  # integers too: their masks are all False
+    nan = torch.isnan(values)
+    inf = torch.isinf(values)
+    finite = values[~(nan | inf)]
+    if finite.numel():
+        moments = [finite.min(), finite.max(), finite.mean(), finite.std(unbiased=False)]
     else:
-        values = data.double()
-        nan = torch.isnan(values)
-        inf = torch.isinf(values)
-        finite = values[~(nan | inf)]
-        if finite.numel():
-            moments = [finite.min(), finite.max(), finite.mean(), finite.std(unbiased=False)]
-        else:
-            moments = [values.new_full((), float("nan"))] * 4
-        summary = torch.stack(moments + [nan.sum().double(), inf.sum().double()]).tolist()
+        moments = [values.new_full((), float("nan"))] * 4
+    summary = torch.stack(moments + [nan.sum().double(), inf.sum().double()]).tolist()
     low, high, mean, std, nan_count, inf_count = summary
     has_values = nan_count + inf_count < numel
     return TensorStats(
