@@ -38,9 +38,8 @@ Mark = Union[float, "torch.cuda.Event"]
 
 
 class CpuWait:
-    """Milliseconds the calling thread spent runnable but waiting for a CPU (Linux ``/proc/thread-self/schedstat``,
-    through a descriptor kept open per thread): on a loaded machine another program's delay is not held against the
-    step. Where it does not exist, every reading is 0.
+    """Milliseconds the calling thread spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``, 0
+    where it does not exist): on a loaded machine another program's delay is not held against the step.
 
     Example::
 
@@ -79,8 +78,8 @@ class CpuWait:
 
 
 class Stopwatch:
-    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` reads the
-    plugin's own time so far (:class:`lightning_debug.core.own_time.OwnTime`), which the phases leave out.
+    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` and
+    ``cpu_wait_ms`` read the plugin's own time and the thread's wait for a CPU so far (ms), which phases leave out.
 
     Example::
 
@@ -98,11 +97,9 @@ class Stopwatch:
         self.cpu_wait_ms = cpu_wait_ms
 
     def own(self) -> float:
-        """The plugin's own time so far (ms), read at a mark; 0 when nobody counts it."""
         return self.own_ms() if self.own_ms is not None else 0.0
 
     def cpu_wait(self) -> float:
-        """This thread's wait for a CPU so far (ms, :class:`CpuWait`); 0 when nobody reads it."""
         return self.cpu_wait_ms() if self.cpu_wait_ms is not None else 0.0
 
     def mark(self) -> Mark:
@@ -118,7 +115,7 @@ class Stopwatch:
 
     @staticmethod
     def wait(mark: Mark) -> None:
-        """Block until ``mark`` has completed; only for the end of a run, never on a training step."""
+        """Block until ``mark`` has completed: only at the end of a run, never on a training step."""
         if not isinstance(mark, float):
             mark.synchronize()
 
@@ -132,8 +129,8 @@ class Stopwatch:
 @dataclass
 class StepTimes:
     """The measured phases of one optimizer step in milliseconds, the plugin's own time left out; :meth:`judged` also
-    leaves out the part the training thread waited for a CPU (``cpu_waits``).
-    """
+    leaves out the training thread's wait for a CPU. ``elements``: of the step's first input tensor, summed over
+    micro-batches (what a longer sequence, a larger image or a larger batch makes grow)."""
 
     step: int
     phases: dict[Phase, float]
@@ -143,8 +140,6 @@ class StepTimes:
     own_ms: float = 0.0
     cpu_waits: dict[Phase, float] = field(default_factory=dict)
     elements: int | None = None
-    """The elements of the step's input (its first tensor's, summed over micro-batches): what a longer sequence, a
-    larger image or a larger batch makes grow."""
 
     def judged(self, phase: Phase) -> float:
         return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
@@ -169,9 +164,9 @@ class StepTimes:
 class PhaseTimer:
     """Contiguous phase intervals of one optimizer step, summed over its micro-batches.
 
-    Each :meth:`enter` closes the phase in progress and opens the next; :meth:`stop` (a batch ends) opens the data
-    wait until the next batch, so ``step = data + forward + backward + optimizer`` exactly. The plugin's own time
-    inside an interval is subtracted from it, so a check step whose checks take 500 ms is timed like any other.
+    :meth:`stop` (a batch ends) opens the data wait until the next batch, so ``step = data + forward + backward +
+    optimizer`` exactly. The plugin's own time is subtracted, so a check step whose checks take 500 ms is timed
+    like any other.
 
     Example::
 
@@ -260,7 +255,7 @@ class PhaseTimer:
 
 
 def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
-    """The first tensor in a tensor, tuple, list or mapping, at most four levels deep (None when there is none)."""
+    """The first tensor in a tensor, tuple, list or mapping, at most four levels deep (None: there is none)."""
     if isinstance(batch, torch.Tensor):
         return batch
     if _depth >= 4:
@@ -279,7 +274,7 @@ def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
 
 
 def infer_batch_size(batch: Any) -> int | None:
-    """Dimension 0 of the first tensor in a tensor, tuple, list or mapping (None when there is none).
+    """Dimension 0 of :func:`first_tensor`.
 
     Example::
 
@@ -306,9 +301,8 @@ class OperatorRow:
 
 
 def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_cpu_ms") -> list[OperatorRow]:
-    """The ``limit`` operators with the most self time (``by``: ``"self_cpu_ms"`` or ``"self_device_ms"``) from
-    ``profiler.key_averages()`` (times in microseconds; ``self_cuda_time_total`` on older torch), without the
-    profiler's own ``ProfilerStep#N`` spans.
+    """The ``limit`` operators of ``profiler.key_averages()`` with the most self time (``by``: ``"self_cpu_ms"`` or
+    ``"self_device_ms"``), without the profiler's own ``ProfilerStep#N`` spans.
 
     Example::
 
@@ -323,7 +317,7 @@ def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_
         if str(event.key).startswith("ProfilerStep"):  # the profiler's own per-step span, not an operator
             continue
         device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
+        if device_us is None:  # older torch
             device_us = getattr(event, "self_cuda_time_total", 0.0)
         rows.append(OperatorRow(str(event.key), int(event.count), float(event.self_cpu_time_total) / 1000.0,
                                 float(event.cpu_time_total) / 1000.0, float(device_us or 0.0) / 1000.0))
