@@ -1,7 +1,5 @@
-"""Statistics of a layer's output: what ``log_activations`` measures on a check step.
-
-Each function returns device tensors and never reads them back; the monitor stacks the rows of
-all modules of a forward pass into one vector and reads it once, a step later.
+"""Statistics of a layer's output: what ``log_activations`` measures on a check step, as device tensors the
+monitor stacks for all modules of a forward pass and reads once, a step later.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     """One float32 row of :data:`ROW` for a module's output, on its device (no host sync): ``zero_fraction`` counts
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
     ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,
-    ``dead_unit_fraction`` is the share of the units (the last dimension) that are zero for every sample (every
-    other index), when there are at least :data:`MIN_SAMPLES` samples (NaN otherwise).
+    ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample (from
+    :data:`MIN_SAMPLES` samples on).
 
     Example::
 
@@ -86,19 +84,15 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
 
 
 SIMPLEX_ROWS_ELEMENTS = 1 << 22
-"""At most this many values of the model's output are read by :func:`simplex_stats` (its first rows): a language
-model's logits (batch x sequence x vocabulary) are not copied whole."""
 SIMPLEX = ("low", "high", "row_sum_error", "logit_loss")
-"""What :func:`simplex_stats` measures."""
 
 
 def simplex_stats(output: torch.Tensor) -> torch.Tensor:
-    """:data:`SIMPLEX` of a model's output, on its device (no host sync), over its rows (the last dimension):
-    its smallest and largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean over
-    rows of ``logsumexp(row) - max(row)``: what ``cross_entropy`` returns on this output when each row's largest
-    value is the target's, so what it returns on rows that are already probabilities (the loss of a softmax applied
-    twice) on a model that predicts well. A large output is read in its first rows only (:data:`SIMPLEX_ROWS_ELEMENTS`
-    values), without a copy of the whole tensor.
+    """:data:`SIMPLEX` of a model's output over its rows (the last dimension), on its device: its smallest and
+    largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean of ``logsumexp(row) -
+    max(row)``: what ``cross_entropy`` returns on rows that are already probabilities (a softmax applied twice) on a
+    model that predicts well. Only the first :data:`SIMPLEX_ROWS_ELEMENTS` values are read: a language model's
+    logits are not copied whole.
 
     Example::
 
@@ -122,11 +116,8 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules without children (the ones whose outputs are the layers' activations), by name.
-
-    A module compiled with ``torch.compile`` (a wrapper holding the original as ``_orig_mod``) counts as one leaf,
-    observed from outside: a hook on a module inside it would be traced by Dynamo and recompile the graph at every
-    measured step (a new hook each time), until Dynamo gives up compiling it.
+    """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
+    wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).
 
     Example::
 
@@ -162,10 +153,8 @@ def first_floating(output: object) -> torch.Tensor | None:
 
 
 def metric_names(names: Sequence[str], root: str = "model") -> list[str]:
-    """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique.
-
-    Leaf paths never contain another leaf's path plus ``/`` (module paths are joined by dots), so
-    ``debug/activation/<name>/<stat>`` is never also a prefix of another metric.
+    """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique (so
+    ``debug/activation/<name>/<stat>`` is never also a prefix of another metric).
 
     Example::
 

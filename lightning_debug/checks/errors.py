@@ -65,8 +65,7 @@ def _tensor_locals(frame: FrameType, names: Iterator[str] | None = None) -> dict
 
 def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, Any] | None:
     """The innermost module of ``model`` being called on the traceback (``module(x)``, not a method such as
-    ``training_step``), with the tensors it was called with, its own parameters and the sizes it
-    expects (``in_features``, ...).
+    ``training_step``), with the tensors it was called with, its own parameters and the sizes it expects.
 
     Example::
 
@@ -109,8 +108,8 @@ def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, A
 
 
 def declared_labels(module: Any) -> dict[str, Any] | None:
-    """The number of classes a module declares, where it has one: a ``num_labels`` (or ``num_classes``) on
-    its ``config`` object or on itself, read as structure (an int attribute), never from its class.
+    """The number of classes a module declares: an int ``num_labels`` (or ``num_classes``) on its ``config`` or
+    on itself, read as structure, never from its class.
 
     Example::
 
@@ -128,11 +127,9 @@ def declared_labels(module: Any) -> dict[str, Any] | None:
 
 
 def out_of_range_labels(error: BaseException) -> dict[str, Any] | None:
-    """The labels a loss was given against the class count of its scores, from the innermost frame of the
-    traceback that holds both (``cross_entropy``'s ``input`` and ``target``, or a loss module's): a floating
-    tensor of two dimensions or more (classes on dimension 1) and an integer one. Names the first label
-    outside ``[0, classes)`` (other than ``ignore_index``), its index in the labels, and how many there are.
-    Reads the labels' values: it runs only after the error.
+    """The first label outside ``[0, classes)`` (other than ``ignore_index``), its index and how many there are,
+    from the innermost frame of the traceback that holds a loss's scores (floating, classes on dimension 1) and
+    integer labels. Reads the labels' values: it runs only after the error.
 
     Example::
 
@@ -171,8 +168,8 @@ def _short_repr(module: nn.Module) -> str:
 
 
 def failing_source(error: BaseException) -> dict[str, Any] | None:
-    """The innermost line of the user's own code on the traceback (not torch, Lightning, Accelerate or
-    this package), and the shapes of the tensors that line names (``x``, ``self.bias``)."""
+    """The innermost line of the user's own code on the traceback, and the shapes of the tensors that line names
+    (``x``, ``self.bias``)."""
     frames = frames_of(error)
     summaries = [traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name,
                                         line=linecache.getline(frame.f_code.co_filename, line).strip())
@@ -236,9 +233,9 @@ class _InPlaceFinder(TorchFunctionMode):
 
 def find_inplace(model: nn.Module, replay: Callable[[], Any], node: str,
                  shape: list[int] | None) -> dict[str, Any] | None:
-    """Replay a forward (RNG and buffers restored afterwards) and return the first in-place operation
-    that modified an output of the autograd node ``node`` (``"Relu"`` or ``"ReluBackward0"``) of
-    ``shape``: the operation, the module it ran in, the source line. None when the replay finds none.
+    """Replay a forward (RNG and buffers restored afterwards) and return the first in-place operation that
+    modified an output of shape ``shape`` of the autograd node ``node`` (``"Relu"`` or ``"ReluBackward0"``):
+    the operation, the module it ran in, the source line (None: none found).
 
     Example::
 

@@ -1,7 +1,5 @@
-"""Gradient and weight measurements over many tensors: fused device work, no host sync.
-
-Every function that touches tensors returns device tensors; the monitor reads them back once,
-usually a step later. The host-side helpers turn those values into advice a user can act on.
+"""Histograms of many tensors as device tensors (no host sync; the monitor reads them back once, usually a step
+later), and the clip value an ``exploding_grad`` finding advises.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
-    """:func:`_summary_row` of many small dense tensors of one device at once: one buffer, per-segment
-    reductions, one ``index_add_`` for every bucket of every tensor."""
+    """:func:`_summary_row` of many small dense tensors of one device at once (one buffer, one ``index_add_``)."""
     values = fused.flatten(tensors).float()
     lengths = torch.tensor([t.numel() for t in tensors], device=values.device)
     segment = torch.repeat_interleave(torch.arange(len(tensors), device=values.device), lengths)
@@ -71,8 +68,8 @@ def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
 @torch.no_grad()
 def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
     """Per tensor: min, max, count, sum, sum of squares and ``bins`` equal-width bucket counts of its finite values, as
-    a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA, so
-    ``index_add_`` fills the buckets); small tensors together, large ones in chunks that bound the temporary memory.
+    a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA);
+    small tensors together, large ones in chunks that bound the temporary memory.
 
     Example::
 
@@ -104,9 +101,8 @@ def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torc
 
 
 def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
-    """Host values of one :func:`histogram_summaries` row as ``add_histogram_raw`` keyword arguments.
-
-    Like TensorBoard's own ``make_histogram``, the left edge is included as an empty first bucket.
+    """Host values of one :func:`histogram_summaries` row as ``add_histogram_raw`` keyword arguments (like
+    TensorBoard's ``make_histogram``, with the left edge as an empty first bucket).
 
     Example::
 
@@ -124,7 +120,7 @@ def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
 
 
 def round_significant(value: float, digits: int = 2) -> float:
-    """``value`` rounded to ``digits`` significant digits, for advice people type into a config.
+    """``value`` rounded to ``digits`` significant digits.
 
     Example::
 
@@ -139,8 +135,8 @@ def round_significant(value: float, digits: int = 2) -> float:
 def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, quantile: float = 0.9,
                        minimum_history: int = 3) -> tuple[float | None, str]:
     """A ``gradient_clip_val`` from a high quantile of the run's own recent healthy global norms (normal steps left
-    alone, spikes capped), with a sentence saying where it comes from; without enough history the user's
-    ``gradient_explosion_threshold`` when set, else None (a fixed number nobody chose would be a guess).
+    alone, spikes capped), and where it comes from; with too little history the user's threshold, else None (a
+    fixed number nobody chose would be a guess).
 
     Example::
 
@@ -160,8 +156,7 @@ def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, 
 
 
 def clip_advice(clip: float | None, basis: str) -> str:
-    """The fix an ``exploding_grad`` message gives when the loop does not clip: the suggested value, or
-    clipping in general when there is none yet.
+    """The fix an ``exploding_grad`` message gives when the loop does not clip.
 
     Example::
 
