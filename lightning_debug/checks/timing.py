@@ -233,8 +233,7 @@ class PhaseTimer:
         return self.intervals[: self._closed]
 
     def ready(self) -> bool:
-        closed = self.closed_intervals
-        return all(self.stopwatch.completed(end) for _, _, end, _, _ in closed)
+        return all(self.stopwatch.completed(end) for _, _, end, _, _ in self.closed_intervals)
 
     def wait(self) -> None:
         for _, _, end, _, _ in self.closed_intervals:
