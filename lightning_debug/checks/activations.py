@@ -25,10 +25,8 @@ _METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 def saturation_range(module: nn.Module) -> tuple[float, float] | None:
     """``(center, half_width)`` of a bounded activation's output range, or None for other modules.
 
-    Example::
-
-        >>> saturation_range(nn.Sigmoid()), saturation_range(nn.Hardtanh(-2.0, 2.0)), saturation_range(nn.ReLU())
-        ((0.5, 0.5), (0.0, 2.0), None)
+    >>> saturation_range(nn.Sigmoid()), saturation_range(nn.Hardtanh(-2.0, 2.0)), saturation_range(nn.ReLU())
+    ((0.5, 0.5), (0.0, 2.0), None)
     """
     if isinstance(module, (nn.Sigmoid, nn.Hardsigmoid)):
         return 0.5, 0.5
@@ -47,15 +45,13 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample (from
     :data:`MIN_SAMPLES` samples on).
 
-    Example::
-
-        >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
-        >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
-        ([1.0, 1.225, 3.0, 0.5], True, 0.0)
-        >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
-        0.6667
-        >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
-        0.25
+    >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
+    >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
+    ([1.0, 1.225, 3.0, 0.5], True, 0.0)
+    >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
+    0.6667
+    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
+    0.25
     """
     x = output.detach()
     count = x.numel()
@@ -94,13 +90,11 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
     model that predicts well. Only the first :data:`SIMPLEX_ROWS_ELEMENTS` values are read: a language model's
     logits are not copied whole.
 
-    Example::
-
-        >>> p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
-        >>> [round(v, 4) for v in simplex_stats(p).tolist()]
-        [0.1, 0.7, 0.0, 0.9732]
-        >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
-        0.9732
+    >>> p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
+    >>> [round(v, 4) for v in simplex_stats(p).tolist()]
+    [0.1, 0.7, 0.0, 0.9732]
+    >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
+    0.9732
     """
     x = output.detach()
     width = x.shape[-1] if x.dim() else 1
@@ -119,11 +113,9 @@ def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
     wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).
 
-    Example::
-
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
-        >>> [name for name, _ in leaf_modules(model)]
-        ['0', '1.0', '1.1']
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    >>> [name for name, _ in leaf_modules(model)]
+    ['0', '1.0', '1.1']
     """
     leaves: list[tuple[str, nn.Module]] = []
     compiled: list[str] = []
@@ -156,10 +148,8 @@ def metric_names(names: Sequence[str], root: str = "model") -> list[str]:
     """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique (so
     ``debug/activation/<name>/<stat>`` is never also a prefix of another metric).
 
-    Example::
-
-        >>> metric_names(["", "blocks.0.act", "head:out", "head_out"])
-        ['model', 'blocks.0.act', 'head_out', 'head_out_2']
+    >>> metric_names(["", "blocks.0.act", "head:out", "head_out"])
+    ['model', 'blocks.0.act', 'head_out', 'head_out_2']
     """
     seen: set[str] = set()
     safe: list[str] = []

@@ -3,13 +3,11 @@
 Where a torch lacks the mode, :class:`TorchDispatchMode` is a stand-in whose ``__enter__`` raises: the replay
 fails once through the failure policy and the checks that do not replay still run.
 
-Example::
-
-    >>> import torch
-    >>> tree_leaves(([torch.ones(1)], {"a": 2}))[1]
-    2
-    >>> HAS_DISPATCH_MODE
-    True
+>>> import torch
+>>> tree_leaves(([torch.ones(1)], {"a": 2}))[1]
+2
+>>> HAS_DISPATCH_MODE
+True
 """
 
 from __future__ import annotations

@@ -47,14 +47,12 @@ class OpEvent:
     def label(self) -> str:
         """The call, and the kernel inside it when its name does not say it: ```Tensor.div_`` (in place)``.
 
-        Example::
-
-            >>> OpEvent("Tensor.div_", "aten::div_", True, True, True).label
-            '`Tensor.div_` (in place)'
-            >>> OpEvent("torch.relu_", "aten::clamp_min_", True, True, True).label
-            '`torch.relu_` (in place: `clamp_min_`)'
-            >>> OpEvent("torch.nn.functional.multi_head_attention_forward", "aten::_softmax", False, False, True).label
-            '`torch.nn.functional.multi_head_attention_forward` (its `softmax`)'
+        >>> OpEvent("Tensor.div_", "aten::div_", True, True, True).label
+        '`Tensor.div_` (in place)'
+        >>> OpEvent("torch.relu_", "aten::clamp_min_", True, True, True).label
+        '`torch.relu_` (in place: `clamp_min_`)'
+        >>> OpEvent("torch.nn.functional.multi_head_attention_forward", "aten::_softmax", False, False, True).label
+        '`torch.nn.functional.multi_head_attention_forward` (its `softmax`)'
         """
         short = self.kernel.split("::")[-1].lstrip("_")
         inside = short.rstrip("_") not in self.operation.lower()
@@ -73,10 +71,8 @@ def nonfinite_flags(values: list[Any]) -> tuple[bool, bool]:
     """Whether ``values`` (tensors and Python numbers) hold NaN, and whether they hold +-Inf (one pass over each
     finite tensor, the usual case).
 
-    Example::
-
-        >>> nonfinite_flags([torch.tensor([1.0, float("inf")]), 2.0]), nonfinite_flags([float("nan")])
-        ((False, True), (True, False))
+    >>> nonfinite_flags([torch.tensor([1.0, float("inf")]), 2.0]), nonfinite_flags([float("nan")])
+    ((False, True), (True, False))
     """
     numbers = [value for value in values if isinstance(value, float)]
     nan, inf = any(math.isnan(v) for v in numbers), any(math.isinf(v) for v in numbers)
@@ -90,10 +86,8 @@ def nonfinite_flags(values: list[Any]) -> tuple[bool, bool]:
 def fully_masked_rows(x: torch.Tensor, dim: int) -> tuple[int, int]:
     """How many rows of ``x`` along ``dim`` are entirely -inf (a softmax over them is NaN), of how many.
 
-    Example::
-
-        >>> fully_masked_rows(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]), -1)
-        (1, 2)
+    >>> fully_masked_rows(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]), -1)
+    (1, 2)
     """
     if x.dim() == 0 or x.numel() == 0:
         return 0, 0
@@ -121,15 +115,13 @@ class OpWatch(TorchDispatchMode):
     that made NaN from inputs without NaN (``first_nan``). ``context`` gives the running module as ``(name, type
     name)``, ``naming`` a callable's public name, ``summary`` describes tensors, ``source`` picks the user's frame.
 
-    Example::
-
-        >>> from lightning_debug.checks.localize import operation_name, user_source, value_summary
-        >>> x = torch.zeros(3)
-        >>> with torch.no_grad(), OpWatch(lambda: ("", None), operation_name, value_summary, user_source) as watch:
-        ...     y = x.masked_fill(x == 0, float("-inf")).softmax(0)
-        >>> event, _ = watch.verdict(loss_has_nan=True)
-        >>> event.operation, event.masked_rows
-        ('Tensor.softmax', (1, 1))
+    >>> from lightning_debug.checks.localize import operation_name, user_source, value_summary
+    >>> x = torch.zeros(3)
+    >>> with torch.no_grad(), OpWatch(lambda: ("", None), operation_name, value_summary, user_source) as watch:
+    ...     y = x.masked_fill(x == 0, float("-inf")).softmax(0)
+    >>> event, _ = watch.verdict(loss_has_nan=True)
+    >>> event.operation, event.masked_rows
+    ('Tensor.softmax', (1, 1))
     """
 
     def __init__(self, context: Callable[[], tuple[str, str | None]], naming: Callable[[Any], str],
@@ -260,15 +252,13 @@ def first_nonfinite_backward(run: Callable[[], torch.Tensor | None],
     ``detect_anomaly(check_nan=True)`` would stop at the first backward that returns NaN, often not the cause
     (``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0).
 
-    Example::
-
-        >>> x = torch.ones(3, requires_grad=True)
-        >>> def step():
-        ...     d = (x - x).pow(2).sum()
-        ...     return x.sum() + d.sqrt()
-        >>> name, what, trace = first_nonfinite_backward(step, [x])
-        >>> name, what, "d.sqrt()" in trace
-        ('SqrtBackward0', 'Inf', True)
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> def step():
+    ...     d = (x - x).pow(2).sum()
+    ...     return x.sum() + d.sqrt()
+    >>> name, what, trace = first_nonfinite_backward(step, [x])
+    >>> name, what, "d.sqrt()" in trace
+    ('SqrtBackward0', 'Inf', True)
     """
     first: list[tuple[Any, str]] = []
     with warnings.catch_warnings(record=True):

@@ -4,13 +4,11 @@
 Each is probed once, at import; where one is missing, public per-tensor operations give the same numbers (slower
 on a GPU, never a host sync, never a failed check).
 
-Example::
-
-    >>> import torch
-    >>> [round(n.item(), 3) for n in norms([torch.ones(4), torch.tensor([3.0, 4.0])], 2, torch.float32)]
-    [2.0, 5.0]
-    >>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
-    [1.0, 1.0, 1.0, 1.0, 0.0]
+>>> import torch
+>>> [round(n.item(), 3) for n in norms([torch.ones(4), torch.tensor([3.0, 4.0])], 2, torch.float32)]
+[2.0, 5.0]
+>>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
+[1.0, 1.0, 1.0, 1.0, 0.0]
 """
 
 from __future__ import annotations

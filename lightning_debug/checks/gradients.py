@@ -71,10 +71,8 @@ def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torc
     a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA);
     small tensors together, large ones in chunks that bound the temporary memory.
 
-    Example::
-
-        >>> histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0].tolist()
-        [0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0]
+    >>> histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0].tolist()
+    [0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0]
     """
     if not tensors:
         return torch.zeros(0, len(SUMMARY_FIELDS) + bins, dtype=torch.float32)
@@ -104,10 +102,8 @@ def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
     """Host values of one :func:`histogram_summaries` row as ``add_histogram_raw`` keyword arguments (like
     TensorBoard's ``make_histogram``, with the left edge as an empty first bucket).
 
-    Example::
-
-        >>> histogram_from_row([0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0], bins=2)["bucket_limits"]
-        [0.0, 0.5, 1.0]
+    >>> histogram_from_row([0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0], bins=2)["bucket_limits"]
+    [0.0, 0.5, 1.0]
     """
     low, high, num, total, squares = (float(v) for v in row[:len(SUMMARY_FIELDS)])
     counts = [float(v) for v in row[len(SUMMARY_FIELDS):len(SUMMARY_FIELDS) + bins]]
@@ -122,10 +118,8 @@ def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
 def round_significant(value: float, digits: int = 2) -> float:
     """``value`` rounded to ``digits`` significant digits.
 
-    Example::
-
-        >>> round_significant(3.14159), round_significant(1234.5)
-        (3.1, 1200.0)
+    >>> round_significant(3.14159), round_significant(1234.5)
+    (3.1, 1200.0)
     """
     if value == 0 or not math.isfinite(value):
         return value
@@ -138,12 +132,10 @@ def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, 
     alone, spikes capped), and where it comes from; with too little history the user's threshold, else None (a
     fixed number nobody chose would be a guess).
 
-    Example::
-
-        >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
-        (4.0, '90th percentile of the last 4 healthy global gradient norms')
-        >>> suggest_clip_value([], threshold=10.0)[0], suggest_clip_value([1.0], threshold=None)[0]
-        (10.0, None)
+    >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
+    (4.0, '90th percentile of the last 4 healthy global gradient norms')
+    >>> suggest_clip_value([], threshold=10.0)[0], suggest_clip_value([1.0], threshold=None)[0]
+    (10.0, None)
     """
     finite = sorted(v for v in healthy_norms if math.isfinite(v))
     if len(finite) < minimum_history:
@@ -158,12 +150,10 @@ def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, 
 def clip_advice(clip: float | None, basis: str) -> str:
     """The fix an ``exploding_grad`` message gives when the loop does not clip.
 
-    Example::
-
-        >>> clip_advice(4.0, "the 90th percentile").split(" or ")[0]
-        'Clip the gradient norm at 4 (the 90th percentile): Trainer(gradient_clip_val=4)'
-        >>> clip_advice(None, "too few healthy check steps").split(" or ")[0]
-        'Clip the gradient norm (no value suggested: too few healthy check steps): Trainer(gradient_clip_val=...)'
+    >>> clip_advice(4.0, "the 90th percentile").split(" or ")[0]
+    'Clip the gradient norm at 4 (the 90th percentile): Trainer(gradient_clip_val=4)'
+    >>> clip_advice(None, "too few healthy check steps").split(" or ")[0]
+    'Clip the gradient norm (no value suggested: too few healthy check steps): Trainer(gradient_clip_val=...)'
     """
     how = ("torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
            "initialization.")

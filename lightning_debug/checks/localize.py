@@ -71,12 +71,10 @@ def output_scalar(output: Any) -> torch.Tensor | None:
     """What a replayed forward is judged by: the model's own ``loss`` when it returns one (Hugging
     Face models given labels do), else the sum of its floating-point outputs.
 
-    Example::
-
-        >>> output_scalar({"loss": torch.tensor(2.0), "logits": torch.ones(3)}).item()
-        2.0
-        >>> output_scalar((torch.ones(2), torch.arange(3))).item()
-        2.0
+    >>> output_scalar({"loss": torch.tensor(2.0), "logits": torch.ones(3)}).item()
+    2.0
+    >>> output_scalar((torch.ones(2), torch.arange(3))).item()
+    2.0
     """
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -93,10 +91,8 @@ def is_replaying() -> bool:
     """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``): the user's own
     counters and metric updates would see the batch twice (docs/anomaly.md).
 
-    Example::
-
-        >>> is_replaying()
-        False
+    >>> is_replaying()
+    False
     """
     return _replays > 0
 
@@ -130,10 +126,8 @@ def value_summary(tensors: list[torch.Tensor]) -> dict[str, Any]:
 class CauseSite(str, enum.Enum):
     """Where a replay found the first non-finite value (its value is what events.jsonl holds).
 
-    Example::
-
-        >>> CauseSite("forward") is CauseSite.FORWARD, CauseSite.ERROR.names_a_cause
-        (True, False)
+    >>> CauseSite("forward") is CauseSite.FORWARD, CauseSite.ERROR.names_a_cause
+    (True, False)
     """
 
     INPUTS = "inputs"
@@ -153,13 +147,11 @@ class CauseSite(str, enum.Enum):
 class Cause:
     """What a replay found: ``where`` (a :class:`CauseSite`), a sentence, and the operation, module and values.
 
-    Example::
-
-        >>> cause = Cause(CauseSite.BACKWARD, "the backward of `sqrt` produced NaN", operation="SqrtBackward0")
-        >>> cause.to_dict()
-        {'where': 'backward', 'summary': 'the backward of `sqrt` produced NaN', 'operation': 'SqrtBackward0', 'replay_ms': 0.0}
-        >>> Cause.from_dict(cause.to_dict()) == cause
-        True
+    >>> cause = Cause(CauseSite.BACKWARD, "the backward of `sqrt` produced NaN", operation="SqrtBackward0")
+    >>> cause.to_dict()
+    {'where': 'backward', 'summary': 'the backward of `sqrt` produced NaN', 'operation': 'SqrtBackward0', 'replay_ms': 0.0}
+    >>> Cause.from_dict(cause.to_dict()) == cause
+    True
     """
 
     where: CauseSite

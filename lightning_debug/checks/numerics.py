@@ -54,10 +54,8 @@ def compiled_wrapper(module: torch.nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper (holding the original as ``_orig_mod``): a hook inside it
     would be traced by Dynamo and recompile the graph, one on the wrapper runs outside.
 
-    Example::
-
-        >>> compiled_wrapper(torch.nn.Linear(2, 2))
-        False
+    >>> compiled_wrapper(torch.nn.Linear(2, 2))
+    False
     """
     return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
 
@@ -66,10 +64,8 @@ def user_name(name: str) -> str:
     """A parameter or module name as the user wrote the model, without the segments ``torch.compile``, FSDP1 and
     activation checkpointing insert.
 
-    Example::
-
-        >>> user_name("model._orig_mod.inp.weight"), user_name("model._orig_mod")
-        ('model.inp.weight', 'model')
+    >>> user_name("model._orig_mod.inp.weight"), user_name("model._orig_mod")
+    ('model.inp.weight', 'model')
     """
     if "_" not in name or not any(segment in name for segment in WRAPPER_SEGMENTS):
         return name
@@ -83,10 +79,8 @@ def owns_block(tensor: torch.Tensor, rank: int) -> bool:
     replicates it only coordinate 0 counts; on a sub-mesh, only the copy holding global rank 0; a plain tensor
     (DDP), rank 0's. The sum over the world is then exact, with no division.
 
-    Example::
-
-        >>> owns_block(torch.ones(2), rank=0), owns_block(torch.ones(2), rank=1)
-        (True, False)
+    >>> owns_block(torch.ones(2), rank=0), owns_block(torch.ones(2), rank=1)
+    (True, False)
     """
     if not is_dtensor(tensor):
         return rank == 0
@@ -106,12 +100,10 @@ def replica_slots(tensors: Sequence[torch.Tensor], world: int, plain_sharded: bo
     wrapper is known to synchronise their plain tensors), only a ``DTensor`` replicated over the whole world; none
     with one process or ``plain_sharded`` (FSDP1, DeepSpeed: plain tensors are shards).
 
-    Example::
-
-        >>> replica_slots([torch.ones(2), torch.ones(3)], world=2), replica_slots([torch.ones(2)], world=1)
-        ([0, 1], [])
-        >>> replica_slots([torch.ones(2)], world=2, plain_sharded=True)
-        []
+    >>> replica_slots([torch.ones(2), torch.ones(3)], world=2), replica_slots([torch.ones(2)], world=1)
+    ([0, 1], [])
+    >>> replica_slots([torch.ones(2)], world=2, plain_sharded=True)
+    []
     """
     if world < 2 or plain_sharded:
         return []
@@ -148,10 +140,8 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
     """The 2-norm of each tensor as one float32 vector: one ``torch._foreach_norm`` per device and dtype, sparse,
     complex and integer tensors one by one. A non-finite element makes its norm non-finite.
 
-    Example::
-
-        >>> fused_norms([torch.ones(4), torch.tensor([3.0, 4.0])]).tolist()
-        [2.0, 5.0]
+    >>> fused_norms([torch.ones(4), torch.tensor([3.0, 4.0])]).tolist()
+    [2.0, 5.0]
     """
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -182,14 +172,12 @@ class NormPlan:
     tensors on they are joined: same-shape slots (the biases of repeated layers) as the rows of one matrix, the rest
     concatenated and summed per segment.
 
-    Example::
-
-        >>> plan = NormPlan([torch.zeros(2), torch.zeros(3, 3)])
-        >>> plan.squares([torch.tensor([3.0, 4.0]), torch.ones(3, 3)]).tolist()
-        [25.0, 9.0]
-        >>> before = plan.snapshot([torch.zeros(2), torch.zeros(3, 3)])
-        >>> plan.distance_squares(before, [torch.tensor([0.0, 2.0]), torch.zeros(3, 3)]).tolist()
-        [4.0, 0.0]
+    >>> plan = NormPlan([torch.zeros(2), torch.zeros(3, 3)])
+    >>> plan.squares([torch.tensor([3.0, 4.0]), torch.ones(3, 3)]).tolist()
+    [25.0, 9.0]
+    >>> before = plan.snapshot([torch.zeros(2), torch.zeros(3, 3)])
+    >>> plan.distance_squares(before, [torch.tensor([0.0, 2.0]), torch.zeros(3, 3)]).tolist()
+    [4.0, 0.0]
     """
 
     def __init__(self, examples: Sequence[torch.Tensor]) -> None:
@@ -346,10 +334,8 @@ class NormPlan:
 def nonfinite_named(names: Sequence[str], norms: torch.Tensor | Sequence[float]) -> list[tuple[str, float]]:
     """The ``(name, norm)`` pairs whose norm is NaN or infinite; one read-back (rare paths only).
 
-    Example::
-
-        >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
-        [('b', inf)]
+    >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
+    [('b', inf)]
     """
     values: Any = norms.tolist() if isinstance(norms, torch.Tensor) else norms
     return [(name, value) for name, value in zip(names, values) if not math.isfinite(value)]

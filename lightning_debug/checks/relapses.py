@@ -37,19 +37,17 @@ class Relapses:
     not one check in 20; a warm-up bump comes back once; a converged loss's hard batch never reaches the untrained
     loss. Many bad records (one single-example batch in 20 or more) read the same; the finding says so.
 
-    Example::
-
-        >>> relapses = Relapses()
-        >>> losses = [1.4, 1.7, 1.8, 1.3, 1.0] + [0.0] * 20 + ([0.0] * 8 + [5.0]) * 6
-        >>> found = [relapses.judge(loss, losses[max(0, i - 32):i], 1.8) for i, loss in enumerate(losses)]
-        >>> [i for i, peaks in enumerate(found) if peaks][:2], found[-1]
-        ([70, 71], [5.0, 5.0, 5.0, 5.0, 5.0])
-        >>> noise = Relapses()
-        >>> import random
-        >>> rng = random.Random(0)
-        >>> chi2 = [rng.gauss(0, 1) ** 2 for _ in range(1000)]
-        >>> any(noise.judge(loss, chi2[max(0, i - 32):i], max(chi2[:5])) for i, loss in enumerate(chi2))
-        False
+    >>> relapses = Relapses()
+    >>> losses = [1.4, 1.7, 1.8, 1.3, 1.0] + [0.0] * 20 + ([0.0] * 8 + [5.0]) * 6
+    >>> found = [relapses.judge(loss, losses[max(0, i - 32):i], 1.8) for i, loss in enumerate(losses)]
+    >>> [i for i, peaks in enumerate(found) if peaks][:2], found[-1]
+    ([70, 71], [5.0, 5.0, 5.0, 5.0, 5.0])
+    >>> noise = Relapses()
+    >>> import random
+    >>> rng = random.Random(0)
+    >>> chi2 = [rng.gauss(0, 1) ** 2 for _ in range(1000)]
+    >>> any(noise.judge(loss, chi2[max(0, i - 32):i], max(chi2[:5])) for i, loss in enumerate(chi2))
+    False
     """
 
     def __init__(self) -> None:

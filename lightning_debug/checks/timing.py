@@ -21,10 +21,8 @@ import torch
 class Phase(str, enum.Enum):
     """The phases that tile one optimizer step, in order; the value names them in events and metrics.
 
-    Example::
-
-        >>> [phase.value for phase in Phase], Phase("forward") is Phase.FORWARD
-        (['data', 'forward', 'backward', 'optimizer'], True)
+    >>> [phase.value for phase in Phase], Phase("forward") is Phase.FORWARD
+    (['data', 'forward', 'backward', 'optimizer'], True)
     """
 
     DATA = "data"
@@ -41,12 +39,10 @@ class CpuWait:
     """Milliseconds the calling thread spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``, 0
     where it does not exist): on a loaded machine another program's delay is not held against the step.
 
-    Example::
-
-        >>> wait = CpuWait()
-        >>> wait() >= 0.0
-        True
-        >>> wait.close()
+    >>> wait = CpuWait()
+    >>> wait() >= 0.0
+    True
+    >>> wait.close()
     """
 
     PATH = "/proc/thread-self/schedstat"
@@ -81,12 +77,10 @@ class Stopwatch:
     """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` and
     ``cpu_wait_ms`` read the plugin's own time and the thread's wait for a CPU so far (ms), which phases leave out.
 
-    Example::
-
-        >>> watch = Stopwatch(torch.device("cpu"))
-        >>> start = watch.mark(); end = watch.mark()
-        >>> watch.completed(end), watch.elapsed_ms(start, end) >= 0.0
-        (True, True)
+    >>> watch = Stopwatch(torch.device("cpu"))
+    >>> start = watch.mark(); end = watch.mark()
+    >>> watch.completed(end), watch.elapsed_ms(start, end) >= 0.0
+    (True, True)
     """
 
     def __init__(self, device: torch.device | None = None, own_ms: Callable[[], float] | None = None,
@@ -168,15 +162,13 @@ class PhaseTimer:
     optimizer`` exactly. The plugin's own time is subtracted, so a check step whose checks take 500 ms is timed
     like any other.
 
-    Example::
-
-        >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
-        >>> for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
-        ...     _ = timer.enter(phase)
-        >>> _ = timer.stop()
-        >>> times = timer.read()
-        >>> times.step, [phase.value for phase in times.phases], times.step_ms >= times.phases[Phase.FORWARD]
-        (4, ['data', 'forward', 'backward', 'optimizer'], True)
+    >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
+    >>> for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
+    ...     _ = timer.enter(phase)
+    >>> _ = timer.stop()
+    >>> times = timer.read()
+    >>> times.step, [phase.value for phase in times.phases], times.step_ms >= times.phases[Phase.FORWARD]
+    (4, ['data', 'forward', 'backward', 'optimizer'], True)
     """
 
     def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None, start_own: float | None = None,
@@ -275,12 +267,10 @@ def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
 def infer_batch_size(batch: Any) -> int | None:
     """Dimension 0 of :func:`first_tensor`.
 
-    Example::
-
-        >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
-        8
-        >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
-        (3, None)
+    >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
+    8
+    >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
+    (3, None)
     """
     tensor = first_tensor(batch)
     if tensor is None:
@@ -303,13 +293,11 @@ def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_
     """The ``limit`` operators of ``profiler.key_averages()`` with the most self time (``by``: ``"self_cpu_ms"`` or
     ``"self_device_ms"``), without the profiler's own ``ProfilerStep#N`` spans.
 
-    Example::
-
-        >>> from types import SimpleNamespace as Op
-        >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0),
-        ...        Op(key="aten::add", count=2, self_cpu_time_total=100.0, cpu_time_total=150.0)]
-        >>> [(row.name, row.self_cpu_ms) for row in top_operators(ops, limit=1)]
-        [('aten::mm', 0.9)]
+    >>> from types import SimpleNamespace as Op
+    >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0),
+    ...        Op(key="aten::add", count=2, self_cpu_time_total=100.0, cpu_time_total=150.0)]
+    >>> [(row.name, row.self_cpu_ms) for row in top_operators(ops, limit=1)]
+    [('aten::mm', 0.9)]
     """
     rows = []
     for event in key_averages:

@@ -69,17 +69,15 @@ class SettledLevel:
     0.05 with momentum: 2.8 -> 30 in 40 steps). The noise is measured in logarithms (early losses low by luck);
     losses at or below 0 are not judged.
 
-    Example::
-
-        >>> settled = SettledLevel()
-        >>> climb = [2.9, 2.8, 5.1, 9.1, 8.1, 20.0, 25.0, 31.0, 28.0, 35.0, 30.0, 33.0, 29.0, 36.0, 40.0, 31.0]
-        >>> verdicts = [settled.judge(loss, climb[:i + 1]) for i, loss in enumerate(climb)]
-        >>> [i for i, early in enumerate(verdicts) if early is not None][:4], verdicts[-1]
-        ([9, 10, 11, 12], 2.9)
-        >>> noise = SettledLevel()
-        >>> losses = [0.01, 0.02, 0.9] + [0.3, 1.2, 0.05, 2.0, 0.4, 0.1, 0.6, 0.2] * 4
-        >>> any(noise.judge(loss, losses[:i + 1]) for i, loss in enumerate(losses))
-        False
+    >>> settled = SettledLevel()
+    >>> climb = [2.9, 2.8, 5.1, 9.1, 8.1, 20.0, 25.0, 31.0, 28.0, 35.0, 30.0, 33.0, 29.0, 36.0, 40.0, 31.0]
+    >>> verdicts = [settled.judge(loss, climb[:i + 1]) for i, loss in enumerate(climb)]
+    >>> [i for i, early in enumerate(verdicts) if early is not None][:4], verdicts[-1]
+    ([9, 10, 11, 12], 2.9)
+    >>> noise = SettledLevel()
+    >>> losses = [0.01, 0.02, 0.9] + [0.3, 1.2, 0.05, 2.0, 0.4, 0.1, 0.6, 0.2] * 4
+    >>> any(noise.judge(loss, losses[:i + 1]) for i, loss in enumerate(losses))
+    False
     """
 
     def __init__(self) -> None:
@@ -126,10 +124,8 @@ def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: 
     """The value above which a new value is a jump over ``history``: ``factor`` times its median or ``sigmas``
     robust standard deviations above it, whichever is higher; None with fewer than ``minimum`` values.
 
-    Example::
-
-        >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3), jump_limit([1.0], 10, 6, 3)
-        (10.0, None)
+    >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3), jump_limit([1.0], 10, 6, 3)
+    (10.0, None)
     """
     finite = [v for v in history if math.isfinite(v)]
     if len(finite) < minimum:
@@ -147,12 +143,10 @@ class NormHistory:
     nothing about the scale; ``last`` keeps the previous norm whatever it was, so a norm that turns non-finite is
     told apart.
 
-    Example::
-
-        >>> history = NormHistory()
-        >>> for norm in (60.0, 58.0, 61.0): history.add(norm)
-        >>> history.limit()
-        600.0
+    >>> history = NormHistory()
+    >>> for norm in (60.0, 58.0, 61.0): history.add(norm)
+    >>> history.limit()
+    600.0
     """
 
     def __init__(self) -> None:
@@ -169,12 +163,10 @@ class NormHistory:
     def routine(self) -> float | None:
         """The norm this run reaches on one check step in 16 lately (None with under half the tail window).
 
-        Example::
-
-            >>> history = NormHistory()
-            >>> for step in range(40): history.add(12.0 if step % 8 == 0 else 0.3)
-            >>> history.routine(), history.limit()
-            (12.0, 36.0)
+        >>> history = NormHistory()
+        >>> for step in range(40): history.add(12.0 if step % 8 == 0 else 0.3)
+        >>> history.routine(), history.limit()
+        (12.0, 36.0)
         """
         if len(self.tail) < NORM_TAIL_WINDOW // 2:
             return None
@@ -196,12 +188,10 @@ class NormHistory:
         """Whether ``norm`` grew gradually while the loss stayed below where the run started: a norm rising out
         of its initialisation, not a departure from a level.
 
-        Example::
-
-            >>> history = NormHistory()
-            >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
-            >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0), history.grew_while_learning(45.0, 6.0)
-            (True, False, False)
+        >>> history = NormHistory()
+        >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
+        >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0), history.grew_while_learning(45.0, 6.0)
+        (True, False, False)
         """
         if not self.values or not self.start_losses or not math.isfinite(loss):
             return False
@@ -290,14 +280,12 @@ class LossTrend:
     loss (:class:`~lightning_debug.checks.relapses.Relapses`). What each rules out on healthy runs (one far-off
     batch, a warm-up bump, stationary noise, a change of data) is in docs/gradients.md, "Early divergence".
 
-    Example::
-
-        >>> trend = LossTrend()
-        >>> readings = [trend.judge(v) for v in (6.9, 7857.0, 9000.0)]
-        >>> [r.spike is not None for r in readings], readings[1].spike.limit
-        ([False, True, False], 69.0)
-        >>> LossTrend().judge(math.nan).levels_judged
-        False
+    >>> trend = LossTrend()
+    >>> readings = [trend.judge(v) for v in (6.9, 7857.0, 9000.0)]
+    >>> [r.spike is not None for r in readings], readings[1].spike.limit
+    ([False, True, False], 69.0)
+    >>> LossTrend().judge(math.nan).levels_judged
+    False
     """
 
     def __init__(self, climb_checks: int = CLIMB_CHECKS) -> None:

@@ -1,11 +1,9 @@
 """A census of live tensors: what a suspected leak keeps alive, and the sentence that names it. One pass over every
 object the garbage collector tracks, so taken only to confirm a suspected leak and after an OOM.
 
-Example::
-
-    >>> census = take_census([torch.zeros(4), torch.zeros(4), torch.zeros(2, 2)])
-    >>> census.tensors, census.bytes, census.largest(1)[0]["count"]
-    (3, 48, 2)
+>>> census = take_census([torch.zeros(4), torch.zeros(4), torch.zeros(2, 2)])
+>>> census.tensors, census.bytes, census.largest(1)[0]["count"]
+(3, 48, 2)
 """
 
 from __future__ import annotations
@@ -183,11 +181,9 @@ def graph_growth(before: Census, after: Census, steps: int) -> list[GraphGrowth]
 def explain_growth(grown: Sequence[GroupGrowth], steps: int, graphs: Sequence[GraphGrowth] = ()) -> str:
     """The cause sentence of a ``memory_growth`` event, from a census diff over ``steps`` steps.
 
-    Example::
-
-        >>> group = GroupGrowth((), "float32", "cpu", "NllLossBackward0", 50, 200, 1.0, 9)
-        >>> explain_growth([group], 50)[:71]
-        '~1 tensor/step with grad_fn NllLossBackward0 (shape [], float32 on cpu)'
+    >>> group = GroupGrowth((), "float32", "cpu", "NllLossBackward0", 50, 200, 1.0, 9)
+    >>> explain_growth([group], 50)[:71]
+    '~1 tensor/step with grad_fn NllLossBackward0 (shape [], float32 on cpu)'
     """
     growing = [group for group in grown if group.added >= 2]
     running = ""

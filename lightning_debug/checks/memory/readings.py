@@ -2,13 +2,11 @@
 them (a warm-up jump, an allocator's granularity or the resident set's scatter must not read as a leak), the
 out-of-memory post-mortem's data and where leaked CUDA memory was allocated.
 
-Example::
-
-    >>> read_memory(None).cpu_rss > 0, format_bytes(1536)
-    (True, '1.5 KB')
-    >>> trend = fit_trend([(step, 1000.0 + 50.0 * step) for step in range(0, 100, 10)])
-    >>> round(trend.slope), trend.consistency, is_steady_growth(trend, floor=100.0)
-    (50, 1.0, True)
+>>> read_memory(None).cpu_rss > 0, format_bytes(1536)
+(True, '1.5 KB')
+>>> trend = fit_trend([(step, 1000.0 + 50.0 * step) for step in range(0, 100, 10)])
+>>> round(trend.slope), trend.consistency, is_steady_growth(trend, floor=100.0)
+(50, 1.0, True)
 """
 
 from __future__ import annotations
@@ -101,11 +99,9 @@ def rss_and_available() -> tuple[int, int]:
     """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but
     read on Linux through descriptors kept open (psutil opens and parses the files at every call, 0.1 ms each).
 
-    Example::
-
-        >>> rss, available = rss_and_available()
-        >>> rss > 0 and available > 0
-        True
+    >>> rss, available = rss_and_available()
+    >>> rss > 0 and available > 0
+    True
     """
     files = _proc_files(os.getpid())
     if files is not None:
@@ -226,11 +222,9 @@ class Trend:
 def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
     """The :class:`Trend` of ``points`` (O(n^2): the monitor bounds the window); None below 3 distinct steps.
 
-    Example::
-
-        >>> trend = fit_trend([(0, 5.0), (10, 5.0), (20, 9.0), (30, 5.0), (40, 5.0)])
-        >>> trend.slope, trend.consistency
-        (0.0, 0.0)
+    >>> trend = fit_trend([(0, 5.0), (10, 5.0), (20, 9.0), (30, 5.0), (40, 5.0)])
+    >>> trend.slope, trend.consistency
+    (0.0, 0.0)
     """
     if len({step for step, _ in points}) < 3:
         return None
@@ -274,10 +268,8 @@ OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", None) or tor
 def is_out_of_memory(error: BaseException) -> bool:
     """The allocator's error, ``MemoryError``, or a RuntimeError saying an allocation failed (CPU allocator, MPS).
 
-    Example::
-
-        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), len(oom_fixes(None))
-        (True, 4)
+    >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), len(oom_fixes(None))
+    (True, 4)
     """
     if isinstance(error, (OUT_OF_MEMORY, MemoryError)):
         return True
@@ -293,11 +285,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 def describe_batch(batch: Any) -> list[str]:
     """``'batch[0]: [16, 8] float32 on cpu (512 B)'`` for each of the first 20 tensors of a (nested) batch.
 
-    Example::
-
-        >>> import torch
-        >>> describe_batch({"x": torch.zeros(2, 3)})
-        ["batch['x']: [2, 3] float32 on cpu (24 B)"]
+    >>> import torch
+    >>> describe_batch({"x": torch.zeros(2, 3)})
+    ["batch['x']: [2, 3] float32 on cpu (24 B)"]
     """
     return [f"{path}: {shape_text(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device} "
             f"({format_bytes(t.element_size() * t.numel())})" for path, t in named_tensors(batch)[:20]]
@@ -332,14 +322,12 @@ def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
     """``file:line in function`` of the user's line that allocated: the innermost frame outside torch, Lightning
     and the standard library, else the innermost frame.
 
-    Example::
-
-        >>> allocation_site([{"filename": "/usr/lib/python3.12/site-packages/torch/nn.py", "line": 1, "name": "f"},
-        ...                  {"filename": "/home/me/project/train.py", "line": 42, "name": "training_step"}])
-        'project/train.py:42 in training_step'
-        >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
-        ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
-        'me/train.py:41 in training_step'
+    >>> allocation_site([{"filename": "/usr/lib/python3.12/site-packages/torch/nn.py", "line": 1, "name": "f"},
+    ...                  {"filename": "/home/me/project/train.py", "line": 42, "name": "training_step"}])
+    'project/train.py:42 in training_step'
+    >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
+    ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
+    'me/train.py:41 in training_step'
     """
     chosen = None
     for frame in frames:
