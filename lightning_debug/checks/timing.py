@@ -7,6 +7,7 @@ step later), never synchronizing. On a CPU the wall clock is the truth and is re
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import threading
@@ -67,10 +68,8 @@ class CpuWait:
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 class Stopwatch:

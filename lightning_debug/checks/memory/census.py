@@ -92,9 +92,7 @@ def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
                 size = tensor.element_size() * tensor.numel()
             except Exception:  # exotic subclasses (nested, fake, functional) may refuse metadata calls
                 continue
-            entry = census.groups.get(key)
-            if entry is None:
-                entry = census.groups[key] = [0, 0]
+            entry = census.groups.setdefault(key, [0, 0])
             entry[0] += 1
             entry[1] += size
             if grad_fn is not None and entry[0] <= GRAPHS_MEASURED_PER_GROUP:
