@@ -1,7 +1,5 @@
-"""Statistics of a layer's output: what ``log_activations`` measures on a check step.
-
-Each function returns device tensors and never reads them back; the monitor stacks the rows of
-all modules of a forward pass into one vector and reads it once, a step later.
+"""Statistics of a layer's output: what ``log_activations`` measures on a check step, as device tensors the
+monitor stacks for all modules of a forward pass and reads once, a step later.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ _METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 def saturation_range(module: nn.Module) -> tuple[float, float] | None:
     """``(center, half_width)`` of a bounded activation's output range, or None for other modules.
 
-    Example::
-
-        >>> saturation_range(nn.Sigmoid()), saturation_range(nn.Hardtanh(-2.0, 2.0)), saturation_range(nn.ReLU())
-        ((0.5, 0.5), (0.0, 2.0), None)
+    >>> saturation_range(nn.Sigmoid()), saturation_range(nn.Hardtanh(-2.0, 2.0)), saturation_range(nn.ReLU())
+    ((0.5, 0.5), (0.0, 2.0), None)
     """
     if isinstance(module, (nn.Sigmoid, nn.Hardsigmoid)):
         return 0.5, 0.5
@@ -46,18 +42,16 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     """One float32 row of :data:`ROW` for a module's output, on its device (no host sync): ``zero_fraction`` counts
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
     ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,
-    ``dead_unit_fraction`` is the share of the units (the last dimension) that are zero for every sample (every
-    other index), when there are at least :data:`MIN_SAMPLES` samples (NaN otherwise).
+    ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample (from
+    :data:`MIN_SAMPLES` samples on).
 
-    Example::
-
-        >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
-        >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
-        ([1.0, 1.225, 3.0, 0.5], True, 0.0)
-        >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
-        0.6667
-        >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
-        0.25
+    >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
+    >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
+    ([1.0, 1.225, 3.0, 0.5], True, 0.0)
+    >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
+    0.6667
+    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
+    0.25
     """
     x = output.detach()
     count = x.numel()
@@ -86,27 +80,21 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
 
 
 SIMPLEX_ROWS_ELEMENTS = 1 << 22
-"""At most this many values of the model's output are read by :func:`simplex_stats` (its first rows): a language
-model's logits (batch x sequence x vocabulary) are not copied whole."""
 SIMPLEX = ("low", "high", "row_sum_error", "logit_loss")
-"""What :func:`simplex_stats` measures."""
 
 
 def simplex_stats(output: torch.Tensor) -> torch.Tensor:
-    """:data:`SIMPLEX` of a model's output, on its device (no host sync), over its rows (the last dimension):
-    its smallest and largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean over
-    rows of ``logsumexp(row) - max(row)``: what ``cross_entropy`` returns on this output when each row's largest
-    value is the target's, so what it returns on rows that are already probabilities (the loss of a softmax applied
-    twice) on a model that predicts well. A large output is read in its first rows only (:data:`SIMPLEX_ROWS_ELEMENTS`
-    values), without a copy of the whole tensor.
+    """:data:`SIMPLEX` of a model's output over its rows (the last dimension), on its device: its smallest and
+    largest value, the largest distance of a row's sum from 1, and ``logit_loss``, the mean of ``logsumexp(row) -
+    max(row)``: what ``cross_entropy`` returns on rows that are already probabilities (a softmax applied twice) on a
+    model that predicts well. Only the first :data:`SIMPLEX_ROWS_ELEMENTS` values are read: a language model's
+    logits are not copied whole.
 
-    Example::
-
-        >>> p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
-        >>> [round(v, 4) for v in simplex_stats(p).tolist()]
-        [0.1, 0.7, 0.0, 0.9732]
-        >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
-        0.9732
+    >>> p = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]])
+    >>> [round(v, 4) for v in simplex_stats(p).tolist()]
+    [0.1, 0.7, 0.0, 0.9732]
+    >>> round(torch.nn.functional.cross_entropy(p, torch.tensor([0, 3])).item(), 4)
+    0.9732
     """
     x = output.detach()
     width = x.shape[-1] if x.dim() else 1
@@ -122,17 +110,12 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules without children (the ones whose outputs are the layers' activations), by name.
+    """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
+    wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).
 
-    A module compiled with ``torch.compile`` (a wrapper holding the original as ``_orig_mod``) counts as one leaf,
-    observed from outside: a hook on a module inside it would be traced by Dynamo and recompile the graph at every
-    measured step (a new hook each time), until Dynamo gives up compiling it.
-
-    Example::
-
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
-        >>> [name for name, _ in leaf_modules(model)]
-        ['0', '1.0', '1.1']
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    >>> [name for name, _ in leaf_modules(model)]
+    ['0', '1.0', '1.1']
     """
     leaves: list[tuple[str, nn.Module]] = []
     compiled: list[str] = []
@@ -162,15 +145,11 @@ def first_floating(output: object) -> torch.Tensor | None:
 
 
 def metric_names(names: Sequence[str], root: str = "model") -> list[str]:
-    """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique.
+    """Module paths as metric path components every logger accepts: ``[A-Za-z0-9_.-]`` only, unique (so
+    ``debug/activation/<name>/<stat>`` is never also a prefix of another metric).
 
-    Leaf paths never contain another leaf's path plus ``/`` (module paths are joined by dots), so
-    ``debug/activation/<name>/<stat>`` is never also a prefix of another metric.
-
-    Example::
-
-        >>> metric_names(["", "blocks.0.act", "head:out", "head_out"])
-        ['model', 'blocks.0.act', 'head_out', 'head_out_2']
+    >>> metric_names(["", "blocks.0.act", "head:out", "head_out"])
+    ['model', 'blocks.0.act', 'head_out', 'head_out_2']
     """
     seen: set[str] = set()
     safe: list[str] = []

@@ -15,10 +15,8 @@ MAX_SAMPLES_LISTED = 50
 def named_tensors(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
     """Every tensor of a nested batch with its position, e.g. ``batch[0]`` or ``batch['pixel_values']``.
 
-    Example::
-
-        >>> [name for name, _ in named_tensors({"x": torch.ones(2), "y": [torch.ones(1), 3]})]
-        ["batch['x']", "batch['y'][0]"]
+    >>> [name for name, _ in named_tensors({"x": torch.ones(2), "y": [torch.ones(1), 3]})]
+    ["batch['x']", "batch['y'][0]"]
     """
     if isinstance(batch, torch.Tensor):
         return [(path, batch)]
@@ -33,11 +31,9 @@ def floating_tensors(batch: Any) -> list[tuple[str, torch.Tensor]]:
     """The dense, non-empty floating-point and complex tensors of a batch (labels and token ids cannot be NaN; a
     complex signal can, in either part).
 
-    Example::
-
-        >>> batch = {"x": torch.ones(2, dtype=torch.complex64), "y": torch.tensor([1, 2])}
-        >>> [name for name, _ in floating_tensors(batch)]
-        ["batch['x']"]
+    >>> batch = {"x": torch.ones(2, dtype=torch.complex64), "y": torch.tensor([1, 2])}
+    >>> [name for name, _ in floating_tensors(batch)]
+    ["batch['x']"]
     """
     return [(name, t) for name, t in named_tensors(batch)
             if (t.is_floating_point() or t.is_complex()) and not t.is_sparse and t.numel() > 0]
@@ -48,11 +44,9 @@ def nonfinite_samples(tensor: torch.Tensor, limit: int = MAX_SAMPLES_LISTED) -> 
 
     One host read; call it only for a tensor known to hold non-finite values.
 
-    Example::
-
-        >>> x = torch.zeros(8, 3); x[5, 1] = float("nan"); x[6, 0] = float("inf")
-        >>> nonfinite_samples(x)
-        ([5, 6], 2)
+    >>> x = torch.zeros(8, 3); x[5, 1] = float("nan"); x[6, 0] = float("inf")
+    >>> nonfinite_samples(x)
+    ([5, 6], 2)
     """
     bad = ~torch.isfinite(tensor.detach())
     if tensor.dim() == 0:

@@ -1,16 +1,13 @@
-"""Torch's dispatch-mode hook and pytree flattening, behind import probes.
+"""Torch's dispatch-mode hook and pytree flattening, which torch keeps in private modules, behind import probes.
 
-The replays subclass ``TorchDispatchMode``, which torch keeps in a private module, as it does pytree flattening.
 Where a torch lacks the mode, :class:`TorchDispatchMode` is a stand-in whose ``__enter__`` raises: the replay
 fails once through the failure policy and the checks that do not replay still run.
 
-Example::
-
-    >>> import torch
-    >>> tree_leaves(([torch.ones(1)], {"a": 2}))[1]
-    2
-    >>> HAS_DISPATCH_MODE
-    True
+>>> import torch
+>>> tree_leaves(([torch.ones(1)], {"a": 2}))[1]
+2
+>>> HAS_DISPATCH_MODE
+True
 """
 
 from __future__ import annotations
@@ -38,13 +35,10 @@ except ImportError:  # pragma: no cover - every torch 2.x has it
 try:
     from torch.utils._pytree import tree_leaves
 except ImportError:  # pragma: no cover
-    try:
-        from torch.utils.pytree import tree_leaves  # type: ignore[no-redef,attr-defined,import-not-found,unused-ignore]
-    except ImportError:
-        def tree_leaves(tree: Any) -> list[Any]:  # type: ignore[misc]
-            """The leaves of nested lists, tuples and dicts, in order."""
-            if isinstance(tree, (list, tuple)):
-                return [leaf for item in tree for leaf in tree_leaves(item)]
-            if isinstance(tree, dict):
-                return [leaf for item in tree.values() for leaf in tree_leaves(item)]
-            return [tree]
+    def tree_leaves(tree: Any) -> list[Any]:  # type: ignore[misc]
+        """The leaves of nested lists, tuples and dicts, in order."""
+        if isinstance(tree, (list, tuple)):
+            return [leaf for item in tree for leaf in tree_leaves(item)]
+        if isinstance(tree, dict):
+            return [leaf for item in tree.values() for leaf in tree_leaves(item)]
+        return [tree]

@@ -33,10 +33,8 @@ _SIZE_ATTRIBUTES = ("in_features", "in_channels", "num_features", "normalized_sh
 def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
     """Shape, dtype and device of a tensor, as plain values (no read of its data).
 
-    Example::
-
-        >>> tensor_summary(torch.ones(2, 3))
-        {'shape': [2, 3], 'dtype': 'float32', 'device': 'cpu'}
+    >>> tensor_summary(torch.ones(2, 3))
+    {'shape': [2, 3], 'dtype': 'float32', 'device': 'cpu'}
     """
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
             "device": str(tensor.device)}
@@ -65,18 +63,15 @@ def _tensor_locals(frame: FrameType, names: Iterator[str] | None = None) -> dict
 
 def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, Any] | None:
     """The innermost module of ``model`` being called on the traceback (``module(x)``, not a method such as
-    ``training_step``), with the tensors it was called with, its own parameters and the sizes it
-    expects (``in_features``, ...).
+    ``training_step``), with the tensors it was called with, its own parameters and the sizes it expects.
 
-    Example::
-
-        >>> model = nn.Sequential(nn.Linear(4, 2), nn.Linear(3, 1))
-        >>> try:
-        ...     model(torch.ones(5, 4))
-        ... except RuntimeError as error:
-        ...     found = failing_module(error, model)
-        >>> found["name"], found["inputs"]["input"]["shape"], found["parameters"]["weight"]["shape"], found["expects"]
-        ('1', [5, 2], [1, 3], {'in_features': 3})
+    >>> model = nn.Sequential(nn.Linear(4, 2), nn.Linear(3, 1))
+    >>> try:
+    ...     model(torch.ones(5, 4))
+    ... except RuntimeError as error:
+    ...     found = failing_module(error, model)
+    >>> found["name"], found["inputs"]["input"]["shape"], found["parameters"]["weight"]["shape"], found["expects"]
+    ('1', [5, 2], [1, 3], {'in_features': 3})
     """
     if model is None:
         return None
@@ -109,15 +104,13 @@ def failing_module(error: BaseException, model: nn.Module | None) -> dict[str, A
 
 
 def declared_labels(module: Any) -> dict[str, Any] | None:
-    """The number of classes a module declares, where it has one: a ``num_labels`` (or ``num_classes``) on
-    its ``config`` object or on itself, read as structure (an int attribute), never from its class.
+    """The number of classes a module declares: an int ``num_labels`` (or ``num_classes``) on its ``config`` or
+    on itself, read as structure, never from its class.
 
-    Example::
-
-        >>> class Config: num_labels = 3
-        >>> head = nn.Linear(4, 3); head.config = Config()
-        >>> declared_labels(head), declared_labels(nn.Linear(4, 3))
-        ({'value': 3, 'attribute': 'config.num_labels'}, None)
+    >>> class Config: num_labels = 3
+    >>> head = nn.Linear(4, 3); head.config = Config()
+    >>> declared_labels(head), declared_labels(nn.Linear(4, 3))
+    ({'value': 3, 'attribute': 'config.num_labels'}, None)
     """
     for owner, prefix in ((getattr(module, "config", None), "config."), (module, "")):
         for attribute in ("num_labels", "num_classes"):
@@ -128,20 +121,16 @@ def declared_labels(module: Any) -> dict[str, Any] | None:
 
 
 def out_of_range_labels(error: BaseException) -> dict[str, Any] | None:
-    """The labels a loss was given against the class count of its scores, from the innermost frame of the
-    traceback that holds both (``cross_entropy``'s ``input`` and ``target``, or a loss module's): a floating
-    tensor of two dimensions or more (classes on dimension 1) and an integer one. Names the first label
-    outside ``[0, classes)`` (other than ``ignore_index``), its index in the labels, and how many there are.
-    Reads the labels' values: it runs only after the error.
+    """The first label outside ``[0, classes)`` (other than ``ignore_index``), its index and how many there are,
+    from the innermost frame of the traceback that holds a loss's scores (floating, classes on dimension 1) and
+    integer labels. Reads the labels' values: it runs only after the error.
 
-    Example::
-
-        >>> try:
-        ...     nn.functional.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, 3, 1]))
-        ... except IndexError as error:
-        ...     found = out_of_range_labels(error)
-        >>> found["label"], found["index"], found["num_classes"], found["logits_shape"], found["count"]
-        (3, 2, 3, [4, 3], 1)
+    >>> try:
+    ...     nn.functional.cross_entropy(torch.zeros(4, 3), torch.tensor([0, 2, 3, 1]))
+    ... except IndexError as error:
+    ...     found = out_of_range_labels(error)
+    >>> found["label"], found["index"], found["num_classes"], found["logits_shape"], found["count"]
+    (3, 2, 3, [4, 3], 1)
     """
     for frame, _ in reversed(frames_of(error)):
         local = frame.f_locals
@@ -171,8 +160,8 @@ def _short_repr(module: nn.Module) -> str:
 
 
 def failing_source(error: BaseException) -> dict[str, Any] | None:
-    """The innermost line of the user's own code on the traceback (not torch, Lightning, Accelerate or
-    this package), and the shapes of the tensors that line names (``x``, ``self.bias``)."""
+    """The innermost line of the user's own code on the traceback, and the shapes of the tensors that line names
+    (``x``, ``self.bias``)."""
     frames = frames_of(error)
     summaries = [traceback.FrameSummary(frame.f_code.co_filename, line, frame.f_code.co_name,
                                         line=linecache.getline(frame.f_code.co_filename, line).strip())
@@ -189,16 +178,14 @@ def failing_source(error: BaseException) -> dict[str, Any] | None:
 def innermost_tensors(error: BaseException) -> dict[str, dict[str, Any]]:
     """The tensor arguments of the innermost frame that has any (``input`` and ``target`` of a loss function).
 
-    Example::
-
-        >>> def squared_error(input, target):
-        ...     return (input - target).square().mean()
-        >>> try:
-        ...     squared_error(torch.ones(4, 3), torch.ones(4, 2))
-        ... except RuntimeError as error:
-        ...     found = innermost_tensors(error)
-        >>> found["input"]["shape"], found["target"]["shape"]
-        ([4, 3], [4, 2])
+    >>> def squared_error(input, target):
+    ...     return (input - target).square().mean()
+    >>> try:
+    ...     squared_error(torch.ones(4, 3), torch.ones(4, 2))
+    ... except RuntimeError as error:
+    ...     found = innermost_tensors(error)
+    >>> found["input"]["shape"], found["target"]["shape"]
+    ([4, 3], [4, 2])
     """
     for frame, _ in reversed(frames_of(error)):
         found = _tensor_locals(frame)
@@ -236,21 +223,19 @@ class _InPlaceFinder(TorchFunctionMode):
 
 def find_inplace(model: nn.Module, replay: Callable[[], Any], node: str,
                  shape: list[int] | None) -> dict[str, Any] | None:
-    """Replay a forward (RNG and buffers restored afterwards) and return the first in-place operation
-    that modified an output of the autograd node ``node`` (``"Relu"`` or ``"ReluBackward0"``) of
-    ``shape``: the operation, the module it ran in, the source line. None when the replay finds none.
+    """Replay a forward (RNG and buffers restored afterwards) and return the first in-place operation that
+    modified an output of shape ``shape`` of the autograd node ``node`` (``"Relu"`` or ``"ReluBackward0"``):
+    the operation, the module it ran in, the source line (None: none found).
 
-    Example::
-
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__(); self.lin = nn.Linear(2, 2)
-        ...     def forward(self, x):
-        ...         h = torch.relu(self.lin(x)); h += 1; return h.sum()
-        >>> net = Net()
-        >>> found = find_inplace(net, lambda: net(torch.ones(3, 2)), "Relu", [3, 2])
-        >>> found["operation"], found["modified"], found["shape"]
-        ('Tensor.add_', 'ReluBackward0', [3, 2])
+    >>> class Net(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__(); self.lin = nn.Linear(2, 2)
+    ...     def forward(self, x):
+    ...         h = torch.relu(self.lin(x)); h += 1; return h.sum()
+    >>> net = Net()
+    >>> found = find_inplace(net, lambda: net(torch.ones(3, 2)), "Relu", [3, 2])
+    >>> found["operation"], found["modified"], found["shape"]
+    ('Tensor.add_', 'ReluBackward0', [3, 2])
     """
     node = re.sub(r"Backward\d*$", "", node)
     with preserved_state(model), torch.enable_grad(), module_stack(model) as stack, \

@@ -1,11 +1,6 @@
-"""Which operation of a replayed step first made a value non-finite: in the forward, kernel by kernel; in the
-backward, node by node. Runs only inside a replay, never on a training step.
-
-A ``TorchFunctionMode`` names the call the user wrote and a ``TorchDispatchMode`` sees every kernel it runs;
-:meth:`OpWatch.verdict` picks the cause as docs/anomaly.md ("Naming the cause") describes. In the backward,
-``detect_anomaly(check_nan=True)`` stops at the first backward that returns NaN, often not where the problem is
-(``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0), so
-:func:`first_nonfinite_backward` names the first node whose finite incoming gradients became NaN or Inf.
+"""Which operation of a replayed step first made a value non-finite: in the forward, kernel by kernel (a
+``TorchFunctionMode`` names the call the user wrote, a ``TorchDispatchMode`` sees every kernel it runs); in the
+backward, node by node. Runs only inside a replay.
 """
 
 from __future__ import annotations
@@ -23,8 +18,8 @@ from torch.overrides import TorchFunctionMode
 from lightning_debug.checks.dispatch import TorchDispatchMode, tree_leaves
 
 SOFTMAX_KERNELS = ("aten::_softmax", "aten::_log_softmax", "aten::softmax", "aten::log_softmax")
-# Kernels not judged: their output is no value yet (uninitialised memory, a collective's buffer before its
-# wait), or they cannot make a non-finite value from finite ones (copies, random fills).
+# Kernels not judged: their output is no value yet (uninitialised memory, a collective's buffer before its wait),
+# or they cannot make a non-finite value from finite ones (copies, random fills).
 UNJUDGED_PREFIXES = ("aten::empty", "aten::new_empty", "c10d::", "_c10d_functional::", "c10d_functional::",
                      "aten::clone", "aten::_unsafe_view", "aten::detach", "aten::alias", "aten::lift_fresh",
                      "aten::bernoulli", "aten::uniform_", "aten::normal_", "aten::random_")
@@ -32,8 +27,8 @@ UNJUDGED_PREFIXES = ("aten::empty", "aten::new_empty", "c10d::", "_c10d_function
 
 @dataclass
 class OpEvent:
-    """One kernel that made a non-finite value: the call the user wrote (``operation``), the kernel,
-    where it ran, and what its inputs and outputs held (``inputs_finite``: before it ran)."""
+    """One kernel that made a non-finite value: the call the user wrote (``operation``), the kernel, where it ran,
+    and what its inputs (``inputs_finite``: before it ran) and outputs held."""
 
     operation: str
     kernel: str
@@ -52,14 +47,12 @@ class OpEvent:
     def label(self) -> str:
         """The call, and the kernel inside it when its name does not say it: ```Tensor.div_`` (in place)``.
 
-        Example::
-
-            >>> OpEvent("Tensor.div_", "aten::div_", True, True, True).label
-            '`Tensor.div_` (in place)'
-            >>> OpEvent("torch.relu_", "aten::clamp_min_", True, True, True).label
-            '`torch.relu_` (in place: `clamp_min_`)'
-            >>> OpEvent("torch.nn.functional.multi_head_attention_forward", "aten::_softmax", False, False, True).label
-            '`torch.nn.functional.multi_head_attention_forward` (its `softmax`)'
+        >>> OpEvent("Tensor.div_", "aten::div_", True, True, True).label
+        '`Tensor.div_` (in place)'
+        >>> OpEvent("torch.relu_", "aten::clamp_min_", True, True, True).label
+        '`torch.relu_` (in place: `clamp_min_`)'
+        >>> OpEvent("torch.nn.functional.multi_head_attention_forward", "aten::_softmax", False, False, True).label
+        '`torch.nn.functional.multi_head_attention_forward` (its `softmax`)'
         """
         short = self.kernel.split("::")[-1].lstrip("_")
         inside = short.rstrip("_") not in self.operation.lower()
@@ -68,24 +61,23 @@ class OpEvent:
         return f"`{self.operation}`" + (f" (its `{short}`)" if inside and short else "")
 
 
-def _numeric(value: Any) -> bool:
+def numeric(value: Any) -> bool:
+    """Whether ``value`` is a tensor whose values can be NaN/Inf and can be read."""
     return (isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
             and value.numel() > 0 and not value.is_sparse and value.device.type != "meta")
 
 
 def nonfinite_flags(values: list[Any]) -> tuple[bool, bool]:
-    """Whether ``values`` (tensors and Python numbers) hold NaN, and whether they hold +-Inf (one pass
-    over each tensor that is finite, the usual case).
+    """Whether ``values`` (tensors and Python numbers) hold NaN, and whether they hold +-Inf (one pass over each
+    finite tensor, the usual case).
 
-    Example::
-
-        >>> nonfinite_flags([torch.tensor([1.0, float("inf")]), 2.0]), nonfinite_flags([float("nan")])
-        ((False, True), (True, False))
+    >>> nonfinite_flags([torch.tensor([1.0, float("inf")]), 2.0]), nonfinite_flags([float("nan")])
+    ((False, True), (True, False))
     """
     numbers = [value for value in values if isinstance(value, float)]
     nan, inf = any(math.isnan(v) for v in numbers), any(math.isinf(v) for v in numbers)
     for value in values:
-        if _numeric(value) and not bool(torch.isfinite(value.detach()).all()):
+        if numeric(value) and not bool(torch.isfinite(value.detach()).all()):
             nan = nan or bool(torch.isnan(value.detach()).any())
             inf = inf or bool(torch.isinf(value.detach()).any())
     return nan, inf
@@ -94,10 +86,8 @@ def nonfinite_flags(values: list[Any]) -> tuple[bool, bool]:
 def fully_masked_rows(x: torch.Tensor, dim: int) -> tuple[int, int]:
     """How many rows of ``x`` along ``dim`` are entirely -inf (a softmax over them is NaN), of how many.
 
-    Example::
-
-        >>> fully_masked_rows(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]), -1)
-        (1, 2)
+    >>> fully_masked_rows(torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]), -1)
+    (1, 2)
     """
     if x.dim() == 0 or x.numel() == 0:
         return 0, 0
@@ -121,20 +111,17 @@ class _Naming(TorchFunctionMode):
 
 
 class OpWatch(TorchDispatchMode):
-    """Records :class:`OpEvent` s: the first kernel that made a non-finite value from finite inputs (``first_nonfinite``)
-    and the first that made NaN from inputs without NaN (``first_nan``). ``context`` gives the running module as
-    ``(name, type name)``, ``naming`` a callable's public name, ``summary`` describes tensors, ``source`` picks the
-    user's frame.
+    """Records the first kernel that made a non-finite value from finite inputs (``first_nonfinite``) and the first
+    that made NaN from inputs without NaN (``first_nan``). ``context`` gives the running module as ``(name, type
+    name)``, ``naming`` a callable's public name, ``summary`` describes tensors, ``source`` picks the user's frame.
 
-    Example::
-
-        >>> from lightning_debug.checks.localize import operation_name, user_source, value_summary
-        >>> x = torch.zeros(3)
-        >>> with torch.no_grad(), OpWatch(lambda: ("", None), operation_name, value_summary, user_source) as watch:
-        ...     y = x.masked_fill(x == 0, float("-inf")).softmax(0)
-        >>> event, _ = watch.verdict(loss_has_nan=True)
-        >>> event.operation, event.masked_rows
-        ('Tensor.softmax', (1, 1))
+    >>> from lightning_debug.checks.localize import operation_name, user_source, value_summary
+    >>> x = torch.zeros(3)
+    >>> with torch.no_grad(), OpWatch(lambda: ("", None), operation_name, value_summary, user_source) as watch:
+    ...     y = x.masked_fill(x == 0, float("-inf")).softmax(0)
+    >>> event, _ = watch.verdict(loss_has_nan=True)
+    >>> event.operation, event.masked_rows
+    ('Tensor.softmax', (1, 1))
     """
 
     def __init__(self, context: Callable[[], tuple[str, str | None]], naming: Callable[[Any], str],
@@ -186,7 +173,7 @@ class OpWatch(TorchDispatchMode):
 
     def _judge(self, func: Any, args: tuple, inputs: list[Any], result: Any, in_place: bool,
                before: tuple[bool, bool] | None) -> None:
-        outputs = [t for t in tree_leaves(result) if _numeric(t)]
+        outputs = [t for t in tree_leaves(result) if numeric(t)]
         if not outputs or all(bool(torch.isfinite(t.detach()).all()) for t in outputs):
             return
         nan_in, inf_in = before if before is not None else nonfinite_flags(inputs)
@@ -219,15 +206,9 @@ class OpWatch(TorchDispatchMode):
         return event
 
     def verdict(self, loss_has_nan: bool) -> tuple[OpEvent, OpEvent | None] | None:
-        """The cause, and the event that tells the rest of the story (None: nothing to add):
-
-        - a NaN loss: the first kernel that made NaN, when its inputs were finite, when it is a softmax
-          over a fully masked row (then the second event, if any, is an earlier kernel that made an
-          infinity from finite values) or when no earlier kernel made one (the infinity it met was
-          put there on purpose); when it only turned such an earlier kernel's infinity into NaN,
-          that earlier kernel (and the second event is the one that made NaN);
-        - otherwise the first kernel that made NaN/Inf from finite inputs.
-        """
+        """The cause, and the event that tells the rest of the story (None: nothing to add), as docs/anomaly.md
+        ("Naming the cause") describes: for a NaN loss, the first kernel that made NaN, unless it only turned an
+        earlier kernel's infinity into NaN (then that earlier kernel); otherwise the first that made NaN/Inf."""
         first, nan = self.first_nonfinite, self.first_nan
         if nan is not None and (loss_has_nan or first is None):
             earlier = first if first is not None and first.order < nan.order else None
@@ -237,13 +218,14 @@ class OpWatch(TorchDispatchMode):
         return (first, None) if first is not None else None
 
 
-def _nonfinite(tensors: Sequence[Any]) -> bool:
-    return any(isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()) for t in tensors)
+def nonfinite_tensors(values: Sequence[Any]) -> bool:
+    """Whether any of ``values`` is a :func:`numeric` tensor holding NaN/Inf."""
+    return any(numeric(t) and not bool(torch.isfinite(t.detach()).all()) for t in values)
 
 
 def _watch(loss: torch.Tensor, first: list[tuple[Any, str]]) -> list[Any]:
-    """A hook on every node of ``loss``'s graph keeping, in ``first``, the first node whose backward made a
-    non-finite gradient from finite incoming ones."""
+    """Hook every node of ``loss``'s graph to keep, in ``first``, the first whose backward made a non-finite
+    gradient from finite incoming ones."""
     handles: list[Any] = []
     seen: set[Any] = set()
     stack = [loss.grad_fn]
@@ -254,7 +236,7 @@ def _watch(loss: torch.Tensor, first: list[tuple[Any, str]]) -> list[Any]:
         seen.add(node)
 
         def hook(grad_inputs: Sequence[Any], grad_outputs: Sequence[Any], node: Any = node) -> None:
-            if not first and not _nonfinite(grad_outputs) and _nonfinite(grad_inputs):
+            if not first and not nonfinite_tensors(grad_outputs) and nonfinite_tensors(grad_inputs):
                 nan = any(isinstance(g, torch.Tensor) and bool(torch.isnan(g).any()) for g in grad_inputs)
                 first.append((node, "NaN" if nan else "Inf"))
 
@@ -265,19 +247,18 @@ def _watch(loss: torch.Tensor, first: list[tuple[Any, str]]) -> list[Any]:
 
 def first_nonfinite_backward(run: Callable[[], torch.Tensor | None],
                              parameters: Sequence[torch.Tensor]) -> tuple[str, str, str] | None:
-    """Run ``run()`` (the step's loss) and its backward to ``parameters``; return the name of the first
-    backward node that made NaN/Inf from finite gradients, ``"NaN"`` or ``"Inf"``, and the forward traceback
-    of its operation (text, empty if unknown), or None when the backward stays finite.
+    """Run ``run()`` (the step's loss) and its backward to ``parameters``; return the name of the first backward
+    node that made NaN/Inf from finite gradients, ``"NaN"`` or ``"Inf"``, and its forward traceback, or None.
+    ``detect_anomaly(check_nan=True)`` would stop at the first backward that returns NaN, often not the cause
+    (``sqrt``'s derivative at 0 is Inf; the NaN appears in the ``pow`` backward that multiplies it by 0).
 
-    Example::
-
-        >>> x = torch.ones(3, requires_grad=True)
-        >>> def step():
-        ...     d = (x - x).pow(2).sum()
-        ...     return x.sum() + d.sqrt()
-        >>> name, what, trace = first_nonfinite_backward(step, [x])
-        >>> name, what, "d.sqrt()" in trace
-        ('SqrtBackward0', 'Inf', True)
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> def step():
+    ...     d = (x - x).pow(2).sum()
+    ...     return x.sum() + d.sqrt()
+    >>> name, what, trace = first_nonfinite_backward(step, [x])
+    >>> name, what, "d.sqrt()" in trace
+    ('SqrtBackward0', 'Inf', True)
     """
     first: list[tuple[Any, str]] = []
     with warnings.catch_warnings(record=True):

@@ -1,16 +1,14 @@
 """Torch's fused multi-tensor operations, behind feature probes with public fallbacks.
 
 ``torch._foreach_*`` and ``flatten_dense_tensors`` are private: a torch release may add a keyword or drop a name.
-Each is probed once, at import (module constants a test can pin); where one is missing, the same numbers come
-from public per-tensor operations (slower on a GPU, never a host sync, never a failed check).
+Each is probed once, at import; where one is missing, public per-tensor operations give the same numbers (slower
+on a GPU, never a host sync, never a failed check).
 
-Example::
-
-    >>> import torch
-    >>> [round(n.item(), 3) for n in norms([torch.ones(4), torch.tensor([3.0, 4.0])], 2, torch.float32)]
-    [2.0, 5.0]
-    >>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
-    [1.0, 1.0, 1.0, 1.0, 0.0]
+>>> import torch
+>>> [round(n.item(), 3) for n in norms([torch.ones(4), torch.tensor([3.0, 4.0])], 2, torch.float32)]
+[2.0, 5.0]
+>>> flatten([torch.ones(2, 2), torch.zeros(1)]).tolist()
+[1.0, 1.0, 1.0, 1.0, 0.0]
 """
 
 from __future__ import annotations
@@ -44,13 +42,11 @@ FLATTEN_DENSE = callable(getattr(getattr(getattr(torch, "_C", None), "_nn", None
 
 def norms(tensors: Sequence[torch.Tensor], order: float = 2, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """The ``order``-norm of each tensor as a 0-d tensor; ``dtype`` accumulates (and returns) in that type."""
-    if dtype is None:
-        if FOREACH["_foreach_norm"]:
-            return list(torch._foreach_norm(list(tensors), order))
-        return [torch.linalg.vector_norm(t, order) for t in tensors]
-    if FOREACH_NORM_DTYPE:
-        return list(torch._foreach_norm(list(tensors), order, dtype=dtype))
-    return [torch.linalg.vector_norm(t, order, dtype=dtype) for t in tensors]
+    accumulate = {} if dtype is None else {"dtype": dtype}
+    fused = FOREACH["_foreach_norm"] if dtype is None else FOREACH_NORM_DTYPE
+    if fused:
+        return list(torch._foreach_norm(list(tensors), order, **accumulate))
+    return [torch.linalg.vector_norm(t, order, **accumulate) for t in tensors]
 
 
 def scaled(tensors: Sequence[torch.Tensor], factor: float) -> list[torch.Tensor]:

@@ -1,7 +1,5 @@
-"""Gradient and weight measurements over many tensors: fused device work, no host sync.
-
-Every function that touches tensors returns device tensors; the monitor reads them back once,
-usually a step later. The host-side helpers turn those values into advice a user can act on.
+"""Histograms of many tensors as device tensors (no host sync; the monitor reads them back once, usually a step
+later), and the clip value an ``exploding_grad`` finding advises.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def _summary_row(tensor: torch.Tensor, bins: int) -> torch.Tensor:
 
 
 def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
-    """:func:`_summary_row` of many small dense tensors of one device at once: one buffer, per-segment
-    reductions, one ``index_add_`` for every bucket of every tensor."""
+    """:func:`_summary_row` of many small dense tensors of one device at once (one buffer, one ``index_add_``)."""
     values = fused.flatten(tensors).float()
     lengths = torch.tensor([t.numel() for t in tensors], device=values.device)
     segment = torch.repeat_interleave(torch.arange(len(tensors), device=values.device), lengths)
@@ -71,13 +68,11 @@ def _summary_rows(tensors: Sequence[torch.Tensor], bins: int) -> torch.Tensor:
 @torch.no_grad()
 def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torch.Tensor:
     """Per tensor: min, max, count, sum, sum of squares and ``bins`` equal-width bucket counts of its finite values, as
-    a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA, so
-    ``index_add_`` fills the buckets); small tensors together, large ones in chunks that bound the temporary memory.
+    a float32 ``[len(tensors), 5 + bins]`` tensor, with no host sync (``torch.histc`` reads min/max back on CUDA);
+    small tensors together, large ones in chunks that bound the temporary memory.
 
-    Example::
-
-        >>> histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0].tolist()
-        [0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0]
+    >>> histogram_summaries([torch.tensor([0.0, 1.0, 1.0, float("nan")])], bins=2)[0].tolist()
+    [0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0]
     """
     if not tensors:
         return torch.zeros(0, len(SUMMARY_FIELDS) + bins, dtype=torch.float32)
@@ -104,14 +99,11 @@ def histogram_summaries(tensors: Sequence[torch.Tensor], bins: int = 30) -> torc
 
 
 def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
-    """Host values of one :func:`histogram_summaries` row as ``add_histogram_raw`` keyword arguments.
+    """Host values of one :func:`histogram_summaries` row as ``add_histogram_raw`` keyword arguments (like
+    TensorBoard's ``make_histogram``, with the left edge as an empty first bucket).
 
-    Like TensorBoard's own ``make_histogram``, the left edge is included as an empty first bucket.
-
-    Example::
-
-        >>> histogram_from_row([0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0], bins=2)["bucket_limits"]
-        [0.0, 0.5, 1.0]
+    >>> histogram_from_row([0.0, 1.0, 3.0, 2.0, 2.0, 1.0, 2.0], bins=2)["bucket_limits"]
+    [0.0, 0.5, 1.0]
     """
     low, high, num, total, squares = (float(v) for v in row[:len(SUMMARY_FIELDS)])
     counts = [float(v) for v in row[len(SUMMARY_FIELDS):len(SUMMARY_FIELDS) + bins]]
@@ -124,12 +116,10 @@ def histogram_from_row(row: Sequence[float], bins: int) -> dict[str, Any]:
 
 
 def round_significant(value: float, digits: int = 2) -> float:
-    """``value`` rounded to ``digits`` significant digits, for advice people type into a config.
+    """``value`` rounded to ``digits`` significant digits.
 
-    Example::
-
-        >>> round_significant(3.14159), round_significant(1234.5)
-        (3.1, 1200.0)
+    >>> round_significant(3.14159), round_significant(1234.5)
+    (3.1, 1200.0)
     """
     if value == 0 or not math.isfinite(value):
         return value
@@ -139,15 +129,13 @@ def round_significant(value: float, digits: int = 2) -> float:
 def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, quantile: float = 0.9,
                        minimum_history: int = 3) -> tuple[float | None, str]:
     """A ``gradient_clip_val`` from a high quantile of the run's own recent healthy global norms (normal steps left
-    alone, spikes capped), with a sentence saying where it comes from; without enough history the user's
-    ``gradient_explosion_threshold`` when set, else None (a fixed number nobody chose would be a guess).
+    alone, spikes capped), and where it comes from; with too little history the user's threshold, else None (a
+    fixed number nobody chose would be a guess).
 
-    Example::
-
-        >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
-        (4.0, '90th percentile of the last 4 healthy global gradient norms')
-        >>> suggest_clip_value([], threshold=10.0)[0], suggest_clip_value([1.0], threshold=None)[0]
-        (10.0, None)
+    >>> suggest_clip_value([1.0, 2.0, 3.0, 4.0], threshold=None)
+    (4.0, '90th percentile of the last 4 healthy global gradient norms')
+    >>> suggest_clip_value([], threshold=10.0)[0], suggest_clip_value([1.0], threshold=None)[0]
+    (10.0, None)
     """
     finite = sorted(v for v in healthy_norms if math.isfinite(v))
     if len(finite) < minimum_history:
@@ -160,15 +148,12 @@ def suggest_clip_value(healthy_norms: Sequence[float], threshold: float | None, 
 
 
 def clip_advice(clip: float | None, basis: str) -> str:
-    """The fix an ``exploding_grad`` message gives when the loop does not clip: the suggested value, or
-    clipping in general when there is none yet.
+    """The fix an ``exploding_grad`` message gives when the loop does not clip.
 
-    Example::
-
-        >>> clip_advice(4.0, "the 90th percentile").split(" or ")[0]
-        'Clip the gradient norm at 4 (the 90th percentile): Trainer(gradient_clip_val=4)'
-        >>> clip_advice(None, "too few healthy check steps").split(" or ")[0]
-        'Clip the gradient norm (no value suggested: too few healthy check steps): Trainer(gradient_clip_val=...)'
+    >>> clip_advice(4.0, "the 90th percentile").split(" or ")[0]
+    'Clip the gradient norm at 4 (the 90th percentile): Trainer(gradient_clip_val=4)'
+    >>> clip_advice(None, "too few healthy check steps").split(" or ")[0]
+    'Clip the gradient norm (no value suggested: too few healthy check steps): Trainer(gradient_clip_val=...)'
     """
     how = ("torch.nn.utils.clip_grad_norm_; lower the learning rate, normalize the inputs and check the "
            "initialization.")

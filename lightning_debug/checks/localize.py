@@ -1,9 +1,7 @@
-"""Find where a NaN/Inf came from by replaying one step under temporary instrumentation.
+"""Find where a NaN/Inf came from by replaying one step under temporary instrumentation; never on a healthy step.
 
-Nothing here runs on a healthy step. Once a check found a non-finite loss or gradient, the adapter hands over a
-``replay`` that recomputes that step's loss; :func:`localize` looks at the batch, the forward (:mod:`.firstnan`)
-and the backward in turn (docs/anomaly.md, "Naming the cause"), with the RNG streams and module buffers restored
-around the replays (:func:`preserved_state`).
+:func:`localize` looks at the batch, the forward (:mod:`.firstnan`) and the backward in turn (docs/anomaly.md,
+"Naming the cause"), with the RNG streams and module buffers restored around the replays.
 """
 
 from __future__ import annotations
@@ -24,15 +22,13 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.batches import floating_tensors, nonfinite_samples
-from lightning_debug.checks.firstnan import OpEvent, OpWatch, first_nonfinite_backward
+from lightning_debug.checks.firstnan import OpEvent, OpWatch, first_nonfinite_backward, nonfinite_tensors, numeric
 from lightning_debug.checks.numerics import user_name
 
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, contextlib))
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SKIPPED_PATH_PARTS = (os.sep + "lightning" + os.sep, os.sep + "lightning_fabric" + os.sep,
                        os.sep + "pytorch_lightning" + os.sep, os.sep + "accelerate" + os.sep)
-
-
 _DEMO = os.path.join(_OWN_DIR, "demo.py")  # the demo's model is user code, though it ships in the package
 
 
@@ -75,12 +71,10 @@ def output_scalar(output: Any) -> torch.Tensor | None:
     """What a replayed forward is judged by: the model's own ``loss`` when it returns one (Hugging
     Face models given labels do), else the sum of its floating-point outputs.
 
-    Example::
-
-        >>> output_scalar({"loss": torch.tensor(2.0), "logits": torch.ones(3)}).item()
-        2.0
-        >>> output_scalar((torch.ones(2), torch.arange(3))).item()
-        2.0
+    >>> output_scalar({"loss": torch.tensor(2.0), "logits": torch.ones(3)}).item()
+    2.0
+    >>> output_scalar((torch.ones(2), torch.arange(3))).item()
+    2.0
     """
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
@@ -90,43 +84,32 @@ def output_scalar(output: Any) -> torch.Tensor | None:
     return torch.stack([t.float().sum() for t in floating]).sum() if floating else None
 
 
-class _Replays:
-    running = 0
+_replays = 0
 
 
 def is_replaying() -> bool:
     """True while lightning-debug replays a step to name the cause of a NaN (``level=ADVANCED``): the user's own
     counters and metric updates would see the batch twice (docs/anomaly.md).
 
-    Example::
-
-        >>> is_replaying()
-        False
+    >>> is_replaying()
+    False
     """
-    return _Replays.running > 0
+    return _replays > 0
 
 
 @contextlib.contextmanager
 def _replaying() -> Iterator[None]:
-    _Replays.running += 1
+    global _replays
+    _replays += 1
     try:
         yield
     finally:
-        _Replays.running -= 1
-
-
-def _numeric(tensor: torch.Tensor) -> bool:
-    return (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel() > 0 and not tensor.is_sparse
-
-
-def _nonfinite(tensors: list[torch.Tensor]) -> bool:
-    checked = [t.detach() for t in tensors if _numeric(t)]
-    return bool(checked) and not all(bool(torch.isfinite(t).all()) for t in checked)
+        _replays -= 1
 
 
 def value_summary(tensors: list[torch.Tensor]) -> dict[str, Any]:
     """Shape, non-finite count and largest finite magnitude of a few tensors (rare path)."""
-    checked = [t.detach() for t in tensors if _numeric(t)]
+    checked = [t.detach() for t in tensors if numeric(t)]
     if not checked:
         return {}
     finite_max = 0.0
@@ -141,14 +124,10 @@ def value_summary(tensors: list[torch.Tensor]) -> dict[str, Any]:
 
 
 class CauseSite(str, enum.Enum):
-    """Where a replay found the first non-finite value (a ``str`` enum: its value is what events.jsonl holds).
+    """Where a replay found the first non-finite value (its value is what events.jsonl holds).
 
-    ``NOT_REPRODUCED`` and ``ERROR`` name no cause: the replay gave finite values, or it raised.
-
-    Example::
-
-        >>> CauseSite("forward") is CauseSite.FORWARD, CauseSite.ERROR.names_a_cause
-        (True, False)
+    >>> CauseSite("forward") is CauseSite.FORWARD, CauseSite.ERROR.names_a_cause
+    (True, False)
     """
 
     INPUTS = "inputs"
@@ -168,13 +147,11 @@ class CauseSite(str, enum.Enum):
 class Cause:
     """What a replay found: ``where`` (a :class:`CauseSite`), a sentence, and the operation, module and values.
 
-    Example::
-
-        >>> cause = Cause(CauseSite.BACKWARD, "the backward of `sqrt` produced NaN", operation="SqrtBackward0")
-        >>> cause.to_dict()
-        {'where': 'backward', 'summary': 'the backward of `sqrt` produced NaN', 'operation': 'SqrtBackward0', 'replay_ms': 0.0}
-        >>> Cause.from_dict(cause.to_dict()) == cause
-        True
+    >>> cause = Cause(CauseSite.BACKWARD, "the backward of `sqrt` produced NaN", operation="SqrtBackward0")
+    >>> cause.to_dict()
+    {'where': 'backward', 'summary': 'the backward of `sqrt` produced NaN', 'operation': 'SqrtBackward0', 'replay_ms': 0.0}
+    >>> Cause.from_dict(cause.to_dict()) == cause
+    True
     """
 
     where: CauseSite
@@ -225,9 +202,8 @@ def module_stack(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, Any]]]
 
 @contextlib.contextmanager
 def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Restore torch's RNG streams (CPU and CUDA), Python's and NumPy's global generators and every
-    buffer of ``model`` on exit: a ``training_step`` that draws ``random.random()`` draws the same
-    numbers after a replay as without it."""
+    """Restore torch's, Python's and NumPy's RNG streams and every buffer of ``model`` on exit: a ``training_step``
+    that draws ``random.random()`` draws the same numbers after a replay as without it."""
     numpy = sys.modules.get("numpy")
     host_rng = random.getstate(), numpy.random.get_state() if numpy is not None else None
     torch_rng = capture_rng()
@@ -275,12 +251,11 @@ def _backward_cause(run: Callable[[], torch.Tensor | None], parameters: list[nn.
 def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | None],
              rng: tuple[torch.Tensor, list[torch.Tensor] | None] | None, check_backward: bool,
              same_work: bool = False) -> Cause:
-    """Replay one step (see the module docstring) and say where the first non-finite value came from.
+    """Replay one step and say where the first non-finite value came from.
 
-    ``replay`` recomputes the step's loss (forward only); ``rng``: the RNG state at the step's start
-    (:func:`capture_rng`), for dropout; ``check_backward``: also localize a backward-only NaN; ``same_work``: call
-    ``replay`` the same number of times whatever is found, so that collectives inside the step still match when
-    every process replays its own step.
+    ``replay`` recomputes the step's loss (forward only); ``rng``: the RNG state at the step's start, for dropout;
+    ``check_backward``: also localize a backward-only NaN; ``same_work``: call ``replay`` the same number of times
+    whatever is found, so that collectives inside the step still match when every process replays its own step.
     """
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -290,29 +265,25 @@ def localize(model: nn.Module, batch: Any, replay: Callable[[], torch.Tensor | N
     return cause
 
 
-@contextlib.contextmanager
-def _eager() -> Iterator[None]:
+def _eager() -> contextlib.AbstractContextManager[Any]:
     """Run ``torch.compile``d modules eagerly during the replay: tracing the instrumentation would break
     the graph at every check (and recompile), and the eager run is what names the user's source line."""
     set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    if set_stance is None:  # torch < 2.6: compiled modules are replayed compiled
-        yield
-        return
-    with set_stance("force_eager"):
-        yield
+    # torch < 2.6: compiled modules are replayed compiled
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _before_the_forward(model: nn.Module, batch: Any) -> Cause | None:
     batch_tensors = tensors_in(batch)
-    if _nonfinite(batch_tensors):
-        bad = [(name, *nonfinite_samples(t)) for name, t in floating_tensors(batch) if _nonfinite([t])]
+    if nonfinite_tensors(batch_tensors):
+        bad = [(name, *nonfinite_samples(t)) for name, t in floating_tensors(batch) if nonfinite_tensors([t])]
         samples = bad[0][1] if bad else []
         return Cause(CauseSite.INPUTS, "the batch itself contains NaN/Inf (inputs)"
                      + (f" in samples {samples}" if samples else "") + ": check the data pipeline "
                      "(missing values, division by a zero std in normalization, corrupt samples)",
                      inputs=dict(value_summary(batch_tensors), samples=samples,
                                  tensors=[{"tensor": name, "samples": rows, "count": count} for name, rows, count in bad]))
-    bad_parameters = [user_name(name) for name, p in model.named_parameters() if _nonfinite([p])]
+    bad_parameters = [user_name(name) for name, p in model.named_parameters() if nonfinite_tensors([p])]
     if bad_parameters:
         return Cause(CauseSite.PARAMETERS, f"parameters are already non-finite before the forward: {', '.join(bad_parameters[:5])}",
                      module=bad_parameters[0])
@@ -357,7 +328,7 @@ def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) 
             loss = replay()
     loss_nan = not isinstance(loss, torch.Tensor) or bool(torch.isnan(loss.detach()).any())
     verdict = watch.verdict(loss_has_nan=loss_nan)
-    if verdict is not None and watch.first_nan is None and isinstance(loss, torch.Tensor) and not _nonfinite([loss]):
+    if verdict is not None and watch.first_nan is None and isinstance(loss, torch.Tensor) and not nonfinite_tensors([loss]):
         verdict = None  # only infinities the forward absorbed (a -inf mask, T5's log(0) bucket): the NaN is not here
     if verdict is not None:
         event, other = verdict
@@ -366,7 +337,7 @@ def _forward_cause(model: nn.Module, replay: Callable[[], torch.Tensor | None]) 
         return Cause(CauseSite.FORWARD, forward_summary(event, other), module=event.module or None,
                      module_type=event.module_type, operation=event.operation, kernel=event.kernel,
                      source=event.source, inputs=inputs, outputs=event.outputs)
-    if loss is not None and _nonfinite([loss]):
+    if loss is not None and nonfinite_tensors([loss]):
         return Cause(CauseSite.FORWARD, "the loss is non-finite but no single operation produced it from finite inputs")
     return None
 

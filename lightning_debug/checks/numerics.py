@@ -1,9 +1,7 @@
-"""Fused numeric health of many tensors: a constant number of kernel launches, no host sync.
+"""Fused numeric health of many tensors: device tensors from a constant number of kernel launches, no host sync.
 
-Everything here returns device tensors; the caller decides when (and whether) to read them back. Any Python work
-per tensor on a check step grows with the model (hundreds to thousands of parameters), so :class:`NormPlan` is
-worked out once per list of slots and measures them with a handful of operations. ``DTensor`` shards are measured
-locally; :func:`owns_block` says which ranks' blocks add up to the full tensor's squared norm.
+Python work per tensor on a check step grows with the model, so :class:`NormPlan` is worked out once per list of
+slots. ``DTensor`` shards are measured locally; :func:`owns_block` says which ranks' blocks add up.
 """
 
 from __future__ import annotations
@@ -49,31 +47,25 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_tensors(tensors: Sequence[torch.Tensor], sharded: bool) -> list[torch.Tensor]:
     """:func:`local_tensor` of each; ``sharded`` says whether any of them may be a ``DTensor``."""
-    if not sharded:
-        return list(tensors)
-    return [_local_of(t) if is_dtensor(t) else t for t in tensors]
+    return [local_tensor(t) for t in tensors] if sharded else list(tensors)
 
 
 def compiled_wrapper(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``'s wrapper, holding the original as ``_orig_mod``: a hook on a module
-    inside it would be traced by Dynamo (and recompile the graph), one on the wrapper runs outside.
+    """Whether ``module`` is ``torch.compile``'s wrapper (holding the original as ``_orig_mod``): a hook inside it
+    would be traced by Dynamo and recompile the graph, one on the wrapper runs outside.
 
-    Example::
-
-        >>> compiled_wrapper(torch.nn.Linear(2, 2))
-        False
+    >>> compiled_wrapper(torch.nn.Linear(2, 2))
+    False
     """
     return isinstance(getattr(module, "_orig_mod", None), torch.nn.Module)
 
 
 def user_name(name: str) -> str:
-    """A parameter or module name as the user wrote the model, without the segments that
-    ``torch.compile`` (``_orig_mod``), FSDP1 and activation checkpointing insert.
+    """A parameter or module name as the user wrote the model, without the segments ``torch.compile``, FSDP1 and
+    activation checkpointing insert.
 
-    Example::
-
-        >>> user_name("model._orig_mod.inp.weight"), user_name("model._orig_mod")
-        ('model.inp.weight', 'model')
+    >>> user_name("model._orig_mod.inp.weight"), user_name("model._orig_mod")
+    ('model.inp.weight', 'model')
     """
     if "_" not in name or not any(segment in name for segment in WRAPPER_SEGMENTS):
         return name
@@ -83,14 +75,12 @@ def user_name(name: str) -> str:
 def owns_block(tensor: torch.Tensor, rank: int) -> bool:
     """Whether this rank's local block counts when squared norms are summed over every process.
 
-    Ranks along a mesh dimension that shards a ``DTensor`` hold disjoint blocks (their squares add up); along one
-    that replicates it, the same block, so only coordinate 0 counts; on a sub-mesh, only the copy holding global rank
-    0. A plain tensor is replicated (DDP): rank 0's counts. The sum over the world is then exact, with no division.
+    Along a mesh dimension that shards a ``DTensor`` the blocks are disjoint (their squares add up); along one that
+    replicates it only coordinate 0 counts; on a sub-mesh, only the copy holding global rank 0; a plain tensor
+    (DDP), rank 0's. The sum over the world is then exact, with no division.
 
-    Example::
-
-        >>> owns_block(torch.ones(2), rank=0), owns_block(torch.ones(2), rank=1)
-        (True, False)
+    >>> owns_block(torch.ones(2), rank=0), owns_block(torch.ones(2), rank=1)
+    (True, False)
     """
     if not is_dtensor(tensor):
         return rank == 0
@@ -105,18 +95,15 @@ def owns_block(tensor: torch.Tensor, rank: int) -> bool:
 
 
 def replica_slots(tensors: Sequence[torch.Tensor], world: int, plain_sharded: bool = False) -> list[int]:
-    """The slots of ``tensors`` that each of ``world`` processes holds whole, which data parallelism keeps
-    identical on every rank: with plain tensors only (DDP), every slot; beside ``DTensor`` parameters (a model laid
-    out by FSDP2 or tensor parallelism, whose plain tensors no wrapper is known to synchronise), only a ``DTensor``
-    replicated on every placement of a mesh spanning the world; none with one process or ``plain_sharded`` (FSDP1,
-    DeepSpeed: plain tensors are shards). Judged from what the parameters are, never from a library's name.
+    """The slots of ``tensors`` each of ``world`` processes holds whole, which data parallelism keeps identical on
+    every rank: with plain tensors only (DDP), every slot; beside ``DTensor`` s (FSDP2, tensor parallelism: no
+    wrapper is known to synchronise their plain tensors), only a ``DTensor`` replicated over the whole world; none
+    with one process or ``plain_sharded`` (FSDP1, DeepSpeed: plain tensors are shards).
 
-    Example::
-
-        >>> replica_slots([torch.ones(2), torch.ones(3)], world=2), replica_slots([torch.ones(2)], world=1)
-        ([0, 1], [])
-        >>> replica_slots([torch.ones(2)], world=2, plain_sharded=True)
-        []
+    >>> replica_slots([torch.ones(2), torch.ones(3)], world=2), replica_slots([torch.ones(2)], world=1)
+    ([0, 1], [])
+    >>> replica_slots([torch.ones(2)], world=2, plain_sharded=True)
+    []
     """
     if world < 2 or plain_sharded:
         return []
@@ -140,18 +127,21 @@ def without_partial(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.redistribute(tensor.device_mesh, placements)  # type: ignore[attr-defined]
 
 
+def _accumulated_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
+    return torch.stack(fused.norms(tensors, 2, None if dtype == torch.float64 else torch.float32))
+
+
 def _odd(tensor: torch.Tensor) -> bool:
     return tensor.is_sparse or tensor.is_complex() or not tensor.is_floating_point()
 
 
 def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """The 2-norm of each tensor as one float32 vector: one ``torch._foreach_norm`` per device and dtype, sparse,
-    complex and integer tensors one by one. A non-finite element makes its norm non-finite (a finiteness test too).
+    complex and integer tensors one by one. A non-finite element makes its norm non-finite.
 
-    Example::
-
-        >>> fused_norms([torch.ones(4), torch.tensor([3.0, 4.0])]).tolist()
-        [2.0, 5.0]
+    >>> fused_norms([torch.ones(4), torch.tensor([3.0, 4.0])]).tolist()
+    [2.0, 5.0]
     """
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -168,10 +158,7 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
             else:
                 groups.setdefault((tensor.device, tensor.dtype), []).append(index)
         for (_, dtype), indices in groups.items():
-            group = [tensors[i] for i in indices]
-            # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
-            norms = fused.norms(group, 2, None if dtype == torch.float64 else torch.float32)
-            for index, norm in zip(indices, norms):
+            for index, norm in zip(indices, _accumulated_norms([tensors[i] for i in indices], dtype)):
                 results[index] = norm
         return torch.stack([norm.to(device, torch.float32) for norm in results])  # type: ignore[union-attr]
 
@@ -179,23 +166,18 @@ def fused_norms(tensors: Sequence[torch.Tensor], device: torch.device | None = N
 class NormPlan:
     """Squared 2-norms of a fixed list of tensor slots, worked out once and reused every step.
 
-    Built from one example per slot (shape, dtype, device); :meth:`squares` then takes any tensors of those shapes
-    and returns their squared norms as one float64 vector (a finite norm above ~1.8e19 must not square to Inf), with
-    a number of operations that does not grow with the slots. On CUDA, and for tensors over ``SMALL_NUMEL_CPU``
-    elements, one ``torch._foreach_norm`` per device and dtype. The CPU runs that one kernel per tensor, so from
-    ``FLAT_MIN_TENSORS`` small tensors on they are joined: same-shape slots (the biases of repeated layers) as the rows
-    of one matrix, the rest up to ``SEGMENT_MAX_NUMEL`` elements concatenated and summed per segment (from
-    ``SEGMENT_MIN_TENSORS`` of them; fewer go with the fused norm). Complex, integer and sparse tensors fall back to
-    :func:`fused_norms`.
+    Built from one example per slot; :meth:`squares` returns float64 squares (a finite norm above ~1.8e19 must not
+    square to Inf) with a number of operations that does not grow with the slots: one ``torch._foreach_norm`` per
+    device and dtype, except that the CPU runs that kernel once per tensor, so from ``FLAT_MIN_TENSORS`` small
+    tensors on they are joined: same-shape slots (the biases of repeated layers) as the rows of one matrix, the rest
+    concatenated and summed per segment.
 
-    Example::
-
-        >>> plan = NormPlan([torch.zeros(2), torch.zeros(3, 3)])
-        >>> plan.squares([torch.tensor([3.0, 4.0]), torch.ones(3, 3)]).tolist()
-        [25.0, 9.0]
-        >>> before = plan.snapshot([torch.zeros(2), torch.zeros(3, 3)])
-        >>> plan.distance_squares(before, [torch.tensor([0.0, 2.0]), torch.zeros(3, 3)]).tolist()
-        [4.0, 0.0]
+    >>> plan = NormPlan([torch.zeros(2), torch.zeros(3, 3)])
+    >>> plan.squares([torch.tensor([3.0, 4.0]), torch.ones(3, 3)]).tolist()
+    [25.0, 9.0]
+    >>> before = plan.snapshot([torch.zeros(2), torch.zeros(3, 3)])
+    >>> plan.distance_squares(before, [torch.tensor([0.0, 2.0]), torch.zeros(3, 3)]).tolist()
+    [4.0, 0.0]
     """
 
     def __init__(self, examples: Sequence[torch.Tensor]) -> None:
@@ -299,11 +281,6 @@ class NormPlan:
     def _segment_norms(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return torch.segment_reduce(values.double().square(), "sum", lengths=lengths).sqrt()
 
-    @staticmethod
-    def _foreach_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        # float32 accumulation for half types; float64 cannot be narrowed inside the kernel.
-        return torch.stack(fused.norms(tensors, 2, None if dtype == torch.float64 else torch.float32))
-
     @torch.no_grad()
     def squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """Squared norms of ``tensors`` (one per slot, shaped like the examples), float64, slot order."""
@@ -314,7 +291,7 @@ class NormPlan:
             for groups, lengths in self._segments:
                 norms.append(self._segment_norms(self._concat(tensors, groups), lengths))
             for indices, dtype in self._foreach:
-                norms.append(self._foreach_norms(self._pick(tensors, indices), dtype))
+                norms.append(_accumulated_norms(self._pick(tensors, indices), dtype))
             if self._odd:
                 norms.append(fused_norms([tensors[i] for i in self._odd], self.device))
             return self._squared_in_order(norms)
@@ -346,7 +323,7 @@ class NormPlan:
             position += 1
         for indices, dtype in self._foreach:
             deltas = fused.subtracted(self._pick(tensors, indices), snapshot[position:position + len(indices)])
-            norms.append(self._foreach_norms(deltas, dtype))
+            norms.append(_accumulated_norms(deltas, dtype))
             position += len(indices)
         if self._odd:
             deltas = [tensors[i] - before for i, before in zip(self._odd, snapshot[position:])]
@@ -357,10 +334,8 @@ class NormPlan:
 def nonfinite_named(names: Sequence[str], norms: torch.Tensor | Sequence[float]) -> list[tuple[str, float]]:
     """The ``(name, norm)`` pairs whose norm is NaN or infinite; one read-back (rare paths only).
 
-    Example::
-
-        >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
-        [('b', inf)]
+    >>> nonfinite_named(["a", "b"], torch.tensor([1.0, float("inf")]))
+    [('b', inf)]
     """
     values: Any = norms.tolist() if isinstance(norms, torch.Tensor) else norms
     return [(name, value) for name, value in zip(names, values) if not math.isfinite(value)]

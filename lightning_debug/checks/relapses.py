@@ -1,9 +1,6 @@
 """An oscillating loss: one that jumps back to where the run started, again and again, and each time comes back
-down, so that it never settles (AutoTrainer's "oscillating loss": a learning rate just past the stable step size).
-
-No single jump of it need be a spike (10x the start level), and no level of it climbs: the level it comes back to
-can even be 0. What tells it from the noise of a healthy loss is a pattern over many checks, judged from the loss
-history only. Pure host-side arithmetic over Python floats.
+down (AutoTrainer's "oscillating loss": a learning rate just past the stable step size). No single jump need be a
+spike and no level climbs, so it is told from a healthy loss's noise by a pattern over many checks.
 """
 
 from __future__ import annotations
@@ -16,66 +13,51 @@ from typing import Any
 from lightning_debug.checks.robust import median, robust_sigma
 
 RELAPSE_FACTOR = 2.0
-"""A relapse is at least this many times the recent level (the median of the losses before it) ..."""
 RELAPSE_SIGMAS = 3.5
-"""... and this many robust standard deviations of the recent losses above it, in logarithms: a heavy-tailed loss
-(single-example squared errors, whose logarithms spread by about 2) moves 20-50x over its level without one; the
-spread of 32 losses is itself noisy, and at 3 a stationary log-normal loss (spread 0.5) had 5 such jumps within 96
-of 3,000 checks."""
+"""A relapse is at least :data:`RELAPSE_FACTOR` times the recent level and this many robust spreads above it, in
+logarithms: a heavy-tailed loss (single-example squared errors, log spread about 2) moves 20-50x over its level
+without one; at 3 a stationary log-normal loss (spread 0.5) had 5 such jumps within 96 of 3,000 checks."""
 RELAPSE_MIN_HISTORY = 16
 """Losses before a relapse can be judged: the spread of fewer is no measure of their noise."""
 RELAPSES = 5
 RELAPSE_WINDOW = 96
-"""The loss oscillates while :data:`RELAPSES` relapses that came back down lie within the last
-:data:`RELAPSE_WINDOW` checks (one in 20 checks or more)."""
+"""The loss oscillates while :data:`RELAPSES` relapses that came back down lie within this many checks."""
 TINY = 1.1754943508222875e-38
-"""A loss of exactly 0 (a classifier that fits its batch to float32 precision) is read as float32's smallest
-normal number in logarithms."""
+"""A loss of exactly 0 (a classifier that fits its batch to float32 precision) is float32's smallest normal number
+in logarithms."""
 
 
 class Relapses:
     """The relapses of the loss that came back down, over the last :data:`RELAPSE_WINDOW` checks.
 
-    A relapse is a loss at or above the level the run started at (the untrained model's loss: the model got as
-    bad as it was before any step), at least :data:`RELAPSE_FACTOR` times and :data:`RELAPSE_SIGMAS` robust spreads
-    (in logarithms) above the median of the recent losses; consecutive relapses are one, counted once the loss is
-    back under that bound (a loss that moves to a new level never comes back, a curriculum's next stage is no
-    relapse). The loss oscillates while :data:`RELAPSES` of them lie within :data:`RELAPSE_WINDOW` checks.
-    Judged only when every recent loss is at or above 0 (a ratio of signed losses means nothing).
+    A relapse reaches the level the run started at (the untrained model's loss) and the bound over the median of
+    the recent losses; consecutive relapses are one, counted once the loss is back under that bound (a loss that
+    moves to a new level, a curriculum's next stage, never comes back). Judged only when every recent loss is at
+    or above 0 (a ratio of signed losses means nothing). A healthy loss's far-off batch relapses once in a while,
+    not one check in 20; a warm-up bump comes back once; a converged loss's hard batch never reaches the untrained
+    loss. Many bad records (one single-example batch in 20 or more) read the same; the finding says so.
 
-    What a healthy loss does instead: one far-off batch (a bad record) relapses once in a while, not one check in
-    20; single-example noise spreads its logarithms too widely for 3 spreads to stay within its tail; a
-    warm-up bump rises above its start once and comes back once; a converged loss's hard batch never reaches the
-    untrained model's loss. Many bad records (one single-example batch in 20 or more) read the same as an
-    oscillation; the finding says so.
-
-    Example::
-
-        >>> relapses = Relapses()
-        >>> losses = [1.4, 1.7, 1.8, 1.3, 1.0] + [0.0] * 20 + ([0.0] * 8 + [5.0]) * 6
-        >>> found = [relapses.judge(loss, losses[max(0, i - 32):i], 1.8) for i, loss in enumerate(losses)]
-        >>> [i for i, peaks in enumerate(found) if peaks][:2], found[-1]
-        ([70, 71], [5.0, 5.0, 5.0, 5.0, 5.0])
-        >>> noise = Relapses()
-        >>> import random
-        >>> rng = random.Random(0)
-        >>> chi2 = [rng.gauss(0, 1) ** 2 for _ in range(1000)]
-        >>> any(noise.judge(loss, chi2[max(0, i - 32):i], max(chi2[:5])) for i, loss in enumerate(chi2))
-        False
+    >>> relapses = Relapses()
+    >>> losses = [1.4, 1.7, 1.8, 1.3, 1.0] + [0.0] * 20 + ([0.0] * 8 + [5.0]) * 6
+    >>> found = [relapses.judge(loss, losses[max(0, i - 32):i], 1.8) for i, loss in enumerate(losses)]
+    >>> [i for i, peaks in enumerate(found) if peaks][:2], found[-1]
+    ([70, 71], [5.0, 5.0, 5.0, 5.0, 5.0])
+    >>> noise = Relapses()
+    >>> import random
+    >>> rng = random.Random(0)
+    >>> chi2 = [rng.gauss(0, 1) ** 2 for _ in range(1000)]
+    >>> any(noise.judge(loss, chi2[max(0, i - 32):i], max(chi2[:5])) for i, loss in enumerate(chi2))
+    False
     """
 
     def __init__(self) -> None:
-        self.checks = 0
-        """Losses judged so far (the clock of the window)."""
-        self.open: tuple[int, float, float] | None = None
-        """The relapse under way: its first check, its bound (the loss must come back under it), its peak."""
-        self.back: deque[tuple[int, float]] = deque(maxlen=RELAPSES)
-        """The relapses that came back down: their first check and their peak loss."""
+        self.checks = 0  # losses judged so far: the window's clock
+        self.open: tuple[int, float, float] | None = None  # the relapse under way: first check, bound, peak
+        self.back: deque[tuple[int, float]] = deque(maxlen=RELAPSES)  # those that came back: first check, peak
 
     def judge(self, loss: float, recent: Sequence[float], start: float) -> list[float] | None:
-        """The peaks of the last :data:`RELAPSES` relapses when they lie within :data:`RELAPSE_WINDOW` checks with
-        ``loss`` (the loss oscillates), else None. ``recent``: the losses before ``loss``; ``start``: the level the
-        run started at. A non-finite loss is not judged."""
+        """The peaks of the last :data:`RELAPSES` relapses when the loss oscillates, else None. ``recent``: the
+        losses before ``loss``; ``start``: the level the run started at."""
         if not math.isfinite(loss):
             return None
         self.checks += 1

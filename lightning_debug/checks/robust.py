@@ -1,6 +1,6 @@
 """Robust statistics, the one place that says what a level and a spread are: the median, and the median absolute
 deviation scaled to a standard deviation, which ignore the outliers being looked for where a mean and a standard
-deviation would be dragged by them. Pure arithmetic over Python floats.
+deviation would be dragged by them.
 """
 
 from __future__ import annotations
@@ -16,45 +16,29 @@ MAD_TO_SIGMA = 1.4826
 def median(values: Iterable[float]) -> float:
     """The median of ``values`` (NaN when empty).
 
-    Example::
-
-        >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
-        (2.0, 2.5)
+    >>> median([3.0, 1.0, 2.0]), median([1.0, 2.0, 3.0, 4.0])
+    (2.0, 2.5)
     """
     values = list(values)
     return statistics.median(values) if values else math.nan
 
 
-def mad(values: Sequence[float], level: float | None = None) -> float:
-    """The median absolute deviation of ``values`` around ``level`` (their median when None).
+def robust_sigma(values: Sequence[float], level: float | None = None) -> float:
+    """The spread of ``values`` as a standard deviation estimated from their median absolute deviation around
+    ``level`` (their median when None).
 
-    Example::
-
-        >>> mad([1.0, 2.0, 3.0, 100.0])
-        1.0
+    >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
+    1.483
     """
     centre = median(values) if level is None else level
-    return median([abs(v - centre) for v in values])
-
-
-def robust_sigma(values: Sequence[float], level: float | None = None) -> float:
-    """The spread of ``values`` as a standard deviation estimated from the median absolute deviation.
-
-    Example::
-
-        >>> round(robust_sigma([1.0, 2.0, 3.0, 100.0]), 3)
-        1.483
-    """
-    return MAD_TO_SIGMA * mad(values, level)
+    return MAD_TO_SIGMA * median([abs(v - centre) for v in values])
 
 
 def quantile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (NaN for no values).
 
-    Example::
-
-        >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
-        (2.5, 4.6)
+    >>> quantile([1.0, 2.0, 3.0, 4.0], 0.5), quantile([5.0, 1.0, 3.0], 0.9)
+    (2.5, 4.6)
     """
     if not values:
         return math.nan

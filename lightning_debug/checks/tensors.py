@@ -41,14 +41,11 @@ class TensorStats:
 
 
 def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
-    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (a debugger prompt, not the
-    training hot path).
+    """Shape, dtype, device, size and numeric health of one tensor, with one host sync (for a debugger prompt).
 
-    Example::
-
-        >>> stats = inspect_tensor(torch.tensor([1.0, float("nan"), 3.0]))
-        >>> stats.has_nan, stats.nonfinite_count, stats.mean
-        (True, 1, 2.0)
+    >>> stats = inspect_tensor(torch.tensor([1.0, float("nan"), 3.0]))
+    >>> stats.has_nan, stats.nonfinite_count, stats.mean
+    (True, 1, 2.0)
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"inspect_tensor expects a torch.Tensor, got {type(tensor).__name__}")
@@ -70,20 +67,15 @@ def inspect_tensor(tensor: torch.Tensor) -> TensorStats:
                            std=None, **base)
     if data.is_complex():
         data = data.abs()
-    if not data.is_floating_point():
-        values = data.double()
-        summary = torch.stack([values.min(), values.max(), values.mean(), values.std(unbiased=False),
-                               values.new_zeros(()), values.new_zeros(())]).tolist()
+    values = data.double()  # integers too: their masks are all False
+    nan = torch.isnan(values)
+    inf = torch.isinf(values)
+    finite = values[~(nan | inf)]
+    if finite.numel():
+        moments = [finite.min(), finite.max(), finite.mean(), finite.std(unbiased=False)]
     else:
-        values = data.double()
-        nan = torch.isnan(values)
-        inf = torch.isinf(values)
-        finite = values[~(nan | inf)]
-        if finite.numel():
-            moments = [finite.min(), finite.max(), finite.mean(), finite.std(unbiased=False)]
-        else:
-            moments = [values.new_full((), float("nan"))] * 4
-        summary = torch.stack(moments + [nan.sum().double(), inf.sum().double()]).tolist()
+        moments = [values.new_full((), float("nan"))] * 4
+    summary = torch.stack(moments + [nan.sum().double(), inf.sum().double()]).tolist()
     low, high, mean, std, nan_count, inf_count = summary
     has_values = nan_count + inf_count < numel
     return TensorStats(
@@ -105,13 +97,11 @@ def check_labels(target: torch.Tensor, num_classes: int, ignore_index: int | Non
     """Raise ``ValueError`` naming the samples and values when a class label is outside ``[0, num_classes)`` (other
     than ``ignore_index``): on a GPU such a label otherwise ends in ``device-side assert triggered``. One host sync.
 
-    Example::
-
-        >>> check_labels(torch.tensor([0, 2, 1]), num_classes=3)
-        >>> check_labels(torch.tensor([0, 3, 1, -1]), num_classes=3)
-        Traceback (most recent call last):
-        ...
-        ValueError: 2 class label(s) outside [0, 3): samples [1, 3] have labels [3, -1]
+    >>> check_labels(torch.tensor([0, 2, 1]), num_classes=3)
+    >>> check_labels(torch.tensor([0, 3, 1, -1]), num_classes=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: 2 class label(s) outside [0, 3): samples [1, 3] have labels [3, -1]
     """
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"check_labels expects a torch.Tensor, got {type(target).__name__}")

@@ -7,6 +7,7 @@ step later), never synchronizing. On a CPU the wall clock is the truth and is re
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import threading
@@ -21,10 +22,8 @@ import torch
 class Phase(str, enum.Enum):
     """The phases that tile one optimizer step, in order; the value names them in events and metrics.
 
-    Example::
-
-        >>> [phase.value for phase in Phase], Phase("forward") is Phase.FORWARD
-        (['data', 'forward', 'backward', 'optimizer'], True)
+    >>> [phase.value for phase in Phase], Phase("forward") is Phase.FORWARD
+    (['data', 'forward', 'backward', 'optimizer'], True)
     """
 
     DATA = "data"
@@ -38,16 +37,13 @@ Mark = Union[float, "torch.cuda.Event"]
 
 
 class CpuWait:
-    """Milliseconds the calling thread spent runnable but waiting for a CPU (Linux ``/proc/thread-self/schedstat``,
-    through a descriptor kept open per thread): on a loaded machine another program's delay is not held against the
-    step. Where it does not exist, every reading is 0.
+    """Milliseconds the calling thread spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``, 0
+    where it does not exist): on a loaded machine another program's delay is not held against the step.
 
-    Example::
-
-        >>> wait = CpuWait()
-        >>> wait() >= 0.0
-        True
-        >>> wait.close()
+    >>> wait = CpuWait()
+    >>> wait() >= 0.0
+    True
+    >>> wait.close()
     """
 
     PATH = "/proc/thread-self/schedstat"
@@ -72,22 +68,18 @@ class CpuWait:
     def close(self) -> None:
         fds, self._fds = self._fds, {}
         for fd in fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 class Stopwatch:
-    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` reads the
-    plugin's own time so far (:class:`lightning_debug.core.own_time.OwnTime`), which the phases leave out.
+    """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` and
+    ``cpu_wait_ms`` read the plugin's own time and the thread's wait for a CPU so far (ms), which phases leave out.
 
-    Example::
-
-        >>> watch = Stopwatch(torch.device("cpu"))
-        >>> start = watch.mark(); end = watch.mark()
-        >>> watch.completed(end), watch.elapsed_ms(start, end) >= 0.0
-        (True, True)
+    >>> watch = Stopwatch(torch.device("cpu"))
+    >>> start = watch.mark(); end = watch.mark()
+    >>> watch.completed(end), watch.elapsed_ms(start, end) >= 0.0
+    (True, True)
     """
 
     def __init__(self, device: torch.device | None = None, own_ms: Callable[[], float] | None = None,
@@ -98,11 +90,9 @@ class Stopwatch:
         self.cpu_wait_ms = cpu_wait_ms
 
     def own(self) -> float:
-        """The plugin's own time so far (ms), read at a mark; 0 when nobody counts it."""
         return self.own_ms() if self.own_ms is not None else 0.0
 
     def cpu_wait(self) -> float:
-        """This thread's wait for a CPU so far (ms, :class:`CpuWait`); 0 when nobody reads it."""
         return self.cpu_wait_ms() if self.cpu_wait_ms is not None else 0.0
 
     def mark(self) -> Mark:
@@ -118,7 +108,7 @@ class Stopwatch:
 
     @staticmethod
     def wait(mark: Mark) -> None:
-        """Block until ``mark`` has completed; only for the end of a run, never on a training step."""
+        """Block until ``mark`` has completed: only at the end of a run, never on a training step."""
         if not isinstance(mark, float):
             mark.synchronize()
 
@@ -132,8 +122,8 @@ class Stopwatch:
 @dataclass
 class StepTimes:
     """The measured phases of one optimizer step in milliseconds, the plugin's own time left out; :meth:`judged` also
-    leaves out the part the training thread waited for a CPU (``cpu_waits``).
-    """
+    leaves out the training thread's wait for a CPU. ``elements``: of the step's first input tensor, summed over
+    micro-batches (what a longer sequence, a larger image or a larger batch makes grow)."""
 
     step: int
     phases: dict[Phase, float]
@@ -143,8 +133,6 @@ class StepTimes:
     own_ms: float = 0.0
     cpu_waits: dict[Phase, float] = field(default_factory=dict)
     elements: int | None = None
-    """The elements of the step's input (its first tensor's, summed over micro-batches): what a longer sequence, a
-    larger image or a larger batch makes grow."""
 
     def judged(self, phase: Phase) -> float:
         return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
@@ -169,19 +157,17 @@ class StepTimes:
 class PhaseTimer:
     """Contiguous phase intervals of one optimizer step, summed over its micro-batches.
 
-    Each :meth:`enter` closes the phase in progress and opens the next; :meth:`stop` (a batch ends) opens the data
-    wait until the next batch, so ``step = data + forward + backward + optimizer`` exactly. The plugin's own time
-    inside an interval is subtracted from it, so a check step whose checks take 500 ms is timed like any other.
+    :meth:`stop` (a batch ends) opens the data wait until the next batch, so ``step = data + forward + backward +
+    optimizer`` exactly. The plugin's own time is subtracted, so a check step whose checks take 500 ms is timed
+    like any other.
 
-    Example::
-
-        >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
-        >>> for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
-        ...     _ = timer.enter(phase)
-        >>> _ = timer.stop()
-        >>> times = timer.read()
-        >>> times.step, [phase.value for phase in times.phases], times.step_ms >= times.phases[Phase.FORWARD]
-        (4, ['data', 'forward', 'backward', 'optimizer'], True)
+    >>> timer = PhaseTimer(Stopwatch(), step=4, start=time.perf_counter())
+    >>> for phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
+    ...     _ = timer.enter(phase)
+    >>> _ = timer.stop()
+    >>> times = timer.read()
+    >>> times.step, [phase.value for phase in times.phases], times.step_ms >= times.phases[Phase.FORWARD]
+    (4, ['data', 'forward', 'backward', 'optimizer'], True)
     """
 
     def __init__(self, stopwatch: Stopwatch, step: int, start: Mark | None = None, start_own: float | None = None,
@@ -238,8 +224,7 @@ class PhaseTimer:
         return self.intervals[: self._closed]
 
     def ready(self) -> bool:
-        closed = self.closed_intervals
-        return all(self.stopwatch.completed(end) for _, _, end, _, _ in closed)
+        return all(self.stopwatch.completed(end) for _, _, end, _, _ in self.closed_intervals)
 
     def wait(self) -> None:
         for _, _, end, _, _ in self.closed_intervals:
@@ -260,7 +245,7 @@ class PhaseTimer:
 
 
 def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
-    """The first tensor in a tensor, tuple, list or mapping, at most four levels deep (None when there is none)."""
+    """The first tensor in a tensor, tuple, list or mapping, at most four levels deep (None: there is none)."""
     if isinstance(batch, torch.Tensor):
         return batch
     if _depth >= 4:
@@ -279,14 +264,12 @@ def first_tensor(batch: Any, _depth: int = 0) -> torch.Tensor | None:
 
 
 def infer_batch_size(batch: Any) -> int | None:
-    """Dimension 0 of the first tensor in a tensor, tuple, list or mapping (None when there is none).
+    """Dimension 0 of :func:`first_tensor`.
 
-    Example::
-
-        >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
-        8
-        >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
-        (3, None)
+    >>> infer_batch_size({"input_ids": torch.zeros(8, 128), "labels": torch.zeros(8)})
+    8
+    >>> infer_batch_size([torch.zeros(3, 2), torch.zeros(3)]), infer_batch_size("text")
+    (3, None)
     """
     tensor = first_tensor(batch)
     if tensor is None:
@@ -306,24 +289,21 @@ class OperatorRow:
 
 
 def top_operators(key_averages: Iterable[Any], limit: int = 15, by: str = "self_cpu_ms") -> list[OperatorRow]:
-    """The ``limit`` operators with the most self time (``by``: ``"self_cpu_ms"`` or ``"self_device_ms"``) from
-    ``profiler.key_averages()`` (times in microseconds; ``self_cuda_time_total`` on older torch), without the
-    profiler's own ``ProfilerStep#N`` spans.
+    """The ``limit`` operators of ``profiler.key_averages()`` with the most self time (``by``: ``"self_cpu_ms"`` or
+    ``"self_device_ms"``), without the profiler's own ``ProfilerStep#N`` spans.
 
-    Example::
-
-        >>> from types import SimpleNamespace as Op
-        >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0),
-        ...        Op(key="aten::add", count=2, self_cpu_time_total=100.0, cpu_time_total=150.0)]
-        >>> [(row.name, row.self_cpu_ms) for row in top_operators(ops, limit=1)]
-        [('aten::mm', 0.9)]
+    >>> from types import SimpleNamespace as Op
+    >>> ops = [Op(key="aten::mm", count=4, self_cpu_time_total=900.0, cpu_time_total=900.0),
+    ...        Op(key="aten::add", count=2, self_cpu_time_total=100.0, cpu_time_total=150.0)]
+    >>> [(row.name, row.self_cpu_ms) for row in top_operators(ops, limit=1)]
+    [('aten::mm', 0.9)]
     """
     rows = []
     for event in key_averages:
         if str(event.key).startswith("ProfilerStep"):  # the profiler's own per-step span, not an operator
             continue
         device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
+        if device_us is None:  # older torch
             device_us = getattr(event, "self_cuda_time_total", 0.0)
         rows.append(OperatorRow(str(event.key), int(event.count), float(event.self_cpu_time_total) / 1000.0,
                                 float(event.cpu_time_total) / 1000.0, float(device_us or 0.0) / 1000.0))

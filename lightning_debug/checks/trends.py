@@ -1,9 +1,8 @@
 """Judging a value against the run's own recent history: robust levels, jumps and steady rises.
 
-A fixed threshold cannot fit every model (a ResNet's gradient norm at initialisation is 60, a small
-MLP's 0.5), so the gradient and loss checks compare a value with what this run has shown lately:
-the median of a bounded window is the level and the median absolute deviation the spread, both
-insensitive to the outliers being looked for. Pure host-side arithmetic over Python floats.
+A fixed threshold cannot fit every model (a ResNet's gradient norm at initialisation is 60, a small MLP's 0.5),
+so a value is compared with the median (level) and the robust spread of a bounded window of this run's values,
+both insensitive to the outliers being looked for.
 """
 
 from __future__ import annotations
@@ -19,79 +18,66 @@ from typing import Any
 from lightning_debug.checks.relapses import Relapses
 from lightning_debug.checks.robust import median, robust_sigma
 
-# Gradient norm: a jump of this factor over the recent median (and this many robust sigmas) explodes.
+# Gradient norm: a jump is this factor over the recent median and this many robust sigmas above it.
 NORM_JUMP_FACTOR = 10.0
 NORM_JUMP_SIGMAS = 6.0
 NORM_WINDOW = 16
 NORM_MIN_HISTORY = 3
-# Gradient norm: the norms a run shows routinely are its NORM_TAIL_RANK-th largest of the last NORM_TAIL_WINDOW
-# check steps (one check step in 16); a jump is also NORM_TAIL_FACTOR times those, once half the window is there.
+# ... and NORM_TAIL_FACTOR times the NORM_TAIL_RANK-th largest of the last NORM_TAIL_WINDOW norms (once half there).
 NORM_TAIL_WINDOW = 64
 NORM_TAIL_RANK = 4
 NORM_TAIL_FACTOR = 3.0
-# Gradient norm: a norm within this factor of the previous check step's grew into its value gradually.
+# Gradient norm: within this factor of the previous check step's norm it grew gradually.
 NORM_GRADUAL_GROWTH = 3.0
-# Loss: a spike is this many times the recent level and the level the run started from.
+# Loss: a spike is this many times the recent level and the start level, and this many times the recent maximum
+# (single-example losses have a long tail).
 LOSS_SPIKE_FACTOR = 10.0
 LOSS_SPIKE_SIGMAS = 6.0
 LOSS_WINDOW = 32
 LOSS_START_VALUES = 5
-# Loss: a spike is also this many times the highest of the recent losses (the window's own tail sets the scale).
 SPIKE_OVER_RECENT_MAX = 2.0
-# Loss: a divergence rises on most of the last DIVERGENCE_WINDOW checks and at least doubles over them.
+# Loss: a divergence rises on most of the last DIVERGENCE_WINDOW checks, at least doubles over them, and its rise
+# is DIVERGENCE_SIGMAS robust sigmas of the losses before the window (when there are that many).
 DIVERGENCE_WINDOW = 8
 DIVERGENCE_RISES = 6
 DIVERGENCE_FACTOR = 2.0
-# Loss: a noisy climb. The level is the median of the last CLIMB_LEVEL_WINDOW checks; it climbs when it is at
-# least CLIMB_FACTOR times the best level of the run and above the start, on several checks in a row (how many is
-# loss_divergence's policy in the table of kinds), higher at the last of CLIMB_CHECKS of them than at the first.
+DIVERGENCE_SIGMAS = 3.0
+# Loss: a noisy climb. The level (median of the last CLIMB_LEVEL_WINDOW) is CLIMB_FACTOR times the run's best level
+# and CLIMB_SIGMAS robust sigmas of single losses above it (the lowest of hundreds of noisy levels is itself an
+# extreme of the noise), and higher at the last of CLIMB_CHECKS checks than at the first.
 CLIMB_LEVEL_WINDOW = 8
 CLIMB_FACTOR = 2.0
 CLIMB_CHECKS = 4
-# ... and at least CLIMB_SIGMAS robust standard deviations of single losses (measured when the best level was
-# reached) above that best level: the lowest of hundreds of noisy levels is itself an extreme of the noise.
 CLIMB_SIGMAS = 6.0
 REGIME_MIN_LOSSES = 4
-# ... and the best level counts from this many losses on: the spread of fewer is no measure of the noise.
+# The best level counts from this many losses on: the spread of fewer is no measure of the noise.
 CLIMB_BEST_MIN_LOSSES = 2 * CLIMB_LEVEL_WINDOW
-# Loss: a divergence's rise (between the medians of the window's halves) is also DIVERGENCE_SIGMAS robust standard
-# deviations of the losses before the window, when there are DIVERGENCE_WINDOW of them.
-DIVERGENCE_SIGMAS = 3.0
-
-
+# Loss: a level SETTLED_FACTOR times the median of the first EARLY_LOSSES losses has settled far above the start
+# (a learning rate far too high moves the loss from step 2). SETTLED_SIGMAS: on single-example squared errors (the
+# noisiest healthy losses) 2 runs of 1000 steps in 1000 reach 5 noise units (3 in 200 reach 4).
 SETTLED_FACTOR = 5.0
-"""A level this many times the early level has settled far above where the run started (issue 45: at the default
-level, however noisy the climb)."""
 EARLY_LOSSES = 3
-"""The early level is the median of this many first losses: a learning rate far too high moves the loss from step 2."""
 SETTLED_WINDOW = 8
 SETTLED_SIGMAS = 5.0
-"""Measured on single-example squared errors (the noisiest healthy losses): 2 runs of 1000 steps in 1000 reach 5
-noise units (3 in 200 reach 4)."""
 
 
 class SettledLevel:
-    """The early losses of the run (or of its current data), against which a level is judged: a loss that settled
-    far above where the run started, however noisy the way up.
+    """The early losses of the run (or of its current data), against which a level that settled far above where
+    the run started is judged, however noisy the way up.
 
-    A learning rate far too high climbs from the first steps, before :class:`LossTrend`'s best level starts
-    counting (MobileNetV2, SGD 0.05 with momentum: 2.8 -> 30 in 40 steps). So the level (the median of the last
-    :data:`SETTLED_WINDOW` losses) is also judged against the median of the first :data:`EARLY_LOSSES`: at
-    :data:`SETTLED_FACTOR` times it, and :data:`SETTLED_SIGMAS` times the noise of single losses above it in
-    logarithms (early losses low by luck), on the checks ``loss_divergence``'s policy asks for. A change of data
-    restarts the early losses (:meth:`restart`); losses at or below 0 are not judged.
+    A learning rate far too high climbs before :class:`LossTrend`'s best level starts counting (MobileNetV2, SGD
+    0.05 with momentum: 2.8 -> 30 in 40 steps). The noise is measured in logarithms (early losses low by luck);
+    losses at or below 0 are not judged.
 
-    Example::
-
-        >>> settled = SettledLevel()
-        >>> climb = [2.9, 2.8, 5.1, 9.1, 8.1, 20.0, 25.0, 31.0, 28.0, 35.0, 30.0, 33.0, 29.0, 36.0, 40.0, 31.0]
-        >>> verdicts = [settled.judge(loss, climb[:i + 1]) for i, loss in enumerate(climb)]
-        >>> [i for i, early in enumerate(verdicts) if early is not None][:4], verdicts[-1]
-        ([9, 10, 11, 12], 2.9)
-        >>> noise = SettledLevel()
-        >>> losses = [0.01, 0.02, 0.9] + [0.3, 1.2, 0.05, 2.0, 0.4, 0.1, 0.6, 0.2] * 4
-        >>> any(noise.judge(loss, losses[:i + 1]) for i, loss in enumerate(losses))
-        False
+    >>> settled = SettledLevel()
+    >>> climb = [2.9, 2.8, 5.1, 9.1, 8.1, 20.0, 25.0, 31.0, 28.0, 35.0, 30.0, 33.0, 29.0, 36.0, 40.0, 31.0]
+    >>> verdicts = [settled.judge(loss, climb[:i + 1]) for i, loss in enumerate(climb)]
+    >>> [i for i, early in enumerate(verdicts) if early is not None][:4], verdicts[-1]
+    ([9, 10, 11, 12], 2.9)
+    >>> noise = SettledLevel()
+    >>> losses = [0.01, 0.02, 0.9] + [0.3, 1.2, 0.05, 2.0, 0.4, 0.1, 0.6, 0.2] * 4
+    >>> any(noise.judge(loss, losses[:i + 1]) for i, loss in enumerate(losses))
+    False
     """
 
     def __init__(self) -> None:
@@ -102,8 +88,7 @@ class SettledLevel:
         return median(self.early) if len(self.early) >= EARLY_LOSSES else float("nan")
 
     def judge(self, loss: float, window: Sequence[float]) -> float | None:
-        """The early level when the level of ``window`` (the recent losses, ``loss`` last) is at
-        :data:`SETTLED_FACTOR` times it on this check (a suspicion), else None."""
+        """The early level when the level of ``window`` (the recent losses, ``loss`` last) settled above it."""
         if len(self.early) < EARLY_LOSSES:
             self.early.append(loss)
             return None
@@ -116,10 +101,9 @@ class SettledLevel:
         return early if settled else None
 
     def _beyond_noise(self, losses: Sequence[float], level: float) -> bool:
-        """Whether ``level`` is :data:`SETTLED_SIGMAS` times the noise of single losses above the early level, in
-        logarithms: the noise is read from the steps between successive recent losses (a robust spread, divided by
-        the square root of 2), which a steady climb hardly moves and single-example losses make wide, and from the
-        spread of the early losses themselves (three single-example losses far apart say the early level is loose)."""
+        """Whether the log level is :data:`SETTLED_SIGMAS` noise units above the early one: the noise of the steps
+        between recent losses (which a steady climb hardly moves) or of the early losses themselves (three
+        single-example losses far apart say the early level is loose), whichever is wider."""
         logs = [math.log(v) for v in losses]
         steps = [later - earlier for earlier, later in zip(logs, logs[1:])]
         noise = max(robust_sigma(steps) / math.sqrt(2), robust_sigma([math.log(v) for v in self.early]))
@@ -140,10 +124,8 @@ def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: 
     """The value above which a new value is a jump over ``history``: ``factor`` times its median or ``sigmas``
     robust standard deviations above it, whichever is higher; None with fewer than ``minimum`` values.
 
-    Example::
-
-        >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3), jump_limit([1.0], 10, 6, 3)
-        (10.0, None)
+    >>> jump_limit([1.0, 1.2, 0.8], factor=10, sigmas=6, minimum=3), jump_limit([1.0], 10, 6, 3)
+    (10.0, None)
     """
     finite = [v for v in history if math.isfinite(v)]
     if len(finite) < minimum:
@@ -156,21 +138,19 @@ class NormHistory:
     """The recent global gradient norms of check steps, for judging the next one (see :func:`jump_limit`).
 
     Every finite, non-zero norm enters the window, flagged or not: an explosion is reported when it starts, and a
-    level that stays becomes the new normal. Once :data:`NORM_TAIL_WINDOW` / 2 norms are in, the limit is also
-    :data:`NORM_TAIL_FACTOR` times :meth:`routine`: a fine-tuned classifier's hard examples reach 10-170x the
-    median on one check step in ten (docs/gradients.md). A zero norm (a margin loss at 0) says nothing about the
-    scale; ``last`` keeps the previous norm whatever it was, so a norm that turns non-finite is told apart.
+    level that stays becomes the new normal. The tail limit exists because a fine-tuned classifier's hard examples
+    reach 10-170x the median on one check step in ten (docs/gradients.md). A zero norm (a margin loss at 0) says
+    nothing about the scale; ``last`` keeps the previous norm whatever it was, so a norm that turns non-finite is
+    told apart.
 
-    Example::
-
-        >>> history = NormHistory()
-        >>> for norm in (60.0, 58.0, 61.0): history.add(norm)
-        >>> history.limit()
-        600.0
+    >>> history = NormHistory()
+    >>> for norm in (60.0, 58.0, 61.0): history.add(norm)
+    >>> history.limit()
+    600.0
     """
 
-    def __init__(self, window: int = NORM_WINDOW) -> None:
-        self.values: deque[float] = deque(maxlen=window)
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=NORM_WINDOW)
         self.tail: deque[float] = deque(maxlen=NORM_TAIL_WINDOW)
         self.start_losses: list[float] = []
         self.last = math.nan
@@ -183,12 +163,10 @@ class NormHistory:
     def routine(self) -> float | None:
         """The norm this run reaches on one check step in 16 lately (None with under half the tail window).
 
-        Example::
-
-            >>> history = NormHistory()
-            >>> for step in range(40): history.add(12.0 if step % 8 == 0 else 0.3)
-            >>> history.routine(), history.limit()
-            (12.0, 36.0)
+        >>> history = NormHistory()
+        >>> for step in range(40): history.add(12.0 if step % 8 == 0 else 0.3)
+        >>> history.routine(), history.limit()
+        (12.0, 36.0)
         """
         if len(self.tail) < NORM_TAIL_WINDOW // 2:
             return None
@@ -198,8 +176,7 @@ class NormHistory:
         return median(self.values)
 
     def add(self, norm: float, loss: float = math.nan) -> None:
-        """This check step's global norm and loss (the first :data:`LOSS_START_VALUES` finite losses are
-        the level the run started from)."""
+        """This check step's global norm and loss (the first finite losses are where the run started)."""
         self.last = norm
         if math.isfinite(norm) and norm > 0:
             self.values.append(norm)
@@ -208,15 +185,13 @@ class NormHistory:
             self.start_losses.append(loss)
 
     def grew_while_learning(self, norm: float, loss: float) -> bool:
-        """Whether ``norm`` grew gradually (within :data:`NORM_GRADUAL_GROWTH` of the previous norm) while the loss
-        stayed below where the run started: a norm rising out of its initialisation, not a departure from a level.
+        """Whether ``norm`` grew gradually while the loss stayed below where the run started: a norm rising out
+        of its initialisation, not a departure from a level.
 
-        Example::
-
-            >>> history = NormHistory()
-            >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
-            >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0), history.grew_while_learning(45.0, 6.0)
-            (True, False, False)
+        >>> history = NormHistory()
+        >>> for norm, loss in ((1.0, 13.0), (2.1, 11.6), (10.1, 14.8)): history.add(norm, loss)
+        >>> history.grew_while_learning(22.4, 6.0), history.grew_while_learning(22.4, 21.0), history.grew_while_learning(45.0, 6.0)
+        (True, False, False)
         """
         if not self.values or not self.start_losses or not math.isfinite(loss):
             return False
@@ -244,7 +219,12 @@ class LossKind(str, enum.Enum):
 
 @dataclass
 class LossVerdict:
-    """What one check step's loss shows: a :class:`LossKind` (or None for nothing), with the numbers."""
+    """What one check step's loss shows: a :class:`LossKind` (or None for nothing), with the numbers.
+
+    ``next_loss``: a spike's or an outlier's next check loss, which settled it; ``step`` and ``where``: the check
+    step the verdict is about (for those two, the check before the one that returned it); ``peaks``: for
+    ``oscillating``, the highest loss of each of the last relapses.
+    """
 
     kind: LossKind | None
     loss: float
@@ -255,15 +235,9 @@ class LossVerdict:
     best: float = math.nan
     early: float = math.nan
     next_loss: float | None = None
-    """For a ``spike`` or an ``outlier``: the next check's loss, which settled it (the verdict is about the check
-    before the one that returned it)."""
     step: int | None = None
-    """The check step the verdict is about (a spike's or an outlier's is the check before the one that settled it)."""
     where: dict[str, Any] | None = None
-    """Where in the loop that check step was (epoch, batch), as the monitor gave it."""
     peaks: list[float] | None = None
-    """For ``oscillating``: the highest loss of each of the last relapses
-    (:class:`~lightning_debug.checks.relapses.Relapses`)."""
 
     def measured(self) -> dict[str, Any]:
         """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""
@@ -272,25 +246,17 @@ class LossVerdict:
 
     @property
     def details(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"loss": self.loss, "recent_level": self.level, "start_level": self.start}
-        if self.next_loss is not None:
-            out["next_loss"] = self.next_loss
-        if math.isfinite(self.limit):
-            out["limit"] = self.limit
-        if self.window:
-            out["recent_losses"] = self.window
-        if math.isfinite(self.best):
-            out["best_level"] = self.best
-        if math.isfinite(self.early):
-            out["early_level"] = self.early
-        if self.peaks:
-            out["relapse_peaks"] = self.peaks
-        return out
+        optional = (("next_loss", self.next_loss, self.next_loss is not None),
+                    ("limit", self.limit, math.isfinite(self.limit)), ("recent_losses", self.window, bool(self.window)),
+                    ("best_level", self.best, math.isfinite(self.best)),
+                    ("early_level", self.early, math.isfinite(self.early)), ("relapse_peaks", self.peaks, bool(self.peaks)))
+        return {"loss": self.loss, "recent_level": self.level, "start_level": self.start,
+                **{key: value for key, value, shown in optional if shown}}
 
 
 @dataclass
 class LossReading:
-    """What one check step's loss suggests (see :class:`LossTrend`); how long a suspicion is held is its kind's policy.
+    """What one check step's loss suggests; how long a suspicion is held is its kind's policy.
 
     ``rising``: the climb's level is higher than at the first of the last ``climb_checks`` checks it was;
     ``levels_judged``: whether the level was judged at all (a check that did not neither continues nor ends a climb).
@@ -309,40 +275,33 @@ class LossReading:
 class LossTrend:
     """The loss of recent check steps and the baselines a new loss is judged against; it holds no suspicion.
 
-    ``judge`` says what a loss suggests (:class:`LossReading`): a ``spike`` (over :data:`LOSS_SPIKE_FACTOR` times
-    the recent median and the start level, :data:`LOSS_SPIKE_SIGMAS` spreads above the median and
-    :data:`SPIKE_OVER_RECENT_MAX` times the recent maximum: single-example losses have a long tail), a steady
-    ``divergence`` over :data:`DIVERGENCE_WINDOW` checks, a noisy ``climb`` of the median level over the best level
-    of the run, a ``settled`` climb over the early level, or an ``oscillating`` loss that keeps jumping back to where
-    the run started (:class:`~lightning_debug.checks.relapses.Relapses`). How long each is held is its kind's policy.
-    What each rules out on healthy runs (one far-off batch, a warm-up bump, stationary noise, a change of data) is in
-    docs/gradients.md, "Early divergence"; single-optimizer runs only for the level's judgements.
+    ``judge`` says what a loss suggests: a ``spike``, a steady ``divergence``, a noisy ``climb`` of the level over
+    the run's best level, a ``settled`` climb over the early level (:class:`SettledLevel`), or an ``oscillating``
+    loss (:class:`~lightning_debug.checks.relapses.Relapses`). What each rules out on healthy runs (one far-off
+    batch, a warm-up bump, stationary noise, a change of data) is in docs/gradients.md, "Early divergence".
 
-    Example::
-
-        >>> trend = LossTrend()
-        >>> readings = [trend.judge(v) for v in (6.9, 7857.0, 9000.0)]
-        >>> [r.spike is not None for r in readings], readings[1].spike.limit
-        ([False, True, False], 69.0)
-        >>> LossTrend().judge(math.nan).levels_judged
-        False
+    >>> trend = LossTrend()
+    >>> readings = [trend.judge(v) for v in (6.9, 7857.0, 9000.0)]
+    >>> [r.spike is not None for r in readings], readings[1].spike.limit
+    ([False, True, False], 69.0)
+    >>> LossTrend().judge(math.nan).levels_judged
+    False
     """
 
-    def __init__(self, window: int = LOSS_WINDOW, climb_checks: int = CLIMB_CHECKS) -> None:
-        self.recent: deque[float] = deque(maxlen=window)
+    def __init__(self, climb_checks: int = CLIMB_CHECKS) -> None:
+        self.recent: deque[float] = deque(maxlen=LOSS_WINDOW)
         self.start: list[float] = []
         self.best_level = math.inf
         self._best_spread: float | tuple[float, ...] = 0.0  # the losses at the best level until their spread is asked
         self.climb_levels: deque[float] = deque(maxlen=max(climb_checks, 1))
-        """The levels of the last checks the level was above the climb limit (a baseline: the verdict engine holds
-        the streak; while it lasts these are its levels)."""
+        """The levels of the last checks above the climb limit (the verdict engine holds the streak)."""
         self.far_above = SettledLevel()
         self.relapses = Relapses()
 
     @property
     def best_spread(self) -> float:
-        """The robust spread of single losses when the best level was reached; worked out when first needed
-        (a healthy loss reaches a new best level on most steps, and a climb is judged on few)."""
+        """The robust spread of single losses at the best level, worked out when first needed (a healthy loss
+        reaches a new best level on most steps, and a climb is judged on few)."""
         if isinstance(self._best_spread, tuple):
             self._best_spread = robust_sigma(self._best_spread)
         return self._best_spread
@@ -353,8 +312,8 @@ class LossTrend:
         return max(self.start) if self.start else math.nan
 
     def judge(self, loss: float, climb: bool = True) -> LossReading:
-        """What ``loss`` suggests (see above); ``climb=False`` leaves out the level's judgements (several
-        optimizers). A non-finite loss is not judged and not remembered."""
+        """What ``loss`` suggests; ``climb=False`` leaves out the level's judgements (several optimizers). A
+        non-finite loss is not judged and not remembered."""
         if not math.isfinite(loss):
             return LossReading(loss)
         divergence = self._divergence(loss)
@@ -390,14 +349,12 @@ class LossTrend:
                            list(self.recent)[-CLIMB_LEVEL_WINDOW:], early=early)
 
     def _level(self) -> float:
-        recent = self.recent
-        if len(recent) < CLIMB_LEVEL_WINDOW:
+        if len(self.recent) < CLIMB_LEVEL_WINDOW:
             return math.nan
-        return median([recent[i] for i in range(-CLIMB_LEVEL_WINDOW, 0)])
+        return median(list(self.recent)[-CLIMB_LEVEL_WINDOW:])
 
     def _climb(self, loss: float, level: float) -> tuple[LossVerdict | None, bool]:
-        """The level above the climb limit on this check (or None), and whether it is higher than at the first of
-        the last ``climb_checks`` checks it was."""
+        """The level above the climb limit on this check (or None), and whether it is rising."""
         start = self.start_level
         above = (math.isfinite(level) and 0 < self.best_level < math.inf and level > start > 0
                  and level >= self._climb_limit())

@@ -1,12 +1,9 @@
 """A census of live tensors: what a suspected leak keeps alive, and the sentence that names it. One pass over every
-object the garbage collector tracks, so it is taken only to confirm a suspected leak and after an OOM; two
-censuses a few steps apart tell which group piles up and whether it carries an autograd graph.
+object the garbage collector tracks, so taken only to confirm a suspected leak and after an OOM.
 
-Example::
-
-    >>> census = take_census([torch.zeros(4), torch.zeros(4), torch.zeros(2, 2)])
-    >>> census.tensors, census.bytes, census.largest(1)[0]["count"]
-    (3, 48, 2)
+>>> census = take_census([torch.zeros(4), torch.zeros(4), torch.zeros(2, 2)])
+>>> census.tensors, census.bytes, census.largest(1)[0]["count"]
+(3, 48, 2)
 """
 
 from __future__ import annotations
@@ -27,22 +24,17 @@ GRAPHS_MEASURED_PER_GROUP = 8
 STEADY_PER_STEP = 0.5  # a group growing by at least a tensor every two steps grows with the steps
 
 
-def _tensor_types() -> set[type]:
-    found: set[type] = set()
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor the garbage collector tracks (not those held only inside C++, such as the activations an
+    autograd graph saved), filtered in C; drop the list soon."""
+    objects = gc.get_objects()
+    kinds = {torch.Tensor}
     pending = [torch.Tensor]
     while pending:
-        kind = pending.pop()
-        if kind not in found:
-            found.add(kind)
-            pending.extend(kind.__subclasses__())
-    return found
-
-
-def live_tensors() -> list[torch.Tensor]:
-    """Every tensor the Python garbage collector tracks (not those held only inside C++, such as the activations
-    an autograd graph saved), in one pass over all gc-tracked objects in C; drop the list soon."""
-    objects = gc.get_objects()
-    kinds = _tensor_types()
+        for kind in pending.pop().__subclasses__():
+            if kind not in kinds:
+                kinds.add(kind)
+                pending.append(kind)
     try:
         return list(compress(objects, map(kinds.__contains__, map(type, objects))))
     finally:
@@ -65,7 +57,7 @@ def graph_size(grad_fn: Any, limit: int = 100_000) -> int:
 @dataclass
 class Census:
     """Live tensors grouped by (shape, dtype, device, grad_fn): count and bytes per group; ``graph_nodes``, the
-    largest autograd graph among a group's first few members; ``seconds``, what taking the census cost."""
+    largest autograd graph among a group's first few members."""
 
     groups: dict[CensusKey, list[int]] = field(default_factory=dict)
     graph_nodes: dict[CensusKey, int] = field(default_factory=dict)
@@ -87,8 +79,7 @@ class Census:
 
 
 def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
-    """Group ``tensors`` (by default every live tensor, see :func:`live_tensors`) for a census, from their metadata
-    only: no device sync, no data access."""
+    """The census of ``tensors`` (by default every live tensor), from their metadata only: no device sync."""
     started = time.perf_counter()
     census = Census()
     items = live_tensors() if tensors is None else tensors
@@ -101,9 +92,7 @@ def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
                 size = tensor.element_size() * tensor.numel()
             except Exception:  # exotic subclasses (nested, fake, functional) may refuse metadata calls
                 continue
-            entry = census.groups.get(key)
-            if entry is None:
-                entry = census.groups[key] = [0, 0]
+            entry = census.groups.setdefault(key, [0, 0])
             entry[0] += 1
             entry[1] += size
             if grad_fn is not None and entry[0] <= GRAPHS_MEASURED_PER_GROUP:
@@ -134,9 +123,8 @@ class GroupGrowth:
 
 
 def growth_rank(group: GroupGrowth) -> tuple[bool, bool, int, int]:
-    """Sort key, most likely cause first: steadily growing groups that hold an autograd graph (a kept
-    graph keeps its saved tensors alive, so the graph-less groups growing beside it are its
-    consequence), then steady growth by bytes, then the rest by bytes."""
+    """Sort key, most likely cause first: steadily growing groups with an autograd graph (a kept graph keeps its
+    saved tensors alive, so the graph-less groups growing beside it are its consequence), then by bytes."""
     steady = group.added >= 2 and group.per_step >= STEADY_PER_STEP
     return (not (steady and bool(group.grad_fn)), not steady, -group.added_bytes, -group.added)
 
@@ -178,8 +166,8 @@ class GraphGrowth:
 
 
 def graph_growth(before: Census, after: Census, steps: int) -> list[GraphGrowth]:
-    """Groups whose autograd graph gained at least one node per step: ``total = total + loss`` keeps
-    every step's graph while the number of tensors stays the same."""
+    """Groups whose autograd graph gained a node per step: ``total = total + loss`` keeps every step's graph while
+    the number of tensors stays the same."""
     grown = []
     for key, nodes in after.graph_nodes.items():
         old = before.graph_nodes.get(key)
@@ -189,14 +177,11 @@ def graph_growth(before: Census, after: Census, steps: int) -> list[GraphGrowth]
 
 
 def explain_growth(grown: Sequence[GroupGrowth], steps: int, graphs: Sequence[GraphGrowth] = ()) -> str:
-    """The cause sentence of a ``memory_growth`` event, from a census diff over ``steps`` steps
-    (tensors that pile up, and graphs that grow, see :func:`graph_growth`).
+    """The cause sentence of a ``memory_growth`` event, from a census diff over ``steps`` steps.
 
-    Example::
-
-        >>> group = GroupGrowth((), "float32", "cpu", "NllLossBackward0", 50, 200, 1.0, 9)
-        >>> explain_growth([group], 50)[:71]
-        '~1 tensor/step with grad_fn NllLossBackward0 (shape [], float32 on cpu)'
+    >>> group = GroupGrowth((), "float32", "cpu", "NllLossBackward0", 50, 200, 1.0, 9)
+    >>> explain_growth([group], 50)[:71]
+    '~1 tensor/step with grad_fn NllLossBackward0 (shape [], float32 on cpu)'
     """
     growing = [group for group in grown if group.added >= 2]
     running = ""

@@ -1,16 +1,12 @@
-"""Memory readings (host-side counters only, so taking one never waits for the device), the robust trend
-through them, the out-of-memory post-mortem's data and where leaked CUDA memory was allocated.
+"""Memory readings (host-side counters only: taking one never waits for the device), the robust trend through
+them (a warm-up jump, an allocator's granularity or the resident set's scatter must not read as a leak), the
+out-of-memory post-mortem's data and where leaked CUDA memory was allocated.
 
-A leak shows as a steady rise with the steps; a warm-up jump, an allocator's granularity or the resident set's
-scatter must not read as one, so the trend is robust (docs/memory.md, "memory_growth").
-
-Example::
-
-    >>> read_memory(None).cpu_rss > 0, format_bytes(1536)
-    (True, '1.5 KB')
-    >>> trend = fit_trend([(step, 1000.0 + 50.0 * step) for step in range(0, 100, 10)])
-    >>> round(trend.slope), trend.consistency, is_steady_growth(trend, floor=100.0)
-    (50, 1.0, True)
+>>> read_memory(None).cpu_rss > 0, format_bytes(1536)
+(True, '1.5 KB')
+>>> trend = fit_trend([(step, 1000.0 + 50.0 * step) for step in range(0, 100, 10)])
+>>> round(trend.slope), trend.consistency, is_steady_growth(trend, floor=100.0)
+(50, 1.0, True)
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from typing import Any
 import psutil
 import torch
 
+from lightning_debug.checks.batches import named_tensors
 from lightning_debug.checks.robust import MAD_TO_SIGMA, median
 
 MB = 2**20
@@ -34,8 +31,7 @@ SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU hea
 
 
 class MemoryPhase(enum.Enum):
-    """Where in a training step the run is: the phases the monitor reads memory at, and what an OOM
-    post-mortem names (the values are the names in report.json and in scalar tags)."""
+    """The phases of a step the monitor reads memory at and an OOM post-mortem names (values: report.json's)."""
 
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -62,10 +58,9 @@ def shape_text(shape: Sequence[int]) -> str:
 
 
 def heap_in_use() -> int | None:
-    """Bytes the C allocator has handed out and not taken back (``psutil.heap_info()``: glibc's ``mallinfo2``
-    ``uordblks + hblkhd``), or None where psutil cannot tell. Unlike the resident set it ignores freed-but-cached
-    pages, so tensors and autograd nodes a leak keeps alive show up byte for byte; 0.2-3 ms a reading.
-    """
+    """Bytes the C allocator has handed out and not taken back (``psutil.heap_info()``), or None where psutil cannot
+    tell. Unlike the resident set it ignores freed-but-cached pages, so what a leak keeps alive shows byte for
+    byte; 0.2-3 ms a reading."""
     read = getattr(psutil, "heap_info", None)
     if read is None:
         return None
@@ -88,8 +83,7 @@ def _total_memory() -> int:
 
 @functools.lru_cache(maxsize=4)
 def _proc_files(pid: int) -> tuple[int, int] | None:
-    """Descriptors of ``pid``'s ``statm`` and of ``/proc/meminfo``, opened once per process (a forked
-    worker opens its own), or None without a Linux ``/proc``."""
+    """Descriptors of ``pid``'s ``statm`` and ``/proc/meminfo``, opened once per process (None without ``/proc``)."""
     try:
         statm = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
     except (OSError, AttributeError):
@@ -102,15 +96,12 @@ def _proc_files(pid: int) -> tuple[int, int] | None:
 
 
 def rss_and_available() -> tuple[int, int]:
-    """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but on
-    Linux read through descriptors kept open (one ``pread`` each; psutil opens and parses the files at every call,
-    0.1 ms each in a training process).
+    """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but
+    read on Linux through descriptors kept open (psutil opens and parses the files at every call, 0.1 ms each).
 
-    Example::
-
-        >>> rss, available = rss_and_available()
-        >>> rss > 0 and available > 0
-        True
+    >>> rss, available = rss_and_available()
+    >>> rss > 0 and available > 0
+    True
     """
     files = _proc_files(os.getpid())
     if files is not None:
@@ -131,14 +122,14 @@ def cuda_total_memory(index: int) -> int:
 
 
 def cuda_index(device: torch.device | None) -> int | None:
-    """The CUDA device index to read, or None when ``device`` is not an initialised CUDA device."""
+    """The CUDA device index to read (None: not an initialised CUDA device)."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def cuda_peak_and_reset(index: int) -> int:
-    """The allocator's peak allocated bytes since its last reset, then a reset (host-side counters)."""
+    """The allocator's peak allocated bytes since its last reset, then a reset."""
     peak = int(torch.cuda.memory_stats(index).get("allocated_bytes.all.peak", 0))
     torch.cuda.reset_peak_memory_stats(index)
     return peak
@@ -187,10 +178,8 @@ class MemoryReading:
 
 
 def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True) -> MemoryReading:
-    """Process, system and (for a CUDA ``device``) allocator memory; never synchronises the device. ``reset_peak``
-    restarts the CUDA peak counter (the next ``cuda_peak`` is the peak since this reading); without ``heap`` the C
-    heap is not read (see :func:`heap_in_use` for its cost).
-    """
+    """Process, system and (for a CUDA ``device``) allocator memory, never synchronising the device. ``reset_peak``:
+    the next ``cuda_peak`` is the peak since this reading; ``heap``: read the C heap (:func:`heap_in_use`'s cost)."""
     rss, available = rss_and_available()
     total = _total_memory()
     index = cuda_index(device)
@@ -208,10 +197,8 @@ def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool
 
 @dataclass(frozen=True)
 class Trend:
-    """A robust straight line through (step, value) readings: ``slope`` the Theil-Sen estimate (median of pairwise
-    slopes: a warm-up jump cannot tilt it), ``noise`` the robust scatter around it, ``consistency`` Kendall's tau
-    (1.0 when every later reading is higher, about 0 for noise).
-    """
+    """A robust straight line through (step, value) readings: ``slope`` the Theil-Sen estimate (a warm-up jump
+    cannot tilt it), ``noise`` the robust scatter around it, ``consistency`` Kendall's tau (1.0: always rising)."""
 
     slope: float
     intercept: float
@@ -233,14 +220,11 @@ class Trend:
 
 
 def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
-    """Theil-Sen slope, residual scatter and Kendall's tau of ``points`` (O(n^2): the monitor bounds the window); None
-    below 3 distinct steps.
+    """The :class:`Trend` of ``points`` (O(n^2): the monitor bounds the window); None below 3 distinct steps.
 
-    Example::
-
-        >>> trend = fit_trend([(0, 5.0), (10, 5.0), (20, 9.0), (30, 5.0), (40, 5.0)])
-        >>> trend.slope, trend.consistency
-        (0.0, 0.0)
+    >>> trend = fit_trend([(0, 5.0), (10, 5.0), (20, 9.0), (30, 5.0), (40, 5.0)])
+    >>> trend.slope, trend.consistency
+    (0.0, 0.0)
     """
     if len({step for step, _ in points}) < 3:
         return None
@@ -264,36 +248,28 @@ def fit_trend(points: Sequence[tuple[int, float]]) -> Trend | None:
                  last_step=max(steps))
 
 
-def is_steady_growth(trend: Trend | None, floor: float, min_readings: int = 6, min_consistency: float = 0.7,
-                     noise_factor: float = 4.0) -> bool:
-    """Growth beyond noise: enough readings, mostly rising (Kendall's tau; 0.7 over 6 readings happens by chance in
-    about 3% of noise-only windows), and a rise above both ``floor`` and ``noise_factor`` times the scatter.
-    """
-    return (trend is not None and trend.readings >= min_readings and trend.slope > 0
-            and trend.consistency >= min_consistency and trend.growth >= max(floor, noise_factor * trend.noise))
+def is_steady_growth(trend: Trend | None, floor: float) -> bool:
+    """Growth beyond noise: 6 readings or more, mostly rising (a tau of 0.7 over 6 readings happens by chance in
+    about 3% of noise-only windows), and a rise above both ``floor`` and 4 times the scatter."""
+    return (trend is not None and trend.readings >= 6 and trend.slope > 0
+            and trend.consistency >= 0.7 and trend.growth >= max(floor, 4.0 * trend.noise))
 
 
 def steps_until_exhausted(bytes_per_step: float, headroom: float) -> float:
     """How many more steps at ``bytes_per_step`` until ``headroom`` bytes are used (inf when not growing)."""
-    if bytes_per_step <= 0:
-        return float("inf")
-    return max(0.0, headroom) / bytes_per_step
+    return max(0.0, headroom) / bytes_per_step if bytes_per_step > 0 else float("inf")
 
 
 OOM_PATTERNS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 OUT_OF_MEMORY: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-"""The allocator's out-of-memory error: ``torch.OutOfMemoryError`` (any accelerator) where the installed torch
-has it, else ``torch.cuda.OutOfMemoryError`` (older torch: 2.2 has only that one), which it aliases."""
+"""``torch.OutOfMemoryError`` (any accelerator), or on torch 2.2 ``torch.cuda.OutOfMemoryError``, which it aliases."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """``torch.OutOfMemoryError`` (CUDA and other accelerators), Python's ``MemoryError``, or a
-    RuntimeError whose message says an allocation failed (CPU allocator, MPS).
+    """The allocator's error, ``MemoryError``, or a RuntimeError saying an allocation failed (CPU allocator, MPS).
 
-    Example::
-
-        >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), len(oom_fixes(None))
-        (True, 4)
+    >>> is_out_of_memory(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")), len(oom_fixes(None))
+    (True, 4)
     """
     if isinstance(error, (OUT_OF_MEMORY, MemoryError)):
         return True
@@ -306,32 +282,15 @@ def is_out_of_memory(error: BaseException) -> bool:
     return any(pattern in message for pattern in OOM_PATTERNS)
 
 
-def describe_batch(batch: Any, limit: int = 20) -> list[str]:
-    """``'batch[0]: [16, 8] float32 on cpu (512 B)'`` for each tensor in a (nested) batch.
+def describe_batch(batch: Any) -> list[str]:
+    """``'batch[0]: [16, 8] float32 on cpu (512 B)'`` for each of the first 20 tensors of a (nested) batch.
 
-    Example::
-
-        >>> import torch
-        >>> describe_batch({"x": torch.zeros(2, 3)})
-        ["batch['x']: [2, 3] float32 on cpu (24 B)"]
+    >>> import torch
+    >>> describe_batch({"x": torch.zeros(2, 3)})
+    ["batch['x']: [2, 3] float32 on cpu (24 B)"]
     """
-    lines: list[str] = []
-
-    def visit(value: Any, path: str, depth: int) -> None:
-        if len(lines) >= limit or depth > 6:
-            return
-        if isinstance(value, torch.Tensor):
-            lines.append(f"{path}: {shape_text(value.shape)} {str(value.dtype).removeprefix('torch.')} on "
-                         f"{value.device} ({format_bytes(value.element_size() * value.numel())})")
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                visit(item, f"{path}[{key!r}]", depth + 1)
-        elif isinstance(value, (list, tuple)):
-            for position, item in enumerate(value):
-                visit(item, f"{path}[{position}]", depth + 1)
-
-    visit(batch, "batch", 0)
-    return lines
+    return [f"{path}: {shape_text(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device} "
+            f"({format_bytes(t.element_size() * t.numel())})" for path, t in named_tensors(batch)[:20]]
 
 
 def oom_fixes(phase: MemoryPhase | None, fragmentation_share: float = 0.0) -> list[str]:
@@ -360,17 +319,15 @@ LIBRARY_PATH_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<
 
 
 def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
-    """``file:line in function`` of the innermost frame outside torch, Lightning (either import name) and the
-    standard library (the user's line that allocated), else of the innermost frame.
+    """``file:line in function`` of the user's line that allocated: the innermost frame outside torch, Lightning
+    and the standard library, else the innermost frame.
 
-    Example::
-
-        >>> allocation_site([{"filename": "/usr/lib/python3.12/site-packages/torch/nn.py", "line": 1, "name": "f"},
-        ...                  {"filename": "/home/me/project/train.py", "line": 42, "name": "training_step"}])
-        'project/train.py:42 in training_step'
-        >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
-        ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
-        'me/train.py:41 in training_step'
+    >>> allocation_site([{"filename": "/usr/lib/python3.12/site-packages/torch/nn.py", "line": 1, "name": "f"},
+    ...                  {"filename": "/home/me/project/train.py", "line": 42, "name": "training_step"}])
+    'project/train.py:42 in training_step'
+    >>> allocation_site([{"filename": "/src/pytorch_lightning/loops/fit_loop.py", "line": 9, "name": "run"},
+    ...                  {"filename": "/home/me/train.py", "line": 41, "name": "training_step"}])
+    'me/train.py:41 in training_step'
     """
     chosen = None
     for frame in frames:
@@ -385,16 +342,10 @@ def allocation_site(frames: Sequence[Mapping[str, Any]]) -> str:
     return f"{'/'.join(parts[-2:])}:{chosen.get('line', '?')} in {chosen.get('name', '?')}"
 
 
-def cuda_leak_sites(snapshot: Mapping[str, Any], device_index: int = 0, min_alive: int = 2,
-                    limit: int = 5) -> list[dict[str, Any]]:
-    """Allocation sites whose allocations stay alive, from a ``torch.cuda.memory._snapshot()`` taken
-    while ``_record_memory_history`` was on.
-
-    The trace is replayed: an allocation is alive when no free follows it. A site that allocates
-    every step and frees it again (activations, gradients) has few of its allocations alive; a leak
-    keeps most of them, so sites with at least ``min_alive`` live allocations and at least half of
-    their recorded allocations alive are returned, most bytes first.
-    """
+def cuda_leak_sites(snapshot: Mapping[str, Any], device_index: int = 0) -> list[dict[str, Any]]:
+    """The 5 allocation sites with the most bytes alive in a ``torch.cuda.memory._snapshot()`` trace (an allocation
+    no free follows), among those with 2 or more alive and at least half of their allocations alive: a site that
+    allocates and frees every step (activations, gradients) has few alive, a leak keeps most."""
     traces = snapshot.get("device_traces") or []
     if device_index >= len(traces):
         return []
@@ -408,11 +359,10 @@ def cuda_leak_sites(snapshot: Mapping[str, Any], device_index: int = 0, min_aliv
             allocations[site] += 1
         elif action in ("free_requested", "free_completed"):
             alive.pop(entry.get("addr"), None)
-    count: Counter[str] = Counter()
+    count = Counter(site for site, _ in alive.values())
     size: Counter[str] = Counter()
     for site, nbytes in alive.values():
-        count[site] += 1
         size[site] += nbytes
     sites = [{"site": site, "alive": count[site], "alive_mb": size[site] / MB, "allocations": allocations[site]}
-             for site in count if count[site] >= min_alive and 2 * count[site] >= allocations[site]]
-    return sorted(sites, key=lambda site: -site["alive_mb"])[:limit]
+             for site in count if count[site] >= 2 and 2 * count[site] >= allocations[site]]
+    return sorted(sites, key=lambda site: -site["alive_mb"])[:5]
