@@ -98,8 +98,7 @@ class AccelerateContext(RunContext):
         return where
 
     def metrics_sink(self) -> MetricsSink:
-        """Scalars to every configured tracker, never below the highest step the loop passed to ``accelerator.log``:
-        a tracker such as W&B drops every value logged at a lower step."""
+        """Scalars to every tracker, never below the loop's highest ``accelerator.log`` step (W&B drops lower ones)."""
         accelerator, debugger = self.accelerator, self.debugger
 
         def sink(metrics: dict[str, float], step: int) -> None:
@@ -252,8 +251,7 @@ class AccelerateDebugger:
         return dict(self._batch_where) if self._batch_open else {"epoch": self.epoch, "batch": self.batch}
 
     def _watch_clipping(self) -> None:
-        """Wrap the accelerator's clipping methods (this instance, until :meth:`finish`) to learn the loop's clip
-        value: the exploding-gradient finding then says what the clip did."""
+        """Wrap this accelerator's clipping methods to learn the clip value ``exploding_grad`` quotes."""
         accelerator = self.accelerator
         for name, algorithm in (("clip_grad_norm_", "norm"), ("clip_grad_value_", "value")):
             original = getattr(accelerator, name, None)
@@ -394,8 +392,7 @@ class AccelerateDebugger:
         self._batch_open = self._awaiting_step_end = False
 
     def _optimizer_step_begins(self) -> None:
-        """A closure (L-BFGS) runs forwards and backwards inside ``step()``: the first is the step's, the others are
-        trial points, not checked."""
+        """An L-BFGS closure runs inside ``step()``: its first backward is the step's, the others are not checked."""
         self._in_step, self._evaluated = True, False
 
     def _optimizer_step_ends(self) -> None:
@@ -409,8 +406,7 @@ class AccelerateDebugger:
             self._close_batch()
 
     def _replay_forward(self, captured: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor | None:
-        """Recompute a captured forward through the unwrapped model (no DDP hooks); the loop's own loss function is
-        not known here (:meth:`AccelerateContext.replay_scope`)."""
+        """Recompute a captured forward through the unwrapped model (no DDP hooks)."""
         args, kwargs = captured
         self._replaying = True
         try:

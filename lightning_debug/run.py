@@ -174,8 +174,7 @@ class Run:
 
     @_own_time
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
-        """A micro-batch of step ``step`` starts (``captured``: what a replay recomputes it from): earlier steps'
-        values that reached the host become findings, scalars that can no longer change go to the logger."""
+        """A micro-batch of step ``step`` starts (``captured``: what a replay recomputes it from)."""
         self.failures.step = step
         self._stepping = None
         self._batch, self._batch_step = batch, step
@@ -193,8 +192,7 @@ class Run:
 
     @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
-        """A backward of step ``step`` starts; after the step's :meth:`before_optimizer_step` it is a closure
-        evaluated again (L-BFGS): a trial point, not judged."""
+        """A backward starts; one after the step's :meth:`before_optimizer_step` is an L-BFGS trial point, not judged."""
         if self._stepping is not None and self._stepping[0] == step:
             return
         self._emit(Event.BEFORE_BACKWARD, step, loss)
@@ -242,8 +240,7 @@ class Run:
 
     @_own_time
     def batch_end(self, batch: Any = None) -> None:
-        """The micro-batch opened by the last :meth:`batch_start` ends; the collectives the monitors plan for it
-        are made whatever failed before them."""
+        """The micro-batch ends; the collectives the monitors plan for it are made whatever failed before them."""
         step = self._batch_step
         self.gate.open(step, self.gate.plan_batch_end(self.monitors, step, self._stepped == step))
         try:
@@ -298,8 +295,7 @@ class Run:
             self.failures.call(f"{type(monitor).__name__}.finalize", monitor.finalize, step)
 
     def _report_section(self, monitor: Monitor) -> dict[str, Any]:
-        """``monitor``'s part of the report; when building it raises, a failed check and a section that still
-        holds the area's findings."""
+        """``monitor``'s part of the report; if building it raises, a failed check and the area's findings only."""
         try:
             return monitor.report_section()
         except Exception as failure:  # one broken section must not lose the others
@@ -309,8 +305,7 @@ class Run:
             return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
 
     def _gather_failures(self) -> bool:
-        """Gather every rank's failed checks for rank zero's report (:func:`.gate.gather_failures`, a bounded
-        wait); whether every rank took part."""
+        """Gather every rank's failed checks for rank zero (a bounded wait); whether every rank took part."""
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary(),
                                                          functools.partial(self.gate.gather, "failed checks"))
@@ -337,8 +332,7 @@ class Run:
         return True
 
     def _release(self) -> None:
-        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, unroute the
-        console."""
+        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unroute the console."""
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()

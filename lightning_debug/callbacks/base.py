@@ -266,8 +266,7 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
         self._leave()
 
     def state_dict(self) -> dict[str, Any]:
-        """The monitor's counts and episodes; its companions' (and the leader's run-wide monitors') under
-        ``companions``, by area."""
+        """The monitor's counts and episodes; its companions' and run-wide monitors' under ``companions``."""
         if self._run is not None:
             self._run.deliver_pending()  # a checkpoint is a sync point anyway; include pending checks
         state = self.monitor.state_dict()

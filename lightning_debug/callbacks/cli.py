@@ -62,8 +62,7 @@ class CompactErrors:
 
 
 class CompactArgumentParser(CompactErrors, LightningArgumentParser):
-    """Lightning's parser with :class:`CompactErrors`: give it to ``LightningCLI(parser_class=...)``, from
-    ``lightning.pytorch.cli`` or ``pytorch_lightning.cli``."""
+    """Lightning's parser with :class:`CompactErrors`, for ``LightningCLI(parser_class=...)`` of either package."""
 
     def add_lightning_class_args(self, lightning_class: Any, nested_key: str, subclass_mode: bool = False,
                                  required: bool = True) -> list[str]:

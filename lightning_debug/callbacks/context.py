@@ -164,8 +164,7 @@ class RowLogger:
             self._row, self._served = dict(values), set()
 
     def merged(self, logger: Any, metrics: Mapping[str, Any], step: int | None) -> Mapping[str, Any]:
-        """``metrics`` with the held scalars when this is Lightning's row (it carries ``epoch``) that ``logger`` has
-        not had; the row's step is Lightning's from then on."""
+        """``metrics`` with the held scalars when this is Lightning's row (it has ``epoch``) new to ``logger``."""
         if self._row is None or "epoch" not in metrics or id(logger) in self._served:
             return metrics
         self._served.add(id(logger))
@@ -327,8 +326,7 @@ class LightningContext(RunContext):
                 f"torch.profiler (its report and traces go to {where})")
 
     def replay(self) -> Replay | None:
-        """Recompute ``training_step``'s loss from a captured ``(batch, batch_idx)``; automatic optimization only
-        (a manual ``training_step`` steps its optimizers)."""
+        """Recompute ``training_step``'s loss (automatic optimization only: a manual one steps its optimizers)."""
         pl_module, trainer = self.pl_module, self.trainer
         if not pl_module.automatic_optimization:
             return None
