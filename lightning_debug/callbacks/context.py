@@ -300,9 +300,7 @@ class LightningContext(RunContext):
         return stores
 
     def all_gather(self) -> AllGather | None:
-        if self.world_size <= 1:
-            return None
-        return self.trainer.strategy.all_gather  # type: ignore[return-value]
+        return self.trainer.strategy.all_gather if self.world_size > 1 else None  # type: ignore[return-value]
 
     def histogram_writer(self) -> tuple[HistogramWriter | None, str]:
         loggers = self.trainer.loggers
