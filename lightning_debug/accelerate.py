@@ -62,8 +62,7 @@ class AccelerateContext(RunContext):
         return getattr(self.accelerator, "scaler", None) is not None
 
     def gradient_clipping(self) -> tuple[float, str] | None:
-        """The loop's last ``accelerator.clip_grad_norm_``/``clip_grad_value_`` (after ``debugger.backward``: the
-        checks saw the gradients before clipping)."""
+        """The loop's last ``accelerator.clip_grad_*`` call (after ``debugger.backward``, where the checks ran)."""
         return self.debugger.clipping
 
     def epoch_end_step(self, step: int, where: Where) -> int | None:
@@ -150,7 +149,7 @@ def _inner(optimizer: Any) -> Any:
 
 
 class AllOptimizers:
-    """Several optimizers as one, for a ``backward`` that does not say which steps next: judged, and dropped, together."""
+    """Several optimizers as one, for a ``backward`` that does not say which steps next: judged together."""
 
     def __init__(self, optimizers: Sequence[Any]) -> None:
         self.optimizers = list(optimizers)

@@ -126,8 +126,7 @@ class Run:
         self._stepping: tuple[int, int, Decision] | None = None  # (step, id(optimizer), decision) inside a step
         self._other_ranks_failures: list[Any] | None = None
         self._stepped = -1  # the last before_optimizer_step's step
-        self.finished = False
-        self.started = False
+        self.finished = self.started = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
                 self.failures.call("TensorBoard layout", attach_to_writer, writer, self.session, log_dir)
@@ -192,7 +191,7 @@ class Run:
 
     @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
-        """A backward starts; one after the step's :meth:`before_optimizer_step` is an L-BFGS trial point, not judged."""
+        """A backward starts; after the step's :meth:`before_optimizer_step`, an L-BFGS trial point: not judged."""
         if self._stepping is not None and self._stepping[0] == step:
             return
         self._emit(Event.BEFORE_BACKWARD, step, loss)

@@ -46,8 +46,7 @@ register(DebugCallback, DebugConfig)  # in case a callback was imported before j
 
 
 class CompactErrors:
-    """Mix into a jsonargparse ``ArgumentParser`` class (first) to print its usage errors in a few lines; its own
-    ``error`` runs unchanged, only what it writes to stderr is replaced."""
+    """Mix into a jsonargparse ``ArgumentParser`` class (first): its ``error`` runs, with a few lines on stderr."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         written = io.StringIO()
@@ -66,8 +65,7 @@ class CompactArgumentParser(CompactErrors, LightningArgumentParser):
 
     def add_lightning_class_args(self, lightning_class: Any, nested_key: str, subclass_mode: bool = False,
                                  required: bool = True) -> list[str]:
-        """Lightning's own, from ``lightning_class``'s package: ``lightning``'s parser refuses a ``pytorch_lightning``
-        ``Trainer`` (and the other way round)."""
+        """Lightning's own, from ``lightning_class``'s package (each package's parser refuses the other's Trainer)."""
         parser: Any = LightningArgumentParser
         if framework_of(lightning_class) == STANDALONE:
             parser = importlib.import_module(standalone_path("lightning.pytorch.cli")).LightningArgumentParser
@@ -75,8 +73,7 @@ class CompactArgumentParser(CompactErrors, LightningArgumentParser):
 
 
 class CompactCLI:
-    """Mix into a ``LightningCLI`` class (first) to give every parser it builds :class:`CompactErrors`: the parser
-    ``init_parser`` returns is kept and only its class changes (:func:`compact_class`)."""
+    """Mix into a ``LightningCLI`` class (first): every parser it builds gets :class:`CompactErrors`."""
 
     def init_parser(self, **kwargs: Any) -> Any:
         parser = super().init_parser(**kwargs)  # type: ignore[misc]

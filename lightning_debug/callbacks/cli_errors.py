@@ -134,8 +134,7 @@ def _tree(message: str) -> list[_Node]:
 
 def _descend(nodes: list[_Node], segments: list[tuple[str, str, str | None]], given: str | None = None
              ) -> tuple[list[str], str | None, str | None]:
-    """The innermost leaves of the deepest alternative, their key's given value (``given``: the value of the key
-    whose alternatives ``nodes`` are) and subtypes."""
+    """The innermost leaves of the deepest alternative, the value given to their key and its subtypes."""
     given = next((node.raw[len("Given value: "):] for node in nodes if node.text.startswith("Given value:")), given)
     for node in nodes:
         key, cls = _KEY.match(node.text), _CLASS.match(node.text)

@@ -62,8 +62,7 @@ def instantiate(class_type: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def register(*class_types: type) -> bool:
-    """Register :func:`instantiate` for ``class_types`` and subclasses, once, if a loaded jsonargparse has the
-    global ``add_instantiator`` (4.49+); whether it is registered."""
+    """Register :func:`instantiate` for ``class_types`` once, if a loaded jsonargparse has it (4.49+); whether it is."""
     jsonargparse = sys.modules.get("jsonargparse")
     add_instantiator = getattr(jsonargparse, "add_instantiator", None)
     if add_instantiator is None:
