@@ -250,10 +250,9 @@ class DebugConfig:
 
     def replace(self, **overrides: Any) -> "DebugConfig":
         """A copy with the given fields changed; ``None`` values keep this config's value."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - SETTINGS.keys())
         if unknown:
-            raise unknown_name_error("DebugConfig", unknown[0], known)
+            raise unknown_name_error("DebugConfig", unknown[0], SETTINGS)
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @property
