@@ -1,8 +1,8 @@
 """AccelerateDebugger: the lightning-debug checks in a plain Hugging Face Accelerate loop.
 
-A hand-written loop has no hooks, so this adapter takes the run's events from what every such loop already does
-(a forward, :meth:`AccelerateDebugger.backward`, the optimizer's step) and drives the same
-:class:`~lightning_debug.run.Run` as the Lightning callbacks (docs/accelerate.md).
+A hand-written loop has no hooks: the run's events come from what every such loop does (a forward,
+:meth:`AccelerateDebugger.backward`, the optimizer's step), driving the same :class:`~lightning_debug.run.Run`
+as the Lightning callbacks (docs/accelerate.md).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ class AccelerateContext(RunContext):
     """What the ``Accelerator``, the prepared model and optimizer tell the run."""
 
     def __init__(self, debugger: "AccelerateDebugger", config: DebugConfig, train_dataloader: Any) -> None:
-        accelerator = self.accelerator = debugger.accelerator
-        self.debugger = debugger
         from accelerate.utils import broadcast_object_list
 
+        accelerator = self.accelerator = debugger.accelerator
+        self.debugger = debugger
         self.run_id = broadcast_object_list([new_run_id()])[0]  # the same id on every process
         base = Path(accelerator.logging_dir or accelerator.project_dir or Path.cwd())
         if config.save_debug_info:  # <base>/debug_outputs/<run id>: Accelerate has no per-run directory
@@ -62,13 +62,11 @@ class AccelerateContext(RunContext):
         return getattr(self.accelerator, "scaler", None) is not None
 
     def gradient_clipping(self) -> tuple[float, str] | None:
-        """The last ``accelerator.clip_grad_norm_``/``clip_grad_value_`` call of the loop (they run after
-        ``debugger.backward``, where the checks saw the gradients, so the checks see them before clipping)."""
+        """The loop's last ``accelerator.clip_grad_*`` call (after ``debugger.backward``, where the checks ran)."""
         return self.debugger.clipping
 
     def epoch_end_step(self, step: int, where: Where) -> int | None:
-        """From the length of the DataLoader given as ``train_dataloader`` and the Accelerator's gradient accumulation,
-        as under Lightning (None without one, for several or for a loader without a length)."""
+        """From the length of ``train_dataloader`` and the gradient accumulation (None without one length)."""
         loader = self.loader
         if loader is None or isinstance(loader, (Mapping, list, tuple)):
             return None
@@ -99,8 +97,7 @@ class AccelerateContext(RunContext):
         return where
 
     def metrics_sink(self) -> MetricsSink:
-        """Scalars to every tracker the user configured (looked up per write), never below the highest step the
-        loop itself passed to ``accelerator.log``: a tracker such as W&B drops every value logged at a lower step."""
+        """Scalars to every tracker, never below the loop's highest ``accelerator.log`` step (W&B drops lower ones)."""
         accelerator, debugger = self.accelerator, self.debugger
 
         def sink(metrics: dict[str, float], step: int) -> None:
@@ -111,7 +108,6 @@ class AccelerateContext(RunContext):
         return sink
 
     def console_printer(self) -> Callable[[str], None]:
-        """``accelerator.print``: console lines from the main process only."""
         return self.accelerator.print
 
     def all_gather(self) -> AllGather | None:
@@ -141,8 +137,7 @@ class AccelerateContext(RunContext):
         return self.debugger._replay_forward
 
     def replay_scope(self) -> str | None:
-        """The replay recomputes the model's forward; the loop's own loss function only when the model
-        returns its ``loss`` (a Hugging Face model given labels)."""
+        """The replay recomputes the model's forward, and the loss only when the model returns it (HF labels)."""
         return None if self.debugger._replayed_loss else "the loss computed outside the model, in the training loop"
 
 
@@ -154,8 +149,7 @@ def _inner(optimizer: Any) -> Any:
 
 
 class AllOptimizers:
-    """Several optimizers seen as one, for a ``backward`` that does not say which of them steps next:
-    the step is then judged on all their parameters together (and gradients are dropped from all)."""
+    """Several optimizers as one, for a ``backward`` that does not say which steps next: judged together."""
 
     def __init__(self, optimizers: Sequence[Any]) -> None:
         self.optimizers = list(optimizers)
@@ -252,12 +246,11 @@ class AccelerateDebugger:
 
     @property
     def where(self) -> Where:
-        """Epoch (a prepared DataLoader's end counts one) and micro-batch index, as when the batch began."""
+        """Epoch and micro-batch index, as when the batch began."""
         return dict(self._batch_where) if self._batch_open else {"epoch": self.epoch, "batch": self.batch}
 
     def _watch_clipping(self) -> None:
-        """Wrap the accelerator's clipping methods (on this instance only, undone by :meth:`finish`) to learn
-        the clip value the loop uses: the exploding-gradient finding then says what the clip did."""
+        """Wrap this accelerator's clipping methods to learn the clip value ``exploding_grad`` quotes."""
         accelerator = self.accelerator
         for name, algorithm in (("clip_grad_norm_", "norm"), ("clip_grad_value_", "value")):
             original = getattr(accelerator, name, None)
@@ -274,9 +267,8 @@ class AccelerateDebugger:
             setattr(accelerator, name, clipping)
 
     def _watch_logging(self) -> None:
-        """Wrap ``accelerator.log`` (on this instance only, undone by :meth:`finish`) to learn the steps the loop
-        logs at, so that the debug values never land below them; the write counts as the plugin's own time, since
-        it falls in the timed data wait (docs/accelerate.md, "Timing")."""
+        """Wrap ``accelerator.log`` (this instance, until :meth:`finish`) to learn the steps the loop logs at, so
+        debug values never land below them; the write is the plugin's own time (it falls in the timed data wait)."""
         accelerator = self.accelerator
         if "log" in accelerator.__dict__:
             return
@@ -293,11 +285,9 @@ class AccelerateDebugger:
         accelerator.__dict__["_lightning_debug_log"] = original
         accelerator.log = log  # type: ignore[method-assign]
 
-    # --- what the loop calls ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, *, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any) -> None:
-        """``accelerator.backward(loss, **kwargs)`` with the checks around it (docs/accelerate.md, "What each line
-        does"). ``optimizer``: with several optimizers, the one whose ``step()`` follows; without it, all of them
-        are judged together."""
+        """``accelerator.backward(loss, **kwargs)`` with the checks around it. ``optimizer``: with several, the one
+        whose ``step()`` follows; without it, all are judged together."""
         if self.run.finished or self._in_step and self._evaluated:  # after the run, or a closure evaluated again
             self.accelerator.backward(loss, **kwargs)
             return
@@ -328,8 +318,8 @@ class AccelerateDebugger:
 
     def finish(self, error: BaseException | None = None) -> dict[str, Any] | None:
         """Deliver pending measurements, log the last scalars, write the report; on every process, with the
-        exception when the loop failed (or use the debugger as a context manager). Returns the report; later calls
-        return None, and :meth:`backward` is then plain ``accelerator.backward``."""
+        exception when the loop failed (or use the debugger as a context manager). Returns the report (later: None,
+        and :meth:`backward` is plain ``accelerator.backward``)."""
         if self.run.finished:
             return None
         status = RunStatus.of(error)
@@ -344,8 +334,7 @@ class AccelerateDebugger:
                                exit_code(error))
 
     def _next_optimizer(self, named: Any) -> Any:
-        """The optimizer the coming step belongs to: ``named`` (one of ours, matched through Accelerate's
-        wrapper), the only one, or, with several and none named, all of them (said once)."""
+        """The coming step's optimizer: ``named`` (matched through Accelerate's wrapper), the only one, or all."""
         if named is not None:
             inner = _inner(named)
             return next((o for o in self.optimizers if o is named or _inner(o) is inner), named)
@@ -368,7 +357,6 @@ class AccelerateDebugger:
                  traceback: TracebackType | None) -> None:
         self.finish(exc)
 
-    # --- resume ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Counters and open episodes; ``accelerator.register_for_checkpointing(debugger)`` saves them."""
         return {"step": self.step, "epoch": self.epoch, **monitor_states(self.run.monitors)}
@@ -378,9 +366,8 @@ class AccelerateDebugger:
         self.epoch = int(state_dict.get("epoch", self.epoch))
         load_monitor_states(self.run.monitors, state_dict)
 
-    # --- hooks -> run events ---------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook: a training forward opens a batch (the data wait ends)."""
+        """A training forward opens a batch (the data wait ends)."""
         if self._replaying or self.run.finished or self._in_step and self._evaluated:
             return
         if not (module.training and torch.is_grad_enabled()):
@@ -391,7 +378,7 @@ class AccelerateDebugger:
             self._open_batch(args[0] if len(args) == 1 else args or kwargs or None, (args, kwargs))
 
     def _on_forward_end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Forward hook: the end of an evaluation forward is no data wait of the next training step."""
+        """The end of an evaluation forward is no data wait of the next training step."""
         if not (self._replaying or self.run.finished or module.training and torch.is_grad_enabled()):
             self.run.evaluation(self.step, False)
 
@@ -404,8 +391,7 @@ class AccelerateDebugger:
         self._batch_open = self._awaiting_step_end = False
 
     def _optimizer_step_begins(self) -> None:
-        """An optimizer that evaluates a closure (L-BFGS) runs its forwards and backwards inside ``step()``: the
-        first one is the step's; the others are its trial points, which open no batch and are not checked."""
+        """An L-BFGS closure runs inside ``step()``: its first backward is the step's, the others are not checked."""
         self._in_step, self._evaluated = True, False
 
     def _optimizer_step_ends(self) -> None:
@@ -419,9 +405,7 @@ class AccelerateDebugger:
             self._close_batch()
 
     def _replay_forward(self, captured: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor | None:
-        """Recompute a captured forward through the unwrapped model (no DDP hooks). The loop's own loss
-        function is not known here: when the replayed outputs are finite, the report says the loss is
-        computed outside what was replayed (:meth:`AccelerateContext.replay_scope`)."""
+        """Recompute a captured forward through the unwrapped model (no DDP hooks)."""
         args, kwargs = captured
         self._replaying = True
         try:
@@ -434,8 +418,8 @@ class AccelerateDebugger:
             self._replaying = False
 
     def _hand_skip_to_grad_scaler(self) -> None:
-        """Under a GradScaler ``optimizer.step()`` needs a gradient to unscale: one NaN gradient makes
-        the scaler skip the step, as it does for an overflow, instead of failing on no gradients."""
+        """Under a GradScaler ``optimizer.step()`` needs a gradient to unscale: one NaN gradient makes the scaler
+        skip the step, as for an overflow, instead of failing on no gradients."""
         if self.run.context.uses_grad_scaler:
             for group in self._stepping.param_groups:
                 for parameter in group["params"]:

@@ -19,11 +19,9 @@ PROG = "lightning-debug"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Debug PyTorch training while it runs: NaN/Inf with the culprit, gradient health, "
-                    "memory and step-time profiling for Lightning and Accelerate.",
-    )
+    parser = argparse.ArgumentParser(prog=PROG, description="Debug PyTorch training while it runs: NaN/Inf with the "
+                                     "culprit, gradient health, memory and step-time profiling for Lightning and "
+                                     "Accelerate.")
     parser.add_argument("--version", action="version", version=f"lightning-debug {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
     demo = verbs.add_parser("demo", help="run a short CPU training with a planted NaN and show what is reported")
@@ -44,8 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _write(stream_name: str, line: str) -> None:
-    """One line on stdout or stderr, escaped; a closed pipe (``| head`` has read enough) is sent to
-    /dev/null instead, so nothing after it fails and no traceback is printed at exit."""
+    """One escaped line; a closed pipe (``| head`` read enough) goes to /dev/null: no traceback at exit."""
     from lightning_debug.report.events_file import printable
 
     stream = getattr(sys, stream_name)

@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from lightning_debug.config_types import (MAX_PROFILE_STEPS, AboveOne, ConfigError, FiniteNonNegativeFloat,
                                           NonNegativeInt, NotEmptyStr, PositiveInt, ProfileLength, Setting,
-                                          UnitFraction, as_integer, field_rule, markdown, rejects_unknown_keywords,
-                                          setting, unknown_name_error, with_args)
+                                          UnitFraction, as_integer, field_rule, markdown, member_named,
+                                          rejects_unknown_keywords, setting, unknown_name_error, with_args)
 
 
 class _AnyCaseNames(enum.EnumMeta):
@@ -39,12 +39,10 @@ class _AnyCaseNames(enum.EnumMeta):
         try:
             return super().__getitem__(name)
         except KeyError:
-            if isinstance(name, str):
-                wanted = name.strip().lower()
-                for member in cls:  # type: ignore[var-annotated]
-                    if wanted in (member.name.lower(), str(member.value).lower()):
-                        return member
-            raise
+            member = member_named(cls, name)
+            if member is None:
+                raise
+            return member
 
 
 class DebugMode(enum.Enum, metaclass=_AnyCaseNames):
@@ -90,14 +88,13 @@ class AnomalyMode(str, enum.Enum, metaclass=_AnyCaseNames):
 AnomalyModeName = Literal["warn", "raise", "skip", "stop"]
 """Fields are typed ``AnomalyMode | AnomalyModeName``: LightningCLI then rejects any other value while it parses
 (exit code 2, no traceback) and accepts the spellings Python accepts."""
-
 DebugLevelName = Literal["basic", "intermediate", "advanced", "expert"]
-"""The values of :class:`DebugLevel`: ``level`` is typed ``DebugLevel | DebugLevelName``, as above."""
+
+
 
 class Area(enum.Enum):
-    """The areas of checks, in the order the run calls them: :class:`DebugMode` selects the four callback areas;
-    ``ACTIVATIONS`` comes with gradients (its scalars when ``log_activations`` is on), ``LOOP`` and ``ERRORS`` with any
-    of them."""
+    """The areas of checks, in the order the run calls them: ``ACTIVATIONS`` comes with gradients, ``LOOP`` and
+    ``ERRORS`` with any of the four callback areas."""
 
     ANOMALY = "anomaly"
     GRADIENTS = "gradients"
@@ -109,15 +106,9 @@ class Area(enum.Enum):
 
 
 AREAS_BY_MODE: dict[DebugMode, tuple[Area, ...]] = {
-    DebugMode.NONE: (),
-    DebugMode.ANOMALY_DETECTION: (Area.ANOMALY,),
-    DebugMode.GRADIENT_CHECKING: (Area.GRADIENTS,),
-    DebugMode.MEMORY_PROFILING: (Area.MEMORY,),
-    DebugMode.PERFORMANCE_PROFILING: (Area.PERFORMANCE,),
-    DebugMode.FULL_DEBUG: (Area.ANOMALY, Area.GRADIENTS, Area.MEMORY, Area.PERFORMANCE),
-}
-
-
+    DebugMode.NONE: (), DebugMode.ANOMALY_DETECTION: (Area.ANOMALY,), DebugMode.GRADIENT_CHECKING: (Area.GRADIENTS,),
+    DebugMode.MEMORY_PROFILING: (Area.MEMORY,), DebugMode.PERFORMANCE_PROFILING: (Area.PERFORMANCE,),
+    DebugMode.FULL_DEBUG: (Area.ANOMALY, Area.GRADIENTS, Area.MEMORY, Area.PERFORMANCE)}
 EVERY_CALLBACK = AREAS_BY_MODE[DebugMode.FULL_DEBUG]
 """The areas of the four callbacks: a field that names them all is a keyword of every callback."""
 
@@ -259,10 +250,9 @@ class DebugConfig:
 
     def replace(self, **overrides: Any) -> "DebugConfig":
         """A copy with the given fields changed; ``None`` values keep this config's value."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - SETTINGS.keys())
         if unknown:
-            raise unknown_name_error("DebugConfig", unknown[0], known)
+            raise unknown_name_error("DebugConfig", unknown[0], SETTINGS)
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @property
@@ -280,8 +270,6 @@ class DebugConfig:
             out[f.name] = value
         return out
 
-
-# --- what the declarations give: checks, keyword signatures, help text, the docs' table, settings views ---------
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(DebugConfig)}
 """Each field's declaration, in field order."""
@@ -323,9 +311,8 @@ DebugConfig.__init__ = rejects_unknown_keywords(DebugConfig.__init__, what="fiel
 
 
 def keyword_overrides(init: Callable[..., None], area: Area) -> Callable[..., None]:
-    """``init(self, config=None, *, <its own keywords>, **overrides)`` as a callback of ``area`` shows it: one
-    keyword per field of :func:`fields_of` ``(area)``, typed ``<the field's type> | None`` with a default of
-    None (keep ``config``'s value), before its own; any other keyword is a ``ValueError`` naming the closest.
+    """``init`` with one keyword per field of :func:`fields_of` ``(area)`` before its own, typed ``<the field's
+    type> | None`` (None keeps ``config``'s value); any other keyword is a ``ValueError`` naming the closest.
 
     Example::
 
@@ -365,8 +352,7 @@ def config_rows() -> list[str]:
 
 
 def config_value(name: str) -> Any:
-    """An attribute of an area's settings view that holds ``DebugConfig.<name>``, its default the field's;
-    :func:`read_view` fills it from a config."""
+    """An attribute of an area's settings view that holds ``DebugConfig.<name>`` (filled by :func:`read_view`)."""
     return dataclasses.field(default=getattr(_DEFAULTS, name), metadata={"config_field": name})
 
 
@@ -375,8 +361,7 @@ _View = typing.TypeVar("_View")
 
 
 def read_view(view: type[_View], config: DebugConfig, **derived: Any) -> _View:
-    """An area's settings view (a dataclass whose attributes are :func:`config_value`) from ``config``,
-    with the attributes it derives given as keywords."""
+    """An area's settings view (a dataclass of :func:`config_value`) from ``config`` and its derived keywords."""
     fields = dataclasses.fields(view)  # type: ignore[arg-type]
     read = {f.name: getattr(config, f.metadata["config_field"]) for f in fields if "config_field" in f.metadata}
     return view(**read, **derived)
@@ -390,8 +375,8 @@ def resolve_config(config: DebugConfig | None, **overrides: Any) -> DebugConfig:
 
 
 def as_config(value: Any) -> DebugConfig:
-    """A :class:`DebugConfig` from one (returned as is), ``None`` (the defaults), a mapping of its fields,
-    or a :class:`DebugMode` (or its name: ``"full_debug"``); anything else is a ``ValueError``.
+    """A :class:`DebugConfig` from one, ``None`` (the defaults), a mapping of its fields or a :class:`DebugMode`
+    (or its name); anything else is a ``ValueError``.
 
     Example::
 

@@ -1,12 +1,13 @@
 """How a :class:`~lightning_debug.DebugConfig` field is declared: its type is its :class:`Bound`, the rest its
 :func:`setting`. A bound gives both checks: the restricted type LightningCLI checks while it parses (a usage
-error naming the field, exit code 2), and the check at construction (a ``ValueError`` naming the field and the
-bound in words). Without jsonargparse each type is a plain subclass of its base that only names the bound.
+error, exit code 2), and the check at construction (a ``ValueError`` naming the field and the bound in words).
 
 Example::
 
-    >>> UNIT_FRACTION.read(0.5), UNIT_FRACTION.read(1.5), POSITIVE_INT.read(3.0), POSITIVE_INT.read(True)
-    (0.5, None, 3, None)
+    >>> BOUNDS[UnitFraction].read(0.5), BOUNDS[UnitFraction].read(1.5), BOUNDS[PositiveInt].read(3.0)
+    (0.5, None, 3)
+    >>> BOUNDS[PositiveInt].read(True) is None
+    True
     >>> BOUNDS[PositiveInt].words
     'an integer >= 1'
 """
@@ -40,8 +41,7 @@ def is_bool(value: Any) -> bool:
 
 
 def as_integer(value: Any) -> int | None:
-    """An int from an ``int``, a numpy integer (``np.int64``) or a whole float (``1.0``, as a YAML file
-    through LightningCLI reads it); None for anything else (bools, ``2.5``)."""
+    """An int from an ``int``, a numpy integer or a whole float (``1.0``, as LightningCLI reads YAML); else None."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if is_bool(value) or not isinstance(value, numbers.Integral):
@@ -50,7 +50,7 @@ def as_integer(value: Any) -> int | None:
 
 
 def as_real(value: Any) -> float | None:
-    """A float from an int, a float or a numpy scalar (``np.float32``); None for anything else (bools, strings)."""
+    """A float from an int, a float or a numpy scalar; None for anything else (bools, strings)."""
     if is_bool(value) or not isinstance(value, numbers.Real):
         return None
     return float(value)
@@ -81,35 +81,27 @@ class Bound:
 
 
 def _parse_type(bound: Bound) -> Any:
+    """Without jsonargparse, a plain subclass of the base that only names the bound."""
     try:
         from jsonargparse.typing import restricted_number_type, restricted_string_type
-    except ImportError:  # no LightningCLI without it: a plain type that names the bound
+    except ImportError:
         return type(bound.name, (bound.base,), {"__doc__": f"{bound.words} (checked by DebugConfig)."})
     if bound.base is str:
         return restricted_string_type(bound.name, r"^.*[^ ].*$")
     return restricted_number_type(bound.name, bound.base, list(bound.limits), join="and")
 
 
-POSITIVE_INT = Bound("PositiveInt", int, ((">", 0),), "an integer >= 1")
-NON_NEGATIVE_INT = Bound("NonNegativeInt", int, ((">=", 0),), "an integer >= 0")
-FINITE_NON_NEGATIVE = Bound("FiniteNonNegativeFloat", float, ((">=", 0), ("<", math.inf)), "a finite number >= 0")
-UNIT_FRACTION = Bound("UnitFraction", float, ((">", 0), ("<=", 1)), "a number in (0, 1]")
-ABOVE_ONE = Bound("AboveOne", float, ((">", 1), ("<", math.inf)), "a finite number > 1")
-PROFILE_LENGTH = Bound("ProfileLength", int, ((">=", 0), ("<=", MAX_PROFILE_STEPS)),
-                       f"an integer in [0, {MAX_PROFILE_STEPS}]")
-NOT_EMPTY_STR = Bound("NotEmptyStr", str, (), "a string that is not blank")
-
 BOUNDS: dict[Any, Bound] = {bound.type: bound for bound in (
-    POSITIVE_INT, NON_NEGATIVE_INT, FINITE_NON_NEGATIVE, UNIT_FRACTION, ABOVE_ONE, PROFILE_LENGTH, NOT_EMPTY_STR)}
+    Bound("PositiveInt", int, ((">", 0),), "an integer >= 1"),
+    Bound("NonNegativeInt", int, ((">=", 0),), "an integer >= 0"),
+    Bound("FiniteNonNegativeFloat", float, ((">=", 0), ("<", math.inf)), "a finite number >= 0"),
+    Bound("UnitFraction", float, ((">", 0), ("<=", 1)), "a number in (0, 1]"),
+    Bound("AboveOne", float, ((">", 1), ("<", math.inf)), "a finite number > 1"),
+    Bound("ProfileLength", int, ((">=", 0), ("<=", MAX_PROFILE_STEPS)), f"an integer in [0, {MAX_PROFILE_STEPS}]"),
+    Bound("NotEmptyStr", str, (), "a string that is not blank"))}
 """Each bound by its type: what a field's annotation names."""
 
-PositiveInt: Any = POSITIVE_INT.type
-NonNegativeInt: Any = NON_NEGATIVE_INT.type
-FiniteNonNegativeFloat: Any = FINITE_NON_NEGATIVE.type
-UnitFraction: Any = UNIT_FRACTION.type
-AboveOne: Any = ABOVE_ONE.type
-ProfileLength: Any = PROFILE_LENGTH.type
-NotEmptyStr: Any = NOT_EMPTY_STR.type
+PositiveInt, NonNegativeInt, FiniteNonNegativeFloat, UnitFraction, AboveOne, ProfileLength, NotEmptyStr = BOUNDS
 
 ALLOWED = {bound.name: bound.words for bound in BOUNDS.values()}
 """Each type's bounds in words, by the type's name (how a parse error names it): what a short error says is allowed."""
@@ -117,10 +109,9 @@ ALLOWED = {bound.name: bound.words for bound in BOUNDS.values()}
 
 @dataclass(frozen=True)
 class Setting:
-    """What a ``DebugConfig`` field declares besides its name, bounded type and default: its one description
-    (``doc``), the areas (``config.Area``) whose callback takes it as a keyword, whether it is a setting of the
-    whole run (taken from any callback), its own ``check`` (``value -> value``, a ``ValueError`` naming the
-    field) with its ``allowed`` words when its type's is not enough, and the field it must stay ``below``."""
+    """A ``DebugConfig`` field besides its name, type and default: its one description (``doc``), the areas whose
+    callback takes it as a keyword, whether the whole run shares it, its own ``check`` (``value -> value``) with
+    its ``allowed`` words when its type's are not enough, and the field it must stay ``below``."""
 
     doc: str
     areas: tuple[Any, ...] = ()
@@ -144,10 +135,8 @@ def alternatives(hint: Any) -> tuple[list[Any], bool]:
 
 
 class ConfigError(ValueError):
-    """Settings that break a rule between them, with what a program needs to say so without reading the
-    message: ``fields`` (the settings at fault), ``rule`` (what they must satisfy, in words) and ``given``
-    (their values). A ``ValueError``: ``except ValueError`` catches it as before. Under LightningCLI it is
-    printed from these attributes as a usage error (:mod:`lightning_debug.callbacks.cli_usage`).
+    """Settings that break a rule between them: ``fields`` (those at fault), ``rule`` (in words) and ``given``
+    (their values), from which LightningCLI prints a usage error (:mod:`lightning_debug.callbacks.cli_usage`).
 
     Example::
 
@@ -171,16 +160,18 @@ def _enum_names(enum_type: Any) -> str:
     return ", ".join(member.value if isinstance(member, str) else member.name for member in enum_type)
 
 
+def member_named(enum_type: Any, name: Any) -> Any:
+    """The member of ``enum_type`` whose name or value is ``name`` in any case, else None."""
+    wanted = name.strip().lower() if isinstance(name, str) else None
+    return next((m for m in enum_type if wanted in (m.name.lower(), str(m.value).lower())), None)
+
+
 def coerce_enum(enum_type: type[enum.Enum], field_name: str, value: Any) -> enum.Enum:
     """A member of ``enum_type`` from itself, its name or its value in any case; else a ``ValueError``."""
-    if isinstance(value, enum_type):
-        return value
-    if isinstance(value, str):
-        wanted = value.strip().lower()
-        for member in enum_type:
-            if wanted in (member.name.lower(), str(member.value).lower()):
-                return member
-    raise ValueError(f"DebugConfig.{field_name} must be one of {_enum_names(enum_type)}, got {value!r}")
+    member = value if isinstance(value, enum_type) else member_named(enum_type, value)
+    if member is None:
+        raise ValueError(f"DebugConfig.{field_name} must be one of {_enum_names(enum_type)}, got {value!r}")
+    return member
 
 
 def _check(read: Callable[[Any], Any], words: str, field_name: str, value: Any) -> Any:
@@ -194,9 +185,8 @@ def _optional(check: Callable[[Any], Any], value: Any) -> Any:
 
 
 def field_rule(name: str, hint: Any, declared: Setting) -> tuple[Callable[[Any], Any], str]:
-    """Field ``name``'s check at construction and what it allows, in words (help text, the docs' table): its
-    declared ``check`` and ``allowed``, else its type's (a bool, an enum by name or value in any case, a
-    :class:`Bound`), None passing when the type is optional. A type without a rule is a KeyError at import.
+    """Field ``name``'s check at construction and what it allows in words: its declared ``check`` and
+    ``allowed``, else its type's (a bool, an enum, a :class:`Bound`); a type without a rule is a KeyError at import.
 
     Example::
 
@@ -221,12 +211,10 @@ def field_rule(name: str, hint: Any, declared: Setting) -> tuple[Callable[[Any],
 
 
 def with_args(doc: str | None, entries: Iterable[tuple[str, str]]) -> str:
-    """``doc`` (a class docstring) with ``name: text`` entries added first to its ``Args:`` section (made before
-    its ``Example::`` when it has none), wrapped as Google-style docstrings are, for jsonargparse and ``help()``.
-
-    The docstring is cleaned first (``inspect.cleandoc``): Python 3.13 compiles docstrings already dedented and
-    earlier versions do not, so the sections are found, and added, at one indentation on every version (added
-    at another, the section would read as the expected output of the example above it).
+    """``doc`` (a class docstring) with ``name: text`` entries first in its ``Args:`` section (made before its
+    ``Example::`` when it has none), wrapped Google-style for jsonargparse and ``help()``. The docstring is cleaned
+    first: Python 3.13 compiles docstrings dedented and earlier versions do not, and a section added at another
+    indentation would read as the expected output of the example above it.
 
     Example::
 
@@ -251,7 +239,7 @@ def markdown(text: str) -> str:
 
 
 def unknown_name_error(owner: str, name: str, valid: Iterable[str], what: str = "field") -> ValueError:
-    """``ValueError: <owner> has no <what> 'x'; did you mean 'y'? ...``, naming the closest valid name.
+    """``ValueError: <owner> has no <what> 'x'; did you mean 'y'? ...``.
 
     Example::
 

@@ -3,82 +3,71 @@
 It trains an MLP with all four callbacks on at level ADVANCED, plants a ``log`` of zero in the loss
 from step 40, and prints progress lines with each finding as it happens (the replay of the first bad
 step names ``torch.log`` at its source line), then what lightning-debug found, where the files went
-and how to open them.
+and how to open them. The planted ``torch.log`` stays on line 40: docs/quickstart.md quotes it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def _module_class() -> type:
-    import lightning.pytorch as pl
+class PlantedNaNModel(pl.LightningModule):
+    """A regression MLP; from ``nan_step`` on the loss adds ``log(0)`` as a careless log-likelihood would."""
 
-    class PlantedNaNModel(pl.LightningModule):
-        """A regression MLP; from ``nan_step`` on the loss adds ``log(0)`` as a careless log-likelihood would."""
+    def __init__(self, nan_step: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.nan_step = nan_step
 
-        def __init__(self, nan_step: int) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-            self.nan_step = nan_step
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        prediction = self.net(x)
+        loss = nn.functional.mse_loss(prediction, y)
+        if self.global_step >= self.nan_step:
+            probability = torch.zeros_like(loss)
+            loss = loss - torch.log(probability)
+        self.log("train_loss", loss)
+        return loss
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            prediction = self.net(x)
-            loss = nn.functional.mse_loss(prediction, y)
-            if self.global_step >= self.nan_step:
-                probability = torch.zeros_like(loss)
-                loss = loss - torch.log(probability)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-    return PlantedNaNModel
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
-def _progress_class() -> type:
-    import lightning.pytorch as pl
+class ProgressLines(pl.Callback):
+    """A line every eighth of the run (findings have their own console line, from the plugin)."""
 
-    class ProgressLines(pl.Callback):
-        """A line every eighth of the run (findings have their own console line, from the plugin)."""
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.every = max(1, steps // 8)
+        self.started = time.monotonic()
 
-        def __init__(self, steps: int) -> None:
-            self.steps = steps
-            self.every = max(1, steps // 8)
-            self.started = time.monotonic()
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.started = time.monotonic()
 
-        def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-            self.started = time.monotonic()
-
-        def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
-                               batch: Any, batch_idx: int) -> None:
-            done = trainer.global_step
-            if done % self.every == 0 or done == self.steps:
-                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-                value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
-                # steps are numbered from 0, as in the findings: the step just done is global_step - 1
-                print(f"  step {done - 1:>4}  loss {value:9.4g}  {time.monotonic() - self.started:5.1f} s",
-                      flush=True)
-
-    return ProgressLines
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        done = trainer.global_step
+        if done % self.every == 0 or done == self.steps:
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float("nan")
+            # steps are numbered from 0, as in the findings: the step just done is global_step - 1
+            print(f"  step {done - 1:>4}  loss {value:9.4g}  {time.monotonic() - self.started:5.1f} s", flush=True)
 
 
 def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int = 40, mode: str = "warn") -> Path:
     """Train, report, and return the debug output directory."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.loggers import TensorBoardLogger
-
     from lightning_debug import AnomalyError, DebugConfig, debug_callbacks
 
     torch.manual_seed(0)
@@ -91,7 +80,6 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
                          memory_profiling_frequency=5, performance_profiling_frequency=5, log_gradients=True,
                          profile_steps=(0, 0))
     logger = TensorBoardLogger(str(output), name="demo")
-    callbacks = [*debug_callbacks(config), _progress_class()(steps)]
     print(f"Training {steps} steps (0-{steps - 1}) on CPU at level ADVANCED; the loss takes log(0) from step "
           f"{nan_step} on ...", flush=True)
     lightning_log = logging.getLogger("lightning.pytorch")
@@ -100,10 +88,10 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, callbacks=callbacks,
-                                 enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-                                 log_every_n_steps=5)
-            trainer.fit(_module_class()(nan_step), loader)
+            trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger,
+                                 callbacks=[*debug_callbacks(config), ProgressLines(steps)], enable_checkpointing=False,
+                                 enable_model_summary=False, enable_progress_bar=False, log_every_n_steps=5)
+            trainer.fit(PlantedNaNModel(nan_step), loader)
         except AnomalyError as error:
             print(f"\nTraining stopped with AnomalyError, as anomaly_detection_mode='raise' asks: {error}")
         finally:
@@ -114,10 +102,8 @@ def run_demo(output: str | Path = "demo_output", steps: int = 80, nan_step: int 
 
 
 def print_summary(debug_dir: Path, log_dir: Path) -> None:
-    """What to open next (the findings themselves were printed by the run's end-of-fit summary): only files the
-    run wrote, each path whole on its line and quoted in the commands, ready to paste into a shell."""
-    import shlex
-
+    """What to open next (the run's own summary printed the findings): only files the run wrote, each path whole
+    on its line and quoted in the commands, ready to paste into a shell."""
     from lightning_debug.report.plots import INSTALL_HINT, PLOT_FILENAME
     from lightning_debug.report.summary import report_command
 

@@ -1,9 +1,9 @@
 """The one orchestrator: a training run's monitors, their shared measurements, and its lifecycle.
 
-A :class:`Run` knows nothing of Lightning or Accelerate: an adapter creates it with a
-:class:`~lightning_debug.core.context.RunContext` and turns its hooks into the run's events (docs/architecture.md,
-"The run and its events"). A failure inside a monitor is recorded once and the others go on; only
-:class:`~lightning_debug.AnomalyError` leaves the run.
+A :class:`Run` knows nothing of Lightning or Accelerate: an adapter gives it a
+:class:`~lightning_debug.core.context.RunContext` and turns its hooks into the run's events (docs/architecture.md).
+A failure inside a monitor is recorded once and the others go on; only :class:`~lightning_debug.AnomalyError`
+leaves the run.
 
 Example, a plain loop with the anomaly checks::
 
@@ -54,9 +54,8 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _own_time(method: _Method) -> _Method:
-    """An event's entry: its handling is the plugin's own time (the session's ``own_time``), which the performance
-    monitor leaves out of step timing, and a failure in it is one failed check (``Run.<event>``), never the
-    adapter's: the collectives an event makes are closed whatever failed (the gate)."""
+    """An event's entry: the plugin's own time (left out of step timing), and a failure in it one failed check
+    (``Run.<event>``), never the adapter's; the gate closes the event's collectives whatever failed."""
     @functools.wraps(method)
     def counted(self: Run, *args: Any, **kwargs: Any) -> Any:
         return self.session.own_time.call(self.failures.call, f"Run.{method.__name__}", method, self, *args, **kwargs)
@@ -64,9 +63,8 @@ def _own_time(method: _Method) -> _Method:
 
 
 def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], optimizer: Any) -> int | None:
-    """With several optimizers: how many steps ``optimizer`` took before this one (counted in ``counts``, and
-    its position in the context's list, for the events, both written into the ledger's record); None with one
-    optimizer, or with sharded flat parameters, whose optimizers hold copies that are not the module's."""
+    """With several optimizers, how many steps ``optimizer`` took before this one (its index and count go into the
+    ledger's record); None with one, or with sharded flat parameters (their optimizers hold copies)."""
     optimizers = context.optimizers()
     several = len(optimizers) > 1
     if not several or optimizer is None or context.grads_sharded:
@@ -83,9 +81,8 @@ def own_step(context: RunContext, ledger: RunLedger, counts: dict[int, int], opt
 
 
 class Run:
-    """One training run (see the module docstring): ``config`` holds the run-wide settings (each monitor keeps its own
-    for its checks), ``context`` what the framework tells the run; more ``monitors`` can be added before :meth:`start`.
-    """
+    """One training run: ``config`` holds the run-wide settings (each monitor keeps its own), ``context`` what the
+    framework tells it; more ``monitors`` can be added before :meth:`start`."""
 
     def __init__(self, config: DebugConfig, context: RunContext, monitors: Iterable[Monitor] = ()) -> None:
         self.config = config
@@ -117,8 +114,8 @@ class Run:
         if context.is_global_zero:
             self.session.event_listeners.append(FindingWarnings())
         self.monitors: list[Monitor] = []
-        # (label, handler, every): a handler of a monitor's ``due_events`` runs on steps that ``every`` divides
-        self._handlers: dict[Event, list[tuple[str, Callable[..., Any], int]]] = {event: [] for event in Event}
+        # (label, handler, every, monitor): a handler of a monitor's ``due_events`` runs on steps ``every`` divides
+        self._handlers: dict[Event, list[tuple[str, Callable[..., Any], int, Monitor]]] = {event: [] for event in Event}
         self._pollers: list[tuple[str, Callable[[], None]]] = []
         self._batch: Any = None
         self._batch_step = 0
@@ -128,9 +125,8 @@ class Run:
         self._optimizer_steps: dict[int, int] = {}
         self._stepping: tuple[int, int, Decision] | None = None  # (step, id(optimizer), decision) inside a step
         self._other_ranks_failures: list[Any] | None = None
-        self._stepped, self._checks = -1, []  # the last before_optimizer_step's step; its (name, handler, every, m)
-        self.finished = False
-        self.started = False
+        self._stepped = -1  # the last before_optimizer_step's step
+        self.finished = self.started = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
                 self.failures.call("TensorBoard layout", attach_to_writer, writer, self.session, log_dir)
@@ -148,19 +144,16 @@ class Run:
                             f"{sorted(event.value for event in GATED_EVENTS)}")
         for event in Event:
             self._handlers[event] = [(f"{type(m).__name__}.{event.value}", getattr(m, event.value),
-                                      m.schedule.frequency if event in m.due_events else 1)
+                                      m.schedule.frequency if event in m.due_events else 1, m)
                                      for m in self.monitors if event in m.events]
         self._pollers = [(f"{type(m).__name__}.poll", m.poll) for m in self.monitors if type(m).poll is not Monitor.poll]
-        self._checks = [(f"{type(m).__name__}.before_optimizer_step", m.before_optimizer_step,
-                         m.schedule.frequency if Event.BEFORE_OPTIMIZER_STEP in m.due_events else 1, m)
-                        for m in self.monitors if Event.BEFORE_OPTIMIZER_STEP in m.events]
 
     def monitor(self, area: Area) -> Monitor | None:
         return next((m for m in self.monitors if m.area is area), None)
 
     def _emit(self, event: Event, *args: Any) -> None:
         call = self.failures.call
-        for name, handler, every in self._handlers[event]:
+        for name, handler, every, _ in self._handlers[event]:
             if every == 1 or args[0] % every == 0:  # a gated event's first argument is its step
                 call(name, handler, *args)
 
@@ -180,9 +173,7 @@ class Run:
 
     @_own_time
     def batch_start(self, step: int, batch: Any, captured: Any = None) -> None:
-        """A micro-batch of optimizer step ``step`` starts (``captured``: what a replay recomputes it from): values of earlier
-        steps that reached the host become findings, and scalars of steps that can no longer change go to the logger.
-        """
+        """A micro-batch of step ``step`` starts (``captured``: what a replay recomputes it from)."""
         self.failures.step = step
         self._stepping = None
         self._batch, self._batch_step = batch, step
@@ -200,8 +191,7 @@ class Run:
 
     @_own_time
     def before_backward(self, step: int, loss: Any) -> None:
-        """A backward of step ``step`` starts; after the step's :meth:`before_optimizer_step` it is an optimizer
-        evaluating its closure again (L-BFGS): a trial point, not the step's loss, and not judged."""
+        """A backward starts; after the step's :meth:`before_optimizer_step`, an L-BFGS trial point: not judged."""
         if self._stepping is not None and self._stepping[0] == step:
             return
         self._emit(Event.BEFORE_BACKWARD, step, loss)
@@ -209,11 +199,9 @@ class Run:
 
     @_own_time
     def before_optimizer_step(self, step: int, optimizer: Any) -> Decision:
-        """Gradients are final: run the checks due (through the gate, :meth:`.Gate.optimizer_step`) and return what happens
-        to this optimizer step; on SKIP and STOP the gradients are dropped here. With several optimizers the checks
-        count ``optimizer``'s own steps. An optimizer that evaluates its closure several times (L-BFGS) calls this after
-        each: the checks run on the first, later calls get its decision.
-        """
+        """Gradients are final: run the checks due (through :meth:`.Gate.optimizer_step`) and return what happens to
+        this step (on SKIP and STOP the gradients are dropped here). With several optimizers the checks count
+        ``optimizer``'s own steps. A closure evaluated again (L-BFGS) gets the first call's decision."""
         stepping = self._stepping
         if stepping is not None and stepping[:2] == (step, id(optimizer)):
             self.ledger.reevaluates = True
@@ -232,7 +220,8 @@ class Run:
                                      context.grad_scale(), optimizer=owner, plain_sharded=context.grads_sharded)
 
         self._stepped = step
-        due = [(name, handler, monitor) for name, handler, every, monitor in self._checks if step % every == 0]
+        due = [(name, handler, monitor) for name, handler, every, monitor in self._handlers[Event.BEFORE_OPTIMIZER_STEP]
+               if step % every == 0]
         decision = Decision(self.gate.optimizer_step(step, due, self.numerics.scheduled_step(step), numerics,
                                                      optimizer))
         self.ledger.phase = MemoryPhase.OPTIMIZER
@@ -250,8 +239,7 @@ class Run:
 
     @_own_time
     def batch_end(self, batch: Any = None) -> None:
-        """The micro-batch opened by the last :meth:`batch_start` ends; the collectives the monitors plan for it (from
-        the step and whether it took an optimizer step) are made whatever failed before them."""
+        """The micro-batch ends; the collectives the monitors plan for it are made whatever failed before them."""
         step = self._batch_step
         self.gate.open(step, self.gate.plan_batch_end(self.monitors, step, self._stepped == step))
         try:
@@ -279,9 +267,8 @@ class Run:
     # --- the end --------------------------------------------------------------------------------
     @_own_time
     def logging_row(self, log: Callable[[dict[str, float]], None]) -> None:
-        """The framework writes one of its logging rows now (call it on every rank): ``log`` gets, on rank zero, the
-        scalars measured since the last row, pending ones read first (the framework syncs on its logging steps anyway).
-        """
+        """The framework writes a logging row now (call on every rank): ``log`` gets, on rank zero, the scalars since
+        the last row, pending ones read first (the framework syncs on its logging steps anyway)."""
         if not self.logs_on_rows:
             return
         call = self.failures.call
@@ -307,8 +294,7 @@ class Run:
             self.failures.call(f"{type(monitor).__name__}.finalize", monitor.finalize, step)
 
     def _report_section(self, monitor: Monitor) -> dict[str, Any]:
-        """``monitor``'s part of the report; when building it raises, a failed check (listed in the report and
-        the summary) and a section that still holds the area's findings, so none of them is lost."""
+        """``monitor``'s part of the report; if building it raises, a failed check and the area's findings only."""
         try:
             return monitor.report_section()
         except Exception as failure:  # one broken section must not lose the others
@@ -318,8 +304,7 @@ class Run:
             return {"findings": findings or {}, "error": f"{type(failure).__name__}: {failure}"}
 
     def _gather_failures(self) -> bool:
-        """Every rank's failed checks, for rank zero's report (one gather with a bounded wait, on every rank of a
-        run that finished: see :func:`lightning_debug.core.gate.gather_failures`); whether every rank took part."""
+        """Gather every rank's failed checks for rank zero (a bounded wait); whether every rank took part."""
         try:
             self._other_ranks_failures = gather_failures(self.failures.summary(),
                                                          functools.partial(self.gate.gather, "failed checks"))
@@ -337,9 +322,8 @@ class Run:
         return merge_failures(own, self._other_ranks_failures, self.context.rank)
 
     def abandon(self) -> bool:
-        """End, writing and printing nothing, a run whose fit ended before training started and without an error (Lightning's
-        ``Tuner`` leaves from ``on_fit_start``: a report would say "0 steps" of a run that trained); False for any other
-        run. Decided from what every rank shares (the fit's events)."""
+        """End, writing nothing, a run whose fit ended before training started and without an error (Lightning's
+        ``Tuner`` leaves from ``on_fit_start``: a report would say "0 steps" of a run that trained); else False."""
         if self.finished or self.started or self._finalized:
             return False
         self.finished = True
@@ -347,8 +331,7 @@ class Run:
         return True
 
     def _release(self) -> None:
-        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unbind them, release the
-        process-wide module registration hooks, unroute the console."""
+        """Put back what the monitors changed (hooks, anomaly mode, allocation history), unroute the console."""
         for monitor in self.monitors:
             self.failures.call(f"{type(monitor).__name__}.restore", monitor.restore)
             monitor.unbind()
@@ -358,20 +341,18 @@ class Run:
 
     def finish(self, status: RunStatus | str, step: int, error: str | None = None,
                exit_code: int | None = None) -> dict[str, Any] | None:
-        """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore; returns the report (later
-        calls the same). ``step``: optimizer steps taken; ``exit_code``: what a ``SystemExit`` that ended the run asked
-        for. A run that finished on several ranks ends with a second bounded wait, so that no rank exits (``ddp_spawn``
-        then kills the others) while rank zero still writes."""
+        """Finalize (at ``step - 1``), write the last scalars and the report, conclude, restore; returns the report.
+        ``step``: optimizer steps taken; ``exit_code``: what a ``SystemExit`` asked for. On several ranks a second
+        bounded wait keeps every rank alive (``ddp_spawn`` kills the others) while rank zero writes."""
         if self.finished:
             return self._report
         status = RunStatus.parse(status)
         self.finished = True
         self.finalize(max(step - 1, 0))
         self.failures.call("logging debug scalars", self.session.metrics.flush_before, None)
-        together = status is RunStatus.FINISHED and self.context.world_size > 1
-        if together:
-            together = self._gather_failures()
+        together = status is RunStatus.FINISHED and self.context.world_size > 1 and self._gather_failures()
         sections = {monitor.area.value: self._report_section(monitor) for monitor in self.monitors}
+
         def render_failed(area: str, failure: Exception) -> None:
             self.failures.record(f"rendering the {area} section", failure,
                                  f"report.md has no {area} section; the area's findings are still in the report")
@@ -398,7 +379,6 @@ class Run:
         if report is not None and self.session.is_global_zero:
             def attach(files: list) -> list[str]:
                 return attach_files(self.context.artifact_stores(), files)
-
             self.failures.call("concluding the run", conclude_run, self.session, report, self.config, attach, written)
         if together:
             self.failures.call("waiting for every rank at the end of the run", bounded_wait)

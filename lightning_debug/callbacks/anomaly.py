@@ -10,37 +10,28 @@ from lightning_debug.core.kinds import with_kinds
 class AnomalyDetectionCallback(DebugCallback):
     """Find the step at which the loss, a gradient or a parameter stops being finite.
 
-    On each check step (every ``anomaly_check_frequency`` optimizer steps) the loss is tested in
-    ``on_before_backward`` and all gradients and parameters in one fused pass in
-    ``on_before_optimizer_step``, before the optimizer can spread a NaN into the weights. Parameter
-    names are looked up only when something is wrong; nothing runs per parameter on a healthy step.
-    What happens next is ``anomaly_detection_mode``:
+    On each check step (every ``anomaly_check_frequency`` optimizer steps) the loss is tested before backward
+    and all gradients and parameters in one fused pass before the optimizer step, before a NaN can spread into
+    the weights; nothing runs per parameter on a healthy step. What happens next is ``anomaly_detection_mode``:
 
-    - ``"warn"``: an event and a rate-limited warning; nothing waits for the GPU (the flags are read
-      back a step later from pinned memory).
+    - ``"warn"``: an event and a rate-limited warning; nothing waits for the GPU (flags read a step later).
     - ``"raise"``: :class:`~lightning_debug.AnomalyError` naming the step and parameters.
     - ``"skip"``: the optimizer step does not happen (gradients dropped before ``optimizer.step``).
     - ``"stop"``: the bad update is dropped and ``trainer.should_stop`` ends training cleanly.
 
-    The deciding modes read the flags with one host sync per check step. Under DDP/FSDP the per-rank
-    flags are gathered, so every rank takes the same decision at the same step. With fp16 and a
-    GradScaler, non-finite gradients with a finite loss are the scaler doing its job, recorded as an
-    info. ``level=EXPERT`` also runs backward under
-    ``torch.autograd.set_detect_anomaly`` (several times slower).
+    The deciding modes read the flags with one host sync per check step. Under DDP/FSDP every rank takes
+    the same decision at the same step. With fp16 and a GradScaler, non-finite gradients with a finite loss
+    are the scaler doing its job, recorded as an info. ``level=EXPERT`` also runs backward under
+    ``torch.autograd.set_detect_anomaly`` (several times slower). The same check judges the finite loss
+    against its recent level: a spike that stays and a steady rise are early signs of a learning rate far too high.
 
-    The same check judges the loss value against its recent level, while it is still finite: a spike that
-    stays and a steady rise are the early signs of a learning rate far too high.
-
-    From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, same
-    RNG state, parameters as they were, BatchNorm statistics and RNG restored afterwards) to name
-    the cause: the batch itself, the first module and operation that produced a NaN/Inf from finite
-    inputs (an in-place one judged before it overwrote them; for a NaN loss the first that made NaN,
-    such as a softmax over a fully masked row) with its source line, or the backward operation for a
-    backward-only NaN. The replay calls ``training_step`` again (``self.log`` muted): guard your own
-    lists, counters and metric updates with ``lightning_debug.is_replaying()``. This costs
-    nothing on healthy steps beyond keeping a reference to the batch, but reads the flags with one
-    sync per check step even in ``warn`` mode, since the replay needs the pre-update parameters.
-    Manual optimization is not replayed (its ``training_step`` steps the optimizer).
+    From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, RNG state and
+    parameters, all restored afterwards) to name the cause: the batch itself, the first module and operation
+    that made a NaN/Inf from finite inputs (for a NaN loss the first that made NaN, such as a softmax over a
+    fully masked row) with its source line, or the backward operation. The replay calls ``training_step``
+    again (``self.log`` muted): guard your own lists, counters and metric updates with
+    ``lightning_debug.is_replaying()``. It costs one sync per check step even in ``warn`` mode (the replay
+    needs the pre-update parameters). Manual optimization is not replayed.
 
     Example::
 

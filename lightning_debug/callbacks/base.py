@@ -1,10 +1,9 @@
 """What the four callbacks share: one run per trainer, driven from Lightning's hooks.
 
-Each callback owns its area's monitor (created afresh for every fit, so a reused callback starts
-clean; its counts carry over only through a checkpoint's ``load_state_dict``). At ``setup`` the
-callbacks of a trainer join one :class:`~lightning_debug.run.Run`, stored on the trainer. The first
-of them leads: its hooks turn into the run's events, once per hook whatever the number of
-callbacks; the others only keep their monitor's state for checkpoints.
+Each callback owns its area's monitor, made afresh for every fit (counts carry over only through a checkpoint).
+At ``setup`` a trainer's callbacks join one :class:`~lightning_debug.run.Run`, stored on the trainer. The first
+leads: its hooks become the run's events, once whatever the number of callbacks; the others keep their monitor's
+state for checkpoints.
 """
 
 from __future__ import annotations
@@ -39,9 +38,8 @@ CONFIG_HELP = ("The shared settings (a DebugConfig); null means the defaults. Th
 
 
 def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
-    """One config for the run from its callbacks' configs (by callback name, the leading one first): each run-wide
-    field takes the value any of them set away from its default; two different such values are a ``ValueError``
-    naming the field and both callbacks.
+    """One config for the run from its callbacks' configs (by name, the leader first): a run-wide field takes the
+    value any of them set away from its default; two different values are a ``ValueError``.
 
     Example::
 
@@ -70,24 +68,16 @@ def run_wide_config(configs: dict[str, DebugConfig]) -> DebugConfig:
 
 
 class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
-    """Base of the four callbacks: a thin adapter from Lightning hooks to the trainer's run.
-
-    A ``Callback`` of ``lightning.pytorch`` and, where it is installed, of ``pytorch_lightning`` too
-    (:mod:`~lightning_debug.callbacks.frameworks`): the same callbacks serve a trainer of either package.
-    It owns what must behave the same everywhere: the validated :class:`DebugConfig` (a config
-    object and/or keyword overrides), joining the trainer's run, ``state_dict`` for resume (the
-    monitor's counts and episodes), and the rule that a failing check warns once and never stops
-    training.
+    """Base of the four callbacks: a thin adapter from Lightning hooks to the trainer's run, a ``Callback`` of
+    ``lightning.pytorch`` and of ``pytorch_lightning`` where installed (:mod:`~lightning_debug.callbacks.frameworks`).
     """
 
     area: ClassVar[Area]
     own_fields: ClassVar[tuple[str, ...]] = ()
-    """The fields of its area's row in the table of areas (:data:`~lightning_debug.monitors.AREA_SPECS`) that
-    tell two callbacks of one class apart (the ``state_key``); set from ``area``."""
+    """The fields that tell two callbacks of one class apart (the ``state_key``), from its area's ``AreaSpec``."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A class with an ``area`` takes its area's fields as keyword overrides (``config.keyword_overrides``),
-        documented in its ``Args`` from their one description each."""
+        """A class with an ``area`` takes its area's fields as keyword overrides, documented in its ``Args``."""
         super().__init_subclass__(**kwargs)
         if "area" in cls.__dict__:
             cls.own_fields = AREA_SPECS[cls.area].settings
@@ -132,7 +122,6 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
                 **{name: getattr(self.config, name) for name in self.own_fields})
         return key
 
-    # --- joining and leaving the run ------------------------------------------------------------
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
@@ -168,13 +157,9 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
         self._unsubscribe_idle_hooks()
 
     def _unsubscribe_idle_hooks(self) -> None:
-        """Answer None for the batch hooks this callback has no use for during this fit.
-
-        Lightning calls a hook of every callback on every batch when it is callable, each call
-        inside a profiler context with its own label: the callbacks that do not lead, and Lightning's
-        no-op hooks of the one that does, would cost that on every step for nothing. A hook a subclass
-        overrides is left alone. :meth:`_leave` puts the methods back.
-        """
+        """Answer None for the batch hooks this callback has no use for during this fit: Lightning calls every
+        callable hook on every batch inside a profiler context, a cost for nothing in the callbacks that do not lead
+        and in Lightning's no-op hooks. A subclass's own hook is left alone; :meth:`_leave` puts them back."""
         self._restore_hooks()
         for name in BATCH_HOOKS:
             own = getattr(type(self), name)
@@ -193,7 +178,6 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
         self._run, self._leads, self._run_monitors = None, False, []
         self._restore_hooks()
 
-    # --- hooks -> run events (the leading callback only) ----------------------------------------
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._leads:
             self._rows.start(trainer, pl_module)
@@ -281,10 +265,8 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
                              exit_code(exception))
         self._leave()
 
-    # --- resume ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The monitor's counts and episodes; those of its companions (and, on the leading callback, of the
-        run-wide monitors) under ``companions``, by area."""
+        """The monitor's counts and episodes; its companions' and run-wide monitors' under ``companions``."""
         if self._run is not None:
             self._run.deliver_pending()  # a checkpoint is a sync point anyway; include pending checks
         state = self.monitor.state_dict()
@@ -297,7 +279,7 @@ class DebugCallback(*CALLBACK_BASES):  # type: ignore[misc]
 
 
 def _configs_leader_first(leader: DebugCallback, callbacks: list[DebugCallback]) -> dict[str, DebugConfig]:
-    """The callbacks' configs by a readable name (class, and position when a class repeats), the leader first."""
+    """The callbacks' configs by name (class, and position when a class repeats), the leader first."""
     ordered = [leader, *(c for c in callbacks if c is not leader)]
     names = [type(c).__name__ for c in ordered]
     return {(name if names.count(name) == 1 else f"{name} #{i}"): c.config

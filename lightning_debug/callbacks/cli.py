@@ -1,24 +1,19 @@
 """LightningCLI usage errors in a few lines: ``LightningCLI(..., parser_class=CompactArgumentParser)``, or
 ``class CLI(CompactCLI, LightningCLI)`` on every supported Lightning version.
 
-A bad value in a LightningCLI configuration is a usage error (exit code 2) that jsonargparse prints as the
-usage synopsis of every option (about 50 lines for a Trainer) followed by the explanation of every
-alternative of every nested Union (about 25 more); the key that failed is in there, deep. A parser of this
-class prints the innermost failing key with its whole path, the value given, what is allowed and a tip to
-``--help`` instead, then exits 2 as before::
+jsonargparse prints a bad value as the synopsis of every option (about 50 lines for a Trainer) and every
+alternative of every nested Union (about 25 more), the failing key deep inside. These parsers print the
+innermost failing key with its path, the value given, what is allowed and a tip, then exit 2 as before::
 
     error: trainer.callbacks[0] (lightning_debug.MemoryProfilerCallback).memory_high_fraction: invalid value
       given: 1.5
       allowed: a number in (0, 1]
     tip: for the accepted options run: train.py fit --help (this class: ... --trainer.callbacks.help ...)
 
-``parser_class`` is LightningCLI's own argument for the class of every parser it builds (subcommand parsers
-included), so this works for any ``LightningCLI`` subclass, with subcommands or ``run=False``; nothing of
-jsonargparse is patched. ``parser_class`` arrived in Lightning 2.5.1; :class:`CompactCLI` gives the same parsers
-through ``LightningCLI.init_parser``, the method every Lightning release builds each parser with, so it serves
-2.2 to 2.5.0 too. A project with its own parser class mixes :class:`CompactErrors` in first. Only
-what is printed changes: the full message still goes to the parser's logger, ``exit_on_error=False`` still
-raises it, and ``JSONARGPARSE_DEBUG=true`` still raises it with its whole explanation.
+``parser_class`` (Lightning 2.5.1+) sets the class of every parser LightningCLI builds; nothing of jsonargparse
+is patched. :class:`CompactCLI` does the same through ``init_parser``, which every release has (2.2 to 2.5.0
+too). A project with its own parser class mixes :class:`CompactErrors` in first. Only what is printed changes:
+the logger, ``exit_on_error=False`` and ``JSONARGPARSE_DEBUG=true`` get the full message as before.
 
 Example::
 
@@ -51,11 +46,7 @@ register(DebugCallback, DebugConfig)  # in case a callback was imported before j
 
 
 class CompactErrors:
-    """Mix into a jsonargparse ``ArgumentParser`` class (first) to print its usage errors in a few lines.
-
-    jsonargparse's own ``error`` runs unchanged (logging, ``exit_on_error``, debug mode); only what it
-    writes to stderr before exiting is replaced by the short form.
-    """
+    """Mix into a jsonargparse ``ArgumentParser`` class (first): its ``error`` runs, with a few lines on stderr."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         written = io.StringIO()
@@ -70,13 +61,11 @@ class CompactErrors:
 
 
 class CompactArgumentParser(CompactErrors, LightningArgumentParser):
-    """Lightning's parser with :class:`CompactErrors`: give it to ``LightningCLI(parser_class=...)``, from
-    ``lightning.pytorch.cli`` or ``pytorch_lightning.cli``."""
+    """Lightning's parser with :class:`CompactErrors`, for ``LightningCLI(parser_class=...)`` of either package."""
 
     def add_lightning_class_args(self, lightning_class: Any, nested_key: str, subclass_mode: bool = False,
                                  required: bool = True) -> list[str]:
-        """Lightning's own, from the package of ``lightning_class``: ``lightning``'s parser refuses the ``Trainer``
-        that ``pytorch_lightning.cli.LightningCLI`` gives it (and the other way round); the two differ only there."""
+        """Lightning's own, from ``lightning_class``'s package (each package's parser refuses the other's Trainer)."""
         parser: Any = LightningArgumentParser
         if framework_of(lightning_class) == STANDALONE:
             parser = importlib.import_module(standalone_path("lightning.pytorch.cli")).LightningArgumentParser
@@ -84,14 +73,7 @@ class CompactArgumentParser(CompactErrors, LightningArgumentParser):
 
 
 class CompactCLI:
-    """Mix into a ``LightningCLI`` class (first) to give every parser it builds :class:`CompactErrors`.
-
-    ``init_parser`` is the public method through which every ``LightningCLI`` release builds its main and
-    subcommand parsers; the parser it returns (with its ``--config`` option and every argument added later) is
-    kept and only its class changes, to one that adds :class:`CompactErrors`'s methods: Lightning's parser
-    becomes a :class:`CompactArgumentParser`, any other (``pytorch_lightning``'s, a project's own) a subclass
-    of its class. A parser that already has compact errors (from ``parser_class=``) is kept as it is.
-    """
+    """Mix into a ``LightningCLI`` class (first): every parser it builds gets :class:`CompactErrors`."""
 
     def init_parser(self, **kwargs: Any) -> Any:
         parser = super().init_parser(**kwargs)  # type: ignore[misc]
@@ -102,7 +84,7 @@ class CompactCLI:
 
 @functools.cache
 def compact_class(parser_class: type) -> type:
-    """``parser_class`` with :class:`CompactErrors` mixed in first (:class:`CompactArgumentParser` for Lightning's).
+    """``parser_class`` with :class:`CompactErrors` mixed in first.
 
     Example::
 

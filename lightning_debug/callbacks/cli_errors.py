@@ -1,11 +1,9 @@
 """A jsonargparse usage error in a few lines: the innermost key that failed, the value, what is allowed.
 
-jsonargparse explains a value that fits none of a Union's types with every alternative, nested once per
-level: about 25 lines for one bad number. The one that matters is the deepest alternative, the one that got
-furthest; :func:`shorten` follows it down by indentation to the key that failed and words what the key
-accepts. A message it does not recognise keeps its first lines, so the key that failed is never lost.
-jsonargparse's ``ArgumentError`` holds only this English text, so each pattern below is pinned by
-``tests/unit/test_cli_errors.py`` to a message the installed jsonargparse really prints.
+jsonargparse explains a value that fits no type of a Union with every alternative, nested once per level (about
+25 lines for one bad number). :func:`shorten` follows the deepest alternative, the one that got furthest, down by
+indentation to the key that failed; a message it does not recognise keeps its first lines. jsonargparse's error
+holds only this English text, so ``tests/unit/test_cli_errors.py`` pins each pattern to a real message.
 
 Example::
 
@@ -64,9 +62,8 @@ class _Node:
 
 @dataclass
 class ShortError:
-    """The failing key (``path``), the problem in a few words, the value given and what is allowed; ``key`` and
-    ``class_path`` (the outermost key and the first class of the path) name the ``--help`` that lists its options.
-    """
+    """The failing key (``path``), the problem, the value given and what is allowed; ``key`` and ``class_path``
+    (the outermost key and the first class) name the ``--help`` that lists its options."""
 
     path: str = ""
     problem: str = "invalid value"
@@ -77,7 +74,7 @@ class ShortError:
     generic: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        """The error as lines (without the ``error:`` word and the tip, which the parser adds)."""
+        """The error as lines, without the ``error:`` word and the tip."""
         if not self.path:
             return [_cut(line) for line in self.generic[:MAX_LINES]]
         found = [_cut(f"{self.path}: {self.problem}")]
@@ -137,9 +134,7 @@ def _tree(message: str) -> list[_Node]:
 
 def _descend(nodes: list[_Node], segments: list[tuple[str, str, str | None]], given: str | None = None
              ) -> tuple[list[str], str | None, str | None]:
-    """Follow the deepest alternative; returns the innermost leaves, their key's given value and subtypes.
-
-    ``given`` is the value of the key whose alternatives ``nodes`` are (they are not its siblings)."""
+    """The innermost leaves of the deepest alternative, the value given to their key and its subtypes."""
     given = next((node.raw[len("Given value: "):] for node in nodes if node.text.startswith("Given value:")), given)
     for node in nodes:
         key, cls = _KEY.match(node.text), _CLASS.match(node.text)
@@ -160,9 +155,8 @@ def _descend(nodes: list[_Node], segments: list[tuple[str, str, str | None]], gi
 
 
 def _path(segments: list[tuple[str, str, str | None]], innermost: str | None) -> str:
-    """``a.b[0] (pkg.Class).c``: a class the user named (or one whose given value is unknown) is shown,
-    with its position when the given value is a list in which one item names it (and the next key and
-    the ``innermost`` value given, when several name it)."""
+    """``a.b[0] (pkg.Class).c``: a class the user named is shown, with its position in a given list when one
+    item names it (told apart by the next key and the ``innermost`` value when several do)."""
     path = ""
     for position, (kind, name, given) in enumerate(segments):
         if kind == "key":
@@ -192,7 +186,7 @@ def _index_in(given: str | None, class_path: str, key: str | None, value: str | 
 
 
 def _list_items(text: str) -> list[str] | None:
-    """The top-level items of a list's repr (quotes and brackets respected), None if it is not one."""
+    """The top-level items of a list's repr, None if it is not one."""
     text = text.strip()
     if not (text.startswith("[") and text.endswith("]")):
         return None
@@ -261,7 +255,7 @@ def _type_words(text: str) -> str:
 
 
 def _describe_tuple(subtypes: str | None) -> str | None:
-    """``[a, b]`` in words for a key typed as a tuple (``profile_steps``), whose leaf names one item only."""
+    """``[a, b]`` in words for a tuple-typed key (``profile_steps``), whose leaf names one item only."""
     match = re.search(r"tuple\[(?P<items>[^\[\]]+)\]", subtypes or "")
     if not match:
         return None

@@ -1,11 +1,9 @@
 """A setting that breaks a rule between fields, given through LightningCLI, is a usage error (exit 2, a few lines).
 
-A value out of its own range is caught by jsonargparse while it parses; a rule between two fields can only be
-checked when the callback is built, and jsonargparse then let the
+Such a rule can only be checked when the callback is built, and jsonargparse then let the
 :class:`~lightning_debug.config_types.ConfigError` out as two chained tracebacks (97 lines, exit 1).
-:func:`register` adds, through jsonargparse's public ``add_instantiator``, an instantiator for this package's
-classes that prints the class, the rule and the values from the error's attributes and exits 2, as a parse
-error does; other classes, other exceptions and ``JSONARGPARSE_DEBUG`` are left to jsonargparse.
+:func:`register` adds, through jsonargparse's public ``add_instantiator``, an instantiator that prints the class,
+the rule and the values and exits 2; other exceptions and ``JSONARGPARSE_DEBUG`` are left to jsonargparse.
 
 Example::
 
@@ -31,8 +29,7 @@ _REGISTERED: list[type] = []
 
 
 def usage_lines(class_type: type, error: ConfigError, init_args: dict[str, Any]) -> list[str]:
-    """The error as a usage error: the class and the rule, then each field's value (``default`` when the
-    configuration did not set it)."""
+    """The class and the rule, then each field's value (``default`` when the configuration did not set it)."""
     try:
         defaults = {name: p.default for name, p in inspect.signature(class_type).parameters.items()}
     except (TypeError, ValueError):
@@ -65,8 +62,7 @@ def instantiate(class_type: type, *args: Any, **kwargs: Any) -> Any:
 
 
 def register(*class_types: type) -> bool:
-    """Register :func:`instantiate` for ``class_types`` and their subclasses with jsonargparse, once, if
-    jsonargparse is loaded and has the global ``add_instantiator`` (4.49+); returns whether it is registered."""
+    """Register :func:`instantiate` for ``class_types`` once, if a loaded jsonargparse has it (4.49+); whether it is."""
     jsonargparse = sys.modules.get("jsonargparse")
     add_instantiator = getattr(jsonargparse, "add_instantiator", None)
     if add_instantiator is None:

@@ -15,7 +15,6 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from torch import nn
 
 from lightning_debug.callbacks.frameworks import classes
-
 from lightning_debug.config import DebugConfig
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.context import HistogramWriter, Replay, RunContext, epoch_end
@@ -31,10 +30,8 @@ TQDM_MODULE = "lightning.pytorch.callbacks.progress.tqdm_progress"
 
 
 def resolve_output_dir(trainer: "pl.Trainer", config: DebugConfig) -> tuple[Path | None, str, str | None]:
-    """This run's directory and id, decided on global zero and shared with every rank (call on every rank); where
-    it goes is ``DebugConfig.debug_output_dir``'s description. A directory that cannot be used is None with the
-    reason as the third value: the run then writes no files, and the broadcast still happens on every rank.
-    """
+    """This run's directory and id, decided on global zero and broadcast (call on every rank); a directory that
+    cannot be used is None with the reason as the third value (the run then writes no files)."""
     run_id = new_run_id()
     directory: str | None = None
     problem: str | None = None
@@ -65,11 +62,9 @@ def _logging_muted(pl_module: "pl.LightningModule") -> Iterator[None]:
 
 
 def count_logger_writes(loggers: Iterable[Any], own_time: OwnTime, rows: "RowLogger | None" = None) -> list[Any]:
-    """Make each logger's ``log_metrics`` count as the plugin's own time for this fit, and add the debug scalars
-    ``rows`` holds to the row Lightning writes through it; the loggers wrapped (give them to
-    :func:`restore_logger_writes`). Lightning writes its rows inside the timed data wait, and a row's write (2 ms
-    on a tiny model with ``log_gradients``) made a healthy tiny model a ``dataloader_bottleneck``.
-    """
+    """Make each logger's ``log_metrics`` the plugin's own time for this fit, adding the scalars ``rows`` holds to
+    Lightning's row; returns the loggers wrapped. Lightning writes rows inside the timed data wait, and a row's
+    write (2 ms on a tiny model with ``log_gradients``) made a healthy tiny model a ``dataloader_bottleneck``."""
     wrapped = []
     for logger in loggers:
         if "log_metrics" in vars(logger):  # ours already, or the user's own instance override
@@ -94,15 +89,13 @@ def restore_logger_writes(loggers: Iterable[Any]) -> None:
 
 class RowLogger:
     """Debug scalars on the rows Lightning writes, through the loggers' public ``log_metrics``: the user's rows and
-    step axis at the trainer's cadence, with nothing written into Lightning's result collection.
+    step axis, nothing written into Lightning's result collection. ``LightningModule.log`` would validate and move
+    the stored metric on every call (0.2 ms per name per row on a CPU) and write a value logged once again on every
+    later row of the epoch.
 
-    :meth:`batch_end` follows Lightning's row cadence from the trainer's public state; on a row, :meth:`hold` keeps
-    the scalars measured since the last one, and each logger's ``log_metrics`` (wrapped by
-    :func:`count_logger_writes`) adds them to Lightning's row, the call that carries its ``epoch`` column
-    (:meth:`merged`): one CSV line, not two. A row Lightning does not write is written on its own when the next
-    batch starts or the epoch ends (:meth:`flush`), as docs/configuration.md describes. ``LightningModule.log``
-    would validate and move the stored metric on every call (0.2 ms per name per row on a CPU) and write a value
-    logged once again on every later row of the epoch.
+    :meth:`batch_end` follows Lightning's row cadence; :meth:`hold` keeps the scalars since the last row, and the
+    wrapped ``log_metrics`` adds them to the call that carries ``epoch`` (:meth:`merged`): one CSV line, not two.
+    A row Lightning does not write is written alone when the next batch starts or the epoch ends (:meth:`flush`).
 
     Example (a logger that records its rows; Lightning's own row carries ``epoch``)::
 
@@ -132,7 +125,7 @@ class RowLogger:
         return self._row is not None
 
     def start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        """The fit starts (``on_train_start``, after a checkpoint's restore): the batches that stepped so far."""
+        """The fit starts (after a checkpoint's restore): count the batches that stepped so far."""
         self.loggers = list(trainer.loggers)
         self._row = None
         if pl_module.automatic_optimization:  # one optimizer, one optimizer step per batch that stepped
@@ -142,9 +135,8 @@ class RowLogger:
             self.stepped = int(getattr(getattr(progress, "total", None), "completed", trainer.global_step))
 
     def batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_idx: int) -> bool:
-        """Count this training batch (call at every batch end); whether Lightning writes a row of step metrics after
-        it: every ``log_every_n_steps`` batches that stepped, when training stops, and on every batch of a
-        ``fast_dev_run`` (a batch that only accumulates gradients writes none)."""
+        """Count this training batch; whether Lightning writes a row after it: every ``log_every_n_steps`` batches
+        that stepped, when training stops, and on every batch of a ``fast_dev_run``."""
         if pl_module.automatic_optimization and _accumulates(trainer, batch_idx):
             return False
         step = self.stepped
@@ -156,8 +148,7 @@ class RowLogger:
         return True
 
     def log(self, trainer: "pl.Trainer", values: dict[str, float]) -> None:
-        """Hold ``values`` for this batch's row; ``trainer.callback_metrics`` and ``logged_metrics`` get them too, as
-        they get every logged value."""
+        """Hold ``values`` for this batch's row; ``trainer.callback_metrics`` and ``logged_metrics`` get them too."""
         self.hold(values)
         if values:
             scalars = dict(zip(values, torch.tensor(list(values.values()), dtype=torch.float64).unbind()))
@@ -173,8 +164,7 @@ class RowLogger:
             self._row, self._served = dict(values), set()
 
     def merged(self, logger: Any, metrics: Mapping[str, Any], step: int | None) -> Mapping[str, Any]:
-        """``metrics`` with the held scalars when this is Lightning's row (it carries ``epoch``) and ``logger`` has
-        not had them yet; the row's step is Lightning's own from then on."""
+        """``metrics`` with the held scalars when this is Lightning's row (it has ``epoch``) new to ``logger``."""
         if self._row is None or "epoch" not in metrics or id(logger) in self._served:
             return metrics
         self._served.add(id(logger))
@@ -193,8 +183,7 @@ class RowLogger:
 
 
 def _accumulates(trainer: "pl.Trainer", batch_idx: int) -> bool:
-    """Whether this batch only accumulates gradients (no optimizer step, no row), as Lightning decides it: short of
-    ``accumulate_grad_batches``, unless it is the epoch's last batch and the strategy does not accumulate itself."""
+    """Whether this batch only accumulates gradients (no step, no row), as Lightning decides it."""
     every = trainer.accumulate_grad_batches
     if every <= 1 or (batch_idx + 1) % every == 0:
         return False
@@ -203,7 +192,7 @@ def _accumulates(trainer: "pl.Trainer", batch_idx: int) -> bool:
 
 
 class LightningContext(RunContext):
-    """The trainer's loggers, strategy, model and position, as the run sees them.
+    """The trainer's loggers, strategy, model and position.
 
     Example::
 
@@ -237,8 +226,7 @@ class LightningContext(RunContext):
         return self.pl_module.device
 
     def gradient_clipping(self) -> tuple[float, str] | None:
-        """``Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)``: Lightning clips after
-        ``on_before_optimizer_step``, so the checks see the gradients before clipping."""
+        """``Trainer(gradient_clip_val=...)``: Lightning clips after the checks saw the gradients."""
         value = self.trainer.gradient_clip_val
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             return None
@@ -246,8 +234,7 @@ class LightningContext(RunContext):
         return float(value), str(getattr(algorithm, "value", algorithm) or "norm")
 
     def schedule(self) -> tuple[int | None, list[str]]:
-        """``max_steps``, else Lightning's estimate of the optimizer steps of the fit (None when unbounded), and
-        the configured schedulers."""
+        """``max_steps``, else Lightning's estimate (None when unbounded), and the configured schedulers."""
         trainer = self.trainer
         total: float | None = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
         if total is None:
@@ -258,8 +245,7 @@ class LightningContext(RunContext):
         return (int(total) if known and total is not None else None), names
 
     def epoch_end_step(self, step: int, where: Where) -> int | None:
-        """From Lightning's batches per epoch and gradient accumulation; ``where["batch"]`` is the batch index
-        within the epoch."""
+        """From Lightning's batches per epoch and gradient accumulation."""
         return epoch_end(step, where.get("batch", -1), self.trainer.num_training_batches,
                          self.trainer.accumulate_grad_batches)
 
@@ -287,8 +273,8 @@ class LightningContext(RunContext):
         return sink
 
     def console_printer(self) -> Callable[[str], None] | None:
-        """Lines that respect the progress bar: TQDM's ``write`` (Lightning's own ``print`` writes nothing while no
-        bar is open), else the bar's ``print`` (rich: its console); None without a bar (``stderr``)."""
+        """Lines that respect the progress bar: TQDM's ``write`` (Lightning's ``print`` writes nothing while no bar
+        is open), else the bar's ``print``; None without a bar (``stderr``)."""
         bar = self.trainer.progress_bar_callback
         if bar is None or not self.is_global_zero:
             return None
@@ -314,9 +300,7 @@ class LightningContext(RunContext):
         return stores
 
     def all_gather(self) -> AllGather | None:
-        if self.world_size <= 1:
-            return None
-        return self.trainer.strategy.all_gather  # type: ignore[return-value]
+        return self.trainer.strategy.all_gather if self.world_size > 1 else None  # type: ignore[return-value]
 
     def histogram_writer(self) -> tuple[HistogramWriter | None, str]:
         loggers = self.trainer.loggers
@@ -331,8 +315,7 @@ class LightningContext(RunContext):
         return self.trainer.train_dataloader
 
     def profiler_in_use(self) -> str | None:
-        """``Trainer(profiler="pytorch")`` (or a ``PyTorchProfiler`` instance, of ``lightning`` or
-        ``pytorch_lightning``): it records the fit with torch.profiler, and its output is the user's."""
+        """``Trainer(profiler="pytorch")``: it records the fit with torch.profiler, and its output is the user's."""
         profiler = self.trainer.profiler
         if not any(cls.__name__ == "PyTorchProfiler" for cls in type(profiler).__mro__):
             return None
@@ -341,8 +324,7 @@ class LightningContext(RunContext):
                 f"torch.profiler (its report and traces go to {where})")
 
     def replay(self) -> Replay | None:
-        """Recompute ``training_step``'s loss from a captured ``(batch, batch_idx)`` (automatic optimization only:
-        a manual ``training_step`` steps its optimizers)."""
+        """Recompute ``training_step``'s loss (automatic optimization only: a manual one steps its optimizers)."""
         pl_module, trainer = self.pl_module, self.trainer
         if not pl_module.automatic_optimization:
             return None

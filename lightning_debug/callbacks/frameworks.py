@@ -1,10 +1,9 @@
 """Lightning's two import names: ``lightning.pytorch`` (the default) and the standalone ``pytorch_lightning``.
 
-They are separate packages, each with its own ``Callback``, ``Trainer``, loggers and progress bars, so an
-``isinstance`` check against one fails for the other's objects (a ``pytorch_lightning.Trainer`` refuses a
-callback that is not its own ``Callback``). The callbacks therefore derive from the ``Callback`` of each
-installed package (:data:`CALLBACK_BASES`), and the adapter checks loggers and bars against the classes of
-both (:func:`classes`). ``pytorch_lightning`` is never required: it is imported only where it is installed.
+Each has its own ``Callback``, ``Trainer``, loggers and bars, and an ``isinstance`` check against one fails for the
+other's objects (a ``pytorch_lightning.Trainer`` refuses a foreign ``Callback``): the callbacks derive from the
+``Callback`` of each installed package (:data:`CALLBACK_BASES`), loggers and bars are checked against both
+(:func:`classes`). ``pytorch_lightning`` is imported only where it is installed.
 
 Example::
 
@@ -33,8 +32,7 @@ from lightning_debug.core.guard import describe
 
 STANDALONE = "pytorch_lightning"
 STANDALONE_DISTRIBUTION = "pytorch-lightning"
-STANDALONE_FLOOR = (2, 2)
-"""The oldest ``pytorch_lightning`` served: the same floor as ``lightning`` (the two are released together)."""
+STANDALONE_FLOOR = (2, 2)  # the same floor as ``lightning``: the two are released together
 STANDALONE_NAMES = {"lightning.pytorch": STANDALONE, "lightning.fabric": "lightning_fabric"}
 
 
@@ -58,8 +56,7 @@ def unserved_reason(version: str) -> str | None:
 
 
 def _standalone_callback() -> tuple[type | None, str | None]:
-    """``pytorch_lightning.Callback`` where that package is installed and imports (else None), and why it cannot
-    serve a run (None when it can)."""
+    """``pytorch_lightning.Callback`` where it is installed and imports, and why it cannot serve (None when it can)."""
     if importlib.util.find_spec(STANDALONE) is None:
         return None, None
     try:
@@ -76,13 +73,11 @@ def _standalone_callback() -> tuple[type | None, str | None]:
 
 STANDALONE_CALLBACK, STANDALONE_PROBLEM = _standalone_callback()
 CALLBACK_BASES: tuple[type, ...] = (Callback,) if STANDALONE_CALLBACK is None else (Callback, STANDALONE_CALLBACK)
-"""What the debug callbacks derive from: ``lightning``'s ``Callback`` first (its methods are the ones found), and
-``pytorch_lightning``'s where that package is installed, so that either trainer takes them as its own."""
+"""``lightning``'s ``Callback`` first (its methods are the ones found), and ``pytorch_lightning``'s where installed."""
 
 
 def standalone_path(path: str) -> str:
-    """The module of the standalone packages that mirrors ``path`` (a ``lightning.pytorch`` or ``lightning.fabric``
-    module path)."""
+    """The standalone packages' module that mirrors ``path`` (under ``lightning.pytorch`` or ``lightning.fabric``)."""
     for prefix, name in STANDALONE_NAMES.items():
         if path == prefix or path.startswith(prefix + "."):
             return name + path[len(prefix):]
@@ -91,9 +86,7 @@ def standalone_path(path: str) -> str:
 
 @functools.cache
 def classes(path: str, name: str) -> tuple[type, ...]:
-    """The class ``name`` of module ``path`` (under ``lightning.pytorch`` or ``lightning.fabric``) and, where
-    ``pytorch_lightning`` is in use, of its standalone mirror: what an ``isinstance`` check of a trainer's
-    logger or progress bar needs."""
+    """The class ``name`` of module ``path`` and, where ``pytorch_lightning`` is in use, of its standalone mirror."""
     found = [getattr(importlib.import_module(path), name)]
     if STANDALONE_CALLBACK is not None:
         try:
@@ -105,8 +98,7 @@ def classes(path: str, name: str) -> tuple[type, ...]:
 
 def framework_of(obj: Any) -> str:
     """``"lightning"`` or ``"pytorch_lightning"``: the package of the first class in the hierarchy of ``obj`` (a class
-    or an instance) that comes from one of them, so a user's own ``Trainer`` subclass counts as its base's;
-    ``"lightning"`` when none does."""
+    or an instance) from one of them (a user's ``Trainer`` subclass counts as its base's); ``"lightning"`` if none."""
     for cls in getattr(obj if isinstance(obj, type) else type(obj), "__mro__", ()):
         root = cls.__module__.partition(".")[0]
         if root in ("lightning", STANDALONE):
@@ -115,7 +107,6 @@ def framework_of(obj: Any) -> str:
 
 
 def check_trainer(trainer: Any) -> None:
-    """Raise ``RuntimeError`` naming what to install when ``trainer`` is a ``pytorch_lightning`` one this package
-    cannot serve; nothing for a ``lightning`` trainer."""
+    """Raise ``RuntimeError`` naming what to install when ``trainer`` is a ``pytorch_lightning`` one not served."""
     if STANDALONE_PROBLEM is not None and framework_of(trainer) == STANDALONE:
         raise RuntimeError(STANDALONE_PROBLEM)

@@ -10,13 +10,11 @@ from lightning_debug.core.kinds import with_kinds
 class MemoryProfilerCallback(DebugCallback):
     """Memory over the run, what grows and why, and what to do after an out-of-memory error.
 
-    Every ``memory_profiling_frequency`` optimizer steps, after backward and before the optimizer
-    step, it reads host-side counters only (no GPU sync): process RSS, available system memory, the
-    C heap in use, and on CUDA allocated, reserved, peak since the last check (the peak counter is
-    reset each check), fragmentation and the share of the device. They are logged as
-    ``debug/memory/*`` and summarised in the report. The C heap, whose reading walks the allocator's
-    free lists (milliseconds on a fragmented heap), is read at least once per logging row and every 8
-    steps, and on the readings the growth trend takes, not necessarily at every check.
+    Every ``memory_profiling_frequency`` optimizer steps, before the optimizer step, it reads host-side
+    counters only (no GPU sync): process RSS, available system memory, the C heap in use, and on CUDA
+    allocated, reserved, peak since the last check, fragmentation and the share of the device, logged as
+    ``debug/memory/*``. The C heap, whose reading walks the allocator's free lists (milliseconds when
+    fragmented), is read once per logging row, every 8 steps and on the readings the growth trend takes.
 
     A steady rise is told from allocator and warm-up noise by a robust (Theil-Sen) trend over the last
     readings; a census of live tensors (and on CUDA an allocation history) is taken only then and again one

@@ -15,26 +15,22 @@ from lightning_debug.monitors import AREA_SPECS
 class PerformanceProfilerCallback(DebugCallback):
     """Time the phases of every ``performance_profiling_frequency``-th optimizer step and find stalls.
 
-    Each check step is split into data wait (from the previous step's end to the batch's start),
-    forward (to ``on_before_backward``), backward (to ``on_before_optimizer_step``) and optimizer
-    step, summed over micro-batches under gradient accumulation, and logged as ``debug/perf/*_ms``
-    with ``debug/perf/samples_per_sec`` (and ``tokens_per_sec`` given a ``tokens_fn``). On CUDA the
-    boundaries are CUDA events read once they have completed, so the measurement never waits for
-    the GPU; on CPU they are wall-clock times. Other steps cost an integer comparison per hook.
+    Each check step is split into data wait, forward, backward and optimizer step (summed over micro-batches),
+    logged as ``debug/perf/*_ms`` with ``debug/perf/samples_per_sec`` (and ``tokens_per_sec`` given a
+    ``tokens_fn``). On CUDA the boundaries are CUDA events read once completed, so nothing waits for the GPU;
+    on CPU they are wall-clock times. Other steps cost an integer comparison per hook. The plugin's own work
+    (checks, census, replays, logging) and, on CPU, waits for a CPU another program had are not held against
+    the step.
 
-    The plugin's own work inside a step (checks, census, replays, logging) and, on CPU, the time the
-    training thread waited for a CPU another program had are not held against the step.
+    A slow step is a robust outlier that recurs, reported with the slow phase; a data wait with the loader's
+    ``num_workers``, ``pin_memory``, ``persistent_workers`` and what to change; under DDP per-rank times are
+    gathered on check steps; at ``level=EXPERT`` on CUDA a short ``torch.cuda.set_sync_debug_mode("warn")``
+    window names the lines that forced host-device synchronizations.
 
-    A slow step is a robust outlier that recurs, reported with the phase that was slow; a data wait with the
-    loader's ``num_workers``, ``pin_memory``, ``persistent_workers`` and what to change; under DDP per-rank
-    times are gathered on check steps; at ``level=EXPERT`` on CUDA a short
-    ``torch.cuda.set_sync_debug_mode("warn")`` window names the lines that forced host-device synchronizations.
-
-    ``profile_steps=(start, length)`` (a default window from ``level=ADVANCED``) runs
-    ``torch.profiler`` over those steps only, writes ``profiler/rank0.steps<a>-<b>.pt.trace.json``
-    under the debug output directory (Perfetto, chrome://tracing, TensorBoard's profiler plugin),
-    records an event and adds the top operators by self CPU and CUDA time to
-    report.md. Steps inside the profiler or sync-debug windows are left out of the statistics.
+    ``profile_steps=(start, length)`` (a default window from ``level=ADVANCED``) runs ``torch.profiler`` over
+    those steps, writes ``profiler/rank0.steps<a>-<b>.pt.trace.json`` under the debug output directory
+    (Perfetto, chrome://tracing, TensorBoard), records an event and adds the top operators to report.md.
+    Steps inside the profiler or sync-debug windows are left out of the statistics.
 
     Args:
         batch_size_fn: ``batch -> samples`` when dimension 0 of the batch's first tensor is not it.
