@@ -54,7 +54,8 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
         f"over the {classes} classes of the model's output {described} (log {classes} = {chance:.4g}): the model "
         "learns nothing from its labels. Check that the labels belong to their inputs "
         "(a shuffle or a sort applied to one of them, a misaligned join, the wrong label column) and that the task "
-        "has signal: a model that learns anything goes below log C.",
+        "has signal; if they do, the learning rate may be far too small for the model to show it has learned "
+        "anything (a model that learns anything goes below log C).",
         {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "chance": chance, "classes": classes,
          "shape": list(shape)}), False
 
