@@ -86,6 +86,7 @@ class Kind(StrEnum):
     DEAD_ACTIVATION = "dead_activation"
     SATURATED_ACTIVATION = "saturated_activation"
     EVAL_MODE_IN_TRAINING = "eval_mode_in_training"
+    TRAIN_MODE_IN_EVAL = "train_mode_in_eval"
     GRAD_NOT_ZEROED = "grad_not_zeroed"
     EXCEPTION = "exception"
     LOSS_SPIKE = "loss_spike"
@@ -404,6 +405,16 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
                "intended, freeze their parameters too (`requires_grad_(False)`).",
         hint="call .train() on it, unless it is frozen on purpose"),
+    Kind.TRAIN_MODE_IN_EVAL: KindSpec(
+        Area.LOOP, Severity.WARNING,
+        summary="dropout that still drops, or BatchNorm that still updates its running statistics, while the model "
+                "is evaluated (``F.dropout`` with its default ``training=True``, a submodule put back in train mode)",
+        one_off=True,
+        advice="Every evaluation runs a random sub-network, so validation metrics are noisy and lower than the "
+               "model's: pass `training=self.training` to functional dropout (`F.dropout(x, p, "
+               "training=self.training)`, its default is True) or use an `nn.Dropout` module; do not call `.train()` "
+               "inside `forward`. Monte Carlo dropout on purpose: ignore this.",
+        hint="pass training=self.training to F.dropout"),
     Kind.GRAD_NOT_ZEROED: KindSpec(
         Area.LOOP, Severity.ERROR,
         summary="gradients accumulate across optimizer steps: ``zero_grad()`` is not called",
