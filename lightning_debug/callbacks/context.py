@@ -214,6 +214,7 @@ class LightningContext(RunContext):
         self.rank = trainer.global_rank
         self.grads_sharded = type(trainer.strategy).__name__ in PLAIN_SHARDING_STRATEGIES
         self.batch_idx = 0
+        self._trainable_at_setup = [p for p in pl_module.parameters() if p.requires_grad]
         self.epoch: int | None = None
         """The epoch of the last training batch: Lightning advances ``current_epoch`` when an epoch ends, before
         ``on_fit_end``, so the end of a run that stopped inside an epoch would name the next one."""
@@ -221,6 +222,10 @@ class LightningContext(RunContext):
     @property  # type: ignore[override]
     def uses_grad_scaler(self) -> bool:
         return getattr(self.trainer.precision_plugin, "scaler", None) is not None
+
+    def trainable_before_start(self) -> list[torch.nn.Parameter]:
+        """Read at the callbacks' ``setup``, before ``configure_model`` and ``configure_optimizers``."""
+        return self._trainable_at_setup
 
     def device(self) -> torch.device | None:
         return self.pl_module.device

@@ -127,6 +127,13 @@ class RunContext:
         module = self.module()
         return module.named_parameters() if module is not None else iter(())
 
+    def trainable_before_start(self) -> list[nn.Parameter] | None:
+        """The parameters that had ``requires_grad=True`` when the run first saw the model, before the framework
+        built the optimizer (Lightning: the callbacks' ``setup``); None when the run first sees the model at its
+        start (Accelerate: it arrives prepared). A parameter frozen since then but still in a param group is a
+        freeze left over; one its module built frozen (a sinusoidal position table) is frozen by design."""
+        return None
+
     def param_groups(self) -> list[dict[str, Any]]:
         """The param groups of every optimizer of the run."""
         return [group for optimizer in self.optimizers() for group in optimizer.param_groups]

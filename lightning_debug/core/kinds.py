@@ -81,6 +81,7 @@ class Kind(StrEnum):
     DEAD_ACTIVATION = "dead_activation"
     SATURATED_ACTIVATION = "saturated_activation"
     EVAL_MODE_IN_TRAINING = "eval_mode_in_training"
+    TRAIN_MODE_IN_EVAL = "train_mode_in_eval"
     GRAD_NOT_ZEROED = "grad_not_zeroed"
     EXCEPTION = "exception"
     LOSS_SPIKE = "loss_spike"
@@ -384,6 +385,16 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "do not call `.eval()` on trainable submodules; if frozen BatchNorm statistics are "
                "intended, freeze their parameters too (`requires_grad_(False)`).",
         hint="call .train() on it, unless it is frozen on purpose"),
+    Kind.TRAIN_MODE_IN_EVAL: KindSpec(
+        Area.LOOP, Severity.WARNING,
+        summary="dropout that still drops, or BatchNorm that still updates its running statistics, while the model "
+                "is evaluated (``F.dropout`` with its default ``training=True``, a submodule put back in train mode)",
+        one_off=True,
+        advice="Every evaluation runs a random sub-network, so validation metrics are noisy and lower than the "
+               "model's: pass `training=self.training` to functional dropout (`F.dropout(x, p, "
+               "training=self.training)`, its default is True) or use an `nn.Dropout` module; do not call `.train()` "
+               "inside `forward`. Monte Carlo dropout on purpose: ignore this.",
+        hint="pass training=self.training to F.dropout"),
     Kind.GRAD_NOT_ZEROED: KindSpec(
         Area.LOOP, Severity.ERROR,
         summary="gradients accumulate across optimizer steps: ``zero_grad()`` is not called",
@@ -452,7 +463,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         Area.GRADIENTS, Severity.WARNING,
         summary="every param group's learning rate is 0 far from the end of the run, or the weights barely move "
                 "and the loss stays where it started, or the model's output is probabilities that cross_entropy "
-                "softmaxes again (the loss sits at its floor)",
+                "softmaxes again (the loss sits at its floor), or the loss stays at log C, a uniform guess over "
+                "the output's C classes (labels that do not belong to their inputs)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
@@ -460,10 +472,13 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "the loss stays where it started (raise it, often 100x-1000x). When the model's output is "
                "probabilities (a softmax as its last layer) and the loss is cross_entropy, the loss is stuck at "
                "log(1 + (C-1)/e): drop the softmax (cross_entropy applies log_softmax itself) or use "
-               "nll_loss(torch.log(p)).",
-        hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy): check the "
-             "scheduler, the lr and the model's last layer",
-        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2}, backdate=False)),
+               "nll_loss(torch.log(p)). A loss that stays at log C for hundreds of steps learns nothing from the "
+               "labels: check that each label belongs to its input (a shuffle or sort applied to one of them, a "
+               "misaligned join, the wrong column).",
+        hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy, or the "
+             "labels do not match the inputs): check the scheduler, the lr, the model's last layer and the labels",
+        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4},
+                        backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

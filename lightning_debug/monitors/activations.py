@@ -56,6 +56,8 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
+from lightning_debug.monitors.gradients.chance import KEY as CHANCE
+from lightning_debug.monitors.gradients.chance import chance_suspicion
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
 from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
 
@@ -240,6 +242,7 @@ class ActivationMonitor(Monitor):
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
+        self.chance_cleared = False  # a loss under log C proved the model learns from its labels
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
@@ -390,22 +393,29 @@ class ActivationMonitor(Monitor):
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, the gradient area's rule on what only this
-        monitor measures), at most once every ``JUDGED_EVERY`` steps; never again once a loss under the floor
-        proved it is not the case."""
-        if (not outputs or self.probabilities_cleared
+        """``learning_stalled`` (``probabilities_into_log_softmax`` and ``loss_at_chance``, the gradient area's rules on
+        what only this monitor measures), at most once every ``JUDGED_EVERY`` steps; each never again once a loss
+        below its bound proved it is not the case."""
+        if (not outputs or self.probabilities_cleared and self.chance_cleared
                 or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
             return
         self.probabilities_judged = step
         output = outputs[-1]
         held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
-        suspicion, below = probability_suspicion(step, step if held is None else held.first.step, describe(output),
+        suspicion, below = (None, True) if self.probabilities_cleared else probability_suspicion(step, step if held is None else held.first.step, describe(output),
                                                  output.label, output.shape, simplex, loss, tolerance)
         self.probabilities_cleared = below
         suspicions = [suspicion] if suspicion is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
-        for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[PROBABILITIES]):
+        judged = [PROBABILITIES]
+        if not self.chance_cleared:
+            held = self.verdicts.hold(Kind.LEARNING_STALLED, CHANCE)
+            at_chance, self.chance_cleared = chance_suspicion(step, step if held is None else held.first.step,
+                                                              describe(output), output.label, output.shape, loss)
+            suspicions += [at_chance] if at_chance is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
+            judged.append(CHANCE)
+        for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=judged):
             if confirmed.latest.finding is not None:
-                self.record(confirmed.latest.finding, step, where, key=PROBABILITIES)
+                self.record(confirmed.latest.finding, step, where, key=confirmed.key)
 
     def _flag(self, finding: Finding, step: int, where: Where) -> None:
         label = finding.details["modules"][0]
@@ -425,6 +435,7 @@ class ActivationMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
                     probabilities_cleared=self.probabilities_cleared, probabilities_judged=self.probabilities_judged,
+                    chance_cleared=self.chance_cleared,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -435,6 +446,7 @@ class ActivationMonitor(Monitor):
         self.first_saturated = float(state_dict.get("first_saturated", math.nan))
         self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
         self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
+        self.chance_cleared = bool(state_dict.get("chance_cleared", False))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

@@ -1,8 +1,9 @@
 """The training loop's silent killers: modules left in eval mode, gradients never zeroed.
 
-``grad_not_zeroed`` hooks only parameters still holding a gradient after an optimizer step (a healthy
-``zero_grad()`` leaves none); micro-batch accumulation happens between optimizer steps, and with several
-optimizers only the stepping one's parameters count (a GAN).
+``train_mode_in_eval`` watches the first evaluation batch of the fit for dropout that still drops and BatchNorm that
+still updates its statistics (:mod:`lightning_debug.checks.stochastic`). ``grad_not_zeroed`` hooks only parameters
+still holding a gradient after an optimizer step (a healthy ``zero_grad()`` leaves none); micro-batch accumulation
+happens between optimizer steps, and with several optimizers only the stepping one's parameters count (a GAN).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_debug.checks.numerics import fused_norms
+from lightning_debug.checks.numerics import compiled_wrapper, fused_norms
+from lightning_debug.checks.stochastic import RandomCall, RandomInEvaluation
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.findings import Finding, quoted
 from lightning_debug.core.kinds import Kind, Severity
@@ -112,6 +114,25 @@ def eval_mode_finding(step: int, name: str, affected: list[str]) -> Finding:
         "trainable parameters. Call `.train()` on it (or on the model after evaluating); if frozen statistics "
         "are intended, freeze its parameters too.",
         {"modules": [name], "affected": affected[:NAMES_IN_DETAILS], "count": len(affected)})
+
+
+def random_in_evaluation_finding(step: int, calls: Sequence[RandomCall]) -> Finding:
+    """``train_mode_in_eval``: the calls that drew randomness during the first evaluation batch::
+
+        >>> call = RandomCall("torch.nn.functional.dropout", {"file": "model.py", "line": 9, "code": "F.dropout(h)"}, 3)
+        >>> finding = random_in_evaluation_finding(0, [call])
+        >>> finding.kind.value, finding.details["calls"][0]["count"]
+        ('train_mode_in_eval', 3)
+    """
+    shown = "; ".join(f"{call.where()} x{call.count}" for call in calls[:NAMES_SHOWN])
+    return Finding(
+        Kind.TRAIN_MODE_IN_EVAL, Severity.WARNING,
+        f"While the model was evaluated (first evaluation batch, step {step}), {len(calls)} call(s) still drew "
+        f"randomness as in training: {shown}. Every evaluation runs a random sub-network: pass "
+        "training=self.training to functional dropout (its default is True) and do not put submodules back in train "
+        "mode inside forward.",
+        {"calls": [{"operation": call.operation, "source": call.source, "count": call.count}
+                   for call in calls[:NAMES_IN_DETAILS]]})
 
 
 def held_gradients(named: Iterable[tuple[str, torch.nn.Parameter]], stepped: set[int],
@@ -214,7 +235,7 @@ class LoopMonitor(Monitor):
 
     area = Area.LOOP
     events = frozenset({Event.START, Event.EPOCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
-                        Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EXCEPTION})
+                        Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.EVALUATION, Event.EXCEPTION})
 
     def __init__(self, config: DebugConfig, source: str = "lightning-debug") -> None:
         super().__init__(config, source)
@@ -234,9 +255,11 @@ class LoopMonitor(Monitor):
         self._pending: list[tuple[int, Where, list[str], Readback]] = []
         self._batches = BatchWindow()
         self.repeated_batches = 0
+        self.evaluation_watched = False  # the first evaluation batch of the fit was watched for randomness
+        self._evaluation_watch: tuple[RandomInEvaluation, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow())
+        return dict(super().__getstate__(), _window=None, _pending=[], _batches=BatchWindow(), _evaluation_watch=None)
 
     def start(self, step: int) -> None:
         self._steps_done = step
@@ -332,6 +355,33 @@ class LoopMonitor(Monitor):
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self._close_window(evaluate=False)
+        self._end_evaluation_watch(judge=False)
+
+    # --- randomness in evaluation ----------------------------------------------------------------
+    def evaluation(self, step: int, started: bool) -> None:
+        """The first evaluation batch of the fit runs under :class:`RandomInEvaluation` (Python-level function
+        interception for that one batch; a compiled model is not watched)."""
+        if not started:
+            self._end_evaluation_watch()
+            return
+        if self.evaluation_watched or self._evaluation_watch is not None:
+            return
+        self.evaluation_watched = True
+        model = self.context.module()
+        if model is None or any(compiled_wrapper(module) for module in model.modules()):
+            return
+        watch = RandomInEvaluation()
+        watch.__enter__()
+        self._evaluation_watch = (watch, step)
+
+    def _end_evaluation_watch(self, judge: bool = True) -> None:
+        held, self._evaluation_watch = self._evaluation_watch, None
+        if held is None:
+            return
+        watch, step = held
+        watch.__exit__(None, None, None)
+        if judge and watch.calls:
+            self.emit(random_in_evaluation_finding(step, list(watch.calls.values())), step, self.context.where())
 
     def _close_window(self, evaluate: bool = True) -> None:
         """The backward is over: drop the hooks; the old norms of the parameters it reached are read later."""
@@ -366,15 +416,18 @@ class LoopMonitor(Monitor):
             self.close_episodes(step, where, {Kind.GRAD_NOT_ZEROED})
 
     def finalize(self, step: int) -> None:
+        self._end_evaluation_watch()
         self._close_window()
         self.poll(final=True)
         super().finalize(step)
 
     def restore(self) -> None:
+        self._end_evaluation_watch(judge=False)
         self._close_window(evaluate=False)
         self._batches.clear()
 
     def report_section(self) -> dict[str, Any]:
-        return dict(super().report_section(), mode_checks=self.mode_checks, eval_modules=dict(self.eval_modules),
+        return dict(super().report_section(), mode_checks=self.mode_checks, evaluation_watched=self.evaluation_watched,
+                    eval_modules=dict(self.eval_modules),
                     frozen_statistics=list(self.frozen_statistics),
                     accumulating=list(self.accumulating), repeated_batches=self.repeated_batches)

@@ -103,7 +103,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
              evaluate_after: tuple[int, float] | None = None, oom_at: int | None = None,
              nan_in_model_at: int | None = None, lr_zero_from: int | None = None,
              scaler: torch.amp.GradScaler | None = None, config: DebugConfig | None = None,
-             pass_loader: bool = True, **overrides: Any) -> Run:
+             pass_loader: bool = True, frozen_hidden: bool = False, **overrides: Any) -> Run:
     """A plain Accelerate loop with the debugger's three lines.
 
     ``nan_input_at``: from this optimizer step on, the batch carries a NaN (NaN loss and gradients).
@@ -117,6 +117,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
     ``nan_in_model_at``: from this step on, the activation after ``hidden`` takes sqrt of negatives.
     ``lr_zero_from``: a LambdaLR (stepped after each optimizer step, given to the debugger) is 0 from this step on.
     ``pass_loader``: give the prepared DataLoader to the debugger (``train_dataloader=``).
+    ``frozen_hidden``: ``hidden`` gets ``requires_grad=False`` before the optimizer is built over every parameter.
     """
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(root),
@@ -125,6 +126,7 @@ def run_loop(root: Path, *, steps: int = 12, accumulation: int = 1, nan_input_at
         accelerator.scaler = scaler
     accelerator.init_trackers("run")
     model = TinyNet(unused_layer)
+    model.hidden.requires_grad_(not frozen_hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         time.sleep(data_delay_s)
@@ -332,6 +334,19 @@ def test_fp16_grad_scaler_skip_mode_hands_the_step_to_the_scaler(tmp_path: Path)
     anomalies = run.debugger.run.monitor(Area.ANOMALY)
     assert anomalies is not None and anomalies.skipped_steps == 1
     assert run.accelerator._optimizers[0].step_was_skipped is False, "steps after the skipped one update again"
+
+
+def test_a_parameter_frozen_before_the_debugger_saw_the_model_is_said_not_judged(tmp_path: Path) -> None:
+    """The debugger first sees the model prepared, after the optimizer was built: a layer frozen before it while the
+    optimizer holds it cannot be told from one its module built frozen, so the report says ``frozen_param`` for
+    that cause was not judged, instead of a silent "by design" (issue 42: an adapter's missing fact is said)."""
+    run = run_loop(tmp_path, frozen_hidden=True)
+    events = run.events()
+    assert [e for e in events if e["severity"] in {"warning", "error", "critical"}] == []
+    info = [e for e in events if e["kind"] == "requires_grad_false"]
+    assert info and info[0]["details"]["parameters"] == ["hidden.weight", "hidden.bias"]
+    assert "Not judged: `frozen_param (requires_grad_false)`: the run first saw the model at its start" in run.report_md()
+    assert "requires_grad_false" not in run_loop(tmp_path / "plain").report_md()
 
 
 def test_invalid_config_fails_at_construction(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ class Net(pl.LightningModule):
 
     def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
-                 kaiming: bool = False, loss: str = "ce") -> None:
+                 kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0) -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -37,6 +37,7 @@ class Net(pl.LightningModule):
         self.out_act = out_act
         self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
         self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot
+        self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         if kaiming:
             for layer in self.layers:
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
@@ -69,9 +70,12 @@ class Net(pl.LightningModule):
             x = torch.randn(512, 16, generator=g)
             y = torch.tanh(x @ torch.randn(16, 1, generator=g) / 4) * self.target_scale
         else:
-            labels = torch.randint(0, 4, (512,), generator=g)
-            x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(512, 16, generator=g)
-            y = labels
+            n = max(512, self.wrong_labels, 32 * (self.trainer.max_steps if self._trainer is not None else 0))
+            labels = torch.randint(0, 4, (n,), generator=g)
+            x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(n, 16, generator=g)
+            y = labels.clone()
+            wrong = min(self.wrong_labels, n)
+            y[:wrong] = labels[:wrong][torch.randperm(wrong, generator=g)]
         return DataLoader(TensorDataset(x, y), batch_size=32)
 
 
@@ -128,6 +132,26 @@ def test_a_softmax_output_fed_to_cross_entropy_is_learning_stalled_at_its_floor(
     assert details["modules"] == ["out_act"] and details["classes"] == 4 and details["since_step"] == 100
     assert details["floor"] <= details["loss"] < details["floor"] + 0.05
     assert "nll_loss(torch.log(p))" in stalled[0]["message"]
+
+
+def test_labels_shuffled_against_their_inputs_are_learning_stalled_at_chance(tmp_path: Path) -> None:
+    """A classifier on labels that do not belong to their inputs (one epoch of 9,632 samples, never repeated) keeps
+    its cross-entropy at log 4 while nothing else looks wrong: named once held 4 judgements (0, 100, 200, 300)."""
+    events, _ = fit(tmp_path / "buggy", Net(optimizer="adam", lr=1e-3, wrong_labels=10**6), steps=301, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(300, "loss_at_chance")], warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["head"] and details["classes"] == 4 and details["since_step"] == 0
+    assert abs(details["loss"] - details["chance"]) < 0.03 * details["chance"]
+    assert "labels belong to their inputs" in stalled[0]["message"]
+
+
+@pytest.mark.parametrize("labels", [0, 5_000])
+def test_a_classifier_that_learns_from_the_start_or_late_is_not_at_chance(tmp_path: Path, labels: int) -> None:
+    """The twins: the right labels from the start, and wrong ones for the first 5,000 samples (about 156 steps at
+    chance, a fine-tune that learns late) then right: the loss leaves log 4 before the hold ends."""
+    events, _ = fit(tmp_path, Net(optimizer="adam", lr=1e-3, wrong_labels=labels), steps=301, every=20)
+    assert warnings_of(events) == []
 
 
 @pytest.mark.parametrize("twin", ["nll_log", "mse_one_hot", "logits"])

@@ -592,8 +592,23 @@ def test_the_bulk_of_a_model_frozen_under_an_optimizer_over_every_parameter_is_a
     assert accident == [] and finding is not None and finding.details["in_optimizer"] == 1
     assert "still in an optimizer param group" in finding.message and summary["requires_grad_false_parameters"] == 1
     layer, rest = torch.nn.Parameter(torch.ones(4), requires_grad=False), torch.nn.Parameter(torch.ones(64))
-    summary, finding, accident = trainability([("layer", layer), ("rest", rest)], [{"params": [layer, rest]}])
+    summary, finding, accident = trainability([("layer", layer), ("rest", rest)], [{"params": [layer, rest]}],
+                                              trainable_before=[layer, rest])
     assert accident == ["layer"] and finding is None and summary["requires_grad_false_parameters"] == 0
+
+
+def test_a_parameter_built_frozen_is_by_design_even_in_the_optimizer_and_one_frozen_later_is_the_accident() -> None:
+    """A module that builds a parameter frozen (a sinusoidal position table; transformers' Marian, Pegasus, the
+    Whisper-style audio encoders) sits in ``AdamW(self.parameters())`` harmlessly: info. The same parameter
+    trainable when the run first saw the model and frozen since, still held by the optimizer, is a freeze left
+    over (issue 45's invariant 6): the accident."""
+    table, rest = torch.nn.Parameter(torch.ones(8), requires_grad=False), torch.nn.Parameter(torch.ones(64))
+    named, groups = [("table", table), ("rest", rest)], [{"params": [table, rest]}]
+    summary, finding, accident = trainability(named, groups, trainable_before=[rest])
+    assert accident == [] and finding is not None and finding.details["parameters"] == ["table"]
+    assert "built frozen before the run saw the model" in finding.message
+    summary, finding, accident = trainability(named, groups, trainable_before=[table, rest])
+    assert accident == ["table"] and finding is None and summary["requires_grad_false_in_optimizer"] == 1
 
 
 def test_frozen_by_optimizer_skips_an_optimizer_of_flattened_copies() -> None:

@@ -132,9 +132,14 @@ class GradientMonitor(Monitor):
                           "logged.")
         self._param_groups = context.param_groups()
         self._start_lrs = [group.get("lr") for group in self._param_groups]
-        self.trainability, untrainable, lost = trainability(named, self._param_groups)
+        before = context.trainable_before_start()
+        self.trainability, untrainable, lost = trainability(named, self._param_groups, before)
         if untrainable is not None:
             self.session.emit(untrainable, step=step, where=where, callback=self.source)
+            if before is None and untrainable.details["in_optimizer"]:
+                self.unavailable[f"{Kind.FROZEN_PARAM.value} ({FrozenCause.REQUIRES_GRAD_FALSE.value})"] = (
+                    "the run first saw the model at its start, so a parameter frozen before it while an optimizer "
+                    "holds it cannot be told from one built frozen; both are taken as frozen by design")
         self._schedule = context.schedule()
         if self._schedule[0] is None:
             self.unavailable[Kind.LEARNING_STALLED.value] = (

@@ -53,24 +53,30 @@ def number_equals_zero(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
-def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]] = ()
+def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequence[dict[str, Any]] = (),
+                 trainable_before: Collection[torch.Tensor] | None = None
                  ) -> tuple[dict[str, Any], Finding | None, list[str]]:
     """How many parameters (and elements) are trainable, the ``requires_grad_false`` info naming those frozen on
     purpose (None: none), and the names of those frozen by accident: held by an optimizer with
-    ``requires_grad=False`` and fewer elements than the trainable ones (the bulk of a model frozen for a
-    fine-tune under ``AdamW(model.parameters())`` is on purpose).
+    ``requires_grad=False`` although they were trainable when the run first saw the model
+    (``trainable_before``, None: not known), and fewer elements than the trainable ones. A parameter its module
+    built frozen (a sinusoidal position table, an MoE bias updated outside the optimizer) sits in
+    ``AdamW(model.parameters())`` harmlessly, as does the bulk of a model frozen for a fine-tune.
 
     Example::
 
-        >>> trained, lost = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
-        >>> _ = lost.requires_grad_(False)
-        >>> summary, info, accident = trainability([("a", trained), ("b", lost)], [{"params": [trained, lost]}])
-        >>> accident, info, summary["requires_grad_false_in_optimizer"]
-        (['b'], None, 1)
+        >>> trained, lost, table = (torch.nn.Parameter(torch.ones(n)) for n in (4, 2, 2))
+        >>> _ = lost.requires_grad_(False), table.requires_grad_(False)
+        >>> named, groups = [("a", trained), ("b", lost), ("t", table)], [{"params": [trained, lost, table]}]
+        >>> summary, info, accident = trainability(named, groups, trainable_before=[trained, lost])
+        >>> accident, info.details["parameters"], summary["requires_grad_false_in_optimizer"]
+        (['b'], ['t'], 1)
     """
     held = {id(p) for group in param_groups for p in group.get("params", [])}
+    was_trainable = {id(p) for p in trainable_before or ()}
     trainable = [(name, p) for name, p in named if p.requires_grad]
-    in_optimizer = [(name, p) for name, p in named if not p.requires_grad and id(p) in held]
+    in_optimizer = [(name, p) for name, p in named
+                    if not p.requires_grad and id(p) in held and id(p) in was_trainable]
     trainable_elements = sum(p.numel() for _, p in trainable)
     accident = in_optimizer if sum(p.numel() for _, p in in_optimizer) < trainable_elements else []
     lost = {id(p) for _, p in accident}
@@ -86,8 +92,8 @@ def trainability(named: Sequence[tuple[str, torch.Tensor]], param_groups: Sequen
     if not untrainable:
         return summary, None, [name for name, _ in accident]
     listed = sum(id(p) in held for _, p in untrainable)
-    still = (f" ({listed} of them still in an optimizer param group, the bulk of the model frozen as a fine-tune "
-             "does: torch's optimizers skip them)") if listed else ""
+    still = (f" ({listed} of them still in an optimizer param group, which torch's optimizers skip: built frozen "
+             "before the run saw the model, or the bulk of it frozen as a fine-tune does)") if listed else ""
     return summary, Finding(
         Kind.REQUIRES_GRAD_FALSE, Severity.INFO,
         f"{len(untrainable)} of {len(named)} parameters ({summary['requires_grad_false_elements']:,} "
