@@ -18,17 +18,40 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_debug._version import __version__
 
-_EXPORTS = {name: f"lightning_debug.{module}" for module, names in {
-    "callbacks.anomaly": ["AnomalyDetectionCallback"], "callbacks.gradients": ["GradientHealthCallback"],
-    "callbacks.memory": ["MemoryProfilerCallback"], "callbacks.performance": ["PerformanceProfilerCallback"],
-    "checks.tensors": ["TensorStats", "check_labels", "inspect_tensor"], "checks.localize": ["is_replaying"],
-    "config": ["AnomalyMode", "DebugConfig", "DebugLevel", "DebugMode"], "errors": ["AnomalyError"],
-    "presets": ["debug_callbacks"],
-}.items() for name in names}
+_EXPORTS = {
+    "AnomalyDetectionCallback": "lightning_debug.callbacks.anomaly",
+    "GradientHealthCallback": "lightning_debug.callbacks.gradients",
+    "MemoryProfilerCallback": "lightning_debug.callbacks.memory",
+    "PerformanceProfilerCallback": "lightning_debug.callbacks.performance",
+    "TensorStats": "lightning_debug.checks.tensors",
+    "check_labels": "lightning_debug.checks.tensors",
+    "is_replaying": "lightning_debug.checks.localize",
+    "inspect_tensor": "lightning_debug.checks.tensors",
+    "AnomalyMode": "lightning_debug.config",
+    "DebugConfig": "lightning_debug.config",
+    "DebugLevel": "lightning_debug.config",
+    "DebugMode": "lightning_debug.config",
+    "AnomalyError": "lightning_debug.errors",
+    "debug_callbacks": "lightning_debug.presets",
+}
 
-__all__ = ["AnomalyDetectionCallback", "AnomalyError", "AnomalyMode", "DebugConfig", "DebugLevel", "DebugMode",
-           "GradientHealthCallback", "MemoryProfilerCallback", "PerformanceProfilerCallback", "TensorStats",
-           "__version__", "check_labels", "debug_callbacks", "inspect_tensor", "is_replaying"]
+__all__ = [
+    "AnomalyDetectionCallback",
+    "AnomalyError",
+    "AnomalyMode",
+    "DebugConfig",
+    "DebugLevel",
+    "DebugMode",
+    "GradientHealthCallback",
+    "MemoryProfilerCallback",
+    "PerformanceProfilerCallback",
+    "TensorStats",
+    "__version__",
+    "check_labels",
+    "debug_callbacks",
+    "inspect_tensor",
+    "is_replaying",
+]
 
 if TYPE_CHECKING:
     from lightning_debug.callbacks.anomaly import AnomalyDetectionCallback

@@ -106,9 +106,13 @@ class Area(enum.Enum):
 
 
 AREAS_BY_MODE: dict[DebugMode, tuple[Area, ...]] = {
-    DebugMode.NONE: (), DebugMode.ANOMALY_DETECTION: (Area.ANOMALY,), DebugMode.GRADIENT_CHECKING: (Area.GRADIENTS,),
-    DebugMode.MEMORY_PROFILING: (Area.MEMORY,), DebugMode.PERFORMANCE_PROFILING: (Area.PERFORMANCE,),
-    DebugMode.FULL_DEBUG: (Area.ANOMALY, Area.GRADIENTS, Area.MEMORY, Area.PERFORMANCE)}
+    DebugMode.NONE: (),
+    DebugMode.ANOMALY_DETECTION: (Area.ANOMALY,),
+    DebugMode.GRADIENT_CHECKING: (Area.GRADIENTS,),
+    DebugMode.MEMORY_PROFILING: (Area.MEMORY,),
+    DebugMode.PERFORMANCE_PROFILING: (Area.PERFORMANCE,),
+    DebugMode.FULL_DEBUG: (Area.ANOMALY, Area.GRADIENTS, Area.MEMORY, Area.PERFORMANCE),
+}
 EVERY_CALLBACK = AREAS_BY_MODE[DebugMode.FULL_DEBUG]
 """The areas of the four callbacks: a field that names them all is a keyword of every callback."""
 
