@@ -49,7 +49,7 @@ OWNER = {
                      "learning_stalled", "dead_activation", "saturated_activation"), ("gradients",)),
     **dict.fromkeys(("memory_growth", "memory_high", "oom"), ("memory",)),
     **dict.fromkeys(("slow_step", "dataloader_bottleneck", "straggler_rank", "host_sync"), ("performance",)),
-    **dict.fromkeys(("eval_mode_in_training", "grad_not_zeroed", "repeated_batch", "exception"),
+    **dict.fromkeys(("eval_mode_in_training", "train_mode_in_eval", "grad_not_zeroed", "repeated_batch", "exception"),
                     ("anomaly", "gradients")),
 }
 """The callback whose area writes each kind (docs' tables of kinds; activations come with the gradients
