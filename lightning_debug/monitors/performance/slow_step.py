@@ -37,17 +37,15 @@ FAR_MIN_FRACTION = 0.1
 # A step whose input has more than SIZE_BAND times the recent median's elements (a long bucket of a length-bucketed
 # or dynamically padded loader) is judged against the recent steps whose inputs are within SIZE_BAND of its own.
 SIZE_BAND = 1.25
-RUN = "run"
-"""The key of the run of slow steps in a row the verdict engine holds (one at a time)."""
-
+RUN = "run"  # the key of the run of slow steps in a row the verdict engine holds (one at a time)
+# Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule.
 SHIFT_ELEMENTS_RATIO = 1.5
-"""Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule."""
 
 
 @dataclass(frozen=True)
 class Shift:
-    """Slow steps in a row that did not end: the run's step time moved to a new level at ``start`` (a schedule
-    that grows the input, a backbone unfrozen, a slower machine), because the recent median followed them.
+    """Slow steps in a row that did not end: the step time moved to a new level at ``start`` (a growing input, a
+    backbone unfrozen, a slower machine).
 
     Example::
 
@@ -65,8 +63,7 @@ class Shift:
     phase_before_ms: float
     phase_after_ms: float
     elements_ratio: float | None
-    ended_run: bool = False
-    """The shift lasted to the end of the run, too few steps to tell it from a stall at the end."""
+    ended_run: bool = False  # it lasted to the end of the run: too few steps to tell it from a stall
 
     def finding(self, phase: Phase) -> Finding:
         factor = self.after_ms / self.before_ms if self.before_ms > 0 else math.inf
@@ -109,10 +106,8 @@ class SlowRun:
     total_ms: float = 0.0
     phase_ms: dict[Phase, float] = field(default_factory=dict)
     elements: int = 0
-    held: dict[str, Any] | None = None
-    """The verdict held back while the run lasts, as its state (see :class:`~.slow_step.SlowStepRule`)."""
-    explained: bool = True
-    """Whether every step of the run had a larger input than usual and an ordinary time for it: if it ends, no burst."""
+    held: dict[str, Any] | None = None  # the verdict held back while the run lasts, as its state
+    explained: bool = True  # every step had a larger input than usual and an ordinary time for it: no burst
 
     def add(self, times: StepTimes) -> None:
         self.length += 1
@@ -136,7 +131,7 @@ class SlowRun:
 
 
 def by_name(times: dict[Phase, float]) -> dict[str, float]:
-    """Times by phase name, for a checkpoint or an event (:func:`by_phase` reads them back)."""
+    """Times by phase name, for a checkpoint or an event."""
     return {phase.value: ms for phase, ms in times.items()}
 
 
@@ -157,9 +152,8 @@ PHASE_HINTS = {
 
 
 def smallest_period(period: int, timing_frequency: int) -> int:
-    """The shortest true period a stall seen every ``period`` steps can have when only every ``timing_frequency``-th
-    step is timed: the smallest ``k >= 2`` dividing ``period`` whose multiples meet the timed steps exactly at
-    multiples of ``period`` (``lcm(k, timing_frequency) == period``). What the stall may cost is judged from it.
+    """The shortest true period of a stall seen every ``period`` timed steps when only every ``timing_frequency``-th
+    step is timed (the smallest ``k >= 2`` with ``lcm(k, timing_frequency) == period``): what it may cost.
 
     Example::
 
@@ -173,7 +167,7 @@ def smallest_period(period: int, timing_frequency: int) -> int:
 
 
 def time_share(excess_ms: float, period: int, median_ms: float) -> float:
-    """The share of the time a stall of ``excess_ms`` over a ``median_ms`` step, every ``period`` steps, costs.
+    """The share of the time a stall of ``excess_ms`` every ``period`` steps of ``median_ms`` costs.
 
     Example::
 
@@ -185,7 +179,7 @@ def time_share(excess_ms: float, period: int, median_ms: float) -> float:
 
 
 def ordinal(number: int) -> str:
-    """``5`` -> ``"5th"``, ``2`` -> ``"2nd"``, ``23`` -> ``"23rd"``: every k-th step, in words.
+    """Every k-th step, in words.
 
     Example::
 
@@ -198,7 +192,7 @@ def ordinal(number: int) -> str:
 
 @dataclass(frozen=True)
 class SlowStep:
-    """A slow step found: its times, the run's recent medians, and the phase that grew the most."""
+    """A slow step found: its times, the recent medians, and the phase that grew the most."""
 
     step: int
     phase: Phase
@@ -220,16 +214,13 @@ class SlowStep:
     outlier_steps: tuple[int, ...] = ()
     timing_frequency: int = 1
     hooks: dict[str, list[int]] | None = None
-    share: float | None = None
-    """For a stall that recurs only with a period: the share of the time it costs (at most, with sparse timing)."""
-    epoch_start: bool = False
-    """The slow step is the first of an epoch and its data phase grew: the loader's iterator starting."""
+    share: float | None = None  # a stall that recurs only with a period: the share of the time it costs (at most)
+    epoch_start: bool = False  # the first step of an epoch, its data phase grew: the loader's iterator starting
     loader: dict[str, Any] | None = None
     shift: Shift | None = None
-    """Set when the slow steps did not end but became the run's level (see :class:`Shift`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values, for the verdict engine's checkpoint (a verdict is held before any shift is known)."""
+        """For the verdict engine's checkpoint (a verdict is held before any shift is known)."""
         state = asdict(self)
         return dict(state, phase=self.phase.value, phases_ms=by_name(self.phases_ms),
                     outlier_steps=list(self.outlier_steps), shift=None)
@@ -246,8 +237,8 @@ class SlowStep:
 
     @property
     def key(self) -> str:
-        """Episodes by phase; a lone outlier, a periodic stall that costs little and a shift (infos) are episodes of
-        their own, so that an open one never hides a warning of the same phase."""
+        """Episodes by phase; the infos (a lone outlier, a cheap periodic stall, a shift) have their own, so that an
+        open one never hides a warning of the same phase."""
         if self.shift is not None:
             return f"{self.phase.value} (shift)"
         if not self.recurring:
@@ -256,8 +247,7 @@ class SlowStep:
 
     @property
     def fraction(self) -> float:
-        """The share of steps the stall costs: one in ``period`` for a periodic one, else the share of the recent
-        timed steps that were outliers."""
+        """The share of steps the stall hits: one in ``period``, else the outliers' share of the recent timed steps."""
         if self.period:
             return 1.0 / self.period
         return self.outliers / self.timed_steps if self.timed_steps else 0.0
@@ -325,15 +315,11 @@ class SlowStep:
 class SlowStepRule:
     """Whether a timed step is slow for this run, judged against the last ``RECENT_STEPS`` timed steps.
 
-    Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
-    sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
-    when outliers recur (``SLOW_MIN_FLAGGED`` of ``SLOW_WINDOW``, periodic, or far out often; one alone is an
-    info past ``SLOW_LONE_FACTOR`` x the median and ``SLOW_LONE_MS``), a periodic stall only when it costs
-    ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
-    consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
-    before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a
-    much larger input (``SIZE_BAND``: length-bucketed batches) is judged against steps of its size. See
-    docs/performance.md.
+    Jitter (a collection, a busy machine) is ruled out by needing the factor, ``SLOW_MAD_Z`` robust sigmas and
+    ``MIN_SLOW_EXCESS_MS`` at once, without the plugin's own time and the CPU wait; it warns only when outliers
+    recur (one alone is an info when far out), a periodic stall only when it costs ``MIN_PERIODIC_SHARE`` of the
+    time. The engine holds a run of consecutive outliers (``Confirm(until=BACK_UNDER)``): back under the
+    threshold of before it was a burst, else the level moved (an info). See docs/performance.md.
 
     Example::
 
@@ -361,9 +347,8 @@ class SlowStepRule:
         self.sized: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (input elements, judged ms)
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
-        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a
-        multiple of k counts when every step where the stall was due in between was not timed (a profiler
-        window, steps between sparse timed steps): a timed step there that was not slow breaks the period."""
+        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a multiple
+        of k counts when no step where the stall was due in between was timed (a profiler window, sparse timing)."""
         last = list(self.outlier_steps)[-minimum:]
         if len(last) < minimum:
             return None
@@ -378,7 +363,6 @@ class SlowStepRule:
         return None if any(step in timed for step in due) else period
 
     def recent_outliers(self) -> list[int]:
-        """The outlier steps among the recent timed steps."""
         return self._recent(self.outlier_steps)
 
     def ongoing(self, step: int) -> bool:
@@ -395,8 +379,7 @@ class SlowStepRule:
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
     def _size_threshold(self, settings: PerformanceSettings, elements: int) -> float | None:
-        """The outlier threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (None
-        with fewer than ``MIN_HISTORY`` of them)."""
+        """The threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (or None)."""
         peers = [ms for size, ms in self.sized if elements / SIZE_BAND <= size <= elements * SIZE_BAND]
         return self._threshold(settings, robust_median(peers), peers) if len(peers) >= MIN_HISTORY else None
 
@@ -418,7 +401,7 @@ class SlowStepRule:
                         settings.frequency, share=share)
 
     def judge(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
-        """Judge one timed step against the history before it (flags it as an outlier or not)."""
+        """Judge one timed step against the history before it."""
         run = self._held_run()
         judged = times.judged_step_ms
         if len(self.steps) < MIN_HISTORY:  # a run held at a resume is decided by the threshold of before alone
@@ -474,19 +457,16 @@ class SlowStepRule:
         return None if held is None else SlowRun.from_state(held.measured)
 
     def _hold(self, step: int, run: SlowRun) -> None:
-        """The run goes on: the engine holds it, with what was measured so far, until a step ends it."""
         suspicion = Suspicion(Kind.SLOW_STEP, RUN, step, bound=run.base_threshold, measured=run.state_dict())
         self.verdicts.observe(Kind.SLOW_STEP, step, [suspicion])  # confirms nothing: a run is decided when it ends
 
     def _end_run(self, step: int, judged_ms: float) -> SlowStep | None:
-        """A timed step that is not an outlier ends a run of them (see :meth:`_decide`)."""
         decided = self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms)
         return self._decide(decided[0]) if decided else None
 
     def _decide(self, decided: Confirmed) -> SlowStep | None:
-        """What an ended run of slow steps is: back under the threshold of before, the burst it held (none when every
-        step was only larger than usual); ended above it, the shift to a new level (whose outliers are then
-        forgotten); still going at the end of the run, a shift that lasted to the end."""
+        """An ended run of slow steps: back under the threshold of before, the burst it held; ended above it, a shift
+        to a new level; still going at the end of the run, a shift that lasted to the end."""
         run = SlowRun.from_state(decided.latest.measured)
         if run.held is None:
             return None
@@ -501,7 +481,7 @@ class SlowStepRule:
         return replace(held, step=run.start, shift=run.shift(held.phase))
 
     def _new_level(self, start: int) -> None:
-        """Steps are judged against the new level only: the history before it, and its outliers, are forgotten."""
+        """Steps are judged against the new level only: the history before it is forgotten."""
         self.steps, self.elements = Window(RECENT_STEPS), Window(RECENT_STEPS)
         self.sized.clear()
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
@@ -510,13 +490,12 @@ class SlowStepRule:
         self.far_steps = deque((s for s in self.far_steps if s < start), maxlen=RECENT_STEPS)
 
     def flush(self) -> SlowStep | None:
-        """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the
-        end."""
+        """At the end of the run: slow steps in a row still held, as a shift that lasted to the end."""
         decided = self.verdicts.flush({Kind.SLOW_STEP})
         return self._decide(decided[0]) if decided else None
 
     def remember(self, times: StepTimes) -> None:
-        """Add a timed step to the history (after it was judged)."""
+        """Add a timed step to the history, after it was judged."""
         self.steps.add(times.judged_step_ms)
         for phase in PHASES:
             self.phases[phase].add(times.judged(phase))
