@@ -42,59 +42,21 @@ RUN = "run"  # the key of the run of slow steps in a row the verdict engine hold
 SHIFT_ELEMENTS_RATIO = 1.5
 
 
-@dataclass(frozen=True)
-class Shift:
-    """Slow steps in a row that did not end: the step time moved to a new level at ``start`` (a growing input, a
-    backbone unfrozen, a slower machine).
-
-    Example::
-
-        >>> shift = Shift(start=200, steps=12, before_ms=16.0, after_ms=96.0, phase_before_ms=9.0, phase_after_ms=61.0,
-        ...               elements_ratio=4.0)
-        >>> finding = shift.finding(Phase.FORWARD)
-        >>> finding.severity.value, finding.details["factor"], "4.0x the elements" in finding.message
-        ('info', 6.0, True)
-    """
-
-    start: int
-    steps: int
-    before_ms: float
-    after_ms: float
-    phase_before_ms: float
-    phase_after_ms: float
-    elements_ratio: float | None
-    ended_run: bool = False  # it lasted to the end of the run: too few steps to tell it from a stall
-
-    def finding(self, phase: Phase) -> Finding:
-        factor = self.after_ms / self.before_ms if self.before_ms > 0 else math.inf
-        if self.elements_ratio is not None and self.elements_ratio >= SHIFT_ELEMENTS_RATIO:
-            why = (f"each step's input has {self.elements_ratio:.1f}x the elements it had: a longer sequence, a larger "
-                   "image or a larger batch (a schedule that grows them) costs this by design")
-        else:
-            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
-                   "path in training_step, or a slower machine (another process, throttling) would do this")
-        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
-                  else "and stayed there: a new level, not a stall")
-        return Finding(
-            Kind.SLOW_STEP, Severity.INFO,
-            f"From step {self.start} on, steps take {self.after_ms:.1f} ms instead of {self.before_ms:.1f} ms "
-            f"({factor:.1f}x), {self.steps} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
-            f"most ({self.phase_before_ms:.1f} -> {self.phase_after_ms:.1f} ms). {why[0].upper()}{why[1:]}.",
-            {"phase": phase.value, "shift_step": self.start, "before_ms": self.before_ms,
-             "after_ms": self.after_ms, "factor": factor, "timed_steps": self.steps,
-             "elements_ratio": self.elements_ratio, "ended_run": self.ended_run, "recurring": False})
-
-
 @dataclass
 class SlowRun:
-    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums.
+    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums. One that
+    did not end is a shift: the step time moved to a new level (a growing input, a backbone unfrozen, a slower
+    machine).
 
     Example::
 
-        >>> run = SlowRun(10, 16.0, 66.0, {phase: 4.0 for phase in PHASES}, None)
-        >>> run.add(StepTimes(10, {phase: 40.0 for phase in PHASES}))
-        >>> SlowRun.from_state(run.state_dict()) == run, run.shift(Phase.DATA).after_ms
-        (True, 160.0)
+        >>> run = SlowRun(200, 16.0, 66.0, {phase: 9.0 for phase in PHASES}, 100.0)
+        >>> run.add(StepTimes(200, {phase: 24.0 for phase in PHASES}, elements=400))
+        >>> finding = run.finding(Phase.FORWARD)
+        >>> SlowRun.from_state(run.state_dict()) == run, finding.details["after_ms"], finding.details["factor"]
+        (True, 96.0, 6.0)
+        >>> finding.severity.value, "4.0x the elements" in finding.message
+        ('info', True)
     """
 
     start: int
@@ -108,6 +70,7 @@ class SlowRun:
     elements: int = 0
     held: dict[str, Any] | None = None  # the verdict held back while the run lasts, as its state
     explained: bool = True  # every step had a larger input than usual and an ordinary time for it: no burst
+    ended_run: bool = False  # a shift that lasted to the end of the run: too few steps to tell it from a stall
 
     def add(self, times: StepTimes) -> None:
         self.length += 1
@@ -123,11 +86,28 @@ class SlowRun:
     def from_state(cls, state: dict[str, Any]) -> SlowRun:
         return cls(**dict(state, base_phases=by_phase(state["base_phases"]), phase_ms=by_phase(state["phase_ms"])))
 
-    def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
-        ratio = (self.elements / self.length / self.base_elements
-                 if self.elements and self.base_elements else None)
-        return Shift(self.start, self.length, self.base_median, self.total_ms / self.length,
-                     self.base_phases[phase], self.phase_ms[phase] / self.length, ratio, ended_run)
+    def finding(self, phase: Phase) -> Finding:
+        """The shift's finding, ``phase`` the one that grew the most."""
+        before, after = self.base_median, self.total_ms / self.length
+        ratio = self.elements / self.length / self.base_elements if self.elements and self.base_elements else None
+        factor = after / before if before > 0 else math.inf
+        if ratio is not None and ratio >= SHIFT_ELEMENTS_RATIO:
+            why = (f"each step's input has {ratio:.1f}x the elements it had: a longer sequence, a larger "
+                   "image or a larger batch (a schedule that grows them) costs this by design")
+        else:
+            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
+                   "path in training_step, or a slower machine (another process, throttling) would do this")
+        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
+                  else "and stayed there: a new level, not a stall")
+        return Finding(
+            Kind.SLOW_STEP, Severity.INFO,
+            f"From step {self.start} on, steps take {after:.1f} ms instead of {before:.1f} ms "
+            f"({factor:.1f}x), {self.length} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
+            f"most ({self.base_phases[phase]:.1f} -> {self.phase_ms[phase] / self.length:.1f} ms). "
+            f"{why[0].upper()}{why[1:]}.",
+            {"phase": phase.value, "shift_step": self.start, "before_ms": before, "after_ms": after,
+             "factor": factor, "timed_steps": self.length, "elements_ratio": ratio, "ended_run": self.ended_run,
+             "recurring": False})
 
 
 def by_name(times: dict[Phase, float]) -> dict[str, float]:
@@ -217,7 +197,7 @@ class SlowStep:
     share: float | None = None  # a stall that recurs only with a period: the share of the time it costs (at most)
     epoch_start: bool = False  # the first step of an epoch, its data phase grew: the loader's iterator starting
     loader: dict[str, Any] | None = None
-    shift: Shift | None = None
+    shift: SlowRun | None = None  # set when the slow steps did not end but became the run's level
 
     def state_dict(self) -> dict[str, Any]:
         """For the verdict engine's checkpoint (a verdict is held before any shift is known)."""
@@ -461,12 +441,14 @@ class SlowStepRule:
         self.verdicts.observe(Kind.SLOW_STEP, step, [suspicion])  # confirms nothing: a run is decided when it ends
 
     def _end_run(self, step: int, judged_ms: float) -> SlowStep | None:
-        decided = self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms)
-        return self._decide(decided[0]) if decided else None
+        return self._decide(self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms))
 
-    def _decide(self, decided: Confirmed) -> SlowStep | None:
+    def _decide(self, ended: list[Confirmed]) -> SlowStep | None:
         """An ended run of slow steps: back under the threshold of before, the burst it held; ended above it, a shift
         to a new level; still going at the end of the run, a shift that lasted to the end."""
+        if not ended:
+            return None
+        decided = ended[0]
         run = SlowRun.from_state(decided.latest.measured)
         if run.held is None:
             return None
@@ -476,9 +458,9 @@ class SlowStepRule:
         if decided.by is ConfirmedBy.AT_END:
             if run.explained and run.length < MIN_HISTORY:
                 return None
-            return replace(held, step=run.start, shift=run.shift(held.phase, ended_run=True))
+            return replace(held, step=run.start, shift=replace(run, ended_run=True))
         self._new_level(run.start)
-        return replace(held, step=run.start, shift=run.shift(held.phase))
+        return replace(held, step=run.start, shift=run)
 
     def _new_level(self, start: int) -> None:
         """Steps are judged against the new level only: the history before it is forgotten."""
@@ -491,8 +473,7 @@ class SlowStepRule:
 
     def flush(self) -> SlowStep | None:
         """At the end of the run: slow steps in a row still held, as a shift that lasted to the end."""
-        decided = self.verdicts.flush({Kind.SLOW_STEP})
-        return self._decide(decided[0]) if decided else None
+        return self._decide(self.verdicts.flush({Kind.SLOW_STEP}))
 
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history, after it was judged."""
