@@ -88,9 +88,7 @@ def event_problem(record: Any) -> str | None:
         >>> event_problem({"step": 3, "kind": "slow_step"}), event_problem({"step": "3", "kind": "slow_step"})
         (None, "'step' is not an integer")
     """
-    if not isinstance(record, dict):
-        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
-    if not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
         return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
     if not is_int(record.get("step")) or record["step"] < 0:
         return "'step' is not an integer" if not is_int(record.get("step")) else "'step' is negative"

@@ -235,17 +235,17 @@ class StepWindows:
                 closed = True
         return closed
 
-    def _settle(self, status: WindowStatus, reason: str | None = None) -> None:
+    def _settle(self, status: WindowStatus, reason: str | None = None) -> str:
         start, length = self.profile_window  # type: ignore[misc]
         self.outcome = {"status": status, "first_step": start, "last_step": start + length - 1, "reason": reason}
+        return f"steps {start}-{start + length - 1}"
 
     def _give_up(self, status: WindowStatus, reason: str) -> None:
         """The window is skipped (another profiler holds torch's) or dropped: said once, and in :attr:`outcome`."""
-        self._settle(status, reason)
-        start, length = self.profile_window  # type: ignore[misc]
+        steps = self._settle(status, reason)
         outcome = (f"is skipped: {reason}; torch runs one profiler at a time" if status is WindowStatus.SKIPPED
                    else f"was dropped: {reason}; training continues")
-        self.on_failure(f"the torch.profiler window of profile_steps (steps {start}-{start + length - 1}) {outcome}.")
+        self.on_failure(f"the torch.profiler window of profile_steps ({steps}) {outcome}.")
 
     def _drop(self, failure: Exception, when: str) -> None:
         """Our profiler raised ``when`` and is dropped."""
@@ -256,19 +256,6 @@ class StepWindows:
         else:
             self._give_up(WindowStatus.FAILED, f"torch.profiler raised {when} ({reason})")
 
-    def other_profiler(self) -> str | None:
-        """Who else records with torch.profiler now, in words (None: nobody we can see)."""
-        named = None
-        if self.in_use is not None:
-            with contextlib.suppress(Exception):
-                named = self.in_use()
-        if named:
-            return named
-        if torch_profiler_running():
-            return "a torch profiler is already recording on this process (torch.profiler.profile or " \
-                   "torch.autograd.profiler.profile started outside lightning-debug)"
-        return None
-
     def not_reached(self, step: int) -> None:
         """The run ended before the window opened: say so in :attr:`outcome`."""
         if self.profile_window is not None and self.outcome is None and not self._profile_done:
@@ -278,8 +265,14 @@ class StepWindows:
         self._profile_done = True
         if self.output_dir is None:
             return
-        other = self.other_profiler()
-        if other is not None:
+        other = None  # who else records with torch.profiler now, in words
+        if self.in_use is not None:
+            with contextlib.suppress(Exception):
+                other = self.in_use()
+        if not other and torch_profiler_running():
+            other = ("a torch profiler is already recording on this process (torch.profiler.profile or "
+                     "torch.autograd.profiler.profile started outside lightning-debug)")
+        if other:
             self._give_up(WindowStatus.SKIPPED, other)
             return
         from torch.profiler import ProfilerActivity, profile, schedule
