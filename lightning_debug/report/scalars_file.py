@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.monitor import Monitor
 from lightning_debug.core.session import RUN_MARKERS
 from lightning_debug.report.document import moment
 
-EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
     "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
@@ -150,8 +150,7 @@ class ScalarFindings:
         {'episodes': 4, 'steps': 4, 'first_step': 4, 'last_step': 19}
     """
 
-    def __init__(self, grace: int = EPISODE_GRACE) -> None:
-        self.grace = grace
+    def __init__(self) -> None:
         self.spans: dict[str, list[int]] = {}  # tag -> [first, last, points, episodes, open, missed]
         self._last: dict[str, float] = {}
 
@@ -177,7 +176,7 @@ class ScalarFindings:
             span[4], span[5] = 1, 0
         elif span[4]:
             span[5] += 1
-            if span[5] >= self.grace:
+            if span[5] >= Monitor.episode_grace:  # counted as a live run counts them
                 span[4] = 0
 
     def findings(self) -> dict[str, dict[str, Any]]:

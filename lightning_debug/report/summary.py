@@ -82,10 +82,9 @@ def finding_line(record: dict[str, Any]) -> str:
 
 class FindingWarnings:
     """Session event listener: one line per finding of severity warning or above as its episode starts, at most
-    ``per_source`` per callback."""
+    ``WARNINGS_PER_SOURCE`` per callback."""
 
-    def __init__(self, per_source: int = WARNINGS_PER_SOURCE) -> None:
-        self.per_source = per_source
+    def __init__(self) -> None:
         self._shown: dict[str, int] = {}
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -95,10 +94,10 @@ class FindingWarnings:
             return
         source = str(record.get("callback", ""))
         shown = self._shown.get(source, 0)
-        if shown >= self.per_source:
+        if shown >= WARNINGS_PER_SOURCE:
             return
         self._shown[source] = shown + 1
-        last = shown + 1 == self.per_source
+        last = shown + 1 == WARNINGS_PER_SOURCE
         notify(finding_line(record) + (f" (further findings of {source} are only in events.jsonl)" if last else ""))
 
 

@@ -84,7 +84,6 @@ class PerformanceMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         self._timer: PhaseTimer | None = None
-        self._stepped = -1
         self._next_start: tuple[int, Mark, float, float] | None = None
         self._pending: list[PhaseTimer] = []
         self._gathers: deque[Readback] = deque()
@@ -161,7 +160,6 @@ class PerformanceMonitor(Monitor):
             self._timer.enter(Phase.BACKWARD)
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        self._stepped = step
         if self._timer is not None:
             self._timer.enter(Phase.OPTIMIZER)
         return Decision.CONTINUE
