@@ -115,7 +115,7 @@ def trace_finding(trace: dict[str, Any]) -> Finding:
          "top_cpu": trace["top_cpu"], "top_device": trace["top_device"]})
 
 
-def sync_sites(counts: Counter[tuple[str, int]]) -> list[dict[str, Any]]:
+def sync_sites(counts: Counter[tuple[str, int]], package_dir: str = PACKAGE_DIR) -> list[dict[str, Any]]:
     """The lines that forced the most host-device synchronizations, each with whose code it is.
 
     Example::
@@ -125,7 +125,7 @@ def sync_sites(counts: Counter[tuple[str, int]]) -> list[dict[str, Any]]:
     """
     sites = []
     for (filename, lineno), count in counts.most_common(MAX_SYNC_SITES):
-        origin = ("lightning-debug" if filename.startswith(PACKAGE_DIR) else
+        origin = ("lightning-debug" if filename.startswith(package_dir) else
                   "library" if "site-packages" in filename or "dist-packages" in filename else "user code")
         sites.append({"file": filename, "line": lineno, "count": count, "origin": origin,
                       "code": linecache.getline(filename, lineno).strip()})
