@@ -34,13 +34,12 @@ from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, write_report
 from lightning_debug.report.events_file import (MAX_MESSAGE, EventsFile, EventsScan, is_int, iter_events, last_run,
                                                  printable, read_events_file)  # read_events_file: re-exported
-from lightning_debug.report.scalars_file import (RUN_ID, RUN_MARKERS, ScalarFindings, TimeSpan, merge_scalar_findings,
-                                                 next_run_start, parse_moment, run_id_start, scalar_values,
-                                                 tensorboard_files)  # tensorboard_files: re-exported
+from lightning_debug.report.scalars_file import (MAX_REPORT_BYTES, RUN_ID, RUN_MARKERS, ScalarFindings, TimeSpan,
+                                                 merge_scalar_findings, next_run_start, parse_moment, run_id_start,
+                                                 scalar_values, tensorboard_files)  # tensorboard_files: re-exported
 
 Progress = Callable[[str], None]
 
-MAX_REPORT_BYTES = 64 << 20
 MAX_DEPTH = 32
 MAX_TEXT = 4000
 STATUSES = tuple(status.value for status in RunStatus)

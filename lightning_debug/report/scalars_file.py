@@ -23,6 +23,7 @@ TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
     "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
 }
+MAX_REPORT_BYTES = 64 << 20  # a report.json larger than this is not read
 RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")  # core.session.new_run_id: its start, UTC, to the second
 
 
@@ -101,7 +102,7 @@ def next_run_start(directories: Iterable[Path], after: float, own: str | None = 
 def _recorded_start(report: Path) -> float | None:
     """report.json's ``started``, or None."""
     try:
-        if not report.is_file() or report.stat().st_size > 64 << 20:
+        if not report.is_file() or report.stat().st_size > MAX_REPORT_BYTES:
             return None
         raw = json.loads(report.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
