@@ -1,7 +1,5 @@
-"""The report files in the logger's own run: an artifact of the W&B run, artifacts of the MLflow run.
-
-The report files are attached to every run of a logger that stores files, so they are found where the run's
-charts are; both work offline (a W&B offline run stages the artifact, an MLflow file store copies the files).
+"""The report files in the logger's own run, where its charts are: a W&B artifact, MLflow artifacts (both work
+offline).
 
 Example::
 
@@ -21,8 +19,7 @@ Store = tuple[str, Any, "str | None"]
 
 
 def attach_files(stores: Iterable[Store], files: list[Path]) -> list[str]:
-    """Attach ``files`` to each store (``("wandb", run, None)`` or ``("mlflow", client, run_id)``); returns
-    where they went, one line each."""
+    """Attach ``files`` to each store (``("wandb", run, None)`` or ``("mlflow", client, run_id)``); returns where."""
     attached: list[str] = []
     for kind, handle, run_id in stores:
         if kind == "wandb":

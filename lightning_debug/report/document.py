@@ -1,7 +1,6 @@
 """report.json (for programs) and report.md (for people), built from what the monitors hold.
 
-report.json's top-level keys are stable (docs/index.md lists them; ``schema_version`` changes if one ever has
-to); each area's report.md sections are rendered in :mod:`lightning_debug.report.sections`.
+report.json's top-level keys are stable (``schema_version`` changes if one ever has to).
 
 Example::
 
@@ -39,10 +38,8 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
                  error: str | None = None, failures: dict[str, Any] | None = None,
                  run_id: str | None = None,
                  on_render_failure: Callable[[str, Exception], None] | None = None) -> dict[str, Any]:
-    """Merge the monitors' sections (``findings``, ``stats``, the rest under ``sections`` with its ``markdown``)
-    into one report. A section whose Markdown cannot be rendered is left without it and given to
-    ``on_render_failure``, so one area's odd section never costs the whole report.
-    """
+    """Merge the monitors' sections into one report. A section whose Markdown cannot be rendered is left without
+    it and given to ``on_render_failure``: one area's odd section never costs the whole report."""
     findings: dict[str, dict[str, Any]] = {}
     stats: dict[str, Any] = {}
     for name, section in sections.items():
@@ -77,8 +74,8 @@ def build_report(*, status: RunStatus | str, step: int, sections: dict[str, dict
 
 
 def moment(seconds: float) -> str:
-    """A time as report.json writes the run's span (``started``, ``ended``): UTC, to the millisecond, so the
-    offline report can tell two runs a second apart in one TensorBoard file.
+    """A time as report.json writes the run's span: UTC, to the millisecond, so the offline report can tell two
+    runs a second apart in one TensorBoard file.
 
     Example::
 
@@ -89,7 +86,7 @@ def moment(seconds: float) -> str:
 
 
 def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
-    """The checks that raised instead of running, as Markdown lines (report.md and TensorBoard).
+    """The checks that raised instead of running, as Markdown lines.
 
     Example::
 
@@ -110,9 +107,8 @@ def failed_checks_markdown(failed: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """report.md: the status, then each finding (root causes first, most severe first, each consequence after
-    its cause) with where it was and what to do. "No problems found" only when :func:`.nothing_found` says so:
-    what a callback measured non-finite is stated under the headline whatever the findings."""
+    """report.md: the status, then each finding (root causes first, most severe first) with where it was and what
+    to do. What a callback measured non-finite is stated under the headline whatever the findings."""
     lines = ["# lightning-debug report", ""]
     status = report["status"]
     lines.append(f"Run status: **{status}** at step {report['last_step']}"
@@ -172,7 +168,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 # --- files ----------------------------------------------------------------------------------------
 def current_umask() -> int:
-    """The process's umask (read from /proc where it can be, so no other thread sees it changed)."""
+    """The process's umask (from /proc where it can be, so no other thread sees it changed)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             for line in status:
@@ -186,9 +182,8 @@ def current_umask() -> int:
 
 
 def write_atomic(path: Path, data: bytes | str) -> Path:
-    """Write ``path`` whole or not at all: into a temporary file in the same directory, flushed to disk,
-    then renamed over ``path``. A full disk leaves the previous complete version (and no temporary
-    file); a symlink at ``path`` is replaced, never followed, so nothing outside the directory is written.
+    """Write ``path`` whole or not at all (a temporary file in the same directory, flushed, renamed over it): a
+    full disk leaves the previous version; a symlink at ``path`` is replaced, never followed.
 
     Example::
 
@@ -216,8 +211,7 @@ def write_atomic(path: Path, data: bytes | str) -> Path:
 
 
 def write_report(directory: Path, report: dict[str, Any]) -> None:
-    """Write report.json and report.md, each atomically (:func:`write_atomic`); raises for the caller to
-    record as a failed write."""
+    """Write report.json and report.md, each atomically; raises for the caller to record."""
     json_text = json.dumps(jsonable(report), indent=2, allow_nan=False) + "\n"
     markdown = render_markdown(report)
     write_atomic(directory / REPORT_JSON, json_text)

@@ -1,7 +1,5 @@
-"""Reading events.jsonl defensively: streamed, every line checked against the event schema.
-
-Files from a crash, a full disk or someone else: a bad line is skipped and counted (with a few examples), a
-cut-off last line is noted as such, and the last run's events are told from earlier runs' (docs/reliability.md).
+"""Reading events.jsonl defensively (files from a crash, a full disk or someone else): streamed, every line checked
+against the event schema, a bad one skipped and counted, a cut-off last line noted as such.
 
 Example::
 
@@ -24,17 +22,16 @@ from typing import Any
 
 MAX_LINE_BYTES = 1 << 20
 BAD_LINES_SHOWN = 3
-MAX_MESSAGE = 2000  # characters of a message kept (the rest is cut on read, whatever the line's length)
+MAX_MESSAGE = 2000  # characters of a message kept
 MAX_NAME = 200  # characters of a kind, severity, callback, run id or key kept
-MAX_RUN_IDS = 1000  # run ids remembered to tell an earlier run's events; more are counted, not kept
+MAX_RUN_IDS = 1000  # run ids remembered to tell an earlier run's events
 KEPT_DETAILS = ("first_step", "last_step", "steps", "episodes", "key", "consequence_of")
 _UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def printable(text: str) -> str:
-    """``text`` with control characters, terminal escapes, bidirectional overrides and lone surrogates
-    written as escapes (``\\x1b``), so a hostile events.jsonl cannot drive the terminal it is printed on
-    or make the report unwritable as UTF-8.
+    """``text`` with control characters, bidirectional overrides and lone surrogates written as escapes, so a
+    hostile events.jsonl cannot drive the terminal it is printed on or make the report unwritable as UTF-8.
 
     Example::
 
@@ -48,8 +45,7 @@ def printable(text: str) -> str:
 
 
 def _kept(record: dict[str, Any]) -> dict[str, Any]:
-    """What the report uses of a valid event, with its texts cut and made printable: memory is bounded by
-    what is kept, not by the length of the line."""
+    """What the report uses of a valid event, its texts cut and made printable: memory bounded by what is kept."""
     kept: dict[str, Any] = {}
     for key, value in record.items():
         if key == "details" and isinstance(value, dict):
@@ -92,9 +88,7 @@ def event_problem(record: Any) -> str | None:
         >>> event_problem({"step": 3, "kind": "slow_step"}), event_problem({"step": "3", "kind": "slow_step"})
         (None, "'step' is not an integer")
     """
-    if not isinstance(record, dict):
-        return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
-    if not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str) or not 0 < len(record["kind"]) <= 100:
         return "not a lightning-debug event (needs an object with 'kind' and an integer 'step')"
     if not is_int(record.get("step")) or record["step"] < 0:
         return "'step' is not an integer" if not is_int(record.get("step")) else "'step' is negative"
@@ -118,8 +112,7 @@ def event_problem(record: Any) -> str | None:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
-    """``(number, line, complete)`` of a file read in bounded pieces; a line over
-    :data:`MAX_LINE_BYTES` comes as None (its bytes are skipped, not kept)."""
+    """``(number, line, complete)`` of a file read in bounded pieces; a line over :data:`MAX_LINE_BYTES` is None."""
     with open(path, "rb") as stream:
         number = 0
         while True:
@@ -136,9 +129,8 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes | None, bool]]:
 
 
 def iter_events(path: Path, scan: EventsScan, trim: bool = True) -> Iterator[dict[str, Any]]:
-    """The valid events of ``path``, one at a time; bad lines are counted in ``scan`` (a cut-off last line,
-    the trace of a crash in the middle of a write, is noted as such, not as bad). With ``trim`` (the
-    report's reading) each event is cut to what the report uses, its texts escaped (:func:`_kept`)."""
+    """The valid events of ``path``, one at a time, bad lines counted in ``scan``; with ``trim``, each cut to what
+    the report uses (:func:`_kept`)."""
     for number, line, complete in _lines(path):
         where = f"{path.name}:{number}"
         if line is None:
@@ -170,8 +162,7 @@ def iter_events(path: Path, scan: EventsScan, trim: bool = True) -> Iterator[dic
 
 @dataclass
 class EventsFile:
-    """All valid events of a (small) events.jsonl, whole, for tests and tools; :func:`rebuild` streams them
-    instead, each cut to what the report uses."""
+    """All valid events of a (small) events.jsonl, whole, for tests and tools."""
 
     records: list[dict[str, Any]]
     truncated_last_line: bool
@@ -185,10 +176,9 @@ def read_events_file(path: Path) -> EventsFile:
 
 
 def last_run(records: Iterable[dict[str, Any]], scan: EventsScan) -> Iterator[dict[str, Any]]:
-    """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the
-    consumer starts afresh); events of a run seen earlier are counted, not used. At most
-    :data:`MAX_RUN_IDS` ids are remembered, so a file of a million runs costs no more memory than one
-    of a thousand (an event of a forgotten earlier run then starts a run afresh, counted like one)."""
+    """The events of the last run of a file several runs appended to: a new run id yields ``{}`` (the consumer
+    starts afresh); events of a run seen earlier are counted, not used. At most :data:`MAX_RUN_IDS` ids are
+    remembered, so memory stays bounded (an event of a forgotten run then starts a run afresh)."""
     seen: set[Any] = set()
     started = False
     for record in records:

@@ -1,10 +1,8 @@
 """What the callbacks measured, stated whatever the rules concluded: the one place that decides whether a
-report may say "No problems found" (report.md) or "nothing wrong found" (the console summary).
+report may say "No problems found" or "nothing wrong found".
 
 A rule may stay quiet on purpose (a step its exemption covers), but a value measured non-finite is not an
-opinion: a run with one is never called clean. Each area's report section names what it measured non-finite
-under ``nonfinite`` (``what -> {first_step, last_step, steps}``), and every headline is decided here from
-those facts and the findings.
+opinion: a run with one is never called clean. Each area's section lists it under ``nonfinite``.
 
 Example::
 
@@ -34,7 +32,7 @@ def step_span(fact: dict[str, Any]) -> str:
 
 
 def nonfinite_measured(report: dict[str, Any]) -> list[str]:
-    """One sentence per non-finite measurement an area's section states (see the module docstring)."""
+    """One sentence per non-finite measurement an area's section states."""
     sentences = []
     for area, section in (report.get("sections") or {}).items():
         facts = section.get(NONFINITE) if isinstance(section, dict) else None
@@ -47,8 +45,8 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
 
 
 def nothing_found(report: dict[str, Any], serious_only: bool = False) -> bool:
-    """Whether the report may say it found nothing: no finding (``serious_only``: none of severity warning
-    or above, as the console counts) and nothing measured non-finite."""
+    """Whether the report may say it found nothing: no finding (``serious_only``: of severity warning or above)
+    and nothing measured non-finite."""
     findings = report.get("findings") or {}
     if serious_only:
         findings = {kind: entry for kind, entry in findings.items()
@@ -57,7 +55,7 @@ def nothing_found(report: dict[str, Any], serious_only: bool = False) -> bool:
 
 
 def measured_line(report: dict[str, Any]) -> str | None:
-    """report.md's line under its headline stating what was measured non-finite (None when nothing was).
+    """report.md's line under its headline stating what was measured non-finite, or None.
 
     Example::
 

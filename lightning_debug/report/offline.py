@@ -1,11 +1,8 @@
 """``lightning-debug report DIR``: rebuild report.json, report.md and the plots of a run after the fact.
 
-For a run that died without writing its report, or one whose report you want again with a newer version:
-findings and statistics come from ``events.jsonl`` (read defensively by
-:mod:`~lightning_debug.report.events_file`) and the TensorBoard scalars of the run's own time span
-(:mod:`~lightning_debug.report.scalars_file`); a report.json already there contributes only what a live run
-knows (status, configuration, sections), in the parts that have the types a report needs. Input with nothing
-usable is a :class:`RunDirectoryError` with a one-line message (docs/index.md, docs/reliability.md).
+Findings and statistics come from ``events.jsonl`` and the TensorBoard scalars of the run's own time span; a
+report.json already there contributes only what a live run knows (status, configuration, sections), in the
+parts that have the types a report needs. Nothing usable is a :class:`RunDirectoryError` (one line).
 
 Example::
 
@@ -35,32 +32,14 @@ from lightning_debug.core.findings import order_findings
 from lightning_debug.core.guard import describe
 from lightning_debug.core.timeline import Timeline
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD, build_report, write_report
-from lightning_debug.report.scalars_file import (  # tensorboard_files: re-exported for tools and tests
-    RUN_ID,
-    RUN_MARKERS,
-    ScalarFindings,
-    TimeSpan,
-    merge_scalar_findings,
-    next_run_start,
-    parse_moment,
-    run_id_start,
-    scalar_values,
-    tensorboard_files,
-)
-from lightning_debug.report.events_file import (  # read_events_file: re-exported for tools and tests
-    MAX_MESSAGE,
-    EventsFile,
-    EventsScan,
-    is_int,
-    iter_events,
-    last_run,
-    printable,
-    read_events_file,
-)
+from lightning_debug.report.events_file import (MAX_MESSAGE, EventsFile, EventsScan, is_int, iter_events, last_run,
+                                                 printable, read_events_file)  # read_events_file: re-exported
+from lightning_debug.report.scalars_file import (MAX_REPORT_BYTES, RUN_ID, RUN_MARKERS, ScalarFindings, TimeSpan,
+                                                 merge_scalar_findings, next_run_start, parse_moment, run_id_start,
+                                                 scalar_values, tensorboard_files)  # tensorboard_files: re-exported
 
 Progress = Callable[[str], None]
 
-MAX_REPORT_BYTES = 64 << 20
 MAX_DEPTH = 32
 MAX_TEXT = 4000
 STATUSES = tuple(status.value for status in RunStatus)
@@ -74,10 +53,8 @@ def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorbo
                   progress: Progress | None = None, progress_every_s: float = 1.0,
                   scalars: ScalarFindings | None = None,
                   span: Callable[[], TimeSpan] | None = None) -> tuple[Timeline, list[str]]:
-    """A timeline from events and TensorBoard files; returns it and notes on files it skipped. A
-    ``{}`` in ``events`` (see :func:`~lightning_debug.report.events_file.last_run`) starts the timeline afresh.
-    ``span``, asked once the events are read (they name the run), keeps the TensorBoard points of the run's own
-    time span only."""
+    """A timeline from events and TensorBoard files, and notes on files it skipped. A ``{}`` in ``events`` starts
+    it afresh; ``span``, asked once the events are read (they name the run), keeps the run's own points only."""
     timeline = Timeline()
     notes: list[str] = []
     for record in events.records if isinstance(events, EventsFile) else events or []:
@@ -110,7 +87,7 @@ def read_timeline(events: EventsFile | Iterable[dict[str, Any]] | None, tensorbo
 
 # --- report.json -----------------------------------------------------------------------------------
 def _shallow(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """``value`` is JSON nested at most ``limit`` deep with string keys (checked without recursion)."""
+    """``value`` is JSON nested at most ``limit`` deep with string keys."""
     stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
@@ -196,7 +173,7 @@ def _existing_report(directory: Path, notes: list[str]) -> dict[str, Any]:
 
 
 def _merge_findings(from_events: dict[str, Any], existing: dict[str, Any]) -> dict[str, Any]:
-    """A live tally is exact; keep it for a kind unless the events go on past it."""
+    """A live tally is exact: kept for a kind unless the events go on past it."""
     merged = dict(from_events)
     for kind, entry in existing.items():
         newer = from_events.get(kind)
@@ -207,7 +184,7 @@ def _merge_findings(from_events: dict[str, Any], existing: dict[str, Any]) -> di
 
 # --- the verb ----------------------------------------------------------------------------------------
 def find_run_directories(root: Path) -> list[Path]:
-    """The debug directories at or under ``root``: those holding events.jsonl or report.json."""
+    """The debug directories at or under ``root`` (holding events.jsonl or report.json)."""
     if not root.exists():
         raise RunDirectoryError(f"no such directory: {root}")
     if not root.is_dir():
@@ -232,8 +209,7 @@ class RebuildResult:
 
 
 def rebuild(directory: Path, plots: bool = True, progress: Progress | None = None) -> RebuildResult:
-    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files; a
-    :class:`RunDirectoryError` (one-line message) when nothing in the directory can be used."""
+    """Rebuild report.json, report.md (and debug_analysis.png) in ``directory`` from its files."""
     notes: list[str] = []
     events_path = directory / EVENTS_FILENAME
     scan = EventsScan()

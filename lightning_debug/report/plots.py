@@ -1,9 +1,7 @@
 """``debug_analysis.png``: the loss, step time, memory, gradient norm and findings over the steps of one run.
 
-The loss comes first: it is the curve a person debugging a NaN or a divergence looks at, and every
-other panel shares its step axis (docs/index.md describes the panels). matplotlib is an optional extra,
-imported only when a figure is drawn and through the object-oriented Agg API, so a user's own pyplot
-backend and figures are untouched.
+The loss comes first: it is the curve a person debugging a NaN or a divergence looks at. matplotlib is an optional
+extra, imported only when a figure is drawn, through the Agg API, so a user's own pyplot backend is untouched.
 
 Example::
 
@@ -29,8 +27,7 @@ from lightning_debug.core.timeline import LOSS_SERIES, Timeline
 from lightning_debug.report.document import write_atomic
 
 PLOT_FILENAME = "debug_analysis.png"
-INSTALL_HINT = "pip install matplotlib"
-"""Works wherever the package came from (a checkout, a wheel): the ``plots`` extra is only matplotlib."""
+INSTALL_HINT = "pip install matplotlib"  # works wherever the package came from: the ``plots`` extra is only that
 SEVERITY_COLORS = {"critical": "#7b0000", "error": "#d62728", "warning": "#ff7f0e", "info": "#8c8c8c"}
 MAX_MARKED_STEPS = 8
 
@@ -73,8 +70,7 @@ def _lines(axis: Any, timeline: Timeline, curves: list[tuple[str, str]], changes
 
 
 def plain(text: str) -> str:
-    """``text`` drawn as it is: a ``$`` (from an event's kind, a run's title) would start matplotlib's
-    mathtext, and an unbalanced or odd one makes the whole figure fail.
+    """``text`` drawn as it is: a ``$`` would start matplotlib's mathtext, and an odd one fails the whole figure.
 
     Example::
 

@@ -1,8 +1,6 @@
-"""The debug scalars of the TensorBoard event files next to a run, for ``lightning-debug report``.
-
-What they show completes events.jsonl: a run killed after its last event has the rest of its NaN steps and
-rising counts only here. A logger's version folder can hold the files of several runs, so only the points of
-the run's own time span are read (:class:`TimeSpan`, docs/index.md); what is kept is a few numbers per tag.
+"""The debug scalars of the TensorBoard files next to a run, for ``lightning-debug report``: a run killed after
+its last event has the rest of its NaN steps and rising counts only here. A version folder can hold several runs'
+files, so only the points of the run's own time span are read (:class:`TimeSpan`).
 """
 
 from __future__ import annotations
@@ -16,23 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_debug.core.monitor import Monitor
 from lightning_debug.core.session import RUN_MARKERS
 from lightning_debug.report.document import moment
 
-EPISODE_GRACE = 3  # Monitor.episode_grace: an episode ends after 3 check steps without its finding
 TENSORBOARD_COUNTS = {  # cumulative count scalar -> the finding its rise means
     "debug/grad/exploding_count": ("exploding_grad", "warning", "gradients exploded"),
     "debug/grad/vanishing_count": ("vanishing_grad", "warning", "gradients vanished"),
     "debug/grad/missing_count": ("missing_grad", "warning", "parameters received no gradient"),
 }
-
-
-RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")
-"""A run id (:func:`lightning_debug.core.session.new_run_id`): its start, UTC, to the second."""
+MAX_REPORT_BYTES = 64 << 20  # a report.json larger than this is not read
+RUN_ID = re.compile(r"(\d{8}-\d{6})-[0-9a-f]{6}")  # core.session.new_run_id: its start, UTC, to the second
 
 
 def parse_moment(text: Any) -> float | None:
-    """Seconds since the epoch of an ISO time (report.json's ``started``/``ended``), None when it is not one."""
+    """Seconds since the epoch of an ISO time (report.json's ``started``/``ended``), or None."""
     if not isinstance(text, str) or len(text) > 64:
         return None
     try:
@@ -43,7 +39,7 @@ def parse_moment(text: Any) -> float | None:
 
 
 def run_id_start(run_id: Any) -> float | None:
-    """The start of the run ``run_id`` names, to the second (None when it is no run id).
+    """The start of the run ``run_id`` names, to the second (or None).
 
     Example::
 
@@ -75,8 +71,8 @@ class TimeSpan:
         return (self.start is None or wall_time >= self.start) and (self.end is None or wall_time <= self.end)
 
     def may_hold(self, path: Path) -> bool:
-        """Whether the event file ``path`` can hold a point of the span: not created after its end (the time in the
-        file's name) nor last written before its start."""
+        """Whether the event file ``path`` was neither created after the span's end nor written last before its
+        start."""
         created = re.match(r"events\.out\.tfevents\.(\d+)\.", path.name)
         if self.end is not None and created is not None and int(created.group(1)) > self.end:
             return False
@@ -87,10 +83,9 @@ class TimeSpan:
 
 
 def next_run_start(directories: Iterable[Path], after: float, own: str | None = None) -> float | None:
-    """The earliest start after ``after`` of another run (not ``own``) whose directory, named by its run id as a
-    run's is when a folder already holds one, lies under ``directories``: where a run with no recorded end stopped
-    writing. The start is its report.json's ``started`` where there is one (to the millisecond: two short runs
-    can begin in the same second), else its run id's."""
+    """The earliest start after ``after`` of another run (not ``own``) whose run-id-named directory lies under
+    ``directories``: where a run with no recorded end stopped writing. Its report.json's ``started`` where there is
+    one (to the millisecond: two short runs can begin in the same second), else its run id's."""
     starts = []
     for directory in directories:
         if not directory.is_dir():
@@ -105,9 +100,9 @@ def next_run_start(directories: Iterable[Path], after: float, own: str | None = 
 
 
 def _recorded_start(report: Path) -> float | None:
-    """report.json's ``started`` (None when there is no readable one)."""
+    """report.json's ``started``, or None."""
     try:
-        if not report.is_file() or report.stat().st_size > 64 << 20:
+        if not report.is_file() or report.stat().st_size > MAX_REPORT_BYTES:
             return None
         raw = json.loads(report.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
@@ -143,9 +138,8 @@ def scalar_values(path: Path, span: TimeSpan | None = None) -> Iterator[tuple[st
 
 
 class ScalarFindings:
-    """What the debug scalars show, for runs whose events are missing or cut off (killed): the steps where
-    ``debug/loss_finite`` was 0 and where a cumulative count rose, as episodes counted the way a live
-    run counts them (one ends after ``grace`` logged points without it). Bounded: a few numbers per tag.
+    """What the debug scalars show for runs whose events are missing or cut off: the steps where
+    ``debug/loss_finite`` was 0 and where a cumulative count rose, as episodes counted as a live run counts them.
 
     Example::
 
@@ -157,8 +151,7 @@ class ScalarFindings:
         {'episodes': 4, 'steps': 4, 'first_step': 4, 'last_step': 19}
     """
 
-    def __init__(self, grace: int = EPISODE_GRACE) -> None:
-        self.grace = grace
+    def __init__(self) -> None:
         self.spans: dict[str, list[int]] = {}  # tag -> [first, last, points, episodes, open, missed]
         self._last: dict[str, float] = {}
 
@@ -184,7 +177,7 @@ class ScalarFindings:
             span[4], span[5] = 1, 0
         elif span[4]:
             span[5] += 1
-            if span[5] >= self.grace:
+            if span[5] >= Monitor.episode_grace:  # counted as a live run counts them
                 span[4] = 0
 
     def findings(self) -> dict[str, dict[str, Any]]:
@@ -209,9 +202,8 @@ class ScalarFindings:
 
 
 def merge_scalar_findings(from_events: dict[str, Any], from_scalars: dict[str, Any]) -> dict[str, Any]:
-    """The findings of events.jsonl completed by what the scalars show: a run killed after its last
-    event (or past the episodes written one by one) has its later episodes only in TensorBoard. Both are
-    lower bounds, so per kind the larger counts and the wider span win.
+    """The findings of events.jsonl completed by the scalars' (a killed run's later episodes are only in TensorBoard).
+    Both are lower bounds, so per kind the larger counts and the wider span win.
 
     Example::
 

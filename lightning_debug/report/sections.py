@@ -1,7 +1,5 @@
-"""The areas' sections of report.md: one function per area turns its report section into Markdown.
-
-:func:`~lightning_debug.report.document.build_report` adds what they return to each section as
-``markdown`` (title -> body); report.md prints them after the findings.
+"""The areas' sections of report.md: one function per area turns its report section into Markdown (title -> body),
+printed after the findings.
 
 Example::
 
@@ -23,7 +21,7 @@ from lightning_debug.report.measured import step_span
 
 
 def number_text(value: Any) -> str:
-    """A statistic as report.md prints it: floats with 4 significant digits (``nan`` and ``inf`` as such).
+    """A statistic as report.md prints it: floats with 4 significant digits.
 
     Example::
 
@@ -152,7 +150,7 @@ def phase_table_markdown(summaries: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def operators_markdown(rows: list[dict[str, Any]], by: str = "self_cpu_ms") -> str:
-    """A Markdown table of top-operator rows (``OperatorRow`` fields), with each one's share of the listed time.
+    """A Markdown table of top-operator rows, with each one's share of the listed time.
 
     Example::
 
@@ -216,7 +214,7 @@ def anomaly_markdown(section: dict[str, Any]) -> dict[str, str]:
 
 def activations_markdown(section: dict[str, Any]) -> dict[str, str]:
     """The modules flagged dead or saturated, and the last check's statistics per module (without
-    ``log_activations``: only when a module was flagged)."""
+    ``log_activations``: only when one was flagged)."""
     flagged = section.get("flagged") or {}
     if section.get("logged") is False and not flagged:
         return {}

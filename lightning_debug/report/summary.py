@@ -1,9 +1,7 @@
 """The end of a run for a person: ``debug_analysis.png`` and a compact summary on the console.
 
-:meth:`Run.finish <lightning_debug.run.Run.finish>` calls :func:`conclude_run` once per run on the
-global-zero process, after report.json is written. The summary is meant to be copied: a path or a command
-is always whole on one line, quoted for the shell, and no text of a run is read as rich markup; colours only
-on a terminal with rich installed, else the plain text of :func:`summary_lines`.
+The summary is meant to be copied: a path or a command is whole on one line, quoted for the shell, and no text
+of a run is read as rich markup; colours only on a terminal with rich installed.
 
 Example::
 
@@ -55,8 +53,8 @@ def _what(entry: dict[str, Any]) -> str:
 
 
 def finding_line(record: dict[str, Any]) -> str:
-    """The one console line of a finding: what (first sentence), kind and where, and one short hint
-    (the cause a replay named, else the start of the advice); the full text is in events.jsonl.
+    """The one console line of a finding: its first sentence, kind, where, and a hint (the cause a replay named,
+    else the advice's start).
 
     Example::
 
@@ -83,11 +81,10 @@ def finding_line(record: dict[str, Any]) -> str:
 
 
 class FindingWarnings:
-    """Session event listener: one warning line per finding of severity warning or above as its episode
-    starts, at most ``per_source`` per callback (then one line saying the rest are in events.jsonl)."""
+    """Session event listener: one line per finding of severity warning or above as its episode starts, at most
+    ``WARNINGS_PER_SOURCE`` per callback."""
 
-    def __init__(self, per_source: int = WARNINGS_PER_SOURCE) -> None:
-        self.per_source = per_source
+    def __init__(self) -> None:
         self._shown: dict[str, int] = {}
 
     def __call__(self, record: dict[str, Any]) -> None:
@@ -97,10 +94,10 @@ class FindingWarnings:
             return
         source = str(record.get("callback", ""))
         shown = self._shown.get(source, 0)
-        if shown >= self.per_source:
+        if shown >= WARNINGS_PER_SOURCE:
             return
         self._shown[source] = shown + 1
-        last = shown + 1 == self.per_source
+        last = shown + 1 == WARNINGS_PER_SOURCE
         notify(finding_line(record) + (f" (further findings of {source} are only in events.jsonl)" if last else ""))
 
 
@@ -117,7 +114,7 @@ def _headline(report: dict[str, Any]) -> str:
         found = "no finding, but non-finite values measured"
     else:
         found = "nothing wrong found" if not failed else "nothing found by the checks that ran"
-    if notes:  # info-level findings (a profiler trace written, weight decay on norms): listed, not counted as wrong
+    if notes:  # info-level findings: listed, not counted as wrong
         found += f" ({notes} note(s))" if not serious else f" and {notes} note(s)"
     if measured:
         found += f" ({'; '.join(measured)})"
@@ -131,7 +128,7 @@ def _headline(report: dict[str, Any]) -> str:
 
 
 def failed_check_lines(report: dict[str, Any]) -> list[str]:
-    """One line per check that failed: which, since when, how often and why.
+    """One line per check that failed.
 
     Example::
 
@@ -148,7 +145,7 @@ def failed_check_lines(report: dict[str, Any]) -> list[str]:
 
 
 def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
-    """The plain-text summary: a headline, one line per finding kind and per failed check, one per file."""
+    """The plain-text summary: a headline, one line per finding kind, per failed check and per file."""
     lines = [_headline(report)]
     if report.get("findings"):
         lines.append(f"  {'severity':<9} {'finding':<22} {'where':<12} what")
@@ -161,8 +158,7 @@ def summary_lines(report: dict[str, Any], files: dict[str, str]) -> list[str]:
 
 
 def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO | None = None) -> None:
-    """Print the summary: with rich on a terminal when it is installed, as the plain :func:`summary_lines`
-    otherwise (piped, redirected, no rich)."""
+    """Print the summary: with rich on a terminal when it is installed, else :func:`summary_lines`."""
     stream = stream if stream is not None else sys.stdout
     console = _rich_console(stream)
     if console is None:
@@ -195,7 +191,6 @@ def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO 
 
 
 def _rich_console(stream: TextIO) -> Any:
-    """A rich console on ``stream`` when rich is installed and ``stream`` is a terminal, else None."""
     try:
         from rich.console import Console
     except ImportError:
@@ -205,7 +200,7 @@ def _rich_console(stream: TextIO) -> Any:
 
 
 def report_command(directory: Path | str) -> str:
-    """The command that rebuilds a run's report and draws its plot, ready to paste into a shell.
+    """The command that rebuilds a run's report and draws its plot, quoted for the shell.
 
     Example::
 
@@ -217,9 +212,8 @@ def report_command(directory: Path | str) -> str:
 
 def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
                  attach: Any = None, report_written: bool = True) -> dict[str, str]:
-    """Draw the plots, finish the TensorBoard layout, attach the files to the loggers' runs (``attach(files)``)
-    and print the summary listing only files this run wrote (not report.md when ``report_written`` is False).
-    A failure in any step is recorded and the others go on. Returns the files and links listed."""
+    """Draw the plots, finish the TensorBoard layout, attach the files to the loggers' runs and print the summary
+    of the files this run wrote; a step that fails is recorded and the others go on. Returns the files listed."""
     files: dict[str, str] = {}
     failures = session.failures
     directory = session.output_dir
@@ -248,13 +242,12 @@ def conclude_run(session: Session, report: dict[str, Any], config: DebugConfig,
     return files
 
 
-PLOT_MIN_STEPS = 200
-"""From this many optimizer steps a healthy run's debug_analysis.png is drawn at the end of fit."""
+PLOT_MIN_STEPS = 200  # from this many optimizer steps a healthy run's debug_analysis.png is drawn
 
 
 def plot_worth_drawing(report: dict[str, Any]) -> bool:
-    """Whether the end of fit draws debug_analysis.png (``save_plots``): drawing costs about half a
-    second, so a short healthy fit skips it (docs/index.md says when it is drawn).
+    """Whether the end of fit draws debug_analysis.png: drawing costs about half a second, so a short healthy fit
+    skips it.
 
     Example::
 

@@ -1,10 +1,8 @@
-"""TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text
-at their step, and at the end the report (Text tab).
+"""TensorBoard: the ``debug/`` charts grouped in the Custom Scalars tab next to the loss, findings as text at their
+step, and at the end the report (Text tab).
 
-Every tab groups tags by the text before the first ``/``, and dashboards depend on the ``debug/...`` names,
-so the grouping by area lives in a Custom Scalars layout instead, with the user's loss first; each event
-becomes a text entry at its step so a spike in a chart can be matched with what was found there
-(docs/tensorboard.md shows each tab).
+Every tab groups tags by the text before the first ``/``, and dashboards depend on the ``debug/...`` names, so the
+grouping by area lives in a Custom Scalars layout, with the user's loss first.
 
 Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
@@ -21,6 +19,8 @@ Example (a plain ``SummaryWriter``, e.g. Accelerate's TensorBoard tracker)::
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,8 +30,6 @@ from lightning_debug.core.monitor import HistogramWriter
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import failed_checks_markdown
 
-LAYOUT_CATEGORIES = ("lightning-debug: anomalies", "lightning-debug: gradients", "lightning-debug: activations",
-                     "lightning-debug: memory", "lightning-debug: performance")
 EVENT_TAG_PREFIX = "debug/events/"
 FAILED_CHECKS_TAG = "debug/failed_checks"
 REPORT_TAG = "debug/report"
@@ -42,7 +40,7 @@ _ATTACHED = "_lightning_debug_layout_written"
 
 def debug_layout() -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout: category -> chart title -> ``["Multiline", [tag regexes]]`` (regexes, so
-    per-parameter charts and scalars added later fall into their group)."""
+    per-parameter scalars fall into their group)."""
     return {
         "lightning-debug: anomalies": {
             "your loss (every tag with 'loss' outside debug/)": ["Multiline", [USER_LOSS_PATTERN]],
@@ -79,6 +77,9 @@ def debug_layout() -> dict[str, dict[str, list[Any]]]:
     }
 
 
+LAYOUT_CATEGORIES = tuple(debug_layout())
+
+
 def event_markdown(record: dict[str, Any]) -> str:
     """One event as the Markdown of a TensorBoard text entry."""
     details = record.get("details") or {}
@@ -94,10 +95,8 @@ def event_markdown(record: dict[str, Any]) -> str:
 
 
 def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """:func:`debug_layout` without the debug charts (and groups) that no tag in ``tags`` (the run's debug
-    scalars) matches; the chart of the user's own loss, which the run does not see, is kept."""
-    import re
-
+    """:func:`debug_layout` without the debug charts that no tag of the run matches; the chart of the user's own
+    loss, which the run does not see, is kept."""
     names = list(tags)
     layout: dict[str, dict[str, list[Any]]] = {}
     for category, charts in debug_layout().items():
@@ -110,9 +109,9 @@ def pruned_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
 
 
 class EventText:
-    """Session event listener writing each event as a text entry at its step (bounded per run); at the end it
-    rewrites the layout with only the charts that have data and adds the report. The plot stays a file: as an
-    image it would be the first card of the Time Series tab, above the user's own loss."""
+    """Session event listener writing each event as a text entry at its step (bounded); at the end it rewrites the
+    layout with the charts that have data and adds the report. The plot stays a file: as an image it would be the
+    first card of the Time Series tab, above the user's own loss."""
 
     def __init__(self, writer: Any) -> None:
         self.writer = writer
@@ -145,8 +144,7 @@ class EventText:
 
 
 def histogram_writer(candidates: Iterable[Any]) -> HistogramWriter | None:
-    """A writer of raw histograms into the first of ``candidates`` that has ``add_histogram_raw`` (a
-    TensorBoard ``SummaryWriter``), or None when none has."""
+    """A writer of raw histograms into the first of ``candidates`` that has ``add_histogram_raw``, or None."""
     for candidate in candidates:
         add = getattr(candidate, "add_histogram_raw", None)
         if callable(add):
@@ -156,15 +154,13 @@ def histogram_writer(candidates: Iterable[Any]) -> HistogramWriter | None:
 
 def attach_to_writer(writer: Any, session: Session, log_dir: str | None = None) -> bool:
     """Write the layout to a ``SummaryWriter`` (once per writer) and send the session's events to it; False when
-    ``writer`` cannot write custom scalars (not a TensorBoard writer)."""
+    ``writer`` is not a TensorBoard writer."""
     if not callable(getattr(writer, "add_custom_scalars", None)) or not callable(getattr(writer, "add_text", None)):
         return False
     if not getattr(writer, _ATTACHED, False):
         writer.add_custom_scalars(debug_layout())
-        try:
+        with contextlib.suppress(AttributeError):
             setattr(writer, _ATTACHED, True)
-        except AttributeError:
-            pass
     session.event_listeners.append(EventText(writer))
     if log_dir:
         session.links.setdefault("tensorboard", f"tensorboard --logdir {shlex.quote(str(log_dir))}")

@@ -12,8 +12,6 @@ from lightning_debug.core.rules import import_rules
 from lightning_debug.monitors.performance.monitor import PerformanceMonitor
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
-RULE_MODULES = import_rules(__name__, __path__)
-"""Every module of the package, imported so that each registers its rules (a new rule module needs no import
-edit)."""
+RULE_MODULES = import_rules(__name__, __path__)  # every module, imported so that each registers its rules
 
 __all__ = ["PerformanceMonitor", "PerformanceSettings"]

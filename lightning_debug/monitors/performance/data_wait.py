@@ -14,8 +14,7 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.monitors.performance.loader import loader_advice
 from lightning_debug.monitors.performance.settings import PerformanceSettings
 
-# The rule's bounds (see DataWaitRule): the loop's own overhead between batches is a millisecond or two, more on a
-# loaded machine, hence MIN_DATA_WAIT_MS.
+# The loop's own overhead between batches is a millisecond or two, more on a loaded machine: MIN_DATA_WAIT_MS.
 DATA_WINDOW = 10
 MIN_DATA_HISTORY = 6
 MIN_DATA_WAIT_MS = 5.0
@@ -32,11 +31,10 @@ class DataWait:
     window_check_steps: int
     threshold_share: float
     steps_above_share: int
-    epoch_starts: int = 0
-    """How many of the steps above the share were the first batch of an epoch."""
+    epoch_starts: int = 0  # how many of the steps above the share were the first batch of an epoch
 
     def finding(self, loader: Mapping[str, Any] | None, uses_cuda: bool, cpus: int) -> Finding:
-        """The finding, quoting the loader's settings (None: unknown) and what to change in them."""
+        """The finding, quoting the loader's settings (None: unknown) and what to change."""
         restarts = self.epoch_starts >= DATA_MIN_SHARE_OF_STEPS * self.steps_above_share
         advice = loader_advice(loader, uses_cuda, cpus, restarts)
         settings = loader or {}
@@ -57,9 +55,8 @@ class DataWait:
 class DataWaitRule:
     """Whether the loop waits for data over ``dataloader_bottleneck_share`` of the step, over the last timed steps.
 
-    A single slow batch, time outside training steps and a tiny model's loop overhead are ruled out by
-    judging the median share over ``DATA_WINDOW`` timed steps, ``DATA_MIN_SHARE_OF_STEPS`` of them above it,
-    a median wait of ``MIN_DATA_WAIT_MS`` and no CPU wait.
+    A slow batch, time outside training steps and a tiny model's loop overhead are ruled out by the median share
+    over ``DATA_WINDOW`` timed steps, most of them above it, and a median wait of ``MIN_DATA_WAIT_MS``.
 
     Example::
 
@@ -77,8 +74,7 @@ class DataWaitRule:
         self.window: deque[tuple[float, float, bool]] = deque(maxlen=DATA_WINDOW)
 
     def judge(self, times: StepTimes, settings: PerformanceSettings, epoch_start: bool = False) -> DataWait | None:
-        """``epoch_start``: the step is the first batch of an epoch (what the advice leads with, see
-        :func:`.loader_advice`)."""
+        """``epoch_start``: the step is the first batch of an epoch (see :func:`.loader_advice`)."""
         self.window.append((times.judged(Phase.DATA), times.judged_step_ms, epoch_start))
         if len(self.window) < MIN_DATA_HISTORY:
             return None

@@ -8,10 +8,8 @@ from typing import Any
 
 
 def describe_loader(loader: Any) -> dict[str, Any] | None:
-    """The settings of a DataLoader that decide its throughput (duck-typed; None if unknown).
-
-    Accepts a DataLoader, a list or dict of them (the first one counts), an object with ``iterables``
-    (Lightning's CombinedLoader), or a settings dict given as is (a loop that knows them but has no DataLoader).
+    """The settings of a DataLoader that decide its throughput (duck-typed; None if unknown): of a DataLoader, the
+    first of a list or dict of them, a CombinedLoader's ``iterables``, or a settings dict given as is.
 
     Example::
 
@@ -41,7 +39,7 @@ def describe_loader(loader: Any) -> dict[str, Any] | None:
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity), what worker advice counts.
+    """The CPUs this process may run on (its affinity), which worker advice counts.
 
     Example::
 
@@ -55,8 +53,8 @@ def usable_cpus() -> int:
 
 
 def loader_advice(settings: Mapping[str, Any] | None, uses_cuda: bool, cpus: int, restarts: bool = False) -> list[str]:
-    """What to change in the DataLoader when the training loop waits for it; ``restarts``: the steps that wait are
-    mostly the first batch of an epoch, where a loader without persistent workers starts them again.
+    """What to change in the DataLoader when the loop waits for it; ``restarts``: the waits are mostly the first
+    batch of an epoch, where a loader without persistent workers starts them again.
 
     Example::
 

@@ -1,6 +1,5 @@
-"""Where each optimizer step's time goes, what stalls it, and torch.profiler over a few steps: the plumbing,
-driven by the run's events at phase boundaries (an integer comparison per boundary on other steps).
-"""
+"""Where each optimizer step's time goes and what stalls it: the plumbing, driven by the run's events at phase
+boundaries (an integer comparison per boundary on other steps)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ SizeFn = Callable[[Any], int]
 class PerformanceMonitor(Monitor):
     """Step-phase timing, throughput, slow steps, data-loader stalls, stragglers, torch.profiler.
 
-    See :class:`lightning_debug.PerformanceProfilerCallback`. ``batch_size_fn`` / ``tokens_fn``: samples and
-    tokens of a batch, when the first tensor's dimension 0 is not it. A plain loop drives it through a run::
+    ``batch_size_fn`` / ``tokens_fn``: samples and tokens of a batch, when the first tensor's dimension 0 is not
+    it. A plain loop drives it through a run::
 
         >>> import torch
         >>> from lightning_debug import DebugConfig
@@ -85,7 +84,6 @@ class PerformanceMonitor(Monitor):
 
     def _reset_run_state(self) -> None:
         self._timer: PhaseTimer | None = None
-        self._stepped = -1
         self._next_start: tuple[int, Mark, float, float] | None = None
         self._pending: list[PhaseTimer] = []
         self._gathers: deque[Readback] = deque()
@@ -113,21 +111,17 @@ class PerformanceMonitor(Monitor):
         self.all_gather = context.all_gather()
         loader = context.train_loader()
         if loader is not None:
-            self.describe_loader(loader)
+            self.loader = describe_loader(loader)
         self._reset_run_state()
 
     def epoch_start(self, step: int) -> None:
-        self.describe_loader(self.context.train_loader())
+        self.loader = describe_loader(self.context.train_loader())
         self.reset_data_clock(step)
         self.ledger.forget_notes(step)  # the last epoch's validation and checkpoint ran before the clock restarted
 
     def evaluation(self, step: int, started: bool) -> None:
         if not started:
             self.reset_data_clock(step)
-
-    def describe_loader(self, loader: Any) -> None:
-        """The training DataLoader (or its settings dict), quoted in ``dataloader_bottleneck`` advice."""
-        self.loader = describe_loader(loader)
 
     def reset_data_clock(self, step: int) -> None:
         """Time spent outside training steps (validation, epoch boundaries) is no data wait: restart the clock."""
@@ -162,21 +156,17 @@ class PerformanceMonitor(Monitor):
                           None if tensor is None else tensor.numel())
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
-        """The loss is computed; the forward phase ends."""
         if self._timer is not None:
             self._timer.enter(Phase.BACKWARD)
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
-        """Gradients are ready (before ``optimizer.step``); the backward phase ends."""
-        self._stepped = step
         if self._timer is not None:
             self._timer.enter(Phase.OPTIMIZER)
         return Decision.CONTINUE
 
     def batch_end(self, step: int, batch: Any) -> None:
-        """A batch of optimizer step ``step`` ends (under accumulation, with the batch the optimizer step started in).
-        On a check step the ranks gather their step times whatever failed here (a failure sends NaN, then raises).
-        """
+        """A batch of optimizer step ``step`` ends. On a check step the ranks gather their step times whatever
+        failed here (a failure sends NaN, then raises)."""
         failure: Exception | None = None
         try:
             self._end_batch(step)
@@ -229,7 +219,6 @@ class PerformanceMonitor(Monitor):
         super().finalize(step)
 
     def restore(self) -> None:
-        """Undo global changes (profiler running, sync debug mode) whatever happened."""
         self._cpu_wait.close()
         self.windows.restore()
 
@@ -296,6 +285,16 @@ class PerformanceMonitor(Monitor):
         self.slow_steps.remember(times)
         self._latest = times
 
+    def _unavailable(self) -> dict[str, str]:
+        """What the run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
+        if self.loader is not None:
+            return {}
+        return {"loader settings": "no training DataLoader was given (with Accelerate: AccelerateDebugger("
+                                   "train_dataloader=loader)) or the loader has no num_workers, so "
+                                   "`dataloader_bottleneck` is still found from the step times but cannot say which "
+                                   "of num_workers, pin_memory, persistent_workers to change, and a slow first batch "
+                                   "of an epoch is not traced to the loader's workers"}
+
     # --- what the windows found -------------------------------------------------------------------
     def _trace_written(self, trace: dict[str, Any]) -> None:
         self.profiler_traces.append(trace)
@@ -307,21 +306,6 @@ class PerformanceMonitor(Monitor):
         if finding is not None:
             self.record(finding, step, self._where)
 
-    def _unavailable(self) -> dict[str, str]:
-        """What the run cannot judge, and why (report.json ``unavailable``, report.md's "Not judged")."""
-        if self.loader is not None:
-            return {}
-        return {"loader settings": "no training DataLoader was given (with Accelerate: AccelerateDebugger("
-                                   "train_dataloader=loader)) or the loader has no num_workers, so "
-                                   "`dataloader_bottleneck` is still found from the step times but cannot say which "
-                                   "of num_workers, pin_memory, persistent_workers to change, and a slow first batch "
-                                   "of an epoch is not traced to the loader's workers"}
-
-    def _window_outcome(self) -> dict[str, Any] | None:
-        """What became of the torch.profiler window (report.json ``profiler_window``); None when none was asked."""
-        outcome = self.windows.outcome
-        return None if outcome is None else dict(outcome, status=outcome["status"].value)
-
     # --- resume and report ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), stats=self.step_stats.state_dict())
@@ -332,9 +316,10 @@ class PerformanceMonitor(Monitor):
 
     def report_section(self) -> dict[str, Any]:
         clock = "CUDA events" if self.stopwatch.uses_cuda else "wall clock (perf_counter)"
+        window = self.windows.outcome
         return dict(super().report_section(), stats=self.step_stats.summaries(), clock=clock, loader=self.loader,
-                    unavailable=self._unavailable(),
-                    profiler_traces=list(self.profiler_traces), profiler_window=self._window_outcome(),
+                    unavailable=self._unavailable(), profiler_traces=list(self.profiler_traces),
+                    profiler_window=None if window is None else dict(window, status=window["status"].value),
                     sync_sites=self.sync_sites,
                     excluded_steps=self.excluded_steps, dropped_measurements=self.dropped_measurements,
                     plugin_time_ms=self.step_stats.own.summary(), cpu_wait_ms=self.step_stats.cpu_wait.summary())

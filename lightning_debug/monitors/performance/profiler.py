@@ -1,8 +1,8 @@
 """The torch.profiler window and the sync-debug window over a few steps, and what they found.
 
-Both windows change global state, so :class:`StepWindows` owns them and :meth:`StepWindows.restore` undoes them
-whatever happened. torch allows one profiler per thread: where another one already records, the window is
-skipped, and a profiler whose ``start()`` failed is never touched again (docs/performance_profiler.md).
+Both change global state, so :meth:`StepWindows.restore` undoes them whatever happened. torch allows one profiler
+per thread: where another one records, the window is skipped, and a profiler whose ``start()`` failed is never
+touched again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,14 @@ MAX_SYNC_SITES = 10
 PACKAGE_DIR = str(Path(__file__).resolve().parents[2])
 
 TraceSink = Callable[[dict[str, Any]], None]
+SyncSink = Callable[[list[dict[str, Any]], int, int], None]
+InUse = Callable[[], "str | None"]
 
 
 @contextlib.contextmanager
 def native_stderr_quiet() -> Any:
-    """Silence what native code writes to file descriptor 2 inside the block: the profiler's kineto
-    prints ``profiler_start`` / ``profiler_stop`` lines on every start and stop, which no setting
-    turns off. Python's own ``sys.stderr`` is flushed first and restored after, so only those
-    native lines, written within these few calls on the main thread, are lost."""
+    """Silence file descriptor 2 inside the block: kineto prints ``profiler_start`` / ``profiler_stop`` lines
+    that no setting turns off. ``sys.stderr`` is flushed first, so only those native lines are lost."""
     try:
         sys.stderr.flush()
         saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
@@ -52,8 +52,6 @@ def native_stderr_quiet() -> Any:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
-SyncSink = Callable[[list[dict[str, Any]], int, int], None]
-InUse = Callable[[], "str | None"]
 
 
 class WindowStatus(enum.Enum):
@@ -66,12 +64,11 @@ class WindowStatus(enum.Enum):
 
 
 def torch_profiler_running() -> bool:
-    """Whether a torch profiler (autograd profiler or ``torch.profiler.profile``) records on this process now.
+    """Whether a torch profiler records on this process now.
 
-    torch has no public query: ``torch._C._autograd._profiler_enabled()`` (torch 1.x to 2.13 at least) is read
-    when present, else the Python flag ``torch.autograd.profiler._is_profiler_enabled``; a torch that has
-    neither answers False, and the window's ``start()`` failing is then what tells (it is caught, and the
-    profiler dropped). ``tests/unit/test_profiler_window.py`` pins both names on the installed torch.
+    torch has no public query: ``torch._C._autograd._profiler_enabled()`` is read when present, else the flag
+    ``torch.autograd.profiler._is_profiler_enabled``; a torch with neither answers False, and the window's
+    ``start()`` failing (caught) is then what tells. tests/unit/test_profiler_window.py pins both names.
 
     Example::
 
@@ -90,7 +87,7 @@ def torch_profiler_running() -> bool:
 
 
 def trace_summary(averages: Any, path: Path, first: int, last: int, uses_cuda: bool) -> dict[str, Any]:
-    """The report's entry for one profiler trace: its file, steps and top operators by self time.
+    """The report's entry for one profiler trace: its file, steps and top operators.
 
     Example::
 
@@ -136,10 +133,8 @@ def sync_sites(counts: Counter[tuple[str, int]], package_dir: str = PACKAGE_DIR)
 
 
 def host_sync_finding(sites: list[dict[str, Any]], total: int, window: tuple[int, int]) -> Finding | None:
-    """The ``host_sync`` finding: a warning when user code synchronizes, an info when only libraries do.
-
-    What could make it fire on a healthy model: synchronizations a library or this plugin makes; the
-    finding is a warning only when a site is in the user's own code, and names the sites.
+    """The ``host_sync`` finding: a warning when user code synchronizes, an info when only libraries (or this
+    plugin) do.
 
     Example::
 
@@ -163,23 +158,10 @@ def host_sync_finding(sites: list[dict[str, Any]], total: int, window: tuple[int
 
 
 class StepWindows:
-    """Runs torch.profiler over ``settings.profile_window`` and the sync-debug mode over ``settings.sync_window``.
-
-    Args:
-        settings: The windows (None: that window does not run).
-        uses_cuda: Whether the run is on CUDA (the sync-debug window and device times need it).
-        rank: Names the trace files.
-        output_dir: Where ``profiler/`` goes (None: no profiler trace).
-        on_trace: Called with each trace's summary (:func:`trace_summary`) once it is written.
-        on_sync: Called with the sync sites, the number of synchronizations and the step when the
-            sync-debug window closes.
-        on_failure: Called with a message when a trace cannot be written or the window is skipped (training
-            goes on); called once per window.
-        in_use: Who else records with torch.profiler in this run (the framework's profiler), a sentence or
-            None; asked when the window opens, together with :func:`torch_profiler_running`.
-
-    :attr:`outcome` says what became of the profiler window: None until it opens, then a
-    :class:`WindowStatus` and why (report.json ``performance.profiler_window``).
+    """Runs torch.profiler over ``settings.profile_window`` and the sync-debug mode over ``settings.sync_window``
+    (CUDA only). ``on_failure`` is told once per window when it is skipped or a trace cannot be written;
+    ``in_use`` names who else records with torch.profiler (the framework's profiler), asked as the window opens.
+    :attr:`outcome`: None until the window opens, then its :class:`WindowStatus` and why.
 
     Example::
 
@@ -253,39 +235,26 @@ class StepWindows:
                 closed = True
         return closed
 
-    def _settle(self, status: WindowStatus, reason: str | None = None) -> None:
+    def _settle(self, status: WindowStatus, reason: str | None = None) -> str:
         start, length = self.profile_window  # type: ignore[misc]
         self.outcome = {"status": status, "first_step": start, "last_step": start + length - 1, "reason": reason}
+        return f"steps {start}-{start + length - 1}"
 
     def _give_up(self, status: WindowStatus, reason: str) -> None:
         """The window is skipped (another profiler holds torch's) or dropped: said once, and in :attr:`outcome`."""
-        self._settle(status, reason)
-        start, length = self.profile_window  # type: ignore[misc]
+        steps = self._settle(status, reason)
         outcome = (f"is skipped: {reason}; torch runs one profiler at a time" if status is WindowStatus.SKIPPED
                    else f"was dropped: {reason}; training continues")
-        self.on_failure(f"the torch.profiler window of profile_steps (steps {start}-{start + length - 1}) {outcome}.")
+        self.on_failure(f"the torch.profiler window of profile_steps ({steps}) {outcome}.")
 
     def _drop(self, failure: Exception, when: str) -> None:
-        """Our profiler raised ``when`` and is dropped: skipped when another profiler holds torch's, else failed."""
+        """Our profiler raised ``when`` and is dropped."""
         reason = f"{type(failure).__name__}: {failure}"
         if "already enabled" in str(failure):
             self._give_up(WindowStatus.SKIPPED,
                           f"another torch profiler records on this thread (our profiler raised {when}: {reason})")
         else:
             self._give_up(WindowStatus.FAILED, f"torch.profiler raised {when} ({reason})")
-
-    def other_profiler(self) -> str | None:
-        """Who else records with torch.profiler now, in words (None: nobody we can see)."""
-        named = None
-        if self.in_use is not None:
-            with contextlib.suppress(Exception):
-                named = self.in_use()
-        if named:
-            return named
-        if torch_profiler_running():
-            return "a torch profiler is already recording on this process (torch.profiler.profile or " \
-                   "torch.autograd.profiler.profile started outside lightning-debug)"
-        return None
 
     def not_reached(self, step: int) -> None:
         """The run ended before the window opened: say so in :attr:`outcome`."""
@@ -296,8 +265,14 @@ class StepWindows:
         self._profile_done = True
         if self.output_dir is None:
             return
-        other = self.other_profiler()
-        if other is not None:
+        other = None  # who else records with torch.profiler now, in words
+        if self.in_use is not None:
+            with contextlib.suppress(Exception):
+                other = self.in_use()
+        if not other and torch_profiler_running():
+            other = ("a torch profiler is already recording on this process (torch.profiler.profile or "
+                     "torch.autograd.profiler.profile started outside lightning-debug)")
+        if other:
             self._give_up(WindowStatus.SKIPPED, other)
             return
         from torch.profiler import ProfilerActivity, profile, schedule
@@ -352,13 +327,18 @@ class StepWindows:
         torch.cuda.set_sync_debug_mode("warn")
 
     def end_sync_window(self, step: int) -> None:
-        """Close the sync-debug window (if open): re-issue other warnings, hand the sync sites on."""
+        """Close the sync-debug window (if open): count the sync warnings by line, issue the others again."""
         if self._sync_catcher is None:
             return
         self._close_sync()
         self._sync_done = True
         records, self._sync_records = self._sync_records, []
-        counts = count_sync_sites(records)
+        counts: Counter[tuple[str, int]] = Counter()
+        for record in records:
+            if "synchroniz" in str(record.message):
+                counts[(record.filename, record.lineno)] += 1
+            else:
+                warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
         self.on_sync(sync_sites(counts), sum(counts.values()), step)
 
     def restore(self) -> None:
@@ -374,14 +354,3 @@ class StepWindows:
         torch.cuda.set_sync_debug_mode(self._sync_previous_mode)
         self._sync_catcher.__exit__(None, None, None)
         self._sync_catcher = None
-
-
-def count_sync_sites(records: Iterable[warnings.WarningMessage]) -> Counter[tuple[str, int]]:
-    """Synchronization warnings counted by file and line; any other warning caught is issued again."""
-    sites: Counter[tuple[str, int]] = Counter()
-    for record in records:
-        if "synchroniz" in str(record.message):
-            sites[(record.filename, record.lineno)] += 1
-        else:
-            warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
-    return sites

@@ -6,20 +6,16 @@ from dataclasses import dataclass
 
 from lightning_debug.config import DebugConfig, DebugLevel, config_value, read_view
 
-# The torch.profiler window from level ADVANCED when ``profile_steps`` is not given: (start, length).
-# Two recorded steps (after one warm-up step) are enough for the operator table and keep the trace
-# small and the end of a short fit light; ``profile_steps`` records more.
+# The torch.profiler window (start, length) from level ADVANCED without ``profile_steps``: two recorded steps
+# are enough for the operator table and keep the trace small and the end of a short fit light.
 DEFAULT_PROFILE_WINDOW = (10, 2)
-# The torch.cuda.set_sync_debug_mode("warn") window at level EXPERT on CUDA: (start, length).
-SYNC_DEBUG_WINDOW = (5, 3)
+SYNC_DEBUG_WINDOW = (5, 3)  # torch.cuda.set_sync_debug_mode("warn") at level EXPERT on CUDA: (start, length)
 
 
 @dataclass(frozen=True)
 class PerformanceSettings:
-    """What the performance rules and the monitor read, resolved from ``DebugConfig``.
-
-    ``profile_window`` and ``sync_window`` are ``(first step, length)`` or None when that window
-    does not run (a length of 0 turns the profiler off).
+    """What the performance rules and the monitor read, resolved from ``DebugConfig``; the windows are
+    ``(first step, length)`` or None (a length of 0 turns the profiler off).
 
     Example::
 

@@ -37,67 +37,26 @@ FAR_MIN_FRACTION = 0.1
 # A step whose input has more than SIZE_BAND times the recent median's elements (a long bucket of a length-bucketed
 # or dynamically padded loader) is judged against the recent steps whose inputs are within SIZE_BAND of its own.
 SIZE_BAND = 1.25
-RUN = "run"
-"""The key of the run of slow steps in a row the verdict engine holds (one at a time)."""
-
+RUN = "run"  # the key of the run of slow steps in a row the verdict engine holds (one at a time)
+# Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule.
 SHIFT_ELEMENTS_RATIO = 1.5
-"""Input elements per step grown by this factor explain a shift: a sequence-length or batch-size schedule."""
-
-
-@dataclass(frozen=True)
-class Shift:
-    """Slow steps in a row that did not end: the run's step time moved to a new level at ``start`` (a schedule
-    that grows the input, a backbone unfrozen, a slower machine), because the recent median followed them.
-
-    Example::
-
-        >>> shift = Shift(start=200, steps=12, before_ms=16.0, after_ms=96.0, phase_before_ms=9.0, phase_after_ms=61.0,
-        ...               elements_ratio=4.0)
-        >>> finding = shift.finding(Phase.FORWARD)
-        >>> finding.severity.value, finding.details["factor"], "4.0x the elements" in finding.message
-        ('info', 6.0, True)
-    """
-
-    start: int
-    steps: int
-    before_ms: float
-    after_ms: float
-    phase_before_ms: float
-    phase_after_ms: float
-    elements_ratio: float | None
-    ended_run: bool = False
-    """The shift lasted to the end of the run, too few steps to tell it from a stall at the end."""
-
-    def finding(self, phase: Phase) -> Finding:
-        factor = self.after_ms / self.before_ms if self.before_ms > 0 else math.inf
-        if self.elements_ratio is not None and self.elements_ratio >= SHIFT_ELEMENTS_RATIO:
-            why = (f"each step's input has {self.elements_ratio:.1f}x the elements it had: a longer sequence, a larger "
-                   "image or a larger batch (a schedule that grows them) costs this by design")
-        else:
-            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
-                   "path in training_step, or a slower machine (another process, throttling) would do this")
-        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
-                  else "and stayed there: a new level, not a stall")
-        return Finding(
-            Kind.SLOW_STEP, Severity.INFO,
-            f"From step {self.start} on, steps take {self.after_ms:.1f} ms instead of {self.before_ms:.1f} ms "
-            f"({factor:.1f}x), {self.steps} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
-            f"most ({self.phase_before_ms:.1f} -> {self.phase_after_ms:.1f} ms). {why[0].upper()}{why[1:]}.",
-            {"phase": phase.value, "shift_step": self.start, "before_ms": self.before_ms,
-             "after_ms": self.after_ms, "factor": factor, "timed_steps": self.steps,
-             "elements_ratio": self.elements_ratio, "ended_run": self.ended_run, "recurring": False})
 
 
 @dataclass
 class SlowRun:
-    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums.
+    """Outliers on consecutive timed steps, from ``start``: what the run looked like before, and their sums. One that
+    did not end is a shift: the step time moved to a new level (a growing input, a backbone unfrozen, a slower
+    machine).
 
     Example::
 
-        >>> run = SlowRun(10, 16.0, 66.0, {phase: 4.0 for phase in PHASES}, None)
-        >>> run.add(StepTimes(10, {phase: 40.0 for phase in PHASES}))
-        >>> SlowRun.from_state(run.state_dict()) == run, run.shift(Phase.DATA).after_ms
-        (True, 160.0)
+        >>> run = SlowRun(200, 16.0, 66.0, {phase: 9.0 for phase in PHASES}, 100.0)
+        >>> run.add(StepTimes(200, {phase: 24.0 for phase in PHASES}, elements=400))
+        >>> finding = run.finding(Phase.FORWARD)
+        >>> SlowRun.from_state(run.state_dict()) == run, finding.details["after_ms"], finding.details["factor"]
+        (True, 96.0, 6.0)
+        >>> finding.severity.value, "4.0x the elements" in finding.message
+        ('info', True)
     """
 
     start: int
@@ -109,10 +68,9 @@ class SlowRun:
     total_ms: float = 0.0
     phase_ms: dict[Phase, float] = field(default_factory=dict)
     elements: int = 0
-    held: dict[str, Any] | None = None
-    """The verdict held back while the run lasts, as its state (see :class:`~.slow_step.SlowStepRule`)."""
-    explained: bool = True
-    """Whether every step of the run had a larger input than usual and an ordinary time for it: if it ends, no burst."""
+    held: dict[str, Any] | None = None  # the verdict held back while the run lasts, as its state
+    explained: bool = True  # every step had a larger input than usual and an ordinary time for it: no burst
+    ended_run: bool = False  # a shift that lasted to the end of the run: too few steps to tell it from a stall
 
     def add(self, times: StepTimes) -> None:
         self.length += 1
@@ -128,15 +86,32 @@ class SlowRun:
     def from_state(cls, state: dict[str, Any]) -> SlowRun:
         return cls(**dict(state, base_phases=by_phase(state["base_phases"]), phase_ms=by_phase(state["phase_ms"])))
 
-    def shift(self, phase: Phase, ended_run: bool = False) -> Shift:
-        ratio = (self.elements / self.length / self.base_elements
-                 if self.elements and self.base_elements else None)
-        return Shift(self.start, self.length, self.base_median, self.total_ms / self.length,
-                     self.base_phases[phase], self.phase_ms[phase] / self.length, ratio, ended_run)
+    def finding(self, phase: Phase) -> Finding:
+        """The shift's finding, ``phase`` the one that grew the most."""
+        before, after = self.base_median, self.total_ms / self.length
+        ratio = self.elements / self.length / self.base_elements if self.elements and self.base_elements else None
+        factor = after / before if before > 0 else math.inf
+        if ratio is not None and ratio >= SHIFT_ELEMENTS_RATIO:
+            why = (f"each step's input has {ratio:.1f}x the elements it had: a longer sequence, a larger "
+                   "image or a larger batch (a schedule that grows them) costs this by design")
+        else:
+            why = ("the input per step did not grow: more trainable parameters (a backbone unfrozen), another code "
+                   "path in training_step, or a slower machine (another process, throttling) would do this")
+        lasted = ("until the end of the run, too few steps to tell a new level from a stall" if self.ended_run
+                  else "and stayed there: a new level, not a stall")
+        return Finding(
+            Kind.SLOW_STEP, Severity.INFO,
+            f"From step {self.start} on, steps take {after:.1f} ms instead of {before:.1f} ms "
+            f"({factor:.1f}x), {self.length} timed step(s) in a row, {lasted}; the {phase.value} phase grew the "
+            f"most ({self.base_phases[phase]:.1f} -> {self.phase_ms[phase] / self.length:.1f} ms). "
+            f"{why[0].upper()}{why[1:]}.",
+            {"phase": phase.value, "shift_step": self.start, "before_ms": before, "after_ms": after,
+             "factor": factor, "timed_steps": self.length, "elements_ratio": ratio, "ended_run": self.ended_run,
+             "recurring": False})
 
 
 def by_name(times: dict[Phase, float]) -> dict[str, float]:
-    """Times by phase name, for a checkpoint or an event (:func:`by_phase` reads them back)."""
+    """Times by phase name, for a checkpoint or an event."""
     return {phase.value: ms for phase, ms in times.items()}
 
 
@@ -157,9 +132,8 @@ PHASE_HINTS = {
 
 
 def smallest_period(period: int, timing_frequency: int) -> int:
-    """The shortest true period a stall seen every ``period`` steps can have when only every ``timing_frequency``-th
-    step is timed: the smallest ``k >= 2`` dividing ``period`` whose multiples meet the timed steps exactly at
-    multiples of ``period`` (``lcm(k, timing_frequency) == period``). What the stall may cost is judged from it.
+    """The shortest true period of a stall seen every ``period`` timed steps when only every ``timing_frequency``-th
+    step is timed (the smallest ``k >= 2`` with ``lcm(k, timing_frequency) == period``): what it may cost.
 
     Example::
 
@@ -173,7 +147,7 @@ def smallest_period(period: int, timing_frequency: int) -> int:
 
 
 def time_share(excess_ms: float, period: int, median_ms: float) -> float:
-    """The share of the time a stall of ``excess_ms`` over a ``median_ms`` step, every ``period`` steps, costs.
+    """The share of the time a stall of ``excess_ms`` every ``period`` steps of ``median_ms`` costs.
 
     Example::
 
@@ -185,7 +159,7 @@ def time_share(excess_ms: float, period: int, median_ms: float) -> float:
 
 
 def ordinal(number: int) -> str:
-    """``5`` -> ``"5th"``, ``2`` -> ``"2nd"``, ``23`` -> ``"23rd"``: every k-th step, in words.
+    """Every k-th step, in words.
 
     Example::
 
@@ -198,7 +172,7 @@ def ordinal(number: int) -> str:
 
 @dataclass(frozen=True)
 class SlowStep:
-    """A slow step found: its times, the run's recent medians, and the phase that grew the most."""
+    """A slow step found: its times, the recent medians, and the phase that grew the most."""
 
     step: int
     phase: Phase
@@ -220,16 +194,13 @@ class SlowStep:
     outlier_steps: tuple[int, ...] = ()
     timing_frequency: int = 1
     hooks: dict[str, list[int]] | None = None
-    share: float | None = None
-    """For a stall that recurs only with a period: the share of the time it costs (at most, with sparse timing)."""
-    epoch_start: bool = False
-    """The slow step is the first of an epoch and its data phase grew: the loader's iterator starting."""
+    share: float | None = None  # a stall that recurs only with a period: the share of the time it costs (at most)
+    epoch_start: bool = False  # the first step of an epoch, its data phase grew: the loader's iterator starting
     loader: dict[str, Any] | None = None
-    shift: Shift | None = None
-    """Set when the slow steps did not end but became the run's level (see :class:`Shift`)."""
+    shift: SlowRun | None = None  # set when the slow steps did not end but became the run's level
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values, for the verdict engine's checkpoint (a verdict is held before any shift is known)."""
+        """For the verdict engine's checkpoint (a verdict is held before any shift is known)."""
         state = asdict(self)
         return dict(state, phase=self.phase.value, phases_ms=by_name(self.phases_ms),
                     outlier_steps=list(self.outlier_steps), shift=None)
@@ -246,8 +217,8 @@ class SlowStep:
 
     @property
     def key(self) -> str:
-        """Episodes by phase; a lone outlier, a periodic stall that costs little and a shift (infos) are episodes of
-        their own, so that an open one never hides a warning of the same phase."""
+        """Episodes by phase; the infos (a lone outlier, a cheap periodic stall, a shift) have their own, so that an
+        open one never hides a warning of the same phase."""
         if self.shift is not None:
             return f"{self.phase.value} (shift)"
         if not self.recurring:
@@ -256,8 +227,7 @@ class SlowStep:
 
     @property
     def fraction(self) -> float:
-        """The share of steps the stall costs: one in ``period`` for a periodic one, else the share of the recent
-        timed steps that were outliers."""
+        """The share of steps the stall hits: one in ``period``, else the outliers' share of the recent timed steps."""
         if self.period:
             return 1.0 / self.period
         return self.outliers / self.timed_steps if self.timed_steps else 0.0
@@ -325,15 +295,11 @@ class SlowStep:
 class SlowStepRule:
     """Whether a timed step is slow for this run, judged against the last ``RECENT_STEPS`` timed steps.
 
-    Jitter (a collection, a busy machine) is ruled out by needing the median's factor, ``SLOW_MAD_Z`` robust
-    sigmas and ``MIN_SLOW_EXCESS_MS`` at once, on times without the plugin's own and the CPU wait; it warns only
-    when outliers recur (``SLOW_MIN_FLAGGED`` of ``SLOW_WINDOW``, periodic, or far out often; one alone is an
-    info past ``SLOW_LONE_FACTOR`` x the median and ``SLOW_LONE_MS``), a periodic stall only when it costs
-    ``MIN_PERIODIC_SHARE`` of the time (a checkpoint every thousand steps is the run's rhythm). A run of
-    consecutive outliers is held by the engine (``Confirm(until=BACK_UNDER)``): back under the threshold of
-    before it was a burst, else the level moved (an info: a growing input, an unfrozen backbone). A step with a
-    much larger input (``SIZE_BAND``: length-bucketed batches) is judged against steps of its size. See
-    docs/performance.md.
+    Jitter (a collection, a busy machine) is ruled out by needing the factor, ``SLOW_MAD_Z`` robust sigmas and
+    ``MIN_SLOW_EXCESS_MS`` at once, without the plugin's own time and the CPU wait; it warns only when outliers
+    recur (one alone is an info when far out), a periodic stall only when it costs ``MIN_PERIODIC_SHARE`` of the
+    time. The engine holds a run of consecutive outliers (``Confirm(until=BACK_UNDER)``): back under the
+    threshold of before it was a burst, else the level moved (an info). See docs/performance.md.
 
     Example::
 
@@ -361,9 +327,8 @@ class SlowStepRule:
         self.sized: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (input elements, judged ms)
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
-        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a
-        multiple of k counts when every step where the stall was due in between was not timed (a profiler
-        window, steps between sparse timed steps): a timed step there that was not slow breaks the period."""
+        """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a multiple
+        of k counts when no step where the stall was due in between was timed (a profiler window, sparse timing)."""
         last = list(self.outlier_steps)[-minimum:]
         if len(last) < minimum:
             return None
@@ -378,7 +343,6 @@ class SlowStepRule:
         return None if any(step in timed for step in due) else period
 
     def recent_outliers(self) -> list[int]:
-        """The outlier steps among the recent timed steps."""
         return self._recent(self.outlier_steps)
 
     def ongoing(self, step: int) -> bool:
@@ -395,8 +359,7 @@ class SlowStepRule:
         return median + max((settings.slow_step_factor - 1) * median, SLOW_MAD_Z * sigma, MIN_SLOW_EXCESS_MS)
 
     def _size_threshold(self, settings: PerformanceSettings, elements: int) -> float | None:
-        """The outlier threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (None
-        with fewer than ``MIN_HISTORY`` of them)."""
+        """The threshold among the recent steps whose input is within ``SIZE_BAND`` of ``elements`` (or None)."""
         peers = [ms for size, ms in self.sized if elements / SIZE_BAND <= size <= elements * SIZE_BAND]
         return self._threshold(settings, robust_median(peers), peers) if len(peers) >= MIN_HISTORY else None
 
@@ -418,7 +381,7 @@ class SlowStepRule:
                         settings.frequency, share=share)
 
     def judge(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
-        """Judge one timed step against the history before it (flags it as an outlier or not)."""
+        """Judge one timed step against the history before it."""
         run = self._held_run()
         judged = times.judged_step_ms
         if len(self.steps) < MIN_HISTORY:  # a run held at a resume is decided by the threshold of before alone
@@ -474,19 +437,18 @@ class SlowStepRule:
         return None if held is None else SlowRun.from_state(held.measured)
 
     def _hold(self, step: int, run: SlowRun) -> None:
-        """The run goes on: the engine holds it, with what was measured so far, until a step ends it."""
         suspicion = Suspicion(Kind.SLOW_STEP, RUN, step, bound=run.base_threshold, measured=run.state_dict())
         self.verdicts.observe(Kind.SLOW_STEP, step, [suspicion])  # confirms nothing: a run is decided when it ends
 
     def _end_run(self, step: int, judged_ms: float) -> SlowStep | None:
-        """A timed step that is not an outlier ends a run of them (see :meth:`_decide`)."""
-        decided = self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms)
-        return self._decide(decided[0]) if decided else None
+        return self._decide(self.verdicts.observe(Kind.SLOW_STEP, step, reading=judged_ms))
 
-    def _decide(self, decided: Confirmed) -> SlowStep | None:
-        """What an ended run of slow steps is: back under the threshold of before, the burst it held (none when every
-        step was only larger than usual); ended above it, the shift to a new level (whose outliers are then
-        forgotten); still going at the end of the run, a shift that lasted to the end."""
+    def _decide(self, ended: list[Confirmed]) -> SlowStep | None:
+        """An ended run of slow steps: back under the threshold of before, the burst it held; ended above it, a shift
+        to a new level; still going at the end of the run, a shift that lasted to the end."""
+        if not ended:
+            return None
+        decided = ended[0]
         run = SlowRun.from_state(decided.latest.measured)
         if run.held is None:
             return None
@@ -496,12 +458,12 @@ class SlowStepRule:
         if decided.by is ConfirmedBy.AT_END:
             if run.explained and run.length < MIN_HISTORY:
                 return None
-            return replace(held, step=run.start, shift=run.shift(held.phase, ended_run=True))
+            return replace(held, step=run.start, shift=replace(run, ended_run=True))
         self._new_level(run.start)
-        return replace(held, step=run.start, shift=run.shift(held.phase))
+        return replace(held, step=run.start, shift=run)
 
     def _new_level(self, start: int) -> None:
-        """Steps are judged against the new level only: the history before it, and its outliers, are forgotten."""
+        """Steps are judged against the new level only: the history before it is forgotten."""
         self.steps, self.elements = Window(RECENT_STEPS), Window(RECENT_STEPS)
         self.sized.clear()
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
@@ -510,13 +472,11 @@ class SlowStepRule:
         self.far_steps = deque((s for s in self.far_steps if s < start), maxlen=RECENT_STEPS)
 
     def flush(self) -> SlowStep | None:
-        """At the end of the run: slow steps in a row still held (they did not end), as a shift that lasted to the
-        end."""
-        decided = self.verdicts.flush({Kind.SLOW_STEP})
-        return self._decide(decided[0]) if decided else None
+        """At the end of the run: slow steps in a row still held, as a shift that lasted to the end."""
+        return self._decide(self.verdicts.flush({Kind.SLOW_STEP}))
 
     def remember(self, times: StepTimes) -> None:
-        """Add a timed step to the history (after it was judged)."""
+        """Add a timed step to the history, after it was judged."""
         self.steps.add(times.judged_step_ms)
         for phase in PHASES:
             self.phases[phase].add(times.judged(phase))

@@ -33,10 +33,7 @@ def step_metrics(times: StepTimes, world_size: int) -> dict[str, float]:
 
 
 class StepStats:
-    """Step and phase times, throughput, the plugin's own time and the CPU waits of every timed step.
-
-    Bounded whatever the run length (:class:`~lightning_debug.core.stats.DistributionStats`); the
-    step and phase distributions and the throughput travel in checkpoints.
+    """Step and phase times, throughput, the plugin's own time and the CPU waits of every timed step; bounded.
 
     Example::
 
@@ -54,7 +51,7 @@ class StepStats:
         self.cpu_wait = DistributionStats()  # waiting for a CPU another program had: not held against steps
 
     def add(self, times: StepTimes, world_size: int, cpu_waits_read: bool) -> None:
-        for tag, value in step_metrics(times, world_size).items():  # the scalars' values, by their name
+        for tag, value in step_metrics(times, world_size).items():
             self.stats[tag.removeprefix("debug/perf/").removesuffix("_ms")].add(value)
         self.own.add(times.own_ms)
         if cpu_waits_read:

@@ -14,20 +14,18 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.gate import Planned, Shape
 from lightning_debug.core.kinds import Kind, Severity
 
-# The rule's bounds (see StragglerRule); the first STRAGGLER_WARMUP gathered check steps are not judged (lazy
-# initialisation differs between ranks), and a rank must lead the others' median by STRAGGLER_MARGIN of it.
+# The first STRAGGLER_WARMUP gathered check steps are not judged: lazy initialisation differs between ranks.
 STRAGGLER_WARMUP = 5
 STRAGGLER_WINDOW = 8
 STRAGGLER_MIN_FLAGGED = 6
 STRAGGLER_MARGIN = 0.5
 STRAGGLER_STEP_SHARE = 0.2
 STRAGGLER_MIN_MS = 5.0
-# What each rank contributes to the all-gather of a check step, in this order (phases judged).
 GATHER_FIELDS = ("step", "step_ms", *(f"{phase.value}_ms" for phase in PHASES))
 
 
 def gather_row(times: StepTimes | None) -> list[float]:
-    """This rank's row of the all-gather: its latest timed step (NaN when it has none yet).
+    """This rank's row of the all-gather: its latest timed step (NaN without one).
 
     Example::
 
@@ -48,8 +46,8 @@ def before_sync_ms(row: list[float]) -> float:
 
 
 def waited_for(rows: list[list[float]], rank: int) -> float:
-    """How long the other ranks waited for ``rank`` in the gradient all-reduce (ms): the smaller of its lead
-    before the all-reduce over the others' typical time and how much longer the others' backward is than its own.
+    """How long the others waited for ``rank`` in the gradient all-reduce (ms): the smaller of its lead before it
+    and how much longer the others' backward is than its own.
 
     Example::
 
@@ -65,7 +63,7 @@ def waited_for(rows: list[list[float]], rank: int) -> float:
 
 @dataclass(frozen=True)
 class Straggler:
-    """The rank slowest before the all-reduce on most of the window's check steps, with every rank's times."""
+    """The rank slowest before the all-reduce on most of the window's check steps."""
 
     rank: int
     flagged_check_steps: int
@@ -97,7 +95,7 @@ class Straggler:
 
 @dataclass(frozen=True)
 class Gathered:
-    """One gathered check step that was judged (``straggler`` None: no rank stands out over the window)."""
+    """One gathered check step that was judged."""
 
     step: int
     straggler: Straggler | None
@@ -106,11 +104,9 @@ class Gathered:
 class StragglerRule:
     """Which rank, if any, the others keep waiting for, from the per-rank rows gathered on check steps.
 
-    Rank 0's extra work (logs, events, checkpoints) makes the others wait at the next collective, which lands
-    in their data wait + forward, so a rank is judged by what the others wait for it *at the all-reduce*: the
-    smaller of its lead in data wait + forward and the others' longer backward, at least
-    ``STRAGGLER_STEP_SHARE`` of the step and ``STRAGGLER_MIN_MS``, on ``STRAGGLER_MIN_FLAGGED`` of
-    ``STRAGGLER_WINDOW`` check steps after ``STRAGGLER_WARMUP``.
+    Rank 0's extra work (logs, events, checkpoints) makes the others wait at the next collective, which lands in
+    their data wait + forward, so a rank is judged by what the others wait for it *at the all-reduce*
+    (:func:`waited_for`), on ``STRAGGLER_MIN_FLAGGED`` of ``STRAGGLER_WINDOW`` check steps.
 
     Example::
 
@@ -129,8 +125,8 @@ class StragglerRule:
         self.window: deque[tuple[int | None, list[list[float]]]] = deque(maxlen=STRAGGLER_WINDOW)
 
     def judge(self, values: list[float]) -> Gathered | None:
-        """Judge one all-gather's values (ranks' rows one after the other); None when it is not judged (a rank
-        had no timed step, the ranks timed different steps, or still in the warm-up)."""
+        """Judge one all-gather's rows; None when a rank had no timed step, the ranks timed different steps, or in
+        the warm-up."""
         width = len(GATHER_FIELDS)
         rows = [values[i:i + width] for i in range(0, len(values) - width + 1, width)]
         if len(rows) < 2 or any(not all(math.isfinite(v) for v in row) for row in rows):
@@ -164,10 +160,8 @@ class StragglerRule:
 
 
 def straggler_plan(monitor: Any, step: int, stepped: bool) -> list[Planned]:
-    """The straggler gather of a batch's end: on a check step of ``monitor`` (the performance monitor; its
-    schedule, world size and the framework's all-gather, set at the start, are read, none of its methods
-    called) that took an optimizer step (``stepped``, the run's), under several processes: values every rank
-    shares, so every rank makes it whatever failed on it.
+    """The straggler gather of a batch's end, on a check step of the performance ``monitor`` that took an optimizer
+    step, under several processes: decided from values every rank shares, so every rank makes it.
 
     Example::
 
