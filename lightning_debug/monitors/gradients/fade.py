@@ -35,7 +35,6 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 from lightning_debug.monitors.gradients.layout import Positions, module_of
-from lightning_debug.monitors.gradients.vanishing import layer_norms
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 FADE_RATIO = 1e-3
@@ -48,13 +47,19 @@ def weighted_layers(grads: Sequence[tuple[str, float]], dims: Mapping[str, int],
                     positions: Positions) -> list[tuple[str, float]]:
     """``(module, gradient norm)`` of the modules owning a parameter of two or more dimensions, in forward order
     (modules whose position is unknown are left out: their place in depth is not known)."""
-    norms, members = layer_norms(grads)
-    place = {module: min(positions[name] for name in names if name in positions)
-             for module, names in members.items() if any(name in positions for name in names)}
-    weighted = dict.fromkeys(module_of(name) for name, _ in grads if dims.get(name, 0) >= 2)  # as given, unplaced
+    squares: dict[str, float] = {}
+    weighted: dict[str, None] = {}  # in the order given, for registration order without positions
+    place: dict[str, tuple[int, int]] = {}
+    for name, norm in grads:
+        module = module_of(name)
+        squares[module] = squares.get(module, 0.0) + norm * norm
+        if dims.get(name, 0) >= 2:
+            weighted[module] = None
+        if name in positions:
+            place[module] = min(place.get(module, positions[name]), positions[name])
     known = [module for module in weighted if module in place or not positions]
     known.sort(key=lambda module: place.get(module, (0, 0)))
-    return [(module, norms[module]) for module in known]
+    return [(module, math.sqrt(squares[module])) for module in known]
 
 
 def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str, int], positions: Positions,
