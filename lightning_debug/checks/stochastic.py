@@ -32,15 +32,10 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_debug.checks.localize import operation_name, user_source
 
-DROPOUTS: dict[Callable[..., Any], tuple[int, int]] = {
-    function: (1, 2) for function in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
-                                      F.feature_alpha_dropout)
-}
-"""Each dropout function and the positions of its ``p`` and ``training`` arguments."""
-DROPOUTS.update({function: (1, 2) for function in (torch.dropout, torch.alpha_dropout, torch.feature_dropout,
-                                                   torch.feature_alpha_dropout)})
-TORCH_DEFAULT_TRAINING = {torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout}
-"""The ``torch.*`` forms take ``train`` as a required argument; the functional ones default it to True."""
+DROPOUTS = frozenset({F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+                      torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout})
+"""The dropout functions: ``p`` is their second argument and ``training`` (``train``) their third, True by default
+in the functional forms and required in the ``torch.*`` ones."""
 
 
 @dataclass
@@ -76,14 +71,12 @@ def draws_randomness(func: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         >>> draws_randomness(F.dropout, (x, 0.1), {}), draws_randomness(F.dropout, (x,), {"p": 0.0})
         (True, False)
         >>> stats = torch.zeros(3), torch.ones(3)
-        >>> draws_randomness(F.batch_norm, (x, *stats), {"training": True}), draws_randomness(F.batch_norm, (x, *stats), {})
-        (True, False)
+        >>> [draws_randomness(F.batch_norm, (x, *stats), kwargs) for kwargs in ({"training": True}, {})]
+        [True, False]
     """
     if func in DROPOUTS:
-        p_at, training_at = DROPOUTS[func]
-        p = _argument(args, kwargs, p_at, ("p",), 0.5)
-        training = _argument(args, kwargs, training_at, ("training", "train"), func not in TORCH_DEFAULT_TRAINING)
-        return bool(training) and isinstance(p, (int, float)) and p > 0
+        p = _argument(args, kwargs, 1, ("p",), 0.5)
+        return bool(_argument(args, kwargs, 2, ("training", "train"), True)) and isinstance(p, (int, float)) and p > 0
     if func is F.batch_norm:
         running = _argument(args, kwargs, 1, ("running_mean",), None)
         return running is not None and bool(_argument(args, kwargs, 5, ("training",), False))
@@ -100,7 +93,7 @@ class RandomInEvaluation(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if (func in DROPOUTS or func is F.batch_norm) and draws_randomness(func, args, kwargs):
+        if draws_randomness(func, args, kwargs):
             source = user_source(traceback.extract_stack()[:-1])
             key = (operation_name(func), *((source["file"], source["line"]) if source else ("", 0)))
             if key in self.calls:

@@ -400,22 +400,27 @@ class ActivationMonitor(Monitor):
                 or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
             return
         self.probabilities_judged = step
-        output = outputs[-1]
-        held = self.verdicts.hold(Kind.LEARNING_STALLED, PROBABILITIES)
-        suspicion, below = (None, True) if self.probabilities_cleared else probability_suspicion(step, step if held is None else held.first.step, describe(output),
-                                                 output.label, output.shape, simplex, loss, tolerance)
-        self.probabilities_cleared = below
-        suspicions = [suspicion] if suspicion is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
-        judged = [PROBABILITIES]
+        output, found, judged = outputs[-1], [], []
+        if not self.probabilities_cleared:
+            suspicion, self.probabilities_cleared = probability_suspicion(
+                step, self._held_since(PROBABILITIES, step), describe(output), output.label, output.shape, simplex,
+                loss, tolerance)
+            found.append(suspicion)
+            judged.append(PROBABILITIES)
         if not self.chance_cleared:
-            held = self.verdicts.hold(Kind.LEARNING_STALLED, CHANCE)
-            at_chance, self.chance_cleared = chance_suspicion(step, step if held is None else held.first.step,
-                                                              describe(output), output.label, output.shape, loss)
-            suspicions += [at_chance] if at_chance is not None and output.numel >= MIN_OUTPUT_ELEMENTS else []
+            suspicion, self.chance_cleared = chance_suspicion(step, self._held_since(CHANCE, step), describe(output),
+                                                              output.label, output.shape, loss)
+            found.append(suspicion)
             judged.append(CHANCE)
+        suspicions = [each for each in found if each is not None and output.numel >= MIN_OUTPUT_ELEMENTS]
         for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=judged):
             if confirmed.latest.finding is not None:
                 self.record(confirmed.latest.finding, step, where, key=confirmed.key)
+
+    def _held_since(self, key: str, step: int) -> int:
+        """The step a held ``learning_stalled`` suspicion of ``key`` began (``step`` when none is held)."""
+        held = self.verdicts.hold(Kind.LEARNING_STALLED, key)
+        return step if held is None else held.first.step
 
     def _flag(self, finding: Finding, step: int, where: Where) -> None:
         label = finding.details["modules"][0]

@@ -54,9 +54,9 @@ class DropoutNet(TinyRegressor):
         return DataLoader(regression_data(64, seed=1), batch_size=16)
 
 
-def fit(tmp_path: Path, model: DropoutNet, callback: Any) -> list[dict[str, Any]]:
+def fit(tmp_path: Path, model: DropoutNet, callback: Any) -> tuple[list[dict[str, Any]], Path]:
     trainer = fit_seeded(tmp_path, model, [callback], max_steps=8, val_check_interval=4)
-    return read_events(debug_dir(trainer))
+    return read_events(debug_dir(trainer)), debug_dir(trainer)
 
 
 def loud(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
@@ -66,22 +66,18 @@ def loud(events: list[dict[str, Any]]) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("callback", [AnomalyDetectionCallback, GradientHealthCallback, MemoryProfilerCallback])
 def test_functional_dropout_left_on_in_validation_is_named_with_its_line_by_any_callback_alone(
         tmp_path: Path, callback: type) -> None:
-    events = fit(tmp_path, DropoutNet("functional"), callback())
+    events, directory = fit(tmp_path, DropoutNet("functional"), callback())
     named = [e for e in events if e["kind"] == "train_mode_in_eval"]
     assert loud(events) == [("train_mode_in_eval", 0)], loud(events)
     call = named[0]["details"]["calls"][0]
     assert call["operation"] == "torch.nn.functional.dropout" and call["count"] == 1
     assert call["source"]["file"] == __file__ and call["source"]["code"] == "h = F.dropout(h, 0.5)"
     assert "training=self.training" in named[0]["message"]
-    assert "train_mode_in_eval" in (debug_dir_of(tmp_path) / "report.md").read_text()
-
-
-def debug_dir_of(tmp_path: Path) -> Path:
-    return next(path.parent for path in tmp_path.rglob("report.md"))
+    assert "train_mode_in_eval" in (directory / "report.md").read_text()
 
 
 def test_modules_put_back_in_train_mode_inside_forward_are_named(tmp_path: Path) -> None:
-    events = fit(tmp_path, DropoutNet("train_in_forward"), GradientHealthCallback())
+    events, _ = fit(tmp_path, DropoutNet("train_in_forward"), GradientHealthCallback())
     named = [e for e in events if e["kind"] == "train_mode_in_eval"]
     assert named, loud(events)
     assert {c["operation"] for c in named[0]["details"]["calls"]} == {"torch.nn.functional.dropout",
