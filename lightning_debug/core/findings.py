@@ -98,7 +98,7 @@ class Episodes:
         """End the episodes of ``kinds`` absent for ``grace`` check steps (all of them when ``final``)."""
         closed = []
         for key in list(self.open):
-            if key in seen or (kinds is not None and key[0] not in kinds):
+            if (key in seen and not final) or (kinds is not None and key[0] not in kinds):
                 continue
             episode = self.open[key]
             episode["missed"] = episode.get("missed", 0) + 1

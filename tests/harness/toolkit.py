@@ -265,3 +265,9 @@ def console_lines(match: str | None = None) -> Iterator[list[str]]:
         logger.removeHandler(listener)
     if match is not None:
         assert any(re.search(match, line) for line in lines), f"no console line matches {match!r}: {lines}"
+
+
+def as_on_an_accelerator(monkeypatch: Any) -> None:
+    """Take the defaults' choice of a GPU on this CPU: no free replay of a NaN's step, its numbers read a step late
+    (``pytest.MonkeyPatch``; lightning_debug.monitors.anomaly.replay.replays_for_free)."""
+    monkeypatch.setattr("lightning_debug.monitors.anomaly.monitor.replays_for_free", lambda model: False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_debug import AnomalyDetectionCallback, AnomalyError, DebugConfig
-from tests.harness.toolkit import (console_lines, 
+from tests.harness.toolkit import (as_on_an_accelerator, console_lines,
     TinyRegressor,
     debug_dir,
     make_trainer,
@@ -32,7 +32,11 @@ def lightning_debug_warnings(caught: list[warnings.WarningMessage]) -> list[str]
     return [line for line in caught if "lightning-debug" in line]
 
 
-def test_log_of_zero_is_found_at_its_step_with_scalars(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", ["host", "accelerator"])
+def test_log_of_zero_is_found_at_its_step_with_scalars(tmp_path: Path, device: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    if device == "accelerator":
+        as_on_an_accelerator(monkeypatch)
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback()], max_steps=20)
     with console_lines(r"\[step 7\] The loss is NaN/Inf"):
         trainer.fit(TinyRegressor(log_zero_from_step=7))
@@ -40,9 +44,13 @@ def test_log_of_zero_is_found_at_its_step_with_scalars(tmp_path: Path) -> None:
     loss_events = starts(events, "nonfinite_loss")
     assert [e["step"] for e in loss_events] == [7]
     assert loss_events[0]["severity"] == "error" and loss_events[0]["callback"] == "AnomalyDetectionCallback"
-    assert "log or division" in loss_events[0]["message"]
+    if device == "host":  # the defaults replay the step where it costs nothing, and name the operation
+        assert "Cause: `torch.log` at toolkit.py" in loss_events[0]["message"]
+        assert loss_events[0]["details"]["cause"]["where"] == "forward"
+    else:  # read a step late, the parameters already updated: the common causes, and the level that names it
+        assert "log or division" in loss_events[0]["message"] and "Cause:" not in loss_events[0]["message"]
     assert not starts(events, "nonfinite_grad"), "log(0) of a constant leaves the gradients finite"
-    ends = [e for e in events if e.get("episode") == "end"]
+    ends = [e for e in events if e.get("episode") == "end" and e["kind"] == "nonfinite_loss"]
     assert ends and ends[0]["details"]["steps"] == 13 and ends[0]["details"]["first_step"] == 7
     scalars = read_scalars(trainer.log_dir)
     assert dict(scalars["debug/loss_finite"])[6] == 1.0 and dict(scalars["debug/loss_finite"])[7] == 0.0
@@ -84,9 +92,9 @@ def test_learning_rate_that_overflows_weights_names_the_parameters(tmp_path: Pat
 
 def test_raise_mode_raises_with_step_and_still_writes_the_report(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [AnomalyDetectionCallback(anomaly_detection_mode="raise")], max_steps=20)
-    with pytest.raises(AnomalyError, match="non-finite loss at step 5") as raised:
+    with pytest.raises(AnomalyError, match=r"non-finite activation, loss at step 5\. Cause: `torch\.log`") as raised:
         trainer.fit(TinyRegressor(log_zero_from_step=5))
-    assert raised.value.step == 5 and raised.value.kinds == ["nonfinite_loss"]
+    assert raised.value.step == 5 and raised.value.kinds == ["nonfinite_activation", "nonfinite_loss"]
     report = read_report(debug_dir(trainer))
     assert report["status"] == "failed" and "AnomalyError" in report["error"]
     assert report["findings"]["nonfinite_loss"]["first_step"] == 5
@@ -281,8 +289,10 @@ def test_warn_mode_names_the_loss_first_and_the_parameters_as_its_consequence(tm
         trainer.fit(LogOfZeroInGraph(from_step=5))
     events = read_events(debug_dir(trainer))
     report = read_report(debug_dir(trainer))
-    assert list(report["findings"])[:3] == ["nonfinite_loss", "nonfinite_grad", "nonfinite_param"]
-    assert "consequence_of" not in report["findings"]["nonfinite_loss"]
+    assert list(report["findings"])[:4] == ["nonfinite_activation", "nonfinite_loss", "nonfinite_grad",
+                                            "nonfinite_param"], "the operation the replay names comes first"
+    assert "consequence_of" not in report["findings"]["nonfinite_activation"]
+    assert report["findings"]["nonfinite_loss"]["consequence_of"] == "nonfinite_activation"
     assert report["findings"]["nonfinite_grad"]["consequence_of"] == "nonfinite_loss"
     assert report["findings"]["nonfinite_param"]["consequence_of"] == "nonfinite_grad"
     loss = starts(events, "nonfinite_loss")[0]

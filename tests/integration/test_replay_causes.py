@@ -6,12 +6,14 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_debug
-from tests.harness.toolkit import TinyRegressor, regression_data
+from tests.harness.toolkit import TinyRegressor, as_on_an_accelerator, regression_data
 from tests.integration.test_localize import cause_of, fit
 
 SEQ, DIM, BATCH = 6, 8, 8
@@ -125,9 +127,12 @@ class CountingLosses(TinyRegressor):
         return loss
 
 
-def test_a_list_guarded_by_is_replaying_gets_one_entry_per_step(tmp_path: Path) -> None:
+def test_a_list_guarded_by_is_replaying_gets_one_entry_per_step(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     runs, events = {}, {}
     for level in ("advanced", "basic"):
+        if level == "basic":
+            as_on_an_accelerator(monkeypatch)
         random.seed(0)
         runs[level] = CountingLosses()
         events[level] = fit(tmp_path / level, runs[level], level=level, steps=8)

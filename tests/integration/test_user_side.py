@@ -85,7 +85,8 @@ def read_layout(log_dir: Path) -> Any:
 
 
 EXPECTED_BY_CONFIG = {
-    "anomaly": ("nonfinite_loss", lambda e: e["step"] == 20 and e["callback"] == "AnomalyDetectionCallback"),
+    "anomaly": ("nonfinite_activation", lambda e: e["step"] == 20 and e["callback"] == "AnomalyDetectionCallback"
+                and "`torch.log`" in e["message"]),
     "gradients": ("missing_grad", lambda e: e["details"]["parameters"] == ["unused.weight", "unused.bias"]),
     "memory": ("memory_growth", lambda e: any(t["grad_fn"] for t in e["details"]["tensors"])),
     "performance": ("dataloader_bottleneck", lambda e: e["details"]["num_workers"] == 0),
@@ -132,14 +133,14 @@ def full_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_full_config_runs_all_four_areas_and_names_the_planted_nan(full_run: dict[str, Any]) -> None:
     debug_dir = full_run["debug_dir"]
     report = read_report(debug_dir)
-    assert list(report["findings"])[0] == "nonfinite_loss"
+    assert list(report["findings"])[:2] == ["nonfinite_activation", "nonfinite_loss"]
     assert report["findings"]["nonfinite_loss"]["first_step"] == 30
     assert {"anomaly", "gradients", "memory", "performance"} <= set(report["sections"])
     scalars = read_scalars(full_run["log_dir"])
     for tag in ("debug/loss_finite", "debug/grad/global_norm", "debug/memory/cpu_rss_mb", "debug/perf/step_ms"):
         assert scalars.get(tag), tag
     markdown = (debug_dir / "report.md").read_text()
-    first = markdown.index("### 1. `nonfinite_loss` (error)")
+    first = markdown.index("### 1. `nonfinite_activation` (error)")
     assert "**Where**: steps 30-" in markdown[first:] and "**What to do**" in markdown[first:]
 
 
@@ -267,7 +268,7 @@ def test_report_rebuilds_report_and_plot_from_events_and_tensorboard(full_run: d
     assert cli(["report", str(log_dir)]) == 0
     debug_dir = log_dir / "debug_outputs"
     report = read_report(debug_dir)
-    assert report["status"] == "unknown" and list(report["findings"])[0] == "nonfinite_loss"
+    assert report["status"] == "unknown" and list(report["findings"])[:2] == ["nonfinite_activation", "nonfinite_loss"]
     assert report["findings"]["nonfinite_loss"]["first_step"] == 30
     live = read_report(full_run["debug_dir"])
     assert set(report["findings"]) == set(live["findings"])
@@ -275,7 +276,7 @@ def test_report_rebuilds_report_and_plot_from_events_and_tensorboard(full_run: d
     assert report["stats"]["gradient_norm"]["count"] == len(norms)
     assert report["stats"]["gradient_norm"]["max"] == pytest.approx(max(v for _, v in norms))
     assert (debug_dir / "debug_analysis.png").read_bytes()[:8] == PNG_MAGIC
-    assert "### 1. `nonfinite_loss`" in (debug_dir / "report.md").read_text()
+    assert "### 1. `nonfinite_activation`" in (debug_dir / "report.md").read_text()
     captured = capsys.readouterr()
     assert "rebuilt" in captured.out and "nonfinite_loss" in captured.out
     assert "read" in captured.err and "debug scalars" in captured.err  # progress

@@ -24,7 +24,7 @@ from lightning_debug.monitors.anomaly.divergence import LossJudge, loss_finding
 from lightning_debug.monitors.anomaly.forensics import ParamsOrigin, WeightHistory, update_may_overflow
 from lightning_debug.monitors.anomaly.inputs import RecentInputs, nonfinite_rows
 from lightning_debug.monitors.anomaly.probe import WeightProbe
-from lightning_debug.monitors.anomaly.replay import replay_step, wants_replay
+from lightning_debug.monitors.anomaly.replay import replay_step, replays_for_free, wants_replay
 from lightning_debug.monitors.anomaly.settings import AnomalySettings
 
 BAD_BATCHES_KEPT = 20
@@ -53,6 +53,7 @@ class AnomalyMonitor(Monitor):
         self.bad_batches: list[dict[str, Any]] = []
         self._previous_detect_anomaly: tuple[bool, bool] | None = None
         self._positions: dict[int, Where] = {}
+        self._causes: dict[int, Cause | None] = {}  # the free replays' causes of steps read late
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._learning_rates: list[float] = []
         self._inputs = RecentInputs()
@@ -78,9 +79,10 @@ class AnomalyMonitor(Monitor):
             self._previous_detect_anomaly = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
             torch.autograd.set_detect_anomaly(True, check_nan=False)
             self.warn(prose.EXPERT_STACKS)
-        if self.localizes and self.context.replay() is None:
-            self.warn(prose.NO_REPLAY_IN_LOOP)
         model = self.context.module()
+        self.localizes = self.settings.localizes or (model is not None and replays_for_free(model))
+        if self.settings.localizes and self.context.replay() is None:
+            self.warn(prose.NO_REPLAY_IN_LOOP)
         if model is not None:
             self._watched.watch(model)
 
@@ -91,9 +93,9 @@ class AnomalyMonitor(Monitor):
             self._previous_detect_anomaly = None
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        """On check steps, flag the batch's NaN/Inf (read back with the loss) and keep it to name the samples; from
-        ADVANCED also the micro-batch and RNG state, for a replay. With several optimizers every batch is observed
-        (which one steps next is not known yet)."""
+        """On check steps, flag the batch's NaN/Inf (read back with the loss) and keep it to name the samples; when
+        the step can be replayed (ADVANCED, or a model on the host) also the micro-batch and RNG state. With several
+        optimizers every batch is observed (which one steps next is not known yet)."""
         if not (self.due(step) or self.numerics.several_optimizers):
             return
         if self.weights.wants_measure_before(step, self._probe.step, self._may_overflow):
@@ -128,18 +130,20 @@ class AnomalyMonitor(Monitor):
 
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Check this step's numerics and decide the optimizer step: in ``warn`` below ADVANCED read later without a
-        sync; otherwise now (one sync), replayed at ADVANCED. What decides comes from values every rank shares and
-        its collectives are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever failed."""
+        sync (on the host the step is replayed now, its cause kept for then: :func:`.replays_for_free`); otherwise
+        now (one sync), replayed at ADVANCED. What decides comes from values every rank shares and its collectives
+        are the gate's (:func:`.collectives.nan_step_plan`), so the ranks agree whatever failed."""
         if not self.optimizer_step_due(step):
             return Decision.CONTINUE
         current = numerics()
         where = self.context.where()
         self._learning_rates = [float(group.get("lr", float("nan"))) for group in optimizer.param_groups]
         replay = self.context.replay() if self.localizes else None
-        if policy.reads_late(self.mode, replays=replay is not None):
-            self._positions[current.step] = where
-            if len(self._positions) > POSITIONS_KEPT:
-                self._positions.pop(min(self._positions))
+        if policy.reads_late(self.mode, replays=self.settings.localizes):
+            for kept, value in ((self._positions, where), (self._causes, self._free_replay(current, replay))):
+                kept[current.step] = value  # type: ignore[index]
+                if len(kept) > POSITIONS_KEPT:
+                    kept.pop(min(kept))
             current.subscribe(self._on_numerics)
             return Decision.CONTINUE
         host = current.read(blocking=True)
@@ -150,9 +154,9 @@ class AnomalyMonitor(Monitor):
         model = self.context.module()
         if replay is not None and current.index.sharded:
             replay = None
-            if self.localizes:  # said once: a replayed forward of sharded modules re-runs their collectives
-                self.localizes = False
-                self.warn(prose.no_replay_on_sharded(current.index.sharded_names))
+            if self.localizes and self.settings.localizes:  # said once: a replayed forward of sharded modules
+                self.warn(prose.no_replay_on_sharded(current.index.sharded_names))  # re-runs their collectives
+            self.localizes = False
         cause = self._replay(host, model, replay) if model is not None and replay is not None else None
         verdict = self._judge(host)
         self.session.failures.call("writing the anomaly findings", self._write_findings, host, where, cause, verdict)
@@ -161,6 +165,15 @@ class AnomalyMonitor(Monitor):
         if action is policy.Action.RAISE:
             raise prose.anomaly_error(host.step, kinds, verdict, len(host.ranks), cause)
         return DECISIONS[action]
+
+    def _free_replay(self, current: Any, replay: Replay | None) -> Cause | None:
+        """The cause of a step read late, found now while its parameters are those its forward used: on the host
+        the values are already there (nothing waits), so the first step of an episode is replayed as at ADVANCED."""
+        model = self.context.module()
+        if replay is None or model is None or current.index.sharded:
+            return None
+        host = current.read(blocking=False)
+        return None if host.failure is not None else self._replay(host, model, replay)
 
     def undo_step(self, step: int) -> bool:
         """The run dropped ``step`` on every rank: put back the buffers its forward changed and say whether some are
@@ -219,7 +232,8 @@ class AnomalyMonitor(Monitor):
             self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
                                     host.step)
             return
-        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), None, self._judge(host))
+        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}),
+                             self._causes.pop(host.step, None), self._judge(host))
 
     def _judge(self, host: HostNumerics) -> policy.Verdict:
         """What ``host`` shows, the same on every rank (the scan, a collective, runs when the shared flags ask)."""

@@ -22,6 +22,19 @@ EPISODE_KINDS = (Kind.NONFINITE_LOSS.value, Kind.NONFINITE_GRAD.value)
 Captured = tuple[Any, Any]  # (the micro-batch as the adapter captured it, the RNG state at its start)
 
 
+def replays_for_free(model: torch.nn.Module) -> bool:
+    """Whether the defaults replay a NaN's first step too, as ``level=ADVANCED`` does: when every parameter lives on
+    the host. There the step's numbers are read in the step at no cost (a "sync" with the CPU waits for nothing),
+    and keeping the micro-batch and RNG state until the next step holds no device memory. On an accelerator the
+    defaults read the numbers a step late instead (no sync, the batch freed), so the parameters a replay needs are
+    already updated: the cause is named from ADVANCED, or in ``skip``/``raise``/``stop`` mode at that level::
+
+        >>> replays_for_free(torch.nn.Linear(2, 1)), replays_for_free(torch.nn.Linear(2, 1, device="meta"))
+        (True, False)
+    """
+    return all(parameter.device.type == "cpu" for parameter in model.parameters())
+
+
 def wants_replay(loss_ranks: Sequence[int], grad_ranks: Sequence[int], uses_grad_scaler: bool,
                  open_kinds: Iterable[str]) -> bool:
     """Whether to replay: the first step of an episode of non-finite loss or gradients (not a GradScaler's overflow)::
