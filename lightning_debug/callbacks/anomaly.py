@@ -25,13 +25,14 @@ class AnomalyDetectionCallback(DebugCallback):
     ``torch.autograd.set_detect_anomaly`` (several times slower). The same check judges the finite loss
     against its recent level: a spike that stays and a steady rise are early signs of a learning rate far too high.
 
-    From ``level=ADVANCED`` the first step of each anomaly episode is replayed (same batch, RNG state and
+    From ``level=ADVANCED``, and at every level when the parameters live on the host (a CPU run, where it costs
+    nothing), the first step of each anomaly episode is replayed (same batch, RNG state and
     parameters, all restored afterwards) to name the cause: the batch itself, the first module and operation
     that made a NaN/Inf from finite inputs (for a NaN loss the first that made NaN, such as a softmax over a
     fully masked row) with its source line, or the backward operation. The replay calls ``training_step``
     again (``self.log`` muted): guard your own lists, counters and metric updates with
-    ``lightning_debug.is_replaying()``. It costs one sync per check step even in ``warn`` mode (the replay
-    needs the pre-update parameters). Manual optimization is not replayed.
+    ``lightning_debug.is_replaying()``. On a GPU it costs one sync per check step even in ``warn`` mode (the
+    replay needs the pre-update parameters), hence ADVANCED there. Manual optimization is not replayed.
 
     Example::
 

@@ -253,4 +253,5 @@ def test_advanced_replay_with_a_collective_in_training_step_keeps_the_ranks_toge
     cause = loss["details"]["cause"]
     assert cause["operation"] == "torch.log" and cause["summary"].startswith("on rank 1: `torch.log`"), cause
     assert sorted(cause["outputs"]["per_rank"]) == ["0", "1"]
-    assert [e["step"] for e in events if e["kind"] == "nonfinite_activation"] == [4]
+    activation = [(e["step"], e.get("episode")) for e in events if e["kind"] == "nonfinite_activation"]
+    assert activation == [(4, "start"), (11, "end")], "seen once, ended with the run"

@@ -108,7 +108,7 @@ class AnomalyMonitor(Monitor):
         if tensors:
             self.numerics.observe_inputs(step, [t for _, t in tensors])
             self._inputs.add(step, self.context.where(), tensors)
-        if not self.localizes:
+        if not self.localizes or captured is None:  # nothing to recompute the step from (a loop without a forward)
             return
         if self._step_inputs[0] != step:
             self._step_inputs = (step, [])
