@@ -56,9 +56,15 @@ OWNER = {
 callback, the loop and error areas with any callback)."""
 
 
-def owners(case: Case) -> list[str]:
-    """The callbacks that, alone, should name ``case``."""
-    return [name for name in CALLBACKS if any(name in OWNER.get(kind, ()) for kind in case.kinds)]
+JUDGED_FROM = {"update_ratio_high": "advanced"}
+"""Kinds a callback judges only from a level on (``update_ratio_high``: with ``log_weights`` or from ADVANCED, the
+weights copied before the update; its KindSpec summary says so)."""
+
+
+def owners(case: Case, level: str | None = None) -> list[str]:
+    """The callbacks that, alone, should name ``case`` (at ``level``: on the kinds they judge there)."""
+    kinds = [kind for kind in case.kinds if level is None or JUDGED_FROM.get(kind, level) == level]
+    return [name for name in CALLBACKS if any(name in OWNER.get(kind, ()) for kind in kinds)]
 
 
 def configs(case: Case) -> list[str]:
@@ -190,13 +196,18 @@ def summarise(rows: list[dict[str, Any]], cases: list[Case]) -> dict[str, Any]:
 
     per_config = {f"{config}|{level}": score([r for r in good if r["config"] == config and r["level"] == level])
                   for config in (*CALLBACKS, "all") for level in LEVELS}
+    by_name = {c.name: c for c in cases}
+    judged = {f"{config}|{level}": score([r for r in good if r["config"] == config and r["level"] == level
+                                          and config in owners(by_name[r["case"]], level)])
+              for config in CALLBACKS for level in LEVELS}
     per_class = {f"{klass}|{level}": score([r for r in good if r["config"] == "all" and r["level"] == level
                                             and r["klass"] == klass])
                  for klass in dict.fromkeys(c.klass for c in cases) for level in LEVELS}
     per_class_alone = {f"{klass}|{config}|{level}": score([r for r in good if r["config"] == config
                                                           and r["level"] == level and r["klass"] == klass])
                        for klass in dict.fromkeys(c.klass for c in cases) for config in CALLBACKS for level in LEVELS}
-    return {"per_config": per_config, "per_class": per_class, "per_class_alone": per_class_alone}
+    return {"per_config": per_config, "per_config_judged": judged, "per_class": per_class,
+            "per_class_alone": per_class_alone}
 
 
 def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Case]) -> str:
@@ -207,6 +218,13 @@ def markdown(summary: dict[str, Any], rows: list[dict[str, Any]], cases: list[Ca
             label = "all four" if config == "all" else f"{config} alone"
             lines.append(f"| {label} | {level} | {_share(s['recalled'], s['buggy'])} | "
                          f"{_share(s['cause_right'], s['placed'])} | {_share(s['false_alarms'], s['twins'])} |")
+    lines += ["", "| callback alone, on the kinds it judges at the level | level | recall | cause accuracy |",
+              "|---|---|---|---|"]
+    for key, s in summary.get("per_config_judged", {}).items():
+        if s["buggy"]:
+            config, level = key.split("|")
+            lines.append(f"| {config} alone | {level} | {_share(s['recalled'], s['buggy'])} | "
+                         f"{_share(s['cause_right'], s['placed'])} |")
     lines += ["", "| class (all four) | level | recall | cause accuracy | false alarms (twins) |",
               "|---|---|---|---|---|"]
     for key, s in summary["per_class"].items():
