@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -52,9 +53,9 @@ def _what(entry: dict[str, Any]) -> str:
     return (f"consequence of {cause}: " if cause else "") + _short(str(entry["first_message"]))
 
 
-def finding_line(record: dict[str, Any]) -> str:
-    """The one console line of a finding: its first sentence, kind, where, and a hint (the cause a replay named,
-    else the advice's start).
+def finding_line(record: dict[str, Any], printed: Collection[str] = ()) -> str:
+    """The one console line of a finding: its first sentence, kind, where, and a hint: the cause a replay named
+    (once: a consequence of a kind already ``printed`` says so instead), else the advice's start.
 
     Example::
 
@@ -65,10 +66,11 @@ def finding_line(record: dict[str, Any]) -> str:
     """
     details = record.get("details") if isinstance(record.get("details"), dict) else {}
     cause = details.get("cause") if isinstance(details.get("cause"), dict) else {}
-    if cause.get("summary") and cause.get("where") not in ("not_reproduced", "error"):
+    root = details.get("consequence_of")
+    if cause.get("summary") and cause.get("where") not in ("not_reproduced", "error") and root not in printed:
         hint = "Cause: " + _short(str(cause["summary"]), HINT_WIDTH)
-    elif details.get("consequence_of"):
-        hint = f"Hint: a consequence of {details['consequence_of']}; fix that first."
+    elif root:
+        hint = f"Hint: a consequence of {root}; fix that first."
     else:
         advice = hint_for(record.get("kind"))
         hint = f"Hint: {advice}." if advice else ""
@@ -86,6 +88,7 @@ class FindingWarnings:
 
     def __init__(self) -> None:
         self._shown: dict[str, int] = {}
+        self._printed: set[str] = set()  # the kinds with a line so far: a consequence of one points at it
 
     def __call__(self, record: dict[str, Any]) -> None:
         if record.get("episode") == "end" or not record.get("console", True):
@@ -98,7 +101,9 @@ class FindingWarnings:
             return
         self._shown[source] = shown + 1
         last = shown + 1 == WARNINGS_PER_SOURCE
-        notify(finding_line(record) + (f" (further findings of {source} are only in events.jsonl)" if last else ""))
+        notify(finding_line(record, self._printed) + (f" (further findings of {source} are only in events.jsonl)"
+                                                      if last else ""))
+        self._printed.add(str(record.get("kind")))
 
 
 def _headline(report: dict[str, Any]) -> str:

@@ -125,9 +125,11 @@ def test_the_summary_keeps_brackets_and_never_folds_a_path_or_a_command(tmp_path
         }
         for what, line in expected.items():
             assert any(" ".join(printed.split()) == line for printed in lines), (what, line, output)
-        assert any(line.startswith("lightning-debug: run finished at step 8, 1 kind(s) of finding") for line in lines)
-        assert any(re.match(r"error\s+nonfinite_loss\s+steps 3-7\s+The loss is NaN/Inf", line) for line in lines), \
+        assert any(line.startswith("lightning-debug: run finished at step 8, 2 kind(s) of finding") for line in lines), \
             lines
+        assert any(re.match(r"error\s+nonfinite_activation\s+steps? 3\b", line) for line in lines), lines
+        assert any(re.match(r"error\s+nonfinite_loss\s+steps 3-7\s+consequence of nonfinite_activation: The loss is "
+                            r"NaN/Inf", line) for line in lines), lines
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
