@@ -183,7 +183,7 @@ def print_summary(report: dict[str, Any], files: dict[str, str], stream: TextIO 
         table.add_column("finding", no_wrap=True, width=widths[1])
         table.add_column("where", no_wrap=True, width=widths[2])
         table.add_column("what", no_wrap=True, overflow="ellipsis",
-                         width=max(20, console.width - sum(widths) - 9))
+                         width=max(12, console.width - sum(widths) - 9))  # kinds and steps stay whole
         for kind, entry in findings.items():
             severity = str(entry["severity"])
             table.add_row(Text(severity, style=SEVERITY_STYLES.get(severity, "")), Text(kind), Text(step_span(entry)),

