@@ -59,6 +59,14 @@ SETTLED_FACTOR = 5.0
 EARLY_LOSSES = 3
 SETTLED_WINDOW = 8
 SETTLED_SIGMAS = 5.0
+# Loss: an early rise. Within its first LOSS_START_VALUES checks the loss reaches LOSS_SPIKE_FACTOR times the run's
+# first loss, is EARLY_RISE_FACTOR times it or more on EARLY_RISE_CHECKS checks in a row, and falls back: each of
+# those checks is a spike over the losses after them (at least EARLY_RISE_AFTER), judged once the first
+# EARLY_RISE_JUDGED_AT losses are known.
+EARLY_RISE_FACTOR = SETTLED_FACTOR
+EARLY_RISE_CHECKS = 3
+EARLY_RISE_AFTER = CLIMB_LEVEL_WINDOW
+EARLY_RISE_JUDGED_AT = LOSS_WINDOW
 
 
 class SettledLevel:
@@ -118,6 +126,93 @@ class SettledLevel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.early = [float(v) for v in state.get("early", [])][:EARLY_LOSSES]
+
+
+@dataclass
+class Rise:
+    """A rise over the run's first loss within its first checks (see :class:`EarlyRise`).
+
+    ``crossed``: the index (among the run's checked losses) of the first loss :data:`LOSS_SPIKE_FACTOR` times the
+    first one; ``losses``: the rise, the checks in a row at :data:`EARLY_RISE_FACTOR` times the first loss or more
+    around it; ``after``: the losses after it up to the judgement; ``limit``: the spike limit over them, which every
+    loss of the rise exceeds; ``judged``: False while the run is too short to say whether it fell back.
+    """
+
+    crossed: int
+    first: float
+    losses: list[float]
+    after: list[float]
+    limit: float = math.nan
+    judged: bool = False
+
+    @property
+    def peak(self) -> float:
+        return max(self.losses)
+
+
+class EarlyRise:
+    """The run's first losses, against which a rise far over the first one in the first checks is judged.
+
+    The start level the spike rule judges against is the highest of the first :data:`LOSS_START_VALUES` losses
+    (single-example batches of heavy-tailed data start anywhere in their spread), so a loss that climbs over
+    two or three steps takes its own rise in (Adam at lr 0.2 on a 4-class MLP: 1.40, 11.7, 20.3, 10.6, 3.48,
+    0.75, ... then 0: step 1 is 8.4x the first loss, step 2 is judged against 11.7). One loss cannot say
+    whether the first loss was low by chance, so the rise is judged once :data:`EARLY_RISE_JUDGED_AT` losses
+    are known: it must have lasted (:data:`EARLY_RISE_CHECKS` checks in a row at :data:`EARLY_RISE_FACTOR`
+    times the first loss: not one far-off batch) and fallen back so far that each of its losses is a spike over
+    every loss after it (:data:`LOSS_SPIKE_FACTOR` times their median, :data:`SPIKE_OVER_RECENT_MAX` times their
+    highest, :data:`LOSS_SPIKE_SIGMAS` robust spreads above their median). A first loss low by chance is not
+    fallen back under: the losses after it stay at the level the rise was at. Losses below 0 are not judged.
+
+    >>> rise = EarlyRise()
+    >>> overshoot = [1.4, 11.7, 20.3, 10.6, 3.5, 0.75, 0.55, 0.3, 1.55, 0.5] + [0.4 * 0.8 ** i for i in range(22)]
+    >>> found = [rise.judge(loss) for loss in overshoot]
+    >>> [i for i, r in enumerate(found) if r is not None and not r.judged][:2], found[-1].crossed, found[-1].losses
+    ([2, 3], 2, [11.7, 20.3, 10.6])
+    >>> low_by_chance = EarlyRise()
+    >>> [low_by_chance.judge(loss) for loss in [0.01] + [0.5, 0.8, 0.3, 1.2] * 8][-1] is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.first: list[float] = []
+
+    def judge(self, loss: float) -> Rise | None:
+        """A rise suspected (``judged`` False) until the first :data:`EARLY_RISE_JUDGED_AT` losses are known, then
+        the rise if it fell back (``judged``), else None; None on every later check."""
+        if len(self.first) >= EARLY_RISE_JUDGED_AT:
+            return None
+        self.first.append(loss)
+        first = self.first
+        if not first[0] > 0 or min(first) < 0:
+            return None
+        crossed = next((i for i, value in enumerate(first[1:LOSS_START_VALUES], 1)
+                        if value >= LOSS_SPIKE_FACTOR * first[0]), None)
+        if crossed is None:
+            return None
+        if len(first) < EARLY_RISE_JUDGED_AT:
+            return Rise(crossed, first[0], [], [])
+        far = EARLY_RISE_FACTOR * first[0]
+        begin, end = crossed, crossed + 1
+        while begin > 1 and first[begin - 1] >= far:
+            begin -= 1
+        while end < len(first) and first[end] >= far:
+            end += 1
+        risen, after = first[begin:end], first[end:]
+        if len(risen) < EARLY_RISE_CHECKS or len(after) < EARLY_RISE_AFTER:
+            return None
+        level = median(after)
+        limit = max(LOSS_SPIKE_FACTOR * level, SPIKE_OVER_RECENT_MAX * max(after),
+                    level + LOSS_SPIKE_SIGMAS * robust_sigma(after))
+        if min(risen) <= limit:
+            return None
+        return Rise(crossed, first[0], risen, after, limit, judged=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": list(self.first)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first = [float(v) for v in state.get("first", [])][:EARLY_RISE_JUDGED_AT]
 
 
 def jump_limit(history: Sequence[float], factor: float, sigmas: float, minimum: int) -> float | None:
@@ -214,6 +309,7 @@ class LossKind(str, enum.Enum):
     CLIMB = "climb"
     SETTLED = "settled"
     OSCILLATING = "oscillating"
+    EARLY_RISE = "early_rise"
     OUTLIER = "outlier"
 
 
@@ -223,7 +319,9 @@ class LossVerdict:
 
     ``next_loss``: a spike's or an outlier's next check loss, which settled it; ``step`` and ``where``: the check
     step the verdict is about (for those two, the check before the one that returned it); ``peaks``: for
-    ``oscillating``, the highest loss of each of the last relapses.
+    ``oscillating``, the highest loss of each of the last relapses; ``first_loss`` and ``rise``: for ``early_rise``,
+    the run's first loss and the losses of the rise (``loss`` is the one that crossed, ``level`` that of the losses
+    after it, ``limit`` the spike limit over them).
     """
 
     kind: LossKind | None
@@ -238,6 +336,8 @@ class LossVerdict:
     step: int | None = None
     where: dict[str, Any] | None = None
     peaks: list[float] | None = None
+    first_loss: float = math.nan
+    rise: list[float] | None = None
 
     def measured(self) -> dict[str, Any]:
         """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""
@@ -249,7 +349,10 @@ class LossVerdict:
         optional = (("next_loss", self.next_loss, self.next_loss is not None),
                     ("limit", self.limit, math.isfinite(self.limit)), ("recent_losses", self.window, bool(self.window)),
                     ("best_level", self.best, math.isfinite(self.best)),
-                    ("early_level", self.early, math.isfinite(self.early)), ("relapse_peaks", self.peaks, bool(self.peaks)))
+                    ("early_level", self.early, math.isfinite(self.early)),
+                    ("relapse_peaks", self.peaks, bool(self.peaks)),
+                    ("first_loss", self.first_loss, math.isfinite(self.first_loss)),
+                    ("rise_losses", self.rise, bool(self.rise)))
         return {"loss": self.loss, "recent_level": self.level, "start_level": self.start,
                 **{key: value for key, value, shown in optional if shown}}
 
@@ -259,7 +362,8 @@ class LossReading:
     """What one check step's loss suggests; how long a suspicion is held is its kind's policy.
 
     ``rising``: the climb's level is higher than at the first of the last ``climb_checks`` checks it was;
-    ``levels_judged``: whether the level was judged at all (a check that did not neither continues nor ends a climb).
+    ``levels_judged``: whether the level was judged at all (a check that did not neither continues nor ends a climb);
+    ``rise_suspected``: a rise over the first loss in the first checks waits for the judgement ``early_rise`` holds.
     """
 
     loss: float
@@ -270,14 +374,17 @@ class LossReading:
     settled: LossVerdict | None = None
     levels_judged: bool = False
     oscillating: LossVerdict | None = None
+    early_rise: LossVerdict | None = None
+    rise_suspected: bool = False
 
 
 class LossTrend:
     """The loss of recent check steps and the baselines a new loss is judged against; it holds no suspicion.
 
     ``judge`` says what a loss suggests: a ``spike``, a steady ``divergence``, a noisy ``climb`` of the level over
-    the run's best level, a ``settled`` climb over the early level (:class:`SettledLevel`), or an ``oscillating``
-    loss (:class:`~lightning_debug.checks.relapses.Relapses`). What each rules out on healthy runs (one far-off
+    the run's best level, a ``settled`` climb over the early level (:class:`SettledLevel`), an ``oscillating``
+    loss (:class:`~lightning_debug.checks.relapses.Relapses`) or an ``early_rise`` over the first loss that fell back
+    (:class:`EarlyRise`). What each rules out on healthy runs (one far-off
     batch, a warm-up bump, stationary noise, a change of data) is in docs/gradients.md, "Early divergence".
 
     >>> trend = LossTrend()
@@ -297,6 +404,7 @@ class LossTrend:
         """The levels of the last checks above the climb limit (the verdict engine holds the streak)."""
         self.far_above = SettledLevel()
         self.relapses = Relapses()
+        self.early_rise = EarlyRise()
 
     @property
     def best_spread(self) -> float:
@@ -325,10 +433,19 @@ class LossTrend:
         level = self._level()
         settled = self._settled(loss, level) if climb else None
         climbing, rising = self._climb(loss, level) if climb else (None, False)
+        rise = self.early_rise.judge(loss) if climb else None
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
-        return LossReading(loss, spike, divergence, climbing, rising, settled, climb, oscillating)
+        return LossReading(loss, spike, divergence, climbing, rising, settled, climb, oscillating,
+                           self._rise_verdict(rise), rise is not None)
+
+    def _rise_verdict(self, rise: Rise | None) -> LossVerdict | None:
+        if rise is None or not rise.judged:
+            return None
+        first = self.early_rise.first
+        return LossVerdict(LossKind.EARLY_RISE, first[rise.crossed], median(rise.after), self.start_level, rise.limit,
+                           first[:rise.crossed + 1], first_loss=rise.first, rise=rise.losses)
 
     def _oscillating(self, loss: float) -> LossVerdict | None:
         peaks = self.relapses.judge(loss, self.recent, self.start_level)
@@ -424,7 +541,8 @@ class LossTrend:
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
-                "far_above": self.far_above.state_dict(), "relapses": self.relapses.state_dict()}
+                "far_above": self.far_above.state_dict(), "relapses": self.relapses.state_dict(),
+                "early_rise": self.early_rise.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -436,3 +554,4 @@ class LossTrend:
         self.climb_levels.extend(float(v) for v in state.get("climb_levels", []))
         self.far_above.load_state_dict(state.get("far_above", {}))
         self.relapses.load_state_dict(state.get("relapses", {}))
+        self.early_rise.load_state_dict(state.get("early_rise", {}))

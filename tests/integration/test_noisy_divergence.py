@@ -325,3 +325,31 @@ def test_a_loss_that_falls_to_zero_and_jumps_back_again_and_again_is_loss_diverg
     first = events[0]
     assert jumps[4] <= first["step"] <= jumps[4] + 8 and first["details"]["judged_by"] == "relapses"
     assert "oscillates" in first["message"] and "learning rate 0.1" in first["message"]
+
+
+@pytest.mark.parametrize(("lr", "all_four"), [(0.2, False), (0.2, True), (1e-3, False)])
+def test_a_loss_that_rises_14x_over_its_first_in_two_steps_and_falls_back_is_loss_divergence(
+        tmp_path: Path, lr: float, all_four: bool) -> None:
+    """oscillate-adam0.2 (issue 45): Adam at lr 0.2 takes the loss from 1.4 to 11.7 and 20.3 in two steps, then to 0.
+    The spike rule's start level, the highest of the first 5 losses, is the rise itself; the early rise is named
+    once the first 32 losses show it fell back, labelled at step 2. The pair of the single-example-batch outliers
+    above (their first losses are anywhere in their spread); the same program at lr 1e-3 (the twin) is quiet."""
+    losses: list[float] = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            losses.append(float(outputs["loss"]))
+
+    callbacks = debug_callbacks("full_debug") if all_four else [AnomalyDetectionCallback()]
+    trainer = fit(tmp_path, _blobs_mlp(lr), [*callbacks, Losses()], 40)
+    if lr < 0.01:
+        assert loud(trainer) == [] and losses[-1] < losses[0], "the twin falls, quietly"
+        return
+    assert losses[1] < 10 * losses[0] <= losses[2] and min(losses[5:]) < losses[0], "the plant: up 10x, then down"
+    events = [e for e in read_events(debug_dir(trainer)) if e["kind"] == "loss_divergence"
+              and e.get("episode") == "start"]
+    assert events and events[0]["severity"] == "warning", [kind for _, kind in loud(trainer)]
+    first = events[0]
+    assert first["step"] == 2 and first["details"]["judged_by"] == "early_rise", first
+    assert first["details"]["first_loss"] == pytest.approx(losses[0])
+    assert "first checked loss" in first["message"] and "learning rate 0.2" in first["message"]

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from lightning_debug.checks.relapses import RELAPSE_WINDOW
-from lightning_debug.checks.trends import LossKind, LossTrend, LossVerdict
+from lightning_debug.checks.trends import (EARLY_RISE_FACTOR, EARLY_RISE_JUDGED_AT, LOSS_START_VALUES, LossKind,
+                                           LossTrend, LossVerdict)
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.session import Where
@@ -18,12 +19,14 @@ from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine, p
 FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and clip gradients "
        "(Trainer(gradient_clip_val=1.0) or torch.nn.utils.clip_grad_norm_)")
 CLIMB_CHECKS = policy_of(Kind.LOSS_DIVERGENCE).needed() or 1
-SPIKE, RISE, CLIMB, SETTLED, OSCILLATING = "spike", "rise", "climb", "settled", "oscillating"  # suspicions' keys
+SPIKE, RISE, CLIMB, SETTLED, OSCILLATING, EARLY = (  # suspicions' keys
+    "spike", "rise", "climb", "settled", "oscillating", "early_rise")
 
 
 class LossJudge:
     """The loss rule and the monitor's verdict engine: :meth:`judge` returns at most one verdict per check, at the
-    check it is about (a spike's or outlier's is the check before)::
+    check it is about (a spike's or outlier's is the check before; an early rise's the check it crossed 10x the first
+    loss at: held from there, with ``confirms=False``, until the first 32 losses say whether it fell back)::
 
         >>> judge = LossJudge()
         >>> [judge.judge(loss, step).kind for step, loss in enumerate((6.9, 7857.0, 9000.0))]
@@ -55,11 +58,17 @@ class LossJudge:
                   (OSCILLATING, reading.oscillating, True)]
         held = [Suspicion(Kind.LOSS_DIVERGENCE, key, step, where=where, confirms=confirms)
                 for key, verdict, confirms in levels if verdict is not None]
-        confirmed = {item.key for item in self.verdicts.observe(Kind.LOSS_DIVERGENCE, step, held)} \
-            if reading.levels_judged else set()
+        if reading.rise_suspected:
+            held.append(Suspicion(Kind.LOSS_DIVERGENCE, EARLY, step, where=where,
+                                  confirms=reading.early_rise is not None))
+        confirmed = {item.key: item for item in self.verdicts.observe(Kind.LOSS_DIVERGENCE, step, held)} \
+            if reading.levels_judged else {}
         ordered = [_held_spike(item, LossKind.SPIKE, loss) for item in settled if item.kind is Kind.LOSS_SPIKE]
         ordered += [replace(verdict, **here) for key, verdict in ((RISE, reading.divergence), *[level[:2] for level in levels])
                     if verdict is not None and (key == RISE or key in confirmed)]
+        if reading.early_rise is not None and EARLY in confirmed:  # about the check that crossed, where it was held
+            crossed = confirmed[EARLY].first
+            ordered.append(replace(reading.early_rise, step=crossed.step, where=crossed.where))
         ordered += [_held_spike(item, LossKind.OUTLIER, loss) for item in settled if item.kind is Kind.LOSS_OUTLIER]
         return ordered[0] if ordered else LossVerdict(None, loss, **here)
 
@@ -138,6 +147,19 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"everything is still finite. The optimizer overshoots at this learning rate. {FIX}. (Many bad records, "
             "one batch in 20 far off, look the same: check those batches if the learning rate is not the cause.)",
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="relapses"))
+    if verdict.kind is LossKind.EARLY_RISE:
+        rise = verdict.rise or []
+        listed = ", ".join(f"{loss:.3g}" for loss in rise)
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss rose far above where the run started: {verdict.loss:.4g} at step {step}, "
+            f"{verdict.loss / verdict.first_loss:.3g}x the run's first checked loss ({verdict.first_loss:.4g}), within "
+            f"its first {LOSS_START_VALUES} checked steps; it stayed at {EARLY_RISE_FACTOR:g}x that or more for "
+            f"{len(rise)} checks in a row ({listed}), each of them a spike over the checked losses after them up to "
+            f"the {EARLY_RISE_JUDGED_AT}nd (their level {verdict.level:.4g}, the spike limit over them "
+            f"{verdict.limit:.4g}){lr}; everything is still finite. The first optimizer steps overshoot: the learning "
+            f"rate is too high for the start of training. {FIX}.",
+            dict(verdict.details, learning_rates=list(learning_rates), judged_by="early_rise"))
     if verdict.kind is LossKind.SETTLED:
         return Finding(
             Kind.LOSS_DIVERGENCE, Severity.WARNING,
