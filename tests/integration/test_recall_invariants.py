@@ -1,13 +1,16 @@
 """Recall that holds (issue 45): an explosion into Inf/NaN is named by GradientHealthCallback alone, from the first
-check steps, and no report calls a run with non-finite values clean. Real Trainer runs, CPU, a few seconds each."""
+check steps, as is one in the first 10 steps that is over by the second check step (at the defaults), and no report
+calls a run with non-finite values clean. Real Trainer runs, CPU, a few seconds each."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 from torch import nn
@@ -21,6 +24,7 @@ from tests.harness.toolkit import (
     console_lines,
     debug_dir,
     fit_seeded,
+    make_trainer,
     read_events,
     read_report,
     read_scalars,
@@ -218,17 +222,21 @@ class AdamClassifier(pl.LightningModule):
     """Two hidden ReLU layers under Adam, cross-entropy. ``lr=1000`` on inputs x10: the global norm ~13 at step 0,
     ~4e9 at step 1 and ~1e10 after it, the loss 1.4 -> 4e12; a few steps later every ReLU is dead and the loss is 0
     with a gradient of 0 for good: nothing is left to see at step 100, the second check step. ``lr=1e-3`` on the
-    data as it is trains (1.3 -> ~0.02)."""
+    data as it is trains (1.3 -> ~0.02). ``grads_x1e6_from``: from this step on the gradients are 1e6x (a hook on
+    the logits; Adam's step does not grow with them)."""
 
-    def __init__(self, lr: float, input_scale: float) -> None:
+    def __init__(self, lr: float, input_scale: float, grads_x1e6_from: int | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-        self.lr, self.input_scale = lr, input_scale
+        self.lr, self.input_scale, self.grads_x1e6_from = lr, input_scale, grads_x1e6_from
         self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x * self.input_scale), y)
+        logits = self.net(x * self.input_scale)
+        if self.grads_x1e6_from is not None and self.trainer.global_step >= self.grads_x1e6_from:
+            logits.register_hook(lambda grad: grad * 1e6)
+        loss = nn.functional.cross_entropy(logits, y)
         self.losses.append(loss.item())
         return loss
 
@@ -283,3 +291,24 @@ def test_healthy_first_steps_are_quiet_at_the_defaults(tmp_path: Path, model: Ca
     assert serious(events) == [] and "No problems found." in markdown
     if model is WideReluMLP:
         assert max(norms.norms[:10]) > 100 * norms.norms[0], f"the plant: a norm that grows a lot: {norms.norms}"
+
+
+def test_the_first_steps_are_the_runs_not_those_after_a_resume(tmp_path: Path) -> None:
+    """Gradients 1e6x from step 3 on are a growth at step 3; resumed from a checkpoint at step 12 with the same plant
+    from step 13 on, the run is past its first steps and nothing is measured between check steps (the next is 100)."""
+    _, events, _ = run(tmp_path / "fresh", lambda: AdamClassifier(1e-3, 1.0, grads_x1e6_from=3),
+                       [GradientHealthCallback()], steps=16)
+    assert [(e["step"], e["details"]["judged_by"]) for e in exploding_starts(events)] == [
+        (3, "growth over the first steps")], serious(events)
+    saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=12, save_top_k=-1)
+    torch.manual_seed(0)
+    fit_seeded(tmp_path / "first", AdamClassifier(1e-3, 1.0), [GradientHealthCallback(), saver], max_steps=12,
+               enable_checkpointing=True)
+    checkpoint = next((tmp_path / "checkpoints").glob("*step=12.ckpt"))
+    norms = GlobalNorms()
+    resumed = make_trainer(tmp_path / "resumed", [GradientHealthCallback(), norms], max_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(AdamClassifier(1e-3, 1.0, grads_x1e6_from=13), ckpt_path=str(checkpoint))
+    assert norms.norms[-1] > 1e4 * norms.norms[0], f"the plant after the resume: {norms.norms}"
+    assert serious(read_events(debug_dir(resumed))) == []

@@ -63,12 +63,13 @@ OVERFLOW = "finite to non-finite"
 OVERFLOW_LOSS_FACTOR = 10.0
 """A norm that turns non-finite with the loss this many times the largest first loss overflowed (it blew up)."""
 EARLY_STEPS = 10
-"""The first optimizer steps of the run (of each optimizer) whose global norm is measured on every step, check step
-or not, and judged for a runaway growth or an overflow (:func:`suspect_early`). A learning rate far too high (Adam at
+"""The first optimizer steps of the run (its global steps, all optimizers together) whose global norm is measured on
+every step, check step or not, and judged for a runaway growth or an overflow (:func:`suspect_early`). A learning rate far too high (Adam at
 1000, SGD at 1e4) or inputs far out of scale blow the norm up 1e3-1e15x within 1-5 steps of the start, and that can
 be over (every ReLU dead, the loss back at a plateau or 0) long before the second check step (100 by default): only
 those steps show it. Ten cover every such case of the fault benchmark (benchmarks/faults: steps 1-5), for nine fused
-norms read back without a sync, once per run; a resumed run does not watch them again (its steps are past them)."""
+norms read back without a sync, once per run; a resumed run does not watch them again (its global steps are past
+them, whatever each optimizer's own count says)."""
 EARLY_GROWTH = "growth over the first steps"
 """``judged_by`` of a runaway growth on one of the first :data:`EARLY_STEPS` steps."""
 
@@ -385,17 +386,17 @@ class Explosions:
         return bool(self._early_index)
 
     def watch_early(self, optimizer: Any, index: ParameterIndex | None) -> None:
-        """A check step among ``optimizer``'s first :data:`EARLY_STEPS`: the steps after it measure ``index``
+        """A check step among the first :data:`EARLY_STEPS`: ``optimizer``'s steps after it measure ``index``
         (not sharded parameters: their norm would need a collective)."""
         if index is not None and not index.sharded and len(index):
             self._early_index[optimizer] = index
 
-    def early(self, optimizer: Any, scheduled: int) -> bool:
-        """Whether ``optimizer``'s step ``scheduled`` (its own count) is one of its first steps, watched; past them
-        it is watched no more."""
+    def early(self, optimizer: Any, step: int) -> bool:
+        """Whether ``step`` (the run's global step) is one of the first, watched for ``optimizer``; past them it is
+        watched no more."""
         if optimizer not in self._early_index:
             return False
-        if scheduled < EARLY_STEPS:
+        if step < EARLY_STEPS:
             return True
         del self._early_index[optimizer]
         return False

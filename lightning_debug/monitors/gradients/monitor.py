@@ -203,8 +203,7 @@ class GradientMonitor(Monitor):
             explosions = self._explosions
             if explosions.measuring or explosions.watching:  # after a jump, or among the first steps
                 where = self.context.where()
-                early = explosions.watching and explosions.early(where.get("optimizer"),
-                                                                 self.numerics.scheduled_step(step))
+                early = explosions.watching and explosions.early(where.get("optimizer"), step)
                 explosions.measure(step, where.get("optimizer"), self.context.grad_scale,
                                    lambda optimizer: self.numerics.index(self.context.named_parameters),
                                    where if early else None)
@@ -214,8 +213,7 @@ class GradientMonitor(Monitor):
                                                     self.verdicts, self.settings), step, self.context.where())
         current = numerics()
         index = current.index
-        pending = PendingCheck(step, self.context.where(), judged=index,
-                               early=self.numerics.scheduled_step(step) < EARLY_STEPS)
+        pending = PendingCheck(step, self.context.where(), judged=index, early=step < EARLY_STEPS)
         if pending.early:
             self._explosions.watch_early(pending.where.get("optimizer"), index)
         self._audit_trainable(pending.where.get("optimizer"), index)
