@@ -64,12 +64,12 @@ OVERFLOW_LOSS_FACTOR = 10.0
 """A norm that turns non-finite with the loss this many times the largest first loss overflowed (it blew up)."""
 EARLY_STEPS = 10
 """The first optimizer steps of the run (its global steps, all optimizers together) whose global norm is measured on
-every step, check step or not, and judged for a runaway growth or an overflow (:func:`suspect_early`). A learning rate far too high (Adam at
-1000, SGD at 1e4) or inputs far out of scale blow the norm up 1e3-1e15x within 1-5 steps of the start, and that can
-be over (every ReLU dead, the loss back at a plateau or 0) long before the second check step (100 by default): only
-those steps show it. Ten cover every such case of the fault benchmark (benchmarks/faults: steps 1-5), for nine fused
-norms read back without a sync, once per run; a resumed run does not watch them again (its global steps are past
-them, whatever each optimizer's own count says)."""
+every step, check step or not, and judged for a runaway growth or an overflow (:func:`suspect_early`). A learning
+rate far too high (Adam at 1000, SGD at 1e4) or inputs far out of scale blow the norm up 1e3-1e15x within 1-5 steps
+of the start, and that can be over (every ReLU dead, the loss back at a plateau or 0) long before the second check
+step (100 by default): only those steps show it. Ten cover every such case of the fault benchmark
+(benchmarks/faults: steps 1-5), for nine fused norms read back without a sync, once per run; a resumed run does not
+watch them again (its global steps are past them, whatever each optimizer's own count says)."""
 EARLY_GROWTH = "growth over the first steps"
 """``judged_by`` of a runaway growth on one of the first :data:`EARLY_STEPS` steps."""
 
@@ -349,7 +349,7 @@ class Explosions:
         >>> [step for step, _, _ in explosions.read(final=True)]
         [4]
 
-    The first :data:`EARLY_STEPS` steps of an optimizer are measured whether a jump waits or not (their global norm,
+    The first :data:`EARLY_STEPS` steps of the run are measured whether a jump waits or not (their global norm,
     each parameter's and the loss in one reading, no sync) and judged by ``judge_early`` against the steps before
     them, in step order: those of a check step (:meth:`early_norm`) and the others alike::
 
@@ -372,7 +372,7 @@ class Explosions:
         self._readings: list[tuple[int, Any, Readback, EarlyStep | None]] = []
         self._rearm = False
         self._early_index: dict[Any, ParameterIndex] = {}  # per optimizer in its first steps: what they measure
-        self._early: dict[Any, NormHistory] = {}  # per optimizer: the norms of its first steps, in step order
+        self._early: dict[Any, NormHistory] = {}  # per optimizer: its norms of the first steps, in step order
         self._losses: tuple[int, list[torch.Tensor]] = (-1, [])  # the loss of this early step's micro-batches
 
     @property
