@@ -1,25 +1,30 @@
 """Recall that holds (issue 45): an explosion into Inf/NaN is named by GradientHealthCallback alone, from the first
-check steps, and no report calls a run with non-finite values clean. Real Trainer runs, CPU, a few seconds each."""
+check steps, as is one in the first 10 steps that is over by the second check step (at the defaults), and no report
+calls a run with non-finite values clean. Real Trainer runs, CPU, a few seconds each."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, GradientHealthCallback
+from tests.integration.test_divergence import WideReluMLP
 from tests.harness.toolkit import (
     TinyRegressor,
     all_four,
     console_lines,
     debug_dir,
     fit_seeded,
+    make_trainer,
     read_events,
     read_report,
     read_scalars,
@@ -35,10 +40,11 @@ SERIOUS = ("warning", "error", "critical")
 class DeepMLP(pl.LightningModule):
     """4 hidden ReLU layers under plain SGD; ``lr=5`` on inputs scaled by 100 explodes into Inf and NaN at once
     (the global norm ~40-110 at step 0, ~1e17 or Inf at step 1, NaN after), ``lr=0.01`` on the data as it is
-    trains."""
+    trains. ``lr_from_step``: the learning rate is 1e-9 of ``lr`` before that step (the explosion comes then)."""
 
-    def __init__(self, lr: float, input_scale: float) -> None:
+    def __init__(self, lr: float, input_scale: float, lr_from_step: int = 0) -> None:
         super().__init__()
+        self.lr_from_step = lr_from_step
         layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU()]
         for _ in range(3):
             layers += [nn.Linear(32, 32), nn.ReLU()]
@@ -49,8 +55,12 @@ class DeepMLP(pl.LightningModule):
         x, y = batch
         return nn.functional.mse_loss(self.net(x * self.input_scale), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if not self.lr_from_step:
+            return optimizer
+        later = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step >= self.lr_from_step else 1e-9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": later, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(regression_data(), batch_size=16)
@@ -158,22 +168,33 @@ SPARSE = DebugConfig(gradient_checking_frequency=10)
 
 
 def test_an_explosion_between_two_check_steps_is_named_by_the_gradient_callback_alone(tmp_path: Path) -> None:
-    """Invariants 2 and 3 at a check frequency over 1 (the default is 100): the MLP blows up into Inf/NaN at steps
-    1-2, between the check steps 0 and 10. The norm went from finite at step 0 to NaN at step 10 with nothing seen
-    between: exploding_grad, labelled at step 1 (the earliest it can have begun), its message saying the steps
-    between were not checked."""
-    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0),
-                              [GradientHealthCallback(SPARSE)], steps=12)
+    """Invariants 2 and 3 at a check frequency over 1 (the default is 100): the MLP's learning rate is 5 from step
+    12 on, and it blows up into Inf/NaN at steps 12-13, between the check steps 10 and 20 (after the first steps,
+    which are measured all). The norm went from finite at step 10 to NaN at step 20 with nothing seen between:
+    exploding_grad, labelled at step 11 (the earliest it can have begun), its message saying the steps between
+    were not checked."""
+    _, events, markdown = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0, lr_from_step=12),
+                              [GradientHealthCallback(SPARSE)], steps=22)
     exploding = exploding_starts(events)
-    assert [e["step"] for e in exploding] == [1], serious(events)
+    assert [e["step"] for e in exploding] == [11], serious(events)
     assert exploding[0]["callback"] == "GradientHealthCallback"
     details = exploding[0]["details"]
     assert details["judged_by"] == "finite to non-finite"
-    assert (details["last_finite_step"], details["measured_step"]) == (0, 10)
+    assert (details["last_finite_step"], details["measured_step"]) == (10, 20)
     message = exploding[0]["message"]
-    assert "Gradients exploded between steps 0 and 10" in message and "at step 10" in message
+    assert "Gradients exploded between steps 10 and 20" in message and "at step 20" in message
     assert "9 optimizer steps between were not checked" in message
     assert "No problems found" not in markdown and "`exploding_grad` (warning)" in markdown
+
+
+def test_an_explosion_in_the_first_steps_is_named_where_it_grew_between_two_check_steps(tmp_path: Path) -> None:
+    """The same MLP at lr 5 from the start: 66 at step 0, 1.3e18 at step 1, NaN from step 2, between the check steps
+    0 and 10; the first 10 steps are measured all the same, so it is named at step 1 by its growth, not guessed."""
+    _, events, _ = run(tmp_path, lambda: DeepMLP(lr=5.0, input_scale=100.0), [GradientHealthCallback(SPARSE)], steps=12)
+    exploding = exploding_starts(events)
+    assert [e["step"] for e in exploding] == [1], serious(events)
+    assert exploding[0]["details"]["judged_by"] == "growth over the first steps"
+    assert "last_finite_step" not in exploding[0]["details"]
 
 
 def test_beside_the_anomaly_callback_the_blow_up_between_check_steps_is_its_nonfinite_grad_at_its_step(
@@ -186,3 +207,108 @@ def test_beside_the_anomaly_callback_the_blow_up_between_check_steps_is_its_nonf
     assert first_nan <= 3, found
     assert not [e for e in exploding_starts(events) if e["details"].get("last_finite_step") is not None], found
     assert "No problems found" not in markdown and "nonfinite_grad" in markdown
+
+
+# --- invariant 3: an explosion in the first steps, over long before the second check step -------------------------
+def blobs(samples: int = 512, features: int = 16, classes: int = 4) -> TensorDataset:
+    """Gaussian blobs around 4 centres (the fault benchmark's classification data)."""
+    generator = torch.Generator().manual_seed(0)
+    centres = 2.0 * torch.randn(classes, features, generator=generator)
+    labels = torch.randint(0, classes, (samples,), generator=generator)
+    return TensorDataset(centres[labels] + torch.randn(samples, features, generator=generator), labels)
+
+
+class AdamClassifier(pl.LightningModule):
+    """Two hidden ReLU layers under Adam, cross-entropy. ``lr=1000`` on inputs x10: the global norm ~13 at step 0,
+    ~4e9 at step 1 and ~1e10 after it, the loss 1.4 -> 4e12; a few steps later every ReLU is dead and the loss is 0
+    with a gradient of 0 for good: nothing is left to see at step 100, the second check step. ``lr=1e-3`` on the
+    data as it is trains (1.3 -> ~0.02). ``grads_x1e6_from``: from this step on the gradients are 1e6x (a hook on
+    the logits; Adam's step does not grow with them)."""
+
+    def __init__(self, lr: float, input_scale: float, grads_x1e6_from: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.lr, self.input_scale, self.grads_x1e6_from = lr, input_scale, grads_x1e6_from
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x * self.input_scale)
+        if self.grads_x1e6_from is not None and self.trainer.global_step >= self.grads_x1e6_from:
+            logits.register_hook(lambda grad: grad * 1e6)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(blobs(), batch_size=32)
+
+
+class GlobalNorms(pl.Callback):
+    """Every step's global gradient norm, measured apart from the callbacks under test (to show the plant)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: Any) -> None:
+        grads = [p.grad.detach().double().norm() for p in module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.stack(grads).norm()))
+
+
+@pytest.mark.parametrize("callbacks", [lambda: [GradientHealthCallback()], lambda: all_four()],
+                         ids=["gradients alone", "all four"])
+def test_an_adam_learning_rate_far_too_high_is_exploding_at_its_step_at_the_defaults(
+        tmp_path: Path, callbacks: Callable[[], list[pl.Callback]]) -> None:
+    """Checked every 100 steps, the explosion at step 1 is over by step 100 (the loss 0, the norm 0, nothing
+    non-finite): the first 10 steps are measured all the same (no sync) and name it at step 1, where it grew,
+    with the largest parameters; fails without them (nothing is found)."""
+    norms = GlobalNorms()
+    model = AdamClassifier(lr=1000.0, input_scale=10.0)
+    _, events, markdown = run(tmp_path, lambda: model, [*callbacks(), norms], steps=110)
+    assert norms.norms[1] > 1e6 * norms.norms[0] and norms.norms[100] == 0.0 and model.losses[100] == 0.0, \
+        "the plant: a blow-up at step 1, over (every ReLU dead) at the second check step"
+    exploding = exploding_starts(events)
+    assert [e["step"] for e in exploding] == [1], serious(events)
+    details = exploding[0]["details"]
+    assert details["judged_by"] == "growth over the first steps"
+    assert exploding[0]["callback"] == "GradientHealthCallback"
+    assert details["parameters"] and all(name.startswith("net.") for name in details["parameters"])
+    assert "within the run's first 10 steps" in exploding[0]["message"]
+    assert "`exploding_grad` (warning)" in markdown
+
+
+@pytest.mark.parametrize("model", [lambda: AdamClassifier(lr=1e-3, input_scale=1.0), WideReluMLP],
+                         ids=["same model, sane lr", "norm growing 400x out of its initialisation"])
+def test_healthy_first_steps_are_quiet_at_the_defaults(tmp_path: Path, model: Callable[[], pl.LightningModule]) -> None:
+    """The twin (Adam at 1e-3 on the data as it is) and a healthy model whose norm grows from 0.9 to ~400 in its
+    first 7 steps (WideReluMLP: under 1000x, and never 1000x the steps just before) have no warning, with the first
+    steps measured."""
+    norms = GlobalNorms()
+    _, events, markdown = run(tmp_path, model, [GradientHealthCallback(), norms], steps=12)
+    assert serious(events) == [] and "No problems found." in markdown
+    if model is WideReluMLP:
+        assert max(norms.norms[:10]) > 100 * norms.norms[0], f"the plant: a norm that grows a lot: {norms.norms}"
+
+
+def test_the_first_steps_are_the_runs_not_those_after_a_resume(tmp_path: Path) -> None:
+    """Gradients 1e6x from step 3 on are a growth at step 3; resumed from a checkpoint at step 12 with the same plant
+    from step 13 on, the run is past its first steps and nothing is measured between check steps (the next is 100)."""
+    _, events, _ = run(tmp_path / "fresh", lambda: AdamClassifier(1e-3, 1.0, grads_x1e6_from=3),
+                       [GradientHealthCallback()], steps=16)
+    assert [(e["step"], e["details"]["judged_by"]) for e in exploding_starts(events)] == [
+        (3, "growth over the first steps")], serious(events)
+    saver = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=12, save_top_k=-1)
+    torch.manual_seed(0)
+    fit_seeded(tmp_path / "first", AdamClassifier(1e-3, 1.0), [GradientHealthCallback(), saver], max_steps=12,
+               enable_checkpointing=True)
+    checkpoint = next((tmp_path / "checkpoints").glob("*step=12.ckpt"))
+    norms = GlobalNorms()
+    resumed = make_trainer(tmp_path / "resumed", [GradientHealthCallback(), norms], max_steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(AdamClassifier(1e-3, 1.0, grads_x1e6_from=13), ckpt_path=str(checkpoint))
+    assert norms.norms[-1] > 1e4 * norms.norms[0], f"the plant after the resume: {norms.norms}"
+    assert serious(read_events(debug_dir(resumed))) == []

@@ -24,6 +24,7 @@ from lightning_debug.monitors.gradients.exploding import (
     judge_exploding,
     overflowed,
     runaway_level,
+    suspect_early,
     suspect_explosion,
 )
 from lightning_debug.monitors.gradients.history import FlagCounter
@@ -373,6 +374,56 @@ def test_a_norm_that_grows_a_thousandfold_at_the_second_check_step_is_named_wher
     """No history a jump needs (3 check steps): the growth is judged, and the Inf after it confirms it at once."""
     assert replay_with_losses(RUNAWAY_NORMS, RUNAWAY_LOSSES) == [(1, "growth over the last check steps")]
     assert replay_with_losses(RUNAWAY_NORMS, [NAN] * 20) == [(1, "growth over the last check steps")], "no loss"
+
+
+def replay_early(norms: list[float], losses: list[float] | None = None) -> list[tuple[int, str]]:
+    """``(step, judged_by)`` of every exploding_grad recorded over the first steps (step 0 a check step, the others
+    measured between check steps and judged by :func:`suspect_early`), as the monitor decides them."""
+    history, explosions, recorded = NormHistory(), Explosions(VerdictEngine()), []
+    for step, norm in enumerate(norms):
+        loss = NAN if losses is None else losses[step]
+        verdict, deferred = None, False
+        if step:
+            suspicion = suspect_early(norm, history, loss)
+            verdict = judge_exploding(step, norm, [("w", norm)], suspicion, GradientSettings(), history, [], None,
+                                      loss, early=True)
+            deferred = suspicion.deferred
+        decided = explosions.judge(step, None, norm, verdict, deferred, None, None)
+        recorded += [(began, v.finding.details["judged_by"]) for began, v, _ in decided]
+        history.add(norm, loss)
+    return recorded + [(began, v.finding.details["judged_by"]) for began, v, _ in explosions.read(final=True)]
+
+
+EARLY = "growth over the first steps"
+
+
+@pytest.mark.parametrize(("norms", "began"), [
+    ([5.5, 1.35e13, 3.91e13, 1.12e13, 1.14e13, 1.52e13, 9.77e12, 3.6e12, 1.2e12, 2.7e12], 1),  # Adam lr 1000
+    ([1740.0, 3.62e4, 8.28e5, 4.21e7, 1.61e11, 2.02e18, 0.062, 0.2, 0.0982, 3.28e12], 3),  # inputs x1000, SGD 0.005
+    ([0.193, 0.264, 0.612, 10.5, 2320.0, 1.4e9, 1.26e23, NAN, NAN, NAN], 4),  # SGD lr 8, every ReLU dead after
+    ([1.0, 10.0, 100.0, 1000.0, 1.0e4, 1.0e5], 3),  # 10x a step: 1000x the first, never the median of the 3 before
+], ids=["adam-lr1000", "inputs-x1000", "sgd-lr8", "tenfold-a-step"])
+def test_a_thousandfold_growth_in_the_first_steps_is_named_where_it_grew(norms: list[float], began: int) -> None:
+    """The fault benchmark's blow-ups in the first steps (global norms recorded every step): named at the step of
+    the growth, 1000x the median of the 3 steps before or step 0's, and confirmed by the 2 steps after it."""
+    assert replay_early(norms)[0] == (began, EARLY)
+
+
+@pytest.mark.parametrize("norms", [
+    [0.9, 1.9, 4.2, 8.5, 13.0, 68.0, 396.0, 38.0, 30.0, 25.0],  # a wide ReLU MLP rising out of its initialisation
+    [9.08, 8.58, 6.59, 6.67, 19.5, 10.3, 14.1, 22.0, 22.5, 33.4],  # a healthy regression, a noisy rise
+    [0.525, 26.4, 42.3, 17.1, 6.53, 1.15, 1.76, 1.02, 4.73, 2.07],  # Adam lr 0.2: 80x, no runaway
+    [9.71, 6.42, 3.17, 3.09, 4.83, 2.35, 2.71, 2.58, 2.69, 2.26],  # falling from its start
+], ids=["wide-relu", "noisy-rise", "eighty-fold", "falling"])
+def test_first_steps_that_grow_less_than_a_thousandfold_are_no_explosion(norms: list[float]) -> None:
+    assert replay_early(norms) == []
+
+
+def test_a_nan_out_of_a_steady_norm_in_the_first_steps_is_no_explosion_and_an_overflow_is() -> None:
+    """A division by 0 at step 4 (the loss NaN with it) is nonfinite_grad's; a norm that turns Inf with the loss
+    blown up 10x over its start overflowed, recorded at once."""
+    assert replay_early([0.228, 0.276, 0.224, 0.419, NAN, NAN], [1.4, 1.4, 1.3, 1.3, NAN, NAN]) == []
+    assert replay_early([2.0, 2.1, INF, NAN], [1.4, 1.3, 9.0e20, NAN]) == [(2, "finite to non-finite")]
 
 
 def test_a_norm_that_overflows_with_the_loss_blown_up_is_named_at_once() -> None:

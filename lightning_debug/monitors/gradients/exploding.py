@@ -62,6 +62,16 @@ OVERFLOW = "finite to non-finite"
 """``judged_by`` of a norm that overflowed (see :func:`overflowed`)."""
 OVERFLOW_LOSS_FACTOR = 10.0
 """A norm that turns non-finite with the loss this many times the largest first loss overflowed (it blew up)."""
+EARLY_STEPS = 10
+"""The first optimizer steps of the run (its global steps, all optimizers together) whose global norm is measured on
+every step, check step or not, and judged for a runaway growth or an overflow (:func:`suspect_early`). A learning
+rate far too high (Adam at 1000, SGD at 1e4) or inputs far out of scale blow the norm up 1e3-1e15x within 1-5 steps
+of the start, and that can be over (every ReLU dead, the loss back at a plateau or 0) long before the second check
+step (100 by default): only those steps show it. Ten cover every such case of the fault benchmark
+(benchmarks/faults: steps 1-5), for nine fused norms read back without a sync, once per run; a resumed run does not
+watch them again (its global steps are past them, whatever each optimizer's own count says)."""
+EARLY_GROWTH = "growth over the first steps"
+"""``judged_by`` of a runaway growth on one of the first :data:`EARLY_STEPS` steps."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +177,34 @@ def suspect_explosion(global_norm: float, largest: float, history: NormHistory,
                               since if overflow else None)
 
 
+def suspect_early(global_norm: float, history: NormHistory, loss: float = math.nan,
+                  scaled: bool = False) -> ExplosionSuspicion:
+    """Whether one of the first :data:`EARLY_STEPS` steps is exploding, against the norms of the steps before it
+    (``history``: each of them, check step or not): a runaway growth (:func:`runaway_level`; or :data:`RUNAWAY_GROWTH`
+    times the run's first norm and above every norm since, as a norm growing 10x a step is 1000x its first in 3 steps
+    but never 1000x the median of the 3 before) or an overflow (:func:`overflowed`), held and confirmed like those of
+    check steps. No jump and no threshold: a healthy model's norm moves several-fold out of its initialisation in its
+    first steps, and the user's threshold is applied on check steps::
+
+        >>> history = NormHistory(); history.add(5.5, loss=1.6)
+        >>> suspicion = suspect_early(1.35e13, history)
+        >>> suspicion.runaway, suspicion.confirm, suspicion.deferred
+        (5.5, 55.0, True)
+        >>> for norm in (55.0, 550.0): history.add(norm)
+        >>> suspect_early(5500.0, history).runaway, suspect_early(30.0, history).any
+        (5.5, False)
+        >>> suspect_early(math.inf, history, loss=math.nan).overflow  # right after a 10x rise
+        True
+    """
+    runaway = runaway_level(global_norm, history)
+    first = history.values[0] if history.values else math.nan
+    if (runaway is None and math.isfinite(global_norm) and global_norm >= RUNAWAY_GROWTH * first
+            and global_norm > max(history.values)):
+        runaway = first
+    confirm = None if runaway is None else NORM_JUMP_FACTOR * runaway
+    return ExplosionSuspicion(False, False, None, confirm, runaway, overflowed(global_norm, history, loss, scaled))
+
+
 def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, dict[str, Any]]:
     """What the loop's own clipping did to this step (the checks see the gradients before it)::
 
@@ -192,11 +230,12 @@ def clipping_note(global_norm: float, clipping: Clipping | None) -> tuple[str, d
 def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, float]],
                     suspicion: ExplosionSuspicion, settings: GradientSettings, history: NormHistory,
                     healthy_norms: Sequence[float], clipping: Clipping | None,
-                    loss: float = math.nan) -> Verdict | None:
+                    loss: float = math.nan, early: bool = False) -> Verdict | None:
     """The ``exploding_grad`` finding of a check step, or None. ``history``: the run's recent global norms (not
     this step's); ``grads``: every parameter's norm (read only when the step is suspect). Norms differ by orders of
     magnitude between healthy models, so unless the user sets a limit a jump is judged against the run's own norms
-    (:meth:`.NormHistory.limit`); see docs/gradients.md."""
+    (:meth:`.NormHistory.limit`); see docs/gradients.md. ``early``: one of the first :data:`EARLY_STEPS` steps
+    (:func:`suspect_early`), judged against every step before it."""
     high = settings.explosion_threshold
     above = ([(name, norm) for name, norm in grads if math.isfinite(norm) and norm > high]
              if suspicion.high and high is not None else [])
@@ -222,7 +261,7 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
                 "the first non-finite step)")
     elif suspicion.overflow:
         judged_by, jump_limit = OVERFLOW, None
-        what = f"global norm {global_norm} from {history.last:.4g} at the check step before"
+        what = f"global norm {global_norm} from {history.last:.4g} at the {'' if early else 'check '}step before"
         rose = rose_before(history)
         if rose is not None:
             what += f", itself {history.last / rose:.3g}x the {rose:.4g} before it"
@@ -238,6 +277,11 @@ def judge_exploding(step: int, global_norm: float, grads: Sequence[tuple[str, fl
         if routine is not None and jump_limit >= NORM_TAIL_FACTOR * routine:
             what += (f" and {global_norm / routine:.3g}x the {routine:.4g} it reaches on one check step in 16 (a jump "
                      f"of over {NORM_TAIL_FACTOR:g}x)")
+    elif runaway is not None and not crossed and not above and early:
+        judged_by, jump_limit = EARLY_GROWTH, RUNAWAY_GROWTH * runaway
+        what = (f"global norm {global_norm:.4g}, {global_norm / runaway:.3g}x the {runaway:.4g} of the steps before it "
+                f"(a growth of over {RUNAWAY_GROWTH:g}x within the run's first {EARLY_STEPS} steps, each of which is "
+                "measured)")
     elif runaway is not None and not crossed and not above:
         judged_by, jump_limit = "growth over the last check steps", RUNAWAY_GROWTH * runaway
         what = (f"global norm {global_norm:.4g}, {global_norm / runaway:.3g}x the {runaway:.4g} of the check steps "
@@ -272,6 +316,17 @@ FOLLOW_UP_STEPS = policy_of(Kind.EXPLODING_GRAD).follow_up
 """Steps after a jump that must stay above its ``confirm_above`` (the kind's policy): healthy models (SwinV2, a rare
 batch) spike for a step or two and fall back, an explosion feeds itself."""
 Decided = list[tuple[int, Verdict, Any]]
+EarlyJudge = Callable[[int, float, list[tuple[str, float]], NormHistory, float], tuple[Verdict | None, bool]]
+"""Judges one of the first steps: ``(step, global_norm, grads, history, loss) -> (verdict, deferred)``."""
+
+
+@dataclass(frozen=True)
+class EarlyStep:
+    """What one of the first :data:`EARLY_STEPS` steps' reading is judged with: its parameters' ``index`` (their
+    names) and ``where`` it ran."""
+
+    index: ParameterIndex
+    where: Any
 
 
 class Explosions:
@@ -288,23 +343,74 @@ class Explosions:
         >>> explosions.judge(4, None, 40.0, jump, True, {}, index)
         []
         >>> explosions.measure(5, None, lambda: None, lambda optimizer: index)
-        >>> [round(reading.values()[0], 3) for _, _, reading in explosions._readings]
+        >>> [round(reading.values()[0], 3) for _, _, reading, _ in explosions._readings]
         [4.0]
         >>> explosions.measure(6, None, lambda: None, lambda optimizer: index)
         >>> [step for step, _, _ in explosions.read(final=True)]
         [4]
+
+    The first :data:`EARLY_STEPS` steps of the run are measured whether a jump waits or not (their global norm,
+    each parameter's and the loss in one reading, no sync) and judged by ``judge_early`` against the steps before
+    them, in step order: those of a check step (:meth:`early_norm`) and the others alike::
+
+        >>> early = Explosions(VerdictEngine(), lambda step, norm, grads, history, loss: (None, False))
+        >>> early.watch_early(None, index)
+        >>> early.early_norm(None, 4.0, math.nan)
+        >>> early.early(None, 1), early.watching
+        (True, True)
+        >>> early.measure(1, None, lambda: None, lambda optimizer: index, where={})
+        >>> early.read(), [round(norm, 3) for norm in early._early[None].values]
+        ([], [4.0, 4.0])
+        >>> early.early(None, EARLY_STEPS), early.watching
+        (False, False)
     """
 
-    def __init__(self, verdicts: VerdictEngine) -> None:
+    def __init__(self, verdicts: VerdictEngine, judge_early: EarlyJudge | None = None) -> None:
         self.verdicts = verdicts
+        self._judge_early = judge_early
         self._wanted: dict[Any, tuple[ParameterIndex, int]] = {}
-        self._readings: list[tuple[int, Any, Readback]] = []
+        self._readings: list[tuple[int, Any, Readback, EarlyStep | None]] = []
         self._rearm = False
+        self._early_index: dict[Any, ParameterIndex] = {}  # per optimizer in its first steps: what they measure
+        self._early: dict[Any, NormHistory] = {}  # per optimizer: its norms of the first steps, in step order
+        self._losses: tuple[int, list[torch.Tensor]] = (-1, [])  # the loss of this early step's micro-batches
 
     @property
     def measuring(self) -> bool:
         """Whether a non-check step has anything to measure (one attribute test on every other step)."""
         return self._rearm or bool(self._wanted or self._readings)
+
+    @property
+    def watching(self) -> bool:
+        """Whether an optimizer may still be in its first steps (one attribute test on every other step)."""
+        return bool(self._early_index)
+
+    def watch_early(self, optimizer: Any, index: ParameterIndex | None) -> None:
+        """A check step among the first :data:`EARLY_STEPS`: ``optimizer``'s steps after it measure ``index``
+        (not sharded parameters: their norm would need a collective)."""
+        if index is not None and not index.sharded and len(index):
+            self._early_index[optimizer] = index
+
+    def early(self, optimizer: Any, step: int) -> bool:
+        """Whether ``step`` (the run's global step) is one of the first, watched for ``optimizer``; past them it is
+        watched no more."""
+        if optimizer not in self._early_index:
+            return False
+        if step < EARLY_STEPS:
+            return True
+        del self._early_index[optimizer]
+        return False
+
+    def early_norm(self, optimizer: Any, global_norm: float, loss: float) -> None:
+        """A check step among the first ones was judged: its norm joins the steps after it judge against."""
+        self._early.setdefault(optimizer, NormHistory()).add(global_norm, loss)
+
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """A micro-batch loss of an early step that is no check step (no sync)."""
+        if self._losses[0] != step:
+            self._losses = (step, [])
+        if len(self._losses[1]) < 64:
+            self._losses[1].append(loss.detach())
 
     def judge(self, step: int, optimizer: Any, global_norm: float, verdict: Verdict | None, deferred: bool,
               where: Any, index: ParameterIndex | None) -> Decided:
@@ -330,42 +436,83 @@ class Explosions:
             self._wanted[optimizer] = (index, FOLLOW_UP_STEPS)
 
     def measure(self, step: int, optimizer: Any, grad_scale: Callable[[], torch.Tensor | None],
-                index: Callable[[Any], ParameterIndex]) -> None:
-        """A non-check step after a jump: queue its global norm."""
+                index: Callable[[Any], ParameterIndex], where: Any = None) -> None:
+        """A non-check step after a jump, or among the first ones (``where`` it ran given): queue its global norm."""
         if self._rearm:  # resumed while a jump waited: the index its check step used is built again
             self._rearm = False
             if self.verdicts.holding(Kind.EXPLODING_GRAD, str(optimizer)):
                 self._want(optimizer, index(optimizer))
         entry = self._wanted.get(optimizer)
+        if entry is not None:
+            measured, left = entry
+            if left <= 1:
+                del self._wanted[optimizer]
+            else:
+                self._wanted[optimizer] = (measured, left - 1)
+        watched = self._early_index.get(optimizer) if where is not None else None
+        if watched is not None:
+            self._readings.append((step, optimizer, self._measure_early(step, watched, grad_scale()),
+                                   EarlyStep(watched, where)))
+            return
         if entry is None:
             return
-        measured, left = entry
-        if left <= 1:
-            del self._wanted[optimizer]
-        else:
-            self._wanted[optimizer] = (measured, left - 1)
-        grads, _ = measured.local_grads()
+        grads, _ = entry[0].local_grads()
         norm = fused_norms(grads).double().square().sum().sqrt()
         scale = grad_scale()
         if scale is not None:
             norm = norm / scale.detach().to(device=norm.device, dtype=norm.dtype)
-        self._readings.append((step, optimizer, Readback(norm, blocking=False)))
+        self._readings.append((step, optimizer, Readback(norm, blocking=False), None))
 
-    def read(self, final: bool = False) -> Decided:
+    def _measure_early(self, step: int, index: ParameterIndex, scale: torch.Tensor | None) -> Readback:
+        """The global norm, the loss (NaN when none was seen) and each parameter's norm, in one reading."""
+        grads, _ = index.local_grads()
+        norms = fused_norms(grads).double()
+        if scale is not None:
+            norms = norms / scale.detach().to(device=norms.device, dtype=norms.dtype)
+        at, losses = self._losses
+        self._losses = (-1, [])
+        loss = (torch.stack([value.reshape(()).to(device=norms.device, dtype=norms.dtype) for value in losses]).mean()
+                if at == step and losses else torch.full((), math.nan, dtype=norms.dtype, device=norms.device))
+        return Readback(torch.cat([norms.square().sum().sqrt().reshape(1), loss.reshape(1), norms]), blocking=False)
+
+    def read(self, final: bool = False, before: int | None = None, until: int | None = None) -> Decided:
         """The jumps decided by the readings that reached the host, in order (``final``: all of them, then every
-        jump still waiting)."""
+        jump still waiting). ``before``: a check step whose values have arrived: the readings of the steps before
+        it (arrived too) are read first; ``until``: the oldest check step still waiting, which the readings after
+        it wait for (the first steps are judged in step order)."""
         decided: Decided = []
         read = 0
-        while self._readings and (final or self._readings[0][2].ready()):
-            step, optimizer, reading = self._readings.pop(0)
+        while self._readings:
+            step, optimizer, reading, early = self._readings[0]
+            if before is not None:
+                if step >= before:
+                    break
+            elif not final and ((until is not None and step > until) or not reading.ready()):
+                break
+            self._readings.pop(0)
             read += 1
-            decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
-                                                           reading=reading.values()[0]))
+            if early is None:
+                decided += self._decided(self.verdicts.observe(Kind.EXPLODING_GRAD, step, scope=str(optimizer),
+                                                               reading=reading.values()[0]))
+            else:
+                decided += self._read_early(step, optimizer, reading.values(), early)
         if read and not self.verdicts.holding(Kind.EXPLODING_GRAD):
             self._wanted.clear()
         if final:
             decided += self._decided(self.verdicts.flush([Kind.EXPLODING_GRAD]))
         return decided
+
+    def _read_early(self, step: int, optimizer: Any, values: list[float], early: EarlyStep) -> Decided:
+        """One of the first steps: judged against the steps before it, then one of them; a reading for the jumps
+        held before it either way."""
+        global_norm, loss = values[0], values[1]
+        history = self._early.get(optimizer)
+        verdict, deferred = None, False
+        if history is not None and self._judge_early is not None:
+            verdict, deferred = self._judge_early(step, global_norm, list(zip(early.index.names, values[2:])),
+                                                  history, loss)
+        self.early_norm(optimizer, global_norm, loss)
+        return self.judge(step, optimizer, global_norm, verdict, deferred, early.where, early.index)
 
     def resumed(self) -> None:
         """A checkpoint was loaded: jumps held in it are measured again from the next step on."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_debug.checks.numerics import user_name
+from lightning_debug.checks.trends import NormHistory
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.metrics import metric_part, per_optimizer
@@ -20,8 +21,8 @@ from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
 from lightning_debug.monitors.gradients.fade import judge_fade
-from lightning_debug.monitors.gradients.exploding import (ClipAlgorithm, Clipping, Decided, Explosions, judge_exploding,
-                                                          suspect_explosion)
+from lightning_debug.monitors.gradients.exploding import (EARLY_STEPS, ClipAlgorithm, Clipping, Decided, Explosions,
+                                                          judge_exploding, suspect_early, suspect_explosion)
 from lightning_debug.monitors.gradients.history import GradientHistory, MeasuredSteps
 from lightning_debug.monitors.gradients.layout import ModuleLayout, replica_groups
 from lightning_debug.monitors.gradients.missing import CandidateWatch, judge_intermittent, judge_missing
@@ -79,7 +80,7 @@ class GradientMonitor(Monitor):
         self._watch = CandidateWatch()
         self._schedule: tuple[int | None, list[str]] = (None, [])
         self._trainable = 0
-        self._explosions = Explosions(self.verdicts)
+        self._explosions = Explosions(self.verdicts, self._judge_early)
         self._drift = WeightDrift()
         self._drifts: dict[int, tuple[Readback, int] | None] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
@@ -172,8 +173,11 @@ class GradientMonitor(Monitor):
         """The loss of a check step's micro-batches, for the rules that read it and for report.md, also when this
         callback runs alone (the same tensor observed by ``AnomalyDetectionCallback`` counts once). No sync."""
         self._stop_watching_forward()
-        if self.due(step) or self.numerics.several_optimizers:
+        due = self.due(step)
+        if due or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
+        if not due and self._explosions.watching and step < EARLY_STEPS:  # for the first steps' overflow
+            self._explosions.observe_loss(step, loss)
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
@@ -196,16 +200,22 @@ class GradientMonitor(Monitor):
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
-            if self._explosions.measuring:
-                self._explosions.measure(step, self.context.where().get("optimizer"), self.context.grad_scale,
-                                         lambda optimizer: self.numerics.index(self.context.named_parameters))
+            explosions = self._explosions
+            if explosions.measuring or explosions.watching:  # after a jump, or among the first steps
+                where = self.context.where()
+                early = explosions.watching and explosions.early(where.get("optimizer"), step)
+                explosions.measure(step, where.get("optimizer"), self.context.grad_scale,
+                                   lambda optimizer: self.numerics.index(self.context.named_parameters),
+                                   where if early else None)
             return Decision.CONTINUE
         total, schedulers = self._schedule
         self.run_rules(Moment.CHECK_STEP, CheckStep(step, self._param_groups, self._start_lrs, total, schedulers,
                                                     self.verdicts, self.settings), step, self.context.where())
         current = numerics()
         index = current.index
-        pending = PendingCheck(step, self.context.where(), judged=index)
+        pending = PendingCheck(step, self.context.where(), judged=index, early=step < EARLY_STEPS)
+        if pending.early:
+            self._explosions.watch_early(pending.where.get("optimizer"), index)
         self._audit_trainable(pending.where.get("optimizer"), index)
         pending.outside_with_grad = self._outside.look()
         self._wheres[step] = pending.where
@@ -275,11 +285,14 @@ class GradientMonitor(Monitor):
         self.poll()
 
     def poll(self, final: bool = False) -> None:
-        """Turn every check step whose values have all arrived into findings and scalars, in order."""
+        """Turn every check step whose values have all arrived into findings and scalars, in order (the norms of the
+        steps between them read in their place)."""
         for pending in self._checks.ready(final):
+            if self._explosions.measuring:
+                self._record_explosions(self._explosions.read(before=pending.step))
             self._complete(pending)
         if self._explosions.measuring or final:
-            self._record_explosions(self._explosions.read(final))
+            self._record_explosions(self._explosions.read(final, until=min(self._checks.waiting, default=None)))
 
     # --- verdicts -------------------------------------------------------------------------------
     def _complete(self, pending: PendingCheck) -> None:
@@ -316,6 +329,8 @@ class GradientMonitor(Monitor):
                                     list(self.history.healthy_norms.values), clipping, host.loss_value)
         self._record_explosions(self._explosions.judge(step, optimizer, global_norm, exploding, suspicion.deferred,
                                                        where, pending.judged))
+        if pending.early:
+            self._explosions.early_norm(optimizer, global_norm, host.loss_value)
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
@@ -356,6 +371,19 @@ class GradientMonitor(Monitor):
         pending.write_histograms(self._histogram_writer)
         self.log_metrics(step, per_optimizer(metrics, optimizer))
         self.close_episodes(step, where, self.kinds)
+
+    def _judge_early(self, step: int, global_norm: float, grads: list[tuple[str, float]], history: NormHistory,
+                     loss: float) -> tuple[Verdict | None, bool]:
+        """One of the first steps that is no check step (:data:`.EARLY_STEPS`), against every step before it; returns
+        its verdict and whether the steps after it decide."""
+        suspicion = suspect_early(global_norm, history, loss, self.context.uses_grad_scaler)
+        if not suspicion.any:
+            return None, False
+        clip = self.context.gradient_clipping()
+        clipping = None if clip is None else Clipping(clip[0], ClipAlgorithm.parse(clip[1]))
+        return (judge_exploding(step, global_norm, grads, suspicion, self.settings, history,
+                                list(self.history.healthy_norms.values), clipping, loss, early=True),
+                suspicion.deferred)
 
     def _note_nonfinite(self, step: int, host: HostNumerics, global_norm: float, scaled: bool) -> None:
         """What was measured non-finite, for report.md whatever the rules say (GradScaler overflows apart)."""

@@ -43,6 +43,9 @@ class PendingCheck:
     judged: ParameterIndex | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
     outside_with_grad: list[str] = field(default_factory=list)
+    early: bool = False
+    """One of the run's first steps (:data:`.exploding.EARLY_STEPS`): its norm joins those the next ones are judged
+    against."""
 
     def ready(self) -> bool:
         return (self.host is not None and not (self.update_expected and self.update is None)
