@@ -53,7 +53,7 @@ class AnomalyMonitor(Monitor):
         self.bad_batches: list[dict[str, Any]] = []
         self._previous_detect_anomaly: tuple[bool, bool] | None = None
         self._positions: dict[int, Where] = {}
-        self._causes: dict[int, Cause | None] = {}  # the free replays' causes of steps read late
+        self._causes: dict[int, Cause] = {}  # a free replay's cause, until its step is read back
         self._step_inputs: tuple[int, list[tuple[Any, Any]]] = (-1, [])
         self._learning_rates: list[float] = []
         self._inputs = RecentInputs()
@@ -140,10 +140,12 @@ class AnomalyMonitor(Monitor):
         self._learning_rates = [float(group.get("lr", float("nan"))) for group in optimizer.param_groups]
         replay = self.context.replay() if self.localizes else None
         if policy.reads_late(self.mode, replays=self.settings.localizes):
-            for kept, value in ((self._positions, where), (self._causes, self._free_replay(current, replay))):
-                kept[current.step] = value  # type: ignore[index]
-                if len(kept) > POSITIONS_KEPT:
-                    kept.pop(min(kept))
+            self._positions[current.step] = where
+            if len(self._positions) > POSITIONS_KEPT:
+                self._positions.pop(min(self._positions))
+            cause = self._free_replay(current, replay)
+            if cause is not None:  # the first step of an episode: read back within a step or two
+                self._causes[current.step] = cause
             current.subscribe(self._on_numerics)
             return Decision.CONTINUE
         host = current.read(blocking=True)
@@ -228,12 +230,13 @@ class AnomalyMonitor(Monitor):
         super().finalize(step)
 
     def _on_numerics(self, host: HostNumerics) -> None:
+        cause = self._causes.pop(host.step, None)
         if host.failure is not None:
             self.measurement_failed(host.failure, "every rank continues this step without an anomaly decision",
                                     host.step)
             return
-        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}),
-                             self._causes.pop(host.step, None), self._judge(host))
+        self._write_findings(host, self._positions.pop(host.step, {"epoch": -1, "batch": -1}), cause,
+                             self._judge(host))
 
     def _judge(self, host: HostNumerics) -> policy.Verdict:
         """What ``host`` shows, the same on every rank (the scan, a collective, runs when the shared flags ask)."""
