@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_debug.checks.relapses import Relapses
 from lightning_debug.checks.robust import median, robust_sigma
+from lightning_debug.checks.unbounded import UnboundedFall
 
 # Gradient norm: a jump is this factor over the recent median and this many robust sigmas above it.
 NORM_JUMP_FACTOR = 10.0
@@ -310,6 +311,7 @@ class LossKind(str, enum.Enum):
     SETTLED = "settled"
     OSCILLATING = "oscillating"
     EARLY_RISE = "early_rise"
+    UNBOUNDED_FALL = "unbounded_fall"
     OUTLIER = "outlier"
 
 
@@ -338,6 +340,7 @@ class LossVerdict:
     peaks: list[float] | None = None
     first_loss: float = math.nan
     rise: list[float] | None = None
+    fall: dict[str, Any] | None = None
 
     def measured(self) -> dict[str, Any]:
         """The numbers, as plain values (what travels with a held suspicion and in a checkpoint)."""
@@ -353,8 +356,9 @@ class LossVerdict:
                     ("relapse_peaks", self.peaks, bool(self.peaks)),
                     ("first_loss", self.first_loss, math.isfinite(self.first_loss)),
                     ("rise_losses", self.rise, bool(self.rise)))
+        fall = self.fall or {}
         return {"loss": self.loss, "recent_level": self.level, "start_level": self.start,
-                **{key: value for key, value, shown in optional if shown}}
+                **{key: value for key, value, shown in optional if shown}, **fall}
 
 
 @dataclass
@@ -376,6 +380,7 @@ class LossReading:
     oscillating: LossVerdict | None = None
     early_rise: LossVerdict | None = None
     rise_suspected: bool = False
+    fall: LossVerdict | None = None
 
 
 class LossTrend:
@@ -405,6 +410,7 @@ class LossTrend:
         self.far_above = SettledLevel()
         self.relapses = Relapses()
         self.early_rise = EarlyRise()
+        self.unbounded = UnboundedFall()
 
     @property
     def best_spread(self) -> float:
@@ -434,11 +440,19 @@ class LossTrend:
         settled = self._settled(loss, level) if climb else None
         climbing, rising = self._climb(loss, level) if climb else (None, False)
         rise = self.early_rise.judge(loss) if climb else None
+        fall = self._fall(loss) if climb else None
         if math.isfinite(level) and level < self.best_level and len(self.recent) >= CLIMB_BEST_MIN_LOSSES:
             self.best_level = level
             self._best_spread = tuple(self.recent)
         return LossReading(loss, spike, divergence, climbing, rising, settled, climb, oscillating,
-                           self._rise_verdict(rise), rise is not None)
+                           self._rise_verdict(rise), rise is not None, fall)
+
+    def _fall(self, loss: float) -> LossVerdict | None:
+        fall = self.unbounded.judge(loss, self.recent)
+        if fall is None:
+            return None
+        return LossVerdict(LossKind.UNBOUNDED_FALL, loss, fall.level, self.start_level, window=fall.window,
+                           fall=fall.details)
 
     def _rise_verdict(self, rise: Rise | None) -> LossVerdict | None:
         if rise is None or not rise.judged:
@@ -542,7 +556,7 @@ class LossTrend:
         return {"recent": list(self.recent), "start": list(self.start), "best_level": self.best_level,
                 "best_spread": self.best_spread, "climb_levels": list(self.climb_levels),
                 "far_above": self.far_above.state_dict(), "relapses": self.relapses.state_dict(),
-                "early_rise": self.early_rise.state_dict()}
+                "early_rise": self.early_rise.state_dict(), "unbounded": self.unbounded.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent.clear()
@@ -555,3 +569,4 @@ class LossTrend:
         self.far_above.load_state_dict(state.get("far_above", {}))
         self.relapses.load_state_dict(state.get("relapses", {}))
         self.early_rise.load_state_dict(state.get("early_rise", {}))
+        self.unbounded.load_state_dict(state.get("unbounded", {}))

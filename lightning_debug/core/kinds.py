@@ -427,7 +427,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="one batch far from the others: look at it if it recurs"),
     Kind.LOSS_DIVERGENCE: KindSpec(
         Area.ANOMALY, Severity.WARNING,
-        summary="the loss rises on most of the last checked steps and at least doubled",
+        summary="the loss rises on most of the last checked steps and at least doubled (or climbs, settles far "
+                "above its start, oscillates, or falls below 0 without bound)",
         advice="The loss rises step after step instead of falling: the optimizer overshoots. Lower the "
                "learning rate, add a warm-up, clip gradients; check the sign of the loss and that "
                "`zero_grad()` runs every step.",

@@ -19,8 +19,8 @@ from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine, p
 FIX = ("Lower the learning rate (often by 10x), add a learning-rate warm-up, and clip gradients "
        "(Trainer(gradient_clip_val=1.0) or torch.nn.utils.clip_grad_norm_)")
 CLIMB_CHECKS = policy_of(Kind.LOSS_DIVERGENCE).needed() or 1
-SPIKE, RISE, CLIMB, SETTLED, OSCILLATING, EARLY = (  # suspicions' keys
-    "spike", "rise", "climb", "settled", "oscillating", "early_rise")
+SPIKE, RISE, CLIMB, SETTLED, OSCILLATING, EARLY, FALL = (  # suspicions' keys
+    "spike", "rise", "climb", "settled", "oscillating", "early_rise", "unbounded_fall")
 
 
 class LossJudge:
@@ -55,7 +55,7 @@ class LossJudge:
                               measured=reading.spike.measured())
         settled = self.verdicts.observe(Kind.LOSS_SPIKE, step, [spike] if spike else [], reading=loss)
         levels = [(CLIMB, reading.climb, reading.rising), (SETTLED, reading.settled, True),
-                  (OSCILLATING, reading.oscillating, True)]
+                  (OSCILLATING, reading.oscillating, True), (FALL, reading.fall, True)]
         held = [Suspicion(Kind.LOSS_DIVERGENCE, key, step, where=where, confirms=confirms)
                 for key, verdict, confirms in levels if verdict is not None]
         if reading.rise_suspected:
@@ -160,6 +160,19 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"{verdict.limit:.4g}){lr}; everything is still finite. The first optimizer steps overshoot: the learning "
             f"rate is too high for the start of training. {FIX}.",
             dict(verdict.details, learning_rates=list(learning_rates), judged_by="early_rise"))
+    if verdict.kind is LossKind.UNBOUNDED_FALL:
+        fall = verdict.fall or {}
+        ladder = ", ".join(f"{value:.4g} at check {at}" for at, value in fall.get("level_at_check", {}).items())
+        return Finding(
+            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+            f"The loss falls without bound: its level (the median of the last {len(verdict.window or [])} checked "
+            f"losses) is {verdict.level:.4g} at step {step}, {-verdict.level / fall.get('start_magnitude', 1.0):.3g}x "
+            f"the largest magnitude of its first checked losses ({fall.get('start_magnitude', math.nan):.4g}), and it "
+            f"at least doubled each time the run did ({ladder}){lr}. A loss that can be minimised is bounded below "
+            "and levels off; this one has nothing to converge to, so the weights grow until something overflows. "
+            "Check the loss's inputs and sign: nll_loss takes log-probabilities (log_softmax, or cross_entropy on "
+            "the logits), not raw logits; a maximised term needs a bound.",
+            dict(verdict.details, learning_rates=list(learning_rates), judged_by="unbounded_fall"))
     if verdict.kind is LossKind.SETTLED:
         return Finding(
             Kind.LOSS_DIVERGENCE, Severity.WARNING,

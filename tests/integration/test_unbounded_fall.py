@@ -1,0 +1,108 @@
+"""A loss that falls without bound (``nll_loss`` on raw logits: AutoTrainer's "loss issue") is ``loss_divergence``
+by the anomaly callback alone, and negative losses that converge stay quiet: a negative cosine similarity (from a
+random start and from a zero-initialised head) and a Gaussian negative log-likelihood with a learned variance on
+noiseless targets, which falls below zero for hundreds of steps. Real Trainer runs on CPU."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_debug import AnomalyDetectionCallback, debug_callbacks
+from tests.harness.toolkit import debug_dir, make_trainer, read_events
+
+pytestmark = pytest.mark.timeout(180)
+
+LOUD = {"warning", "error", "critical"}
+
+
+class Regression(pl.LightningModule):
+    """An MLP on 16 features, Adam; ``loss`` chooses the objective:
+
+    - ``nll_raw``: 4-class ``nll_loss`` on the raw logits (the bug: -logit of the target, unbounded below);
+    - ``cosine``: the negative cosine similarity between the output and a linear target (bounded by -1);
+    - ``gaussian``: the Gaussian negative log-likelihood of noiseless linear targets with a learned log-variance
+      (it falls below 0 as the variance shrinks, about a nat per 2.7x less variance).
+    ``zero_head`` initialises the last layer at 0 (the first loss is exactly 0).
+    """
+
+    def __init__(self, loss: str, zero_head: bool = False, lr: float = 1e-3) -> None:
+        super().__init__()
+        outputs = {"nll_raw": 4, "cosine": 8, "gaussian": 2}[loss]
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, outputs))
+            self.mixing = torch.randn(16, 8)
+        if zero_head:
+            nn.init.zeros_(self.net[-1].weight)
+            nn.init.zeros_(self.net[-1].bias)
+        self.loss_name, self.lr = loss, lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        if self.loss_name == "nll_raw":
+            loss = F.nll_loss(out, y)
+        elif self.loss_name == "cosine":
+            loss = -F.cosine_similarity(out, x @ self.mixing, dim=1).mean()
+        else:
+            target = x[:, :4].sum(dim=1)
+            mean, log_var = out[:, 0], out[:, 1]
+            loss = 0.5 * (log_var + (target - mean) ** 2 / log_var.exp()).mean()
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn(512, 16, generator=generator)
+        labels = torch.randint(0, 4, (512,), generator=generator)
+        return DataLoader(TensorDataset(inputs, labels), batch_size=32, shuffle=True)
+
+
+def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
+    pl.seed_everything(0, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(root, callbacks, max_steps=max_steps)
+        trainer.fit(model)
+    return trainer
+
+
+def loud(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    return [e for e in read_events(debug_dir(trainer)) if e["severity"] in LOUD and e.get("episode") != "end"]
+
+
+def test_nll_loss_on_raw_logits_falls_without_bound_and_the_anomaly_callback_alone_names_it(tmp_path: Path) -> None:
+    model = Regression("nll_raw")
+    trainer = fit(tmp_path, model, [AnomalyDetectionCallback()], 240)
+    losses = model.losses
+    assert abs(losses[0]) < 1 and losses[-1] < -1000 * max(abs(v) for v in losses[:5]), "the plant: an unbounded fall"
+    falls = [e for e in loud(trainer) if e["kind"] == "loss_divergence"]
+    assert falls, [(e["step"], e["kind"]) for e in loud(trainer)]
+    first = falls[0]
+    assert first["details"]["judged_by"] == "unbounded_fall"
+    assert 64 <= first["step"] < 240 and first["details"]["recent_level"] < 0
+    assert "falls without bound" in first["message"] and "log_softmax" in first["message"]
+    report = (debug_dir(trainer) / "report.md").read_text()
+    assert "No problems found" not in report and "loss_divergence" in report
+
+
+@pytest.mark.parametrize("loss,zero_head", [("cosine", False), ("cosine", True), ("gaussian", False)])
+def test_a_negative_loss_that_converges_is_quiet(tmp_path: Path, loss: str, zero_head: bool) -> None:
+    model = Regression(loss, zero_head=zero_head, lr=3e-3)
+    trainer = fit(tmp_path, model, debug_callbacks(), 300)
+    losses = model.losses
+    assert min(losses[-20:]) < 0 and min(losses) < losses[0] - 0.5, "the twin: a loss that falls below zero"
+    assert [(e["step"], e["kind"]) for e in loud(trainer)] == []
