@@ -7,9 +7,12 @@ not from anyone's code:
 - memory, the PyTorch FAQ ("My model reports cuda runtime error(2): out of memory": *don't accumulate history
   across your training loop*, ``total_loss += loss``), Lightning 2.0's migration of ``training_epoch_end``
   (outputs are no longer collected and freed by the trainer: the module appends them and must ``clear()`` the
-  list itself), a memory bank of negatives that only grows (MoCo's queue is bounded), and out-of-memory, the
-  first failure class of Zhang et al., ICSE 2020 ("An Empirical Study on Program Failures of Deep Learning
-  Jobs"), here from one record far longer than the rest fed to a quadratic attention;
+  list itself), a memory bank of negatives that only grows (MoCo's queue is bounded), a running statistic carried
+  across steps with its graph and ``retain_graph=True`` added to silence "Trying to backward through the graph a
+  second time" (the PyTorch forum's recurring thread), and out-of-memory, a failure category of its own in Zhang
+  et al., ICSE 2020 ("An Empirical Study on Program Failures of Deep Learning Jobs", 4960 failures of Microsoft's
+  platform; GPU out of memory is the most common deep-learning-specific one), here from one record far longer than
+  the rest fed to a quadratic attention;
 - performance, the PyTorch performance tuning guide (load data asynchronously: ``num_workers=0`` with a costly
   ``__getitem__`` runs every transform on the training loop's thread) and Cao et al., FSE 2022
   ("Understanding Performance Problems in Deep Learning Systems": slow data preparation, blocking work in the

@@ -1,6 +1,6 @@
 """The fault benchmark's fast subset (issue 45): one case per published problem class, each with its fixed
 twin, trained with a real Trainer and the four callbacks at the defaults (benchmarks/faults/run.py runs all
-93 cases, each callback alone and ADVANCED too; docs/faults.md has the table).
+94 cases, each callback alone and ADVANCED too; docs/faults.md has the table).
 
 The twins must stay quiet. A buggy case the plugin names today must stay named; the others are strict
 xfails naming what is missing, so each flips to a failure (remove its mark) the day it is named.
