@@ -237,8 +237,77 @@ def silent() -> Iterator[Case]:
                    what, needs)
 
 
+MEMORY_STEPS = 501
+"""Memory is read every 50 steps; the first two readings are a warm-up, the trend wants 6 readings (steps 100-350)
+and ``memory_growth`` a second one in a row (step 400): a leak is named at step 400 at the earliest."""
+
+
+def memory() -> Iterator[Case]:
+    """Memory kept across steps (PyTorch FAQ, Lightning 2.0's migration, a bank of negatives) and an out-of-memory
+    error (Zhang et al., ICSE 2020), each with its fix (see benchmarks/faults/resources.py)."""
+    wide = dict(width=256, batch=128, steps=MEMORY_STEPS)
+    # the census names what is kept: the running sum (a scalar carrying its graph), the embeddings, the input saved
+    # for the padded batch; the performance findings name the loader's setting, the period and the phase
+    graph_sum = r"\[\] with grad_fn AddBackward0"
+    table = (
+        ("mem-loss-history", "loss_history", ("memory_growth",), (0, MEMORY_STEPS), graph_sum,
+         dict(steps=MEMORY_STEPS), "PyTorch FAQ",
+         "total_loss += loss (not loss.item()): every step's graph stays reachable (~10 KB a step)"),
+        ("mem-loss-history-deep", "loss_history", ("memory_growth",), (0, MEMORY_STEPS), graph_sum,
+         dict(depth=8, optimizer="adam", lr=1e-3, steps=MEMORY_STEPS), "PyTorch FAQ",
+         "total_loss += loss on an 8-layer MLP, Adam (more graph nodes kept a step)"),
+        ("mem-outputs-kept", "outputs_kept", ("memory_growth",), (0, MEMORY_STEPS),
+         r"grad_fn ReluBackward0 \(shape \[128, 256\]", wide,
+         "Lightning 2.0 migration",
+         "embeddings appended for an epoch-end metric, never cleared (128 KB of them a step)"),
+        ("mem-outputs-kept-small", "outputs_kept", ("memory_growth",), (0, MEMORY_STEPS),
+         r"grad_fn ReluBackward0 \(shape \[32, 32\]",
+         dict(steps=MEMORY_STEPS), "Lightning 2.0 migration",
+         "embeddings appended for an epoch-end metric, never cleared (4 KB of them a step)"),
+        ("mem-unbounded-bank", "unbounded_bank", ("memory_growth",), (0, MEMORY_STEPS),
+         r"\(shape \[128, 256\], float32 on cpu\) without a graph", dict(wide, period=8),
+         "MoCo (bounded queue)", "a memory bank of negatives that only grows (the loss uses the last 8 batches)"),
+        ("mem-retain-graph", "retained_center", ("memory_growth",), (0, 451), r"\[32\] with grad_fn AddBackward0",
+         dict(steps=451), "PyTorch forum (retain_graph)",
+         "a running mean updated with autograd on, and retain_graph=True to silence the second-backward error"),
+        ("oom-long-record", "long_record", ("oom",), (5, 5), r"batch\[0\]: \[8, 200000, 16\]",
+         dict(batch=8, fault_step=5, steps=20), "Zhang et al. ICSE 2020",
+         "one record of 200k tokens padded into a batch: attention over every pair runs out of memory"),
+    )
+    for name, resource, kinds, window, where, extra, source, what in table:
+        buggy, twin = _pair(Program(resource=resource, **extra), fixed=True)  # type: ignore[arg-type]
+        yield Case(name, "memory", source, buggy, twin, kinds, window, where, what)
+
+
+def performance() -> Iterator[Case]:
+    """A data loader doing its work on the training loop's thread (PyTorch performance tuning guide) and a blocking
+    call every N steps (Cao et al., FSE 2022), each with its fix (see benchmarks/faults/resources.py)."""
+    loader, every = r"num_workers=0", r"every {}th step.*the forward phase"
+    table = (
+        ("perf-loader-decode", "slow_loader", ("dataloader_bottleneck",), (0, 100), loader,
+         dict(steps=100), "PyTorch tuning guide", "each record decoded in __getitem__, num_workers=0"),
+        ("perf-loader-read", "slow_loader", ("dataloader_bottleneck",), (0, 100), loader,
+         dict(steps=100, batch=16, stall_ms=1.0), "PyTorch tuning guide",
+         "each record decoded and read with a 1 ms blocking call in __getitem__, num_workers=0"),
+        ("perf-write-every20", "periodic_write", ("slow_step",), (20, 160), every.format(20),
+         dict(steps=160, period=20, stall_ms=120.0), "Cao et al. FSE 2022",
+         "a blocking 120 ms write in training_step every 20 steps"),
+        ("perf-write-every50", "periodic_write", ("slow_step",), (50, 260), every.format(50),
+         dict(steps=260, period=50, stall_ms=150.0), "Cao et al. FSE 2022",
+         "a blocking 150 ms write in training_step every 50 steps"),
+        ("perf-write-every20-30ms", "periodic_write", ("slow_step",), (20, 160), every.format(20),
+         dict(steps=160, period=20, stall_ms=30.0), "Cao et al. FSE 2022",
+         "a blocking 30 ms write in training_step every 20 steps"),
+    )
+    needs = {"perf-write-every20-30ms": "slow_step for a stall under MIN_SLOW_EXCESS_MS (50 ms over the median) that "
+                                        "recurs with an exact period (30 ms every 20 steps of ~1 ms: half the run)"}
+    for name, resource, kinds, window, where, extra, source, what in table:
+        buggy, twin = _pair(Program(resource=resource, **extra), fixed=True)  # type: ignore[arg-type]
+        yield Case(name, "performance", source, buggy, twin, kinds, window, where, what, needs.get(name, ""))
+
+
 BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,
-            loss_issue, numerical, silent)
+            loss_issue, numerical, silent, memory, performance)
 
 
 def all_cases() -> list[Case]:
@@ -247,5 +316,6 @@ def all_cases() -> list[Case]:
 
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
-          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed")
+          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed", "mem-outputs-kept",
+          "perf-loader-decode")
 """One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

@@ -33,7 +33,8 @@ class Program:
     ``fault`` names a numerical bug of DeepLocalize/DeepDiagnosis planted from ``fault_step`` on
     (``log_zero``, ``div_zero``, ``sqrt_neg``, ``exp_overflow``, ``nan_input``, ``const_feature``);
     ``fixed`` True is the twin's guarded version of the same operation (an epsilon, a clamp, the stable
-    form). ``silent`` names a TrainCheck-style silent error (see :mod:`benchmarks.faults.silent`).
+    form). ``silent`` names a TrainCheck-style silent error (see :mod:`benchmarks.faults.silent`), ``resource``
+    a memory or performance bug (see :mod:`benchmarks.faults.resources`).
     """
 
     task: str = "classify"            # classify | regress
@@ -57,6 +58,9 @@ class Program:
     fault_step: int = 5
     fixed: bool = False
     silent: str | None = None
+    resource: str | None = None       # a memory or performance bug (see benchmarks.faults.resources)
+    period: int = 0                   # its period in steps, where it recurs
+    stall_ms: float = 0.0             # its blocking time (per sample in a loader, per recurrence in a step)
     steps: int = STEPS
     batch: int = 32
     samples: int = 512
@@ -204,7 +208,11 @@ class FaultProgram(pl.LightningModule):
 
 
 def build(program: Program) -> pl.LightningModule:
-    """The Lightning module of ``program`` (a TrainCheck silent error gets its own subclass)."""
+    """The Lightning module of ``program`` (a TrainCheck silent error or a resource bug gets its own subclass)."""
+    if program.resource is not None:
+        from benchmarks.faults.resources import build_resource
+
+        return build_resource(program)
     if program.silent is not None:
         from benchmarks.faults.silent import build_silent
 

@@ -113,6 +113,7 @@ def _loss_recorder(losses: list[float]) -> Any:
 
 def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
     """Train ``case``'s buggy program or twin with ``config``'s callbacks; the events it wrote."""
+    import gc
     import math
 
     import lightning.pytorch as pl
@@ -120,6 +121,7 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
     from benchmarks.faults.programs import build
 
     program = case.buggy if variant == "buggy" else case.twin
+    gc.collect()  # the fits before this one in the process: their garbage is not freed during this one's memory trend
     started = time.perf_counter()
     error = None
     losses: list[float] = []

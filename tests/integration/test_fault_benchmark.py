@@ -1,6 +1,6 @@
 """The fault benchmark's fast subset (issue 45): one case per published problem class, each with its fixed
 twin, trained with a real Trainer and the four callbacks at the defaults (benchmarks/faults/run.py runs all
-82 cases, each callback alone and ADVANCED too; docs/faults.md has the table).
+94 cases, each callback alone and ADVANCED too; docs/faults.md has the table).
 
 The twins must stay quiet. A buggy case the plugin names today must stay named; the others are strict
 xfails naming what is missing, so each flips to a failure (remove its mark) the day it is named.
@@ -15,12 +15,13 @@ import pytest
 from benchmarks.faults.cases import SUBSET, all_cases
 from benchmarks.faults.run import fit, judge
 
-pytestmark = pytest.mark.timeout(600)  # the module fixture trains 24 programs of 400 steps (~30 s, minutes when busy)
+pytestmark = pytest.mark.timeout(600)  # the fixture trains 28 programs of 100-500 steps (~40 s, minutes when busy)
 
 CASES = {case.name: case for case in all_cases() if case.name in SUBSET}
 NAMED_TODAY = {"explode-lr5-x100-d5", "data-nan-sample-s3", "nan-log_zero-s4-adam", "vanish-sigmoid12-sgd",
                "dead-relu-b-20-w16-sgd", "tc-no-zero-grad", "slow-sgd1e-06", "tc-lr-zeroed", "tc-workers-share-seed",
-               "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32", "oscillate-regress-sgd0.9"}
+               "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32", "oscillate-regress-sgd0.9", "mem-outputs-kept",
+               "perf-loader-decode"}
 """Named at its step with an expected kind at the defaults (docs/faults.md): the first three on main 1f17f2a; the
 vanishing, dying-ReLU and zero_grad cases since the programs run 400 steps (the default schedule looks at steps
 0-300); the slow learning rate, the lr set to 0 without a scheduler and the repeated batches by the rules of
@@ -28,7 +29,10 @@ issue 45's second wave; the ReLU on the logits since the activation verdicts run
 model's output zero for every sample); the softmax applied twice since the model's output on the probability simplex
 is judged with the loss (``learning_stalled``, ``probabilities_into_log_softmax``); the SGD regression at lr 0.9
 since its ground truth names the dead network it ends in (``dead_activation``: a hidden layer's ReLUs all zero, the
-model a constant whose error cycles with the batches, which is what read as an oscillation)."""
+model a constant whose error cycles with the batches, which is what read as an oscillation); the memory and
+performance classes since they are in the benchmark (embeddings kept for an epoch-end metric and never cleared:
+``memory_growth`` at step 400; each record decoded in ``__getitem__`` with ``num_workers=0``:
+``dataloader_bottleneck``)."""
 
 
 @pytest.fixture(scope="module")
