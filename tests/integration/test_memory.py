@@ -145,6 +145,33 @@ def test_healthy_run_reports_no_growth(tmp_path: Path) -> None:
     assert section["cost_ms"]["census"]["count"] == 0
 
 
+class KeepsRunningTotal(TinyRegressor):
+    """The PyTorch FAQ's ``total_loss += loss``: the running total keeps every step's graph, one tensor throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = torch.zeros(())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.running = self.running + loss
+        return loss
+
+
+def test_a_growing_running_total_is_named_beside_a_bigger_stale_one(tmp_path: Path) -> None:
+    """A notebook fits again while the module of the fit before, with its running total and that total's bigger
+    (unchanging) graph, is still referenced: the new total's growing graph is still named as the cause."""
+    stale = KeepsRunningTotal()
+    make_trainer(tmp_path / "first", [], max_steps=400, limit_val_batches=0).fit(stale)
+    trainer = make_trainer(tmp_path / "second", [MemoryProfilerCallback(memory_profiling_frequency=10)],
+                           max_steps=250, limit_val_batches=0)
+    trainer.fit(KeepsRunningTotal())
+    growth = [e for e in memory_events(trainer, "memory_growth") if e.get("episode") == "start"]
+    assert len(growth) == 1, memory_events(trainer)
+    assert "running total" in growth[0]["message"] and "loss.item()" in growth[0]["message"], growth[0]["message"]
+    assert growth[0]["details"]["growing_graphs"][0]["grad_fn"] == "AddBackward0"
+    assert stale.running.grad_fn is not None  # the stale total was alive, with its graph, all along
+
 
 class KeepsEpochOutputs(TinyRegressor):
     """Lightning's recipe for an epoch-level metric: each step's outputs appended in ``training_step`` (here 130 KB

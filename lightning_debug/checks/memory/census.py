@@ -43,6 +43,19 @@ def live_tensors() -> list[torch.Tensor]:
 
 def graph_size(grad_fn: Any, limit: int = 100_000) -> int:
     """Number of autograd nodes reachable from ``grad_fn``: what one kept output keeps alive."""
+    return len(graph_reach(grad_fn, limit))
+
+
+def graph_reach(grad_fn: Any, limit: int = 100_000) -> set[Any]:
+    """The autograd nodes reachable from ``grad_fn`` (at most about ``limit``). PyTorch hands out one Python object
+    per live node, so the sets of several outputs unite by identity: nodes they share (the weights'
+    ``AccumulateGrad``) count once.
+
+    >>> weight = torch.ones(3, requires_grad=True)
+    >>> first, second = graph_reach((weight * 2).sum().grad_fn), graph_reach((weight * 3).sum().grad_fn)
+    >>> len(first), len(second), len(first | second)
+    (3, 3, 5)
+    """
     seen = {grad_fn}
     pending = [grad_fn]
     while pending and len(seen) < limit:
@@ -51,17 +64,24 @@ def graph_size(grad_fn: Any, limit: int = 100_000) -> int:
             if following is not None and following not in seen:
                 seen.add(following)
                 pending.append(following)
-    return len(seen)
+    return seen
 
 
 @dataclass
 class Census:
     """Live tensors grouped by (shape, dtype, device, grad_fn): count and bytes per group; ``graph_nodes``, the
-    largest autograd graph among a group's first few members."""
+    largest autograd graph among a group's first few members (:data:`GRAPHS_MEASURED_PER_GROUP`), and
+    ``graph_held``, the autograd nodes those members keep alive together. A growing graph shows in the second even
+    when a member with a bigger, unchanging graph sets the first (a running total beside the one of a fit before)."""
 
     groups: dict[CensusKey, list[int]] = field(default_factory=dict)
     graph_nodes: dict[CensusKey, int] = field(default_factory=dict)
     seconds: float = 0.0
+    graph_held: dict[CensusKey, int] = field(default_factory=dict)
+
+    def graphs_measured(self, key: CensusKey) -> int:
+        """How many members of the group ``key`` had their graph measured (0 for a group without a graph)."""
+        return min(self.groups.get(key, (0, 0))[0], GRAPHS_MEASURED_PER_GROUP) if key[3] else 0
 
     @property
     def tensors(self) -> int:
@@ -83,6 +103,7 @@ def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
     started = time.perf_counter()
     census = Census()
     items = live_tensors() if tensors is None else tensors
+    held: dict[CensusKey, set[Any]] = {}
     try:
         for tensor in items:
             try:
@@ -96,9 +117,12 @@ def take_census(tensors: Sequence[torch.Tensor] | None = None) -> Census:
             entry[0] += 1
             entry[1] += size
             if grad_fn is not None and entry[0] <= GRAPHS_MEASURED_PER_GROUP:
-                census.graph_nodes[key] = max(census.graph_nodes.get(key, 0), graph_size(grad_fn))
+                nodes = graph_reach(grad_fn)
+                census.graph_nodes[key] = max(census.graph_nodes.get(key, 0), len(nodes))
+                held.setdefault(key, set()).update(nodes)
+        census.graph_held = {key: len(nodes) for key, nodes in held.items()}
     finally:
-        del items
+        del items, held
     census.seconds = time.perf_counter() - started
     return census
 
@@ -153,26 +177,51 @@ def census_growth(before: Census, after: Census, steps: int) -> list[GroupGrowth
 
 @dataclass(frozen=True)
 class GraphGrowth:
-    """A census group whose representative's autograd graph grew between two censuses (a running total)."""
+    """A census group whose autograd graph grew between two censuses (a running total): the largest graph of one
+    member (``tensors`` 1), or the nodes the group's ``tensors`` measured members keep alive together."""
 
     shape: tuple[int, ...]
     grad_fn: str
     nodes_before: int
     nodes_after: int
+    tensors: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "grad_fn": self.grad_fn, "nodes_before": self.nodes_before,
-                "nodes_after": self.nodes_after}
+                "nodes_after": self.nodes_after, "tensors": self.tensors}
 
 
 def graph_growth(before: Census, after: Census, steps: int) -> list[GraphGrowth]:
     """Groups whose autograd graph gained a node per step: ``total = total + loss`` keeps every step's graph while
-    the number of tensors stays the same."""
+    the number of tensors stays the same. The largest graph of a group tells when one member's graph outgrew the
+    rest; the nodes its measured members hold together tell beside a bigger graph that does not change (a running
+    total of a fit before), compared only when as many members were measured (more members hold more nodes).
+
+    >>> weight = torch.ones(3, requires_grad=True)
+    >>> stale, total = torch.zeros(()) + (weight * 2).sum(), torch.zeros(()) + (weight * 2).sum()
+    >>> for _ in range(30):
+    ...     stale = stale + (weight * 2).sum()
+    >>> before = take_census([stale, total])
+    >>> for _ in range(10):
+    ...     total = total + (weight * 2).sum()
+    >>> after = take_census([stale, total])
+    >>> after.graph_nodes == before.graph_nodes  # the largest graph, the stale total's, did not change
+    True
+    >>> graph_growth(before, after, 10)
+    [GraphGrowth(shape=(), grad_fn='AddBackward0', nodes_before=97, nodes_after=127, tensors=2)]
+    """
     grown = []
+    need = max(steps, 2)
     for key, nodes in after.graph_nodes.items():
         old = before.graph_nodes.get(key)
-        if old is not None and nodes - old >= max(steps, 2):
+        if old is None:
+            continue
+        held, old_held = after.graph_held.get(key, 0), before.graph_held.get(key, 0)
+        measured = after.graphs_measured(key)
+        if nodes - old >= need:
             grown.append(GraphGrowth(key[0], key[3], old, nodes))
+        elif measured > 1 and measured == before.graphs_measured(key) and held - old_held >= need:
+            grown.append(GraphGrowth(key[0], key[3], old_held, held, measured))
     return sorted(grown, key=lambda graph: graph.nodes_before - graph.nodes_after)
 
 
@@ -187,8 +236,10 @@ def explain_growth(grown: Sequence[GroupGrowth], steps: int, graphs: Sequence[Gr
     running = ""
     if graphs:
         graph = graphs[0]
-        running = (f"A tensor {shape_text(graph.shape)} with grad_fn {graph.grad_fn} carries an autograd graph that "
-                   f"grew from {graph.nodes_before} to {graph.nodes_after} nodes in {steps} steps: a running total "
+        kept = f"{shape_text(graph.shape)} with grad_fn {graph.grad_fn}"
+        carry = (f"A tensor {kept} carries an autograd graph that grew" if graph.tensors == 1 else
+                 f"{graph.tensors} tensors {kept} carry autograd graphs that together grew")
+        running = (f"{carry} from {graph.nodes_before} to {graph.nodes_after} nodes in {steps} steps: a running total "
                    "keeps every step's graph (e.g. self.total_loss += loss); accumulate loss.item() or loss.detach() "
                    "instead.")
         if not growing:
