@@ -5,7 +5,6 @@ noiseless targets, which falls below zero for hundreds of steps. Real Trainer ru
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, debug_callbacks
-from tests.harness.toolkit import debug_dir, make_trainer, read_events
+from tests.harness.toolkit import debug_dir, fit_seeded as fit, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,15 +68,6 @@ class Regression(pl.LightningModule):
         inputs = torch.randn(512, 16, generator=generator)
         labels = torch.randint(0, 4, (512,), generator=generator)
         return DataLoader(TensorDataset(inputs, labels), batch_size=32, shuffle=True)
-
-
-def fit(root: Path, model: pl.LightningModule, callbacks: list[pl.Callback], max_steps: int) -> pl.Trainer:
-    pl.seed_everything(0, verbose=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = make_trainer(root, callbacks, max_steps=max_steps)
-        trainer.fit(model)
-    return trainer
 
 
 def loud(trainer: pl.Trainer) -> list[dict[str, Any]]:
