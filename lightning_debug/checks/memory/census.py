@@ -41,15 +41,10 @@ def live_tensors() -> list[torch.Tensor]:
         del objects
 
 
-def graph_size(grad_fn: Any, limit: int = 100_000) -> int:
-    """Number of autograd nodes reachable from ``grad_fn``: what one kept output keeps alive."""
-    return len(graph_reach(grad_fn, limit))
-
-
 def graph_reach(grad_fn: Any, limit: int = 100_000) -> set[Any]:
-    """The autograd nodes reachable from ``grad_fn`` (at most about ``limit``). PyTorch hands out one Python object
-    per live node, so the sets of several outputs unite by identity: nodes they share (the weights'
-    ``AccumulateGrad``) count once.
+    """The autograd nodes reachable from ``grad_fn`` (at most about ``limit``): what one kept output keeps alive (its
+    size is the census's ``graph_nodes``). PyTorch hands out one Python object per live node, so the sets of several
+    outputs unite by identity: nodes they share (the weights' ``AccumulateGrad``) count once.
 
     >>> weight = torch.ones(3, requires_grad=True)
     >>> first, second = graph_reach((weight * 2).sum().grad_fn), graph_reach((weight * 3).sum().grad_fn)
