@@ -146,10 +146,6 @@ class Rise:
     limit: float = math.nan
     judged: bool = False
 
-    @property
-    def peak(self) -> float:
-        return max(self.losses)
-
 
 class EarlyRise:
     """The run's first losses, against which a rise far over the first one in the first checks is judged.
@@ -448,7 +444,7 @@ class LossTrend:
                            self._rise_verdict(rise), rise is not None, fall)
 
     def _fall(self, loss: float) -> LossVerdict | None:
-        fall = self.unbounded.judge(loss, self.recent)
+        fall = self.unbounded.judge(loss, self.recent, self.start)
         if fall is None:
             return None
         return LossVerdict(LossKind.UNBOUNDED_FALL, loss, fall.level, self.start_level, window=fall.window,

@@ -17,7 +17,6 @@ The history kept is one level per doubling of the run (a few dozen numbers for a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +32,6 @@ FALL_LEVEL_WINDOW = 8
 """The level: the median of this many checked losses."""
 FALL_FIRST_OCTAVE = 16
 """The first check whose level is kept: the ladder is the levels at checks 16, 32, 64, ... (judged from check 64)."""
-FALL_START_VALUES = 5
-"""The run's first losses, whose largest magnitude is the scale the level is judged against."""
 
 
 @dataclass
@@ -61,26 +58,24 @@ class UnboundedFall:
 
     >>> falling = UnboundedFall()
     >>> losses = [0.09, -0.06, -0.2, -0.3, -0.5] + [-0.002 * n ** 3 for n in range(5, 200)]
-    >>> found = [falling.judge(loss, losses[max(0, i - 7):i + 1]) for i, loss in enumerate(losses)]
+    >>> found = [falling.judge(loss, losses[max(0, i - 7):i + 1], losses[:5]) for i, loss in enumerate(losses)]
     >>> first = next(i for i, fall in enumerate(found) if fall is not None)
     >>> first, round(found[first].level), (found[first].earlier_at, found[first].before_at)
     (67, -512, (16, 32))
     >>> converging = UnboundedFall()  # a negative cosine similarity from a random start: it levels off at -1
     >>> cosine = [-0.03 - 0.97 * (1 - 0.97 ** n) for n in range(400)]
-    >>> any(converging.judge(loss, cosine[max(0, i - 7):i + 1]) for i, loss in enumerate(cosine))
+    >>> any(converging.judge(loss, cosine[max(0, i - 7):i + 1], cosine[:5]) for i, loss in enumerate(cosine))
     False
     """
 
     def __init__(self) -> None:
         self.count = 0
-        self.start: list[float] = []
         self.ladder: dict[int, float] = {}
 
-    def judge(self, loss: float, window: Sequence[float]) -> Fall | None:
-        """The fall, when the level of ``window`` (the recent checked losses, ``loss`` last) fell without bound."""
+    def judge(self, loss: float, window: Sequence[float], start: Sequence[float]) -> Fall | None:
+        """The fall, when the level of ``window`` (the recent checked losses, ``loss`` last) fell without bound;
+        ``start``: the run's first checked losses, whose largest magnitude is the scale it is judged against."""
         self.count += 1
-        if len(self.start) < FALL_START_VALUES:
-            self.start.append(loss)
         recent = list(window)[-FALL_LEVEL_WINDOW:]
         if len(recent) < FALL_LEVEL_WINDOW:
             return None
@@ -92,17 +87,16 @@ class UnboundedFall:
         if earlier_at not in self.ladder or before_at not in self.ladder:
             return None
         before, earlier = self.ladder[before_at], self.ladder[earlier_at]
-        scale = max(abs(value) for value in self.start)
+        scale = max(abs(value) for value in start)
         fell = (earlier < 0 and before <= FALL_OCTAVE_FACTOR * earlier and level <= FALL_OCTAVE_FACTOR * before
                 and -level >= FALL_FACTOR * scale)
-        if not fell or not math.isfinite(level):
+        if not fell:
             return None
         return Fall(level, scale, before, before_at, earlier, earlier_at, recent)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "start": list(self.start), "ladder": {str(k): v for k, v in self.ladder.items()}}
+        return {"count": self.count, "ladder": {str(k): v for k, v in self.ladder.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = int(state.get("count", 0))
-        self.start = [float(v) for v in state.get("start", [])][:FALL_START_VALUES]
         self.ladder = {int(k): float(v) for k, v in dict(state.get("ladder", {})).items()}

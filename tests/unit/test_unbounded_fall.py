@@ -57,5 +57,5 @@ def test_a_linear_fall_to_a_thousand_times_its_start_is_a_fall() -> None:
     """The twin of "small-linear": the same line, long enough to reach 1000x the first losses' magnitude."""
     losses = [-0.5] + [-0.5 - 0.1 * n for n in range(1, 12000)]
     judge = UnboundedFall()
-    first = next(i for i, loss in enumerate(losses) if judge.judge(loss, losses[max(0, i - 7):i + 1]))
+    first = next(i for i, loss in enumerate(losses) if judge.judge(loss, losses[max(0, i - 7):i + 1], losses[:5]))
     assert -losses[first] >= FALL_FACTOR * 0.9 and math.isfinite(losses[first])

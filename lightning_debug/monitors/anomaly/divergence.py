@@ -11,6 +11,7 @@ from dataclasses import replace
 from lightning_debug.checks.relapses import RELAPSE_WINDOW
 from lightning_debug.checks.trends import (EARLY_RISE_FACTOR, EARLY_RISE_JUDGED_AT, LOSS_START_VALUES, LossKind,
                                            LossTrend, LossVerdict)
+from lightning_debug.checks.unbounded import FALL_OCTAVE_FACTOR
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.session import Where
@@ -84,6 +85,15 @@ def _held_spike(confirmed: Confirmed, kind: LossKind, next_loss: float | None) -
     return LossVerdict(kind, **first.measured, next_loss=next_loss, step=first.step, where=first.where)
 
 
+def _divergence(message: str, verdict: LossVerdict, learning_rates: Sequence[float],
+                judged_by: str | None = None) -> Finding:
+    """A ``loss_divergence`` warning with the verdict's numbers and the learning rates (and which rule judged it)."""
+    details = dict(verdict.details, learning_rates=list(learning_rates))
+    if judged_by is not None:
+        details["judged_by"] = judged_by
+    return Finding(Kind.LOSS_DIVERGENCE, Severity.WARNING, message, details)
+
+
 def _learning_rates(learning_rates: Sequence[float]) -> str:
     rates = sorted({lr for lr in learning_rates if math.isfinite(lr)})
     return f" (learning rate {', '.join(f'{lr:.3g}' for lr in rates)})" if rates else ""
@@ -122,36 +132,32 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             dict(verdict.details, learning_rates=list(learning_rates)))
     if verdict.kind is LossKind.DIVERGENCE:
         window = verdict.window or []
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss is rising steadily: {window[0]:.4g} -> {verdict.loss:.4g} over the last {len(window)} "
             f"checked steps, up to step {step}, above where the run started ({verdict.start:.4g}){lr}. The "
             f"optimizer overshoots. {FIX}; check the sign of the loss and that zero_grad() runs every step.",
-            dict(verdict.details, learning_rates=list(learning_rates)))
+            verdict, learning_rates)
     if verdict.kind is LossKind.CLIMB:
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss is climbing through its noise: its level (the median of the last {len(verdict.window or [])} "
             f"checked losses) is {verdict.level:.4g} at step {step}, {verdict.level / verdict.best:.3g}x the best "
             f"level of the run ({verdict.best:.4g}) and above where the run started ({verdict.start:.4g}), and it "
             f"kept rising over the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
-            dict(verdict.details, learning_rates=list(learning_rates), judged_by="smoothed_level"))
+            verdict, learning_rates, "smoothed_level")
     if verdict.kind is LossKind.OSCILLATING:
         peaks = verdict.peaks or []
         listed = ", ".join(f"{peak:.3g}" for peak in peaks)
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss oscillates and does not settle: {len(peaks)} times within the last {RELAPSE_WINDOW} checked "
             f"steps, up to step {step}, it jumped back to where the run started ({verdict.start:.4g}) or above, far "
             f"above its level ({verdict.level:.4g}), and came back down (peaks {listed}){lr}; "
             f"everything is still finite. The optimizer overshoots at this learning rate. {FIX}. (Many bad records, "
             "one batch in 20 far off, look the same: check those batches if the learning rate is not the cause.)",
-            dict(verdict.details, learning_rates=list(learning_rates), judged_by="relapses"))
+            verdict, learning_rates, "relapses")
     if verdict.kind is LossKind.EARLY_RISE:
         rise = verdict.rise or []
         listed = ", ".join(f"{loss:.3g}" for loss in rise)
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss rose far above where the run started: {verdict.loss:.4g} at step {step}, "
             f"{verdict.loss / verdict.first_loss:.3g}x the run's first checked loss ({verdict.first_loss:.4g}), within "
             f"its first {LOSS_START_VALUES} checked steps; it stayed at {EARLY_RISE_FACTOR:g}x that or more for "
@@ -159,26 +165,24 @@ def loss_finding(verdict: LossVerdict, step: int, learning_rates: Sequence[float
             f"the {EARLY_RISE_JUDGED_AT}nd (their level {verdict.level:.4g}, the spike limit over them "
             f"{verdict.limit:.4g}){lr}; everything is still finite. The first optimizer steps overshoot: the learning "
             f"rate is too high for the start of training. {FIX}.",
-            dict(verdict.details, learning_rates=list(learning_rates), judged_by="early_rise"))
+            verdict, learning_rates, "early_rise")
     if verdict.kind is LossKind.UNBOUNDED_FALL:
         fall = verdict.fall or {}
         ladder = ", ".join(f"{value:.4g} at check {at}" for at, value in fall.get("level_at_check", {}).items())
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss falls without bound: its level (the median of the last {len(verdict.window or [])} checked "
             f"losses) is {verdict.level:.4g} at step {step}, {-verdict.level / fall.get('start_magnitude', 1.0):.3g}x "
             f"the largest magnitude of its first checked losses ({fall.get('start_magnitude', math.nan):.4g}), and it "
-            f"at least doubled each time the run did ({ladder}){lr}. A loss that can be minimised is bounded below "
+            f"grew {FALL_OCTAVE_FACTOR:g}x or more in magnitude each time the run doubled ({ladder}){lr}. A loss that can be minimised is bounded below "
             "and levels off; this one has nothing to converge to, so the weights grow until something overflows. "
             "Check the loss's inputs and sign: nll_loss takes log-probabilities (log_softmax, or cross_entropy on "
             "the logits), not raw logits; a maximised term needs a bound.",
-            dict(verdict.details, learning_rates=list(learning_rates), judged_by="unbounded_fall"))
+            verdict, learning_rates, "unbounded_fall")
     if verdict.kind is LossKind.SETTLED:
-        return Finding(
-            Kind.LOSS_DIVERGENCE, Severity.WARNING,
+        return _divergence(
             f"The loss is climbing and has settled far above where the run started: its level (the median of the "
             f"last {len(verdict.window or [])} checked losses) is {verdict.level:.4g} at step {step}, "
             f"{verdict.level / verdict.early:.3g}x its early level ({verdict.early:.4g}, the median of its first "
             f"checked losses), on the last checks{lr}; everything is still finite. The optimizer overshoots. {FIX}.",
-            dict(verdict.details, learning_rates=list(learning_rates), judged_by="early_level"))
+            verdict, learning_rates, "early_level")
     return None
