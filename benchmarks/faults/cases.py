@@ -299,11 +299,9 @@ def performance() -> Iterator[Case]:
          dict(steps=160, period=20, stall_ms=30.0), "Cao et al. FSE 2022",
          "a blocking 30 ms write in training_step every 20 steps"),
     )
-    needs = {"perf-write-every20-30ms": "slow_step for a stall under MIN_SLOW_EXCESS_MS (50 ms over the median) that "
-                                        "recurs with an exact period (30 ms every 20 steps of ~1 ms: half the run)"}
     for name, resource, kinds, window, where, extra, source, what in table:
         buggy, twin = _pair(Program(resource=resource, **extra), fixed=True)  # type: ignore[arg-type]
-        yield Case(name, "performance", source, buggy, twin, kinds, window, where, what, needs.get(name, ""))
+        yield Case(name, "performance", source, buggy, twin, kinds, window, where, what)
 
 
 BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,

@@ -230,6 +230,34 @@ def test_a_periodic_stall_is_a_warning_only_when_it_costs_a_share_of_the_time(pe
     assert verdicts[-1].key == ("data (rhythm)" if severity is Severity.INFO else "data"), "an info hides no warning"
 
 
+def test_a_stall_under_the_floor_on_half_the_timed_steps_is_a_rhythm_at_its_sixth_recurrence() -> None:
+    """1 ms steps timed every 10th, a 30 ms stall every 20th: under MIN_SLOW_EXCESS_MS, and half the history."""
+    settings = PerformanceSettings(frequency=10)
+    recorded = [times(step, 0.1, 30.5 if step and step % 20 == 0 else 0.5, 0.3, 0.1) for step in range(0, 160, 10)]
+    verdicts = feed_slow(SlowStepRule(), recorded, settings)
+    named = [v for v in verdicts if v is not None]
+    assert [v.step for v in named] == [120, 140] and all(v.period == 20 and v.phase is Phase.FORWARD for v in named)
+    assert named[0].outlier_steps == (20, 40, 60, 80, 100, 120) and named[0].median_step_ms == pytest.approx(1.0)
+    assert named[0].finding().severity is Severity.WARNING
+
+
+def test_bursts_at_random_steps_and_of_random_cost_under_the_floor_are_no_rhythm() -> None:
+    """A busy machine: 30% of the timed steps 10-40 ms late, at random, over 40 runs of 5,000 steps timed every 10th
+    (without the test of one cost, 4 of them would form a rhythm; without the clean steps between, 1)."""
+    settings = PerformanceSettings(frequency=10)
+    for seed in range(40):
+        rng = random.Random(seed)
+        recorded = [times(step, 0.1, 0.5 + (rng.uniform(10.0, 40.0) if rng.random() < 0.3 else 0.0), 0.3, 0.1)
+                    for step in range(0, 5000, 10)]
+        assert [v for v in feed_slow(SlowStepRule(), recorded, settings) if v is not None] == [], seed
+
+
+def test_a_rhythm_costing_under_the_periodic_share_is_no_warning() -> None:
+    """20 ms steps, 15 ms more every 20th: 3.6% of the time, a rhythm of a healthy run."""
+    recorded = [times(step, 1.0, 14.0 + (15.0 if step and step % 20 == 0 else 0.0), 4.0, 1.0) for step in range(200)]
+    assert [v for v in feed_slow(SlowStepRule(), recorded, PerformanceSettings(frequency=1)) if v is not None] == []
+
+
 def test_slow_step_leaves_out_the_wait_for_a_cpu() -> None:
     """A step slow only because another program had the CPU is judged without that wait."""
     rule = SlowStepRule()

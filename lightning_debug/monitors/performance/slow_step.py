@@ -32,6 +32,13 @@ PERIOD_MIN_OUTLIERS = 4
 MIN_PERIODIC_SHARE = 0.05
 PERIOD_NAMED_OUTLIERS = 3  # a recurrence found otherwise names its period from three equidistant outliers
 FAR_MS = 100.0
+# A stall too small for the threshold, or on so many timed steps that the median is its own, is still a rhythm when
+# RHYTHM_RECURRENCES of them in a row come at one period and one cost (the largest excess at most RHYTHM_SPREAD times
+# the smallest, each at least RHYTHM_MIN_EXCESS_MS and slow_step_factor over the steps between them, which stay
+# under half of it): one call recurring, where a busy machine's bursts come at random times and sizes.
+RHYTHM_RECURRENCES = 6
+RHYTHM_MIN_EXCESS_MS = 10.0
+RHYTHM_SPREAD = 1.5
 FAR_MIN_OUTLIERS = 5
 FAR_MIN_FRACTION = 0.1
 # A step whose input has more than SIZE_BAND times the recent median's elements (a long bucket of a length-bucketed
@@ -325,6 +332,7 @@ class SlowStepRule:
         self.far_steps: deque[int] = deque(maxlen=RECENT_STEPS)
         self.elements = Window(RECENT_STEPS)
         self.sized: deque[tuple[int, float]] = deque(maxlen=RECENT_STEPS)  # (input elements, judged ms)
+        self.history: deque[StepTimes] = deque(maxlen=RECENT_STEPS)
 
     def period(self, minimum: int = PERIOD_MIN_OUTLIERS) -> int | None:
         """The distance k >= 2 between each of the last ``minimum`` outliers, when it is one. A gap of a multiple
@@ -397,7 +405,8 @@ class SlowStepRule:
         self.flags.append(outlier and not explained)
         self.timed.append(times.step)
         if not outlier:
-            return self._end_run(times.step, judged)
+            ended = self._end_run(times.step, judged)
+            return ended if ended is not None else self.rhythm(times, settings)
         if run is None:
             run = SlowRun(times.step, median, threshold, {phase: self.phases[phase].median() for phase in PHASES},
                           self.elements.median() if len(self.elements) else None)
@@ -431,6 +440,47 @@ class SlowStepRule:
             return None
         self._hold(times.step, run)
         return verdict
+
+    def rhythm(self, times: StepTimes, settings: PerformanceSettings) -> SlowStep | None:
+        """``times`` as the latest of ``RHYTHM_RECURRENCES`` stalls at one period and one cost, judged against the
+        timed steps between them (a 30 ms write every 20th step of 1 ms steps timed every 10th: half the timed steps,
+        under ``MIN_SLOW_EXCESS_MS``), with the shortest such period; None when there is none."""
+        fastest = min((recorded.judged_step_ms for recorded in self.history), default=math.inf)
+        if times.judged_step_ms < max(fastest + RHYTHM_MIN_EXCESS_MS, settings.slow_step_factor * fastest):
+            return None
+        timed = {recorded.step: recorded for recorded in self.history}
+        timed[times.step] = times
+        for earlier in sorted(timed, reverse=True)[1:]:
+            period = times.step - earlier
+            recurrences = [times.step - j * period for j in range(RHYTHM_RECURRENCES)]
+            if recurrences[-1] < min(timed):
+                return None
+            if any(step not in timed for step in recurrences):
+                continue
+            between = [timed[step] for step in timed if recurrences[-1] < step < times.step and step not in recurrences]
+            if not between:
+                continue
+            base = robust_median(recorded.judged_step_ms for recorded in between)
+            excess = [timed[step].judged_step_ms - base for step in recurrences]
+            least = min(excess)
+            if (least < max((settings.slow_step_factor - 1) * base, RHYTHM_MIN_EXCESS_MS)
+                    or max(excess) > RHYTHM_SPREAD * least
+                    or any(recorded.judged_step_ms > base + least / 2 for recorded in between)):
+                continue
+            share = time_share(robust_median(excess), smallest_period(period, settings.frequency), base)
+            if share < MIN_PERIODIC_SHARE:
+                return None
+            known = set(self.outlier_steps)
+            self.outlier_steps.extend(step for step in reversed(recurrences) if step not in known)
+            excess_by_phase = {phase: times.judged(phase) - robust_median(r.judged(phase) for r in between)
+                               for phase in PHASES}
+            phase = max(excess_by_phase, key=lambda name: excess_by_phase[name])
+            return SlowStep(times.step, phase, times.step_ms, base, times.phases[phase],
+                            robust_median(r.phases[phase] for r in between), base + least / 2, sum(self.flags),
+                            len(self.flags), True, dict(times.phases), times.own_ms, sum(times.cpu_waits.values()),
+                            settings.slow_step_factor, period, RHYTHM_RECURRENCES, len(timed),
+                            tuple(reversed(recurrences)), settings.frequency, share=share)
+        return None
 
     def _held_run(self) -> SlowRun | None:
         held = self.verdicts.latest(Kind.SLOW_STEP, RUN)
@@ -466,6 +516,7 @@ class SlowStepRule:
         """Steps are judged against the new level only: the history before it is forgotten."""
         self.steps, self.elements = Window(RECENT_STEPS), Window(RECENT_STEPS)
         self.sized.clear()
+        self.history.clear()
         self.phases = {phase: Window(RECENT_STEPS) for phase in PHASES}
         self.flags.clear()
         self.outlier_steps = deque((s for s in self.outlier_steps if s < start), maxlen=RECENT_STEPS)
@@ -478,6 +529,7 @@ class SlowStepRule:
     def remember(self, times: StepTimes) -> None:
         """Add a timed step to the history, after it was judged."""
         self.steps.add(times.judged_step_ms)
+        self.history.append(times)
         for phase in PHASES:
             self.phases[phase].add(times.judged(phase))
         if times.elements:
