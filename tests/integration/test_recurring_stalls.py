@@ -190,8 +190,9 @@ def test_a_30ms_write_every_20th_step_of_a_fast_model_is_a_rhythm_under_the_floo
         return
     assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
     details = found[0]["details"]
-    assert found[0]["step"] == 120 and details["period"] == 20 and details["phase"] == "forward", details
-    assert details["outlier_steps"] == [20, 40, 60, 80, 100, 120] and details["time_share"] > 0.5, details
+    step = found[0]["step"]  # 120, or 140 when a timed step between the first six was delayed by the machine
+    assert step in (120, 140) and details["period"] == 20 and details["phase"] == "forward", details
+    assert details["outlier_steps"] == list(range(step - 100, step + 1, 20)) and details["time_share"] > 0.5, details
 
 
 def test_a_healthy_run_timed_every_step_has_no_slow_step_warning(tmp_path: Path) -> None:
