@@ -445,11 +445,13 @@ class SlowStepRule:
         """``times`` as the latest of ``RHYTHM_RECURRENCES`` stalls at one period and one cost, judged against the
         timed steps between them (a 30 ms write every 20th step of 1 ms steps timed every 10th: half the timed steps,
         under ``MIN_SLOW_EXCESS_MS``), with the shortest such period; None when there is none."""
-        fastest = min((recorded.judged_step_ms for recorded in self.history), default=math.inf)
-        if times.judged_step_ms < max(fastest + RHYTHM_MIN_EXCESS_MS, settings.slow_step_factor * fastest):
+        judged = times.judged_step_ms
+        fastest = min(self.steps.values, default=math.inf)
+        if judged < max(fastest + RHYTHM_MIN_EXCESS_MS, settings.slow_step_factor * fastest):
             return None
         timed = {recorded.step: recorded for recorded in self.history}
         timed[times.step] = times
+        ms = {step: recorded.judged_step_ms for step, recorded in timed.items()}
         for earlier in sorted(timed, reverse=True)[1:]:
             period = times.step - earlier
             recurrences = [times.step - j * period for j in range(RHYTHM_RECURRENCES)]
@@ -457,26 +459,26 @@ class SlowStepRule:
                 return None
             if any(step not in timed for step in recurrences):
                 continue
-            between = [timed[step] for step in timed if recurrences[-1] < step < times.step and step not in recurrences]
+            between = [step for step in timed if recurrences[-1] < step < times.step and step not in recurrences]
             if not between:
                 continue
-            base = robust_median(recorded.judged_step_ms for recorded in between)
-            excess = [timed[step].judged_step_ms - base for step in recurrences]
+            base = robust_median(ms[step] for step in between)
+            excess = [ms[step] - base for step in recurrences]
             least = min(excess)
             if (least < max((settings.slow_step_factor - 1) * base, RHYTHM_MIN_EXCESS_MS)
                     or max(excess) > RHYTHM_SPREAD * least
-                    or any(recorded.judged_step_ms > base + least / 2 for recorded in between)):
+                    or any(ms[step] > base + least / 2 for step in between)):
                 continue
             share = time_share(robust_median(excess), smallest_period(period, settings.frequency), base)
             if share < MIN_PERIODIC_SHARE:
                 return None
             known = set(self.outlier_steps)
             self.outlier_steps.extend(step for step in reversed(recurrences) if step not in known)
-            excess_by_phase = {phase: times.judged(phase) - robust_median(r.judged(phase) for r in between)
+            excess_by_phase = {phase: times.judged(phase) - robust_median(timed[s].judged(phase) for s in between)
                                for phase in PHASES}
             phase = max(excess_by_phase, key=lambda name: excess_by_phase[name])
             return SlowStep(times.step, phase, times.step_ms, base, times.phases[phase],
-                            robust_median(r.phases[phase] for r in between), base + least / 2, sum(self.flags),
+                            robust_median(timed[s].phases[phase] for s in between), base + least / 2, sum(self.flags),
                             len(self.flags), True, dict(times.phases), times.own_ms, sum(times.cpu_waits.values()),
                             settings.slow_step_factor, period, RHYTHM_RECURRENCES, len(timed),
                             tuple(reversed(recurrences)), settings.frequency, share=share)
