@@ -241,6 +241,18 @@ def test_a_stall_under_the_floor_on_half_the_timed_steps_is_a_rhythm_at_its_sixt
     assert named[0].finding().severity is Severity.WARNING
 
 
+def test_a_rhythm_whose_dearer_stalls_were_outliers_keeps_the_outliers_in_order() -> None:
+    """A stall every 20th step costing 45 and 60 ms in turn: the 60 ms ones are over the 50 ms floor (outliers), the
+    45 ms ones are found by the rhythm. The outliers stay in step order, so the stall still reads as every 20th step."""
+    settings = PerformanceSettings(frequency=10)
+    stall = {20: 45.0, 40: 60.0, 60: 45.0, 80: 60.0, 100: 45.0, 120: 60.0, 140: 45.0}
+    recorded = [times(step, 0.1, 0.5 + stall.get(step, 0.0), 0.3, 0.1) for step in range(0, 160, 10)]
+    rule = SlowStepRule()
+    named = [v for v in feed_slow(rule, recorded, settings) if v is not None]
+    assert list(rule.outlier_steps) == [40, 60, 80, 100, 120, 140], list(rule.outlier_steps)
+    assert named[-1].step == 140 and named[-1].period == 20 and rule.period() == 20
+
+
 def test_bursts_at_random_steps_and_of_random_cost_under_the_floor_are_no_rhythm() -> None:
     """A busy machine: 30% of the timed steps 10-40 ms late, at random, over 40 runs of 5,000 steps timed every 10th
     (without the test of one cost, 4 of them would form a rhythm; without the clean steps between, 1)."""

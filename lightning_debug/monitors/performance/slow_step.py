@@ -472,8 +472,7 @@ class SlowStepRule:
             share = time_share(robust_median(excess), smallest_period(period, settings.frequency), base)
             if share < MIN_PERIODIC_SHARE:
                 return None
-            known = set(self.outlier_steps)
-            self.outlier_steps.extend(step for step in reversed(recurrences) if step not in known)
+            self.outlier_steps = deque(sorted({*self.outlier_steps, *recurrences}), maxlen=RECENT_STEPS)
             excess_by_phase = {phase: times.judged(phase) - robust_median(timed[s].judged(phase) for s in between)
                                for phase in PHASES}
             phase = max(excess_by_phase, key=lambda name: excess_by_phase[name])
