@@ -267,6 +267,20 @@ def console_lines(match: str | None = None) -> Iterator[list[str]]:
         assert any(re.search(match, line) for line in lines), f"no console line matches {match!r}: {lines}"
 
 
+@contextlib.contextmanager
+def fresh_accelerate() -> Iterator[None]:
+    """Accelerate's process-wide singletons reset before and after the block, so a test's Accelerator is its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def as_on_an_accelerator(monkeypatch: Any) -> None:
     """Take the defaults' choice of a GPU on this CPU: no free replay of a NaN's step, its numbers read a step late
     (``pytest.MonkeyPatch``; lightning_debug.monitors.anomaly.replay.replays_for_free)."""

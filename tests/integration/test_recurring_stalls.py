@@ -241,22 +241,20 @@ def test_under_accelerate_the_same_rhythm_is_named(tmp_path: Path) -> None:
     timed every 10th step at the defaults, is named from its sixth recurrence as in a Trainer."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
     from lightning_debug.accelerate import AccelerateDebugger
-    from tests.harness.toolkit import run_dir
+    from tests.harness.toolkit import fresh_accelerate, run_dir
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
-    model, steps = torch.nn.Linear(8, 1), 160
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
-                                  train_dataloader=loader, total_steps=steps)
-    try:
+    with fresh_accelerate():
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+        model, steps = torch.nn.Linear(8, 1), 160
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        debugger = AccelerateDebugger(accelerator, model, optimizer,
+                                      DebugConfig(save_plots=False, print_summary=False), train_dataloader=loader,
+                                      total_steps=steps)
         with debugger:
             while debugger.step < steps:
                 for x, y in loader:
@@ -267,10 +265,8 @@ def test_under_accelerate_the_same_rhythm_is_named(tmp_path: Path) -> None:
                     optimizer.zero_grad()
                     if debugger.step >= steps:
                         break
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     events = read_events(run_dir(tmp_path / "debug_outputs"))
-    found = [e for e in events if e["kind"] == "slow_step" and e["severity"] == "warning" and e.get("episode") == "start"]
+    found = [e for e in events
+             if e["kind"] == "slow_step" and e["severity"] == "warning" and e.get("episode") == "start"]
     assert found, [(e["step"], e["kind"], e["severity"]) for e in events]
     assert found[0]["step"] in (120, 140) and found[0]["details"]["period"] == 20, found[0]["details"]

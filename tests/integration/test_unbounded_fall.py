@@ -102,24 +102,22 @@ def test_under_accelerate_the_same_fall_is_named(tmp_path: Path) -> None:
     """The rule is the framework-free loss judge's: the Accelerate adapter's loop names the same fall."""
     pytest.importorskip("accelerate")
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
     from lightning_debug import DebugConfig
     from lightning_debug.accelerate import AccelerateDebugger
-    from tests.harness.toolkit import run_dir
+    from tests.harness.toolkit import fresh_accelerate, run_dir
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
-    model = Regression("nll_raw")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    loader = model.train_dataloader()
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps = 240
-    debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
-                                  train_dataloader=loader, total_steps=steps)
-    try:
+    with fresh_accelerate():
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+        model = Regression("nll_raw")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loader = model.train_dataloader()
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        steps = 240
+        debugger = AccelerateDebugger(accelerator, model, optimizer,
+                                      DebugConfig(save_plots=False, print_summary=False), train_dataloader=loader,
+                                      total_steps=steps)
         with debugger:
             while debugger.step < steps:
                 for x, y in loader:
@@ -128,9 +126,6 @@ def test_under_accelerate_the_same_fall_is_named(tmp_path: Path) -> None:
                     optimizer.zero_grad()
                     if debugger.step >= steps:
                         break
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
     events = read_events(run_dir(tmp_path / "debug_outputs"))
     falls = [e for e in events if e["kind"] == "loss_divergence" and e.get("episode") in (None, "start")]
     assert falls and falls[0]["details"]["judged_by"] == "unbounded_fall", [(e["step"], e["kind"]) for e in events]

@@ -452,10 +452,11 @@ class SlowStepRule:
         timed = {recorded.step: recorded for recorded in self.history}
         timed[times.step] = times
         ms = {step: recorded.judged_step_ms for step, recorded in timed.items()}
+        oldest = min(timed)
         for earlier in sorted(timed, reverse=True)[1:]:
             period = times.step - earlier
             recurrences = [times.step - j * period for j in range(RHYTHM_RECURRENCES)]
-            if recurrences[-1] < min(timed):
+            if recurrences[-1] < oldest:
                 return None
             if any(step not in timed for step in recurrences):
                 continue
