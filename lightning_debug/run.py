@@ -44,6 +44,7 @@ from lightning_debug.core.ledger import RunLedger
 from lightning_debug.core.monitor import GATED_EVENTS, Decision, Event, Monitor
 from lightning_debug.core.session import Session
 from lightning_debug.core.numerics import NumericsQueue, StepNumerics
+from lightning_debug.monitors.areas import coverage
 from lightning_debug.report.attach import attach_files
 from lightning_debug.report.document import build_report, moment, write_document, write_report
 from lightning_debug.report.summary import FindingWarnings, conclude_run
@@ -362,6 +363,7 @@ class Run:
                                     run_id=self.context.run_id, on_render_failure=render_failed)
         if report is not None:
             report["failed_checks"] = self.failed_checks()
+            report.update(coverage({monitor.area for monitor in self.monitors}))
             if exit_code is not None:
                 report["exit_code"] = exit_code
             report["started"], report["ended"] = moment(self.began), moment(time.time())

@@ -26,7 +26,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import jsonable
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
-from lightning_debug.report.measured import measured_line, nothing_found, step_span
+from lightning_debug.report.measured import measured_line, nothing_found, step_span, unwatched_sentence
 from lightning_debug.report.sections import SECTION_MARKDOWN, exception_markdown, number_text
 
 REPORT_SCHEMA_VERSION = 1
@@ -118,8 +118,10 @@ def render_markdown(report: dict[str, Any]) -> str:
     findings = report["findings"]
     measured = measured_line(report)
     if nothing_found(report):
+        scope = unwatched_sentence(report)
         lines += ["No problems found." if not failed else
                   "No problems found by the checks that ran; some checks did not run (below).", ""]
+        lines += [scope, ""] if scope else []
     elif not findings:
         lines += [str(measured), ""]
     else:

@@ -70,3 +70,40 @@ def measured_line(report: dict[str, Any]) -> str | None:
         return None
     lead = "Non-finite values were measured" + ("" if report.get("findings") else ", though no rule raised a finding")
     return f"{lead}: {'; '.join(sentences)}."
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def unwatched_sentence(report: dict[str, Any]) -> str | None:
+    """report.md's sentence after "No problems found" when some callback areas did not run, or None: a clean
+    report of the gradient checks alone says nothing of a loss that oscillated or memory that leaked.
+
+    Example::
+
+        >>> print(unwatched_sentence({"watched": ["anomaly", "gradients"], "unwatched": [
+        ...     {"area": "memory", "watches": "memory", "callback": "MemoryProfilerCallback"}]}))
+        Only the anomaly and gradients checks ran: memory (`MemoryProfilerCallback`) was not watched.
+        >>> unwatched_sentence({"watched": ["anomaly"], "unwatched": []}) is None
+        True
+    """
+    rows = report.get("unwatched") or []
+    if not rows:
+        return None
+    watched = _listed(list(report.get("watched") or [])) if report.get("watched") else "run-wide"
+    missing = _listed([f"{row['watches']} (`{row['callback']}`)" for row in rows])
+    return f"Only the {watched} checks ran: {missing} {'was' if len(rows) == 1 else 'were'} not watched."
+
+
+def unwatched_note(report: dict[str, Any]) -> str:
+    """The console's short form of :func:`unwatched_sentence`, or an empty string.
+
+        >>> unwatched_note({"watched": ["gradients"], "unwatched": [{"watches": "memory"}, {"watches": "step time"}]})
+        ' in gradients (memory and step time not watched)'
+    """
+    rows = report.get("unwatched") or []
+    if not rows:
+        return ""
+    watched, missing = _listed(list(report.get("watched") or ["no area"])), _listed([row["watches"] for row in rows])
+    return f" in {watched} ({missing} not watched)"

@@ -30,7 +30,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.kinds import Severity, hint_for
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD
-from lightning_debug.report.measured import nonfinite_measured, nothing_found, step_span
+from lightning_debug.report.measured import nonfinite_measured, nothing_found, step_span, unwatched_note
 
 MESSAGE_WIDTH = 110
 LINE_MESSAGE_WIDTH = 160
@@ -118,7 +118,7 @@ def _headline(report: dict[str, Any]) -> str:
     elif not nothing_found(report, serious_only=True):  # the one decision (lightning_debug.report.measured)
         found = "no finding, but non-finite values measured"
     else:
-        found = "nothing wrong found" if not failed else "nothing found by the checks that ran"
+        found = ("nothing wrong found" if not failed else "nothing found by the checks that ran") + unwatched_note(report)
     if notes:  # info-level findings: listed, not counted as wrong
         found += f" ({notes} note(s))" if not serious else f" and {notes} note(s)"
     if measured:
