@@ -78,7 +78,7 @@ for _spec in AREA_SPECS.values():
 def coverage(areas: Collection[Area]) -> dict[str, list[Any]]:
     """Which callback areas a run with ``areas`` watches, and what the others would have watched with their
     callbacks: a report that found nothing says so beside "No problems found", since a failure in an area no
-    callback watched could not show (an explosion of the loss under ``GradientHealthCallback`` alone)."""
+    callback watched could not show (a loss that oscillated under ``GradientHealthCallback`` alone)."""
     rows = [spec for spec in AREA_SPECS.values() if spec.callback is not None]
     return {"watched": [spec.area.value for spec in rows if spec.area in areas],
             "unwatched": [{"area": spec.area.value, "watches": spec.watches, "callback": spec.callback}

@@ -76,6 +76,10 @@ def _listed(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
+def _watched(report: dict[str, Any]) -> str:
+    return _listed(list(report.get("watched") or ["run-wide"]))
+
+
 def unwatched_sentence(report: dict[str, Any]) -> str | None:
     """report.md's sentence after "No problems found" when some callback areas did not run, or None: a clean
     report of the gradient checks alone says nothing of a loss that oscillated or memory that leaked.
@@ -91,9 +95,8 @@ def unwatched_sentence(report: dict[str, Any]) -> str | None:
     rows = report.get("unwatched") or []
     if not rows:
         return None
-    watched = _listed(list(report.get("watched") or [])) if report.get("watched") else "run-wide"
     missing = _listed([f"{row['watches']} (`{row['callback']}`)" for row in rows])
-    return f"Only the {watched} checks ran: {missing} {'was' if len(rows) == 1 else 'were'} not watched."
+    return f"Only the {_watched(report)} checks ran: {missing} {'was' if len(rows) == 1 else 'were'} not watched."
 
 
 def unwatched_note(report: dict[str, Any]) -> str:
@@ -103,7 +106,4 @@ def unwatched_note(report: dict[str, Any]) -> str:
         ' in gradients (memory and step time not watched)'
     """
     rows = report.get("unwatched") or []
-    if not rows:
-        return ""
-    watched, missing = _listed(list(report.get("watched") or ["no area"])), _listed([row["watches"] for row in rows])
-    return f" in {watched} ({missing} not watched)"
+    return f" in {_watched(report)} ({_listed([row['watches'] for row in rows])} not watched)" if rows else ""
