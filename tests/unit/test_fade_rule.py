@@ -79,3 +79,16 @@ def test_one_small_layer_on_the_input_side_with_healthy_layers_around_it_is_no_f
     assert judged([norms] * 3) == [None, None, None]
     faded = [1e-5, 3e-5, 8e-5, 2e-4, 0.05, 0.08, 0.1, 0.2, 0.5]  # the same ends, the whole input side faded
     assert judged([faded] * 2)[1] is not None
+
+
+# Recorded from ModernVBERT (tiny config, the sweep's 300 steps, every check every step, the loss 5.55 -> 0.87): the
+# two transformer layers' weights all near 4e-4, behind a projection head and an lm_head 300x larger.
+MODERNBERT = [3.1e-4, 5.1e-4, 5.0e-4, 5.8e-4, 3.3e-4, 5.4e-4, 5.4e-4, 6.0e-4, 0.186, 0.798]
+
+
+def test_one_cliff_between_flat_layers_is_no_fade_but_the_same_cliff_over_a_fading_body_is() -> None:
+    assert MODERNBERT[0] / MODERNBERT[-1] < FADE_RATIO
+    assert judged([MODERNBERT] * 4) == [None] * 4
+    fading_body = [3e-6, 1e-5, 3e-5, 1e-4, 2e-4, 3e-4, 4e-4, 6e-4, 0.186, 0.798]  # the same cliff, a body fading 200x
+    found = judged([fading_body] * 2)
+    assert found[1] is not None and found[1].finding.details["first_layer"] == "layers.0"

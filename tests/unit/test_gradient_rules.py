@@ -258,6 +258,37 @@ def test_a_layer_dead_between_healthy_layers_is_reported_after_the_longer_window
 
 
 
+# Recorded from BEiT (tiny config, the sweep's 300 steps, every check every step): the class token, which mean
+# pooling barely reads, starts at 32.7 and falls under 1e-6 at step 235, when the loss is 1/170 of its start.
+BEIT_LOSS = [0.709, 0.0042, 0.0044, 0.0042]
+BEIT_CLS = [32.7, 9.1e-7, 6.2e-7, 6.9e-7]
+
+
+def test_a_layer_that_shrank_as_the_run_converged_is_not_vanishing() -> None:
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    for step, (loss, cls) in enumerate(zip(BEIT_LOSS, BEIT_CLS)):
+        grads = layer_grads(embeddings=cls, projection=1.7e-3, classifier=3.8e-2)
+        assert judge_vanishing(step, grads, GradientSettings(), {}, "", history, verdicts, loss=loss) is None, step
+    assert history.state_dict()["first_loss"] == BEIT_LOSS[0]
+
+
+@pytest.mark.parametrize("twin", ["loss_still_high", "low_from_the_start", "exactly_zero"])
+def test_the_converged_runs_twins_are_still_named(twin: str) -> None:
+    """The same shrunken layer while the loss stays up (a mid-run saturation), a layer low from its first check in
+    a run that converges (the head learns, the stem never did) and a layer that went exactly zero."""
+    losses = [0.709] + ([0.5] * 3 if twin == "loss_still_high" else BEIT_LOSS[1:])
+    first = 1e-9 if twin == "low_from_the_start" else BEIT_CLS[0]
+    later = {"exactly_zero": 0.0, "low_from_the_start": 2e-9}.get(twin, BEIT_CLS[1])
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    found = [judge_vanishing(step, layer_grads(embeddings=first if step == 0 else later, projection=1.7e-3,
+                                               classifier=3.8e-2), GradientSettings(), {}, "", history, verdicts,
+                             loss=loss)
+             for step, loss in enumerate(losses + losses[1:] * 3)]
+    assert any(verdict is not None for verdict in found)
+    named = next(verdict for verdict in found if verdict is not None)
+    assert named.finding.details["layers"] == ["embeddings"]
+
+
 def test_a_step_whose_loss_is_zero_and_sends_back_nothing_is_not_judged() -> None:
     history, verdicts = VanishingHistory(), VerdictEngine()
     zeros = layer_grads(first=0.0, second=0.0, head=0.0)  # a hinge loss at 0: every margin holds

@@ -7,7 +7,10 @@ learn. AutoTrainer's criterion (ICSE 2021) is the ratio of the first layer's gra
 the modules owning a weight (2+ dimensions) in forward order; the "first layer" is the smallest of the input half
 (Adam can lift the very first layer back while those after it stay faded), and the fade must be steady from there
 to the output (:data:`STEADY_CORRELATION`), so attention's query and key, ~1e-5 of the head's on a healthy BERT
-between feed-forward layers that are not, are no fade. docs/gradients.md lists the other exclusions. Held under
+between feed-forward layers that are not, are no fade. Nor is one cliff between flat layers: what is left of the
+fade once its largest step between two neighbouring layers is taken out must still be under :data:`SPREAD_RATIO`
+(ModernBERT's two layers all near 4e-4 behind a projection head 300x larger, while the loss falls 6x, is a step of
+scale at one boundary, not depth). docs/gradients.md lists the other exclusions. Held under
 ``vanishing_grad``'s ``fade`` variant in a scope of its own::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
@@ -39,6 +42,7 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, Verdict
 
 FADE_RATIO = 1e-3
 STEADY_CORRELATION = 0.8
+SPREAD_RATIO = 1e-2
 MIN_LAYERS = 4
 SCOPE = FADE = "fade"
 
@@ -74,7 +78,8 @@ def judge_fade(step: int, grads: Sequence[tuple[str, float]], dims: Mapping[str,
         if (all(math.isfinite(n) for n in norms) and 0 < low < FADE_RATIO * high
                 and statistics.median(norms[:max(1, len(norms) // 2)]) < FADE_RATIO * high
                 and verdicts.hold(Kind.VANISHING_GRAD, layers[deepest][0]) is None
-                and len(norms) - deepest >= MIN_LAYERS and rank_correlation(norms[deepest:]) >= STEADY_CORRELATION):
+                and len(norms) - deepest >= MIN_LAYERS and rank_correlation(norms[deepest:]) >= STEADY_CORRELATION
+                and without_largest_step(norms[deepest:]) < SPREAD_RATIO):
             suspicions.append(Suspicion(Kind.VANISHING_GRAD, layers[0][0], step, value=low / high, variant=FADE,
                                         measured={"last": last}))
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, suspicions, scope=SCOPE)
@@ -92,6 +97,16 @@ def input_side(norms: Sequence[float]) -> int:
     minimum that moves between neighbours does not restart it)."""
     half = norms[:max(1, len(norms) // 2)]
     return half.index(min(half))
+
+
+def without_largest_step(norms: Sequence[float]) -> float:
+    """The ratio of the first norm to the last with the largest growth between two neighbours taken out::
+
+        >>> without_largest_step([1e-4, 1e-3, 1e-2, 1.0]), without_largest_step([3e-4, 5e-4, 6e-4, 0.2, 0.8])
+        (0.01, 0.125)
+    """
+    largest = max((after / before for before, after in zip(norms, norms[1:]) if before > 0), default=1.0)
+    return norms[0] / norms[-1] * max(1.0, largest)
 
 
 def rank_correlation(values: Sequence[float]) -> float:

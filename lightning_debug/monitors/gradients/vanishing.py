@@ -4,7 +4,10 @@ One low norm fires on healthy models (a LoRA A while B = 0, ConvNeXt's layer sca
 gradient is healthy again on the input side or grows within a step or two. So a layer is *low* when it has not grown
 :data:`VANISHING_GROWTH` times over its first norm, and a run of low layers vanishes when it reaches the input side
 with a layer after it :data:`VANISHING_DROP` times larger, or is exactly zero (held longer: a straight-through
-router is zero on some steps). docs/gradients.md gives the cases::
+router is zero on some steps). A layer that started above the threshold is not low once the loss fell
+:data:`CONVERGED_FALL` times below the run's first: its gradient shrank because the model learned (BEiT's class
+token, which mean pooling barely reads, under 1e-6 once the loss is 1/170 of its start), while a gradient that is
+exactly zero, or low from the start, is judged all the same. docs/gradients.md gives the cases::
 
     >>> history, verdicts = VanishingHistory(), VerdictEngine()
     >>> grads = [("a.weight", 1e-9), ("b.weight", 0.5)]
@@ -37,22 +40,32 @@ from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_S
 
 VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
+CONVERGED_FALL = 10.0
 EXACTLY_ZERO = "exactly_zero"
 """The variant of a vanishing suspicion whose layers are all exactly zero (its policy waits longer)."""
 VANISHING_DEAD_CHECKS = policy_of(Kind.VANISHING_GRAD).needed(EXACTLY_ZERO) or 1
 
 
 class VanishingHistory:
-    """Each layer's first gradient norm: the baseline a low layer must not have grown from."""
+    """Each layer's first gradient norm (the baseline a low layer must not have grown from) and the run's first
+    finite loss (the one a converged run fell from)."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
+        self.first_loss = math.nan
+
+    def converged(self, loss: float) -> bool:
+        """Whether ``loss`` is :data:`CONVERGED_FALL` times below the run's first loss."""
+        if not math.isfinite(self.first_loss) and math.isfinite(loss):
+            self.first_loss = loss
+        return 0 <= loss * CONVERGED_FALL < self.first_loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": dict(self.first)}
+        return {"first": dict(self.first), "first_loss": self.first_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first = {k: float(v) for k, v in state.get("first", {}).items()}
+        self.first_loss = float(state.get("first_loss", math.nan))
 
 
 def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
@@ -67,18 +80,22 @@ def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], d
 
 
 def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str]], low: float,
-                     positions: Positions, first: dict[str, float]) -> dict[str, str]:
+                     positions: Positions, first: dict[str, float], converged: bool = False) -> dict[str, str]:
     """The layers of this check step in vanishing runs (see the module's docstring), input side first,
     with the variant of their suspicion (:data:`EXACTLY_ZERO` for a dead run away from the input side)::
 
         >>> norms = {"stem": 1e-12, "block": 1e-9, "head": 1e-2, "q": 2e-7, "v": 4e-5, "gate": 0.0, "out": 0.1}
-        >>> vanishing_layers(norms, {m: [m + ".w"] for m in norms}, 1e-6, {}, {})
+        >>> members = {m: [m + ".w"] for m in norms}
+        >>> vanishing_layers(norms, members, 1e-6, {}, {})
         {'stem': '', 'block': '', 'gate': 'exactly_zero'}
+        >>> vanishing_layers(norms, members, 1e-6, {}, {"stem": 1e-2, "gate": 1e-2}, converged=True)
+        {'gate': 'exactly_zero'}
     """
     fallback = (len(positions) + 1, 0)
     order = sorted(module_norms, key=lambda m: min(positions.get(name, fallback) for name in members[m]))
     is_low = [math.isfinite(module_norms[m]) and module_norms[m] < low
-              and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m]) for m in order]
+              and module_norms[m] <= VANISHING_GROWTH * first.get(m, module_norms[m])
+              and not (converged and module_norms[m] > 0 and first.get(m, 0.0) >= low) for m in order]
     found: dict[str, str] = {}
     start = 0
     while start < len(order):
@@ -113,7 +130,7 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     for module, norm in module_norms.items():
         if math.isfinite(norm):
             history.first.setdefault(module, norm)
-    dying = vanishing_layers(module_norms, members, low, positions, history.first)
+    dying = vanishing_layers(module_norms, members, low, positions, history.first, history.converged(loss))
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, [Suspicion(Kind.VANISHING_GRAD, module, step,
                                                                        variant=variant)
                                                              for module, variant in dying.items()])
