@@ -243,6 +243,7 @@ class NormHistory:
 
     def __init__(self) -> None:
         self.values: deque[float] = deque(maxlen=NORM_WINDOW)
+        self.losses: deque[float] = deque(maxlen=NORM_WINDOW)  # the loss of each of ``values`` (nan: not known)
         self.tail: deque[float] = deque(maxlen=NORM_TAIL_WINDOW)
         self.start_losses: list[float] = []
         self.last = math.nan
@@ -272,6 +273,7 @@ class NormHistory:
         self.last = norm
         if math.isfinite(norm) and norm > 0:
             self.values.append(norm)
+            self.losses.append(loss)
             self.tail.append(norm)
         if math.isfinite(loss) and len(self.start_losses) < LOSS_START_VALUES:
             self.start_losses.append(loss)
@@ -289,11 +291,14 @@ class NormHistory:
             return False
         return norm <= NORM_GRADUAL_GROWTH * self.values[-1] and loss <= max(self.start_losses)
 
-    def load(self, values: Iterable[float], start_losses: Iterable[float] = ()) -> None:
+    def load(self, values: Iterable[float], start_losses: Iterable[float] = (), losses: Iterable[float] = ()) -> None:
         self.values.clear()
+        self.losses.clear()
         self.tail.clear()
-        for value in values:
-            self.add(float(value))
+        values, losses = list(values), list(losses)
+        losses = [math.nan] * (len(values) - len(losses)) + losses[-len(values):] if values else []
+        for value, loss in zip(values, losses):
+            self.add(float(value), float(loss))
         self.last = self.values[-1] if self.values else math.nan
         self.start_losses = [float(loss) for loss in start_losses][:LOSS_START_VALUES]
 

@@ -89,3 +89,14 @@ def test_a_long_healthy_run_has_no_vanishing_grad(name: str, tmp_path: Path) -> 
     outcome = fit_case(case_named(name), "every_step", tmp_path, steps=300)
     assert outcome.status == "trained" and outcome.steps == 300, outcome.reason
     assert not [f for f in outcome.findings if f["kind"] == "vanishing_grad"], outcome.alarms()
+
+
+def test_the_really_unstable_run_is_named_in_its_first_steps_at_the_defaults(tmp_path: Path) -> None:
+    """MobileNetV1 (AdamW 1e-3): its global norm goes 803, 4.4e4, 2e3, 0.35, 0.0025, 0.0029 with the loss at chance
+    (0.693), then 7,720 at step 6, and the loss reaches 32.6 at step 13. The jump out of a norm that collapsed while
+    the loss did not fall is a runaway even below the 4.4e4 of step 1 (the twin, a saturated classifier whose loss
+    fell with its norm, is tests/integration/test_saturated_runaway.py)."""
+    outcome = fit_case(case_named("mobilenet_v1"), "defaults", tmp_path)
+    assert outcome.status == "trained", outcome.reason
+    exploding = [f["step"] for f in outcome.findings if f["kind"] == "exploding_grad"]
+    assert exploding and exploding[0] <= 10, outcome.alarms()

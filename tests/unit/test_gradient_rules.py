@@ -961,3 +961,18 @@ def test_replicas_that_get_their_gradient_every_step_leave_the_fixed_window() ->
     replicas = history.replicas_after_check(["layers.2.w"])
     confirmed = [history.observe_step(step, replicas, ["layers.2.w"]) for step in range(1, MISSING_CONFIRM_STEPS)]
     assert confirmed[-1] == ["layers.2.w"], "a layer a stack never uses is named after the window"
+
+
+def test_the_losses_of_the_recent_norms_travel_in_the_checkpoint() -> None:
+    """A runaway below the window's height is judged by whether the loss fell with the norm: a resumed run must see
+    the same losses."""
+    from lightning_debug.monitors.gradients.exploding import runaway_level
+    from lightning_debug.monitors.gradients.history import GradientHistory
+
+    history = GradientHistory(["exploding_grad"])
+    for norm, loss in ((4.4e4, 2.6), (0.35, 0.69), (0.0025, 0.69), (0.0029, 0.69)):
+        history.recent_norms.add(norm, loss)
+    resumed = GradientHistory(["exploding_grad"])
+    resumed.load_state_dict(copy.deepcopy(history.state_dict()))
+    assert list(resumed.recent_norms.losses) == list(history.recent_norms.losses)
+    assert runaway_level(7720.0, resumed.recent_norms) == runaway_level(7720.0, history.recent_norms) == 0.0029

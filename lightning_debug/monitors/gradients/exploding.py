@@ -60,7 +60,10 @@ RUNAWAY_GROWTH = 1000.0
 RUNAWAY_CHECKS = 3
 RUNAWAY_OVER_WINDOW = 3.0
 """... and this many times every norm of the window (:data:`~lightning_debug.checks.trends.NORM_WINDOW` check
-steps): a runaway reaches a height the run has not come near lately."""
+steps): a runaway reaches a height the run has not come near lately, unless the loss did not fall with the norm."""
+LOSS_FELL_WITH = 0.1
+"""The share of the loss at the window's highest norm under which the loss of a collapsed norm fell with it (see
+:func:`runaway_level`)."""
 OVERFLOW = "finite to non-finite"
 """``judged_by`` of a norm that overflowed (see :func:`overflowed`)."""
 OVERFLOW_LOSS_FACTOR = 10.0
@@ -105,25 +108,45 @@ class ExplosionSuspicion:
 
 def runaway_level(global_norm: float, history: NormHistory) -> float | None:
     """The level ``global_norm`` ran away from (the median of the last :data:`RUNAWAY_CHECKS` finite norms, when it
-    is :data:`RUNAWAY_GROWTH` times that and :data:`RUNAWAY_OVER_WINDOW` times every norm of the window), else None.
-    A growth, not a level: a healthy rare hard batch is 10-200x its median, and a median of three keeps one near-zero
-    norm from being the level. A height the run has not come near lately, not only over the last three: a loss near
-    0 for two steps (a saturated classifier) takes the norm 1e6x down, and the next batch's ordinary norm is no
-    runaway (MobileNetV2 at step 250: 68 after 8e-6 and 4e-5, among norms of 20-70)::
+    is :data:`RUNAWAY_GROWTH` times that and above each), else None. A growth, not a level: a healthy rare hard batch
+    is 10-200x its median, and a median of three keeps one near-zero norm from being the level. Below
+    :data:`RUNAWAY_OVER_WINDOW` times a height the window reached, it is a runaway only when the loss did not fall
+    with the norm (:func:`fell_with_the_norm`): a loss near 0 for two steps (a saturated classifier) takes the norm
+    1e6x down, and the next batch's ordinary norm is no runaway (MobileNetV2 at step 250: 68 after 8e-6 and 4e-5,
+    among norms of 20-70); a norm 1e6x down while the loss stays at chance is a broken model, and the jump out of it
+    is one (MobileNetV1 at step 6: 7,720 after 0.0025 and 0.0029 at a loss of 0.693, after 4.4e4 at step 1)::
 
-        >>> history = NormHistory(); history.add(17.8)
+        >>> history = NormHistory(); history.add(17.8, 0.5)
         >>> runaway_level(3.0e6, history), runaway_level(1.5e4, history)
         (17.8, None)
-        >>> for norm in (8.3e-6, 3.6e-5): history.add(norm)
+        >>> for norm in (8.3e-6, 3.6e-5): history.add(norm, 1e-6)
         >>> runaway_level(40.0, history), runaway_level(3.0e4, history)
         (None, 3.6e-05)
+        >>> broken = NormHistory()
+        >>> for norm, loss in ((4.4e4, 2.6), (0.35, 0.69), (0.0025, 0.69), (0.0029, 0.69)): broken.add(norm, loss)
+        >>> runaway_level(7720.0, broken)
+        0.0029
     """
     recent = list(history.values)[-RUNAWAY_CHECKS:]
     if not recent or not math.isfinite(global_norm):
         return None
     level = median(recent)
-    highest = RUNAWAY_OVER_WINDOW * max(history.values)
-    return level if global_norm >= RUNAWAY_GROWTH * level and global_norm > highest else None
+    if global_norm < RUNAWAY_GROWTH * level or global_norm <= max(recent):
+        return None
+    if global_norm > RUNAWAY_OVER_WINDOW * max(history.values) or not fell_with_the_norm(history):
+        return level
+    return None
+
+
+def fell_with_the_norm(history: NormHistory) -> bool:
+    """Whether the loss of the last :data:`RUNAWAY_CHECKS` norms (their median) is under :data:`LOSS_FELL_WITH` of
+    the loss at the window's highest norm: the small norms came from batches the model fits. Not known (no losses, or
+    a signed loss) counts as fallen."""
+    recent = [loss for loss in list(history.losses)[-RUNAWAY_CHECKS:] if math.isfinite(loss)]
+    at_height = history.losses[max(range(len(history.values)), key=history.values.__getitem__)]
+    if not recent or not math.isfinite(at_height) or min(recent + [at_height]) < 0:
+        return True
+    return median(recent) < LOSS_FELL_WITH * at_height
 
 
 def rose_before(history: NormHistory) -> float | None:

@@ -109,7 +109,7 @@ class GradientHistory:
             counts=dict(self.counts), checks=self.checks, steps_without_gradients=self.steps_without_gradients,
             global_norms=self.global_norms.state_dict(), update_ratios=self.update_ratios.state_dict(),
             healthy_norms=list(self.healthy_norms.values), recent_norms=list(self.recent_norms.values),
-            start_losses=list(self.recent_norms.start_losses),
+            start_losses=list(self.recent_norms.start_losses), recent_losses=list(self.recent_norms.losses),
             parameter_norms={name: stats.state_dict() for name, stats in self.parameter_norms.items()},
             parameter_update_ratios={name: stats.state_dict() for name, stats in self.parameter_update_ratios.items()},
             flagged={kind: dict(counter.counts) for kind, counter in self.flagged.items()},
@@ -130,7 +130,8 @@ class GradientHistory:
         self.healthy_norms = Window(HEALTHY_NORMS_KEPT)
         for value in state_dict.get("healthy_norms", []):
             self.healthy_norms.add(float(value))
-        self.recent_norms.load(state_dict.get("recent_norms", []), state_dict.get("start_losses", []))
+        self.recent_norms.load(state_dict.get("recent_norms", []), state_dict.get("start_losses", []),
+                               state_dict.get("recent_losses", []))
         self.recent_norms.last = float(state_dict.get("last_norm", self.recent_norms.last))
         self.nonfinite = {}
         for what, steps in (state_dict.get("nonfinite") or {}).items():
