@@ -334,8 +334,9 @@ class GradientMonitor(Monitor):
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
+        first_loss = norms.start_losses[0] if norms.start_losses else math.nan
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
-                                     self.verdicts, host.loss_value), step, where, "vanishing")
+                                     self.verdicts, host.loss_value, first_loss), step, where, "vanishing")
         if pending.judged is not None and self._dims[0] is not pending.judged:
             self._dims = (pending.judged, {n: p.dim() for n, p in zip(pending.judged.names, pending.judged.params)})
         self._record(judge_fade(step, list(zip(host.grad_names, host.grad_norms)), self._dims[1], self._positions,

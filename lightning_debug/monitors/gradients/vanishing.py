@@ -47,25 +47,16 @@ VANISHING_DEAD_CHECKS = policy_of(Kind.VANISHING_GRAD).needed(EXACTLY_ZERO) or 1
 
 
 class VanishingHistory:
-    """Each layer's first gradient norm (the baseline a low layer must not have grown from) and the run's first
-    finite loss (the one a converged run fell from)."""
+    """Each layer's first gradient norm: the baseline a low layer must not have grown from."""
 
     def __init__(self) -> None:
         self.first: dict[str, float] = {}
-        self.first_loss = math.nan
-
-    def converged(self, loss: float) -> bool:
-        """Whether ``loss`` is :data:`CONVERGED_FALL` times below the run's first loss."""
-        if not math.isfinite(self.first_loss) and math.isfinite(loss):
-            self.first_loss = loss
-        return 0 <= loss * CONVERGED_FALL < self.first_loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": dict(self.first), "first_loss": self.first_loss}
+        return {"first": dict(self.first)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first = {k: float(v) for k, v in state.get("first", {}).items()}
-        self.first_loss = float(state.get("first_loss", math.nan))
 
 
 def layer_norms(grads: Sequence[tuple[str, float]]) -> tuple[dict[str, float], dict[str, list[str]]]:
@@ -118,9 +109,10 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
 
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
                     positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
-                    loss: float = math.nan) -> Verdict | None:
+                    loss: float = math.nan, first_loss: float = math.nan) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
-    none was read (every hold ends). Judged per module, so a parameter exactly zero while its module learns
+    none was read (every hold ends); ``first_loss``: the run's first finite loss, which a converged run fell
+    :data:`CONVERGED_FALL` times below. Judged per module, so a parameter exactly zero while its module learns
     (attention's key bias) is no dead layer. A check whose loss is 0 with every gradient 0 (a margin loss that
     holds) is not judged."""
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
@@ -130,7 +122,8 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     for module, norm in module_norms.items():
         if math.isfinite(norm):
             history.first.setdefault(module, norm)
-    dying = vanishing_layers(module_norms, members, low, positions, history.first, history.converged(loss))
+    converged = 0 <= loss * CONVERGED_FALL < first_loss
+    dying = vanishing_layers(module_norms, members, low, positions, history.first, converged)
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, [Suspicion(Kind.VANISHING_GRAD, module, step,
                                                                        variant=variant)
                                                              for module, variant in dying.items()])
