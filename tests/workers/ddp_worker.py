@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, debug_callbacks  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, end_distributed, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
 
 MAX_STEPS = 12
 SWEEP_EPOCH = 7  # batches per epoch under --sweep: odd, so that epochs start at NaN steps too in skip mode
@@ -330,8 +330,8 @@ def main() -> None:
     # trainer.log_dir broadcasts (a collective), so it is read only after a clean end
     outcome["log_dir"] = trainer.log_dir if outcome["exception"] is None else None
     write_outcome(trainer, model, args.out_dir, outcome)
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_worker()

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 from lightning_debug import DebugConfig, debug_callbacks  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import console_lines, end_distributed, make_trainer, regression_data  # noqa: E402
+from tests.harness.toolkit import console_lines, exit_worker, make_trainer, regression_data  # noqa: E402
 
 MAX_STEPS = 12
 
@@ -195,8 +195,8 @@ def main() -> None:
         "log_dir": trainer.log_dir,
     }
     (args.out_dir / f"result_{trainer.global_rank}.json").write_text(json.dumps(outcome))
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_worker()

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from lightning_debug import GradientHealthCallback  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, end_distributed, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
 
 MAX_STEPS = 101
 PLANT_STEP = 30
@@ -87,8 +87,8 @@ def main() -> None:
         fault, _, strategy = case.partition(":")
         (out_dir / case).mkdir(parents=True, exist_ok=True)
         fit(out_dir / case, fault, strategy or "ddp")
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_worker()

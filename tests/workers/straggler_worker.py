@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_debug import DebugConfig, debug_callbacks  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, end_distributed, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
 
 MAX_STEPS = 30
 
@@ -49,8 +49,8 @@ def main() -> None:
     log_dir = trainer.log_dir
     if trainer.is_global_zero:
         (out_dir / "log_dir.txt").write_text(str(log_dir))
-    end_distributed()
 
 
 if __name__ == "__main__":
     main()
+    exit_worker()
