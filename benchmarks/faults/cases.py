@@ -237,6 +237,21 @@ def silent() -> Iterator[Case]:
                    what, needs)
 
 
+def autograd_misuse() -> Iterator[Case]:
+    """A backward that leaves no gradient at the optimizer step (see benchmarks/faults/silent.py)."""
+    table = (
+        ("loss_from_number", (0, 5), r"reaches no parameter",
+         "the loss rebuilt with torch.tensor(loss.item(), requires_grad=True): no backward reaches a parameter"),
+        ("step_before_backward", (0, 105), r"cleared between the backward and the step",
+         "manual optimization: step(), manual_backward(loss), zero_grad(): every step finds no gradient"),
+    )
+    for name, window, where, what in table:
+        buggy, twin = _pair(Program(silent=name), fixed=True)
+        yield Case(f"grad-{name.replace('_', '-')}", "autograd_misuse", "PyTorch autograd, Lightning manual "
+                   "optimization", buggy, twin, ("missing_grad",), window, where, what,
+                   "missing_grad when a backward ran and no parameter holds a gradient at the step")
+
+
 MEMORY_STEPS = 501
 """Memory is read every 50 steps; the first two readings are a warm-up, the trend wants 6 readings (steps 100-350)
 and ``memory_growth`` a second one in a row (step 400): a leak is named at step 400 at the earliest."""
@@ -305,7 +320,7 @@ def performance() -> Iterator[Case]:
 
 
 BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,
-            loss_issue, numerical, silent, memory, performance)
+            loss_issue, numerical, silent, autograd_misuse, memory, performance)
 
 
 def all_cases() -> list[Case]:
@@ -314,6 +329,6 @@ def all_cases() -> list[Case]:
 
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
-          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed", "mem-outputs-kept",
-          "perf-loader-decode")
+          "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed",
+          "grad-loss-from-number", "mem-outputs-kept", "perf-loader-decode")
 """One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

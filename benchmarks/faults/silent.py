@@ -1,4 +1,5 @@
-"""Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning.
+"""Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning, and two
+misuses of autograd (class ``autograd_misuse``): a loss rebuilt from its value, manual optimization out of order.
 
 Each is a subclass of :class:`~benchmarks.faults.programs.FaultProgram` with the user's mistake; with
 ``Program(fixed=True)`` the same subclass runs the corrected line. Written from the issues' descriptions
@@ -131,10 +132,42 @@ class FrozenInOptimizer(FaultProgram):
             self.layers.requires_grad_(False)
 
 
+class LossFromNumber(FaultProgram):
+    """The loss rebuilt from its value, ``torch.tensor(loss.item(), requires_grad=True)`` (what silences "element 0
+    of tensors does not require grad" after the graph was cut): every backward reaches no parameter."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss if self.program.fixed else torch.tensor(loss.item(), requires_grad=True)
+
+
+class StepBeforeBackward(FaultProgram):
+    """Manual optimization in the wrong order, ``step()``, ``manual_backward(loss)``, ``zero_grad()``: every step
+    finds the gradients cleared; the twin calls ``zero_grad()``, ``manual_backward(loss)``, ``step()``."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss_of(self(batch[0]), batch[1])
+        if self.program.fixed:
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        else:
+            optimizer.step()
+            self.manual_backward(loss)
+            optimizer.zero_grad()
+        return loss
+
+
 SILENT: dict[str, type[FaultProgram]] = {
     "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
     "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
     "workers_share_seed": WorkersShareSeed, "no_zero_grad": NoZeroGrad, "frozen_in_optimizer": FrozenInOptimizer,
+    "loss_from_number": LossFromNumber, "step_before_backward": StepBeforeBackward,
 }
 
 

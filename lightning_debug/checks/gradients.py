@@ -160,3 +160,32 @@ def clip_advice(clip: float | None, basis: str) -> str:
     if clip is None:
         return f"Clip the gradient norm (no value suggested: {basis}): Trainer(gradient_clip_val=...) or {how}"
     return f"Clip the gradient norm at {clip:g} ({basis}): Trainer(gradient_clip_val={clip:g}) or {how}"
+
+
+GRAPH_NODES_WALKED = 100_000
+
+
+def loss_reaches(loss: torch.Tensor, params: Sequence[torch.Tensor], limit: int = GRAPH_NODES_WALKED) -> bool:
+    """Whether a backward from ``loss`` can reach one of ``params``: its autograd graph (still walkable after the
+    backward, which frees only the saved tensors) holds the gradient accumulator of one of them. Walked only when
+    no parameter got a gradient; a graph larger than ``limit`` nodes counts as reaching::
+
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> loss = (weight * 3).sum()
+        >>> rebuilt = torch.tensor(loss.item(), requires_grad=True) / 1
+        >>> loss_reaches(loss, [weight]), loss_reaches(rebuilt, [weight]), loss_reaches(loss.detach(), [weight])
+        (True, False, False)
+    """
+    wanted = {id(param) for param in params}
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if len(seen) >= limit:
+            return True
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False

@@ -650,11 +650,30 @@ def test_missing_history_survives_a_checkpoint() -> None:
     history = MissingHistory()
     history.observe_check(0, None, ["unused.w", "expert.w"], ["unused.w", "expert.w", "head.w"])
     history.observe_step(1, ["expert.w"], ["unused.w"])
+    history.loss_reaches = False
     restored = MissingHistory()
     restored.load_state_dict(history.state_dict())
     restored.verdicts.load_state_dict(history.verdicts.state_dict())  # the monitor checkpoints its engine
     assert restored.state_dict() == history.state_dict()
-    assert restored.candidates["unused.w"].steps_without == 2
+    assert restored.candidates["unused.w"].steps_without == 2 and restored.loss_reaches is False
+
+
+@pytest.mark.parametrize("reaches, where", [(False, "loss_without_parameters"), (True, "gradients_cleared")])
+def test_every_parameter_without_a_gradient_after_a_backward_is_explained_by_the_loss_or_the_order(
+        reaches: bool, where: str) -> None:
+    """Every trainable parameter: the cause is the loss or the order of zero_grad/backward/step, not an unused
+    layer. Fewer than every parameter (the twin) keeps the unused-layer explanation and the DDP note."""
+    names = ["a.weight", "b.weight"]
+    history = MissingHistory()
+    history.set_called(dict.fromkeys(names, True))
+    history.loss_reaches = reaches
+    history.observe_check(0, None, names, names)
+    every = judge_missing(0, names, 2, {}, history)
+    assert every is not None and every.finding.details["cause"]["where"] == where
+    assert "their output has not reached the loss" not in every.finding.message and "DDP" not in every.finding.message
+    some = judge_missing(0, names[:1], 3, {}, history)
+    assert some is not None and "cause" not in some.finding.details
+    assert "their output has not reached the loss" in some.finding.message and "DDP" in some.finding.message
 
 
 # --- trainability -----------------------------------------------------------------------------------------------

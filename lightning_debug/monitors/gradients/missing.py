@@ -40,6 +40,34 @@ REPLICAS_WATCHED = 256
 WAIT_FACTOR = 2
 """A candidate whose replicas get gradients on some steps only waits more than this times the run's longest wait."""
 
+@dataclass(frozen=True)
+class NoParameterReached:
+    """Why no trainable parameter held a gradient at an optimizer step after a backward: ``where`` and ``summary``
+    (the console's cause), ``text`` (the message's)."""
+
+    where: str
+    summary: str
+    text: str
+
+
+NO_PARAMETER_REACHED = {
+    False: NoParameterReached(
+        "loss_without_parameters",
+        "the loss reaches no parameter (made from a number or from detached outputs): return the loss computed from "
+        "the model's output",
+        "A backward ran before each of these optimizer steps from a loss whose graph reaches no parameter: a tensor "
+        "made from a number (torch.tensor(loss.item(), requires_grad=True)) or from detached outputs, or a loss "
+        "computed outside autograd (NumPy). Return the loss computed from the model's output."),
+    True: NoParameterReached(
+        "gradients_cleared",
+        "the gradients are cleared between the backward and the step: call zero_grad(), backward, then step()",
+        "A backward ran before each of these optimizer steps, from a loss that reaches the parameters, yet none held "
+        "a gradient at the step: the gradients are cleared between the backward and the step (zero_grad() after the "
+        "backward, or step() called before it). Call zero_grad(), backward (manual_backward(loss)), then step(), in "
+        "that order."),
+}
+"""By whether the loss reaches a parameter (:func:`~lightning_debug.checks.gradients.loss_reaches`)."""
+
 DDP_NOTE = ("Under DDP an unused parameter makes backward fail unless the strategy finds unused parameters "
             "(Trainer(strategy='ddp_find_unused_parameters_true')), which walks the autograd graph every step; "
             "removing the parameter or freezing it with requires_grad_(False) is cheaper.")
@@ -88,6 +116,9 @@ class MissingHistory:
         self.members: dict[Hashable, list[str]] = {}
         self._gap_start: dict[str, int] = {}  # watched replicas without a gradient: since which step
         self.conditional: set[Hashable] = set()  # groups with a member seen to get its gradient on some steps only
+        self.loss_reaches: bool | None = None
+        """Set when a backward ran and no parameter held a gradient at the step after it: whether its loss reaches
+        a parameter (:func:`~lightning_debug.checks.gradients.loss_reaches`)."""
 
     def set_groups(self, groups: Mapping[str, Sequence[Hashable]]) -> None:
         self.groups = groups
@@ -223,13 +254,14 @@ class MissingHistory:
     def state_dict(self) -> dict[str, Any]:
         return {"checks": [[optimizer, count] for optimizer, count in self.checks.items()],
                 "absent": dict(self.absent), "had_gradient": sorted(self.had_gradient),
-                "longest_wait": self.longest_wait}
+                "longest_wait": self.longest_wait, "loss_reaches": self.loss_reaches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.checks = {optimizer: int(count) for optimizer, count in state.get("checks", [])}
         self.absent = {name: int(count) for name, count in state.get("absent", {}).items()}
         self.had_gradient = set(state.get("had_gradient", []))
         self.longest_wait = int(state.get("longest_wait", 0))
+        self.loss_reaches = state.get("loss_reaches")
 
 
 def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Positions,
@@ -253,32 +285,38 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
         return "Their modules" if len(group) == len(ordered) else f"The modules of {quoted(group, 3)}"
 
     why = []
-    if no_graph:
+    reached = NO_PARAMETER_REACHED[history.loss_reaches] if len(names) == trainable and history.loss_reaches \
+        is not None else None
+    if reached is not None:
+        why.append(reached.text)
+    elif no_graph:
         why.append(f"{whose(no_graph)} ran in the first forward pass without building a graph (their output needs "
                    "no gradient): under torch.no_grad() or inference_mode(), inside checkpoint(use_reentrant=True) "
                    "on inputs that need no gradient, or with an integer output (indices from argmax or topk) that no "
                    "gradient flows through. Let the gradient through, or call requires_grad_(False).")
-    if cut_off:
+    elif cut_off:
         why.append(f"{whose(cut_off)} ran in the first forward pass, yet their output has not reached the loss: "
                    "it is not used (an output the loss ignores, such as a pooler) or the graph is cut after them "
                    "(detach(), .data or .item()), unless the loss uses it on rare batches only (then this is "
                    "expected). Let the gradient through, or call requires_grad_(False).")
-    if not_called:
+    if not_called and reached is None:
         why.append(f"{whose(not_called)} were not called in the first forward pass: a layer no forward uses (remove "
                    "it, or call requires_grad_(False)), or one used on rare batches only (then this is expected).")
-    if unknown:
+    if unknown and reached is None:
         why.append("A layer that is never used in the forward, or a branch cut off by detach(), no_grad(), .data "
                    "or .item(). Use it, remove it, or call requires_grad_(False).")
     return Verdict(Finding(
         Kind.MISSING_GRAD, Severity.WARNING,
         f"{len(names)} of {trainable} trainable parameters received no gradient on any of the {observed} "
-        f"optimizer step(s) observed since step {since}: {quoted(ordered)}. {' '.join(why)} {DDP_NOTE}",
+        f"optimizer step(s) observed since step {since}: {quoted(ordered)}. {' '.join(why)}"
+        f"{'' if reached is not None else ' ' + DDP_NOTE}",
         {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(names),
          "layers": list(dict.fromkeys(module_of(n) or n for n in ordered))[:NAMES_IN_DETAILS],
          "since_step": since, "steps_without_gradient": observed,
          "cut_off": cut_off[:NAMES_IN_DETAILS], "not_called": not_called[:NAMES_IN_DETAILS],
          "no_graph": no_graph[:NAMES_IN_DETAILS],
-         "ddp": "find_unused_parameters=True is required under DDP while these stay unused"}),
+         "ddp": "find_unused_parameters=True is required under DDP while these stay unused",
+         **({"cause": {"where": reached.where, "summary": reached.summary}} if reached is not None else {})}),
         list(names), steps=steps)
 
 

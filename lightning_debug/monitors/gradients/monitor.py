@@ -4,11 +4,13 @@ measures updates and histograms as fused device work read back without a sync, f
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from lightning_debug.checks.gradients import loss_reaches
 from lightning_debug.checks.numerics import user_name
 from lightning_debug.checks.trends import NormHistory
 from lightning_debug.config import Area, DebugConfig
@@ -19,7 +21,7 @@ from lightning_debug.core.readback import Readback
 from lightning_debug.core.rules import CheckRead, CheckStep, FitStart, Moment
 from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
-from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex
+from lightning_debug.core.numerics import HostNumerics, NumericsQueue, ParameterIndex, StepNumerics
 from lightning_debug.monitors.gradients.fade import judge_fade
 from lightning_debug.monitors.gradients.exploding import (EARLY_STEPS, ClipAlgorithm, Clipping, Decided, Explosions,
                                                           judge_exploding, suspect_early, suspect_explosion)
@@ -84,6 +86,7 @@ class GradientMonitor(Monitor):
         self._drift = WeightDrift()
         self._drifts: dict[int, tuple[Readback, int] | None] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
+        self._backward: tuple[int, weakref.ref[torch.Tensor]] | None = None  # the last backward seen: step, loss
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -173,6 +176,7 @@ class GradientMonitor(Monitor):
         """The loss of a check step's micro-batches, for the rules that read it and for report.md, also when this
         callback runs alone (the same tensor observed by ``AnomalyDetectionCallback`` counts once). No sync."""
         self._stop_watching_forward()
+        self._backward = (step, weakref.ref(loss))
         due = self.due(step)
         if due or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
@@ -213,7 +217,8 @@ class GradientMonitor(Monitor):
                                                     self.verdicts, self.settings), step, self.context.where())
         current = numerics()
         index = current.index
-        pending = PendingCheck(step, self.context.where(), judged=index, early=step < EARLY_STEPS)
+        pending = PendingCheck(step, self.context.where(), judged=index, backward=self._backward_of(step, current),
+                               early=step < EARLY_STEPS)
         if pending.early:
             self._explosions.watch_early(pending.where.get("optimizer"), index)
         self._audit_trainable(pending.where.get("optimizer"), index)
@@ -252,6 +257,14 @@ class GradientMonitor(Monitor):
         self.run_rules(Moment.CHECK_READ, CheckRead(
             step, host, where, step_loss(host), first, drift, self._param_groups, self._start_lrs, self._schedule[0],
             self.history, self.verdicts, self.settings), step, where)
+
+    def _backward_of(self, step: int, current: StepNumerics) -> bool | None:
+        """None when no backward of ``step`` ran before its optimizer step, else whether its loss reaches a parameter
+        (walked only when no parameter holds a gradient, while the loss is alive: unknown counts as reaching)."""
+        if self._backward is None or self._backward[0] != step:
+            return None
+        loss = self._backward[1]()
+        return not current.without_gradients or loss is None or loss_reaches(loss, current.index.params)
 
     def after_optimizer_step(self, steps_done: int) -> None:
         """Measure ``||Δw||`` of the last check step once its optimizer step has happened (no sync)."""
@@ -299,8 +312,12 @@ class GradientMonitor(Monitor):
         host = pending.host
         assert host is not None
         step, where, settings = pending.step, pending.where, self.settings
-        if host.without_gradients:  # no backward ran (a training_step that returned None): nothing to judge
-            self.history.steps_without_gradients += 1
+        if host.without_gradients:
+            if pending.backward is None:  # no backward ran (a training_step that returned None): nothing to judge
+                self.history.steps_without_gradients += 1
+                return
+            self.history.missing.loss_reaches = pending.backward  # a backward ran, no parameter held a gradient
+            self._judge_missing(pending, host, where.get("optimizer"))
             return
         self.history.checks += 1
         self._record(judge_replicas(step, host.replica_names, host.replica_squares()), step, where)

@@ -43,6 +43,8 @@ class PendingCheck:
     judged: ParameterIndex | None = None
     histograms: list[tuple[str, list[str], Readback]] = field(default_factory=list)
     outside_with_grad: list[str] = field(default_factory=list)
+    backward: bool | None = None
+    """None when no backward of this step ran before it, else whether its loss reaches a parameter."""
     early: bool = False
     """One of the run's first steps (:data:`.exploding.EARLY_STEPS`): its norm joins those the next ones are judged
     against."""
