@@ -252,6 +252,26 @@ def autograd_misuse() -> Iterator[Case]:
                    "missing_grad when a backward ran and no parameter holds a gradient at the step")
 
 
+def api_misuse() -> Iterator[Case]:
+    """Calls that run and train the wrong thing (see benchmarks/faults/silent.py)."""
+    table = (
+        ("softmax_over_the_batch", {}, ("learning_stalled",), r"dim|batch",
+         "nll_loss(log_softmax(logits, dim=0)): normalised over the batch, not the classes",
+         "a loss normalised over the batch: the first loss log(batch size) instead of log(classes), a floor at "
+         "log(batch / classes)"),
+        ("target_broadcast", {"task": "regress"}, ("learning_stalled",), r"broadcast|shape|size",
+         "mse_loss on an (N, 1) output and an (N,) target: broadcast to (N, N), the model learns the mean",
+         "the target broadcast against the output (PyTorch's size warning at the first step), or a regression loss "
+         "held at the targets' variance"),
+        ("eval_mode_in_training", {"batchnorm": True}, ("eval_mode_in_training",), r"norms\.0",
+         "self.eval() in on_train_batch_start: BatchNorm frozen at its running statistics", ""),
+    )
+    for name, extra, kinds, where, what, needs in table:
+        buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]
+        yield Case(f"api-{name.replace('_', '-')}", "api_misuse", "PyTorch and Lightning API", buggy, twin, kinds,
+                   (0, STEPS), where, what, needs)
+
+
 MEMORY_STEPS = 501
 """Memory is read every 50 steps; the first two readings are a warm-up, the trend wants 6 readings (steps 100-350)
 and ``memory_growth`` a second one in a row (step 400): a leak is named at step 400 at the earliest."""
@@ -320,7 +340,7 @@ def performance() -> Iterator[Case]:
 
 
 BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,
-            loss_issue, numerical, silent, autograd_misuse, memory, performance)
+            loss_issue, numerical, silent, autograd_misuse, api_misuse, memory, performance)
 
 
 def all_cases() -> list[Case]:
@@ -330,5 +350,5 @@ def all_cases() -> list[Case]:
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
           "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed",
-          "grad-loss-from-number", "mem-outputs-kept", "perf-loader-decode")
+          "grad-loss-from-number", "api-eval-mode-in-training", "mem-outputs-kept", "perf-loader-decode")
 """One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

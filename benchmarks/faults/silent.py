@@ -1,5 +1,7 @@
 """Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning, and two
-misuses of autograd (class ``autograd_misuse``): a loss rebuilt from its value, manual optimization out of order.
+misuses of autograd (class ``autograd_misuse``: a loss rebuilt from its value, manual optimization out of order)
+and of the API (class ``api_misuse``: log_softmax over the batch, a target broadcast against the output, the model
+left in eval mode).
 
 Each is a subclass of :class:`~benchmarks.faults.programs.FaultProgram` with the user's mistake; with
 ``Program(fixed=True)`` the same subclass runs the corrected line. Written from the issues' descriptions
@@ -163,11 +165,38 @@ class StepBeforeBackward(FaultProgram):
         return loss
 
 
+class SoftmaxOverTheBatch(FaultProgram):
+    """``nll_loss(log_softmax(logits, dim=0))``: normalised over the batch, not the classes; the loss falls from
+    log(batch) to a floor near log(batch / classes) and the classifier learns a ranking of samples."""
+
+    def loss_of(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(z, y) if self.program.fixed else F.nll_loss(F.log_softmax(z, dim=0), y)
+
+
+class TargetBroadcast(FaultProgram):
+    """``mse_loss(output, target.squeeze(-1))`` on an output of shape (N, 1): the (N,) target broadcasts to (N, N),
+    every output is fitted to every target, and the model learns their mean (PyTorch warns once)."""
+
+    def loss_of(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(z, y) if self.program.fixed else F.mse_loss(z, y.squeeze(-1))
+
+
+class EvalModeInTraining(FaultProgram):
+    """``self.eval()`` in ``on_train_batch_start`` (meant for a frozen part): BatchNorm uses its running statistics
+    and dropout is off for the whole run."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not self.program.fixed:
+            self.eval()
+
+
 SILENT: dict[str, type[FaultProgram]] = {
     "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
     "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
     "workers_share_seed": WorkersShareSeed, "no_zero_grad": NoZeroGrad, "frozen_in_optimizer": FrozenInOptimizer,
     "loss_from_number": LossFromNumber, "step_before_backward": StepBeforeBackward,
+    "softmax_over_the_batch": SoftmaxOverTheBatch, "target_broadcast": TargetBroadcast,
+    "eval_mode_in_training": EvalModeInTraining,
 }
 
 
