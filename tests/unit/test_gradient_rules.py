@@ -671,8 +671,9 @@ def test_every_parameter_without_a_gradient_after_a_backward_is_explained_by_the
     every = judge_missing(0, names, 2, {}, history)
     assert every is not None and every.finding.details["cause"]["where"] == where
     assert "their output has not reached the loss" not in every.finding.message and "DDP" not in every.finding.message
+    assert "ddp" not in every.finding.details
     some = judge_missing(0, names[:1], 3, {}, history)
-    assert some is not None and "cause" not in some.finding.details
+    assert some is not None and "cause" not in some.finding.details and "ddp" in some.finding.details
     assert "their output has not reached the loss" in some.finding.message and "DDP" in some.finding.message
 
 

@@ -40,6 +40,7 @@ REPLICAS_WATCHED = 256
 WAIT_FACTOR = 2
 """A candidate whose replicas get gradients on some steps only waits more than this times the run's longest wait."""
 
+
 @dataclass(frozen=True)
 class NoParameterReached:
     """Why no trainable parameter held a gradient at an optimizer step after a backward: ``where`` and ``summary``
@@ -285,8 +286,8 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
         return "Their modules" if len(group) == len(ordered) else f"The modules of {quoted(group, 3)}"
 
     why = []
-    reached = NO_PARAMETER_REACHED[history.loss_reaches] if len(names) == trainable and history.loss_reaches \
-        is not None else None
+    every = len(names) == trainable and history.loss_reaches is not None
+    reached = NO_PARAMETER_REACHED[history.loss_reaches] if every else None
     if reached is not None:
         why.append(reached.text)
     elif no_graph:
@@ -315,8 +316,8 @@ def judge_missing(step: int, names: Sequence[str], trainable: int, positions: Po
          "since_step": since, "steps_without_gradient": observed,
          "cut_off": cut_off[:NAMES_IN_DETAILS], "not_called": not_called[:NAMES_IN_DETAILS],
          "no_graph": no_graph[:NAMES_IN_DETAILS],
-         "ddp": "find_unused_parameters=True is required under DDP while these stay unused",
-         **({"cause": {"where": reached.where, "summary": reached.summary}} if reached is not None else {})}),
+         **({"ddp": "find_unused_parameters=True is required under DDP while these stay unused"} if reached is None
+            else {"cause": {"where": reached.where, "summary": reached.summary}})}),
         list(names), steps=steps)
 
 
