@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_debug.checks import fused
+from lightning_debug.checks.memory.census import graph_reach
 
 HISTOGRAM_CHUNK = 1 << 24
 HISTOGRAM_BATCH = 1 << 22
@@ -166,9 +167,9 @@ GRAPH_NODES_WALKED = 100_000
 
 
 def loss_reaches(loss: torch.Tensor, params: Sequence[torch.Tensor], limit: int = GRAPH_NODES_WALKED) -> bool:
-    """Whether a backward from ``loss`` can reach one of ``params``: its autograd graph (still walkable after the
-    backward, which frees only the saved tensors) holds the gradient accumulator of one of them. Walked only when
-    no parameter got a gradient; a graph larger than ``limit`` nodes counts as reaching::
+    """Whether a backward from ``loss`` can reach one of ``params``: its autograd graph (:func:`graph_reach`, still
+    walkable after the backward, which frees only the saved tensors) holds the gradient accumulator of one of them.
+    Walked only when no parameter got a gradient; a graph of ``limit`` nodes or more counts as reaching::
 
         >>> weight = torch.nn.Parameter(torch.ones(2))
         >>> loss = (weight * 3).sum()
@@ -176,16 +177,6 @@ def loss_reaches(loss: torch.Tensor, params: Sequence[torch.Tensor], limit: int 
         >>> loss_reaches(loss, [weight]), loss_reaches(rebuilt, [weight]), loss_reaches(loss.detach(), [weight])
         (True, False, False)
     """
+    nodes = graph_reach(loss.grad_fn, limit)
     wanted = {id(param) for param in params}
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        if len(seen) >= limit:
-            return True
-        seen.add(node)
-        if id(getattr(node, "variable", None)) in wanted:
-            return True
-        stack.extend(child for child, _ in node.next_functions)
-    return False
+    return len(nodes) >= limit or any(id(getattr(node, "variable", None)) in wanted for node in nodes)
