@@ -109,6 +109,52 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high, error, logit_loss])
 
 
+def fit_tolerance(dtype: torch.dtype) -> float:
+    """How far from exact :func:`batch_softmax_fit` may find a gradient of ``dtype`` and call it exact::
+
+        >>> fit_tolerance(torch.float32), fit_tolerance(torch.bfloat16)
+        (0.001, 0.0625)
+    """
+    return max(1e-3, 8 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
+
+
+def batch_softmax_fit(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
+    """The share of the rows of a 2-d output whose gradient ``grad`` has the form a loss normalised over the batch
+    gives, on its device: in every column but one, the same multiple of ``softmax(output, dim=0)`` as the column's
+    other rows (within ``tolerance``). ``nll_loss(log_softmax(output, dim=0), y)`` gives ``n_c / N`` times it, less
+    ``1 / N`` at the label, so every row fits; a contrastive loss whose logits are computed from the output has no
+    such rows. ``cross_entropy`` over the classes fits only the rows whose ``logsumexp`` is the smallest, so only the
+    others are counted (NaN when there are none, as for rows all alike, or when the output is not 2-d). Only the
+    first :data:`SIMPLEX_ROWS_ELEMENTS` values are read: within a column, the softmax over fewer rows is the same
+    up to a factor, which leaves each column's largest multiple where it was.
+
+    >>> from torch.nn import functional as F
+    >>> z, y = torch.randn(8, 3, requires_grad=True), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    >>> batch_softmax_fit(torch.autograd.grad(F.nll_loss(F.log_softmax(z, 0), y), z)[0], z).item()
+    1.0
+    >>> batch_softmax_fit(torch.autograd.grad(F.cross_entropy(z, y), z)[0], z).item()
+    0.0
+    >>> other = torch.randn(8, 3)  # a contrastive loss over the batch
+    >>> batch_softmax_fit(torch.autograd.grad(F.cross_entropy(other @ z.T, torch.arange(8)), z)[0], z).item() < 0.5
+    True
+    >>> alike = torch.zeros(8, 3, requires_grad=True)  # a zero-initialised head: either loss gives this gradient
+    >>> batch_softmax_fit(torch.autograd.grad(F.cross_entropy(alike, y), alike)[0], alike).isnan().item()
+    True
+    """
+    g = grad.detach().float()
+    if g.dim() != 2 or g.shape != output.shape or g.shape[1] < 2 or g.numel() == 0:
+        return torch.full((), math.nan, device=g.device)
+    kept = max(2, SIMPLEX_ROWS_ELEMENTS // g.shape[1])
+    g, z = g[:kept], output.detach()[:kept].float()
+    ratio = g / torch.softmax(z, dim=0).clamp_min(torch.finfo(torch.float32).tiny)
+    top = ratio.amax(0)
+    fits = (ratio >= top - tolerance * top.abs()).sum(1) == g.shape[1] - 1
+    row_lse = torch.logsumexp(z, dim=1)
+    telling = row_lse > row_lse.min() + 2 * tolerance
+    counted = telling.sum()
+    return torch.where(counted > 0, (fits & telling).sum() / counted.clamp_min(1), math.nan)
+
+
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
     wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).

@@ -465,7 +465,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         summary="every param group's learning rate is 0 far from the end of the run, or the weights barely move "
                 "and the loss stays where it started, or the model's output is probabilities that cross_entropy "
                 "softmaxes again (the loss sits at its floor), or the loss stays at log C, a uniform guess over "
-                "the output's C classes (labels that do not belong to their inputs)",
+                "the output's C classes (labels that do not belong to their inputs), or the loss normalises the "
+                "output over the batch (a softmax over dim 0)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
@@ -475,11 +476,13 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "log(1 + (C-1)/e): drop the softmax (cross_entropy applies log_softmax itself) or use "
                "nll_loss(torch.log(p)). A loss that stays at log C for hundreds of steps learns nothing from the "
                "labels: check that each label belongs to its input (a shuffle or sort applied to one of them, a "
-               "misaligned join, the wrong column).",
+               "misaligned join, the wrong column). A loss that starts at log N (the N rows of the batch) and stays "
+               "above log(N / C) normalises the output over the batch: a log_softmax over dim 0 (use "
+               "cross_entropy on the raw logits).",
         hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy, or the "
              "labels do not match the inputs): check the scheduler, the lr, the model's last layer and the labels",
-        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4},
-                        backdate=False)),
+        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4,
+                                              "softmax_over_batch": 2}, backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

@@ -41,7 +41,9 @@ from lightning_debug.checks.activations import (
     ROW,
     SIMPLEX,
     STATS,
+    batch_softmax_fit,
     first_floating,
+    fit_tolerance,
     leaf_modules,
     metric_names,
     output_stats,
@@ -56,6 +58,8 @@ from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.session import Where
 from lightning_debug.core.verdicts import Suspicion
+from lightning_debug.monitors.gradients.batch_softmax import KEY as BATCH_SOFTMAX
+from lightning_debug.monitors.gradients.batch_softmax import batch_softmax_suspicion
 from lightning_debug.monitors.gradients.chance import KEY as CHANCE
 from lightning_debug.monitors.gradients.chance import chance_suspicion
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
@@ -206,6 +210,18 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
+def _writes_fit(into: torch.Tensor, output: torch.Tensor) -> Any:
+    """A hook on the gradient of the model's ``output`` that writes its :func:`batch_softmax_fit` into ``into`` and
+    leaves the gradient as it is; one it cannot measure leaves ``into`` NaN (the backward is the user's, never
+    broken)."""
+    def write(grad: torch.Tensor) -> None:
+        try:
+            into.copy_(batch_softmax_fit(grad, output, fit_tolerance(grad.dtype)))
+        except Exception:  # noqa: BLE001 - an unmeasured step is not judged
+            pass
+    return write
+
+
 @dataclass
 class PendingStats:
     step: int
@@ -214,6 +230,8 @@ class PendingStats:
     stats: Readback
     histograms: Readback | None
     tolerance: float = 1e-3  # of the model's output on the simplex, for its dtype
+    fit: torch.Tensor | None = None  # the output gradient's batch_softmax_fit, written by the backward
+    fit_read: Readback | None = None  # made at the batch's end, once the backward ran
 
 
 class ActivationMonitor(Monitor):
@@ -243,6 +261,7 @@ class ActivationMonitor(Monitor):
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
         self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
         self.chance_cleared = False  # a loss under log C proved the model learns from its labels
+        self.batch_cleared = False  # the loss is not normalised over the batch (softmax_over_batch)
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
@@ -313,6 +332,10 @@ class ActivationMonitor(Monitor):
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._end_forward()
+        for pending in self._pending:
+            if pending.fit is not None and pending.fit_read is None:
+                pending.fit_read = Readback(pending.fit, blocking=False)
+        self.poll()
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self._remove_hooks()
@@ -340,13 +363,28 @@ class ActivationMonitor(Monitor):
                                    + [simplex.to(device, non_blocking=True), measured]), blocking=False)
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
-        self._pending.append(PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms,
-                                          tolerance))
+        pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance)
+        if last is not None and self._judges_fit(pending.step, last):
+            pending.fit = torch.full((1,), math.nan, device=last.device)
+            last.register_hook(_writes_fit(pending.fit, last.detach()))
+        self._pending.append(pending)
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
+    def _judges_fit(self, step: int, last: torch.Tensor) -> bool:
+        """Whether ``softmax_over_batch`` wants the gradient of the model's output ``last`` at ``step``: a 2-d
+        output in a graph, on a step judged, while the run is not cleared."""
+        return (not self.batch_cleared and last.dim() == 2 and last.requires_grad
+                and (self.probabilities_judged < 0 or step - self.probabilities_judged >= JUDGED_EVERY))
+
+    @staticmethod
+    def _ready(pending: PendingStats) -> bool:
+        if pending.fit is not None and pending.fit_read is None:
+            return False
+        return pending.stats.ready() and (pending.fit_read is None or pending.fit_read.ready())
+
     def poll(self, final: bool = False) -> None:
-        while self._pending and (final or len(self._pending) > MAX_PENDING or self._pending[0].stats.ready()):
+        while self._pending and (final or len(self._pending) > MAX_PENDING or self._ready(self._pending[0])):
             self._complete(self._pending.pop(0))
 
     def _complete(self, pending: PendingStats) -> None:
@@ -378,7 +416,8 @@ class ActivationMonitor(Monitor):
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
-        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance)
+        fit = pending.fit_read.values()[0] if pending.fit_read is not None else math.nan
+        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance, fit)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -392,11 +431,11 @@ class ActivationMonitor(Monitor):
         self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED})
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
-                             loss: float, tolerance: float) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax`` and ``loss_at_chance``, the gradient area's rules on
-        what only this monitor measures), at most once every ``JUDGED_EVERY`` steps; each never again once a loss
-        below its bound proved it is not the case."""
-        if (not outputs or self.probabilities_cleared and self.chance_cleared
+                             loss: float, tolerance: float, fit: float = math.nan) -> None:
+        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance`` and ``softmax_over_batch``,
+        the gradient area's rules on what only this monitor measures), at most once every ``JUDGED_EVERY`` steps; each
+        never again once a reading proved it is not the case."""
+        if (not outputs or self.probabilities_cleared and self.chance_cleared and self.batch_cleared
                 or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
             return
         self.probabilities_judged = step
@@ -412,6 +451,11 @@ class ActivationMonitor(Monitor):
                                                               output.label, output.shape, loss)
             found.append(suspicion)
             judged.append(CHANCE)
+        if not self.batch_cleared:
+            suspicion, self.batch_cleared = batch_softmax_suspicion(
+                step, self._held_since(BATCH_SOFTMAX, step), describe(output), output.label, output.shape, loss, fit)
+            found.append(suspicion)
+            judged.append(BATCH_SOFTMAX)
         suspicions = [each for each in found if each is not None and output.numel >= MIN_OUTPUT_ELEMENTS]
         for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=judged):
             if confirmed.latest.finding is not None:
@@ -440,7 +484,7 @@ class ActivationMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
                     probabilities_cleared=self.probabilities_cleared, probabilities_judged=self.probabilities_judged,
-                    chance_cleared=self.chance_cleared,
+                    chance_cleared=self.chance_cleared, batch_cleared=self.batch_cleared, spaced_from=self._spaced_from,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -452,6 +496,8 @@ class ActivationMonitor(Monitor):
         self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
         self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
         self.chance_cleared = bool(state_dict.get("chance_cleared", False))
+        self.batch_cleared = bool(state_dict.get("batch_cleared", False))
+        self._spaced_from = int(state_dict.get("spaced_from", -1))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

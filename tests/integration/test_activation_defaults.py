@@ -2,7 +2,8 @@
 fixed twin, through a real Trainer: a steady fade of gradients through eight sigmoid layers (``vanishing_grad``),
 a ReLU on the output logits (``dead_activation``), a tanh on a regression output whose targets it cannot reach
 (``saturated_activation``) and a softmax on the output that ``cross_entropy`` softmaxes again (``learning_stalled``,
-``probabilities_into_log_softmax``). The ``debug/activation/*`` scalars stay behind ``log_activations``.
+``probabilities_into_log_softmax``), and a loss normalised over the batch (``learning_stalled``, ``softmax_over_batch``),
+beside a contrastive loss over the batch. The ``debug/activation/*`` scalars stay behind ``log_activations``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Net(pl.LightningModule):
         self.head = nn.Linear(32, 1 if regress else 4)
         self.out_act = out_act
         self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
-        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot
+        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot | batch_softmax
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         if kaiming:
             for layer in self.layers:
@@ -57,6 +58,8 @@ class Net(pl.LightningModule):
             return F.nll_loss(torch.log(z), y)
         if self.loss == "mse_one_hot":
             return F.mse_loss(z, F.one_hot(y, 4).float())
+        if self.loss == "batch_softmax":
+            return F.nll_loss(F.log_softmax(z, dim=0), y)
         return F.cross_entropy(z, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -159,5 +162,35 @@ def test_a_softmax_output_trained_with_a_loss_on_probabilities_and_plain_logits_
                                                                                           twin: str) -> None:
     model = (Net(optimizer="adam", lr=1e-3) if twin == "logits"
              else Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3, loss=twin))
+    events, _ = fit(tmp_path, model, steps=201, every=20)
+    assert warnings_of(events) == []
+
+
+def test_a_log_softmax_over_the_batch_is_learning_stalled_above_its_floor(tmp_path: Path) -> None:
+    """``nll_loss(log_softmax(logits, dim=0))``: the loss falls from log 32 (the batch) to above log(32 / 4), so it
+    learns and nothing else is wrong; named at the second judgement, 100 steps after the first."""
+    events, _ = fit(tmp_path / "buggy", Net(optimizer="adam", lr=1e-3, loss="batch_softmax"), steps=201, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(100, "softmax_over_batch")], warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["head"] and (details["rows"], details["classes"], details["since_step"]) == (32, 4, 0)
+    assert details["floor"] <= details["loss"] < 3.3 and details["batch_softmax_fit"] == 1.0
+    assert "dim=0" in stalled[0]["message"]
+
+
+class Contrastive(Net):
+    """Two noisy views of each sample, their 4-wide embeddings compared by dot product over the batch
+    (``cross_entropy(a @ b.T / 0.1, arange(N))``): a softmax over the batch on purpose, whose loss starts at log 32
+    and stays above log(32 / 4) for the first hundred steps, as the planted bug's does; its gradient is not that of a
+    softmax down the output's columns."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        a, b = self(x + 0.3 * torch.randn_like(x)), self(x + 0.3 * torch.randn_like(x))
+        return F.cross_entropy(a @ b.T / 0.1, torch.arange(len(x)))
+
+
+def test_a_contrastive_loss_over_the_batch_is_not_a_softmax_over_the_batch(tmp_path: Path) -> None:
+    model = Contrastive(optimizer="adam", lr=1e-4)
     events, _ = fit(tmp_path, model, steps=201, every=20)
     assert warnings_of(events) == []

@@ -126,8 +126,9 @@ def interrupted_and_resumed(root: Path, planted: Callable[..., pl.LightningModul
     gc.collect()
     resumed = fit(root / "resumed", planted(), ckpt_path=str(checkpoint), **options)
     state = torch.load(checkpoint, weights_only=False)["callbacks"]
-    held = [entry["first"]["kind"] for value in state.values() if isinstance(value, dict)
-            for entry in value.get("verdicts", {}).get("held", [])]
+    parts = [part for value in state.values() if isinstance(value, dict)
+             for part in (value, *value.get("companions", {}).values())]  # a callback's monitor and its companions'
+    held = [entry["first"]["kind"] for part in parts for entry in part.get("verdicts", {}).get("held", [])]
     return {"uninterrupted": uninterrupted, "resumed": resumed, "held": held}
 
 
@@ -269,3 +270,47 @@ def test_a_held_run_of_slow_steps_and_a_suspected_memory_growth_are_reported_as_
     burst = [event for event in read_events(debug_dir(runs["resumed"]))
              if event["kind"] == "slow_step" and event.get("episode") == "start"]
     assert burst[0]["severity"] == "warning" and burst[0]["details"]["slow_steps"] == len(STALLED), burst
+
+
+# --- what the activation monitor judges every hundred steps: a loss normalised over the batch ------------------
+
+class BatchSoftmax(pl.LightningModule):
+    """``nll_loss(log_softmax(logits, dim=0))`` on four separable classes: suspected at the first judgement (step 0),
+    held at the step-50 checkpoint, confirmed at the next judgement, step 100, with or without the interruption."""
+
+    def __init__(self, crash_at_step: int | None = None) -> None:
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+        self.crash_at_step = crash_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.crash_at_step:
+            raise SimulatedCrash(f"killed at step {self.crash_at_step}")
+        x, y = batch
+        return torch.nn.functional.nll_loss(torch.log_softmax(self(x), dim=0), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        labels = torch.randint(0, 4, (32 * 50,), generator=g)
+        x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
+        return DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=32, shuffle=False)
+
+
+def test_a_loss_over_the_batch_held_at_the_checkpoint_is_reported_as_without_the_interruption(tmp_path: Path) -> None:
+    """The first measured step after the resume keeps the hundred-step spacing of the run before it: otherwise the
+    resumed run measured at its first check step (51) and judged 100 steps after it (151)."""
+    runs = interrupted_and_resumed(tmp_path, BatchSoftmax, checkpoint_step=50, crash_step=60, steps=110)
+    assert "learning_stalled" in runs["held"], f"the checkpoint holds {runs['held']}"
+    uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
+    assert uninterrupted["learning_stalled"][0] == 100, uninterrupted
+    assert resumed == uninterrupted
+    events = [[(e["step"], e["details"].get("cause"), e["details"].get("since_step"), e.get("episode"))
+               for e in read_events(debug_dir(run)) if e["kind"] == "learning_stalled"]
+              for run in (runs["uninterrupted"], runs["resumed"])]
+    assert events[1] == events[0] == [(100, "softmax_over_batch", 0, "start"), (109, None, None, "end")], events
