@@ -155,6 +155,40 @@ def batch_softmax_fit(grad: torch.Tensor, output: torch.Tensor, tolerance: float
     return torch.where(counted > 0, (fits & telling).sum() / counted.clamp_min(1), math.nan)
 
 
+SHARED = ("shared_misfit", "shared_target")
+
+
+def shared_target(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """:data:`SHARED` of an output of one value per row, on its device: how far its gradient is from an affine
+    function of the output across the rows (the least-squares residual as a share of the gradient's spread, in units
+    of what rounding leaves of an exact line: 16 eps of the gradient's dtype, times how far the values lie from 0
+    against their spread; at most 1 is exact), and the value that line crosses zero at. A loss that fits every
+    output to one value ``c`` (``mean((o_i - c)^2)``: an (N,) target broadcast against an (N, 1) output gives ``c``
+    the targets' mean) has a gradient ``a (o_i - c)`` exactly; a loss with a target per row has not (its residual is
+    about the targets' spread over the outputs'). NaN when the outputs or the gradient are all alike, or the line
+    does not rise (no loss pulls every output toward ``c``), or there is not one value per row.
+
+    >>> from torch.nn import functional as F
+    >>> o, t = torch.randn(16, 1, requires_grad=True), torch.randn(16, 1)
+    >>> misfit, c = shared_target(torch.autograd.grad(F.mse_loss(o, t.squeeze(-1)), o)[0], o).tolist()
+    >>> misfit <= 1, round(c, 4) == round(t.mean().item(), 4)
+    (True, True)
+    >>> shared_target(torch.autograd.grad(F.mse_loss(o, t), o)[0], o)[0].item() > 1000
+    True
+    """
+    g, o = grad.detach().reshape(-1).float(), output.detach().reshape(-1).float()
+    if output.dim() == 0 or output.numel() != output.shape[0] or g.shape != o.shape or o.numel() < 3:
+        return torch.full((len(SHARED),), math.nan, dtype=torch.float32, device=grad.device)
+    oc, gc = o - o.mean(), g - g.mean()
+    slope = (oc @ gc) / (oc @ oc)
+    residual = torch.linalg.vector_norm(gc - slope * oc) / torch.linalg.vector_norm(gc)
+    root = math.sqrt(o.numel())
+    offset = root * (o.abs().amax() / torch.linalg.vector_norm(oc) + g.abs().amax() / torch.linalg.vector_norm(gc))
+    exact = 16 * (torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 1e-7) * offset
+    result = torch.stack([residual / exact, o.mean() - g.mean() / slope])
+    return torch.where(slope > 0, result, math.nan)
+
+
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
     wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).

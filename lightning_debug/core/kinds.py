@@ -466,7 +466,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                 "and the loss stays where it started, or the model's output is probabilities that cross_entropy "
                 "softmaxes again (the loss sits at its floor), or the loss stays at log C, a uniform guess over "
                 "the output's C classes (labels that do not belong to their inputs), or the loss normalises the "
-                "output over the batch (a softmax over dim 0)",
+                "output over the batch (a softmax over dim 0), or fits every output to the targets' mean (an (N,) "
+                "target broadcast against an (N, 1) output)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
@@ -478,11 +479,13 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "labels: check that each label belongs to its input (a shuffle or sort applied to one of them, a "
                "misaligned join, the wrong column). A loss that starts at log N (the N rows of the batch) and stays "
                "above log(N / C) normalises the output over the batch: a log_softmax over dim 0 (use "
-               "cross_entropy on the raw logits).",
+               "cross_entropy on the raw logits). An output whose every row is fitted to one value that changes "
+               "from batch to batch learns the targets' mean: an (N,) target broadcast against an (N, 1) output "
+               "(give both the same shape).",
         hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy, or the "
              "labels do not match the inputs): check the scheduler, the lr, the model's last layer and the labels",
         confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4,
-                                              "softmax_over_batch": 2}, backdate=False)),
+                                              "softmax_over_batch": 2, "shared_target": 2}, backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

@@ -40,6 +40,7 @@ from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
     SIMPLEX,
+    SHARED,
     STATS,
     batch_softmax_fit,
     first_floating,
@@ -48,6 +49,7 @@ from lightning_debug.checks.activations import (
     metric_names,
     output_stats,
     saturation_range,
+    shared_target,
     simplex_stats,
 )
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
@@ -64,6 +66,8 @@ from lightning_debug.monitors.gradients.chance import KEY as CHANCE
 from lightning_debug.monitors.gradients.chance import chance_suspicion
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
 from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
+from lightning_debug.monitors.gradients.shared_target import KEY as SHARED_TARGET
+from lightning_debug.monitors.gradients.shared_target import shared_target_suspicion
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
@@ -210,13 +214,18 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-def _writes_fit(into: torch.Tensor, output: torch.Tensor) -> Any:
-    """A hook on the gradient of the model's ``output`` that writes its :func:`batch_softmax_fit` into ``into`` and
+OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED
+"""What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
+
+
+def _writes_gradient(into: torch.Tensor, output: torch.Tensor) -> Any:
+    """A hook on the gradient of the model's ``output`` that writes its :data:`OUTPUT_GRADIENT` into ``into`` and
     leaves the gradient as it is; one it cannot measure leaves ``into`` NaN (the backward is the user's, never
     broken)."""
     def write(grad: torch.Tensor) -> None:
         try:
-            into.copy_(batch_softmax_fit(grad, output, fit_tolerance(grad.dtype)))
+            into.copy_(torch.cat([batch_softmax_fit(grad, output, fit_tolerance(grad.dtype)).reshape(1),
+                                  shared_target(grad, output)]))
         except Exception:  # noqa: BLE001 - an unmeasured step is not judged
             pass
     return write
@@ -230,8 +239,8 @@ class PendingStats:
     stats: Readback
     histograms: Readback | None
     tolerance: float = 1e-3  # of the model's output on the simplex, for its dtype
-    fit: torch.Tensor | None = None  # the output gradient's batch_softmax_fit, written by the backward
-    fit_read: Readback | None = None  # made at the batch's end, once the backward ran
+    gradient: torch.Tensor | None = None  # the output gradient's OUTPUT_GRADIENT, written by the backward
+    gradient_read: Readback | None = None  # made at the batch's end, once the backward ran
 
 
 class ActivationMonitor(Monitor):
@@ -259,9 +268,7 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
-        self.probabilities_cleared = False  # a loss under the floor proved it is no cross-entropy on probabilities
-        self.chance_cleared = False  # a loss under log C proved the model learns from its labels
-        self.batch_cleared = False  # the loss is not normalised over the batch (softmax_over_batch)
+        self.cleared: set[str] = set()  # the learning_stalled causes a reading proved are not the case, for good
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
@@ -333,8 +340,8 @@ class ActivationMonitor(Monitor):
     def batch_end(self, step: int, batch: Any) -> None:
         self._end_forward()
         for pending in self._pending:
-            if pending.fit is not None and pending.fit_read is None:
-                pending.fit_read = Readback(pending.fit, blocking=False)
+            if pending.gradient is not None and pending.gradient_read is None:
+                pending.gradient_read = Readback(pending.gradient, blocking=False)
         self.poll()
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
@@ -364,24 +371,24 @@ class ActivationMonitor(Monitor):
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
         pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance)
-        if last is not None and self._judges_fit(pending.step, last):
-            pending.fit = torch.full((1,), math.nan, device=last.device)
-            last.register_hook(_writes_fit(pending.fit, last.detach()))
+        if last is not None and self._judges_gradient(pending.step, last):
+            pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
+            last.register_hook(_writes_gradient(pending.gradient, last.detach()))
         self._pending.append(pending)
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
-    def _judges_fit(self, step: int, last: torch.Tensor) -> bool:
-        """Whether ``softmax_over_batch`` wants the gradient of the model's output ``last`` at ``step``: a 2-d
-        output in a graph, on a step judged, while the run is not cleared."""
-        return (not self.batch_cleared and last.dim() == 2 and last.requires_grad
+    def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
+        """Whether ``softmax_over_batch`` or ``shared_target`` wants the gradient of the model's output ``last`` at
+        ``step``: an output of one or two dimensions in a graph, on a step judged, while either is not cleared."""
+        return (not {BATCH_SOFTMAX, SHARED_TARGET} <= self.cleared and last.dim() in (1, 2) and last.requires_grad
                 and (self.probabilities_judged < 0 or step - self.probabilities_judged >= JUDGED_EVERY))
 
     @staticmethod
     def _ready(pending: PendingStats) -> bool:
-        if pending.fit is not None and pending.fit_read is None:
+        if pending.gradient is not None and pending.gradient_read is None:
             return False
-        return pending.stats.ready() and (pending.fit_read is None or pending.fit_read.ready())
+        return pending.stats.ready() and (pending.gradient_read is None or pending.gradient_read.ready())
 
     def poll(self, final: bool = False) -> None:
         while self._pending and (final or len(self._pending) > MAX_PENDING or self._ready(self._pending[0])):
@@ -416,8 +423,10 @@ class ActivationMonitor(Monitor):
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
-        fit = pending.fit_read.values()[0] if pending.fit_read is not None else math.nan
-        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance, fit)
+        gradient = (pending.gradient_read.values() if pending.gradient_read is not None
+                    else [math.nan] * len(OUTPUT_GRADIENT))
+        scale = rows[-1].get("max_abs", math.nan) if rows else math.nan
+        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance, gradient, scale)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -431,31 +440,35 @@ class ActivationMonitor(Monitor):
         self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED})
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
-                             loss: float, tolerance: float, fit: float = math.nan) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance`` and ``softmax_over_batch``,
-        the gradient area's rules on what only this monitor measures), at most once every ``JUDGED_EVERY`` steps; each
-        never again once a reading proved it is not the case."""
-        if (not outputs or self.probabilities_cleared and self.chance_cleared and self.batch_cleared
-                or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY):
+                             loss: float, tolerance: float, gradient: Sequence[float] = (),
+                             scale: float = math.nan) -> None:
+        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch`` and
+        ``shared_target``, the gradient area's rules on what only this monitor measures), at most once every
+        ``JUDGED_EVERY`` steps; each never again once a reading proved it is not the case."""
+        if not outputs or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY:
+            return
+        output, described = outputs[-1], describe(outputs[-1])
+        fit, *shared = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
+        held = self.verdicts.latest(Kind.LEARNING_STALLED, SHARED_TARGET)
+        rules = {
+            PROBABILITIES: lambda since: probability_suspicion(step, since, described, output.label, output.shape,
+                                                               simplex, loss, tolerance),
+            CHANCE: lambda since: chance_suspicion(step, since, described, output.label, output.shape, loss),
+            BATCH_SOFTMAX: lambda since: batch_softmax_suspicion(step, since, described, output.label, output.shape,
+                                                                 loss, fit),
+            SHARED_TARGET: lambda since: shared_target_suspicion(
+                step, since, described, output.label, output.shape, loss, shared, scale, tolerance,
+                None if held is None else held.measured.get("target")),
+        }
+        if not set(rules) - self.cleared:
             return
         self.probabilities_judged = step
-        output, found, judged = outputs[-1], [], []
-        if not self.probabilities_cleared:
-            suspicion, self.probabilities_cleared = probability_suspicion(
-                step, self._held_since(PROBABILITIES, step), describe(output), output.label, output.shape, simplex,
-                loss, tolerance)
+        found, judged = [], [key for key in rules if key not in self.cleared]
+        for key in judged:
+            suspicion, cleared = rules[key](self._held_since(key, step))
             found.append(suspicion)
-            judged.append(PROBABILITIES)
-        if not self.chance_cleared:
-            suspicion, self.chance_cleared = chance_suspicion(step, self._held_since(CHANCE, step), describe(output),
-                                                              output.label, output.shape, loss)
-            found.append(suspicion)
-            judged.append(CHANCE)
-        if not self.batch_cleared:
-            suspicion, self.batch_cleared = batch_softmax_suspicion(
-                step, self._held_since(BATCH_SOFTMAX, step), describe(output), output.label, output.shape, loss, fit)
-            found.append(suspicion)
-            judged.append(BATCH_SOFTMAX)
+            if cleared:
+                self.cleared.add(key)
         suspicions = [each for each in found if each is not None and output.numel >= MIN_OUTPUT_ELEMENTS]
         for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=judged):
             if confirmed.latest.finding is not None:
@@ -483,8 +496,8 @@ class ActivationMonitor(Monitor):
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
-                    probabilities_cleared=self.probabilities_cleared, probabilities_judged=self.probabilities_judged,
-                    chance_cleared=self.chance_cleared, batch_cleared=self.batch_cleared, spaced_from=self._spaced_from,
+                    cleared=sorted(self.cleared), probabilities_judged=self.probabilities_judged,
+                    spaced_from=self._spaced_from,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -493,10 +506,10 @@ class ActivationMonitor(Monitor):
         self.checks = int(state_dict.get("checks", 0))
         self.first_loss = float(state_dict.get("first_loss", math.nan))
         self.first_saturated = float(state_dict.get("first_saturated", math.nan))
-        self.probabilities_cleared = bool(state_dict.get("probabilities_cleared", False))
+        self.cleared = set(state_dict.get("cleared", ())) | {
+            key for key, old in ((PROBABILITIES, "probabilities_cleared"), (CHANCE, "chance_cleared"))
+            if state_dict.get(old)}  # a checkpoint written before the set
         self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
-        self.chance_cleared = bool(state_dict.get("chance_cleared", False))
-        self.batch_cleared = bool(state_dict.get("batch_cleared", False))
         self._spaced_from = int(state_dict.get("spaced_from", -1))
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}

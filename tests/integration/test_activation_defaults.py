@@ -3,7 +3,8 @@ fixed twin, through a real Trainer: a steady fade of gradients through eight sig
 a ReLU on the output logits (``dead_activation``), a tanh on a regression output whose targets it cannot reach
 (``saturated_activation``) and a softmax on the output that ``cross_entropy`` softmaxes again (``learning_stalled``,
 ``probabilities_into_log_softmax``), and a loss normalised over the batch (``learning_stalled``, ``softmax_over_batch``),
-beside a contrastive loss over the batch. The ``debug/activation/*`` scalars stay behind ``log_activations``.
+beside a contrastive loss over the batch, and an (N,) target broadcast against an (N, 1) output (``learning_stalled``,
+``shared_target``) beside a least-squares GAN's constant targets. The ``debug/activation/*`` scalars stay behind ``log_activations``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Net(pl.LightningModule):
         self.head = nn.Linear(32, 1 if regress else 4)
         self.out_act = out_act
         self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
-        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot | batch_softmax
+        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot | batch_softmax;
+        # regress: mse | broadcast (an (N,) target against the (N, 1) output) | least_squares_gan
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         if kaiming:
             for layer in self.layers:
@@ -52,6 +54,11 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         z = self(x)
+        if self.regress and self.loss == "broadcast":
+            return F.mse_loss(z, y.squeeze(-1))
+        if self.regress and self.loss == "least_squares_gan":
+            fake = self(torch.randn_like(x))  # the discriminator's last call: scored against 0 every step
+            return F.mse_loss(z, torch.ones_like(z)) + F.mse_loss(fake, torch.zeros_like(fake))
         if self.regress:
             return F.mse_loss(z, y)
         if self.loss == "nll_log":
@@ -193,4 +200,29 @@ class Contrastive(Net):
 def test_a_contrastive_loss_over_the_batch_is_not_a_softmax_over_the_batch(tmp_path: Path) -> None:
     model = Contrastive(optimizer="adam", lr=1e-4)
     events, _ = fit(tmp_path, model, steps=201, every=20)
+    assert warnings_of(events) == []
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_target_broadcast_against_the_output_is_learning_stalled_with_the_targets_mean(tmp_path: Path) -> None:
+    """``mse_loss`` of an (N, 1) output and an (N,) target compares every output with every target: the model learns
+    their mean (the twin's loss falls 100x, this one's stays at the targets' variance); named at the second
+    judgement, the batch's mean target having moved since the first."""
+    events, _ = fit(tmp_path / "buggy", Net(regress=True, loss="broadcast", optimizer="adam", lr=1e-3), steps=201,
+                    every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(100, "shared_target")], warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["head"] and details["since_step"] == 0 and details["misfit"] <= 1
+    first, later = details["targets"]
+    assert abs(first - later) > 1e-3 and "target.unsqueeze(-1)" in stalled[0]["message"]
+    twin, _ = fit(tmp_path / "twin", Net(regress=True, optimizer="adam", lr=1e-3), steps=201, every=20)
+    assert warnings_of(twin) == []
+
+
+def test_a_least_squares_gan_scoring_its_outputs_against_a_constant_is_quiet(tmp_path: Path) -> None:
+    """Fitting every output to one value on purpose (fakes scored against 0): the gradient has the broadcast's form,
+    at the same value at every judgement."""
+    events, _ = fit(tmp_path, Net(regress=True, loss="least_squares_gan", optimizer="adam", lr=1e-3), steps=201,
+                    every=20)
     assert warnings_of(events) == []

@@ -295,17 +295,42 @@ class BatchSoftmax(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
+    batches = 50
+
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        labels = torch.randint(0, 4, (32 * 50,), generator=g)
+        labels = torch.randint(0, 4, (32 * self.batches,), generator=g)
         x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
         return DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=32, shuffle=False)
 
 
-def test_a_loss_over_the_batch_held_at_the_checkpoint_is_reported_as_without_the_interruption(tmp_path: Path) -> None:
+class Broadcast(BatchSoftmax):
+    """A one-value output scored with ``mse_loss`` against an (N,) target: every output fitted to the batch's mean
+    target. Suspected at step 0 with that step's mean (which travels in the checkpoint), confirmed at step 100, whose
+    mean differs (an epoch of 40 batches: step 100 is not step 0's batch again)."""
+
+    batches = 40
+
+    def __init__(self, crash_at_step: int | None = None) -> None:
+        super().__init__(crash_at_step)
+        self.head = torch.nn.Linear(32, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.crash_at_step:
+            raise SimulatedCrash(f"killed at step {self.crash_at_step}")
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y.float())
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("planted, cause", [(BatchSoftmax, "softmax_over_batch"), (Broadcast, "shared_target")])
+def test_a_suspicion_of_the_models_output_held_at_the_checkpoint_is_reported_as_without_the_interruption(
+        tmp_path: Path, planted: type[BatchSoftmax], cause: str) -> None:
     """The first measured step after the resume keeps the hundred-step spacing of the run before it: otherwise the
-    resumed run measured at its first check step (51) and judged 100 steps after it (151)."""
-    runs = interrupted_and_resumed(tmp_path, BatchSoftmax, checkpoint_step=50, crash_step=60, steps=110)
+    resumed run measured at its first check step (51) and judged 100 steps after it (151). Checkpointed at the end of
+    the first epoch."""
+    runs = interrupted_and_resumed(tmp_path, planted, checkpoint_step=planted.batches, crash_step=planted.batches + 10,
+                                   steps=110)
     assert "learning_stalled" in runs["held"], f"the checkpoint holds {runs['held']}"
     uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
     assert uninterrupted["learning_stalled"][0] == 100, uninterrupted
@@ -313,4 +338,4 @@ def test_a_loss_over_the_batch_held_at_the_checkpoint_is_reported_as_without_the
     events = [[(e["step"], e["details"].get("cause"), e["details"].get("since_step"), e.get("episode"))
                for e in read_events(debug_dir(run)) if e["kind"] == "learning_stalled"]
               for run in (runs["uninterrupted"], runs["resumed"])]
-    assert events[1] == events[0] == [(100, "softmax_over_batch", 0, "start"), (109, None, None, "end")], events
+    assert events[1] == events[0] == [(100, cause, 0, "start"), (109, None, None, "end")], events

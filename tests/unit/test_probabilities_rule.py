@@ -151,9 +151,9 @@ def test_the_monitor_judges_once_per_spacing_holds_it_by_the_kinds_policy_and_re
 def test_once_the_loss_went_below_the_floor_the_run_is_never_judged_again() -> None:
     nll: Loss = lambda p, y: F.nll_loss(torch.log(p), y)  # noqa: E731
     monitor, report, flagged = monitored([nll] + [F.cross_entropy] * (2 * JUDGED_EVERY))
-    assert not any(flagged) and monitor.probabilities_cleared
+    assert not any(flagged) and KEY in monitor.cleared
     assert report is not None and "learning_stalled" not in report["findings"]
-    assert monitor.state_dict()["probabilities_cleared"] is True
+    assert KEY in monitor.state_dict()["cleared"]
 
 
 def test_simplex_stats_of_an_empty_or_non_contiguous_output() -> None:
