@@ -257,12 +257,11 @@ def api_misuse() -> Iterator[Case]:
     table = (
         ("softmax_over_the_batch", {}, ("learning_stalled",), r"dim|batch",
          "nll_loss(log_softmax(logits, dim=0)): normalised over the batch, not the classes",
-         "a loss normalised over the batch: the first loss log(batch size) instead of log(classes), a floor at "
-         "log(batch / classes)"),
+         "a loss normalised over the batch: the output's gradient a softmax down each column (softmax_over_batch)"),
         ("target_broadcast", {"task": "regress"}, ("learning_stalled",), r"broadcast|shape|size",
          "mse_loss on an (N, 1) output and an (N,) target: broadcast to (N, N), the model learns the mean",
-         "the target broadcast against the output (PyTorch's size warning at the first step), or a regression loss "
-         "held at the targets' variance"),
+         "every output fitted to one target that moves from batch to batch: the output's gradient affine in the "
+         "output (shared_target)"),
         ("eval_mode_in_training", {"batchnorm": True}, ("eval_mode_in_training",), r"norms\.0",
          "self.eval() in on_train_batch_start: BatchNorm frozen at its running statistics", ""),
     )

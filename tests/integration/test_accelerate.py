@@ -714,3 +714,44 @@ def test_a_learning_rate_at_zero_mid_loop_is_a_stall_once_the_loop_says_how_long
 def test_total_steps_must_be_a_positive_count(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="total_steps"):
         run_loop(tmp_path, steps=1, total_steps=0)
+
+
+class Classifier(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+@pytest.mark.parametrize("cause", ["softmax_over_batch", "shared_target"])
+def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loop(tmp_path: Path, cause: str) -> None:
+    """``nll_loss(log_softmax(logits, dim=0))`` and an (N,) target broadcast against an (N, 1) output, each in a
+    plain Accelerate loop with the gradient callback's defaults: named at the second judgement, as under a Trainer."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (32 * 37,), generator=g)
+    inputs = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+    model = Classifier(4 if cause == "softmax_over_batch" else 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(mode="gradient_checking", save_plots=False),
+                                  total_steps=110)
+    with debugger:
+        while debugger.step < 110:
+            for x, y in loader:
+                z = model(x)
+                loss = (nn.functional.nll_loss(torch.log_softmax(z, dim=0), y) if z.shape[1] > 1
+                        else nn.functional.mse_loss(z, y.float()))
+                debugger.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                if debugger.step >= 110:
+                    break
+    events = read_events(run_dir(tmp_path / "debug_outputs"))
+    stalled = [(e["step"], e["details"]["cause"]) for e in events
+               if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert stalled == [(100, cause)], [(e["kind"], e["step"]) for e in events]
