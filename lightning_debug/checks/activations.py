@@ -171,7 +171,7 @@ def shared_target(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     >>> from torch.nn import functional as F
     >>> o, t = torch.randn(16, 1, requires_grad=True), torch.randn(16, 1)
     >>> misfit, c = shared_target(torch.autograd.grad(F.mse_loss(o, t.squeeze(-1)), o)[0], o).tolist()
-    >>> misfit <= 1, round(c, 4) == round(t.mean().item(), 4)
+    >>> misfit <= 1, abs(c - t.mean().item()) < 1e-4
     (True, True)
     >>> shared_target(torch.autograd.grad(F.mse_loss(o, t), o)[0], o)[0].item() > 1000
     True

@@ -39,8 +39,8 @@ from torch import nn
 from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
-    SIMPLEX,
     SHARED,
+    SIMPLEX,
     STATS,
     batch_softmax_fit,
     first_floating,

@@ -196,3 +196,22 @@ def test_nll_of_log_on_a_hard_task_is_rarely_suspect_where_cross_entropy_on_an_e
     nll = suspect_steps(lambda p, y: F.nll_loss(torch.log(p), y), separation=0.3)
     assert len(nll) <= 4 and not any(later - earlier == 1 for earlier, later in zip(nll, nll[1:])), nll
     assert len(suspect_steps(F.cross_entropy, separation=2.0, steps=200)) > 100
+
+
+def test_a_loss_over_two_classes_on_batches_of_two_is_not_judged_a_softmax_over_the_batch() -> None:
+    """With N < 2C a loss over the classes can have the gradient's form by chance (cross_entropy over 2 classes on 2
+    rows always does when the labels differ), so the rule needs N >= 2C; from 4 rows on, it never has it."""
+    from lightning_debug.checks.activations import batch_softmax_fit
+    from lightning_debug.monitors.gradients.batch_softmax import FIT, batch_softmax_finding
+
+    z, y = torch.tensor([[0.3, -0.2], [-0.5, 0.4]], requires_grad=True), torch.tensor([0, 1])
+    fit = batch_softmax_fit(torch.autograd.grad(F.cross_entropy(z, y), z)[0], z).item()
+    assert fit >= FIT
+    assert batch_softmax_finding(100, 0, "`head` (Linear)", "head", [2, 2], 0.6, fit) == (None, False)
+    generator = torch.Generator().manual_seed(0)
+    fits = []
+    for _ in range(50):
+        z = torch.randn(4, 2, generator=generator, requires_grad=True)
+        y = torch.randint(0, 2, (4,), generator=generator)
+        fits.append(batch_softmax_fit(torch.autograd.grad(F.cross_entropy(z, y), z)[0], z).item())
+    assert max(f for f in fits if f == f) < FIT

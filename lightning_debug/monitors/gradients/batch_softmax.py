@@ -9,10 +9,11 @@ column but one, each row's gradient is the same multiple of ``softmax(output, di
 (:func:`~lightning_debug.checks.activations.batch_softmax_fit`), which no loss over the classes and no contrastive
 loss computed from the output gives.
 
-Judged with ``loss_at_chance``, on a 2-d output of at least 2 columns: suspected when :data:`FIT` of the rows have
-that form and the loss is not under the floor; the kind's policy confirms two judgements, the second 100 steps
-on. A judgement of any other form clears the run for good; rows all alike (a zero-initialised head) are not judged.
-Not seen: an output of more than two dimensions, a softmax applied to it by a module::
+Judged with ``loss_at_chance``, on a 2-d output of ``N`` rows and ``C >= 2`` columns with ``N >= 2C`` (with fewer
+rows a loss over two classes can fit by chance, and the floor is under ``log 2``): suspected when :data:`FIT` of
+the rows have that form and the loss is not under the floor; the kind's policy confirms two judgements, the second
+100 steps on. A judgement of any other form clears the run for good; rows all alike (a zero-initialised head) are
+not judged. Not seen: an output of more than two dimensions, a softmax applied to it by a module::
 
     >>> finding, cleared = batch_softmax_finding(100, 0, "`head` (Linear)", "head", [32, 4], 2.11, 1.0)
     >>> finding.details["cause"], round(finding.details["floor"], 3), cleared
@@ -47,11 +48,13 @@ def batch_softmax_finding(step: int, since: int, described: str, label: str, sha
     if not (math.isfinite(loss) and math.isfinite(fit)):
         return None, False
     rows, classes = shape
+    if rows < 2 * classes:
+        return None, False
     floor = math.log(rows / classes)
-    if fit < FIT or floor > 0 and loss < (1 - BELOW) * floor:
+    if fit < FIT or loss < (1 - BELOW) * floor:
         return None, True
     above = (f", above log({rows} / {classes}) = {floor:.4g}, a floor it cannot pass: each class's probability is "
-             "shared among the batch's rows of that class" if floor > 0 else "")
+             "shared among the batch's rows of that class")
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The loss normalises the model's output {described} over the batch, not over its {classes} classes "
