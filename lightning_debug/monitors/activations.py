@@ -382,7 +382,11 @@ class ActivationMonitor(Monitor):
         """Whether ``softmax_over_batch`` or ``shared_target`` wants the gradient of the model's output ``last`` at
         ``step``: an output of one or two dimensions in a graph, on a step judged, while either is not cleared."""
         return (not {BATCH_SOFTMAX, SHARED_TARGET} <= self.cleared and last.dim() in (1, 2) and last.requires_grad
-                and (self.probabilities_judged < 0 or step - self.probabilities_judged >= JUDGED_EVERY))
+                and self._judges(step))
+
+    def _judges(self, step: int) -> bool:
+        """Whether ``learning_stalled`` is judged at ``step``: at most once every ``JUDGED_EVERY`` steps."""
+        return self.probabilities_judged < 0 or step - self.probabilities_judged >= JUDGED_EVERY
 
     @staticmethod
     def _ready(pending: PendingStats) -> bool:
@@ -445,7 +449,7 @@ class ActivationMonitor(Monitor):
         """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch`` and
         ``shared_target``, the gradient area's rules on what only this monitor measures), at most once every
         ``JUDGED_EVERY`` steps; each never again once a reading proved it is not the case."""
-        if not outputs or 0 <= self.probabilities_judged and step - self.probabilities_judged < JUDGED_EVERY:
+        if not outputs or not self._judges(step):
             return
         output, described = outputs[-1], describe(outputs[-1])
         fit, *shared = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)

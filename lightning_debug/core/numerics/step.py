@@ -317,7 +317,7 @@ class StepNumerics:
             grads, missing = gradients if gradients is not None else index.local_grads()
             # with plain shards a gradient missing here may live on another rank: none is reported missing
             self.missing_slots = [] if index.plain_sharded else missing
-            # no gradient at all: no backward ran (a training_step that returned None); nothing to judge
+            # no gradient at all: the gradient monitor asks whether a backward ran (missing_grad) or not (not judged)
             self.without_gradients = bool(missing) and len(missing) == len(index) and not index.plain_sharded
             grad_squares = (index.plan.squares(grads) if len(index)
                             else torch.zeros(0, dtype=torch.float64, device=device))
