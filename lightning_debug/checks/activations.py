@@ -176,9 +176,9 @@ def shared_target(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     >>> shared_target(torch.autograd.grad(F.mse_loss(o, t), o)[0], o)[0].item() > 1000
     True
     """
-    g, o = grad.detach().reshape(-1).float(), output.detach().reshape(-1).float()
-    if output.dim() == 0 or output.numel() != output.shape[0] or g.shape != o.shape or o.numel() < 3:
+    if output.dim() == 0 or output.numel() != output.shape[0] or grad.shape != output.shape or output.numel() < 3:
         return torch.full((len(SHARED),), math.nan, dtype=torch.float32, device=grad.device)
+    g, o = grad.detach().reshape(-1).float(), output.detach().reshape(-1).float()
     oc, gc = o - o.mean(), g - g.mean()
     slope = (oc @ gc) / (oc @ oc)
     residual = torch.linalg.vector_norm(gc - slope * oc) / torch.linalg.vector_norm(gc)
@@ -187,6 +187,58 @@ def shared_target(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     exact = 16 * (torch.finfo(grad.dtype).eps if grad.dtype.is_floating_point else 1e-7) * offset
     result = torch.stack([residual / exact, o.mean() - g.mean() / slope])
     return torch.where(slope > 0, result, math.nan)
+
+
+def leading(x: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` values of ``x``, flat, without copying the rest (a view of a contiguous tensor; the leading
+    items of another)::
+
+        >>> leading(torch.arange(12).reshape(3, 4).T, 5).tolist()
+        [0, 4, 8, 1, 5]
+    """
+    if x.dim() > 1 and not x.is_contiguous():
+        x = x[:max(1, -(-count // max(1, x[0].numel())))]
+    return x.reshape(-1)[:count]
+
+
+SIGMOID_TWICE = ("sigmoid_fit", "sigmoid_positives")
+SIGMOID_ELEMENTS = 1 << 16
+"""The values :func:`sigmoid_twice` reads: a median over more would cost more than the judgement needs."""
+
+
+def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
+    """:data:`SIGMOID_TWICE` of an output of probabilities, on its device: the share of its values whose gradient
+    ``grad`` is ``(sigmoid(p) - t) / n`` for a label ``t`` of 0 or 1 and one ``n`` (within ``tolerance``), and the
+    share of those labels at 1. ``binary_cross_entropy_with_logits(p, t)`` gives that gradient, so every value fits
+    when ``p`` is already a sigmoid's; on logits it gives it too, but logits are not all in [0, 1], and an output
+    that is not gives a fit of 0. The label is read from the gradient's sign (``sigmoid(p)`` lies in [0.5, 0.73]);
+    ``binary_cross_entropy(p, t)`` and ``mse_loss`` on probabilities do not fit. NaN when no gradient is read (all
+    0). Only the first :data:`SIGMOID_ELEMENTS` values are read.
+
+    >>> from torch.nn import functional as F
+    >>> p, t = torch.rand(16, 3, requires_grad=True), torch.randint(0, 2, (16, 3)).float()
+    >>> fit, positives = sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy_with_logits(p, t), p)[0], p).tolist()
+    >>> fit, abs(positives - t.mean().item()) < 1e-6
+    (1.0, True)
+    >>> sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy(p, t), p)[0], p)[0].item() < 0.5
+    True
+    >>> z = torch.randn(16, 3, requires_grad=True)  # logits: the same gradient, not all in [0, 1]
+    >>> sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy_with_logits(z, t), z)[0], z)[0].item()
+    0.0
+    """
+    if grad.shape != output.shape or output.numel() == 0:
+        return torch.full((len(SIGMOID_TWICE),), math.nan, dtype=torch.float32, device=grad.device)
+    g, o = (leading(x.detach(), SIGMOID_ELEMENTS).float() for x in (grad, output))
+    positive = g < 0
+    read = g != 0
+    scale = torch.where(positive, torch.sigmoid(o) - 1, torch.sigmoid(o)) / torch.where(read, g, 1.0)
+    middle = torch.where(read, scale, math.nan).nanmedian()
+    fits = read & ((scale - middle).abs() <= tolerance * middle.abs())
+    counted = read.sum()
+    fit = torch.where(counted > 0, fits.sum() / counted.clamp_min(1), math.nan)
+    within = (o.amin() >= 0) & (o.amax() <= 1)
+    return torch.stack([torch.where(within, fit, torch.where(counted > 0, 0.0, math.nan)),
+                        (positive & fits).sum() / fits.sum().clamp_min(1)])
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

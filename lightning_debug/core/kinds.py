@@ -462,15 +462,18 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         hint="put biases, norm weights and embeddings in a param group with weight_decay=0"),
     Kind.LEARNING_STALLED: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
-        summary="every param group's learning rate is 0 far from the end of the run, or the weights barely move "
+        summary="every param group's learning rate is 0 (or a millionth of its base) far from the end of the run, "
+                "or the weights barely move "
                 "and the loss stays where it started, or the model's output is probabilities that cross_entropy "
                 "softmaxes again (the loss sits at its floor), or the loss stays at log C, a uniform guess over "
                 "the output's C classes (labels that do not belong to their inputs), or the loss normalises the "
                 "output over the batch (a softmax over dim 0), or fits every output to the targets' mean (an (N,) "
-                "target broadcast against an (N, 1) output)",
+                "target broadcast against an (N, 1) output), or applies a sigmoid again to an output of "
+                "probabilities (an nn.Sigmoid before BCEWithLogitsLoss)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
-               "for fewer steps; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
+               "for fewer steps, a step decay meant per epoch and registered per step, which is 0 in effect at a "
+               "millionth of its base; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
                "around that step), or it is so small that the weights move by ~1e-7 of their size per step and "
                "the loss stays where it started (raise it, often 100x-1000x). When the model's output is "
                "probabilities (a softmax as its last layer) and the loss is cross_entropy, the loss is stuck at "
@@ -481,11 +484,15 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "above log(N / C) normalises the output over the batch: a log_softmax over dim 0 (use "
                "cross_entropy on the raw logits). An output whose every row is fitted to one value that changes "
                "from batch to batch learns the targets' mean: an (N,) target broadcast against an (N, 1) output "
-               "(give both the same shape).",
-        hint="the learning rate is 0 or far too small (or the output is softmaxed before cross_entropy, or the "
+               "(give both the same shape). An output of probabilities fed to binary_cross_entropy_with_logits "
+               "cannot say no (a sigmoid of a value in [0, 1] is at least 0.5): drop the sigmoid from the model or "
+               "use binary_cross_entropy.",
+        hint="the learning rate is 0 or far too small (or the output is softmaxed or sigmoided before a loss that "
+             "does it again, or the "
              "labels do not match the inputs): check the scheduler, the lr, the model's last layer and the labels",
         confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4,
-                                              "softmax_over_batch": 2, "shared_target": 2}, backdate=False)),
+                                              "softmax_over_batch": 2, "shared_target": 2,
+                                              "probabilities_into_sigmoid": 2}, backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

@@ -40,6 +40,7 @@ from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
     SHARED,
+    SIGMOID_TWICE,
     SIMPLEX,
     STATS,
     batch_softmax_fit,
@@ -50,6 +51,7 @@ from lightning_debug.checks.activations import (
     output_stats,
     saturation_range,
     shared_target,
+    sigmoid_twice,
     simplex_stats,
 )
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
@@ -65,7 +67,9 @@ from lightning_debug.monitors.gradients.batch_softmax import batch_softmax_suspi
 from lightning_debug.monitors.gradients.chance import KEY as CHANCE
 from lightning_debug.monitors.gradients.chance import chance_suspicion
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
-from lightning_debug.monitors.gradients.probabilities import probability_suspicion, simplex_tolerance
+from lightning_debug.monitors.gradients.probabilities import SIGMOID_KEY as SIGMOID
+from lightning_debug.monitors.gradients.probabilities import (probability_suspicion, sigmoid_suspicion,
+                                                              simplex_tolerance)
 from lightning_debug.monitors.gradients.shared_target import KEY as SHARED_TARGET
 from lightning_debug.monitors.gradients.shared_target import shared_target_suspicion
 
@@ -214,7 +218,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED
+OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE
 """What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
 
 
@@ -224,8 +228,9 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor) -> Any:
     broken)."""
     def write(grad: torch.Tensor) -> None:
         try:
-            into.copy_(torch.cat([batch_softmax_fit(grad, output, fit_tolerance(grad.dtype)).reshape(1),
-                                  shared_target(grad, output)]))
+            tolerance = fit_tolerance(grad.dtype)
+            into.copy_(torch.cat([batch_softmax_fit(grad, output, tolerance).reshape(1),
+                                  shared_target(grad, output), sigmoid_twice(grad, output, tolerance)]))
         except Exception:  # noqa: BLE001 - an unmeasured step is not judged
             pass
     return write
@@ -379,10 +384,10 @@ class ActivationMonitor(Monitor):
         self.poll()
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
-        """Whether ``softmax_over_batch`` or ``shared_target`` wants the gradient of the model's output ``last`` at
-        ``step``: an output of one or two dimensions in a graph, on a step judged, while either is not cleared."""
-        return (not {BATCH_SOFTMAX, SHARED_TARGET} <= self.cleared and last.dim() in (1, 2) and last.requires_grad
-                and self._judges(step))
+        """Whether ``softmax_over_batch``, ``shared_target`` or ``probabilities_into_sigmoid`` wants the gradient of
+        the model's output ``last`` at ``step``: an output in a graph, on a step judged, while one is not cleared."""
+        return (not {BATCH_SOFTMAX, SHARED_TARGET, SIGMOID} <= self.cleared and last.dim() >= 1
+                and last.requires_grad and self._judges(step))
 
     def _judges(self, step: int) -> bool:
         """Whether ``learning_stalled`` is judged at ``step``: at most once every ``JUDGED_EVERY`` steps."""
@@ -446,13 +451,13 @@ class ActivationMonitor(Monitor):
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float, gradient: Sequence[float] = (),
                              scale: float = math.nan) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch`` and
-        ``shared_target``, the gradient area's rules on what only this monitor measures), at most once every
+        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``,
+        ``shared_target`` and ``probabilities_into_sigmoid``, the gradient area's rules on what only this monitor measures), at most once every
         ``JUDGED_EVERY`` steps; each never again once a reading proved it is not the case."""
         if not outputs or not self._judges(step):
             return
         output, described = outputs[-1], describe(outputs[-1])
-        fit, *shared = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
+        fit, misfit, target, sigmoid_fit, positives = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
         held = self.verdicts.latest(Kind.LEARNING_STALLED, SHARED_TARGET)
         rules = {
             PROBABILITIES: lambda since: probability_suspicion(step, since, described, output.label, output.shape,
@@ -461,8 +466,10 @@ class ActivationMonitor(Monitor):
             BATCH_SOFTMAX: lambda since: batch_softmax_suspicion(step, since, described, output.label, output.shape,
                                                                  loss, fit),
             SHARED_TARGET: lambda since: shared_target_suspicion(
-                step, since, described, output.label, output.shape, loss, shared, scale, tolerance,
+                step, since, described, output.label, output.shape, loss, [misfit, target], scale, tolerance,
                 None if held is None else held.measured.get("target")),
+            SIGMOID: lambda since: sigmoid_suspicion(step, since, described, output.label, output.shape, loss,
+                                                     sigmoid_fit, positives),
         }
         if not set(rules) - self.cleared:
             return

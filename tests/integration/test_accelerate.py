@@ -717,24 +717,26 @@ def test_total_steps_must_be_a_positive_count(tmp_path: Path) -> None:
 
 
 class Classifier(nn.Module):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, sigmoid: bool = False) -> None:
         super().__init__()
         self.body, self.head = nn.Linear(16, 32), nn.Linear(32, width)
+        self.out = nn.Sigmoid() if sigmoid else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(x)))
+        return self.out(self.head(torch.relu(self.body(x))))
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")
-@pytest.mark.parametrize("cause", ["softmax_over_batch", "shared_target"])
+@pytest.mark.parametrize("cause", ["softmax_over_batch", "shared_target", "probabilities_into_sigmoid"])
 def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loop(tmp_path: Path, cause: str) -> None:
-    """``nll_loss(log_softmax(logits, dim=0))`` and an (N,) target broadcast against an (N, 1) output, each in a
-    plain Accelerate loop with the gradient callback's defaults: named at the second judgement, as under a Trainer."""
+    """``nll_loss(log_softmax(logits, dim=0))``, an (N,) target broadcast against an (N, 1) output and a sigmoid's
+    output fed to ``binary_cross_entropy_with_logits``, each in a plain Accelerate loop with the gradient callback's
+    defaults: named at the second judgement, as under a Trainer."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 4, (32 * 37,), generator=g)
     inputs = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
     accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
-    model = Classifier(4 if cause == "softmax_over_batch" else 1)
+    model = Classifier(1 if cause == "shared_target" else 4, sigmoid=cause == "probabilities_into_sigmoid")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -744,8 +746,11 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
         while debugger.step < 110:
             for x, y in loader:
                 z = model(x)
-                loss = (nn.functional.nll_loss(torch.log_softmax(z, dim=0), y) if z.shape[1] > 1
-                        else nn.functional.mse_loss(z, y.float()))
+                if cause == "probabilities_into_sigmoid":
+                    loss = nn.functional.binary_cross_entropy_with_logits(z, nn.functional.one_hot(y, 4).float())
+                else:
+                    loss = (nn.functional.nll_loss(torch.log_softmax(z, dim=0), y) if z.shape[1] > 1
+                            else nn.functional.mse_loss(z, y.float()))
                 debugger.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()

@@ -4,7 +4,10 @@ a ReLU on the output logits (``dead_activation``), a tanh on a regression output
 (``saturated_activation``) and a softmax on the output that ``cross_entropy`` softmaxes again (``learning_stalled``,
 ``probabilities_into_log_softmax``), and a loss normalised over the batch (``learning_stalled``, ``softmax_over_batch``),
 beside a contrastive loss over the batch, and an (N,) target broadcast against an (N, 1) output (``learning_stalled``,
-``shared_target``) beside a least-squares GAN's constant targets. The ``debug/activation/*`` scalars stay behind ``log_activations``.
+``shared_target``) beside a least-squares GAN's constant targets, and a sigmoid on the output that
+``binary_cross_entropy_with_logits`` applies again (``learning_stalled``, ``probabilities_into_sigmoid``) beside the
+logits and the sigmoid with the losses made for them. The ``debug/activation/*`` scalars stay behind
+``log_activations``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class Net(pl.LightningModule):
         self.head = nn.Linear(32, 1 if regress else 4)
         self.out_act = out_act
         self.regress, self.target_scale, self.optimizer_name, self.lr = regress, target_scale, optimizer, lr
-        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot | batch_softmax;
+        self.loss = loss  # ce | nll_log (nll_loss of the log of a softmax output) | mse_one_hot | batch_softmax
+        # | bce_logits | bce (binary cross-entropy of one-hot labels, on logits or on probabilities);
         # regress: mse | broadcast (an (N,) target against the (N, 1) output) | least_squares_gan
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         if kaiming:
@@ -67,6 +71,10 @@ class Net(pl.LightningModule):
             return F.mse_loss(z, F.one_hot(y, 4).float())
         if self.loss == "batch_softmax":
             return F.nll_loss(F.log_softmax(z, dim=0), y)
+        if self.loss == "bce_logits":
+            return F.binary_cross_entropy_with_logits(z, F.one_hot(y, 4).float())
+        if self.loss == "bce":
+            return F.binary_cross_entropy(z, F.one_hot(y, 4).float())
         return F.cross_entropy(z, y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -225,4 +233,29 @@ def test_a_least_squares_gan_scoring_its_outputs_against_a_constant_is_quiet(tmp
     at the same value at every judgement."""
     events, _ = fit(tmp_path, Net(regress=True, loss="least_squares_gan", optimizer="adam", lr=1e-3), steps=201,
                     every=20)
+    assert warnings_of(events) == []
+
+
+def test_a_sigmoid_output_fed_to_bce_with_logits_is_learning_stalled_above_its_floor(tmp_path: Path) -> None:
+    """``nn.Sigmoid`` as the last layer and ``BCEWithLogitsLoss``: the loss falls a little (0.84 to 0.70) and stays
+    above what a label of 0 can reach through a second sigmoid; named at the second judgement from the form of the
+    output's gradient, the labels at 1 read from its signs."""
+    buggy = Net(out_act=nn.Sigmoid(), optimizer="adam", lr=1e-3, loss="bce_logits")
+    events, _ = fit(tmp_path, buggy, steps=201, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(100, "probabilities_into_sigmoid")], \
+        warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["out_act"] and details["since_step"] == 0 and details["sigmoid_fit"] == 1.0
+    assert abs(details["positives"] - 0.25) < 0.1 and details["floor"] < details["loss"]
+    assert "binary_cross_entropy (BCELoss)" in stalled[0]["message"]
+
+
+@pytest.mark.parametrize("twin", ["logits", "bce", "mse_one_hot"])
+def test_logits_into_bce_with_logits_and_a_sigmoid_into_bce_or_mse_are_quiet(tmp_path: Path, twin: str) -> None:
+    """The twins: the same gradient form on logits (not all in [0, 1]), and a sigmoid's output with a loss made for
+    probabilities (another form)."""
+    model = (Net(optimizer="adam", lr=1e-3, loss="bce_logits") if twin == "logits"
+             else Net(out_act=nn.Sigmoid(), optimizer="adam", lr=1e-3, loss=twin))
+    events, _ = fit(tmp_path, model, steps=201, every=20)
     assert warnings_of(events) == []

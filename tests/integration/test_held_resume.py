@@ -322,8 +322,26 @@ class Broadcast(BatchSoftmax):
         return torch.nn.functional.mse_loss(self(x), y.float())
 
 
+class SigmoidTwice(BatchSoftmax):
+    """A sigmoid as the last layer and ``binary_cross_entropy_with_logits``: suspected at step 0, confirmed at 100."""
+
+    def __init__(self, crash_at_step: int | None = None) -> None:
+        super().__init__(crash_at_step)
+        self.out = torch.nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(super().forward(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.crash_at_step:
+            raise SimulatedCrash(f"killed at step {self.crash_at_step}")
+        x, y = batch
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(x), torch.nn.functional.one_hot(y, 4).float())
+
+
 @pytest.mark.filterwarnings("ignore:Using a target size")
-@pytest.mark.parametrize("planted, cause", [(BatchSoftmax, "softmax_over_batch"), (Broadcast, "shared_target")])
+@pytest.mark.parametrize("planted, cause", [(BatchSoftmax, "softmax_over_batch"), (Broadcast, "shared_target"),
+                                            (SigmoidTwice, "probabilities_into_sigmoid")])
 def test_a_suspicion_of_the_models_output_held_at_the_checkpoint_is_reported_as_without_the_interruption(
         tmp_path: Path, planted: type[BatchSoftmax], cause: str) -> None:
     """The first measured step after the resume keeps the hundred-step spacing of the run before it: otherwise the

@@ -1,6 +1,7 @@
 """``learning_stalled`` in a real Trainer: a ``LambdaLR`` whose factor drops to 0 after step 10 of 60 (a common
-scheduler bug: training silently stops learning) is named at step 10 with the scheduler; a cosine schedule that
-reaches 0 at the end of the run and a linear warm-up from 0 are quiet."""
+scheduler bug: training silently stops learning) is named at step 10 with the scheduler, and a ``StepLR`` written per
+epoch but registered per step once it is a millionth of its base; a cosine schedule that reaches 0 at the end of the
+run, a linear warm-up from 0 and a steep decay that stays above a millionth of its base are quiet."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ class Scheduled(TinyRegressor):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.schedule == "zero_after_10":
             scheduler: Any = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 10 else 0.0)
+        elif self.schedule == "step_decay_per_step":  # StepLR meant per epoch: 5x down every 5 steps
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.2)
+        elif self.schedule == "steep_decay":  # 0.8 a step: 7e-6 of its base at step 53, 90% of the run
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.8)
         elif self.schedule == "cosine_to_zero":
             scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=60, eta_min=0.0)
         else:
@@ -55,9 +60,26 @@ def test_a_scheduler_that_drops_the_learning_rate_to_zero_mid_run_is_named(tmp_p
     assert serious_kinds(events) == [("learning_stalled", 12)]
 
 
+def test_a_step_decay_registered_per_step_is_named_once_it_is_a_millionth_of_its_base(tmp_path: Path) -> None:
+    events = run(tmp_path, "step_decay_per_step")
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e.get("episode") != "end"]
+    assert [(e["step"], e["details"]["since_step"]) for e in stalled] == [(STEP_DECAY_CONFIRMED, STEP_DECAY_SINCE)]
+    details = stalled[0]["details"]
+    assert details["schedulers"] == ["StepLR"] and details["initial_lr"] == [0.01]
+    assert 0 < details["learning_rates"][0] <= 1e-8
+    assert "0 in effect" in stalled[0]["message"] and "per step" in stalled[0]["message"]
+    assert serious_kinds(events) == [("learning_stalled", STEP_DECAY_CONFIRMED)]
+
+
+STEP_DECAY_SINCE = 45
+"""The first step at most 1e-6 of the base: 0.2^9 = 5.1e-7 (step 40: 0.2^8 = 2.6e-6); the third check step confirms."""
+STEP_DECAY_CONFIRMED = 47
+
+
 def test_a_schedule_that_ends_at_zero_and_a_warm_up_from_zero_are_quiet(tmp_path: Path) -> None:
     assert serious_kinds(run(tmp_path / "cosine", "cosine_to_zero")) == []
     assert serious_kinds(run(tmp_path / "warmup", "warmup_from_zero")) == []
+    assert serious_kinds(run(tmp_path / "steep", "steep_decay")) == []
 
 
 class AdamCosineToZero(TinyRegressor):

@@ -1,5 +1,5 @@
-"""``learning_stalled`` (``probabilities_into_log_softmax``): the model outputs probabilities and the loss applies a
-softmax to them again.
+"""``learning_stalled`` (``probabilities_into_log_softmax``, ``probabilities_into_sigmoid``): the model outputs
+probabilities and the loss applies a softmax, or a sigmoid, to them again.
 
 ``F.cross_entropy`` fed rows that are already probabilities can never go below ``log(1 + (C - 1) / e)`` (the
 loss of a one-hot row), its gradients shrink as the outputs sharpen, and nothing is NaN: no other rule sees it.
@@ -16,6 +16,19 @@ function (not the last module call), a loss scaled by gradient accumulation::
     ('probabilities_into_log_softmax', 0.7437, False)
     >>> probability_finding(300, 300, "`out` (Softmax)", "out", [32, 4], values, 0.02, 1e-3)  # nll_loss(log(p))
     (None, True)
+
+A sigmoid's output fed to ``binary_cross_entropy_with_logits`` (``BCEWithLogitsLoss`` after an ``nn.Sigmoid``) is
+the same mistake for labels of 0 and 1: ``sigmoid(p)`` of a ``p`` in [0, 1] lies in [0.5, 0.73], so a label of 0
+costs at least ``log 2`` and one of 1 at least ``log(1 + 1/e)``. The loss does not tell it; the output's gradient
+does (:func:`~lightning_debug.checks.activations.sigmoid_twice`, read by the activation monitor's hook on its judged
+steps): every value's is ``(sigmoid(p) - t) / n``. Held two judgements, the second 100 steps on; a judgement of
+another form (``binary_cross_entropy``, logits out of [0, 1], soft labels) clears the run for good::
+
+    >>> finding, cleared = sigmoid_finding(200, 100, "`out` (Sigmoid)", "out", [32, 4], 0.70, 1.0, 0.25)
+    >>> finding.details["cause"], round(finding.details["floor"], 4), cleared
+    ('probabilities_into_sigmoid', 0.5982, False)
+    >>> sigmoid_finding(200, 200, "`out` (Sigmoid)", "out", [32, 4], 0.05, 0.1, 0.25)  # binary_cross_entropy
+    (None, True)
 """
 
 from __future__ import annotations
@@ -30,6 +43,10 @@ from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion
 
 KEY = "probabilities_into_log_softmax"
+SIGMOID_KEY = "probabilities_into_sigmoid"
+SIGMOID_FIT = 0.9
+"""The share of the output's values whose gradient must have the form of a sigmoid applied again: all of them but
+what rounding takes."""
 BAND = 0.05
 """How far above ``logit_loss`` the loss may be, as a share of ``log C`` minus the floor (0.032 for 4 classes)."""
 BELOW = 0.01
@@ -103,4 +120,43 @@ def probability_suspicion(step: int, since: int, described: str, label: str, sha
     return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY), below
 
 
-__all__ = ["JUDGED_EVERY", "KEY", "floor_of", "probability_finding", "probability_suspicion", "simplex_tolerance"]
+def sigmoid_finding(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
+                    fit: float, positives: float) -> tuple[Finding | None, bool]:
+    """This judgement's suspicion of ``probabilities_into_sigmoid`` (its finding, or None) and whether the run is
+    cleared for good. ``fit``, ``positives``: the output gradient's
+    :func:`~lightning_debug.checks.activations.sigmoid_twice`."""
+    if not (math.isfinite(fit) and math.isfinite(positives)):
+        return None, False
+    if fit < SIGMOID_FIT:
+        return None, True
+    floor = positives * math.log1p(math.exp(-1.0)) + (1 - positives) * math.log(2.0)
+    return Finding(
+        Kind.LEARNING_STALLED, Severity.WARNING,
+        f"The model's output {described} is probabilities (every value in [0, 1]) and the loss applies a sigmoid to "
+        f"them again (step {step}, since step {since}; loss {loss:.4g}): the gradient of each value is "
+        "(sigmoid(p) - label) times one constant, what binary_cross_entropy_with_logits gives. The sigmoid of a "
+        f"value in [0, 1] lies between 0.5 and 0.73, so the model can never say no with confidence, the loss "
+        f"cannot go below {floor:.3g} per value (labels at 1: {positives:.0%}), and training stalls. "
+        "BCEWithLogitsLoss applies the sigmoid itself: drop the sigmoid from the model (apply it at inference "
+        "only), or keep it and train with binary_cross_entropy (BCELoss).",
+        {"cause": SIGMOID_KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor,
+         "sigmoid_fit": fit, "positives": positives, "shape": list(shape)}), False
+
+
+def sigmoid_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
+                      fit: float, positives: float) -> tuple[Suspicion | None, bool]:
+    """:func:`sigmoid_finding` as the suspicion the kind's policy holds (its ``variant``), and whether the run is
+    cleared for good::
+
+        >>> suspicion, _ = sigmoid_suspicion(0, 0, "`out` (Sigmoid)", "out", [32, 4], 0.84, 1.0, 0.25)
+        >>> suspicion.key, suspicion.variant
+        ('probabilities_into_sigmoid', 'probabilities_into_sigmoid')
+    """
+    finding, cleared = sigmoid_finding(step, since, described, label, shape, loss, fit, positives)
+    if finding is None:
+        return None, cleared
+    return Suspicion(Kind.LEARNING_STALLED, SIGMOID_KEY, step, finding=finding, variant=SIGMOID_KEY), cleared
+
+
+__all__ = ["JUDGED_EVERY", "KEY", "SIGMOID_KEY", "floor_of", "probability_finding", "probability_suspicion",
+           "sigmoid_finding", "sigmoid_suspicion", "simplex_tolerance"]

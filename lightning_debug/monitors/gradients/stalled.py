@@ -1,6 +1,9 @@
-"""``learning_stalled``: every param group's learning rate is 0 far from the end of the run.
+"""``learning_stalled``: every param group's learning rate is 0, or under :data:`NEGLIGIBLE_LR` of its base, far from
+the end of the run.
 
-A schedule that reaches 0 early stops training with no NaN and no error. A warm-up from 0 is ruled out by the
+A schedule that reaches 0 early stops training with no NaN and no error, and so does one that decays without end
+(``StepLR(step_size=30, gamma=0.1)`` written per epoch and registered per step is 1e-6 of its base by step 180, never
+0). A warm-up from 0 is ruled out by the
 kind's policy, a decay to 0 at the end by judging only before :data:`END_SHARE` of a run of known length, a group
 frozen on purpose by needing every group at 0; a base learning rate of 0 is ``frozen_param``. Without a scheduler
 the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall::
@@ -16,6 +19,12 @@ the base is the lr when training started, so code that sets every lr to 0 mid-ru
     >>> zeroed, no_scheduler = [{"params": [object()], "lr": 0.0}], VerdictEngine()
     >>> [judge_stalled(step, zeroed, no_scheduler, 60, [], start_lrs=[0.05]) is not None for step in (10, 11, 12)]
     [False, False, True]
+    >>> decayed, steps = VerdictEngine(), [{"params": [object()], "lr": 5e-9, "initial_lr": 0.05}]
+    >>> [judge_stalled(step, steps, decayed, 60, ["StepLR"]) is not None for step in (30, 31, 32)]
+    [False, False, True]
+    >>> low = [{"params": [object()], "lr": 5e-7, "initial_lr": 0.05}]  # 1e-5 of its base: still a learning rate
+    >>> [judge_stalled(step, low, VerdictEngine(), 60, ["StepLR"]) for step in (30, 31, 32)]
+    [None, None, None]
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from lightning_debug.monitors.gradients.verdict import Verdict
 
 END_SHARE = 0.9
 """Past this share of the run's steps a learning rate of 0 is a schedule ending, not a stall."""
+NEGLIGIBLE_LR = 1e-6
+"""A learning rate at most this share of its group's base is 0 in effect (an update of a millionth of a healthy one).
+A cosine or linear decay to 0 is under it only in the last 0.1% of its steps, a warm-up from 0 on its first step."""
 KEY = "lr_zero"
 
 
@@ -48,6 +60,18 @@ def base_lr(group: Mapping[str, Any], index: int, start_lrs: Sequence[Any]) -> A
     return start_lrs[index] if index < len(start_lrs) else group.get("lr")
 
 
+def negligible(lr: Any, base: Any) -> bool:
+    """Whether a learning rate is 0, or a plain number at most :data:`NEGLIGIBLE_LR` of its base above 0::
+
+        >>> negligible(0.0, 0.1), negligible(1e-8, 0.1), negligible(1e-6, 0.1), negligible(1e-8, 0.0)
+        (True, True, False, False)
+    """
+    if number_equals_zero(lr):
+        return True
+    numbers = all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in (lr, base))
+    return numbers and 0 < base and 0 <= lr <= NEGLIGIBLE_LR * base
+
+
 def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
                   total_steps: int | None, schedulers: Sequence[str],
                   start_lrs: Sequence[Any] = ()) -> Verdict | None:
@@ -56,7 +80,7 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     based = [(group, base_lr(group, index, start_lrs)) for index, group in enumerate(param_groups)
              if group.get("params")]
     groups = [group for group, _ in based]
-    stalled = bool(groups) and all(number_equals_zero(group.get("lr")) for group in groups)
+    stalled = bool(groups) and all(negligible(group.get("lr"), base) for group, base in based)
     if stalled and all(number_equals_zero(base) for _, base in based):
         return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
     far_from_end = total_steps is not None and step < END_SHARE * total_steps
@@ -68,13 +92,18 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     bases = sorted({float(base) for _, base in based if isinstance(base, (int, float))})
     started = f" (it started at {', '.join(f'{lr:g}' for lr in bases)})" if bases else ""
     by = f" by {', '.join(schedulers)}" if schedulers else " by the training code (no scheduler)"
+    rates = sorted({float(group["lr"]) for group in groups if isinstance(group.get("lr"), (int, float))})
+    level = ("0" if not any(rates) else
+             f"{', '.join(f'{lr:.3g}' for lr in rates)}, under {NEGLIGIBLE_LR:g} of its base and so 0 in effect")
+    cause = ("a scheduler that reaches 0 early is the usual cause" if not any(rates) else
+             "a schedule that decays without end is the usual cause (a step or exponential decay meant per epoch "
+             "and registered per step: interval 'step' in Lightning's lr_scheduler config)")
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"Training stopped learning at step {since}: the learning rate of every param group "
-        f"({len(groups)}) is 0{started}, set{by}, with {total_steps - step} of {total_steps} steps still to go. "
-        "The weights no longer change; a scheduler that reaches 0 early is the usual cause: print "
-        "scheduler.get_last_lr() around that step.",
-        {"since_step": since, "param_groups": len(groups), "initial_lr": bases,
+        f"({len(groups)}) is {level}{started}, set{by}, with {total_steps - step} of {total_steps} steps still to "
+        f"go. The weights no longer change; {cause}: print scheduler.get_last_lr() around that step.",
+        {"since_step": since, "param_groups": len(groups), "initial_lr": bases, "learning_rates": rates,
          "schedulers": list(schedulers), "total_steps": total_steps}),
         [f"param group {index}" for index in range(len(groups))], key=KEY)
 
