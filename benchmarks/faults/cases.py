@@ -175,6 +175,13 @@ def loss_issue() -> Iterator[Case]:
                    "probabilities fed to cross_entropy (softmax applied twice)",
                    needs="a loss-input check (cross_entropy's input rows sum to 1 and lie in [0, 1])")
     for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(out_act="sigmoid", loss="bce_logits", optimizer=opt,
+                                    lr=0.05 if opt == "sgd" else 1e-3), out_act=None)
+        yield Case(f"loss-sigmoid-twice-{opt}", "loss_issue", "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,
+                   ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
+                   "a sigmoid output fed to binary_cross_entropy_with_logits (the sigmoid applied twice)",
+                   needs="the output's gradient (sigmoid(p) - label) / n on an output in [0, 1]")
+    for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(loss="bce_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             out_act="sigmoid")
         yield Case(f"loss-bce-on-logits-{opt}", "loss_issue", "DeepDiagnosis", buggy, twin, ("exception",), (0, 0),
@@ -244,6 +251,8 @@ def autograd_misuse() -> Iterator[Case]:
          "the loss rebuilt with torch.tensor(loss.item(), requires_grad=True): no backward reaches a parameter"),
         ("step_before_backward", (0, 105), r"cleared between the backward and the step",
          "manual optimization: step(), manual_backward(loss), zero_grad(): every step finds no gradient"),
+        ("detached_hidden", (0, 5), r"layers\.0",
+         "h.detach() left after the first layer: the layer before it never gets a gradient"),
     )
     for name, window, where, what in table:
         buggy, twin = _pair(Program(silent=name), fixed=True)
@@ -264,11 +273,17 @@ def api_misuse() -> Iterator[Case]:
          "output (shared_target)"),
         ("eval_mode_in_training", {"batchnorm": True}, ("eval_mode_in_training",), r"norms\.0",
          "self.eval() in on_train_batch_start: BatchNorm frozen at its running statistics", ""),
+        ("step_decay_per_step", {"steps": 601}, ("learning_stalled",), r"StepLR",
+         "StepLR(step_size=30, gamma=0.1), the example of torch's docs, meant per epoch and registered with interval "
+         "'step' (601 steps: a millionth of its base from step 210, three check steps in a row from 300)",
+         "a learning rate that is 0 in effect (a millionth of its base) far from the end"),
+        ("layer_in_forward", {}, ("frozen_param",), r"head\.weight",
+         "self.head = nn.Linear(...) inside forward: a new layer every step, in no optimizer", ""),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]
         yield Case(f"api-{name.replace('_', '-')}", "api_misuse", "PyTorch and Lightning API", buggy, twin, kinds,
-                   (0, STEPS), where, what, needs)
+                   (0, buggy.steps), where, what, needs)
 
 
 MEMORY_STEPS = 501

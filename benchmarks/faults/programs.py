@@ -53,7 +53,7 @@ class Program:
     input_scale: float = 1.0
     target_scale: float = 1.0
     shuffle_labels: bool = False
-    loss: str = "ce"                  # ce | mse | bce_raw | nll_raw | neg_ce
+    loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce
     fault: str | None = None
     fault_step: int = 5
     fixed: bool = False
@@ -176,6 +176,8 @@ class FaultProgram(pl.LightningModule):
             return -torch.log(e.gather(1, y[:, None]) / e.sum(1, keepdim=True)).mean()
         if p.loss == "bce_raw":
             return F.binary_cross_entropy(z, F.one_hot(y, p.classes).float())
+        if p.loss == "bce_logits":
+            return F.binary_cross_entropy_with_logits(z, F.one_hot(y, p.classes).float())
         if p.loss == "nll_raw":
             return F.nll_loss(z, y)
         if p.loss == "mse":

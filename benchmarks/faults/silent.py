@@ -1,7 +1,7 @@
 """Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning, and two
-misuses of autograd (class ``autograd_misuse``: a loss rebuilt from its value, manual optimization out of order)
-and of the API (class ``api_misuse``: log_softmax over the batch, a target broadcast against the output, the model
-left in eval mode).
+misuses of autograd (class ``autograd_misuse``: a loss rebuilt from its value, manual optimization out of order, a
+``detach`` left in the forward) and of the API (class ``api_misuse``: log_softmax over the batch, a target broadcast
+against the output, the model left in eval mode, a step decay registered per step, a layer built in ``forward``).
 
 Each is a subclass of :class:`~benchmarks.faults.programs.FaultProgram` with the user's mistake; with
 ``Program(fixed=True)`` the same subclass runs the corrected line. Written from the issues' descriptions
@@ -190,13 +190,49 @@ class EvalModeInTraining(FaultProgram):
             self.eval()
 
 
+class StepDecayPerStep(FaultProgram):
+    """``StepLR(step_size=30, gamma=0.1)``, a decay meant per epoch, registered with ``interval: "step"``: the
+    learning rate is a millionth of its base by step 180 and training stops far from the end; the twin steps it per
+    epoch."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.program.lr)
+        decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30, gamma=0.1)
+        interval = "epoch" if self.program.fixed else "step"
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": interval}}
+
+
+class DetachedHidden(FaultProgram):
+    """``h = h.detach()`` left after the first layer (a stop-gradient from an experiment, or ``.data``): the layer
+    before it never gets a gradient and never learns; the twin keeps the graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for index, layer in enumerate(self.layers):
+            h = self.acts[index](layer(h))
+            if index == 0 and not self.program.fixed:
+                h = h.detach()
+        return self.head(h)
+
+
+class LayerInForward(FaultProgram):
+    """The head built inside ``forward`` (``self.head = nn.Linear(...)`` on every call): a new random layer each step,
+    registered on the module but in no optimizer, so the model never learns; the twin builds it in ``__init__``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.program.fixed:
+            self.head = torch.nn.Linear(self.program.width, self.program.classes)
+        return super().forward(x)
+
+
 SILENT: dict[str, type[FaultProgram]] = {
     "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
     "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
     "workers_share_seed": WorkersShareSeed, "no_zero_grad": NoZeroGrad, "frozen_in_optimizer": FrozenInOptimizer,
     "loss_from_number": LossFromNumber, "step_before_backward": StepBeforeBackward,
     "softmax_over_the_batch": SoftmaxOverTheBatch, "target_broadcast": TargetBroadcast,
-    "eval_mode_in_training": EvalModeInTraining,
+    "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
+    "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward,
 }
 
 
