@@ -141,11 +141,10 @@ def batch_softmax_fit(grad: torch.Tensor, output: torch.Tensor, tolerance: float
     >>> batch_softmax_fit(torch.autograd.grad(F.cross_entropy(alike, y), alike)[0], alike).isnan().item()
     True
     """
-    g = grad.detach().float()
-    if g.dim() != 2 or g.shape != output.shape or g.shape[1] < 2 or g.numel() == 0:
-        return torch.full((), math.nan, device=g.device)
-    kept = max(2, SIMPLEX_ROWS_ELEMENTS // g.shape[1])
-    g, z = g[:kept], output.detach()[:kept].float()
+    if grad.dim() != 2 or grad.shape != output.shape or grad.shape[1] < 2 or grad.numel() == 0:
+        return torch.full((), math.nan, device=grad.device)
+    kept = max(2, SIMPLEX_ROWS_ELEMENTS // grad.shape[1])
+    g, z = grad.detach()[:kept].float(), output.detach()[:kept].float()
     ratio = g / torch.softmax(z, dim=0).clamp_min(torch.finfo(torch.float32).tiny)
     top = ratio.amax(0)
     fits = (ratio >= top - tolerance * top.abs()).sum(1) == g.shape[1] - 1
