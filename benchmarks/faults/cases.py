@@ -132,6 +132,13 @@ def improper_data() -> Iterator[Case]:
         yield Case(f"data-shuffled-labels-{opt}", "improper_data", "AutoTrainer", buggy, twin,
                    ("learning_stalled",), (0, buggy.steps), None, "labels shuffled against the inputs",
                    needs="a no-progress rule (loss stays at log(classes))")
+    for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(silent="sorted_unshuffled", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            fixed=True)
+        yield Case(f"data-sorted-unshuffled-{opt}", "improper_data", "Humbatova et al. ICSE 2020", buggy, twin,
+                   ("single_class_batches",), (0, buggy.steps), r"\bhead\b",
+                   "the training data in label order, shuffle=False: one class per batch",
+                   needs="the labels of a batch, read from cross_entropy's gradient of the output")
     for step in (3, 9):
         buggy, twin = _pair(Program(fault="nan_input", fault_step=step, optimizer="adam", lr=1e-3), fixed=True)
         yield Case(f"data-nan-sample-s{step}", "improper_data", "DeepDiagnosis", buggy, twin, ("nonfinite_input",),

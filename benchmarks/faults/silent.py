@@ -225,6 +225,17 @@ class LayerInForward(FaultProgram):
         return super().forward(x)
 
 
+class SortedUnshuffled(FaultProgram):
+    """The training data in label order and ``shuffle=False`` (Humbatova et al., ICSE 2020: data shuffling): each
+    batch holds one class, the model learns one at a time and forgets the others; the twin shuffles."""
+
+    def train_dataloader(self) -> DataLoader:
+        inputs, labels = data(self.program).tensors
+        order = torch.argsort(labels, stable=True)
+        return DataLoader(torch.utils.data.TensorDataset(inputs[order], labels[order]), batch_size=self.program.batch,
+                          shuffle=self.program.fixed)
+
+
 SILENT: dict[str, type[FaultProgram]] = {
     "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
     "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
@@ -232,7 +243,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "loss_from_number": LossFromNumber, "step_before_backward": StepBeforeBackward,
     "softmax_over_the_batch": SoftmaxOverTheBatch, "target_broadcast": TargetBroadcast,
     "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
-    "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward,
+    "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
 }
 
 

@@ -240,6 +240,49 @@ def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
                         (positive & fits).sum() / fits.sum().clamp_min(1)])
 
 
+BATCH_LABELS = ("labelled_share", "first_label", "last_label", "in_order", "shortest_run")
+
+
+def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
+    """:data:`BATCH_LABELS` of a 2-d output's gradient, on its device, from the rows that have the form
+    ``cross_entropy`` gives (``softmax(z) - onehot(label)`` times a weight: one value below 0, at the label, and a sum
+    of 0 within ``tolerance`` of the row's size): their share among the rows with a gradient, the label of the first
+    and of the last row, whether the labels run in order down the batch (1: never falling, or never rising; 0: not),
+    and the length of the shortest run of one label (a row without the form takes the label before it). NaN when no
+    row has a gradient or the output is not 2-d; only the first :data:`SIGMOID_ELEMENTS` values are read.
+
+    >>> from torch.nn import functional as F
+    >>> z = torch.randn(8, 3, requires_grad=True)
+    >>> def labels(y): return batch_labels(torch.autograd.grad(F.cross_entropy(z, torch.tensor(y)), z)[0]).tolist()
+    >>> labels([2, 2, 2, 2, 2, 2, 2, 2]), labels([0, 0, 0, 1, 1, 1, 1, 1])
+    ([1.0, 2.0, 2.0, 1.0, 8.0], [1.0, 0.0, 1.0, 1.0, 3.0])
+    >>> labels([0, 2, 1, 1, 0, 1, 2, 0])[3]  # shuffled
+    0.0
+    >>> batch_labels(torch.autograd.grad(F.mse_loss(z, torch.ones(8, 3)), z)[0])[0].item()  # not cross_entropy's
+    0.0
+    """
+    if grad.dim() != 2 or grad.shape[1] < 2 or grad.numel() == 0:
+        return torch.full((len(BATCH_LABELS),), math.nan, dtype=torch.float32, device=grad.device)
+    g = grad.detach()[:max(1, SIGMOID_ELEMENTS // grad.shape[1])].float()
+    size = g.abs().sum(1)
+    read = size > 0
+    form = read & ((g < 0).sum(1) == 1) & (g.sum(1).abs() <= tolerance * size)
+    rows = torch.arange(len(g), device=g.device)
+    seen = torch.where(form, rows, -1).cummax(0).values
+    first_form = torch.where(form, rows, len(g)).amin().clamp_max(len(g) - 1)
+    labels = g.argmin(1)[torch.where(seen < 0, first_form, seen)]
+    steps = labels[1:] - labels[:-1]
+    in_order = ((steps >= 0).all() | (steps <= 0).all()).float()
+    run = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long, device=g.device), (steps != 0).long()]), 0) - 1
+    runs = torch.zeros(len(g), device=g.device).scatter_add_(0, run, torch.ones(len(g), device=g.device))
+    shortest = torch.where(runs > 0, runs, math.inf).amin()
+    counted = form.sum()
+    found = torch.stack([counted / read.sum().clamp_min(1), labels[0].float(), labels[-1].float(), in_order, shortest])
+    nothing = torch.full_like(found, math.nan)
+    return torch.where(counted > 0, found, torch.where(read.any(), nothing.index_fill(0, torch.tensor(
+        [0], device=g.device), 0.0), nothing))
+
+
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
     wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).

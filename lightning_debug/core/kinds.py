@@ -93,6 +93,7 @@ class Kind(StrEnum):
     LEARNING_STALLED = "learning_stalled"
     REPEATED_BATCH = "repeated_batch"
     REPLICAS_DIVERGED = "replicas_diverged"
+    SINGLE_CLASS_BATCHES = "single_class_batches"
 
 
 class AtEnd(StrEnum):
@@ -473,8 +474,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps, a step decay meant per epoch and registered per step, which is 0 in effect at a "
-               "millionth of its base; or code that sets it to 0: print scheduler.get_last_lr() or the param groups' lr "
-               "around that step), or it is so small that the weights move by ~1e-7 of their size per step and "
+               "millionth of its base; or code that sets it to 0: print scheduler.get_last_lr() or the param "
+               "groups' lr around that step), or it is so small that the weights move by ~1e-7 of their size per step and "
                "the loss stays where it started (raise it, often 100x-1000x). When the model's output is "
                "probabilities (a softmax as its last layer) and the loss is cross_entropy, the loss is stuck at "
                "log(1 + (C-1)/e): drop the softmax (cross_entropy applies log_softmax itself) or use "
@@ -504,6 +505,18 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "torch.initial_seed() % 2**32)`), or draw with `torch`'s generator, which the DataLoader seeds per "
                "worker.",
         hint="data-loader workers share one random seed: reseed them in worker_init_fn",
+        confirm=Confirm(patience=2, backdate=False)),
+    Kind.SINGLE_CLASS_BATCHES: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        summary="every row of a batch has one label, another at the next judgement: the training data sorted by "
+                "label and not shuffled (read from cross_entropy's gradient of the model's output)",
+        advice="Each batch holds a single class, and the class changes from batch to batch: the training data is "
+               "in label order and the loader does not shuffle it (`DataLoader(..., shuffle=False)`, a sequential "
+               "sampler, a dataset built class by class). The model learns one class at a time and forgets the "
+               "others, so the training loss looks low while the model answers only the class it saw last. Pass "
+               "`shuffle=True` to the training DataLoader (or a `RandomSampler`); with an `IterableDataset`, shuffle "
+               "a buffer or the shards.",
+        hint="the training data is sorted by label: shuffle=True in the training DataLoader",
         confirm=Confirm(patience=2, backdate=False)),
     Kind.REPLICAS_DIVERGED: KindSpec(
         Area.GRADIENTS, Severity.ERROR,

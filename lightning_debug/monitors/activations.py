@@ -39,10 +39,12 @@ from torch import nn
 from lightning_debug.checks.activations import (
     RELU_LIKE,
     ROW,
+    BATCH_LABELS,
     SHARED,
     SIGMOID_TWICE,
     SIMPLEX,
     STATS,
+    batch_labels,
     batch_softmax_fit,
     first_floating,
     fit_tolerance,
@@ -72,6 +74,8 @@ from lightning_debug.monitors.gradients.probabilities import (probability_suspic
                                                               simplex_tolerance)
 from lightning_debug.monitors.gradients.shared_target import KEY as SHARED_TARGET
 from lightning_debug.monitors.gradients.shared_target import shared_target_suspicion
+from lightning_debug.monitors.gradients.single_class import KEY as SINGLE_CLASS
+from lightning_debug.monitors.gradients.single_class import single_class_suspicion
 
 DEAD_FRACTION = 0.99
 SATURATED_FRACTION = 0.9
@@ -218,7 +222,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE
+OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS
 """What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
 
 
@@ -230,7 +234,8 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor) -> Any:
         try:
             tolerance = fit_tolerance(grad.dtype)
             into.copy_(torch.cat([batch_softmax_fit(grad, output, tolerance).reshape(1),
-                                  shared_target(grad, output), sigmoid_twice(grad, output, tolerance)]))
+                                  shared_target(grad, output), sigmoid_twice(grad, output, tolerance),
+                                  batch_labels(grad, tolerance)]))
         except Exception:  # noqa: BLE001 - an unmeasured step is not judged
             pass
     return write
@@ -384,9 +389,10 @@ class ActivationMonitor(Monitor):
         self.poll()
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
-        """Whether ``softmax_over_batch``, ``shared_target`` or ``probabilities_into_sigmoid`` wants the gradient of
-        the model's output ``last`` at ``step``: an output in a graph, on a step judged, while one is not cleared."""
-        return (not {BATCH_SOFTMAX, SHARED_TARGET, SIGMOID} <= self.cleared and last.dim() >= 1
+        """Whether ``softmax_over_batch``, ``shared_target``, ``probabilities_into_sigmoid`` or
+        ``single_class_batches`` wants the gradient of the model's output ``last`` at ``step``: an output in a graph,
+        on a step judged, while one is not cleared."""
+        return (not {BATCH_SOFTMAX, SHARED_TARGET, SIGMOID, SINGLE_CLASS} <= self.cleared and last.dim() >= 1
                 and last.requires_grad and self._judges(step))
 
     def _judges(self, step: int) -> bool:
@@ -446,48 +452,63 @@ class ActivationMonitor(Monitor):
                 self._histogram_writer(f"debug/activation_hist/{name}",
                                        histogram_from_row(histograms[index * size:(index + 1) * size], HISTOGRAM_BINS),
                                        step)
-        self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED})
+        self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES})
 
     def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float, gradient: Sequence[float] = (),
                              scale: float = math.nan) -> None:
-        """``learning_stalled`` (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``,
-        ``shared_target`` and ``probabilities_into_sigmoid``, the gradient area's rules on what only this monitor measures), at most once every
-        ``JUDGED_EVERY`` steps; each never again once a reading proved it is not the case."""
+        """The gradient area's rules on what only this monitor measures, at most once every ``JUDGED_EVERY`` steps,
+        each never again once a reading proved it is not the case: ``learning_stalled``
+        (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``, ``shared_target``,
+        ``probabilities_into_sigmoid``) and ``single_class_batches``."""
         if not outputs or not self._judges(step):
             return
         output, described = outputs[-1], describe(outputs[-1])
-        fit, misfit, target, sigmoid_fit, positives = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
-        held = self.verdicts.latest(Kind.LEARNING_STALLED, SHARED_TARGET)
+        values = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
+        fit, misfit, target, sigmoid_fit, positives = values[:5]
+        held = {key: self.verdicts.latest(kind, key)
+                for kind, key in ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))}
+
+        def measured(key: str, name: str) -> Any:
+            return None if held[key] is None else held[key].measured.get(name)
+
+        stalled, single = Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES
         rules = {
-            PROBABILITIES: lambda since: probability_suspicion(step, since, described, output.label, output.shape,
-                                                               simplex, loss, tolerance),
-            CHANCE: lambda since: chance_suspicion(step, since, described, output.label, output.shape, loss),
-            BATCH_SOFTMAX: lambda since: batch_softmax_suspicion(step, since, described, output.label, output.shape,
-                                                                 loss, fit),
-            SHARED_TARGET: lambda since: shared_target_suspicion(
+            PROBABILITIES: (stalled, lambda since: probability_suspicion(
+                step, since, described, output.label, output.shape, simplex, loss, tolerance)),
+            CHANCE: (stalled, lambda since: chance_suspicion(step, since, described, output.label, output.shape,
+                                                             loss)),
+            BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(
+                step, since, described, output.label, output.shape, loss, fit)),
+            SHARED_TARGET: (stalled, lambda since: shared_target_suspicion(
                 step, since, described, output.label, output.shape, loss, [misfit, target], scale, tolerance,
-                None if held is None else held.measured.get("target")),
-            SIGMOID: lambda since: sigmoid_suspicion(step, since, described, output.label, output.shape, loss,
-                                                     sigmoid_fit, positives),
+                measured(SHARED_TARGET, "target"))),
+            SIGMOID: (stalled, lambda since: sigmoid_suspicion(
+                step, since, described, output.label, output.shape, loss, sigmoid_fit, positives)),
+            SINGLE_CLASS: (single, lambda since: single_class_suspicion(
+                step, since, described, output.label, output.shape, values[5:], measured(SINGLE_CLASS, "labels"))),
         }
-        if not set(rules) - self.cleared:
+        judged = [key for key in rules if key not in self.cleared]
+        if not judged:
             return
         self.probabilities_judged = step
-        found, judged = [], [key for key in rules if key not in self.cleared]
+        found: dict[Kind, list[Suspicion]] = {stalled: [], single: []}
         for key in judged:
-            suspicion, cleared = rules[key](self._held_since(key, step))
-            found.append(suspicion)
+            kind, judge = rules[key]
+            suspicion, cleared = judge(self._held_since(kind, key, step))
+            if suspicion is not None and output.numel >= MIN_OUTPUT_ELEMENTS:
+                found[kind].append(suspicion)
             if cleared:
                 self.cleared.add(key)
-        suspicions = [each for each in found if each is not None and output.numel >= MIN_OUTPUT_ELEMENTS]
-        for confirmed in self.verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=judged):
-            if confirmed.latest.finding is not None:
-                self.record(confirmed.latest.finding, step, where, key=confirmed.key)
+        for kind, suspicions in found.items():
+            keys = [key for key in judged if rules[key][0] is kind]
+            for confirmed in self.verdicts.observe(kind, step, suspicions, judged=keys) if keys else []:
+                if confirmed.latest.finding is not None:
+                    self.record(confirmed.latest.finding, step, where, key=confirmed.key)
 
-    def _held_since(self, key: str, step: int) -> int:
-        """The step a held ``learning_stalled`` suspicion of ``key`` began (``step`` when none is held)."""
-        held = self.verdicts.hold(Kind.LEARNING_STALLED, key)
+    def _held_since(self, kind: Kind, key: str, step: int) -> int:
+        """The step a held suspicion of ``kind`` and ``key`` began (``step`` when none is held)."""
+        held = self.verdicts.hold(kind, key)
         return step if held is None else held.first.step
 
     def _flag(self, finding: Finding, step: int, where: Where) -> None:
@@ -500,7 +521,8 @@ class ActivationMonitor(Monitor):
         self._remove_hooks()
         self.poll(final=True)
         super().finalize(step)
-        self.close_episodes(step, self.context.where(), {Kind.LEARNING_STALLED}, final=True)
+        self.close_episodes(step, self.context.where(), {Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES},
+                            final=True)
 
     def restore(self) -> None:
         self._remove_hooks()

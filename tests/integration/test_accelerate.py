@@ -727,13 +727,15 @@ class Classifier(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")
-@pytest.mark.parametrize("cause", ["softmax_over_batch", "shared_target", "probabilities_into_sigmoid"])
+@pytest.mark.parametrize("cause", ["softmax_over_batch", "shared_target", "probabilities_into_sigmoid",
+                                   "single_class_batches"])
 def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loop(tmp_path: Path, cause: str) -> None:
-    """``nll_loss(log_softmax(logits, dim=0))``, an (N,) target broadcast against an (N, 1) output and a sigmoid's
-    output fed to ``binary_cross_entropy_with_logits``, each in a plain Accelerate loop with the gradient callback's
-    defaults: named at the second judgement, as under a Trainer."""
+    """``nll_loss(log_softmax(logits, dim=0))``, an (N,) target broadcast against an (N, 1) output, a sigmoid's
+    output fed to ``binary_cross_entropy_with_logits`` and ``cross_entropy`` on data in label order, each in a plain
+    Accelerate loop with the gradient callback's defaults: named at the second judgement, as under a Trainer."""
     g = torch.Generator().manual_seed(0)
-    labels = torch.randint(0, 4, (32 * 37,), generator=g)
+    labels = (torch.arange(4).repeat_interleave(8 * 37) if cause == "single_class_batches"
+              else torch.randint(0, 4, (32 * 37,), generator=g))
     inputs = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
     accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
     model = Classifier(1 if cause == "shared_target" else 4, sigmoid=cause == "probabilities_into_sigmoid")
@@ -748,6 +750,8 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
                 z = model(x)
                 if cause == "probabilities_into_sigmoid":
                     loss = nn.functional.binary_cross_entropy_with_logits(z, nn.functional.one_hot(y, 4).float())
+                elif cause == "single_class_batches":
+                    loss = nn.functional.cross_entropy(z, y)
                 else:
                     loss = (nn.functional.nll_loss(torch.log_softmax(z, dim=0), y) if z.shape[1] > 1
                             else nn.functional.mse_loss(z, y.float()))
@@ -757,6 +761,6 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
                 if debugger.step >= 110:
                     break
     events = read_events(run_dir(tmp_path / "debug_outputs"))
-    stalled = [(e["step"], e["details"]["cause"]) for e in events
-               if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
-    assert stalled == [(100, cause)], [(e["kind"], e["step"]) for e in events]
+    named = [(e["step"], e["details"].get("cause", e["kind"])) for e in events
+             if e["kind"] in ("learning_stalled", "single_class_batches") and e["severity"] == "warning"]
+    assert named == [(100, cause)], [(e["kind"], e["step"]) for e in events]

@@ -6,8 +6,9 @@ a ReLU on the output logits (``dead_activation``), a tanh on a regression output
 beside a contrastive loss over the batch, and an (N,) target broadcast against an (N, 1) output (``learning_stalled``,
 ``shared_target``) beside a least-squares GAN's constant targets, and a sigmoid on the output that
 ``binary_cross_entropy_with_logits`` applies again (``learning_stalled``, ``probabilities_into_sigmoid``) beside the
-logits and the sigmoid with the losses made for them. The ``debug/activation/*`` scalars stay behind
-``log_activations``.
+logits and the sigmoid with the losses made for them; training data sorted by label and not shuffled
+(``single_class_batches``) beside the same data shuffled and unbalanced labels. The ``debug/activation/*`` scalars
+stay behind ``log_activations``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Net(pl.LightningModule):
 
     def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
-                 kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0) -> None:
+                 kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0, order: str = "random") -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -45,6 +46,8 @@ class Net(pl.LightningModule):
         # | bce_logits | bce (binary cross-entropy of one-hot labels, on logits or on probabilities);
         # regress: mse | broadcast (an (N,) target against the (N, 1) output) | least_squares_gan
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
+        self.order = order  # random | sorted (by label, not shuffled) | shuffled (sorted, then shuffle=True)
+        # | unbalanced (99.5% of the labels 0, shuffled)
         if kaiming:
             for layer in self.layers:
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
@@ -94,7 +97,13 @@ class Net(pl.LightningModule):
             y = labels.clone()
             wrong = min(self.wrong_labels, n)
             y[:wrong] = labels[:wrong][torch.randperm(wrong, generator=g)]
-        return DataLoader(TensorDataset(x, y), batch_size=32)
+            if self.order in ("sorted", "shuffled"):  # 128 of each class, in label order
+                y = torch.arange(4).repeat_interleave(128)
+                x = 2.0 * torch.randn(4, 16, generator=g)[y] + torch.randn(len(y), 16, generator=g)
+            elif self.order == "unbalanced":
+                y = (torch.rand(n, generator=g) < 0.005).long() * torch.randint(1, 4, (n,), generator=g)
+                x = 2.0 * torch.randn(4, 16, generator=g)[y] + torch.randn(n, 16, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=self.order in ("shuffled", "unbalanced"))
 
 
 def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int) -> tuple[list[dict[str, Any]], Path]:
@@ -258,4 +267,25 @@ def test_logits_into_bce_with_logits_and_a_sigmoid_into_bce_or_mse_are_quiet(tmp
     model = (Net(optimizer="adam", lr=1e-3, loss="bce_logits") if twin == "logits"
              else Net(out_act=nn.Sigmoid(), optimizer="adam", lr=1e-3, loss=twin))
     events, _ = fit(tmp_path, model, steps=201, every=20)
+    assert warnings_of(events) == []
+
+
+def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
+    """512 samples in label order, 128 of each class, not shuffled: the batch at step 0 is all class 0 and the batch
+    at step 100 (the fifth of its epoch) all class 1; the loss looks healthy. Named at the second judgement."""
+    events, _ = fit(tmp_path, Net(optimizer="adam", lr=1e-3, order="sorted"), steps=201, every=20)
+    found = [e for e in events if e["kind"] == "single_class_batches" and e["severity"] == "warning"]
+    assert [e["step"] for e in found] == [100], warnings_of(events)
+    details = found[0]["details"]
+    assert details["modules"] == ["head"] and details["since_step"] == 0 and details["labels"] == [[0, 0], [1, 1]]
+    assert details["rows"] == 32 and details["labelled_share"] >= 0.9 and "shuffle=True" in found[0]["message"]
+    assert warnings_of(events) == [("single_class_batches", 100)]
+
+
+@pytest.mark.parametrize("order", ["shuffled", "unbalanced"])
+def test_the_same_data_shuffled_and_unbalanced_labels_are_not_single_class_batches(tmp_path: Path, order: str) -> None:
+    """The twins: the sorted data with ``shuffle=True``, and labels 99.5% of class 0, whose batches are mostly of
+    class 0 alone (at steps 0 and 100 of this run: named without the rule that a second batch of the same label drops
+    the hold) but never of another class alone."""
+    events, _ = fit(tmp_path, Net(optimizer="adam", lr=1e-3, order=order), steps=301, every=20)
     assert warnings_of(events) == []

@@ -339,21 +339,42 @@ class SigmoidTwice(BatchSoftmax):
         return torch.nn.functional.binary_cross_entropy_with_logits(self(x), torch.nn.functional.one_hot(y, 4).float())
 
 
+class SortedLabels(BatchSoftmax):
+    """``cross_entropy`` on data in label order (320 samples of each class), not shuffled: the batch at step 0 is all
+    class 0 (the label travels in the checkpoint), the batch at step 100 (the 21st of its epoch) all class 2."""
+
+    batches = 40
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.global_step == self.crash_at_step:
+            raise SimulatedCrash(f"killed at step {self.crash_at_step}")
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        labels = torch.arange(4).repeat_interleave(8 * self.batches)
+        x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
+        return DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=32, shuffle=False)
+
+
 @pytest.mark.filterwarnings("ignore:Using a target size")
-@pytest.mark.parametrize("planted, cause", [(BatchSoftmax, "softmax_over_batch"), (Broadcast, "shared_target"),
-                                            (SigmoidTwice, "probabilities_into_sigmoid")])
+@pytest.mark.parametrize("planted, kind, cause", [(BatchSoftmax, "learning_stalled", "softmax_over_batch"),
+                                                  (Broadcast, "learning_stalled", "shared_target"),
+                                                  (SigmoidTwice, "learning_stalled", "probabilities_into_sigmoid"),
+                                                  (SortedLabels, "single_class_batches", None)])
 def test_a_suspicion_of_the_models_output_held_at_the_checkpoint_is_reported_as_without_the_interruption(
-        tmp_path: Path, planted: type[BatchSoftmax], cause: str) -> None:
+        tmp_path: Path, planted: type[BatchSoftmax], kind: str, cause: str | None) -> None:
     """The first measured step after the resume keeps the hundred-step spacing of the run before it: otherwise the
     resumed run measured at its first check step (51) and judged 100 steps after it (151). Checkpointed at the end of
     the first epoch."""
     runs = interrupted_and_resumed(tmp_path, planted, checkpoint_step=planted.batches, crash_step=planted.batches + 10,
                                    steps=110)
-    assert "learning_stalled" in runs["held"], f"the checkpoint holds {runs['held']}"
+    assert kind in runs["held"], f"the checkpoint holds {runs['held']}"
     uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
-    assert uninterrupted["learning_stalled"][0] == 100, uninterrupted
+    assert uninterrupted[kind][0] == 100, uninterrupted
     assert resumed == uninterrupted
     events = [[(e["step"], e["details"].get("cause"), e["details"].get("since_step"), e.get("episode"))
-               for e in read_events(debug_dir(run)) if e["kind"] == "learning_stalled"]
+               for e in read_events(debug_dir(run)) if e["kind"] == kind]
               for run in (runs["uninterrupted"], runs["resumed"])]
     assert events[1] == events[0] == [(100, cause, 0, "start"), (109, None, None, "end")], events
