@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.activations import (
+    BATCH_LABELS,
     RELU_LIKE,
     ROW,
-    BATCH_LABELS,
     SHARED,
     SIGMOID_TWICE,
     SIMPLEX,
@@ -396,7 +396,7 @@ class ActivationMonitor(Monitor):
                 and last.requires_grad and self._judges(step))
 
     def _judges(self, step: int) -> bool:
-        """Whether ``learning_stalled`` is judged at ``step``: at most once every ``JUDGED_EVERY`` steps."""
+        """Whether the rules on the model's output are judged at ``step``: at most once every ``JUDGED_EVERY`` steps."""
         return self.probabilities_judged < 0 or step - self.probabilities_judged >= JUDGED_EVERY
 
     @staticmethod
@@ -441,7 +441,7 @@ class ActivationMonitor(Monitor):
         gradient = (pending.gradient_read.values() if pending.gradient_read is not None
                     else [math.nan] * len(OUTPUT_GRADIENT))
         scale = rows[-1].get("max_abs", math.nan) if rows else math.nan
-        self._judge_probabilities(step, where, outputs, simplex, loss, pending.tolerance, gradient, scale)
+        self._judge_output(step, where, outputs, simplex, loss, pending.tolerance, gradient, scale)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -454,7 +454,7 @@ class ActivationMonitor(Monitor):
                                        step)
         self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES})
 
-    def _judge_probabilities(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
+    def _judge_output(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
                              loss: float, tolerance: float, gradient: Sequence[float] = (),
                              scale: float = math.nan) -> None:
         """The gradient area's rules on what only this monitor measures, at most once every ``JUDGED_EVERY`` steps,
