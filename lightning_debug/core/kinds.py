@@ -515,7 +515,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "sampler, a dataset built class by class). The model learns one class at a time and forgets the "
                "others, so the training loss looks low while the model answers only the class it saw last. Pass "
                "`shuffle=True` to the training DataLoader (or a `RandomSampler`); with an `IterableDataset`, shuffle "
-               "a buffer or the shards.",
+               "a buffer or the shards. Classes presented one after another on purpose (class-incremental "
+               "learning) give the same finding.",
         hint="the training data is sorted by label: shuffle=True in the training DataLoader",
         confirm=Confirm(patience=2, backdate=False)),
     Kind.REPLICAS_DIVERGED: KindSpec(
