@@ -1,9 +1,9 @@
-"""``learning_stalled``: every param group's learning rate is 0, or under :data:`NEGLIGIBLE_LR` of its base, far from
+"""``learning_stalled``: every param group's learning rate is 0, or at most :data:`NEGLIGIBLE_LR` of its base, far from
 the end of the run.
 
 A schedule that reaches 0 early stops training with no NaN and no error, and so does one that decays without end
-(``StepLR(step_size=30, gamma=0.1)`` written per epoch and registered per step is 1e-6 of its base by step 180, never
-0). A warm-up from 0 is ruled out by the
+(``StepLR(step_size=30, gamma=0.1)`` written per epoch and registered per step is about 1e-6 of its base from step 180,
+never 0). A warm-up from 0 is ruled out by the
 kind's policy, a decay to 0 at the end by judging only before :data:`END_SHARE` of a run of known length, a group
 frozen on purpose by needing every group at 0; a base learning rate of 0 is ``frozen_param``. Without a scheduler
 the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall::
@@ -94,7 +94,7 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     by = f" by {', '.join(schedulers)}" if schedulers else " by the training code (no scheduler)"
     rates = sorted({float(group["lr"]) for group in groups if isinstance(group.get("lr"), (int, float))})
     level = ("0" if not any(rates) else
-             f"{', '.join(f'{lr:.3g}' for lr in rates)}, under {NEGLIGIBLE_LR:g} of its base and so 0 in effect")
+             f"{', '.join(f'{lr:.3g}' for lr in rates)}, at most {NEGLIGIBLE_LR:g} of its base and so 0 in effect")
     cause = ("a scheduler that reaches 0 early is the usual cause" if not any(rates) else
              "a schedule that decays without end is the usual cause (a step or exponential decay meant per epoch "
              "and registered per step: interval 'step' in Lightning's lr_scheduler config)")
