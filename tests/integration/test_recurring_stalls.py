@@ -43,8 +43,10 @@ class SlowCheckpoint(TinyRegressor):
 
 
 def slow_worker_setup(worker_id: int) -> None:
-    """A worker's setup that takes 0.15 s (opening files, loading an index): paid again whenever workers start."""
-    time.sleep(0.15)
+    """A worker's setup that takes 0.4 s (opening files, loading an index): paid again whenever workers start. Long
+    enough that a busy machine's delay in starting the worker processes (0.1-0.2 s under a 4x load of 2 cores) leaves
+    the recurrences at one cost: at 0.15 s one run in four under that load went unnamed."""
+    time.sleep(0.4)
 
 
 class WorkersEveryEpoch(TinyRegressor):
