@@ -100,9 +100,7 @@ def simplex_stats(output: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1] if x.dim() else 1
     if x.numel() == 0:
         return torch.full((len(SIMPLEX),), math.nan, dtype=torch.float32, device=x.device)
-    if x.dim() > 1 and not x.is_contiguous():  # reshape would copy it whole: first keep the leading items needed
-        x = x[:max(1, SIMPLEX_ROWS_ELEMENTS // max(1, x[0].numel()))]
-    rows = x.reshape(-1, width)[:max(1, SIMPLEX_ROWS_ELEMENTS // width)].float()
+    rows = leading(x, max(1, SIMPLEX_ROWS_ELEMENTS // width) * width).reshape(-1, width).float()
     low, high = torch.aminmax(rows)
     error = (rows.sum(-1) - 1).abs().max()
     logit_loss = (torch.logsumexp(rows, -1) - rows.amax(-1)).mean()
@@ -234,10 +232,9 @@ def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     middle = torch.where(read, scale, math.nan).nanmedian()
     fits = read & ((scale - middle).abs() <= tolerance * middle.abs())
     counted = read.sum()
-    fit = torch.where(counted > 0, fits.sum() / counted.clamp_min(1), math.nan)
     within = (o.amin() >= 0) & (o.amax() <= 1)
-    return torch.stack([torch.where(within, fit, torch.where(counted > 0, 0.0, math.nan)),
-                        (positive & fits).sum() / fits.sum().clamp_min(1)])
+    fit = torch.where(counted > 0, torch.where(within, fits.sum() / counted.clamp_min(1), 0.0), math.nan)
+    return torch.stack([fit, (positive & fits).sum() / fits.sum().clamp_min(1)])
 
 
 BATCH_LABELS = ("labelled_share", "first_label", "last_label", "in_order", "shortest_run")
@@ -276,11 +273,9 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     run = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long, device=g.device), (steps != 0).long()]), 0) - 1
     runs = torch.zeros(len(g), device=g.device).scatter_add_(0, run, torch.ones(len(g), device=g.device))
     shortest = torch.where(runs > 0, runs, math.inf).amin()
-    counted = form.sum()
-    found = torch.stack([counted / read.sum().clamp_min(1), labels[0].float(), labels[-1].float(), in_order, shortest])
-    nothing = torch.full_like(found, math.nan)
-    return torch.where(counted > 0, found, torch.where(read.any(), nothing.index_fill(0, torch.tensor(
-        [0], device=g.device), 0.0), nothing))
+    share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
+    found = torch.stack([labels[0].float(), labels[-1].float(), in_order, shortest])
+    return torch.cat([share.reshape(1), torch.where(form.any(), found, math.nan)])
 
 
 def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

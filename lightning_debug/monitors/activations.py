@@ -464,8 +464,7 @@ class ActivationMonitor(Monitor):
         if not outputs or not self._judges(step):
             return
         output, described = outputs[-1], describe(outputs[-1])
-        values = list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)
-        fit, misfit, target, sigmoid_fit, positives = values[:5]
+        read = dict(zip(OUTPUT_GRADIENT, list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)))
         held = {key: self.verdicts.latest(kind, key)
                 for kind, key in ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))}
 
@@ -479,14 +478,15 @@ class ActivationMonitor(Monitor):
             CHANCE: (stalled, lambda since: chance_suspicion(step, since, described, output.label, output.shape,
                                                              loss)),
             BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(
-                step, since, described, output.label, output.shape, loss, fit)),
+                step, since, described, output.label, output.shape, loss, read["batch_softmax_fit"])),
             SHARED_TARGET: (stalled, lambda since: shared_target_suspicion(
-                step, since, described, output.label, output.shape, loss, [misfit, target], scale, tolerance,
-                measured(SHARED_TARGET, "target"))),
+                step, since, described, output.label, output.shape, loss, [read[name] for name in SHARED], scale,
+                tolerance, measured(SHARED_TARGET, "target"))),
             SIGMOID: (stalled, lambda since: sigmoid_suspicion(
-                step, since, described, output.label, output.shape, loss, sigmoid_fit, positives)),
+                step, since, described, output.label, output.shape, loss, *[read[name] for name in SIGMOID_TWICE])),
             SINGLE_CLASS: (single, lambda since: single_class_suspicion(
-                step, since, described, output.label, output.shape, values[5:], measured(SINGLE_CLASS, "labels"))),
+                step, since, described, output.label, output.shape, [read[name] for name in BATCH_LABELS],
+                measured(SINGLE_CLASS, "labels"))),
         }
         judged = [key for key in rules if key not in self.cleared]
         if not judged:
@@ -502,7 +502,9 @@ class ActivationMonitor(Monitor):
                 self.cleared.add(key)
         for kind, suspicions in found.items():
             keys = [key for key in judged if rules[key][0] is kind]
-            for confirmed in self.verdicts.observe(kind, step, suspicions, judged=keys) if keys else []:
+            if not keys:
+                continue
+            for confirmed in self.verdicts.observe(kind, step, suspicions, judged=keys):
                 if confirmed.latest.finding is not None:
                     self.record(confirmed.latest.finding, step, where, key=confirmed.key)
 
