@@ -188,6 +188,15 @@ def loss_issue() -> Iterator[Case]:
                    ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
                    "a sigmoid output fed to binary_cross_entropy_with_logits (the sigmoid applied twice)",
                    needs="the output's gradient (sigmoid(p) - label) / n on an output in [0, 1]")
+    for loss, out_act in (("ce", "softmax"), ("bce_logits", "sigmoid")):
+        buggy, twin = _pair(Program(out_act=out_act, loss=loss, criterion=True, optimizer="adam", lr=1e-3),
+                            out_act=None)
+        yield Case(f"loss-{out_act}-twice-module-adam", "loss_issue",
+                   "AutoTrainer" if loss == "ce" else "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,
+                   ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
+                   f"an nn.{'Softmax' if loss == 'ce' else 'Sigmoid'} output fed to the loss as a module, "
+                   f"self.criterion = nn.{'CrossEntropyLoss' if loss == 'ce' else 'BCEWithLogitsLoss'}() (the "
+                   f"{out_act} applied twice)", needs="the model's output taken from the call before the loss's")
     for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(loss="bce_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             out_act="sigmoid")

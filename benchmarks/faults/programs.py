@@ -54,6 +54,7 @@ class Program:
     target_scale: float = 1.0
     shuffle_labels: bool = False
     loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce
+    criterion: bool = False           # the loss as a module attribute (self.criterion = nn.CrossEntropyLoss())
     fault: str | None = None
     fault_step: int = 5
     fixed: bool = False
@@ -96,6 +97,8 @@ def data(program: Program) -> Dataset:
     return TensorDataset(inputs, targets)
 
 
+CRITERIA = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce_raw": nn.BCELoss, "bce_logits": nn.BCEWithLogitsLoss,
+            "nll_raw": nn.NLLLoss}
 ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "leaky": lambda: nn.LeakyReLU(0.1),
                "softmax": lambda: nn.Softmax(dim=-1)}
 
@@ -112,6 +115,7 @@ class FaultProgram(pl.LightningModule):
         self.acts = nn.ModuleList(ACTIVATIONS[p.act]() for _ in sizes[1:])
         self.head = nn.Linear(p.width, p.classes if p.task == "classify" else 1)
         self.out_act = ACTIVATIONS[p.out_act]() if p.out_act else None
+        self.criterion = CRITERIA[p.loss]() if p.criterion else None
         self._initialise()
 
     def _initialise(self) -> None:
@@ -174,6 +178,8 @@ class FaultProgram(pl.LightningModule):
                 return F.cross_entropy(z, y)
             e = torch.exp(z)
             return -torch.log(e.gather(1, y[:, None]) / e.sum(1, keepdim=True)).mean()
+        if self.criterion is not None:
+            return self.criterion(z, y if p.loss in ("ce", "nll_raw") else F.one_hot(y, p.classes).float())
         if p.loss == "bce_raw":
             return F.binary_cross_entropy(z, F.one_hot(y, p.classes).float())
         if p.loss == "bce_logits":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -297,6 +298,63 @@ def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         elif next(module.children(), None) is None:
             leaves.append((name, module))
     return leaves
+
+
+GRAPH_NODES = 512
+"""How many autograd nodes :func:`gives_loss` walks before it answers "unknown" (a healthy model's output is a few
+nodes from its loss: the loss function, a reshape, a cast)."""
+WEIGHT_CHAIN = 4
+
+
+def _weight_input(node: Any) -> bool:
+    """Whether an autograd node is a layer's weight (a parameter of more than one value), or leads to one through a
+    chain of single-input nodes (a transpose, a cast, a view: ``F.linear(x, embedding.weight)``'s weight). A scalar
+    parameter (a learnt temperature, a loss's learnt weight) scales what it meets: it makes no layer."""
+    for _ in range(WEIGHT_CHAIN + 1):
+        if hasattr(node, "variable"):
+            return node.variable.numel() > 1
+        inputs = [child for child, _ in node.next_functions if child is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0]
+    return False
+
+
+def gives_loss(loss: torch.Tensor, output: torch.Tensor) -> bool | None:
+    """Whether ``output`` is the model's output: the loss is computed from it through operations that take no
+    parameter of their own (a reshape, a loss function), so no layer the forward hooks did not see comes between
+    them (a head built in ``forward``, ``h @ self.weight``, a weight-tied ``F.linear``). None when the graph does not
+    say: no graph, more than :data:`GRAPH_NODES` nodes walked, or a loss that does not depend on the model at all
+    (``torch.tensor(loss.item(), requires_grad=True)``: ``missing_grad`` names that).
+
+    >>> body, head = nn.Linear(3, 4), nn.Parameter(torch.randn(2, 4))
+    >>> hidden = torch.relu(body(torch.randn(5, 3)))
+    >>> gives_loss(hidden.sum(), hidden), gives_loss((hidden @ head.T).sum(), hidden)
+    (True, False)
+    >>> gives_loss((hidden * nn.Parameter(torch.ones(()))).sum(), hidden)  # a learnt scale makes no layer
+    True
+    >>> gives_loss(torch.tensor(1.0), hidden), gives_loss(torch.tensor(1.0, requires_grad=True).clone(), hidden)
+    (None, None)
+    """
+    target, root = output.grad_fn, loss.grad_fn
+    if target is None or root is None:
+        return None
+    frontier, seen, behind_weights = [root], set(), False
+    while frontier:
+        node = frontier.pop(0)
+        if node is target:
+            return True
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > GRAPH_NODES:
+            return None
+        inputs = [child for child, _ in node.next_functions if child is not None]
+        if any(_weight_input(child) for child in inputs):
+            behind_weights = True
+        else:
+            frontier.extend(inputs)
+    return False if behind_weights else None
 
 
 def first_floating(output: object) -> torch.Tensor | None:

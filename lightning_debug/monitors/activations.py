@@ -48,6 +48,7 @@ from lightning_debug.checks.activations import (
     batch_softmax_fit,
     first_floating,
     fit_tolerance,
+    gives_loss,
     leaf_modules,
     metric_names,
     output_stats,
@@ -190,14 +191,15 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
 
 def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
                         loss: float = math.nan, first_loss: float = math.nan,
-                        first_saturated: float = math.nan) -> list[Finding]:
+                        first_saturated: float = math.nan, model_output: int | None = -1) -> list[Finding]:
     """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
 
     On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its range.
     Ruled out: outputs under :data:`MIN_ELEMENTS` values (noise; the model's output, held, needs
     :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32), the model's output saturated already at the first
     check (built confident), or while the loss fell under :data:`LOSS_KEPT` of the first check's (a classifier's
-    confident sigmoid is its job), and a NaN statistic. Saturation is held by the kind's policy::
+    confident sigmoid is its job), and a NaN statistic. ``model_output``: the index of the call that gives the model's
+    output (the last by default; None when none does). Saturation is held by the kind's policy::
 
         >>> relu = Output("act", "ReLU", [8, 16], relu_like=True, saturating=False, fed_by="fc (Linear)")
         >>> [f.kind.value for f in activation_findings(3, [relu], [{"zero_fraction": 1.0, "max_abs": 0.0}])]
@@ -205,7 +207,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     """
     found = []
     for index, (output, stats) in enumerate(zip(outputs, rows)):
-        last = index == len(outputs) - 1
+        last = model_output is not None and index == model_output % len(outputs)
         if output.numel < (MIN_OUTPUT_ELEMENTS if last else MIN_ELEMENTS):
             continue
         if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
@@ -249,6 +251,7 @@ class PendingStats:
     stats: Readback
     histograms: Readback | None
     tolerance: float = 1e-3  # of the model's output on the simplex, for its dtype
+    output: int | None = -1  # the index of the call that gives the model's output (None: none does)
     gradient: torch.Tensor | None = None  # the output gradient's OUTPUT_GRADIENT, written by the backward
     gradient_read: Readback | None = None  # made at the batch's end, once the backward ran
 
@@ -278,13 +281,15 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
+        self._output: tuple[int, torch.Tensor] | None = None  # the last call whose output may be the model's
         self.cleared: set[str] = set()  # the learning_stalled causes a reading proved are not the case, for good
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _pending=[])
+        return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _output=None,
+                    _pending=[])
 
     def start(self, step: int) -> None:
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
@@ -342,6 +347,8 @@ class ActivationMonitor(Monitor):
             self._outputs.append(Output(label, type(module).__name__, list(tensor.shape),
                                         isinstance(module, RELU_LIKE), saturation is not None, fed_by))
             self._previous = (f"{label} ({type(module).__name__})", tensor)
+            if tensor.dim() >= 1 and tensor.requires_grad:
+                self._output = (len(self._outputs) - 1, tensor)
         return observe
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
@@ -360,14 +367,16 @@ class ActivationMonitor(Monitor):
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._previous = [], None
+        self._handles, self._previous, self._output = [], None, None
 
     def _end_forward(self, loss: torch.Tensor | None = None) -> None:
         """The forward is over: take the hooks off and read the statistics and the loss back."""
         if not self._handles:
             return
-        last = self._previous[1] if self._previous is not None else None  # the model's output: the last call's
+        index, last = self._output if self._output is not None else (None, None)
         self._remove_hooks()
+        if last is not None and isinstance(loss, torch.Tensor) and gives_loss(loss, last) is False:
+            index, last = None, None
         if not self._rows:
             return
         device = self._rows[0].device
@@ -380,7 +389,8 @@ class ActivationMonitor(Monitor):
                                    + [simplex.to(device, non_blocking=True), measured]), blocking=False)
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
-        pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance)
+        pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance,
+                               index)
         if last is not None and self._judges_gradient(pending.step, last):
             pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
             last.register_hook(_writes_gradient(pending.gradient, last.detach()))
@@ -417,7 +427,8 @@ class ActivationMonitor(Monitor):
         rows, simplex, loss = split_stats(values[:-1 - width], outputs), values[-1 - width:-1], values[-1]
         if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
             self.first_loss = loss
-            self.first_saturated = rows[-1].get("saturated_fraction", math.nan)
+            self.first_saturated = (rows[pending.output].get("saturated_fraction", math.nan)
+                                    if pending.output is not None else math.nan)
         metrics: dict[str, float] = {}
         logged = self.config.log_activations
         self.latest, self.latest_step = {}, step
@@ -426,7 +437,8 @@ class ActivationMonitor(Monitor):
                 metrics.update({f"debug/activation/{name}/{stat}": stats[stat] for stat in STATS if stat in stats})
             if logged and len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
-        found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated)
+        found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated,
+                                    pending.output)
         saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f, where=where)
                      for f in found if f.kind is Kind.SATURATED_ACTIVATION]
         for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
@@ -440,8 +452,9 @@ class ActivationMonitor(Monitor):
                 self._flag(finding, step, where)
         gradient = (pending.gradient_read.values() if pending.gradient_read is not None
                     else [math.nan] * len(OUTPUT_GRADIENT))
-        scale = rows[-1].get("max_abs", math.nan) if rows else math.nan
-        self._judge_output(step, where, outputs, simplex, loss, pending.tolerance, gradient, scale)
+        if pending.output is not None:
+            scale = rows[pending.output].get("max_abs", math.nan)
+            self._judge_output(step, where, outputs[pending.output], simplex, loss, pending.tolerance, gradient, scale)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -454,16 +467,15 @@ class ActivationMonitor(Monitor):
                                        step)
         self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES})
 
-    def _judge_output(self, step: int, where: Where, outputs: Sequence[Output], simplex: Sequence[float],
-                             loss: float, tolerance: float, gradient: Sequence[float] = (),
-                             scale: float = math.nan) -> None:
+    def _judge_output(self, step: int, where: Where, output: Output, simplex: Sequence[float], loss: float,
+                      tolerance: float, gradient: Sequence[float] = (), scale: float = math.nan) -> None:
         """The gradient area's rules on what only this monitor measures, at most once every ``JUDGED_EVERY`` steps,
         each never again once a reading proved it is not the case: ``learning_stalled``
         (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``, ``shared_target``,
         ``probabilities_into_sigmoid``) and ``single_class_batches``."""
-        if not outputs or not self._judges(step):
+        if not self._judges(step):
             return
-        output, described = outputs[-1], describe(outputs[-1])
+        described = describe(output)
         read = dict(zip(OUTPUT_GRADIENT, list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)))
         held = {key: self.verdicts.latest(kind, key)
                 for kind, key in ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))}

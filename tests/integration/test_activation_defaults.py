@@ -1,14 +1,16 @@
-"""Issue 45: the activation and fade classes named at the default level (``log_activations`` off), each beside its
-fixed twin, through a real Trainer: a steady fade of gradients through eight sigmoid layers (``vanishing_grad``),
-a ReLU on the output logits (``dead_activation``), a tanh on a regression output whose targets it cannot reach
+"""Issue 45: the activation and fade classes named at the default level (``log_activations`` off), each beside its fixed
+twin, through a real Trainer: a steady fade of gradients through eight sigmoid layers (``vanishing_grad``), a ReLU on
+the output logits (``dead_activation``), a tanh on a regression output whose targets it cannot reach
 (``saturated_activation``) and a softmax on the output that ``cross_entropy`` softmaxes again (``learning_stalled``,
-``probabilities_into_log_softmax``), and a loss normalised over the batch (``learning_stalled``, ``softmax_over_batch``),
-beside a contrastive loss over the batch, and an (N,) target broadcast against an (N, 1) output (``learning_stalled``,
-``shared_target``) beside a least-squares GAN's constant targets, and a sigmoid on the output that
-``binary_cross_entropy_with_logits`` applies again (``learning_stalled``, ``probabilities_into_sigmoid``) beside the
-logits and the sigmoid with the losses made for them; training data sorted by label and not shuffled
-(``single_class_batches``) beside the same data shuffled and unbalanced labels. The ``debug/activation/*`` scalars
-stay behind ``log_activations``.
+``probabilities_into_log_softmax``), and a loss normalised over the batch (``learning_stalled``,
+``softmax_over_batch``), beside a contrastive loss over the batch, and an (N,) target broadcast against an (N, 1)
+output (``learning_stalled``, ``shared_target``) beside a least-squares GAN's constant targets, and a sigmoid on the
+output that ``binary_cross_entropy_with_logits`` applies again (``learning_stalled``, ``probabilities_into_sigmoid``)
+beside the logits and the sigmoid with the losses made for them; training data sorted by label and not shuffled
+(``single_class_batches``) beside the same data shuffled and unbalanced labels; the same output rules with the loss
+as a module (``self.criterion``, a leaf the hooks see, called after the output) and with a head the hooks do not see
+(``h @ weight.T``: the last call is a hidden layer's). The ``debug/activation/*`` scalars stay behind
+``log_activations``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -29,12 +32,17 @@ from tests.harness.toolkit import debug_dir, fit_seeded, read_events, read_scala
 WARNING_OR_ABOVE = ("warning", "error", "critical")
 
 
+CRITERIA = {"ce": nn.CrossEntropyLoss, "ce_per_sample": lambda: nn.CrossEntropyLoss(reduction="none"),
+            "bce_logits": nn.BCEWithLogitsLoss, "bce": nn.BCELoss, "mse_one_hot": nn.MSELoss}
+
+
 class Net(pl.LightningModule):
     """An MLP: ``layers.N`` and ``acts.N``, a ``head`` and an optional ``out_act`` on the output."""
 
     def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
-                 kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0, order: str = "random") -> None:
+                 kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0, order: str = "random",
+                 module_loss: bool = False, metric: bool = False) -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -48,6 +56,9 @@ class Net(pl.LightningModule):
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         self.order = order  # random | sorted (by label, not shuffled) | shuffled (sorted, then shuffle=True)
         # | unbalanced (99.5% of the labels 0, shuffled)
+        self.criterion = CRITERIA[loss]() if module_loss else None  # the loss as a module: a leaf the hooks see
+        self.metric = (torchmetrics.classification.MulticlassAccuracy(num_classes=4, average=None) if metric
+                       else None)  # per-class accuracy, called on the output before the loss: a leaf too
         if kaiming:
             for layer in self.layers:
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
@@ -61,6 +72,10 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         z = self(x)
+        if self.metric is not None:
+            self.metric(z, y)
+        if self.criterion is not None:
+            return self.criterion(z, y if self.loss.startswith("ce") else F.one_hot(y, 4).float()).mean()
         if self.regress and self.loss == "broadcast":
             return F.mse_loss(z, y.squeeze(-1))
         if self.regress and self.loss == "least_squares_gan":
@@ -135,6 +150,33 @@ def test_a_relu_on_the_output_logits_is_dead_activation_at_the_defaults_without_
     assert not [tag for tag in read_scalars(log_dir) if tag.startswith("debug/activation/")]
     twin, _ = fit(tmp_path / "twin", Net(optimizer="adam", lr=1e-3), steps=101, every=20)
     assert warnings_of(twin) == []
+
+
+class FunctionalHead(Net):
+    """The head applied as ``x @ head.weight.T + head.bias`` (a weight-tied head's form): the module ``head`` never
+    runs, so the last call the hooks see is the hidden ReLU ``acts.2``, one of whose 32 units is dead (bias -50)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        with torch.no_grad():
+            self.layers[-1].bias[0] = -50.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, act in zip(self.layers, self.acts):
+            x = act(layer(x))
+        z = x @ self.head.weight.T + self.head.bias
+        return self.out_act(z) if self.out_act is not None else z
+
+
+def test_a_hidden_relu_before_a_head_the_hooks_do_not_see_is_not_the_models_output(tmp_path: Path) -> None:
+    """One dead unit of 32 in a hidden layer is no finding; taking the hidden ReLU for the output (the last call the
+    hooks saw) named it "a ReLU on the output". The twin puts a ReLU module on that head's output: still named."""
+    events, _ = fit(tmp_path / "healthy", FunctionalHead(optimizer="adam", lr=1e-3), steps=101, every=20)
+    assert warnings_of(events) == []
+    events, _ = fit(tmp_path / "buggy", FunctionalHead(out_act=nn.ReLU(), optimizer="adam", lr=1e-3), steps=101,
+                    every=20)
+    dead = [e for e in events if e["kind"] == "dead_activation"]
+    assert dead and dead[0]["details"]["modules"] == ["out_act"] and dead[0]["details"]["output"], warnings_of(events)
 
 
 @pytest.mark.parametrize("scale", [20.0])
@@ -268,6 +310,30 @@ def test_logits_into_bce_with_logits_and_a_sigmoid_into_bce_or_mse_are_quiet(tmp
              else Net(out_act=nn.Sigmoid(), optimizer="adam", lr=1e-3, loss=twin))
     events, _ = fit(tmp_path, model, steps=201, every=20)
     assert warnings_of(events) == []
+
+
+@pytest.mark.parametrize(("out_act", "loss", "cause", "metric"), [
+    (nn.Softmax(dim=-1), "ce", "probabilities_into_log_softmax", False),
+    (nn.Softmax(dim=-1), "ce", "probabilities_into_log_softmax", True),
+    (nn.Sigmoid(), "bce_logits", "probabilities_into_sigmoid", False), (None, "ce", None, False),
+    (None, "ce", None, True), (None, "ce_per_sample", None, False), (None, "bce_logits", None, False),
+    (nn.Sigmoid(), "bce", None, False), (nn.Sigmoid(), "mse_one_hot", None, False)])
+def test_the_loss_as_a_module_leaves_the_model_output_to_the_call_before_it(
+        tmp_path: Path, out_act: nn.Module | None, loss: str, cause: str | None, metric: bool) -> None:
+    """``self.criterion = nn.CrossEntropyLoss()`` is a leaf the hooks see, called last with the loss as its output:
+    the model's output is the call before it (the last with an output of a dimension or more), so a softmax before
+    ``CrossEntropyLoss`` and a sigmoid before ``BCEWithLogitsLoss`` are named as with the functional losses (they
+    printed "No problems found"), and the losses made for what the model gives are quiet (one per sample too). A
+    torchmetrics metric called on the output before the loss is a leaf too, whose output has no graph: not the
+    model's output either."""
+    model = Net(out_act=out_act, optimizer="adam", lr=1e-3, loss=loss, module_loss=True, metric=metric)
+    events, _ = fit(tmp_path, model, steps=201, every=20)
+    if cause is None:
+        assert warnings_of(events) == []
+        return
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
+    assert stalled[0]["details"]["modules"] == ["out_act"]
 
 
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:

@@ -39,8 +39,15 @@ uniform rows varies by less; a model that learned anything is further below."""
 def chance_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
                    loss: float) -> tuple[Finding | None, bool]:
     """This judgement's suspicion of ``loss_at_chance`` (its finding, or None), and whether the loss proves the model
-    learned something (below chance: the run is cleared for good). ``since``: the step the hold began."""
-    classes = shape[-1] if shape else 0
+    learned something (below chance: the run is cleared for good). ``since``: the step the hold began. An output of
+    one dimension has no classes to guess among (a regression's (N,), a loss per sample)::
+
+        >>> chance_finding(300, 0, "`head` (Linear)", "head", [32], math.log(32))
+        (None, False)
+        >>> chance_finding(300, 0, "`head` (Linear)", "head", [32, 4], math.log(4))[0].details["classes"]
+        4
+    """
+    classes = shape[-1] if len(shape) >= 2 else 0
     if classes < 2 or not math.isfinite(loss):
         return None, False
     chance = math.log(classes)
