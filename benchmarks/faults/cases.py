@@ -197,6 +197,14 @@ def loss_issue() -> Iterator[Case]:
                    f"an nn.{'Softmax' if loss == 'ce' else 'Sigmoid'} output fed to the loss as a module, "
                    f"self.criterion = nn.{'CrossEntropyLoss' if loss == 'ce' else 'BCEWithLogitsLoss'}() (the "
                    f"{out_act} applied twice)", needs="the model's output taken from the call before the loss's")
+    for loss, out_fn in (("ce", "softmax"), ("bce_logits", "sigmoid")):
+        buggy, twin = _pair(Program(out_fn=out_fn, loss=loss, optimizer="adam", lr=1e-3), out_fn=None)
+        yield Case(f"loss-{out_fn}-twice-functional-adam", "loss_issue",
+                   "AutoTrainer" if loss == "ce" else "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,
+                   ("learning_stalled",), (0, buggy.steps), r"`model` \(",
+                   f"{'F.softmax' if loss == 'ce' else 'torch.sigmoid'} written at the end of forward, its output "
+                   f"fed to {'cross_entropy' if loss == 'ce' else 'binary_cross_entropy_with_logits'} (the {out_fn} "
+                   "applied twice)", needs="the model's output taken from what forward returns")
     for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(loss="bce_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             out_act="sigmoid")

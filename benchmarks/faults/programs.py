@@ -44,6 +44,7 @@ class Program:
     depth: int = 3
     act: str = "relu"                 # relu | sigmoid | tanh | leaky
     out_act: str | None = None        # relu | sigmoid | tanh | softmax applied to the logits
+    out_fn: str | None = None         # sigmoid | softmax written in forward (torch.sigmoid, F.softmax), no module
     init: str = "default"             # default | small | large | kaiming | xavier | neg_bias
     bias_value: float = 0.0
     batchnorm: bool = False
@@ -99,6 +100,7 @@ def data(program: Program) -> Dataset:
 
 CRITERIA = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce_raw": nn.BCELoss, "bce_logits": nn.BCEWithLogitsLoss,
             "nll_raw": nn.NLLLoss}
+FUNCTIONS = {"sigmoid": torch.sigmoid, "softmax": lambda z: F.softmax(z, dim=-1)}
 ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "leaky": lambda: nn.LeakyReLU(0.1),
                "softmax": lambda: nn.Softmax(dim=-1)}
 
@@ -167,6 +169,8 @@ class FaultProgram(pl.LightningModule):
         z = self.head(h)
         if self.program.fault == "exp_overflow" and self._planted_now():
             z = z + 100.0 * torch.arange(z.shape[-1], dtype=z.dtype)   # one confident batch: logits near 300
+        if self.program.out_fn is not None:
+            return FUNCTIONS[self.program.out_fn](z)
         return self.out_act(z) if self.out_act is not None else z
 
     def loss_of(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -357,6 +357,46 @@ def gives_loss(loss: torch.Tensor, output: torch.Tensor) -> bool | None:
     return False if behind_weights else None
 
 
+def container_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules with children, by name (the model itself as ``""``), outside a ``torch.compile`` wrapper: what
+    they return is the model's output when it is computed after the last layer (a softmax written in ``forward``).
+
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
+    >>> [name for name, _ in container_modules(model)]
+    ['', '1']
+    """
+    leaves = {id(module) for _, module in leaf_modules(model)}
+    inside: list[str] = []
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(not prefix or name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if id(module) in leaves:
+            if next(module.children(), None) is not None:
+                inside.append(name)  # a compiled wrapper: observed from outside, as one leaf
+            continue
+        found.append((name, module))
+    return found
+
+
+def same_values(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two tensors are one tensor's values: itself, or a view of it of as many values (a ``squeeze(-1)``, a
+    ``view``), read from their storage without touching the data.
+
+    >>> x = torch.randn(4, 1)
+    >>> same_values(x, x), same_values(x, x.squeeze(-1)), same_values(x, x[:2]), same_values(x, x * 2)
+    (True, True, False, False)
+    """
+    if first is second:
+        return True
+    try:
+        return (first.numel() == second.numel() and first.dtype == second.dtype
+                and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+                and first.data_ptr() == second.data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a DTensor, a fake tensor)
+        return False
+
+
 def first_floating(output: object) -> torch.Tensor | None:
     """The tensor a module's output is judged by: itself, or the first floating tensor of a tuple/list/dict
     (an LSTM's ``(output, (h, c))``)."""

@@ -46,12 +46,14 @@ from lightning_debug.checks.activations import (
     STATS,
     batch_labels,
     batch_softmax_fit,
+    container_modules,
     first_floating,
     fit_tolerance,
     gives_loss,
     leaf_modules,
     metric_names,
     output_stats,
+    same_values,
     saturation_range,
     shared_target,
     sigmoid_twice,
@@ -281,7 +283,8 @@ class ActivationMonitor(Monitor):
         self._histogram_rows: list[torch.Tensor] = []
         self._calls: dict[str, int] = {}
         self._previous: tuple[str, torch.Tensor] | None = None  # "label (type)" and output, to name who feeds whom
-        self._output: tuple[int, torch.Tensor] | None = None  # the last call whose output may be the model's
+        # the last call whose output may be the model's: its row (None: a module with children), output, label, type
+        self._output: tuple[int | None, torch.Tensor, str, str] | None = None
         self.cleared: set[str] = set()  # the learning_stalled causes a reading proved are not the case, for good
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
@@ -330,6 +333,8 @@ class ActivationMonitor(Monitor):
         self.ledger.instrument(step)
         for name, module in leaf_modules(model):
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
+        for name, module in container_modules(model):
+            self._handles.append(module.register_forward_hook(self._returns_for(name)))
 
     def _hook_for(self, name: str) -> Any:
         def observe(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -348,7 +353,19 @@ class ActivationMonitor(Monitor):
                                         isinstance(module, RELU_LIKE), saturation is not None, fed_by))
             self._previous = (f"{label} ({type(module).__name__})", tensor)
             if tensor.dim() >= 1 and tensor.requires_grad:
-                self._output = (len(self._outputs) - 1, tensor)
+                self._output = (len(self._outputs) - 1, tensor, label, type(module).__name__)
+        return observe
+
+    def _returns_for(self, name: str) -> Any:
+        """What a module with children returns, when it is not its last call's output as it is or reshaped (a
+        ``squeeze(-1)``): the model's output written after its last layer (``F.softmax(self.head(h), dim=1)``,
+        ``h @ self.weight.T``)."""
+        def observe(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            tensor = first_floating(output)
+            if tensor is None or tensor.dim() < 1 or not tensor.requires_grad:
+                return
+            if self._output is None or not same_values(self._output[1], tensor):
+                self._output = (None, tensor, name or "model", type(module).__name__)
         return observe
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
@@ -373,10 +390,14 @@ class ActivationMonitor(Monitor):
         """The forward is over: take the hooks off and read the statistics and the loss back."""
         if not self._handles:
             return
-        index, last = self._output if self._output is not None else (None, None)
+        candidate = self._output
         self._remove_hooks()
-        if last is not None and isinstance(loss, torch.Tensor) and gives_loss(loss, last) is False:
-            index, last = None, None
+        index, last = None, None
+        if candidate is not None and not (isinstance(loss, torch.Tensor) and gives_loss(loss, candidate[1]) is False):
+            index, last, label, module_type = candidate
+            if index is None and len(self._outputs) < MAX_OUTPUTS:
+                index = self._measure_returned(last, label, module_type)
+            last = last if index is not None else None
         if not self._rows:
             return
         device = self._rows[0].device
@@ -397,6 +418,15 @@ class ActivationMonitor(Monitor):
         self._pending.append(pending)
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
+
+    def _measure_returned(self, output: torch.Tensor, label: str, module_type: str) -> int:
+        """A row for the model's output that a module with children returned (no layer's): its index."""
+        self._rows.append(output_stats(output))
+        if self._histogram_writer is not None:
+            self._histogram_rows.append(histogram_summaries([output], HISTOGRAM_BINS)[0])
+        self._outputs.append(Output(label, module_type, list(output.shape), relu_like=False, saturating=False,
+                                    fed_by=None))
+        return len(self._outputs) - 1
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
         """Whether ``softmax_over_batch``, ``shared_target``, ``probabilities_into_sigmoid`` or

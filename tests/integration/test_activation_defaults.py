@@ -8,9 +8,9 @@ output (``learning_stalled``, ``shared_target``) beside a least-squares GAN's co
 output that ``binary_cross_entropy_with_logits`` applies again (``learning_stalled``, ``probabilities_into_sigmoid``)
 beside the logits and the sigmoid with the losses made for them; training data sorted by label and not shuffled
 (``single_class_batches``) beside the same data shuffled and unbalanced labels; the same output rules with the loss
-as a module (``self.criterion``, a leaf the hooks see, called after the output) and with a head the hooks do not see
-(``h @ weight.T``: the last call is a hidden layer's). The ``debug/activation/*`` scalars stay behind
-``log_activations``.
+as a module (``self.criterion``, a leaf the hooks see, called after the output), with a head the hooks do not see
+(``h @ weight.T``: the last call is a hidden layer's) and with the output written in ``forward`` (``F.softmax``). The
+``debug/activation/*`` scalars stay behind ``log_activations``.
 """
 
 from __future__ import annotations
@@ -36,13 +36,18 @@ CRITERIA = {"ce": nn.CrossEntropyLoss, "ce_per_sample": lambda: nn.CrossEntropyL
             "bce_logits": nn.BCEWithLogitsLoss, "bce": nn.BCELoss, "mse_one_hot": nn.MSELoss}
 
 
+FUNCTIONAL = {"softmax": lambda z: F.softmax(z, dim=1), "sigmoid": torch.sigmoid,
+              "log_softmax": lambda z: F.log_softmax(z, dim=1)}
+
+
 class Net(pl.LightningModule):
     """An MLP: ``layers.N`` and ``acts.N``, a ``head`` and an optional ``out_act`` on the output."""
 
     def __init__(self, act: type[nn.Module] = nn.ReLU, depth: int = 3, out_act: nn.Module | None = None,
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
                  kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0, order: str = "random",
-                 module_loss: bool = False, metric: bool = False) -> None:
+                 module_loss: bool = False, metric: bool = False, functional_out: str | None = None,
+                 squeeze: bool = False) -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -56,6 +61,8 @@ class Net(pl.LightningModule):
         self.wrong_labels = wrong_labels  # this many samples from the start have labels shuffled against inputs
         self.order = order  # random | sorted (by label, not shuffled) | shuffled (sorted, then shuffle=True)
         # | unbalanced (99.5% of the labels 0, shuffled)
+        self.functional_out = functional_out  # softmax | sigmoid | log_softmax, written in forward after the head
+        self.squeeze = squeeze  # forward returns a regression's (N, 1) output as (N,), a view of it
         self.criterion = CRITERIA[loss]() if module_loss else None  # the loss as a module: a leaf the hooks see
         self.metric = (torchmetrics.classification.MulticlassAccuracy(num_classes=4, average=None) if metric
                        else None)  # per-class accuracy, called on the output before the loss: a leaf too
@@ -67,7 +74,10 @@ class Net(pl.LightningModule):
         for layer, act in zip(self.layers, self.acts):
             x = act(layer(x))
         z = self.head(x)
-        return self.out_act(z) if self.out_act is not None else z
+        if self.functional_out is not None:
+            return FUNCTIONAL[self.functional_out](z)
+        z = self.out_act(z) if self.out_act is not None else z
+        return z.squeeze(-1) if self.squeeze else z
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -82,7 +92,9 @@ class Net(pl.LightningModule):
             fake = self(torch.randn_like(x))  # the discriminator's last call: scored against 0 every step
             return F.mse_loss(z, torch.ones_like(z)) + F.mse_loss(fake, torch.zeros_like(fake))
         if self.regress:
-            return F.mse_loss(z, y)
+            return F.mse_loss(z, y.squeeze(-1) if self.squeeze else y)
+        if self.loss == "nll":
+            return F.nll_loss(z, y)
         if self.loss == "nll_log":
             return F.nll_loss(torch.log(z), y)
         if self.loss == "mse_one_hot":
@@ -153,42 +165,59 @@ def test_a_relu_on_the_output_logits_is_dead_activation_at_the_defaults_without_
 
 
 class FunctionalHead(Net):
-    """The head applied as ``x @ head.weight.T + head.bias`` (a weight-tied head's form): the module ``head`` never
-    runs, so the last call the hooks see is the hidden ReLU ``acts.2``, one of whose 32 units is dead (bias -50)."""
+    """The head applied as ``x @ head.weight.T + head.bias`` (a weight-tied head's form), in ``forward`` or in
+    ``training_step`` after it (``in_step``): the module ``head`` never runs, so the last layer the hooks see is the
+    hidden ReLU ``acts.2``, one of whose 32 units is dead (bias -50). In ``forward``, the model's output is what
+    ``forward`` returns; in ``training_step``, the loss's graph shows a weight between ``acts.2`` and the loss, so no
+    call gives the output."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, in_step: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.in_step = in_step
         with torch.no_grad():
             self.layers[-1].bias[0] = -50.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer, act in zip(self.layers, self.acts):
             x = act(layer(x))
+        return x if self.in_step else self.head_of(x)
+
+    def head_of(self, x: torch.Tensor) -> torch.Tensor:
         z = x @ self.head.weight.T + self.head.bias
         return self.out_act(z) if self.out_act is not None else z
 
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        z = self.head_of(self(x)) if self.in_step else self(x)
+        return F.cross_entropy(z, y)
 
-def test_a_hidden_relu_before_a_head_the_hooks_do_not_see_is_not_the_models_output(tmp_path: Path) -> None:
+
+@pytest.mark.parametrize("in_step", [False, True], ids=["in_forward", "in_training_step"])
+def test_a_hidden_relu_before_a_head_the_hooks_do_not_see_is_not_the_models_output(tmp_path: Path,
+                                                                                   in_step: bool) -> None:
     """One dead unit of 32 in a hidden layer is no finding; taking the hidden ReLU for the output (the last call the
     hooks saw) named it "a ReLU on the output". The twin puts a ReLU module on that head's output: still named."""
-    events, _ = fit(tmp_path / "healthy", FunctionalHead(optimizer="adam", lr=1e-3), steps=101, every=20)
+    events, _ = fit(tmp_path / "healthy", FunctionalHead(in_step, optimizer="adam", lr=1e-3), steps=101, every=20)
     assert warnings_of(events) == []
-    events, _ = fit(tmp_path / "buggy", FunctionalHead(out_act=nn.ReLU(), optimizer="adam", lr=1e-3), steps=101,
-                    every=20)
+    events, _ = fit(tmp_path / "buggy", FunctionalHead(in_step, out_act=nn.ReLU(), optimizer="adam", lr=1e-3),
+                    steps=101, every=20)
     dead = [e for e in events if e["kind"] == "dead_activation"]
     assert dead and dead[0]["details"]["modules"] == ["out_act"] and dead[0]["details"]["output"], warnings_of(events)
 
 
+@pytest.mark.parametrize("squeeze", [False, True], ids=["n_by_1", "squeezed"])
 @pytest.mark.parametrize("scale", [20.0])
-def test_a_tanh_on_a_regression_output_beyond_its_range_is_saturated_activation(tmp_path: Path, scale: float) -> None:
-    buggy = Net(out_act=nn.Tanh(), regress=True, target_scale=scale, optimizer="adam", lr=1e-2)
+def test_a_tanh_on_a_regression_output_beyond_its_range_is_saturated_activation(tmp_path: Path, scale: float,
+                                                                                squeeze: bool) -> None:
+    """``squeezed``: ``forward`` returns the tanh's output as ``(N,)``, a view of the same values: the tanh is still
+    the model's output."""
+    buggy = Net(out_act=nn.Tanh(), regress=True, target_scale=scale, optimizer="adam", lr=1e-2, squeeze=squeeze)
     events, _ = fit(tmp_path / "buggy", buggy, steps=201, every=20)  # measured at 0, 100, 200: held 2 checks
     saturated = [e for e in events if e["kind"] == "saturated_activation"]
     assert saturated and saturated[0]["details"]["modules"] == ["out_act"], warnings_of(events)
     assert saturated[0]["details"]["loss"] >= 0.25 * saturated[0]["details"]["first_loss"]
-    twin, _ = fit(tmp_path / "twin", Net(regress=True, target_scale=scale, optimizer="adam", lr=1e-2), steps=201,
-                  every=20)
-    assert warnings_of(twin) == []
+    twin = Net(regress=True, target_scale=scale, optimizer="adam", lr=1e-2, squeeze=squeeze)
+    assert warnings_of(fit(tmp_path / "twin", twin, steps=201, every=20)[0]) == []
 
 
 def test_a_softmax_output_fed_to_cross_entropy_is_learning_stalled_at_its_floor(tmp_path: Path) -> None:
@@ -334,6 +363,25 @@ def test_the_loss_as_a_module_leaves_the_model_output_to_the_call_before_it(
     stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
     assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
     assert stalled[0]["details"]["modules"] == ["out_act"]
+
+
+@pytest.mark.parametrize(("functional_out", "loss", "cause"), [
+    ("softmax", "ce", "probabilities_into_log_softmax"), ("sigmoid", "bce_logits", "probabilities_into_sigmoid"),
+    ("log_softmax", "nll", None)])
+def test_an_output_written_in_forward_after_the_head_is_the_models_output(
+        tmp_path: Path, functional_out: str, loss: str, cause: str | None) -> None:
+    """``return F.softmax(self.head(x), dim=1)``: no module gives the probabilities, the module with children that
+    returns them does (the LightningModule's ``forward``), so the softmax before ``cross_entropy`` and the sigmoid
+    before ``binary_cross_entropy_with_logits`` are named from it as from an ``nn.Softmax`` (they printed "No problems
+    found": the head's logits were judged); ``nll_loss`` of a ``log_softmax`` written the same way is quiet."""
+    model = Net(functional_out=functional_out, optimizer="adam", lr=1e-3, loss=loss)
+    events, _ = fit(tmp_path, model, steps=201, every=20)
+    if cause is None:
+        assert warnings_of(events) == []
+        return
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
+    assert stalled[0]["details"]["modules"] == ["model"]
 
 
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
