@@ -341,6 +341,16 @@ def test_logits_into_bce_with_logits_and_a_sigmoid_into_bce_or_mse_are_quiet(tmp
     assert warnings_of(events) == []
 
 
+def assert_output_judged(events: list[dict[str, Any]], cause: str | None, module: str) -> None:
+    """Quiet when ``cause`` is None; else one ``learning_stalled`` warning, of that cause, naming ``module``."""
+    if cause is None:
+        assert warnings_of(events) == []
+        return
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
+    assert stalled[0]["details"]["modules"] == [module]
+
+
 @pytest.mark.parametrize(("out_act", "loss", "cause", "metric"), [
     (nn.Softmax(dim=-1), "ce", "probabilities_into_log_softmax", False),
     (nn.Softmax(dim=-1), "ce", "probabilities_into_log_softmax", True),
@@ -356,13 +366,7 @@ def test_the_loss_as_a_module_leaves_the_model_output_to_the_call_before_it(
     torchmetrics metric called on the output before the loss is a leaf too, whose output has no graph: not the
     model's output either."""
     model = Net(out_act=out_act, optimizer="adam", lr=1e-3, loss=loss, module_loss=True, metric=metric)
-    events, _ = fit(tmp_path, model, steps=201, every=20)
-    if cause is None:
-        assert warnings_of(events) == []
-        return
-    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
-    assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
-    assert stalled[0]["details"]["modules"] == ["out_act"]
+    assert_output_judged(fit(tmp_path, model, steps=201, every=20)[0], cause, "out_act")
 
 
 @pytest.mark.parametrize(("functional_out", "loss", "cause"), [
@@ -375,13 +379,7 @@ def test_an_output_written_in_forward_after_the_head_is_the_models_output(
     before ``binary_cross_entropy_with_logits`` are named from it as from an ``nn.Softmax`` (they printed "No problems
     found": the head's logits were judged); ``nll_loss`` of a ``log_softmax`` written the same way is quiet."""
     model = Net(functional_out=functional_out, optimizer="adam", lr=1e-3, loss=loss)
-    events, _ = fit(tmp_path, model, steps=201, every=20)
-    if cause is None:
-        assert warnings_of(events) == []
-        return
-    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
-    assert [e["details"]["cause"] for e in stalled] == [cause], warnings_of(events)
-    assert stalled[0]["details"]["modules"] == ["model"]
+    assert_output_judged(fit(tmp_path, model, steps=201, every=20)[0], cause, "model")
 
 
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
