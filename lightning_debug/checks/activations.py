@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -279,15 +280,19 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     return torch.cat([share.reshape(1), torch.where(form.any(), found, math.nan)])
 
 
-def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules without children (whose outputs are the layers' activations), by name; a ``torch.compile``
-    wrapper is one leaf, observed from outside (see :func:`~lightning_debug.checks.numerics.compiled_wrapper`).
+def hooked_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """The modules the activation hooks observe, by name, in one walk: the leaves, whose outputs are the layers'
+    activations (a ``torch.compile`` wrapper is one leaf, observed from outside, see
+    :func:`~lightning_debug.checks.numerics.compiled_wrapper`), and the modules with children outside such a wrapper
+    (the model itself as ``""``), whose return is the model's output when it is computed after the last layer (a
+    softmax written in ``forward``).
 
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
-    >>> [name for name, _ in leaf_modules(model)]
-    ['0', '1.0', '1.1']
+    >>> [[name for name, _ in group] for group in hooked_modules(model)]
+    [['0', '1.0', '1.1'], ['', '1']]
     """
     leaves: list[tuple[str, nn.Module]] = []
+    containers: list[tuple[str, nn.Module]] = []
     compiled: list[str] = []
     for name, module in model.named_modules():
         if any(not prefix or name.startswith(prefix + ".") for prefix in compiled):
@@ -297,7 +302,9 @@ def leaf_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
             leaves.append((name, module))
         elif next(module.children(), None) is None:
             leaves.append((name, module))
-    return leaves
+        else:
+            containers.append((name, module))
+    return leaves, containers
 
 
 GRAPH_NODES = 512
@@ -339,9 +346,9 @@ def gives_loss(loss: torch.Tensor, output: torch.Tensor) -> bool | None:
     target, root = output.grad_fn, loss.grad_fn
     if target is None or root is None:
         return None
-    frontier, seen, behind_weights = [root], set(), False
+    frontier, seen, behind_weights = deque([root]), set(), False
     while frontier:
-        node = frontier.pop(0)
+        node = frontier.popleft()
         if node is target:
             return True
         if node in seen:
@@ -355,28 +362,6 @@ def gives_loss(loss: torch.Tensor, output: torch.Tensor) -> bool | None:
         else:
             frontier.extend(inputs)
     return False if behind_weights else None
-
-
-def container_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules with children, by name (the model itself as ``""``), outside a ``torch.compile`` wrapper: what
-    they return is the model's output when it is computed after the last layer (a softmax written in ``forward``).
-
-    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU(), nn.Linear(2, 1)))
-    >>> [name for name, _ in container_modules(model)]
-    ['', '1']
-    """
-    leaves = {id(module) for _, module in leaf_modules(model)}
-    inside: list[str] = []
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if any(not prefix or name.startswith(prefix + ".") for prefix in inside):
-            continue
-        if id(module) in leaves:
-            if next(module.children(), None) is not None:
-                inside.append(name)  # a compiled wrapper: observed from outside, as one leaf
-            continue
-        found.append((name, module))
-    return found
 
 
 def same_values(first: torch.Tensor, second: torch.Tensor) -> bool:

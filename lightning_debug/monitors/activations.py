@@ -46,11 +46,10 @@ from lightning_debug.checks.activations import (
     STATS,
     batch_labels,
     batch_softmax_fit,
-    container_modules,
     first_floating,
     fit_tolerance,
     gives_loss,
-    leaf_modules,
+    hooked_modules,
     metric_names,
     output_stats,
     same_values,
@@ -331,9 +330,10 @@ class ActivationMonitor(Monitor):
         self._instrumented_step, self._where = step, self.context.where()
         self._calls, self._outputs, self._rows, self._histogram_rows = {}, [], [], []
         self.ledger.instrument(step)
-        for name, module in leaf_modules(model):
+        leaves, containers = hooked_modules(model)
+        for name, module in leaves:
             self._handles.append(module.register_forward_hook(self._hook_for(name)))
-        for name, module in container_modules(model):
+        for name, module in containers:
             self._handles.append(module.register_forward_hook(self._returns_for(name)))
 
     def _hook_for(self, name: str) -> Any:
@@ -390,14 +390,8 @@ class ActivationMonitor(Monitor):
         """The forward is over: take the hooks off and read the statistics and the loss back."""
         if not self._handles:
             return
-        candidate = self._output
+        index, last = self._model_output(loss)
         self._remove_hooks()
-        index, last = None, None
-        if candidate is not None and not (isinstance(loss, torch.Tensor) and gives_loss(loss, candidate[1]) is False):
-            index, last, label, module_type = candidate
-            if index is None and len(self._outputs) < MAX_OUTPUTS:
-                index = self._measure_returned(last, label, module_type)
-            last = last if index is not None else None
         if not self._rows:
             return
         device = self._rows[0].device
@@ -419,14 +413,24 @@ class ActivationMonitor(Monitor):
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
 
-    def _measure_returned(self, output: torch.Tensor, label: str, module_type: str) -> int:
-        """A row for the model's output that a module with children returned (no layer's): its index."""
-        self._rows.append(output_stats(output))
-        if self._histogram_writer is not None:
-            self._histogram_rows.append(histogram_summaries([output], HISTOGRAM_BINS)[0])
-        self._outputs.append(Output(label, module_type, list(output.shape), relu_like=False, saturating=False,
-                                    fed_by=None))
-        return len(self._outputs) - 1
+    def _model_output(self, loss: torch.Tensor | None) -> tuple[int | None, torch.Tensor | None]:
+        """The row and tensor of the model's output (None, None when no call gives it): the last candidate, unless the
+        loss's graph shows a weight between it and the loss; one a module with children returned gets a row here."""
+        if self._output is None:
+            return None, None
+        index, output, label, module_type = self._output
+        if isinstance(loss, torch.Tensor) and gives_loss(loss, output) is False:
+            return None, None
+        if index is None:
+            if len(self._outputs) >= MAX_OUTPUTS:
+                return None, None
+            self._rows.append(output_stats(output))
+            if self._histogram_writer is not None:
+                self._histogram_rows.append(histogram_summaries([output], HISTOGRAM_BINS)[0])
+            self._outputs.append(Output(label, module_type, list(output.shape), relu_like=False, saturating=False,
+                                        fed_by=None))
+            index = len(self._outputs) - 1
+        return index, output
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
         """Whether ``softmax_over_batch``, ``shared_target``, ``probabilities_into_sigmoid`` or
