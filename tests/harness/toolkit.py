@@ -162,9 +162,42 @@ def run_children(command: list[str], timeout_s: float, cwd: Path, env: dict[str,
     return subprocess.CompletedProcess(command, launcher.returncode, output, "")
 
 
+_FORKED_RANKS: list[int] = []
+
+
+def fork_ranks(world_size: int = 2) -> int:
+    """Start the other ranks of a worker's job as forks of this process and return this one's rank, each with the
+    variables torchrun gives its processes (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``,
+    ``LOCAL_RANK``, ``RANK``): Lightning then sees a job launched from outside, as under torchrun or SLURM, and
+    starts no process of its own. Its subprocess launcher ran the script again for rank 1, which imported lightning
+    (with torchmetrics, transformers and scipy, about 7 s of CPU on the 2-core machine) a second time, after rank 0
+    had, in every two-rank test. Call it after the imports and before anything starts a thread; a process that a
+    launcher started already (``LOCAL_RANK`` set) stays as it is. :func:`exit_worker` waits for the forks."""
+    import socket
+
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), NODE_RANK="0")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(1, world_size):
+        pid = os.fork()
+        if pid == 0:
+            _FORKED_RANKS.clear()
+            os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank))
+            return rank
+        _FORKED_RANKS.append(pid)
+    os.environ.update(LOCAL_RANK="0", RANK="0")
+    return 0
+
+
 def exit_worker() -> None:
     """End a worker process once everything a test reads is written: destroy the default process group, flush the
-    console and leave without the interpreter's finalization.
+    console, wait for the ranks :func:`fork_ranks` started (the exit status is the first that failed) and leave
+    without the interpreter's finalization.
 
     A collective right before the interpreter exits (``trainer.log_dir`` broadcasts) can leave gloo's worker thread
     releasing that collective's tensors while Python finalizes; it then needs the GIL and the process aborts
@@ -176,7 +209,8 @@ def exit_worker() -> None:
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in _FORKED_RANKS]
+    os._exit(next((code for code in codes if code != 0), 0))
 
 
 def debug_dir(trainer: pl.Trainer) -> Path:

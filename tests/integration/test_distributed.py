@@ -47,7 +47,8 @@ def run_two_ranks(tmp_path: Path, mode: str, nan_rank: int = 1, nan_step: int = 
 
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_stop_on_rank_one_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
-    results = run_two_ranks(tmp_path, "stop")
+    """Under Lightning's own launcher (rank 0 runs the script again for rank 1); the other tests fork the ranks."""
+    results = run_two_ranks(tmp_path, "stop", 1, 4, "ddp", False, "basic", "--lightning-launcher")
     assert [r["global_step"] for r in results] == [5, 5]
     assert all(r["should_stop"] and r["exception"] is None and r["params_finite"] for r in results)
     events = read_events(Path(results[0]["log_dir"]) / "debug_outputs")

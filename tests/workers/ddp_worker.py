@@ -1,6 +1,7 @@
 """Two-process CPU DDP run used by test_distributed.py: a NaN loss on one rank only.
 
 Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATEGY] [--all-four] [--level LEVEL]
+                                  [--lightning-launcher]
                                   [--unused-layer] [--fail-writes-rank0] [--fail-check-rank1-step STEP]
                                   [--gather-in-step [--sync-grads]] [--nan-in-backward] [--nan-batch]
                                   [--nan-sample-batchnorm]
@@ -8,9 +9,11 @@ Usage: python tests/workers/ddp_worker.py MODE OUT_DIR NAN_RANK NAN_STEP [STRATE
                                   [--nan-last STEP] [--max-steps N] [--inject NAME@STEP ...]
                                   [--sweep [--sweep-targets FILE]]
 
-``--all-four`` runs every callback of ``debug_callbacks`` with every check on every step; otherwise
-only AnomalyDetectionCallback; both at ``LEVEL`` (default basic). ``--unused-layer`` adds a layer that
-forward never uses, which DDP (without ``find_unused_parameters``) rejects at the second step. Faults:
+Under ``ddp`` rank 1 is a fork of this process (:func:`~tests.harness.toolkit.fork_ranks`), or with
+``--lightning-launcher`` a process Lightning starts by running this script again. ``--all-four`` runs every
+callback of ``debug_callbacks`` with every check on every step; otherwise only AnomalyDetectionCallback; both at
+``LEVEL`` (default basic). ``--unused-layer`` adds a layer that forward never uses, which DDP (without
+``find_unused_parameters``) rejects at the second step. Faults:
 ``--fail-writes-rank0`` makes every write of rank 0 fail (events, the logger, TensorBoard text, warnings
 turned into errors); ``--fail-check-rank1-step`` makes rank 1's own measurement raise at that step;
 ``--gather-in-step`` calls ``self.all_gather`` inside ``training_step`` (as contrastive losses do),
@@ -54,7 +57,7 @@ import torch  # noqa: E402
 
 from lightning_debug import AnomalyDetectionCallback, DebugConfig, debug_callbacks  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, fork_ranks, make_trainer  # noqa: E402
 
 MAX_STEPS = 12
 SWEEP_EPOCH = 7  # batches per epoch under --sweep: odd, so that epochs start at NaN steps too in skip mode
@@ -274,6 +277,8 @@ def main() -> None:
     parser.add_argument("nan_step", type=int)
     parser.add_argument("strategy", nargs="?", default="ddp")
     parser.add_argument("--all-four", action="store_true")
+    parser.add_argument("--lightning-launcher", action="store_true",
+                        help="under ddp, Lightning starts rank 1 (it runs this script again) instead of a fork")
     parser.add_argument("--level", default="basic")
     parser.add_argument("--unused-layer", action="store_true", help="a layer forward never uses (DDP fails at step 1)")
     parser.add_argument("--fail-writes-rank0", action="store_true")
@@ -293,6 +298,8 @@ def main() -> None:
     parser.add_argument("--fail-rank1", default=None, choices=["replay", "rows", "origin", "performance"],
                         help="make that part of the plugin raise on rank 1 only")
     args = parser.parse_args()
+    if args.strategy == "ddp" and not args.lightning_launcher:
+        fork_ranks()
     if args.all_four:
         config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
                              memory_profiling_frequency=1, performance_profiling_frequency=1, log_gradients=True,

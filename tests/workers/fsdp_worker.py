@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 from lightning_debug import DebugConfig, debug_callbacks  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import console_lines, exit_worker, make_trainer, regression_data  # noqa: E402
+from tests.harness.toolkit import (console_lines, exit_worker, fork_ranks, make_trainer,  # noqa: E402
+                                   regression_data)
 
 MAX_STEPS = 12
 
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("nan_rank", type=int)
     parser.add_argument("nan_step", type=int)
     args = parser.parse_args()
+    fork_ranks(args.dp * args.tp)
     pl.seed_everything(0, verbose=False)  # the plain (not parallelized) head starts alike on every rank
     config = DebugConfig(anomaly_detection_mode=args.mode, anomaly_check_frequency=1, gradient_checking_frequency=1,
                          memory_profiling_frequency=1, performance_profiling_frequency=1, log_gradients=True,

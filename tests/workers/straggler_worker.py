@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from lightning_debug import DebugConfig, debug_callbacks  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, fork_ranks, make_trainer  # noqa: E402
 
 MAX_STEPS = 30
 
@@ -52,5 +52,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fork_ranks()
     main()
     exit_worker()
