@@ -197,6 +197,12 @@ def loss_issue() -> Iterator[Case]:
                    f"an nn.{'Softmax' if loss == 'ce' else 'Sigmoid'} output fed to the loss as a module, "
                    f"self.criterion = nn.{'CrossEntropyLoss' if loss == 'ce' else 'BCEWithLogitsLoss'}() (the "
                    f"{out_act} applied twice)", needs="the model's output taken from the call before the loss's")
+    buggy, twin = _pair(Program(out_act="sigmoid", loss="bce_logits_pos_weight", criterion=True, optimizer="adam",
+                                lr=1e-3), out_act=None)
+    yield Case("loss-sigmoid-twice-pos-weight-adam", "loss_issue", "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,
+               ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
+               "an nn.Sigmoid output fed to nn.BCEWithLogitsLoss(pos_weight=...) for imbalanced labels (the sigmoid "
+               "applied twice)", needs="the output's gradient with one constant per label (pos_weight)")
     for loss, out_fn in (("ce", "softmax"), ("bce_logits", "sigmoid")):
         buggy, twin = _pair(Program(out_fn=out_fn, loss=loss, optimizer="adam", lr=1e-3), out_fn=None)
         yield Case(f"loss-{out_fn}-twice-functional-adam", "loss_issue",

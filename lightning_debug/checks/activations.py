@@ -200,25 +200,54 @@ def leading(x: torch.Tensor, count: int) -> torch.Tensor:
     return x.reshape(-1)[:count]
 
 
-SIGMOID_TWICE = ("sigmoid_fit", "sigmoid_positives")
+SIGMOID_TWICE = ("sigmoid_fit", "sigmoid_positives", "sigmoid_positive_weight")
 SIGMOID_ELEMENTS = 1 << 16
 """The values :func:`sigmoid_twice` reads: a median over more would cost more than the judgement needs."""
+SIGMOID_SPREAD = 0.01
+"""How far apart the output's values must lie for the form of their gradient to say anything: on one value every
+loss gives one constant."""
+
+
+def group_medians(values: torch.Tensor, groups: torch.Tensor, count: int) -> torch.Tensor:
+    """The median (the lower middle value) of the finite ``values`` of each group ``0 .. count - 1``, NaN for a group
+    without one, on the device, without a loop, and by sorts and searches only (``bincount`` raises on CUDA under
+    ``torch.use_deterministic_algorithms``)::
+
+        >>> group_medians(torch.tensor([5.0, 1.0, 2.0, math.nan, 9.0]), torch.tensor([0, 0, 0, 1, 1]), 3).tolist()
+        [2.0, 9.0, nan]
+    """
+    finite = torch.isfinite(values)
+    order = torch.argsort(torch.where(finite, values, math.inf))
+    order = order[torch.argsort(groups[order], stable=True)]
+    starts = torch.searchsorted(groups[order], torch.arange(count, device=values.device))
+    counted = torch.cat([finite.new_zeros(1, dtype=torch.long), finite[order].long().cumsum(0)])
+    sizes = counted[torch.searchsorted(groups[order], torch.arange(count, device=values.device), right=True)] - \
+        counted[starts]
+    middle = values[order][(starts + (sizes - 1).clamp_min(0) // 2).clamp_max(values.numel() - 1)]
+    return torch.where(sizes > 0, middle, math.nan)
 
 
 def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     """:data:`SIGMOID_TWICE` of an output of probabilities, on its device: the share of its values whose gradient
-    ``grad`` is ``(sigmoid(p) - t) / n`` for a label ``t`` of 0 or 1 and one ``n`` (within ``tolerance``), and the
-    share of those labels at 1. ``binary_cross_entropy_with_logits(p, t)`` gives that gradient, so every value fits
-    when ``p`` is already a sigmoid's; on logits it gives it too, but logits are not all in [0, 1], and an output
-    that is not gives a fit of 0. The label is read from the gradient's sign (``sigmoid(p)`` lies in [0.5, 0.73]);
+    ``grad`` is ``w (sigmoid(p) - t) / n`` for a label ``t`` of 0 or 1, one ``n``, ``w`` 1 at the labels at 0 and one
+    weight per column at the labels at 1 (within ``tolerance``), the share of those labels at 1, and their mean
+    weight. ``binary_cross_entropy_with_logits(p, t, pos_weight=w)`` gives that gradient, so every value fits when
+    ``p`` is already a sigmoid's; on logits it gives it too, but logits are not all in [0, 1], and an output that
+    is not gives a fit of 0. The label is read from the gradient's sign (``sigmoid(p)`` lies in [0.5, 0.73]);
     ``binary_cross_entropy(p, t)`` and ``mse_loss`` on probabilities do not fit. NaN when no gradient is read (all
-    0). Only the first :data:`SIGMOID_ELEMENTS` values are read.
+    0) or the output's values lie within :data:`SIGMOID_SPREAD` of each other. Only the first
+    :data:`SIGMOID_ELEMENTS` values are read.
 
     >>> from torch.nn import functional as F
     >>> p, t = torch.rand(16, 3, requires_grad=True), torch.randint(0, 2, (16, 3)).float()
-    >>> fit, positives = sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy_with_logits(p, t), p)[0], p).tolist()
-    >>> fit, abs(positives - t.mean().item()) < 1e-6
-    (1.0, True)
+    >>> fit, positives, weight = sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy_with_logits(p, t), p)[0],
+    ...                                        p).tolist()
+    >>> fit, abs(positives - t.mean().item()) < 1e-6, round(weight, 3)
+    (1.0, True, 1.0)
+    >>> def weighted(w): return sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy_with_logits(p, t,
+    ...                                      pos_weight=torch.tensor(w)), p)[0], p)
+    >>> weighted([4.0, 2.0, 6.0])[0].item(), round(weighted(3.0)[2].item(), 4)  # one weight per column
+    (1.0, 3.0)
     >>> sigmoid_twice(torch.autograd.grad(F.binary_cross_entropy(p, t), p)[0], p)[0].item() < 0.5
     True
     >>> z = torch.randn(16, 3, requires_grad=True)  # logits: the same gradient, not all in [0, 1]
@@ -228,15 +257,21 @@ def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     if grad.shape != output.shape or output.numel() == 0:
         return torch.full((len(SIGMOID_TWICE),), math.nan, dtype=torch.float32, device=grad.device)
     g, o = (leading(x.detach(), SIGMOID_ELEMENTS).float() for x in (grad, output))
+    columns = output.shape[-1] if output.dim() > 1 else 1
     positive = g < 0
     read = g != 0
     scale = torch.where(positive, torch.sigmoid(o) - 1, torch.sigmoid(o)) / torch.where(read, g, 1.0)
-    middle = torch.where(read, scale, math.nan).nanmedian()
-    fits = read & ((scale - middle).abs() <= tolerance * middle.abs())
+    groups = torch.where(positive, 1 + torch.arange(g.numel(), device=g.device) % columns, 0)
+    middle = group_medians(torch.where(read, scale, math.nan), groups, 1 + columns)
+    fits = read & ((scale - middle[groups]).abs() <= tolerance * middle[groups].abs())
     counted = read.sum()
     within = (o.amin() >= 0) & (o.amax() <= 1)
+    spread = torch.where(read, o, math.inf).amin() + SIGMOID_SPREAD <= torch.where(read, o, -math.inf).amax()
     fit = torch.where(counted > 0, torch.where(within, fits.sum() / counted.clamp_min(1), 0.0), math.nan)
-    return torch.stack([fit, (positive & fits).sum() / fits.sum().clamp_min(1)])
+    fitted = positive & fits
+    weight = (middle[0] / torch.where(fitted, scale, math.nan)).nansum() / fitted.sum().clamp_min(1)
+    return torch.stack([torch.where(spread | ~within, fit, math.nan), fitted.sum() / fits.sum().clamp_min(1),
+                        torch.where(fitted.any(), weight, math.nan)])
 
 
 BATCH_LABELS = ("labelled_share", "first_label", "last_label", "in_order", "shortest_run")

@@ -21,8 +21,9 @@ A sigmoid's output fed to ``binary_cross_entropy_with_logits`` (``BCEWithLogitsL
 the same mistake for labels of 0 and 1: ``sigmoid(p)`` of a ``p`` in [0, 1] lies in [0.5, 0.73], so a label of 0
 costs at least ``log 2`` and one of 1 at least ``log(1 + 1/e)``. The loss does not tell it; the output's gradient
 does (:func:`~lightning_debug.checks.activations.sigmoid_twice`, read by the activation monitor's hook on its judged
-steps): every value's is ``(sigmoid(p) - t) / n``. Held two judgements, the second 100 steps on; a judgement of
-another form (``binary_cross_entropy``, logits out of [0, 1], soft labels) clears the run for good::
+steps): every value's is ``(sigmoid(p) - t) / n``, times ``pos_weight`` (one per column) where ``t`` is 1. Held two
+judgements, the second 100 steps on; a judgement of another form (``binary_cross_entropy``, logits out of [0, 1],
+soft labels) clears the run for good::
 
     >>> finding, cleared = sigmoid_finding(200, 100, "`out` (Sigmoid)", "out", [32, 4], 0.70, 1.0, 0.25)
     >>> finding.details["cause"], round(finding.details["floor"], 4), cleared
@@ -121,30 +122,33 @@ def probability_suspicion(step: int, since: int, described: str, label: str, sha
 
 
 def sigmoid_finding(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
-                    fit: float, positives: float) -> tuple[Finding | None, bool]:
+                    fit: float, positives: float, weight: float = 1.0) -> tuple[Finding | None, bool]:
     """This judgement's suspicion of ``probabilities_into_sigmoid`` (its finding, or None) and whether the run is
-    cleared for good. ``fit``, ``positives``: the output gradient's
-    :func:`~lightning_debug.checks.activations.sigmoid_twice`."""
+    cleared for good. ``fit``, ``positives``, ``weight``: the output gradient's
+    :func:`~lightning_debug.checks.activations.sigmoid_twice` (``weight``: the labels at 1's, ``pos_weight``)."""
     if not (math.isfinite(fit) and math.isfinite(positives)):
         return None, False
     if fit < SIGMOID_FIT:
         return None, True
-    floor = positives * math.log1p(math.exp(-1.0)) + (1 - positives) * math.log(2.0)
+    weight = weight if math.isfinite(weight) else 1.0
+    floor = positives * weight * math.log1p(math.exp(-1.0)) + (1 - positives) * math.log(2.0)
+    weighted = f", weighted {weight:.3g}x by pos_weight" if abs(weight - 1) > 1e-3 else ""
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The model's output {described} is probabilities (every value in [0, 1]) and the loss applies a sigmoid to "
         f"them again (step {step}, since step {since}; loss {loss:.4g}): the gradient of each value is "
-        "(sigmoid(p) - label) times one constant, what binary_cross_entropy_with_logits gives. The sigmoid of a "
+        f"(sigmoid(p) - label) times one constant{' (and pos_weight at the labels at 1)' if weighted else ''}, what "
+        "binary_cross_entropy_with_logits gives. The sigmoid of a "
         f"value in [0, 1] lies between 0.5 and 0.73, so the model can never say no with confidence, the loss "
-        f"cannot go below {floor:.3g} per value (labels at 1: {positives:.0%}), and training stalls. "
+        f"cannot go below {floor:.3g} per value (labels at 1: {positives:.0%}{weighted}), and training stalls. "
         "BCEWithLogitsLoss applies the sigmoid itself: drop the sigmoid from the model (apply it at inference "
         "only), or keep it and train with binary_cross_entropy (BCELoss).",
         {"cause": SIGMOID_KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor,
-         "sigmoid_fit": fit, "positives": positives, "shape": list(shape)}), False
+         "sigmoid_fit": fit, "positives": positives, "positive_weight": weight, "shape": list(shape)}), False
 
 
 def sigmoid_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
-                      fit: float, positives: float) -> tuple[Suspicion | None, bool]:
+                      fit: float, positives: float, weight: float = 1.0) -> tuple[Suspicion | None, bool]:
     """:func:`sigmoid_finding` as the suspicion the kind's policy holds (its ``variant``), and whether the run is
     cleared for good::
 
@@ -152,7 +156,7 @@ def sigmoid_suspicion(step: int, since: int, described: str, label: str, shape: 
         >>> suspicion.key, suspicion.variant
         ('probabilities_into_sigmoid', 'probabilities_into_sigmoid')
     """
-    finding, cleared = sigmoid_finding(step, since, described, label, shape, loss, fit, positives)
+    finding, cleared = sigmoid_finding(step, since, described, label, shape, loss, fit, positives, weight)
     if finding is None:
         return None, cleared
     return Suspicion(Kind.LEARNING_STALLED, SIGMOID_KEY, step, finding=finding, variant=SIGMOID_KEY), cleared
