@@ -55,7 +55,7 @@ class Program:
     target_scale: float = 1.0
     shuffle_labels: bool = False
     loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce
-    #                                   | bce_logits_pos_weight (with criterion)
+    #                                   | bce_logits_pos_weight, ce_smooth (with criterion)
     criterion: bool = False           # the loss as a module attribute (self.criterion = nn.CrossEntropyLoss())
     fault: str | None = None
     fault_step: int = 5
@@ -101,7 +101,8 @@ def data(program: Program) -> Dataset:
 
 CRITERIA = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce_raw": nn.BCELoss, "bce_logits": nn.BCEWithLogitsLoss,
             "nll_raw": nn.NLLLoss,  # pos_weight: negatives over positives of one-hot labels of 4 classes (the docs')
-            "bce_logits_pos_weight": lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor(3.0))}
+            "bce_logits_pos_weight": lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor(3.0)),
+            "ce_smooth": lambda: nn.CrossEntropyLoss(label_smoothing=0.1)}
 FUNCTIONS = {"sigmoid": torch.sigmoid, "softmax": lambda z: F.softmax(z, dim=-1)}
 ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "leaky": lambda: nn.LeakyReLU(0.1),
                "softmax": lambda: nn.Softmax(dim=-1)}
@@ -185,7 +186,7 @@ class FaultProgram(pl.LightningModule):
             e = torch.exp(z)
             return -torch.log(e.gather(1, y[:, None]) / e.sum(1, keepdim=True)).mean()
         if self.criterion is not None:
-            return self.criterion(z, y if p.loss in ("ce", "nll_raw") else F.one_hot(y, p.classes).float())
+            return self.criterion(z, y if p.loss in ("ce", "ce_smooth", "nll_raw") else F.one_hot(y, p.classes).float())
         if p.loss == "bce_raw":
             return F.binary_cross_entropy(z, F.one_hot(y, p.classes).float())
         if p.loss == "bce_logits":
