@@ -219,10 +219,10 @@ def group_medians(values: torch.Tensor, groups: torch.Tensor, count: int) -> tor
     finite = torch.isfinite(values)
     order = torch.argsort(torch.where(finite, values, math.inf))
     order = order[torch.argsort(groups[order], stable=True)]
-    starts = torch.searchsorted(groups[order], torch.arange(count, device=values.device))
+    sorted_groups, wanted = groups[order], torch.arange(count, device=values.device)
+    starts = torch.searchsorted(sorted_groups, wanted)
     counted = torch.cat([finite.new_zeros(1, dtype=torch.long), finite[order].long().cumsum(0)])
-    sizes = counted[torch.searchsorted(groups[order], torch.arange(count, device=values.device), right=True)] - \
-        counted[starts]
+    sizes = counted[torch.searchsorted(sorted_groups, wanted, right=True)] - counted[starts]
     middle = values[order][(starts + (sizes - 1).clamp_min(0) // 2).clamp_max(values.numel() - 1)]
     return torch.where(sizes > 0, middle, math.nan)
 

@@ -132,7 +132,7 @@ def sigmoid_finding(step: int, since: int, described: str, label: str, shape: Se
         return None, True
     weight = weight if math.isfinite(weight) else 1.0
     floor = positives * weight * math.log1p(math.exp(-1.0)) + (1 - positives) * math.log(2.0)
-    weighted = f", weighted {weight:.3g}x by pos_weight" if abs(weight - 1) > 1e-3 else ""
+    weighted = abs(weight - 1) > 1e-3
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The model's output {described} is probabilities (every value in [0, 1]) and the loss applies a sigmoid to "
@@ -140,7 +140,8 @@ def sigmoid_finding(step: int, since: int, described: str, label: str, shape: Se
         f"(sigmoid(p) - label) times one constant{' (and pos_weight at the labels at 1)' if weighted else ''}, what "
         "binary_cross_entropy_with_logits gives. The sigmoid of a "
         f"value in [0, 1] lies between 0.5 and 0.73, so the model can never say no with confidence, the loss "
-        f"cannot go below {floor:.3g} per value (labels at 1: {positives:.0%}{weighted}), and training stalls. "
+        f"cannot go below {floor:.3g} per value (labels at 1: {positives:.0%}"
+        f"{f', weighted {weight:.3g}x by pos_weight' if weighted else ''}), and training stalls. "
         "BCEWithLogitsLoss applies the sigmoid itself: drop the sigmoid from the model (apply it at inference "
         "only), or keep it and train with binary_cross_entropy (BCELoss).",
         {"cause": SIGMOID_KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor,
