@@ -277,6 +277,15 @@ def sigmoid_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
 BATCH_LABELS = ("labelled_share", "first_label", "last_label", "in_order", "shortest_run")
 
 
+def cross_entropy_rows(g: torch.Tensor, tolerance: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows of a 2-d gradient have a gradient at all, and which have the form ``cross_entropy`` gives
+    (``softmax(z) - target`` times a weight, for a target at one label or smoothed: one value below 0, at the
+    label, and a sum of 0 within ``tolerance`` of the row's size)."""
+    size = g.abs().sum(1)
+    read = size > 0
+    return read, read & ((g < 0).sum(1) == 1) & (g.sum(1).abs() <= tolerance * size)
+
+
 def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     """:data:`BATCH_LABELS` of a 2-d output's gradient, on its device, from the rows that have the form
     ``cross_entropy`` gives (``softmax(z) - onehot(label)`` times a weight: one value below 0, at the label, and a sum
@@ -298,9 +307,7 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     if grad.dim() != 2 or grad.shape[1] < 2 or grad.numel() == 0:
         return torch.full((len(BATCH_LABELS),), math.nan, dtype=torch.float32, device=grad.device)
     g = grad.detach()[:max(1, SIGMOID_ELEMENTS // grad.shape[1])].float()
-    size = g.abs().sum(1)
-    read = size > 0
-    form = read & ((g < 0).sum(1) == 1) & (g.sum(1).abs() <= tolerance * size)
+    read, form = cross_entropy_rows(g, tolerance)
     rows = torch.arange(len(g), device=g.device)
     seen = torch.where(form, rows, -1).cummax(0).values
     first_form = torch.where(form, rows, len(g)).amin().clamp_max(len(g) - 1)
@@ -313,6 +320,43 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
     found = torch.stack([labels[0].float(), labels[-1].float(), in_order, shortest])
     return torch.cat([share.reshape(1), torch.where(form.any(), found, math.nan)])
+
+
+SOFTMAX_TWICE = ("softmax_form", "label_loss", "uniform_loss")
+
+
+def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
+    """:data:`SOFTMAX_TWICE` of an output's rows (its last dimension), on its device, read with its gradient: the
+    share of the rows with a gradient that have the form ``cross_entropy`` gives (:func:`cross_entropy_rows`), and
+    over those rows, with the label read from the gradient (its one value below 0), the mean of
+    ``logsumexp(row) - row[label]`` and of ``logsumexp(row) - mean(row)``: what ``cross_entropy`` of the rows taken as
+    logits costs with a one-hot target and with a uniform one. ``cross_entropy(z, y, label_smoothing=e)`` is
+    ``(1 - e)`` times the first plus ``e`` times the second, whatever ``z`` is, so the loss read beside them gives
+    ``e`` when the loss is that. NaN when no row has the form; only the first :data:`SIGMOID_ELEMENTS` values are
+    read.
+
+    >>> from torch.nn import functional as F
+    >>> p, y = torch.softmax(torch.randn(16, 4), -1).requires_grad_(), torch.randint(0, 4, (16,))
+    >>> loss = F.cross_entropy(p, y, label_smoothing=0.1)
+    >>> share, one_hot, uniform = softmax_twice(torch.autograd.grad(loss, p)[0], p).tolist()
+    >>> share, round((loss.item() - one_hot) / (uniform - one_hot), 4)
+    (1.0, 0.1)
+    >>> softmax_twice(torch.autograd.grad(F.nll_loss(p.log(), y), p)[0], p)[0].item()  # not cross_entropy's form
+    0.0
+    """
+    width = output.shape[-1] if output.dim() else 0
+    if grad.shape != output.shape or width < 2 or output.numel() == 0:
+        return torch.full((len(SOFTMAX_TWICE),), math.nan, dtype=torch.float32, device=grad.device)
+    count = max(1, SIGMOID_ELEMENTS // width) * width
+    g, z = (leading(x.detach(), count).float().reshape(-1, width) for x in (grad, output))
+    read, form = cross_entropy_rows(g, tolerance)
+    lse = torch.logsumexp(z, -1)
+    one_hot = lse - z.gather(1, g.argmin(1, keepdim=True)).squeeze(1)
+    uniform = lse - z.mean(-1)
+    rows = form.sum().clamp_min(1)
+    means = torch.stack([torch.where(form, one_hot, 0.0).sum(), torch.where(form, uniform, 0.0).sum()]) / rows
+    share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
+    return torch.cat([share.reshape(1), torch.where(form.any(), means, math.nan)])
 
 
 def hooked_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:

@@ -43,6 +43,7 @@ from lightning_debug.checks.activations import (
     SHARED,
     SIGMOID_TWICE,
     SIMPLEX,
+    SOFTMAX_TWICE,
     STATS,
     batch_labels,
     batch_softmax_fit,
@@ -57,6 +58,7 @@ from lightning_debug.checks.activations import (
     shared_target,
     sigmoid_twice,
     simplex_stats,
+    softmax_twice,
 )
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
 from lightning_debug.config import Area, DebugConfig, DebugLevel
@@ -225,7 +227,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS
+OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE
 """What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
 
 
@@ -238,7 +240,7 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor) -> Any:
             tolerance = fit_tolerance(grad.dtype)
             into.copy_(torch.cat([batch_softmax_fit(grad, output, tolerance).reshape(1),
                                   shared_target(grad, output), sigmoid_twice(grad, output, tolerance),
-                                  batch_labels(grad, tolerance)]))
+                                  batch_labels(grad, tolerance), softmax_twice(grad, output, tolerance)]))
         except Exception:  # noqa: BLE001 - an unmeasured step is not judged
             pass
     return write
@@ -433,11 +435,11 @@ class ActivationMonitor(Monitor):
         return index, output
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
-        """Whether ``softmax_over_batch``, ``shared_target``, ``probabilities_into_sigmoid`` or
-        ``single_class_batches`` wants the gradient of the model's output ``last`` at ``step``: an output in a graph,
-        on a step judged, while one is not cleared."""
-        return (not {BATCH_SOFTMAX, SHARED_TARGET, SIGMOID, SINGLE_CLASS} <= self.cleared and last.dim() >= 1
-                and last.requires_grad and self._judges(step))
+        """Whether ``probabilities_into_log_softmax``, ``softmax_over_batch``, ``shared_target``,
+        ``probabilities_into_sigmoid`` or ``single_class_batches`` wants the gradient of the model's output ``last``
+        at ``step``: an output in a graph, on a step judged, while one is not cleared."""
+        return (not {PROBABILITIES, BATCH_SOFTMAX, SHARED_TARGET, SIGMOID, SINGLE_CLASS} <= self.cleared
+                and last.dim() >= 1 and last.requires_grad and self._judges(step))
 
     def _judges(self, step: int) -> bool:
         """Whether the rules on the model's output are judged at ``step``: at most once every ``JUDGED_EVERY`` steps."""
@@ -520,7 +522,8 @@ class ActivationMonitor(Monitor):
         stalled, single = Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES
         rules = {
             PROBABILITIES: (stalled, lambda since: probability_suspicion(
-                step, since, described, output.label, output.shape, simplex, loss, tolerance)),
+                step, since, described, output.label, output.shape, simplex, loss, tolerance,
+                [read[name] for name in SOFTMAX_TWICE])),
             CHANCE: (stalled, lambda since: chance_suspicion(step, since, described, output.label, output.shape,
                                                              loss)),
             BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(

@@ -35,6 +35,7 @@ WARNING_OR_ABOVE = ("warning", "error", "critical")
 POS_WEIGHT = (3.0, 1.5, 4.0, 2.0)
 """One weight per class, as imbalanced multi-label data is trained: ``BCEWithLogitsLoss(pos_weight=...)``."""
 CRITERIA = {"ce": nn.CrossEntropyLoss, "ce_per_sample": lambda: nn.CrossEntropyLoss(reduction="none"),
+            "ce_smooth": lambda: nn.CrossEntropyLoss(label_smoothing=0.1),
             "bce_logits": nn.BCEWithLogitsLoss, "bce": nn.BCELoss, "mse_one_hot": nn.MSELoss,
             "bce_logits_pos_weight": lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor(POS_WEIGHT)),
             "bce_weight": lambda: nn.BCELoss(weight=torch.tensor(POS_WEIGHT))}
@@ -234,6 +235,28 @@ def test_a_softmax_output_fed_to_cross_entropy_is_learning_stalled_at_its_floor(
     assert details["modules"] == ["out_act"] and details["classes"] == 4 and details["since_step"] == 100
     assert details["floor"] <= details["loss"] < details["floor"] + 0.05
     assert "nll_loss(torch.log(p))" in stalled[0]["message"]
+
+
+@pytest.mark.parametrize("twin", ["smoothing_on_logits", "nll_log"])
+def test_a_softmax_output_fed_to_cross_entropy_with_label_smoothing_is_named_with_the_smoothing(tmp_path: Path,
+                                                                                              twin: str) -> None:
+    """``nn.CrossEntropyLoss(label_smoothing=0.1)`` after an ``nn.Softmax``: the loss sits above cross_entropy of the
+    rows as logits (0.82 against 0.74 at the floor), which printed "No problems found"; read with the output
+    gradient's labels it is that loss smoothed by 0.1. The twins: the same loss on logits, and the softmax with
+    ``nll_loss(torch.log(p))`` (its rows never have cross_entropy's gradient)."""
+    buggy = Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3, loss="ce_smooth", module_loss=True)
+    events, _ = fit(tmp_path / "buggy", buggy, steps=201, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(200, "probabilities_into_log_softmax")], \
+        warnings_of(events)
+    details = stalled[0]["details"]
+    assert details["modules"] == ["out_act"] and details["since_step"] == 100
+    assert details["label_smoothing"] == pytest.approx(0.1, abs=1e-3)
+    assert details["floor"] <= details["loss"] < details["floor"] + 0.05
+    assert "label_smoothing=0.1" in stalled[0]["message"]
+    model = (Net(optimizer="adam", lr=1e-3, loss="ce_smooth", module_loss=True) if twin == "smoothing_on_logits"
+             else Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3, loss="nll_log"))
+    assert warnings_of(fit(tmp_path / "twin", model, steps=201, every=20)[0]) == []
 
 
 def test_labels_shuffled_against_their_inputs_are_learning_stalled_at_chance(tmp_path: Path) -> None:

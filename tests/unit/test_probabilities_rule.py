@@ -14,12 +14,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import simplex_stats
+from lightning_debug.checks.activations import simplex_stats, softmax_twice
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.verdicts import policy_of
 from lightning_debug.monitors.activations import ActivationMonitor
-from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY, floor_of, probability_finding, simplex_tolerance
+from lightning_debug.monitors.gradients.probabilities import (JUDGED_EVERY, KEY, floor_of, probability_finding,
+                                                              simplex_tolerance)
 from lightning_debug.run import Run
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,9 +32,66 @@ def confident(classes: int = 4, rows: int = 32, sharpness: float = 20.0) -> tupl
     return torch.softmax(sharpness * F.one_hot(targets, classes).float(), -1), targets
 
 
-def judge(p: torch.Tensor, loss: torch.Tensor, step: int = 300) -> tuple[Any, bool]:
-    return probability_finding(step, step, "`out` (Softmax)", "out", list(p.shape), simplex_stats(p).tolist(),
-                               float(loss), simplex_tolerance(p.dtype))
+def judge(p: torch.Tensor, loss: torch.Tensor, step: int = 300, gradient: bool = False) -> tuple[Any, bool]:
+    """The rule on ``p`` and ``loss``; ``gradient``: with the output gradient's readings too, as the monitor gives
+    them on a judged step (``loss`` must then be in a graph from ``p``)."""
+    read = (softmax_twice(torch.autograd.grad(loss, p, retain_graph=True)[0], p.detach()).tolist() if gradient
+            else [])
+    return probability_finding(step, step, "`out` (Softmax)", "out", list(p.shape), simplex_stats(p.detach()).tolist(),
+                               float(loss.detach()), simplex_tolerance(p.dtype), read)
+
+
+def with_graph(sharpness: float, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    p, y = confident(classes, sharpness=sharpness)
+    return p.requires_grad_(), y
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 2.0, 20.0])
+@pytest.mark.parametrize("smoothing", [0.1, 0.2, 0.3])
+def test_cross_entropy_with_label_smoothing_on_probabilities_is_named_with_its_smoothing(smoothing: float,
+                                                                                         sharpness: float) -> None:
+    """``CrossEntropyLoss(label_smoothing=0.1)`` after an ``nn.Softmax``: the loss is not cross_entropy of the rows
+    as logits (it is above by about the smoothing times (C - 1)/C), so the loss alone said nothing; read with the
+    gradient's labels, it is that loss with ``label_smoothing`` = the smoothing, at any confidence."""
+    p, y = with_graph(sharpness)
+    loss = F.cross_entropy(p, y, label_smoothing=smoothing)
+    assert judge(p, loss)[0] is None or sharpness == 20.0 and smoothing == 0.1
+    finding, below = judge(p, loss, gradient=True)
+    assert finding is not None and not below and finding.details["cause"] == KEY
+    assert finding.details["label_smoothing"] == pytest.approx(smoothing, abs=1e-4)
+    assert f"label_smoothing={smoothing:.2g}" in finding.message
+    assert finding.details["floor"] == pytest.approx(floor_of(4) + smoothing * 3 / 4)
+
+
+def test_half_confident_rows_with_the_gradient_of_cross_entropy_are_named() -> None:
+    """Rows of maximum ~0.5 are not judged on the loss alone (nll_loss(log(p)) crosses it there); the gradient's form
+    tells them apart, so cross_entropy on them is named, smoothing 0."""
+    p, y = with_graph(1.0)
+    loss = F.cross_entropy(p, y)
+    assert judge(p, loss)[0] is None
+    finding, _ = judge(p, loss, gradient=True)
+    assert finding is not None and finding.details["label_smoothing"] == 0.0
+    assert "label_smoothing" not in finding.message
+
+
+@pytest.mark.parametrize("loss_of", [
+    lambda p, y: F.nll_loss(torch.log(p), y),
+    lambda p, y: F.mse_loss(p, F.one_hot(y, 4).float()),
+    lambda p, y: F.binary_cross_entropy(p, F.one_hot(y, 4).float()),
+    lambda p, y: F.kl_div(torch.log(p), 0.9 * F.one_hot(y, 4).float() + 0.025, reduction="batchmean"),
+], ids=["nll_of_log", "mse_one_hot", "bce_one_hot", "kl_div_smoothed"])
+@pytest.mark.parametrize("sharpness", [0.5, 1.0, 1.5, 20.0])
+def test_losses_made_for_probabilities_are_quiet_read_with_their_gradient(loss_of: Loss, sharpness: float) -> None:
+    """The twins of the reading above: on the same rows, the losses that take probabilities (``mse_loss`` against
+    one-hot targets has the gradient's form too: its rows sum to 0; its loss is no smoothing's)."""
+    p, y = with_graph(sharpness)
+    assert judge(p, loss_of(p, y), gradient=True)[0] is None
+
+
+def test_label_smoothing_on_logits_is_quiet() -> None:
+    z, y = with_graph(20.0)
+    logits = (20.0 * F.one_hot(y, 4).float() - 5.0).requires_grad_()
+    assert judge(logits, F.cross_entropy(logits, y, label_smoothing=0.1), gradient=True) == (None, False)
 
 
 def test_cross_entropy_on_probabilities_at_its_floor_is_named_with_its_cause() -> None:
@@ -166,9 +224,10 @@ def test_simplex_stats_of_an_empty_or_non_contiguous_output() -> None:
         assert 0 <= low <= high <= 1 and error < 1e-5
 
 
-def suspect_steps(loss_of: Loss, separation: float, steps: int = 400) -> list[int]:
+def suspect_steps(loss_of: Loss, separation: float, steps: int = 400, gradient: bool = False) -> list[int]:
     """Steps at which a softmax MLP on 4 Gaussian blobs (``separation`` apart), trained with Adam 1e-3, is suspect,
-    judged on every step and never cleared (the rule's spacing and clearing left out)."""
+    judged on every step and never cleared (the rule's spacing and clearing left out); ``gradient``: read with the
+    output's gradient too."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 4, (4096,), generator=g)
     x = separation * torch.randn(4, 16, generator=g)[labels] + torch.randn(4096, 16, generator=g)
@@ -181,7 +240,7 @@ def suspect_steps(loss_of: Loss, separation: float, steps: int = 400) -> list[in
         xb, yb = x[step * 32 % 4096:][:32], labels[step * 32 % 4096:][:32]
         p = model(xb)
         loss = loss_of(p, yb)
-        if judge(p, loss.detach(), step)[0] is not None:
+        if judge(p, loss, step, gradient)[0] is not None:
             found.append(step)
         optimizer.zero_grad()
         loss.backward()
@@ -196,6 +255,15 @@ def test_nll_of_log_on_a_hard_task_is_rarely_suspect_where_cross_entropy_on_an_e
     nll = suspect_steps(lambda p, y: F.nll_loss(torch.log(p), y), separation=0.3)
     assert len(nll) <= 4 and not any(later - earlier == 1 for earlier, later in zip(nll, nll[1:])), nll
     assert len(suspect_steps(F.cross_entropy, separation=2.0, steps=200)) > 100
+
+
+def test_read_with_the_gradient_nll_of_log_on_a_hard_task_is_never_suspect() -> None:
+    """The twin of reading the loss at any confidence once the gradient has cross_entropy's form: the hard task's
+    nll_loss(log(p)) never has it; cross_entropy with smoothing on the same hard task is suspect on every step once
+    its rows are not all near uniform (where no loss tells)."""
+    assert suspect_steps(lambda p, y: F.nll_loss(torch.log(p), y), separation=0.3, gradient=True) == []
+    smoothed = suspect_steps(lambda p, y: F.cross_entropy(p, y, label_smoothing=0.1), separation=0.3, gradient=True)
+    assert set(range(100, 400)) <= set(smoothed), smoothed
 
 
 def test_a_loss_over_two_classes_on_batches_of_two_is_not_judged_a_softmax_over_the_batch() -> None:

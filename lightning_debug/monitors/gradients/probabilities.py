@@ -57,6 +57,13 @@ CONFIDENT_SHARE = 0.35
 uniform every loss reads ``log C``, and half-confident rows are where ``nll_loss(log(p))`` crosses it."""
 JUDGED_EVERY = 100
 """Optimizer steps at least between two judgements (the hold of two means the condition lasted this long)."""
+FORM_SHARE = 0.9
+"""The share of the output's rows whose gradient must have the form ``cross_entropy`` gives for the loss to be read
+as ``cross_entropy`` of the rows taken as logits at any confidence, with or without label smoothing."""
+SMOOTHING_MAX = 0.5
+"""The largest label smoothing read as one (a smoothing of 0.1 or 0.2 is what models train with)."""
+SMOOTHING_SLACK = 0.01
+"""How far under 0 the smoothing read from the loss may be (rounding) and still be none."""
 
 
 def floor_of(classes: int) -> float:
@@ -77,10 +84,39 @@ def simplex_tolerance(dtype: torch.dtype) -> float:
     return max(1e-3, 4 * torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-3
 
 
+def smoothing_of(loss: float, gradient: Sequence[float], tolerance: float) -> float:
+    """The label smoothing ``e`` for which the loss is ``cross_entropy(rows, labels, label_smoothing=e)`` of the
+    output's rows taken as logits, from the output gradient's
+    :data:`~lightning_debug.checks.activations.SOFTMAX_TWICE` (``softmax_form``, ``label_loss``, ``uniform_loss``):
+    0 without smoothing; NaN when the gradient does not have that loss's form on :data:`FORM_SHARE` of the rows, the
+    rows are too near uniform to tell, or ``e`` is not one a model trains with (below 0, above
+    :data:`SMOOTHING_MAX`)::
+
+        >>> round(smoothing_of(0.825, [1.0, 0.75, 1.5], 1e-3), 4), smoothing_of(0.75, [1.0, 0.75, 1.5], 1e-3)
+        (0.1, 0.0)
+        >>> smoothing_of(0.0001, [1.0, 0.7502, 1.4909], 1e-3)  # mse_loss against one-hot targets: the same form
+        nan
+    """
+    share, one_hot, uniform = (float(value) for value in (list(gradient) + [math.nan] * 3)[:3])
+    gap = uniform - one_hot
+    if not (share >= FORM_SHARE and math.isfinite(loss) and gap > 10 * tolerance):
+        return math.nan
+    smoothing = (loss - one_hot) / gap
+    return max(smoothing, 0.0) if -SMOOTHING_SLACK <= smoothing <= SMOOTHING_MAX else math.nan
+
+
 def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
-                        values: Sequence[float], loss: float, tolerance: float) -> tuple[Finding | None, bool]:
+                        values: Sequence[float], loss: float, tolerance: float,
+                        gradient: Sequence[float] = ()) -> tuple[Finding | None, bool]:
     """This check step's suspicion (its finding, or None), and whether the loss proves it is not the case for good
-    (below the floor). ``values``: ``SIMPLEX`` of the model's output; ``since``: the step the hold began."""
+    (below the floor). ``values``: ``SIMPLEX`` of the model's output; ``gradient``: its gradient's
+    ``SOFTMAX_TWICE`` where it was read (:func:`smoothing_of`); ``since``: the step the hold began::
+
+        >>> finding, _ = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], [0.0, 1.0, 1e-7, 0.7441],
+        ...                                  0.825, 1e-3, [1.0, 0.75, 1.5])
+        >>> round(finding.details["label_smoothing"], 4), round(finding.details["floor"], 4)
+        (0.1, 0.8187)
+    """
     classes = shape[-1] if shape else 0
     low, high, row_error, logit_loss = (float(value) for value in values)
     if classes < 2 or not all(math.isfinite(value) for value in (low, high, row_error, logit_loss, loss)):
@@ -91,22 +127,32 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
     span = uniform - floor
     if loss < floor - tolerance:
         return None, True
-    if logit_loss > floor + CONFIDENT_SHARE * span or not -BELOW * span <= loss - logit_loss <= BAND * span:
+    smoothing = smoothing_of(loss, gradient, tolerance)
+    if math.isnan(smoothing) and (logit_loss > floor + CONFIDENT_SHARE * span
+                                  or not -BELOW * span <= loss - logit_loss <= BAND * span):
         return None, False
+    smoothed = math.isfinite(smoothing) and smoothing > SMOOTHING_SLACK
+    if smoothed:
+        floor += smoothing * (classes - 1) / classes
+    bound = (f"about {floor:.4g} (log(1 + ({classes} - 1)/e) plus the smoothing's {smoothing:.2g} x {classes - 1}/"
+             f"{classes})" if smoothed else f"log(1 + ({classes} - 1)/e) = {floor:.4g}")
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The model's output {described} is probabilities (every value in [0, 1], each of its rows of {classes} "
         f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is what cross_entropy gives "
-        f"when it softmaxes them again: it can never go below log(1 + ({classes} - 1)/e) = {floor:.4g}, and its "
-        "gradients shrink as the outputs sharpen, so training stalls short of what the model can learn. "
-        "cross_entropy applies log_softmax itself: drop the softmax from the model (apply it at inference only), or "
-        "keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then nll_loss).",
+        f"when it softmaxes them again{f' (with label_smoothing={smoothing:.2g})' if smoothed else ''}: it can "
+        f"never go below {bound}, and its gradients shrink as the outputs sharpen, so training stalls short of what "
+        "the model can learn. cross_entropy applies log_softmax itself: drop the softmax from the model (apply it "
+        "at inference only), or keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then "
+        "nll_loss).",
         {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor, "classes": classes,
-         "logit_loss": logit_loss, "shape": list(shape)}), False
+         "logit_loss": logit_loss, "shape": list(shape),
+         **({"label_smoothing": smoothing} if math.isfinite(smoothing) else {})}), False
 
 
 def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
-                          values: Sequence[float], loss: float, tolerance: float) -> tuple[Suspicion | None, bool]:
+                          values: Sequence[float], loss: float, tolerance: float,
+                          gradient: Sequence[float] = ()) -> tuple[Suspicion | None, bool]:
     """:func:`probability_finding` as the suspicion the kind's policy holds (its ``variant``: two check steps in a
     row), and whether the run is cleared for good::
 
@@ -115,7 +161,7 @@ def probability_suspicion(step: int, since: int, described: str, label: str, sha
         >>> suspicion.key, suspicion.variant, suspicion.finding.details["since_step"]
         ('probabilities_into_log_softmax', 'probabilities_into_log_softmax', 100)
     """
-    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance)
+    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance, gradient)
     if finding is None:
         return None, below
     return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY), below
@@ -164,4 +210,4 @@ def sigmoid_suspicion(step: int, since: int, described: str, label: str, shape: 
 
 
 __all__ = ["JUDGED_EVERY", "KEY", "SIGMOID_KEY", "floor_of", "probability_finding", "probability_suspicion",
-           "sigmoid_finding", "sigmoid_suspicion", "simplex_tolerance"]
+           "sigmoid_finding", "sigmoid_suspicion", "simplex_tolerance", "smoothing_of"]
