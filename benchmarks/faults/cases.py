@@ -158,6 +158,12 @@ def improper_activation() -> Iterator[Case]:
                    ("dead_activation",), (0, buggy.steps), r"out_act",
                    "a ReLU on the output logits: classes whose logit is < 0 get no gradient",
                    needs="dead_activation on the output at the defaults")
+    buggy, twin = _pair(Program(out_fn="relu", optimizer="adam", lr=1e-3), out_fn=None)
+    yield Case("act-relu-logits-functional-adam", "improper_activation", "AutoTrainer", buggy, twin,
+               ("dead_activation",), (0, buggy.steps), r"`model` \(",
+               "F.relu written at the end of forward on the output logits (a ReLU after every layer, the last "
+               "included): classes whose logit is < 0 get no gradient",
+               needs="dead_activation on what forward returns, judged from its values (no ReLU module gives it)")
     for depth in (6, 10):
         buggy, twin = _pair(Program(depth=depth, act="sigmoid", lr=0.1), act="relu", init="kaiming", lr=0.02)
         yield Case(f"act-sigmoid-stack{depth}", "improper_activation", "AutoTrainer", buggy, twin,

@@ -44,7 +44,7 @@ class Program:
     depth: int = 3
     act: str = "relu"                 # relu | sigmoid | tanh | leaky
     out_act: str | None = None        # relu | sigmoid | tanh | softmax applied to the logits
-    out_fn: str | None = None         # sigmoid | softmax written in forward (torch.sigmoid, F.softmax), no module
+    out_fn: str | None = None         # sigmoid | softmax | relu written in forward (torch.sigmoid, ...), no module
     init: str = "default"             # default | small | large | kaiming | xavier | neg_bias
     bias_value: float = 0.0
     batchnorm: bool = False
@@ -103,7 +103,7 @@ CRITERIA = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce_raw": nn.BCELoss,
             "nll_raw": nn.NLLLoss,  # pos_weight: negatives over positives of one-hot labels of 4 classes (the docs')
             "bce_logits_pos_weight": lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor(3.0)),
             "ce_smooth": lambda: nn.CrossEntropyLoss(label_smoothing=0.1)}
-FUNCTIONS = {"sigmoid": torch.sigmoid, "softmax": lambda z: F.softmax(z, dim=-1)}
+FUNCTIONS = {"sigmoid": torch.sigmoid, "softmax": lambda z: F.softmax(z, dim=-1), "relu": F.relu}
 ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "leaky": lambda: nn.LeakyReLU(0.1),
                "softmax": lambda: nn.Softmax(dim=-1)}
 

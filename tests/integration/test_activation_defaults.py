@@ -41,7 +41,7 @@ CRITERIA = {"ce": nn.CrossEntropyLoss, "ce_per_sample": lambda: nn.CrossEntropyL
             "bce_weight": lambda: nn.BCELoss(weight=torch.tensor(POS_WEIGHT))}
 
 
-FUNCTIONAL = {"softmax": lambda z: F.softmax(z, dim=1), "sigmoid": torch.sigmoid,
+FUNCTIONAL = {"softmax": lambda z: F.softmax(z, dim=1), "sigmoid": torch.sigmoid, "relu": F.relu, "softplus": F.softplus,
               "log_softmax": lambda z: F.log_softmax(z, dim=1)}
 
 
@@ -431,6 +431,23 @@ def test_an_output_written_in_forward_after_the_head_is_the_models_output(
     found": the head's logits were judged); ``nll_loss`` of a ``log_softmax`` written the same way is quiet."""
     model = Net(functional_out=functional_out, optimizer="adam", lr=1e-3, loss=loss)
     assert_output_judged(fit(tmp_path, model, steps=201, every=20)[0], cause, "model")
+
+
+@pytest.mark.parametrize("functional_out", ["relu", "softplus", None])
+def test_a_relu_written_in_forward_on_the_logits_is_a_dead_output_unit(tmp_path: Path,
+                                                                       functional_out: str | None) -> None:
+    """``return F.relu(self.head(x))`` (a ReLU after every layer, the last included): no ReLU module gives the
+    output, the LightningModule's ``forward`` does, and a class whose logit is below 0 for every sample gets no
+    gradient; it printed "No problems found" where an ``nn.ReLU`` on the head was named. The twins: ``F.softplus``
+    (non-negative, never 0) and the plain logits."""
+    model = Net(functional_out=functional_out, optimizer="adam", lr=1e-3)
+    events, _ = fit(tmp_path, model, steps=101, every=20)
+    if functional_out != "relu":
+        assert warnings_of(events) == []
+        return
+    dead = [e for e in events if e["kind"] == "dead_activation"]
+    assert dead and dead[0]["step"] == 0 and dead[0]["details"]["modules"] == ["model"], warnings_of(events)
+    assert dead[0]["details"]["output"] and 0 < dead[0]["details"]["dead_units"] < 4
 
 
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:

@@ -6,9 +6,13 @@ loss of a one-hot row), its gradients shrink as the outputs sharpen, and nothing
 Judged on the output's ``simplex_stats`` the activation monitor reads back (docs/gradients.md gives the
 conditions). The bounds are narrow on purpose: ``nll_loss(log(p))`` at about half its samples right crosses
 ``logit_loss`` often, so only confident rows are judged, in a one-sided band; on 96 such healthy runs 0.02% of
-steps were suspect and never two in a row, where a wider band named 13 of them. A loss below the floor proves the
-loss is not cross-entropy on these probabilities and clears the run for good. Not seen: a softmax applied by a
-function (not the last module call), a loss scaled by gradient accumulation::
+steps were suspect and never two in a row, where a wider band named 13 of them. Where the output's gradient was read
+(:func:`~lightning_debug.checks.activations.softmax_twice`) and has ``cross_entropy``'s form, which those losses on
+probabilities never give, the loss is judged at any confidence, as ``cross_entropy`` of the rows at the gradient's
+labels with a label smoothing the loss gives (:func:`smoothing_of`): ``CrossEntropyLoss(label_smoothing=0.1)``
+after an ``nn.Softmax`` sits above ``logit_loss`` by about the smoothing's ``e (C - 1) / C``, outside the band. A
+loss below the floor proves the loss is not cross-entropy on these probabilities and clears the run for good. Not
+seen: a loss scaled by gradient accumulation, class weights with smoothing::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
     >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
