@@ -16,12 +16,28 @@ from torch import nn
 from lightning_debug.checks.numerics import compiled_wrapper
 
 STATS = ("mean", "std", "max_abs", "zero_fraction", "saturated_fraction", "nonfinite_count")
-ROW = STATS + ("dead_unit_fraction", "low")
+ROW = STATS + ("dead_unit_fraction",)
 """What :func:`output_stats` measures: the logged :data:`STATS`, then what only the rules read."""
 MIN_SAMPLES = 8
 SATURATION_MARGIN = 0.02
 RELU_LIKE = (nn.ReLU, nn.ReLU6)
 _METRIC_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+RECTIFIER_NODES = ("ReluBackward", "ThresholdBackward", "ClampMinBackward", "ClampBackward", "HardtanhBackward")
+"""The autograd nodes of the operations that clamp at 0 (``F.relu``, ``F.threshold``, ``clamp(min=0)``,
+``F.relu6``), written in a ``forward``: where no module is there to tell, the operation is."""
+
+
+def rectified(output: torch.Tensor) -> bool:
+    """Whether ``output`` was made by an operation that clamps at 0, as a ReLU module's output is (the model's
+    output written in ``forward`` as ``F.relu(self.head(x))``)::
+
+        >>> z = torch.randn(4, 3, requires_grad=True)
+        >>> rectified(torch.relu(z)), rectified(z.clamp_min(0)), rectified(torch.sigmoid(z)), rectified(z.detach())
+        (True, True, False, False)
+    """
+    return type(output.grad_fn).__name__.startswith(RECTIFIER_NODES)
 
 
 def saturation_range(module: nn.Module) -> tuple[float, float] | None:
@@ -45,15 +61,15 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
     ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,
     ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample (from
-    :data:`MIN_SAMPLES` samples on), and ``low`` the smallest value (NaN without ``units``).
+    :data:`MIN_SAMPLES` samples on).
 
     >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
     >>> [round(v, 3) for v in row.tolist()[:4]], row[4].isnan().item(), row[5].item()
     ([1.0, 1.225, 3.0, 0.5], True, 0.0)
     >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
     0.6667
-    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6:].tolist()
-    [0.25, 0.0]
+    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
+    0.25
     """
     x = output.detach()
     count = x.numel()
@@ -76,11 +92,9 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     width = x.shape[-1] if x.dim() >= 2 else 0
     if units and width and count // width >= MIN_SAMPLES:
         dead = (width - torch.count_nonzero(x.reshape(-1, width).ne(0).any(0))) / width
-        smallest = low.float()
     else:
-        dead = smallest = torch.full((), math.nan, device=x.device)
-    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float(),
-                        smallest])
+        dead = torch.full((), math.nan, device=x.device)
+    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float()])
 
 
 SIMPLEX_ROWS_ELEMENTS = 1 << 22

@@ -53,6 +53,7 @@ from lightning_debug.checks.activations import (
     hooked_modules,
     metric_names,
     output_stats,
+    rectified,
     same_values,
     saturation_range,
     shared_target,
@@ -123,7 +124,7 @@ def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict
     """The stacked read-back of a forward's :data:`ROW` rows, one dict per output (without what was not measured)::
 
         >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
-        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan"), float("nan")], [out])
+        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan")], [out])
         [{'mean': 0.1, 'std': 0.2, 'max_abs': 0.3, 'zero_fraction': 0.5, 'nonfinite_count': 0.0}]
     """
     width = len(ROW)
@@ -134,7 +135,6 @@ def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict
             stats.pop("saturated_fraction")
         if not math.isfinite(stats["dead_unit_fraction"]):
             stats.pop("dead_unit_fraction")
-            stats.pop("low")
         rows.append(stats)
     return rows
 
@@ -193,20 +193,6 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
         output.details(saturated_fraction=stats["saturated_fraction"], mean=stats["mean"]))
 
 
-def clamped_at_zero(stats: dict[str, float]) -> bool:
-    """Whether an output not given by a ReLU module has a ReLU's mark (``F.relu`` written in ``forward``): its
-    smallest value is exactly 0 and some of its units, not all, are 0 for every sample. Softplus, a sigmoid or
-    ``exp`` never reach 0; a head initialised at zero is 0 in every unit::
-
-        >>> clamped_at_zero({"low": 0.0, "dead_unit_fraction": 0.25}), clamped_at_zero({"low": 0.0,
-        ...                                                                           "dead_unit_fraction": 1.0})
-        (True, False)
-        >>> clamped_at_zero({"low": -0.5, "dead_unit_fraction": 0.25})  # a unit at 0 among signed values
-        False
-    """
-    return stats.get("low") == 0.0 and stats.get("dead_unit_fraction", 0.0) < 1.0
-
-
 def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
                         loss: float = math.nan, first_loss: float = math.nan,
                         first_saturated: float = math.nan, model_output: int | None = -1) -> list[Finding]:
@@ -230,7 +216,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
             continue
         if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
             found.append(dead_finding(step, output, stats))
-        elif last and stats.get("dead_unit_fraction", 0.0) > 0 and (output.relu_like or clamped_at_zero(stats)):
+        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0:
             found.append(dead_output_finding(step, output, stats))
         if not output.saturating or not stats["saturated_fraction"] >= SATURATED_FRACTION:
             continue
@@ -441,10 +427,11 @@ class ActivationMonitor(Monitor):
         if index is None:
             if len(self._outputs) >= MAX_OUTPUTS:
                 return None, None
-            self._rows.append(output_stats(output, units=True))
+            relu_like = rectified(output)
+            self._rows.append(output_stats(output, units=relu_like))
             if self._histogram_writer is not None:
                 self._histogram_rows.append(histogram_summaries([output], HISTOGRAM_BINS)[0])
-            self._outputs.append(Output(label, module_type, list(output.shape), relu_like=False, saturating=False,
+            self._outputs.append(Output(label, module_type, list(output.shape), relu_like=relu_like, saturating=False,
                                         fed_by=None))
             index = len(self._outputs) - 1
         return index, output
