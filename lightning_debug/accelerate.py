@@ -81,6 +81,11 @@ class AccelerateContext(RunContext):
         """``total_steps`` and ``lr_scheduler`` as given to :class:`AccelerateDebugger` (a loop says neither)."""
         return self.debugger.total_steps, list(self.debugger.scheduler_names)
 
+    def loss_divisor(self) -> int:
+        """``debugger.backward(loss)`` sees the loss the loop computed; ``accelerator.backward`` divides it by the
+        gradient accumulation after."""
+        return 1
+
     def device(self) -> torch.device:
         return self.accelerator.device
 

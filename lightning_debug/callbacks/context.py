@@ -254,6 +254,11 @@ class LightningContext(RunContext):
         return epoch_end(step, where.get("batch", -1), self.trainer.num_training_batches,
                          self.trainer.accumulate_grad_batches)
 
+    def loss_divisor(self) -> int:
+        """Under automatic optimization Lightning divides the loss by ``accumulate_grad_batches`` before its
+        backward, and hands ``on_before_backward`` the quotient."""
+        return max(1, int(self.trainer.accumulate_grad_batches)) if self.pl_module.automatic_optimization else 1
+
     def module(self) -> nn.Module:
         return self.pl_module
 

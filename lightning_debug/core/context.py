@@ -196,6 +196,12 @@ class RunContext:
         """The last optimizer step of ``step``'s epoch (None: unknown, as for an iterable dataset)."""
         return None
 
+    def loss_divisor(self) -> int:
+        """How many times smaller the loss handed to ``before_backward`` is than the one the user's step computed:
+        the rules that hold the loss against a bound of its own (``log C`` at chance, a softmax's floor) multiply it
+        back. 1 where the loop passes the loss it computed."""
+        return 1
+
     def train_loader(self) -> Any:
         return None
 

@@ -462,7 +462,8 @@ class ActivationMonitor(Monitor):
         names = metric_names([output.label for output in outputs])
         values = pending.stats.values()
         width = len(SIMPLEX)
-        rows, simplex, loss = split_stats(values[:-1 - width], outputs), values[-1 - width:-1], values[-1]
+        rows, simplex = split_stats(values[:-1 - width], outputs), values[-1 - width:-1]
+        loss = values[-1] * self.context.loss_divisor()
         if math.isnan(self.first_loss) and math.isfinite(loss) and rows:
             self.first_loss = loss
             self.first_saturated = (rows[pending.output].get("saturated_fraction", math.nan)

@@ -138,9 +138,10 @@ class Net(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=self.order in ("shuffled", "unbalanced"))
 
 
-def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int) -> tuple[list[dict[str, Any]], Path]:
+def fit(tmp_path: Path, model: pl.LightningModule, steps: int, every: int,
+        **trainer_options: Any) -> tuple[list[dict[str, Any]], Path]:
     config = DebugConfig(gradient_checking_frequency=every, print_summary=False, save_plots=False)
-    trainer = fit_seeded(tmp_path, model, [GradientHealthCallback(config)], max_steps=steps)
+    trainer = fit_seeded(tmp_path, model, [GradientHealthCallback(config)], max_steps=steps, **trainer_options)
     return read_events(debug_dir(trainer)), Path(trainer.log_dir)
 
 
@@ -257,6 +258,22 @@ def test_a_softmax_output_fed_to_cross_entropy_with_label_smoothing_is_named_wit
     model = (Net(optimizer="adam", lr=1e-3, loss="ce_smooth", module_loss=True) if twin == "smoothing_on_logits"
              else Net(out_act=nn.Softmax(dim=-1), optimizer="adam", lr=1e-3, loss="nll_log"))
     assert warnings_of(fit(tmp_path / "twin", model, steps=201, every=20)[0]) == []
+
+
+@pytest.mark.parametrize("buggy", [True, False], ids=["softmax_output", "logits"])
+def test_under_gradient_accumulation_the_loss_is_judged_as_the_step_computed_it(tmp_path: Path, buggy: bool) -> None:
+    """``accumulate_grad_batches=4``: Lightning hands ``on_before_backward`` the loss divided by 4, under the
+    softmax's floor, which cleared the run ("No problems found"); multiplied back, the softmax before cross_entropy
+    is named as without accumulation, at the loss the user logs. The twin: the same run on logits."""
+    model = Net(out_act=nn.Softmax(dim=-1) if buggy else None, optimizer="adam", lr=1e-3)
+    events, _ = fit(tmp_path, model, steps=201, every=20, accumulate_grad_batches=4)
+    if not buggy:
+        assert warnings_of(events) == []
+        return
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(200, "probabilities_into_log_softmax")], \
+        warnings_of(events)
+    assert stalled[0]["details"]["floor"] <= stalled[0]["details"]["loss"] < stalled[0]["details"]["floor"] + 0.05
 
 
 def test_labels_shuffled_against_their_inputs_are_learning_stalled_at_chance(tmp_path: Path) -> None:
