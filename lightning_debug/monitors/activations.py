@@ -92,6 +92,8 @@ MAX_OUTPUTS = 1024
 MAX_PENDING = 4
 HISTOGRAM_BINS = 30
 TABLE_ROWS = 40
+BETWEEN_BATCHES = ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))
+"""The suspicions on the model's output confirmed by a batch other than the one that raised them."""
 
 
 def _quoted(label_and_type: str) -> str:
@@ -276,9 +278,10 @@ class ActivationMonitor(Monitor):
         self._histogram_writer: HistogramWriter | None = None
         self._handles: list[Any] = []
         self._instrumented_step = -1
-        self._spaced_from = -1  # the check step last measured (or deferred to the next step)
+        self._spaced_from = -1  # the check step last measured (or deferred to a later step)
         self._alternate = False
-        self._deferred: int | None = None
+        self._measure_at: int | None = None  # a deferred measurement: the first step from which to take it
+        self.judged_batch: int | None = None  # the position in its epoch of the batch the output rules judged last
         self._where: Where = {}
         self._outputs: list[Output] = []
         self._rows: list[torch.Tensor] = []
@@ -302,20 +305,28 @@ class ActivationMonitor(Monitor):
 
     def _measures(self, step: int) -> bool:
         """A gradient check step (spaced without ``log_activations``), or the next one when the profiler times it:
-        the profiler never times the hooks; when it times every step, every other check step is measured."""
+        the profiler never times the hooks; when it times every step, every other check step is measured. A step
+        whose batch the output rules judged last is measured later (:meth:`_another_batch`)."""
         if step == self._instrumented_step:
             return False
-        if self._deferred is not None and step > self._deferred:
-            self._deferred = None
+        ledger = self.ledger
+        if self._measure_at is not None and step >= self._measure_at:
+            if ledger.is_timed(step) and not ledger.is_timed(step + 1):
+                self._measure_at = step + 1
+                return False
+            self._measure_at = None
             return True
         if not self.due(step):
             return False
         if not self.config.log_activations and 0 <= self._spaced_from and step - self._spaced_from < VERDICT_SPACING:
             return False
-        ledger = self.ledger
+        later = self._another_batch(step)
+        if later is not None:
+            self._measure_at, self._spaced_from = later, step
+            return False
         if ledger.is_timed(step):
             if not ledger.is_timed(step + 1):
-                self._deferred = self._spaced_from = step
+                self._measure_at, self._spaced_from = step + 1, step
                 return False
             self._alternate = not self._alternate
             if self._alternate:
@@ -323,6 +334,21 @@ class ActivationMonitor(Monitor):
             return self._alternate
         self._spaced_from = step
         return True
+
+    def _another_batch(self, step: int) -> int | None:
+        """The step to measure instead of ``step`` (None: ``step``) when the output rules would judge it on the
+        position in its epoch of their last judgement while a suspicion that compares two batches is held
+        (``shared_target``'s mean target, ``single_class_batches``' labels): unshuffled data whose epoch divides the
+        spacing shows them the same batch every time, which reads as no change. The judgement moves on by half of
+        what is left of the epoch (sorted labels: another class), one step when its length is unknown."""
+        if self.judged_batch is None or not self._judges(step) or not any(
+                self.verdicts.hold(kind, key) is not None for kind, key in BETWEEN_BATCHES):
+            return None
+        where = self.context.where()
+        if where.get("batch") != self.judged_batch:
+            return None
+        end = self.context.epoch_end_step(step, where)
+        return step + (max(1, (end - step + 1) // 2) if end is not None and end >= step else 1)
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
         if not self._measures(step):
@@ -543,7 +569,7 @@ class ActivationMonitor(Monitor):
         judged = [key for key in rules if key not in self.cleared]
         if not judged:
             return
-        self.probabilities_judged = step
+        self.probabilities_judged, self.judged_batch = step, where.get("batch")
         found: dict[Kind, list[Suspicion]] = {stalled: [], single: []}
         for key in judged:
             kind, judge = rules[key]
@@ -584,7 +610,7 @@ class ActivationMonitor(Monitor):
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
                     cleared=sorted(self.cleared), probabilities_judged=self.probabilities_judged,
-                    spaced_from=self._spaced_from,
+                    spaced_from=self._spaced_from, measure_at=self._measure_at, judged_batch=self.judged_batch,
                     first_saturated=self.first_saturated,
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
@@ -598,6 +624,8 @@ class ActivationMonitor(Monitor):
             if state_dict.get(old)}  # a checkpoint written before the set
         self.probabilities_judged = int(state_dict.get("probabilities_judged", -1))
         self._spaced_from = int(state_dict.get("spaced_from", -1))
+        self._measure_at = state_dict.get("measure_at")
+        self.judged_batch = state_dict.get("judged_batch")
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 

@@ -52,7 +52,7 @@ class Net(pl.LightningModule):
                  regress: bool = False, target_scale: float = 1.0, optimizer: str = "sgd", lr: float = 0.05,
                  kaiming: bool = False, loss: str = "ce", wrong_labels: int = 0, order: str = "random",
                  module_loss: bool = False, metric: bool = False, functional_out: str | None = None,
-                 squeeze: bool = False) -> None:
+                 squeeze: bool = False, samples: int = 512) -> None:
         super().__init__()
         sizes = [16] + [32] * depth
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
@@ -68,6 +68,7 @@ class Net(pl.LightningModule):
         # | unbalanced (99.5% of the labels 0, shuffled)
         self.functional_out = functional_out  # softmax | sigmoid | log_softmax, written in forward after the head
         self.squeeze = squeeze  # forward returns a regression's (N, 1) output as (N,), a view of it
+        self.samples = samples  # of a regression's data, and of the sorted data (a quarter per class)
         self.criterion = CRITERIA[loss]() if module_loss else None  # the loss as a module: a leaf the hooks see
         self.metric = (torchmetrics.classification.MulticlassAccuracy(num_classes=4, average=None) if metric
                        else None)  # per-class accuracy, called on the output before the loss: a leaf too
@@ -120,7 +121,7 @@ class Net(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         if self.regress:
-            x = torch.randn(512, 16, generator=g)
+            x = torch.randn(self.samples, 16, generator=g)
             y = torch.tanh(x @ torch.randn(16, 1, generator=g) / 4) * self.target_scale
         else:
             n = max(512, self.wrong_labels, 32 * (self.trainer.max_steps if self._trainer is not None else 0))
@@ -129,8 +130,8 @@ class Net(pl.LightningModule):
             y = labels.clone()
             wrong = min(self.wrong_labels, n)
             y[:wrong] = labels[:wrong][torch.randperm(wrong, generator=g)]
-            if self.order in ("sorted", "shuffled"):  # 128 of each class, in label order
-                y = torch.arange(4).repeat_interleave(128)
+            if self.order in ("sorted", "shuffled"):  # a quarter of the samples of each class, in label order
+                y = torch.arange(4).repeat_interleave(self.samples // 4)
                 x = 2.0 * torch.randn(4, 16, generator=g)[y] + torch.randn(len(y), 16, generator=g)
             elif self.order == "unbalanced":
                 y = (torch.rand(n, generator=g) < 0.005).long() * torch.randint(1, 4, (n,), generator=g)
@@ -477,6 +478,28 @@ def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(
     assert details["modules"] == ["head"] and details["since_step"] == 0 and details["labels"] == [[0, 0], [1, 1]]
     assert details["rows"] == 32 and details["labelled_share"] >= 0.9 and "shuffle=True" in found[0]["message"]
     assert warnings_of(events) == [("single_class_batches", 100)]
+
+
+def test_sorted_data_whose_epoch_is_100_steps_is_judged_on_another_batch_the_second_time(tmp_path: Path) -> None:
+    """3,200 samples in label order: an epoch of exactly 100 batches, so the judged steps 0, 100 and 200 all see the
+    batch of class 0 again and the hold never met a batch of another class ("No problems found"). A judgement that
+    would see the batch at the same place in its epoch as the one before it moves on by half of what is left of the
+    epoch: step 150, the batches of class 2."""
+    events, _ = fit(tmp_path, Net(optimizer="adam", lr=1e-3, order="sorted", samples=3200), steps=201, every=20)
+    found = [e for e in events if e["kind"] == "single_class_batches" and e["severity"] == "warning"]
+    assert [e["step"] for e in found] == [150], warnings_of(events)
+    assert found[0]["details"]["since_step"] == 0 and found[0]["details"]["labels"] == [[0, 0], [2, 2]]
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")
+def test_a_broadcast_target_whose_epoch_is_100_steps_is_judged_on_another_batch(tmp_path: Path) -> None:
+    """The same epoch of 100 batches, not shuffled, under ``mse_loss`` of an (N, 1) output and an (N,) target: the
+    same batch at steps 0 and 100 gives the same mean target, which reads as a constant target by design and cleared
+    the run; judged half an epoch later (step 150), it is another batch's mean."""
+    model = Net(regress=True, loss="broadcast", optimizer="adam", lr=1e-3, samples=3200)
+    events, _ = fit(tmp_path, model, steps=201, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(150, "shared_target")], warnings_of(events)
 
 
 @pytest.mark.parametrize("order", ["shuffled", "unbalanced"])

@@ -378,3 +378,20 @@ def test_a_suspicion_of_the_models_output_held_at_the_checkpoint_is_reported_as_
                for e in read_events(debug_dir(run)) if e["kind"] == kind]
               for run in (runs["uninterrupted"], runs["resumed"])]
     assert events[1] == events[0] == [(100, cause, 0, "start"), (109, None, None, "end")], events
+
+
+class SortedLabelsEpoch100(SortedLabels):
+    """The labels in order in an epoch of exactly 100 batches: steps 0 and 100 see the same batch of class 0, so the
+    judgement due at 100 moves to 150 (class 2)."""
+
+    batches = 100
+
+
+def test_a_judgement_moved_to_another_batch_is_taken_where_it_was_due_after_a_resume(tmp_path: Path) -> None:
+    """Checkpointed at step 120, after the judgement due at 100 was moved to 150 and before it was taken: the resumed
+    run takes it at 150 and names the sorted labels there, as the uninterrupted run does."""
+    runs = interrupted_and_resumed(tmp_path, SortedLabelsEpoch100, checkpoint_step=120, crash_step=130, steps=160)
+    assert "single_class_batches" in runs["held"], f"the checkpoint holds {runs['held']}"
+    uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
+    assert uninterrupted["single_class_batches"][0] == 150, uninterrupted
+    assert resumed == uninterrupted
