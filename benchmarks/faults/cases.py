@@ -139,6 +139,11 @@ def improper_data() -> Iterator[Case]:
                    ("single_class_batches",), (0, buggy.steps), r"\bhead\b",
                    "the training data in label order, shuffle=False: one class per batch",
                    needs="the labels of a batch, read from cross_entropy's gradient of the output")
+    buggy, twin = _pair(Program(silent="sorted_unshuffled", optimizer="adam", lr=1e-3, samples=3200), fixed=True)
+    yield Case("data-sorted-unshuffled-epoch100-adam", "improper_data", "Humbatova et al. ICSE 2020", buggy, twin,
+               ("single_class_batches",), (0, buggy.steps), r"\bhead\b",
+               "the training data in label order, shuffle=False, in an epoch of 100 batches: every hundredth step "
+               "is the first batch again", needs="a judgement moved off the batch the one before it saw")
     for step in (3, 9):
         buggy, twin = _pair(Program(fault="nan_input", fault_step=step, optimizer="adam", lr=1e-3), fixed=True)
         yield Case(f"data-nan-sample-s{step}", "improper_data", "DeepDiagnosis", buggy, twin, ("nonfinite_input",),
@@ -327,6 +332,12 @@ def api_misuse() -> Iterator[Case]:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]
         yield Case(f"api-{name.replace('_', '-')}", "api_misuse", "PyTorch and Lightning API", buggy, twin, kinds,
                    (0, buggy.steps), where, what, needs)
+    buggy, twin = _pair(Program(silent="target_broadcast", task="regress", samples=3200), fixed=True)
+    yield Case("api-target-broadcast-epoch100", "api_misuse", "PyTorch and Lightning API", buggy, twin,
+               ("learning_stalled",), (0, buggy.steps), r"broadcast|shape|size",
+               "mse_loss on an (N, 1) output and an (N,) target, unshuffled data in an epoch of 100 batches: every "
+               "hundredth step is the same batch, with the same mean target",
+               "a judgement moved off the batch the one before it saw")
 
 
 MEMORY_STEPS = 501

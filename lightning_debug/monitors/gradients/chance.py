@@ -10,7 +10,9 @@ cleared for good; a fine-tune that starts at chance and learns late leaves it be
 Judged on the activation monitor's check steps (at most once every 100 optimizer steps), from the
 width of the model's output (its last module call) and the step's loss: suspected while the loss is within
 :data:`BAND` of ``log C``; the kind's policy confirms four judgements in a row, 300 steps at chance. An output of
-one value (a regression, a binary logit) is not judged, nor a loss scaled by gradient accumulation.
+one value (a regression, a binary logit) is not judged. The loss is the one the training step computed (under
+Lightning's gradient accumulation, what ``on_before_backward`` gets times ``accumulate_grad_batches``:
+``RunContext.loss_divisor``).
 
 Example::
 

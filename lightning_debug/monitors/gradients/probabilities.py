@@ -12,7 +12,7 @@ probabilities never give, the loss is judged at any confidence, as ``cross_entro
 labels with a label smoothing the loss gives (:func:`smoothing_of`): ``CrossEntropyLoss(label_smoothing=0.1)``
 after an ``nn.Softmax`` sits above ``logit_loss`` by about the smoothing's ``e (C - 1) / C``, outside the band. A
 loss below the floor proves the loss is not cross-entropy on these probabilities and clears the run for good. Not
-seen: a loss scaled by gradient accumulation, class weights with smoothing::
+seen: class weights with smoothing, a loss scaled by hand (``loss / k`` in the training step)::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
     >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
