@@ -764,3 +764,33 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
     named = [(e["step"], e["details"].get("cause", e["kind"])) for e in events
              if e["kind"] in ("learning_stalled", "single_class_batches") and e["severity"] == "warning"]
     assert named == [(100, cause)], [(e["kind"], e["step"]) for e in events]
+
+
+def test_a_softmax_output_fed_to_cross_entropy_under_gradient_accumulation_is_named_in_an_accelerate_loop(
+        tmp_path: Path) -> None:
+    """``gradient_accumulation_steps=4``: ``debugger.backward`` sees the loss the loop computed (``accelerator.backward``
+    divides it after), so the softmax applied twice is held against its floor at the loss the user logs: suspected
+    at step 100 (the rows near uniform at 0 tell nothing), named at 200 as under a Trainer with
+    ``accumulate_grad_batches=4`` (tests/integration/test_activation_defaults.py)."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 4, (32 * 4 * 210,), generator=g)
+    inputs = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
+    accelerator = Accelerator(cpu=True, project_dir=str(tmp_path), gradient_accumulation_steps=4)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4), nn.Softmax(dim=-1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loader = DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(mode="gradient_checking", save_plots=False),
+                                  total_steps=210)
+    with debugger:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                debugger.backward(nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            if debugger.step >= 210:
+                break
+    events = read_events(run_dir(tmp_path / "debug_outputs"))
+    named = [(e["step"], e["details"].get("cause")) for e in events
+             if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert named == [(200, "probabilities_into_log_softmax")], [(e["kind"], e["step"]) for e in events]
