@@ -213,8 +213,8 @@ def loss_issue() -> Iterator[Case]:
     yield Case("loss-softmax-twice-smoothing-adam", "loss_issue", "PyTorch docs (CrossEntropyLoss)", buggy, twin,
                ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
                "an nn.Softmax output fed to nn.CrossEntropyLoss(label_smoothing=0.1) (the softmax applied twice)",
-               needs="a softmax-twice rule that does not read the loss as cross_entropy without smoothing (the "
-                     "rows turn one-hot, so the form of their gradient tells nothing)")
+               needs="the loss read as cross_entropy of the rows at the output gradient's labels, with the label "
+                     "smoothing the loss gives")
     buggy, twin = _pair(Program(out_act="sigmoid", loss="bce_logits_pos_weight", criterion=True, optimizer="adam",
                                 lr=1e-3), out_act=None)
     yield Case("loss-sigmoid-twice-pos-weight-adam", "loss_issue", "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,
