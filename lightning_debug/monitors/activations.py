@@ -315,14 +315,10 @@ class ActivationMonitor(Monitor):
                 self._measure_at = step + 1
                 return False
             self._measure_at = None
-            return True
+            return self._on_another_batch(step)
         if not self.due(step):
             return False
         if not self.config.log_activations and 0 <= self._spaced_from and step - self._spaced_from < VERDICT_SPACING:
-            return False
-        later = self._another_batch(step)
-        if later is not None:
-            self._measure_at, self._spaced_from = later, step
             return False
         if ledger.is_timed(step):
             if not ledger.is_timed(step + 1):
@@ -331,9 +327,17 @@ class ActivationMonitor(Monitor):
             self._alternate = not self._alternate
             if self._alternate:
                 self._spaced_from = step
-            return self._alternate
+            return self._alternate and self._on_another_batch(step)
         self._spaced_from = step
-        return True
+        return self._on_another_batch(step)
+
+    def _on_another_batch(self, step: int) -> bool:
+        """Whether ``step``, about to be measured, is: not when :meth:`_another_batch` moves it later."""
+        later = self._another_batch(step)
+        if later is None:
+            return True
+        self._measure_at = later
+        return False
 
     def _another_batch(self, step: int) -> int | None:
         """The step to measure instead of ``step`` (None: ``step``) when the output rules would judge it on the

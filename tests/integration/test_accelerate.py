@@ -768,8 +768,8 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
 
 def test_a_softmax_output_fed_to_cross_entropy_under_gradient_accumulation_is_named_in_an_accelerate_loop(
         tmp_path: Path) -> None:
-    """``gradient_accumulation_steps=4``: ``debugger.backward`` sees the loss the loop computed (``accelerator.backward``
-    divides it after), so the softmax applied twice is held against its floor at the loss the user logs: suspected
+    """``gradient_accumulation_steps=4``: ``debugger.backward`` sees the loss the loop computed
+    (``accelerator.backward`` divides it after), so the softmax applied twice is held against its floor at the loss the user logs: suspected
     at step 100 (the rows near uniform at 0 tell nothing), named at 200 as under a Trainer with
     ``accumulate_grad_batches=4`` (tests/integration/test_activation_defaults.py)."""
     g = torch.Generator().manual_seed(0)
@@ -780,8 +780,8 @@ def test_a_softmax_output_fed_to_cross_entropy_under_gradient_accumulation_is_na
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loader = DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=32)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(mode="gradient_checking", save_plots=False),
-                                  total_steps=210)
+    config = DebugConfig(mode="gradient_checking", save_plots=False)
+    debugger = AccelerateDebugger(accelerator, model, optimizer, config, total_steps=210)
     with debugger:
         for x, y in loader:
             with accelerator.accumulate(model):

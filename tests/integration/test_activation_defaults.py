@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_debug import DebugConfig, GradientHealthCallback
+from lightning_debug import DebugConfig, GradientHealthCallback, PerformanceProfilerCallback
 from tests.harness.toolkit import debug_dir, fit_seeded, read_events, read_scalars
 
 WARNING_OR_ABOVE = ("warning", "error", "critical")
@@ -41,8 +41,8 @@ CRITERIA = {"ce": nn.CrossEntropyLoss, "ce_per_sample": lambda: nn.CrossEntropyL
             "bce_weight": lambda: nn.BCELoss(weight=torch.tensor(POS_WEIGHT))}
 
 
-FUNCTIONAL = {"softmax": lambda z: F.softmax(z, dim=1), "sigmoid": torch.sigmoid, "relu": F.relu, "softplus": F.softplus,
-              "log_softmax": lambda z: F.log_softmax(z, dim=1)}
+FUNCTIONAL = {"softmax": lambda z: F.softmax(z, dim=1), "sigmoid": torch.sigmoid, "relu": F.relu,
+              "softplus": F.softplus, "log_softmax": lambda z: F.log_softmax(z, dim=1)}
 
 
 class Net(pl.LightningModule):
@@ -480,15 +480,26 @@ def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(
     assert warnings_of(events) == [("single_class_batches", 100)]
 
 
-def test_sorted_data_whose_epoch_is_100_steps_is_judged_on_another_batch_the_second_time(tmp_path: Path) -> None:
+@pytest.mark.parametrize("timed", [False, True], ids=["gradients", "with_the_performance_callback"])
+def test_sorted_data_whose_epoch_is_100_steps_is_judged_on_another_batch_the_second_time(tmp_path: Path,
+                                                                                       timed: bool) -> None:
     """3,200 samples in label order: an epoch of exactly 100 batches, so the judged steps 0, 100 and 200 all see the
     batch of class 0 again and the hold never met a batch of another class ("No problems found"). A judgement that
     would see the batch at the same place in its epoch as the one before it moves on by half of what is left of the
-    epoch: step 150, the batches of class 2."""
-    events, _ = fit(tmp_path, Net(optimizer="adam", lr=1e-3, order="sorted", samples=3200), steps=201, every=20)
+    epoch: step 150, the batches of class 2. With the performance callback, which times the check steps (0, 100),
+    each measurement moves one step on (1, 101): the batch is checked where it is measured, and 101 moves to 151."""
+    model = Net(optimizer="adam", lr=1e-3, order="sorted", samples=3200)
+    if timed:
+        config = DebugConfig(print_summary=False, save_plots=False)
+        trainer = fit_seeded(tmp_path, model, [GradientHealthCallback(config), PerformanceProfilerCallback(config)],
+                             max_steps=201)
+        events = read_events(debug_dir(trainer))
+    else:
+        events, _ = fit(tmp_path, model, steps=201, every=20)
     found = [e for e in events if e["kind"] == "single_class_batches" and e["severity"] == "warning"]
-    assert [e["step"] for e in found] == [150], warnings_of(events)
-    assert found[0]["details"]["since_step"] == 0 and found[0]["details"]["labels"] == [[0, 0], [2, 2]]
+    assert [e["step"] for e in found] == [151 if timed else 150], warnings_of(events)
+    details = found[0]["details"]
+    assert details["since_step"] == (1 if timed else 0) and details["labels"] == [[0, 0], [2, 2]]
 
 
 @pytest.mark.filterwarnings("ignore:Using a target size")
