@@ -65,6 +65,17 @@ class Drift:
         return self.moved / self.size / self.steps
 
 
+def real_values(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter's values as a flat real tensor: a complex weight as its real and imaginary parts, which both move
+    (``.float()`` alone would drop the imaginary part, with a warning in the user's log)::
+
+        >>> real_values(torch.tensor([1 + 2j, 3 - 1j])).tolist()
+        [1.0, 2.0, 3.0, -1.0]
+    """
+    values = parameter.detach()
+    return (torch.view_as_real(values) if values.is_complex() else values).reshape(-1)
+
+
 class WeightDrift:
     """A sample of the trained weights kept from one check step to the next, and the loss of the first one::
 
@@ -96,7 +107,7 @@ class WeightDrift:
         if not self._picked or (self._kept is not None and 0 <= step - self._step < SAMPLE_EVERY):
             return None
         with torch.no_grad():
-            sample = torch.cat([p.detach().reshape(-1)[:SAMPLED_VALUES].float() for p in self._picked])
+            sample = torch.cat([real_values(p)[:SAMPLED_VALUES].float() for p in self._picked])
             kept, self._kept = self._kept, sample
             steps, self._step = step - self._step, step
             if kept is None or kept.shape != sample.shape or steps <= 0:
