@@ -86,6 +86,10 @@ class AccelerateContext(RunContext):
         gradient accumulation after."""
         return 1
 
+    def backward_divisor(self) -> int:
+        """``accelerator.backward`` divides the loss by the gradient accumulation before it differentiates it."""
+        return max(1, int(getattr(self.accelerator, "gradient_accumulation_steps", 1) or 1))
+
     def device(self) -> torch.device:
         return self.accelerator.device
 

@@ -215,6 +215,13 @@ def loss_issue() -> Iterator[Case]:
                "an nn.Softmax output fed to nn.CrossEntropyLoss(label_smoothing=0.1) (the softmax applied twice)",
                needs="the loss read as cross_entropy of the rows at the output gradient's labels, with the label "
                      "smoothing the loss gives")
+    for loss, written in (("ce_sum", "cross_entropy(z, y, reduction=\"sum\")"),
+                          ("ce_quarter", "cross_entropy(z, y) / 4 (an accumulation written by hand)")):
+        buggy, twin = _pair(Program(out_act="softmax", loss=loss, optimizer="adam", lr=1e-3), out_act=None)
+        yield Case(f"loss-softmax-twice-{loss.removeprefix('ce_')}-adam", "loss_issue",
+                   "PyTorch docs (CrossEntropyLoss)", buggy, twin, ("learning_stalled",), (0, buggy.steps),
+                   r"\bout_act\b", f"an nn.Softmax output fed to {written} (the softmax applied twice)",
+                   needs="the loss's factor read from the output's gradient")
     buggy, twin = _pair(Program(out_act="sigmoid", loss="bce_logits_pos_weight", criterion=True, optimizer="adam",
                                 lr=1e-3), out_act=None)
     yield Case("loss-sigmoid-twice-pos-weight-adam", "loss_issue", "PyTorch docs (BCEWithLogitsLoss)", buggy, twin,

@@ -54,7 +54,7 @@ class Program:
     input_scale: float = 1.0
     target_scale: float = 1.0
     shuffle_labels: bool = False
-    loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce
+    loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce | ce_sum | ce_quarter
     #                                   | bce_logits_pos_weight, ce_smooth (with criterion)
     criterion: bool = False           # the loss as a module attribute (self.criterion = nn.CrossEntropyLoss())
     fault: str | None = None
@@ -197,6 +197,10 @@ class FaultProgram(pl.LightningModule):
             return F.mse_loss(z, F.one_hot(y, p.classes).float())
         if p.loss == "neg_ce":
             return -F.cross_entropy(z, y)
+        if p.loss == "ce_sum":
+            return F.cross_entropy(z, y, reduction="sum")
+        if p.loss == "ce_quarter":                 # accumulation over 4 micro-batches written by hand
+            return F.cross_entropy(z, y) / 4
         return F.cross_entropy(z, y)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

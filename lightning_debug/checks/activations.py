@@ -375,6 +375,82 @@ def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     return torch.cat([share.reshape(1), torch.where(form.any(), means, math.nan)])
 
 
+SCALED_CROSS_ENTROPY = ("softmax_fit", "softmax_misfit", "label_smoothing", "row_loss")
+SMOOTHING_MAX = 0.5
+"""The largest label smoothing :func:`scaled_cross_entropy` reads (0.1 or 0.2 is what models train with)."""
+SMOOTHING_GRID = 51
+SOFTMAX_ELEMENTS = 1 << 20
+"""The largest output :func:`scaled_cross_entropy` reads: all of it, since the loss is compared with every row's."""
+
+
+def scaled_cross_entropy(grad: torch.Tensor, output: torch.Tensor, loss: torch.Tensor | None,
+                         tolerance: float = 1e-3) -> torch.Tensor:
+    """:data:`SCALED_CROSS_ENTROPY` of an output's rows (its last dimension), on its device, read with its gradient
+    and the loss it came from: whether the loss is ``cross_entropy`` of the rows taken as logits, times any factor.
+
+    ``c * cross_entropy(z, y, label_smoothing=e)`` gives each row the gradient ``k (softmax(z) - t)``, ``t`` the
+    smoothed one-hot target at the label (the gradient's one value below 0), ``k`` the row's weight (``c / N`` for the
+    mean, ``c`` for a sum, times a class weight), and the loss is the sum over the rows of ``k`` times the row's
+    cross-entropy, ``(1 - e)`` times its one-hot cost plus ``e`` times its uniform one. For each ``e`` from 0 to
+    :data:`SMOOTHING_MAX` the rows' ``k`` is fitted to their gradient, and ``e`` is where the loss so predicted
+    crosses the loss given (interpolated on a grid). Returned: the share of the rows with a gradient that it fits
+    within ``tolerance`` (with ``k > 0``), the predicted loss's distance from the given one as a share of it, ``e``,
+    and the rows' mean cross-entropy at ``e`` (the loss over it is the factor). Neither the loss's scale (``loss /
+    k``, ``reduction="sum"``) nor ignored rows change the reading; ``mse_loss`` against one-hot targets, which also
+    gives one value below 0 per row, misses the loss by a factor of 2 or more. Class weights with label smoothing
+    give each class its own smoothed target, which this does not fit (:func:`softmax_twice` reads those, at a factor
+    of 1). NaN when no row has a gradient, the loss is unknown or the output has more than
+    :data:`SOFTMAX_ELEMENTS` values.
+
+    >>> from torch.nn import functional as F
+    >>> p, y = torch.softmax(torch.randn(16, 4), -1).requires_grad_(), torch.randint(0, 4, (16,))
+    >>> def read(loss): return scaled_cross_entropy(torch.autograd.grad(loss, p)[0], p, loss).tolist()
+    >>> fit, misfit, smoothing, row_loss = read(0.5 * F.cross_entropy(p, y, label_smoothing=0.1))
+    >>> fit, misfit < 1e-4, round(smoothing, 4), round(0.5 * F.cross_entropy(p, y, label_smoothing=0.1).item()
+    ...                                                   / row_loss, 4)
+    (1.0, True, 0.1, 0.5)
+    >>> fit, misfit, _, _ = read(F.mse_loss(p, F.one_hot(y, 4).float()))  # the same form, not the same loss
+    >>> fit < 0.5 or misfit > 1
+    True
+    >>> read(F.nll_loss(p.log(), y))[0]  # not cross_entropy's gradient
+    0.0
+    """
+    width = output.shape[-1] if output.dim() else 0
+    if (loss is None or grad.shape != output.shape or width < 2 or output.numel() == 0
+            or output.numel() > SOFTMAX_ELEMENTS):
+        return torch.full((len(SCALED_CROSS_ENTROPY),), math.nan, dtype=torch.float32, device=grad.device)
+    g, z = (x.detach().reshape(-1, width).float() for x in (grad, output))
+    given = loss.detach().float().mean().to(g.device)
+    read = g.abs().sum(1) > 0
+    labels = g.argmin(1, keepdim=True)
+    soft = torch.softmax(z, -1)
+    one_hot = torch.zeros_like(soft).scatter_(1, labels, 1.0)
+    a, b = soft - one_hot, one_hot - 1.0 / width  # t = one_hot - e * b: the gradient is k (a + e b)
+    ga, gb, aa, ab, bb = ((x * y).sum(1) for x, y in ((g, a), (g, b), (a, a), (a, b), (b, b)))
+    lse = torch.logsumexp(z, -1)
+    hot, flat = lse - z.gather(1, labels).squeeze(1), lse - z.mean(-1)
+
+    def at(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        e = e[..., None]
+        k = (ga + e * gb) / (aa + 2 * e * ab + e * e * bb).clamp_min(torch.finfo(torch.float32).tiny)
+        row = hot + e * (flat - hot)
+        return k, row, torch.where(read, k * row, 0.0).sum(-1)
+
+    grid = torch.linspace(0.0, SMOOTHING_MAX, SMOOTHING_GRID, device=g.device)
+    off = (at(grid)[2] - given) / given.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    crosses = (off[:-1] <= 0) != (off[1:] <= 0)
+    j = crosses.int().argmax()
+    step = (off[j] - off[j + 1]).where(off[j] != off[j + 1], torch.ones_like(off[j]))
+    e = torch.where(crosses.any(), grid[j] + (grid[j + 1] - grid[j]) * off[j] / step, grid[off.abs().argmin()])
+    k, row, predicted = (value[0] for value in at(e.reshape(1)))
+    residual = torch.linalg.vector_norm(g - k[:, None] * (a + e * b), dim=1)
+    fits = read & (residual <= tolerance * torch.linalg.vector_norm(g, dim=1)) & (k > 0)
+    rows = read.sum().clamp_min(1)
+    found = torch.stack([fits.sum() / rows, (predicted - given).abs() / given.abs(), e,
+                         torch.where(read, row, 0.0).sum() / rows])
+    return torch.where(read.any() & torch.isfinite(given), found, math.nan)
+
+
 def hooked_modules(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
     """The modules the activation hooks observe, by name, in one walk: the leaves, whose outputs are the layers'
     activations (a ``torch.compile`` wrapper is one leaf, observed from outside, see

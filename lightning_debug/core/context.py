@@ -202,6 +202,11 @@ class RunContext:
         back. 1 where the loop passes the loss it computed."""
         return 1
 
+    def backward_divisor(self) -> int:
+        """How many times smaller the loss the backward differentiates is than the one handed to ``before_backward``:
+        what the output's gradient is read against. 1 where the loss handed is the one differentiated."""
+        return 1
+
     def train_loader(self) -> Any:
         return None
 

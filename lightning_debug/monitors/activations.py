@@ -40,6 +40,7 @@ from lightning_debug.checks.activations import (
     BATCH_LABELS,
     RELU_LIKE,
     ROW,
+    SCALED_CROSS_ENTROPY,
     SHARED,
     SIGMOID_TWICE,
     SIMPLEX,
@@ -56,6 +57,7 @@ from lightning_debug.checks.activations import (
     rectified,
     same_values,
     saturation_range,
+    scaled_cross_entropy,
     shared_target,
     sigmoid_twice,
     simplex_stats,
@@ -230,22 +232,30 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-OUTPUT_GRADIENT = ("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE
+OUTPUT_GRADIENT = (("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE
+                   + SCALED_CROSS_ENTROPY)
 """What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
 
 
-def _writes_gradient(into: torch.Tensor, output: torch.Tensor) -> Any:
+def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tensor | None) -> Any:
     """A hook on the gradient of the model's ``output`` that writes its :data:`OUTPUT_GRADIENT` into ``into`` and
-    leaves the gradient as it is; one it cannot measure leaves ``into`` NaN (the backward is the user's, never
-    broken)."""
+    leaves the gradient as it is; a reading it cannot measure stays NaN, the others are kept (the backward is the
+    user's, never broken). ``loss``: the loss this backward differentiates."""
     def write(grad: torch.Tensor) -> None:
-        try:
-            tolerance = fit_tolerance(grad.dtype)
-            into.copy_(torch.cat([batch_softmax_fit(grad, output, tolerance).reshape(1),
-                                  shared_target(grad, output), sigmoid_twice(grad, output, tolerance),
-                                  batch_labels(grad, tolerance), softmax_twice(grad, output, tolerance)]))
-        except Exception:  # noqa: BLE001 - an unmeasured step is not judged
-            pass
+        tolerance = fit_tolerance(grad.dtype)
+        readings = ((1, lambda: batch_softmax_fit(grad, output, tolerance)),
+                    (len(SHARED), lambda: shared_target(grad, output)),
+                    (len(SIGMOID_TWICE), lambda: sigmoid_twice(grad, output, tolerance)),
+                    (len(BATCH_LABELS), lambda: batch_labels(grad, tolerance)),
+                    (len(SOFTMAX_TWICE), lambda: softmax_twice(grad, output, tolerance)),
+                    (len(SCALED_CROSS_ENTROPY), lambda: scaled_cross_entropy(grad, output, loss, tolerance)))
+        start = 0
+        for width, read in readings:
+            try:
+                into[start:start + width].copy_(read().reshape(width))
+            except Exception:  # noqa: BLE001 - an unmeasured reading is not judged
+                pass
+            start += width
     return write
 
 
@@ -441,7 +451,9 @@ class ActivationMonitor(Monitor):
                                index)
         if last is not None and self._judges_gradient(pending.step, last):
             pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
-            last.register_hook(_writes_gradient(pending.gradient, last.detach()))
+            backward_of = (loss.detach() / self.context.backward_divisor()
+                           if isinstance(loss, torch.Tensor) and loss.numel() else None)
+            last.register_hook(_writes_gradient(pending.gradient, last.detach(), backward_of))
         self._pending.append(pending)
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
@@ -556,7 +568,7 @@ class ActivationMonitor(Monitor):
         rules = {
             PROBABILITIES: (stalled, lambda since: probability_suspicion(
                 step, since, described, output.label, output.shape, simplex, loss, tolerance,
-                [read[name] for name in SOFTMAX_TWICE])),
+                [read[name] for name in SOFTMAX_TWICE + SCALED_CROSS_ENTROPY])),
             CHANCE: (stalled, lambda since: chance_suspicion(step, since, described, output.label, output.shape,
                                                              loss)),
             BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(

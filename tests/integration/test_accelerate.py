@@ -766,12 +766,15 @@ def test_the_rules_on_the_outputs_gradient_name_their_cause_in_an_accelerate_loo
     assert named == [(100, cause)], [(e["kind"], e["step"]) for e in events]
 
 
+@pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_a_softmax_output_fed_to_cross_entropy_under_gradient_accumulation_is_named_in_an_accelerate_loop(
-        tmp_path: Path) -> None:
-    """``gradient_accumulation_steps=4``: ``debugger.backward`` sees the loss the loop computed
-    (``accelerator.backward`` divides it after), so the softmax applied twice is held against its floor at the loss the user logs: suspected
-    at step 100 (the rows near uniform at 0 tell nothing), named at 200 as under a Trainer with
-    ``accumulate_grad_batches=4`` (tests/integration/test_activation_defaults.py)."""
+        tmp_path: Path, factor: float) -> None:
+    """``gradient_accumulation_steps=4``: ``debugger.backward`` sees the loss the loop computed and
+    ``accelerator.backward`` divides it by 4 before it differentiates it, so the output's gradient is read against
+    the quotient (``backward_divisor``): the softmax applied twice is named at step 100 (suspected at 0) as under a
+    Trainer with ``accumulate_grad_batches=4`` (tests/integration/test_activation_defaults.py), the accumulation is
+    no factor of the loss, and a loss halved by hand (under the softmax's floor, which cleared the run) is named
+    with its factor."""
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 4, (32 * 4 * 210,), generator=g)
     inputs = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(len(labels), 16, generator=g)
@@ -785,12 +788,13 @@ def test_a_softmax_output_fed_to_cross_entropy_under_gradient_accumulation_is_na
     with debugger:
         for x, y in loader:
             with accelerator.accumulate(model):
-                debugger.backward(nn.functional.cross_entropy(model(x), y))
+                debugger.backward(factor * nn.functional.cross_entropy(model(x), y))
                 optimizer.step()
                 optimizer.zero_grad()
             if debugger.step >= 210:
                 break
     events = read_events(run_dir(tmp_path / "debug_outputs"))
-    named = [(e["step"], e["details"].get("cause")) for e in events
-             if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
-    assert named == [(200, "probabilities_into_log_softmax")], [(e["kind"], e["step"]) for e in events]
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    assert [(e["step"], e["details"].get("cause")) for e in stalled] == [(100, "probabilities_into_log_softmax")], \
+        [(e["kind"], e["step"]) for e in events]
+    assert stalled[0]["details"].get("loss_scale", 1.0) == pytest.approx(factor, rel=1e-3)

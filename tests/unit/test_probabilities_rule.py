@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import simplex_stats, softmax_twice
+from lightning_debug.checks.activations import scaled_cross_entropy, simplex_stats, softmax_twice
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.verdicts import policy_of
@@ -35,8 +35,9 @@ def confident(classes: int = 4, rows: int = 32, sharpness: float = 20.0) -> tupl
 def judge(p: torch.Tensor, loss: torch.Tensor, step: int = 300, gradient: bool = False) -> tuple[Any, bool]:
     """The rule on ``p`` and ``loss``; ``gradient``: with the output gradient's readings too, as the monitor gives
     them on a judged step (``loss`` must then be in a graph from ``p``)."""
-    read = (softmax_twice(torch.autograd.grad(loss, p, retain_graph=True)[0], p.detach()).tolist() if gradient
-            else [])
+    grad = torch.autograd.grad(loss, p, retain_graph=True)[0] if gradient else None
+    read = (softmax_twice(grad, p.detach()).tolist() + scaled_cross_entropy(grad, p.detach(), loss.detach()).tolist()
+            if grad is not None else [])
     return probability_finding(step, step, "`out` (Softmax)", "out", list(p.shape), simplex_stats(p.detach()).tolist(),
                                float(loss.detach()), simplex_tolerance(p.dtype), read)
 
@@ -72,6 +73,56 @@ def test_half_confident_rows_with_the_gradient_of_cross_entropy_are_named() -> N
     finding, _ = judge(p, loss, gradient=True)
     assert finding is not None and finding.details["label_smoothing"] == 0.0
     assert "label_smoothing" not in finding.message
+
+
+def ignored(y: torch.Tensor) -> torch.Tensor:
+    """Every fourth label set to ``ignore_index`` (padding)."""
+    y = y.clone()
+    y[::4] = -100
+    return y
+
+
+SCALED: dict[str, tuple[float, Loss]] = {
+    "half": (0.5, lambda p, y: 0.5 * F.cross_entropy(p, y)),
+    "quarter": (0.25, lambda p, y: F.cross_entropy(p, y) / 4),
+    "sum": (32.0, lambda p, y: F.cross_entropy(p, y, reduction="sum")),
+    "ignored_half": (0.5, lambda p, y: 0.5 * F.cross_entropy(p, ignored(y))),
+    "smoothed_sum": (32.0, lambda p, y: F.cross_entropy(p, y, label_smoothing=0.2, reduction="sum")),
+}
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 20.0])
+@pytest.mark.parametrize("case", sorted(SCALED))
+def test_cross_entropy_on_probabilities_scaled_by_hand_is_named_with_its_factor(case: str, sharpness: float) -> None:
+    """``loss * 0.5``, ``loss / 4`` (accumulation written by hand) or ``reduction="sum"`` move the loss from the
+    floor by their factor: under it, the loss alone cleared the run. The gradient reads the factor; padding
+    (``ignore_index``) does not change it."""
+    factor, loss_of = SCALED[case]
+    p, y = with_graph(sharpness)
+    loss = loss_of(p, y)
+    finding, below = judge(p, loss, gradient=True)
+    assert finding is not None and not below and finding.details["cause"] == KEY
+    assert finding.details["loss_scale"] == pytest.approx(factor, rel=1e-3)
+    assert f"{factor:.3g} times what cross_entropy gives" in finding.message
+    smoothing = 0.2 if case == "smoothed_sum" else 0.0
+    assert finding.details["floor"] == pytest.approx(factor * (floor_of(4) + smoothing * 3 / 4), rel=1e-3)
+    if factor < 1:
+        assert judge(p, loss) == (None, True)  # the loss alone: under the floor
+
+
+@pytest.mark.parametrize("loss_of", [
+    lambda p, y: 0.5 * F.nll_loss(torch.log(p), y),
+    lambda p, y: F.mse_loss(p, F.one_hot(y, 4).float(), reduction="sum"),
+    lambda p, y: 0.25 * F.mse_loss(p, F.one_hot(y, 4).float()),
+    lambda p, y: 0.5 * F.binary_cross_entropy(p, F.one_hot(y, 4).float()),
+], ids=["nll_of_log", "mse_sum", "mse_quarter", "bce_half"])
+@pytest.mark.parametrize("sharpness", [0.5, 1.0, 20.0])
+def test_losses_made_for_probabilities_scaled_by_hand_are_quiet(loss_of: Loss, sharpness: float) -> None:
+    """The twins of the factor: ``mse_loss`` against one-hot targets has the form of the gradient (one value below 0
+    per row, rows summing to 0) at any factor, but the loss that gradient predicts as cross-entropy is 2 times its
+    loss or more."""
+    p, y = with_graph(sharpness)
+    assert judge(p, loss_of(p, y), gradient=True)[0] is None
 
 
 @pytest.mark.parametrize("loss_of", [
@@ -283,3 +334,19 @@ def test_a_loss_over_two_classes_on_batches_of_two_is_not_judged_a_softmax_over_
         y = torch.randint(0, 2, (4,), generator=generator)
         fits.append(batch_softmax_fit(torch.autograd.grad(F.cross_entropy(z, y), z)[0], z).item())
     assert max(f for f in fits if f == f) < FIT
+
+
+def test_a_reading_of_the_output_gradient_that_fails_leaves_the_others() -> None:
+    """The hook on the output's gradient writes each reading on its own: one that raises stays NaN (here the factor,
+    given no loss it can read) and the form of ``cross_entropy`` is still read."""
+    from lightning_debug.checks.activations import SCALED_CROSS_ENTROPY, SOFTMAX_TWICE
+    from lightning_debug.monitors.activations import OUTPUT_GRADIENT, _writes_gradient
+
+    p, y = with_graph(1.0)
+    into = torch.full((len(OUTPUT_GRADIENT),), math.nan)
+    gradient = torch.autograd.grad(F.cross_entropy(p, y), p)[0]
+    _writes_gradient(into, p.detach(), "not a loss")(gradient)  # type: ignore[arg-type]
+    read = dict(zip(OUTPUT_GRADIENT, into.tolist()))
+    assert read[SOFTMAX_TWICE[0]] == 1.0 and all(math.isnan(read[name]) for name in SCALED_CROSS_ENTROPY)
+    _writes_gradient(into, p.detach(), F.cross_entropy(p, y).detach())(gradient)
+    assert dict(zip(OUTPUT_GRADIENT, into.tolist()))[SCALED_CROSS_ENTROPY[0]] == 1.0

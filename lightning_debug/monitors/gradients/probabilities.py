@@ -7,12 +7,15 @@ Judged on the output's ``simplex_stats`` the activation monitor reads back (docs
 conditions). The bounds are narrow on purpose: ``nll_loss(log(p))`` at about half its samples right crosses
 ``logit_loss`` often, so only confident rows are judged, in a one-sided band; on 96 such healthy runs 0.02% of
 steps were suspect and never two in a row, where a wider band named 13 of them. Where the output's gradient was read
-(:func:`~lightning_debug.checks.activations.softmax_twice`) and has ``cross_entropy``'s form, which those losses on
-probabilities never give, the loss is judged at any confidence, as ``cross_entropy`` of the rows at the gradient's
-labels with a label smoothing the loss gives (:func:`smoothing_of`): ``CrossEntropyLoss(label_smoothing=0.1)``
-after an ``nn.Softmax`` sits above ``logit_loss`` by about the smoothing's ``e (C - 1) / C``, outside the band. A
-loss below the floor proves the loss is not cross-entropy on these probabilities and clears the run for good. Not
-seen: class weights with smoothing, a loss scaled by hand (``loss / k`` in the training step)::
+(:func:`~lightning_debug.checks.activations.softmax_twice`) and is what ``cross_entropy`` of the rows taken as logits
+gives, which those losses on probabilities never give, and the loss is what that gradient predicts, the rows are
+judged at any confidence, with the label smoothing and the factor the loss has (:func:`scaled_reading`):
+``CrossEntropyLoss(label_smoothing=0.1)`` after an ``nn.Softmax`` sits above ``logit_loss`` by about the smoothing's
+``e (C - 1) / C``, outside the band, and ``loss * 0.5``, ``loss / 4`` or ``reduction="sum"`` move the loss from the
+floor by their factor. Otherwise a loss below the floor proves the loss is not cross-entropy on these probabilities
+and clears the run for good. Not read that way: class weights with label smoothing, a loss of more than
+:data:`~lightning_debug.checks.activations.SOFTMAX_ELEMENTS` outputs, a gradient scaled by float16's ``GradScaler``
+(then only the band at a factor of 1 judges)::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
     >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
@@ -43,6 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_debug.checks.activations import SCALED_CROSS_ENTROPY, SMOOTHING_MAX, SOFTMAX_TWICE
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion
@@ -61,13 +65,15 @@ CONFIDENT_SHARE = 0.35
 uniform every loss reads ``log C``, and half-confident rows are where ``nll_loss(log(p))`` crosses it."""
 JUDGED_EVERY = 100
 """Optimizer steps at least between two judgements (the hold of two means the condition lasted this long)."""
-FORM_SHARE = 0.9
-"""The share of the output's rows whose gradient must have the form ``cross_entropy`` gives for the loss to be read
-as ``cross_entropy`` of the rows taken as logits at any confidence, with or without label smoothing."""
-SMOOTHING_MAX = 0.5
-"""The largest label smoothing read as one (a smoothing of 0.1 or 0.2 is what models train with)."""
+FIT_SHARE = 0.9
+"""The share of the output's rows whose gradient ``cross_entropy`` of the rows taken as logits must fit for the loss to
+be read as that, at any confidence and any factor, with or without label smoothing."""
+MISFIT = 0.01
+"""How far the loss that fit predicts may be from the loss given, as a share of it (rounding)."""
 SMOOTHING_SLACK = 0.01
-"""How far under 0 the smoothing read from the loss may be (rounding) and still be none."""
+"""A label smoothing read below this is none."""
+SCALE_SLACK = 0.01
+"""A factor on the loss within this of 1 is none."""
 
 
 def floor_of(classes: int) -> float:
@@ -92,9 +98,10 @@ def smoothing_of(loss: float, gradient: Sequence[float], tolerance: float) -> fl
     """The label smoothing ``e`` for which the loss is ``cross_entropy(rows, labels, label_smoothing=e)`` of the
     output's rows taken as logits, from the output gradient's
     :data:`~lightning_debug.checks.activations.SOFTMAX_TWICE` (``softmax_form``, ``label_loss``, ``uniform_loss``):
-    0 without smoothing; NaN when the gradient does not have that loss's form on :data:`FORM_SHARE` of the rows, the
+    0 without smoothing; NaN when the gradient does not have that loss's form on :data:`FIT_SHARE` of the rows, the
     rows are too near uniform to tell, or ``e`` is not one a model trains with (below 0, above
-    :data:`SMOOTHING_MAX`)::
+    :data:`~lightning_debug.checks.activations.SMOOTHING_MAX`). Read where :func:`scaled_reading` is not (class
+    weights with smoothing), at a factor of 1::
 
         >>> round(smoothing_of(0.825, [1.0, 0.75, 1.5], 1e-3), 4), smoothing_of(0.75, [1.0, 0.75, 1.5], 1e-3)
         (0.1, 0.0)
@@ -103,10 +110,28 @@ def smoothing_of(loss: float, gradient: Sequence[float], tolerance: float) -> fl
     """
     share, one_hot, uniform = (float(value) for value in (list(gradient) + [math.nan] * 3)[:3])
     gap = uniform - one_hot
-    if not (share >= FORM_SHARE and math.isfinite(loss) and gap > 10 * tolerance):
+    if not (share >= FIT_SHARE and math.isfinite(loss) and gap > 10 * tolerance):
         return math.nan
     smoothing = (loss - one_hot) / gap
     return max(smoothing, 0.0) if -SMOOTHING_SLACK <= smoothing <= SMOOTHING_MAX else math.nan
+
+
+def scaled_reading(loss: float, gradient: Sequence[float]) -> tuple[float, float] | None:
+    """The label smoothing ``e`` and the factor ``c`` for which the loss is ``c * cross_entropy(rows, labels,
+    label_smoothing=e)`` of the output's rows taken as logits, read from the output gradient's
+    :data:`~lightning_debug.checks.activations.SCALED_CROSS_ENTROPY` (``softmax_fit``, ``softmax_misfit``,
+    ``label_smoothing``, ``row_loss``); ``loss``: the loss as the step computed it (so that dividing by
+    ``accumulate_grad_batches`` is not a factor). None where the gradient does not fit on :data:`FIT_SHARE` of the
+    rows or the loss it predicts is not the loss::
+
+        >>> scaled_reading(0.4125, [1.0, 1e-7, 0.1, 0.825]), scaled_reading(0.75, [1.0, 1e-7, 0.0, 0.75])
+        ((0.1, 0.5), (0.0, 1.0))
+        >>> scaled_reading(0.0001, [0.0, 2.7, 0.0, 0.7502])  # mse_loss against one-hot targets
+    """
+    fit, misfit, smoothing, row_loss = (float(value) for value in (list(gradient) + [math.nan] * 4)[:4])
+    if not (fit >= FIT_SHARE and misfit <= MISFIT and row_loss > 0 and math.isfinite(loss) and loss > 0):
+        return None
+    return (smoothing if smoothing > SMOOTHING_SLACK else 0.0), loss / row_loss
 
 
 def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
@@ -114,12 +139,18 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
                         gradient: Sequence[float] = ()) -> tuple[Finding | None, bool]:
     """This check step's suspicion (its finding, or None), and whether the loss proves it is not the case for good
     (below the floor). ``values``: ``SIMPLEX`` of the model's output; ``gradient``: its gradient's
-    ``SOFTMAX_TWICE`` where it was read (:func:`smoothing_of`); ``since``: the step the hold began::
+    ``SOFTMAX_TWICE`` and ``SCALED_CROSS_ENTROPY`` where it was read (:func:`smoothing_of`, :func:`scaled_reading`);
+    ``since``: the step the hold began::
 
-        >>> finding, _ = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], [0.0, 1.0, 1e-7, 0.7441],
-        ...                                  0.825, 1e-3, [1.0, 0.75, 1.5])
+        >>> values = [0.0, 1.0, 1e-7, 0.7441]
+        >>> finding, _ = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.825, 1e-3,
+        ...                                  [math.nan] * 3 + [1.0, 1e-7, 0.1, 0.825])
         >>> round(finding.details["label_smoothing"], 4), round(finding.details["floor"], 4)
         (0.1, 0.8187)
+        >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.372, 1e-3,
+        ...                                      [math.nan] * 3 + [1.0, 1e-7, 0.0, 0.7441])  # loss * 0.5
+        >>> round(finding.details["loss_scale"], 3), round(finding.details["floor"], 4), below
+        (0.5, 0.3718, False)
     """
     classes = shape[-1] if shape else 0
     low, high, row_error, logit_loss = (float(value) for value in values)
@@ -129,29 +160,36 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
         return None, False
     floor, uniform = floor_of(classes), math.log(classes)
     span = uniform - floor
-    if loss < floor - tolerance:
-        return None, True
-    smoothing = smoothing_of(loss, gradient, tolerance)
-    if math.isnan(smoothing) and (logit_loss > floor + CONFIDENT_SHARE * span
-                                  or not -BELOW * span <= loss - logit_loss <= BAND * span):
-        return None, False
-    smoothed = math.isfinite(smoothing) and smoothing > SMOOTHING_SLACK
+    read = list(gradient) + [math.nan] * (len(SOFTMAX_TWICE) + len(SCALED_CROSS_ENTROPY) - len(gradient))
+    reading = scaled_reading(loss, read[len(SOFTMAX_TWICE):])
+    if reading is None and math.isfinite(smoothing := smoothing_of(loss, read[:len(SOFTMAX_TWICE)], tolerance)):
+        reading = smoothing, 1.0
+    if reading is None:
+        if loss < floor - tolerance:
+            return None, True
+        if logit_loss > floor + CONFIDENT_SHARE * span or not -BELOW * span <= loss - logit_loss <= BAND * span:
+            return None, False
+    smoothing, scale = reading if reading is not None else (math.nan, 1.0)
+    smoothed = math.isfinite(smoothing) and smoothing > 0
+    scaled = abs(scale - 1) > SCALE_SLACK
     if smoothed:
         floor += smoothing * (classes - 1) / classes
     bound = (f"about {floor:.4g} (log(1 + ({classes} - 1)/e) plus the smoothing's {smoothing:.2g} x {classes - 1}/"
              f"{classes})" if smoothed else f"log(1 + ({classes} - 1)/e) = {floor:.4g}")
+    factor = f"{scale:.3g} times " if scaled else ""
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The model's output {described} is probabilities (every value in [0, 1], each of its rows of {classes} "
-        f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is what cross_entropy gives "
-        f"when it softmaxes them again{f' (with label_smoothing={smoothing:.2g})' if smoothed else ''}: it can "
-        f"never go below {bound}, and its gradients shrink as the outputs sharpen, so training stalls short of what "
-        "the model can learn. cross_entropy applies log_softmax itself: drop the softmax from the model (apply it "
-        "at inference only), or keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then "
-        "nll_loss).",
-        {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": floor, "classes": classes,
-         "logit_loss": logit_loss, "shape": list(shape),
-         **({"label_smoothing": smoothing} if math.isfinite(smoothing) else {})}), False
+        f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is {factor}what cross_entropy "
+        f"gives when it softmaxes them again{f' (with label_smoothing={smoothing:.2g})' if smoothed else ''}: it "
+        f"can never go below {f'{scale:.3g} x ' if scaled else ''}{bound}, and its gradients shrink as the outputs "
+        "sharpen, so training stalls short of what the model can learn. cross_entropy applies log_softmax itself: "
+        "drop the softmax from the model (apply it at inference only), or keep it and train with "
+        "nll_loss(torch.log(p)) (better: log_softmax, then nll_loss).",
+        {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": scale * floor,
+         "classes": classes, "logit_loss": logit_loss, "shape": list(shape),
+         **({"label_smoothing": smoothing} if math.isfinite(smoothing) else {}),
+         **({"loss_scale": scale} if scaled else {})}), False
 
 
 def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
@@ -214,4 +252,5 @@ def sigmoid_suspicion(step: int, since: int, described: str, label: str, shape: 
 
 
 __all__ = ["JUDGED_EVERY", "KEY", "SIGMOID_KEY", "floor_of", "probability_finding", "probability_suspicion",
-           "sigmoid_finding", "sigmoid_suspicion", "simplex_tolerance", "smoothing_of"]
+           "scaled_reading", "sigmoid_finding", "sigmoid_suspicion", "simplex_tolerance",
+           "smoothing_of"]
