@@ -87,6 +87,16 @@ def dying_relu() -> Iterator[Case]:
                    f"SGD lr {lr:g} knocks the ReLUs below 0 in a few steps")
 
 
+def weight_init() -> Iterator[Case]:
+    for opt in ("sgd", "adam"):
+        buggy, twin = _pair(Program(init="constant", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
+                            init="default")
+        yield Case(f"init-constant-{opt}", "weight_init", "Humbatova et al. 2020 (wrong weights initialisation)",
+                   buggy, twin, ("symmetric_units",), (0, buggy.steps), r"layers\.\d",
+                   "every hidden layer initialised to one constant (nn.init.constant_(weight, 0.1)): its units "
+                   "never stop being copies", needs="weights and gradient compared unit by unit")
+
+
 def oscillating() -> Iterator[Case]:
     needs = "an oscillation rule (the loss swings up and down by a large share of its level with no trend)"
     for lr in (0.8, 0.9, 1.0):
@@ -414,7 +424,7 @@ def performance() -> Iterator[Case]:
         yield Case(name, "performance", source, buggy, twin, kinds, window, where, what)
 
 
-BUILDERS = (vanishing, exploding, dying_relu, oscillating, slow_convergence, improper_data, improper_activation,
+BUILDERS = (vanishing, exploding, dying_relu, weight_init, oscillating, slow_convergence, improper_data, improper_activation,
             loss_issue, numerical, silent, autograd_misuse, api_misuse, memory, performance)
 
 
@@ -425,5 +435,6 @@ def all_cases() -> list[Case]:
 SUBSET = ("vanish-sigmoid12-sgd", "explode-lr5-x100-d5", "dead-relu-b-20-w16-sgd", "oscillate-regress-sgd0.9",
           "slow-sgd1e-06", "data-nan-sample-s3", "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32",
           "nan-log_zero-s4-adam", "tc-no-zero-grad", "tc-lr-zeroed", "tc-workers-share-seed",
-          "grad-loss-from-number", "api-eval-mode-in-training", "mem-outputs-kept", "perf-loader-decode")
+          "grad-loss-from-number", "api-eval-mode-in-training", "mem-outputs-kept", "perf-loader-decode",
+          "init-constant-adam")
 """One case per class (three of TrainCheck's), each with its twin: the suite's fast subset."""

@@ -45,7 +45,7 @@ class Program:
     act: str = "relu"                 # relu | sigmoid | tanh | leaky
     out_act: str | None = None        # relu | sigmoid | tanh | softmax applied to the logits
     out_fn: str | None = None         # sigmoid | softmax | relu written in forward (torch.sigmoid, ...), no module
-    init: str = "default"             # default | small | large | kaiming | xavier | neg_bias
+    init: str = "default"             # default | small | large | kaiming | xavier | neg_bias | constant
     bias_value: float = 0.0
     batchnorm: bool = False
     optimizer: str = "sgd"            # sgd | adam
@@ -135,6 +135,9 @@ class FaultProgram(pl.LightningModule):
                 nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
             elif p.init == "xavier":
                 nn.init.xavier_normal_(layer.weight)
+            elif p.init == "constant":                 # every unit alike: symmetry never broken
+                nn.init.constant_(layer.weight, 0.1)
+                nn.init.zeros_(layer.bias)
             if p.init == "neg_bias" or p.bias_value:
                 nn.init.constant_(layer.bias, p.bias_value)
 

@@ -34,27 +34,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.faults.cases import SUBSET, Case, all_cases  # noqa: E402
+from lightning_debug.config import Area  # noqa: E402
+from lightning_debug.core.kinds import KIND_SPECS  # noqa: E402
 
 LEVELS = ("default", "advanced", "every_step")
 """``every_step``: the defaults with ``gradient_checking_frequency=1``, to tell a rule that cannot see a bug
 from a schedule that did not look (the gradient checks run every 100 steps by default)."""
 SERIOUS = ("warning", "error", "critical")
 CALLBACKS = ("anomaly", "gradients", "memory", "performance")
-OWNER = {
-    **dict.fromkeys(("nonfinite_loss", "nonfinite_grad", "nonfinite_param", "nonfinite_activation",
-                     "nonfinite_buffer", "nonfinite_input", "amp_overflow_skipped", "loss_spike", "loss_outlier",
-                     "loss_divergence"), ("anomaly",)),
-    **dict.fromkeys(("exploding_grad", "vanishing_grad", "missing_grad", "frozen_param", "requires_grad_false",
-                     "outside_training", "update_ratio_high", "intermittent_grad", "weight_decay_on_norm",
-                     "learning_stalled", "dead_activation", "saturated_activation", "single_class_batches"),
-                    ("gradients",)),
-    **dict.fromkeys(("memory_growth", "memory_high", "oom"), ("memory",)),
-    **dict.fromkeys(("slow_step", "dataloader_bottleneck", "straggler_rank", "host_sync"), ("performance",)),
-    **dict.fromkeys(("eval_mode_in_training", "train_mode_in_eval", "grad_not_zeroed", "repeated_batch", "exception"),
-                    ("anomaly", "gradients")),
-}
-"""The callback whose area writes each kind (docs' tables of kinds; activations come with the gradients
-callback, the loop and error areas with any callback)."""
+OWNER = {kind.value: ((spec.area.value,) if spec.area.value in CALLBACKS
+                      else ("gradients",) if spec.area is Area.ACTIVATIONS else ("anomaly", "gradients"))
+         for kind, spec in KIND_SPECS.items()}
+"""The callback whose area writes each kind (``KindSpec.area``; activations come with the gradients callback, the
+loop and error areas with any callback)."""
 
 
 JUDGED_FROM = {"update_ratio_high": "advanced"}

@@ -94,6 +94,7 @@ class Kind(StrEnum):
     REPEATED_BATCH = "repeated_batch"
     REPLICAS_DIVERGED = "replicas_diverged"
     SINGLE_CLASS_BATCHES = "single_class_batches"
+    SYMMETRIC_UNITS = "symmetric_units"
 
 
 class AtEnd(StrEnum):
@@ -519,6 +520,17 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "learning) give the same finding.",
         hint="the training data is sorted by label: shuffle=True in the training DataLoader",
         confirm=Confirm(patience=2, backdate=False)),
+    Kind.SYMMETRIC_UNITS: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        summary="a layer's units are copies of one another, weights and gradient alike (a constant init)",
+        advice="Every unit of this layer has the same weights and gets the same gradient, so every step keeps them "
+               "the same: the layer computes one feature however wide it is. It comes from an init that gives all "
+               "units one value (`nn.init.constant_(layer.weight, 0.1)`, `fill_`, `ones_`, a row copied into every "
+               "unit); only random values break the tie. Remove the constant init and keep PyTorch's default, or "
+               "use `nn.init.kaiming_uniform_` / `xavier_uniform_`. A layer initialized to zeros on purpose (LoRA's "
+               "`B`, a zero-initialized projection) is not named: its units get different gradients.",
+        hint="the layer's units are identical: initialize its weights with random values, not a constant",
+        confirm=Confirm(patience=2)),
     Kind.REPLICAS_DIVERGED: KindSpec(
         Area.GRADIENTS, Severity.ERROR,
         advice="Under DDP every rank must hold the same weights; these ranks now train different models, and "

@@ -88,6 +88,8 @@ class CheckRead:
     history: Any = None
     verdicts: VerdictEngine = field(default_factory=VerdictEngine)
     settings: Any = None
+    units: Any = None
+    """How alike the units of each parameter are (``symmetric_units``; None: not read this step)."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ CASES = {case.name: case for case in all_cases() if case.name in SUBSET}
 NAMED_TODAY = {"explode-lr5-x100-d5", "data-nan-sample-s3", "nan-log_zero-s4-adam", "vanish-sigmoid12-sgd",
                "dead-relu-b-20-w16-sgd", "tc-no-zero-grad", "slow-sgd1e-06", "tc-lr-zeroed", "tc-workers-share-seed",
                "act-relu-logits-w32-sgd", "loss-softmax-twice-sgd-w32", "oscillate-regress-sgd0.9", "mem-outputs-kept",
-               "perf-loader-decode", "grad-loss-from-number", "api-eval-mode-in-training"}
+               "perf-loader-decode", "grad-loss-from-number", "api-eval-mode-in-training", "init-constant-adam"}
 """Named at its step with an expected kind at the defaults (docs/faults.md): the first three on main 1f17f2a; the
 vanishing, dying-ReLU and zero_grad cases since the programs run 400 steps (the default schedule looks at steps
 0-300); the slow learning rate, the lr set to 0 without a scheduler and the repeated batches by the rules of
@@ -33,7 +33,8 @@ model a constant whose error cycles with the batches, which is what read as an o
 performance classes since they are in the benchmark (embeddings kept for an epoch-end metric and never cleared:
 ``memory_growth`` at step 400; each record decoded in ``__getitem__`` with ``num_workers=0``:
 ``dataloader_bottleneck``); the loss rebuilt from its value since a backward that reaches no parameter is judged
-(``missing_grad`` at step 0); the model left in eval mode by ``eval_mode_in_training``."""
+(``missing_grad`` at step 0); the model left in eval mode by ``eval_mode_in_training``; hidden layers initialized to
+one constant by ``symmetric_units`` (step 0) since their units are compared."""
 
 
 def run(name: str, variant: str) -> dict[str, Any]:

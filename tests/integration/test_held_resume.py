@@ -99,6 +99,23 @@ class Unused(Leaps):
         return Stalls.training_step(self, batch, batch_idx)
 
 
+class Symmetric(Leaps):
+    """The first two layers initialized to one constant: the first layer's units are copies from step 0 (the second's
+    meet the random head and part). Read at steps 0 and 100: held at the step-48 checkpoint, confirmed at 100 and
+    labelled at 0, if the resumed run reads at 100 as the uninterrupted one does."""
+
+    steps = 110
+
+    def __init__(self, crash_at_step: int | None = None) -> None:
+        super().__init__(crash_at_step)
+        for layer in (self.inp, self.hidden):
+            torch.nn.init.constant_(layer.weight, 0.1)
+            torch.nn.init.zeros_(layer.bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return Stalls.training_step(self, batch, batch_idx)
+
+
 def gradient_callbacks() -> list[pl.Callback]:
     return [GradientHealthCallback(CONFIG)]
 
@@ -157,6 +174,16 @@ def test_a_suspicion_held_at_the_checkpoint_is_reported_as_without_the_interrupt
         assert resumed[kind] == uninterrupted[kind], (kind, resumed, uninterrupted)
     resumed_starts = [start for start in starts(runs["resumed"]) if start[0] in expected]
     assert resumed_starts == [start for start in starts(runs["uninterrupted"]) if start[0] in expected]
+
+
+def test_units_held_as_copies_at_the_checkpoint_are_read_where_the_uninterrupted_run_reads_them(
+        tmp_path: Path) -> None:
+    runs = interrupted_and_resumed(tmp_path, Symmetric, steps=Symmetric.steps, checkpoint_step=48, crash_step=55)
+    assert "symmetric_units" in runs["held"], f"the checkpoint holds {runs['held']}"
+    uninterrupted, resumed = findings(runs["uninterrupted"]), findings(runs["resumed"])
+    assert uninterrupted["symmetric_units"][0] == 0 and resumed["symmetric_units"] == uninterrupted["symmetric_units"]
+    named = [e for e in read_events(debug_dir(runs["resumed"])) if e["kind"] == "symmetric_units"]
+    assert named[0]["details"]["parameters"] == ["inp.weight"] and "at step 100" in named[0]["message"]
 
 
 # --- the loss: a spike the next check settles ------------------------------------------------------------------

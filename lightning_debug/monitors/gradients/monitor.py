@@ -31,6 +31,7 @@ from lightning_debug.monitors.gradients.missing import CandidateWatch, judge_int
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
+from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.replicas import judge_replicas
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
@@ -85,6 +86,8 @@ class GradientMonitor(Monitor):
         self._explosions = Explosions(self.verdicts, self._judge_early)
         self._drift = WeightDrift()
         self._drifts: dict[int, tuple[Readback, int] | None] = {}
+        self._spread = UnitSpread()
+        self._spreads: dict[int, tuple[Readback, list[tuple[str, int]]]] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
         self._backward: tuple[int, weakref.ref[torch.Tensor]] | None = None  # the last backward seen: step, loss
 
@@ -229,6 +232,9 @@ class GradientMonitor(Monitor):
         if not index.sharded:
             self._drifts = {s: r for s, r in self._drifts.items() if s in self._wheres}
             self._drifts[step] = self._drift.measure(step, index.params)
+            self._spreads = {s: r for s, r in self._spreads.items() if s in self._wheres}
+            if (spread := self._spread.measure(step, index.names, index.params)) is not None:
+                self._spreads[step] = spread
         awaiting, self._checks.awaiting_update = self._checks.awaiting_update, None
         if awaiting is not None:
             if step > awaiting.step:  # its optimizer step is over (another optimizer steps now): measure it
@@ -250,13 +256,17 @@ class GradientMonitor(Monitor):
 
     def _read_rules(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
                     where: Where) -> None:
-        """The rules of :data:`Moment.CHECK_READ`, with the weights' drift and the run's first loss."""
+        """The rules of :data:`Moment.CHECK_READ`, with the weights' drift, how alike each layer's units are and the
+        run's first loss."""
         first = self._drift.reference(step, step_loss(host))
         values = measured[0].values() if measured is not None and measured[0].ready() else None
         drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
+        spread = self._spreads.pop(step, None)
+        units = (UnitSpread.spreads(spread[0].values(), spread[1]) if spread is not None and spread[0].ready()
+                 else None)
         self.run_rules(Moment.CHECK_READ, CheckRead(
             step, host, where, step_loss(host), first, drift, self._param_groups, self._start_lrs, self._schedule[0],
-            self.history, self.verdicts, self.settings), step, where)
+            self.history, self.verdicts, self.settings, units), step, where)
 
     def _backward_of(self, step: int, current: StepNumerics) -> bool | None:
         """None when no backward of ``step`` ran before its optimizer step, else whether its loss reaches a parameter
@@ -518,11 +528,12 @@ class GradientMonitor(Monitor):
         self.order.stop()
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(super().state_dict(), **self.history.state_dict())
+        return dict(super().state_dict(), **self.history.state_dict(), units_read_at=self._spread.step)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.history.load_state_dict(state_dict)
+        self._spread.step = state_dict.get("units_read_at")
         self._explosions.resumed()
 
     def report_section(self) -> dict[str, Any]:
