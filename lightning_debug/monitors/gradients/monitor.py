@@ -31,9 +31,9 @@ from lightning_debug.monitors.gradients.missing import CandidateWatch, judge_int
 from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
-from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.replicas import judge_replicas
 from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss

@@ -87,9 +87,12 @@ class UnitSpread:
         if not chosen:
             return None
         self.step = step
-        with torch.no_grad():
-            device = chosen[0][1].device
-            values = torch.cat([unit_spread(parameter).to(device, non_blocking=True) for _, parameter in chosen])
+        try:
+            with torch.no_grad():
+                device = chosen[0][1].device
+                values = torch.cat([unit_spread(parameter).to(device, non_blocking=True) for _, parameter in chosen])
+        except Exception:  # noqa: BLE001 - a parameter it cannot read (a tensor subclass): this step is not judged
+            return None
         return Readback(values, blocking=False), [(name, parameter.shape[0]) for name, parameter in chosen]
 
     @staticmethod
