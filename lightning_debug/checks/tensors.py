@@ -8,6 +8,17 @@ from typing import Any
 import torch
 
 
+
+def real_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's values, detached and flat, a complex one as its real and imaginary parts (a view; ``.float()``
+    alone would drop the imaginary part, with a warning in the user's log)::
+
+        >>> real_values(torch.tensor([1 + 2j, 3 - 1j])).tolist(), real_values(torch.ones(2, 2)).shape
+        ([1.0, 2.0, 3.0, -1.0], torch.Size([4]))
+    """
+    values = tensor.detach()
+    return (torch.view_as_real(values.resolve_conj()) if values.is_complex() else values).reshape(-1)
+
 @dataclass(frozen=True)
 class TensorStats:
     """What :func:`inspect_tensor` found. Min/max/mean/std are over the finite values only."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from lightning_debug.checks.batches import named_tensors
+from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
@@ -51,9 +52,7 @@ def batch_fingerprint(batch: Any) -> torch.Tensor | None:
         return None
     parts = []
     for tensor in tensors:
-        flat = tensor.reshape(-1)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
+        flat = real_values(tensor)
         exact = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
         stride = max(1, flat.numel() // SAMPLED)
         picked = flat[::stride][:SAMPLED].to(exact)

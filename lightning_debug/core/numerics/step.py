@@ -21,6 +21,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.numerics.index import (
     DEVICE_FIELDS,
     RANK_FIELDS,
@@ -75,10 +76,7 @@ class Observed:
     def add_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """Floating or complex tensors (a complex one is read as its real and imaginary parts, a view)."""
         for tensor in tensors:
-            values = tensor.detach()
-            if values.is_complex():
-                values = torch.view_as_real(values.resolve_conj())
-            self._ends.extend(torch.aminmax(values))
+            self._ends.extend(torch.aminmax(real_values(tensor)))
         self.input_count += len(tensors)
 
     def input_ends(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_debug.checks.activations import SCALED_CROSS_ENTROPY, SMOOTHING_MAX, SOFTMAX_TWICE
+from lightning_debug.checks.activations import SMOOTHING_MAX, SOFTMAX_TWICE
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion
@@ -160,7 +160,7 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
         return None, False
     floor, uniform = floor_of(classes), math.log(classes)
     span = uniform - floor
-    read = list(gradient) + [math.nan] * (len(SOFTMAX_TWICE) + len(SCALED_CROSS_ENTROPY) - len(gradient))
+    read = list(gradient)
     reading = scaled_reading(loss, read[len(SOFTMAX_TWICE):])
     if reading is None and math.isfinite(smoothing := smoothing_of(loss, read[:len(SOFTMAX_TWICE)], tolerance)):
         reading = smoothing, 1.0

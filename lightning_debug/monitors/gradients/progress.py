@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
@@ -63,17 +64,6 @@ class Drift:
         if not (self.size > 0 and self.steps > 0 and math.isfinite(self.moved)):
             return math.inf
         return self.moved / self.size / self.steps
-
-
-def real_values(parameter: torch.Tensor) -> torch.Tensor:
-    """A parameter's values as a flat real tensor: a complex weight as its real and imaginary parts, which both move
-    (``.float()`` alone would drop the imaginary part, with a warning in the user's log)::
-
-        >>> real_values(torch.tensor([1 + 2j, 3 - 1j])).tolist()
-        [1.0, 2.0, 3.0, -1.0]
-    """
-    values = parameter.detach()
-    return (torch.view_as_real(values) if values.is_complex() else values).reshape(-1)
 
 
 class WeightDrift:

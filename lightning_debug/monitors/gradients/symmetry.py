@@ -119,8 +119,19 @@ def judge_symmetry(step: int, spreads: Spreads | None, verdicts: VerdictEngine) 
     if spreads is None:
         return None
     found = [(name, int(units)) for name, (units, *spread) in spreads.items() if copies(*spread)]
+    suspected = [Suspicion(Kind.SYMMETRIC_UNITS, KEY, step, finding=symmetry_finding(step, found),
+                           flagged=[name for name, _ in found])] if found else []
+    confirmed = verdicts.observe(Kind.SYMMETRIC_UNITS, step, suspected, judged=[KEY])
+    if not confirmed or confirmed[-1].latest.finding is None:
+        return None
+    latest = confirmed[-1].latest
+    return Verdict(latest.finding, list(latest.flagged), key=KEY, steps=list(confirmed[-1].steps))
+
+
+def symmetry_finding(step: int, found: Sequence[tuple[str, int]]) -> Finding:
+    """The finding for the parameters ``found`` (name, units) whose units are copies at ``step``."""
     names = [name for name, _ in found]
-    finding = Finding(
+    return Finding(
         Kind.SYMMETRIC_UNITS, Severity.WARNING,
         f"The units of {quoted(names)} are copies of one another (every unit's weights and gradient the same, "
         f"read at step {step}): the layer was initialized with every unit alike (a constant init such as "
@@ -129,12 +140,6 @@ def judge_symmetry(step: int, spreads: Spreads | None, verdicts: VerdictEngine) 
         "the weights with random values (PyTorch's default, nn.init.kaiming_uniform_, nn.init.xavier_uniform_).",
         {"parameters": names[:NAMES_IN_DETAILS], "units": [units for _, units in found][:NAMES_IN_DETAILS],
          "count": len(found)})
-    suspected = [Suspicion(Kind.SYMMETRIC_UNITS, KEY, step, finding=finding, flagged=names)] if found else []
-    confirmed = verdicts.observe(Kind.SYMMETRIC_UNITS, step, suspected, judged=[KEY])
-    if not confirmed:
-        return None
-    latest = confirmed[-1]
-    return Verdict(latest.latest.finding or finding, list(latest.latest.flagged), key=KEY, steps=list(latest.steps))
 
 
 @rule(Kind.SYMMETRIC_UNITS, at=Moment.CHECK_READ)
@@ -143,4 +148,4 @@ def symmetry_at_check_read(facts: CheckRead) -> Verdict | None:
     return judge_symmetry(facts.step, facts.units, facts.verdicts)
 
 
-__all__ = ["UnitSpread", "copies", "judge_symmetry", "symmetry_at_check_read", "unit_spread"]
+__all__ = ["UnitSpread", "copies", "judge_symmetry", "symmetry_at_check_read", "symmetry_finding", "unit_spread"]
