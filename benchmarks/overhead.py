@@ -566,6 +566,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", default="", help="comma-separated configuration names")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: stabler)")
+    parser.add_argument("--prime", action="store_true",
+                        help="one untimed plain run first (the process's first run on a GPU pays for its start-up)")
     parser.add_argument("--json", default="", help="also write every run's seconds per step here (JSON)")
     parser.add_argument("--log-every", type=int, default=1,
                         help="the Trainer's log_every_n_steps (default 1: a logging row on every step, the plugin's "
@@ -587,10 +589,15 @@ def main() -> None:
     if any(n.startswith("accelerate") for n in names) and "accelerate_plain" not in names:
         names.insert(1, "accelerate_plain")
     times: dict[str, list[float]] = {name: [] for name in names}
+    if args.prime:
+        run_once(args.model, "plain", min(args.steps, args.warmup + 10), args.warmup)
+        for kept in (MEAN_TIMES, TAIL_TIMES, HOOK_TIMES):
+            kept.clear()
     for round_index in range(args.rounds):
         for name in names:
             times[name].append(run_once(args.model, name, args.steps, args.warmup,
                                         int(args.tensors.split(",")[0]) if args.model == "many" else 0))
+            print(f"round {round_index + 1} {name}: {times[name][-1] * 1e3:.3f} ms/step", flush=True)
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     if args.json:
         import json

@@ -7,16 +7,24 @@
 #   RESULTS=/tmp/r.md ROUNDS=3 scripts/gpu-check.sh
 #   TORCH_INDEX=https://download.pytorch.org/whl/cu126 scripts/gpu-check.sh   # another CUDA build
 #
+#   PY=python3 scripts/gpu-check.sh     # a Python that already has a CUDA torch and the packages: no .venv
+#
 # Without a GPU it still runs: the tier skips (module-level skip) and the benchmark is left out, and the
 # results file says so.
-source "$(dirname "$0")/_env.sh"
+if [ -z "${PY:-}" ]; then
+  source "$(dirname "$0")/_env.sh"
+  PY=.venv/bin/python
+else
+  set -euo pipefail
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 RESULTS="${RESULTS:-gpu-check-results.md}"
 ROUNDS="${ROUNDS:-3}"
 STEPS="${STEPS:-120}"
 TORCH_INDEX="${TORCH_INDEX:-https://download.pytorch.org/whl/cu128}"
-PY=.venv/bin/python
 
-if command -v nvidia-smi >/dev/null 2>&1 && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+if [ "$PY" = .venv/bin/python ] && command -v nvidia-smi >/dev/null 2>&1 && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
   version="$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")"
   echo "installing a CUDA build of torch $version into .venv ($TORCH_INDEX)" >&2
   "$PY" -m pip install -q --force-reinstall --no-deps "torch==$version" --index-url "$TORCH_INDEX" \
@@ -53,10 +61,12 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     echo
   } >> "$RESULTS"
   set +e
-  PYTHONPATH="$PWD" "$PY" benchmarks/overhead.py --model gpt --rounds "$ROUNDS" --steps "$STEPS" --warmup 20 \
+  PYTHONPATH="$PWD" "$PY" benchmarks/overhead.py --model gpt --prime --rounds "$ROUNDS" --steps "$STEPS" --warmup 20 \
     --only plain,anchor_detect_anomaly,anchor_grad_norm_recipe,anchor_device_stats,plugin_defaults,all_four \
     2>&1 | grep -v "^round " >> "$RESULTS"
   bench=${PIPESTATUS[0]}
+  echo >> "$RESULTS"
+  PYTHONPATH="$PWD" "$PY" benchmarks/gpu_probe.py --steps "$STEPS" 2>&1 | grep -E "^#|^- |^  - " >> "$RESULTS"
   set -e
 fi
 echo >> "$RESULTS"

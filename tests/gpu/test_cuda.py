@@ -95,7 +95,11 @@ def test_a_real_out_of_memory_error_leaves_its_post_mortem(level: str, tmp_path:
 
 class OverflowsOnce(TinyRegressor):
     """At step 5 the loss is multiplied by 1e6: finite in float32, but its scaled fp16 gradients overflow,
-    which the GradScaler skips by design. ``nan_at``: a log of a negative number instead, a real NaN."""
+    which the GradScaler skips by design. ``nan_at``: a log of a negative number instead, a real NaN.
+
+    The scaler's first steps overflow too (its scale starts at 2**16 and halves on each overflow until the
+    gradients fit): on an H200 the first overflows were at steps 0 and 3, each as much an info as step 5's.
+    """
 
     def __init__(self, nan_at: int | None = None) -> None:
         super().__init__(optimizer="adam", lr=1e-3)
@@ -116,7 +120,7 @@ def test_fp16_grad_scaler_overflow_is_told_apart_from_a_nan(tmp_path: Path) -> N
     fit(trainer, OverflowsOnce())
     events = read_events(debug_dir(trainer))
     overflow = [e for e in events if e["kind"] == "amp_overflow_skipped"]
-    assert overflow and overflow[0]["step"] == 5 and overflow[0]["severity"] == "info", events
+    assert 5 in [e["step"] for e in overflow] and {e["severity"] for e in overflow} == {"info"}, events
     assert not [e for e in events if e["kind"] in ("nonfinite_grad", "nonfinite_loss", "nonfinite_param")]
 
     trainer = cuda_trainer(tmp_path / "nan", every_step(), max_steps=12, precision="16-mixed")
