@@ -152,9 +152,9 @@ def probe_run(name: str, steps: int, warmup: int) -> Probe:
             for hook in dir(type(callback)):
                 if hook.startswith("on_"):
                     setattr(callback, hook, probe.timed(f"{type(callback).__name__}.{hook}", getattr(callback, hook)))
-    trainer = pl.Trainer(max_steps=steps, devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, *callbacks],
-                         **options, **extra)
+    trainer = pl.Trainer(max_steps=steps, devices=1, logger=False, default_root_dir=os.environ["BENCH_DIR"],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[probe, *callbacks], **options, **extra)
     with watching(probe):
         trainer.fit(model, loader)
     del trainer, model, loader, callbacks

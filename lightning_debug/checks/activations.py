@@ -97,6 +97,31 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float()])
 
 
+DEAD_PUSHED = ("dead_units_pushed",)
+PUSH_TOLERANCE = 1e-3
+
+
+def dead_units_pushed(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """How many of the last dimension's units of ``output`` that are zero for every sample the loss asks to rise
+    (a gradient below zero at one sample at least, beyond ``PUSH_TOLERANCE`` of the largest): the clamp at 0 holds
+    them there. A unit whose target is 0 (an autoencoder's blank border pixel) sits where the loss wants it, and
+    its gradient is 0; a class whose ReLU logit is stuck at 0 gets ``p - 1 < 0`` from each of its samples::
+
+        >>> output = torch.tensor([[0.0, 0.0, 1.0]] * 8)
+        >>> dead_units_pushed(torch.tensor([[-0.1, 0.0, 0.2]] * 8), output).item()
+        1.0
+        >>> dead_units_pushed(torch.zeros(8, 3), output).item(), dead_units_pushed(torch.zeros(2, 3), output[:2]).item()
+        (0.0, nan)
+    """
+    width = output.shape[-1] if output.dim() >= 2 else 0
+    if not width or output.numel() // width < MIN_SAMPLES:
+        return torch.full((), math.nan, device=output.device)
+    g = grad.detach().reshape(-1, width).float()
+    dead = output.detach().reshape(-1, width).eq(0).all(0)
+    pushed = g.lt(-PUSH_TOLERANCE * g.abs().amax()).any(0)
+    return (dead & pushed).sum().float()
+
+
 SIMPLEX_ROWS_ELEMENTS = 1 << 22
 SIMPLEX = ("low", "high", "row_sum_error", "logit_loss")
 

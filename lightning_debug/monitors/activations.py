@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_debug.checks.activations import (
     BATCH_LABELS,
+    DEAD_PUSHED,
     RELU_LIKE,
     ROW,
     SCALED_CROSS_ENTROPY,
@@ -48,6 +49,7 @@ from lightning_debug.checks.activations import (
     STATS,
     batch_labels,
     batch_softmax_fit,
+    dead_units_pushed,
     first_floating,
     fit_tolerance,
     gives_loss,
@@ -160,18 +162,20 @@ def dead_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
         output.details(zero_fraction=stats["zero_fraction"], max_abs=stats["max_abs"]))
 
 
-def dead_output_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
+def dead_output_finding(step: int, output: Output, stats: dict[str, float], pushed: float = math.nan) -> Finding:
     units = output.shape[-1]
     dead = round(stats["dead_unit_fraction"] * units)
+    asked = f", {round(pushed)} of them where the loss asks for a larger value" if math.isfinite(pushed) else ""
     return Finding(
         Kind.DEAD_ACTIVATION, Severity.WARNING,
         f"{describe(output)} gives the model's output, and {dead} of its {units} output units are zero for every "
-        f"sample at step {step} (shape {output.shape}): a ReLU-like activation on the output clamps what it "
+        f"sample at step {step}{asked} (shape {output.shape}): a ReLU-like activation on the output clamps what it "
         "predicts at 0, and no gradient flows back through a unit stuck there (a class whose logit is below 0 "
         "can never be learnt). Remove the activation from the output layer (cross_entropy takes raw logits); for "
         "a non-negative target use softplus or predict its log.",
         output.details(dead_units=dead, dead_unit_fraction=stats["dead_unit_fraction"],
-                       zero_fraction=stats["zero_fraction"], output=True))
+                       zero_fraction=stats["zero_fraction"], output=True,
+                       **({"dead_units_pushed": round(pushed)} if math.isfinite(pushed) else {})))
 
 
 def saturated_output_finding(step: int, output: Output, stats: dict[str, float], loss: float,
@@ -199,7 +203,8 @@ def saturated_finding(step: int, output: Output, stats: dict[str, float]) -> Fin
 
 def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dict[str, float]],
                         loss: float = math.nan, first_loss: float = math.nan,
-                        first_saturated: float = math.nan, model_output: int | None = -1) -> list[Finding]:
+                        first_saturated: float = math.nan, model_output: int | None = -1,
+                        dead_pushed: float = math.nan) -> list[Finding]:
     """``dead_activation`` and ``saturated_activation`` of one check step's forward, in forward order.
 
     On a healthy model a sparse ReLU has well under 99% zeros and a hidden sigmoid sits mostly inside its range.
@@ -207,7 +212,9 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     :data:`MIN_OUTPUT_ELEMENTS`: a regression's batch of 32), the model's output saturated already at the first
     check (built confident), or while the loss fell under :data:`LOSS_KEPT` of the first check's (a classifier's
     confident sigmoid is its job), and a NaN statistic. ``model_output``: the index of the call that gives the model's
-    output (the last by default; None when none does). Saturation is held by the kind's policy::
+    output (the last by default; None when none does). Dead units of a rectified model output are named unless the
+    output's gradient shows the loss asks none of them to rise (``dead_pushed`` 0: their targets are 0, as an
+    autoencoder's blank pixels; NaN when it was not read). Saturation is held by the kind's policy::
 
         >>> relu = Output("act", "ReLU", [8, 16], relu_like=True, saturating=False, fed_by="fc (Linear)")
         >>> [f.kind.value for f in activation_findings(3, [relu], [{"zero_fraction": 1.0, "max_abs": 0.0}])]
@@ -220,8 +227,8 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
             continue
         if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
             found.append(dead_finding(step, output, stats))
-        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0:
-            found.append(dead_output_finding(step, output, stats))
+        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0 and not dead_pushed == 0:
+            found.append(dead_output_finding(step, output, stats, dead_pushed))
         if not output.saturating or not stats["saturated_fraction"] >= SATURATED_FRACTION:
             continue
         if not last:
@@ -233,8 +240,9 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
 
 
 OUTPUT_GRADIENT = (("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE
-                   + SCALED_CROSS_ENTROPY)
-"""What a hook reads from the gradient of the model's output on a judged step, for the rules of its form."""
+                   + SCALED_CROSS_ENTROPY + DEAD_PUSHED)
+"""What a hook reads from the gradient of the model's output on a judged step, for the rules of its form, and on a
+measured step whose output is rectified, for its dead units."""
 
 
 def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tensor | None) -> Any:
@@ -248,7 +256,8 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tenso
                     (len(SIGMOID_TWICE), lambda: sigmoid_twice(grad, output, tolerance)),
                     (len(BATCH_LABELS), lambda: batch_labels(grad, tolerance)),
                     (len(SOFTMAX_TWICE), lambda: softmax_twice(grad, output, tolerance)),
-                    (len(SCALED_CROSS_ENTROPY), lambda: scaled_cross_entropy(grad, output, loss, tolerance)))
+                    (len(SCALED_CROSS_ENTROPY), lambda: scaled_cross_entropy(grad, output, loss, tolerance)),
+                    (len(DEAD_PUSHED), lambda: dead_units_pushed(grad, output)))
         start = 0
         for width, read in readings:
             try:
@@ -449,7 +458,8 @@ class ActivationMonitor(Monitor):
                                blocking=False) if self._histogram_rows else None)
         pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance,
                                index)
-        if last is not None and self._judges_gradient(pending.step, last):
+        rectified_output = index is not None and self._outputs[index].relu_like
+        if last is not None and (self._judges_gradient(pending.step, last) or rectified_output and last.requires_grad):
             pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
             backward_of = (loss.detach() / self.context.backward_divisor()
                            if isinstance(loss, torch.Tensor) and loss.numel() else None)
@@ -518,8 +528,10 @@ class ActivationMonitor(Monitor):
                 metrics.update({f"debug/activation/{name}/{stat}": stats[stat] for stat in STATS if stat in stats})
             if logged and len(self.latest) < TABLE_ROWS:
                 self.latest[output.label] = dict(stats, type=output.module_type, shape=output.shape)
+        gradient = (pending.gradient_read.values() if pending.gradient_read is not None
+                    else [math.nan] * len(OUTPUT_GRADIENT))
         found = activation_findings(step, outputs, rows, loss, self.first_loss, self.first_saturated,
-                                    pending.output)
+                                    pending.output, gradient[OUTPUT_GRADIENT.index("dead_units_pushed")])
         saturated = [Suspicion(f.kind, f.details["modules"][0], step, finding=f, where=where)
                      for f in found if f.kind is Kind.SATURATED_ACTIVATION]
         for confirmed in self.verdicts.observe(Kind.SATURATED_ACTIVATION, step, saturated):
@@ -531,8 +543,6 @@ class ActivationMonitor(Monitor):
         for finding in found:
             if finding.kind is Kind.DEAD_ACTIVATION:
                 self._flag(finding, step, where)
-        gradient = (pending.gradient_read.values() if pending.gradient_read is not None
-                    else [math.nan] * len(OUTPUT_GRADIENT))
         if pending.output is not None:
             scale = rows[pending.output].get("max_abs", math.nan)
             self._judge_output(step, where, outputs[pending.output], simplex, loss, pending.tolerance, gradient, scale)

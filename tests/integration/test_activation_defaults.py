@@ -494,6 +494,53 @@ def test_a_relu_written_in_forward_on_the_logits_is_a_dead_output_unit(tmp_path:
     assert dead[0]["details"]["output"] and 0 < dead[0]["details"]["dead_units"] < 4
 
 
+class Autoencoder(pl.LightningModule):
+    """An 8x8 image autoencoder with a ReLU on its output (images are non-negative), trained with ``mse_loss``. The
+    images have a blank border (28 of 64 pixels always 0, as digits have): training drives the border units below 0,
+    where they stay, at their target. ``alive``: the output layer's bias starts at 0.5, so no unit starts dead;
+    otherwise PyTorch's init leaves about a third of the output units at 0 for every sample from the first step,
+    the inner pixels among them stuck below targets they can never reach."""
+
+    def __init__(self, alive: bool) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8), nn.ReLU())
+        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64), nn.ReLU())
+        if alive:
+            nn.init.constant_(self.decoder[2].bias, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return F.mse_loss(self(x), x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        images = torch.zeros(4096, 8, 8)
+        images[:, 1:7, 1:7] = (torch.rand(4096, 6, generator=g) @ torch.rand(6, 36, generator=g) / 3).clamp(0, 1
+                                                                                                        ).view(-1, 6, 6)
+        return DataLoader(TensorDataset(images.view(-1, 64)), batch_size=32, shuffle=True)
+
+
+def test_an_autoencoders_relu_output_dead_at_its_blank_pixels_is_quiet_and_dead_below_its_targets_is_named(
+        tmp_path: Path) -> None:
+    """The output units that die at the border pixels sit at their target 0, where the loss's gradient is 0: no
+    finding (named "dead_activation" before, at step 100). The same model from PyTorch's init has inner units dead
+    too, whose gradient asks them to rise: named at the first measured step with how many the loss pushes."""
+    events, _ = fit(tmp_path / "healthy", Autoencoder(alive=True), steps=201, every=100)
+    assert warnings_of(events) == []
+    events, _ = fit(tmp_path / "buggy", Autoencoder(alive=False), steps=21, every=100)
+    dead = [e for e in events if e["kind"] == "dead_activation"]
+    assert dead and dead[0]["step"] <= 1 and dead[0]["details"]["modules"] == ["decoder.3"], warnings_of(events)
+    details = dead[0]["details"]
+    assert 0 < details["dead_units_pushed"] < details["dead_units"], details
+    assert f"{details['dead_units_pushed']} of them where the loss asks for a larger value" in dead[0]["message"]
+
+
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
     """512 samples in label order, 128 of each class, not shuffled: the batch at step 0 is all class 0 and the batch
     at step 100 (the fifth of its epoch) all class 1; the loss looks healthy. Named at the second judgement."""

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import ROW, output_stats, saturation_range
+from lightning_debug.checks.activations import ROW, dead_units_pushed, output_stats, saturation_range
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.monitors.activations import (
@@ -122,6 +123,43 @@ def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_
     assert kinds([relu("hidden", [32, 32]), linear()], [one_dead, stats()]) == []
     assert kinds([linear(), logits], [stats(), dict(stats(zero=0.6), dead_unit_fraction=0.0)]) == []
     assert kinds([linear(), logits], [stats(), stats(zero=0.6)]) == []  # fewer than MIN_SAMPLES rows: not measured
+
+
+def test_dead_output_units_the_loss_does_not_push_up_are_at_their_target() -> None:
+    """``dead_pushed``, read from the output's gradient: 0 (every dead unit's gradient is 0: targets of 0, as an
+    autoencoder's blank pixels) is no finding; one or more is named with the count; NaN (not read) is named."""
+    logits = Output("decoder.3", "ReLU", [32, 64], relu_like=True, saturating=False, fed_by="decoder.2 (Linear)")
+    dead = dict(stats(zero=0.6), dead_unit_fraction=25 / 64)
+    assert activation_findings(100, [linear(), logits], [stats(), dead], dead_pushed=0.0) == []
+    found = activation_findings(100, [linear(), logits], [stats(), dead], dead_pushed=3.0)
+    assert [f.kind for f in found] == [Kind.DEAD_ACTIVATION] and found[0].details["dead_units_pushed"] == 3
+    assert "25 of its 64 output units are zero for every sample at step 100, 3 of them where the loss asks" in \
+        found[0].message
+    unread = activation_findings(100, [linear(), logits], [stats(), dead], dead_pushed=math.nan)
+    assert [f.kind for f in unread] == [Kind.DEAD_ACTIVATION] and "dead_units_pushed" not in unread[0].details
+
+
+@pytest.mark.parametrize("loss", ["mse_zero_targets", "mse_positive_targets", "cross_entropy", "l1_zero_targets"])
+def test_dead_units_pushed_reads_what_each_loss_asks_of_a_dead_unit(loss: str) -> None:
+    """Two of four ReLU outputs dead for every sample: with their targets at 0 (mse, l1) nothing pushes them; with
+    positive targets, or as the logits of classes that appear in the batch, the loss asks both to rise."""
+    torch.manual_seed(0)
+    pre = torch.randn(16, 4).abs() * torch.tensor([1.0, -1.0, 1.0, -1.0])
+    pre.requires_grad_(True)
+    out = torch.relu(pre)
+    out.retain_grad()
+    targets = torch.rand(16, 4) + 0.1
+    if loss.endswith("zero_targets"):
+        targets[:, 1::2] = 0.0
+    if loss == "cross_entropy":
+        value = F.cross_entropy(out, torch.arange(16) % 4)
+    elif loss.startswith("l1"):
+        value = F.l1_loss(out, targets)
+    else:
+        value = F.mse_loss(out, targets)
+    value.backward()
+    pushed = dead_units_pushed(out.grad, out.detach()).item()
+    assert pushed == (0.0 if loss.endswith("zero_targets") else 2.0)
 
 
 def saturated_run(steps: int, **options: Any) -> tuple[ActivationMonitor, dict[str, Any] | None, list[bool]]:
