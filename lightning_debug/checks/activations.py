@@ -16,7 +16,7 @@ from torch import nn
 from lightning_debug.checks.numerics import compiled_wrapper
 
 STATS = ("mean", "std", "max_abs", "zero_fraction", "saturated_fraction", "nonfinite_count")
-ROW = STATS + ("dead_unit_fraction",)
+ROW = STATS + ("dead_unit_fraction", "zero_row_fraction")
 """What :func:`output_stats` measures: the logged :data:`STATS`, then what only the rules read."""
 MIN_SAMPLES = 8
 SATURATION_MARGIN = 0.02
@@ -60,7 +60,8 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     """One float32 row of :data:`ROW` for a module's output, on its device (no host sync): ``zero_fraction`` counts
     exact zeros (a ReLU's inactive units), ``saturated_fraction`` values within 2% of the half-width from the ends of
     ``saturation`` (NaN without it); the std comes from float32 sums (enough to watch a layer). With ``units``,
-    ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample (from
+    ``dead_unit_fraction`` is the share of the last dimension's units zero for every sample and ``zero_row_fraction``
+    the share of samples (rows of the last dimension) zero in every unit, through which no gradient flows (from
     :data:`MIN_SAMPLES` samples on).
 
     >>> row = output_stats(torch.tensor([0.0, 0.0, 1.0, 3.0]))
@@ -68,8 +69,8 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     ([1.0, 1.225, 3.0, 0.5], True, 0.0)
     >>> round(output_stats(torch.tensor([0.001, 0.5, 0.999]), saturation=(0.5, 0.5))[4].item(), 4)
     0.6667
-    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6].item()
-    0.25
+    >>> output_stats(torch.ones(8, 4) * torch.tensor([1.0, 2.0, 3.0, 0.0]), units=True)[6:].tolist()
+    [0.25, 0.0]
     """
     x = output.detach()
     count = x.numel()
@@ -91,10 +92,13 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
         saturated = torch.full((), math.nan, device=x.device)
     width = x.shape[-1] if x.dim() >= 2 else 0
     if units and width and count // width >= MIN_SAMPLES:
-        dead = (width - torch.count_nonzero(x.reshape(-1, width).ne(0).any(0))) / width
+        active = x.reshape(-1, width).ne(0)
+        dead = (width - torch.count_nonzero(active.any(0))) / width
+        zero_rows = 1 - torch.count_nonzero(active.any(1)) / (count // width)
     else:
-        dead = torch.full((), math.nan, device=x.device)
-    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float()])
+        dead = zero_rows = torch.full((), math.nan, device=x.device)
+    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float(),
+                        zero_rows.float()])
 
 
 DEAD_PUSHED = ("dead_units_pushed",)

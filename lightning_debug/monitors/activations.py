@@ -87,6 +87,7 @@ from lightning_debug.monitors.gradients.single_class import KEY as SINGLE_CLASS
 from lightning_debug.monitors.gradients.single_class import single_class_suspicion
 
 DEAD_FRACTION = 0.99
+DEAD_ROWS = 0.5
 SATURATED_FRACTION = 0.9
 LOSS_KEPT = 0.25
 VERDICT_SPACING = 100
@@ -130,7 +131,7 @@ def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict
     """The stacked read-back of a forward's :data:`ROW` rows, one dict per output (without what was not measured)::
 
         >>> out = Output("act", "ReLU", [4], relu_like=True, saturating=False, fed_by=None)
-        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan")], [out])
+        >>> split_stats([0.1, 0.2, 0.3, 0.5, float("nan"), 0.0, float("nan"), float("nan")], [out])
         [{'mean': 0.1, 'std': 0.2, 'max_abs': 0.3, 'zero_fraction': 0.5, 'nonfinite_count': 0.0}]
     """
     width = len(ROW)
@@ -139,10 +140,25 @@ def split_stats(values: Sequence[float], outputs: Sequence[Output]) -> list[dict
         stats = dict(zip(ROW, values[index * width:(index + 1) * width]))
         if not output.saturating:
             stats.pop("saturated_fraction")
-        if not math.isfinite(stats["dead_unit_fraction"]):
-            stats.pop("dead_unit_fraction")
+        for measured in ("dead_unit_fraction", "zero_row_fraction"):
+            if not math.isfinite(stats[measured]):
+                stats.pop(measured)
         rows.append(stats)
     return rows
+
+
+def sparse(stats: dict[str, float]) -> bool:
+    """Whether a rectified output with at most 1% of its values above zero is sparse rather than dead: most samples
+    have a unit on (under :data:`DEAD_ROWS` of the rows are zero) and more than 1% of the units are on for some sample,
+    as a sparse autoencoder's features are. A dead layer (every pre-activation below zero, or all but a few units that
+    never switch off) passes no gradient for most samples, or through at most 1% of its units. Unmeasured (fewer
+    than 8 samples, no unit dimension): not sparse::
+
+        >>> sparse({"dead_unit_fraction": 0.8, "zero_row_fraction": 0.02}), sparse({"zero_row_fraction": 0.0})
+        (True, False)
+    """
+    return (stats.get("dead_unit_fraction", 1.0) < DEAD_FRACTION
+            and stats.get("zero_row_fraction", 1.0) < DEAD_ROWS)
 
 
 def describe(output: Output) -> str:
@@ -159,7 +175,8 @@ def dead_finding(step: int, output: Output, stats: dict[str, float]) -> Finding:
         f"{fed}the layers before. Usually a large negative bias or a too-large step pushed every "
         "pre-activation below zero: Kaiming initialisation, normalisation before the activation, a lower "
         "learning rate, or LeakyReLU/GELU.",
-        output.details(zero_fraction=stats["zero_fraction"], max_abs=stats["max_abs"]))
+        output.details(zero_fraction=stats["zero_fraction"], max_abs=stats["max_abs"],
+                       **{name: stats[name] for name in ("dead_unit_fraction", "zero_row_fraction") if name in stats}))
 
 
 def dead_output_finding(step: int, output: Output, stats: dict[str, float], pushed: float = math.nan) -> Finding:
@@ -225,7 +242,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
         last = model_output is not None and index == model_output % len(outputs)
         if output.numel < (MIN_OUTPUT_ELEMENTS if last else MIN_ELEMENTS):
             continue
-        if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION:
+        if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION and not sparse(stats):
             found.append(dead_finding(step, output, stats))
         elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0 and not dead_pushed == 0:
             found.append(dead_output_finding(step, output, stats, dead_pushed))

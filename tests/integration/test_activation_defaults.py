@@ -541,6 +541,44 @@ def test_an_autoencoders_relu_output_dead_at_its_blank_pixels_is_quiet_and_dead_
     assert f"{details['dead_units_pushed']} of them where the loss asks for a larger value" in dead[0]["message"]
 
 
+class SparseAutoencoder(pl.LightningModule):
+    """A sparse autoencoder (a wide ReLU dictionary under an L1 penalty) on vectors made of a few of 512 directions:
+    each sample switches on a handful of its 4096 features, well over 99% of the layer's values are 0, and it
+    reconstructs. ``l1`` 10x stronger switches every feature off for most samples: nothing reaches the encoder."""
+
+    def __init__(self, l1: float = 3e-3) -> None:
+        super().__init__()
+        self.encoder, self.features, self.decoder = nn.Linear(64, 4096), nn.ReLU(), nn.Linear(4096, 64)
+        self.l1 = l1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        f = self.features(self.encoder(x))
+        return F.mse_loss(self.decoder(f), x) + self.l1 * f.abs().sum(-1).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        directions = F.normalize(torch.randn(512, 64, generator=g), dim=1)
+        x = ((torch.rand(8192, 512, generator=g) < 0.01) * torch.rand(8192, 512, generator=g)) @ directions
+        return DataLoader(TensorDataset(x), batch_size=256, shuffle=True)
+
+
+def test_a_sparse_autoencoders_features_are_sparse_not_dead_and_a_layer_off_for_most_samples_is_dead(
+        tmp_path: Path) -> None:
+    """Over 99% zeros was read as a dead layer: a sparse autoencoder's feature layer was named "dead_activation" at
+    step 300. Most of its samples have a feature on and many features serve some sample: quiet. Ten times the L1
+    switches every feature off for most samples (no gradient reaches the encoder for them): still named."""
+    events, _ = fit(tmp_path / "healthy", SparseAutoencoder(), steps=301, every=100)
+    assert warnings_of(events) == []
+    events, _ = fit(tmp_path / "buggy", SparseAutoencoder(l1=3e-2), steps=301, every=100)
+    dead = [e for e in events if e["kind"] == "dead_activation"]
+    assert dead and dead[0]["details"]["modules"] == ["features"], warnings_of(events)
+    assert dead[0]["details"]["zero_row_fraction"] >= 0.5
+
+
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
     """512 samples in label order, 128 of each class, not shuffled: the batch at step 0 is all class 0 and the batch
     at step 100 (the fifth of its epoch) all class 1; the loss looks healthy. Named at the second judgement."""

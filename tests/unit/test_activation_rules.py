@@ -125,6 +125,33 @@ def test_a_unit_of_the_models_output_zero_for_every_sample_is_dead_a_hidden_one_
     assert kinds([linear(), logits], [stats(), stats(zero=0.6)]) == []  # fewer than MIN_SAMPLES rows: not measured
 
 
+def test_a_sparse_layer_is_not_dead_a_layer_with_few_units_left_or_most_samples_off_is() -> None:
+    """99.5% zeros three ways: a sparse autoencoder's features (every sample has some on, many features serve the
+    batch) is no finding; 5 units of 1000 on for every sample and none else (the rest died), and most samples with no
+    unit on, are dead; unmeasured (fewer than 8 samples) stays named."""
+    hidden = relu("features", [256, 1000])
+    mostly_zero = stats(zero=0.995)
+    cases = {"sparse": dict(mostly_zero, dead_unit_fraction=0.6, zero_row_fraction=0.01),
+             "few_units_left": dict(mostly_zero, dead_unit_fraction=0.995, zero_row_fraction=0.0),
+             "most_samples_off": dict(mostly_zero, dead_unit_fraction=0.7, zero_row_fraction=0.8),
+             "unmeasured": mostly_zero}
+    named = {name: kinds([hidden, linear()], [row, stats()]) for name, row in cases.items()}
+    assert named == {"sparse": [], "few_units_left": [(Kind.DEAD_ACTIVATION, "features")],
+                     "most_samples_off": [(Kind.DEAD_ACTIVATION, "features")],
+                     "unmeasured": [(Kind.DEAD_ACTIVATION, "features")]}
+
+
+def test_a_convolution_with_all_but_one_channel_dead_has_its_rows_off() -> None:
+    """The unit dimension of a feature map [N, C, H, W] is its width: with 99 of 100 channels dead, every width
+    position is on somewhere (no dead unit) but 99% of the rows are zero, so the layer reads as dead, not sparse."""
+    maps = torch.zeros(8, 100, 6, 6)
+    maps[:, 0] = torch.rand(8, 6, 6) + 0.1
+    row = dict(zip(ROW, output_stats(maps, units=True).tolist()))
+    assert row["zero_fraction"] >= 0.99 and row["dead_unit_fraction"] == 0.0
+    assert row["zero_row_fraction"] == pytest.approx(0.99)
+    assert kinds([relu("conv_act", [8, 100, 6, 6]), linear()], [row, stats()]) == [(Kind.DEAD_ACTIVATION, "conv_act")]
+
+
 def test_dead_output_units_the_loss_does_not_push_up_are_at_their_target() -> None:
     """``dead_pushed``, read from the output's gradient: 0 (every dead unit's gradient is 0: targets of 0, as an
     autoencoder's blank pixels) is no finding; one or more is named with the count; NaN (not read) is named."""
