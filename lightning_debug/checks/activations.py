@@ -40,6 +40,35 @@ def rectified(output: torch.Tensor) -> bool:
     return type(output.grad_fn).__name__.startswith(RECTIFIER_NODES)
 
 
+AFFINE_NODES = ("AddmmBackward", "MmBackward", "LinearBackward", "ConvolutionBackward", "BmmBackward",
+                "BaddbmmBackward", "AddmvBackward", "MvBackward")
+"""The autograd nodes of affine maps (``nn.Linear``, ``@``, convolutions): an output they make is unbounded."""
+VIEW_NODES = ("ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "SqueezeBackward", "UnsqueezeBackward",
+              "SelectBackward", "SliceBackward", "PermuteBackward", "TransposeBackward", "TBackward", "ExpandBackward",
+              "CloneBackward", "AliasBackward", "AsStridedBackward", "ToCopyBackward")
+"""Operations that move or copy values without changing them, looked through to the one that made them."""
+
+
+def made_by_affine(output: torch.Tensor, limit: int = 8) -> bool:
+    """Whether ``output``'s values were made by an affine map (looked through up to ``limit`` reshapes, slices and
+    casts): logits, which no bound holds, even on a batch where they all happen to lie in [0, 1] (a GAN's
+    discriminator near its equilibrium)::
+
+        >>> layer, x = nn.Linear(4, 1), torch.randn(3, 4)
+        >>> made_by_affine(layer(x).squeeze(-1)), made_by_affine(torch.sigmoid(layer(x))), made_by_affine(x)
+        (True, False, False)
+    """
+    node = output.grad_fn
+    for _ in range(limit):
+        name = type(node).__name__
+        if name.startswith(AFFINE_NODES):
+            return True
+        if node is None or not name.startswith(VIEW_NODES) or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
 def saturation_range(module: nn.Module) -> tuple[float, float] | None:
     """``(center, half_width)`` of a bounded activation's output range, or None for other modules.
 

@@ -51,6 +51,7 @@ from lightning_debug.checks.activations import (
     batch_softmax_fit,
     dead_units_pushed,
     first_floating,
+    made_by_affine,
     fit_tolerance,
     gives_loss,
     hooked_modules,
@@ -296,6 +297,7 @@ class PendingStats:
     output: int | None = -1  # the index of the call that gives the model's output (None: none does)
     gradient: torch.Tensor | None = None  # the output gradient's OUTPUT_GRADIENT, written by the backward
     gradient_read: Readback | None = None  # made at the batch's end, once the backward ran
+    affine: bool = False  # the model's output made by an affine map: logits, never probabilities
 
 
 class ActivationMonitor(Monitor):
@@ -474,7 +476,7 @@ class ActivationMonitor(Monitor):
         histograms = (Readback(torch.cat([row.to(device, non_blocking=True) for row in self._histogram_rows]),
                                blocking=False) if self._histogram_rows else None)
         pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance,
-                               index)
+                               index, affine=last is not None and made_by_affine(last))
         rectified_output = index is not None and self._outputs[index].relu_like
         if last is not None and (self._judges_gradient(pending.step, last) or rectified_output and last.requires_grad):
             pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
@@ -562,7 +564,8 @@ class ActivationMonitor(Monitor):
                 self._flag(finding, step, where)
         if pending.output is not None:
             scale = rows[pending.output].get("max_abs", math.nan)
-            self._judge_output(step, where, outputs[pending.output], simplex, loss, pending.tolerance, gradient, scale)
+            self._judge_output(step, where, outputs[pending.output], simplex, loss, pending.tolerance, gradient, scale,
+                               pending.affine)
         self.checks += 1
         if metrics:
             self.log_metrics(step, metrics)
@@ -576,13 +579,17 @@ class ActivationMonitor(Monitor):
         self.close_episodes(step, where, self.kinds | {Kind.LEARNING_STALLED, Kind.SINGLE_CLASS_BATCHES})
 
     def _judge_output(self, step: int, where: Where, output: Output, simplex: Sequence[float], loss: float,
-                      tolerance: float, gradient: Sequence[float] = (), scale: float = math.nan) -> None:
+                      tolerance: float, gradient: Sequence[float] = (), scale: float = math.nan,
+                      affine: bool = False) -> None:
         """The gradient area's rules on what only this monitor measures, at most once every ``JUDGED_EVERY`` steps,
         each never again once a reading proved it is not the case: ``learning_stalled``
         (``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``, ``shared_target``,
-        ``probabilities_into_sigmoid``) and ``single_class_batches``."""
+        ``probabilities_into_sigmoid``) and ``single_class_batches``. An output an affine map made (``affine``) is
+        logits: not probabilities a sigmoid is applied to again, whatever range one batch's values have."""
         if not self._judges(step):
             return
+        if affine:
+            self.cleared.add(SIGMOID)
         described = describe(output)
         read = dict(zip(OUTPUT_GRADIENT, list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)))
         held = {key: self.verdicts.latest(kind, key)

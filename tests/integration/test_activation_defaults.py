@@ -579,6 +579,62 @@ def test_a_sparse_autoencoders_features_are_sparse_not_dead_and_a_layer_off_for_
     assert dead[0]["details"]["zero_row_fraction"] >= 0.5
 
 
+class GAN(pl.LightningModule):
+    """A GAN on 8x8 images in [-1, 1] (manual optimization, a generator ending in Tanh): the discriminator's logits
+    start around 0.5 (its last layer's weights scaled by 0.2, its bias 0.5) and stay within [0, 1] on the judged
+    steps, and ``binary_cross_entropy_with_logits`` gives them the gradient a sigmoid applied twice gives.
+    ``sigmoid_head``: the DCGAN tutorial's discriminator, which ends in ``nn.Sigmoid``, kept when the loss became
+    ``binary_cross_entropy_with_logits``: its probabilities are squashed again."""
+
+    def __init__(self, sigmoid_head: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh())
+        head: list[nn.Module] = [nn.Sigmoid()] if sigmoid_head else []
+        self.discriminator = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1), *head)
+        if not sigmoid_head:
+            with torch.no_grad():  # its logits start around 0.5, in [0, 1], where training keeps them for a while
+                self.discriminator[2].weight.mul_(0.2)
+                self.discriminator[2].bias.fill_(0.5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        generator_optimizer, discriminator_optimizer = self.optimizers()  # type: ignore[misc]
+        fake = self.generator(torch.randn(len(real), 16))
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        loss = (F.binary_cross_entropy_with_logits(self.discriminator(real), ones)
+                + F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), zeros))
+        discriminator_optimizer.zero_grad()
+        self.manual_backward(loss)
+        discriminator_optimizer.step()
+        loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), ones)
+        generator_optimizer.zero_grad()
+        self.manual_backward(loss)
+        generator_optimizer.step()
+
+    def configure_optimizers(self) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+        return (torch.optim.Adam(self.generator.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999)))
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        images = -torch.ones(4096, 8, 8)
+        images[:, 2:6, 2:6] = (torch.rand(4096, 4, 4, generator=g) > 0.5).float() * 2 - 1
+        return DataLoader(TensorDataset(images.view(-1, 64)), batch_size=64, shuffle=True)
+
+
+def test_a_gans_discriminator_logits_in_0_1_are_not_probabilities_and_a_sigmoid_head_into_bce_with_logits_is(
+        tmp_path: Path) -> None:
+    """The discriminator's logits near equilibrium all lay in [0, 1] at steps 2 and 102, and the healthy GAN was
+    named ``probabilities_into_sigmoid``: an output an affine map makes is logits whatever one batch's range. The
+    discriminator ending in ``nn.Sigmoid`` under ``binary_cross_entropy_with_logits`` is still named."""
+    events, _ = fit(tmp_path / "healthy", GAN(), steps=201, every=100)
+    assert warnings_of(events) == []
+    events, _ = fit(tmp_path / "buggy", GAN(sigmoid_head=True), steps=201, every=100)
+    causes = {e["details"].get("cause") for e in events if e["kind"] == "learning_stalled" and e["step"] == 100}
+    assert "probabilities_into_sigmoid" in causes, warnings_of(events)
+
+
 def test_training_data_sorted_by_label_and_not_shuffled_is_single_class_batches(tmp_path: Path) -> None:
     """512 samples in label order, 128 of each class, not shuffled: the batch at step 0 is all class 0 and the batch
     at step 100 (the fifth of its epoch) all class 1; the loss looks healthy. Named at the second judgement."""
