@@ -126,16 +126,13 @@ def watching(probe: Probe) -> Iterator[None]:
         probe.synced("torch.cuda.synchronize()")
         real_sync(*args, **kwargs)
 
-    real_show = warnings.showwarning
-    warnings.showwarning = show
     torch.cuda.Event.synchronize, torch.cuda.synchronize = event_synchronize, synchronize  # type: ignore[method-assign]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # puts the filters and showwarning back on exit
             warnings.simplefilter("always")
             warnings.showwarning = show
             yield
     finally:
-        warnings.showwarning = real_show
         torch.cuda.Event.synchronize, torch.cuda.synchronize = real_event_sync, real_sync  # type: ignore[method-assign]
 
 

@@ -521,8 +521,8 @@ class Autoencoder(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
         images = torch.zeros(4096, 8, 8)
-        images[:, 1:7, 1:7] = (torch.rand(4096, 6, generator=g) @ torch.rand(6, 36, generator=g) / 3).clamp(0, 1
-                                                                                                        ).view(-1, 6, 6)
+        inner = torch.rand(4096, 6, generator=g) @ torch.rand(6, 36, generator=g) / 3
+        images[:, 1:7, 1:7] = inner.clamp(0, 1).view(-1, 6, 6)
         return DataLoader(TensorDataset(images.view(-1, 64)), batch_size=32, shuffle=True)
 
 
