@@ -37,8 +37,15 @@ Mark = Union[float, "torch.cuda.Event"]
 
 
 class CpuWait:
-    """Milliseconds the calling thread spent runnable but waiting for a CPU (``/proc/thread-self/schedstat``, 0
-    where it does not exist): on a loaded machine another program's delay is not held against the step.
+    """Milliseconds the process's threads spent runnable but waiting for a CPU, summed over its threads
+    (``/proc/self/task/*/schedstat``; 0 where it does not exist): on a loaded machine another program's delay is not
+    held against the step.
+
+    Every thread counts, not only the one that called: torch's intra-op threads do a step's work too, and the
+    calling thread sleeps at their barrier while they wait, so its own wait is as little as half of what the step
+    lost (measured on 2 cores beside another torch process). A thread's first reading is its baseline, and one that
+    ended is forgotten, so the total never falls. Summed over threads it can exceed an interval's length where they
+    waited at once; :meth:`StepTimes.judged` takes at most the interval out.
 
     >>> wait = CpuWait()
     >>> wait() >= 0.0
@@ -46,35 +53,58 @@ class CpuWait:
     >>> wait.close()
     """
 
-    PATH = "/proc/thread-self/schedstat"
+    TASKS = "/proc/self/task"
 
     def __init__(self) -> None:
-        self._fds: dict[int, int] = {}
-        self.available = os.path.exists(self.PATH)
+        self._fds: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+        self._total = 0.0
+        self.available = os.path.exists(os.path.join(self.TASKS, str(threading.get_native_id()), "schedstat"))
 
     def __call__(self) -> float:
         if not self.available:
             return 0.0
-        thread = threading.get_ident()
         try:
-            fd = self._fds.get(thread)
-            if fd is None:
-                fd = self._fds[thread] = os.open(self.PATH, os.O_RDONLY)
-            return int(os.pread(fd, 128, 0).split()[1]) / 1e6
-        except (OSError, ValueError, IndexError):
+            tasks = os.listdir(self.TASKS)
+        except OSError:
             self.available = False
             return 0.0
+        for task in set(self._fds) - set(tasks):
+            self._forget(task)
+        for task in tasks:
+            waited = self._read(task)
+            if waited is None:
+                self._forget(task)
+            else:
+                self._total += max(0.0, waited - self._last.get(task, waited))
+                self._last[task] = waited
+        return self._total
 
-    def close(self) -> None:
-        fds, self._fds = self._fds, {}
-        for fd in fds.values():
+    def _read(self, task: str) -> float | None:
+        try:
+            fd = self._fds.get(task)
+            if fd is None:
+                fd = self._fds[task] = os.open(os.path.join(self.TASKS, task, "schedstat"), os.O_RDONLY)
+            return int(os.pread(fd, 128, 0).split()[1]) / 1e6
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def _forget(self, task: str) -> None:
+        self._last.pop(task, None)
+        fd = self._fds.pop(task, None)
+        if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def close(self) -> None:
+        for task in list(self._fds):
+            self._forget(task)
+        self._last.clear()
 
 
 class Stopwatch:
     """Timestamps at phase boundaries: CUDA events on a CUDA device, ``perf_counter`` otherwise; ``own_ms`` and
-    ``cpu_wait_ms`` read the plugin's own time and the thread's wait for a CPU so far (ms), which phases leave out.
+    ``cpu_wait_ms`` read the plugin's own time and the process's wait for a CPU so far (ms), which phases leave out.
 
     >>> watch = Stopwatch(torch.device("cpu"))
     >>> start = watch.mark(); end = watch.mark()
@@ -122,7 +152,7 @@ class Stopwatch:
 @dataclass
 class StepTimes:
     """The measured phases of one optimizer step in milliseconds, the plugin's own time left out; :meth:`judged` also
-    leaves out the training thread's wait for a CPU. ``elements``: of the step's first input tensor, summed over
+    leaves out the process's wait for a CPU. ``elements``: of the step's first input tensor, summed over
     micro-batches (what a longer sequence, a larger image or a larger batch makes grow)."""
 
     step: int
@@ -135,7 +165,7 @@ class StepTimes:
     elements: int | None = None
 
     def judged(self, phase: Phase) -> float:
-        return self.phases[phase] - self.cpu_waits.get(phase, 0.0)
+        return max(0.0, self.phases[phase] - self.cpu_waits.get(phase, 0.0))
 
     @property
     def judged_step_ms(self) -> float:

@@ -163,6 +163,16 @@ def test_recurring_slow_step_is_a_warning_naming_its_phase(tmp_path: Path) -> No
     assert "of the last" in slow[0]["message"]
 
 
+def test_recurring_slow_step_on_a_loaded_machine_is_still_named(tmp_path: Path, busy_machine: None) -> None:
+    """The twin of the loaded machine's quiet: a sleeping step waits for no CPU, so what the process's threads waited
+    for one takes none of its 150 ms away."""
+    trainer = make_trainer(tmp_path, [PerformanceProfilerCallback(performance_profiling_frequency=1)], max_steps=40)
+    trainer.fit(SlowEveryThirdStep())
+    slow = [e for e in timing_events(trainer) if e["kind"] == "slow_step" and e["severity"] == "warning"]
+    assert slow, [e["message"] for e in timing_events(trainer)]
+    assert slow[0]["step"] % 3 == 2 and slow[0]["details"]["phase"] == "forward"
+
+
 def test_rank_zero_logging_is_no_straggler(tmp_path: Path) -> None:
     """Simulated two ranks: rank 0 spends 3 ms more between steps every step (logging, writing)."""
 

@@ -3,6 +3,9 @@ out of each phase, micro-batches, throughput and the profiler's top operators. N
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -132,6 +135,51 @@ def test_batch_size_of_nested_and_odd_batches() -> None:
     assert infer_batch_size({"meta": "x", "pair": (None, torch.zeros(5, 2))}) == 5
     assert infer_batch_size([[[[[torch.zeros(4)]]]]]) is None  # deeper than anyone nests a batch
     assert infer_batch_size(None) is None
+
+
+def test_cpu_wait_counts_every_thread_of_the_process() -> None:
+    """torch's intra-op threads do the step's work while the calling thread sleeps at their barrier: threads that
+    burn a CPU each, twice as many as this process may use, wait for one; the caller, asleep, waits for none."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    wait = CpuWait()
+    if not wait.available:
+        pytest.skip("no /proc/self/task/*/schedstat")
+    own = CpuWait.TASKS + f"/{threading.get_native_id()}/schedstat"
+
+    def own_wait() -> float:
+        with open(own) as file:
+            return int(file.read().split()[1]) / 1e6
+
+    stop = threading.Event()
+    burners = [threading.Thread(target=burn, args=(stop,)) for _ in range(2 * cores)]
+    for burner in burners:
+        burner.start()
+    try:
+        time.sleep(0.05)
+        start, start_own = wait(), own_wait()
+        time.sleep(0.5)
+        waited, waited_own = wait() - start, own_wait() - start_own
+    finally:
+        stop.set()
+        for burner in burners:
+            burner.join()
+        wait.close()
+    assert waited >= 150.0, waited  # about (threads - cores) x 500 ms
+    assert waited_own < 50.0, waited_own
+
+
+def burn(stop: threading.Event) -> None:
+    matrix = torch.randn(96, 96)
+    with torch.inference_mode():
+        while not stop.is_set():
+            matrix @ matrix  # torch lets the GIL go: each thread wants a CPU of its own
+
+
+def test_a_wait_beyond_its_phase_leaves_nothing_of_it() -> None:
+    """Threads that waited at once sum to more than the interval: the judged phase is then 0, never negative."""
+    times = StepTimes(3, {phase: 2.0 for phase in Phase}, cpu_waits={Phase.FORWARD: 5.0, Phase.BACKWARD: 1.5})
+    assert times.judged(Phase.FORWARD) == 0.0 and times.judged(Phase.BACKWARD) == 0.5
+    assert times.judged_step_ms == pytest.approx(4.5)
 
 
 def test_cpu_wait_without_schedstat_reads_zero() -> None:

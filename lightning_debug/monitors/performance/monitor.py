@@ -104,7 +104,7 @@ class PerformanceMonitor(Monitor):
         self.stopwatch.cpu_wait_ms = None
         self._cpu_wait.close()
         stopwatch = Stopwatch(context.device(), self.session.own_time.total_ms)
-        if not stopwatch.uses_cuda:  # a host thread's wait for a CPU says nothing of the GPU's timeline
+        if not stopwatch.uses_cuda:  # the host's wait for a CPU says nothing of the GPU's timeline
             stopwatch.cpu_wait_ms = self._cpu_wait
         self.stopwatch = stopwatch
         self.world_size, self.rank = context.world_size, context.rank
