@@ -32,18 +32,25 @@ from lightning_debug.core.verdicts import Suspicion, VerdictEngine
 WINDOW = 8  # batches fingerprinted from each gradient check step on
 MIN_REPEATS = 2  # N workers sharing a seed repeat N-1 of every N
 MIN_VALUES = 64
-SAMPLED = 16  # values at fixed positions of each tensor in its fingerprint, besides its sum
+SAMPLED = 16  # values at fixed positions of each tensor in its fingerprint, besides its sums
+PERIOD = 251  # a prime: the weights of the weighted sum repeat after it, out of step with any image's size
 WINDOW_EVERY = 100  # optimizer steps at least between two windows (checks every step: not back to back)
 KEY = "batches"
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor | None:
-    """A float64 vector two different batches practically never share: per tensor its sum and :data:`SAMPLED`
-    spread values (no host read; None under :data:`MIN_VALUES` values)::
+    """A float64 vector two different batches practically never share: per tensor its sum, a sum weighted by the
+    position modulo :data:`PERIOD` and :data:`SAMPLED` spread values (no host read; None under :data:`MIN_VALUES`
+    values).
+
+    Binary images with a constant border (binarized MNIST, a GAN's masks) are why the weighted sum is there: the
+    spread values fall on the same border pixel of every batch, and the plain sum, a count of pixels on, is one of a
+    few hundred values, so two batches of eight shared it about every other window. The weighted sum mixes every
+    position into one value::
 
         >>> a = batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})
         >>> bool((a == batch_fingerprint({"x": torch.ones(8, 8), "y": torch.arange(8)})).all()), a.shape
-        (True, torch.Size([26]))
+        (True, torch.Size([28]))
         >>> batch_fingerprint(torch.arange(4)) is None
         True
     """
@@ -56,8 +63,25 @@ def batch_fingerprint(batch: Any) -> torch.Tensor | None:
         exact = torch.float32 if flat.device.type == "mps" else torch.float64  # MPS has no float64
         stride = max(1, flat.numel() // SAMPLED)
         picked = flat[::stride][:SAMPLED].to(exact)
-        parts.append(torch.cat([flat.sum(dtype=exact).reshape(1), picked]))
+        parts.append(torch.cat([flat.sum(dtype=exact).reshape(1), weighted_sum(flat, exact).reshape(1), picked]))
     return torch.cat([part.to(parts[0].device) for part in parts])
+
+
+def weighted_sum(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(flat[i] * (1 + i % PERIOD))`` without a weight per value: the column sums of the whole rows of
+    :data:`PERIOD` values, then the rest::
+
+        >>> x = torch.arange(600, dtype=torch.float64)
+        >>> weighted_sum(x, torch.float64).item() == (x * (1 + torch.arange(600) % PERIOD)).sum().item()
+        True
+    """
+    rows = flat.numel() // PERIOD
+    weights = torch.arange(1, PERIOD + 1, dtype=dtype, device=flat.device)
+    tail = flat[rows * PERIOD:].to(dtype)
+    total = (tail * weights[:tail.numel()]).sum()
+    if rows:
+        total = total + (flat[:rows * PERIOD].reshape(rows, PERIOD).sum(0, dtype=dtype) * weights).sum()
+    return total
 
 
 def repeated_batches(window: Sequence[tuple[Any, Sequence[float]]]) -> int:

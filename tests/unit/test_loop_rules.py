@@ -215,6 +215,23 @@ def test_workers_sharing_a_seed_repeat_batches_and_two_windows_in_a_row_name_it(
     assert finding.details["repeats"] == WINDOW // 2 and finding.details["since_step"] == 0
 
 
+def test_binary_images_with_a_blank_border_are_told_apart() -> None:
+    """Binarized images with a constant border (8x8, a 4x4 centre of +-1 on -1): the spread values all fall on the
+    border, and the sum takes few values; 400 different batches of 64 give 400 fingerprints (the sum and the spread
+    values alone gave 72)."""
+    from lightning_debug.monitors.repeats import batch_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    prints = set()
+    for _ in range(400):
+        images = -torch.ones(64, 8, 8)
+        images[:, 2:6, 2:6] = (torch.rand(64, 4, 4, generator=g) > 0.5).float() * 2 - 1
+        fingerprint = batch_fingerprint((images,))
+        assert fingerprint is not None
+        prints.add(tuple(fingerprint.tolist()))
+    assert len(prints) == 400
+
+
 def test_what_a_repeated_batch_is_not() -> None:
     """The twins: the same batch in another epoch (an unshuffled loader, a full-batch run), one chance repeat,
     and batches too small to judge."""
