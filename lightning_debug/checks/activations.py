@@ -106,8 +106,9 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
     if count == 0:
         return torch.full((len(ROW),), math.nan, dtype=torch.float32, device=x.device)
     # a handful of single-pass reductions (var_mean and inf-norms cost several times more on CPU)
-    total = x.sum(dtype=torch.float32)
-    squares = torch.linalg.vector_norm(x, dtype=torch.float32).square()
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # vector_norm will not narrow a double
+    total = x.sum(dtype=wide)
+    squares = torch.linalg.vector_norm(x, dtype=wide).square()
     low, high = torch.aminmax(x)
     mean = total / count
     std = (squares / count - mean.square()).clamp_min(0).sqrt()
@@ -126,8 +127,8 @@ def output_stats(output: torch.Tensor, saturation: tuple[float, float] | None = 
         zero_rows = 1 - torch.count_nonzero(active.any(1)) / (count // width)
     else:
         dead = zero_rows = torch.full((), math.nan, device=x.device)
-    return torch.stack([mean, std, max_abs, zeros / count, saturated.float(), nonfinite.float(), dead.float(),
-                        zero_rows.float()])
+    return torch.stack([mean.float(), std.float(), max_abs, (zeros / count).float(), saturated.float(),
+                        nonfinite.float(), dead.float(), zero_rows.float()])
 
 
 DEAD_PUSHED = ("dead_units_pushed",)

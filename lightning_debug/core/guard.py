@@ -141,6 +141,23 @@ class Failures:
         return {name: {**entry, "reasons": dict(entry["reasons"])} for name, entry in self.failed.items()}
 
 
+def guarded_hook(failures: Failures, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as torch calls it inside the user's forward (a module's forward hook), through ``failures``: a check
+    that fails there is recorded and skipped, never raised into the user's ``training_step``; it returns None, which
+    leaves the module's output as it was.
+
+        >>> failures = Failures()
+        >>> hook = guarded_hook(failures, "ActivationMonitor.observe", lambda module, args, output: 1 / 0)
+        >>> hook(None, (), None) is None, failures.failed["ActivationMonitor.observe"]["count"]
+        (True, 1)
+    """
+
+    def call(*args: Any) -> Any:
+        return failures.call(name, hook, *args)
+
+    return call
+
+
 def describe(error: BaseException) -> str:
     """``str(error)``, or a note that it raised: a user's exception with a broken ``__str__`` must still propagate.
 

@@ -69,6 +69,7 @@ from lightning_debug.checks.activations import (
 from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
 from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.guard import guarded_hook
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.monitor import Event, HistogramWriter, Monitor
 from lightning_debug.core.readback import Readback
@@ -402,10 +403,11 @@ class ActivationMonitor(Monitor):
         self._calls, self._outputs, self._rows, self._histogram_rows = {}, [], [], []
         self.ledger.instrument(step)
         leaves, containers = hooked_modules(model)
+        failures, check = self.session.failures, f"{type(self).__name__}.observe"
         for name, module in leaves:
-            self._handles.append(module.register_forward_hook(self._hook_for(name)))
+            self._handles.append(module.register_forward_hook(guarded_hook(failures, check, self._hook_for(name))))
         for name, module in containers:
-            self._handles.append(module.register_forward_hook(self._returns_for(name)))
+            self._handles.append(module.register_forward_hook(guarded_hook(failures, check, self._returns_for(name))))
 
     def _hook_for(self, name: str) -> Any:
         def observe(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
