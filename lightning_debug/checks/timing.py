@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import os
 import threading
 import time
@@ -54,40 +55,49 @@ class CpuWait:
     """
 
     TASKS = "/proc/self/task"
+    RELIST_S = 1.0
+    """How long the list of the process's threads is trusted: a thread started since is counted from then on."""
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
         self._last: dict[str, float] = {}
         self._total = 0.0
+        self._listed = -math.inf
         self.available = os.path.exists(os.path.join(self.TASKS, str(threading.get_native_id()), "schedstat"))
 
     def __call__(self) -> float:
         if not self.available:
             return 0.0
+        now = time.monotonic()
+        if now - self._listed >= self.RELIST_S and not self._relist(now):
+            return 0.0
+        total = self._total
+        for task, fd in list(self._fds.items()):
+            try:
+                waited = int(os.pread(fd, 128, 0).split()[1]) / 1e6
+            except (OSError, ValueError, IndexError):  # the thread ended
+                self._forget(task)
+                continue
+            last = self._last.get(task)
+            if last is not None and waited > last:
+                total += waited - last
+            self._last[task] = waited
+        self._total = total
+        return total
+
+    def _relist(self, now: float) -> bool:
         try:
-            tasks = os.listdir(self.TASKS)
+            tasks = set(os.listdir(self.TASKS))
         except OSError:
             self.available = False
-            return 0.0
-        for task in set(self._fds) - set(tasks):
+            return False
+        self._listed = now
+        for task in set(self._fds) - tasks:
             self._forget(task)
-        for task in tasks:
-            waited = self._read(task)
-            if waited is None:
-                self._forget(task)
-            else:
-                self._total += max(0.0, waited - self._last.get(task, waited))
-                self._last[task] = waited
-        return self._total
-
-    def _read(self, task: str) -> float | None:
-        try:
-            fd = self._fds.get(task)
-            if fd is None:
-                fd = self._fds[task] = os.open(os.path.join(self.TASKS, task, "schedstat"), os.O_RDONLY)
-            return int(os.pread(fd, 128, 0).split()[1]) / 1e6
-        except (OSError, ValueError, IndexError):
-            return None
+        for task in tasks - set(self._fds):
+            with contextlib.suppress(OSError):
+                self._fds[task] = os.open(os.path.join(self.TASKS, task, "schedstat"), os.O_RDONLY)
+        return True
 
     def _forget(self, task: str) -> None:
         self._last.pop(task, None)
