@@ -246,7 +246,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
             continue
         if output.relu_like and stats["zero_fraction"] >= DEAD_FRACTION and not sparse(stats):
             found.append(dead_finding(step, output, stats))
-        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0 and not dead_pushed == 0:
+        elif output.relu_like and last and stats.get("dead_unit_fraction", 0.0) > 0 and dead_pushed != 0:
             found.append(dead_output_finding(step, output, stats, dead_pushed))
         if not output.saturating or not stats["saturated_fraction"] >= SATURATED_FRACTION:
             continue
@@ -264,10 +264,11 @@ OUTPUT_GRADIENT = (("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABEL
 measured step whose output is rectified, for its dead units."""
 
 
-def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tensor | None) -> Any:
+def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tensor | None, judged: bool = True) -> Any:
     """A hook on the gradient of the model's ``output`` that writes its :data:`OUTPUT_GRADIENT` into ``into`` and
     leaves the gradient as it is; a reading it cannot measure stays NaN, the others are kept (the backward is the
-    user's, never broken). ``loss``: the loss this backward differentiates."""
+    user's, never broken). ``loss``: the loss this backward differentiates; ``judged``: whether the rules of the
+    output's form judge this step (else only its dead units are read)."""
     def write(grad: torch.Tensor) -> None:
         tolerance = fit_tolerance(grad.dtype)
         readings = ((1, lambda: batch_softmax_fit(grad, output, tolerance)),
@@ -278,9 +279,10 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tenso
                     (len(SCALED_CROSS_ENTROPY), lambda: scaled_cross_entropy(grad, output, loss, tolerance)),
                     (len(DEAD_PUSHED), lambda: dead_units_pushed(grad, output)))
         start = 0
-        for width, read in readings:
+        for index, (width, read) in enumerate(readings):
             try:
-                into[start:start + width].copy_(read().reshape(width))
+                if judged or index == len(readings) - 1:
+                    into[start:start + width].copy_(read().reshape(width))
             except Exception:  # noqa: BLE001 - an unmeasured reading is not judged
                 pass
             start += width
@@ -480,11 +482,12 @@ class ActivationMonitor(Monitor):
         pending = PendingStats(self._instrumented_step, self._where, self._outputs, stats, histograms, tolerance,
                                index, affine=last is not None and made_by_affine(last))
         rectified_output = index is not None and self._outputs[index].relu_like
-        if last is not None and (self._judges_gradient(pending.step, last) or rectified_output and last.requires_grad):
+        judged = last is not None and self._judges_gradient(pending.step, last)
+        if last is not None and (judged or rectified_output and last.requires_grad):
             pending.gradient = torch.full((len(OUTPUT_GRADIENT),), math.nan, device=last.device)
             backward_of = (loss.detach() / self.context.backward_divisor()
                            if isinstance(loss, torch.Tensor) and loss.numel() else None)
-            last.register_hook(_writes_gradient(pending.gradient, last.detach(), backward_of))
+            last.register_hook(_writes_gradient(pending.gradient, last.detach(), backward_of, judged))
         self._pending.append(pending)
         self._rows, self._histogram_rows, self._outputs = [], [], []
         self.poll()
