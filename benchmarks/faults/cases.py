@@ -142,6 +142,13 @@ def improper_data() -> Iterator[Case]:
         yield Case(f"data-shuffled-labels-{opt}", "improper_data", "AutoTrainer", buggy, twin,
                    ("learning_stalled",), (0, buggy.steps), None, "labels shuffled against the inputs",
                    needs="a no-progress rule (loss stays at log(classes))")
+        buggy, twin = _pair(Program(shuffle_labels=True, majority=0.5, optimizer=opt, lr=lr, samples=STEPS * 32),
+                            shuffle_labels=False)
+        yield Case(f"data-shuffled-labels-unbalanced-{opt}", "improper_data", "AutoTrainer", buggy, twin,
+                   ("learning_stalled",), (0, buggy.steps), None,
+                   "labels shuffled against the inputs, half of them one class: the loss falls to the labels' "
+                   "entropy, under log(classes)",
+                   needs="the rows' cross-entropy against what their average prediction costs")
     for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(silent="sorted_unshuffled", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             fixed=True)

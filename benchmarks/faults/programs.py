@@ -54,6 +54,7 @@ class Program:
     input_scale: float = 1.0
     target_scale: float = 1.0
     shuffle_labels: bool = False
+    majority: float = 0.0             # this share of the labels class 0 (the rest drawn as before, 0 read as 1)
     loss: str = "ce"                  # ce | mse | bce_raw | bce_logits | nll_raw | neg_ce | ce_sum | ce_quarter
     #                                   | bce_logits_pos_weight, ce_smooth (with criterion)
     criterion: bool = False           # the loss as a module attribute (self.criterion = nn.CrossEntropyLoss())
@@ -79,6 +80,8 @@ def data(program: Program) -> Dataset:
     if program.task == "classify":
         centres = 2.0 * torch.randn(program.classes, d, generator=g)
         labels = torch.randint(0, program.classes, (n,), generator=g)
+        if program.majority:
+            labels = torch.where(torch.rand(n, generator=g) < program.majority, 0, labels.clamp_min(1))
         inputs = centres[labels] + torch.randn(n, d, generator=g)
         if program.shuffle_labels:
             labels = labels[torch.randperm(n, generator=g)]

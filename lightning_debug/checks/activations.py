@@ -434,6 +434,63 @@ def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     return torch.cat([share.reshape(1), torch.where(form.any(), means, math.nan)])
 
 
+AVERAGE_GUESS = ("guess_rows", "guess_rows_loss", "average_guess_loss")
+GUESS_ROWS = 64
+"""The rows :func:`average_guess` reads at least (more where :data:`SIGMOID_ELEMENTS` values hold more), spread over
+the output: a language model's vocabulary fills the values of one row, and one row is its own average."""
+
+
+def spread_rows(grad: torch.Tensor, output: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` rows (the last dimension) of ``grad`` and of ``output``, the same ones, as float32 copies: spread
+    evenly over all the rows where both are contiguous (a language model's positions, not its first sequence's
+    first tokens alone), the first ones otherwise; no other copy is made::
+
+        >>> x = torch.arange(24.0).reshape(2, 6, 2)
+        >>> spread_rows(x, x, 3)[1][:, 0].tolist(), spread_rows(x, x.transpose(0, 1), 3)[1][:, 0].tolist()
+        ([0.0, 8.0, 16.0], [0.0, 12.0, 2.0])
+    """
+    width = output.shape[-1]
+    if grad.is_contiguous() and output.is_contiguous():
+        every = max(1, output.numel() // width // rows)
+        return tuple(x.detach().reshape(-1, width)[::every][:rows].float() for x in (grad, output))
+    return tuple(leading(x.detach(), rows * width).float().reshape(-1, width) for x in (grad, output))
+
+
+def average_guess(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
+    """:data:`AVERAGE_GUESS` of an output's rows (its last dimension), on its device, read with its gradient: how many
+    rows have the form ``cross_entropy`` gives (the label at the gradient's one value below 0), the mean of their own
+    ``cross_entropy`` (``logsumexp(z) - z[label]``), and the mean of ``-log(mean_rows(softmax(z))[label])``, what their
+    average prediction costs. A model that gives every sample the same answer (the labels' frequencies, nothing from
+    the inputs) pays as much per row as its average does; one that learns from its inputs pays less, whatever the
+    balance of the classes. NaN means when no row has the form; :data:`GUESS_ROWS` rows or :data:`SIGMOID_ELEMENTS`
+    values are read (:func:`spread_rows`).
+
+    >>> from torch.nn import functional as F
+    >>> y = torch.tensor([0, 0, 0, 1])
+    >>> same = torch.tensor([[1.0, 0.0]]).repeat(4, 1).requires_grad_()  # one answer for all: its own loss, twice
+    >>> loss = F.cross_entropy(same, y)
+    >>> [round(v, 4) for v in average_guess(torch.autograd.grad(loss, same)[0], same).tolist()], round(loss.item(), 4)
+    ([4.0, 0.5633, 0.5633], 0.5633)
+    >>> fitted = (10 * F.one_hot(y, 2).float()).requires_grad_()  # each row right: far less than its average's cost
+    >>> read = average_guess(torch.autograd.grad(F.cross_entropy(fitted, y), fitted)[0], fitted)
+    >>> [round(v, 3) for v in read.tolist()]
+    [4.0, 0.0, 0.562]
+    """
+    width = output.shape[-1] if output.dim() else 0
+    if grad.shape != output.shape or width < 2 or output.numel() == 0:
+        return torch.full((len(AVERAGE_GUESS),), math.nan, dtype=torch.float32, device=grad.device)
+    g, z = spread_rows(grad, output, max(GUESS_ROWS, SIGMOID_ELEMENTS // width))
+    _, form = cross_entropy_rows(g, tolerance)
+    weights = form.float()
+    rows = weights.sum()
+    labels = g.argmin(1, keepdim=True)
+    own = torch.logsumexp(z, -1) - z.gather(1, labels).squeeze(1)
+    average = (torch.softmax(z, -1) * weights[:, None]).sum(0) / rows.clamp_min(1)
+    cost = -average[labels.squeeze(1)].clamp_min(torch.finfo(torch.float32).tiny).log()
+    means = torch.stack([torch.where(form, own, 0.0).sum(), torch.where(form, cost, 0.0).sum()]) / rows.clamp_min(1)
+    return torch.cat([rows.reshape(1), torch.where(form.any(), means, math.nan)])
+
+
 SCALED_CROSS_ENTROPY = ("softmax_fit", "softmax_misfit", "label_smoothing", "row_loss")
 SMOOTHING_MAX = 0.5
 """The largest label smoothing :func:`scaled_cross_entropy` reads (0.1 or 0.2 is what models train with)."""

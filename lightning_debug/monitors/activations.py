@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.activations import (
+    AVERAGE_GUESS,
     BATCH_LABELS,
     DEAD_PUSHED,
     RELU_LIKE,
@@ -47,6 +48,7 @@ from lightning_debug.checks.activations import (
     SIMPLEX,
     SOFTMAX_TWICE,
     STATS,
+    average_guess,
     batch_labels,
     batch_softmax_fit,
     dead_units_pushed,
@@ -78,7 +80,7 @@ from lightning_debug.core.verdicts import Suspicion
 from lightning_debug.monitors.gradients.batch_softmax import KEY as BATCH_SOFTMAX
 from lightning_debug.monitors.gradients.batch_softmax import batch_softmax_suspicion
 from lightning_debug.monitors.gradients.chance import KEY as CHANCE
-from lightning_debug.monitors.gradients.chance import chance_suspicion
+from lightning_debug.monitors.gradients.chance import chance_suspicion, plain_learning_rates
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
 from lightning_debug.monitors.gradients.probabilities import SIGMOID_KEY as SIGMOID
 from lightning_debug.monitors.gradients.probabilities import (probability_suspicion, sigmoid_suspicion,
@@ -258,7 +260,7 @@ def activation_findings(step: int, outputs: Sequence[Output], rows: Sequence[dic
     return found
 
 
-OUTPUT_GRADIENT = (("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE
+OUTPUT_GRADIENT = (("batch_softmax_fit",) + SHARED + SIGMOID_TWICE + BATCH_LABELS + SOFTMAX_TWICE + AVERAGE_GUESS
                    + SCALED_CROSS_ENTROPY + DEAD_PUSHED)
 """What a hook reads from the gradient of the model's output on a judged step, for the rules of its form, and on a
 measured step whose output is rectified, for its dead units."""
@@ -276,6 +278,7 @@ def _writes_gradient(into: torch.Tensor, output: torch.Tensor, loss: torch.Tenso
                     (len(SIGMOID_TWICE), lambda: sigmoid_twice(grad, output, tolerance)),
                     (len(BATCH_LABELS), lambda: batch_labels(grad, tolerance)),
                     (len(SOFTMAX_TWICE), lambda: softmax_twice(grad, output, tolerance)),
+                    (len(AVERAGE_GUESS), lambda: average_guess(grad, output, tolerance)),
                     (len(SCALED_CROSS_ENTROPY), lambda: scaled_cross_entropy(grad, output, loss, tolerance)),
                     (len(DEAD_PUSHED), lambda: dead_units_pushed(grad, output)))
         start = 0
@@ -513,10 +516,10 @@ class ActivationMonitor(Monitor):
         return index, output
 
     def _judges_gradient(self, step: int, last: torch.Tensor) -> bool:
-        """Whether ``probabilities_into_log_softmax``, ``softmax_over_batch``, ``shared_target``,
+        """Whether ``probabilities_into_log_softmax``, ``loss_at_chance``, ``softmax_over_batch``, ``shared_target``,
         ``probabilities_into_sigmoid`` or ``single_class_batches`` wants the gradient of the model's output ``last``
         at ``step``: an output in a graph, on a step judged, while one is not cleared."""
-        return (not {PROBABILITIES, BATCH_SOFTMAX, SHARED_TARGET, SIGMOID, SINGLE_CLASS} <= self.cleared
+        return (not {PROBABILITIES, CHANCE, BATCH_SOFTMAX, SHARED_TARGET, SIGMOID, SINGLE_CLASS} <= self.cleared
                 and last.dim() >= 1 and last.requires_grad and self._judges(step))
 
     def _judges(self, step: int) -> bool:
@@ -598,7 +601,8 @@ class ActivationMonitor(Monitor):
         described = describe(output)
         read = dict(zip(OUTPUT_GRADIENT, list(gradient) or [math.nan] * len(OUTPUT_GRADIENT)))
         held = {key: self.verdicts.latest(kind, key)
-                for kind, key in ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))}
+                for kind, key in ((Kind.LEARNING_STALLED, SHARED_TARGET), (Kind.LEARNING_STALLED, CHANCE),
+                                  (Kind.SINGLE_CLASS_BATCHES, SINGLE_CLASS))}
 
         def measured(key: str, name: str) -> Any:
             return None if held[key] is None else held[key].measured.get(name)
@@ -608,8 +612,10 @@ class ActivationMonitor(Monitor):
             PROBABILITIES: (stalled, lambda since: probability_suspicion(
                 step, since, described, output.label, output.shape, simplex, loss, tolerance,
                 [read[name] for name in SOFTMAX_TWICE + SCALED_CROSS_ENTROPY])),
-            CHANCE: (stalled, lambda since: chance_suspicion(step, since, described, output.label, output.shape,
-                                                             loss)),
+            CHANCE: (stalled, lambda since: chance_suspicion(
+                step, since, described, output.label, output.shape, loss, *(read[name] for name in AVERAGE_GUESS),
+                rates=plain_learning_rates(self.context.param_groups()),
+                rates_before=measured(CHANCE, "learning_rates"))),
             BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(
                 step, since, described, output.label, output.shape, loss, read["batch_softmax_fit"])),
             SHARED_TARGET: (stalled, lambda since: shared_target_suspicion(

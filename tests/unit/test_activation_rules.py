@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import ROW, dead_units_pushed, output_stats, saturation_range
+from lightning_debug.checks.activations import (ROW, average_guess, dead_units_pushed, output_stats,
+                                                saturation_range)
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.monitors.activations import (
@@ -295,3 +296,21 @@ def test_report_md_has_an_activations_section_at_the_defaults_only_when_a_module
     flagged = dict(quiet, flagged={"dead_activation": {"out_act": 2}})
     assert "| dead_activation | `out_act` | 2 |" in activations_markdown(flagged)["Activations"]
     assert "Activations" in activations_markdown(dict(quiet, logged=True))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_the_average_guess_of_a_wide_output_reads_rows_spread_over_it(contiguous: bool) -> None:
+    """A language model's (B, T, V) logits over 40,000 tokens: 65,536 values hold one row and a half, and one row is
+    its own average. 64 rows are read, across the batch's sequences where the tensors are contiguous (the first
+    rows, of the first sequences, otherwise); rows that predict their own labels pay far less than their average,
+    rows that give one answer for all exactly as much."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 40_000, (8, 16))
+    fitted = 12.0 * F.one_hot(labels, 40_000).float()
+    for logits, same in ((fitted, False), (torch.randn(40_000).expand(8, 16, 40_000).contiguous(), True)):
+        logits = logits.requires_grad_() if contiguous else logits.transpose(0, 1).requires_grad_()
+        target = labels if contiguous else labels.T
+        grad = torch.autograd.grad(F.cross_entropy(logits.flatten(0, 1), target.flatten()), logits)[0]
+        rows, own, average = average_guess(grad, logits).tolist()
+        assert rows == 64
+        assert own == pytest.approx(average, rel=1e-5) if same else own < 0.1 * average
