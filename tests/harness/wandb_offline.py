@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,20 @@ def records(run_dir: Path) -> Iterator[Any]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
         yield record
+
+
+def finished(run_dir: Path, timeout_s: float = 30.0) -> Path:
+    """``run_dir`` once its run file holds the exit record, or after ``timeout_s``: the W&B service may still be
+    writing the file when ``wandb.finish()`` returns (a run read at once in a busy CI had no history at all)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if any(record.WhichOneof("record_type") == "exit" for record in records(run_dir)):
+                break
+        except (StopIteration, AssertionError, struct.error):  # no file yet, or its header not written
+            pass
+        time.sleep(0.1)
+    return run_dir
 
 
 def metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

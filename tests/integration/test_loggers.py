@@ -95,6 +95,7 @@ def test_every_debug_metric_reaches_tensorboard_csv_wandb_and_mlflow(offline_log
         trainer.fit(OddNames(log_zero_from_step=8))
     wandb_run = Path(loggers[2].experiment.dir).parent
     finish_wandb()
+    wandb_offline.finished(wandb_run)
     run = getattr(trainer, RUN_ATTRIBUTE)
     produced = {name for name in run.session.timeline.tags if name.startswith("debug/")}
     assert {"debug/loss_finite", "debug/anomaly/count", "debug/grad/global_norm", "debug/weight/update_ratio_global",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,11 +246,7 @@ def test_accelerate_with_wandb_keeps_every_debug_value(tmp_path: Path, monkeypat
     debugger.finish()
     wandb_dir = Path(accelerator.get_tracker("wandb", unwrap=True).dir).parent
     accelerator.end_training()
-    for _ in range(300):  # the W&B service may still be writing the run file when finish() returns
-        if any(record.WhichOneof("record_type") == "exit" for record in wandb_offline.records(wandb_dir)):
-            break
-        time.sleep(0.1)
-    history = wandb_offline.metrics(wandb_dir)
+    history = wandb_offline.metrics(wandb_offline.finished(wandb_dir))
     timeline = debugger.run.session.timeline
     measured = len(timeline.values("debug/grad/global_norm")[0])
     assert measured == 12
