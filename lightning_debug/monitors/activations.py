@@ -37,23 +37,12 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.activations import (
-    AVERAGE_GUESS,
-    BATCH_LABELS,
     DEAD_PUSHED,
     RELU_LIKE,
     ROW,
-    SCALED_CROSS_ENTROPY,
-    SHARED,
-    SIGMOID_TWICE,
-    SIMPLEX,
-    SOFTMAX_TWICE,
     STATS,
-    average_guess,
-    batch_labels,
-    batch_softmax_fit,
     dead_units_pushed,
     first_floating,
-    fit_tolerance,
     gives_loss,
     hooked_modules,
     made_by_affine,
@@ -62,13 +51,26 @@ from lightning_debug.checks.activations import (
     rectified,
     same_values,
     saturation_range,
+)
+from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
+from lightning_debug.checks.output_gradient import (
+    AVERAGE_GUESS,
+    BATCH_LABELS,
+    SCALED_CROSS_ENTROPY,
+    SHARED,
+    SIGMOID_TWICE,
+    SIMPLEX,
+    SOFTMAX_TWICE,
+    average_guess,
+    batch_labels,
+    batch_softmax_fit,
+    fit_tolerance,
     scaled_cross_entropy,
     shared_target,
     sigmoid_twice,
     simplex_stats,
     softmax_twice,
 )
-from lightning_debug.checks.gradients import histogram_from_row, histogram_summaries
 from lightning_debug.config import Area, DebugConfig, DebugLevel
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.guard import guarded_hook

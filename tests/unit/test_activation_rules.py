@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import (ROW, average_guess, dead_units_pushed, output_stats,
-                                                saturation_range)
+from lightning_debug.checks.activations import ROW, dead_units_pushed, output_stats, saturation_range
+from lightning_debug.checks.output_gradient import average_guess
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.monitors.activations import (

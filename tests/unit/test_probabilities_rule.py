@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_debug import DebugConfig
-from lightning_debug.checks.activations import scaled_cross_entropy, simplex_stats, softmax_twice
+from lightning_debug.checks.output_gradient import scaled_cross_entropy, simplex_stats, softmax_twice
 from lightning_debug.core.context import RunContext
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.verdicts import policy_of
@@ -320,7 +320,7 @@ def test_read_with_the_gradient_nll_of_log_on_a_hard_task_is_never_suspect() -> 
 def test_a_loss_over_two_classes_on_batches_of_two_is_not_judged_a_softmax_over_the_batch() -> None:
     """With N < 2C a loss over the classes can have the gradient's form by chance (cross_entropy over 2 classes on 2
     rows always does when the labels differ), so the rule needs N >= 2C; from 4 rows on, it never has it."""
-    from lightning_debug.checks.activations import batch_softmax_fit
+    from lightning_debug.checks.output_gradient import batch_softmax_fit
     from lightning_debug.monitors.gradients.batch_softmax import FIT, batch_softmax_finding
 
     z, y = torch.tensor([[0.3, -0.2], [-0.5, 0.4]], requires_grad=True), torch.tensor([0, 1])
@@ -339,7 +339,7 @@ def test_a_loss_over_two_classes_on_batches_of_two_is_not_judged_a_softmax_over_
 def test_a_reading_of_the_output_gradient_that_fails_leaves_the_others() -> None:
     """The hook on the output's gradient writes each reading on its own: one that raises stays NaN (here the factor,
     given no loss it can read) and the form of ``cross_entropy`` is still read."""
-    from lightning_debug.checks.activations import SCALED_CROSS_ENTROPY, SOFTMAX_TWICE
+    from lightning_debug.checks.output_gradient import SCALED_CROSS_ENTROPY, SOFTMAX_TWICE
     from lightning_debug.monitors.activations import OUTPUT_GRADIENT, _writes_gradient
 
     p, y = with_graph(1.0)

@@ -6,7 +6,7 @@ classifier starts near ``log C``) to a floor it never passes. Each class column 
 rows, the ``n_c`` rows of class ``c`` share its mass, and the loss is at least the mean of ``log n_c``: ``log N``
 less the entropy of the batch's labels, at least ``log(N / C)``. What names it is the gradient of the output: in every
 column but one, each row's gradient is the same multiple of ``softmax(output, dim=0)``
-(:func:`~lightning_debug.checks.activations.batch_softmax_fit`), which no loss over the classes and no contrastive
+(:func:`~lightning_debug.checks.output_gradient.batch_softmax_fit`), which no loss over the classes and no contrastive
 loss computed from the output gives.
 
 Judged with ``loss_at_chance``, on a 2-d output of ``N`` rows and ``C >= 2`` columns with ``N >= 2C`` (with fewer
@@ -42,7 +42,7 @@ BELOW = 0.03
 def batch_softmax_finding(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
                           fit: float) -> tuple[Finding | None, bool]:
     """This judgement's suspicion of ``softmax_over_batch`` (its finding, or None) and whether the run is cleared
-    for good. ``fit``: the output gradient's :func:`~lightning_debug.checks.activations.batch_softmax_fit`."""
+    for good. ``fit``: the output gradient's :func:`~lightning_debug.checks.output_gradient.batch_softmax_fit`."""
     if len(shape) != 2 or shape[1] < 2:
         return None, True
     if not (math.isfinite(loss) and math.isfinite(fit)):

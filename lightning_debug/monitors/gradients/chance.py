@@ -8,7 +8,7 @@ when they are not) from the first step to the last while the weights move at a n
 non-finite, no gradient vanishes and no update is small. Where the gradient of the output has ``cross_entropy``'s
 form in :data:`ROWS` rows or more and the step's loss is their cross-entropy (within :data:`ABOVE`: the loss
 ``cross_entropy`` computes, not a policy gradient's or a sum of several), the rows' own cost is compared with what
-their average prediction costs on the same rows (:func:`~lightning_debug.checks.activations.average_guess`),
+their average prediction costs on the same rows (:func:`~lightning_debug.checks.output_gradient.average_guess`),
 whatever the balance of the classes; elsewhere (no such gradient, another loss, or a guess so cheap that the inputs
 have almost nothing left to explain: under :data:`EXPLAINED` of ``log C``) the step's loss is compared with
 ``log C``. A model that learns anything from its inputs goes below the reference by more than :data:`BAND` and is
@@ -48,9 +48,21 @@ import torch
 
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import Suspicion
 
 KEY = "loss_at_chance"
+
+
+class Measure(StrEnum):
+    """What a judgement compared (``details.measure``)."""
+
+    ROWS_AGAINST_AVERAGE = "rows_against_average"
+    """The rows' own cross-entropy against what their average prediction costs."""
+    LOSS_AGAINST_LOG_CLASSES = "loss_against_log_classes"
+    """The step's loss against ``log C``."""
+
+
 BAND = 0.03
 """How far below the reference (a share of it) the measure may be and still be chance: a batch's mean cross-entropy
 of answers that ignore the inputs varies by less; a model that learned anything from them is further below."""
@@ -78,7 +90,7 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
     model learned something (below the reference: the run is cleared for good). ``since``: the step the hold began;
     ``rows``, ``rows_loss`` and ``average_loss``: how many rows of the output's gradient had ``cross_entropy``'s form,
     their own cross-entropy and their average prediction's
-    (:data:`~lightning_debug.checks.activations.AVERAGE_GUESS`). An output of one dimension has no classes to guess
+    (:data:`~lightning_debug.checks.output_gradient.AVERAGE_GUESS`). An output of one dimension has no classes to guess
     among (a regression's (N,), a loss per sample)::
 
         >>> chance_finding(300, 0, "`head` (Linear)", "head", [32], math.log(32))
@@ -110,18 +122,17 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
              f"what one answer for every sample costs (its rows' average prediction: {reference:.4g}, under log "
              f"{classes} = {chance:.4g} because the {classes} classes of the model's output {described} are "
              "unbalanced)")
-    shown = loss if math.isfinite(loss) else value
     learned = "learns nothing from its labels" if balanced else "learns how often each class comes and nothing else"
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"The loss has stayed at {shown:.4g} since step {since} (step {step}), {level}: the model {learned}. Check "
+        f"The loss has stayed at {loss:.4g} since step {since} (step {step}), {level}: the model {learned}. Check "
         "that the labels belong to their inputs (a shuffle or a sort applied to one of them, a misaligned join, the "
         "wrong label column) and that the task has signal; if they do, the learning rate may be far too small for "
         "the model to show it has learned anything (a model that learns from its inputs goes below it), or the task "
         "is one learnt only after a long plateau (parity, copying).",
         {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "chance": chance, "classes": classes,
          "shape": list(shape), "reference": reference,
-         "measure": "rows_against_average" if compared else "loss_against_log_classes"}), False
+         "measure": (Measure.ROWS_AGAINST_AVERAGE if compared else Measure.LOSS_AGAINST_LOG_CLASSES).value}), False
 
 
 def plain_learning_rates(param_groups: Sequence[Mapping[str, Any]]) -> list[float | None]:
@@ -184,11 +195,11 @@ def chance_suspicion(step: int, since: int, described: str, label: str, shape: S
     finding, learned = chance_finding(step, since, described, label, shape, loss, rows, rows_loss, average_loss)
     if finding is None:
         return None, learned
-    early = finding.details["measure"] == "rows_against_average" and seen_per_class(step, shape) < SEEN
+    early = finding.details["measure"] == Measure.ROWS_AGAINST_AVERAGE and seen_per_class(step, shape) < SEEN
     return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY,
                      measured={"learning_rates": list(rates)},
                      confirms=not (early or warming_up(rates, rates_before))), learned
 
 
-__all__ = ["ABOVE", "BAND", "EXPLAINED", "KEY", "ROWS", "SEEN", "chance_finding", "chance_suspicion",
+__all__ = ["ABOVE", "BAND", "EXPLAINED", "KEY", "ROWS", "SEEN", "Measure", "chance_finding", "chance_suspicion",
            "plain_learning_rates", "seen_per_class", "warming_up"]

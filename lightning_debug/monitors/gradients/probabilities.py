@@ -7,14 +7,14 @@ Judged on the output's ``simplex_stats`` the activation monitor reads back (docs
 conditions). The bounds are narrow on purpose: ``nll_loss(log(p))`` at about half its samples right crosses
 ``logit_loss`` often, so only confident rows are judged, in a one-sided band; on 96 such healthy runs 0.02% of
 steps were suspect and never two in a row, where a wider band named 13 of them. Where the output's gradient was read
-(:func:`~lightning_debug.checks.activations.softmax_twice`) and is what ``cross_entropy`` of the rows taken as logits
+(:func:`~lightning_debug.checks.output_gradient.softmax_twice`) and is what ``cross_entropy`` of the rows taken as logits
 gives, which those losses on probabilities never give, and the loss is what that gradient predicts, the rows are
 judged at any confidence, with the label smoothing and the factor the loss has (:func:`scaled_reading`):
 ``CrossEntropyLoss(label_smoothing=0.1)`` after an ``nn.Softmax`` sits above ``logit_loss`` by about the smoothing's
 ``e (C - 1) / C``, outside the band, and ``loss * 0.5``, ``loss / 4`` or ``reduction="sum"`` move the loss from the
 floor by their factor. Otherwise a loss below the floor proves the loss is not cross-entropy on these probabilities
 and clears the run for good. Not read that way: class weights with label smoothing, a loss of more than
-:data:`~lightning_debug.checks.activations.SOFTMAX_ELEMENTS` outputs, a gradient scaled by float16's ``GradScaler``
+:data:`~lightning_debug.checks.output_gradient.SOFTMAX_ELEMENTS` outputs, a gradient scaled by float16's ``GradScaler``
 (then only the band at a factor of 1 judges)::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
@@ -27,7 +27,7 @@ and clears the run for good. Not read that way: class weights with label smoothi
 A sigmoid's output fed to ``binary_cross_entropy_with_logits`` (``BCEWithLogitsLoss`` after an ``nn.Sigmoid``) is
 the same mistake for labels of 0 and 1: ``sigmoid(p)`` of a ``p`` in [0, 1] lies in [0.5, 0.73], so a label of 0
 costs at least ``log 2`` and one of 1 at least ``log(1 + 1/e)``. The loss does not tell it; the output's gradient
-does (:func:`~lightning_debug.checks.activations.sigmoid_twice`, read by the activation monitor's hook on its judged
+does (:func:`~lightning_debug.checks.output_gradient.sigmoid_twice`, read by the activation monitor's hook on its judged
 steps): every value's is ``(sigmoid(p) - t) / n``, times ``pos_weight`` (one per column) where ``t`` is 1. Held two
 judgements, the second 100 steps on; a judgement of another form (``binary_cross_entropy``, logits out of [0, 1],
 soft labels) clears the run for good::
@@ -46,7 +46,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_debug.checks.activations import SMOOTHING_MAX, SOFTMAX_TWICE
+from lightning_debug.checks.output_gradient import SMOOTHING_MAX, SOFTMAX_TWICE
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion
@@ -97,10 +97,10 @@ def simplex_tolerance(dtype: torch.dtype) -> float:
 def smoothing_of(loss: float, gradient: Sequence[float], tolerance: float) -> float:
     """The label smoothing ``e`` for which the loss is ``cross_entropy(rows, labels, label_smoothing=e)`` of the
     output's rows taken as logits, from the output gradient's
-    :data:`~lightning_debug.checks.activations.SOFTMAX_TWICE` (``softmax_form``, ``label_loss``, ``uniform_loss``):
+    :data:`~lightning_debug.checks.output_gradient.SOFTMAX_TWICE` (``softmax_form``, ``label_loss``, ``uniform_loss``):
     0 without smoothing; NaN when the gradient does not have that loss's form on :data:`FIT_SHARE` of the rows, the
     rows are too near uniform to tell, or ``e`` is not one a model trains with (below 0, above
-    :data:`~lightning_debug.checks.activations.SMOOTHING_MAX`). Read where :func:`scaled_reading` is not (class
+    :data:`~lightning_debug.checks.output_gradient.SMOOTHING_MAX`). Read where :func:`scaled_reading` is not (class
     weights with smoothing), at a factor of 1::
 
         >>> round(smoothing_of(0.825, [1.0, 0.75, 1.5], 1e-3), 4), smoothing_of(0.75, [1.0, 0.75, 1.5], 1e-3)
@@ -119,7 +119,7 @@ def smoothing_of(loss: float, gradient: Sequence[float], tolerance: float) -> fl
 def scaled_reading(loss: float, gradient: Sequence[float]) -> tuple[float, float] | None:
     """The label smoothing ``e`` and the factor ``c`` for which the loss is ``c * cross_entropy(rows, labels,
     label_smoothing=e)`` of the output's rows taken as logits, read from the output gradient's
-    :data:`~lightning_debug.checks.activations.SCALED_CROSS_ENTROPY` (``softmax_fit``, ``softmax_misfit``,
+    :data:`~lightning_debug.checks.output_gradient.SCALED_CROSS_ENTROPY` (``softmax_fit``, ``softmax_misfit``,
     ``label_smoothing``, ``row_loss``); ``loss``: the loss as the step computed it (so that dividing by
     ``accumulate_grad_batches`` is not a factor). None where the gradient does not fit on :data:`FIT_SHARE` of the
     rows or the loss it predicts is not the loss::
@@ -213,7 +213,7 @@ def sigmoid_finding(step: int, since: int, described: str, label: str, shape: Se
                     fit: float, positives: float, weight: float = 1.0) -> tuple[Finding | None, bool]:
     """This judgement's suspicion of ``probabilities_into_sigmoid`` (its finding, or None) and whether the run is
     cleared for good. ``fit``, ``positives``, ``weight``: the output gradient's
-    :func:`~lightning_debug.checks.activations.sigmoid_twice` (``weight``: the labels at 1's, ``pos_weight``)."""
+    :func:`~lightning_debug.checks.output_gradient.sigmoid_twice` (``weight``: the labels at 1's, ``pos_weight``)."""
     if not (math.isfinite(fit) and math.isfinite(positives)):
         return None, False
     if fit < SIGMOID_FIT:

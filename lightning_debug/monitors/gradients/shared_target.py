@@ -5,7 +5,7 @@ from batch to batch: the targets' mean, as when an (N,) target is broadcast agai
 The model learns the mean of the targets and nothing of its inputs; its loss falls to their variance and stays, with
 nothing non-finite, vanishing or still. What names it is the gradient of an output of one value per row: an affine
 function of the output, ``a (o_i - c)``, across the rows
-(:func:`~lightning_debug.checks.activations.shared_target`), where a loss with a target per row gives none. A
+(:func:`~lightning_debug.checks.output_gradient.shared_target`), where a loss with a target per row gives none. A
 constant target by design (a least-squares GAN's 0 or 1, a penalty on the outputs) is affine too, at the same ``c``
 every time: so a suspicion is held with its ``c`` and confirmed only when the next judgement's ``c`` is another
 value; the same ``c`` clears the run for good, as does a gradient of any other form.
@@ -40,7 +40,7 @@ def shared_target_suspicion(step: int, since: int, described: str, label: str, s
                             shared: Sequence[float], scale: float, tolerance: float,
                             held: float | None) -> tuple[Suspicion | None, bool]:
     """This judgement's suspicion of ``shared_target`` (None when there is none) and whether the run is cleared for
-    good. ``shared``: the output gradient's :data:`~lightning_debug.checks.activations.SHARED`; ``scale``: the
+    good. ``shared``: the output gradient's :data:`~lightning_debug.checks.output_gradient.SHARED`; ``scale``: the
     output's largest magnitude; ``tolerance``: how far apart two ``c`` are the same value, a share of the largest of
     them and ``scale``; ``held``: the
     ``c`` of the suspicion held (None: none is)."""

@@ -3,7 +3,7 @@ sorted by label and the loader does not shuffle it.
 
 Nothing else sees it: the model learns the class in front of it and forgets the others, so the training loss is low
 and nothing is non-finite; only a validation run shows a model that answers one class. The labels are read from the
-gradient of the model's output (:func:`~lightning_debug.checks.activations.batch_labels`, by the activation monitor's
+gradient of the model's output (:func:`~lightning_debug.checks.output_gradient.batch_labels`, by the activation monitor's
 hook on its judged steps): ``cross_entropy`` gives each row ``softmax(z) - onehot(label)``, whose one value below 0
 is at the label. Suspected when at least :data:`FORM` of the rows of a batch of :data:`MIN_ROWS` or more have that
 form and their labels run in order down the batch in runs of :data:`MIN_RUN` rows or more (one label, or the end of
@@ -50,7 +50,7 @@ a minority row after the majority's in unbalanced data, is not judged."""
 def single_class_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
                            labels: Sequence[float], held: Sequence[int] | None) -> tuple[Suspicion | None, bool]:
     """This judgement's suspicion of ``single_class_batches`` (None when there is none) and whether the run is
-    cleared for good. ``labels``: the output gradient's :data:`~lightning_debug.checks.activations.BATCH_LABELS`;
+    cleared for good. ``labels``: the output gradient's :data:`~lightning_debug.checks.output_gradient.BATCH_LABELS`;
     ``held``: the first and last label of the suspicion held (None when none is); ``since``: the step the hold
     began."""
     share, first, last, in_order, shortest = (float(value) for value in labels)
