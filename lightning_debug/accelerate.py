@@ -19,7 +19,8 @@ import torch
 from lightning_debug.checks.localize import output_scalar
 from lightning_debug.config import DebugConfig, resolve_config
 from lightning_debug.core.metrics import MetricsSink
-from lightning_debug.core.context import HistogramWriter, Replay, RunContext, RunStatus, epoch_end, exit_code
+from lightning_debug.core.context import (HistogramWriter, Replay, RunContext, RunStatus, epoch_end, exit_code,
+                                          torch_optimizer)
 from lightning_debug.core.guard import describe
 from lightning_debug.core.monitor import Decision
 from lightning_debug.core.session import Where, new_run_id, run_directory
@@ -150,13 +151,6 @@ class AccelerateContext(RunContext):
         return None if self.debugger._replayed_loss else "the loss computed outside the model, in the training loop"
 
 
-def _inner(optimizer: Any) -> Any:
-    """The torch optimizer inside Accelerate's wrapper(s)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 class AllOptimizers:
     """Several optimizers as one, for a ``backward`` that does not say which steps next: judged together."""
 
@@ -248,7 +242,7 @@ class AccelerateDebugger:
         self._hooks = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True),
                        model.register_forward_hook(self._on_forward_end)]
         for each in self.optimizers:
-            inner = _inner(each)
+            inner = torch_optimizer(each)
             if hasattr(inner, "register_step_post_hook"):
                 self._hooks.append(inner.register_step_pre_hook(lambda *_: self._optimizer_step_begins()))
                 self._hooks.append(inner.register_step_post_hook(lambda *_: self._optimizer_step_ends()))
@@ -345,8 +339,8 @@ class AccelerateDebugger:
     def _next_optimizer(self, named: Any) -> Any:
         """The coming step's optimizer: ``named`` (matched through Accelerate's wrapper), the only one, or all."""
         if named is not None:
-            inner = _inner(named)
-            return next((o for o in self.optimizers if o is named or _inner(o) is inner), named)
+            inner = torch_optimizer(named)
+            return next((o for o in self.optimizers if o is named or torch_optimizer(o) is inner), named)
         if len(self.optimizers) == 1:
             return self.optimizer
         if not self._said_unnamed and self.run.context.is_global_zero:

@@ -351,6 +351,13 @@ def api_misuse() -> Iterator[Case]:
          "a learning rate that is 0 in effect (a millionth of its base) far from the end"),
         ("layer_in_forward", {}, ("frozen_param",), r"head\.weight",
          "self.head = nn.Linear(...) inside forward: a new layer every step, in no optimizer", ""),
+        ("step_forgotten", {"epochs": 25}, ("learning_stalled",), r"opt\.step\(\)",
+         "manual optimization with zero_grad() and manual_backward(loss) and no step(): the weights never move and "
+         "the step counter stays at 0 (25 epochs of 16 batches)",
+         "training batches that no optimizer step follows, the weights bit for bit the same (optimizer_not_stepping)"),
+        ("loss_not_returned", {"epochs": 25}, ("learning_stalled",), r"return loss",
+         "training_step logs its loss and does not return it: Lightning skips every backward and steps on no "
+         "gradient", "training batches with no backward, the weights bit for bit the same (optimizer_not_stepping)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

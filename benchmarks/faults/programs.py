@@ -66,6 +66,7 @@ class Program:
     period: int = 0                   # its period in steps, where it recurs
     stall_ms: float = 0.0             # its blocking time (per sample in a loader, per recurrence in a step)
     steps: int = STEPS
+    epochs: int | None = None         # a bound on epochs too: a program whose optimizer steps may never be counted
     batch: int = 32
     samples: int = 512
     seed: int = 0

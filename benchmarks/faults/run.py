@@ -120,7 +120,8 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
     losses: list[float] = []
     with tempfile.TemporaryDirectory(prefix="fault-") as root:
         pl.seed_everything(program.seed, verbose=False)
-        trainer = pl.Trainer(default_root_dir=root, max_steps=program.steps, accelerator="cpu", devices=1,
+        trainer = pl.Trainer(default_root_dir=root, max_steps=program.steps, max_epochs=program.epochs,
+                             accelerator="cpu", devices=1,
                              logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, num_sanity_val_steps=0,
                              limit_val_batches=2 if program.val else 0, val_check_interval=10 if program.val else None,

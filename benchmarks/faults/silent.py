@@ -1,7 +1,8 @@
 """Silent training errors of TrainCheck (OSDI 2025) that run on one CPU process, re-created in Lightning, and two
 misuses of autograd (class ``autograd_misuse``: a loss rebuilt from its value, manual optimization out of order, a
 ``detach`` left in the forward) and of the API (class ``api_misuse``: log_softmax over the batch, a target broadcast
-against the output, the model left in eval mode, a step decay registered per step, a layer built in ``forward``).
+against the output, the model left in eval mode, a step decay registered per step, a layer built in ``forward``,
+``opt.step()`` forgotten under manual optimization, a ``training_step`` that does not return its loss).
 
 Each is a subclass of :class:`~benchmarks.faults.programs.FaultProgram` with the user's mistake; with
 ``Program(fixed=True)`` the same subclass runs the corrected line. Written from the issues' descriptions
@@ -143,13 +144,17 @@ class LossFromNumber(FaultProgram):
         return loss if self.program.fixed else torch.tensor(loss.item(), requires_grad=True)
 
 
-class StepBeforeBackward(FaultProgram):
-    """Manual optimization in the wrong order, ``step()``, ``manual_backward(loss)``, ``zero_grad()``: every step
-    finds the gradients cleared; the twin calls ``zero_grad()``, ``manual_backward(loss)``, ``step()``."""
+class ManualOptimization(FaultProgram):
+    """The program under Lightning's manual optimization: its ``training_step`` calls the optimizer itself."""
 
     def __init__(self, program: Program) -> None:
         super().__init__(program)
         self.automatic_optimization = False
+
+
+class StepBeforeBackward(ManualOptimization):
+    """Manual optimization in the wrong order, ``step()``, ``manual_backward(loss)``, ``zero_grad()``: every step
+    finds the gradients cleared; the twin calls ``zero_grad()``, ``manual_backward(loss)``, ``step()``."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers()
@@ -225,6 +230,30 @@ class LayerInForward(FaultProgram):
         return super().forward(x)
 
 
+class StepForgotten(ManualOptimization):
+    """Manual optimization without ``opt.step()``: ``zero_grad()``, ``manual_backward(loss)`` and nothing more, so the
+    weights never move and Lightning's step counter stays at 0 (the run ends on its epochs); the twin steps."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = self.loss_of(self(batch[0]), batch[1])
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if self.program.fixed:
+            optimizer.step()
+        return loss
+
+
+class LossNotReturned(FaultProgram):
+    """A ``training_step`` that computes and logs its loss and never returns it: Lightning skips the backward of every
+    batch and steps the optimizer on no gradient, so nothing is learnt; the twin returns it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = self.loss_of(self(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss if self.program.fixed else None
+
+
 class SortedUnshuffled(FaultProgram):
     """The training data in label order and ``shuffle=False`` (Humbatova et al., ICSE 2020: data shuffling): each
     batch holds one class, the model learns one at a time and forgets the others; the twin shuffles."""
@@ -244,6 +273,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "softmax_over_the_batch": SoftmaxOverTheBatch, "target_broadcast": TargetBroadcast,
     "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
+    "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned,
 }
 
 

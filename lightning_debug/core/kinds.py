@@ -154,7 +154,8 @@ class Confirm:
         parts = []
         if self.patience is not None and self.patience > 1:
             parts.append(f"{self.patience} observations in a row")
-        parts += [f"{needed} in a row when {variant.replace('_', ' ')}" for variant, needed in self.variants.items()]
+        parts += [f"{needed} in a row when {variant.replace('_', ' ')}" if needed > 1
+                  else f"at once when {variant.replace('_', ' ')}" for variant, needed in self.variants.items()]
         if self.follow_up:
             readings = f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading"
             parts.append(f"{readings} above its bound (or not finite)")
@@ -472,7 +473,8 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                 "or the loss normalises the "
                 "output over the batch (a softmax over dim 0), or fits every output to the targets' mean (an (N,) "
                 "target broadcast against an (N, 1) output), or applies a sigmoid again to an output of "
-                "probabilities (an nn.Sigmoid before BCEWithLogitsLoss)",
+                "probabilities (an nn.Sigmoid before BCEWithLogitsLoss), or training batches run and the optimizer "
+                "never steps (the weights stay bit for bit the same)",
         advice="The weights no longer change far from the end of the run: every param group's learning rate is 0 "
                "(a scheduler that reaches 0 early: a LambdaLR factor, a step schedule with gamma 0, a decay written "
                "for fewer steps, a step decay meant per epoch and registered per step, which is 0 in effect at a "
@@ -490,13 +492,18 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "from batch to batch learns the targets' mean: an (N,) target broadcast against an (N, 1) output "
                "(give both the same shape). An output of probabilities fed to binary_cross_entropy_with_logits "
                "cannot say no (a sigmoid of a value in [0, 1] is at least 0.5): drop the sigmoid from the model or "
-               "use binary_cross_entropy.",
+               "use binary_cross_entropy. Training batches that run with no optimizer step after their backward leave "
+               "the weights as they are: call optimizer.step() after the backward (under manual optimization "
+               "opt.step() after self.manual_backward(loss)), and return the loss from training_step (Lightning "
+               "skips the backward of a batch without one).",
         hint="the learning rate is 0 or far too small (or the output is softmaxed or sigmoided before a loss that "
              "does it again, or the "
-             "labels do not match the inputs): check the scheduler, the lr, the model's last layer and the labels",
+             "labels do not match the inputs, or the optimizer never steps): check the scheduler, the lr, the model's "
+             "last layer, the labels and the optimizer's step",
         confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4,
                                               "softmax_over_batch": 2, "shared_target": 2,
-                                              "probabilities_into_sigmoid": 2}, backdate=False)),
+                                              "probabilities_into_sigmoid": 2, "optimizer_not_stepping": 1},
+                        backdate=False)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

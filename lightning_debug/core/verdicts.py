@@ -277,7 +277,7 @@ class VerdictEngine:
         elif (needed is not None and max(needed, suspicion.at_least) > 1
               and held.streak >= max(needed, suspicion.at_least)):
             by = ConfirmedBy.PERSISTED
-        elif not policy.holds:
+        elif not policy.holds or (needed == 1 and suspicion.at_least <= 1):  # a variant of 1 is its own proof
             by = ConfirmedBy.AT_ONCE
         else:
             return decided

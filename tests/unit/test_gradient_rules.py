@@ -996,3 +996,56 @@ def test_the_losses_of_the_recent_norms_travel_in_the_checkpoint() -> None:
     resumed.load_state_dict(copy.deepcopy(history.state_dict()))
     assert list(resumed.recent_norms.losses) == list(history.recent_norms.losses)
     assert runaway_level(7720.0, resumed.recent_norms) == runaway_level(7720.0, history.recent_norms) == 0.0029
+
+
+def test_a_variant_of_one_confirms_at_once_where_the_rest_of_its_kind_is_held() -> None:
+    from lightning_debug.core.verdicts import policy_of
+
+    policy = policy_of(Kind.LEARNING_STALLED)
+    assert policy.holds and policy.needed("optimizer_not_stepping") == 1 and policy.needed("") == 3
+    engine = VerdictEngine()
+    held = engine.observe(Kind.LEARNING_STALLED, 100, [Suspicion(Kind.LEARNING_STALLED, "lr_zero", 100)])
+    proof = engine.observe(Kind.LEARNING_STALLED, 100, [Suspicion(Kind.LEARNING_STALLED, "optimizer_not_stepping", 100,
+                                                                  variant="optimizer_not_stepping")])
+    assert held == [] and [c.first.key for c in proof] == ["optimizer_not_stepping"]
+
+
+def test_unstepped_batches_are_judged_on_the_weights_and_a_learning_batch_starts_them_again() -> None:
+    from lightning_debug.monitors.gradients.unstepped import JUDGE_AT, SAMPLE_AT, Unstepped, unstepped_verdict
+
+    weights = [nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(2), requires_grad=False)]
+    optimizer = torch.optim.SGD(weights[:1], lr=0.0)  # lr 0: its steps leave the weights as they are
+    watch = Unstepped()
+    watch.watch([optimizer])
+    for step in range(SAMPLE_AT + 5):  # a backward and an optimizer step: every batch learns
+        watch.backward()
+        optimizer.step()
+        assert not watch.batch_ended(step, lambda: weights)
+    assert watch.learned and watch.batches == 0 and watch.optimizer_steps == SAMPLE_AT + 5
+    for batch in range(JUDGE_AT - 1):  # backwards and no step: the weights are sampled at SAMPLE_AT
+        watch.backward()
+        assert not watch.batch_ended(105, lambda: weights)
+    watch.backward()
+    assert watch.batch_ended(105, lambda: weights) and watch.backwards == JUDGE_AT
+    verdict = unstepped_verdict(105, watch, VerdictEngine(), at_end=False)
+    assert verdict is not None and verdict.finding.details["since_step"] == 105
+    assert "opt.step()" in verdict.finding.message and "at optimizer step 105" in verdict.finding.message
+    watch.release()
+    optimizer.step()
+    assert watch.optimizer_steps == SAMPLE_AT + 5
+
+    unlearned = Unstepped()  # steps without a backward end before JUDGE_AT: judged at the end, on the weights
+    unlearned.watch([optimizer])
+    for step in range(SAMPLE_AT + 1):
+        optimizer.step()
+        unlearned.batch_ended(step, lambda: weights)
+    assert unlearned.at_end(lambda: weights)
+    ended = unstepped_verdict(SAMPLE_AT, unlearned, VerdictEngine(), at_end=True)
+    assert ended is not None and "return loss" in ended.finding.message and "whole run" in ended.finding.message
+    unlearned.release()
+    moved = Unstepped()
+    for step in range(SAMPLE_AT + 1):
+        moved.batch_ended(0, lambda: weights)
+    with torch.no_grad():
+        weights[0].add_(1e-3)
+    assert not moved.at_end(lambda: weights) and moved.cleared

@@ -36,6 +36,7 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
+from lightning_debug.monitors.gradients.unstepped import Unstepped, unstepped_verdict
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
@@ -90,6 +91,7 @@ class GradientMonitor(Monitor):
         self._spreads: dict[int, tuple[Readback, list[tuple[str, int]]]] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
         self._backward: tuple[int, weakref.ref[torch.Tensor]] | None = None  # the last backward seen: step, loss
+        self._unstepped = Unstepped()
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -170,6 +172,7 @@ class GradientMonitor(Monitor):
             self._schedule[0], self._schedule[1], self._start_lrs, self.verdicts, self.settings), step, where)
         if module is not None:
             self.order.watch(module)
+        self._unstepped.watch(context.optimizers())
 
     def _record_static_frozen(self, step: int, where: Where) -> None:
         for verdict in static_frozen_verdicts(self.static_frozen):
@@ -180,6 +183,7 @@ class GradientMonitor(Monitor):
         callback runs alone (the same tensor observed by ``AnomalyDetectionCallback`` counts once). No sync."""
         self._stop_watching_forward()
         self._backward = (step, weakref.ref(loss))
+        self._unstepped.backward()
         due = self.due(step)
         if due or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
@@ -188,6 +192,24 @@ class GradientMonitor(Monitor):
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
+        self._judge_unstepped(step, self._unstepped.batch_ended(step, self._trained), False)
+
+    def _trained(self) -> list[torch.Tensor]:
+        """The parameters an optimizer holds (none in a fit without an optimizer: nothing to judge)."""
+        held = {id(p) for group in self._param_groups for p in group.get("params", ())}
+        return [p for _, p in self.context.named_parameters() if id(p) in held]
+
+    def _judge_unstepped(self, step: int, unchanged: bool, at_end: bool) -> None:
+        """``optimizer_not_stepping`` (:mod:`.unstepped`) when the weights stayed the same; at the end, optimizer steps
+        the run never saw (no gradient check could run) are said in the report."""
+        if unchanged:
+            self._record(unstepped_verdict(step, self._unstepped, self.verdicts, at_end), step, self.context.where())
+        watch = self._unstepped
+        if at_end and watch.optimizer_steps and not watch.step_events:
+            self.unavailable["gradient checks"] = (
+                f"the optimizers stepped {watch.optimizer_steps} times and the run saw none of those steps (an "
+                "optimizer stepped outside the framework's wrapper: self.optimizers(use_pl_optimizer=False) under "
+                "Lightning), so no check made before an optimizer step ran")
 
     def _stop_watching_forward(self) -> None:
         """The first forward pass is over: keep the module execution order and which modules ran (:mod:`.missing`)."""
@@ -204,6 +226,7 @@ class GradientMonitor(Monitor):
     def before_optimizer_step(self, step: int, optimizer: Any, numerics: NumericsSource) -> Decision:
         """Register a check step (no sync, no norm computed twice); its verdicts come when the shared numerics are
         read back. Weight snapshots and histograms are taken on global zero only."""
+        self._unstepped.step_events += 1
         if self._watch:
             self._observe_candidates(step)
         if not self.optimizer_step_due(step):
@@ -522,10 +545,12 @@ class GradientMonitor(Monitor):
         self._checks.clear()
         self._record_confirmed(self.history.missing.confirm_the_rest(), step)
         self._watch.clear()
+        self._judge_unstepped(step, self._unstepped.at_end(self._trained), True)
         super().finalize(step)
 
     def restore(self) -> None:
         self.order.stop()
+        self._unstepped.release()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), **self.history.state_dict(), units_read_at=self._spread.step)
