@@ -100,3 +100,20 @@ class UnboundedFall:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = int(state.get("count", 0))
         self.ladder = {int(k): float(v) for k, v in dict(state.get("ladder", {})).items()}
+
+
+def fallen_far(window: Sequence[float], start: Sequence[float]) -> tuple[float, float] | None:
+    """The last loss of ``window`` and the scale of ``start`` (the largest magnitude of the run's first losses) when
+    that loss lies :data:`FALL_FACTOR` times the scale below 0: a fall no bounded loss makes. Read once the run has
+    gone non-finite, when no later loss can show the fall's shape::
+
+        >>> fallen_far([0.61, -4e3, -2.6e22], [0.61, 0.6])
+        (-2.6e+22, 0.61)
+        >>> fallen_far([0.03, -0.99], [0.03]) is None, fallen_far([], [0.5]) is None  # a cosine loss bounded by -1
+        (True, True)
+    """
+    if not window or not start:
+        return None
+    last, scale = window[-1], max(abs(value) for value in start)
+    return (last, scale) if scale > 0 and -last >= FALL_FACTOR * scale else None
+

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_debug import AnomalyDetectionCallback, debug_callbacks
-from tests.harness.toolkit import debug_dir, fit_seeded as fit, read_events
+from tests.harness.toolkit import TinyRegressor, debug_dir, fit_seeded as fit, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,18 +24,19 @@ LOUD = {"warning", "error", "critical"}
 
 
 class Regression(pl.LightningModule):
-    """An MLP on 16 features, Adam; ``loss`` chooses the objective:
+    """An MLP on 16 features, Adam (``sgd``: plain SGD); ``loss`` chooses the objective:
 
     - ``nll_raw``: 4-class ``nll_loss`` on the raw logits (the bug: -logit of the target, unbounded below);
+    - ``bce_pm1``: ``binary_cross_entropy_with_logits`` against one-hot targets written as -1/+1 (unbounded below);
     - ``cosine``: the negative cosine similarity between the output and a linear target (bounded by -1);
     - ``gaussian``: the Gaussian negative log-likelihood of noiseless linear targets with a learned log-variance
       (it falls below 0 as the variance shrinks, about a nat per 2.7x less variance).
     ``zero_head`` initialises the last layer at 0 (the first loss is exactly 0).
     """
 
-    def __init__(self, loss: str, zero_head: bool = False, lr: float = 1e-3) -> None:
+    def __init__(self, loss: str, zero_head: bool = False, lr: float = 1e-3, sgd: bool = False) -> None:
         super().__init__()
-        outputs = {"nll_raw": 4, "cosine": 8, "gaussian": 2}[loss]
+        outputs = {"nll_raw": 4, "cosine": 8, "gaussian": 2, "bce_pm1": 4}[loss]
         with torch.random.fork_rng():
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, outputs))
@@ -43,7 +44,7 @@ class Regression(pl.LightningModule):
         if zero_head:
             nn.init.zeros_(self.net[-1].weight)
             nn.init.zeros_(self.net[-1].bias)
-        self.loss_name, self.lr = loss, lr
+        self.loss_name, self.lr, self.sgd = loss, lr, sgd
         self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -51,6 +52,8 @@ class Regression(pl.LightningModule):
         out = self.net(x)
         if self.loss_name == "nll_raw":
             loss = F.nll_loss(out, y)
+        elif self.loss_name == "bce_pm1":
+            loss = F.binary_cross_entropy_with_logits(out, 2 * F.one_hot(y, 4).float() - 1)
         elif self.loss_name == "cosine":
             loss = -F.cosine_similarity(out, x @ self.mixing, dim=1).mean()
         else:
@@ -61,6 +64,8 @@ class Regression(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
     def train_dataloader(self) -> DataLoader:
@@ -130,3 +135,22 @@ def test_under_accelerate_the_same_fall_is_named(tmp_path: Path) -> None:
     falls = [e for e in events if e["kind"] == "loss_divergence" and e.get("episode") in (None, "start")]
     assert falls and falls[0]["details"]["judged_by"] == "unbounded_fall", [(e["step"], e["kind"]) for e in events]
     assert 64 <= falls[0]["step"] < steps
+
+
+def test_a_loss_that_falls_without_bound_into_an_overflow_is_named_as_the_cause_of_the_nan(tmp_path: Path) -> None:
+    model = Regression("bce_pm1", lr=0.05, sgd=True)
+    trainer = fit(tmp_path, model, debug_callbacks(), 200)
+    finite = [v for v in model.losses if v == v and abs(v) != float("inf")]
+    assert len(finite) < len(model.losses) and finite[-1] < -1000, "the plant: a fall that ends in an overflow"
+    nan = {e["kind"]: e for e in loud(trainer) if e["kind"] in ("nonfinite_activation", "nonfinite_loss")}
+    assert set(nan) == {"nonfinite_activation", "nonfinite_loss"}, sorted((e["step"], e["kind"]) for e in loud(trainer))
+    for event in nan.values():
+        assert event["details"]["loss_fell_to"] < -1000 and "no lower bound" in event["message"]
+        assert "targets in [0, 1]" in event["message"]
+
+
+def test_a_nan_from_a_log_of_zero_is_not_blamed_on_the_loss_falling(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, TinyRegressor(log_zero_from_step=30), debug_callbacks(), 40)
+    nan = [e for e in loud(trainer) if e["kind"] == "nonfinite_loss"]
+    assert nan and all("loss_fell_to" not in e["details"] and "no lower bound" not in e["message"] for e in nan)
+

@@ -12,6 +12,7 @@ from lightning_debug.checks.batches import floating_tensors
 from lightning_debug.checks.localize import Cause, capture_rng
 from lightning_debug.checks.numerics import nonfinite_named
 from lightning_debug.checks.trends import LossVerdict
+from lightning_debug.checks.unbounded import fallen_far
 from lightning_debug.config import AnomalyMode, Area, DebugConfig
 from lightning_debug.core.buffers import BufferSnapshot, BufferWatch
 from lightning_debug.core.kinds import Kind, kinds_of
@@ -280,14 +281,15 @@ class AnomalyMonitor(Monitor):
             self.record(prose.amp_overflow(step, verdict.bad_grads), step, where)
         else:
             params_first, activation = verdict.params_first, policy.names_activation(cause)
+            fall = fallen_far(self.losses.trend.recent, self.losses.trend.start)
             param_ranks = host.ranks_with_nonfinite_params if host.params_measured else []
             if params_first and verdict.params is not None:
                 self._record_params(verdict.bad_params, where, world, param_ranks, verdict.params)
             if activation and cause is not None:
-                self.record(prose.nonfinite_activation(step, cause, params_first), step, where,
+                self.record(prose.nonfinite_activation(step, cause, params_first, fall), step, where,
                             key=cause.module or "", warn=False)
             if verdict.bad_loss_ranks:
-                self.record(prose.nonfinite_loss(step, verdict, world, cause, mode, params_first, activation),
+                self.record(prose.nonfinite_loss(step, verdict, world, cause, mode, params_first, activation, fall),
                             step, where)
             if verdict.bad_grads:
                 self.record(prose.nonfinite_grad(step, verdict, len(host.grad_names), host.ranks_with_nonfinite_grads,

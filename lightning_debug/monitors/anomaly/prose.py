@@ -146,7 +146,23 @@ def amp_overflow(step: int, bad_grads: Sequence[tuple[str, float]]) -> Finding:
                    {"parameters": [n for n, _ in bad_grads[:NAMES_IN_DETAILS]]})
 
 
-def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding:
+def fallen_first(fall: tuple[float, float] | None) -> str:
+    """What to fix first when the loss fell without bound before it went non-finite (``fall``: the last checked loss
+    and the magnitude of the run's first ones, :func:`~lightning_debug.checks.unbounded.fallen_far`)::
+
+        >>> fallen_first((-2.6e22, 0.61))[:56]
+        'Before it the loss had fallen to -2.6e+22 (the first los'
+    """
+    if fall is None:
+        return ""
+    return (f"Before it the loss had fallen to {fall[0]:.4g} (the first losses were within {fall[1]:.4g} of 0): a "
+            "loss with no lower bound drives the logits and the weights until they overflow. Fix the loss first: "
+            "binary_cross_entropy_with_logits needs targets in [0, 1] (not -1/1 or 0/255), nll_loss needs "
+            "log-probabilities (log_softmax), and a loss term must not be negated. ")
+
+
+def nonfinite_activation(step: int, cause: Cause, params_first: bool,
+                         fall: tuple[float, float] | None = None) -> Finding:
     """The forward operation the replay caught producing NaN/Inf from finite inputs, with the fix for it::
 
         >>> cause = Cause(CauseSite.FORWARD, "`torch.log` in module `head` produced NaN/Inf", operation="torch.log")
@@ -154,12 +170,13 @@ def nonfinite_activation(step: int, cause: Cause, params_first: bool) -> Finding
         'At step 3, `torch.log` in module `head` produced NaN/Inf. Add an epsilon or clamp the argument (torch.log(x.clamp_min(1e-12)), x / (y + 1e-8)).'
     """
     return Finding(Kind.NONFINITE_ACTIVATION, Severity.ERROR,
-                   f"At step {step}, {cause.summary}. {cause_advice(cause)}".strip(),
-                   dict(cause.to_dict(), **({"consequence_of": Kind.NONFINITE_PARAM.value} if params_first else {})))
+                   f"At step {step}, {cause.summary}. {fallen_first(fall)}{cause_advice(cause)}".strip(),
+                   dict(cause.to_dict(), **({"consequence_of": Kind.NONFINITE_PARAM.value} if params_first else {}),
+                        **({"loss_fell_to": fall[0]} if fall is not None else {})))
 
 
 def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | None, mode: AnomalyMode,
-                   params_first: bool, activation: bool) -> Finding:
+                   params_first: bool, activation: bool, fall: tuple[float, float] | None = None) -> Finding:
     """The loss: on which ranks, what it follows from (weights, batch, an activation), the fix and the action::
 
         >>> verdict = Verdict([0], [], [], False, -1, [], [])
@@ -178,13 +195,14 @@ def nonfinite_loss(step: int, verdict: Verdict, world_size: int, cause: Cause | 
     return Finding(
         Kind.NONFINITE_LOSS, Severity.ERROR,
         f"The loss is NaN/Inf at step {step}{on_ranks(verdict.bad_loss_ranks, world_size)}{because}.{found} "
-        + (cause_advice(cause) if cause is not None
+        + fallen_first(fall) + (cause_advice(cause) if cause is not None
            and cause.where is not CauseSite.NOT_REPRODUCED else
            "" if params_first else f"Common causes: {COMMON_CAUSES[Kind.NONFINITE_LOSS]}. ")
         + ACTIONS[mode],
         dict({"ranks": verdict.bad_loss_ranks, "world_size": world_size, "action": mode.value},
              **({"cause": cause.to_dict()} if cause is not None else {}),
-             **({"consequence_of": follows.value} if follows else {})))
+             **({"consequence_of": follows.value} if follows else {}),
+             **({"loss_fell_to": fall[0]} if fall is not None else {})))
 
 
 def nonfinite_grad(step: int, verdict: Verdict, gradients: int, grad_ranks: list[int], cause: Cause | None,
