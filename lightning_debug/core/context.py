@@ -43,7 +43,6 @@ def exit_code(error: BaseException | None) -> int | None:
     return 0 if code is None else int(code) if isinstance(code, int) else 1
 
 
-
 def torch_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a framework's wrapper(s) (Accelerate's ``AcceleratedOptimizer``), where its step
     hooks fire::
@@ -57,6 +56,7 @@ def torch_optimizer(optimizer: Any) -> Any:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
 
 class RunStatus(StrEnum):
     """How a run ended (``status`` of report.json); ``UNKNOWN``: a report rebuilt offline from a run that wrote none.

@@ -154,8 +154,8 @@ class Confirm:
         parts = []
         if self.patience is not None and self.patience > 1:
             parts.append(f"{self.patience} observations in a row")
-        parts += [f"{needed} in a row when {variant.replace('_', ' ')}" if needed > 1
-                  else f"at once when {variant.replace('_', ' ')}" for variant, needed in self.variants.items()]
+        parts += [f"{f'{needed} in a row' if needed > 1 else 'at once'} when {variant.replace('_', ' ')}"
+                  for variant, needed in self.variants.items()]
         if self.follow_up:
             readings = f"the {self.follow_up} readings after it" if self.follow_up > 1 else "the next reading"
             parts.append(f"{readings} above its bound (or not finite)")

@@ -281,7 +281,8 @@ class AnomalyMonitor(Monitor):
             self.record(prose.amp_overflow(step, verdict.bad_grads), step, where)
         else:
             params_first, activation = verdict.params_first, policy.names_activation(cause)
-            fall = fallen_far(self.losses.trend.recent, self.losses.trend.start)
+            fall = (fallen_far(self.losses.trend.recent, self.losses.trend.start)
+                    if verdict.bad_loss_ranks or activation else None)
             param_ranks = host.ranks_with_nonfinite_params if host.params_measured else []
             if params_first and verdict.params is not None:
                 self._record_params(verdict.bad_params, where, world, param_ranks, verdict.params)

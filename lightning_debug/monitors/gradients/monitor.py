@@ -192,24 +192,13 @@ class GradientMonitor(Monitor):
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
-        self._judge_unstepped(step, self._unstepped.batch_ended(step, self._trained), False)
+        if self._unstepped.batch_ended(step, self._trained):
+            self._record(unstepped_verdict(step, self._unstepped, self.verdicts, False), step, self.context.where())
 
     def _trained(self) -> list[torch.Tensor]:
         """The parameters an optimizer holds (none in a fit without an optimizer: nothing to judge)."""
         held = {id(p) for group in self._param_groups for p in group.get("params", ())}
         return [p for _, p in self.context.named_parameters() if id(p) in held]
-
-    def _judge_unstepped(self, step: int, unchanged: bool, at_end: bool) -> None:
-        """``optimizer_not_stepping`` (:mod:`.unstepped`) when the weights stayed the same; at the end, optimizer steps
-        the run never saw (no gradient check could run) are said in the report."""
-        if unchanged:
-            self._record(unstepped_verdict(step, self._unstepped, self.verdicts, at_end), step, self.context.where())
-        watch = self._unstepped
-        if at_end and watch.optimizer_steps and not watch.step_events:
-            self.unavailable["gradient checks"] = (
-                f"the optimizers stepped {watch.optimizer_steps} times and the run saw none of those steps (an "
-                "optimizer stepped outside the framework's wrapper: self.optimizers(use_pl_optimizer=False) under "
-                "Lightning), so no check made before an optimizer step ran")
 
     def _stop_watching_forward(self) -> None:
         """The first forward pass is over: keep the module execution order and which modules ran (:mod:`.missing`)."""
@@ -545,7 +534,14 @@ class GradientMonitor(Monitor):
         self._checks.clear()
         self._record_confirmed(self.history.missing.confirm_the_rest(), step)
         self._watch.clear()
-        self._judge_unstepped(step, self._unstepped.at_end(self._trained), True)
+        watch = self._unstepped
+        if watch.at_end(self._trained):
+            self._record(unstepped_verdict(step, watch, self.verdicts, True), step, self.context.where())
+        if watch.optimizer_steps and not watch.step_events:
+            self.unavailable["gradient checks"] = (
+                f"the optimizers stepped {watch.optimizer_steps} times and the run saw none of those steps (an "
+                "optimizer stepped outside the framework's wrapper: self.optimizers(use_pl_optimizer=False) under "
+                "Lightning), so no check made before an optimizer step ran")
         super().finalize(step)
 
     def restore(self) -> None:

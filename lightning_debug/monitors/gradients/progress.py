@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from lightning_debug.checks.numerics import local_tensor
 from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
@@ -66,6 +67,27 @@ class Drift:
         return self.moved / self.size / self.steps
 
 
+def picked_parameters(params: Sequence[Any]) -> list[Any]:
+    """Up to :data:`SAMPLED_PARAMETERS` trained tensors of ``params``, spread over the model::
+
+        >>> frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        >>> len(picked_parameters([torch.nn.Parameter(torch.ones(3)), frozen]))
+        1
+    """
+    trained = [p for p in params if p.requires_grad and p.numel() > 0]
+    return trained[::max(1, len(trained) // SAMPLED_PARAMETERS)][:SAMPLED_PARAMETERS]
+
+
+def weight_sample(picked: Sequence[Any]) -> torch.Tensor:
+    """A copy of up to :data:`SAMPLED_VALUES` values of each of ``picked`` (this rank's block of a sharded one)::
+
+        >>> weight_sample([torch.nn.Parameter(torch.arange(3.0))])
+        tensor([0., 1., 2.])
+    """
+    with torch.no_grad():
+        return torch.cat([real_values(local_tensor(p))[:SAMPLED_VALUES].float() for p in picked])
+
+
 class WeightDrift:
     """A sample of the trained weights kept from one check step to the next, and the loss of the first one::
 
@@ -92,12 +114,11 @@ class WeightDrift:
         (None at first)."""
         if params is not self._params:
             self._params, self._kept = params, None
-            trained = [p for p in params if p.requires_grad and p.numel() > 0]
-            self._picked = trained[::max(1, len(trained) // SAMPLED_PARAMETERS)][:SAMPLED_PARAMETERS]
+            self._picked = picked_parameters(params)
         if not self._picked or (self._kept is not None and 0 <= step - self._step < SAMPLE_EVERY):
             return None
         with torch.no_grad():
-            sample = torch.cat([real_values(p)[:SAMPLED_VALUES].float() for p in self._picked])
+            sample = weight_sample(self._picked)
             kept, self._kept = self._kept, sample
             steps, self._step = step - self._step, step
             if kept is None or kept.shape != sample.shape or steps <= 0:
@@ -162,4 +183,4 @@ def progress_at_check_read(facts: CheckRead) -> Verdict | None:
                           facts.total_steps)
 
 
-__all__ = ["Drift", "WeightDrift", "judge_progress", "progress_at_check_read"]
+__all__ = ["Drift", "WeightDrift", "judge_progress", "picked_parameters", "progress_at_check_read", "weight_sample"]

@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from lightning_debug.checks.numerics import local_tensor
-from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.context import torch_optimizer
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.verdicts import Suspicion, VerdictEngine
+from lightning_debug.monitors.gradients.progress import picked_parameters, weight_sample
 from lightning_debug.monitors.gradients.verdict import Verdict
 
 SAMPLE_AT = 100
@@ -45,24 +44,7 @@ SAMPLE_AT = 100
 common accumulation, so a healthy run never pays for the sample."""
 JUDGE_AT = 1000
 """Such batches in a row that no accumulation reaches: the sample is compared then."""
-SAMPLED_PARAMETERS = 64
-SAMPLED_VALUES = 4096
 KEY = "optimizer_not_stepping"
-
-
-def weight_sample(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Up to :data:`SAMPLED_VALUES` values of each of up to :data:`SAMPLED_PARAMETERS` trained tensors, spread over
-    the model, copied (this rank's block of a sharded one)::
-
-        >>> frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
-        >>> weight_sample([torch.nn.Parameter(torch.arange(3.0)), frozen])
-        tensor([0., 1., 2.])
-    """
-    trained = [p for p in params if p.requires_grad and p.numel() > 0]
-    picked = trained[::max(1, len(trained) // SAMPLED_PARAMETERS)][:SAMPLED_PARAMETERS]
-    with torch.no_grad():
-        values = [real_values(local_tensor(p))[:SAMPLED_VALUES] for p in picked]
-        return torch.cat([v.float() for v in values if v.numel()]) if any(v.numel() for v in values) else None
 
 
 class Unstepped:
@@ -112,7 +94,7 @@ class Unstepped:
         self.batches += 1
         self.backwards += backward
         if self.batches == SAMPLE_AT:
-            self._kept = weight_sample(params())
+            self._kept = _sample(params())
         return self.batches == JUDGE_AT and self._unchanged(params)
 
     def at_end(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
@@ -123,10 +105,17 @@ class Unstepped:
 
     def _unchanged(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
         kept, self._kept = self._kept, None
-        now = weight_sample(params()) if kept is not None else None
+        now = _sample(params()) if kept is not None else None
         same = now is not None and kept is not None and now.shape == kept.shape and bool(torch.equal(now, kept))
         self.cleared = not same
         return same
+
+
+def _sample(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """:func:`~.progress.weight_sample` of the trained ``params``; None when there is nothing to compare."""
+    picked = picked_parameters(params)
+    sample = weight_sample(picked) if picked else None
+    return sample if sample is not None and sample.numel() else None
 
 
 def unstepped_verdict(step: int, watch: Unstepped, verdicts: VerdictEngine, at_end: bool) -> Verdict | None:
@@ -154,4 +143,4 @@ def unstepped_verdict(step: int, watch: Unstepped, verdicts: VerdictEngine, at_e
                    [], key=KEY)
 
 
-__all__ = ["JUDGE_AT", "SAMPLE_AT", "Unstepped", "unstepped_verdict", "weight_sample"]
+__all__ = ["JUDGE_AT", "SAMPLE_AT", "Unstepped", "unstepped_verdict"]
