@@ -127,6 +127,8 @@ class Run:
         self._stepping: tuple[int, int, Decision] | None = None  # (step, id(optimizer), decision) inside a step
         self._other_ranks_failures: list[Any] | None = None
         self._stepped = -1  # the last before_optimizer_step's step
+        self.batches = 0
+        """Training micro-batches seen: a run of none checked nothing, and its report must not call it clean."""
         self.finished = self.started = False
         if context.is_global_zero:
             for writer, log_dir in self.failures.call("TensorBoard layout", context.tensorboard_writers) or []:
@@ -248,6 +250,7 @@ class Run:
         finally:
             self.gate.close()
         self._batch = None
+        self.batches += 1
         self.ledger.phase = None
 
     @_own_time
@@ -363,6 +366,7 @@ class Run:
                                     run_id=self.context.run_id, on_render_failure=render_failed)
         if report is not None:
             report["failed_checks"] = self.failed_checks()
+            report["training_batches"] = self.batches
             report.update(coverage({monitor.area for monitor in self.monitors}))
             if exit_code is not None:
                 report["exit_code"] = exit_code

@@ -358,6 +358,12 @@ def api_misuse() -> Iterator[Case]:
         ("loss_not_returned", {"epochs": 25}, ("learning_stalled",), r"return loss",
          "training_step logs its loss and does not return it: Lightning skips every backward and steps on no "
          "gradient", "training batches with no backward, the weights bit for bit the same (optimizer_not_stepping)"),
+        ("round_in_loss", {"task": "regress"}, ("vanishing_grad",), r"round",
+         "mse_loss(output.round(), y): round has a zero gradient, nothing is learnt",
+         "every gradient of the model exactly zero under a loss that is not 0, on 2 check steps (flat_loss)"),
+        ("layers_in_list", {}, ("frozen_param",), r"layers\[0\]",
+         "self.layers = [nn.Linear(...), ...]: a Python list, so the optimizer holds the head alone",
+         "leaves of the loss's graph that the model does not register, bit for bit the same 100 steps on (unregistered)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

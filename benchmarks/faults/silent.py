@@ -254,6 +254,27 @@ class LossNotReturned(FaultProgram):
         return loss if self.program.fixed else None
 
 
+class RoundInLoss(FaultProgram):
+    """``mse_loss(output.round(), y)`` (a rounding meant for the metric put in the loss): ``round`` has a zero
+    gradient, so every gradient of the model is exactly zero under a loss that is not; the twin rounds nothing."""
+
+    def loss_of(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().loss_of(z if self.program.fixed else z.round(), y)
+
+
+class LayersInList(FaultProgram):
+    """The hidden layers kept in a Python list, not an ``nn.ModuleList`` (the most asked PyTorch forum question on a
+    model that does not learn): the forward uses them, ``self.parameters()`` lists the head alone, so only the head
+    trains, on random features; the twin registers them."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        if not program.fixed:
+            layers = list(self.layers)
+            del self.layers
+            self.layers = layers  # type: ignore[assignment]
+
+
 class SortedUnshuffled(FaultProgram):
     """The training data in label order and ``shuffle=False`` (Humbatova et al., ICSE 2020: data shuffling): each
     batch holds one class, the model learns one at a time and forgets the others; the twin shuffles."""
@@ -273,7 +294,8 @@ SILENT: dict[str, type[FaultProgram]] = {
     "softmax_over_the_batch": SoftmaxOverTheBatch, "target_broadcast": TargetBroadcast,
     "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
-    "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned,
+    "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
+    "layers_in_list": LayersInList,
 }
 
 

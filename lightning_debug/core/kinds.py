@@ -266,7 +266,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "xavier/kaiming initialisation, normalisation layers or residual connections; check that "
                "the loss is not detached or scaled to nothing.",
         hint="ReLU/GELU, a better initialisation, normalisation or residual connections",
-        confirm=Confirm(patience=3, variants={"exactly_zero": 8, "fade": 2})),
+        confirm=Confirm(patience=3, variants={"exactly_zero": 8, "flat_loss": 2, "fade": 2})),
     Kind.MISSING_GRAD: KindSpec(
         Area.GRADIENTS, Severity.WARNING,
         summary="trainable parameters that never receive a gradient (a layer not used in forward, a detached "

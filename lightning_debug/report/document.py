@@ -26,7 +26,8 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.events import jsonable
 from lightning_debug.core.findings import order_findings
 from lightning_debug.core.kinds import advice_for, severity_rank
-from lightning_debug.report.measured import measured_line, nothing_found, step_span, unwatched_sentence
+from lightning_debug.report.measured import (UNTRAINED, measured_line, nothing_found, step_span, untrained,
+                                              unwatched_sentence)
 from lightning_debug.report.sections import SECTION_MARKDOWN, exception_markdown, number_text
 
 REPORT_SCHEMA_VERSION = 1
@@ -123,7 +124,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "No problems found by the checks that ran; some checks did not run (below).", ""]
         lines += [scope, ""] if scope else []
     elif not findings:
-        lines += [str(measured), ""]
+        lines += [UNTRAINED if untrained(report) and measured is None else str(measured), ""]
     else:
         by_severity = Counter(entry["severity"] for entry in findings.values())
         counts = ", ".join(f"{count} {severity}" for severity, count in

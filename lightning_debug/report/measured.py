@@ -44,9 +44,25 @@ def nonfinite_measured(report: dict[str, Any]) -> list[str]:
     return sentences
 
 
+def untrained(report: dict[str, Any]) -> bool:
+    """Whether the run saw no training batch (an empty training DataLoader, ``drop_last`` with a batch larger than
+    the data set, ``limit_train_batches=0``): no check ran, so the report may not say it found nothing::
+
+        >>> untrained({"training_batches": 0}), untrained({"training_batches": 3}), untrained({})
+        (True, False, False)
+    """
+    return report.get("training_batches") == 0
+
+
+UNTRAINED = ("No training batch ran, so no check ran: the training DataLoader gave no batch (an empty data set, "
+             "drop_last=True with a batch_size larger than the data set) or limit_train_batches is 0.")
+
+
 def nothing_found(report: dict[str, Any], serious_only: bool = False) -> bool:
-    """Whether the report may say it found nothing: no finding (``serious_only``: of severity warning or above)
-    and nothing measured non-finite."""
+    """Whether the report may say it found nothing: no finding (``serious_only``: of severity warning or above),
+    nothing measured non-finite and at least one training batch checked."""
+    if untrained(report):
+        return False
     findings = report.get("findings") or {}
     if serious_only:
         findings = {kind: entry for kind, entry in findings.items()

@@ -30,7 +30,7 @@ from lightning_debug.core.context import RunStatus
 from lightning_debug.core.kinds import Severity, hint_for
 from lightning_debug.core.session import Session
 from lightning_debug.report.document import REPORT_JSON, REPORT_MD
-from lightning_debug.report.measured import nonfinite_measured, nothing_found, step_span, unwatched_note
+from lightning_debug.report.measured import nonfinite_measured, nothing_found, step_span, untrained, unwatched_note
 
 MESSAGE_WIDTH = 110
 LINE_MESSAGE_WIDTH = 160
@@ -115,6 +115,8 @@ def _headline(report: dict[str, Any]) -> str:
     measured = nonfinite_measured(report)
     if serious:
         found = f"{len(serious)} kind(s) of finding"
+    elif untrained(report):
+        found = "no training batch ran, so nothing was checked"
     elif not nothing_found(report, serious_only=True):  # the one decision (lightning_debug.report.measured)
         found = "no finding, but non-finite values measured"
     else:
@@ -263,6 +265,8 @@ def plot_worth_drawing(report: dict[str, Any]) -> bool:
         >>> plot_worth_drawing({"status": "finished", "last_step": PLOT_MIN_STEPS, "findings": {}})
         True
     """
+    if untrained(report):
+        return False
     if not nothing_found(report, serious_only=True):
         return True
     return str(report.get("status", "finished")) != "finished" or int(report.get("last_step") or 0) >= PLOT_MIN_STEPS

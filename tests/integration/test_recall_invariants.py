@@ -321,3 +321,31 @@ def test_the_first_steps_are_the_runs_not_those_after_a_resume(tmp_path: Path) -
         resumed.fit(AdamClassifier(1e-3, 1.0, grads_x1e6_from=13), ckpt_path=str(checkpoint))
     assert norms.norms[-1] > 1e4 * norms.norms[0], f"the plant after the resume: {norms.norms}"
     assert serious(read_events(debug_dir(resumed))) == []
+
+
+class EmptyLoader(TinyRegressor):
+    """``drop_last=True`` with a batch larger than the data set (``drop_last=False``: the twin, one short batch)."""
+
+    def __init__(self, drop_last: bool) -> None:
+        super().__init__()
+        self.drop_last = drop_last
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(regression_data(), batch_size=1024, drop_last=self.drop_last)
+
+
+@pytest.mark.parametrize("drop_last", [True, False], ids=["no batch", "one short batch (twin)"])
+def test_a_fit_that_ran_no_training_batch_is_never_called_clean(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                drop_last: bool) -> None:
+    """Every callback is quiet when Lightning stops a fit for want of training batches, since none of their checks
+    ran: report.md, report.json and the console say so instead of "No problems found". The twin trains on its one
+    short batch per epoch and is clean."""
+    trainer, events, markdown = run(tmp_path, lambda: EmptyLoader(drop_last), all_four(), steps=3)
+    report = read_report(debug_dir(trainer))
+    summary = console(capsys)
+    assert serious(events) == []
+    assert report["training_batches"] == (0 if drop_last else 3)
+    assert ("No training batch ran, so no check ran" in markdown) == drop_last
+    assert ("No problems found." in markdown) != drop_last
+    assert ("no training batch ran, so nothing was checked" in summary) == drop_last
+    assert ("nothing wrong found" in summary) != drop_last

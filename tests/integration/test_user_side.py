@@ -441,6 +441,8 @@ def test_only_global_zero_prints_and_draws(tmp_path: Path, capsys: pytest.Captur
         directory = tmp_path / str(rank_zero)
         run = Run(DebugConfig(), LoopContext(directory, is_global_zero=rank_zero))
         run.session.metrics.add(0, "debug/perf/step_ms", 5.0)
+        run.batch_start(0, None)
+        run.batch_end()
         run.finish("finished", PLOT_MIN_STEPS)  # long enough to chart
         run.finish("finished", PLOT_MIN_STEPS)  # later calls of the same run print nothing more
         assert (directory / "debug_analysis.png").exists() is rank_zero

@@ -296,8 +296,20 @@ def test_a_step_whose_loss_is_zero_and_sends_back_nothing_is_not_judged() -> Non
         assert judge_vanishing(step, zeros, GradientSettings(), {}, "", history, verdicts, loss=0.0) is None
     assert not verdicts.held_keys(Kind.VANISHING_GRAD)
     found = [judge_vanishing(step, zeros, GradientSettings(), {}, "", history, verdicts, loss=2.5)
-                for step in range(VANISHING_DEAD_CHECKS)]
-    assert found[-1] is not None and "the loss is flat in the model's output" in found[-1].finding.message
+                for step in range(10, 12)]
+    assert found[0] is None and found[1] is not None, "the whole model at 0 under a loss of 2.5: named at once"
+    assert "the loss is flat in the model's output" in found[1].finding.message
+    assert found[1].steps == [10, 11] and found[1].finding.details["confirm_checks"] == 2
+
+
+def test_every_gradient_zero_waits_the_longer_window_when_the_loss_is_not_known() -> None:
+    """The twin of the flat loss: zeros with no loss read (a step whose loss was not measured) are the dead-layer
+    case, which a straight-through router's zero steps must not reach before 8 checks."""
+    history, verdicts = VanishingHistory(), VerdictEngine()
+    zeros = layer_grads(first=0.0, second=0.0, head=0.0)
+    found = [judge_vanishing(step, zeros, GradientSettings(), {}, "", history, verdicts)
+             for step in range(VANISHING_DEAD_CHECKS)]
+    assert found[:-1] == [None] * (VANISHING_DEAD_CHECKS - 1) and found[-1] is not None
 
 
 def test_a_norm_of_zero_is_no_level_for_a_jump() -> None:

@@ -36,6 +36,7 @@ from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
+from lightning_debug.monitors.gradients.unregistered import Unregistered, unregistered_verdict
 from lightning_debug.monitors.gradients.unstepped import Unstepped, unstepped_verdict
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
@@ -92,6 +93,7 @@ class GradientMonitor(Monitor):
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
         self._backward: tuple[int, weakref.ref[torch.Tensor]] | None = None  # the last backward seen: step, loss
         self._unstepped = Unstepped()
+        self._unregistered = Unregistered()
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -187,8 +189,18 @@ class GradientMonitor(Monitor):
         due = self.due(step)
         if due or self.numerics.several_optimizers:
             self.numerics.observe_loss(step, loss)
+        if due and self._unregistered.due(step):
+            self._judge_unregistered(step, loss)
         if not due and self._explosions.watching and step < EARLY_STEPS:  # for the first steps' overflow
             self._explosions.observe_loss(step, loss)
+
+    def _judge_unregistered(self, step: int, loss: torch.Tensor) -> None:
+        known = {id(p) for _, p in self.context.named_parameters()}
+        known.update(id(p) for group in self.context.param_groups() for p in group.get("params", ()))
+        since = self._unregistered.walked_at
+        unchanged = self._unregistered.walk(step, loss, known)
+        if unchanged and since is not None:
+            self._record(unregistered_verdict(step, since, unchanged, self.context.module()), step, self.context.where())
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()

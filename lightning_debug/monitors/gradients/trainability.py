@@ -30,6 +30,7 @@ class FrozenCause(StrEnum):
     LR_ZERO = "lr_zero"
     NO_UPDATE = "no_update"
     REQUIRES_GRAD_FALSE = "requires_grad_false"
+    UNREGISTERED = "unregistered"
 
 
 STATIC_ADVICE = {

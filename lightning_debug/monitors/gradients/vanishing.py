@@ -43,6 +43,9 @@ VANISHING_GROWTH = 100.0
 CONVERGED_FALL = 10.0
 EXACTLY_ZERO = "exactly_zero"
 """The variant of a vanishing suspicion whose layers are all exactly zero (its policy waits longer)."""
+FLAT_LOSS = "flat_loss"
+"""The variant of every layer of the model exactly zero while the loss is finite and not 0: the loss is flat in the
+model's output (a ``round`` or ``argmax`` on the way), which no healthy step shows for the whole model at once."""
 VANISHING_DEAD_CHECKS = policy_of(Kind.VANISHING_GRAD).needed(EXACTLY_ZERO) or 1
 
 
@@ -124,6 +127,8 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
             history.first.setdefault(module, norm)
     converged = 0 <= loss * CONVERGED_FALL < first_loss
     dying = vanishing_layers(module_norms, members, low, positions, history.first, converged)
+    if module_norms and math.isfinite(loss) and all(norm == 0 for norm in module_norms.values()):
+        dying = dict.fromkeys(dying, FLAT_LOSS)
     confirmed = verdicts.observe(Kind.VANISHING_GRAD, step, [Suspicion(Kind.VANISHING_GRAD, module, step,
                                                                        variant=variant)
                                                              for module, variant in dying.items()])
