@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -26,21 +27,26 @@ BATCHES_PER_EPOCH = 16  # regression_data's 256 samples at 16 a batch
 
 
 class Manual(TinyRegressor):
-    """Manual optimization: ``step`` False forgets ``opt.step()``; ``raw`` steps the plain torch optimizer."""
+    """Manual optimization: ``step`` False forgets ``opt.step()``; ``raw`` steps the plain torch optimizer;
+    ``step_epochs``: it steps in these first epochs only (a condition around ``opt.step()`` that turns false);
+    ``every``: it steps on every ``every``-th batch, accumulating the gradients between."""
 
-    def __init__(self, step: bool = True, raw: bool = False) -> None:
+    def __init__(self, step: bool = True, raw: bool = False, step_epochs: int | None = None, every: int = 1) -> None:
         super().__init__(lr=0.01)
         self.automatic_optimization = False
-        self.step, self.raw = step, raw
+        self.step, self.raw, self.step_epochs, self.every = step, raw, step_epochs, every
+        self.batches = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         optimizer = self.optimizers(use_pl_optimizer=not self.raw)
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        if self.step:
+        self.manual_backward(loss / self.every)
+        self.batches += 1
+        stepping = self.step and (self.step_epochs is None or self.current_epoch < self.step_epochs)
+        if stepping and self.batches % self.every == 0:
             optimizer.step()
+            optimizer.zero_grad()
         return loss
 
 
@@ -149,3 +155,50 @@ def test_a_forgotten_optimizer_step_in_an_accelerate_loop_is_named_and_its_twin_
         ("learning_stalled", 399, "optimizer_not_stepping", 400)]
     assert "optimizer.step()" in found[0]["message"]
     assert serious(accelerate_loop(tmp_path / "stepped", step=True)) == []
+
+
+def test_an_optimizer_that_stops_stepping_is_named_at_the_end(tmp_path: Path) -> None:
+    """``opt.step()`` only in the first 2 epochs: 48 batches after them run a backward no step follows, to the end."""
+    events, _ = fit(tmp_path, Manual(step_epochs=2), epochs=2 + (SAMPLE_AT + 50) // BATCHES_PER_EPOCH)
+    found = serious(events)
+    assert [(e["kind"], e["details"]["cause"], e["details"]["learned_before"]) for e in found] == [
+        ("learning_stalled", "optimizer_not_stepping", True)]
+    assert found[0]["details"]["since_step"] == 2 * BATCHES_PER_EPOCH
+    assert "stopped stepping" in found[0]["message"] and "to the end of the run" in found[0]["message"]
+
+
+def test_an_accumulation_the_end_cuts_short_is_quiet(tmp_path: Path) -> None:
+    """The twin: a step every 128 batches (manual accumulation); the run's last 112 batches, after its third step,
+    are an accumulation cut short, no longer than the ones the run completed."""
+    events, _ = fit(tmp_path, Manual(every=128), epochs=31)  # 496 batches: steps at 128, 256, 384
+    assert serious(events) == []
+
+
+class BatchNormRegressor(TinyRegressor):
+    """A BatchNorm after the first layer; ``batches`` batches of 2 an epoch."""
+
+    def __init__(self, batches: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+        self.batches = batches
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(torch.relu(self.norm(self.inp(x))))))
+
+    def train_dataloader(self) -> DataLoader:
+        inputs = torch.randn(2 * self.batches, 8, generator=torch.Generator().manual_seed(0))
+        return DataLoader(torch.utils.data.TensorDataset(inputs, inputs[:, :1] * 0.5), batch_size=2, shuffle=True)
+
+
+@pytest.mark.parametrize("batches", [SAMPLE_AT + 28, JUDGE_AT + 24], ids=["an epoch of 128", "an epoch of 1,024"])
+def test_stochastic_weight_averagings_forward_only_epoch_is_quiet(tmp_path: Path, batches: int) -> None:
+    """Lightning's StochasticWeightAveraging on a model with BatchNorm adds an epoch of training batches without
+    backward or step after training, to recompute the BatchNorm statistics of the averaged weights: batches that leave
+    the weights as they are, on purpose, until the step its last batch takes (an epoch of 1,024 was named at its
+    1,000th batch)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    trainer = fit_seeded(tmp_path, BatchNormRegressor(batches), all_four(DebugConfig(save_plots=False)) + [
+        StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)], max_steps=-1, max_epochs=2)
+    assert trainer.current_epoch == 3, "the statistics epoch ran"
+    assert serious(read_events(debug_dir(trainer))) == []

@@ -1061,3 +1061,33 @@ def test_unstepped_batches_are_judged_on_the_weights_and_a_learning_batch_starts
     with torch.no_grad():
         weights[0].add_(1e-3)
     assert not moved.at_end(lambda: weights) and moved.cleared
+
+
+def test_after_batches_that_learned_only_a_longer_run_of_unstepped_backwards_is_judged_at_the_end() -> None:
+    """An optimizer that stops stepping is named at the end; forward-only batches after training (a statistics pass)
+    and an accumulation the end cuts short, no longer than the run's own, are not, the weights unchanged alike."""
+    from lightning_debug.monitors.gradients.unstepped import SAMPLE_AT, Unstepped
+
+    weights = [nn.Parameter(torch.ones(4))]
+    optimizer = torch.optim.SGD(weights, lr=0.0)  # its steps leave the weights as they are
+
+    def run(accumulated: int, then: int, backward: bool) -> bool:
+        watch = Unstepped()
+        watch.watch([optimizer])
+        for _ in range(3):  # three accumulations of `accumulated` batches, each ended by a step
+            for batch in range(accumulated):
+                watch.backward()
+                if batch == accumulated - 1:
+                    optimizer.step()
+                watch.batch_ended(0, lambda: weights)
+        for _ in range(then):
+            if backward:
+                watch.backward()
+            watch.batch_ended(7, lambda: weights)
+        watch.release()
+        return watch.at_end(lambda: weights)
+
+    assert run(1, SAMPLE_AT + 20, backward=True), "stopped stepping"
+    assert not run(1, SAMPLE_AT + 20, backward=False), "forward only after training"
+    assert not run(128, 112, backward=True), "an accumulation of 128 cut short at 112"
+    assert run(60, 3 * 60, backward=True), "three times the run's accumulation"

@@ -9,8 +9,12 @@ by design, for a few to a few hundred micro-batches, and a backward the run cann
 ``manual_backward`` is meant) still moves the weights. So :class:`Unstepped` counts the training batches since one
 ran a backward and stepped an optimizer (a post-hook on each optimizer tells), keeps a sample of the weights the
 optimizers hold at :data:`SAMPLE_AT` of them (a device copy, no sync; a fit without an optimizer holds none and is
-not judged) and compares at :data:`JUDGE_AT`, or at the end of a run in which no batch did: the same bits, the
-optimizer is not stepping; changed, something trains them unseen, and the rule stops for good::
+not judged) and compares at :data:`JUDGE_AT`, or at the end of the run: the same bits, the optimizer is not stepping;
+changed, something trains them unseen, and the rule stops for good. After batches that learned, only batches whose
+backward no step follows are judged (an ``opt.step()`` under a condition that turned false): batches run forward
+only then recompute statistics on purpose (Lightning's ``StochasticWeightAveraging`` gives BatchNorm a last epoch
+without backward or step), and at the end the run of them must be more than :data:`LONGER` times the longest
+accumulation the run completed (a manual accumulation of 128 micro-batches that the end cuts short)::
 
     >>> weights = [torch.nn.Parameter(torch.ones(3))]
     >>> watch = Unstepped()
@@ -44,6 +48,8 @@ SAMPLE_AT = 100
 common accumulation, so a healthy run never pays for the sample."""
 JUDGE_AT = 1000
 """Such batches in a row that no accumulation reaches: the sample is compared then."""
+LONGER = 2
+"""How many times the run's longest completed accumulation the batches that end a run that learned must exceed."""
 KEY = "optimizer_not_stepping"
 
 
@@ -54,6 +60,8 @@ class Unstepped:
     def __init__(self) -> None:
         self.first_step: int | None = None
         self.batches = self.backwards = self.optimizer_steps = 0
+        self.longest = 0
+        """The most batches in a row that did not learn before one that did: the run's accumulation."""
         self.step_events = 0
         """Optimizer steps the run was told of (the monitor counts them; the hooks count every one taken)."""
         self.learned = self.cleared = False
@@ -87,6 +95,7 @@ class Unstepped:
         if self.cleared:
             return False
         if backward and stepped:
+            self.longest = max(self.longest, self.batches)
             self.learned, self.first_step, self.batches, self.backwards, self._kept = True, None, 0, 0, None
             return False
         if self.first_step is None:
@@ -95,13 +104,18 @@ class Unstepped:
         self.backwards += backward
         if self.batches == SAMPLE_AT:
             self._kept = _sample(params())
-        return self.batches == JUDGE_AT and self._unchanged(params)
+        return self.batches == JUDGE_AT and self._judged() and self._unchanged(params)
 
     def at_end(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
-        """The run ends: True when no batch of it ran a backward and stepped an optimizer, and the weights did not
-        change after the sample."""
-        return (not self.cleared and not self.learned and SAMPLE_AT < self.batches < JUDGE_AT
-                and self._unchanged(params))
+        """The run ends: True when its last batches since the sample (all of them, or after batches that learned,
+        those whose backward no step followed) left the weights as they were."""
+        return (not self.cleared and SAMPLE_AT < self.batches < JUDGE_AT and self._judged()
+                and (not self.learned or self.batches > LONGER * self.longest) and self._unchanged(params))
+
+    def _judged(self) -> bool:
+        """Whether the batches in a row are judged: any, in a run that never learned; else those most of which ran a
+        backward (forward-only batches after training recompute statistics on purpose)."""
+        return not self.learned or 2 * self.backwards >= self.batches
 
     def _unchanged(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
         kept, self._kept = self._kept, None
@@ -127,19 +141,22 @@ def unstepped_verdict(step: int, watch: Unstepped, verdicts: VerdictEngine, at_e
         return None
     batches, backwards, since = watch.batches, watch.backwards, watch.first_step
     steps = f"at optimizer step {step}" if since == step else f"from optimizer step {since} to {step}"
-    ran = f"{batches} training batches ran {steps}{' for the whole run' if at_end else ''}"
+    ran = (f"{batches} training batches ran {steps}"
+           + (" to the end of the run" if at_end and watch.learned else " for the whole run" if at_end else ""))
     unchanged = f"the weights the optimizer holds are bit for bit what they were {batches - SAMPLE_AT} batches before"
     if backwards:
-        message = (f"The optimizer never stepped: {ran}, {backwards} of them a backward pass that no optimizer step "
+        stopped = "stopped stepping" if watch.learned else "never stepped"
+        message = (f"The optimizer {stopped}: {ran}, {backwards} of them a backward pass that no optimizer step "
                    f"followed; {unchanged}. Call optimizer.step() (and zero_grad()) after the backward: under "
-                   "Lightning's manual optimization opt.step() after self.manual_backward(loss).")
+                   "Lightning's manual optimization opt.step() after self.manual_backward(loss)"
+                   + (", and look for a condition around it that turned false." if watch.learned else "."))
     else:
         message = (f"The model is not training: {ran} and none of them ran a backward pass; {unchanged}. The training "
                    "step returns no loss (a missing `return loss`), and Lightning skips the backward of a batch "
                    "without one.")
     return Verdict(Finding(Kind.LEARNING_STALLED, Severity.WARNING, message,
                            {"cause": KEY, "batches": batches, "backward_passes": backwards, "since_step": since,
-                            "optimizer_steps": watch.optimizer_steps}),
+                            "optimizer_steps": watch.optimizer_steps, "learned_before": watch.learned}),
                    [], key=KEY)
 
 
