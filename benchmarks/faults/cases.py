@@ -364,6 +364,10 @@ def api_misuse() -> Iterator[Case]:
         ("layers_in_list", {}, ("frozen_param",), r"layers\[0\]",
          "self.layers = [nn.Linear(...), ...]: a Python list, so the optimizer holds the head alone",
          "leaves of the loss's graph that the model does not register, bit for bit the same 100 steps on (unregistered)"),
+        ("clip_to_zero", {"task": "regress"}, ("learning_stalled", "frozen_param"), r"max_norm 0",
+         "clip_grad_norm_(params, 0.0) before each step: every gradient scaled to 0, the weights never move",
+         "weights bit for bit the same over 100 steps at a learning rate above 0, the loss not fallen 10x "
+         "(negligible_updates)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

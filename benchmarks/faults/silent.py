@@ -275,6 +275,15 @@ class LayersInList(FaultProgram):
             self.layers = layers  # type: ignore[assignment]
 
 
+class ClipToZero(FaultProgram):
+    """``clip_grad_norm_(self.parameters(), max_norm)`` in ``on_before_optimizer_step`` with a ``max_norm`` of 0 (a
+    setting read as "no clipping" elsewhere): every gradient is scaled to 0 before the step, so the weights never
+    move; the twin clips at 1."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0 if self.program.fixed else 0.0)
+
+
 class SortedUnshuffled(FaultProgram):
     """The training data in label order and ``shuffle=False`` (Humbatova et al., ICSE 2020: data shuffling): each
     batch holds one class, the model learns one at a time and forgets the others; the twin shuffles."""
@@ -295,7 +304,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
-    "layers_in_list": LayersInList,
+    "layers_in_list": LayersInList, "clip_to_zero": ClipToZero,
 }
 
 

@@ -5,7 +5,8 @@ as they were for the whole run (the first also keeps the optimizer-step counter 
 steps ever runs): each is named, at the end of a short run and after 1,000 batches of a long one, and so is a
 forgotten ``optimizer.step()`` in an Accelerate loop. The closest healthy runs stay quiet: an optimizer stepped outside
 Lightning's wrapper (``use_pl_optimizer=False``: its gradient checks reported as not judged), a fit with no optimizer
-at all, the Accelerate loop that steps."""
+at all, the Accelerate loop that steps. Beside them, the other stillness of weights: an Accelerate loop that steps every
+batch on gradients clipped to 0 (``learning_stalled``, ``negligible_updates``: bit for bit the same)."""
 
 from __future__ import annotations
 
@@ -202,3 +203,38 @@ def test_stochastic_weight_averagings_forward_only_epoch_is_quiet(tmp_path: Path
         StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)], max_steps=-1, max_epochs=2)
     assert trainer.current_epoch == 3, "the statistics epoch ran"
     assert serious(read_events(debug_dir(trainer))) == []
+
+
+def accelerate_clipped(root: Path, max_norm: float) -> list[dict[str, Any]]:
+    """25 epochs of an Accelerate loop that clips every gradient to ``max_norm`` before each step."""
+    from accelerate import Accelerator
+
+    from lightning_debug.accelerate import AccelerateDebugger
+
+    with fresh_accelerate():
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True, project_dir=str(root))
+        model = TinyRegressor()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        with AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
+                                train_dataloader=loader) as debugger:
+            for _ in range(25):
+                for x, y in loader:
+                    debugger.backward(nn.functional.mse_loss(model(x), y))
+                    accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+    return read_events(run_dir(root / "debug_outputs"))
+
+
+def test_gradients_clipped_to_zero_before_every_step_are_named_and_its_twin_is_quiet(tmp_path: Path) -> None:
+    """The optimizer steps every batch and the weights stay bit for bit the same: the gradients were read healthy, then
+    clipped with max_norm 0. The single batches' losses wander far below the first check step's (20.2 against 5.3 to
+    10.3), which kept the stall unnamed while it asked for a loss within 10% of the first."""
+    found = serious(accelerate_clipped(tmp_path / "zero", 0.0))
+    assert [(e["kind"], e["step"], e["details"]["cause"], e["details"]["update_per_step"]) for e in found] == [
+        ("learning_stalled", 300, "negligible_updates", 0.0)]
+    assert "bit for bit" in found[0]["message"] and "max_norm 0" in found[0]["message"]
+    assert serious(accelerate_clipped(tmp_path / "one", 1.0)) == []

@@ -895,6 +895,16 @@ def test_a_learning_rate_far_too_small_is_a_stall_and_its_twins_are_not() -> Non
     moved_none = [judge_progress(step, Drift(0.0, 5.0, 100), 1.39, 1.40, [(0.05, 0.05)], still, 400)
                   for step in (100, 200, 300)]
     assert moved_none[2] is not None and "did not move at all" in moved_none[2].finding.message
+    noisy = VerdictEngine()  # bit for bit still while single batches' losses wander below 90% of the first
+    found = [judge_progress(step, Drift(0.0, 5.0, 100), loss, 20.2, [(1e-3, 1e-3)], noisy, 400)
+             for step, loss in ((100, 5.3), (200, 9.7), (300, 10.3))]
+    assert found[2] is not None and "bit for bit" in found[2].finding.message and "max_norm 0" in found[2].finding.message
+    unstepped = VerdictEngine()  # the same stillness with no optimizer step counted: optimizer_not_stepping's case
+    assert all(judge_progress(step, Drift(0.0, 5.0, 100, taken=0), 5.3, 20.2, [(1e-3, 1e-3)], unstepped, 400) is None
+               for step in (100, 200, 300))
+    fallen = VerdictEngine()  # the same stillness once the loss fell 10x: steps below the weights' precision
+    assert all(judge_progress(step, Drift(0.0, 5.0, 100), 1.5, 20.2, [(1e-3, 1e-3)], fallen, 400) is None
+               for step in (100, 200, 300))
     early = VerdictEngine()  # checked every step: the first steps of any run leave the loss near its start
     assert all(judge_progress(step, frozen, 1.39, 1.40, [(1e-6, 1e-6)], early, 400) is None for step in range(1, 99))
     resumed = WeightDrift()  # a run resumed at step 500 has no reference loss: not judged

@@ -87,7 +87,7 @@ class GradientMonitor(Monitor):
         self._trainable = 0
         self._explosions = Explosions(self.verdicts, self._judge_early)
         self._drift = WeightDrift()
-        self._drifts: dict[int, tuple[Readback, int] | None] = {}
+        self._drifts: dict[int, tuple[Readback, int, int | None] | None] = {}
         self._spread = UnitSpread()
         self._spreads: dict[int, tuple[Readback, list[tuple[str, int]]]] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)
@@ -200,7 +200,8 @@ class GradientMonitor(Monitor):
         since = self._unregistered.walked_at
         unchanged = self._unregistered.walk(step, loss, known)
         if unchanged and since is not None:
-            self._record(unregistered_verdict(step, since, unchanged, self.context.module()), step, self.context.where())
+            verdict = unregistered_verdict(step, since, unchanged, self.context.module())
+            self._record(verdict, step, self.context.where())
 
     def batch_end(self, step: int, batch: Any) -> None:
         self._stop_watching_forward()
@@ -255,7 +256,7 @@ class GradientMonitor(Monitor):
             del self._wheres[min(self._wheres)]
         if not index.sharded:
             self._drifts = {s: r for s, r in self._drifts.items() if s in self._wheres}
-            self._drifts[step] = self._drift.measure(step, index.params)
+            self._drifts[step] = self._drift.measure(step, index.params, self._unstepped.counted_steps)
             self._spreads = {s: r for s, r in self._spreads.items() if s in self._wheres}
             if (spread := self._spread.measure(step, index.names, index.params)) is not None:
                 self._spreads[step] = spread
@@ -278,13 +279,13 @@ class GradientMonitor(Monitor):
         current.subscribe(self._on_numerics)
         return Decision.CONTINUE
 
-    def _read_rules(self, step: int, measured: tuple[Readback, int] | None, host: HostNumerics,
+    def _read_rules(self, step: int, measured: tuple[Readback, int, int | None] | None, host: HostNumerics,
                     where: Where) -> None:
         """The rules of :data:`Moment.CHECK_READ`, with the weights' drift, how alike each layer's units are and the
         run's first loss."""
         first = self._drift.reference(step, step_loss(host))
         values = measured[0].values() if measured is not None and measured[0].ready() else None
-        drift = None if values is None or measured is None else Drift(values[0], values[1], measured[1])
+        drift = None if values is None or measured is None else Drift(values[0], values[1], *measured[1:])
         spread = self._spreads.pop(step, None)
         units = (UnitSpread.spreads(spread[0].values(), spread[1]) if spread is not None and spread[0].ready()
                  else None)

@@ -48,6 +48,10 @@ SCHEDULE_SHARE = 0.1
 """A learning rate under this share of its base is a warm-up's start or a decay's end, not judged."""
 MIN_STEPS = 100
 """Steps before the rule judges: a loss within 10% of its start after a few steps is the norm, not a stall."""
+STILL_FALL = 10.0
+"""Weights bit for bit the same are judged while the loss has not fallen this many times below the first check's:
+no small learning rate leaves every sampled value as it was, but a model trained to a loss near 0 under plain SGD
+takes steps below its weights' precision (the loss of single batches moves far more than 10% either way)."""
 KEY = "negligible_updates"
 
 
@@ -58,6 +62,9 @@ class Drift:
     moved: float
     size: float
     steps: int
+    taken: int | None = None
+    """Optimizer steps the run's hooks counted over the window (None: not counted); 0: no step moved anything, which
+    is ``optimizer_not_stepping``'s to judge, not a learning rate's."""
 
     @property
     def per_step(self) -> float:
@@ -96,9 +103,9 @@ class WeightDrift:
         >>> drift.measure(0, weights) is None
         True
         >>> with torch.no_grad(): _ = weights[0].add_(0.01)
-        >>> moved, steps = drift.measure(100, weights)
-        >>> round(moved.values()[0], 4), steps
-        (0.0316, 100)
+        >>> moved, steps, taken = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), steps, taken
+        (0.0316, 100, None)
     """
 
     def __init__(self) -> None:
@@ -106,12 +113,15 @@ class WeightDrift:
         self._picked: list[Any] = []
         self._kept: torch.Tensor | None = None
         self._step = -1
+        self._taken: int | None = None
         self.first_loss: float | None = None
         self.first_step: int | None = None
 
-    def measure(self, step: int, params: Sequence[Any]) -> tuple[Readback, int] | None:
-        """Keep this check step's sample; a read-back of (moved, size) and the optimizer steps since the last one
-        (None at first)."""
+    def measure(self, step: int, params: Sequence[Any],
+                taken: int | None = None) -> tuple[Readback, int, int | None] | None:
+        """Keep this check step's sample; a read-back of (moved, size), the optimizer steps since the last one and
+        those the hooks counted in between (``taken``: the hooks' count so far, None when they do not count; None at
+        first)."""
         if params is not self._params:
             self._params, self._kept = params, None
             self._picked = picked_parameters(params)
@@ -121,10 +131,11 @@ class WeightDrift:
             sample = weight_sample(self._picked)
             kept, self._kept = self._kept, sample
             steps, self._step = step - self._step, step
+            counted, self._taken = self._taken, taken
             if kept is None or kept.shape != sample.shape or steps <= 0:
                 return None
             moved = torch.stack([(sample - kept).norm(), kept.norm()])
-        return Readback(moved, blocking=False), steps
+        return Readback(moved, blocking=False), steps, None if taken is None or counted is None else taken - counted
 
     def reference(self, step: int, loss: float) -> float | None:
         """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
@@ -139,13 +150,14 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     """``learning_stalled`` (``negligible_updates``) at check step ``step``: ``drift`` since the previous check step
     (None: not measured, nothing judged), this step's ``loss`` against ``first_loss``, ``lrs`` (learning rate, base)
     per param group. See the module's docstring."""
-    if drift is None or first_loss is None:
+    if drift is None or first_loss is None or drift.taken == 0:
         return None
     plain = all(isinstance(lr, (int, float)) and isinstance(base, (int, float)) for lr, base in lrs)
     scheduled = plain and bool(lrs) and all(lr > 0 and lr >= SCHEDULE_SHARE * base for lr, base in lrs)
     far_from_end = total_steps is None or step < END_SHARE * total_steps
-    suspect = (step >= MIN_STEPS and scheduled and far_from_end and drift.per_step < NEGLIGIBLE_DRIFT
-               and math.isfinite(loss) and loss >= (1 - PROGRESS) * first_loss)
+    slow = drift.per_step < NEGLIGIBLE_DRIFT and loss >= (1 - PROGRESS) * first_loss
+    still = drift.moved == 0 and STILL_FALL * loss >= first_loss > 0
+    suspect = step >= MIN_STEPS and scheduled and far_from_end and math.isfinite(loss) and (slow or still)
     measured = {"per_step": drift.per_step, "loss": loss}
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step,
                                  [Suspicion(Kind.LEARNING_STALLED, KEY, step, measured=measured)] if suspect else [],
@@ -157,17 +169,20 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     shown = ", ".join(f"{lr:g}" for lr in rates)
     if drift.per_step > 0:
         what = (f"the weights move by {drift.per_step:.1e} of their size per step (a healthy step moves them by about "
-                f"1e-3) at learning rate {shown}")
+                f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
                 "finder helps)."
     else:  # not a small learning rate: nothing moved them at all
-        what = f"the trained weights did not move at all, although the learning rate is {shown}"
+        what = (f"the trained weights did not move at all (bit for bit) although the optimizer steps at learning rate "
+                f"{shown}, and the loss is {loss:.4g} (the first check step's {first_loss:.4g})")
         cause = "The optimizer does not step the parameters the model trains (an optimizer built over a copy of " \
-                "the model, or over parameters replaced since), or every gradient is 0."
+                "the model, or over parameters replaced since), every gradient is 0 when it steps (gradients read " \
+                "healthy and then clipped with max_norm 0, or zeroed between the backward and the step), or every " \
+                "update is below the weights' precision (bfloat16 or float16 weights under a small step: keep the " \
+                "weights in float32 with mixed precision)."
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"Training is not learning since step {since}: {what}, and the loss ({loss:.4g}) is where it started "
-        f"({first_loss:.4g}). {cause}",
+        f"Training is not learning since step {since}: {what}. {cause}",
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)

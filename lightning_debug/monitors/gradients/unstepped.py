@@ -76,6 +76,11 @@ class Unstepped:
             if hasattr(inner, "register_step_post_hook"):
                 self._handles.append(inner.register_step_post_hook(self._optimizer_stepped))
 
+    @property
+    def counted_steps(self) -> int | None:
+        """Every optimizer step taken so far, or None when no optimizer could be hooked."""
+        return self.optimizer_steps if self._handles else None
+
     def release(self) -> None:
         for handle in self._handles:
             handle.remove()
