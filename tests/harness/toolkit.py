@@ -321,6 +321,30 @@ def fresh_accelerate() -> Iterator[None]:
         GradientState._reset_state()
 
 
+def accelerate_regression(root: Path, model: nn.Module, optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                          after_backward: Callable[[Any, nn.Module, Any], None], epochs: int = 25
+                          ) -> list[dict[str, Any]]:
+    """``epochs`` of an Accelerate loop over :func:`regression_data` (16 batches an epoch) under an AccelerateDebugger
+    with every area (no plots, no summary): ``after_backward(accelerator, model, optimizer)`` runs after each
+    ``debugger.backward(loss)`` (the step, or the bug planted instead); the run's events."""
+    from accelerate import Accelerator
+
+    from lightning_debug.accelerate import AccelerateDebugger
+
+    with fresh_accelerate():
+        torch.manual_seed(0)
+        accelerator = Accelerator(cpu=True, project_dir=str(root))
+        prepared, built, loader = accelerator.prepare(
+            model, optimizer(model), DataLoader(regression_data(), batch_size=16, shuffle=True))
+        with AccelerateDebugger(accelerator, prepared, built, DebugConfig(save_plots=False, print_summary=False),
+                                train_dataloader=loader) as debugger:
+            for _ in range(epochs):
+                for x, y in loader:
+                    debugger.backward(nn.functional.mse_loss(prepared(x), y))
+                    after_backward(accelerator, prepared, built)
+    return read_events(run_dir(root / "debug_outputs"))
+
+
 def as_on_an_accelerator(monkeypatch: Any) -> None:
     """Take the defaults' choice of a GPU on this CPU: no free replay of a NaN's step, its numbers read a step late
     (``pytest.MonkeyPatch``; lightning_debug.monitors.anomaly.replay.replays_for_free)."""

@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_debug import DebugConfig
 from lightning_debug.monitors.gradients.unregistered import SPACING
-from tests.harness.toolkit import (TinyRegressor, all_four, debug_dir, fit_seeded, fresh_accelerate, read_events,
-                                   regression_data, run_dir)
+from tests.harness.toolkit import TinyRegressor, accelerate_regression, all_four, debug_dir, fit_seeded, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,24 +105,12 @@ def test_registered_made_anew_or_updated_by_hand_is_quiet(tmp_path: Path, model:
 
 
 def test_layers_in_a_list_are_named_in_an_accelerate_loop(tmp_path: Path) -> None:
-    from accelerate import Accelerator
+    def step(accelerator: Any, model: nn.Module, optimizer: Any) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
 
-    from lightning_debug.accelerate import AccelerateDebugger
-
-    with fresh_accelerate():
-        torch.manual_seed(0)
-        accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
-        model = Hidden(registered=False)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        with AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
-                                train_dataloader=loader) as debugger:
-            for _ in range(13):
-                for x, y in loader:
-                    debugger.backward(nn.functional.mse_loss(model(x), y))
-                    optimizer.step()
-                    optimizer.zero_grad()
-    found = serious(read_events(run_dir(tmp_path / "debug_outputs")))
+    torch.manual_seed(0)
+    found = serious(accelerate_regression(tmp_path, Hidden(registered=False),
+                                          lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), step, epochs=13))
     assert [(e["kind"], e["details"]["cause"], e["details"]["parameters"][0]) for e in found] == [
         ("frozen_param", "unregistered", "blocks[0].weight")]

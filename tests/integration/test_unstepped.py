@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader
 
 from lightning_debug import DebugConfig
 from lightning_debug.monitors.gradients.unstepped import JUDGE_AT, SAMPLE_AT
-from tests.harness.toolkit import (TinyRegressor, all_four, debug_dir, fit_seeded, fresh_accelerate, read_events,
-                                   read_report, regression_data, run_dir)
+from tests.harness.toolkit import (TinyRegressor, accelerate_regression, all_four, debug_dir, fit_seeded, read_events,
+                                   read_report)
 
 BATCHES_PER_EPOCH = 16  # regression_data's 256 samples at 16 a batch
 
@@ -127,27 +127,14 @@ def test_an_optimizer_stepped_outside_the_wrapper_is_quiet_and_its_gradient_chec
 
 def accelerate_loop(root: Path, step: bool) -> list[dict[str, Any]]:
     """25 epochs of an Accelerate loop (400 batches), with ``optimizer.step()`` or without it."""
-    from accelerate import Accelerator
+    def after_backward(accelerator: Any, model: nn.Module, optimizer: Any) -> None:
+        if step:
+            optimizer.step()
+        optimizer.zero_grad()
 
-    from lightning_debug.accelerate import AccelerateDebugger
-
-    with fresh_accelerate():
-        torch.manual_seed(0)
-        accelerator = Accelerator(cpu=True, project_dir=str(root))
-        model = TinyRegressor()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        debugger = AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
-                                      train_dataloader=loader)
-        with debugger:
-            for _ in range(25):
-                for x, y in loader:
-                    debugger.backward(nn.functional.mse_loss(model(x), y))
-                    if step:
-                        optimizer.step()
-                    optimizer.zero_grad()
-    return read_events(run_dir(root / "debug_outputs"))
+    torch.manual_seed(0)
+    return accelerate_regression(root, TinyRegressor(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+                                 after_backward)
 
 
 def test_a_forgotten_optimizer_step_in_an_accelerate_loop_is_named_and_its_twin_is_quiet(tmp_path: Path) -> None:
@@ -207,26 +194,14 @@ def test_stochastic_weight_averagings_forward_only_epoch_is_quiet(tmp_path: Path
 
 def accelerate_clipped(root: Path, max_norm: float) -> list[dict[str, Any]]:
     """25 epochs of an Accelerate loop that clips every gradient to ``max_norm`` before each step."""
-    from accelerate import Accelerator
+    def after_backward(accelerator: Any, model: nn.Module, optimizer: Any) -> None:
+        accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
 
-    from lightning_debug.accelerate import AccelerateDebugger
-
-    with fresh_accelerate():
-        torch.manual_seed(0)
-        accelerator = Accelerator(cpu=True, project_dir=str(root))
-        model = TinyRegressor()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        with AccelerateDebugger(accelerator, model, optimizer, DebugConfig(save_plots=False, print_summary=False),
-                                train_dataloader=loader) as debugger:
-            for _ in range(25):
-                for x, y in loader:
-                    debugger.backward(nn.functional.mse_loss(model(x), y))
-                    accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-    return read_events(run_dir(root / "debug_outputs"))
+    torch.manual_seed(0)
+    return accelerate_regression(root, TinyRegressor(), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+                                 after_backward)
 
 
 def test_gradients_clipped_to_zero_before_every_step_are_named_and_its_twin_is_quiet(tmp_path: Path) -> None:
