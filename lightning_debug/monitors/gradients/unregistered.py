@@ -72,16 +72,13 @@ class Unregistered:
             return None
         self.done = True
         present = {id(t) for t in leaves}
-        pairs = [(t, kept) for t, kept in ((ref(), kept) for ref, kept in self._leaves)
-                 if t is not None and id(t) in present]
+        found = [(t, now, kept) for t, kept in ((ref(), kept) for ref, kept in self._leaves)
+                 if t is not None and id(t) in present and (now := weight_sample([t])).shape == kept.shape]
         self._leaves = []
-        if not pairs:
+        if not found:
             return []
-        now = [weight_sample([t]) for t, _ in pairs]
-        same = [now.shape == kept.shape for now, (_, kept) in zip(now, pairs)]
-        equal = torch.stack([(a == kept).all() if fits else torch.zeros((), dtype=torch.bool, device=a.device)
-                             for a, (_, kept), fits in zip(now, pairs, same)]).tolist()
-        return [t for (t, _), unchanged in zip(pairs, equal) if unchanged]
+        unchanged = torch.stack([(now == kept).all() for _, now, kept in found]).tolist()
+        return [t for (t, _, _), same in zip(found, unchanged) if same]
 
 
 def _readable(tensor: torch.Tensor) -> bool:
