@@ -12,7 +12,8 @@ not from anyone's code:
   second time" (the PyTorch forum's recurring thread), and out-of-memory, a failure category of its own in Zhang
   et al., ICSE 2020 ("An Empirical Study on Program Failures of Deep Learning Jobs", 4960 failures of Microsoft's
   platform; GPU out of memory is the most common deep-learning-specific one), here from one record far longer than
-  the rest fed to a quadratic attention;
+  the rest fed to a quadratic attention, and a Dataset whose cache only grows in its DataLoader workers
+  (pytorch/pytorch#62066);
 - performance, the PyTorch performance tuning guide (load data asynchronously: ``num_workers=0`` with a costly
   ``__getitem__`` runs every transform on the training loop's thread) and Cao et al., FSE 2022
   ("Understanding Performance Problems in Deep Learning Systems": slow data preparation, blocking work in the
@@ -133,6 +134,41 @@ class RetainedCenter(FaultProgram):
         loss.backward(retain_graph=not self.program.fixed)
 
 
+class _Decoded(Dataset):
+    """Each record decoded (into ``DECODED`` floats) when served and kept, in a cache that only grows in each worker
+    process; the twin keeps the last ``period`` (``functools.lru_cache(maxsize=...)``'s bound)."""
+
+    def __init__(self, program: Program) -> None:
+        self.inputs, self.targets = data(program).tensors
+        self.bound = program.period if program.fixed else None
+        self.cache: dict[tuple[int, int], torch.Tensor] = {}
+        self.served = 0
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        decoded = self.inputs[index].repeat(DECODED // self.inputs.shape[1])
+        self.served += 1
+        self.cache[(self.served, index)] = decoded  # keyed by each serving: every epoch's copy stays too
+        if self.bound is not None and len(self.cache) > self.bound:
+            del self.cache[next(iter(self.cache))]
+        return decoded[:self.inputs.shape[1]], self.targets[index]
+
+
+DECODED = 16384
+"""Floats of a decoded record (64 KB): a batch of 16 keeps 1 MB."""
+
+
+class WorkerCache(FaultProgram):
+    """A Dataset that keeps every record it decoded (pytorch/pytorch#62066: "Memory Leak Found in Persistent
+    DataLoader"; #5902: the training process's own resident set stays flat), read by two persistent workers: the
+    cache grows in each worker, where the training process's readings and its tensor census do not look."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_Decoded(self.program), batch_size=self.program.batch, num_workers=2, persistent_workers=True)
+
+
 LONG_RECORD = 200_000
 """Elements of the one long record: padded to it, a batch of 8 asks attention for 8 x 200k x 200k floats (1.3 TB)."""
 
@@ -249,7 +285,7 @@ class PeriodicWrite(FaultProgram):
 
 RESOURCES: dict[str, type[FaultProgram]] = {
     "loss_history": LossHistory, "outputs_kept": OutputsKept, "unbounded_bank": UnboundedBank,
-    "retained_center": RetainedCenter,
+    "retained_center": RetainedCenter, "worker_cache": WorkerCache,
     "long_record": LongRecord, "slow_loader": SlowLoader, "periodic_write": PeriodicWrite,
 }
 

@@ -303,8 +303,9 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                 "noise), explained from a census of live tensors",
         advice="Memory grows step after step: a tensor kept across steps together with its graph "
                "(`losses.append(loss)` instead of `loss.item()` or `loss.detach()`), a cache or list that "
-               "only grows, or gradients accumulated without `zero_grad()`.",
-        hint="a tensor kept with its graph? keep loss.item() or loss.detach()",
+               "only grows (in the training process, or in the Dataset of each DataLoader worker), or gradients "
+               "accumulated without `zero_grad()`.",
+        hint="a tensor kept with its graph (keep loss.item()), or a cache that only grows?",
         confirm=Confirm(patience=2, backdate=False)),
     Kind.MEMORY_HIGH: KindSpec(
         Area.MEMORY, Severity.WARNING,

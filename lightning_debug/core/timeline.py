@@ -13,6 +13,7 @@ from lightning_debug.core.kinds import severity_rank
 AREA_NAMES = {
     "debug/perf/step_ms": "step_time_ms", "debug/perf/data_ms": "data_time_ms",
     "debug/memory/cpu_rss_mb": "memory/cpu_rss_mb", "debug/memory/cpu_heap_mb": "memory/cpu_heap_mb",
+    "debug/memory/workers_rss_mb": "memory/workers_rss_mb",
     "debug/memory/cuda_allocated_mb": "memory/cuda_allocated_mb",
     "debug/memory/cuda_reserved_mb": "memory/cuda_reserved_mb", "debug/memory/cuda_peak_mb": "memory/cuda_peak_mb",
     "debug/grad/global_norm": "gradient_norm",

@@ -142,6 +142,7 @@ def draw_debug_analysis(timeline: Timeline, path: Path, *, title: str = "lightni
     memory_axis.set_title("Memory: change since the first reading", loc="left", fontsize=10)
     memory_axis.set_ylabel("MB")
     memory = [("debug/memory/cpu_rss_mb", "process RSS"), ("debug/memory/cpu_heap_mb", "C heap in use"),
+              ("debug/memory/workers_rss_mb", "DataLoader workers' RSS"),
               ("debug/memory/cuda_allocated_mb", "CUDA allocated"), ("debug/memory/cuda_reserved_mb", "CUDA reserved")]
     if not _lines(memory_axis, timeline, memory, changes=True):
         _nothing(memory_axis, "no memory readings: add MemoryProfilerCallback (log_memory: true)")

@@ -64,10 +64,11 @@ def debug_layout() -> dict[str, dict[str, list[Any]]]:
             "non-finite values": ["Multiline", [r"debug/activation/.*/nonfinite_count$"]],
         },
         "lightning-debug: memory": {
-            "process RSS and C heap (MB)": ["Multiline", [r"debug/memory/cpu_(rss|heap)_mb$"]],
+            "process RSS and C heap (MB)": ["Multiline", [r"debug/memory/(cpu|workers)_(rss|heap)_mb$"]],
             "CUDA memory (MB)": ["Multiline", [r"debug/memory/cuda.*"]],
             "memory per phase (MB)": ["Multiline", [r"debug/memory/phase/.*"]],
-            "system memory available and other (MB)": ["Multiline", [r"debug/memory/(?!cpu_rss|cpu_heap|cuda|phase/).*"]],
+            "system memory available and other (MB)": [
+                "Multiline", [r"debug/memory/(?!cpu_rss|cpu_heap|workers_rss|cuda|phase/).*"]],
         },
         "lightning-debug: performance": {
             "step time (ms)": ["Multiline", [r"debug/perf/step_ms$"]],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -26,8 +27,8 @@ from lightning_debug.checks.batches import named_tensors
 from lightning_debug.checks.robust import MAD_TO_SIGMA, median
 
 MB = 2**20
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use", "cpu_rss": "process RSS"}
+SERIES_LABELS = {"cuda_allocated": "CUDA memory allocated", "cpu_heap": "CPU heap in use", "cpu_rss": "process RSS",
+                 "workers_rss": "DataLoader workers' RSS"}
 
 
 class MemoryPhase(enum.Enum):
@@ -83,37 +84,72 @@ def _total_memory() -> int:
 
 @functools.lru_cache(maxsize=4)
 def _proc_files(pid: int) -> tuple[int, int] | None:
-    """Descriptors of ``pid``'s ``statm`` and ``/proc/meminfo``, opened once per process (None without ``/proc``)."""
+    """Descriptors of ``pid``'s ``status`` and ``/proc/meminfo``, opened once per process (None without ``/proc``)."""
     try:
-        statm = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        status = os.open(f"/proc/{pid}/status", os.O_RDONLY)
     except (OSError, AttributeError):
         return None
     try:
-        return statm, os.open("/proc/meminfo", os.O_RDONLY)
+        return status, os.open("/proc/meminfo", os.O_RDONLY)
     except OSError:
-        os.close(statm)
+        os.close(status)
         return None
 
 
-def rss_and_available() -> tuple[int, int]:
-    """The process's resident set and the memory the system can still give (bytes), as psutil reports them, but
-    read on Linux through descriptors kept open (psutil opens and parses the files at every call, 0.1 ms each).
+def _field_kb(text: bytes, name: bytes) -> int:
+    at = text.index(name)
+    return int(text[at + len(name):text.index(b"\n", at)].split()[0])
 
-    >>> rss, available = rss_and_available()
-    >>> rss > 0 and available > 0
+
+def _resident(status: bytes) -> tuple[int, int]:
+    """The resident set and its file-backed part (bytes) of a ``/proc/<pid>/status`` text."""
+    return _field_kb(status, b"VmRSS:") * 1024, _field_kb(status, b"RssFile:") * 1024
+
+
+def rss_and_available() -> tuple[int, int, int]:
+    """The process's resident set, its file-backed part and the memory the system can still give (bytes), as psutil
+    reports them, but read on Linux through descriptors kept open (psutil opens and parses the files at every call,
+    0.1 ms each). File pages (a memory-mapped data set read through an epoch) are page cache the kernel takes back,
+    not memory the process holds.
+
+    >>> rss, file_pages, available = rss_and_available()
+    >>> rss > file_pages >= 0 and available > 0
     True
     """
     files = _proc_files(os.getpid())
     if files is not None:
         try:
-            pages = int(os.pread(files[0], 256, 0).split()[1])
-            meminfo = os.pread(files[1], 4096, 0)
-            at = meminfo.index(b"MemAvailable:")
-            available_kb = int(meminfo[at + len(b"MemAvailable:"):meminfo.index(b"\n", at)].split()[0])
-            return pages * _PAGE_SIZE, available_kb * 1024
+            rss, file_pages = _resident(os.pread(files[0], 4096, 0))
+            return rss, file_pages, _field_kb(os.pread(files[1], 4096, 0), b"MemAvailable:") * 1024
         except (OSError, ValueError, IndexError):  # a closed descriptor, an old kernel: reopen next time
             _proc_files.cache_clear()
-    return int(_process(os.getpid()).memory_info().rss), int(psutil.virtual_memory().available)
+    info = _process(os.getpid()).memory_info()
+    return int(info.rss), 0, int(psutil.virtual_memory().available)
+
+
+def workers_resident() -> tuple[int, int]:
+    """The resident set without file pages, summed, of the processes this one started through ``multiprocessing``
+    and that still run, and how many: the DataLoader's workers, whose memory the training process's readings do not
+    show. A launcher's ranks, a logger's service or a compiler's pool are started as subprocesses, not counted. Pages
+    a worker shares with the training process since the fork count in each.
+
+    >>> resident, count = workers_resident()
+    >>> count == len(multiprocessing.active_children()) and resident >= 0
+    True
+    """
+    total = count = 0
+    for worker in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{worker.pid}/status", "rb") as handle:
+                rss, file_pages = _resident(handle.read())
+        except (OSError, ValueError, IndexError):
+            try:
+                rss, file_pages = int(psutil.Process(worker.pid).memory_info().rss), 0
+            except psutil.Error:
+                continue
+        total += rss - file_pages
+        count += 1
+    return total, count
 
 
 @functools.lru_cache(maxsize=16)
@@ -137,7 +173,8 @@ def cuda_peak_and_reset(index: int) -> int:
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """One check step's memory, in bytes. CUDA fields are None without a CUDA device."""
+    """One check step's memory, in bytes. CUDA fields are None without a CUDA device; ``workers_rss`` (and
+    ``workers``, how many) None where they were not read, ``cpu_rss_file`` the file pages of ``cpu_rss``."""
 
     cpu_rss: int
     cpu_available: int
@@ -147,6 +184,9 @@ class MemoryReading:
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
     cuda_total: int | None = None
+    cpu_rss_file: int = 0
+    workers_rss: int | None = None
+    workers: int = 0
 
     @property
     def on_cuda(self) -> bool:
@@ -157,6 +197,8 @@ class MemoryReading:
         values: dict[str, float] = {"cpu_rss_mb": self.cpu_rss / MB, "cpu_available_mb": self.cpu_available / MB}
         if self.cpu_heap is not None:
             values["cpu_heap_mb"] = self.cpu_heap / MB
+        if self.workers_rss is not None:
+            values["workers_rss_mb"] = self.workers_rss / MB
         if self.cuda_allocated is not None and self.cuda_reserved is not None:
             values.update(cuda_allocated_mb=self.cuda_allocated / MB, cuda_reserved_mb=self.cuda_reserved / MB,
                           cuda_fragmentation_mb=(self.cuda_reserved - self.cuda_allocated) / MB)
@@ -167,29 +209,38 @@ class MemoryReading:
         return values
 
     def leak_series(self) -> dict[str, float]:
-        """The byte counts whose trend tells a leak: exact ones first, the noisy resident set last."""
+        """The byte counts whose trend tells a leak: exact ones first, then the noisy resident sets without their
+        file pages (a memory-mapped data set read through an epoch), the training process's before its workers'."""
         series: dict[str, float] = {}
         if self.cuda_allocated is not None:
             series["cuda_allocated"] = float(self.cuda_allocated)
         if self.cpu_heap is not None:
             series["cpu_heap"] = float(self.cpu_heap)
-        series["cpu_rss"] = float(self.cpu_rss)
+        series["cpu_rss"] = float(self.cpu_rss - self.cpu_rss_file)
+        if self.workers_rss is not None:
+            series["workers_rss"] = float(self.workers_rss)
         return series
 
 
-def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True) -> MemoryReading:
+def read_memory(device: torch.device | None, reset_peak: bool = True, heap: bool = True,
+                workers: bool = False) -> MemoryReading:
     """Process, system and (for a CUDA ``device``) allocator memory, never synchronising the device. ``reset_peak``:
-    the next ``cuda_peak`` is the peak since this reading; ``heap``: read the C heap (:func:`heap_in_use`'s cost)."""
-    rss, available = rss_and_available()
+    the next ``cuda_peak`` is the peak since this reading; ``heap``: read the C heap (:func:`heap_in_use`'s cost);
+    ``workers``: read the DataLoader's workers (:func:`workers_resident`, 0.03 ms a worker)."""
+    rss, file_pages, available = rss_and_available()
+    host = dict(cpu_heap=heap_in_use() if heap else None, cpu_rss_file=file_pages)
+    if workers:
+        resident, count = workers_resident()
+        host.update(workers_rss=resident if count else None, workers=count)
     total = _total_memory()
     index = cuda_index(device)
     if index is None:
-        return MemoryReading(rss, available, total, heap_in_use() if heap else None)
+        return MemoryReading(rss, available, total, **host)
     stats = torch.cuda.memory_stats(index)
     peak = int(stats.get("allocated_bytes.all.peak", 0))
     if reset_peak:
         torch.cuda.reset_peak_memory_stats(index)
-    return MemoryReading(rss, available, total, heap_in_use() if heap else None,
+    return MemoryReading(rss, available, total, **host,
                          cuda_allocated=int(stats.get("allocated_bytes.all.current", 0)),
                          cuda_reserved=int(stats.get("reserved_bytes.all.current", 0)), cuda_peak=peak,
                          cuda_total=cuda_total_memory(index))

@@ -40,15 +40,24 @@ from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import Confirmed, Suspicion, VerdictEngine
 
 # Below these rises over the trend window, growth is allocator granularity or warm-up creep.
-GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB}
+GROWTH_FLOORS = {"cuda_allocated": 1.0 * MB, "cpu_heap": 1.0 * MB, "cpu_rss": 32.0 * MB, "workers_rss": 32.0 * MB}
 # The latest half of the window must rise at least this share as fast as the whole: growth that goes on.
 RECENT_SLOPE_SHARE = 0.5
 INPUT_GROWTH = 1.5
 # Readings of the next epoch that tell whether a growth kept past its epoch's end goes on (a leak) or stopped.
 CARRIED_READINGS = 4
+# The share of the last epoch's pace a growth keeps across an epoch's end when it goes on (see GrowthSeries.goes_on).
+EPOCH_PACE = 0.9
 # The series that grow with the input per step on a CPU (a CUDA allocator's bytes between steps do not).
-INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss"})
+INPUT_DRIVEN = frozenset({"cpu_heap", "cpu_rss", "workers_rss"})
 KEY = "growth"
+WORKERS_GROW = (
+    "The training process's memory does not grow with it: the {} DataLoader worker processes do, and the tensor "
+    "census cannot see into them. The Dataset, its transforms or collate_fn keep something from the items they "
+    "serve, once in each worker, and persistent workers keep it for the whole run: a list or cache that only grows "
+    "(a leak), or a per-item cache each worker fills with the items it is given (it grows towards one copy of the "
+    "data set per worker). Bound it (functools.lru_cache(maxsize=...)), fill it before the workers start, or drop "
+    "it; tracemalloc inside a worker (worker_init_fn) shows the line.")
 
 
 class GrowthStatus(StrEnum):
@@ -148,23 +157,53 @@ class GrowthSeries:
         return False
 
     def goes_on(self, names: Iterable[str], since: int) -> bool | None:
-        """Whether one of ``names`` still rises from step ``since`` on, at least ``RECENT_SLOPE_SHARE`` as fast as
-        its window; None while fewer than ``CARRIED_READINGS`` readings are that recent::
+        """Whether one of ``names`` rises from step ``since`` (an epoch's first reading) on at least ``EPOCH_PACE``
+        as fast as before it: a leak keeps its pace across an epoch's end, a cache filled once stops, and a cache
+        each of W persistent workers fills (each sees 1/W of the data an epoch) slows to (W - 1)/W. None while fewer
+        than ``CARRIED_READINGS`` readings are that recent::
 
             >>> series = GrowthSeries(window=16, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": 1e6 * min(step, 8)}) for step in range(11)]
-            >>> series.goes_on(["cpu_heap"], since=8), series.add(11, {"cpu_heap": 8e6}), series.goes_on(["cpu_heap"], 8)
-            (None, True, False)
+            >>> series.goes_on(["cpu_heap"], since=8), series.add(11, {"cpu_heap": 8e6})
+            (None, True)
+            >>> series.goes_on(["cpu_heap"], since=8)
+            False
         """
         for name in names:
-            points = [(step, value) for step, value in self.points.get(name, ()) if step >= since]
-            if len(points) < CARRIED_READINGS:
+            points = list(self.points.get(name, ()))
+            recent = [(step, value) for step, value in points if step >= since]
+            if len(recent) < CARRIED_READINGS:
                 return None
-            whole, recent = self.trends.get(name), fit_trend(points)
-            if whole is not None and recent is not None and whole.slope > 0 \
-                    and recent.slope >= RECENT_SLOPE_SHARE * whole.slope:
+            before, after = fit_trend([point for point in points if point[0] < since]), fit_trend(recent)
+            if before is not None and after is not None and before.slope > 0 \
+                    and after.slope >= EPOCH_PACE * before.slope:
                 return True
         return False
+
+    def epoch_boundary(self) -> int | None:
+        """Where a window of several epochs is cut to compare its paces (:meth:`goes_on`): the first reading of an
+        epoch with ``CARRIED_READINGS`` readings before it, the latest that leaves as many after it, else the latest;
+        None where no epoch starts that late::
+
+            >>> series = GrowthSeries(window=16, warmup_readings=0, min_spacing=1)
+            >>> _ = [series.add(step, {"cpu_rss": 1.0}, epoch=step // 5) for step in range(7)]
+            >>> series.epoch_boundary(), [series.add(step, {"cpu_rss": 1.0}, epoch=step // 5) for step in range(7, 14)]
+            (5, [True, True, True, True, True, True, True])
+            >>> series.epoch_boundary(), series.readings_since(10)
+            (10, 4)
+        """
+        epochs = list(self.epochs)
+        steps = [step for step, _ in self.points.get("cpu_rss", ())]
+        if None in epochs or len(steps) != len(epochs):
+            return None
+        starts = [at for at in range(CARRIED_READINGS, len(epochs)) if epochs[at] != epochs[at - 1]]
+        if not starts:
+            return None
+        enough = [at for at in starts if len(epochs) - at >= CARRIED_READINGS]
+        return steps[enough[-1] if enough else starts[-1]]
+
+    def readings_since(self, step: int) -> int:
+        return sum(1 for at, _ in self.points.get("cpu_rss", ()) if at >= step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"points": {name: [list(point) for point in points] for name, points in self.points.items()},
@@ -288,7 +327,8 @@ def growth_finding(step: int, growing: Mapping[str, Trend], trends: Mapping[str,
             f"{trend.first_step}-{trend.last_step} ({trend.readings} readings)")
     if run_out_step is not None:
         rate += f"; at this rate {what} ({format_bytes(room)} left) runs out around step {run_out_step:,}"
-    message = f"{rate}. {explain_growth(grown, steps, graphs)}{where_text}"
+    cause = WORKERS_GROW.format(reading.workers) if name == "workers_rss" else explain_growth(grown, steps, graphs)
+    message = f"{rate}. {cause}{where_text}"
     details = {
         "series": name, "mb_per_step": trend.slope / MB, "run_out_step": run_out_step,
         "headroom_mb": room / MB,

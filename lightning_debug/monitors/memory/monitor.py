@@ -39,6 +39,7 @@ from lightning_debug.core.session import Where
 from lightning_debug.core.stats import RunningStats
 from lightning_debug.core.verdicts import ConfirmedBy
 from lightning_debug.monitors.memory.growth import (
+    CARRIED_READINGS,
     GrowthSeries,
     growth_finding,
     growth_named,
@@ -165,12 +166,13 @@ class MemoryMonitor(Monitor):
 
     def measure(self, step: int, where: Where, device: torch.device | None) -> None:
         """Read memory, test ``memory_high`` and look for steady growth. The C heap (a glibc walk: up to
-        milliseconds) is read only on the trend's readings, once per logging row and every ``min_spacing`` steps."""
+        milliseconds) and the DataLoader's workers are read only on the trend's readings, once per logging row and
+        every ``min_spacing`` steps."""
         started = time.perf_counter()
         self._device = device
         spacing = min(self.settings.min_spacing, self.session.metrics.window if self.bound else 1)
         heap = (self._heap_step is None or not 0 <= step - self._heap_step < spacing or self.windows.takes(step))
-        reading = read_memory(device, reset_peak=True, heap=heap)
+        reading = read_memory(device, reset_peak=True, heap=heap, workers=heap)
         if reading.cpu_heap is not None:
             self._heap_step = step
         if reading.cuda_peak is not None:
@@ -209,6 +211,10 @@ class MemoryMonitor(Monitor):
                 self._start_again(step)
                 return
             self._carried = (step, series)
+        if self._carried is None and self.verdicts.holding(Kind.MEMORY_GROWTH):
+            boundary, growing = self.windows.epoch_boundary(), list(self.windows.growing())
+            if boundary is not None and growing and self._paced_before_the_end(boundary, step):
+                self._carried = (boundary, growing)  # a suspicion across an epoch's end: does it keep its pace?
         if self._carried is not None:
             goes_on = self.windows.goes_on(self._carried[1], self._carried[0])
             if goes_on is None:
@@ -258,6 +264,14 @@ class MemoryMonitor(Monitor):
         if end is None or (total is not None and end >= total - 1 and not self._released_epochs):
             return False
         return lasts_past(step, end, growing, reading)
+
+    def _paced_before_the_end(self, boundary: int, step: int) -> bool:
+        """Whether the readings from ``boundary`` on that tell a growth's pace (``CARRIED_READINGS``) are taken by
+        now or before the run ends: a leak is not left suspected at the end for want of them."""
+        missing = CARRIED_READINGS - self.windows.readings_since(boundary)
+        total, _ = self.context.schedule()
+        spacing = max(self.settings.frequency, self.settings.min_spacing)
+        return missing <= 0 or (total is not None and step + missing * spacing < total)
 
     def _census(self) -> Census:
         census = take_census()
