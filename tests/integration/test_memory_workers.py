@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_debug import MemoryProfilerCallback
@@ -151,3 +152,40 @@ def test_the_leak_series_leave_file_pages_out() -> None:
     assert reading.leak_series() == {"cpu_rss": 300.0, "workers_rss": 70.0}
     assert reading.metrics()["cpu_rss_mb"] == 900 / 2**20 and reading.metrics()["workers_rss_mb"] == 70 / 2**20
     assert "workers_rss" not in MemoryReading(1, 1, 2, None).leak_series()
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_growth_waiting_for_an_epoch_the_run_ends_inside_is_judged_at_the_end(tmp_path: Path, cleared: bool) -> None:
+    """A one-pass Accelerate loop: the epoch's length is known (``train_dataloader``), the run's is not, so a growth
+    waits for the epoch's end, which is the run's. A leak (1 MB a step kept) ended "suspected" with no finding; it is
+    named at the end. Outputs kept for the epoch and cleared after the loop, before ``finish()``, are released."""
+    from accelerate import Accelerator
+
+    from lightning_debug import DebugConfig
+    from lightning_debug.accelerate import AccelerateDebugger
+    from tests.harness.toolkit import fresh_accelerate, regression_data, run_dir
+
+    kept: list[torch.Tensor] = []
+    with fresh_accelerate():
+        accelerator = Accelerator(cpu=True, project_dir=str(tmp_path))
+        model = nn.Linear(8, 1)
+        prepared, optimizer, loader = accelerator.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.01),
+            DataLoader(regression_data(samples=16 * 300), batch_size=16))
+        debugger = AccelerateDebugger(accelerator, prepared, optimizer, DebugConfig(
+            memory_profiling_frequency=10, save_plots=False, print_summary=False), train_dataloader=loader)
+        for x, y in loader:
+            debugger.backward(nn.functional.mse_loss(prepared(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            kept.append(torch.randn(16, ROW))
+        if cleared:
+            kept.clear()
+        debugger.finish()
+    events = [e for e in read_events(run_dir(tmp_path / "debug_outputs")) if e["severity"] == "warning"]
+    report = read_report(run_dir(tmp_path / "debug_outputs"))
+    if cleared:
+        assert events == [] and report["sections"]["memory"]["growth"]["status"] != "growing", events
+    else:
+        assert [e["kind"] for e in events] == ["memory_growth"], events
+        assert events[0]["details"]["tensors"][0]["shape"] == [16, ROW], events[0]["details"]["tensors"]

@@ -273,6 +273,26 @@ class MemoryMonitor(Monitor):
         spacing = max(self.settings.frequency, self.settings.min_spacing)
         return missing <= 0 or (total is not None and step + missing * spacing < total)
 
+    def _growth_at_the_end(self, step: int) -> None:
+        """A growth that waited for its epoch's end when the run ended first (a one-pass Accelerate loop, whose number
+        of steps is unknown; a run stopped early): released by now, as a loop that clears what it kept for the epoch
+        does, or named."""
+        series = self._waiting[1] if self._waiting is not None else []
+        self._waiting = None
+        reading = read_memory(self._device, reset_peak=False, workers=True)
+        now = reading.leak_series()
+        for name in series:
+            values = [value for _, value in self.windows.points.get(name, ())]
+            if values and name in now and now[name] <= (values[0] + max(values)) / 2:
+                return
+        growing = {name: self.windows.trends[name] for name in series if name in self.windows.trends}
+        if not growing or self._evidence is None:
+            return
+        decided = judge_growth(step, growing, self.verdicts)
+        if decided is not None and decided.by is ConfirmedBy.PERSISTED:
+            decided.latest.finding = self._explain(step, growing, reading)
+            self.record(decided.latest.finding, step, self.context.where())
+
     def _census(self) -> Census:
         census = take_census()
         self.census_ms.add(census.seconds * 1000)
@@ -353,6 +373,8 @@ class MemoryMonitor(Monitor):
         self.record(oom_finding(evidence, str(path) if path else None, snapshot_path), step, where, key=str(step))
 
     def finalize(self, step: int) -> None:
+        if self._waiting is not None and self.session.is_global_zero:
+            self._growth_at_the_end(step)
         self._evidence = None
         super().finalize(step)
         self.restore()
