@@ -283,8 +283,8 @@ class MemoryMonitor(Monitor):
         now = reading.leak_series()
         for name in series:
             values = [value for _, value in self.windows.points.get(name, ())]
-            if values and name in now and now[name] <= (values[0] + max(values)) / 2:
-                return
+            if values and (name not in now or now[name] <= (values[0] + max(values)) / 2):
+                return  # released (workers that ended with their epoch are no longer read)
         growing = {name: self.windows.trends[name] for name in series if name in self.windows.trends}
         if not growing or self._evidence is None:
             return
