@@ -142,16 +142,22 @@ class GrowthSeries:
         epochs = set(self.epochs)
         return epochs.pop() if len(epochs) == 1 else None
 
-    def fell_back(self, names: Iterable[str]) -> bool:
-        """Whether one of ``names`` fell back at least halfway from the window's peak to its start (memory released)::
+    def fell_back(self, names: Iterable[str], now: Mapping[str, float] | None = None) -> bool:
+        """Whether one of ``names`` fell back at least halfway from the window's peak to its start (memory released);
+        ``now``: a reading taken after the window's, its last value (a series it lacks, workers that ended, fell back)::
 
             >>> series = GrowthSeries(window=8, warmup_readings=0, min_spacing=1)
             >>> _ = [series.add(step, {"cpu_heap": value}) for step, value in enumerate((1.0, 5.0, 9.0, 2.0))]
-            >>> series.fell_back(["cpu_heap"])
-            True
+            >>> series.fell_back(["cpu_heap"]), series.fell_back(["cpu_heap"], {"cpu_heap": 9.5}), series.fell_back(
+            ...     ["cpu_heap"], {})
+            (True, False, True)
         """
         for name in names:
             values = [value for _, value in self.points.get(name, ())]
+            if now is not None and values:
+                if name not in now:
+                    return True
+                values.append(now[name])
             if len(values) >= 2 and max(values) > values[0] and values[-1] <= (values[0] + max(values)) / 2:
                 return True
         return False

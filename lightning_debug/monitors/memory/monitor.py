@@ -212,9 +212,10 @@ class MemoryMonitor(Monitor):
                 return
             self._carried = (step, series)
         if self._carried is None and self.verdicts.holding(Kind.MEMORY_GROWTH):
-            boundary, growing = self.windows.epoch_boundary(), list(self.windows.growing())
-            if boundary is not None and growing and self._paced_before_the_end(boundary, step):
-                self._carried = (boundary, growing)  # a suspicion across an epoch's end: does it keep its pace?
+            boundary = self.windows.epoch_boundary()  # a suspicion across an epoch's end: does it keep its pace?
+            if boundary is not None and self._paced_before_the_end(boundary, step):
+                growing = list(self.windows.growing())
+                self._carried = (boundary, growing) if growing else None
         if self._carried is not None:
             goes_on = self.windows.goes_on(self._carried[1], self._carried[0])
             if goes_on is None:
@@ -273,18 +274,14 @@ class MemoryMonitor(Monitor):
         spacing = max(self.settings.frequency, self.settings.min_spacing)
         return missing <= 0 or (total is not None and step + missing * spacing < total)
 
-    def _growth_at_the_end(self, step: int) -> None:
-        """A growth that waited for its epoch's end when the run ended first (a one-pass Accelerate loop, whose number
-        of steps is unknown; a run stopped early): released by now, as a loop that clears what it kept for the epoch
-        does, or named."""
-        series = self._waiting[1] if self._waiting is not None else []
+    def _growth_at_the_end(self, step: int, series: list[str]) -> None:
+        """A growth of ``series`` that waited for its epoch's end when the run ended first (a one-pass Accelerate
+        loop, whose number of steps is unknown; a run stopped early): released by now, as a loop that clears what it
+        kept for the epoch does, or named."""
         self._waiting = None
         reading = read_memory(self._device, reset_peak=False, workers=True)
-        now = reading.leak_series()
-        for name in series:
-            values = [value for _, value in self.windows.points.get(name, ())]
-            if values and (name not in now or now[name] <= (values[0] + max(values)) / 2):
-                return  # released (workers that ended with their epoch are no longer read)
+        if self.windows.fell_back(series, reading.leak_series()):
+            return
         growing = {name: self.windows.trends[name] for name in series if name in self.windows.trends}
         if not growing or self._evidence is None:
             return
@@ -374,7 +371,7 @@ class MemoryMonitor(Monitor):
 
     def finalize(self, step: int) -> None:
         if self._waiting is not None and self.session.is_global_zero:
-            self._growth_at_the_end(step)
+            self._growth_at_the_end(step, self._waiting[1])
         self._evidence = None
         super().finalize(step)
         self.restore()
