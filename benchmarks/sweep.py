@@ -92,7 +92,7 @@ def worker(out: Path, names: list[str], case_limit: int, memory_gb: float, steps
                 with tempfile.TemporaryDirectory(prefix=f"sweep-{name}-") as root:
                     outcome = fit_case(case, setting, Path(root), steps=steps)
                 record.update(status=outcome.status, steps=outcome.steps, seconds=round(outcome.seconds, 2),
-                              reason=outcome.reason, findings=outcome.findings)
+                              reason=outcome.reason, findings=outcome.findings, probes=outcome.probes)
             except CaseTimeout:
                 record.update(status="timeout", steps=0, seconds=round(time.perf_counter() - started, 2),
                               reason=f"ran past {case_limit} s", findings=[])

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_debug.checks.localize import output_scalar
+from lightning_debug.checks.localize import is_replaying, output_scalar
 from lightning_debug.config import DebugConfig, resolve_config
 from lightning_debug.core.metrics import MetricsSink
 from lightning_debug.core.context import (HistogramWriter, Replay, RunContext, RunStatus, epoch_end, exit_code,
@@ -142,6 +142,10 @@ class AccelerateContext(RunContext):
 
     def train_loader(self) -> Any:
         return self.loader
+
+    def forward_call(self, captured: Any) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+        args, kwargs = captured
+        return self.debugger.module, args, kwargs
 
     def replay(self) -> Replay:
         return self.debugger._replay_forward
@@ -371,7 +375,7 @@ class AccelerateDebugger:
 
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A training forward opens a batch (the data wait ends)."""
-        if self._replaying or self.run.finished or self._in_step and self._evaluated:
+        if self._replaying or is_replaying() or self.run.finished or self._in_step and self._evaluated:
             return
         if not (module.training and torch.is_grad_enabled()):
             self.run.evaluation(self.step, True)
@@ -382,7 +386,7 @@ class AccelerateDebugger:
 
     def _on_forward_end(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """The end of an evaluation forward is no data wait of the next training step."""
-        if not (self._replaying or self.run.finished or module.training and torch.is_grad_enabled()):
+        if not (self._replaying or is_replaying() or self.run.finished or module.training and torch.is_grad_enabled()):
             self.run.evaluation(self.step, False)
 
     def _open_batch(self, batch: Any, captured: Any) -> None:

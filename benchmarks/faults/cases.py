@@ -368,6 +368,12 @@ def api_misuse() -> Iterator[Case]:
          "clip_grad_norm_(params, 0.0) before each step: every gradient scaled to 0, the weights never move",
          "weights bit for bit the same over 100 steps at a learning rate above 0, the loss not fallen 10x "
          "(negligible_updates)"),
+        ("rnn_batch_first", {"optimizer": "adam", "lr": 3e-3}, ("batch_mixing",), r"LSTM|batch_first",
+         "nn.LSTM without batch_first=True fed (batch, time, features): the recurrence runs across the samples",
+         "an output row that depends, in order, on other rows' inputs (a probe of the first batch)"),
+        ("view_for_transpose", {"optimizer": "adam", "lr": 3e-3}, ("batch_mixing",), r"view|transpose",
+         "x.view(T, B, F) where x.transpose(0, 1) was meant, before a sequence-first GRU: samples regrouped",
+         "an output row that depends, in order, on other rows' inputs (a probe of the first batch)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

@@ -295,6 +295,54 @@ class SortedUnshuffled(FaultProgram):
                           shuffle=self.program.fixed)
 
 
+class _Sequences(FaultProgram):
+    """The 16 features of a record read as a sequence of 4 steps of 4, by a recurrent layer; the loader shuffles."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        del self.layers, self.acts
+        torch.manual_seed(program.seed)
+        self.rnn = self._recurrent(program)
+
+    def _recurrent(self, program: Program) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(data(self.program), batch_size=self.program.batch, shuffle=True)
+
+    def sequences(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], 4, self.program.features // 4)
+
+
+class RnnBatchFirst(_Sequences):
+    """``nn.LSTM(..)`` built without ``batch_first=True`` and fed (batch, time, features) (PyTorch forum, "LSTM
+    batch_first"): the recurrence runs across the samples of the batch and each "sequence" is one time step of every
+    sample, so the model learns from a mixture of records; the twin passes ``batch_first=True``."""
+
+    def _recurrent(self, program: Program) -> torch.nn.Module:
+        return torch.nn.LSTM(program.features // 4, program.width, batch_first=program.fixed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.sequences(x))
+        return self.head(out[:, -1])
+
+
+class ViewForTranspose(_Sequences):
+    """``x.view(T, B, F)`` where ``x.transpose(0, 1)`` was meant, to put time first for a sequence-first GRU (the
+    classic "view is not permute"): every sequence the GRU reads is made of steps of other samples; the twin
+    transposes."""
+
+    def _recurrent(self, program: Program) -> torch.nn.Module:
+        return torch.nn.GRU(program.features // 4, program.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        steps = self.sequences(x)
+        batch, time, features = steps.shape
+        first = steps.transpose(0, 1) if self.program.fixed else steps.view(time, batch, features)
+        out, _ = self.rnn(first)
+        return self.head(out[-1])
+
+
 SILENT: dict[str, type[FaultProgram]] = {
     "optimizer_on_copy": OptimizerOnCopy, "clip_before_backward": ClipBeforeBackward,
     "scheduler_per_epoch": SchedulerPerEpoch, "lr_zeroed": LearningRateZeroed, "dropout_at_eval": DropoutAtEval,
@@ -304,7 +352,8 @@ SILENT: dict[str, type[FaultProgram]] = {
     "eval_mode_in_training": EvalModeInTraining, "step_decay_per_step": StepDecayPerStep,
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
-    "layers_in_list": LayersInList, "clip_to_zero": ClipToZero,
+    "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
+    "view_for_transpose": ViewForTranspose,
 }
 
 

@@ -333,6 +333,9 @@ class LightningContext(RunContext):
         return (f"Trainer(profiler=...) runs Lightning's {type(profiler).__name__}, which records this fit with "
                 f"torch.profiler (its report and traces go to {where})")
 
+    def muted(self) -> contextlib.AbstractContextManager[Any]:
+        return _logging_muted(self.pl_module)
+
     def replay(self) -> Replay | None:
         """Recompute ``training_step``'s loss (automatic optimization only: a manual one steps its optimizers)."""
         pl_module, trainer = self.pl_module, self.trainer

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 from collections.abc import Callable, Iterator
@@ -223,6 +224,16 @@ class RunContext:
         return 1
 
     def train_loader(self) -> Any:
+        return None
+
+    def muted(self) -> contextlib.AbstractContextManager[Any]:
+        """A block in which the model runs again for a check: what it logs is dropped (a ``self.log`` in
+        ``forward`` must not log the check's rows)."""
+        return contextlib.nullcontext()
+
+    def forward_call(self, captured: Any) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+        """The model's forward call a micro-batch's ``captured`` stands for, where the adapter captured one (an
+        Accelerate loop's); None where the step's first module call is watched instead (a ``training_step``)."""
         return None
 
     def profiler_in_use(self) -> str | None:

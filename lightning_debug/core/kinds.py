@@ -95,6 +95,7 @@ class Kind(StrEnum):
     REPLICAS_DIVERGED = "replicas_diverged"
     SINGLE_CLASS_BATCHES = "single_class_batches"
     SYMMETRIC_UNITS = "symmetric_units"
+    BATCH_MIXING = "batch_mixing"
 
 
 class AtEnd(StrEnum):
@@ -381,6 +382,19 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "lower the learning rate, or use ReLU/GELU in hidden layers.",
         hint="normalise the inputs, a better initialisation, or ReLU/GELU",
         confirm=Confirm(patience=2)),
+    Kind.BATCH_MIXING: KindSpec(
+        Area.ACTIVATIONS, Severity.WARNING,
+        summary="the model's output for one sample depends, in order, on the other samples of its batch (an LSTM "
+                "with batch_first=False fed batch-first data, a view where a transpose was meant), read once by "
+                "backpropagating from one output row to the inputs",
+        one_off=True,
+        advice="The model's output for one sample depends on other samples of the batch, in their order, so it "
+               "learns from a mixture of records and its predictions change with what else is in the batch. "
+               "Recurrent layers (`nn.LSTM`, `nn.GRU`, `nn.RNN`) and `nn.MultiheadAttention` take (time, batch, "
+               "features) unless built with `batch_first=True`; a `view`/`reshape` does not move dimensions, a "
+               "`transpose`/`permute` does (`x.view(T, B, F)` of a (B, T, F) tensor regroups samples). Check the "
+               "shapes in `forward` with one sample changed: only its own output should change.",
+        hint="batch_first=True on recurrent layers; permute/transpose, not view, to move the batch dimension"),
     Kind.EVAL_MODE_IN_TRAINING: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="modules left in eval mode during training (dropout off, frozen BatchNorm statistics)",

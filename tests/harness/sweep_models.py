@@ -609,6 +609,7 @@ class Outcome:
     reason: str = ""
     findings: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     result: Result | None = None
+    probes: dict[str, Any] = dataclasses.field(default_factory=dict)  # what one-off probes read (batch_mixing)
 
     @property
     def quiet(self) -> bool:
@@ -646,8 +647,9 @@ def fit_case(case: Case, setting: str, root: Path, steps: int = STEPS) -> Outcom
     findings = [summarize(f) for f in result.serious()]
     findings += [{"kind": f"failed_check:{name}", "severity": "error", "step": None, "message": str(entry)[:400]}
                  for name, entry in report.get("failed_checks", {}).items()]
+    probes = {"batch_mixing": report.get("sections", {}).get("activations", {}).get("batch_mixing")}
     return Outcome("trained", steps=trainer.global_step, seconds=time.perf_counter() - started, findings=findings,
-                   result=result)
+                   result=result, probes=probes)
 
 
 __all__ = ["Case", "Built", "Outcome", "Skip", "SETTINGS", "SERIOUS", "all_cases", "auto_cases", "case_named",

@@ -184,14 +184,15 @@ def test_a_saturated_sigmoid_is_named_and_expert_level_writes_histograms(tmp_pat
 def test_activation_hooks_exist_only_during_a_check_steps_forward(tmp_path: Path) -> None:
     """Zero cost elsewhere: no hook on any other forward; with log_activations off one hooked forward per 100 steps,
     for the verdicts. (The first forward also has the gradient check's one-time hooks that record the modules' order,
-    removed before its backward.)"""
+    removed before its backward, and batch_mixing's, which keep the step's first module call, removed at its end.)"""
     seen: list[tuple[int, int]] = []
     ordering: list[int] = []
 
     class Probe(SequentialNet):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             hooks = [hook for m in self.modules() for hook in m._forward_hooks.values()]
-            once = [hook for hook in hooks if "ForwardOrder" in getattr(hook, "__qualname__", "")]
+            once = [hook for hook in hooks
+                    if any(owner in getattr(hook, "__qualname__", "") for owner in ("ForwardOrder", "CallWatch"))]
             ordering.append(len(once))
             seen.append((self.trainer.global_step, len(hooks) - len(once)))
             return super().forward(x)

@@ -73,7 +73,8 @@ def test_each_callback_says_every_kind_its_areas_report(name: str) -> None:
 
 
 MONITOR_AREAS = {"anomaly": "anomaly", "gradients": "gradients", "memory": "memory", "performance": "performance",
-                 "activations": "activations", "loop": "loop", "repeats": "loop", "errors": "errors"}
+                 "activations": "activations", "mixing": "activations", "loop": "loop", "repeats": "loop",
+                 "errors": "errors"}
 NOT_A_MONITOR = {"__init__", "areas"}
 
 
