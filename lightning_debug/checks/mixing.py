@@ -162,7 +162,7 @@ def plain(value: Any) -> bool:
 
 def take_rows(value: Any, index: torch.Tensor, leaves: list[torch.Tensor] | None = None) -> Any:
     """``value`` with every tensor of one dimension or more cut to the rows ``index``; with ``leaves``, floating
-    ones detached as new leaves that need a gradient, appended there::
+    ones detached as new leaves that need a gradient, appended there (a copy of each is given)::
 
         >>> leaves = []
         >>> taken = take_rows({"x": (torch.arange(6.0).reshape(3, 2),), "n": 2}, torch.tensor([2, 0]), leaves)
@@ -174,8 +174,8 @@ def take_rows(value: Any, index: torch.Tensor, leaves: list[torch.Tensor] | None
             return value
         taken = value.detach()[to_device(index, value.device)]
         if leaves is not None and taken.is_floating_point():
-            taken.requires_grad_(True)
-            leaves.append(taken)
+            leaves.append(taken.requires_grad_(True))
+            return taken.clone()  # not the leaf itself: a forward may scale its input in place
         return taken
     if isinstance(value, Mapping):
         items = {key: take_rows(item, index, leaves) for key, item in value.items()}
@@ -194,8 +194,8 @@ def take_rows(value: Any, index: torch.Tensor, leaves: list[torch.Tensor] | None
 def measure(call: Call, rows: int = ROWS) -> Measured | None:
     """Run ``call``'s module on the first ``rows`` rows of its arguments in eval mode, backpropagate from three
     output rows (the last, the first, the middle one) to the inputs and to each module output of ``rows`` rows, and
-    run it again on the rows shuffled (one fixed permutation: a scramble that commutes with reversing them
-    would pass for order-free under it); no value is read (None: no output of ``rows`` rows with a graph, no input with
+    run it again on the rows shuffled (one fixed random permutation: reversing them commutes with some
+    scrambles, a grid's transpose); no value is read (None: no output of ``rows`` rows with a graph, no input with
     a gradient, or an output that pairs the rows). Token ids have no gradient: the first floating output of a module
     without children becomes the input instead (an embedding's). The random state, the modules' modes and their
     parameters' gradients are as they were after it."""
@@ -258,7 +258,7 @@ def _row_norms(grads: Any, rows: int, device: torch.device) -> torch.Tensor:
 
 
 class _Probing:
-    """Eval mode, the random state forked, compiled modules run eagerly, ``is_replaying()`` true, and hooks that
+    """Eval mode (the modules' flags), the random state forked, compiled modules run eagerly, ``is_replaying()`` true, and hooks that
     keep each module output of ``rows`` rows (with a graph when ``grad``; the last is the model's). With ``grad`` and
     no leaf among the inputs (token ids), the first floating output of a module without children becomes a leaf
     that needs a gradient, appended to ``leaves``."""
@@ -273,7 +273,7 @@ class _Probing:
     def __enter__(self) -> "_Probing":
         modes = {submodule: submodule.training for submodule in self.module.modules()}
         self._stack.callback(_restore_modes, modes)
-        self.module.eval()
+        _restore_modes(dict.fromkeys(modes, False))  # the flags alone: a user's train() override is not called
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self._stack.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
         self._stack.enter_context(_eager())
@@ -289,9 +289,9 @@ class _Probing:
                 and output.dim() >= 1 and output.shape[0] == self.rows and not any(True for _ in module.children()):
             name = self.names.get(id(module), "")
             self.replaced = f"`{name}` ({type(module).__name__})'s output"
-            output = output.detach().requires_grad_(True)
-            self.leaves.append(output)
-            return output
+            leaf = output.detach().requires_grad_(True)
+            self.leaves.append(leaf)
+            return leaf.clone()  # a model may scale its embeddings in place
         tensor = first_floating(output)
         if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == self.rows and (
                 tensor.requires_grad or not self.grad):

@@ -98,3 +98,23 @@ def test_a_per_sample_scalar_input_is_read_as_a_row_too() -> None:
 
     found = probe(Call(Denoiser(), (torch.randn(8, 4), torch.rand(8)), {}), rows=8)
     assert found.output_shape == [8, 4] and not found.mixed
+
+
+def test_a_forward_that_scales_its_input_in_place_is_probed() -> None:
+    """CTRL scales its embeddings in place; a forward may normalise its input in place too."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+        def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2.0)
+            h = self.embed(ids)
+            h *= 3.0
+            return self.head(h.mean(1) + x)
+
+    assert not probe(Call(InPlace(), (torch.randint(0, 10, (8, 5)), torch.randn(8, 4)), {}), rows=8).mixed
+    tokens_only = InPlace()
+    tokens_only.forward = lambda ids: tokens_only.head(tokens_only.embed(ids).mul_(3.0).mean(1))  # type: ignore
+    assert probe(Call(tokens_only, (torch.randint(0, 10, (8, 5)),), {}), rows=8).leaves == "`embed` (Embedding)'s output"
