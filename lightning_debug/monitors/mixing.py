@@ -74,23 +74,28 @@ class CallWatch:
 
     def __init__(self) -> None:
         self.call: Call | None = None
-        self._depth = 0
+        self._open: list[bool] = []  # per module call under way: whether it counts as one
         self._handles: list[Any] = []
 
     def watch(self, root: nn.Module) -> None:
         self.stop()
-        self.call, self._depth = None, 0
+        self.call, self._open = None, []
         for module in hookable(root):
             self._handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._depth == 0 and self.call is None and torch.is_grad_enabled():
+        """A call through a ``forward`` patched on the instance is a redirection, not the model's forward: under DDP
+        and FSDP Lightning calls the module with the step's ``(batch, batch_idx)``, its ``forward`` set to
+        ``training_step`` for that call; the step's own calls inside it are the top-level ones."""
+        counts = "forward" not in vars(module)
+        if counts and not any(self._open) and self.call is None and torch.is_grad_enabled():
             self.call = Call(module, args, dict(kwargs))
-        self._depth += 1
+        self._open.append(counts)
 
     def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
+        if self._open:
+            self._open.pop()
 
     def stop(self) -> Call | None:
         for handle in self._handles:

@@ -183,7 +183,10 @@ def test_all_four_pickle_and_run_under_ddp_spawn(tmp_path: Path) -> None:
     assert_same_on_both_ranks(results)
     assert all(r["global_step"] == 12 and r["skipped_steps"] == 6 for r in results)
     debug_dir = assert_written_once_by_rank_zero(tmp_path, results)
-    assert read_report(debug_dir)["status"] == "finished"
+    report = read_report(debug_dir)
+    assert report["status"] == "finished"
+    # the batch-mixing probe ran on every rank's first batch (a DistributedSampler that shuffles), with no collective
+    assert report["sections"]["activations"]["batch_mixing"] == "each sample's output depends on its input alone"
     assert_anomaly_labelled_with_rank(debug_dir, step=6, rank=1)
     written = max(path.stat().st_mtime for path in debug_dir.iterdir() if path.is_file())
     assert results[1]["finished_at"] >= written, "rank 1 leaves the run only once rank zero has written its files"

@@ -118,3 +118,24 @@ def test_a_forward_that_scales_its_input_in_place_is_probed() -> None:
     tokens_only = InPlace()
     tokens_only.forward = lambda ids: tokens_only.head(tokens_only.embed(ids).mul_(3.0).mean(1))  # type: ignore
     assert probe(Call(tokens_only, (torch.randint(0, 10, (8, 5)),), {}), rows=8).leaves == "`embed` (Embedding)'s output"
+
+
+def test_a_call_through_a_forward_patched_on_the_instance_is_a_redirection_not_the_models_forward() -> None:
+    """Under DDP Lightning calls the module with ``(batch, batch_idx)``, its ``forward`` set to ``training_step`` for
+    that call; the step's own ``self(x)`` inside it is the model's forward."""
+    from lightning_debug.monitors.mixing import CallWatch
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    original = model.forward
+
+    def training_step(batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        model.forward = original  # type: ignore[method-assign]
+        del model.forward  # unpatched, as Lightning's redirection does before the step runs
+        return model(batch[0]).sum()
+
+    watch = CallWatch()
+    watch.watch(model)
+    model.forward = training_step  # type: ignore[method-assign]
+    model((torch.ones(4, 3), torch.zeros(4)), 0)
+    call = watch.stop()
+    assert call is not None and len(call.args) == 1 and call.args[0].shape == (4, 3)
