@@ -374,6 +374,11 @@ def api_misuse() -> Iterator[Case]:
         ("view_for_transpose", {"optimizer": "adam", "lr": 3e-3}, ("batch_mixing",), r"view|transpose",
          "x.view(T, B, F) where x.transpose(0, 1) was meant, before a sequence-first GRU: samples regrouped",
          "an output row that depends, in order, on other rows' inputs (a probe of the first batch)"),
+        ("warm_up_endless", {}, ("learning_stalled",), r"warm-up",
+         "LambdaLR(lambda s: min(1, s / 1e6)): a warm-up of a million steps where a thousand were meant, the learning "
+         "rate near 0 for the whole run",
+         "weights that barely move under a learning rate that rises too slowly to reach 10% of its base by the run's "
+         "end (negligible_updates)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

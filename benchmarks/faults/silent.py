@@ -295,6 +295,17 @@ class SortedUnshuffled(FaultProgram):
                           shuffle=self.program.fixed)
 
 
+class WarmUpEndless(FaultProgram):
+    """A linear warm-up given a length of a million steps where a thousand were meant (samples or epochs for steps,
+    a total computed wrongly): the learning rate stays near 0 for the whole run; the twin warms up over 50 steps."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.program.lr)
+        length = 50 if self.program.fixed else 1e6
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / length))
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
 class _Sequences(FaultProgram):
     """The 16 features of a record read as a sequence of 4 steps of 4, by a recurrent layer; the loader shuffles."""
 
@@ -353,7 +364,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
-    "view_for_transpose": ViewForTranspose,
+    "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless,
 }
 
 

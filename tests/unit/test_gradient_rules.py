@@ -912,6 +912,32 @@ def test_a_learning_rate_far_too_small_is_a_stall_and_its_twins_are_not() -> Non
     assert WeightDrift().reference(0, 1.40) == 1.40
 
 
+def test_a_warm_up_the_run_cannot_finish_is_no_warm_ups_start() -> None:
+    """A warm-up of 1e6 steps where 1e3 were meant leaves the learning rate near 0 for the whole run: under 10% of
+    its base, as a warm-up's start is, but rising at a pace that reaches 4e-4 of it by the end. Its twins: a long
+    warm-up that gets to 20% of its base by the run's end, and a decay's end (falling), stay exempt."""
+    from lightning_debug.monitors.gradients.progress import Drift, judge_progress
+
+    def drift(before: float) -> Drift:
+        return Drift(moved=1e-7 * 100 * 5.0, size=5.0, steps=100, lrs_before=(before,))
+
+    def judged(lrs: list[tuple[float, float]]) -> list[object]:
+        engine = VerdictEngine()
+        return [judge_progress(step, drift(lr - slope * 100), 1.39, 1.40, [(lr, base)], engine, 400)
+                for step, (lr, base), slope in zip((100, 200, 300), lrs, (lrs[0][0] / 100,) * 3)]
+
+    base = 0.05
+    endless = judged([(base * step / 1e6, base) for step in (100, 200, 300)])
+    assert endless[:2] == [None, None] and endless[2] is not None
+    assert endless[2].finding.details["warm_up_reaches"] == pytest.approx(4e-4)
+    assert "warm-up is far longer than the run" in endless[2].finding.message
+    long_one = judged([(base * step / 2000, base) for step in (100, 200, 300)])  # 20% of its base at step 400
+    assert long_one == [None, None, None]
+    engine = VerdictEngine()  # a decay's end: falling under 10% of its base
+    assert all(judge_progress(step, drift(0.004), 1.39, 1.40, [(0.002, base)], engine, 400) is None
+               for step in (100, 200, 300))
+
+
 def test_a_jump_waiting_at_a_checkpoint_is_decided_after_the_resume() -> None:
     """The watch's state travels with the checkpoint; the resumed run measures the steps after the jump
     over the index it builds again, and confirms the explosion where it began."""

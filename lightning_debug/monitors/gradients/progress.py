@@ -65,6 +65,8 @@ class Drift:
     taken: int | None = None
     """Optimizer steps the run's hooks counted over the window (None: not counted); 0: no step moved anything, which
     is ``optimizer_not_stepping``'s to judge, not a learning rate's."""
+    lrs_before: tuple[Any, ...] = ()
+    """Each trained param group's learning rate at the window's start (where a warm-up's pace is read)."""
 
     @property
     def per_step(self) -> float:
@@ -103,9 +105,9 @@ class WeightDrift:
         >>> drift.measure(0, weights) is None
         True
         >>> with torch.no_grad(): _ = weights[0].add_(0.01)
-        >>> moved, steps, taken = drift.measure(100, weights)
-        >>> round(moved.values()[0], 4), steps, taken
-        (0.0316, 100, None)
+        >>> moved, steps, taken, lrs_before = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), steps, taken, lrs_before
+        (0.0316, 100, None, ())
     """
 
     def __init__(self) -> None:
@@ -114,14 +116,15 @@ class WeightDrift:
         self._kept: torch.Tensor | None = None
         self._step = -1
         self._taken: int | None = None
+        self._lrs: tuple[Any, ...] = ()
         self.first_loss: float | None = None
         self.first_step: int | None = None
 
-    def measure(self, step: int, params: Sequence[Any],
-                taken: int | None = None) -> tuple[Readback, int, int | None] | None:
-        """Keep this check step's sample; a read-back of (moved, size), the optimizer steps since the last one and
-        those the hooks counted in between (``taken``: the hooks' count so far, None when they do not count; None at
-        first)."""
+    def measure(self, step: int, params: Sequence[Any], taken: int | None = None,
+                lrs: Sequence[Any] = ()) -> tuple[Readback, int, int | None, tuple[Any, ...]] | None:
+        """Keep this check step's sample and learning rates; a read-back of (moved, size), the optimizer steps since
+        the last one, those the hooks counted in between (``taken``: the hooks' count so far, None when they do not
+        count) and the learning rates of the last one (None at first)."""
         if params is not self._params:
             self._params, self._kept = params, None
             self._picked = picked_parameters(params)
@@ -132,10 +135,12 @@ class WeightDrift:
             kept, self._kept = self._kept, sample
             steps, self._step = step - self._step, step
             counted, self._taken = self._taken, taken
+            before, self._lrs = self._lrs, tuple(lrs)
             if kept is None or kept.shape != sample.shape or steps <= 0:
                 return None
             moved = torch.stack([(sample - kept).norm(), kept.norm()])
-        return Readback(moved, blocking=False), steps, None if taken is None or counted is None else taken - counted
+        return (Readback(moved, blocking=False), steps, None if taken is None or counted is None else taken - counted,
+                before)
 
     def reference(self, step: int, loss: float) -> float | None:
         """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
@@ -153,7 +158,11 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     if drift is None or first_loss is None or drift.taken == 0:
         return None
     plain = all(isinstance(lr, (int, float)) and isinstance(base, (int, float)) for lr, base in lrs)
-    scheduled = plain and bool(lrs) and all(lr > 0 and lr >= SCHEDULE_SHARE * base for lr, base in lrs)
+    before = drift.lrs_before if len(drift.lrs_before) == len(lrs) else (None,) * len(lrs)
+    endless = [endless_warm_up(lr, was, base, step, drift.steps, total_steps) if plain else None
+               for (lr, base), was in zip(lrs, before)]
+    scheduled = plain and bool(lrs) and all(lr > 0 and (lr >= SCHEDULE_SHARE * base or reach is not None)
+                                            for (lr, base), reach in zip(lrs, endless))
     far_from_end = total_steps is None or step < END_SHARE * total_steps
     slow = drift.per_step < NEGLIGIBLE_DRIFT and loss >= (1 - PROGRESS) * first_loss
     still = drift.moved == 0 and STILL_FALL * loss >= first_loss > 0
@@ -172,6 +181,13 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
                 f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
                 "finder helps)."
+        reached = [reach for reach in endless if reach is not None]
+        if reached:
+            what += (f"; it rises as a warm-up does, but at this pace it reaches only {max(reached):.2g} of its base "
+                     f"by the run's end (step {total_steps})")
+            cause = ("The warm-up is far longer than the run (a length in samples or epochs where steps were meant, "
+                     "or a total step count computed wrongly): the learning rate stays near 0 throughout; give the "
+                     "warm-up its length in optimizer steps.")
     else:  # not a small learning rate: nothing moved them at all
         what = (f"the trained weights did not move at all (bit for bit) although the optimizer steps at learning rate "
                 f"{shown}, and the loss is {loss:.4g} (the first check step's {first_loss:.4g})")
@@ -184,8 +200,29 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"Training is not learning since step {since}: {what}. {cause}",
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
-         "first_loss": first_loss, "cause": KEY}),
+         "first_loss": first_loss, "cause": KEY,
+         **({"warm_up_reaches": max(r for r in endless if r is not None)} if any(r is not None for r in endless)
+            else {})}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
+
+
+def endless_warm_up(lr: float, before: Any, base: float, step: int, steps: int,
+                    total_steps: int | None) -> float | None:
+    """The share of its base that a rising learning rate under :data:`SCHEDULE_SHARE` of it reaches by the run's
+    end at its pace since ``steps`` steps ago (``before``), where that share is under :data:`SCHEDULE_SHARE` too: a
+    warm-up the run cannot finish is no warm-up's start; None otherwise (not rising, the end unknown, or it gets
+    there). A warm-up of a million steps where a thousand were meant is 4e-4 of its base at step 400; a tiny GPT-2
+    warming up over 1,000 steps in a 400-step run reaches 0.4::
+
+        >>> endless_warm_up(3e-4 * 0.05, 2e-4 * 0.05, 0.05, 300, 100, 400)
+        0.0004
+        >>> endless_warm_up(0.03, 0.02, 0.1, 300, 100, 400) is None, endless_warm_up(1e-5, 2e-5, 0.05, 300, 100, 400)
+        (True, None)
+    """
+    if total_steps is None or not isinstance(before, (int, float)) or not 0 <= before < lr < SCHEDULE_SHARE * base:
+        return None
+    reach = (lr + (lr - before) / max(steps, 1) * max(total_steps - step, 0)) / base
+    return round(reach, 12) if reach < SCHEDULE_SHARE else None
 
 
 @rule(Kind.LEARNING_STALLED, at=Moment.CHECK_READ)
