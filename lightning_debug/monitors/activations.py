@@ -408,7 +408,7 @@ class ActivationMonitor(Monitor):
         return step + (max(1, (end - step + 1) // 2) if end is not None and end >= step else 1)
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        if self.mixing is None and self._forward_call is None and self._call_watch.call is None:
+        if self.mixing is None and self._forward_call is None and not self._call_watch.watching:
             self._watch_the_forward(captured)
         if not self._measures(step):
             return
@@ -508,8 +508,8 @@ class ActivationMonitor(Monitor):
             self.emit(finding, step, where)
 
     def batch_end(self, step: int, batch: Any) -> None:
-        if self.mixing is None and (self._forward_call is not None or self._call_watch.call is not None):
-            self._probe_mixing(step)
+        if self.mixing is None and (self._forward_call is not None or self._call_watch.watching):
+            self._probe_mixing(step)  # once: a first batch that made no module call is not judged, and not watched again
         self._end_forward()
         for pending in self._pending:
             if pending.gradient is not None and pending.gradient_read is None:

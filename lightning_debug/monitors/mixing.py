@@ -97,6 +97,10 @@ class CallWatch:
         if self._open:
             self._open.pop()
 
+    @property
+    def watching(self) -> bool:
+        return bool(self._handles)
+
     def stop(self) -> Call | None:
         for handle in self._handles:
             handle.remove()

@@ -240,3 +240,26 @@ def test_what_the_forward_logs_while_it_is_probed_is_dropped(tmp_path: Path) -> 
                          [GradientHealthCallback(DebugConfig(save_plots=False, print_summary=False))], 4)
     assert probed(read_report(debug_dir(trainer))) == "each sample's output depends on its input alone"
     assert {value for _, value in read_scalars(trainer.log_dir)["forward_rows"]} == {32.0}
+
+
+def test_a_first_batch_with_no_module_call_is_not_judged_and_not_watched_again(tmp_path: Path) -> None:
+    """Hooks on every module for the first batch only: a training step that calls no module with gradients on
+    (here its first batch runs the model under no_grad and returns a loss of a bare parameter) is not judged, and
+    the later steps run without the probe's hooks."""
+    hooked: list[int] = []
+
+    class Bare(Lstm):
+        def __init__(self) -> None:
+            super().__init__(batch_first=True)
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            hooked.append(sum(len(m._forward_pre_hooks) for m in self.modules()))
+            with torch.no_grad():
+                self(batch[0])
+            return (self.scale - 2.0) ** 2
+
+    trainer = fit_seeded(tmp_path, Bare(), [GradientHealthCallback(DebugConfig(save_plots=False,
+                                                                               print_summary=False))], 5)
+    assert probed(read_report(debug_dir(trainer))) == "not judged: no module call of the training step was seen"
+    assert hooked[0] > 0 and hooked[1:] == [0] * 4
