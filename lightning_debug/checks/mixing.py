@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from lightning_debug.checks.activations import first_floating
+from lightning_debug.checks.batches import named_tensors
 from lightning_debug.checks.localize import _eager, _replaying
 from lightning_debug.checks.numerics import compiled_wrapper
 
@@ -140,7 +141,7 @@ def shared_rows(value: Any) -> int | None:
         (4, None)
         >>> shared_rows((torch.ones(4, 2), torch.ones(2, 6)))
     """
-    sizes = {int(t.shape[0]) for t in _tensors(value) if t.dim() >= 1}
+    sizes = {int(t.shape[0]) for _, t in named_tensors(value) if t.dim() >= 1}
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -318,15 +319,3 @@ def hookable(root: nn.Module) -> Iterator[nn.Module]:
         if compiled_wrapper(module):
             compiled.append(module)
         yield module
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-

@@ -91,8 +91,7 @@ from lightning_debug.monitors.gradients.shared_target import KEY as SHARED_TARGE
 from lightning_debug.monitors.gradients.shared_target import shared_target_suspicion
 from lightning_debug.monitors.gradients.single_class import KEY as SINGLE_CLASS
 from lightning_debug.monitors.gradients.single_class import single_class_suspicion
-from lightning_debug.monitors.mixing import CallWatch, judge_mixing, loader_facts, unjudged
-from lightning_debug.checks.mixing import ROWS, Call, Measured, measure
+from lightning_debug.monitors.mixing import BatchMixingProbe
 
 DEAD_FRACTION = 0.99
 DEAD_ROWS = 0.5
@@ -342,15 +341,11 @@ class ActivationMonitor(Monitor):
         self.probabilities_judged = -1  # the step last judged
         self._pending: list[PendingStats] = []
         self.first_loss = self.first_saturated = math.nan  # the loss and output's saturation at the first check
-        self.mixing: str | None = None  # what the batch_mixing probe found, once per run (None: not yet probed)
-        self._call_watch = CallWatch()
-        self._forward_call: Call | None = None
-        self._mixing: tuple[int, Where, int, str, Measured, Readback] | None = None  # measured, not yet read
+        self.batch_mixing = BatchMixingProbe()
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(super().__getstate__(), _handles=[], _rows=[], _histogram_rows=[], _previous=None, _output=None,
-                    _pending=[], _call_watch=CallWatch(), _forward_call=None,
-                    _mixing=None)
+                    _pending=[])
 
     def start(self, step: int) -> None:
         if self.config.log_activations and self.config.level >= DebugLevel.EXPERT and self.session.is_global_zero:
@@ -408,8 +403,7 @@ class ActivationMonitor(Monitor):
         return step + (max(1, (end - step + 1) // 2) if end is not None and end >= step else 1)
 
     def batch_start(self, step: int, batch: Any, captured: Any) -> None:
-        if self.mixing is None and self._forward_call is None and not self._call_watch.watching:
-            self._watch_the_forward(captured)
+        self.batch_mixing.batch_start(self.context, captured)
         if not self._measures(step):
             return
         model = self.context.module()
@@ -460,56 +454,8 @@ class ActivationMonitor(Monitor):
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         self._end_forward(loss)
 
-    def _watch_the_forward(self, captured: Any) -> None:
-        """Keep the first training forward's call for the ``batch_mixing`` probe: as the adapter captured it, or
-        through hooks on the first top-level module call of the ``training_step``."""
-        given = self.context.forward_call(captured) if captured is not None else None
-        model = self.context.module()
-        if given is not None:
-            self._forward_call = Call(*given)
-        elif model is not None:
-            self._call_watch.watch(model)
-
-    def _probe_mixing(self, step: int) -> None:
-        """Probe the call kept at the first batch (:mod:`lightning_debug.monitors.mixing`), once per run; its numbers
-        are read back without a sync and judged by :meth:`poll`."""
-        call = self._forward_call or self._call_watch.stop()
-        self._forward_call = self._call_watch.call = None
-        batch_size, shuffled = loader_facts(self.context.train_loader())
-        reason = unjudged(call, batch_size, shuffled)
-        if reason is not None or call is None or batch_size is None:
-            self.mixing = f"not judged: {reason}"
-            return
-        rows = min(ROWS, batch_size)
-        try:
-            with self.context.muted():
-                measured = measure(call, rows)
-        except Exception as error:
-            self.mixing = f"not judged: the model's forward failed on {rows} rows ({error!r:.120})"
-            return
-        if measured is None:
-            self.mixing = ("not judged: no output of the forward has the batch's rows with a graph, or it pairs "
-                           "the rows (a similarity between the samples)")
-            return
-        self.mixing = "measured"
-        self._mixing = (step, self.context.where(), batch_size, type(call.module).__name__, measured,
-                        Readback(measured.numbers, blocking=False))
-
-    def _judge_mixing(self, final: bool) -> None:
-        if self._mixing is None or not (final or self._mixing[-1].ready()):
-            return
-        step, where, batch_size, module_type, measured, numbers = self._mixing
-        self._mixing = None
-        found = measured.read(numbers.values())
-        finding = judge_mixing(found, batch_size, module_type)
-        self.mixing = ("mixed" if finding is not None else "mixed in no order (a statistic or an attention over "
-                       "the batch)" if found.mixed else "each sample's output depends on its input alone")
-        if finding is not None:
-            self.emit(finding, step, where)
-
     def batch_end(self, step: int, batch: Any) -> None:
-        if self.mixing is None and (self._forward_call is not None or self._call_watch.watching):
-            self._probe_mixing(step)  # once: a first batch that made no module call is not judged, and not watched again
+        self.batch_mixing.batch_end(self.context, step)
         self._end_forward()
         for pending in self._pending:
             if pending.gradient is not None and pending.gradient_read is None:
@@ -518,7 +464,7 @@ class ActivationMonitor(Monitor):
 
     def exception(self, step: int, error: BaseException, batch: Any) -> None:
         self._remove_hooks()
-        self._call_watch.stop()
+        self.batch_mixing.stop()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -594,7 +540,8 @@ class ActivationMonitor(Monitor):
         return pending.stats.ready() and (pending.gradient_read is None or pending.gradient_read.ready())
 
     def poll(self, final: bool = False) -> None:
-        self._judge_mixing(final)
+        if (judged := self.batch_mixing.poll(final)) is not None:
+            self.emit(*judged)
         while self._pending and (final or len(self._pending) > MAX_PENDING or self._ready(self._pending[0])):
             self._complete(self._pending.pop(0))
 
@@ -729,14 +676,14 @@ class ActivationMonitor(Monitor):
 
     def restore(self) -> None:
         self._remove_hooks()
-        self._call_watch.stop()
+        self.batch_mixing.stop()
 
     def state_dict(self) -> dict[str, Any]:
         return dict(super().state_dict(), checks=self.checks, first_loss=self.first_loss,
                     cleared=sorted(self.cleared), probabilities_judged=self.probabilities_judged,
                     spaced_from=self._spaced_from, measure_at=self._measure_at, judged_batch=self.judged_batch,
                     first_saturated=self.first_saturated,
-                    mixing=None if self.mixing == "measured" else self.mixing,
+                    mixing=self.batch_mixing.state(),
                     flagged={kind: dict(counts) for kind, counts in self.flagged.items()})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -751,11 +698,11 @@ class ActivationMonitor(Monitor):
         self._spaced_from = int(state_dict.get("spaced_from", -1))
         self._measure_at = state_dict.get("measure_at")
         self.judged_batch = state_dict.get("judged_batch")
-        self.mixing = state_dict.get("mixing")
+        self.batch_mixing.outcome = state_dict.get("mixing")
         for kind, counts in state_dict.get("flagged", {}).items():
             self.flagged[kind] = {name: int(count) for name, count in counts.items()}
 
     def report_section(self) -> dict[str, Any]:
         return dict(super().report_section(), checks=self.checks, latest_step=self.latest_step,
-                    logged=self.config.log_activations, batch_mixing=self.mixing,
+                    logged=self.config.log_activations, batch_mixing=self.batch_mixing.outcome,
                     latest=dict(self.latest), flagged={kind: dict(c) for kind, c in self.flagged.items() if c})

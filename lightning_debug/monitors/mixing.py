@@ -24,9 +24,12 @@ import torch
 from torch import nn
 from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
-from lightning_debug.checks.mixing import Call, Probe, hookable, plain, shared_rows
+from lightning_debug.checks.mixing import ROWS, Call, Measured, Probe, hookable, measure, plain, shared_rows
+from lightning_debug.core.context import RunContext
 from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
+from lightning_debug.core.readback import Readback
+from lightning_debug.core.session import Where
 
 RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
@@ -145,3 +148,73 @@ def judge_mixing(found: Probe, batch_size: int, module_type: str) -> Finding | N
         {"row": found.row, "from_rows": list(found.from_rows), "own": found.own, "other": found.other,
          "rows": found.rows, "batch_size": batch_size, "output_shape": list(found.output_shape),
          "leaves": found.leaves, "module_type": module_type, "between": list(found.between)})
+
+
+class BatchMixingProbe:
+    """The probe's course through a run, once: the first batch's call kept (as the adapter captured it, or through a
+    :class:`CallWatch` on the model), measured at that batch's end, read back without a sync and judged by
+    :meth:`poll`. ``outcome`` is what report.json says (None: not probed yet); a first batch that made no module call
+    is not judged, and not watched again."""
+
+    def __init__(self) -> None:
+        self.outcome: str | None = None
+        self._watch = CallWatch()
+        self._given: Call | None = None
+        self._measured: tuple[int, Where, int, str, Measured, Readback] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(vars(self), _watch=CallWatch(), _given=None, _measured=None)
+
+    def batch_start(self, context: RunContext, captured: Any) -> None:
+        if self.outcome is not None or self._given is not None or self._watch.watching:
+            return
+        given = context.forward_call(captured) if captured is not None else None
+        model = context.module()
+        if given is not None:
+            self._given = Call(*given)
+        elif model is not None:
+            self._watch.watch(model)
+
+    def batch_end(self, context: RunContext, step: int) -> None:
+        if self.outcome is not None or not (self._given is not None or self._watch.watching):
+            return
+        call = self._given or self._watch.stop()
+        self._given = self._watch.call = None
+        batch_size, shuffled = loader_facts(context.train_loader())
+        reason = unjudged(call, batch_size, shuffled)
+        if reason is not None or call is None or batch_size is None:
+            self.outcome = f"not judged: {reason}"
+            return
+        rows = min(ROWS, batch_size)
+        try:
+            with context.muted():
+                measured = measure(call, rows)
+        except Exception as error:
+            self.outcome = f"not judged: the model's forward failed on {rows} rows ({error!r:.120})"
+            return
+        if measured is None:
+            self.outcome = ("not judged: no output of the forward has the batch's rows with a graph, or it pairs "
+                            "the rows (a similarity between the samples)")
+            return
+        self.outcome = "measured"
+        self._measured = (step, context.where(), batch_size, type(call.module).__name__, measured,
+                          Readback(measured.numbers, blocking=False))
+
+    def poll(self, final: bool) -> tuple[Finding, int, Where] | None:
+        """The finding with its step and place once the numbers are on the host (at once when ``final``)."""
+        if self._measured is None or not (final or self._measured[-1].ready()):
+            return None
+        step, where, batch_size, module_type, measured, numbers = self._measured
+        self._measured = None
+        found = measured.read(numbers.values())
+        finding = judge_mixing(found, batch_size, module_type)
+        self.outcome = ("mixed" if finding is not None else "mixed in no order (a statistic or an attention over "
+                        "the batch)" if found.mixed else "each sample's output depends on its input alone")
+        return None if finding is None else (finding, step, where)
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+    def state(self) -> str | None:
+        """The outcome a checkpoint keeps (a measurement not yet read is taken again after a resume)."""
+        return None if self.outcome == "measured" else self.outcome

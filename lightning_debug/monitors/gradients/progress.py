@@ -163,6 +163,7 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
                for (lr, base), was in zip(lrs, before)]
     scheduled = plain and bool(lrs) and all(lr > 0 and (lr >= SCHEDULE_SHARE * base or reach is not None)
                                             for (lr, base), reach in zip(lrs, endless))
+    warm_up = max((reach for reach in endless if reach is not None), default=None)
     far_from_end = total_steps is None or step < END_SHARE * total_steps
     slow = drift.per_step < NEGLIGIBLE_DRIFT and loss >= (1 - PROGRESS) * first_loss
     still = drift.moved == 0 and STILL_FALL * loss >= first_loss > 0
@@ -181,9 +182,8 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
                 f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
                 "finder helps)."
-        reached = [reach for reach in endless if reach is not None]
-        if reached:
-            what += (f"; it rises as a warm-up does, but at this pace it reaches only {max(reached):.2g} of its base "
+        if warm_up is not None:
+            what += (f"; it rises as a warm-up does, but at this pace it reaches only {warm_up:.2g} of its base "
                      f"by the run's end (step {total_steps})")
             cause = ("The warm-up is far longer than the run (a length in samples or epochs where steps were meant, "
                      "or a total step count computed wrongly): the learning rate stays near 0 throughout; give the "
@@ -201,8 +201,7 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         f"Training is not learning since step {since}: {what}. {cause}",
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY,
-         **({"warm_up_reaches": max(r for r in endless if r is not None)} if any(r is not None for r in endless)
-            else {})}),
+         **({"warm_up_reaches": warm_up} if warm_up is not None else {})}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
 
 
