@@ -938,6 +938,26 @@ def test_a_warm_up_the_run_cannot_finish_is_no_warm_ups_start() -> None:
                for step in (100, 200, 300))
 
 
+def test_an_adam_eps_that_bounds_every_update_is_named_while_the_loss_has_not_halved() -> None:
+    """``Adam(eps=1)`` over gradients of about 1e-3 divides every update by 1, not by the gradient's scale: the
+    weights move 7e-5 of their size per step (above the 1e-5 of a too-small learning rate) and the loss stays above
+    half of where it started. Its twins: the same eps on a loss that fell (TensorFlow's Inception recipe, eps=1 with a
+    large learning rate), and an eps that bounds only half of the values, stay quiet."""
+    from lightning_debug.monitors.gradients.progress import Drift, judge_progress
+
+    def judged(bound: float, loss: float) -> list[object]:
+        engine, drift = VerdictEngine(), Drift(7e-5 * 100 * 5.0, 5.0, 100, eps=1.0, eps_bound=bound)
+        return [judge_progress(step, drift, loss, 1.40, [(1e-3, 1e-3)], engine, 400) for step in (100, 200, 300)]
+
+    named = judged(1.0, 1.34)
+    assert named[:2] == [None, None] and named[2] is not None
+    assert (named[2].finding.details["eps"], named[2].finding.details["cause"]) == (1.0, "negligible_updates")
+    assert "Adam's eps (1)" in named[2].finding.message
+    assert judged(1.0, 1.05) != [None, None, None]  # 75% of its first loss: learning at a tenth of Adam's pace
+    assert judged(1.0, 0.6) == [None, None, None]
+    assert judged(0.5, 1.34) == [None, None, None]
+
+
 def test_a_jump_waiting_at_a_checkpoint_is_decided_after_the_resume() -> None:
     """The watch's state travels with the checkpoint; the resumed run measures the steps after the jump
     over the index it builds again, and confirms the explosion where it began."""

@@ -20,7 +20,7 @@ has no first loss to compare with. Not ruled out: fine-tuning with a small learn
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from lightning_debug.checks.numerics import local_tensor
 from lightning_debug.checks.tensors import real_values
 from lightning_debug.core.findings import Finding
+from lightning_debug.core.context import torch_optimizer
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.rules import CheckRead, Moment, rule
@@ -52,6 +53,17 @@ STILL_FALL = 10.0
 """Weights bit for bit the same are judged while the loss has not fallen this many times below the first check's:
 no small learning rate leaves every sampled value as it was, but a model trained to a loss near 0 under plain SGD
 takes steps below its weights' precision (the loss of single batches moves far more than 10% either way)."""
+EPS_OVER_GRADIENT = 10.0
+"""Adam's ``eps`` above this many times a value's gradient scale (the root of its bias-corrected ``exp_avg_sq``) is
+the denominator of that value's update: the step is ``lr * m / eps``, a tenth of Adam's or less."""
+EPS_SHARE = 0.9
+"""The share of the sampled values with a gradient whose update ``eps`` bounds so for Adam's scaling to be lost: with
+``eps=1e-8`` none is (a gradient scale of 1e-9 is a value barely ever used); with ``eps=1`` all are."""
+BOUNDED_PROGRESS = 0.5
+"""The share of the first check step's loss that a run whose updates ``eps`` bounds must get under to count as
+learning: with Adam's scaling lost, learning at a tenth of its pace or less is the finding (``Adam(lr=1e-3, eps=1)``
+on four blobs: 75% of its first loss at step 300, 0.1% with the default eps), not only a loss that stays put. Not
+ruled out: a fresh run on data the model already fits, whose gradients are under a tenth of ``eps`` from the start."""
 KEY = "negligible_updates"
 
 
@@ -67,6 +79,17 @@ class Drift:
     is ``optimizer_not_stepping``'s to judge, not a learning rate's."""
     lrs_before: tuple[Any, ...] = ()
     """Each trained param group's learning rate at the window's start (where a warm-up's pace is read)."""
+    eps: float | None = None
+    """The largest ``eps`` of the Adam-like groups sampled (None: no such group)."""
+    eps_bound: float | None = None
+    """The share of their sampled values with a gradient whose update ``eps`` bounds (:data:`EPS_OVER_GRADIENT`)."""
+
+    @classmethod
+    def read(cls, values: Sequence[float], steps: int, taken: int | None, lrs_before: tuple[Any, ...],
+             eps: float | None) -> Drift:
+        """The drift of :meth:`WeightDrift.measure`'s read-back ``values`` (moved, size[, bounded, with a gradient])."""
+        bounded = values[2] / values[3] if eps is not None and len(values) > 3 and values[3] > 0 else None
+        return cls(values[0], values[1], steps, taken, lrs_before, eps if bounded is not None else None, bounded)
 
     @property
     def per_step(self) -> float:
@@ -97,6 +120,49 @@ def weight_sample(picked: Sequence[Any]) -> torch.Tensor:
         return torch.cat([real_values(local_tensor(p))[:SAMPLED_VALUES].float() for p in picked])
 
 
+def eps_bound(picked: Sequence[Any], optimizers: Sequence[Any]) -> tuple[list[torch.Tensor], float] | None:
+    """Over the sampled values of ``picked`` that an Adam-like group of ``optimizers`` steps (an ``eps``, ``betas`` and
+    an ``exp_avg_sq`` state), how many have an update bounded by ``eps`` (:data:`EPS_OVER_GRADIENT`) and how many
+    have any gradient (device scalars: no sync, and no copy to the device; the values of one ``eps``, step count and
+    device are read together), with the largest ``eps``; None where no group is Adam-like::
+
+        >>> weight = torch.nn.Parameter(torch.ones(4))
+        >>> adam = torch.optim.Adam([weight], eps=1.0)
+        >>> weight.grad = torch.full((4,), 1e-3); adam.step()
+        >>> counts, eps = eps_bound([weight], [adam])
+        >>> [int(count) for count in counts], eps
+        ([4, 4], 1.0)
+    """
+    groups = {id(p): (group, torch_optimizer(optimizer).state) for optimizer in optimizers
+              for group in torch_optimizer(optimizer).param_groups for p in group.get("params", ())}
+    samples: dict[tuple[float, Any, torch.device], tuple[Any, list[torch.Tensor]]] = {}
+    for p in picked:
+        group, state = groups.get(id(p), ({}, {}))
+        held = state.get(p, {}) if isinstance(state, Mapping) else {}
+        square, count = held.get("exp_avg_sq"), held.get("step")
+        eps, betas = group.get("eps"), group.get("betas")
+        if not (isinstance(square, torch.Tensor) and square.shape == p.shape and count is not None
+                and isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
+                and isinstance(betas, (tuple, list)) and len(betas) == 2):
+            continue
+        on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"
+        correction = 1 - betas[1] ** (float(count) if on_host else count.float())
+        values = real_values(local_tensor(square))[:SAMPLED_VALUES].float()
+        key = (float(eps), correction if on_host and isinstance(correction, float) else id(count), values.device)
+        samples.setdefault(key, (correction, []))[1].append(values)
+    if not samples:
+        return None
+    bounded: list[torch.Tensor] = []
+    present: list[torch.Tensor] = []
+    for (eps, _, _), (correction, squares) in samples.items():
+        scale = (torch.cat(squares) / correction).sqrt()
+        bounded.append(((scale > 0) & (scale * EPS_OVER_GRADIENT < eps)).sum().float())
+        present.append((scale > 0).sum().float())
+    device = bounded[0].device
+    return ([sum((count.to(device) for count in bounded[1:]), bounded[0]),
+             sum((count.to(device) for count in present[1:]), present[0])], max(key[0] for key in samples))
+
+
 class WeightDrift:
     """A sample of the trained weights kept from one check step to the next, and the loss of the first one::
 
@@ -105,9 +171,9 @@ class WeightDrift:
         >>> drift.measure(0, weights) is None
         True
         >>> with torch.no_grad(): _ = weights[0].add_(0.01)
-        >>> moved, steps, taken, lrs_before = drift.measure(100, weights)
-        >>> round(moved.values()[0], 4), steps, taken, lrs_before
-        (0.0316, 100, None, ())
+        >>> moved, steps, taken, lrs_before, eps = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), steps, taken, lrs_before, eps
+        (0.0316, 100, None, (), None)
     """
 
     def __init__(self) -> None:
@@ -121,10 +187,11 @@ class WeightDrift:
         self.first_step: int | None = None
 
     def measure(self, step: int, params: Sequence[Any], taken: int | None = None,
-                lrs: Sequence[Any] = ()) -> tuple[Readback, int, int | None, tuple[Any, ...]] | None:
-        """Keep this check step's sample and learning rates; a read-back of (moved, size), the optimizer steps since
-        the last one, those the hooks counted in between (``taken``: the hooks' count so far, None when they do not
-        count) and the learning rates of the last one (None at first)."""
+                lrs: Sequence[Any] = (), optimizers: Sequence[Any] = ()
+                ) -> tuple[Readback, int, int | None, tuple[Any, ...], float | None] | None:
+        """Keep this check step's sample and learning rates; a read-back of (moved, size[, :func:`eps_bound`'s
+        counts]), the optimizer steps since the last one, those the hooks counted in between (``taken``: the hooks'
+        count so far, None when they do not count), the learning rates of the last one and the largest ``eps``."""
         if params is not self._params:
             self._params, self._kept = params, None
             self._picked = picked_parameters(params)
@@ -138,9 +205,10 @@ class WeightDrift:
             before, self._lrs = self._lrs, tuple(lrs)
             if kept is None or kept.shape != sample.shape or steps <= 0:
                 return None
-            moved = torch.stack([(sample - kept).norm(), kept.norm()])
+            bound = eps_bound(self._picked, optimizers)
+            moved = torch.stack([(sample - kept).norm(), kept.norm(), *(bound[0] if bound else ())])
         return (Readback(moved, blocking=False), steps, None if taken is None or counted is None else taken - counted,
-                before)
+                before, bound[1] if bound else None)
 
     def reference(self, step: int, loss: float) -> float | None:
         """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
@@ -165,9 +233,12 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
                                             for (lr, base), reach in zip(lrs, endless))
     warm_up = max((reach for reach in endless if reach is not None), default=None)
     far_from_end = total_steps is None or step < END_SHARE * total_steps
-    slow = drift.per_step < NEGLIGIBLE_DRIFT and loss >= (1 - PROGRESS) * first_loss
+    flat = loss >= (1 - PROGRESS) * first_loss
+    slow = drift.per_step < NEGLIGIBLE_DRIFT and flat
     still = drift.moved == 0 and STILL_FALL * loss >= first_loss > 0
-    suspect = step >= MIN_STEPS and scheduled and far_from_end and math.isfinite(loss) and (slow or still)
+    bounded = (drift.eps is not None and drift.eps_bound is not None and drift.eps_bound >= EPS_SHARE
+               and loss >= BOUNDED_PROGRESS * first_loss)
+    suspect = step >= MIN_STEPS and scheduled and far_from_end and math.isfinite(loss) and (slow or still or bounded)
     measured = {"per_step": drift.per_step, "loss": loss}
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step,
                                  [Suspicion(Kind.LEARNING_STALLED, KEY, step, measured=measured)] if suspect else [],
@@ -177,7 +248,15 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     since = confirmed[0].first.step
     rates = sorted({float(lr) for lr, _ in lrs})
     shown = ", ".join(f"{lr:g}" for lr in rates)
-    if drift.per_step > 0:
+    if bounded and not slow and not still:
+        what = (f"Adam's eps ({drift.eps:g}) is over {EPS_OVER_GRADIENT:g} times the gradient scale it is added to "
+                f"(the root of the bias-corrected exp_avg_sq) for {drift.eps_bound:.0%} of the sampled weights, so "
+                f"each update is lr * exp_avg / eps, not about lr: the weights move by {drift.per_step:.1e} of their "
+                f"size per step at learning rate {shown}, and the loss ({loss:.4g}) has not fallen to half of where it "
+                f"started ({first_loss:.4g})")
+        cause = "Adam's eps is far too large for these gradients (its default is 1e-8; a value from another " \
+                "library's convention, or a typo): lower it, or raise the learning rate with it."
+    elif drift.per_step > 0:
         what = (f"the weights move by {drift.per_step:.1e} of their size per step (a healthy step moves them by about "
                 f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
@@ -201,7 +280,8 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         f"Training is not learning since step {since}: {what}. {cause}",
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY,
-         **({"warm_up_reaches": warm_up} if warm_up is not None else {})}),
+         **({"warm_up_reaches": warm_up} if warm_up is not None else {}),
+         **({"eps": drift.eps, "eps_bound": drift.eps_bound} if bounded else {})}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
 
 
