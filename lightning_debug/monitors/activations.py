@@ -620,7 +620,7 @@ class ActivationMonitor(Monitor):
         rules = {
             PROBABILITIES: (stalled, lambda since: probability_suspicion(
                 step, since, described, output.label, output.shape, simplex, loss, tolerance,
-                [read[name] for name in SOFTMAX_TWICE + SCALED_CROSS_ENTROPY])),
+                [read[name] for name in SOFTMAX_TWICE + SCALED_CROSS_ENTROPY], affine)),
             CHANCE: (stalled, lambda since: chance_suspicion(
                 step, since, described, output.label, output.shape, loss, *(read[name] for name in AVERAGE_GUESS),
                 rates=plain_learning_rates(self.context.param_groups()),

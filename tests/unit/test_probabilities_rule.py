@@ -350,3 +350,28 @@ def test_a_reading_of_the_output_gradient_that_fails_leaves_the_others() -> None
     assert read[SOFTMAX_TWICE[0]] == 1.0 and all(math.isnan(read[name]) for name in SCALED_CROSS_ENTROPY)
     _writes_gradient(into, p.detach(), F.cross_entropy(p, y).detach())(gradient)
     assert dict(zip(OUTPUT_GRADIENT, into.tolist()))[SCALED_CROSS_ENTROPY[0]] == 1.0
+
+
+def test_values_in_0_1_that_no_affine_map_made_are_judged_on_the_gradient_alone() -> None:
+    """``cross_entropy(torch.sigmoid(z), y)``: rows in [0, 1] that do not sum to 1, with ``cross_entropy``'s gradient,
+    are named where no affine map made them. Their twins: the same values as logits an affine map made (a head whose
+    outputs lie in [0, 1] on one batch), and the same values without the gradient's reading, are not judged."""
+    from lightning_debug.checks.output_gradient import SCALED_CROSS_ENTROPY, SOFTMAX_TWICE
+
+    z = torch.sigmoid(6 * torch.randn(32, 4, generator=torch.Generator().manual_seed(0)))
+    y = z.argmax(1)
+    loss = F.cross_entropy(z, y)
+    p = z.clone().requires_grad_(True)
+    gradient = torch.autograd.grad(F.cross_entropy(p, y), p)[0]
+    read = [*softmax_twice(gradient, p.detach()).tolist(), *scaled_cross_entropy(gradient, p.detach(), loss).tolist()]
+    assert len(read) == len(SOFTMAX_TWICE) + len(SCALED_CROSS_ENTROPY)
+    values = simplex_stats(z).tolist()
+    assert values[2] > 1e-3  # the rows do not sum to 1
+    finding, cleared = probability_finding(200, 100, "`out`", "out", [32, 4], values, loss.item(), 1e-3, read,
+                                           logits=False)
+    assert finding is not None and not cleared and finding.details["summing_to_1"] is False
+    assert finding.details["floor"] == pytest.approx(floor_of(4))
+    assert probability_finding(200, 100, "`out`", "out", [32, 4], values, loss.item(), 1e-3, read) == (None, False)
+    unread = [math.nan] * len(read)
+    assert probability_finding(200, 100, "`out`", "out", [32, 4], values, loss.item(), 1e-3, unread,
+                               logits=False) == (None, False)

@@ -15,7 +15,8 @@ judged at any confidence, with the label smoothing and the factor the loss has (
 floor by their factor. Otherwise a loss below the floor proves the loss is not cross-entropy on these probabilities
 and clears the run for good. Not read that way: class weights with label smoothing, a loss of more than
 :data:`~lightning_debug.checks.output_gradient.SOFTMAX_ELEMENTS` outputs, a gradient scaled by float16's ``GradScaler``
-(then only the band at a factor of 1 judges)::
+(then only the band at a factor of 1 judges). A sigmoid's output fed to ``cross_entropy`` as logits has the same floor:
+values in [0, 1] that no affine map made, whose rows do not sum to 1, are judged on the gradient's reading alone::
 
     >>> values = [0.0, 1.0, 1e-7, 0.7437]  # one-hot rows of 4 classes, and cross_entropy on them
     >>> finding, below = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.7437, 1e-3)
@@ -136,11 +137,13 @@ def scaled_reading(loss: float, gradient: Sequence[float]) -> tuple[float, float
 
 def probability_finding(step: int, since: int, described: str, label: str, shape: Sequence[int],
                         values: Sequence[float], loss: float, tolerance: float,
-                        gradient: Sequence[float] = ()) -> tuple[Finding | None, bool]:
+                        gradient: Sequence[float] = (), logits: bool = True) -> tuple[Finding | None, bool]:
     """This check step's suspicion (its finding, or None), and whether the loss proves it is not the case for good
     (below the floor). ``values``: ``SIMPLEX`` of the model's output; ``gradient``: its gradient's
     ``SOFTMAX_TWICE`` and ``SCALED_CROSS_ENTROPY`` where it was read (:func:`smoothing_of`, :func:`scaled_reading`);
-    ``since``: the step the hold began::
+    ``since``: the step the hold began; ``logits``: whether an affine map may have made the output (False: no
+    affine map did, so values in [0, 1] are a sigmoid's or a clamp's, and rows that do not sum to 1 are judged on the
+    gradient's reading alone: ``cross_entropy(torch.sigmoid(z), y)`` has the same floor)::
 
         >>> values = [0.0, 1.0, 1e-7, 0.7441]
         >>> finding, _ = probability_finding(300, 200, "`out` (Softmax)", "out", [32, 4], values, 0.825, 1e-3,
@@ -151,12 +154,17 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
         ...                                      [math.nan] * 3 + [1.0, 1e-7, 0.0, 0.7441])  # loss * 0.5
         >>> round(finding.details["loss_scale"], 3), round(finding.details["floor"], 4), below
         (0.5, 0.3718, False)
+        >>> finding, _ = probability_finding(200, 100, "`out`", "out", [32, 4], [1e-4, 0.999, 0.16, 0.765], 0.765,
+        ...                                  1e-3, [math.nan] * 3 + [1.0, 0.0, 0.0, 0.765], logits=False)  # sigmoid
+        >>> finding.details["summing_to_1"], round(finding.details["floor"], 4)
+        (False, 0.7437)
     """
     classes = shape[-1] if shape else 0
     low, high, row_error, logit_loss = (float(value) for value in values)
     if classes < 2 or not all(math.isfinite(value) for value in (low, high, row_error, logit_loss, loss)):
         return None, False
-    if not (low >= -tolerance and high <= 1 + tolerance and row_error <= tolerance):
+    simplex = row_error <= tolerance
+    if not (low >= -tolerance and high <= 1 + tolerance and (simplex or not logits)):
         return None, False
     floor, uniform = floor_of(classes), math.log(classes)
     span = uniform - floor
@@ -165,6 +173,8 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
     if reading is None and math.isfinite(smoothing := smoothing_of(loss, read[:len(SOFTMAX_TWICE)], tolerance)):
         reading = smoothing, 1.0
     if reading is None:
+        if not simplex:
+            return None, False
         if loss < floor - tolerance:
             return None, True
         if logit_loss > floor + CONFIDENT_SHARE * span or not -BELOW * span <= loss - logit_loss <= BAND * span:
@@ -177,16 +187,22 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
     bound = (f"about {floor:.4g} (log(1 + ({classes} - 1)/e) plus the smoothing's {smoothing:.2g} x {classes - 1}/"
              f"{classes})" if smoothed else f"log(1 + ({classes} - 1)/e) = {floor:.4g}")
     factor = f"{scale:.3g} times " if scaled else ""
+    what = (f"probabilities (every value in [0, 1], each of its rows of {classes} summing to 1)" if simplex else
+            "bounded to [0, 1] (every value in it, and no affine map made them: a sigmoid's or a clamp's output, not "
+            "logits)")
+    advice = ("cross_entropy applies log_softmax itself: drop the softmax from the model (apply it at inference "
+              "only), or keep it and train with nll_loss(torch.log(p)) (better: log_softmax, then nll_loss)."
+              if simplex else "cross_entropy wants unbounded logits: drop the sigmoid (or clamp) before it; for "
+              "labels that are not exclusive, train with binary_cross_entropy_with_logits on the logits.")
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"The model's output {described} is probabilities (every value in [0, 1], each of its rows of {classes} "
-        f"summing to 1) and the loss ({loss:.4g} at step {step}, since step {since}) is {factor}what cross_entropy "
-        f"gives when it softmaxes them again{f' (with label_smoothing={smoothing:.2g})' if smoothed else ''}: it "
+        f"The model's output {described} is {what} and the loss ({loss:.4g} at step {step}, since step {since}) is "
+        f"{factor}what cross_entropy gives when it takes them as logits"
+        f"{f' (with label_smoothing={smoothing:.2g})' if smoothed else ''}: it "
         f"can never go below {f'{scale:.3g} x ' if scaled else ''}{bound}, and its gradients shrink as the outputs "
-        "sharpen, so training stalls short of what the model can learn. cross_entropy applies log_softmax itself: "
-        "drop the softmax from the model (apply it at inference only), or keep it and train with "
-        "nll_loss(torch.log(p)) (better: log_softmax, then nll_loss).",
+        f"sharpen, so training stalls short of what the model can learn. {advice}",
         {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "floor": scale * floor,
+         "summing_to_1": simplex,
          "classes": classes, "logit_loss": logit_loss, "shape": list(shape),
          **({"label_smoothing": smoothing} if math.isfinite(smoothing) else {}),
          **({"loss_scale": scale} if scaled else {})}), False
@@ -194,7 +210,7 @@ def probability_finding(step: int, since: int, described: str, label: str, shape
 
 def probability_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int],
                           values: Sequence[float], loss: float, tolerance: float,
-                          gradient: Sequence[float] = ()) -> tuple[Suspicion | None, bool]:
+                          gradient: Sequence[float] = (), logits: bool = True) -> tuple[Suspicion | None, bool]:
     """:func:`probability_finding` as the suspicion the kind's policy holds (its ``variant``: two check steps in a
     row), and whether the run is cleared for good::
 
@@ -203,7 +219,8 @@ def probability_suspicion(step: int, since: int, described: str, label: str, sha
         >>> suspicion.key, suspicion.variant, suspicion.finding.details["since_step"]
         ('probabilities_into_log_softmax', 'probabilities_into_log_softmax', 100)
     """
-    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance, gradient)
+    finding, below = probability_finding(step, since, described, label, shape, values, loss, tolerance, gradient,
+                                         logits)
     if finding is None:
         return None, below
     return Suspicion(Kind.LEARNING_STALLED, KEY, step, finding=finding, variant=KEY), below
