@@ -253,6 +253,11 @@ def loss_issue() -> Iterator[Case]:
                    f"{'F.softmax' if loss == 'ce' else 'torch.sigmoid'} written at the end of forward, its output "
                    f"fed to {'cross_entropy' if loss == 'ce' else 'binary_cross_entropy_with_logits'} (the {out_fn} "
                    "applied twice)", needs="the model's output taken from what forward returns")
+    buggy, twin = _pair(Program(out_act="sigmoid", optimizer="adam", lr=1e-3), out_act=None)
+    yield Case("loss-sigmoid-into-ce-adam", "loss_issue", "PyTorch docs (CrossEntropyLoss)", buggy, twin,
+               ("learning_stalled",), (0, buggy.steps), r"\bout_act\b",
+               "an nn.Sigmoid output fed to cross_entropy as logits (values bounded to [0, 1]: a floor of "
+               "log(1 + 3/e) = 0.744)", needs="an output in [0, 1] made by no affine map, with cross_entropy's gradient")
     for opt in ("sgd", "adam"):
         buggy, twin = _pair(Program(loss="bce_raw", optimizer=opt, lr=0.05 if opt == "sgd" else 1e-3),
                             out_act="sigmoid")
@@ -379,6 +384,10 @@ def api_misuse() -> Iterator[Case]:
          "rate near 0 for the whole run",
          "weights that barely move under a learning rate that rises too slowly to reach 10% of its base by the run's "
          "end (negligible_updates)"),
+        ("adam_eps_large", {"lr": 1e-3}, ("learning_stalled",), r"eps",
+         "Adam(lr=1e-3, eps=1.0): every update divided by eps, not by the gradient's scale (Adam as SGD at lr / eps)",
+         "Adam's eps over ten times the root of the bias-corrected exp_avg_sq for 90% of the sampled weights while "
+         "the loss has not halved (negligible_updates)"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]

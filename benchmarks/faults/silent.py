@@ -306,6 +306,14 @@ class WarmUpEndless(FaultProgram):
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
+class AdamEpsLarge(FaultProgram):
+    """``Adam(lr=1e-3, eps=1.0)``, another library's convention or a typo for 1e-8: every update is divided by
+    ``eps``, not the gradient's scale, so Adam runs as SGD at ``lr / eps``; the twin keeps the default eps."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.program.lr, eps=1e-8 if self.program.fixed else 1.0)
+
+
 class _Sequences(FaultProgram):
     """The 16 features of a record read as a sequence of 4 steps of 4, by a recurrent layer; the loader shuffles."""
 
@@ -364,7 +372,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "detached_hidden": DetachedHidden, "layer_in_forward": LayerInForward, "sorted_unshuffled": SortedUnshuffled,
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
-    "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless,
+    "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
 }
 
 
