@@ -85,6 +85,29 @@ class TinyRegressor(pl.LightningModule):
         return DataLoader(regression_data(), batch_size=16, shuffle=True)
 
 
+class Blobs(pl.LightningModule):
+    """Four Gaussian blobs of 16 features (512 samples, shuffled) classified by an MLP of ``hidden`` ReLU layers of
+    32, in batches of ``batch``; subclasses give the optimizer."""
+
+    def __init__(self, hidden: int = 1, batch: int = 32) -> None:
+        super().__init__()
+        self.batch = batch
+        torch.manual_seed(0)
+        sizes = [16] + [32] * hidden
+        layers = [module for a, b in zip(sizes[:-1], sizes[1:]) for module in (nn.Linear(a, b), nn.ReLU())]
+        self.net = nn.Sequential(*layers, nn.Linear(32, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        labels = torch.randint(0, 4, (512,), generator=g)
+        x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(512, 16, generator=g)
+        return DataLoader(TensorDataset(x, labels), batch_size=self.batch, shuffle=True)
+
+
 def make_trainer(root: Path, callbacks: list[pl.Callback], max_steps: int = 20, **kwargs: Any) -> pl.Trainer:
     from lightning.pytorch.loggers import TensorBoardLogger
 

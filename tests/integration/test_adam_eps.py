@@ -10,44 +10,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
 from lightning_debug import DebugConfig, GradientHealthCallback
-from tests.harness.toolkit import debug_dir, fit_seeded, read_events
+from tests.harness.toolkit import Blobs, debug_dir, fit_seeded, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
 
-class Blobs(pl.LightningModule):
-    """Four Gaussian blobs classified by an MLP under ``Adam(lr, eps)``."""
+class AdamBlobs(Blobs):
+    """Four Gaussian blobs classified by an MLP of two hidden layers under ``Adam(lr, eps)``."""
 
     def __init__(self, lr: float, eps: float) -> None:
-        super().__init__()
+        super().__init__(hidden=2)
         self.lr, self.eps = lr, eps
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        labels = torch.randint(0, 4, (512,), generator=g)
-        x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(512, 16, generator=g)
-        return DataLoader(TensorDataset(x, labels), batch_size=32, shuffle=True)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=self.lr, eps=self.eps)
 
 
 def warnings_of(tmp_path: Path, lr: float, eps: float) -> list[dict[str, Any]]:
-    trainer = fit_seeded(tmp_path, Blobs(lr, eps), [GradientHealthCallback(DebugConfig(
+    trainer = fit_seeded(tmp_path, AdamBlobs(lr, eps), [GradientHealthCallback(DebugConfig(
         save_plots=False, print_summary=False))], 400, log_every_n_steps=50)
     return [e for e in read_events(debug_dir(trainer)) if e.get("severity") in ("warning", "error", "critical")]
 

@@ -9,37 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
 from lightning_debug import DebugConfig, GradientHealthCallback
-from tests.harness.toolkit import debug_dir, fit_seeded, read_events
+from tests.harness.toolkit import Blobs, debug_dir, fit_seeded, read_events
 
 pytestmark = pytest.mark.timeout(180)
 
 
-class WarmedUp(pl.LightningModule):
-    """Four Gaussian blobs classified by an MLP under SGD 0.05, warmed up over ``warm_up`` steps."""
+class WarmedUp(Blobs):
+    """Four Gaussian blobs under SGD 0.05 in batches of 256 (a loss that wanders little), warmed up over ``warm_up``
+    steps."""
 
     def __init__(self, warm_up: float) -> None:
-        super().__init__()
+        super().__init__(hidden=1, batch=256)
         self.warm_up = warm_up
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        labels = torch.randint(0, 4, (512,), generator=g)
-        x = 2.0 * torch.randn(4, 16, generator=g)[labels] + torch.randn(512, 16, generator=g)
-        return DataLoader(TensorDataset(x, labels), batch_size=256, shuffle=True)  # a loss that wanders little
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
