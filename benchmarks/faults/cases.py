@@ -388,6 +388,14 @@ def api_misuse() -> Iterator[Case]:
          "Adam(lr=1e-3, eps=1.0): every update divided by eps, not by the gradient's scale (Adam as SGD at lr / eps)",
          "Adam's eps over ten times the root of the bias-corrected exp_avg_sq for 90% of the sampled weights while "
          "the loss has not halved (negligible_updates)"),
+        ("optimizer_unwrapped", {"epochs": 25}, ("steps_not_counted",), r"use_pl_optimizer=False",
+         "manual optimization stepping self.optimizers(use_pl_optimizer=False): the model learns, the step counter "
+         "stays at 0 (max_steps never reached; 25 epochs of 16 batches)",
+         "optimizer steps, hooked on the torch optimizer, over 100 batches at one value of the step counter"),
+        ("optimizer_in_step", {"epochs": 25}, ("steps_not_counted",), r"configure_optimizers",
+         "manual optimization with torch.optim.SGD(...) made in training_step: the model learns, the step counter "
+         "stays at 0 (25 epochs of 16 batches)",
+         "weights that moved over 200 batches at one value of the step counter, no optimizer the run holds stepping"),
     )
     for name, extra, kinds, where, what, needs in table:
         buggy, twin = _pair(Program(silent=name, **extra), fixed=True)  # type: ignore[arg-type]
@@ -434,6 +442,10 @@ def memory() -> Iterator[Case]:
         ("mem-retain-graph", "retained_center", ("memory_growth",), (0, 451), r"\[32\] with grad_fn AddBackward0",
          dict(steps=451), "PyTorch forum (retain_graph)",
          "a running mean updated with autograd on, and retain_graph=True to silence the second-backward error"),
+        ("mem-hooks-per-step", "hooks_per_step", ("memory_growth",), (0, 400), r"\[32, 32\], float32",
+         dict(steps=400), "PyTorch forum (hooks registered in a loop)",
+         "a forward hook keeping its layer's output, registered anew in every training step and never removed (a "
+         "400-step run: first suspected at its last reading, step 350)"),
         ("mem-worker-cache", "worker_cache", ("memory_growth",), (0, MEMORY_STEPS), r"2 DataLoader worker processes",
          dict(steps=MEMORY_STEPS, batch=16, period=64), "pytorch/pytorch#62066",
          "a Dataset that keeps each record it decoded (64 KB), read by two persistent workers"),

@@ -106,6 +106,29 @@ class UnboundedBank(_Hidden):
         return loss
 
 
+class HooksPerStep(FaultProgram):
+    """A forward hook that keeps the first layer's output for inspection, registered in ``training_step`` and never
+    removed: every step adds one, so every forward runs all of them and keeps one output per hook (a growth that
+    speeds up); the twin registers the hook once and keeps the latest output."""
+
+    def __init__(self, program: Program) -> None:
+        super().__init__(program)
+        self.kept: list[torch.Tensor] = []
+        if program.fixed:
+            self.layers[0].register_forward_hook(self._keep_latest)
+
+    def _keep(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
+        self.kept.append(output.detach().clone())
+
+    def _keep_latest(self, module: Any, inputs: Any, output: torch.Tensor) -> None:
+        self.kept[:] = [output.detach().clone()]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self.program.fixed:
+            self.layers[0].register_forward_hook(self._keep)
+        return super().training_step(batch, batch_idx)
+
+
 class RetainedCenter(FaultProgram):
     """A running mean of the first layer's output, subtracted from it (a hand-written centering, as BatchNorm's running
     mean), updated with autograd on: each step's mean hangs on the last one, the second backward raises "Trying to
@@ -285,7 +308,7 @@ class PeriodicWrite(FaultProgram):
 
 RESOURCES: dict[str, type[FaultProgram]] = {
     "loss_history": LossHistory, "outputs_kept": OutputsKept, "unbounded_bank": UnboundedBank,
-    "retained_center": RetainedCenter, "worker_cache": WorkerCache,
+    "retained_center": RetainedCenter, "worker_cache": WorkerCache, "hooks_per_step": HooksPerStep,
     "long_record": LongRecord, "slow_loader": SlowLoader, "periodic_write": PeriodicWrite,
 }
 

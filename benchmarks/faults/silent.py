@@ -244,6 +244,36 @@ class StepForgotten(ManualOptimization):
         return loss
 
 
+class OptimizerUnwrapped(ManualOptimization):
+    """Manual optimization stepping ``self.optimizers(use_pl_optimizer=False)``, the torch optimizer inside Lightning's
+    wrapper (Lightning issues 16143 and 17281): the model learns and Lightning's step counter stays at 0, so
+    ``max_steps`` is never reached and step checkpoints are never saved (the run ends on its epochs); the twin steps
+    the wrapper."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers(use_pl_optimizer=self.program.fixed)
+        loss = self.loss_of(self(batch[0]), batch[1])
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+class OptimizerInStep(ManualOptimization):
+    """Manual optimization with a torch optimizer made in ``training_step`` (plain SGD, so it learns as the configured
+    one would): no optimizer Lightning holds steps and its step counter stays at 0; the twin steps the configured
+    optimizer through ``self.optimizers()``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = (self.optimizers() if self.program.fixed
+                     else torch.optim.SGD(self.parameters(), lr=self.program.lr))
+        loss = self.loss_of(self(batch[0]), batch[1])
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
 class LossNotReturned(FaultProgram):
     """A ``training_step`` that computes and logs its loss and never returns it: Lightning skips the backward of every
     batch and steps the optimizer on no gradient, so nothing is learnt; the twin returns it."""
@@ -373,6 +403,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
     "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
+    "optimizer_unwrapped": OptimizerUnwrapped, "optimizer_in_step": OptimizerInStep,
 }
 
 

@@ -96,6 +96,7 @@ class Kind(StrEnum):
     SINGLE_CLASS_BATCHES = "single_class_batches"
     SYMMETRIC_UNITS = "symmetric_units"
     BATCH_MIXING = "batch_mixing"
+    STEPS_NOT_COUNTED = "steps_not_counted"
 
 
 class AtEnd(StrEnum):
@@ -519,6 +520,20 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                                               "softmax_over_batch": 2, "shared_target": 2,
                                               "probabilities_into_sigmoid": 2, "optimizer_not_stepping": 1},
                         backdate=False)),
+    Kind.STEPS_NOT_COUNTED: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        summary="the weights are trained and the run's optimizer-step counter does not move: an optimizer stepped "
+                "outside the framework's wrapper, or one the run was never given",
+        advice="The weights change while the optimizer-step counter (Lightning's `trainer.global_step`) stays "
+               "where it was: the steps bypass the wrapper that counts them (`self.optimizers(use_pl_optimizer="
+               "False)`, `opt.optimizer.step()`, an optimizer from `trainer.optimizers` stepped by hand), or come from "
+               "an optimizer made outside `configure_optimizers` (in `training_step`) or from weights updated by "
+               "hand. Everything keyed to optimizer steps stops: `max_steps` is never reached (with `max_epochs` "
+               "unset the fit never ends), checkpoints `every_n_train_steps` are never saved, step-interval "
+               "schedulers never step, and this plugin's checks never run. Return the optimizer from "
+               "`configure_optimizers` and step the object `self.optimizers()` returns.",
+        hint="step the optimizer self.optimizers() returns (not a raw or new torch optimizer): the step counter "
+             "does not move"),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

@@ -135,6 +135,37 @@ def test_planted_leak_is_found_and_explained(tmp_path: Path, frequency: int) -> 
         assert heap_readings == 25 if frequency == 10 else 30 <= heap_readings <= 33, heap_readings
 
 
+class ClearsLosses(KeepsLosses):
+    """Keeps every loss with its graph, as :class:`KeepsLosses` does, and lets them all go from step ``clear_at`` on
+    (outputs kept for a metric computed and cleared at the end of the epoch)."""
+
+    def __init__(self, clear_at: int) -> None:
+        super().__init__(keep_losses=True)
+        self.clear_at = clear_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step >= self.clear_at:
+            self.history.clear()
+        return loss
+
+
+@pytest.mark.parametrize("clear_at", [None, 175], ids=["kept", "cleared"])
+def test_a_growth_suspected_at_the_last_reading_is_judged_by_the_runs_end(tmp_path: Path, clear_at: int | None) -> None:
+    """A run that ends right after the reading that first suspects a leak (step 170 of 180 here) has no later reading
+    to confirm it: the end of the run is that reading. It names the leak at the last step (the report said
+    "suspected" and "No problems found" before); its twin lets what it kept go before the end, and is quiet."""
+    trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=10)], max_steps=180,
+                           limit_val_batches=0)
+    trainer.fit(KeepsLosses(keep_losses=True) if clear_at is None else ClearsLosses(clear_at))
+    growth = [(e["step"], e["severity"]) for e in memory_events(trainer, "memory_growth") if e.get("episode") == "start"]
+    status = read_report(debug_dir(trainer))["sections"]["memory"]["growth"]["status"]
+    if clear_at is None:
+        assert growth == [(179, "warning")] and status == "growing"
+    else:
+        assert growth == [] and status == "no steady growth"
+
+
 def test_healthy_run_reports_no_growth(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [MemoryProfilerCallback(memory_profiling_frequency=10)], max_steps=250,
                            limit_val_batches=2)

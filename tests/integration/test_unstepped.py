@@ -3,9 +3,9 @@
 A forgotten ``opt.step()`` under manual optimization and a ``training_step`` that returns no loss leave the weights
 as they were for the whole run (the first also keeps the optimizer-step counter at 0, so no check keyed to optimizer
 steps ever runs): each is named, at the end of a short run and after 1,000 batches of a long one, and so is a
-forgotten ``optimizer.step()`` in an Accelerate loop. The closest healthy runs stay quiet: an optimizer stepped outside
-Lightning's wrapper (``use_pl_optimizer=False``: its gradient checks reported as not judged), a fit with no optimizer
-at all, the Accelerate loop that steps. Beside them, the other stillness of weights: an Accelerate loop that steps every
+forgotten ``optimizer.step()`` in an Accelerate loop. The closest healthy runs stay quiet: a fit with no optimizer
+at all, the Accelerate loop that steps. An optimizer stepped outside Lightning's wrapper (``use_pl_optimizer=False``)
+or made in ``training_step`` learns while Lightning's step counter stays at 0: ``steps_not_counted``. Beside them, the other stillness of weights: an Accelerate loop that steps every
 batch on gradients clipped to 0 (``learning_stalled``, ``negligible_updates``: bit for bit the same)."""
 
 from __future__ import annotations
@@ -118,11 +118,45 @@ def test_a_fit_with_no_optimizer_is_not_judged(tmp_path: Path) -> None:
     assert serious(events) == []
 
 
-def test_an_optimizer_stepped_outside_the_wrapper_is_quiet_and_its_gradient_checks_unavailable(tmp_path: Path) -> None:
-    events, report = fit(tmp_path, Manual(step=True, raw=True), epochs=25)
-    assert serious(events) == []
+class FreshOptimizer(Manual):
+    """Manual optimization with an optimizer made anew in every training step (plain SGD, so it learns as the
+    configured one would) instead of the one ``configure_optimizers`` returns."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_an_optimizer_stepped_past_the_wrapper_is_named_and_its_gradient_checks_unavailable(tmp_path: Path) -> None:
+    """``self.optimizers(use_pl_optimizer=False)``: the model learns, Lightning's step counter stays at 0 (a max_steps
+    run never ends, step checkpoints are never saved): named once the optimizer stepped for 100 batches at one step
+    count. The twin steps the wrapper: the counter moves, quiet."""
+    events, report = fit(tmp_path / "raw", Manual(step=True, raw=True), epochs=25)
+    found = serious(events)
+    assert [(e["kind"], e["step"], e["details"]["cause"], e["details"]["batches"], e["details"]["optimizer_steps"])
+            for e in found] == [("steps_not_counted", 0, "stepped_past_wrapper", SAMPLE_AT, SAMPLE_AT)]
+    assert "use_pl_optimizer=False" in found[0]["message"] and "max_steps is never reached" in found[0]["message"]
     unavailable = report["sections"]["gradients"]["unavailable"]
     assert "use_pl_optimizer=False" in unavailable["gradient checks"]
+    events, report = fit(tmp_path / "wrapped", Manual(step=True), epochs=25)
+    assert serious(events) == [] and "gradient checks" not in report["sections"]["gradients"].get("unavailable", {})
+
+
+def test_an_optimizer_made_in_the_training_step_is_named_and_its_twin_is_quiet(tmp_path: Path) -> None:
+    """A torch optimizer made in ``training_step``: no optimizer the run holds steps, the weights change and the step
+    counter stays at 0; named once the weights moved over 200 batches at that count. Its twin steps the configured
+    optimizer through ``self.optimizers()``."""
+    events, _ = fit(tmp_path / "fresh", FreshOptimizer(), epochs=15)
+    found = serious(events)
+    assert [(e["kind"], e["step"], e["details"]["cause"], e["details"]["batches"]) for e in found] == [
+        ("steps_not_counted", 0, "trained_unseen", 2 * SAMPLE_AT)]
+    assert "made outside configure_optimizers" in found[0]["message"]
+    assert serious(fit(tmp_path / "configured", Manual(), epochs=15)[0]) == []
 
 
 def accelerate_loop(root: Path, step: bool) -> list[dict[str, Any]]:

@@ -144,6 +144,7 @@ DIRECT = {
     Kind.REPEATED_BATCH: "the window of batches of a check step",
     Kind.REPLICAS_DIVERGED: "every rank's replica norms, carried by the check step's one all-reduce",
     Kind.SINGLE_CLASS_BATCHES: "the labels read by the activation monitor's hook on the output's gradient",
+    Kind.STEPS_NOT_COUNTED: "every training batch's step counter and the optimizers' step hooks (Unstepped)",
 }
 """Kinds whose rules the plumbing still calls directly, and the state that keeps them there
 (docs/architecture.md, "Adding a check"); a new kind is made by a registered rule or is listed here."""

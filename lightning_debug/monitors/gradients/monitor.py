@@ -37,7 +37,7 @@ from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
                                                              resting_slots, static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.unregistered import Unregistered, unregistered_verdict
-from lightning_debug.monitors.gradients.unstepped import Unstepped, unstepped_verdict
+from lightning_debug.monitors.gradients.unstepped import Unstepped, uncounted_verdict, unstepped_verdict
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
@@ -207,6 +207,7 @@ class GradientMonitor(Monitor):
         self._stop_watching_forward()
         if self._unstepped.batch_ended(step, self._trained):
             self._record(unstepped_verdict(step, self._unstepped, self.verdicts, False), step, self.context.where())
+        self._record(uncounted_verdict(step, self._unstepped, self.verdicts), step, self.context.where())
 
     def _trained(self) -> list[torch.Tensor]:
         """The parameters an optimizer holds (none in a fit without an optimizer: nothing to judge)."""
@@ -553,6 +554,7 @@ class GradientMonitor(Monitor):
         watch = self._unstepped
         if watch.at_end(self._trained):
             self._record(unstepped_verdict(step, watch, self.verdicts, True), step, self.context.where())
+        self._record(uncounted_verdict(step, watch, self.verdicts), step, self.context.where())
         if watch.optimizer_steps and not watch.step_events:
             self.unavailable["gradient checks"] = (
                 f"the optimizers stepped {watch.optimizer_steps} times and the run saw none of those steps (an "

@@ -14,7 +14,11 @@ changed, something trains them unseen, and the rule stops for good. After batche
 backward no step follows are judged (an ``opt.step()`` under a condition that turned false): batches run forward
 only then recompute statistics on purpose (Lightning's ``StochasticWeightAveraging`` gives BatchNorm a last epoch
 without backward or step), and at the end the run of them must be more than :data:`LONGER` times the longest
-accumulation the run completed (a manual accumulation of 128 micro-batches that the end cuts short)::
+accumulation the run completed (a manual accumulation of 128 micro-batches that the end cuts short).
+
+The same hooks tell ``steps_not_counted``: weights trained while the step counter stays where it was, by an optimizer
+stepped past the wrapper that counts its steps (:attr:`Unstepped.stepped_uncounted`) or by one the run was never
+given, whose weights moved by :data:`MOVED_AT` batches with no hooked step (:attr:`Unstepped.trained_unseen`)::
 
     >>> weights = [torch.nn.Parameter(torch.ones(3))]
     >>> watch = Unstepped()
@@ -48,9 +52,13 @@ SAMPLE_AT = 100
 common accumulation, so a healthy run never pays for the sample."""
 JUDGE_AT = 1000
 """Such batches in a row that no accumulation reaches: the sample is compared then."""
+MOVED_AT = 2 * SAMPLE_AT
+"""Such batches in a row at one value of the step counter after which weights that moved since the sample were
+trained by steps the run does not count (no accumulation moves them before its step)."""
 LONGER = 2
 """How many times the run's longest completed accumulation the batches that end a run that learned must exceed."""
 KEY = "optimizer_not_stepping"
+UNCOUNTED = "uncounted"
 
 
 class Unstepped:
@@ -65,6 +73,11 @@ class Unstepped:
         self.step_events = 0
         """Optimizer steps the run was told of (the monitor counts them; the hooks count every one taken)."""
         self.learned = self.cleared = False
+        self.counted: int | None = None
+        """The optimizer-step counter as the last training batch ended, and the batches since it last moved."""
+        self.still = 0
+        self._hooked_then = self._hooked_before = self._hooked_now = 0
+        self.trained_unseen = self.uncounted_named = False
         self._backward = self._stepped = False
         self._kept: torch.Tensor | None = None
         self._handles: list[Any] = []
@@ -97,6 +110,11 @@ class Unstepped:
         """A training batch at optimizer step ``step`` ended; True when :data:`JUDGE_AT` batches in a row without a
         backward and an optimizer step found the weights unchanged (``params``: called only to sample them)."""
         backward, stepped, self._backward, self._stepped = self._backward, self._stepped, False, False
+        self._hooked_before, self._hooked_now = self._hooked_now, self.optimizer_steps
+        if step != self.counted:  # ``step``: the count the batch started at, which a step in it moves next batch
+            self._hooked_then = self.optimizer_steps if self.counted is not None else 0
+            self.counted, self.still = step, 0
+        self.still += 1
         if self.cleared:
             return False
         if backward and stepped:
@@ -109,6 +127,9 @@ class Unstepped:
         self.backwards += backward
         if self.batches == SAMPLE_AT:
             self._kept = _sample(params())
+        if self.batches == MOVED_AT and self._kept is not None and self.still >= self.batches:
+            self.trained_unseen = self.cleared = self._same(params) is False  # no counted step moved them
+            return False
         return self.batches == JUDGE_AT and self._judged() and self._unchanged(params)
 
     def at_end(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
@@ -122,12 +143,31 @@ class Unstepped:
         backward (forward-only batches after training recompute statistics on purpose)."""
         return not self.learned or 2 * self.backwards >= self.batches
 
+    def _same(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool | None:
+        """Whether the weights are bit for bit the sample kept (None: nothing to compare)."""
+        now = _sample(params()) if self._kept is not None else None
+        if now is None or self._kept is None:
+            return None
+        return now.shape == self._kept.shape and bool(torch.equal(now, self._kept))
+
     def _unchanged(self, params: Callable[[], Sequence[torch.Tensor]]) -> bool:
-        kept, self._kept = self._kept, None
-        now = _sample(params()) if kept is not None else None
-        same = now is not None and kept is not None and now.shape == kept.shape and bool(torch.equal(now, kept))
+        same = self._same(params)
+        self._kept = None
         self.cleared = not same
-        return same
+        self.trained_unseen = same is False and self.still >= self.batches
+        return bool(same)
+
+    @property
+    def stepped_uncounted(self) -> bool:
+        """Whether the hooked optimizers stepped in the last :data:`SAMPLE_AT` batches or more, before the latest one,
+        while the step counter stayed where it was (no accumulation holds the counter back once the optimizer
+        stepped)."""
+        return self.still >= SAMPLE_AT and self._hooked_before > self._hooked_then
+
+    @property
+    def uncounted_steps(self) -> int:
+        """The hooked optimizers' steps since the step counter last moved."""
+        return self.optimizer_steps - self._hooked_then
 
 
 def _sample(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -165,4 +205,32 @@ def unstepped_verdict(step: int, watch: Unstepped, verdicts: VerdictEngine, at_e
                    [], key=KEY)
 
 
-__all__ = ["JUDGE_AT", "SAMPLE_AT", "Unstepped", "unstepped_verdict"]
+def uncounted_verdict(step: int, watch: Unstepped, verdicts: VerdictEngine) -> Verdict | None:
+    """``steps_not_counted``, once a run: the weights are trained while the optimizer-step counter stays at ``step``,
+    stepped by a hooked optimizer past its wrapper (:attr:`Unstepped.stepped_uncounted`) or by one the run was never
+    given (:attr:`Unstepped.trained_unseen`: the weights changed over batches that stepped no hooked optimizer)."""
+    if watch.uncounted_named or not (watch.stepped_uncounted or watch.trained_unseen):
+        return None
+    watch.uncounted_named = True
+    if not verdicts.observe(Kind.STEPS_NOT_COUNTED, step, [Suspicion(Kind.STEPS_NOT_COUNTED, UNCOUNTED, step)]):
+        return None
+    steps = watch.uncounted_steps
+    if watch.stepped_uncounted:
+        how = (f"the optimizer stepped {steps} times in them, past the wrapper that counts its steps "
+               "(self.optimizers(use_pl_optimizer=False), opt.optimizer.step(), an optimizer from trainer.optimizers "
+               "stepped by hand)")
+    else:
+        how = ("the weights the optimizers hold changed although none of them stepped: an optimizer made outside "
+               "configure_optimizers (in training_step) or weights updated by hand train them")
+    message = (f"The optimizer steps are not counted: {watch.still} training batches ran at optimizer step {step} and "
+               f"{how}. Everything keyed to optimizer steps stops: max_steps is never reached (with max_epochs unset "
+               "the fit never ends), checkpoints every_n_train_steps are never saved, step-interval schedulers never "
+               "step, and the checks made before an optimizer step never run. Return the optimizer from "
+               "configure_optimizers and step the object self.optimizers() returns.")
+    return Verdict(Finding(Kind.STEPS_NOT_COUNTED, Severity.WARNING, message,
+                           {"step": step, "batches": watch.still, "optimizer_steps": steps,
+                            "cause": "stepped_past_wrapper" if watch.stepped_uncounted else "trained_unseen"}),
+                   [], key=UNCOUNTED)
+
+
+__all__ = ["JUDGE_AT", "SAMPLE_AT", "Unstepped", "uncounted_verdict", "unstepped_verdict"]

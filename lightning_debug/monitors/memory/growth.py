@@ -89,15 +89,17 @@ class GrowthSeries:
         self.inputs: deque[tuple[int, int]] = deque(maxlen=window)
         self.epochs: deque[int | None] = deque(maxlen=window)
 
-    def takes(self, step: int) -> bool:
+    def takes(self, step: int, last: bool = False) -> bool:
         """Whether :meth:`add` would take a reading at ``step`` (a reader may skip what it costs otherwise)."""
         latest = self.points["cpu_rss"][-1][0] if self.points.get("cpu_rss") else None
-        return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= self.min_spacing)
+        spacing = 1 if last else self.min_spacing
+        return self.readings + 1 > self.warmup_readings and (latest is None or step - latest >= spacing)
 
     def add(self, step: int, values: Mapping[str, float], elements: int | None = None,
-            epoch: int | None = None) -> bool:
-        """Add a reading; False (nothing added) during warm-up or under ``min_spacing`` steps after the last one."""
-        takes = self.takes(step)
+            epoch: int | None = None, last: bool = False) -> bool:
+        """Add a reading; False (nothing added) during warm-up or under ``min_spacing`` steps after the last one
+        (``last``: the run's end, taken at any step after it)."""
+        takes = self.takes(step, last)
         self.readings += 1
         if not takes:
             return False

@@ -290,6 +290,22 @@ class MemoryMonitor(Monitor):
             decided.latest.finding = self._explain(step, growing, reading)
             self.record(decided.latest.finding, step, self.context.where())
 
+    def _last_reading(self, step: int) -> None:
+        """The run's end is a reading too: a growth suspected at the last one is confirmed or dismissed by the memory
+        as training ends (over the series read again), not left suspected for want of the next reading."""
+        reading = read_memory(self._device, reset_peak=False, workers=True)
+        values = reading.leak_series()
+        if self.windows.fell_back(self.windows.growing(), values):  # released before the end: what an epoch keeps
+            self.verdicts.observe(Kind.MEMORY_GROWTH, step)
+            return
+        if not self.windows.add(step, values, epoch=self.context.where().get("epoch"), last=True):
+            return
+        growing = {name: trend for name, trend in self.windows.growing().items() if name in values}
+        decided = judge_growth(step, growing, self.verdicts)
+        if decided is not None and decided.by is ConfirmedBy.PERSISTED:
+            decided.latest.finding = self._explain(step, growing, reading)
+            self.record(decided.latest.finding, step, self.context.where())
+
     def _census(self) -> Census:
         census = take_census()
         self.census_ms.add(census.seconds * 1000)
@@ -372,6 +388,8 @@ class MemoryMonitor(Monitor):
     def finalize(self, step: int) -> None:
         if self._waiting is not None and self.session.is_global_zero:
             self._growth_at_the_end(step, self._waiting[1])
+        elif self._evidence is not None and self.verdicts.holding(Kind.MEMORY_GROWTH) and self.session.is_global_zero:
+            self._last_reading(step)
         self._evidence = None
         super().finalize(step)
         self.restore()
