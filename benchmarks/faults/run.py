@@ -104,6 +104,19 @@ def _loss_recorder(losses: list[float]) -> Any:
     return Losses()
 
 
+def _release_heap() -> None:
+    """Hand the C heap the fits before this one freed back to the system (glibc's ``malloc_trim``): DataLoader workers
+    forked from a process holding hundreds of MB of free heap read growth of their own unlike a fresh process's
+    (``mem-worker-cache`` after ``mem-hooks-per-step`` in one process was missed)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+
+
 def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
     """Train ``case``'s buggy program or twin with ``config``'s callbacks; the events it wrote."""
     import gc
@@ -115,6 +128,7 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
 
     program = case.buggy if variant == "buggy" else case.twin
     gc.collect()  # the fits before this one in the process: their garbage is not freed during this one's memory trend
+    _release_heap()
     started = time.perf_counter()
     error = None
     losses: list[float] = []

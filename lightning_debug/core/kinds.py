@@ -97,6 +97,7 @@ class Kind(StrEnum):
     SYMMETRIC_UNITS = "symmetric_units"
     BATCH_MIXING = "batch_mixing"
     STEPS_NOT_COUNTED = "steps_not_counted"
+    SAME_BATCH_ON_RANKS = "same_batch_on_ranks"
 
 
 class AtEnd(StrEnum):
@@ -534,6 +535,17 @@ KIND_SPECS: dict[Kind, KindSpec] = {
                "`configure_optimizers` and step the object `self.optimizers()` returns.",
         hint="step the optimizer self.optimizers() returns (not a raw or new torch optimizer): the step counter "
              "does not move"),
+    Kind.SAME_BATCH_ON_RANKS: KindSpec(
+        Area.GRADIENTS, Severity.WARNING,
+        summary="(several processes) every rank of a data-parallel (DDP) run trains on the same batch: the training "
+                "DataLoader is not sharded across the ranks",
+        advice="Every rank reads the same batches, so the run does N times the work for one rank's data and each "
+               "averaged gradient is one batch's. The training DataLoader is not sharded: give it to "
+               "`accelerator.prepare()` (Accelerate), keep Lightning's distributed sampler "
+               "(`use_distributed_sampler=True`, the default) or shard a sampler of your own by rank "
+               "(`DistributedSampler`), and do not seed one shuffling generator alike on every rank.",
+        hint="shard the training DataLoader across ranks (accelerator.prepare, DistributedSampler)",
+        confirm=Confirm(patience=2)),
     Kind.REPEATED_BATCH: KindSpec(
         Area.LOOP, Severity.WARNING,
         summary="the data loader hands the model the same batch several times within an epoch (workers sharing "

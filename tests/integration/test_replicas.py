@@ -1,7 +1,8 @@
 """Two CPU processes (gloo) under DDP, ``GradientHealthCallback`` at its defaults (issue 45, TrainCheck's
 distributed silent errors): replicas that drift apart are ``replicas_diverged`` at the first check step after the
-drift (step 100), naming the parameters and rank 1; the healthy twins (plain DDP, DDP with
-``find_unused_parameters``) find nothing; one process compares nothing. FSDP2 and tensor parallelism (shards are not
+drift (step 100), naming the parameters and rank 1; every rank trained on the same batches
+(``use_distributed_sampler=False``) is ``same_batch_on_ranks``; the healthy twins (plain DDP, DDP with
+``find_unused_parameters``, a ``DistributedSampler`` of the module's own) find nothing; one process compares nothing. FSDP2 and tensor parallelism (shards are not
 replicas) are quiet in ``test_sharded.py``. The two-process cases are fits one after the other in one torchrun job
 (``tests/workers/replicas_worker.py``), so its imports, most of the time, are paid once."""
 
@@ -20,14 +21,14 @@ WORKER = Path(__file__).resolve().parents[1] / "workers" / "replicas_worker.py"
 TIMEOUT_S = 240
 CHECK_STEP = 100  # the default gradient_checking_frequency's second check step, after the drift at step 30
 EVERY_PARAMETER = ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "head.weight", "head.bias"]
-HEALTHY = ["none:ddp", "none:ddp_find_unused_parameters_true"]
+HEALTHY = ["none:ddp", "none:ddp_find_unused_parameters_true", "own-sampler"]
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case of this file, one fit after the other in one two-process job (torchrun, gloo)."""
     out = tmp_path_factory.mktemp("replicas")
-    cases = [fault for fault, _ in PLANTED] + HEALTHY
+    cases = [fault for fault, _ in PLANTED] + HEALTHY + ["same-batches"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
                str(out), *cases]
     completed = run_children(command, TIMEOUT_S, REPO)
@@ -84,6 +85,20 @@ def test_healthy_ddp_replicas_find_nothing(fits: Path, case: str) -> None:
     assert zero["checksum"] == one["checksum"], "DDP replicas are bit-identical"
     debug_dir = Path(zero["output_dir"])
     assert not [e for e in read_events(debug_dir) if e["severity"] in ("warning", "error")]
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_every_rank_training_on_the_same_batches_is_named(fits: Path) -> None:
+    """``use_distributed_sampler=False`` with the module's shuffled loader: both ranks shuffle with seed 0 and train on
+    the same batches, with the same loss. Named at check step 100 (held from step 0), from the fingerprints and losses
+    the shared pass's one collective carries; its twin, the same setting beside a ``DistributedSampler`` of the
+    module's own, is quiet (``test_healthy_ddp_replicas_find_nothing``)."""
+    zero, one = results(fits, "same-batches")
+    debug_dir = Path(zero["output_dir"])
+    found = [e for e in read_events(debug_dir) if e["severity"] in ("warning", "error") and e.get("episode") != "end"]
+    assert [(e["kind"], e["step"], e["details"]["since_step"], e["details"]["ranks"]) for e in found] == [
+        ("same_batch_on_ranks", CHECK_STEP, 0, 2)]
+    assert "accelerator.prepare()" in found[0]["message"] and "DistributedSampler" in found[0]["message"]
 
 
 def test_one_process_compares_nothing(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ imports, most of a two-process test's time, are paid once). FAULT: ``none``; ``c
 gradients to a norm of 1e-3 in ``on_before_optimizer_step``, after DDP's all-reduce); ``zero-rank1`` (rank 1's
 gradients zeroed there: a broken link delivering zeros); ``reinit-rank1`` (rank 1 re-initialises ``hidden`` at step
 :data:`PLANT_STEP`: a reload or ``.to()`` done on one rank); ``unsynced`` (steps :data:`PLANT_STEP` to +2 run with
-DDP's gradient sync off, as a forward around the wrapper). Each rank writes OUT_DIR/CASE/result_<rank>.json: its
+DDP's gradient sync off, as a forward around the wrapper); ``same-batches`` (``use_distributed_sampler=False``: every
+rank shuffles the whole data set with one seed, so every rank trains on the same batches) and its twin ``own-sampler``
+(``use_distributed_sampler=False`` beside a ``DistributedSampler`` of the module's own). Each rank writes OUT_DIR/CASE/result_<rank>.json: its
 weights' checksum, how training ended, where rank zero wrote, the collectives the plugin made, the fit's seconds.
 """
 
@@ -26,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_debug import GradientHealthCallback  # noqa: E402
 from lightning_debug.callbacks.base import RUN_ATTRIBUTE  # noqa: E402
-from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer  # noqa: E402
+from tests.harness.toolkit import TinyRegressor, exit_worker, make_trainer, regression_data  # noqa: E402
 
 MAX_STEPS = 101
 PLANT_STEP = 30
@@ -47,6 +50,12 @@ class Drifting(TinyRegressor):
         if self.fault == "unsynced":
             self.trainer.strategy.model.require_backward_grad_sync = not PLANT_STEP <= step < PLANT_STEP + 3
 
+    def train_dataloader(self) -> DataLoader:
+        if self.fault != "own-sampler":
+            return super().train_dataloader()
+        data = regression_data()
+        return DataLoader(data, batch_size=16, sampler=DistributedSampler(data, shuffle=True, seed=0))
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # after the callbacks' hook of the same name, which measured the step
         if self.global_rank != 1:
@@ -62,7 +71,8 @@ class Drifting(TinyRegressor):
 def fit(out_dir: Path, fault: str, strategy: str) -> None:
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(out_dir / "run", [GradientHealthCallback()], max_steps=MAX_STEPS, devices=2,
-                           strategy=strategy, logger=False)
+                           strategy=strategy, logger=False,
+                           use_distributed_sampler=fault not in ("same-batches", "own-sampler"))
     model = Drifting(fault)
     outcome: dict[str, Any] = {"exception": None}
     started = time.perf_counter()

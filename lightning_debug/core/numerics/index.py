@@ -52,7 +52,7 @@ from lightning_debug.core.metrics import metric_part
 # One row per rank (see ``rank_flags``); the host fields travel in the row only when a collective carries them.
 HOST_FIELDS = ("loss_count", "input_count", "check_failed")
 DEVICE_FIELDS = ("loss_sum", "input_low", "input_high", "grad_local_sum", "grad_square_sum", "param_local_sum",
-                 "buffer_high")
+                 "buffer_high", "batch_print")
 RANK_FIELDS = HOST_FIELDS + DEVICE_FIELDS
 AllGather = Callable[[torch.Tensor], torch.Tensor]
 AllReduce = Callable[[torch.Tensor], Any]
@@ -74,13 +74,14 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
     """The flags of one rank's row (:data:`RANK_FIELDS` order): a sum that is not finite is the sign that one of its
     terms is not (float64 sums of float32 values do not overflow), so the device packs raw sums and the host tells.
 
-        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf")])
+        >>> flags = rank_flags([1, 0, 0, float("nan"), 0, 0, 4.0, 4.0, 0, float("inf"), float("nan")])
         >>> flags["loss_finite"], flags["input_nonfinite"], flags["grad_nonfinite"], flags["loss_value"]
         (0.0, -1.0, 0.0, nan)
-        >>> flags["buffer_nonfinite"]
-        1.0
+        >>> flags["buffer_nonfinite"], flags["batch_print"]
+        (1.0, nan)
     """
-    loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local, buffer_high = row
+    (loss_count, input_count, failed, loss_sum, low, high, grad_local, grad_owned, param_local, buffer_high,
+     batch_print) = row
     loss_finite = math.isfinite(loss_sum)
     return {"loss_finite": -1.0 if not loss_count else float(loss_finite),
             "grad_nonfinite": float(not math.isfinite(grad_local)),
@@ -89,7 +90,8 @@ def rank_flags(row: Sequence[float]) -> dict[str, float]:
             "grad_square_sum": grad_owned,
             "input_nonfinite": -1.0 if not input_count else float(not (math.isfinite(low) and math.isfinite(high))),
             "check_failed": failed,
-            "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan}
+            "loss_value": loss_sum / loss_count if loss_count and loss_finite else math.nan,
+            "batch_print": batch_print}
 
 
 class Owned:

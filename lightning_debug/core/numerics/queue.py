@@ -85,6 +85,10 @@ class NumericsQueue:
         """Add a micro-batch loss to this optimizer step's (no sync)."""
         self.observed(step).add_loss(loss)
 
+    def observe_batch(self, step: int, fingerprint: torch.Tensor) -> None:
+        """Add a micro-batch's fingerprint to this optimizer step's, for the ranks to compare (no sync)."""
+        self.observed(step).add_batch(fingerprint)
+
     def observe_inputs(self, step: int, tensors: Sequence[torch.Tensor]) -> None:
         """Add a micro-batch's floating tensors to this step's NaN/Inf test (no sync)."""
         self.observed(step).add_inputs(tensors)

@@ -46,7 +46,7 @@ class Observed:
         (6.0, 2, [nan, nan])
     """
 
-    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count", "buffer_high", "_losses")
+    __slots__ = ("loss_sum", "loss_count", "_ends", "input_count", "buffer_high", "_losses", "batch_print")
 
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None
@@ -55,6 +55,7 @@ class Observed:
         self.input_count = 0
         self.buffer_high: torch.Tensor | None = None  # the largest magnitude over the buffers after the last forward
         self._losses: list[weakref.ref[torch.Tensor]] = []
+        self.batch_print: torch.Tensor | None = None  # the step's batches, one float64 each rank compares (no sync)
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-batch's loss; the same tensor given again (by a second monitor) counts once.
@@ -72,6 +73,11 @@ class Observed:
             value = value.mean()
         self.loss_sum = value if self.loss_sum is None else self.loss_sum + value.to(self.loss_sum.device)
         self.loss_count += 1
+
+    def add_batch(self, fingerprint: torch.Tensor) -> None:
+        """Add a micro-batch's fingerprint (a 0-d float64 tensor) to the step's."""
+        self.batch_print = fingerprint if self.batch_print is None else self.batch_print + fingerprint.to(
+            self.batch_print.device)
 
     def add_inputs(self, tensors: Sequence[torch.Tensor]) -> None:
         """Floating or complex tensors (a complex one is read as its real and imaginary parts, a view)."""
@@ -99,7 +105,7 @@ class HostNumerics:
 
         >>> from torch import nn
         >>> index = ParameterIndex(list(nn.Linear(1, 1, bias=False).named_parameters()))
-        >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0, 0])], index,
+        >>> host = HostNumerics(0, [rank_flags([0, 0, 0, 0.0, 0, 0, 9.0, 9.0, 0, 0, 0])], index,
         ...                     torch.tensor([9.0], dtype=torch.float64), [])
         >>> host.global_grad_norm, host.grad_norms, host.missing
         (3.0, [3.0], [])
@@ -335,8 +341,9 @@ class StepNumerics:
             ends = observed.input_ends() if observed is not None else None
             low, high = ends if ends is not None else (zero, zero)
             buffers = observed.buffer_high if observed is not None else None
+            batch = observed.batch_print if observed is not None else None
             values = [loss if loss is not None else nan, low, high, grad_local, grad_owned, param_local,
-                      buffers if buffers is not None else zero]
+                      buffers if buffers is not None else zero, batch if batch is not None else nan]
             values = [value if value.device == device else value.to(device, non_blocking=True) for value in values]
         except Exception as error:  # still join the collective, flagged, so that no rank waits or decides alone
             self.error = error
@@ -346,7 +353,7 @@ class StepNumerics:
             pieces = [torch.zeros(len(index) * (2 if self.with_param_norms else 1), dtype=torch.float64,
                                   device=device)]
             host_row = [0.0, 0.0, 1.0]
-            values = [nan, zero, zero, zero, zero, zero, zero]
+            values = [nan, zero, zero, zero, zero, zero, zero, nan]
         row = torch.stack(values)
         rank, world = distributed() if all_reduce is not None else (0, 1)
         self.world_size = world

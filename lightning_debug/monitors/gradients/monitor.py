@@ -16,6 +16,7 @@ from lightning_debug.checks.trends import NormHistory
 from lightning_debug.config import Area, DebugConfig
 from lightning_debug.core.kinds import Kind
 from lightning_debug.core.metrics import metric_part, per_optimizer
+from lightning_debug.core.gate import distributed
 from lightning_debug.core.monitor import Decision, Event, HistogramWriter, Monitor, NumericsSource
 from lightning_debug.core.readback import Readback
 from lightning_debug.core.rules import CheckRead, CheckStep, FitStart, Moment
@@ -32,6 +33,7 @@ from lightning_debug.monitors.gradients.order import ForwardOrder
 from lightning_debug.monitors.gradients.pending import PendingCheck, PendingChecks
 from lightning_debug.monitors.gradients.progress import Drift, WeightDrift
 from lightning_debug.monitors.gradients.replicas import judge_replicas
+from lightning_debug.monitors.gradients.shared_batches import batch_print
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.symmetry import UnitSpread
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
@@ -56,8 +58,8 @@ class GradientMonitor(Monitor):
     """
 
     area = Area.GRADIENTS
-    events = frozenset({Event.START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP,
-                        Event.BATCH_END})
+    events = frozenset({Event.START, Event.BATCH_START, Event.BEFORE_BACKWARD, Event.BEFORE_OPTIMIZER_STEP,
+                        Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END})
 
     def __init__(self, config: DebugConfig, source: str = "GradientHealthCallback") -> None:
         super().__init__(config, source)
@@ -94,6 +96,7 @@ class GradientMonitor(Monitor):
         self._backward: tuple[int, weakref.ref[torch.Tensor]] | None = None  # the last backward seen: step, loss
         self._unstepped = Unstepped()
         self._unregistered = Unregistered()
+        self._several_ranks = False
 
     def bind(self, session: Any, context: Any, numerics: NumericsQueue) -> None:
         super().bind(session, context, numerics)
@@ -141,6 +144,7 @@ class GradientMonitor(Monitor):
                 self.warn(f"log_gradients/log_weights write histograms to TensorBoard, but the logger "
                           f"({histogram_logger or 'none'}) cannot; histograms are skipped, scalars are still "
                           "logged.")
+        self._several_ranks = distributed()[1] > 1
         self._param_groups = context.param_groups()
         self._start_lrs = [group.get("lr") for group in self._param_groups]
         before = context.trainable_before_start()
@@ -179,6 +183,14 @@ class GradientMonitor(Monitor):
     def _record_static_frozen(self, step: int, where: Where) -> None:
         for verdict in static_frozen_verdicts(self.static_frozen):
             self._record(verdict, step, where)
+
+    def batch_start(self, step: int, batch: Any, captured: Any) -> None:
+        """On a check step under several processes, the batch's fingerprint joins the shared pass's collective
+        (``same_batch_on_ranks``). No sync."""
+        if self._several_ranks and self.due(step):
+            fingerprint = batch_print(batch)
+            if fingerprint is not None:
+                self.numerics.observe_batch(step, fingerprint)
 
     def before_backward(self, step: int, loss: torch.Tensor) -> None:
         """The loss of a check step's micro-batches, for the rules that read it and for report.md, also when this
