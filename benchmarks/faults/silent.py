@@ -145,11 +145,23 @@ class LossFromNumber(FaultProgram):
 
 
 class ManualOptimization(FaultProgram):
-    """The program under Lightning's manual optimization: its ``training_step`` calls the optimizer itself."""
+    """The program under Lightning's manual optimization: its ``training_step`` calls the optimizer itself, the one
+    :meth:`stepper` gives."""
 
     def __init__(self, program: Program) -> None:
         super().__init__(program)
         self.automatic_optimization = False
+
+    def stepper(self) -> Any:
+        return self.optimizers()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.stepper()
+        loss = self.loss_of(self(batch[0]), batch[1])
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
 
 
 class StepBeforeBackward(ManualOptimization):
@@ -250,13 +262,8 @@ class OptimizerUnwrapped(ManualOptimization):
     ``max_steps`` is never reached and step checkpoints are never saved (the run ends on its epochs); the twin steps
     the wrapper."""
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        optimizer = self.optimizers(use_pl_optimizer=self.program.fixed)
-        loss = self.loss_of(self(batch[0]), batch[1])
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        return loss
+    def stepper(self) -> Any:
+        return self.optimizers(use_pl_optimizer=self.program.fixed)
 
 
 class OptimizerInStep(ManualOptimization):
@@ -264,14 +271,8 @@ class OptimizerInStep(ManualOptimization):
     one would): no optimizer Lightning holds steps and its step counter stays at 0; the twin steps the configured
     optimizer through ``self.optimizers()``."""
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        optimizer = (self.optimizers() if self.program.fixed
-                     else torch.optim.SGD(self.parameters(), lr=self.program.lr))
-        loss = self.loss_of(self(batch[0]), batch[1])
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        optimizer.step()
-        return loss
+    def stepper(self) -> Any:
+        return self.optimizers() if self.program.fixed else torch.optim.SGD(self.parameters(), lr=self.program.lr)
 
 
 class LossNotReturned(FaultProgram):
