@@ -388,7 +388,8 @@ def two_process_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
             or importlib.util.find_spec("torch.distributed.run") is None):
         pytest.skip("torchrun / torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("two_processes")
-    completed = run_children(torchrun_command(out, ["raise", "stop", "skip", "fsdp2"]), TWO_PROCESS_TIMEOUT_S, REPO)
+    completed = run_children(torchrun_command(out, ["raise", "stop", "skip", "fsdp2", "unprepared"]),
+                             TWO_PROCESS_TIMEOUT_S, REPO)
     assert completed.returncode == 0, f"torchrun exited with {completed.returncode}:\n{completed.stdout[-5000:]}"
     return out
 
@@ -425,6 +426,17 @@ def test_two_processes_take_the_same_decision_at_the_same_step(two_process_resul
     assert len(loss_events) == 1, "events are written once, by the main process"
     assert loss_events[0]["step"] == 3 and loss_events[0]["details"]["ranks"] == [1]
     assert read_report(debug_dir)["findings"]["nonfinite_loss"]["first_step"] == 3
+
+
+def test_a_loader_left_out_of_prepare_is_named_and_the_prepared_ones_are_not(two_process_results: Path) -> None:
+    """The DataLoader not given to ``accelerator.prepare``: both processes read the same batches. Named at check step
+    2 (held from step 0, gradient checks every 2 steps); the loops whose loader was prepared read their own shares."""
+    found = [e for e in read_events(run_dir(two_process_results / "unprepared" / "debug"))
+             if e["severity"] in ("warning", "error") and e.get("episode") != "end"]
+    assert [(e["kind"], e["step"], e["details"]["since_step"]) for e in found] == [("same_batch_on_ranks", 2, 0)]
+    assert "accelerator.prepare()" in found[0]["message"]
+    for mode in ("raise", "stop", "skip"):
+        assert starts(read_events(run_dir(two_process_results / mode / "debug")), "same_batch_on_ranks") == []
 
 
 def test_two_processes_with_a_model_sharded_by_fully_shard_before_prepare(two_process_results: Path) -> None:

@@ -7,6 +7,9 @@ stay finite, so only the process that computed the loss can know; the others lea
 gathered flags. Each process writes ``<out>/<mode>/result_rank<r>.json`` with what it decided, at
 which step, and a checksum of its parameters, for the test to compare across ranks.
 
+Mode ``unprepared`` is a healthy loop whose DataLoader was not given to ``accelerator.prepare`` (model and optimizer
+were): every process reads the same batches, and nothing is planted.
+
 Mode ``fsdp2`` is ``skip`` for a user who shards the model with ``fully_shard`` (FSDP2) before
 ``accelerator.prepare(optimizer, loader)``: NaN gradients on one rank at one step (they reach every
 shard), the gradient norms of the other steps compared with ``torch.nn.utils.get_total_norm``.
@@ -58,10 +61,13 @@ def train(accelerator: Accelerator, out: Path, mode: str, nan_rank: int, nan_ste
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         optimizer, loader = accelerator.prepare(optimizer, loader)  # preparing the model would wrap it in DDP
+    elif mode == "unprepared":  # the loader left out of prepare(): every process reads all of it, in one order
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, optimizer = accelerator.prepare(model, optimizer)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    config = DebugConfig(anomaly_detection_mode="skip" if sharded else mode, debug_output_dir=str(out / mode / "debug"),
+    config = DebugConfig(anomaly_detection_mode="skip" if sharded or mode == "unprepared" else mode, debug_output_dir=str(out / mode / "debug"),
                          gradient_checking_frequency=2, memory_profiling_frequency=2,
                          performance_profiling_frequency=1)
     debugger = AccelerateDebugger(accelerator, model, optimizer, config)
@@ -73,7 +79,9 @@ def train(accelerator: Accelerator, out: Path, mode: str, nan_rank: int, nan_ste
                 if debugger.step >= steps:
                     break
                 loss = nn.functional.mse_loss(model(x), y)
-                if sharded and accelerator.process_index == nan_rank and debugger.step == nan_step:
+                if mode == "unprepared":
+                    pass
+                elif sharded and accelerator.process_index == nan_rank and debugger.step == nan_step:
                     loss = loss * torch.tensor(float("nan"))  # NaN gradients, spread to every shard
                 elif not sharded and accelerator.process_index == nan_rank and debugger.step >= nan_step:
                     loss = loss + torch.log(torch.zeros((), device=loss.device))
