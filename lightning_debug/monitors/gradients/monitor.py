@@ -89,7 +89,7 @@ class GradientMonitor(Monitor):
         self._trainable = 0
         self._explosions = Explosions(self.verdicts, self._judge_early)
         self._drift = WeightDrift()
-        self._drifts: dict[int, tuple[Readback, int, int | None, tuple[Any, ...], float | None] | None] = {}
+        self._drifts: dict[int, tuple[Readback, int, int | None, tuple[Any, ...], float | None, str | None] | None] = {}
         self._spread = UnitSpread()
         self._spreads: dict[int, tuple[Readback, list[tuple[str, int]]]] = {}
         self.unavailable: dict[str, str] = {}  # kinds the run cannot judge, and why (report.json, report.md)

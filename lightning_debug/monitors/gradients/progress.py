@@ -64,6 +64,12 @@ BOUNDED_PROGRESS = 0.5
 learning: with Adam's scaling lost, learning at a tenth of its pace or less is the finding (``Adam(lr=1e-3, eps=1)``
 on four blobs: 75% of its first loss at step 300, 0.1% with the default eps), not only a loss that stays put. Not
 ruled out: a fresh run on data the model already fits, whose gradients are under a tenth of ``eps`` from the start."""
+COARSE_EPS = 1e-4
+"""Weights of a dtype whose epsilon is above this (bfloat16 7.8e-3, float16 9.8e-3) round away an update under half
+their spacing: a float32 weight keeps any update above 6e-8 of itself."""
+UNCHANGED_SHARE = 0.9
+"""The share of the sampled values of such weights bit for bit the same over a sample's span for the updates to be
+rounded away: a run that learns changes nearly every value in 100 steps, even in bfloat16."""
 KEY = "negligible_updates"
 
 
@@ -83,13 +89,19 @@ class Drift:
     """The largest ``eps`` of the Adam-like groups sampled (None: no such group)."""
     eps_bound: float | None = None
     """The share of their sampled values with a gradient whose update ``eps`` bounds (:data:`EPS_OVER_GRADIENT`)."""
+    unchanged: float | None = None
+    """The share of the sampled values bit for bit the same as at the window's start."""
+    coarse: str | None = None
+    """The sampled weights' dtype where it rounds away small updates (:data:`COARSE_EPS`), else None."""
 
     @classmethod
     def read(cls, values: Sequence[float], steps: int, taken: int | None, lrs_before: tuple[Any, ...],
-             eps: float | None) -> Drift:
-        """The drift of :meth:`WeightDrift.measure`'s read-back ``values`` (moved, size[, bounded, with a gradient])."""
-        bounded = values[2] / values[3] if eps is not None and len(values) > 3 and values[3] > 0 else None
-        return cls(values[0], values[1], steps, taken, lrs_before, eps if bounded is not None else None, bounded)
+             eps: float | None, coarse: str | None = None) -> Drift:
+        """The drift of :meth:`WeightDrift.measure`'s read-back ``values`` (moved, size, unchanged share[, bounded,
+        with a gradient])."""
+        bounded = values[3] / values[4] if eps is not None and len(values) > 4 and values[4] > 0 else None
+        return cls(values[0], values[1], steps, taken, lrs_before, eps if bounded is not None else None, bounded,
+                   values[2] if len(values) > 2 else None, coarse)
 
     @property
     def per_step(self) -> float:
@@ -171,9 +183,9 @@ class WeightDrift:
         >>> drift.measure(0, weights) is None
         True
         >>> with torch.no_grad(): _ = weights[0].add_(0.01)
-        >>> moved, steps, taken, lrs_before, eps = drift.measure(100, weights)
-        >>> round(moved.values()[0], 4), steps, taken, lrs_before, eps
-        (0.0316, 100, None, (), None)
+        >>> moved, steps, taken, lrs_before, eps, coarse = drift.measure(100, weights)
+        >>> round(moved.values()[0], 4), moved.values()[2], steps, taken, lrs_before, eps, coarse
+        (0.0316, 0.0, 100, None, (), None, None)
     """
 
     def __init__(self) -> None:
@@ -188,10 +200,11 @@ class WeightDrift:
 
     def measure(self, step: int, params: Sequence[Any], taken: int | None = None,
                 lrs: Sequence[Any] = (), optimizers: Sequence[Any] = ()
-                ) -> tuple[Readback, int, int | None, tuple[Any, ...], float | None] | None:
-        """Keep this check step's sample and learning rates; a read-back of (moved, size[, :func:`eps_bound`'s
-        counts]), the optimizer steps since the last one, those the hooks counted in between (``taken``: the hooks'
-        count so far, None when they do not count), the learning rates of the last one and the largest ``eps``."""
+                ) -> tuple[Readback, int, int | None, tuple[Any, ...], float | None, str | None] | None:
+        """Keep this check step's sample and learning rates; a read-back of (moved, size, the share unchanged[,
+        :func:`eps_bound`'s counts]), the optimizer steps since the last one, those the hooks counted in between
+        (``taken``: the hooks' count so far, None when they do not count), the learning rates of the last one, the
+        largest ``eps`` and the weights' dtype where it is coarse (:data:`COARSE_EPS`)."""
         if params is not self._params:
             self._params, self._kept = params, None
             self._picked = picked_parameters(params)
@@ -206,9 +219,14 @@ class WeightDrift:
             if kept is None or kept.shape != sample.shape or steps <= 0:
                 return None
             bound = eps_bound(self._picked, optimizers)
-            moved = torch.stack([(sample - kept).norm(), kept.norm(), *(bound[0] if bound else ())])
+            moved = torch.stack([(sample - kept).norm(), kept.norm(), (sample == kept).float().mean(),
+                                 *(bound[0] if bound else ())])
+        dtypes = {p.dtype for p in self._picked if p.is_floating_point()}
+        coarse = max(dtypes, key=lambda dtype: torch.finfo(dtype).eps) if dtypes else None
         return (Readback(moved, blocking=False), steps, None if taken is None or counted is None else taken - counted,
-                before, bound[1] if bound else None)
+                before, bound[1] if bound else None,
+                str(coarse).removeprefix("torch.") if coarse is not None and torch.finfo(coarse).eps > COARSE_EPS
+                else None)
 
     def reference(self, step: int, loss: float) -> float | None:
         """The loss of the run's first check step (step 0 of a fresh run; None for a resumed one)."""
@@ -238,7 +256,9 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     still = drift.moved == 0 and STILL_FALL * loss >= first_loss > 0
     bounded = (drift.eps is not None and drift.eps_bound is not None and drift.eps_bound >= EPS_SHARE
                and loss >= BOUNDED_PROGRESS * first_loss)
-    suspect = step >= MIN_STEPS and scheduled and far_from_end and math.isfinite(loss) and (slow or still or bounded)
+    rounded = drift.coarse is not None and drift.unchanged is not None and drift.unchanged >= UNCHANGED_SHARE and flat
+    suspect = (step >= MIN_STEPS and scheduled and far_from_end and math.isfinite(loss)
+               and (slow or still or bounded or rounded))
     measured = {"per_step": drift.per_step, "loss": loss}
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step,
                                  [Suspicion(Kind.LEARNING_STALLED, KEY, step, measured=measured)] if suspect else [],
@@ -248,7 +268,14 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
     since = confirmed[0].first.step
     rates = sorted({float(lr) for lr, _ in lrs})
     shown = ", ".join(f"{lr:g}" for lr in rates)
-    if bounded and not slow and not still:
+    if rounded and not slow and not still:
+        what = (f"the weights are {drift.coarse} and {drift.unchanged:.0%} of the sampled values did not change at "
+                f"all over {drift.steps} optimizer steps at learning rate {shown}, and the loss ({loss:.4g}) is where "
+                f"it started ({first_loss:.4g})")
+        cause = (f"Each update is under half the spacing of {drift.coarse} values next to the weight it is added to, "
+                 "so it is rounded away: keep the weights in float32 and compute in low precision (Lightning's "
+                 "precision='bf16-mixed' rather than 'bf16-true'), or raise the learning rate.")
+    elif bounded and not slow and not still:
         what = (f"Adam's eps ({drift.eps:g}) is over {EPS_OVER_GRADIENT:g} times the gradient scale it is added to "
                 f"(the root of the bias-corrected exp_avg_sq) for {drift.eps_bound:.0%} of the sampled weights, so "
                 f"each update is lr * exp_avg / eps, not about lr: the weights move by {drift.per_step:.1e} of their "
@@ -281,7 +308,8 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY,
          **({"warm_up_reaches": warm_up} if warm_up is not None else {}),
-         **({"eps": drift.eps, "eps_bound": drift.eps_bound} if bounded else {})}),
+         **({"eps": drift.eps, "eps_bound": drift.eps_bound} if bounded else {}),
+         **({"dtype": drift.coarse, "unchanged": drift.unchanged} if rounded else {})}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
 
 
