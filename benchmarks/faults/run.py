@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import os
@@ -104,15 +105,19 @@ def _loss_recorder(losses: list[float]) -> Any:
     return Losses()
 
 
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` from the process's own symbols (no library search, which runs ``ldconfig``), or None."""
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
 def _release_heap() -> None:
     """Hand the C heap the fits before this one freed back to the system (glibc's ``malloc_trim``): DataLoader workers
     forked from a process holding hundreds of MB of free heap read growth of their own unlike a fresh process's
     (``mem-worker-cache`` after ``mem-hooks-per-step`` in one process was missed)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
 

@@ -74,8 +74,9 @@ class Unstepped:
         """Optimizer steps the run was told of (the monitor counts them; the hooks count every one taken)."""
         self.learned = self.cleared = False
         self.counted: int | None = None
-        """The optimizer-step counter as the last training batch ended, and the batches since it last moved."""
+        """The optimizer-step counter the last training batch started at."""
         self.still = 0
+        """Training batches since that counter last moved."""
         self._hooked_then = self._hooked_before = self._hooked_now = 0
         self.trained_unseen = self.uncounted_named = False
         self._backward = self._stepped = False
