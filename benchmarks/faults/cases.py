@@ -388,6 +388,15 @@ def api_misuse() -> Iterator[Case]:
          "Adam(lr=1e-3, eps=1.0): every update divided by eps, not by the gradient's scale (Adam as SGD at lr / eps)",
          "Adam's eps over ten times the root of the bias-corrected exp_avg_sq for 90% of the sampled weights while "
          "the loss has not halved (negligible_updates)"),
+        ("plateau_watching_a_rise", {}, ("learning_stalled",), r"ReduceLROnPlateau",
+         "ReduceLROnPlateau(mode='max') on the training loss: every falling step is no improvement, the lr halved at "
+         "every patience of 5 steps",
+         "every param group's lr at most 1e-6 of its base on 2 check steps in a row spanning 1% of the run, before "
+         "90% of it (lr_zero)"),
+        ("head_replaced_late", {}, ("frozen_param",), r"head",
+         "self.head replaced by a new nn.Linear in the module's on_train_start, after configure_optimizers: the "
+         "optimizer holds the old head, the new one never moves",
+         "trainable parameters with a gradient in no param group, looked up at the first check step (not_in_optimizer)"),
         ("optimizer_unwrapped", {"epochs": 25}, ("steps_not_counted",), r"use_pl_optimizer=False",
          "manual optimization stepping self.optimizers(use_pl_optimizer=False): the model learns, the step counter "
          "stays at 0 (max_steps never reached; 25 epochs of 16 batches)",

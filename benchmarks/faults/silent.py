@@ -337,6 +337,41 @@ class WarmUpEndless(FaultProgram):
         return [optimizer], [{"scheduler": schedule, "interval": "step"}]
 
 
+class PlateauWatchingARise(FaultProgram):
+    """``ReduceLROnPlateau(mode="max")`` stepped on the training loss: a falling loss never "improves", so the lr is
+    halved at every patience, to 2e-7 of its base by step 120; the twin watches it with ``mode="min"``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.program.lr)
+        schedule = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min" if self.program.fixed else "max",
+                                                              patience=5, factor=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step", "monitor": "train_loss"}}
+
+
+class HeadReplacedLate(FaultProgram):
+    """A head swapped for a fresh one in the module's ``on_train_start``, after ``configure_optimizers`` built the
+    optimizer over the old one: the new head gets gradients and never moves (the layers below learn around it); the
+    twin swaps it in ``setup``, before the optimizer is built."""
+
+    def _swap(self) -> None:
+        torch.manual_seed(self.program.seed + 1)
+        self.head = torch.nn.Linear(self.head.in_features, self.head.out_features)
+
+    def setup(self, stage: str) -> None:
+        if self.program.fixed:
+            self._swap()
+
+    def on_train_start(self) -> None:
+        if not self.program.fixed:
+            self._swap()
+
+
 class AdamEpsLarge(FaultProgram):
     """``Adam(lr=1e-3, eps=1.0)``, another library's convention or a typo for 1e-8: every update is divided by
     ``eps``, not the gradient's scale, so Adam runs as SGD at ``lr / eps``; the twin keeps the default eps."""
@@ -404,6 +439,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "step_forgotten": StepForgotten, "loss_not_returned": LossNotReturned, "round_in_loss": RoundInLoss,
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
     "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
+    "plateau_watching_a_rise": PlateauWatchingARise, "head_replaced_late": HeadReplacedLate,
     "optimizer_unwrapped": OptimizerUnwrapped, "optimizer_in_step": OptimizerInStep,
 }
 

@@ -517,7 +517,7 @@ KIND_SPECS: dict[Kind, KindSpec] = {
              "does it again, or the "
              "labels do not match the inputs, or the optimizer never steps): check the scheduler, the lr, the model's "
              "last layer, the labels and the optimizer's step",
-        confirm=Confirm(patience=3, variants={"probabilities_into_log_softmax": 2, "loss_at_chance": 4,
+        confirm=Confirm(patience=3, variants={"lr_zero": 2, "probabilities_into_log_softmax": 2, "loss_at_chance": 4,
                                               "softmax_over_batch": 2, "shared_target": 2,
                                               "probabilities_into_sigmoid": 2, "optimizer_not_stepping": 1},
                         backdate=False)),

@@ -52,7 +52,16 @@ class Suspicion:
     (``follow_up``); ``variant`` picks a patience of the policy's ``variants``; ``at_least``: a longer hold the run's
     history asks for; ``record``: False between check steps (it counts toward the hold, but is no step the finding is
     recorded at); ``measured``: plain values that travel in the checkpoint; ``confirms``: False when a condition of the
-    rule's own is not met (it keeps the hold going but neither confirms it nor is reported again).
+    rule's own is not met (it keeps the hold going but neither confirms it nor is reported again); ``lasting``: steps
+    from the hold's first observation that a persisting suspicion must also span, where how long a condition lasts
+    tells it from a healthy look-alike (``learning_stalled``: a learning rate at 0 in effect for a stretch of the run,
+    not for the few steps around a warm restart)::
+
+        >>> from lightning_debug.core.kinds import Kind
+        >>> engine = VerdictEngine()
+        >>> stall = lambda step: Suspicion(Kind.LEARNING_STALLED, "lr_zero", step, variant="lr_zero", lasting=60)
+        >>> [bool(engine.observe(Kind.LEARNING_STALLED, step, [stall(step)])) for step in (10, 11, 12, 70)]
+        [False, False, False, True]
     """
 
     kind: Kind
@@ -69,6 +78,7 @@ class Suspicion:
     record: bool = True
     measured: dict[str, Any] = field(default_factory=dict)
     confirms: bool = True
+    lasting: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         finding = self.finding
@@ -275,7 +285,8 @@ class VerdictEngine:
         elif not suspicion.confirms:
             return decided
         elif (needed is not None and max(needed, suspicion.at_least) > 1
-              and held.streak >= max(needed, suspicion.at_least)):
+              and held.streak >= max(needed, suspicion.at_least)
+              and suspicion.step - held.first.step >= suspicion.lasting):
             by = ConfirmedBy.PERSISTED
         elif not policy.holds or (needed == 1 and suspicion.at_least <= 1):  # a variant of 1 is its own proof
             by = ConfirmedBy.AT_ONCE

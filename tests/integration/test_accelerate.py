@@ -714,7 +714,7 @@ def test_a_learning_rate_at_zero_mid_loop_is_a_stall_once_the_loop_says_how_long
     config = DebugConfig(mode="gradient_checking", gradient_checking_frequency=1)
     told = run_loop(tmp_path / "told", steps=24, lr_zero_from=8, config=config, total_steps=24)
     stalls = starts(told.events(), "learning_stalled")
-    assert [event["step"] for event in stalls] == [10] and "LambdaLR" in stalls[0]["message"]
+    assert [event["step"] for event in stalls] == [9] and "LambdaLR" in stalls[0]["message"]
     assert "Not judged" not in told.report_md()
     untold = run_loop(tmp_path / "untold", steps=24, lr_zero_from=8, config=config)
     assert not starts(untold.events(), "learning_stalled")

@@ -343,6 +343,45 @@ def test_a_backbone_unfrozen_during_the_run_is_judged_with_the_optimizer_it_has_
     assert {w[0] for w in warned} <= {"frozen_param", "exploding_grad"}, warned
 
 
+class HeadReplacedAtTrainStart(TinyRegressor):
+    """A head swapped for a fresh one in the module's ``on_train_start`` (a head sized for the data once it is
+    known), after ``configure_optimizers`` built the optimizer over the old one; the twin swaps it in ``setup``,
+    before the optimizer is built. Lightning runs the callbacks' ``on_train_start`` before the module's."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def _swap(self) -> None:
+        self.head = nn.Linear(self.head.in_features, 1)
+
+    def setup(self, stage: str) -> None:
+        if self.at == "setup":
+            self._swap()
+
+    def on_train_start(self) -> None:
+        if self.at == "on_train_start":
+            self._swap()
+
+
+@pytest.mark.parametrize("at", ["on_train_start", "setup"])
+def test_a_layer_replaced_after_the_optimizer_was_built_is_frozen_param(tmp_path: Path, at: str) -> None:
+    """Before, the parameters the fit started with were looked up in the param groups, and the check steps' index
+    (the new head) only when it changed later: the new head trained nothing and the run ended in "No problems
+    found"."""
+    trainer, _ = fit(tmp_path, HeadReplacedAtTrainStart(at), [GradientHealthCallback(gradient_checking_frequency=5)],
+                     20)
+    held = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    in_optimizer = id(trainer.lightning_module.head.weight) in held
+    warned = [(e["kind"], e["details"].get("cause"), e["details"].get("parameters"), e["step"])
+              for e in read_events(debug_dir(trainer)) if e["severity"] == "warning"]
+    if at == "setup":
+        assert in_optimizer and warned == []
+        return
+    assert not in_optimizer, "the plant: the optimizer holds the old head"
+    assert warned[0] == ("frozen_param", "not_in_optimizer", ["head.weight", "head.bias"], 0), warned
+
+
 def test_parameters_the_optimizer_cannot_move_are_frozen_param(tmp_path: Path) -> None:
     callback = GradientHealthCallback(gradient_checking_frequency=2, log_weights=True)
     trainer, caught = fit(tmp_path, OptimizerMistakes(), [callback], 6)

@@ -43,8 +43,9 @@ class SimulatedCrash(RuntimeError):
 
 
 class Stalls(TinyRegressor):
-    """Every learning rate is 0 from step 10 (a LambdaLR that reaches 0 early) and the first layer's gradient
-    fades by 1e-12 from step 10 (its neighbour stays healthy): both suspicions are held at steps 10 and 11."""
+    """Every learning rate is 0 from step 11 (a LambdaLR that reaches 0 early; held at step 11, confirmed on the
+    next check step) and the first layer's gradient fades by 1e-12 from step 10 (its neighbour stays healthy; held at
+    steps 10 and 11): both suspicions are held at the checkpoint."""
 
     def __init__(self, crash_at_step: int | None = None) -> None:
         super().__init__()
@@ -63,7 +64,7 @@ class Stalls(TinyRegressor):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 10 else 0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 11 else 0.0)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:

@@ -500,13 +500,11 @@ class GradientMonitor(Monitor):
                                 pending.judged.params)
 
     def _audit_trainable(self, optimizer: Any, index: Any) -> None:
-        """Parameters made trainable since (an index built again: rare) are looked up in the param groups."""
-        audited = self._audited.get(optimizer)
-        if index is audited:
+        """Parameters made trainable or created since fit start (an index built again: rare; a layer replaced in the
+        module's own ``on_train_start``, which runs after the callbacks') are looked up in the param groups."""
+        if index is self._audited.get(optimizer):
             return
         self._audited[optimizer] = index
-        if audited is None:
-            return
         self._param_groups = self.context.param_groups()
         named = [(user_name(name), p) for name, p in self.context.named_parameters() if p.requires_grad]
         frozen, _ = frozen_by_optimizer(named, self._param_groups)

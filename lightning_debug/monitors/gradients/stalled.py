@@ -3,32 +3,36 @@ the end of the run.
 
 A schedule that reaches 0 early stops training with no NaN and no error, and so does one that decays without end
 (``StepLR(step_size=30, gamma=0.1)`` written per epoch and registered per step is about 1e-6 of its base from step 180,
-never 0). A warm-up from 0 is ruled out by the
-kind's policy, a decay to 0 at the end by judging only before :data:`END_SHARE` of a run of known length, a group
-frozen on purpose by needing every group at 0; a base learning rate of 0 is ``frozen_param``. Without a scheduler
-the base is the lr when training started, so code that sets every lr to 0 mid-run is the same stall::
+never 0; ``ReduceLROnPlateau(mode="max")`` on a loss halves it at every patience). A warm-up from 0 (one step at
+0) is ruled out by the kind's policy (2 check steps in a row), a warm restart by the stall's length,
+:func:`stall_span` (1% of the run: a cosine decay to 0 with warm restarts is under 1e-6 of its base for 0.06% of a
+cycle), a decay to 0 at the end by judging only before :data:`END_SHARE` of
+a run of known length, a group frozen on purpose by needing every group at 0; a base learning rate of 0 is
+``frozen_param``. Without a scheduler the base is the lr when training started, so code that sets every lr to 0
+mid-run is the same stall::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> verdicts = VerdictEngine()
     >>> groups = [{"params": [object()], "lr": 0.0, "initial_lr": 0.1}]
-    >>> [judge_stalled(step, groups, verdicts, total_steps=60, schedulers=["LambdaLR"]) is not None
-    ...  for step in (10, 11, 12)]
+    >>> [judge_stalled(step, groups, verdicts, total_steps=1000, schedulers=["LambdaLR"]) is not None
+    ...  for step in (100, 101, 110)]
     [False, False, True]
     >>> [judge_stalled(step, groups, VerdictEngine(), total_steps=60, schedulers=[]) for step in (55, 56, 57)]
     [None, None, None]
     >>> zeroed, no_scheduler = [{"params": [object()], "lr": 0.0}], VerdictEngine()
-    >>> [judge_stalled(step, zeroed, no_scheduler, 60, [], start_lrs=[0.05]) is not None for step in (10, 11, 12)]
-    [False, False, True]
+    >>> [judge_stalled(step, zeroed, no_scheduler, 1000, [], start_lrs=[0.05]) is not None for step in (100, 200)]
+    [False, True]
     >>> decayed, steps = VerdictEngine(), [{"params": [object()], "lr": 5e-9, "initial_lr": 0.05}]
-    >>> [judge_stalled(step, steps, decayed, 60, ["StepLR"]) is not None for step in (30, 31, 32)]
-    [False, False, True]
+    >>> [judge_stalled(step, steps, decayed, 1000, ["StepLR"]) is not None for step in (300, 400)]
+    [False, True]
     >>> low = [{"params": [object()], "lr": 5e-7, "initial_lr": 0.05}]  # 1e-5 of its base: still a learning rate
-    >>> [judge_stalled(step, low, VerdictEngine(), 60, ["StepLR"]) for step in (30, 31, 32)]
-    [None, None, None]
+    >>> [judge_stalled(step, low, VerdictEngine(), 1000, ["StepLR"]) for step in (300, 400)]
+    [None, None]
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +48,19 @@ END_SHARE = 0.9
 NEGLIGIBLE_LR = 1e-6
 """A learning rate at most this share of its group's base is 0 in effect (an update of a millionth of a healthy one).
 A cosine or linear decay to 0 is under it only in the last 0.1% of its steps, a warm-up from 0 on its first step."""
+STALL_SHARE = 0.01
+"""The share of a run's steps a learning rate at 0 in effect must last, from the first check step that saw it: a warm
+restart's dip under :data:`NEGLIGIBLE_LR` lasts 0.06% of its cycle, so no cycle as long as the run reaches it."""
 KEY = "lr_zero"
+
+
+def stall_span(total_steps: int) -> int:
+    """How many steps a learning rate at 0 in effect must last to be a stall::
+
+        >>> stall_span(60), stall_span(400), stall_span(1_000_000)
+        (1, 4, 10000)
+    """
+    return math.ceil(STALL_SHARE * total_steps)
 
 
 def base_lr(group: Mapping[str, Any], index: int, start_lrs: Sequence[Any]) -> Any:
@@ -84,7 +100,8 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     if stalled and all(number_equals_zero(base) for _, base in based):
         return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
     far_from_end = total_steps is not None and step < END_SHARE * total_steps
-    suspicions = [Suspicion(Kind.LEARNING_STALLED, KEY, step)] if stalled and far_from_end else []
+    suspicions = ([Suspicion(Kind.LEARNING_STALLED, KEY, step, variant=KEY, lasting=stall_span(total_steps))]
+                  if stalled and far_from_end and total_steps is not None else [])
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[KEY])
     if not confirmed or total_steps is None:
         return None
@@ -97,7 +114,8 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
              f"{', '.join(f'{lr:.3g}' for lr in rates)}, at most {NEGLIGIBLE_LR:g} of its base and so 0 in effect")
     cause = ("a scheduler that reaches 0 early is the usual cause" if not any(rates) else
              "a schedule that decays without end is the usual cause (a step or exponential decay meant per epoch "
-             "and registered per step: interval 'step' in Lightning's lr_scheduler config)")
+             "and registered per step: interval 'step' in Lightning's lr_scheduler config; or a ReduceLROnPlateau "
+             "whose metric never improves in its mode, such as mode='max' on a loss)")
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"Training stopped learning at step {since}: the learning rate of every param group "
