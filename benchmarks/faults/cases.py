@@ -396,7 +396,8 @@ def api_misuse() -> Iterator[Case]:
         ("head_replaced_late", {}, ("frozen_param",), r"head",
          "self.head replaced by a new nn.Linear in the module's on_train_start, after configure_optimizers: the "
          "optimizer holds the old head, the new one never moves",
-         "trainable parameters with a gradient in no param group, looked up at the first check step (not_in_optimizer)"),
+         "trainable parameters with a gradient in no param group, looked up at the first check step "
+         "(not_in_optimizer)"),
         ("optimizer_unwrapped", {"epochs": 25}, ("steps_not_counted",), r"use_pl_optimizer=False",
          "manual optimization stepping self.optimizers(use_pl_optimizer=False): the model learns, the step counter "
          "stays at 0 (max_steps never reached; 25 epochs of 16 batches)",
