@@ -393,6 +393,10 @@ def api_misuse() -> Iterator[Case]:
          "every patience of 5 steps",
          "every param group's lr at most 1e-6 of its base on 2 check steps in a row spanning 1% of the run, before "
          "90% of it (lr_zero)"),
+        ("scheduler_stepped_twice", {}, ("learning_stalled",), r"LambdaLR",
+         "lr_schedulers().step() in training_step beside Lightning's own stepping: a linear decay to 0 over the run "
+         "reaches 0 at its middle",
+         "every param group's lr at 0 on 2 check steps in a row spanning 1% of the run, before 90% of it (lr_zero)"),
         ("head_replaced_late", {}, ("frozen_param",), r"head",
          "self.head replaced by a new nn.Linear in the module's on_train_start, after configure_optimizers: the "
          "optimizer holds the old head, the new one never moves",

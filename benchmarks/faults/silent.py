@@ -354,6 +354,23 @@ class PlateauWatchingARise(FaultProgram):
                 "lr_scheduler": {"scheduler": schedule, "interval": "step", "monitor": "train_loss"}}
 
 
+class SchedulerSteppedTwice(FaultProgram):
+    """``self.lr_schedulers().step()`` in ``training_step`` of a scheduler Lightning already steps every step: a
+    linear decay to 0 over the run ends at its middle and the lr stays 0 for the second half; the twin leaves the
+    stepping to Lightning."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not self.program.fixed:
+            self.lr_schedulers().step()
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.program.lr)
+        total = self.program.steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total))
+        return [optimizer], [{"scheduler": schedule, "interval": "step"}]
+
+
 class HeadReplacedLate(FaultProgram):
     """A head swapped for a fresh one in the module's ``on_train_start``, after ``configure_optimizers`` built the
     optimizer over the old one: the new head gets gradients and never moves (the layers below learn around it); the
@@ -440,6 +457,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
     "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
     "plateau_watching_a_rise": PlateauWatchingARise, "head_replaced_late": HeadReplacedLate,
+    "scheduler_stepped_twice": SchedulerSteppedTwice,
     "optimizer_unwrapped": OptimizerUnwrapped, "optimizer_in_step": OptimizerInStep,
 }
 
