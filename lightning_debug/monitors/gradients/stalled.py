@@ -100,8 +100,8 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     if stalled and all(number_equals_zero(base) for _, base in based):
         return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
     far_from_end = total_steps is not None and step < END_SHARE * total_steps
-    suspicions = ([Suspicion(Kind.LEARNING_STALLED, KEY, step, variant=KEY, lasting=stall_span(total_steps))]
-                  if stalled and far_from_end and total_steps is not None else [])
+    suspicions = ([Suspicion(Kind.LEARNING_STALLED, KEY, step, variant=KEY, lasting=stall_span(total_steps or 0))]
+                  if stalled and far_from_end else [])
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[KEY])
     if not confirmed or total_steps is None:
         return None
