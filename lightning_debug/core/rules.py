@@ -59,7 +59,9 @@ class FitStart:
 
 @dataclass(frozen=True)
 class CheckStep:
-    """A check step before its optimizer step: the optimizers' groups as they are now and the schedule."""
+    """A check step before its optimizer step: the optimizers' groups as they are now and the schedule; ``loss``:
+    the last loss read back (an earlier check step's: this one's is not on the host yet), ``first_loss`` the run's
+    first (NaN: not known)."""
 
     step: int
     param_groups: Sequence[Mapping[str, Any]] = ()
@@ -68,6 +70,8 @@ class CheckStep:
     schedulers: Sequence[str] = ()
     verdicts: VerdictEngine = field(default_factory=VerdictEngine)
     settings: Any = None
+    loss: float = float("nan")
+    first_loss: float = float("nan")
 
 
 @dataclass(frozen=True)

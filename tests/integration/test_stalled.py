@@ -13,7 +13,10 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_debug import DebugConfig, debug_callbacks
-from tests.harness.toolkit import TinyRegressor, debug_dir, make_trainer, read_events, read_scalars
+from lightning_debug.monitors.gradients.stalled import FITTED_SHARE
+import pytest
+
+from tests.harness.toolkit import Blobs, TinyRegressor, debug_dir, make_trainer, read_events, read_scalars
 
 EVERY_STEP = DebugConfig(anomaly_check_frequency=1, gradient_checking_frequency=1, memory_profiling_frequency=1,
                          performance_profiling_frequency=1)
@@ -113,6 +116,54 @@ def test_a_plateau_scheduler_watching_a_loss_for_a_rise_is_named_at_the_default_
     assert [e["step"] for e in stalled] == [300] and stalled[0]["details"]["schedulers"] == ["ReduceLROnPlateau"]
     assert stalled[0]["details"]["since_step"] == 200 and "mode='max'" in stalled[0]["message"]
     assert serious_kinds(events) == [("learning_stalled", 300)]
+
+
+class BlobsOnAPlateau(Blobs):
+    """Blobs classified under ``ReduceLROnPlateau`` stepped on the training loss every step. With ``mode="min"`` the
+    loss reaches 0 (the blobs are apart) and every later batch is no improvement, so the lr is halved every 6 steps
+    from then on, a millionth of its base before step 200; with ``mode="max"`` the falling loss is no improvement
+    from the start, and the lr dies while the loss is about 2e-3 of its first, over ten times a fit's."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.lrs: list[float] = []
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        self.lrs.append(self.optimizers().param_groups[0]["lr"])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=self.mode, patience=5, factor=0.5)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "train_loss"}}
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_plateau_scheduler_that_cuts_the_lr_once_the_training_data_is_fit_is_no_stall(tmp_path: Path,
+                                                                                        mode: str) -> None:
+    """A loss at most 1e-4 of its first is a fitted training set: ``mode="min"`` killing the lr then ends a run with
+    nothing left to learn (named at step 300 before the fix). Its twin, ``mode="max"`` on the same model, kills the lr
+    as early while the loss is far above that and is named."""
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig()), max_steps=400)
+    model = BlobsOnAPlateau(mode)
+    trainer.fit(model)
+    dead = next(step for step, lr in enumerate(model.lrs) if lr <= 1e-6 * 0.05)
+    assert dead < 200, "the plant: the lr 0 in effect by the second check step"
+    events = read_events(debug_dir(trainer))
+    if mode == "min":
+        assert max(model.losses[100], model.losses[200]) <= FITTED_SHARE * model.losses[0], "the plant: the data fit"
+        assert serious_kinds(events) == []
+    else:
+        losses = [model.losses[step] for step in (200, 300)]
+        assert min(losses) > 10 * FITTED_SHARE * model.losses[0], "the twin: the lr died above a fit"
+        assert serious_kinds(events) == [("learning_stalled", 300)]
 
 
 class AdamCosineToZero(TinyRegressor):

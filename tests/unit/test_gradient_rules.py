@@ -863,6 +863,26 @@ def test_a_decay_that_never_ends_is_named_a_check_later_and_a_warm_restart_is_no
     assert "mode='max'" in named[300].finding.message
 
 
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_a_plateau_schedule_that_ends_a_fitted_run_is_no_stall(mode: str) -> None:
+    """``ReduceLROnPlateau`` stepped on a training loss that reaches 0 by step 60: ``mode="min"`` cuts the lr from
+    there, a millionth of its base by step 200, with the last loss read 1e-5 of its first (a fit): quiet. Its twin
+    in ``mode="max"`` cuts it from the start while the loss is 1e-2 of its first and is named on the second check."""
+    from lightning_debug.monitors.gradients.stalled import judge_stalled
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.05)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode=mode, patience=5, factor=0.5)
+    engine, named, first = VerdictEngine(), {}, 1.4
+    for step in range(400):
+        loss = max(first * (1 - step / 60), 1e-5 if mode == "min" else 1.4e-2)
+        if step % 100 == 0:
+            named[step] = judge_stalled(step, optimizer.param_groups, engine, 400, ["ReduceLROnPlateau"],
+                                        start_lrs=[0.05], losses=(loss, first))
+        plateau.step(loss)
+    assert optimizer.param_groups[0]["lr"] <= 1e-6 * 0.05, "the plant: the lr 0 in effect"
+    assert [step for step, verdict in named.items() if verdict is not None] == ([] if mode == "min" else [300])
+
+
 def test_what_a_stall_is_not() -> None:
     from lightning_debug.monitors.gradients.stalled import judge_stalled
 

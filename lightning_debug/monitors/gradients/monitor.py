@@ -254,8 +254,11 @@ class GradientMonitor(Monitor):
                                    where if early else None)
             return Decision.CONTINUE
         total, schedulers = self._schedule
-        self.run_rules(Moment.CHECK_STEP, CheckStep(step, self._param_groups, self._start_lrs, total, schedulers,
-                                                    self.verdicts, self.settings), step, self.context.where())
+        norms = self.history.recent_norms
+        self.run_rules(Moment.CHECK_STEP, CheckStep(
+            step, self._param_groups, self._start_lrs, total, schedulers, self.verdicts, self.settings,
+            norms.losses[-1] if norms.losses else math.nan, norms.start_losses[0] if norms.start_losses else math.nan),
+            step, self.context.where())
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index, backward=self._backward_of(step, current),

@@ -7,8 +7,9 @@ never 0; ``ReduceLROnPlateau(mode="max")`` on a loss halves it at every patience
 0) is ruled out by the kind's policy (2 check steps in a row), a warm restart by the stall's length,
 :func:`stall_span` (1% of the run: a cosine decay to 0 with warm restarts is under 1e-6 of its base for 0.06% of a
 cycle), a decay to 0 at the end by judging only before :data:`END_SHARE` of
-a run of known length, a group frozen on purpose by needing every group at 0; a base learning rate of 0 is
-``frozen_param``. Without a scheduler the base is the lr when training started, so code that sets every lr to 0
+a run of known length, a group frozen on purpose by needing every group at 0, a run that fits its training data
+(``ReduceLROnPlateau(mode="min")`` cutting the lr once the loss is 0) by a loss at most :data:`FITTED_SHARE` of its
+first; a base learning rate of 0 is ``frozen_param``. Without a scheduler the base is the lr when training started, so code that sets every lr to 0
 mid-run is the same stall::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
@@ -27,6 +28,8 @@ mid-run is the same stall::
     [False, True]
     >>> low = [{"params": [object()], "lr": 5e-7, "initial_lr": 0.05}]  # 1e-5 of its base: still a learning rate
     >>> [judge_stalled(step, low, VerdictEngine(), 1000, ["StepLR"]) for step in (300, 400)]
+    [None, None]
+    >>> [judge_stalled(step, steps, VerdictEngine(), 1000, ["StepLR"], losses=(1e-5, 1.4)) for step in (300, 400)]
     [None, None]
 """
 
@@ -51,7 +54,19 @@ A cosine or linear decay to 0 is under it only in the last 0.1% of its steps, a 
 STALL_SHARE = 0.01
 """The share of a run's steps a learning rate at 0 in effect must last, from the first check step that saw it: a warm
 restart's dip under :data:`NEGLIGIBLE_LR` lasts 0.06% of its cycle, so no cycle as long as the run reaches it."""
+FITTED_SHARE = 1e-4
+"""A loss at most this share of the run's first is a fitted training set: a learning rate cut to 0 then ends a run
+that has nothing left to learn. ``ReduceLROnPlateau(mode="max")`` on an MSE loss stalls it at 1e-2 of its first."""
 KEY = "lr_zero"
+
+
+def fitted(loss: float, first_loss: float) -> bool:
+    """Whether the loss fell to at most :data:`FITTED_SHARE` of the run's first, a positive loss::
+
+        >>> fitted(1e-5, 1.4), fitted(0.0, 1.4), fitted(0.05, 12.5), fitted(-3.0, 2.0), fitted(float("nan"), 1.4)
+        (True, True, False, False, False)
+    """
+    return 0 < first_loss and 0 <= loss <= FITTED_SHARE * first_loss
 
 
 def stall_span(total_steps: int) -> int:
@@ -90,9 +105,9 @@ def negligible(lr: Any, base: Any) -> bool:
 
 def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
                   total_steps: int | None, schedulers: Sequence[str],
-                  start_lrs: Sequence[Any] = ()) -> Verdict | None:
+                  start_lrs: Sequence[Any] = (), losses: tuple[float, float] = (math.nan, math.nan)) -> Verdict | None:
     """The ``learning_stalled`` finding of check step ``step``, or None; ``start_lrs``: each group's lr when
-    training started."""
+    training started; ``losses``: the last loss read back and the run's first."""
     based = [(group, base_lr(group, index, start_lrs)) for index, group in enumerate(param_groups)
              if group.get("params")]
     groups = [group for group, _ in based]
@@ -101,7 +116,7 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
         return None  # a base learning rate of 0 is frozen_param (lr_zero), said at fit start: not judged here
     far_from_end = total_steps is not None and step < END_SHARE * total_steps
     suspicions = ([Suspicion(Kind.LEARNING_STALLED, KEY, step, variant=KEY, lasting=stall_span(total_steps or 0))]
-                  if stalled and far_from_end else [])
+                  if stalled and far_from_end and not fitted(*losses) else [])
     confirmed = verdicts.observe(Kind.LEARNING_STALLED, step, suspicions, judged=[KEY])
     if not confirmed or total_steps is None:
         return None
@@ -115,7 +130,8 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
     cause = ("a scheduler that reaches 0 early is the usual cause" if not any(rates) else
              "a schedule that decays without end is the usual cause (a step or exponential decay meant per epoch "
              "and registered per step: interval 'step' in Lightning's lr_scheduler config; or a ReduceLROnPlateau "
-             "whose metric never improves in its mode, such as mode='max' on a loss)")
+             "whose metric never improves in its mode, such as mode='max' on a loss, or that watches a per-batch loss "
+             "whose noise rarely beats its best, with no min_lr)")
     return Verdict(Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"Training stopped learning at step {since}: the learning rate of every param group "
@@ -130,4 +146,4 @@ def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts
 def stalled_at_check_step(facts: CheckStep) -> Verdict | None:
     """The registered rule: :func:`judge_stalled` on every gradient check step, before the optimizer step."""
     return judge_stalled(facts.step, facts.param_groups, facts.verdicts, facts.total_steps, facts.schedulers,
-                         facts.start_lrs)
+                         facts.start_lrs, (facts.loss, facts.first_loss))
