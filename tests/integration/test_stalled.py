@@ -144,14 +144,17 @@ class BlobsOnAPlateau(Blobs):
                 "lr_scheduler": {"scheduler": scheduler, "interval": "step", "monitor": "train_loss"}}
 
 
+@pytest.mark.parametrize("level", ["basic", "advanced"])
 @pytest.mark.parametrize("mode", ["min", "max"])
-def test_a_plateau_scheduler_that_cuts_the_lr_once_the_training_data_is_fit_is_no_stall(tmp_path: Path,
-                                                                                        mode: str) -> None:
+def test_a_plateau_scheduler_that_cuts_the_lr_once_the_training_data_is_fit_is_no_stall(tmp_path: Path, mode: str,
+                                                                                        level: str) -> None:
     """A loss at most 1e-4 of its first is a fitted training set: ``mode="min"`` killing the lr then ends a run with
     nothing left to learn (named at step 300 before the fix). Its twin, ``mode="max"`` on the same model, kills the lr
-    as early while the loss is far above that and is named."""
+    as early while the loss is far above that and is named. At ADVANCED a step at a learning rate 0 in effect that
+    leaves the weights unchanged is no ``frozen_param`` (``no_update``: at step 200 with ``mode="min"``, at 300 beside
+    the stall with ``mode="max"``, before the fix): the learning rate's doing, which ``learning_stalled`` judges."""
     pl.seed_everything(0, verbose=False)
-    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig()), max_steps=400)
+    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig(level=level)), max_steps=400)
     model = BlobsOnAPlateau(mode)
     trainer.fit(model)
     dead = next(step for step, lr in enumerate(model.lrs) if lr <= 1e-6 * 0.05)

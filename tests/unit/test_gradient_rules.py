@@ -39,11 +39,11 @@ from lightning_debug.monitors.gradients.missing import (
     judge_missing,
 )
 from lightning_debug.monitors.gradients.settings import GradientSettings
+from lightning_debug.monitors.gradients.stalled import resting_slots
 from lightning_debug.monitors.gradients.trainability import (
     FrozenCause,
     frozen_by_optimizer,
     judge_not_updated,
-    resting_slots,
     static_frozen_verdicts,
     trainability,
 )
@@ -766,6 +766,8 @@ def test_not_updated_ignores_parameters_resting_at_lr_zero_and_without_gradient(
     assert judge_not_updated(7, names, deltas, gradients, [True] * 4, [], set(), {}, weights=weights) is not None
     a, b = torch.ones(1), torch.ones(1)
     assert resting_slots([{"params": [a], "lr": 0}, {"params": [b], "lr": 0.1}], [a, b]) == [True, False]
+    assert resting_slots([{"params": [a], "lr": 5e-9, "initial_lr": 0.05}], [a]) == [True]  # 0 in effect
+    assert resting_slots([{"params": [a], "lr": 5e-9}], [a], start_lrs=[1e-8]) == []  # a small base: its own rate
 
 
 # --- update ratio -----------------------------------------------------------------------------------------------

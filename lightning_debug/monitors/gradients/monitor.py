@@ -36,8 +36,9 @@ from lightning_debug.monitors.gradients.replicas import judge_replicas
 from lightning_debug.monitors.gradients.shared_batches import batch_print
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.symmetry import UnitSpread
+from lightning_debug.monitors.gradients.stalled import resting_slots
 from lightning_debug.monitors.gradients.trainability import (FrozenCause, OutsideTraining, frozen_by_optimizer,
-                                                             resting_slots, static_frozen_verdicts, trainability)
+                                                             static_frozen_verdicts, trainability)
 from lightning_debug.monitors.gradients.unregistered import Unregistered, unregistered_verdict
 from lightning_debug.monitors.gradients.unstepped import Unstepped, uncounted_verdict, unstepped_verdict
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
@@ -289,7 +290,8 @@ class GradientMonitor(Monitor):
         if self.settings.measures_updates and self.session.is_global_zero and not on_shards and len(index):
             if self._layout[0] is not index:
                 self._layout = (index, ModuleLayout.of(index.names, index.params))
-            pending.snapshot_weights(index, self._layout[1], resting_slots(self._param_groups, index.params))
+            resting = resting_slots(self._param_groups, index.params, self._start_lrs)
+            pending.snapshot_weights(index, self._layout[1], resting)
             self._checks.awaiting_update = pending
         if self.histograms_due(step) and not on_shards:
             pending.capture_histograms(index, self.settings.log_gradients, self.settings.log_weights)

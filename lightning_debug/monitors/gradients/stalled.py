@@ -103,6 +103,22 @@ def negligible(lr: Any, base: Any) -> bool:
     return numbers and 0 < base and 0 <= lr <= NEGLIGIBLE_LR * base
 
 
+def resting_slots(param_groups: Sequence[Mapping[str, Any]], params: Sequence[Any],
+                  start_lrs: Sequence[Any] = ()) -> list[bool]:
+    """For each of ``params``, whether its group's current learning rate is 0 or 0 in effect (:func:`negligible`;
+    empty when none is): a step at such a rate leaves the weights as they were, which is the learning rate's doing
+    (``learning_stalled`` judges it), not a frozen parameter's::
+
+        >>> a, b, c = object(), object(), object()
+        >>> groups = [{"params": [a], "lr": 0}, {"params": [b], "lr": 5e-9, "initial_lr": 0.05}, {"params": [c], "lr": 0.1}]
+        >>> resting_slots(groups, [a, b, c]), resting_slots(groups[2:], [c])
+        ([True, True, False], [])
+    """
+    resting = {id(p) for index, group in enumerate(param_groups)
+               if negligible(group.get("lr"), base_lr(group, index, start_lrs)) for p in group.get("params", [])}
+    return [id(p) in resting for p in params] if resting else []
+
+
 def judge_stalled(step: int, param_groups: Sequence[Mapping[str, Any]], verdicts: VerdictEngine,
                   total_steps: int | None, schedulers: Sequence[str],
                   start_lrs: Sequence[Any] = (), losses: tuple[float, float] = (math.nan, math.nan)) -> Verdict | None:

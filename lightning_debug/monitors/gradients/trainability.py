@@ -258,13 +258,6 @@ def holds_copies(held: Sequence[torch.Tensor], trainable: Sequence[torch.Tensor]
     return all(available[key] >= count for key, count in wanted.items())
 
 
-def resting_slots(param_groups: Sequence[dict[str, Any]], params: Sequence[torch.Tensor]) -> list[bool]:
-    """For each of ``params``, whether its group's current learning rate is 0 (empty when none is)."""
-    resting = {id(p) for group in param_groups if number_equals_zero(group.get("lr"))
-               for p in group.get("params", [])}
-    return [id(p) in resting for p in params] if resting else []
-
-
 NOISE_FRACTION = 64 * torch.finfo(torch.float32).eps
 """Below this fraction of the global gradient norm a parameter's gradient is rounding noise (about 7.6e-6)."""
 
@@ -274,7 +267,7 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
                       positions: Positions, line_search: bool = False,
                       weights: torch.Tensor | None = None) -> Verdict | None:
     """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step left
-    exactly unchanged. Not flagged: a learning rate of 0 now, parameters already frozen, a gradient under
+    exactly unchanged. Not flagged: a learning rate of 0 now, or 0 in effect (``lr_zero_now``: ``stalled.resting_slots``), parameters already frozen, a gradient under
     :data:`NOISE_FRACTION` of the global norm (contributions that cancel), a step where nothing moved under a
     ``line_search`` optimizer (L-BFGS declines steps), a step at the weights' precision (the tail of a decay to 0).
     """
