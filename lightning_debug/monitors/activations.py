@@ -83,6 +83,7 @@ from lightning_debug.monitors.gradients.batch_softmax import KEY as BATCH_SOFTMA
 from lightning_debug.monitors.gradients.batch_softmax import batch_softmax_suspicion
 from lightning_debug.monitors.gradients.chance import KEY as CHANCE
 from lightning_debug.monitors.gradients.chance import chance_suspicion, plain_learning_rates
+from lightning_debug.monitors.gradients.weight_decay import decay_per_step
 from lightning_debug.monitors.gradients.probabilities import JUDGED_EVERY, KEY as PROBABILITIES
 from lightning_debug.monitors.gradients.probabilities import SIGMOID_KEY as SIGMOID
 from lightning_debug.monitors.gradients.probabilities import (probability_suspicion, sigmoid_suspicion,
@@ -624,7 +625,7 @@ class ActivationMonitor(Monitor):
             CHANCE: (stalled, lambda since: chance_suspicion(
                 step, since, described, output.label, output.shape, loss, *(read[name] for name in AVERAGE_GUESS),
                 rates=plain_learning_rates(self.context.param_groups()),
-                rates_before=measured(CHANCE, "learning_rates"))),
+                rates_before=measured(CHANCE, "learning_rates"), decay=decay_per_step(self.context.param_groups()))),
             BATCH_SOFTMAX: (stalled, lambda since: batch_softmax_suspicion(
                 step, since, described, output.label, output.shape, loss, read["batch_softmax_fit"])),
             SHARED_TARGET: (stalled, lambda since: shared_target_suspicion(

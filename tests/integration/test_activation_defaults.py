@@ -340,7 +340,36 @@ def test_labels_shuffled_against_their_inputs_are_learning_stalled_at_chance(tmp
     details = stalled[0]["details"]
     assert details["modules"] == ["head"] and details["classes"] == 4 and details["since_step"] == 0
     assert abs(details["loss"] - details["chance"]) < 0.03 * details["chance"]
-    assert "labels belong to their inputs" in stalled[0]["message"]
+    assert "labels belong to their inputs" in stalled[0]["message"] and "Weight decay" not in stalled[0]["message"]
+    assert details["decay_per_step"] == 0
+
+
+class Decayed(Net):
+    """SGD at 0.05 with momentum 0.9 and ``weight_decay``: 0.5 (a percentage's value, or 5e-4 mistyped) takes a
+    quarter of every weight each step."""
+
+    def __init__(self, weight_decay: float) -> None:
+        super().__init__()
+        self.weight_decay = weight_decay
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
+
+
+@pytest.mark.parametrize("weight_decay", [0.5, 5e-4])
+def test_a_weight_decay_that_holds_the_weights_at_0_is_named_first_at_chance(tmp_path: Path,
+                                                                            weight_decay: float) -> None:
+    """The weights decay to 0 and the loss stays at log 4: named as a loss at chance whose advice was to check the
+    labels; the weight decay (0.25 of every weight a step) now comes first. The twin, 5e-4, learns and is quiet."""
+    events, _ = fit(tmp_path, Decayed(weight_decay), steps=301, every=20)
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e["severity"] == "warning"]
+    if weight_decay < 1e-3:
+        assert warnings_of(events) == []
+        return
+    assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(300, "loss_at_chance")], warnings_of(events)
+    assert stalled[0]["details"]["decay_per_step"] == pytest.approx(0.25)
+    message = stalled[0]["message"]
+    assert message.index("Weight decay takes 0.25 of every weight") < message.index("labels belong")
 
 
 @pytest.mark.parametrize("wrong", [True, False], ids=["shuffled", "right"])

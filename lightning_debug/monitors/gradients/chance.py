@@ -50,6 +50,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import Suspicion
+from lightning_debug.monitors.gradients.weight_decay import STRONG_DECAY
 
 KEY = "loss_at_chance"
 
@@ -85,13 +86,15 @@ step are seen 320 times by step 100."""
 
 def chance_finding(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
                    rows: float = 0, rows_loss: float = math.nan,
-                   average_loss: float = math.nan) -> tuple[Finding | None, bool]:
+                   average_loss: float = math.nan, decay: float = 0.0) -> tuple[Finding | None, bool]:
     """This judgement's suspicion of ``loss_at_chance`` (its finding, or None), and whether the measure proves the
     model learned something (below the reference: the run is cleared for good). ``since``: the step the hold began;
     ``rows``, ``rows_loss`` and ``average_loss``: how many rows of the output's gradient had ``cross_entropy``'s form,
     their own cross-entropy and their average prediction's
-    (:data:`~lightning_debug.checks.output_gradient.AVERAGE_GUESS`). An output of one dimension has no classes to guess
-    among (a regression's (N,), a loss per sample)::
+    (:data:`~lightning_debug.checks.output_gradient.AVERAGE_GUESS`); ``decay``: the share of a weight weight decay
+    takes per step (:func:`~lightning_debug.monitors.gradients.weight_decay.decay_per_step`), named first from
+    :data:`~lightning_debug.monitors.gradients.weight_decay.STRONG_DECAY` on. An output of one dimension has no classes
+    to guess among (a regression's (N,), a loss per sample)::
 
         >>> chance_finding(300, 0, "`head` (Linear)", "head", [32], math.log(32))
         (None, False)
@@ -102,6 +105,9 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
         >>> # a policy gradient's loss is not its rows' cross-entropy: the loss against log C, far from it
         >>> chance_finding(300, 0, "`head` (Linear)", "head", [32, 4], 3.0, 32, 1.2, 1.2)
         (None, False)
+        >>> decayed, _ = chance_finding(300, 0, "`head` (Linear)", "head", [32, 4], math.log(4), decay=0.25)
+        >>> decayed.details["decay_per_step"], "Weight decay takes 0.25 of every weight each step" in decayed.message
+        (0.25, True)
     """
     classes = shape[-1] if len(shape) >= 2 else 0
     if classes < 2:
@@ -123,15 +129,18 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
              f"{classes} = {chance:.4g} because the {classes} classes of the model's output {described} are "
              "unbalanced)")
     learned = "learns nothing from its labels" if balanced else "learns how often each class comes and nothing else"
+    decayed = (f"Weight decay takes {decay:.3g} of every weight each step (lr x weight_decay, over 1 - momentum), "
+               "which holds the weights near 0 whatever the data: lower it first (5e-4 is usual with SGD, 0.01-0.1 "
+               "with AdamW). Otherwise check" if decay >= STRONG_DECAY else "Check")
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
-        f"The loss has stayed at {loss:.4g} since step {since} (step {step}), {level}: the model {learned}. Check "
+        f"The loss has stayed at {loss:.4g} since step {since} (step {step}), {level}: the model {learned}. {decayed} "
         "that the labels belong to their inputs (a shuffle or a sort applied to one of them, a misaligned join, the "
         "wrong label column) and that the task has signal; if they do, the learning rate may be far too small for "
         "the model to show it has learned anything (a model that learns from its inputs goes below it), or the task "
         "is one learnt only after a long plateau (parity, copying).",
         {"cause": KEY, "modules": [label], "since_step": since, "loss": loss, "chance": chance, "classes": classes,
-         "shape": list(shape), "reference": reference,
+         "shape": list(shape), "reference": reference, "decay_per_step": decay,
          "measure": (Measure.ROWS_AGAINST_AVERAGE if compared else Measure.LOSS_AGAINST_LOG_CLASSES).value}), False
 
 
@@ -172,7 +181,8 @@ def seen_per_class(step: int, shape: Sequence[int]) -> float:
 def chance_suspicion(step: int, since: int, described: str, label: str, shape: Sequence[int], loss: float,
                      rows: float = 0, rows_loss: float = math.nan, average_loss: float = math.nan,
                      rates: Sequence[float | None] = (),
-                     rates_before: Sequence[float | None] | None = None) -> tuple[Suspicion | None, bool]:
+                     rates_before: Sequence[float | None] | None = None,
+                     decay: float = 0.0) -> tuple[Suspicion | None, bool]:
     """:func:`chance_finding` as the suspicion the kind's policy holds (its ``variant``), and whether the run is
     cleared for good. ``rates``: the param groups' learning rates now (:func:`plain_learning_rates`), kept in the
     hold; ``rates_before``: those of the judgement before, while held; the suspicion does not confirm while they rise
@@ -192,7 +202,7 @@ def chance_suspicion(step: int, since: int, described: str, label: str, shape: S
         >>> early.finding.details["measure"], early.confirms
         ('rows_against_average', False)
     """
-    finding, learned = chance_finding(step, since, described, label, shape, loss, rows, rows_loss, average_loss)
+    finding, learned = chance_finding(step, since, described, label, shape, loss, rows, rows_loss, average_loss, decay)
     if finding is None:
         return None, learned
     early = finding.details["measure"] == Measure.ROWS_AGAINST_AVERAGE and seen_per_class(step, shape) < SEEN
