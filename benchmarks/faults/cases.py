@@ -402,6 +402,11 @@ def api_misuse() -> Iterator[Case]:
          "optimizer holds the old head, the new one never moves",
          "trainable parameters with a gradient in no param group, looked up at the first check step "
          "(not_in_optimizer)"),
+        ("weight_decay_huge", {}, ("learning_stalled",), r"Weight decay takes",
+         "SGD(lr=0.05, momentum=0.9, weight_decay=0.5): decay takes a quarter of every weight a step, the weights "
+         "held near 0",
+         "a loss at chance (log C) held 4 judgements, with a param group whose decay takes 1% or more of a weight a "
+         "step named first (loss_at_chance)"),
         ("optimizer_unwrapped", {"epochs": 25}, ("steps_not_counted",), r"use_pl_optimizer=False",
          "manual optimization stepping self.optimizers(use_pl_optimizer=False): the model learns, the step counter "
          "stays at 0 (max_steps never reached; 25 epochs of 16 batches)",

@@ -389,6 +389,15 @@ class HeadReplacedLate(FaultProgram):
             self._swap()
 
 
+class WeightDecayHuge(FaultProgram):
+    """``SGD(lr=0.05, momentum=0.9, weight_decay=0.5)``, a percentage's value or ``5e-4`` mistyped: decay takes a
+    quarter of every weight a step and holds the weights near 0, the loss at log C; the twin decays by 5e-4."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.program.lr, momentum=0.9,
+                               weight_decay=5e-4 if self.program.fixed else 0.5)
+
+
 class AdamEpsLarge(FaultProgram):
     """``Adam(lr=1e-3, eps=1.0)``, another library's convention or a typo for 1e-8: every update is divided by
     ``eps``, not the gradient's scale, so Adam runs as SGD at ``lr / eps``; the twin keeps the default eps."""
@@ -457,7 +466,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "layers_in_list": LayersInList, "clip_to_zero": ClipToZero, "rnn_batch_first": RnnBatchFirst,
     "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
     "plateau_watching_a_rise": PlateauWatchingARise, "head_replaced_late": HeadReplacedLate,
-    "scheduler_stepped_twice": SchedulerSteppedTwice,
+    "scheduler_stepped_twice": SchedulerSteppedTwice, "weight_decay_huge": WeightDecayHuge,
     "optimizer_unwrapped": OptimizerUnwrapped, "optimizer_in_step": OptimizerInStep,
 }
 

@@ -370,6 +370,8 @@ def test_a_weight_decay_that_holds_the_weights_at_0_is_named_first_at_chance(tmp
     assert stalled[0]["details"]["decay_per_step"] == pytest.approx(0.25)
     message = stalled[0]["message"]
     assert message.index("Weight decay takes 0.25 of every weight") < message.index("labels belong")
+    vanishing = [e["message"] for e in events if e["kind"] == "vanishing_grad" and e["severity"] == "warning"]
+    assert vanishing and all("Weight decay takes 0.25 of every weight" in text for text in vanishing)
 
 
 @pytest.mark.parametrize("wrong", [True, False], ids=["shuffled", "right"])

@@ -50,7 +50,7 @@ from lightning_debug.core.findings import Finding
 from lightning_debug.core.kinds import Kind, Severity
 from lightning_debug.core.strenum import StrEnum
 from lightning_debug.core.verdicts import Suspicion
-from lightning_debug.monitors.gradients.weight_decay import STRONG_DECAY
+from lightning_debug.monitors.gradients.weight_decay import decay_advice
 
 KEY = "loss_at_chance"
 
@@ -129,9 +129,7 @@ def chance_finding(step: int, since: int, described: str, label: str, shape: Seq
              f"{classes} = {chance:.4g} because the {classes} classes of the model's output {described} are "
              "unbalanced)")
     learned = "learns nothing from its labels" if balanced else "learns how often each class comes and nothing else"
-    decayed = (f"Weight decay takes {decay:.3g} of every weight each step (lr x weight_decay, over 1 - momentum), "
-               "which holds the weights near 0 whatever the data: lower it first (5e-4 is usual with SGD, 0.01-0.1 "
-               "with AdamW). Otherwise check" if decay >= STRONG_DECAY else "Check")
+    decayed = f"{advice} Otherwise check" if (advice := decay_advice(decay)) else "Check"
     return Finding(
         Kind.LEARNING_STALLED, Severity.WARNING,
         f"The loss has stayed at {loss:.4g} since step {since} (step {step}), {level}: the model {learned}. {decayed} "

@@ -43,6 +43,7 @@ from lightning_debug.monitors.gradients.unregistered import Unregistered, unregi
 from lightning_debug.monitors.gradients.unstepped import Unstepped, uncounted_verdict, unstepped_verdict
 from lightning_debug.monitors.gradients.update_ratio import read_updates, step_loss
 from lightning_debug.monitors.gradients.vanishing import judge_vanishing
+from lightning_debug.monitors.gradients.weight_decay import decay_per_step
 from lightning_debug.monitors.gradients.verdict import Verdict, quoted
 
 WHERES_KEPT = 64
@@ -409,7 +410,8 @@ class GradientMonitor(Monitor):
         norms.add(global_norm, host.loss_value)
         first_loss = norms.start_losses[0] if norms.start_losses else math.nan
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
-                                     self.verdicts, host.loss_value, first_loss), step, where, "vanishing")
+                                     self.verdicts, host.loss_value, first_loss, decay_per_step(self._param_groups)),
+                     step, where, "vanishing")
         if pending.judged is not None and self._dims[0] is not pending.judged:
             self._dims = (pending.judged, {n: p.dim() for n, p in zip(pending.judged.names, pending.judged.params)})
         self._record(judge_fade(step, list(zip(host.grad_names, host.grad_norms)), self._dims[1], self._positions,

@@ -37,6 +37,7 @@ from lightning_debug.core.verdicts import ConfirmedBy, Suspicion, VerdictEngine,
 from lightning_debug.monitors.gradients.layout import Positions, input_to_output, module_of
 from lightning_debug.monitors.gradients.settings import GradientSettings
 from lightning_debug.monitors.gradients.verdict import NAMES_IN_DETAILS, WORST_SHOWN, Verdict
+from lightning_debug.monitors.gradients.weight_decay import decay_advice
 
 VANISHING_DROP = 1e3
 VANISHING_GROWTH = 100.0
@@ -112,10 +113,11 @@ def vanishing_layers(module_norms: dict[str, float], members: dict[str, list[str
 
 def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: GradientSettings,
                     positions: Positions, order_source: str, history: VanishingHistory, verdicts: VerdictEngine,
-                    loss: float = math.nan, first_loss: float = math.nan) -> Verdict | None:
+                    loss: float = math.nan, first_loss: float = math.nan, decay: float = 0.0) -> Verdict | None:
     """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
     none was read (every hold ends); ``first_loss``: the run's first finite loss, which a converged run fell
-    :data:`CONVERGED_FALL` times below. Judged per module, so a parameter exactly zero while its module learns
+    :data:`CONVERGED_FALL` times below; ``decay``: the share of a weight weight decay takes per step, named first in
+    the advice when strong (:func:`~lightning_debug.monitors.gradients.weight_decay.decay_advice`). Judged per module, so a parameter exactly zero while its module learns
     (attention's key bias) is no dead layer. A check whose loss is 0 with every gradient 0 (a margin loss that
     holds) is not judged."""
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
@@ -137,7 +139,7 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     layers = {c.key for c in confirmed}
     below = [n for m in dying if m in layers for n in members[m]]
     since = min(c.first.step for c in confirmed)
-    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since, loss)
+    finding = vanishing_finding(step, grads, below, module_norms, low, positions, order_source, since, loss, decay)
     policy = policy_of(Kind.VANISHING_GRAD)
     finding.details.update(since_step=since,
                            confirm_checks=max(policy.needed(c.latest.variant) or 1 for c in confirmed))
@@ -147,7 +149,8 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
 
 def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list[str],
                       module_norms: dict[str, float], low: float, positions: Positions,
-                      order_source: str, since: int | None = None, loss: float = math.nan) -> Finding:
+                      order_source: str, since: int | None = None, loss: float = math.nan,
+                      decay: float = 0.0) -> Finding:
     """The finding for the parameters ``below``, input side first, with their neighbouring layers."""
     norms = dict(grads)
     ordered = input_to_output(below, positions)
@@ -194,7 +197,7 @@ def vanishing_finding(step: int, grads: Sequence[tuple[str, float]], below: list
         f"{len(layers)} of {len(all_layers)} layers have a gradient norm below gradient_vanishing_threshold "
         f"{low:g} at step {step}{streak}, input side first: {', '.join(label(n) for n in layers[:WORST_SHOWN])}"
         f"{f' and {len(layers) - WORST_SHOWN} more' if len(layers) > WORST_SHOWN else ''}; {label(first)} "
-        f"{module_norms[first]:.3g}{compared}{where_it_dies}. {cause}",
+        f"{module_norms[first]:.3g}{compared}{where_it_dies}. {' '.join(filter(None, (decay_advice(decay), cause)))}",
         {"parameters": ordered[:NAMES_IN_DETAILS], "count": len(below), "layers": layers[:NAMES_IN_DETAILS],
          "layer_norms": {layer: module_norms[layer] for layer in layers[:NAMES_IN_DETAILS]},
          "neighbours": {layer: neighbours(layer) for layer in layers[:NAMES_IN_DETAILS]},

@@ -67,6 +67,17 @@ def decay_per_step(param_groups: Sequence[Mapping[str, Any]]) -> float:
     return max(shares)
 
 
+def decay_advice(decay: float) -> str:
+    """The sentence a finding leads its advice with when weight decay is :data:`STRONG_DECAY` or more (else "")::
+
+        >>> decay_advice(0.25).startswith("Weight decay takes 0.25 of every weight each step"), decay_advice(5e-4)
+        (True, '')
+    """
+    return (f"Weight decay takes {decay:.3g} of every weight each step (lr x weight_decay, over 1 - momentum), which "
+            "holds the weights near 0 whatever the data: lower it first (5e-4 is usual with SGD, 0.01-0.1 with "
+            "AdamW)." if decay >= STRONG_DECAY else "")
+
+
 def role_of(parameter: torch.Tensor, owner: nn.Module | None) -> ParameterRole | None:
     """The role that makes decaying ``parameter`` a mistake, or None for an ordinary weight."""
     if isinstance(owner, LOOKUP_MODULES) and parameter.dim() == 2:
