@@ -220,7 +220,8 @@ def cross_entropy_rows(g: torch.Tensor, tolerance: float) -> tuple[torch.Tensor,
 def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     """:data:`BATCH_LABELS` of a 2-d output's gradient, on its device, from the rows that have the form
     ``cross_entropy`` gives (``softmax(z) - onehot(label)`` times a weight: one value below 0, at the label, and a sum
-    of 0 within ``tolerance`` of the row's size): their share among the rows with a gradient, the label of the first
+    of 0 within ``tolerance`` of the row's size): their share of the rows read (a row without a gradient counts
+    against it: a loss over one row of the batch shows no batch of one label), the label of the first
     and of the last row, whether the labels run in order down the batch (1: never falling, or never rising; 0: not),
     and the length of the shortest run of one label (a row without the form takes the label before it). NaN when no
     row has a gradient or the output is not 2-d; only the first :data:`SIGMOID_ELEMENTS` values are read.
@@ -234,6 +235,8 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     0.0
     >>> batch_labels(torch.autograd.grad(F.mse_loss(z, torch.ones(8, 3)), z)[0])[0].item()  # not cross_entropy's
     0.0
+    >>> batch_labels(torch.autograd.grad(F.cross_entropy(z[:1], torch.tensor([2])), z)[0])[0].item()  # one row of 8
+    0.125
     """
     if grad.dim() != 2 or grad.shape[1] < 2 or grad.numel() == 0:
         return torch.full((len(BATCH_LABELS),), math.nan, dtype=torch.float32, device=grad.device)
@@ -248,7 +251,7 @@ def batch_labels(grad: torch.Tensor, tolerance: float = 1e-3) -> torch.Tensor:
     run = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long, device=g.device), (steps != 0).long()]), 0) - 1
     runs = torch.zeros(len(g), device=g.device).scatter_add_(0, run, torch.ones(len(g), device=g.device))
     shortest = torch.where(runs > 0, runs, math.inf).amin()
-    share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
+    share = torch.where(read.any(), form.sum() / len(g), math.nan)
     found = torch.stack([labels[0].float(), labels[-1].float(), in_order, shortest])
     return torch.cat([share.reshape(1), torch.where(form.any(), found, math.nan)])
 
@@ -286,7 +289,7 @@ def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     uniform = lse - z.mean(-1)
     rows = form.sum().clamp_min(1)
     means = torch.stack([torch.where(form, one_hot, 0.0).sum(), torch.where(form, uniform, 0.0).sum()]) / rows
-    share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
+    share = torch.where(read.any(), form.sum() / len(g), math.nan)
     return torch.cat([share.reshape(1), torch.where(form.any(), means, math.nan)])
 
 

@@ -880,6 +880,22 @@ def test_a_broadcast_target_whose_epoch_is_100_steps_is_judged_on_another_batch(
     assert [(e["step"], e["details"]["cause"]) for e in stalled] == [(150, "shared_target")], warnings_of(events)
 
 
+class FirstRowOnly(Net):
+    """A loss over the batch's first row alone (``cross_entropy(z[:1], y[:1])``): one row of 32 has a gradient."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x)[:1], y[:1])
+
+
+def test_a_loss_over_one_row_of_a_shuffled_batch_shows_no_batch_of_one_label(tmp_path: Path) -> None:
+    """The rows without a gradient took the label of the one that had it, so each batch read as 32 rows of one label
+    and the shuffled data was named ``single_class_batches`` ("the loader does not shuffle"). The share of the rows
+    with ``cross_entropy``'s form is now over every row read. The twin is the sorted data above, named."""
+    events, _ = fit(tmp_path, FirstRowOnly(optimizer="adam", lr=1e-3), steps=301, every=20)
+    assert [e for e in events if e["kind"] == "single_class_batches"] == [], warnings_of(events)
+
+
 @pytest.mark.parametrize("order", ["shuffled", "unbalanced"])
 def test_the_same_data_shuffled_and_unbalanced_labels_are_not_single_class_batches(tmp_path: Path, order: str) -> None:
     """The twins: the sorted data with ``shuffle=True``, and labels 99.5% of class 0, whose batches are mostly of
