@@ -407,6 +407,11 @@ def api_misuse() -> Iterator[Case]:
          "held near 0",
          "a loss at chance (log C) held 4 judgements, with a param group whose decay takes 1% or more of a weight a "
          "step named first (loss_at_chance)"),
+        ("gradient_clip_tiny", {"gradient_clip": 1e-4}, ("learning_stalled",), r"gradient_clip_val",
+         "Trainer(gradient_clip_val=1e-4): every gradient's norm clipped to 1e-4 after the checks read it, each step "
+         "thousands of times smaller than the learning rate makes it; the twin clips at 1.0",
+         "weights that barely move at a learning rate above 0, the loss where it started, with clipping that cuts "
+         "the gradients read 100 times or more named (negligible_updates)"),
         ("optimizer_unwrapped", {"epochs": 25}, ("steps_not_counted",), r"use_pl_optimizer=False",
          "manual optimization stepping self.optimizers(use_pl_optimizer=False): the model learns, the step counter "
          "stays at 0 (max_steps never reached; 25 epochs of 16 batches)",

@@ -71,6 +71,7 @@ class Program:
     samples: int = 512
     seed: int = 0
     val: bool = False
+    gradient_clip: float | None = None  # Trainer(gradient_clip_val=...) of the buggy program; its twin clips at 1.0
 
 
 def data(program: Program) -> Dataset:

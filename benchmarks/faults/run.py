@@ -144,7 +144,8 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
                              logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, num_sanity_val_steps=0,
                              limit_val_batches=2 if program.val else 0, val_check_interval=10 if program.val else None,
-                             callbacks=[*_callbacks(config, level), _loss_recorder(losses)])
+                             gradient_clip_val=(1.0 if program.fixed else program.gradient_clip) if program.gradient_clip
+                             else None, callbacks=[*_callbacks(config, level), _loss_recorder(losses)])
         try:
             trainer.fit(build(program))
         except Exception as raised:  # noqa: BLE001 - the user's own error (a wrong loss raises); findings judged

@@ -467,6 +467,7 @@ SILENT: dict[str, type[FaultProgram]] = {
     "view_for_transpose": ViewForTranspose, "warm_up_endless": WarmUpEndless, "adam_eps_large": AdamEpsLarge,
     "plateau_watching_a_rise": PlateauWatchingARise, "head_replaced_late": HeadReplacedLate,
     "scheduler_stepped_twice": SchedulerSteppedTwice, "weight_decay_huge": WeightDecayHuge,
+    "gradient_clip_tiny": FaultProgram,
     "optimizer_unwrapped": OptimizerUnwrapped, "optimizer_in_step": OptimizerInStep,
 }
 

@@ -94,6 +94,8 @@ class CheckRead:
     settings: Any = None
     units: Any = None
     """How alike the units of each parameter are (``symmetric_units``; None: not read this step)."""
+    clipping: tuple[float, str] | None = None
+    """The clipping applied after the checks read the gradients: ``(value, "norm" | "value")`` (None: none)."""
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,38 @@ def test_updates_that_round_away_at_the_tail_of_a_schedule_are_no_frozen_paramet
     ratios = dict(read_scalars(trainer.logger.log_dir)["debug/weight/update_ratio_global"])
     assert ratios[298] < 1e-5 < ratios[10], "the plant: updates at the precision of float32 weights at the tail"
     assert serious_kinds(read_events(debug_dir(trainer))) == []
+
+
+class BlobsSGD(Blobs):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize(("lr", "clip", "algorithm"), [(0.05, 1e-4, "norm"), (0.05, 1e-6, "value"),
+                                                       (1e-6, None, "norm"), (0.05, 1.0, "norm")])
+def test_clipping_that_cuts_every_step_is_named_not_the_learning_rate(tmp_path: Path, lr: float, clip: float | None,
+                                                                       algorithm: str) -> None:
+    """``Trainer(gradient_clip_val=1e-4)`` (or 1e-6 by value) under SGD at 0.05: Lightning clips after the checks read
+    the gradients, the weights move 1e-7 of their size a step and the advice was to raise the learning rate. The
+    twins: a learning rate of 1e-6 without clipping is named with that advice, clipping at 1.0 is quiet."""
+    pl.seed_everything(0, verbose=False)
+    trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig()), max_steps=400, gradient_clip_val=clip,
+                           gradient_clip_algorithm=algorithm)
+    trainer.fit(BlobsSGD(lr))
+    events = read_events(debug_dir(trainer))
+    stalled = [e for e in events if e["kind"] == "learning_stalled" and e.get("episode") != "end"
+               and e["details"].get("cause") == "negligible_updates"]
+    if clip == 1.0:
+        assert serious_kinds(events) == []
+        return
+    assert [e["step"] for e in stalled] == [300], serious_kinds(events)
+    message, details = stalled[0]["message"], stalled[0]["details"]
+    if clip is None:
+        assert "clip_cut" not in details and "learning rate is far too small" in message
+    else:
+        assert details["clip_cut"] >= 100 and f"gradient_clip_val={clip:g}" in message
+        assert "learning rate is far too small" not in message

@@ -313,7 +313,7 @@ class GradientMonitor(Monitor):
                  else None)
         self.run_rules(Moment.CHECK_READ, CheckRead(
             step, host, where, step_loss(host), first, drift, self._param_groups, self._start_lrs, self._schedule[0],
-            self.history, self.verdicts, self.settings, units), step, where)
+            self.history, self.verdicts, self.settings, units, self.context.gradient_clipping()), step, where)
 
     def _backward_of(self, step: int, current: StepNumerics) -> bool | None:
         """None when no backward of ``step`` ran before its optimizer step, else whether its loss reaches a parameter

@@ -236,11 +236,37 @@ class WeightDrift:
         return self.first_loss
 
 
+CLIP_CUT = 100.0
+"""Clipping that shrinks the gradients read at least this many times is what makes the steps negligible, not the
+learning rate."""
+
+
+def clip_cut(clipping: tuple[float, str] | None, norm: float, groups: Sequence[Mapping[str, Any]]) -> float | None:
+    """How many times the clipping applied after the checks at least shrinks gradients of global ``norm``, where that
+    is :data:`CLIP_CUT` or more (else None): clipping the norm to ``value`` cuts it ``norm / value`` times, clipping
+    each value to ``value`` leaves at most ``value * sqrt(n)`` of ``n`` trained values::
+
+        >>> clip_cut((1e-4, "norm"), 2.0, []), clip_cut((1.0, "norm"), 2.0, []), clip_cut(None, 2.0, [])
+        (20000.0, None, None)
+        >>> import torch
+        >>> clip_cut((1e-6, "value"), 2.0, [{"params": [torch.zeros(100, requires_grad=True)]}])
+        200000.0
+    """
+    if clipping is None or not (math.isfinite(norm) and norm > 0) or not clipping[0] > 0:
+        return None
+    value, algorithm = clipping
+    elements = sum(p.numel() for group in groups for p in group.get("params", []) if getattr(p, "requires_grad", 0))
+    cap = value if algorithm == "norm" else value * math.sqrt(max(elements, 1))
+    return round(norm / cap, 6) if norm >= CLIP_CUT * cap else None
+
+
 def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: float | None,
-                   lrs: Sequence[tuple[Any, Any]], verdicts: VerdictEngine, total_steps: int | None) -> Verdict | None:
+                   lrs: Sequence[tuple[Any, Any]], verdicts: VerdictEngine, total_steps: int | None,
+                   clipped: tuple[float, str, float] | None = None) -> Verdict | None:
     """``learning_stalled`` (``negligible_updates``) at check step ``step``: ``drift`` since the previous check step
     (None: not measured, nothing judged), this step's ``loss`` against ``first_loss``, ``lrs`` (learning rate, base)
-    per param group. See the module's docstring."""
+    per param group; ``clipped``: the clipping's value, algorithm and :func:`clip_cut` where it cuts the gradients
+    :data:`CLIP_CUT` times or more. See the module's docstring."""
     if drift is None or first_loss is None or drift.taken == 0:
         return None
     plain = all(isinstance(lr, (int, float)) and isinstance(base, (int, float)) for lr, base in lrs)
@@ -288,7 +314,15 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
                 f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
                 "finder helps)."
-        if warm_up is not None:
+        if clipped is not None:
+            value, algorithm, cut = clipped
+            what += f"; the gradients are clipped after the checks read them, which cuts them at least {cut:.3g}x"
+            by_value = "" if algorithm == "norm" else ", gradient_clip_algorithm='value'"
+            cause = (f"Gradient clipping cuts every step as a learning rate {cut:.3g} times lower would: the "
+                     f"{'norm' if algorithm == 'norm' else 'values'} clipped to {value:g} "
+                     f"(Trainer(gradient_clip_val={value:g}{by_value}) or clip_grad_*_ in the loop) under gradients "
+                     "far larger. Raise the clipping value to about the gradients' usual norm, or remove it.")
+        elif warm_up is not None:
             what += (f"; it rises as a warm-up does, but at this pace it reaches only {warm_up:.2g} of its base "
                      f"by the run's end (step {total_steps})")
             cause = ("The warm-up is far longer than the run (a length in samples or epochs where steps were meant, "
@@ -308,6 +342,7 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         {"since_step": since, "update_per_step": drift.per_step, "learning_rates": rates, "loss": loss,
          "first_loss": first_loss, "cause": KEY,
          **({"warm_up_reaches": warm_up} if warm_up is not None else {}),
+         **({"clip_cut": clipped[2]} if clipped is not None and drift.per_step > 0 else {}),
          **({"eps": drift.eps, "eps_bound": drift.eps_bound} if bounded else {}),
          **({"dtype": drift.coarse, "unchanged": drift.unchanged} if rounded else {})}),
         [f"param group {index}" for index in range(len(lrs))], key=KEY)
@@ -338,8 +373,10 @@ def progress_at_check_read(facts: CheckRead) -> Verdict | None:
     trained param group's (learning rate, base)."""
     lrs = [(group.get("lr"), base_lr(group, index, facts.start_lrs))
            for index, group in enumerate(facts.param_groups) if group.get("params")]
+    norm = getattr(facts.numbers, "global_grad_norm", math.nan)
+    cut = clip_cut(facts.clipping, norm, facts.param_groups)
     return judge_progress(facts.step, facts.drift, facts.loss, facts.first_loss, lrs, facts.verdicts,
-                          facts.total_steps)
+                          facts.total_steps, None if cut is None or facts.clipping is None else (*facts.clipping, cut))
 
 
-__all__ = ["Drift", "WeightDrift", "judge_progress", "picked_parameters", "progress_at_check_read", "weight_sample"]
+__all__ = ["CLIP_CUT", "Drift", "WeightDrift", "clip_cut", "judge_progress", "picked_parameters", "progress_at_check_read", "weight_sample"]
