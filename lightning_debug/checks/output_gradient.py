@@ -277,6 +277,9 @@ def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     (1.0, 0.1)
     >>> softmax_twice(torch.autograd.grad(F.nll_loss(p.log(), y), p)[0], p)[0].item()  # not cross_entropy's form
     0.0
+    >>> padded = torch.where(torch.arange(16) < 12, y, -100)  # ignore_index rows have no gradient: not counted
+    >>> softmax_twice(torch.autograd.grad(F.cross_entropy(p, padded), p)[0], p)[0].item()
+    1.0
     """
     width = output.shape[-1] if output.dim() else 0
     if grad.shape != output.shape or width < 2 or output.numel() == 0:
@@ -289,7 +292,7 @@ def softmax_twice(grad: torch.Tensor, output: torch.Tensor, tolerance: float = 1
     uniform = lse - z.mean(-1)
     rows = form.sum().clamp_min(1)
     means = torch.stack([torch.where(form, one_hot, 0.0).sum(), torch.where(form, uniform, 0.0).sum()]) / rows
-    share = torch.where(read.any(), form.sum() / len(g), math.nan)
+    share = torch.where(read.any(), form.sum() / read.sum().clamp_min(1), math.nan)
     return torch.cat([share.reshape(1), torch.where(form.any(), means, math.nan)])
 
 
