@@ -144,8 +144,8 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
                              logger=False, enable_progress_bar=False, enable_model_summary=False,
                              enable_checkpointing=False, num_sanity_val_steps=0,
                              limit_val_batches=2 if program.val else 0, val_check_interval=10 if program.val else None,
-                             gradient_clip_val=(1.0 if program.fixed else program.gradient_clip) if program.gradient_clip
-                             else None, callbacks=[*_callbacks(config, level), _loss_recorder(losses)])
+                             gradient_clip_val=clip_of(program), callbacks=[*_callbacks(config, level),
+                                                                            _loss_recorder(losses)])
         try:
             trainer.fit(build(program))
         except Exception as raised:  # noqa: BLE001 - the user's own error (a wrong loss raises); findings judged
@@ -159,6 +159,11 @@ def fit(case: Case, variant: str, config: str, level: str) -> dict[str, Any]:
     return {"case": case.name, "variant": variant, "config": config, "level": level, "events": events,
             "error": error, "loss": curve, "steps_done": trainer.global_step,
             "seconds": round(time.perf_counter() - started, 2)}
+
+
+def clip_of(program: Any) -> float | None:
+    """The program's ``Trainer(gradient_clip_val=...)``: its own where it has one, 1.0 for its twin."""
+    return None if program.gradient_clip is None else 1.0 if program.fixed else program.gradient_clip
 
 
 def judge(case: Case, run: dict[str, Any]) -> dict[str, Any]:

@@ -255,8 +255,8 @@ def clip_cut(clipping: tuple[float, str] | None, norm: float, groups: Sequence[M
     if clipping is None or not (math.isfinite(norm) and norm > 0) or not clipping[0] > 0:
         return None
     value, algorithm = clipping
-    elements = sum(p.numel() for group in groups for p in group.get("params", []) if getattr(p, "requires_grad", 0))
-    cap = value if algorithm == "norm" else value * math.sqrt(max(elements, 1))
+    cap = value if algorithm == "norm" else value * math.sqrt(max(1, sum(
+        p.numel() for group in groups for p in group.get("params", []) if getattr(p, "requires_grad", False))))
     return round(norm / cap, 6) if norm >= CLIP_CUT * cap else None
 
 
@@ -379,4 +379,5 @@ def progress_at_check_read(facts: CheckRead) -> Verdict | None:
                           facts.total_steps, None if cut is None or facts.clipping is None else (*facts.clipping, cut))
 
 
-__all__ = ["CLIP_CUT", "Drift", "WeightDrift", "clip_cut", "judge_progress", "picked_parameters", "progress_at_check_read", "weight_sample"]
+__all__ = ["CLIP_CUT", "Drift", "WeightDrift", "clip_cut", "judge_progress", "picked_parameters",
+           "progress_at_check_read", "weight_sample"]

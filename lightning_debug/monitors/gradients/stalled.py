@@ -9,8 +9,8 @@ never 0; ``ReduceLROnPlateau(mode="max")`` on a loss halves it at every patience
 cycle), a decay to 0 at the end by judging only before :data:`END_SHARE` of
 a run of known length, a group frozen on purpose by needing every group at 0, a run that fits its training data
 (``ReduceLROnPlateau(mode="min")`` cutting the lr once the loss is 0) by a loss at most :data:`FITTED_SHARE` of its
-first; a base learning rate of 0 is ``frozen_param``. Without a scheduler the base is the lr when training started, so code that sets every lr to 0
-mid-run is the same stall::
+first; a base learning rate of 0 is ``frozen_param``. Without a scheduler the base is the lr when training started,
+so code that sets every lr to 0 mid-run is the same stall::
 
     >>> from lightning_debug.core.verdicts import VerdictEngine
     >>> verdicts = VerdictEngine()
@@ -110,7 +110,8 @@ def resting_slots(param_groups: Sequence[Mapping[str, Any]], params: Sequence[An
     (``learning_stalled`` judges it), not a frozen parameter's::
 
         >>> a, b, c = object(), object(), object()
-        >>> groups = [{"params": [a], "lr": 0}, {"params": [b], "lr": 5e-9, "initial_lr": 0.05}, {"params": [c], "lr": 0.1}]
+        >>> groups = [{"params": [a], "lr": 0}, {"params": [b], "lr": 5e-9, "initial_lr": 0.05},
+        ...           {"params": [c], "lr": 0.1}]
         >>> resting_slots(groups, [a, b, c]), resting_slots(groups[2:], [c])
         ([True, True, False], [])
     """

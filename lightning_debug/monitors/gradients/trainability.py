@@ -267,9 +267,10 @@ def judge_not_updated(step: int, names: Sequence[str], deltas: torch.Tensor, gra
                       positions: Positions, line_search: bool = False,
                       weights: torch.Tensor | None = None) -> Verdict | None:
     """``frozen_param`` (``no_update``): a parameter with a finite non-zero gradient that the optimizer step left
-    exactly unchanged. Not flagged: a learning rate of 0 now, or 0 in effect (``lr_zero_now``: ``stalled.resting_slots``), parameters already frozen, a gradient under
-    :data:`NOISE_FRACTION` of the global norm (contributions that cancel), a step where nothing moved under a
-    ``line_search`` optimizer (L-BFGS declines steps), a step at the weights' precision (the tail of a decay to 0).
+    exactly unchanged. Not flagged: a learning rate of 0 now, or 0 in effect (``lr_zero_now``:
+    ``stalled.resting_slots``), parameters already frozen, a gradient under :data:`NOISE_FRACTION` of the global norm
+    (contributions that cancel), a step where nothing moved under a ``line_search`` optimizer (L-BFGS declines
+    steps), a step at the weights' precision (the tail of a decay to 0).
     """
     moved = deltas != 0
     if bool(moved.any()):

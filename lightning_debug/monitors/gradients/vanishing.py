@@ -117,9 +117,9 @@ def judge_vanishing(step: int, grads: Sequence[tuple[str, float]], settings: Gra
     """The ``vanishing_grad`` finding of a check step, or None. ``grads``: every parameter's norm, or nothing when
     none was read (every hold ends); ``first_loss``: the run's first finite loss, which a converged run fell
     :data:`CONVERGED_FALL` times below; ``decay``: the share of a weight weight decay takes per step, named first in
-    the advice when strong (:func:`~lightning_debug.monitors.gradients.weight_decay.decay_advice`). Judged per module, so a parameter exactly zero while its module learns
-    (attention's key bias) is no dead layer. A check whose loss is 0 with every gradient 0 (a margin loss that
-    holds) is not judged."""
+    the advice when strong (:func:`~lightning_debug.monitors.gradients.weight_decay.decay_advice`). Judged per
+    module, so a parameter exactly zero while its module learns (attention's key bias) is no dead layer. A check whose
+    loss is 0 with every gradient 0 (a margin loss that holds) is not judged."""
     if loss == 0 and grads and all(norm == 0 for _, norm in grads):
         return None
     low = settings.vanishing_threshold

@@ -55,7 +55,8 @@ def decay_per_step(param_groups: Sequence[Mapping[str, Any]]) -> float:
 
         >>> decay_per_step([{"params": [1], "lr": 0.05, "weight_decay": 0.5, "momentum": 0.9}])
         0.25
-        >>> decay_per_step([{"params": [1], "lr": 1e-3, "weight_decay": 0.1}, {"params": [], "lr": 1, "weight_decay": 1}])
+        >>> decay_per_step([{"params": [1], "lr": 1e-3, "weight_decay": 0.1},
+        ...                 {"params": [], "lr": 1, "weight_decay": 1}])  # a group that trains nothing
         0.0001
     """
     shares = [0.0]
