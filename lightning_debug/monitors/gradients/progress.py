@@ -313,7 +313,8 @@ def judge_progress(step: int, drift: Drift | None, loss: float, first_loss: floa
         what = (f"the weights move by {drift.per_step:.1e} of their size per step (a healthy step moves them by about "
                 f"1e-3) at learning rate {shown}, and the loss ({loss:.4g}) is where it started ({first_loss:.4g})")
         cause = "The learning rate is far too small for this model: raise it (often 100x-1000x; a learning-rate " \
-                "finder helps)."
+                "finder helps), unless a clipping the run does not see (clip_grad_norm_ in a hook of your own) cuts " \
+                "the gradients far below their norm before the step."
         if clipped is not None:
             value, algorithm, cut = clipped
             what += f"; the gradients are clipped after the checks read them, which cuts them at least {cut:.3g}x"
