@@ -196,25 +196,27 @@ def test_updates_that_round_away_at_the_tail_of_a_schedule_are_no_frozen_paramet
 
 
 class BlobsSGD(Blobs):
-    def __init__(self, lr: float) -> None:
+    def __init__(self, lr: float, optimizer: str = "sgd") -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.optimizer_name = lr, optimizer
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return (torch.optim.Adam if self.optimizer_name == "adam" else torch.optim.SGD)(self.parameters(), lr=self.lr)
 
 
-@pytest.mark.parametrize(("lr", "clip", "algorithm"), [(0.05, 1e-4, "norm"), (0.05, 1e-6, "value"),
-                                                       (1e-6, None, "norm"), (0.05, 1.0, "norm")])
-def test_clipping_that_cuts_every_step_is_named_not_the_learning_rate(tmp_path: Path, lr: float, clip: float | None,
-                                                                       algorithm: str) -> None:
+@pytest.mark.parametrize(("optimizer", "lr", "clip", "algorithm"), [
+    ("sgd", 0.05, 1e-4, "norm"), ("sgd", 0.05, 1e-6, "value"), ("sgd", 1e-6, None, "norm"), ("sgd", 0.05, 1.0, "norm"),
+    ("adam", 1e-7, 1e-2, "norm")])
+def test_clipping_that_cuts_every_step_is_named_not_the_learning_rate(tmp_path: Path, optimizer: str, lr: float,
+                                                                       clip: float | None, algorithm: str) -> None:
     """``Trainer(gradient_clip_val=1e-4)`` (or 1e-6 by value) under SGD at 0.05: Lightning clips after the checks read
     the gradients, the weights move 1e-7 of their size a step and the advice was to raise the learning rate. The
-    twins: a learning rate of 1e-6 without clipping is named with that advice, clipping at 1.0 is quiet."""
+    twins: a learning rate of 1e-6 without clipping is named with that advice, clipping at 1.0 is quiet, and Adam at
+    1e-7, which divides by the gradients' scale, is told about its learning rate even clipped at 1e-2 (300x)."""
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(tmp_path, debug_callbacks(DebugConfig()), max_steps=400, gradient_clip_val=clip,
                            gradient_clip_algorithm=algorithm)
-    trainer.fit(BlobsSGD(lr))
+    trainer.fit(BlobsSGD(lr, optimizer))
     events = read_events(debug_dir(trainer))
     stalled = [e for e in events if e["kind"] == "learning_stalled" and e.get("episode") != "end"
                and e["details"].get("cause") == "negligible_updates"]
@@ -223,7 +225,7 @@ def test_clipping_that_cuts_every_step_is_named_not_the_learning_rate(tmp_path: 
         return
     assert [e["step"] for e in stalled] == [300], serious_kinds(events)
     message, details = stalled[0]["message"], stalled[0]["details"]
-    if clip is None:
+    if clip is None or optimizer == "adam":
         assert "clip_cut" not in details and "learning rate is far too small" in message
     else:
         assert details["clip_cut"] >= 100 and f"gradient_clip_val={clip:g}" in message

@@ -241,18 +241,28 @@ CLIP_CUT = 100.0
 learning rate."""
 
 
+SCALE_FREE_KEYS = ("betas", "alpha", "lr_decay", "rho")
+"""Param-group settings of optimizers whose step divides by the gradients' own scale (Adam and its kin, Lion:
+``betas``; RMSprop: ``alpha``; Adagrad: ``lr_decay``; Adadelta: ``rho``): clipping the norm barely changes their step."""
+
+
 def clip_cut(clipping: tuple[float, str] | None, norm: float, groups: Sequence[Mapping[str, Any]]) -> float | None:
     """How many times the clipping applied after the checks at least shrinks gradients of global ``norm``, where that
-    is :data:`CLIP_CUT` or more (else None): clipping the norm to ``value`` cuts it ``norm / value`` times, clipping
-    each value to ``value`` leaves at most ``value * sqrt(n)`` of ``n`` trained values::
+    is :data:`CLIP_CUT` or more and shrinks the steps with them (else None): clipping the norm to ``value`` cuts it
+    ``norm / value`` times, clipping each value to ``value`` leaves at most ``value * sqrt(n)`` of ``n`` trained
+    values; a group of an optimizer that divides by the gradients' scale (:data:`SCALE_FREE_KEYS`) steps as far::
 
         >>> clip_cut((1e-4, "norm"), 2.0, []), clip_cut((1.0, "norm"), 2.0, []), clip_cut(None, 2.0, [])
         (20000.0, None, None)
         >>> import torch
         >>> clip_cut((1e-6, "value"), 2.0, [{"params": [torch.zeros(100, requires_grad=True)]}])
         200000.0
+        >>> clip_cut((1e-4, "norm"), 2.0, [{"params": [torch.zeros(1)], "betas": (0.9, 0.999)}]) is None  # Adam
+        True
     """
     if clipping is None or not (math.isfinite(norm) and norm > 0) or not clipping[0] > 0:
+        return None
+    if any(key in group for group in groups if group.get("params") for key in SCALE_FREE_KEYS):
         return None
     value, algorithm = clipping
     cap = value if algorithm == "norm" else value * math.sqrt(max(1, sum(
@@ -380,5 +390,5 @@ def progress_at_check_read(facts: CheckRead) -> Verdict | None:
                           facts.total_steps, None if cut is None or facts.clipping is None else (*facts.clipping, cut))
 
 
-__all__ = ["CLIP_CUT", "Drift", "WeightDrift", "clip_cut", "judge_progress", "picked_parameters",
+__all__ = ["CLIP_CUT", "SCALE_FREE_KEYS", "Drift", "WeightDrift", "clip_cut", "judge_progress", "picked_parameters",
            "progress_at_check_read", "weight_sample"]
