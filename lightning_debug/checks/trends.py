@@ -248,6 +248,16 @@ class NormHistory:
         self.start_losses: list[float] = []
         self.last = math.nan
 
+    @property
+    def first_loss(self) -> float:
+        """The run's first finite checked loss (NaN: none yet)."""
+        return self.start_losses[0] if self.start_losses else math.nan
+
+    @property
+    def last_loss(self) -> float:
+        """The loss of the latest check step kept (NaN: none, or not known)."""
+        return self.losses[-1] if self.losses else math.nan
+
     def limit(self) -> float | None:
         limit = jump_limit(self.values, NORM_JUMP_FACTOR, NORM_JUMP_SIGMAS, NORM_MIN_HISTORY)
         routine = self.routine()

@@ -257,10 +257,9 @@ class GradientMonitor(Monitor):
             return Decision.CONTINUE
         total, schedulers = self._schedule
         norms = self.history.recent_norms
-        self.run_rules(Moment.CHECK_STEP, CheckStep(
-            step, self._param_groups, self._start_lrs, total, schedulers, self.verdicts, self.settings,
-            norms.losses[-1] if norms.losses else math.nan, norms.start_losses[0] if norms.start_losses else math.nan),
-            step, self.context.where())
+        self.run_rules(Moment.CHECK_STEP, CheckStep(step, self._param_groups, self._start_lrs, total, schedulers,
+                                                    self.verdicts, self.settings, norms.last_loss, norms.first_loss),
+                       step, self.context.where())
         current = numerics()
         index = current.index
         pending = PendingCheck(step, self.context.where(), judged=index, backward=self._backward_of(step, current),
@@ -408,9 +407,9 @@ class GradientMonitor(Monitor):
         if exploding is None and math.isfinite(global_norm) and global_norm > 0:
             self.history.healthy_norms.add(global_norm)
         norms.add(global_norm, host.loss_value)
-        first_loss = norms.start_losses[0] if norms.start_losses else math.nan
         self._record(judge_vanishing(step, grads, settings, self._positions, self.order_source, self.history.vanishing,
-                                     self.verdicts, host.loss_value, first_loss, decay_per_step(self._param_groups)),
+                                     self.verdicts, host.loss_value, norms.first_loss,
+                                     decay_per_step(self._param_groups)),
                      step, where, "vanishing")
         if pending.judged is not None and self._dims[0] is not pending.judged:
             self._dims = (pending.judged, {n: p.dim() for n, p in zip(pending.judged.names, pending.judged.params)})
